@@ -1,0 +1,20 @@
+"""roseinfer: continuous batching on a paged KV cache, and a Redis job-queue worker around it."""
+
+from roseinfer.config import DEFAULT_MODEL, EngineConfig
+from roseinfer.outputs import CompletionOutput, RequestOutput
+from roseinfer.sampling_params import SamplingParams
+
+__all__ = ["DEFAULT_MODEL", "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and transformers: loaded only when asked for.
+    if name == "LLM":
+        from roseinfer.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from roseinfer.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)

@@ -1,0 +1,134 @@
+"""Paged attention over packed variable-length batches, in plain PyTorch (CPU and CUDA alike).
+
+A step packs the tokens of every scheduled request into one row each: decode tokens first, then the
+prefill chunks. Each layer writes its new K/V into the paged cache through ``slot_mapping``, then reads
+every request's context back through its block table. Decodes attend as one [B, 1] batch; prefill chunks
+as one padded [B, max_q] batch with a causal mask offset by what each request had already computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each packed token
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [Bd, nb] block ids, padded with 0
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] keys each decode may see
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None  # [Bp, nb]
+    prefill_mask: torch.Tensor | None  # [Bp, 1, max_q, nb * block_size]
+    prefill_rows: torch.Tensor | None  # [num_prefill_tokens] row of each prefill token in [Bp * max_q]
+    prefill_max_q: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        block_size: int,
+        decode_ctx: list[tuple[list[int], int]],
+        prefill_ctx: list[tuple[list[int], int, int]],
+        slot_mapping: list[int],
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """``decode_ctx``: (block table, context length) per decode; ``prefill_ctx``: (block table,
+        tokens computed before this step, tokens in this chunk) per prefill."""
+
+        def pad_tables(tables: list[list[int]]) -> torch.Tensor:
+            width = max(len(t) for t in tables)
+            return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+        decode_tables = decode_mask = None
+        if decode_ctx:
+            decode_tables = pad_tables([t for t, _ in decode_ctx])
+            ctx = torch.tensor([n for _, n in decode_ctx], device=device)
+            keys = torch.arange(decode_tables.shape[1] * block_size, device=device)
+            decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+
+        prefill_tables = prefill_mask = prefill_rows = None
+        max_q = 0
+        num_prefill_tokens = 0
+        if prefill_ctx:
+            prefill_tables = pad_tables([t for t, _, _ in prefill_ctx])
+            q_lens = [q for _, _, q in prefill_ctx]
+            max_q = max(q_lens)
+            num_prefill_tokens = sum(q_lens)
+            start = torch.tensor([c for _, c, _ in prefill_ctx], device=device)
+            q_len_t = torch.tensor(q_lens, device=device)
+            keys = torch.arange(prefill_tables.shape[1] * block_size, device=device)
+            q_idx = torch.arange(max_q, device=device)
+            # Padded query rows still see key 0, so their (discarded) softmax never divides by zero.
+            last_key = start[:, None] + torch.minimum(q_idx[None, :], q_len_t[:, None] - 1)
+            prefill_mask = (keys[None, None, :] <= last_key[:, :, None])[:, None]
+            prefill_rows = torch.cat([torch.arange(q, device=device) + i * max_q for i, q in enumerate(q_lens)])
+
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            num_decode=len(decode_ctx),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=prefill_tables,
+            prefill_mask=prefill_mask,
+            prefill_rows=prefill_rows,
+            prefill_max_q=max_q,
+        )
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] cache, [B, nb] tables -> [B, Hkv, nb * bs, D] contexts."""
+    b, nb = tables.shape
+    ctx = cache[tables]  # [B, nb, bs, Hkv, D]
+    return ctx.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != num_kv_heads
+    nd = meta.num_decode
+    if meta.num_prefill_tokens == 0:
+        return _decode(q, k_cache, v_cache, meta, scale, gqa)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, gqa)
+    bp = meta.prefill_block_tables.shape[0]
+    padded = q.new_zeros(bp * meta.prefill_max_q, q.shape[1], q.shape[2])
+    padded[meta.prefill_rows] = q[nd:]
+    padded = padded.view(bp, meta.prefill_max_q, q.shape[1], q.shape[2]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        padded,
+        _gather(k_cache, meta.prefill_block_tables),
+        _gather(v_cache, meta.prefill_block_tables),
+        attn_mask=meta.prefill_mask,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    out[nd:] = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_rows]
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        _gather(k_cache, meta.decode_block_tables),
+        _gather(v_cache, meta.decode_block_tables),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return o.squeeze(2)

@@ -1,0 +1,87 @@
+"""Incremental detokenization with stop strings.
+
+Each step decodes only a short window of tokens: the text of the window minus the text of its older part
+is what the new tokens added. A window that ends inside a multi-byte character decodes to U+FFFD, so its
+text waits for the next token. Text that could still turn into a stop string is held back until it
+cannot; a stop string found is cut from the output (unless asked to keep it).
+"""
+
+from __future__ import annotations
+
+from roseinfer.sampling_params import SamplingParams
+
+# Prompt tokens kept as left context, so the first output tokens decode with the right spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop_strings = params.stop_strings
+        self.include_stop = params.include_stop_str_in_output
+        self._max_stop = max((len(s) for s in self.stop_strings), default=0)
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # all text decoded so far (cut at a stop string once found)
+        self._emitted = 0  # chars of ``text`` already handed out
+        self.stop_hit: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, token_id: int | None, finished: bool = False) -> str:
+        """Take one new token (None: nothing new) and return the text now safe to show."""
+        if token_id is not None and self.stop_hit is None:
+            self._ids.append(token_id)
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self._ids[self._prefix_offset :])
+            if len(new_text) > len(prefix_text) and (finished or not new_text.endswith("\ufffd")):
+                self._add_text(new_text[len(prefix_text) :])
+                self._prefix_offset = self._read_offset
+                self._read_offset = len(self._ids)
+        elif finished and self.stop_hit is None and self._read_offset < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            self._add_text(self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :])
+        return self._flush(finished)
+
+    def finish(self) -> str:
+        """Everything still held back, once the request is over."""
+        return self.update(None, finished=True)
+
+    def _add_text(self, delta: str) -> None:
+        start = max(0, len(self.text) - self._max_stop + 1)
+        self.text += delta
+        if not self.stop_strings:
+            return
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            pos = self.text.find(stop, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is not None:
+            pos, stop = best
+            self.text = self.text[: pos + len(stop)] if self.include_stop else self.text[:pos]
+            self.stop_hit = stop
+
+    def _flush(self, finished: bool) -> str:
+        end = len(self.text)
+        if not finished and self.stop_hit is None:
+            end -= self._held_back()
+        end = max(end, self._emitted)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is the start of some stop string."""
+        for n in range(min(self._max_stop - 1, len(self.text) - self._emitted), 0, -1):
+            tail = self.text[-n:]
+            if any(stop.startswith(tail) for stop in self.stop_strings):
+                return n
+        return 0

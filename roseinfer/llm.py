@@ -1,0 +1,72 @@
+"""Offline use: ``LLM(model).generate(prompts, params)`` runs the online engine until every prompt is done."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from roseinfer.config import DEFAULT_MODEL, EngineConfig
+from roseinfer.llm_engine import LLMEngine, PromptInput
+from roseinfer.outputs import RequestOutput
+from roseinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A single string (or dict) counts as one prompt; a list of
+        ints is one prompt of token ids."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template is applied to each."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run([{"messages": list(c)} for c in conversations], sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p)
+                order[request_id] = i
+        except Exception:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return [r for r in results if r is not None]

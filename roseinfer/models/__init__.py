@@ -1,0 +1,55 @@
+"""The engine's own forward passes, built from a loaded Hugging Face model's weights."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from roseinfer.attention import AttentionMetadata
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+
+
+class CausalLM(Protocol):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; roseinfer runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(the Llama family includes SmolLM)"
+        )
+
+
+def build_model(hf_model: torch.nn.Module) -> CausalLM:
+    """Wrap the weights of a loaded transformers model in the engine's forward for its architecture."""
+    model_type = hf_model.config.model_type
+    check_supported(model_type)
+    if model_type == "gpt2":
+        from roseinfer.models.gpt2 import GPT2
+
+        return GPT2(hf_model)
+    from roseinfer.models.llama import Llama
+
+    return Llama(hf_model)

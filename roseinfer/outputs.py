@@ -1,0 +1,44 @@
+"""What the engine hands back, shaped like vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # What this step added: the text now safe to show and the token ids sampled.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics | None = None

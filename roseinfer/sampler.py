@@ -1,0 +1,148 @@
+"""Turns a batch of logits into next tokens, vectorised over the batch.
+
+Greedy rows take the argmax. Random rows are sampled with the exponential race (argmax of p / q with
+q ~ Exp(1)), which lets a seeded request draw its noise from its own generator: the same seed and prompt
+then give the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roseinfer.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token id: logprob} for the sampled token and the top-N, or None when not asked for.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        params = [s.params for s in seqs]
+        logits = logits.float()
+        want_logprobs = [p.logprobs is not None for p in params]
+        if not any(want_logprobs) and all(
+            p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params
+        ):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = logits.clone()
+        self._apply_penalties(logits, seqs)
+        self._block_early_stop(logits, seqs)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, params))
+
+    # ----- logits processors -----------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.params.uses_penalties]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        for i in rows:  # one request's token history; cost is its length, only for penalised rows
+            seq, p = seqs[i], seqs[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1:
+                seen = torch.tensor(seq.token_ids, device=logits.device).clamp_(0, vocab - 1).unique()
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+                out = torch.tensor(seq.output_token_ids, device=logits.device).clamp_(0, vocab - 1)
+                counts = torch.zeros(vocab, device=logits.device).index_add_(
+                    0, out, torch.ones(len(out), device=logits.device)
+                )
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before min_tokens are out, EOS and stop tokens cannot be chosen."""
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned += self.eos_token_ids
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    # ----- sampling --------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(p.uses_filters for p in params):
+            logits = apply_filters(
+                logits,
+                top_k=[p.top_k if p.top_k > 0 else 0 for p in params],
+                top_p=[p.top_p for p in params],
+                min_p=[p.min_p for p in params],
+            )
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor | None, tokens: torch.Tensor, params: list
+    ) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * len(params)
+        if raw is None:
+            return out
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        idx = torch.tensor(rows, device=raw.device)
+        sub = raw[idx]
+        chosen = sub.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+        k = max(params[i].logprobs for i in rows)
+        top_vals, top_ids = (sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long()))
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        tok_list = tokens[idx].tolist()
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
+            entry[tok_list[j]] = chosen[j]
+            out[i] = entry
+        return out
+
+
+def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Mask to -inf what top-k, top-p (nucleus) and min-p leave out, per row. 0 / 1.0 / 0.0 disable each."""
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    k = torch.tensor(top_k, device=device)
+    k = torch.where(k > 0, k, vocab)
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+    remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
+    remove[:, 0] = False
+    filtered = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, filtered)

@@ -1,0 +1,104 @@
+"""Per-request sampling settings, validated once when the request is submitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and when to stop, shaped like vLLM's ``SamplingParams``.
+
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 disable those filters.
+    ``max_tokens=None`` generates until EOS, a stop condition or the model's context length.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    n: int = 1
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = _normalise_stop(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"invalid sampling parameter: {msg}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if self.n != 1:
+            fail(f"n must be 1 (got {self.n!r}); submit the prompt several times with different seeds instead")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not is_num(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2 <= value <= 2:
+                fail(f"{name} must be in [-2, 2], got {value!r}")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            fail(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS):
+            fail(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for tid in self.stop_token_ids:
+            if not is_int(tid) or tid < 0:
+                fail(f"stop_token_ids must hold non-negative integers, got {tid!r}")
+        if any(s == "" for s in self.stop_strings):
+            fail("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def uses_filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+def _normalise_stop(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ValueError(f"invalid sampling parameter: stop must be a string or a list of strings, got {stop!r}")

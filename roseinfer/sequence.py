@@ -1,0 +1,92 @@
+"""One request's state inside the engine: its tokens, its KV blocks and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from roseinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from roseinfer.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request being served. ``token_ids`` holds the prompt followed by every generated token."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        generator: torch.Generator | None,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        # Tokens whose K/V sit in the cache (computed here or found in the prefix cache).
+        self.num_computed_tokens = 0
+        # Of those, how many came from the prefix cache at admission.
+        self.num_cached_tokens = 0
+        # Chained hashes of the full blocks of token_ids, filled lazily by the KV cache manager.
+        self.block_hashes: list[int] = []
+        # How many leading blocks of block_table are registered in the prefix cache.
+        self.num_registered_blocks = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
