@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from roseinfer.attention import AttentionMetadata
+from roseinfer.kernels import kernels_for
 from roseinfer.models import CausalLM
 from roseinfer.sampler import Sampler, SamplerOutput
 from roseinfer.scheduler import SchedulerOutput
@@ -30,6 +31,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.use_kernels = kernels_for(torch.empty(0, dtype=dtype, device=device)) is not None
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
@@ -62,13 +64,9 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
-        meta = AttentionMetadata.build(bs, decode_ctx, prefill_ctx, slots, self.device)
-        hidden = self.model.forward(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            self.kv_caches,
-        )
+        pos = torch.tensor(positions, device=self.device)
+        meta = AttentionMetadata.build(bs, decode_ctx, prefill_ctx, slots, pos, self.use_kernels)
+        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), pos, meta, self.kv_caches)
         if not sample_seqs:
             return SamplerOutput([], [])
         if len(sample_rows) < hidden.shape[0]:

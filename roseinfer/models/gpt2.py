@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from roseinfer.attention import AttentionMetadata, paged_attention
+from roseinfer.models.linear import Linear
 
 
-def _conv1d(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    # transformers' Conv1D stores [in, out]; F.linear wants [out, in].
-    return module.weight.detach().t().contiguous(), module.bias.detach()
+def _conv1d(module: torch.nn.Module) -> Linear:
+    # transformers' Conv1D stores [in, out]; Linear wants [out, in].
+    return Linear(module.weight.detach().t().contiguous(), module.bias)
 
 
 class GPT2Block:
@@ -18,21 +19,21 @@ class GPT2Block:
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.ln1 = (block.ln_1.weight.detach(), block.ln_1.bias.detach(), block.ln_1.eps)
         self.ln2 = (block.ln_2.weight.detach(), block.ln_2.bias.detach(), block.ln_2.eps)
-        self.attn_w, self.attn_b = _conv1d(block.attn.c_attn)
-        self.proj_w, self.proj_b = _conv1d(block.attn.c_proj)
-        self.fc_w, self.fc_b = _conv1d(block.mlp.c_fc)
-        self.out_w, self.out_b = _conv1d(block.mlp.c_proj)
+        self.c_attn = _conv1d(block.attn.c_attn)
+        self.c_proj = _conv1d(block.attn.c_proj)
+        self.c_fc = _conv1d(block.mlp.c_fc)
+        self.mlp_proj = _conv1d(block.mlp.c_proj)
         self.act = block.mlp.act
 
     def forward(self, h, meta, k_cache, v_cache) -> torch.Tensor:
         t, width = h.shape
         x = F.layer_norm(h, (width,), *self.ln1[:2], self.ln1[2])
-        qkv = F.linear(x, self.attn_w, self.attn_b).view(t, 3, self.num_heads, self.head_dim)
+        qkv = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
         o = paged_attention(q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta, self.scale)
-        h = h + F.linear(o.reshape(t, width), self.proj_w, self.proj_b)
+        h = h + self.c_proj(o.reshape(t, width))
         x = F.layer_norm(h, (width,), *self.ln2[:2], self.ln2[2])
-        return h + F.linear(self.act(F.linear(x, self.fc_w, self.fc_b)), self.out_w, self.out_b)
+        return h + self.mlp_proj(self.act(self.c_fc(x)))
 
 
 class GPT2:
@@ -57,7 +58,7 @@ class GPT2:
             for i, block in enumerate(inner.h)
         ]
         self.ln_f = (inner.ln_f.weight.detach(), inner.ln_f.bias.detach(), inner.ln_f.eps)
-        self.lm_head = hf_model.lm_head.weight.detach()
+        self.lm_head = Linear(hf_model.lm_head.weight)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)
@@ -66,4 +67,4 @@ class GPT2:
         return F.layer_norm(h, (h.shape[-1],), *self.ln_f[:2], self.ln_f[2])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)

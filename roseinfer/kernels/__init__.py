@@ -1,0 +1,143 @@
+"""Fused CPU kernels (``cpu_kernels.c``), built once with the system C compiler and loaded with ctypes.
+
+Each op has a plain PyTorch twin with the same semantics: it runs on CUDA, on dtypes the C code does not
+cover, where no compiler is found, or when ``ROSEINFER_CPU_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_MAX_HEAD_DIM = 512
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_attention": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
+    "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
+}
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(f"{platform.machine()}{flags}".encode()).hexdigest()[:10]
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: using the slower PyTorch ops")
+        return None
+    from roseinfer.model_loader import cache_dir
+
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha1(source + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_tag()}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building the CPU kernels failed, using PyTorch ops:\n%s", result.stderr[-2000:])
+            return None
+        os.replace(tmp, target)  # atomic: concurrent workers never load half a file
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when they are off or cannot be built."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("ROSEINFER_CPU_KERNELS", "1") != "0":
+            try:
+                _lib = _build()
+            except OSError as exc:
+                log.warning("cannot load the CPU kernels (%s): using PyTorch ops", exc)
+    return _lib
+
+
+def kernels_for(t: torch.Tensor) -> ctypes.CDLL | None:
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernels()
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` in place (when given), then ``weight * rmsnorm(h)`` as transformers computes it."""
+    lib = kernels_for(h)
+    if lib is None or not h.is_contiguous() or (delta is not None and not delta.is_contiguous()):
+        if delta is not None:
+            h.add_(delta)
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(h.dtype)
+    out = torch.empty_like(h)
+    lib.add_rms_norm(
+        h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        h.shape[0], h.shape[1], eps, _bf16(h),
+    )
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotary embedding in place on x: [T, heads, D] (rows may be strided); cos/sin: [max_pos, D] tables."""
+    lib = kernels_for(x)
+    if lib is None or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] > _MAX_HEAD_DIM:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        x.copy_(x * c + rotate_half(x) * s)
+        return
+    lib.rope(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
+        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), _bf16(x),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]."""
+    lib = kernels_for(gate_up)
+    n = gate_up.shape[1] // 2
+    if lib is None or not gate_up.is_contiguous():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    out = gate_up.new_empty(gate_up.shape[0], n)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n, _bf16(gate_up))
+    return out

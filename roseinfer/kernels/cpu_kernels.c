@@ -1,0 +1,207 @@
+// CPU kernels for the hot loop: paged attention straight from the block tables (no gathered copies of
+// K/V), and the elementwise chains around it fused into one pass each. float32 and bfloat16 (uint16_t).
+// Built with -ffp-contract=off so float32 products and sums round exactly as PyTorch's separate ops do.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// Load n values (float32 or bfloat16) into a float buffer.
+static inline void load_row(const void* src, int bf16, int64_t n, float* dst) {
+    if (bf16) {
+        const uint16_t* s = (const uint16_t*)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf2f(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline float round_to(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }
+
+// ---------------------------------------------------------------------------------------------------
+// Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
+// sequence up to its own position. q, k, v are row views with token strides (they come out of one fused
+// QKV projection); caches are [num_slots, Hkv, D]; out is [T, H, D] contiguous.
+void paged_attention(const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
+                     void* k_cache, void* v_cache, const int64_t* slot_mapping, const int64_t* positions,
+                     const int64_t* seq_of_token, const int64_t* block_tables, int64_t table_width,
+                     void* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+    const int64_t row = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        memcpy((char*)k_cache + slot_mapping[t] * row * esz, (const char*)k + t * kv_stride * esz, row * esz);
+        memcpy((char*)v_cache + slot_mapping[t] * row * esz, (const char*)v + t * kv_stride * esz, row * esz);
+    }
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_ctx = 0;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (positions[t] + 1 > max_ctx) max_ctx = positions[t] + 1;
+
+#pragma omp parallel
+    {
+        float* scores = (float*)malloc(sizeof(float) * group * max_ctx);
+        float* qf = (float*)malloc(sizeof(float) * group * head_dim);
+        float* acc = (float*)malloc(sizeof(float) * group * head_dim);
+        float* kv = (float*)malloc(sizeof(float) * head_dim);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t work = 0; work < num_tokens * num_kv_heads; work++) {
+            const int64_t t = work / num_kv_heads, kh = work % num_kv_heads;
+            const int64_t ctx = positions[t] + 1;
+            const int64_t* table = block_tables + seq_of_token[t] * table_width;
+            for (int64_t g = 0; g < group; g++)
+                load_row((const char*)q + (t * q_stride + (kh * group + g) * head_dim) * esz, bf16, head_dim,
+                         qf + g * head_dim);
+            for (int64_t j = 0; j < ctx; j++) {
+                const int64_t slot = table[j / block_size] * block_size + j % block_size;
+                load_row((const char*)k_cache + (slot * row + kh * head_dim) * esz, bf16, head_dim, kv);
+                for (int64_t g = 0; g < group; g++) {
+                    const float* qg = qf + g * head_dim;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < head_dim; d++) s += qg[d] * kv[d];
+                    scores[g * max_ctx + j] = s * scale;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float* sg = scores + g * max_ctx;
+                float m = -INFINITY, sum = 0.f;
+                for (int64_t j = 0; j < ctx; j++) m = sg[j] > m ? sg[j] : m;
+                for (int64_t j = 0; j < ctx; j++) {
+                    sg[j] = expf(sg[j] - m);
+                    sum += sg[j];
+                }
+                const float inv = 1.f / sum;
+                for (int64_t j = 0; j < ctx; j++) sg[j] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * group * head_dim);
+            for (int64_t j = 0; j < ctx; j++) {
+                const int64_t slot = table[j / block_size] * block_size + j % block_size;
+                load_row((const char*)v_cache + (slot * row + kh * head_dim) * esz, bf16, head_dim, kv);
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[g * max_ctx + j];
+                    float* ag = acc + g * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) ag[d] += p * kv[d];
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t off = (t * num_heads + kh * group + g) * head_dim;
+                if (bf16) {
+                    for (int64_t d = 0; d < head_dim; d++) ((uint16_t*)out)[off + d] = f2bf(acc[g * head_dim + d]);
+                } else {
+                    memcpy((float*)out + off, acc + g * head_dim, sizeof(float) * head_dim);
+                }
+            }
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(kv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Optionally h += delta (rounded to the dtype, as a PyTorch add is), then out = weight * rmsnorm(h), with
+// the same steps and roundings as transformers' LlamaRMSNorm.
+void add_rms_norm(void* h, const void* delta, const void* weight, void* out, int64_t rows, int64_t n,
+                  float eps, int bf16) {
+#pragma omp parallel
+    {
+        float* x = (float*)malloc(sizeof(float) * n);
+        float* w = (float*)malloc(sizeof(float) * n);
+        load_row(weight, bf16, n, w);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row((char*)h + r * n * (bf16 ? 2 : 4), bf16, n, x);
+            if (delta) {
+                const void* dr = (const char*)delta + r * n * (bf16 ? 2 : 4);
+                for (int64_t i = 0; i < n; i++)
+                    x[i] = round_to(x[i] + (bf16 ? bf2f(((const uint16_t*)dr)[i]) : ((const float*)dr)[i]), bf16);
+                if (bf16) {
+                    for (int64_t i = 0; i < n; i++) ((uint16_t*)h)[r * n + i] = f2bf(x[i]);
+                } else {
+                    memcpy((float*)h + r * n, x, sizeof(float) * n);
+                }
+            }
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+            const float inv = 1.f / sqrtf(ss / (float)n + eps);
+            for (int64_t i = 0; i < n; i++) {
+                const float y = w[i] * round_to(x[i] * inv, bf16);
+                if (bf16)
+                    ((uint16_t*)out)[r * n + i] = f2bf(y);
+                else
+                    ((float*)out)[r * n + i] = y;
+            }
+        }
+        free(x);
+        free(w);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Rotary positions in place on the first num_heads heads of each token row (q and k heads together):
+// x * cos + rotate_half(x) * sin, each product and the sum rounded as PyTorch's separate ops round them.
+void rope(void* x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+          const void* cos_table, const void* sin_table, const int64_t* positions, int bf16) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float c[512], s[512], a[512];
+        load_row((const char*)cos_table + positions[t] * head_dim * (bf16 ? 2 : 4), bf16, head_dim, c);
+        load_row((const char*)sin_table + positions[t] * head_dim * (bf16 ? 2 : 4), bf16, head_dim, s);
+        for (int64_t h = 0; h < num_heads; h++) {
+            char* p = (char*)x + (t * row_stride + h * head_dim) * (bf16 ? 2 : 4);
+            load_row(p, bf16, head_dim, a);
+            for (int64_t d = 0; d < head_dim; d++) {
+                const float rot = d < half ? -a[d + half] : a[d - half];
+                const float y = round_to(round_to(a[d] * c[d], bf16) + round_to(rot * s[d], bf16), bf16);
+                if (bf16)
+                    ((uint16_t*)p)[d] = f2bf(y);
+                else
+                    ((float*)p)[d] = y;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// out = silu(gate) * up, where each row of gu holds [gate | up].
+void silu_mul(const void* gu, void* out, int64_t rows, int64_t n, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) {
+            float g, u;
+            if (bf16) {
+                g = bf2f(((const uint16_t*)gu)[r * 2 * n + i]);
+                u = bf2f(((const uint16_t*)gu)[r * 2 * n + n + i]);
+            } else {
+                g = ((const float*)gu)[r * 2 * n + i];
+                u = ((const float*)gu)[r * 2 * n + n + i];
+            }
+            const float y = round_to(round_to(g / (1.f + expf(-g)), bf16) * u, bf16);
+            if (bf16)
+                ((uint16_t*)out)[r * n + i] = f2bf(y);
+            else
+                ((float*)out)[r * n + i] = y;
+        }
+    }
+}
