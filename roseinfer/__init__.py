@@ -1,5 +1,11 @@
 """roseinfer: continuous batching on a paged KV cache, and a Redis job-queue worker around it."""
 
+import os
+
+# SciPy (pulled in by model loading) starts OpenBLAS threads that spin on the cores the engine needs;
+# torch itself uses MKL/oneDNN, never OpenBLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from roseinfer.config import DEFAULT_MODEL, EngineConfig
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from roseinfer.sampling_params import SamplingParams

@@ -162,10 +162,25 @@ def _kernel_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     t, num_heads, head_dim = q.shape
     out = q.new_empty(t, num_heads, head_dim)
     lib.paged_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), meta.slot_mapping.data_ptr(), meta.positions.data_ptr(),
-        meta.seq_of_token.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-        out.data_ptr(), t, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        meta.slot_mapping.data_ptr(),
+        meta.positions.data_ptr(),
+        meta.seq_of_token.data_ptr(),
+        meta.block_tables.data_ptr(),
+        meta.block_tables.shape[1],
+        out.data_ptr(),
+        t,
+        num_heads,
+        v_cache.shape[2],
+        head_dim,
+        v_cache.shape[1],
+        scale,
         int(q.dtype == torch.bfloat16),
     )
     return out

@@ -12,7 +12,7 @@ from roseinfer.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "block_hash", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

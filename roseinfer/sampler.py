@@ -32,9 +32,7 @@ class Sampler:
         params = [s.params for s in seqs]
         logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
-        if not any(want_logprobs) and all(
-            p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params
-        ):
+        if not any(want_logprobs) and all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -97,18 +95,16 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device
-            ).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator
+            )
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(
-        raw: torch.Tensor | None, tokens: torch.Tensor, params: list
-    ) -> list[dict[int, float] | None]:
+    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> list[dict[int, float] | None]:
         out: list[dict[int, float] | None] = [None] * len(params)
         if raw is None:
             return out
@@ -117,7 +113,7 @@ class Sampler:
         sub = raw[idx]
         chosen = sub.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
         k = max(params[i].logprobs for i in rows)
-        top_vals, top_ids = (sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long()))
+        top_vals, top_ids = sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long())
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         tok_list = tokens[idx].tolist()
         for j, i in enumerate(rows):

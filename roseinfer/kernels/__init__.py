@@ -107,8 +107,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return weight * x.to(h.dtype)
     out = torch.empty_like(h)
     lib.add_rms_norm(
-        h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        h.shape[0], h.shape[1], eps, _bf16(h),
+        h.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        h.shape[0],
+        h.shape[1],
+        eps,
+        _bf16(h),
     )
     return out
 
@@ -126,8 +132,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
         x.copy_(x * c + rotate_half(x) * s)
         return
     lib.rope(
-        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
-        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), _bf16(x),
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        x.shape[2],
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        _bf16(x),
     )
 
 

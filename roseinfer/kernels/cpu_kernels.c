@@ -33,10 +33,30 @@ static inline void load_row(const void* src, int bf16, int64_t n, float* dst) {
 
 static inline float round_to(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }
 
+// exp for the softmax, branch-free so loops over it vectorize: 2^n * p(r) with |r| <= ln2/2 and a
+// degree-6 polynomial (error about 2 ulp); exp(-inf) = 0.
+static inline float softmax_exp(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
 // sequence up to its own position. q, k, v are row views with token strides (they come out of one fused
-// QKV projection); caches are [num_slots, Hkv, D]; out is [T, H, D] contiguous.
+// QKV projection); out is [T, H, D] contiguous. The V cache is [blocks, block_size, Hkv, D]; the K cache is
+// [blocks, Hkv, D, block_size], so the scores of a whole block come from vector FMAs over its keys with no
+// horizontal sums.
 void paged_attention(const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
                      void* k_cache, void* v_cache, const int64_t* slot_mapping, const int64_t* positions,
                      const int64_t* seq_of_token, const int64_t* block_tables, int64_t table_width,
@@ -46,8 +66,15 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
     const int64_t row = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; t++) {
-        memcpy((char*)k_cache + slot_mapping[t] * row * esz, (const char*)k + t * kv_stride * esz, row * esz);
+        const int64_t blk = slot_mapping[t] / block_size, off = slot_mapping[t] % block_size;
         memcpy((char*)v_cache + slot_mapping[t] * row * esz, (const char*)v + t * kv_stride * esz, row * esz);
+        for (int64_t i = 0; i < row; i++) {  // i = kv head * D + d
+            const int64_t dst = (blk * row + i) * block_size + off;
+            if (bf16)
+                ((uint16_t*)k_cache)[dst] = ((const uint16_t*)k)[t * kv_stride + i];
+            else
+                ((float*)k_cache)[dst] = ((const float*)k)[t * kv_stride + i];
+        }
     }
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_ctx = 0;
@@ -59,7 +86,8 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
         float* scores = (float*)malloc(sizeof(float) * group * max_ctx);
         float* qf = (float*)malloc(sizeof(float) * group * head_dim);
         float* acc = (float*)malloc(sizeof(float) * group * head_dim);
-        float* kv = (float*)malloc(sizeof(float) * head_dim);
+        float* kbuf = (float*)malloc(sizeof(float) * head_dim);
+        float* sblk = (float*)malloc(sizeof(float) * block_size);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t work = 0; work < num_tokens * num_kv_heads; work++) {
             const int64_t t = work / num_kv_heads, kh = work % num_kv_heads;
@@ -68,37 +96,58 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
             for (int64_t g = 0; g < group; g++)
                 load_row((const char*)q + (t * q_stride + (kh * group + g) * head_dim) * esz, bf16, head_dim,
                          qf + g * head_dim);
-            for (int64_t j = 0; j < ctx; j++) {
-                const int64_t slot = table[j / block_size] * block_size + j % block_size;
-                load_row((const char*)k_cache + (slot * row + kh * head_dim) * esz, bf16, head_dim, kv);
+            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+                const int64_t first = (table[j0 / block_size] * row + kh * head_dim) * block_size;
+                const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
                 for (int64_t g = 0; g < group; g++) {
                     const float* qg = qf + g * head_dim;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < head_dim; d++) s += qg[d] * kv[d];
-                    scores[g * max_ctx + j] = s * scale;
+                    for (int64_t jj = 0; jj < block_size; jj++) sblk[jj] = 0.f;
+                    for (int64_t d = 0; d < head_dim; d++) {
+                        const float qd = qg[d];
+                        if (bf16) {
+                            const uint16_t* kt = (const uint16_t*)k_cache + first + d * block_size;
+#pragma omp simd
+                            for (int64_t jj = 0; jj < block_size; jj++) sblk[jj] += qd * bf2f(kt[jj]);
+                        } else {
+                            const float* kt = (const float*)k_cache + first + d * block_size;
+#pragma omp simd
+                            for (int64_t jj = 0; jj < block_size; jj++) sblk[jj] += qd * kt[jj];
+                        }
+                    }
+                    for (int64_t jj = 0; jj < n; jj++) scores[g * max_ctx + j0 + jj] = sblk[jj] * scale;
                 }
             }
             for (int64_t g = 0; g < group; g++) {
                 float* sg = scores + g * max_ctx;
                 float m = -INFINITY, sum = 0.f;
                 for (int64_t j = 0; j < ctx; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < ctx; j++) {
-                    sg[j] = expf(sg[j] - m);
+                    sg[j] = softmax_exp(sg[j] - m);
                     sum += sg[j];
                 }
                 const float inv = 1.f / sum;
+#pragma omp simd
                 for (int64_t j = 0; j < ctx; j++) sg[j] *= inv;
             }
             memset(acc, 0, sizeof(float) * group * head_dim);
-            for (int64_t j = 0; j < ctx; j++) {
-                const int64_t slot = table[j / block_size] * block_size + j % block_size;
-                load_row((const char*)v_cache + (slot * row + kh * head_dim) * esz, bf16, head_dim, kv);
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * max_ctx + j];
-                    float* ag = acc + g * head_dim;
+            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+                const char* base = (const char*)v_cache + (table[j0 / block_size] * block_size * row + kh * head_dim) * esz;
+                const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+                for (int64_t jj = 0; jj < n; jj++) {
+                    const float* vp = (const float*)(base + jj * row * esz);
+                    if (bf16) {
+                        const uint16_t* vb = (const uint16_t*)(base + jj * row * esz);
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) ag[d] += p * kv[d];
+                        for (int64_t d = 0; d < head_dim; d++) kbuf[d] = bf2f(vb[d]);
+                        vp = kbuf;
+                    }
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * max_ctx + j0 + jj];
+                        float* ag = acc + g * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++) ag[d] += p * vp[d];
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
@@ -113,7 +162,8 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
         free(scores);
         free(qf);
         free(acc);
-        free(kv);
+        free(kbuf);
+        free(sblk);
     }
 }
 
@@ -188,6 +238,7 @@ void rope(void* x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, in
 void silu_mul(const void* gu, void* out, int64_t rows, int64_t n, int bf16) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
+#pragma omp simd
         for (int64_t i = 0; i < n; i++) {
             float g, u;
             if (bf16) {
@@ -197,7 +248,7 @@ void silu_mul(const void* gu, void* out, int64_t rows, int64_t n, int bf16) {
                 g = ((const float*)gu)[r * 2 * n + i];
                 u = ((const float*)gu)[r * 2 * n + n + i];
             }
-            const float y = round_to(round_to(g / (1.f + expf(-g)), bf16) * u, bf16);
+            const float y = round_to(round_to(g / (1.f + softmax_exp(-g)), bf16) * u, bf16);
             if (bf16)
                 ((uint16_t*)out)[r * n + i] = f2bf(y);
             else

@@ -60,7 +60,9 @@ class Llama:
             # Attention here is always full: stay within the window, where both agree.
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         self.embed = inner.embed_tokens.weight.detach()
-        self.layers = [LlamaLayer(layer, num_heads, self.num_kv_heads, self.head_dim, cfg.hidden_act) for layer in inner.layers]
+        self.layers = [
+            LlamaLayer(layer, num_heads, self.num_kv_heads, self.head_dim, cfg.hidden_act) for layer in inner.layers
+        ]
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.lm_head = Linear(hf_model.lm_head.weight)
         rotary = inner.rotary_emb
