@@ -1,0 +1,62 @@
+"""Incremental detokenization on the default model's byte-level tokenizer."""
+
+import pytest
+
+from roseinfer.detokenizer import IncrementalDetokenizer
+from roseinfer.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello 👋🏽 world 🎉!",  # emoji with a skin-tone modifier: many bytes, split over tokens
+    "東京は日本の首都です。北京欢迎你",  # CJK
+    "Cafe\u0301 nai\u0308ve Zoe\u0308 — a\u0323\u0302",  # combining marks
+    "plain ascii, spaces  and\nnewlines",
+]
+
+
+def stream(tok, text, params=None, prompt="Say:"):
+    ids = tok.encode(text)
+    prompt_ids = tok.encode(prompt)
+    d = IncrementalDetokenizer(tok, prompt_ids, params or SamplingParams())
+    pieces = []
+    for i, t in enumerate(ids):
+        piece = d.update(t)
+        assert "\ufffd" not in piece  # never half a character
+        pieces.append(piece)
+        if d.stop_hit:
+            break
+    pieces.append(d.finish())
+    return ids, pieces, d
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_add_up_to_the_full_decode(smol_tokenizer, text):
+    ids, pieces, d = stream(smol_tokenizer, text)
+    assert "".join(pieces) == smol_tokenizer.decode(ids) == d.output_text
+    assert len(ids) > 4
+
+
+def test_multibyte_characters_wait_for_their_last_token(smol_tokenizer):
+    ids, pieces, _ = stream(smol_tokenizer, "🎉")
+    assert len(ids) > 1  # the emoji really spans tokens
+    assert pieces[:-1].count("") >= 1 and "".join(pieces) == "🎉"
+
+
+def test_stop_string_split_across_tokens_is_held_back_and_cut(smol_tokenizer):
+    text = "The answer is forty-two. THE END and more text"
+    params = SamplingParams(stop=["THE END"])
+    ids, pieces, d = stream(smol_tokenizer, text, params)
+    assert d.stop_hit == "THE END"
+    assert d.output_text == "The answer is forty-two. "
+    assert "".join(pieces) == d.output_text
+    assert not any("THE" in p for p in pieces)  # the start of the stop string was never shown
+
+
+def test_stop_string_kept_when_asked(smol_tokenizer):
+    _, pieces, d = stream(smol_tokenizer, "a b c STOP d", SamplingParams(stop="STOP", include_stop_str_in_output=True))
+    assert d.output_text == "a b c STOP" and "".join(pieces) == "a b c STOP"
+
+
+def test_partial_match_that_never_completes_is_released(smol_tokenizer):
+    _, pieces, d = stream(smol_tokenizer, "we say THE EN and stop there", SamplingParams(stop=["THE END"]))
+    assert d.stop_hit is None
+    assert "".join(pieces) == "we say THE EN and stop there"

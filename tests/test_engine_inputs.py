@@ -1,0 +1,68 @@
+"""Bad requests are refused at submission with a clear error; the engine keeps serving the others."""
+
+import pytest
+
+from roseinfer import LLM, EngineConfig, SamplingParams
+from roseinfer.models import UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": list(range(64))}, "at most 63 prompt tokens"),
+        ({"prompt_token_ids": [1, 999]}, r"\[0, 256\)"),
+        ({"prompt_token_ids": [1, -1]}, r"\[0, 256\)"),
+        ("text prompt", "no tokenizer"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no chat template"),
+        ({"prompt": [1], "extra": 2}, "exactly one of"),
+        (3.5, "a prompt is a string"),
+    ],
+)
+def test_bad_prompts(llm, prompt, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        llm.engine.add_request("bad", prompt, SamplingParams())
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_id_and_abort(llm):
+    e = llm.engine
+    e.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    with pytest.raises(ValueError, match="already in use"):
+        e.add_request("x", [1, 2, 3])
+    e.step()
+    out = e.abort_request("x")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert e.abort_request("x") is None and e.kv.num_used_blocks == 0
+
+
+def test_generation_stops_at_the_context_length(llm):
+    out = llm.generate([list(range(1, 60))], SamplingParams(max_tokens=None, temperature=0), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+
+
+def test_bad_engine_options():
+    for kwargs, msg in [
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"kv_cache_memory": "lots"}, "size"),
+        ({"dtype": "float16"}, "GPUs"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(**kwargs)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    from transformers import BertConfig
+
+    BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    ).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, gpt2"):
+        LLM(str(tmp_path))

@@ -1,0 +1,60 @@
+import torch
+
+from roseinfer.sampler import Sampler, apply_filters
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.sequence import Sequence
+
+
+def kept(logits):
+    return [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
+    out = apply_filters(logits, top_k=[2, 0, 0, 0], top_p=[1.0, 0.7, 1.0, 0.5], min_p=[0.0, 0.0, 0.25, 0.0])
+    assert kept(out) == [[0, 1], [0, 1], [0, 1, 2], [0]]
+    # kept values are unchanged
+    assert torch.equal(out[0, :2], logits[0, :2])
+
+
+def test_filters_follow_the_original_token_order():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.05, 0.25]]))
+    assert kept(apply_filters(logits, [2], [1.0], [0.0])) == [[1, 3]]
+
+
+def seq(params, tokens=(1, 2, 3), seed=None):
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator()
+        gen.manual_seed(params.seed)
+    return Sequence("r", list(tokens), params, None, gen)
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50)
+    p = SamplingParams(temperature=1.0, seed=7)
+    solo = [Sampler([0], 0, torch.device("cpu"))(logits[3:4], [seq(p)]).token_ids[0] for _ in range(1)]
+    s = seq(p)
+    batch = [seq(SamplingParams(temperature=1.0)) for _ in range(8)]
+    batch[3] = s
+    together = Sampler([0], 123, torch.device("cpu"))(logits, batch).token_ids[3]
+    assert together == solo[0]
+
+
+def test_penalties_change_the_choice():
+    logits = torch.tensor([[5.0, 4.9, 0.0, 0.0]])
+    sampler = Sampler([3], 0, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits, [seq(greedy, tokens=(0, 0))]).token_ids == [0]
+    rep = SamplingParams(temperature=0, repetition_penalty=1.5)
+    assert sampler(logits, [seq(rep, tokens=(0,))]).token_ids == [1]
+    s = seq(SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=5), tokens=(2,))
+    s.token_ids += [0]  # one output token: 0
+    assert sampler(logits, [s]).token_ids == [1]
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens():
+    logits = torch.tensor([[9.0, 0.0, 8.0, 1.0]])
+    s = seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]))
+    assert Sampler([0], 0, torch.device("cpu"))(logits, [s]).token_ids == [3]

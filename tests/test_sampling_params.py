@@ -1,0 +1,45 @@
+import pytest
+
+from roseinfer import SamplingParams
+
+BAD = [
+    {"max_tokens": 0},
+    {"max_tokens": -5},
+    {"max_tokens": 2.5},
+    {"min_tokens": -1},
+    {"min_tokens": 10, "max_tokens": 5},
+    {"temperature": -0.1},
+    {"temperature": "hot"},
+    {"top_p": 0},
+    {"top_p": 1.5},
+    {"top_k": -2},
+    {"top_k": 1.5},
+    {"min_p": -0.1},
+    {"min_p": 1.1},
+    {"repetition_penalty": 0},
+    {"frequency_penalty": 3},
+    {"presence_penalty": -2.5},
+    {"seed": -1},
+    {"seed": "x"},
+    {"logprobs": 21},
+    {"logprobs": -1},
+    {"stop": 5},
+    {"stop": [""]},
+    {"stop": ["ok", 3]},
+    {"stop_token_ids": [-1]},
+    {"n": 2},
+    {"max_tokens": True},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD, ids=[str(b) for b in BAD])
+def test_bad_values_are_refused_with_the_parameter_named(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs)).split("_")[0]):
+        SamplingParams(**kwargs)
+
+
+def test_good_values_are_kept():
+    p = SamplingParams(max_tokens=None, temperature=0, top_k=-1, stop="###", stop_token_ids=[7], logprobs=0)
+    assert p.greedy and p.stop_strings == ("###",) and p.stop_token_ids == [7] and p.max_tokens is None
+    assert not SamplingParams(temperature=0.7, top_p=1.0).uses_filters
+    assert SamplingParams(temperature=0.7, min_p=0.1).uses_filters

@@ -1,0 +1,88 @@
+from roseinfer.block_manager import KVCacheManager
+from roseinfer.sampling_params import SamplingParams
+from roseinfer.scheduler import Scheduler
+from roseinfer.sequence import Sequence, SequenceStatus
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32):
+    kv = KVCacheManager(num_blocks, block_size)
+    return kv, Scheduler(kv, max_seqs, budget)
+
+
+def add(sched, rid, n):
+    s = Sequence(rid, [hash((rid, i)) % 1000 for i in range(n)], SamplingParams(), None, None)
+    sched.add(s)
+    return s
+
+
+def run_step(sched):
+    """What the engine does around the forward: count computed tokens, append a token to finished prompts."""
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for item in out.scheduled:
+        if item.seq.num_computed_tokens == item.seq.num_tokens:
+            item.seq.token_ids.append(1)
+    return out
+
+
+def test_admission_respects_max_num_seqs_and_the_token_budget():
+    _, sched = make(max_seqs=2, budget=100)
+    for i in range(4):
+        add(sched, f"r{i}", 10)
+    out = run_step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert sched.num_running == 2 and sched.num_waiting == 2
+
+
+def test_long_prompt_is_chunked_and_decodes_go_first():
+    _, sched = make(budget=16)
+    short = add(sched, "short", 5)
+    run_step(sched)  # short prefilled
+    long = add(sched, "long", 40)
+    out = run_step(sched)
+    assert out.scheduled[0].seq is short and out.scheduled[0].num_tokens == 1
+    assert out.scheduled[1].seq is long and out.scheduled[1].num_tokens == 15
+    assert out.num_batched_tokens == 16
+    out = run_step(sched)
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("short", 1), ("long", 15)]
+    assert long.num_computed_tokens == 30 and long.num_output_tokens == 0
+
+
+def test_preemption_when_blocks_run_out_frees_the_newest_request():
+    kv, sched = make(num_blocks=6, block_size=4, budget=64)
+    a = add(sched, "a", 8)
+    b = add(sched, "b", 8)
+    run_step(sched)  # 4 blocks used
+    for _ in range(8):
+        out = run_step(sched)
+        if out.preempted:
+            break
+    assert out.preempted == [b]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert next(sched.waiting()) is b  # back at the front of the queue
+    assert a.status is SequenceStatus.RUNNING
+
+
+def test_abort_frees_blocks_at_any_moment():
+    kv, sched = make()
+    a = add(sched, "a", 10)
+    b = add(sched, "b", 10)
+    run_step(sched)
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    c = add(sched, "c", 10)
+    sched.finish(c, "abort")  # still waiting
+    assert kv.num_used_blocks == 0 and not sched.has_unfinished()
+    assert a.finish_reason == "abort" and a.is_finished
+
+
+def test_step_cost_follows_the_batch_not_history():
+    _, sched = make(max_seqs=4, budget=64)
+    for i in range(50):
+        s = add(sched, f"done{i}", 3)
+        run_step(sched)
+        sched.finish(s, "stop")
+    add(sched, "live", 3)
+    out = run_step(sched)
+    assert [x.seq.request_id for x in out.scheduled] == ["live"]
+    assert sched.num_unfinished == 1
