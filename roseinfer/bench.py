@@ -1,0 +1,207 @@
+"""``roseinfer bench``: roseinfer against transformers ``generate`` on the same prompts, in one process.
+
+Generated tokens per second (model load excluded), TTFT and TPOT percentiles, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_WORKLOAD = "../shared/bench/prompts64.json"
+
+
+@dataclass
+class RunResult:
+    system: str
+    num_requests: int
+    generated_tokens: int
+    seconds: float
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    def summary(self) -> dict:
+        def pct(values: list[float], q: float) -> float | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+        return {
+            "system": self.system,
+            "requests": self.num_requests,
+            "generated_tokens": self.generated_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "ttft_p50_ms": _ms(pct(self.ttft_s, 0.5)),
+            "ttft_p99_ms": _ms(pct(self.ttft_s, 0.99)),
+            "tpot_p50_ms": _ms(pct(self.tpot_s, 0.5)),
+            "tpot_p99_ms": _ms(pct(self.tpot_s, 0.99)),
+        }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 1)
+
+
+def find_workload(path: str | None) -> Path | None:
+    candidates = [path] if path else [os.environ.get("ROSEINFER_BENCH_PROMPTS"), DEFAULT_WORKLOAD]
+    here = Path(__file__).resolve().parents[1]
+    for c in filter(None, candidates):
+        for p in (Path(c), here / c):
+            if p.is_file():
+                return p
+    if path:
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    return None
+
+
+def load_prompts(args) -> list[list[dict]]:
+    """Chat conversations: the standard workload, or synthetic prompts of about --input-len words."""
+    if args.input_len:
+        words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+        texts = [" ".join(words[(i + j) % len(words)] for j in range(args.input_len)) for i in range(args.num_prompts)]
+    else:
+        path = find_workload(args.prompts)
+        if path is None:
+            raise SystemExit("no workload: pass --prompts FILE (a JSON list of strings) or --input-len N")
+        texts = json.loads(path.read_text())
+        texts = (texts * (args.num_prompts // len(texts) + 1))[: args.num_prompts]
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def run_roseinfer(llm, convs, max_tokens: int) -> RunResult:
+    from roseinfer import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [engine.apply_chat_template(c) for c in convs]
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{i}", ids, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    seconds = time.perf_counter() - start
+    result = RunResult("roseinfer", len(prompts), 0, seconds)
+    for out in finished:
+        n = len(out.outputs[0].token_ids)
+        m = out.metrics
+        result.generated_tokens += n
+        result.ttft_s.append(m.first_token_time - start)  # all arrive at start
+        if n > 1:
+            result.tpot_s.append((m.finish_time - m.first_token_time) / (n - 1))
+    return result
+
+
+def run_hf(model_path: str, dtype: str, convs, max_tokens: int, batch_size: int, tokenizer) -> RunResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    name = "transformers, one at a time" if batch_size == 1 else f"transformers, padded batches of {batch_size}"
+    result = RunResult(name, len(texts), 0, 0.0)
+
+    class FirstToken(BaseStreamer):  # put() sees the prompt first, then each new token
+        def __init__(self) -> None:
+            self.calls, self.first = 0, None
+
+        def put(self, value) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                self.first = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        streamer = FirstToken() if batch_size == 1 else None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id, streamer=streamer,
+            )
+        t1 = time.perf_counter()
+        new = out.shape[1] - batch["input_ids"].shape[1]
+        result.generated_tokens += new * out.shape[0]
+        if streamer is not None and streamer.first is not None:
+            result.ttft_s.append(streamer.first - t0)
+            result.tpot_s.append((t1 - streamer.first) / max(1, new - 1))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def print_table(results: list[RunResult], dtype: str) -> None:
+    base = results[0]
+    print(f"\n{'system':<36} {'tok/s':>8} {'ttft p50/p99 ms':>17} {'tpot p50/p99 ms':>17} {'roseinfer is':>13}")
+    for r in results:
+        s = r.summary()
+        ttft = f"{s['ttft_p50_ms']}/{s['ttft_p99_ms']}" if s["ttft_p50_ms"] is not None else "-"
+        tpot = f"{s['tpot_p50_ms']}/{s['tpot_p99_ms']}" if s["tpot_p50_ms"] is not None else "-"
+        ratio = "" if r is base else f"{base.tokens_per_s / r.tokens_per_s:.2f}x"
+        print(f"{r.system + ' (' + dtype + ')':<36} {s['tokens_per_s']:>8} {ttft:>17} {tpot:>17} {ratio:>13}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--prompts", help=f"JSON list of prompt strings (default {DEFAULT_WORKLOAD})")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-single", type=int, default=None, metavar="N",
+                   help="prompts for the one-at-a-time baseline (default: all; 0 skips it)")
+    p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--json", metavar="PATH", help="write the figures here")
+
+
+def main(args: argparse.Namespace) -> int:
+    from roseinfer import LLM, SamplingParams
+
+    convs = load_prompts(args)
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
+          f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored")
+    llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks
+    results = [run_roseinfer(llm, convs, args.max_tokens)]
+    print(f"roseinfer: {results[0].tokens_per_s:.1f} tok/s")
+    if not args.skip_hf:
+        tok = llm.get_tokenizer()
+        path = llm.engine.model_path
+        results.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok))
+        print(f"{results[-1].system}: {results[-1].tokens_per_s:.1f} tok/s")
+        n_single = len(convs) if args.hf_single is None else args.hf_single
+        if n_single:
+            results.append(run_hf(path, args.dtype, convs[:n_single], args.max_tokens, 1, tok))
+    print_table(results, args.dtype)
+    if args.json:
+        payload = {"dtype": args.dtype, "model": args.model, "max_tokens": args.max_tokens,
+                   "results": [r.summary() for r in results]}
+        if len(results) > 1:
+            payload["speedup_vs"] = {r.system: round(results[0].tokens_per_s / r.tokens_per_s, 2) for r in results[1:]}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 0
