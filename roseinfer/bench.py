@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,8 +134,12 @@ def run_hf(model_path: str, dtype: str, convs, max_tokens: int, batch_size: int,
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                pad_token_id=tokenizer.pad_token_id, streamer=streamer,
+                **batch,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                streamer=streamer,
             )
         t1 = time.perf_counter()
         new = out.shape[1] - batch["input_ids"].shape[1]
@@ -168,8 +171,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
     p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--hf-single", type=int, default=None, metavar="N",
-                   help="prompts for the one-at-a-time baseline (default: all; 0 skips it)")
+    p.add_argument(
+        "--hf-single",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts for the one-at-a-time baseline (default: all; 0 skips it)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -181,10 +189,17 @@ def main(args: argparse.Namespace) -> int:
 
     convs = load_prompts(args)
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    print(f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
-          f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    print(
+        f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
+        f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored"
+    )
     llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks
     results = [run_roseinfer(llm, convs, args.max_tokens)]
@@ -199,8 +214,12 @@ def main(args: argparse.Namespace) -> int:
             results.append(run_hf(path, args.dtype, convs[:n_single], args.max_tokens, 1, tok))
     print_table(results, args.dtype)
     if args.json:
-        payload = {"dtype": args.dtype, "model": args.model, "max_tokens": args.max_tokens,
-                   "results": [r.summary() for r in results]}
+        payload = {
+            "dtype": args.dtype,
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "results": [r.summary() for r in results],
+        }
         if len(results) > 1:
             payload["speedup_vs"] = {r.system: round(results[0].tokens_per_s / r.tokens_per_s, 2) for r in results[1:]}
         Path(args.json).write_text(json.dumps(payload, indent=2))

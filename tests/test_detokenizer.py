@@ -18,7 +18,7 @@ def stream(tok, text, params=None, prompt="Say:"):
     prompt_ids = tok.encode(prompt)
     d = IncrementalDetokenizer(tok, prompt_ids, params or SamplingParams())
     pieces = []
-    for i, t in enumerate(ids):
+    for _i, t in enumerate(ids):
         piece = d.update(t)
         assert "\ufffd" not in piece  # never half a character
         pieces.append(piece)
@@ -44,7 +44,7 @@ def test_multibyte_characters_wait_for_their_last_token(smol_tokenizer):
 def test_stop_string_split_across_tokens_is_held_back_and_cut(smol_tokenizer):
     text = "The answer is forty-two. THE END and more text"
     params = SamplingParams(stop=["THE END"])
-    ids, pieces, d = stream(smol_tokenizer, text, params)
+    _ids, pieces, d = stream(smol_tokenizer, text, params)
     assert d.stop_hit == "THE END"
     assert d.output_text == "The answer is forty-two. "
     assert "".join(pieces) == d.output_text

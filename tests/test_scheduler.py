@@ -49,7 +49,7 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
 
 
 def test_preemption_when_blocks_run_out_frees_the_newest_request():
-    kv, sched = make(num_blocks=6, block_size=4, budget=64)
+    _kv, sched = make(num_blocks=6, block_size=4, budget=64)
     a = add(sched, "a", 8)
     b = add(sched, "b", 8)
     run_step(sched)  # 4 blocks used
