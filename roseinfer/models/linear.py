@@ -25,7 +25,7 @@ class Linear:
         self._packed: torch.Tensor | None = None
         if _can_pack(self.weight):
             try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), 64)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), None)
             except RuntimeError:  # an op this torch build lacks: plain matmul still works
                 self._packed = None
 
