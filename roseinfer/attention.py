@@ -24,12 +24,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, nb] block ids of every scheduled sequence, padded with 0
     use_kernels: bool
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [Bd, nb] block ids, padded with 0
-    decode_bias: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] float32: 0 for keys it sees, -inf else
     num_prefill_tokens: int
-    prefill_block_tables: torch.Tensor | None  # [Bp, nb]
-    prefill_mask: torch.Tensor | None  # [Bp, 1, max_q, nb * block_size]
-    prefill_rows: torch.Tensor | None  # [num_prefill_tokens] row of each prefill token in [Bp * max_q]
+    # Only for the PyTorch path (the C kernel reads block_tables directly):
+    decode_block_tables: torch.Tensor | None = None  # [Bd, nb] block ids, padded with 0
+    decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] float32: 0 for keys it sees, -inf else
+    prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, max_q, nb * block_size]
+    prefill_rows: torch.Tensor | None = None  # [num_prefill_tokens] row of each prefill token in [Bp * max_q]
     prefill_max_q: int = 0
 
     @classmethod
@@ -54,21 +55,10 @@ class AttentionMetadata:
         seq_of_token = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(device)
         all_tables = pad_tables([t for t, _ in decode_ctx] + [t for t, _, _ in prefill_ctx])
         slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        common = dict(slot_mapping=slots, positions=positions, seq_of_token=seq_of_token, block_tables=all_tables)
+        num_prefill_tokens = sum(counts) - len(decode_ctx)
         if use_kernels:
-            return cls(
-                slot_mapping=slots,
-                positions=positions,
-                seq_of_token=seq_of_token,
-                block_tables=all_tables,
-                use_kernels=True,
-                num_decode=len(decode_ctx),
-                decode_block_tables=None,
-                decode_bias=None,
-                num_prefill_tokens=sum(counts) - len(decode_ctx),
-                prefill_block_tables=None,
-                prefill_mask=None,
-                prefill_rows=None,
-            )
+            return cls(**common, use_kernels=True, num_decode=len(decode_ctx), num_prefill_tokens=num_prefill_tokens)
 
         decode_tables = decode_bias = None
         if decode_ctx:
@@ -80,12 +70,10 @@ class AttentionMetadata:
 
         prefill_tables = prefill_mask = prefill_rows = None
         max_q = 0
-        num_prefill_tokens = 0
         if prefill_ctx:
             prefill_tables = pad_tables([t for t, _, _ in prefill_ctx])
             q_lens = [q for _, _, q in prefill_ctx]
             max_q = max(q_lens)
-            num_prefill_tokens = sum(q_lens)
             start = torch.tensor([c for _, c, _ in prefill_ctx], device=device)
             q_len_t = torch.tensor(q_lens, device=device)
             keys = torch.arange(prefill_tables.shape[1] * block_size, device=device)
@@ -96,15 +84,12 @@ class AttentionMetadata:
             prefill_rows = torch.cat([torch.arange(q, device=device) + i * max_q for i, q in enumerate(q_lens)])
 
         return cls(
-            slot_mapping=slots,
-            positions=positions,
-            seq_of_token=seq_of_token,
-            block_tables=all_tables,
+            **common,
             use_kernels=False,
             num_decode=len(decode_ctx),
+            num_prefill_tokens=num_prefill_tokens,
             decode_block_tables=decode_tables,
             decode_bias=decode_bias,
-            num_prefill_tokens=num_prefill_tokens,
             prefill_block_tables=prefill_tables,
             prefill_mask=prefill_mask,
             prefill_rows=prefill_rows,
