@@ -45,13 +45,14 @@ def test_mixed_batch_matches_transformers(model, kernels, request):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+@pytest.mark.parametrize("block_size", [16, 8, 4])
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-ops"])
-def test_arrivals_chunked_prefill_and_prefix_hits(tiny_llama, kernels, request):
+def test_arrivals_chunked_prefill_and_prefix_hits(tiny_llama, kernels, block_size, request):
     if not kernels:
         request.getfixturevalue("no_kernels")
-    shared = _prompts(1, seed=7, lo=40, hi=40)[0]  # 40 shared tokens: two full blocks of 16
+    shared = _prompts(1, seed=7, lo=40, hi=40)[0]  # 40 shared tokens: at least 32 in full blocks
     prompts = _prompts(4, seed=2, prefix=shared) + _prompts(3, seed=3, lo=70, hi=90)
-    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=24, block_size=16)
+    llm = LLM(tiny_llama, dtype="float32", max_num_batched_tokens=24, block_size=block_size)
     done = _run_online(llm, prompts, arrive_every=3)
     ref = hf_greedy(tiny_llama, prompts, 24)
     assert [done[f"r{i}"] for i in range(len(prompts))] == ref

@@ -51,27 +51,29 @@ static inline float softmax_exp(float x) {
     return p * scale;
 }
 
-// Scores of one query head against a block of 16 keys stored [D][16]: the 16 sums stay in one register.
-static inline void block_scores16(const float* restrict qg, const void* restrict kt, int bf16, int64_t head_dim,
-                                  float* restrict out) {
-    float s[16] = {0};
-    if (bf16) {
-        const uint16_t* restrict k = (const uint16_t*)kt;
-        for (int64_t d = 0; d < head_dim; d++) {
-            const float qd = qg[d];
-#pragma omp simd
-            for (int jj = 0; jj < 16; jj++) s[jj] += qd * bf2f(k[d * 16 + jj]);
-        }
-    } else {
-        const float* restrict k = (const float*)kt;
-        for (int64_t d = 0; d < head_dim; d++) {
-            const float qd = qg[d];
-#pragma omp simd
-            for (int jj = 0; jj < 16; jj++) s[jj] += qd * k[d * 16 + jj];
-        }
+// Scores of one query head against a block of N keys stored [D][N]: the N sums stay in registers. One
+// function per block size the engine uses, so the inner loop has a fixed width.
+#define BLOCK_SCORES(N)                                                                                    \
+    static inline void block_scores##N(const float* restrict qg, const void* restrict kt, int bf16,       \
+                                       int64_t head_dim, float* restrict out) {                           \
+        float s[N] = {0};                                                                                  \
+        if (bf16) {                                                                                        \
+            const uint16_t* restrict k = (const uint16_t*)kt;                                              \
+            for (int64_t d = 0; d < head_dim; d++) {                                                       \
+                const float qd = qg[d];                                                                    \
+                _Pragma("omp simd") for (int jj = 0; jj < N; jj++) s[jj] += qd * bf2f(k[d * N + jj]);     \
+            }                                                                                              \
+        } else {                                                                                           \
+            const float* restrict k = (const float*)kt;                                                    \
+            for (int64_t d = 0; d < head_dim; d++) {                                                       \
+                const float qd = qg[d];                                                                    \
+                _Pragma("omp simd") for (int jj = 0; jj < N; jj++) s[jj] += qd * k[d * N + jj];           \
+            }                                                                                              \
+        }                                                                                                  \
+        memcpy(out, s, sizeof(s));                                                                         \
     }
-    memcpy(out, s, sizeof(s));
-}
+BLOCK_SCORES(8)
+BLOCK_SCORES(16)
 
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
@@ -123,8 +125,12 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                 const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
                 for (int64_t g = 0; g < group; g++) {
                     const float* qg = qf + g * head_dim;
-                    if (block_size == 16) {
-                        block_scores16(qg, (const char*)k_cache + first * esz, bf16, head_dim, sblk);
+                    if (block_size == 16 || block_size == 8) {
+                        const void* kb = (const char*)k_cache + first * esz;
+                        if (block_size == 16)
+                            block_scores16(qg, kb, bf16, head_dim, sblk);
+                        else
+                            block_scores8(qg, kb, bf16, head_dim, sblk);
                         for (int64_t jj = 0; jj < n; jj++) scores[g * max_ctx + j0 + jj] = sblk[jj] * scale;
                         continue;
                     }
