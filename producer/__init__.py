@@ -1,0 +1,18 @@
+"""Submit prompts to roseinfer workers through Redis: ``from producer import Client``.
+
+Light on purpose: redis, rq and pydantic only (no torch, no transformers), so it runs inside any service.
+"""
+
+from producer.client import Client, GenerationJob, InvalidRequest, JobCanceled, JobError, JobFailed
+from producer.schema import ChatMessage, JobRequest
+
+__all__ = [
+    "ChatMessage",
+    "Client",
+    "GenerationJob",
+    "InvalidRequest",
+    "JobCanceled",
+    "JobError",
+    "JobFailed",
+    "JobRequest",
+]

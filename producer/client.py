@@ -1,0 +1,265 @@
+"""The producer side: submit jobs, stream their tokens, wait for results. Needs redis, rq and pydantic only."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from pydantic import ValidationError
+from redis import Redis
+from rq import Queue, Retry
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from producer.protocol import DEFAULT_QUEUE, JOB_FUNCTION, STATS_KEY, event_from_stream, result_key, stream_key
+from producer.schema import JobRequest, describe_validation_error
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_ENDED = ("failed", "canceled", "stopped")
+
+
+class JobError(Exception):
+    """A job ended without a result. ``result`` holds what the worker recorded, if anything."""
+
+    def __init__(self, job_id: str, reason: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(f"job {job_id}: {reason}")
+        self.job_id, self.reason, self.result = job_id, reason, result
+
+
+class JobFailed(JobError):
+    pass
+
+
+class JobCanceled(JobError):
+    pass
+
+
+class InvalidRequest(ValueError):
+    pass
+
+
+def validate(fields: dict[str, Any]) -> JobRequest:
+    try:
+        return JobRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid job: {describe_validation_error(exc)}") from None
+
+
+class Client:
+    """``Client(redis_url, queue="roseinfer")``: submit generation jobs to roseinfer workers.
+
+    Jobs are RQ jobs (JSON serializer). ``retries`` lets a job survive workers that die under it;
+    ``job_timeout`` bounds a job's run time (seconds, enforced by the worker).
+    """
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_REDIS_URL,
+        queue: str = DEFAULT_QUEUE,
+        *,
+        connection: Redis | None = None,
+        retries: int = 2,
+        job_timeout: int = 3600,
+        result_ttl: int = 24 * 3600,
+    ) -> None:
+        self.connection = connection or Redis.from_url(redis_url)
+        self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
+        self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        job_id: str | None = None,
+        **fields: Any,
+    ) -> GenerationJob:
+        """Enqueue one job; ``fields`` are the payload's sampling fields (OpenAI names) plus custom_id/metadata."""
+        req = validate({"prompt": prompt, "messages": messages, **fields})
+        job = self.queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
+        return GenerationJob(self, job.id)
+
+    def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[GenerationJob]:
+        """Enqueue many jobs in one pipeline. Each request is a payload dict (may hold ``job_id``); all are
+        validated before any is enqueued."""
+        datas = []
+        for i, fields in enumerate(requests):
+            fields = dict(fields)
+            job_id = fields.pop("job_id", None)
+            try:
+                req = validate(fields)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"request {i}: {exc}") from None
+            datas.append(
+                Queue.prepare_data(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
+            )
+        with self.connection.pipeline() as pipe:
+            jobs = self.queue.enqueue_many(datas, pipeline=pipe)
+            pipe.execute()
+        return [GenerationJob(self, job.id) for job in jobs]
+
+    def job(self, job_id: str) -> GenerationJob:
+        return GenerationJob(self, job_id)
+
+    def status(self) -> dict[str, Any]:
+        """Queue depth, jobs in flight, finished and failed counts, live workers and their tokens/s."""
+        workers = Worker.all(connection=self.connection, queue=self.queue)
+        with self.connection.pipeline(transaction=False) as pipe:
+            for w in workers:
+                pipe.hgetall(STATS_KEY.format(worker=w.name))
+            stats = pipe.execute()
+        rows = []
+        for w, st in zip(workers, stats):
+            st = {k.decode(): v.decode() for k, v in st.items()}
+            rows.append(
+                {
+                    "name": w.name,
+                    "state": w.get_state(),
+                    "model": st.get("model"),
+                    "in_flight": int(st.get("in_flight", 0)),
+                    "tokens_per_s": float(st.get("tokens_per_s", 0.0)),
+                }
+            )
+        return {
+            "queue": self.queue.name,
+            "queued": self.queue.count,
+            "in_flight": self.queue.started_job_registry.count,
+            "finished": self.queue.finished_job_registry.count,
+            "failed": self.queue.failed_job_registry.count,
+            "canceled": self.queue.canceled_job_registry.count,
+            "workers": rows,
+            "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
+        }
+
+    def _payload(self, req: JobRequest) -> dict[str, Any]:
+        return req.model_dump(exclude_defaults=True)
+
+    def _job_options(self, req: JobRequest) -> dict[str, Any]:
+        text = req.prompt if req.prompt is not None else req.messages[-1].content  # type: ignore[index]
+        return {
+            "timeout": self.job_timeout,
+            "result_ttl": self.result_ttl,
+            "retry": Retry(max=self.retries) if self.retries else None,
+            "description": f"generate: {text[:60]!r}" + (f" [{req.custom_id}]" if req.custom_id else ""),
+        }
+
+
+class GenerationJob:
+    """A handle on one submitted job, by id: stream its text, wait for its result, cancel it."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"GenerationJob({self.id!r})"
+
+    @property
+    def rq_job(self) -> Job:
+        return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
+
+    def status(self) -> str:
+        """RQ's status: queued, started, finished, failed, canceled, stopped, ...; "missing" if unknown."""
+        status = self.client.connection.hget(Job.key_for(self.id), "status")
+        return status.decode() if status else "missing"
+
+    def cancel(self) -> bool:
+        """Cancel the job, queued or running (a running job stops within one engine step). False if it had
+        already ended."""
+        try:
+            job = self.rq_job
+            if job.get_status(refresh=False) in ("finished", "failed", "canceled", "stopped"):
+                return False
+            job.cancel()
+        except (NoSuchJobError, InvalidJobOperation):
+            return False
+        return True
+
+    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last."""
+        conn, key = self.client.connection, stream_key(self.id)
+        last_id = "0-0"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
+            reply = conn.xread({key: last_id}, count=1024, block=wait_ms)
+            for _key, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    event = event_from_stream(fields)
+                    yield event
+                    if "finish_reason" in event:
+                        return
+            if reply:
+                continue
+            status = self.status()
+            if status in _ENDED or status == "missing":
+                if conn.xread({key: last_id}, count=1):
+                    continue  # the last events landed just now
+                self._raise_ended(status)
+            if status == "finished":
+                # Finished but no final event: the replay stream expired before we read it.
+                raise JobFailed(self.id, "the job finished but its token stream has expired; use result()")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+
+    def stream(self, timeout: float | None = None) -> Iterator[str]:
+        """The generated text piece by piece, from the first token, whenever it is called."""
+        for event in self.events(timeout):
+            if event["text"]:
+                yield event["text"]
+            if event.get("finish_reason") == "error":
+                raise JobFailed(self.id, event.get("error", "failed"))
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled."""
+        conn = self.client.connection
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.01
+        grace: float | None = None
+        while True:
+            with conn.pipeline(transaction=False) as pipe:
+                pipe.get(result_key(self.id))
+                pipe.hget(Job.key_for(self.id), "status")
+                raw, status = pipe.execute()
+            status = status.decode() if status else "missing"
+            result = json.loads(raw) if raw else None
+            if result is not None and result.get("status") == "finished":
+                return result
+            if status == "finished":
+                value = self.rq_job.return_value()
+                if value is not None:
+                    return value
+            if status in _ENDED or (status == "missing" and result is None):
+                if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
+                    grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
+                    if time.monotonic() < grace:
+                        time.sleep(0.02)
+                        continue
+                self._raise_ended(status, result)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.25)
+
+    def _was_running(self) -> bool:
+        return bool(self.client.connection.hget(Job.key_for(self.id), "started_at"))
+
+    def _raise_ended(self, status: str, result: dict[str, Any] | None = None) -> None:
+        if status == "missing":
+            raise JobFailed(self.id, "no such job (never submitted, or expired)")
+        if result is None:
+            raw = self.client.connection.get(result_key(self.id))
+            result = json.loads(raw) if raw else None
+        if status in ("canceled", "stopped"):
+            raise JobCanceled(self.id, f"job {status}", result)
+        reason = result.get("error") if result else None
+        if not reason:
+            latest = self.rq_job.latest_result()
+            lines = [ln for ln in (latest.exc_string or "").splitlines() if ln.strip()] if latest else []
+            reason = lines[-1] if lines else "failed"
+        raise JobFailed(self.id, reason, result)

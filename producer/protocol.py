@@ -1,0 +1,73 @@
+"""What goes where in Redis: key names and the shape of token events and results.
+
+Any language can speak this protocol; README.md shows it with redis-cli.
+
+- ``roseinfer:tokens:<job_id>``  pub/sub channel, one JSON message per event (live only).
+- ``roseinfer:stream:<job_id>``  stream holding the same events (replayable, bounded, expires).
+- ``roseinfer:result:<job_id>``  string, the final result as JSON (expires).
+
+Every event has ``n`` (0, 1, 2, ... within the job), ``text`` (the new piece) and ``token_ids`` (JSON list).
+The last event also has ``finish_reason`` (``stop``, ``length``, ``abort`` or ``error``), ``usage`` (JSON),
+and ``error`` when the job failed. A subscriber merging the channel with the stream drops events whose ``n``
+it already has.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+JOB_FUNCTION = "worker.jobs.generate"
+DEFAULT_QUEUE = "roseinfer"
+# Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
+STATS_KEY = "roseinfer:stats:{worker}"
+
+
+def channel_key(job_id: str) -> str:
+    return f"roseinfer:tokens:{job_id}"
+
+
+def stream_key(job_id: str) -> str:
+    return f"roseinfer:stream:{job_id}"
+
+
+def result_key(job_id: str) -> str:
+    return f"roseinfer:result:{job_id}"
+
+
+def make_event(
+    n: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """An event as published on the channel (JSON) and, flattened by ``stream_fields``, in the stream."""
+    event: dict[str, Any] = {"n": n, "text": text, "token_ids": token_ids}
+    if finish_reason is not None:
+        event["finish_reason"] = finish_reason
+        event["usage"] = usage or {}
+    if error is not None:
+        event["error"] = error
+    return event
+
+
+def stream_fields(event: dict[str, Any]) -> dict[str, str]:
+    """Stream entries hold strings: lists and dicts go in as JSON."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in event.items()}
+
+
+def event_from_stream(fields: dict[Any, Any]) -> dict[str, Any]:
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    event: dict[str, Any] = {"n": int(f["n"]), "text": f.get("text", ""), "token_ids": json.loads(f["token_ids"])}
+    if "finish_reason" in f:
+        event["finish_reason"] = f["finish_reason"]
+        event["usage"] = json.loads(f.get("usage") or "{}")
+    if "error" in f:
+        event["error"] = f["error"]
+    return event
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
