@@ -1,0 +1,61 @@
+"""``roseinfer demo``: the whole flow on one machine with no Redis installed.
+
+An embedded Redis (fakeredis' TCP server), a batching worker, a producer that submits a few chat prompts,
+one job's tokens printed live as they stream, then every result.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+DEMO_PROMPTS = [
+    "Write a haiku about a lighthouse.",
+    "Explain in two sentences why the sky is blue.",
+    "Give three tips for learning a new language.",
+    "What is continuous batching in LLM inference?",
+]
+
+
+def run_demo(prompts: list[str], model: str, dtype: str, max_tokens: int) -> int:
+    from producer import Client
+    from worker.local_redis import embedded_connection, start_embedded_redis
+    from worker.main import build_worker
+    from worker.settings import WorkerSettings
+
+    url = start_embedded_redis()
+    print(f"embedded Redis at {url}", file=sys.stderr)
+    settings = WorkerSettings(redis_url=url, model=model, dtype=dtype, burst=True)
+    worker = build_worker(settings, embedded_connection(url))
+    client = Client(connection=embedded_connection(url))
+    jobs = client.submit_many(
+        [
+            {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0.0}
+            for p in prompts or DEMO_PROMPTS
+        ]
+    )
+    print(f"submitted {len(jobs)} jobs to queue {client.queue.name!r}\n", file=sys.stderr)
+
+    def consume() -> None:
+        first = jobs[0]
+        print(f"--- job {first.id}, streaming live ---")
+        for piece in first.stream():
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print("\n")
+        for job in jobs:
+            r = job.result()
+            print(
+                f"--- job {job.id}: {r['finish_reason']}, {r['usage']['completion_tokens']} tokens, "
+                f"ttft {r['timings']['ttft_s']:.2f} s ---\n{r['text']}\n"
+            )
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    start = time.perf_counter()
+    worker.work(burst=True, logging_level="WARNING")
+    consumer.join()
+    st = client.status()
+    print(f"{st['finished']} finished, {st['failed']} failed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0

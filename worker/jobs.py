@@ -1,0 +1,177 @@
+"""What a roseinfer job is: its payload checks, its seed, its result; and the job function itself.
+
+``generate`` is a real function so that a stock ``rq worker -S json roseinfer`` can still run jobs one at a
+time (slowly, as a fallback); ``roseinfer worker`` runs many at once in one engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from rq.job import Job
+
+from producer.protocol import JOB_FUNCTION
+from producer.schema import JobRequest, describe_validation_error
+
+if TYPE_CHECKING:
+    from roseinfer.llm_engine import LLMEngine
+    from roseinfer.outputs import RequestOutput
+
+
+class JobRejected(Exception):
+    """The job can never run (bad payload, prompt too long, ...): it fails at once and is not retried."""
+
+
+class JobStopped(Exception):
+    """The job was stopped on request while it ran."""
+
+
+def parse_request(job: Job) -> JobRequest:
+    try:
+        func_name = job.func_name
+        args, kwargs = job.args, job.kwargs
+    except Exception as exc:  # DeserializationError, or a payload of the wrong shape
+        raise JobRejected(
+            "the job's data is not a JSON [function, null, args, kwargs] list (was it enqueued with "
+            "the pickle serializer? roseinfer jobs use rq's JSONSerializer)"
+        ) from exc
+    if func_name != JOB_FUNCTION:
+        raise JobRejected(f"this worker runs only {JOB_FUNCTION} jobs, not {func_name!r}")
+    if args:
+        raise JobRejected("pass the payload as keyword arguments, not positional arguments")
+    if not isinstance(kwargs, dict):
+        raise JobRejected("the job's keyword arguments must be a JSON object")
+    try:
+        return JobRequest.model_validate(kwargs)
+    except ValidationError as exc:
+        raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
+
+
+def job_seed(job_id: str) -> int:
+    """A seed for a sampled job that has none: fixed per job, so a retried job regenerates the same tokens."""
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def sampling_params(job_id: str, req: JobRequest):
+    from roseinfer.sampling_params import SamplingParams
+
+    kwargs = req.sampling_kwargs()
+    if kwargs["seed"] is None and req.temperature > 0:
+        kwargs["seed"] = job_seed(job_id)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise JobRejected(str(exc)) from None
+
+
+def add_to_engine(engine: LLMEngine, job_id: str, req: JobRequest) -> None:
+    params = sampling_params(job_id, req)
+    try:
+        engine.add_request(job_id, req.engine_prompt(), params)
+    except (ValueError, TypeError) as exc:
+        raise JobRejected(str(exc)) from None
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def build_result(
+    job: Job, req: JobRequest, out: RequestOutput, *, model: str, started_at: float, first_token_at: float | None
+) -> dict[str, Any]:
+    """The job's result: ``job.return_value()`` and the ``roseinfer:result:<id>`` key hold this."""
+    c = out.outputs[0]
+    finished_at = time.time()
+    enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
+    result: dict[str, Any] = {
+        "id": job.id,
+        "custom_id": req.custom_id,
+        "status": "canceled" if c.finish_reason == "abort" else "finished",
+        "model": model,
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "usage": usage(out),
+        "timings": {
+            "enqueued_at": enqueued_at,
+            "started_at": started_at,
+            "first_token_at": first_token_at,
+            "finished_at": finished_at,
+            "queue_s": started_at - enqueued_at,
+            "ttft_s": None if first_token_at is None else first_token_at - enqueued_at,
+            "total_s": finished_at - enqueued_at,
+        },
+    }
+    if c.logprobs is not None:
+        # JSON objects need string keys: a list of [token_id, logprob] pairs per generated token.
+        result["logprobs"] = [[[tid, lp] for tid, lp in step.items()] for step in c.logprobs]
+    if req.metadata is not None:
+        result["metadata"] = req.metadata
+    return result
+
+
+def failure_result(job_id: str, req: JobRequest | None, error: str, status: str = "failed") -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "custom_id": req.custom_id if req else None,
+        "status": status,
+        "error": error,
+        "finish_reason": "error",
+    }
+
+
+_ENGINE: LLMEngine | None = None
+
+
+def _engine() -> LLMEngine:
+    global _ENGINE
+    if _ENGINE is None:
+        from roseinfer import LLM
+        from worker.settings import WorkerSettings
+
+        settings = WorkerSettings()
+        _ENGINE = LLM(settings.model, **settings.engine_options()).engine
+    return _ENGINE
+
+
+def generate(**payload: Any) -> dict[str, Any]:
+    """One job on its own, for a stock RQ worker: streams and stores results like ``roseinfer worker``."""
+    from rq import get_current_job
+
+    from worker.publisher import Publisher
+    from worker.settings import WorkerSettings
+
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("worker.jobs.generate runs inside an RQ job")
+    try:
+        req = JobRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
+    settings = WorkerSettings()
+    engine = _engine()
+    publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
+    stream = publisher.resume(job.connection, [job.id])[job.id]
+    started_at, first_token_at = time.time(), None
+    add_to_engine(engine, job.id, req)
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id != job.id:
+                continue
+            first_token_at = first_token_at or (time.time() if out.delta_token_ids else None)
+            reason = out.outputs[0].finish_reason
+            publisher.add(stream, out.delta_text, out.delta_token_ids, reason, usage(out) if reason else None)
+            final = out if out.finished else None
+        with job.connection.pipeline(transaction=False) as pipe:
+            publisher.flush(pipe)
+            pipe.execute()
+        publisher.sent()
+    result = build_result(job, req, final, model=settings.model, started_at=started_at, first_token_at=first_token_at)
+    publisher.write_result(job.connection, job.id, result)
+    return result

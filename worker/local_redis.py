@@ -1,0 +1,67 @@
+"""Redis for one machine: a private ``redis-server`` on a free port, or fakeredis' embedded TCP server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+from redis import Redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_private_redis(server: str = "redis-server") -> tuple[str, subprocess.Popen | None]:
+    """A throwaway redis-server (nothing saved); (url, process), or (url, None) when it cannot start."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    if shutil.which(server) is None:
+        return url, None
+    cmd = [
+        server,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        tempfile.mkdtemp(),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return url, proc
+        except Exception:
+            time.sleep(0.05)
+    proc.kill()
+    return url, None
+
+
+def start_embedded_redis() -> str:
+    """A Redis-protocol server inside this process; returns its URL."""
+    from fakeredis import TcpFakeServer
+
+    port = free_port()
+    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    server.daemon_threads = True  # connection threads must not keep the process alive at exit
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def embedded_connection(url: str) -> Redis:
+    """A client for the embedded server. It has no INFO command, so tell RQ the version it emulates."""
+    conn = Redis.from_url(url)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    return conn
