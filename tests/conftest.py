@@ -4,10 +4,8 @@ helpers that run transformers' own greedy generate as the reference."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
-from pathlib import Path
+import threading
+import uuid
 
 import pytest
 
@@ -104,35 +102,41 @@ def no_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "_tried", True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> str:
     """A real Redis server of the tests' own, on a free port (none is shared with anything else)."""
-    server = os.environ.get("ROSEINFER_TEST_REDIS_SERVER", "redis-server")
-    port = _free_port()
-    workdir: Path = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
+    from worker.local_redis import start_private_redis
 
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
+    url, proc = start_private_redis(os.environ.get("ROSEINFER_TEST_REDIS_SERVER", "redis-server"))
+    if proc is None:
         pytest.skip("could not start redis-server")
-    yield f"redis://127.0.0.1:{port}/0"
+    yield url
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smol_tokenizer) -> str:
+    """A tiny random Llama with the default model's tokenizer and chat template: loads in a second."""
+    from roseinfer.tiny_models import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smol_tokenizer)
+
+
+class ThreadWorker:
+    """A BatchWorker serving one queue from a thread of the test process."""
+
+    def __init__(self, redis_url: str, model: str, **settings) -> None:
+        from worker.main import build_worker
+        from worker.settings import WorkerSettings
+
+        self.queue = f"q-{uuid.uuid4().hex[:8]}"
+        self.settings = WorkerSettings(redis_url=redis_url, queue=self.queue, model=model, **settings)
+        self.worker = build_worker(self.settings)
+        self.thread = threading.Thread(target=self.worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.worker.request_stop()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()

@@ -1,0 +1,274 @@
+"""The queue end to end against a real Redis server: producer -> batching worker -> streams and results."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import pytest
+from conftest import ThreadWorker
+from redis import Redis
+from rq import Queue
+from rq.command import send_stop_job_command
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer import Client, JobCanceled, JobFailed
+from producer.protocol import result_key, stream_key
+from worker.jobs import job_seed
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=16, max_in_flight=24, heartbeat_interval=1)
+    yield w, Client(redis_url, queue=w.queue)
+    w.stop()
+
+
+def _varied_requests(n: int) -> list[dict]:
+    reqs = []
+    for i in range(n):
+        r: dict = {"max_tokens": 1 + (i * 7) % 24, "custom_id": f"req-{i}"}
+        if i % 3 == 0:
+            r["messages"] = [{"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}]
+        else:
+            r["prompt"] = f"Once upon a time, story {i} " + "and then " * (i % 5)
+        kind = i % 5
+        if kind == 0:
+            r["temperature"] = 0
+        elif kind == 1:
+            r.update(temperature=0.8, seed=i)
+        elif kind == 2:
+            r.update(temperature=1.0, top_k=20, top_p=0.9)  # no seed: the worker derives one per job
+        elif kind == 3:
+            r.update(temperature=0.7, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3, logprobs=2)
+        else:
+            r.update(temperature=0, repetition_penalty=1.3, min_tokens=1)
+        reqs.append(r)
+    return reqs
+
+
+def _reference(model: str, jobs, reqs) -> list[list[int]]:
+    """The same requests through the engine in-process, with the seed the worker uses for each job."""
+    from roseinfer import LLM, SamplingParams
+    from worker.jobs import JobRequest
+
+    llm = LLM(model)
+    prompts, params = [], []
+    for job, fields in zip(jobs, reqs):
+        req = JobRequest.model_validate(fields)
+        kw = req.sampling_kwargs()
+        if kw["seed"] is None and req.temperature > 0:
+            kw["seed"] = job_seed(job.id)
+        prompts.append(req.engine_prompt())
+        params.append(SamplingParams(**kw))
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served, tiny_chat_model):
+    worker, client = served
+    reqs = _varied_requests(100)
+    jobs = client.submit_many(reqs)
+    # Live subscribers on a few jobs, started before the worker gets to them.
+    live: dict[str, list[str]] = {}
+
+    def follow(job):
+        live[job.id] = list(job.stream(timeout=120))
+
+    followers = [threading.Thread(target=follow, args=(j,)) for j in jobs[:5]]
+    for t in followers:
+        t.start()
+    results = [job.result(timeout=180) for job in jobs]
+    for t in followers:
+        t.join(timeout=60)
+
+    expected = _reference(tiny_chat_model, jobs, reqs)
+    for job, fields, res, want in zip(jobs, reqs, results, expected):
+        assert res["status"] == "finished"
+        assert res["custom_id"] == fields["custom_id"]
+        assert res["token_ids"] == want, fields
+        assert res["finish_reason"] == "length"
+        assert res["usage"]["completion_tokens"] == fields["max_tokens"] == len(res["token_ids"])
+        assert res["usage"]["total_tokens"] == res["usage"]["prompt_tokens"] + fields["max_tokens"]
+        if fields.get("logprobs"):
+            assert len(res["logprobs"]) == fields["max_tokens"]
+        # A subscriber arriving after the end replays every piece.
+        assert "".join(job.stream(timeout=10)) == res["text"]
+        # RQ's own view of the job agrees.
+        rq_job = job.rq_job
+        assert rq_job.get_status() == "finished"
+        assert rq_job.return_value() == res
+    for job_id, pieces in live.items():
+        assert "".join(pieces) == next(r["text"] for r in results if r["id"] == job_id)
+    assert client.queue.finished_job_registry.count >= 100
+    assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
+
+
+def test_stream_events_carry_order_and_the_last_one_usage(served, redis_url):
+    _, client = served
+    job = client.submit("Tell me something", max_tokens=12, temperature=0)
+    events = list(job.events(timeout=60))
+    assert [e["n"] for e in events] == list(range(len(events)))
+    assert events[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    assert sum(len(e["token_ids"]) for e in events) == 12
+    conn = Redis.from_url(redis_url)
+    assert 0 < conn.ttl(stream_key(job.id)) <= 24 * 3600
+    stored = json.loads(conn.get(result_key(job.id)))
+    assert stored["text"] == "".join(e["text"] for e in events)
+
+
+def _first_event(job, timeout=30.0):
+    return next(iter(job.events(timeout=timeout)))
+
+
+def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
+    worker, client = served
+    job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
+    others = [client.submit(f"Other job {i}", max_tokens=8, temperature=0) for i in range(3)]
+    _first_event(job)
+    assert job.cancel()
+    with pytest.raises(JobCanceled) as err:
+        job.result(timeout=30)
+    partial = err.value.result
+    assert partial["status"] == "canceled" and partial["finish_reason"] == "abort"
+    assert 0 < partial["usage"]["completion_tokens"] < 200
+    assert job.status() == "canceled"
+    assert list(job.events(timeout=10))[-1]["finish_reason"] == "abort"
+    for other in others:
+        assert other.result(timeout=60)["usage"]["completion_tokens"] == 8
+    deadline = time.time() + 10
+    while worker.worker.in_flight and time.time() < deadline:
+        time.sleep(0.05)
+    assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
+
+
+def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
+    _, client = served
+    job = client.submit("Keep going", max_tokens=200, temperature=0, ignore_eos=True)
+    _first_event(job)
+    send_stop_job_command(Redis.from_url(redis_url), job.id, serializer=JSONSerializer)
+    with pytest.raises(JobCanceled):
+        job.result(timeout=30)
+    assert job.status() == "stopped"
+
+
+def _enqueue_raw(conn: Redis, queue: str, job_id: str, data: bytes) -> None:
+    """A job written the way any language would (see README), with whatever data we like."""
+    now = "2026-11-22T00:00:00.000000Z"
+    conn.hset(
+        f"rq:job:{job_id}",
+        mapping={
+            "data": data,
+            "origin": queue,
+            "status": "queued",
+            "created_at": now,
+            "enqueued_at": now,
+            "description": "raw",
+        },
+    )
+    conn.sadd("rq:queues", f"rq:queue:{queue}")
+    conn.rpush(f"rq:queue:{queue}", job_id)
+
+
+def test_bad_payloads_fail_alone_with_a_clear_reason(served, redis_url):
+    worker, client = served
+    conn = Redis.from_url(redis_url)
+    fn = "worker.jobs.generate"
+    bad = {
+        "malformed": (b'["worker.jobs.generate", null, [], {"prompt": ', "not a JSON"),
+        "unknown": (json.dumps([fn, None, [], {"prompt": "hi", "colour": "red"}]).encode(), "colour: unknown field"),
+        "types": (json.dumps([fn, None, [], {"prompt": "hi", "max_tokens": "ten"}]).encode(), "max_tokens"),
+        "negative": (json.dumps([fn, None, [], {"prompt": "hi", "max_tokens": -3}]).encode(), "greater than or equal"),
+        "empty": (json.dumps([fn, None, [], {"prompt": "  "}]).encode(), "the prompt is empty"),
+        "toolong": (json.dumps([fn, None, [], {"prompt": "word " * 400}]).encode(), "at most"),
+        "otherfn": (json.dumps(["os.system", None, ["rm -rf /"], {}]).encode(), "runs only worker.jobs.generate"),
+        "noinput": (json.dumps([fn, None, [], {"max_tokens": 3}]).encode(), "exactly one of"),
+    }
+    ids = {}
+    for name, (data, _reason) in bad.items():
+        ids[name] = f"bad-{name}-{uuid.uuid4().hex[:6]}"
+        _enqueue_raw(conn, worker.queue, ids[name], data)
+    # A pickled job, as a producer with rq's default serializer would send it.
+    pickled = Queue(worker.queue, connection=conn).enqueue("worker.jobs.generate", prompt="hi", max_tokens=2)
+    good = [client.submit(f"Fine job {i}", max_tokens=6, temperature=0) for i in range(5)]
+
+    for job in good:
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 6
+    for name, (_data, reason) in bad.items():
+        with pytest.raises(JobFailed) as err:
+            client.job(ids[name]).result(timeout=30)
+        assert reason in err.value.reason, (name, err.value.reason)
+        rq_job = Job.fetch(ids[name], connection=conn, serializer=JSONSerializer)
+        assert rq_job.get_status() == "failed"
+        assert ids[name] in Queue(worker.queue, connection=conn).failed_job_registry.get_job_ids()
+        assert reason in rq_job.latest_result().exc_string
+    with pytest.raises(JobFailed) as err:
+        client.job(pickled.id).result(timeout=30)
+    assert "JSON" in err.value.reason
+    assert worker.thread.is_alive()
+
+
+def test_invalid_requests_are_refused_at_submit(served):
+    from producer import InvalidRequest
+
+    _, client = served
+    for fields in (
+        {"prompt": "hi", "max_tokens": 0},
+        {"prompt": ""},
+        {"prompt": "a", "messages": []},
+        {"prompt": "hi", "temprature": 0.5},
+        {"prompt": "hi", "top_p": 1.5},
+    ):
+        with pytest.raises(InvalidRequest):
+            client.submit(**fields)
+
+
+def test_status_reports_workers_and_queue(served):
+    worker, client = served
+    client.submit("status check", max_tokens=2).result(timeout=30)
+    time.sleep(1.2)  # one heartbeat publishes the worker's statistics
+    st = client.status()
+    assert st["queue"] == worker.queue
+    assert [w["name"] for w in st["workers"]] == [worker.worker.name]
+    assert st["finished"] >= 1
+
+
+def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model):
+    """Redis drops the worker's round trips for a while: the engine waits, unsent events go out afterwards."""
+    import redis as redis_mod
+
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=4, heartbeat_interval=1)
+    failures = {"left": 0}
+    make_pipeline = w.worker.connection.pipeline
+
+    def flaky_pipeline(*args, **kwargs):
+        pipe = make_pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def maybe_fail(*a, **k):
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                pipe.reset()
+                raise redis_mod.exceptions.ConnectionError("injected outage")
+            return execute(*a, **k)
+
+        pipe.execute = maybe_fail
+        return pipe
+
+    w.worker.connection.pipeline = flaky_pipeline
+    try:
+        client = Client(redis_url, queue=w.queue)
+        job = client.submit("Through the outage", max_tokens=60, temperature=0, ignore_eos=True)
+        _first_event(job)
+        failures["left"] = 4
+        res = job.result(timeout=120)
+        assert failures["left"] == 0  # the outage did happen
+        events = list(job.events(timeout=10))
+        assert [e["n"] for e in events] == list(range(len(events)))
+        assert sum(len(e["token_ids"]) for e in events) == 60 == res["usage"]["completion_tokens"]
+        assert "".join(e["text"] for e in events) == res["text"]
+    finally:
+        w.stop()

@@ -1,0 +1,112 @@
+"""Unit tests of the queue's pieces: payload schema, event encoding, stream resumption (fakeredis)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import fakeredis
+import pytest
+
+from producer.protocol import event_from_stream, make_event, stream_fields, stream_key
+from producer.schema import JobRequest
+from worker.jobs import job_seed
+from worker.publisher import JobStream, Publisher
+
+
+@pytest.mark.parametrize(
+    ("fields", "phrase"),
+    [
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -0.1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "stop": [""]}, "stop strings must not be empty"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": "hi", "unknown": 1}, "unknown"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({}, "exactly one of"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of"),
+        ({"messages": [{"role": "robot", "content": "b"}]}, "role"),
+        ({"messages": []}, "messages must not be empty"),
+    ],
+)
+def test_bad_payloads_are_refused(fields, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        JobRequest.model_validate(fields)
+
+
+def test_payload_maps_to_engine_arguments():
+    req = JobRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "temperature": 1,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": "END",
+        }
+    )
+    assert req.engine_prompt() == {"messages": [{"role": "user", "content": "Hi"}]}
+    kw = req.sampling_kwargs()
+    assert kw["temperature"] == 1.0 and kw["logprobs"] == 3 and kw["stop"] == "END" and kw["max_tokens"] == 5
+    assert JobRequest.model_validate({"prompt": "x", "logprobs": 2}).num_logprobs == 2
+    assert JobRequest.model_validate({"prompt": "x", "logprobs": False}).num_logprobs is None
+
+
+def test_events_round_trip_through_stream_fields():
+    event = make_event(3, "héllo", [1, 2], "stop", {"completion_tokens": 4}, None)
+    fields = stream_fields(event)
+    assert all(isinstance(v, str) for v in fields.values())
+    assert event_from_stream({k.encode(): v.encode() for k, v in fields.items()}) == event
+
+
+def test_job_seed_is_fixed_per_job_and_differs_between_jobs():
+    assert job_seed("a") == job_seed("a") != job_seed("b")
+    assert 0 <= job_seed("a") < 2**63
+
+
+def test_a_retried_job_does_not_repeat_what_was_streamed():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    first = pub.resume(conn, ["j"])["j"]
+    for piece, ids in (("Hel", [1]), ("lo", [2]), (" wor", [3])):
+        pub.add(first, piece, ids)
+    with conn.pipeline() as pipe:
+        pub.flush(pipe)
+        pipe.execute()
+    pub.sent()
+    # The worker dies; the retry regenerates the same text in other chunks.
+    second = pub.resume(conn, ["j"])["j"]
+    assert (second.next_n, second.resume_chars, second.resume_tokens) == (3, 9, 3)
+    for piece, ids in (("Hello", [1, 2]), (" w", [3]), ("orld", [4])):
+        pub.add(second, piece, ids)
+    pub.add(second, "!", [5], "length", {"completion_tokens": 5})
+    with conn.pipeline() as pipe:
+        pub.flush(pipe)
+        pipe.execute()
+    events = [event_from_stream(f) for _id, f in conn.xrange(stream_key("j"))]
+    assert "".join(e["text"] for e in events) == "Hello world!"
+    assert [t for e in events for t in e["token_ids"]] == [1, 2, 3, 4, 5]
+    assert [e["n"] for e in events] == list(range(len(events)))
+    assert 0 < conn.ttl(stream_key("j")) <= 60
+
+
+def test_job_stream_skips_exactly_the_resumed_prefix():
+    s = JobStream("x", resume_chars=4, resume_tokens=1)
+    assert s.new_part("ab", [1]) == ("", [])
+    assert s.new_part("cdef", [2]) == ("ef", [2])
+    assert s.new_part("g", []) == ("g", [])
+
+
+def test_the_producer_imports_without_torch_or_transformers():
+    code = (
+        "import sys, producer, producer.batch, producer.cli; from producer import Client;"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'roseinfer.llm_engine') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
