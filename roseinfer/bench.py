@@ -29,12 +29,7 @@ class RunResult:
         return self.generated_tokens / self.seconds
 
     def summary(self) -> dict:
-        def pct(values: list[float], q: float) -> float | None:
-            if not values:
-                return None
-            ordered = sorted(values)
-            return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
+        pct = percentile
         return {
             "system": self.system,
             "requests": self.num_requests,
@@ -46,6 +41,26 @@ class RunResult:
             "tpot_p50_ms": _ms(pct(self.tpot_s, 0.5)),
             "tpot_p99_ms": _ms(pct(self.tpot_s, 0.99)),
         }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def build_llm(args: argparse.Namespace):
+    from roseinfer import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+    )
 
 
 def _ms(value: float | None) -> float | None:
@@ -181,21 +196,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size (prefix sharing granularity)")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
 
 
 def main(args: argparse.Namespace) -> int:
-    from roseinfer import LLM, SamplingParams
+    from roseinfer import SamplingParams
 
     convs = load_prompts(args)
     t = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    llm = build_llm(args)
     print(
         f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
         f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored"

@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
+    from roseinfer import bench_queue
+
+    p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
+    bench_queue.add_arguments(p)
+    p.set_defaults(func=bench_queue.main)
+
     p = sub.add_parser("generate", help="answer chat prompts offline (arguments, or one per stdin line)")
     p.add_argument("prompt", nargs="*")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -41,13 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=_generate)
+
+    from producer import cli as producer_cli
+    from worker import cli as worker_cli
+
+    worker_cli.add_parsers(sub)
+    producer_cli.add_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+        level=logging.INFO if args.verbose or args.command in ("worker", "demo") else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
     )
     return args.func(args)
 

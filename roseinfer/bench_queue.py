@@ -1,0 +1,236 @@
+"""``roseinfer bench-queue``: the ``roseinfer bench`` workload through Redis (producer -> worker -> results).
+
+Prints, measured in one run on the same prompts:
+- the engine in-process (tokens/s), the reference;
+- the same jobs through Redis and a ``roseinfer worker`` process (tokens/s, and its share of the in-process figure);
+- TTFT p50/p99 of jobs arriving one by one while a full batch decodes;
+- a stock ``rq worker`` (SimpleWorker, model loaded once) running transformers ``generate`` per job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from roseinfer.bench import add_arguments as add_bench_arguments
+from roseinfer.bench import build_llm, load_prompts, percentile, run_roseinfer
+from worker.cli import worker_command
+from worker.local_redis import start_private_redis
+
+
+def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    from rq import Queue
+    from rq.worker import Worker
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the worker exited with code {proc.returncode}")
+        if Worker.count(queue=Queue(queue, connection=conn)):
+            return
+        time.sleep(0.2)
+    raise SystemExit("the worker did not start")
+
+
+def _chat_jobs(convs: list[list[dict]], max_tokens: int) -> list[dict[str, Any]]:
+    return [{"messages": c, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
+
+
+def run_through_redis(args: argparse.Namespace, url: str, convs) -> dict[str, Any]:
+    from producer import Client
+
+    queue = "bench-roseinfer"
+    client = Client(url, queue=queue)
+    cmd = worker_command(
+        url,
+        queue,
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_worker(client.connection, queue, proc)
+        warm = [[{"role": "user", "content": f"Warm up number {i}"}] for i in range(4)]
+        for job in client.submit_many(_chat_jobs(warm, 4)):
+            job.result(timeout=300)
+
+        # Throughput: every job submitted at once, as the in-process run adds every request at once.
+        start = time.time()
+        jobs = client.submit_many(_chat_jobs(convs, args.max_tokens))
+        results = [job.result(timeout=600) for job in jobs]
+        seconds = max(r["timings"]["finished_at"] for r in results) - start
+        tokens = sum(r["usage"]["completion_tokens"] for r in results)
+        batch_ttft = [r["timings"]["ttft_s"] for r in results]
+
+        # Latency: a full batch decoding, and jobs arriving one by one meanwhile.
+        background = client.submit_many(_chat_jobs(convs, args.max_tokens))
+        next(iter(background[0].events(timeout=300)))
+        arrivals = []
+        for conv in convs[: args.arrivals]:
+            arrivals.append(client.submit(messages=conv, max_tokens=16, temperature=0.0, ignore_eos=True))
+            time.sleep(args.arrival_interval)
+        arrival_ttft = [job.result(timeout=600)["timings"]["ttft_s"] for job in arrivals]
+        for job in background:
+            job.result(timeout=600)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    return {
+        "system": "roseinfer through Redis",
+        "requests": len(results),
+        "generated_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "ttft_p50_ms": round(percentile(batch_ttft, 0.5) * 1e3, 1),
+        "ttft_p99_ms": round(percentile(batch_ttft, 0.99) * 1e3, 1),
+        "arrivals": len(arrival_ttft),
+        "arrival_ttft_p50_ms": round(percentile(arrival_ttft, 0.5) * 1e3, 1),
+        "arrival_ttft_p99_ms": round(percentile(arrival_ttft, 0.99) * 1e3, 1),
+    }
+
+
+_HF: dict[str, Any] = {}
+
+
+def hf_job(messages: list[dict], max_tokens: int, model_path: str, dtype: str) -> dict[str, Any]:
+    """The stock-RQ baseline's job: transformers ``generate`` for one prompt (model kept between jobs)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if _HF.get("path") != model_path:
+        _HF.update(
+            path=model_path,
+            tok=AutoTokenizer.from_pretrained(model_path),
+            model=AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval(),
+        )
+    tok, model = _HF["tok"], _HF["model"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
+    new = out[0, len(ids) :].tolist()
+    return {"text": tok.decode(new, skip_special_tokens=True), "completion_tokens": len(new)}
+
+
+def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> dict[str, Any]:
+    from redis import Redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    conn = Redis.from_url(url)
+    queue = Queue("bench-stock", connection=conn, serializer=JSONSerializer)
+    kwargs = {"model_path": model_path, "dtype": args.dtype}
+    queue.enqueue("roseinfer.bench_queue.hf_job", messages=convs[0], max_tokens=1, **kwargs)  # loads the model
+    jobs = [
+        queue.enqueue(
+            "roseinfer.bench_queue.hf_job", messages=c, max_tokens=args.max_tokens, job_timeout=3600, **kwargs
+        )
+        for c in convs[: args.stock_jobs]
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run(
+        [
+            "rq",
+            "worker",
+            "-w",
+            "rq.worker.SimpleWorker",
+            "-S",
+            "rq.serializers.JSONSerializer",
+            "--burst",
+            "-u",
+            url,
+            "bench-stock",
+        ],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for job in jobs:
+        job.refresh()
+    if any(job.get_status() != "finished" for job in jobs):
+        raise SystemExit("stock rq worker: some jobs failed")
+    seconds = (max(j.ended_at for j in jobs) - min(j.started_at for j in jobs)).total_seconds()
+    tokens = sum(j.return_value()["completion_tokens"] for j in jobs)
+    return {
+        "system": "stock rq worker + transformers generate",
+        "requests": len(jobs),
+        "generated_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_bench_arguments(p)
+    p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
+    p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
+    p.add_argument("--arrival-interval", type=float, default=0.25)
+    p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from roseinfer import SamplingParams
+
+    convs = load_prompts(args)
+    llm = build_llm(args)
+    model_path = llm.engine.model_path
+    llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    llm.engine.kv.reset_prefix_cache()
+    engine = run_roseinfer(llm, convs, args.max_tokens).summary()
+    engine["system"] = "roseinfer engine in-process"
+    print(f"engine in-process: {engine['tokens_per_s']} tok/s", flush=True)
+    del llm
+
+    redis_proc = None
+    url = args.redis_url
+    if url is None:
+        url, redis_proc = start_private_redis()
+        if redis_proc is None:
+            raise SystemExit("no redis-server could be started: pass --redis-url")
+    try:
+        queued = run_through_redis(args, url, convs)
+        print(f"through Redis: {queued['tokens_per_s']} tok/s", flush=True)
+        stock = run_stock_rq(args, url, convs, model_path) if args.stock_jobs else None
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+    share = queued["tokens_per_s"] / engine["tokens_per_s"]
+    print(f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
+    print(f"{'system':<42} {'tok/s':>8}")
+    for row in (engine, queued, stock):
+        if row:
+            print(f"{row['system']:<42} {row['tokens_per_s']:>8}")
+    print(f"through Redis keeps {share:.1%} of the in-process tokens/s")
+    if stock:
+        print(f"through Redis vs stock rq worker: {queued['tokens_per_s'] / stock['tokens_per_s']:.1f}x")
+    print(f"TTFT, {len(convs)} jobs submitted at once: p50 {queued['ttft_p50_ms']} ms, p99 {queued['ttft_p99_ms']} ms")
+    print(
+        f"TTFT, {queued['arrivals']} jobs arriving every {args.arrival_interval}s while a batch decodes: "
+        f"p50 {queued['arrival_ttft_p50_ms']} ms, p99 {queued['arrival_ttft_p99_ms']} ms"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"engine": engine, "redis": queued, "stock_rq": stock, "share_of_engine": round(share, 4)}, indent=2
+            )
+        )
+    return 0
