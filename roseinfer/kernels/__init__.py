@@ -22,7 +22,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-shared", "-fPIC"]
 _MAX_HEAD_DIM = 512
 _lib: ctypes.CDLL | None = None
 _tried = False
