@@ -71,14 +71,3 @@ def test_preemption_resumes_with_the_same_tokens(tiny_llama):
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28)
     assert llm.engine.kv.num_used_blocks == 0
-
-
-def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
-    prompts = _prompts(4, seed=9)
-    outs = LLM(tiny_llama, dtype="bfloat16").generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
-    )
-    ref = hf_greedy(tiny_llama, prompts, 24, dtype="bfloat16")
-    # bfloat16 rounding differs between fused and unfused ops: compare the first tokens, which come
-    # before any difference can compound.
-    assert [o.outputs[0].token_ids[:4] for o in outs] == [r[:4] for r in ref]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+_warned_no_bf16 = False
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -15,21 +20,57 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight reordered for oneDNN, or None where this build or this CPU cannot run it packed."""
+    if not _can_pack(weight):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    except RuntimeError:  # an op this torch build lacks, or bf16 on a CPU without bf16 support
+        return None
+
+
+def _warn_float32_fallback() -> None:
+    global _warned_no_bf16
+    if not _warned_no_bf16:
+        _warned_no_bf16 = True
+        log.warning(
+            "this CPU has no bfloat16 matrix instructions: bfloat16 layers multiply in float32 "
+            "(the same results as a bfloat16 GEMM with float32 sums; float32 memory for the weights)"
+        )
+
+
 class Linear:
-    """``y = x @ weight.T + bias`` for x of shape [T, in]."""
+    """``y = x @ weight.T + bias`` for x of shape [T, in].
+
+    A bfloat16 layer on a CPU whose oneDNN cannot pack bfloat16 (no AVX-512) would fall back to PyTorch's
+    scalar bfloat16 GEMM, ~8x slower than float32 there. It multiplies in float32 instead: products of
+    bfloat16 values are exact in float32, so with the output rounded back to bfloat16 the result is that of
+    a bfloat16 GEMM with float32 accumulation, as oneDNN computes it where it can.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-        self._packed: torch.Tensor | None = None
-        if _can_pack(self.weight):
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), None)
-            except RuntimeError:  # an op this torch build lacks: plain matmul still works
-                self._packed = None
+        self.out_dtype: torch.dtype | None = None  # set when the GEMM runs in float32 for a bfloat16 layer
+        self._packed = _pack(self.weight)
+        if self._packed is None and _can_pack(self.weight) and self.weight.dtype == torch.bfloat16:
+            self._run_in_float32()
+
+    def _run_in_float32(self) -> None:
+        _warn_float32_fallback()
+        self.out_dtype = self.weight.dtype
+        self.weight = self.weight.float()
+        self.bias = None if self.bias is None else self.bias.float()
+        self._packed = _pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_dtype is not None:
+            return self._matmul(x.float()).to(self.out_dtype)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
