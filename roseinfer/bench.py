@@ -53,13 +53,14 @@ def percentile(values: list[float], q: float) -> float | None:
 def build_llm(args: argparse.Namespace):
     from roseinfer import LLM
 
+    options = {"block_size": args.block_size} if args.block_size else {}
     return LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
+        **options,
     )
 
 
@@ -196,7 +197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size (prefix sharing granularity)")
+    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
 
 

@@ -17,10 +17,12 @@ _FLAGS = {  # flag -> type; unset flags fall back to ROSEINFER_* variables, then
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
+    "block_size": int,
     "kv_cache_memory": str,
     "num_threads": int,
     "max_in_flight": int,
     "heartbeat_interval": int,
+    "heartbeat_grace": int,
     "maintenance_interval": int,
 }
 

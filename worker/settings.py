@@ -22,6 +22,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(default=128, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
+    block_size: int | None = Field(default=None, ge=1)  # None: the engine's default
     kv_cache_memory: str = "auto"
     num_threads: int | None = Field(default=None, ge=1)
 
@@ -50,6 +51,8 @@ class WorkerSettings(BaseSettings):
             "kv_cache_memory": self.kv_cache_memory,
             "num_threads": self.num_threads,
         }
+        if self.block_size is not None:
+            opts["block_size"] = self.block_size
         return opts
 
     @property
