@@ -51,29 +51,88 @@ static inline float softmax_exp(float x) {
     return p * scale;
 }
 
-// Scores of one query head against a block of N keys stored [D][N]: the N sums stay in registers. One
-// function per block size the engine uses, so the inner loop has a fixed width.
-#define BLOCK_SCORES(N)                                                                                    \
-    static inline void block_scores##N(const float* restrict qg, const void* restrict kt, int bf16,       \
-                                       int64_t head_dim, float* restrict out) {                           \
-        float s[N] = {0};                                                                                  \
-        if (bf16) {                                                                                        \
-            const uint16_t* restrict k = (const uint16_t*)kt;                                              \
-            for (int64_t d = 0; d < head_dim; d++) {                                                       \
-                const float qd = qg[d];                                                                    \
-                _Pragma("omp simd") for (int jj = 0; jj < N; jj++) s[jj] += qd * bf2f(k[d * N + jj]);     \
-            }                                                                                              \
-        } else {                                                                                           \
-            const float* restrict k = (const float*)kt;                                                    \
-            for (int64_t d = 0; d < head_dim; d++) {                                                       \
-                const float qd = qg[d];                                                                    \
-                _Pragma("omp simd") for (int jj = 0; jj < N; jj++) s[jj] += qd * k[d * N + jj];           \
-            }                                                                                              \
-        }                                                                                                  \
-        memcpy(out, s, sizeof(s));                                                                         \
+// 8 floats in a vector register (GCC/Clang vector extensions; lowered to whatever the target has).
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f load8(const void* p, int bf16) {  // 8 consecutive float32 or bfloat16 values, as floats
+    v8f f;
+    if (bf16) {
+        v8u16 h;
+        memcpy(&h, p, sizeof(h));
+        const v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+        memcpy(&f, &w, sizeof(f));
+    } else {
+        memcpy(&f, p, sizeof(f));
     }
-BLOCK_SCORES(8)
-BLOCK_SCORES(16)
+    return f;
+}
+
+// Scores of G query heads (rows q_step apart) against one block of N keys stored [D][N]. The G * N / 8 sums
+// are vector variables, so they stay in registers as independent chains (an array in memory made every add
+// wait for the previous store); each key row is loaded once for all G heads; each score is summed over d in
+// order, as before. One function per (N, G) so every loop is unrolled at a fixed width.
+#define BLOCK_SCORES(N, G)                                                                                \
+    static void block_scores_##N##_##G(const float* restrict q, int64_t q_step, const char* restrict kt,  \
+                                       int bf16, int64_t head_dim, float* restrict out) {                \
+        const int64_t esz = bf16 ? 2 : 4;                                                                 \
+        v8f s[G][N / 8];                                                                                  \
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)                                               \
+            _Pragma("GCC unroll 2") for (int v = 0; v < N / 8; v++) s[g][v] = (v8f){0};                   \
+        for (int64_t d = 0; d < head_dim; d++) {                                                          \
+            v8f k[N / 8];                                                                                 \
+            _Pragma("GCC unroll 2") for (int v = 0; v < N / 8; v++) k[v] = load8(kt + (d * N + v * 8) * esz, bf16); \
+            _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {                                         \
+                const float qd = q[g * q_step + d];                                                       \
+                _Pragma("GCC unroll 2") for (int v = 0; v < N / 8; v++) s[g][v] += qd * k[v];             \
+            }                                                                                             \
+        }                                                                                                 \
+        memcpy(out, s, sizeof(s));                                                                        \
+    }
+BLOCK_SCORES(8, 1)
+BLOCK_SCORES(8, 2)
+BLOCK_SCORES(8, 3)
+BLOCK_SCORES(8, 4)
+BLOCK_SCORES(16, 1)
+BLOCK_SCORES(16, 2)
+BLOCK_SCORES(16, 3)
+BLOCK_SCORES(16, 4)
+
+typedef void (*block_scores_fn)(const float*, int64_t, const char*, int, int64_t, float*);
+
+// The fixed-width scorer for a block size and a number of heads (1..4), or NULL: the generic loop then runs.
+static block_scores_fn block_scorer(int64_t block_size, int64_t heads) {
+    static const block_scores_fn by8[4] = {block_scores_8_1, block_scores_8_2, block_scores_8_3, block_scores_8_4};
+    static const block_scores_fn by16[4] = {block_scores_16_1, block_scores_16_2, block_scores_16_3,
+                                            block_scores_16_4};
+    if (heads < 1 || heads > 4) return NULL;
+    if (block_size == 8) return by8[heads - 1];
+    if (block_size == 16) return by16[heads - 1];
+    return NULL;
+}
+
+// acc = sum over keys j < ctx of p[j] * V[j] for one KV head, 64 dims at a time: the 8 vector sums stay in
+// registers (each output still sums the keys in order). V cache [blocks, Hkv, block_size, D], D % 64 == 0.
+static void weighted_values64(const float* restrict p, int64_t ctx, const int64_t* table, const char* v_cache,
+                              int64_t num_kv_heads, int64_t kh, int64_t block_size, int64_t head_dim, int bf16,
+                              float* restrict acc) {
+    const int64_t esz = bf16 ? 2 : 4;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        v8f a[8];
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] = (v8f){0};
+        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+            const char* base = v_cache + (((table[j0 / block_size] * num_kv_heads + kh) * block_size) * head_dim + d0) * esz;
+            const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+            for (int64_t jj = 0; jj < n; jj++) {
+                const float pj = p[j0 + jj];
+                const char* r = base + jj * head_dim * esz;
+                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] += pj * load8(r + v * 8 * esz, bf16);
+            }
+        }
+        memcpy(acc + d0, a, sizeof(a));
+    }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
@@ -91,7 +150,9 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t blk = slot_mapping[t] / block_size, off = slot_mapping[t] % block_size;
-        memcpy((char*)v_cache + slot_mapping[t] * row * esz, (const char*)v + t * kv_stride * esz, row * esz);
+        for (int64_t kh = 0; kh < num_kv_heads; kh++)  // V cache [blocks, Hkv, block_size, D]
+            memcpy((char*)v_cache + ((blk * num_kv_heads + kh) * block_size + off) * head_dim * esz,
+                   (const char*)v + (t * kv_stride + kh * head_dim) * esz, head_dim * esz);
         for (int64_t i = 0; i < row; i++) {  // i = kv head * D + d
             const int64_t dst = (blk * row + i) * block_size + off;
             if (bf16)
@@ -111,7 +172,7 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
         float* qf = (float*)malloc(sizeof(float) * group * head_dim);
         float* acc = (float*)malloc(sizeof(float) * group * head_dim);
         float* kbuf = (float*)malloc(sizeof(float) * head_dim);
-        float* sblk = (float*)malloc(sizeof(float) * block_size);
+        float* sblk = (float*)malloc(sizeof(float) * 4 * block_size);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t work = 0; work < num_tokens * num_kv_heads; work++) {
             const int64_t t = work / num_kv_heads, kh = work % num_kv_heads;
@@ -123,17 +184,18 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
             for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
                 const int64_t first = (table[j0 / block_size] * row + kh * head_dim) * block_size;
                 const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-                for (int64_t g = 0; g < group; g++) {
+                int64_t g0 = 0;
+                for (; g0 < group; g0 += 4) {  // up to 4 heads of the group share each read of the block
+                    const int64_t heads = group - g0 < 4 ? group - g0 : 4;
+                    const block_scores_fn scorer = block_scorer(block_size, heads);
+                    if (scorer == NULL) break;
+                    scorer(qf + g0 * head_dim, head_dim, (const char*)k_cache + first * esz, bf16, head_dim, sblk);
+                    for (int64_t g = 0; g < heads; g++)
+                        for (int64_t jj = 0; jj < n; jj++)
+                            scores[(g0 + g) * max_ctx + j0 + jj] = sblk[g * block_size + jj] * scale;
+                }
+                for (int64_t g = g0; g < group; g++) {  // block sizes without a fixed-width scorer
                     const float* qg = qf + g * head_dim;
-                    if (block_size == 16 || block_size == 8) {
-                        const void* kb = (const char*)k_cache + first * esz;
-                        if (block_size == 16)
-                            block_scores16(qg, kb, bf16, head_dim, sblk);
-                        else
-                            block_scores8(qg, kb, bf16, head_dim, sblk);
-                        for (int64_t jj = 0; jj < n; jj++) scores[g * max_ctx + j0 + jj] = sblk[jj] * scale;
-                        continue;
-                    }
                     for (int64_t jj = 0; jj < block_size; jj++) sblk[jj] = 0.f;
                     for (int64_t d = 0; d < head_dim; d++) {
                         const float qd = qg[d];
@@ -163,24 +225,30 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
 #pragma omp simd
                 for (int64_t j = 0; j < ctx; j++) sg[j] *= inv;
             }
-            memset(acc, 0, sizeof(float) * group * head_dim);
-            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-                const char* base = (const char*)v_cache + (table[j0 / block_size] * block_size * row + kh * head_dim) * esz;
-                const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-                for (int64_t jj = 0; jj < n; jj++) {
-                    const float* vp = (const float*)(base + jj * row * esz);
-                    if (bf16) {
-                        const uint16_t* vb = (const uint16_t*)(base + jj * row * esz);
+            if (head_dim % 64 == 0) {
+                for (int64_t g = 0; g < group; g++)
+                    weighted_values64(scores + g * max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                                      block_size, head_dim, bf16, acc + g * head_dim);
+            } else {  // the generic loop, for head sizes that are not a multiple of 64
+                memset(acc, 0, sizeof(float) * group * head_dim);
+                for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+                    const char* base = (const char*)v_cache + ((table[j0 / block_size] * num_kv_heads + kh) * block_size) * head_dim * esz;
+                    const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+                    for (int64_t jj = 0; jj < n; jj++) {
+                        const float* vp = (const float*)(base + jj * head_dim * esz);
+                        if (bf16) {
+                            const uint16_t* vb = (const uint16_t*)(base + jj * head_dim * esz);
 #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) kbuf[d] = bf2f(vb[d]);
-                        vp = kbuf;
-                    }
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = scores[g * max_ctx + j0 + jj];
-                        float* restrict ag = acc + g * head_dim;
-                        const float* restrict vr = vp;
+                            for (int64_t d = 0; d < head_dim; d++) kbuf[d] = bf2f(vb[d]);
+                            vp = kbuf;
+                        }
+                        for (int64_t g = 0; g < group; g++) {
+                            const float p = scores[g * max_ctx + j0 + jj];
+                            float* restrict ag = acc + g * head_dim;
+                            const float* restrict vr = vp;
 #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) ag[d] += p * vr[d];
+                            for (int64_t d = 0; d < head_dim; d++) ag[d] += p * vr[d];
+                        }
                     }
                 }
             }
