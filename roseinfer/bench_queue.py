@@ -2,7 +2,8 @@
 
 Prints, measured in one run on the same prompts:
 - the engine in-process (tokens/s), the reference;
-- the same jobs through Redis and a ``roseinfer worker`` process (tokens/s, and its share of the in-process figure);
+- the same jobs through Redis and a fresh ``roseinfer worker`` process (tokens/s, and its share of the in-process
+  figure), the two interleaved --repeats times and compared by their medians;
 - TTFT p50/p99 of jobs arriving one by one while a full batch decodes;
 - a stock ``rq worker`` (SimpleWorker, model loaded once) running transformers ``generate`` per job.
 """
@@ -41,10 +42,11 @@ def _chat_jobs(convs: list[list[dict]], max_tokens: int) -> list[dict[str, Any]]
     return [{"messages": c, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
 
 
-def run_through_redis(args: argparse.Namespace, url: str, convs) -> dict[str, Any]:
+def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arrivals: bool) -> dict[str, Any]:
+    """The workload through a fresh ``roseinfer worker`` process (so no run profits from another's prefix cache);
+    with ``arrivals``, then TTFT of jobs arriving one by one while a full batch decodes."""
     from producer import Client
 
-    queue = "bench-roseinfer"
     client = Client(url, queue=queue)
     cmd = worker_command(
         url,
@@ -58,6 +60,7 @@ def run_through_redis(args: argparse.Namespace, url: str, convs) -> dict[str, An
         str(args.max_num_seqs),
         "--max-num-batched-tokens",
         str(args.max_num_batched_tokens),
+        *(["--block-size", str(args.block_size)] if args.block_size else []),
     )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -73,31 +76,38 @@ def run_through_redis(args: argparse.Namespace, url: str, convs) -> dict[str, An
         seconds = max(r["timings"]["finished_at"] for r in results) - start
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
         batch_ttft = [r["timings"]["ttft_s"] for r in results]
-
-        # Latency: a full batch decoding, and jobs arriving one by one meanwhile.
-        background = client.submit_many(_chat_jobs(convs, args.max_tokens))
-        next(iter(background[0].events(timeout=300)))
-        arrivals = []
-        for conv in convs[: args.arrivals]:
-            arrivals.append(client.submit(messages=conv, max_tokens=16, temperature=0.0, ignore_eos=True))
-            time.sleep(args.arrival_interval)
-        arrival_ttft = [job.result(timeout=600)["timings"]["ttft_s"] for job in arrivals]
-        for job in background:
-            job.result(timeout=600)
+        row = {
+            "system": "roseinfer through Redis",
+            "requests": len(results),
+            "generated_tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "ttft_p50_ms": round(percentile(batch_ttft, 0.5) * 1e3, 1),
+            "ttft_p99_ms": round(percentile(batch_ttft, 0.99) * 1e3, 1),
+        }
+        if arrivals:
+            row.update(_arrival_ttft(args, client, convs))
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+    return row
+
+
+def _arrival_ttft(args: argparse.Namespace, client, convs) -> dict[str, Any]:
+    """A full batch decoding, and jobs arriving one by one meanwhile: their TTFT."""
+    background = client.submit_many(_chat_jobs(convs, args.max_tokens))
+    next(iter(background[0].events(timeout=300)))
+    arrivals = []
+    for conv in convs[: args.arrivals]:
+        arrivals.append(client.submit(messages=conv, max_tokens=16, temperature=0.0, ignore_eos=True))
+        time.sleep(args.arrival_interval)
+    ttft = [job.result(timeout=600)["timings"]["ttft_s"] for job in arrivals]
+    for job in background:
+        job.result(timeout=600)
     return {
-        "system": "roseinfer through Redis",
-        "requests": len(results),
-        "generated_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "ttft_p50_ms": round(percentile(batch_ttft, 0.5) * 1e3, 1),
-        "ttft_p99_ms": round(percentile(batch_ttft, 0.99) * 1e3, 1),
-        "arrivals": len(arrival_ttft),
-        "arrival_ttft_p50_ms": round(percentile(arrival_ttft, 0.5) * 1e3, 1),
-        "arrival_ttft_p99_ms": round(percentile(arrival_ttft, 0.99) * 1e3, 1),
+        "arrivals": len(ttft),
+        "arrival_ttft_p50_ms": round(percentile(ttft, 0.5) * 1e3, 1),
+        "arrival_ttft_p99_ms": round(percentile(ttft, 0.99) * 1e3, 1),
     }
 
 
@@ -182,9 +192,17 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_arguments(p)
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="in-process and through-Redis runs, interleaved; medians reported"
+    )
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
     p.add_argument("--arrival-interval", type=float, default=0.25)
     p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median tokens/s (its other figures come with it)."""
+    return sorted(rows, key=lambda r: r["tokens_per_s"])[len(rows) // 2]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -194,11 +212,6 @@ def main(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     model_path = llm.engine.model_path
     llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
-    llm.engine.kv.reset_prefix_cache()
-    engine = run_roseinfer(llm, convs, args.max_tokens).summary()
-    engine["system"] = "roseinfer engine in-process"
-    print(f"engine in-process: {engine['tokens_per_s']} tok/s", flush=True)
-    del llm
 
     redis_proc = None
     url = args.redis_url
@@ -206,31 +219,51 @@ def main(args: argparse.Namespace) -> int:
         url, redis_proc = start_private_redis()
         if redis_proc is None:
             raise SystemExit("no redis-server could be started: pass --redis-url")
+    # This machine's speed drifts by several percent from minute to minute: the two systems run in interleaved
+    # pairs, so both see the same drift, and the medians are compared.
+    engine_rows, redis_rows = [], []
     try:
-        queued = run_through_redis(args, url, convs)
-        print(f"through Redis: {queued['tokens_per_s']} tok/s", flush=True)
+        for rep in range(args.repeats):
+            llm.engine.kv.reset_prefix_cache()
+            row = run_roseinfer(llm, convs, args.max_tokens).summary()
+            row["system"] = "roseinfer engine in-process"
+            engine_rows.append(row)
+            last = rep == args.repeats - 1
+            redis_rows.append(run_through_redis(args, url, convs, f"bench-roseinfer-{rep}", arrivals=last))
+            print(
+                f"pair {rep + 1}/{args.repeats}: in-process {row['tokens_per_s']} tok/s, "
+                f"through Redis {redis_rows[-1]['tokens_per_s']} tok/s "
+                f"({redis_rows[-1]['tokens_per_s'] / row['tokens_per_s']:.1%})",
+                flush=True,
+            )
+        del llm
         stock = run_stock_rq(args, url, convs, model_path) if args.stock_jobs else None
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
+    engine, queued = _median_row(engine_rows), _median_row(redis_rows)
     share = queued["tokens_per_s"] / engine["tokens_per_s"]
     print(f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
-    print(f"{'system':<42} {'tok/s':>8}")
+    print(f"{'system (median of ' + str(args.repeats) + ' runs)':<44} {'tok/s':>8}")
     for row in (engine, queued, stock):
         if row:
-            print(f"{row['system']:<42} {row['tokens_per_s']:>8}")
-    print(f"through Redis keeps {share:.1%} of the in-process tokens/s")
+            print(f"{row['system']:<44} {row['tokens_per_s']:>8}")
+    print(f"through Redis keeps {share:.1%} of the in-process tokens/s (medians)")
     if stock:
         print(f"through Redis vs stock rq worker: {queued['tokens_per_s'] / stock['tokens_per_s']:.1f}x")
     print(f"TTFT, {len(convs)} jobs submitted at once: p50 {queued['ttft_p50_ms']} ms, p99 {queued['ttft_p99_ms']} ms")
+    last = redis_rows[-1]
     print(
-        f"TTFT, {queued['arrivals']} jobs arriving every {args.arrival_interval}s while a batch decodes: "
-        f"p50 {queued['arrival_ttft_p50_ms']} ms, p99 {queued['arrival_ttft_p99_ms']} ms"
+        f"TTFT, {last['arrivals']} jobs arriving every {args.arrival_interval}s while a batch decodes: "
+        f"p50 {last['arrival_ttft_p50_ms']} ms, p99 {last['arrival_ttft_p99_ms']} ms"
     )
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"engine": engine, "redis": queued, "stock_rq": stock, "share_of_engine": round(share, 4)}, indent=2
-            )
-        )
+        figures = {
+            "engine": engine,
+            "redis": queued,
+            "stock_rq": stock,
+            "share_of_engine": round(share, 4),
+            "runs": {"engine": engine_rows, "redis": redis_rows},
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
