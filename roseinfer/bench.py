@@ -50,6 +50,11 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def median_run(runs: list, rate=lambda r: r.tokens_per_s):
+    """The run with the median tokens/s (its other figures come with it)."""
+    return sorted(runs, key=rate)[len(runs) // 2]
+
+
 def build_llm(args: argparse.Namespace):
     from roseinfer import LLM
 
@@ -198,6 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
 
 
@@ -212,17 +218,26 @@ def main(args: argparse.Namespace) -> int:
         f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored"
     )
     llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
-    llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks
-    results = [run_roseinfer(llm, convs, args.max_tokens)]
-    print(f"roseinfer: {results[0].tokens_per_s:.1f} tok/s")
+    tok, path = llm.get_tokenizer(), llm.engine.model_path
+    # This machine's speed drifts by several percent from minute to minute: with --repeats the systems run in
+    # interleaved pairs, so both see the same drift, and the median runs are compared.
+    ours, padded = [], []
+    for rep in range(args.repeats):
+        llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks, or an earlier run's
+        ours.append(run_roseinfer(llm, convs, args.max_tokens))
+        line = f"roseinfer: {ours[-1].tokens_per_s:.1f} tok/s"
+        if not args.skip_hf:
+            padded.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok))
+            ratio = ours[-1].tokens_per_s / padded[-1].tokens_per_s
+            line += f"; {padded[-1].system}: {padded[-1].tokens_per_s:.1f} tok/s ({ratio:.2f}x)"
+        print(f"run {rep + 1}/{args.repeats}: {line}", flush=True)
+    results = [median_run(ours)] + ([median_run(padded)] if padded else [])
     if not args.skip_hf:
-        tok = llm.get_tokenizer()
-        path = llm.engine.model_path
-        results.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok))
-        print(f"{results[-1].system}: {results[-1].tokens_per_s:.1f} tok/s")
         n_single = len(convs) if args.hf_single is None else args.hf_single
         if n_single:
             results.append(run_hf(path, args.dtype, convs[:n_single], args.max_tokens, 1, tok))
+    if args.repeats > 1:
+        print(f"\nmedian of {args.repeats} runs each:")
     print_table(results, args.dtype)
     if args.json:
         payload = {
@@ -230,6 +245,7 @@ def main(args: argparse.Namespace) -> int:
             "model": args.model,
             "max_tokens": args.max_tokens,
             "results": [r.summary() for r in results],
+            "runs": {"roseinfer": [r.summary() for r in ours], "padded": [r.summary() for r in padded]},
         }
         if len(results) > 1:
             payload["speedup_vs"] = {r.system: round(results[0].tokens_per_s / r.tokens_per_s, 2) for r in results[1:]}

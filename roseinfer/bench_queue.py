@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from roseinfer.bench import add_arguments as add_bench_arguments
-from roseinfer.bench import build_llm, load_prompts, percentile, run_roseinfer
+from roseinfer.bench import build_llm, load_prompts, median_run, percentile, run_roseinfer
 from worker.cli import worker_command
 from worker.local_redis import start_private_redis
 
@@ -191,18 +191,11 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_arguments(p)
+    p.set_defaults(repeats=3)  # in-process and through-Redis runs, interleaved; medians compared
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
-    p.add_argument(
-        "--repeats", type=int, default=3, help="in-process and through-Redis runs, interleaved; medians reported"
-    )
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
     p.add_argument("--arrival-interval", type=float, default=0.25)
     p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
-
-
-def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median tokens/s (its other figures come with it)."""
-    return sorted(rows, key=lambda r: r["tokens_per_s"])[len(rows) // 2]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -241,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
-    engine, queued = _median_row(engine_rows), _median_row(redis_rows)
+    engine, queued = (median_run(rows, lambda r: r["tokens_per_s"]) for rows in (engine_rows, redis_rows))
     share = queued["tokens_per_s"] / engine["tokens_per_s"]
     print(f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
     print(f"{'system (median of ' + str(args.repeats) + ' runs)':<44} {'tok/s':>8}")
