@@ -7,6 +7,10 @@ import json
 import logging
 import sys
 
+import redis
+
+from producer.client import InvalidRequest
+
 
 def _generate(args: argparse.Namespace) -> int:
     from roseinfer import LLM, SamplingParams
@@ -62,7 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose or args.command in ("worker", "demo") else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+        return 2
+    except InvalidRequest as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -110,3 +110,15 @@ def test_the_producer_imports_without_torch_or_transformers():
     )
     out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_the_cli_reports_a_dead_redis_and_a_bad_request_in_one_line(capsys):
+    from roseinfer.cli import main
+
+    dead = ["--redis-url", "redis://127.0.0.1:1/0"]
+    assert main(["submit", "hi", *dead]) == 2
+    assert main(["status", *dead]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: cannot reach Redis") == 2 and "Traceback" not in err
+    assert main(["submit", "hi", "--max-tokens", "-3", *dead]) == 2  # refused before Redis is asked
+    assert "max_tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
