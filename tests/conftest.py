@@ -14,25 +14,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from roseinfer.tiny_models import save_tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,  # large weights: decisive logits, so argmax never hangs on rounding
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
