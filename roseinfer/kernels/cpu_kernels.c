@@ -137,9 +137,10 @@ static void weighted_values64(const float* restrict p, int64_t ctx, const int64_
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
 // sequence up to its own position. q, k, v are row views with token strides (they come out of one fused
-// QKV projection); out is [T, H, D] contiguous. The V cache is [blocks, block_size, Hkv, D]; the K cache is
-// [blocks, Hkv, D, block_size], so the scores of a whole block come from vector FMAs over its keys with no
-// horizontal sums.
+// QKV projection); out is [T, H, D] contiguous. The caches are laid out per KV head (this kernel alone reads
+// and writes them; the PyTorch path, chosen once per engine, has its own layout): K [blocks, Hkv, D, block_size],
+// so the scores of a whole block come from vector products over its keys with no horizontal sums; V [blocks,
+// Hkv, block_size, D], so one head's rows of a block are contiguous.
 void paged_attention(const void* q, int64_t q_stride, const void* k, const void* v, int64_t kv_stride,
                      void* k_cache, void* v_cache, const int64_t* slot_mapping, const int64_t* positions,
                      const int64_t* seq_of_token, const int64_t* block_tables, int64_t table_width,
