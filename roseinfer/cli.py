@@ -7,10 +7,6 @@ import json
 import logging
 import sys
 
-import redis
-
-from producer.client import InvalidRequest
-
 
 def _generate(args: argparse.Namespace) -> int:
     from roseinfer import LLM, SamplingParams
@@ -36,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
-    from roseinfer import bench_queue
+    from worker import bench_queue
 
     p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
     bench_queue.add_arguments(p)
@@ -66,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose or args.command in ("worker", "demo") else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
+    import redis  # here, not at the top: the engine's modules never import the queue's
+
+    from producer.client import InvalidRequest
+
     try:
         return args.func(args)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:

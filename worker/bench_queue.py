@@ -148,11 +148,9 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
     conn = Redis.from_url(url)
     queue = Queue("bench-stock", connection=conn, serializer=JSONSerializer)
     kwargs = {"model_path": model_path, "dtype": args.dtype}
-    queue.enqueue("roseinfer.bench_queue.hf_job", messages=convs[0], max_tokens=1, **kwargs)  # loads the model
+    queue.enqueue("worker.bench_queue.hf_job", messages=convs[0], max_tokens=1, **kwargs)  # loads the model
     jobs = [
-        queue.enqueue(
-            "roseinfer.bench_queue.hf_job", messages=c, max_tokens=args.max_tokens, job_timeout=3600, **kwargs
-        )
+        queue.enqueue("worker.bench_queue.hf_job", messages=c, max_tokens=args.max_tokens, job_timeout=3600, **kwargs)
         for c in convs[: args.stock_jobs]
     ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
