@@ -1,12 +1,15 @@
-"""The KV cache manager: owns the block pool, block tables and the prefix cache.
+"""The KV cache manager: owns the block pool, every request's block table and the prefix cache.
 
 Blocks are reference counted. A block whose count drops to zero goes to the back of an LRU free queue but
 keeps its hash, so a later request with the same prefix can take it back until it is handed out again.
+It reads a request's tokens and ``num_computed_tokens`` but never changes them: a prefix hit is reported
+as a number of tokens, and the scheduler records it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from roseinfer.sequence import Sequence
 
@@ -22,6 +25,14 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
+@dataclass
+class PrefixHit:
+    """Leading blocks of a request found in the prefix cache."""
+
+    block_ids: list[int]
+    num_tokens: int  # tokens those blocks hold: computed already, once the request is admitted with them
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -33,6 +44,10 @@ class KVCacheManager:
         # Free blocks, least recently used first; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        # request id -> its block table: block i holds the request's tokens [i * block_size, (i + 1) * block_size).
+        self._block_tables: dict[str, list[int]] = {}
+        # request id -> how many leading blocks of its table are registered in the prefix cache.
+        self._num_registered_blocks: dict[str, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -50,11 +65,20 @@ class KVCacheManager:
         return len(self._cached)
 
     @property
+    def num_block_tables(self) -> int:
+        """Requests holding blocks."""
+        return len(self._block_tables)
+
+    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a request ([] when it holds none). The manager's own list: read, never change it."""
+        return self._block_tables.get(request_id, [])
 
     # ----- prefix cache ----------------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
@@ -66,11 +90,11 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+    def get_computed_blocks(self, seq: Sequence) -> PrefixHit:
         """Leading blocks of ``seq`` already in the cache. At least one token is always left to compute,
         because the last prompt token must run through the model to give the next token's logits."""
         if not self.enable_prefix_caching:
-            return []
+            return PrefixHit([], 0)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []
         bs = self.block_size
@@ -81,51 +105,54 @@ class KVCacheManager:
             found.append(block_id)
         self.prefix_query_tokens += seq.num_tokens
         self.prefix_hit_tokens += len(found) * bs
-        return found
+        return PrefixHit(found, len(found) * bs)
 
-    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _register_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
-        if num_full <= seq.num_registered_blocks:
+        num_registered = self._num_registered_blocks.get(seq.request_id, 0)
+        if num_full <= num_registered:
             return
         hashes = self._block_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(seq.num_registered_blocks, num_full):
-            block = self.blocks[seq.block_table[i]]
+        for i in range(num_registered, num_full):
+            block = self.blocks[table[i]]
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self._cached[hashes[i]] = block.block_id
-        seq.num_registered_blocks = num_full
+        self._num_registered_blocks[seq.request_id] = num_full
 
     # ----- allocation ------------------------------------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Give ``seq`` room for ``num_new_tokens`` more tokens after the computed ones (and after
-        ``computed_blocks``, prefix-cache hits taken at admission). Returns False, changing nothing,
-        when the pool is too small."""
-        computed_blocks = computed_blocks or []
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones (and, at admission,
+        after ``prefix_hit``, whose blocks it then shares). Returns False, changing nothing, when the pool
+        is too small. ``seq.num_computed_tokens`` is read, never written: the scheduler records the hit."""
+        hit_blocks = prefix_hit.block_ids if prefix_hit is not None else []
+        table = self._block_tables.get(seq.request_id)
+        if hit_blocks and table:
+            raise ValueError("prefix hits are taken at admission, before a request holds any block")
+        total = seq.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - (len(table) if table else 0) - len(hit_blocks)
         # Cached blocks that sit in the free queue stop being free once taken.
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        num_revived = sum(1 for b in hit_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks > len(self._free) - num_revived:
             return False
-        for block_id in computed_blocks:
+        if table is None:
+            table = self._block_tables[seq.request_id] = []
+        for block_id in hit_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-        if computed_blocks:
-            seq.num_computed_tokens = num_computed
-            seq.num_cached_tokens = num_computed
-            seq.num_registered_blocks = len(seq.block_table)
+            table.append(block_id)
+        if hit_blocks:
+            self._num_registered_blocks[seq.request_id] = len(table)
         for _ in range(num_new_blocks):
-            seq.block_table.append(self._take_free_block())
+            table.append(self._take_free_block())
         if self.enable_prefix_caching:
             # Registered before the forward that fills them: every layer writes its K/V before any
             # attention reads, so a request scheduled in the same step may already share them.
-            self._register_full_blocks(seq, total)
+            self._register_full_blocks(seq, table, total)
         return True
 
     def _take_free_block(self) -> int:
@@ -139,16 +166,18 @@ class KVCacheManager:
         block.ref_count = 1
         return block_id
 
-    def free(self, seq: Sequence) -> None:
-        """Release the blocks of ``seq``; tail blocks first, so they are evicted before shared prefixes."""
-        for block_id in reversed(seq.block_table):
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks and drop its table; tail blocks first, so they are evicted before
+        shared prefixes."""
+        table = self._block_tables.pop(request_id, None)
+        self._num_registered_blocks.pop(request_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():

@@ -1,12 +1,24 @@
-"""Engine settings: one plain dataclass, checked once at start-up."""
+"""Engine settings: one plain dataclass, checked once at start-up, and the one place engine options are declared.
+
+Every field carries its help text. The worker's settings (``ROSEINFER_*`` variables), the command-line flags of
+``roseinfer worker``, ``roseinfer bench`` and ``roseinfer generate`` are all derived from these fields.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 import re
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_DTYPES = ("float32", "bfloat16", "float16")
+# Environment variables the engine reads itself (EngineConfig fields come from flags or the worker's settings).
+ENGINE_ENV_VARS = ("ROSEINFER_CACHE_DIR", "ROSEINFER_CPU_KERNELS", "ROSEINFER_BENCH_PROMPTS")
+DTYPES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -22,38 +34,119 @@ def parse_size(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def cache_dir() -> Path:
+    """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``)."""
+    return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with the help text every derived flag and setting shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    tokenizer: str | None = None
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    model: str = option(DEFAULT_MODEL, "model: the default name, a transformers folder, a .gguf file or a hub id")
+    dtype: str = option("float32", "numeric type of weights, activations and KV cache", DTYPES)
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    tokenizer: str | None = option(None, "tokenizer folder or hub id, when not the model's own")
+    max_num_seqs: int = option(128, "most requests in the running batch at once")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes plus prefill chunks)")
+    max_model_len: int | None = option(None, "context length (prompt plus output); default: the model's")
     # 8, not 16: prefix caching shares whole blocks, and chat templates' system prompts are short (SmolLM2's
     # is 24 tokens: 16 of them shared at 16, all 24 at 8).
-    block_size: int = 8
-    # Memory for the KV cache pool; "auto" is 1 GiB on CPU and half the free GPU memory on CUDA.
-    kv_cache_memory: int | str = "auto"
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    num_threads: int | None = None
+    block_size: int = option(8, "tokens per KV cache block (prefix caching shares whole blocks)")
+    kv_cache_memory: int | str = option(
+        "auto", "memory for the KV cache, e.g. 4GiB; auto: 1 GiB on CPU, half the free GPU memory on CUDA"
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
+    seed: int = option(0, "seed of the shared generator (requests with their own seed use theirs)")
+    num_threads: int | None = option(None, "threads for the math (torch.set_num_threads); default: every core")
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
-            raise ValueError("float16 is for GPUs; on CPU use float32 or bfloat16")
+            raise ValueError("dtype float16 is for GPUs; on CPU use float32 or bfloat16")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.kv_cache_memory != "auto":
-            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            try:
+                self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_memory: {exc}") from None
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option as flags and settings see it."""
+
+    name: str
+    type: Any  # the annotation, resolved: e.g. int, int | None, int | str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def scalar(self) -> type:
+        """The type a command-line string converts to (None dropped from optional types; str for mixed ones)."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)] or [self.type]
+        return args[0] if len(args) == 1 else str
+
+
+def engine_options() -> list[EngineOption]:
+    hints = typing.get_type_hints(EngineConfig)
+    return [
+        EngineOption(f.name, hints[f.name], f.default, f.metadata["help"], f.metadata["choices"])
+        for f in dataclasses.fields(EngineConfig)
+    ]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per engine option (but those excluded), defaults and help from the config."""
+    group = parser.add_argument_group("engine options")
+    for opt in engine_options():
+        if opt.name in exclude:
+            continue
+        if opt.scalar is bool:
+            group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=opt.default, help=opt.help)
+        else:
+            group.add_argument(
+                opt.flag, type=opt.scalar, default=opt.default, choices=opt.choices, help=f"{opt.help} ({opt.default})"
+            )
+
+
+class ConfigError(ValueError):
+    """An engine option given on the command line that the engine refuses."""
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config from flags added by ``add_engine_arguments`` (options not added keep their defaults)."""
+    try:
+        return EngineConfig(**{o.name: getattr(args, o.name) for o in engine_options() if hasattr(args, o.name)})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
 from roseinfer.config import EngineConfig
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
-from roseinfer.model_runner import ModelRunner, kv_bytes_per_block
+from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.sampler import Sampler
@@ -44,9 +45,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.eos_token_ids = loaded.eos_token_ids
-        self.model = build_model(loaded.hf_model)
+        # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
+        self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
+        self.model = build_model(loaded.hf_model, self.attn_backend)
 
-        block_bytes = kv_bytes_per_block(self.model, config.block_size, dtype)
+        block_bytes = self.attn_backend.kv_cache_bytes_per_block(
+            self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
+        )
         num_blocks = max(1, self._kv_budget() // block_bytes)
         self.max_model_len = min(
             config.max_model_len or self.model.max_position_embeddings,
@@ -62,13 +67,20 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, dtype, self.device, sampler)
+        self.runner = ModelRunner(self.model, self.attn_backend, num_blocks, self.device, sampler)
         self.stats = EngineStats()
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
         gc.freeze()
-        log.info("engine ready: %s, %s on %s, %d KV blocks", config.model, config.dtype, config.device, num_blocks)
+        log.info(
+            "engine ready: %s, %s on %s, %d KV blocks, %s attention",
+            config.model,
+            config.dtype,
+            config.device,
+            num_blocks,
+            self.attn_backend.name,
+        )
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":
@@ -162,20 +174,14 @@ class LLMEngine:
         if sched.is_empty:
             return []
         sampled = self.runner.execute(sched)
-        self.scheduler.update_after_step(sched)
-        self.stats.num_steps += 1
         now = time.perf_counter()
+        new_tokens = self.scheduler.update_from_output(sched, sampled, now)
+        self.stats.num_steps += 1
         outputs: list[RequestOutput] = []
-        samplers = [item.seq for item in sched.scheduled if item.seq.num_computed_tokens == item.seq.num_tokens]
-        for seq, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs):
-            if seq.num_output_tokens == 0:
+        for seq, token in new_tokens:
+            if seq.num_output_tokens == 1:  # its first token: the whole prompt has been computed
                 self.stats.num_prompt_tokens_computed += seq.num_prompt_tokens
-            seq.token_ids.append(token)
             self.stats.num_generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if logprobs is not None and seq.logprobs is not None:
-                seq.logprobs.append(logprobs)
             outputs.append(self._process_token(seq, token, now))
         return outputs
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.config import DEFAULT_MODEL
+from roseinfer.config import DEFAULT_MODEL, cache_dir
 from roseinfer.models import check_supported
 
 log = logging.getLogger(__name__)
@@ -32,10 +31,6 @@ class LoadedModel:
     tokenizer: object | None
     path: str
     eos_token_ids: list[int]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))
 
 
 def default_gguf_path() -> Path:

@@ -3,6 +3,10 @@
 Decodes go first, then chunks of prefills that were already started, then new requests from the waiting
 queue, all under one token budget. When the KV pool runs dry, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
+
+The step contract: ``schedule()`` says what runs (a ``SchedulerOutput``, every field fixed when it is made),
+the model runner computes it, and ``update_from_output()`` is the one place that records the result on the
+requests. Only the scheduler changes ``Sequence.num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -12,23 +16,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from roseinfer.block_manager import KVCacheManager
+from roseinfer.sampler import SamplerOutput
 from roseinfer.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # tokens computed for it in this step, starting at seq.num_computed_tokens
+class ScheduledRequest:
+    """One request's part of a step. A decode computes one token and samples the next; anything else is a
+    prefill (a whole prompt, a chunk of one, or a preempted request's recompute)."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+    seq: Sequence
+    start: int  # position of its first token computed this step: its num_computed_tokens when scheduled
+    num_tokens: int  # tokens computed this step: positions start .. start + num_tokens - 1
+    samples: bool  # the step reaches its last known token, so a new token is sampled for it
+    is_prefill: bool  # False for a decode (num_tokens == 1 and samples), also a prompt's last single token
+    block_ids: list[int]  # its block table for this step (a copy: later allocations do not change it)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
+    scheduled: list[ScheduledRequest]  # the decodes first, then the prefills
+    num_decodes: int  # scheduled[:num_decodes] are the decodes
     num_batched_tokens: int
     preempted: list[Sequence]
 
@@ -92,15 +100,16 @@ class Scheduler:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
         preempted: list[Sequence] = []
-        taken: set[int] = set()  # id() of sequences scheduled this step; never preempted
+        taken: set[str] = set()  # request ids scheduled this step; never preempted
 
         # Decodes first, then started prefills: a long prompt never stalls tokens already streaming.
         order = [s for s in self._running if s.num_uncomputed_tokens == 1]
@@ -118,41 +127,76 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, n))
-                taken.add(id(seq))
+                self._add_scheduled(seq, n, decodes, prefills)
+                taken.add(seq.request_id)
                 budget -= n
 
         # Admit waiting requests only when nothing had to be preempted: the pool is tight otherwise.
         while not preempted and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
-            computed = self.kv.get_computed_blocks(seq)
-            n = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
-            if not self.kv.allocate_slots(seq, n, computed):
+            hit = self.kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate_slots(seq, n, hit):
                 break
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
+            seq.num_computed_tokens = hit.num_tokens
+            if hit.num_tokens:
+                seq.num_cached_tokens = hit.num_tokens
             self._running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
-            taken.add(id(seq))
+            self._add_scheduled(seq, n, decodes, prefills)
+            taken.add(seq.request_id)
             budget -= n
 
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted)
 
-    def _pick_victim(self, taken: set[int]) -> Sequence:
+    def _add_scheduled(
+        self, seq: Sequence, n: int, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
+    ) -> None:
+        start = seq.num_computed_tokens
+        samples = start + n == seq.num_tokens
+        is_prefill = not (n == 1 and samples)
+        item = ScheduledRequest(seq, start, n, samples, is_prefill, list(self.kv.get_block_ids(seq.request_id)))
+        (prefills if is_prefill else decodes).append(item)
+
+    def _pick_victim(self, taken: set[str]) -> Sequence:
         for seq in reversed(self._running):
-            if id(seq) not in taken:
+            if seq.request_id not in taken:
                 return seq
         raise RuntimeError("KV cache too small to run even one request; raise the KV cache memory budget")
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq.request_id)
+        seq.num_computed_tokens = 0  # its K/V are gone: recomputed from the start when it is admitted again
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(seq)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Record what the forward computed; sampled tokens are appended by the engine."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: SamplerOutput, now: float
+    ) -> list[tuple[Sequence, int]]:
+        """Record a step's result on its requests: the tokens computed, and for each request that samples
+        (in the order of ``out.scheduled``, as ``sampled`` lists them) its new token, logprobs and first-token
+        time. Returns (request, new token) for those, for the engine's output processing."""
+        num_samples = sum(item.samples for item in out.scheduled)
+        if num_samples != len(sampled.token_ids):  # checked first: a bad output changes no request
+            raise ValueError(f"{len(sampled.token_ids)} sampled tokens for {num_samples} requests that sample")
+        new_tokens: list[tuple[Sequence, int]] = []
+        i = 0
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_tokens
+            if not item.samples:
+                continue
+            token, logprobs = sampled.token_ids[i], sampled.logprobs[i]
+            i += 1
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(logprobs)
+            new_tokens.append((seq, token))
+        return new_tokens

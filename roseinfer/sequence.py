@@ -1,4 +1,8 @@
-"""One request's state inside the engine: its tokens, its KV blocks and how far it has been computed."""
+"""One request's state inside the engine: its tokens, how far they have been computed, and its outputs.
+
+Its KV blocks are not here: the KV cache manager keeps every request's block table. Only the scheduler
+changes ``num_computed_tokens``.
+"""
 
 from __future__ import annotations
 
@@ -40,15 +44,13 @@ class Sequence:
         self.detokenizer = detokenizer
         self.generator = generator
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        # Tokens whose K/V sit in the cache (computed here or found in the prefix cache).
+        # Tokens whose K/V sit in the cache (computed here or found in the prefix cache); set by the scheduler.
         self.num_computed_tokens = 0
         # Of those, how many came from the prefix cache at admission.
         self.num_cached_tokens = 0
-        # Chained hashes of the full blocks of token_ids, filled lazily by the KV cache manager.
+        # Chained hashes of the full blocks of token_ids: a cache of their content, filled lazily by the KV
+        # cache manager (tokens are only appended, so they stay valid across preemptions).
         self.block_hashes: list[int] = []
-        # How many leading blocks of block_table are registered in the prefix cache.
-        self.num_registered_blocks = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -88,5 +90,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+            f"computed={self.num_computed_tokens})"
         )

@@ -11,40 +11,43 @@ def test_allocation_grows_by_blocks_and_frees_to_zero():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     s = seq(list(range(10)))
     assert kv.allocate_slots(s, 10)
-    assert len(s.block_table) == 3 and kv.num_used_blocks == 3
-    s.num_computed_tokens = 10
+    assert len(kv.get_block_ids("r")) == 3 and kv.num_used_blocks == 3
+    s.num_computed_tokens = 10  # the scheduler's part, done here by hand
     s.token_ids.append(99)
-    assert kv.allocate_slots(s, 1) and len(s.block_table) == 3  # slot 11 fits the third block
-    kv.free(s)
-    assert kv.num_used_blocks == 0 and s.block_table == []
+    assert kv.allocate_slots(s, 1) and len(kv.get_block_ids("r")) == 3  # slot 11 fits the third block
+    kv.free("r")
+    assert kv.num_used_blocks == 0 and kv.get_block_ids("r") == [] and kv.num_block_tables == 0
 
 
 def test_refuses_without_changing_anything_when_full():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     s = seq(list(range(12)))
     assert not kv.allocate_slots(s, 12)
-    assert s.block_table == [] and kv.num_free_blocks == 2
+    assert kv.get_block_ids("r") == [] and kv.num_block_tables == 0 and kv.num_free_blocks == 2
 
 
 def test_prefix_blocks_are_shared_reference_counted_and_reused_after_free():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     a = seq(list(range(10)), "a")
-    assert kv.get_computed_blocks(a) == []
+    miss = kv.get_computed_blocks(a)
+    assert miss.block_ids == [] and miss.num_tokens == 0
     assert kv.allocate_slots(a, 10)
     a.num_computed_tokens = 10
     b = seq(list(range(8)) + [50, 51, 52], "b")
-    hits = kv.get_computed_blocks(b)
-    assert hits == a.block_table[:2]  # two full blocks in common, shared without copies
-    assert kv.allocate_slots(b, 3, hits)
-    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
-    assert kv.blocks[hits[0]].ref_count == 2
+    hit = kv.get_computed_blocks(b)
+    assert hit.block_ids == kv.get_block_ids("a")[:2]  # two full blocks in common, shared without copies
+    assert hit.num_tokens == 8
+    assert kv.allocate_slots(b, 3, hit)
+    assert b.num_computed_tokens == 0  # the manager reports the hit; recording it is the scheduler's job
+    assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2] and len(kv.get_block_ids("b")) == 3
+    assert kv.blocks[hit.block_ids[0]].ref_count == 2
     used = kv.num_used_blocks
     assert used == 3 + 1  # a's three blocks and b's own tail block
-    kv.free(a)
-    kv.free(b)
-    assert kv.num_used_blocks == 0
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_used_blocks == 0 and kv.num_block_tables == 0
     c = seq(list(range(8)) + [7], "c")
-    assert kv.get_computed_blocks(c) == hits  # freed blocks stay cached until reused
+    assert kv.get_computed_blocks(c).block_ids == hit.block_ids  # freed blocks stay cached until reused
 
 
 def test_a_full_prompt_hit_still_leaves_one_token_to_compute():
@@ -52,16 +55,17 @@ def test_a_full_prompt_hit_still_leaves_one_token_to_compute():
     a = seq(list(range(8)), "a")
     kv.allocate_slots(a, 8)
     b = seq(list(range(8)), "b")
-    assert len(kv.get_computed_blocks(b)) == 1
+    hit = kv.get_computed_blocks(b)
+    assert len(hit.block_ids) == 1 and hit.num_tokens == 4
 
 
 def test_lru_evicts_the_oldest_freed_block_and_forgets_its_hash():
     kv = KVCacheManager(num_blocks=2, block_size=2)
     a = seq([1, 2, 3], "a")
     kv.allocate_slots(a, 3)
-    kv.free(a)
+    kv.free("a")
     assert kv.num_cached_blocks == 1
     b = seq([9, 9, 9], "b")
     assert kv.allocate_slots(b, 3)  # needs both blocks: the cached one is evicted
     assert kv.num_cached_blocks == 1  # only b's first block is cached now
-    assert kv.get_computed_blocks(seq([1, 2, 3], "c")) == []
+    assert kv.get_computed_blocks(seq([1, 2, 3], "c")).block_ids == []

@@ -1,4 +1,5 @@
 from roseinfer.block_manager import KVCacheManager
+from roseinfer.sampler import SamplerOutput
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.sequence import Sequence, SequenceStatus
@@ -16,12 +17,10 @@ def add(sched, rid, n):
 
 
 def run_step(sched):
-    """What the engine does around the forward: count computed tokens, append a token to finished prompts."""
+    """What the engine does around the forward: token 1 sampled for every request that samples."""
     out = sched.schedule()
-    sched.update_after_step(out)
-    for item in out.scheduled:
-        if item.seq.num_computed_tokens == item.seq.num_tokens:
-            item.seq.token_ids.append(1)
+    num_samples = sum(item.samples for item in out.scheduled)
+    sched.update_from_output(out, SamplerOutput([1] * num_samples, [None] * num_samples), now=0.0)
     return out
 
 
@@ -49,7 +48,7 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
 
 
 def test_preemption_when_blocks_run_out_frees_the_newest_request():
-    _kv, sched = make(num_blocks=6, block_size=4, budget=64)
+    kv, sched = make(num_blocks=6, block_size=4, budget=64)
     a = add(sched, "a", 8)
     b = add(sched, "b", 8)
     run_step(sched)  # 4 blocks used
@@ -58,7 +57,7 @@ def test_preemption_when_blocks_run_out_frees_the_newest_request():
         if out.preempted:
             break
     assert out.preempted == [b]
-    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.status is SequenceStatus.WAITING and kv.get_block_ids("b") == [] and b.num_computed_tokens == 0
     assert next(sched.waiting()) is b  # back at the front of the queue
     assert a.status is SequenceStatus.RUNNING
 
@@ -72,7 +71,7 @@ def test_abort_frees_blocks_at_any_moment():
     sched.finish(b, "abort")
     c = add(sched, "c", 10)
     sched.finish(c, "abort")  # still waiting
-    assert kv.num_used_blocks == 0 and not sched.has_unfinished()
+    assert kv.num_used_blocks == 0 and kv.num_block_tables == 0 and not sched.has_unfinished()
     assert a.finish_reason == "abort" and a.is_finished
 
 

@@ -1,7 +1,8 @@
 """Fused CPU kernels (``cpu_kernels.c``), built once with the system C compiler and loaded with ctypes.
 
 Each op has a plain PyTorch twin with the same semantics: it runs on CUDA, on dtypes the C code does not
-cover, where no compiler is found, or when ``ROSEINFER_CPU_KERNELS=0``.
+cover, where no compiler is found, or when ``ROSEINFER_CPU_KERNELS=0``. Whether the C code runs is decided
+by ``cpu_kernels_for`` alone, for the attention backend and the elementwise ops here alike.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from roseinfer.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,6 @@ def _build() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: using the slower PyTorch ops")
         return None
-    from roseinfer.model_loader import cache_dir
-
     source = _SOURCE.read_bytes()
     digest = hashlib.sha1(source + " ".join(_FLAGS).encode()).hexdigest()[:12]
     target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_tag()}.so"
@@ -86,8 +87,10 @@ def cpu_kernels() -> ctypes.CDLL | None:
     return _lib
 
 
-def kernels_for(t: torch.Tensor) -> ctypes.CDLL | None:
-    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16):
+def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The compiled kernels if they run on tensors of this device and dtype, else None (use the PyTorch twins).
+    The one place this is decided: the attention backend is chosen with it, and every op below asks it."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_kernels()
 
@@ -98,7 +101,7 @@ def _bf16(t: torch.Tensor) -> int:
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``h += delta`` in place (when given), then ``weight * rmsnorm(h)`` as transformers computes it."""
-    lib = kernels_for(h)
+    lib = cpu_kernels_for(h.device, h.dtype)
     if lib is None or not h.is_contiguous() or (delta is not None and not delta.is_contiguous()):
         if delta is not None:
             h.add_(delta)
@@ -126,7 +129,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """Rotary embedding in place on x: [T, heads, D] (rows may be strided); cos/sin: [max_pos, D] tables."""
-    lib = kernels_for(x)
+    lib = cpu_kernels_for(x.device, x.dtype)
     if lib is None or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] > _MAX_HEAD_DIM:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         x.copy_(x * c + rotate_half(x) * s)
@@ -146,7 +149,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows [gate | up]."""
-    lib = kernels_for(gate_up)
+    lib = cpu_kernels_for(gate_up.device, gate_up.dtype)
     n = gate_up.shape[1] // 2
     if lib is None or not gate_up.is_contiguous():
         gate, up = gate_up.chunk(2, dim=-1)

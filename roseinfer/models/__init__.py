@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from roseinfer.attention import AttentionMetadata
+from roseinfer.attention import AttentionBackend, AttentionMetadata
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
@@ -42,14 +42,15 @@ def check_supported(model_type: str) -> None:
         )
 
 
-def build_model(hf_model: torch.nn.Module) -> CausalLM:
-    """Wrap the weights of a loaded transformers model in the engine's forward for its architecture."""
+def build_model(hf_model: torch.nn.Module, attn: AttentionBackend) -> CausalLM:
+    """Wrap the weights of a loaded transformers model in the engine's forward for its architecture, its
+    attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is given)."""
     model_type = hf_model.config.model_type
     check_supported(model_type)
     if model_type == "gpt2":
         from roseinfer.models.gpt2 import GPT2
 
-        return GPT2(hf_model)
+        return GPT2(hf_model, attn)
     from roseinfer.models.llama import Llama
 
-    return Llama(hf_model)
+    return Llama(hf_model, attn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from roseinfer.attention import AttentionMetadata, paged_attention
+from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.models.linear import Linear
 
 
@@ -15,8 +15,11 @@ def _conv1d(module: torch.nn.Module) -> Linear:
 
 
 class GPT2Block:
-    def __init__(self, block: torch.nn.Module, num_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, block: torch.nn.Module, num_heads: int, head_dim: int, scale: float, attn: AttentionBackend
+    ) -> None:
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.attn = attn
         self.ln1 = (block.ln_1.weight.detach(), block.ln_1.bias.detach(), block.ln_1.eps)
         self.ln2 = (block.ln_2.weight.detach(), block.ln_2.bias.detach(), block.ln_2.eps)
         self.c_attn = _conv1d(block.attn.c_attn)
@@ -30,14 +33,14 @@ class GPT2Block:
         x = F.layer_norm(h, (width,), *self.ln1[:2], self.ln1[2])
         qkv = self.c_attn(x).view(t, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)
-        o = paged_attention(q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta, self.scale)
+        o = self.attn.forward(q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta, self.scale)
         h = h + self.c_proj(o.reshape(t, width))
         x = F.layer_norm(h, (width,), *self.ln2[:2], self.ln2[2])
         return h + self.mlp_proj(self.act(self.c_fc(x)))
 
 
 class GPT2:
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, attn: AttentionBackend) -> None:
         cfg = hf_model.config
         inner = hf_model.transformer
         self.num_layers = cfg.n_layer
@@ -54,6 +57,7 @@ class GPT2:
                 cfg.n_head,
                 self.head_dim,
                 base_scale / (i + 1) if cfg.scale_attn_by_inverse_layer_idx else base_scale,
+                attn,
             )
             for i, block in enumerate(inner.h)
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from roseinfer.attention import AttentionMetadata, paged_attention
+from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.kernels import add_rms_norm, rope_, silu_mul
 from roseinfer.models.linear import Linear
 
@@ -13,8 +13,17 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class LlamaLayer:
-    def __init__(self, layer: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int, hidden_act: str):
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_act: str,
+        attn_backend: AttentionBackend,
+    ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn_backend
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
@@ -35,7 +44,7 @@ class LlamaLayer:
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
         rope_(qk, *rope_tables, meta.positions)  # q and k heads rotated together
         q, k = qk.split(self.q_k_split, dim=1)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x = add_rms_norm(h, self.o_proj(o.view(t, -1)), *self.ln2)
         gate_up = self.gate_up(x)
         if self.act is None:
@@ -47,7 +56,7 @@ class LlamaLayer:
 
 
 class Llama:
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, attn: AttentionBackend) -> None:
         cfg = hf_model.config
         inner = hf_model.model
         self.num_layers = cfg.num_hidden_layers
@@ -61,7 +70,8 @@ class Llama:
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         self.embed = inner.embed_tokens.weight.detach()
         self.layers = [
-            LlamaLayer(layer, num_heads, self.num_kv_heads, self.head_dim, cfg.hidden_act) for layer in inner.layers
+            LlamaLayer(layer, num_heads, self.num_kv_heads, self.head_dim, cfg.hidden_act, attn)
+            for layer in inner.layers
         ]
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.lm_head = Linear(hf_model.lm_head.weight)
