@@ -6,7 +6,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Bounds of the sampling fields, the same as the engine's SamplingParams (tests/test_options.py checks them).
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
 NonNegInt = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class ChatMessage(BaseModel):
@@ -26,25 +31,27 @@ class JobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    min_tokens: NonNegInt = 0
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
-    seed: NonNegInt | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    ignore_eos: bool = False
-    custom_id: str | None = Field(default=None, max_length=512)
-    metadata: dict[str, Any] | None = None
+    prompt: str | None = Field(None, description="a plain prompt (no chat template)")
+    messages: list[ChatMessage] | None = Field(None, description="chat messages (the model's chat template applied)")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
+    min_tokens: NonNegInt = Field(0, description="tokens generated before EOS or a stop token may end the output")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of this mass")
+    top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="sample among the k likeliest tokens; 0 or -1: all")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below this share of the likeliest one")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="penalise tokens already in the output")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="penalise tokens by their count in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="divide logits of tokens seen in prompt or output")
+    stop: str | list[str] | None = Field(None, description="strings that end the output (cut from it)")
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
+    logprobs: bool | int | None = Field(None, description="log probabilities of the top N tokens per step")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="N, with logprobs=true (chat form)")
+    ignore_eos: bool = Field(False, description="keep generating past EOS")
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the output")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
+    metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
 
     @field_validator(
         "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", mode="before"
@@ -65,8 +72,8 @@ class JobRequest(BaseModel):
     @field_validator("logprobs")
     @classmethod
     def _logprobs_range(cls, value: bool | int | None) -> bool | int | None:
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= 20:
-            raise ValueError("logprobs must be true/false or an integer in [0, 20]")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be true/false or an integer in [0, {MAX_LOGPROBS}]")
         return value
 
     @model_validator(mode="after")
@@ -112,6 +119,8 @@ class JobRequest(BaseModel):
             "seed": self.seed,
             "logprobs": self.num_logprobs,
             "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
         }
 
 

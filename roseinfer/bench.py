@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_WORKLOAD = "../shared/bench/prompts64.json"
+from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args
+
+# The standard workload (64 short chat instructions), shipped inside the package so every checkout has it.
+DEFAULT_WORKLOAD = Path(__file__).with_name("data") / "prompts64.json"
 
 
 @dataclass
@@ -56,33 +59,22 @@ def median_run(runs: list, rate=lambda r: r.tokens_per_s):
 
 
 def build_llm(args: argparse.Namespace):
+    config = engine_config_from_args(args)  # a bad option fails here, before torch loads
     from roseinfer import LLM
 
-    options = {"block_size": args.block_size} if args.block_size else {}
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **options,
-    )
+    return LLM.from_config(config)
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 1)
 
 
-def find_workload(path: str | None) -> Path | None:
-    candidates = [path] if path else [os.environ.get("ROSEINFER_BENCH_PROMPTS"), DEFAULT_WORKLOAD]
-    here = Path(__file__).resolve().parents[1]
-    for c in filter(None, candidates):
-        for p in (Path(c), here / c):
-            if p.is_file():
-                return p
-    if path:
-        raise FileNotFoundError(f"prompts file not found: {path}")
-    return None
+def find_workload(path: str | None) -> Path:
+    """--prompts, else ROSEINFER_BENCH_PROMPTS, else the workload shipped with the package."""
+    chosen = Path(path or os.environ.get("ROSEINFER_BENCH_PROMPTS") or DEFAULT_WORKLOAD)
+    if not chosen.is_file():
+        raise ConfigError(f"prompts file not found: {chosen}")
+    return chosen
 
 
 def load_prompts(args) -> list[list[dict]]:
@@ -91,10 +83,7 @@ def load_prompts(args) -> list[list[dict]]:
         words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
         texts = [" ".join(words[(i + j) % len(words)] for j in range(args.input_len)) for i in range(args.num_prompts)]
     else:
-        path = find_workload(args.prompts)
-        if path is None:
-            raise SystemExit("no workload: pass --prompts FILE (a JSON list of strings) or --input-len N")
-        texts = json.loads(path.read_text())
+        texts = json.loads(find_workload(args.prompts).read_text())
         texts = (texts * (args.num_prompts // len(texts) + 1))[: args.num_prompts]
     return [[{"role": "user", "content": t}] for t in texts]
 
@@ -184,10 +173,8 @@ def print_table(results: list[RunResult], dtype: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--prompts", help=f"JSON list of prompt strings (default {DEFAULT_WORKLOAD})")
+    add_engine_arguments(p)
+    p.add_argument("--prompts", help="JSON list of prompt strings (default: the 64 shipped in roseinfer/data)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
@@ -200,9 +187,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts for the one-at-a-time baseline (default: all; 0 skips it)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's)")
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
 

@@ -18,6 +18,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        options = {k: v for k, v in vars(config).items() if k != "model"}
+        return cls(config.model, **options)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -70,12 +70,15 @@ class Sampler:
 
     def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Before min_tokens are out, EOS and stop tokens cannot be chosen."""
+        vocab = logits.shape[1]
         for i, seq in enumerate(seqs):
             p = seq.params
             if seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     banned += self.eos_token_ids
+                # Ids past the vocabulary (a config's EOS, a job's stop id) can never be sampled: nothing to ban.
+                banned = [t for t in banned if t < vocab]
                 if banned:
                     logits[i, banned] = float("-inf")
 

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_MAX_LOGPROBS = 20
+# Bounds shared with the job payload (producer/schema.py; tests/test_options.py checks that the two agree).
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # as the OpenAI API
+MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
+MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 
 
 @dataclass
 class SamplingParams:
     """What to generate and when to stop, shaped like vLLM's ``SamplingParams``.
 
-    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 disable those filters.
-    ``max_tokens=None`` generates until EOS, a stop condition or the model's context length.
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 disable those filters; a ``top_k``
+    above the vocabulary size keeps the whole vocabulary. ``max_tokens=None`` (the default, as in OpenAI's chat
+    API) generates until EOS, a stop condition or the model's context length.
     """
 
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -36,6 +41,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalise_stop(self.stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
@@ -57,12 +64,12 @@ class SamplingParams:
             fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not is_num(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOKEN_ID}, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -71,13 +78,16 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:
                 fail(f"{name} must be in [-2, 2], got {value!r}")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            fail(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= _MAX_LOGPROBS):
-            fail(f"logprobs must be an integer in [0, {_MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            fail(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         for tid in self.stop_token_ids:
-            if not is_int(tid) or tid < 0:
-                fail(f"stop_token_ids must hold non-negative integers, got {tid!r}")
+            if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
+                fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(f"{name} must be true or false, got {getattr(self, name)!r}")
         if any(s == "" for s in self.stop_strings):
             fail("stop strings must not be empty")
 

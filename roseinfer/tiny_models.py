@@ -1,12 +1,57 @@
 """Tiny random models: for tests and benchmarks that time the machinery (queue, scheduler, recovery), not the
-model. They load in about a second."""
+model. They load in about a second and need nothing but transformers and tokenizers: no download, no default model.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+# The chat template of SmolLM2 (ChatML with a default system prompt), so tiny chat models tokenize chats alike.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Text the tiny tokenizer learns its merges from: English words, digits, punctuation; any other text still
+# encodes (byte-level), one byte per token.
+_CORPUS = [
+    "Once upon a time there was a story about a dragon, a wizard and a lighthouse by the sea.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Write a haiku about autumn leaves. Explain in two sentences why the sky is blue.",
+    "Give three tips for learning a new language: read, listen, and speak every day.",
+    "The quick brown fox jumps over the lazy dog while seven wizards quietly hex 0123456789 times.",
+    "Question number 1: what is 2 + 2? Tell me something about continuous batching in LLM inference.",
+]
 
-def save_tiny_llama(path: str | Path, vocab_size: int = 256, max_position_embeddings: int = 512) -> str:
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with ChatML special tokens and a chat template, trained in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>"
+    )
+    fast.pad_token = fast.eos_token
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_llama(
+    path: str | Path, vocab_size: int = 256, max_position_embeddings: int = 512, eos_token_id: int | None = None
+) -> str:
     """A 2-layer random Llama (4 query heads, 2 KV heads), saved at ``path``; the same weights every time."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -21,15 +66,17 @@ def save_tiny_llama(path: str | Path, vocab_size: int = 256, max_position_embedd
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
         initializer_range=0.3,  # large weights: decisive logits, so greedy argmax never hangs on rounding
-        eos_token_id=None,  # runs to max_tokens
+        eos_token_id=eos_token_id,  # None: runs to max_tokens
         bos_token_id=None,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
-def save_tiny_chat_model(path: str | Path, tokenizer, max_position_embeddings: int = 256) -> str:
-    """A tiny random Llama over ``tokenizer``'s vocabulary, saved with the tokenizer (and its chat template)."""
+def save_tiny_chat_model(path: str | Path, tokenizer=None, max_position_embeddings: int = 256) -> str:
+    """A tiny random Llama over ``tokenizer``'s vocabulary (default: ``build_tiny_tokenizer()``), saved with the
+    tokenizer and its chat template."""
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     save_tiny_llama(path, len(tokenizer), max_position_embeddings)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -12,6 +12,13 @@ import pytest
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items) -> None:
+    # A test that takes a real Redis server is marked so, whatever file it sits in: `-m "not redis"` skips them all.
+    for item in items:
+        if "redis_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     from roseinfer.tiny_models import save_tiny_llama

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from conftest import hf_greedy
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.bench import DEFAULT_WORKLOAD
 
 pytestmark = pytest.mark.slow
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "prompts64.json"
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -99,7 +98,7 @@ def test_min_tokens_and_ignore_eos_hold_off_eos(llm):
 
 
 def test_bench_workload_prompts_all_finish(llm):
-    prompts = json.loads(WORKLOAD.read_text())[:16]
+    prompts = json.loads(DEFAULT_WORKLOAD.read_text())[:16]
     outs = llm.chat(
         [[{"role": "user", "content": p}] for p in prompts],
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),

@@ -67,6 +67,7 @@ def _reference(model: str, jobs, reqs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served, tiny_chat_model):
     worker, client = served
     reqs = _varied_requests(100)
@@ -236,6 +237,7 @@ def test_status_reports_workers_and_queue(served):
     assert st["finished"] >= 1
 
 
+@pytest.mark.slow
 def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model):
     """Redis drops the worker's round trips for a while: the engine waits, unsent events go out afterwards."""
     import redis as redis_mod

@@ -113,7 +113,7 @@ def test_the_producer_imports_without_torch_or_transformers():
 
 
 def test_the_cli_reports_a_dead_redis_and_a_bad_request_in_one_line(capsys):
-    from roseinfer.cli import main
+    from worker.cli import main
 
     dead = ["--redis-url", "redis://127.0.0.1:1/0"]
     assert main(["submit", "hi", *dead]) == 2

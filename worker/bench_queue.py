@@ -20,7 +20,8 @@ from typing import Any
 
 from roseinfer.bench import add_arguments as add_bench_arguments
 from roseinfer.bench import build_llm, load_prompts, median_run, percentile, run_roseinfer
-from worker.cli import worker_command
+from roseinfer.config import engine_config_from_args
+from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis
 
 
@@ -48,20 +49,8 @@ def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arr
     from producer import Client
 
     client = Client(url, queue=queue)
-    cmd = worker_command(
-        url,
-        queue,
-        args.model,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        *(["--block-size", str(args.block_size)] if args.block_size else []),
-    )
+    config = engine_config_from_args(args)
+    cmd = worker_command(url, queue, config.model, *engine_flags(config))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_worker(client.connection, queue, proc)

@@ -1,56 +1,88 @@
-"""``roseinfer worker`` and ``roseinfer demo``."""
+"""The ``roseinfer`` command: the engine's commands, the worker's, and the producer's, under one parser.
+
+It lives in ``worker/`` because it may import everything; the engine's own commands (``roseinfer/cli.py``) and
+the producer's (``producer/cli.py``) know nothing of each other.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import typing
+from importlib import metadata
 
-from worker.settings import WorkerSettings
+from pydantic import ValidationError
 
-_FLAGS = {  # flag -> type; unset flags fall back to ROSEINFER_* variables, then the defaults
-    "redis_url": str,
-    "queue": str,
-    "name": str,
-    "model": str,
-    "dtype": str,
-    "device": str,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "max_model_len": int,
-    "block_size": int,
-    "kv_cache_memory": str,
-    "num_threads": int,
-    "max_in_flight": int,
-    "heartbeat_interval": int,
-    "heartbeat_grace": int,
-    "maintenance_interval": int,
-}
+from roseinfer.config import EngineConfig, engine_options
+from worker.settings import ENV_PREFIX, WorkerSettings, unknown_env_vars
 
 
 def worker_command(redis_url: str, queue: str, model: str, *options: str) -> list[str]:
     """The argv of a ``roseinfer worker`` process (for benchmarks and tests that start one)."""
-    return [
-        sys.executable,
-        "-m",
-        "roseinfer.cli",
-        "worker",
-        "--redis-url",
-        redis_url,
-        "--queue",
-        queue,
-        "--model",
-        model,
-        *options,
-    ]
+    argv = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", redis_url, "--queue", queue, "--model", model]
+    return [*argv, *options]
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The ``roseinfer worker`` flags that give a worker this engine config (the model aside)."""
+    flags: list[str] = []
+    for opt in engine_options():
+        value = getattr(config, opt.name)
+        if opt.name == "model" or value == opt.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(opt.flag if value else "--no-" + opt.flag[2:])
+        else:
+            flags += [opt.flag, str(value)]
+    return flags
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line: each problem with the flag and the variable that set it."""
+    problems = []
+    for err in exc.errors():
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown setting"
+        if err.get("loc"):
+            name = str(err["loc"][0])
+            problems.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {msg}")
+        else:
+            problems.append(msg)
+    return "; ".join(problems)
+
+
+def _bool_field(annotation: object) -> bool:
+    return annotation is bool or bool in typing.get_args(annotation)
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per setting; values stay strings here and are converted and checked by WorkerSettings."""
+    for name, info in WorkerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        shown = info.get_default(call_default_factory=True)
+        default = "" if "default:" in (info.description or "") else f"default: {shown}; "
+        text = f"{info.description} ({default}env {ENV_PREFIX}{name.upper()})"
+        if _bool_field(info.annotation):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif typing.get_origin(info.annotation) is list:
+            p.add_argument(flag, action="append", default=None, metavar=name.upper(), help=text)
+        else:
+            p.add_argument(flag, default=None, metavar=name.upper(), help=text)
+
+
+def load_settings(args: argparse.Namespace, **fixed: object) -> WorkerSettings:
+    """Flags given on the command line, the rest from ROSEINFER_* variables and defaults."""
+    given = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
+    return WorkerSettings(**{name: v for name, v in given.items() if v is not None}, **fixed)
 
 
 def worker(args: argparse.Namespace) -> int:
+    settings = load_settings(args)  # every configuration error surfaces here, before Redis or the model
     from worker.main import run_worker
 
-    overrides = {name: getattr(args, name) for name in _FLAGS if getattr(args, name) is not None}
-    if args.burst:
-        overrides["burst"] = True
-    return run_worker(WorkerSettings(**overrides), logging_level="DEBUG" if args.verbose else "INFO")
+    return run_worker(settings, logging_level="DEBUG" if args.verbose else "INFO")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -60,15 +92,76 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="serve a Redis queue: many jobs at once in one engine")
-    for name, kind in _FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    p.add_argument("--burst", action="store_true", help="quit when the queue is empty and all jobs are done")
+    p = sub.add_parser(
+        "worker",
+        help="serve a Redis queue: many jobs at once in one engine",
+        description="Serve a Redis queue with one engine. Every flag can also be set by the environment "
+        "variable named in its help; flags win over variables.",
+    )
+    _add_settings_flags(p)
     p.set_defaults(func=worker)
 
     p = sub.add_parser("demo", help="the whole flow on one machine: embedded Redis, a worker, jobs, live tokens")
     p.add_argument("prompt", nargs="*")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default=WorkerSettings.model_fields["model"].default)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=demo)
+
+    from worker import bench_queue
+
+    p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
+    bench_queue.add_arguments(p)
+    p.set_defaults(func=bench_queue.main)
+
+
+def version() -> str:
+    try:
+        return metadata.version("roseinfer")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from producer import cli as producer_cli
+    from roseinfer import cli as engine_cli
+
+    parser = argparse.ArgumentParser(prog="roseinfer", description="roseinfer: a job-queue batch inference worker")
+    parser.add_argument("--version", action="version", version=f"roseinfer {version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    engine_cli.add_parsers(sub)
+    add_parsers(sub)
+    producer_cli.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for warning in unknown_env_vars():
+        print(warning, file=sys.stderr)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command in ("worker", "demo") else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
+    import redis
+
+    from producer.client import InvalidRequest
+    from roseinfer.config import ConfigError
+
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ValidationError as exc:
+        print(f"error: {describe_settings_error(exc)}", file=sys.stderr)
+    except (ConfigError, InvalidRequest) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,60 +1,94 @@
-"""Worker settings: command-line flags, else ``ROSEINFER_*`` environment variables, else these defaults."""
+"""Worker settings: command-line flags, else ``ROSEINFER_*`` environment variables, else these defaults.
+
+The engine's options are not declared here: ``WorkerSettings`` takes every field of ``roseinfer.EngineConfig``
+(name, type, default, help) as a setting of the same name, and checks them with the engine's own rules.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+import difflib
+import os
+
+from pydantic import Field, create_model, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_QUEUE
+from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
+
+ENV_PREFIX = "ROSEINFER_"
+# Read by the producer commands and the tests rather than by the worker's settings.
+OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER",)
 
 
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ROSEINFER_", extra="forbid")
+class QueueSettings(BaseSettings):
+    """The worker's own settings (the engine's are added to these in ``WorkerSettings``)."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    queue: str = DEFAULT_QUEUE
-    name: str | None = None
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    # The engine (see roseinfer.EngineConfig).
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_num_seqs: int = Field(default=128, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_model_len: int | None = Field(default=None, ge=2)
-    block_size: int | None = Field(default=None, ge=1)  # None: the engine's default
-    kv_cache_memory: str = "auto"
-    num_threads: int | None = Field(default=None, ge=1)
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the Redis to serve (redis:// or rediss://)")
+    queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the RQ queue to pull jobs from")
+    name: str | None = Field(None, description="worker name in RQ (default: host and pid)")
+    max_in_flight: int | None = Field(
+        None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
+    )
+    stream_ttl: int = Field(24 * 3600, ge=1, description="seconds a job's replay stream lives after its last event")
+    result_ttl: int = Field(24 * 3600, ge=1, description="seconds a result key lives")
+    stream_maxlen: int = Field(100_000, ge=16, description="events kept per replay stream")
+    # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace + maintenance_interval
+    # (about 55 s with these), run by any surviving worker.
+    heartbeat_interval: int = Field(10, ge=1, description="seconds between heartbeats of the worker and its jobs")
+    heartbeat_grace: int = Field(30, ge=1, description="seconds a missed heartbeat is forgiven before jobs return")
+    maintenance_interval: int = Field(15, ge=1, description="seconds between RQ registry clean-ups (dead workers)")
+    # Short, so signals and maintenance stay prompt.
+    idle_wait: int = Field(1, ge=1, description="seconds to block on an empty queue when nothing runs")
+    burst: bool = Field(False, description="quit when the queue is empty and every job is done")
+    # A job names nothing that runs: RQ callbacks and webhooks are refused unless allowed here by exact name.
+    allow_callback: list[str] = Field(
+        default_factory=list, description="an RQ callback (module.function) jobs may name; repeatable"
+    )
+    allow_webhook_host: list[str] = Field(
+        default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
+    )
+    max_job_bytes: int = Field(
+        4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
+    )
 
-    # Jobs held at once (running batch + the engine's waiting queue); None: max_num_seqs + a quarter.
-    max_in_flight: int | None = Field(default=None, ge=1)
-    # Replay streams and result keys expire this long after the job ends.
-    stream_ttl: int = Field(default=24 * 3600, ge=1)
-    result_ttl: int = Field(default=24 * 3600, ge=1)
-    stream_maxlen: int = Field(default=100_000, ge=16)
-    # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace +
-    # maintenance_interval (about 55 s with these), run by any surviving worker.
-    heartbeat_interval: int = Field(default=10, ge=1)
-    heartbeat_grace: int = Field(default=30, ge=1)
-    maintenance_interval: int = Field(default=15, ge=1)
-    # Seconds to block on an empty queue when nothing runs (short, so signals and maintenance stay prompt).
-    idle_wait: int = Field(default=1, ge=1)
-    burst: bool = False
+    @model_validator(mode="after")
+    def _engine_options_are_valid(self) -> QueueSettings:
+        self.engine_config()  # the engine's own checks, before anything loads or connects
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{opt.name: getattr(self, opt.name) for opt in engine_options()})
 
     def engine_options(self) -> dict:
-        opts = {
-            "dtype": self.dtype,
-            "device": self.device,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "kv_cache_memory": self.kv_cache_memory,
-            "num_threads": self.num_threads,
-        }
-        if self.block_size is not None:
-            opts["block_size"] = self.block_size
-        return opts
+        """Keyword arguments for ``roseinfer.LLM(model, **options)``."""
+        return {opt.name: getattr(self, opt.name) for opt in engine_options() if opt.name != "model"}
 
     @property
     def in_flight_limit(self) -> int:
         return self.max_in_flight or self.max_num_seqs + max(1, self.max_num_seqs // 4)
+
+
+WorkerSettings = create_model(
+    "WorkerSettings",
+    __base__=QueueSettings,
+    __doc__="Everything a worker is told: its own settings and every engine option.",
+    **{opt.name: (opt.type, Field(opt.default, description=opt.help)) for opt in engine_options()},
+)
+
+
+def known_env_vars() -> set[str]:
+    return {ENV_PREFIX + name.upper() for name in WorkerSettings.model_fields} | set(ENGINE_ENV_VARS + OTHER_ENV_VARS)
+
+
+def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
+    """Warnings for ``ROSEINFER_`` variables nothing reads (a misspelt one would otherwise be silently ignored)."""
+    known = known_env_vars()
+    warnings = []
+    for name in sorted(environ if environ is not None else os.environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"warning: {name} is not a roseinfer setting and is ignored{hint}")
+    return warnings

@@ -1,0 +1,162 @@
+"""Options are declared once: the engine config feeds the worker's settings and every engine flag; the job payload
+and SamplingParams agree on the sampling fields, their defaults and their bounds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from producer.schema import JobRequest
+from roseinfer import EngineConfig, SamplingParams
+from roseinfer.config import add_engine_arguments, engine_config_from_args, engine_options
+from worker.cli import build_parser, engine_flags, load_settings
+from worker.settings import WorkerSettings, unknown_env_vars
+
+# Engine-only sampling fields (not in the payload) and why.
+ENGINE_ONLY = {"n": "only n=1 is served", "stop_strings": "derived from stop"}
+# Payload fields that are not sampling fields.
+PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs"}
+
+
+def _sampling_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(SamplingParams) if f.name not in ENGINE_ONLY]
+
+
+def test_every_engine_option_is_a_worker_setting_with_the_engine_default_and_help():
+    for opt in engine_options():
+        info = WorkerSettings.model_fields[opt.name]
+        assert info.default == opt.default, opt.name
+        assert info.description == opt.help and opt.help
+    assert WorkerSettings().engine_config() == EngineConfig()
+
+
+def test_every_engine_option_is_a_bench_and_worker_flag():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("worker", "bench", "bench-queue", "generate"):
+        flags = {s for a in sub.choices[command]._actions for s in a.option_strings}
+        for opt in engine_options():
+            if command == "generate" and opt.name == "seed":
+                continue  # there --seed is the sampling seed
+            assert opt.flag in flags, (command, opt.flag)
+
+
+def test_worker_help_gives_description_default_and_variable_of_every_flag():
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "worker", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    text = " ".join(out.split())
+    for name, info in WorkerSettings.model_fields.items():
+        assert f"env ROSEINFER_{name.upper()}" in text, name
+        assert " ".join(info.description.split()) in text, name
+
+
+def test_engine_flags_round_trip_through_the_worker_settings():
+    config = EngineConfig(dtype="bfloat16", max_num_seqs=7, block_size=16, enable_prefix_caching=False)
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    from worker.cli import add_parsers
+
+    add_parsers(sub)
+    args = parser.parse_args(["worker", *engine_flags(config)])
+    assert load_settings(args).engine_config() == config
+    bench = argparse.ArgumentParser()
+    add_engine_arguments(bench)
+    assert engine_config_from_args(bench.parse_args(engine_flags(config))) == config
+
+
+@pytest.mark.parametrize(
+    ("settings", "phrase"),
+    [
+        ({"dtype": "fp32"}, "dtype must be one of"),
+        ({"max_num_seqs": "lots"}, "max_num_seqs"),
+        ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+        ({"block_size": "0"}, "block_size must be a positive integer"),
+        ({"device": "tpu"}, "device"),
+        ({"heartbeat_interval": "0"}, "heartbeat_interval"),
+    ],
+)
+def test_bad_settings_are_refused_by_the_engine_rules_before_anything_loads(settings, phrase):
+    with pytest.raises(ValidationError, match=phrase):
+        WorkerSettings(**settings)
+
+
+def test_unknown_roseinfer_variables_are_named_with_a_suggestion():
+    warnings = unknown_env_vars({"ROSEINFER_MAX_NUM_SEQ": "8", "ROSEINFER_QUEUE": "q", "PATH": "/bin"})
+    assert warnings == [
+        "warning: ROSEINFER_MAX_NUM_SEQ is not a roseinfer setting and is ignored; did you mean ROSEINFER_MAX_NUM_SEQS?"
+    ]
+    assert unknown_env_vars({"ROSEINFER_CPU_KERNELS": "0", "ROSEINFER_CACHE_DIR": "/tmp"}) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "phrase"),
+    [
+        (["worker", "--dtype", "fp32"], {}, "error: dtype must be one of float32, bfloat16, float16"),
+        (["worker"], {"ROSEINFER_MAX_NUM_SEQS": "lots"}, "error: --max-num-seqs / ROSEINFER_MAX_NUM_SEQS"),
+        (["bench", "--block-size", "0"], {}, "error: block_size must be a positive integer"),
+    ],
+)
+def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase):
+    # A Redis URL nothing answers on: a configuration error must come first, not a connection attempt.
+    env = {**os.environ, "ROSEINFER_REDIS_URL": "redis://127.0.0.1:1/0", **env}
+    out = subprocess.run([sys.executable, "-m", "worker.cli", *argv], capture_output=True, text=True, env=env)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(phrase), out.stderr
+    assert "Traceback" not in out.stderr and "Redis" not in out.stderr
+
+
+def test_version_and_the_unknown_variable_warning_on_the_command_line():
+    env = {**os.environ, "ROSEINFER_QUEU": "typo"}
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "--version"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.startswith("roseinfer ")
+    assert "ROSEINFER_QUEU is not a roseinfer setting" in out.stderr and "ROSEINFER_QUEUE?" in out.stderr
+
+
+def test_payload_and_sampling_params_declare_the_same_fields_and_defaults():
+    sampling = _sampling_fields()
+    assert set(JobRequest.model_fields) - PAYLOAD_ONLY == {f.name for f in sampling}
+    for f in sampling:
+        assert JobRequest.model_fields[f.name].default == f.default, f.name
+    kwargs = JobRequest.model_validate({"prompt": "x"}).sampling_kwargs()
+    assert set(kwargs) == {f.name for f in sampling}
+    assert SamplingParams(**kwargs) == SamplingParams()
+    assert SamplingParams().max_tokens is None and SamplingParams().temperature == 1.0
+
+
+PROBES = [-(10**30), -3, -2, -1, -0.5, 0, 0.5, 1, 1.5, 2, 2.5, 20, 21, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30]
+
+
+@pytest.mark.parametrize("name", [f.name for f in _sampling_fields()])
+def test_payload_and_sampling_params_accept_and_refuse_the_same_values(name):
+    probes = PROBES + [True, "x", None, [1], [-1], [2**31], ["a"], [""], "stop"]
+    for value in probes:
+        payload_ok = _accepts(lambda v: JobRequest.model_validate({"prompt": "x", name: v}), value)
+        if name == "logprobs" and isinstance(value, bool):
+            continue  # the payload's chat form (true + top_logprobs) maps to an int before the engine sees it
+        engine_ok = _accepts(lambda v: SamplingParams(**{name: v}), value)
+        assert payload_ok == engine_ok, (name, value, payload_ok, engine_ok)
+
+
+def _accepts(build, value) -> bool:
+    try:
+        build(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def test_min_tokens_above_max_tokens_is_refused_by_both():
+    with pytest.raises(ValueError, match="min_tokens"):
+        JobRequest.model_validate({"prompt": "x", "min_tokens": 5, "max_tokens": 2})
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+    json.dumps(SamplingParams().__dict__)  # plain values only
