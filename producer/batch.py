@@ -2,6 +2,7 @@
 
 Each line gets a job id derived from its custom_id and content, so a rerun after a crash picks up jobs that
 are still queued or already finished instead of generating them again, and skips lines already in the output.
+Rows taken from an earlier run's jobs are counted (``reused``); a run id (``--fresh``) gives every line new job ids.
 Bad lines and failed jobs go to the errors file (rewritten each run, so failures are retried); none stops the run.
 """
 
@@ -10,19 +11,40 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import secrets
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from producer.client import Client, InvalidRequest, validate
+from producer.client import Client, validate
 from producer.protocol import result_key
 
 log = logging.getLogger("roseinfer.batch")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 _IGNORED_BODY_FIELDS = ("model", "stream", "n", "user")
+# Statuses of an earlier run's job that will still give (or gave) a result: followed, not submitted again.
+_LIVE = ("queued", "started", "scheduled", "deferred")
+RUN_ID = re.compile(r"[A-Za-z0-9]{1,32}")
+
+
+class BadLine(ValueError):
+    """A line refused before any job is submitted; ``custom_id`` is the line's when it had a usable one."""
+
+    def __init__(self, reason: str, custom_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.custom_id = custom_id
+
+
+class BatchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a batch. The output then holds complete lines only; ``summary`` counts what was done."""
+
+    def __init__(self, summary: dict[str, int]) -> None:
+        super().__init__()
+        self.summary = summary
 
 
 @dataclass
@@ -34,46 +56,64 @@ class Line:
     job_id: str
 
 
-def parse_line(number: int, text: str) -> Line:
-    """One input line into a job payload; ValueError with a readable reason for a bad one."""
+def new_run_id() -> str:
+    return secrets.token_hex(4)
+
+
+def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
+    """The same line and settings give the same job id; a run id gives new ones.
+
+    ``--fresh`` takes new ids rather than deleting the earlier jobs: the worker derives an unseeded sampled job's
+    seed from its id, so the same id would replay the same samples, and another run may still follow those jobs.
+    """
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
+
+
+def parse_line(number: int, text: str, run_id: str | None = None) -> Line:
+    """One input line into a job payload; BadLine (a ValueError) with a readable reason for a bad one."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+        raise BadLine(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise ValueError("a line must be a JSON object")
+        raise BadLine("a line must be a JSON object")
     custom_id = obj.get("custom_id", f"line-{number}")
     if not isinstance(custom_id, str) or not custom_id:
-        raise ValueError("custom_id must be a non-empty string")
-    if "body" in obj:  # OpenAI batch format
-        extra = set(obj) - {"custom_id", "method", "url", "body"}
-        if extra:
-            raise ValueError(f"unknown fields {sorted(extra)}")
-        if obj.get("method", "POST") != "POST":
-            raise ValueError("method must be POST")
-        url = obj.get("url", "/v1/chat/completions")
-        if url not in ENDPOINTS:
-            raise ValueError(f"url must be one of {ENDPOINTS}, got {url!r}")
-        body = obj["body"]
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        if body.get("n", 1) != 1 or body.get("stream", False):
-            raise ValueError("n must be 1 and stream false in batch requests")
-        payload = {k: v for k, v in body.items() if k not in _IGNORED_BODY_FIELDS}
-        if url == "/v1/chat/completions" and "prompt" in payload:
-            raise ValueError("/v1/chat/completions takes messages, not prompt")
-        if url == "/v1/completions" and "messages" in payload:
-            raise ValueError("/v1/completions takes prompt, not messages")
-    else:
-        payload = {k: v for k, v in obj.items() if k != "custom_id"}
-        url = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
-    payload["custom_id"] = custom_id
+        raise BadLine("custom_id must be a non-empty string")
     try:
-        validate(payload)
-    except InvalidRequest as exc:
-        raise ValueError(str(exc)) from None
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
-    return Line(number, custom_id, url, payload, f"batch-{digest}")
+        url, payload = _payload(obj)
+        payload["custom_id"] = custom_id
+        validate(payload)  # InvalidRequest is a ValueError
+    except ValueError as exc:
+        raise BadLine(str(exc), custom_id) from None
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id))
+
+
+def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line."""
+    if "body" not in obj:
+        payload = {k: v for k, v in obj.items() if k != "custom_id"}
+        return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload
+    extra = set(obj) - {"custom_id", "method", "url", "body"}
+    if extra:
+        raise ValueError(f"unknown fields {sorted(extra)}")
+    if obj.get("method", "POST") != "POST":
+        raise ValueError("method must be POST")
+    url = obj.get("url", "/v1/chat/completions")
+    if url not in ENDPOINTS:
+        raise ValueError(f"url must be one of {ENDPOINTS}, got {url!r}")
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    if body.get("n", 1) != 1 or body.get("stream", False):
+        raise ValueError("n must be 1 and stream false in batch requests")
+    payload = {k: v for k, v in body.items() if k not in _IGNORED_BODY_FIELDS}
+    if url == "/v1/chat/completions" and "prompt" in payload:
+        raise ValueError("/v1/chat/completions takes messages, not prompt")
+    if url == "/v1/completions" and "messages" in payload:
+        raise ValueError("/v1/completions takes prompt, not messages")
+    return url, payload
 
 
 def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
@@ -99,50 +139,98 @@ def error_line(number: int, custom_id: str | None, code: str, message: str) -> d
     return {"custom_id": custom_id, "line": number, "response": None, "error": {"code": code, "message": message}}
 
 
-class Progress:
-    """A tqdm bar on a terminal; a log line every 10 s otherwise."""
+def duration(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``2h05m``: short enough for a progress line."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
-    def __init__(self, total: int, already: int) -> None:
-        self.total, self.done, self.already, self.tokens = total, already, already, 0
-        self.start = time.monotonic()
-        self.last_log = self.start
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a log line every ``log_interval`` seconds, whether jobs end or not."""
+
+    def __init__(
+        self, total: int, already: int, failed: int = 0, log_interval: float = 10.0, stream: TextIO | None = None
+    ) -> None:
+        """``already`` rows are done before the first job (in the output, or bad lines), ``failed`` of them bad."""
+        self.stream = stream or sys.stderr
+        self.total, self.done, self.already, self.failed, self.tokens = total, already, already, failed, 0
+        self.log_interval = log_interval
+        self.start = self.last_log = time.monotonic()
         self.bar = None
-        if sys.stderr.isatty():
+        if self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=already, unit="req", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream)
 
-    def update(self, tokens: int) -> None:
+    def update(self, tokens: int, failed: bool = False) -> None:
         self.done += 1
+        self.failed += failed
         self.tokens += tokens
-        elapsed = max(time.monotonic() - self.start, 1e-6)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{self.tokens / elapsed:.0f} tok/s")
-        elif time.monotonic() - self.last_log >= 10 or self.done == self.total:
+            self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.0f} tok/s")
+
+    def tick(self) -> None:
+        """Called every poll: a log line off a terminal once ``log_interval`` has passed since the last."""
+        if self.bar is None and time.monotonic() - self.last_log >= self.log_interval:
             self.last_log = time.monotonic()
-            rate = (self.done - self.already) / elapsed
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(
-                f"batch: {self.done}/{self.total} done, {self.tokens / elapsed:.1f} tok/s, ETA {eta:.0f} s",
-                file=sys.stderr,
-                flush=True,
+            rate = (self.done - self.already) / self._elapsed()
+            eta = duration((self.total - self.done) / rate) if rate > 0 else "unknown"
+            self._print(
+                f"batch: {self.done}/{self.total} rows done ({self.failed} failed), {rate:.2f} rows/s, "
+                f"{self.tokens / self._elapsed():.1f} tokens/s, ETA {eta}"
             )
+
+    def finish(self, summary: dict[str, int], output: Path, errors: Path) -> None:
+        self.close()
+        elapsed = self._elapsed()
+        reused = f" ({summary['reused']} from an earlier run's jobs)" if summary["reused"] else ""
+        failed = f" (see {errors})" if summary["failed"] else ""
+        self._print(
+            f"batch: {summary['total']} rows in {duration(elapsed)}: {summary['succeeded']} succeeded{reused}, "
+            f"{summary['failed']} failed{failed}, {summary['skipped']} already in {output}; "
+            f"{(self.done - self.already) / elapsed:.2f} rows/s, {self.tokens / elapsed:.1f} tokens/s"
+        )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def _elapsed(self) -> float:
+        return max(time.monotonic() - self.start, 1e-6)
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
 
 
 def _done_ids(path: Path) -> set[str]:
-    done = set()
-    if path.exists():
-        for text in path.read_text().splitlines():
-            try:
-                done.add(json.loads(text)["custom_id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by a crash: its request runs again
+    """custom_ids already in the output. A last line cut short (a crash mid-write) is cut off, so that the rows
+    appended next start on a line of their own; its request runs again."""
+    done: set[str] = set()
+    if not path.exists():
+        return done
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, len(data) - end)
+        with path.open("r+b") as f:
+            f.truncate(end)
+    for text in data[:end].decode("utf-8", errors="replace").splitlines():
+        try:
+            done.add(json.loads(text)["custom_id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
     return done
+
+
+def default_errors_path(output_path: str | Path) -> Path:
+    """``out.jsonl`` -> ``out.errors.jsonl``: the output's last suffix replaced."""
+    return Path(output_path).with_suffix(".errors.jsonl")
 
 
 def run_batch(
@@ -154,74 +242,120 @@ def run_batch(
     max_in_flight: int = 256,
     timeout: float | None = None,
     poll_interval: float = 0.2,
+    log_interval: float = 10.0,
+    run_id: str | None = None,
 ) -> dict[str, int]:
+    """Run every line of ``input_path`` as a job; returns ``total``, ``skipped`` (already in the output),
+    ``succeeded``, ``failed`` and ``reused`` (succeeded rows whose job an earlier run had submitted).
+
+    ``run_id`` derives new job ids (see ``job_id_for``): pass a new one to generate again what an earlier run's
+    jobs still hold in Redis, the same one to resume that run. Ctrl-C raises BatchInterrupted with the counts.
+    """
+    if run_id is not None and not RUN_ID.fullmatch(run_id):
+        raise ValueError(f"a run id is 1 to 32 letters and digits, got {run_id!r}")
     output_path = Path(output_path)
-    errors_path = Path(errors_path) if errors_path else output_path.with_suffix(".errors.jsonl")
-    done = _done_ids(output_path)
+    errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
+    summary = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
+    progress: Progress | None = None
+    try:
+        lines, errors = _read_input(Path(input_path), _done_ids(output_path), run_id, summary)
+        progress = Progress(summary["total"], summary["skipped"] + len(errors), len(errors), log_interval)
+        with output_path.open("a") as out, errors_path.open("w") as err:
+            for e in errors:
+                err.write(json.dumps(e, ensure_ascii=False) + "\n")
+            err.flush()
+            _run(client, lines, out, err, progress, summary, max_in_flight, timeout, poll_interval)
+        progress.finish(summary, output_path, errors_path)
+    except KeyboardInterrupt:
+        # Every row is written whole with one write; leaving the with block flushed and closed both files.
+        raise BatchInterrupted(summary) from None
+    finally:
+        if progress is not None:
+            progress.close()
+    return summary
+
+
+def _read_input(
+    path: Path, done: set[str], run_id: str | None, summary: dict[str, int]
+) -> tuple[list[Line], list[dict[str, Any]]]:
+    """The lines still to run, and the error lines of the bad ones; counts total, skipped and failed."""
     lines: list[Line] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
-    total = 0
-    for number, text in enumerate(Path(input_path).read_text().splitlines(), start=1):
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
         if not text.strip():
             continue
-        total += 1
+        summary["total"] += 1
         try:
-            line = parse_line(number, text)
-        except ValueError as exc:
-            errors.append(error_line(number, None, "invalid_request", str(exc)))
+            line = parse_line(number, text, run_id)
+        except BadLine as exc:
+            errors.append(error_line(number, exc.custom_id, "invalid_request", str(exc)))
             continue
         if line.custom_id in seen:
             errors.append(error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above"))
             continue
         seen.add(line.custom_id)
-        if line.custom_id not in done:
+        if line.custom_id in done:
+            summary["skipped"] += 1
+        else:
             lines.append(line)
-    skipped = total - len(lines) - len(errors)
-    progress = Progress(total, skipped + len(errors))
+    summary["failed"] = len(errors)
+    return lines, errors
+
+
+def _run(
+    client: Client,
+    lines: list[Line],
+    out: TextIO,
+    err: TextIO,
+    progress: Progress,
+    summary: dict[str, int],
+    max_in_flight: int,
+    timeout: float | None,
+    poll_interval: float,
+) -> None:
     conn = client.connection
-    summary = {"total": total, "skipped": skipped, "succeeded": 0, "failed": len(errors)}
-    with output_path.open("a") as out, errors_path.open("w") as err:
-        for e in errors:
-            err.write(json.dumps(e) + "\n")
+    pending = list(reversed(lines))
+    in_flight: dict[str, tuple[Line, float]] = {}
+    reused: set[str] = set()
+    while pending or in_flight:
+        _submit(client, pending, in_flight, max_in_flight, reused)
+        with conn.pipeline(transaction=False) as pipe:
+            for job_id in in_flight:
+                pipe.get(result_key(job_id))
+                pipe.hget(f"rq:job:{job_id}", "status")
+            replies = pipe.execute()
+        now = time.monotonic()
+        for (job_id, (line, started)), raw, status in zip(list(in_flight.items()), replies[::2], replies[1::2]):
+            status = status.decode() if status else "missing"
+            result = json.loads(raw) if raw else None
+            if result is not None and result.get("status") == "finished":
+                out.write(json.dumps(output_line(line, result), ensure_ascii=False) + "\n")
+                summary["succeeded"] += 1
+                summary["reused"] += job_id in reused
+                progress.update(result["usage"]["completion_tokens"])
+            elif status in ("failed", "canceled", "stopped", "missing") or (
+                timeout is not None and now - started > timeout
+            ):
+                reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
+                err.write(json.dumps(error_line(line.number, line.custom_id, "job_" + status, reason)) + "\n")
+                summary["failed"] += 1
+                progress.update(0, failed=True)
+            else:
+                continue
+            del in_flight[job_id]
+        out.flush()
         err.flush()
-        pending = list(reversed(lines))
-        in_flight: dict[str, tuple[Line, float]] = {}
-        while pending or in_flight:
-            _submit(client, pending, in_flight, max_in_flight)
-            with conn.pipeline(transaction=False) as pipe:
-                for job_id in in_flight:
-                    pipe.get(result_key(job_id))
-                    pipe.hget(f"rq:job:{job_id}", "status")
-                replies = pipe.execute()
-            now = time.monotonic()
-            for (job_id, (line, started)), raw, status in zip(list(in_flight.items()), replies[::2], replies[1::2]):
-                status = status.decode() if status else "missing"
-                result = json.loads(raw) if raw else None
-                if result is not None and result.get("status") == "finished":
-                    out.write(json.dumps(output_line(line, result), ensure_ascii=False) + "\n")
-                    summary["succeeded"] += 1
-                    progress.update(result["usage"]["completion_tokens"])
-                elif status in ("failed", "canceled", "stopped", "missing") or (
-                    timeout is not None and now - started > timeout
-                ):
-                    reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
-                    err.write(json.dumps(error_line(line.number, line.custom_id, "job_" + status, reason)) + "\n")
-                    summary["failed"] += 1
-                    progress.update(0)
-                else:
-                    continue
-                del in_flight[job_id]
-            out.flush()
-            err.flush()
-            if in_flight:
-                time.sleep(poll_interval)
-    progress.close()
-    return summary
+        progress.tick()
+        if in_flight:
+            time.sleep(poll_interval)
 
 
-def _submit(client: Client, pending: list[Line], in_flight: dict[str, tuple[Line, float]], limit: int) -> None:
-    """Top up to ``limit`` jobs in flight; a line whose job exists from an earlier run is picked up, not redone."""
+def _submit(
+    client: Client, pending: list[Line], in_flight: dict[str, tuple[Line, float]], limit: int, reused: set[str]
+) -> None:
+    """Top up to ``limit`` jobs in flight; a line whose job exists from an earlier run is picked up, not redone
+    (and its id added to ``reused``)."""
     take = []
     while pending and len(in_flight) + len(take) < limit:
         take.append(pending.pop())
@@ -230,14 +364,16 @@ def _submit(client: Client, pending: list[Line], in_flight: dict[str, tuple[Line
     with client.connection.pipeline(transaction=False) as pipe:
         for line in take:
             pipe.hget(f"rq:job:{line.job_id}", "status")
-        statuses = pipe.execute()
+            pipe.exists(result_key(line.job_id))
+        replies = pipe.execute()
     fresh = []
-    for line, status in zip(take, statuses):
+    for line, status, has_result in zip(take, replies[::2], replies[1::2]):
         status = status.decode() if status else None
-        if status in ("queued", "started", "finished", "scheduled", "deferred"):
+        if status in _LIVE or (status == "finished" and has_result):
             in_flight[line.job_id] = (line, time.monotonic())
+            reused.add(line.job_id)
             continue
-        if status is not None:  # failed or canceled last time: run it again
+        if status is not None:  # failed or canceled last time, or finished with its result expired: run it again
             client.connection.delete(f"rq:job:{line.job_id}", result_key(line.job_id))
         fresh.append(line)
     if fresh:

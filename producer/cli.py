@@ -5,44 +5,171 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+import types
+from dataclasses import dataclass
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from producer.client import DEFAULT_REDIS_URL, Client, JobError
+from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, validate
 from producer.protocol import DEFAULT_QUEUE
+from producer.schema import JobRequest
 
-_SAMPLING = {
-    "max_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "seed": int,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-}
+# Payload fields that get no derived flag: the prompt is the positional argument, metadata takes JSON.
+_NOT_FLAGS = ("prompt", "messages", "metadata")
+_SCALARS = (bool, int, float, str)
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_METAVARS = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
+_BOUNDS = {"ge": ">= {}", "gt": "> {}", "le": "<= {}", "lt": "< {}", "max_length": "at most {} characters"}
+
+DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_LOG_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class PayloadFlag:
+    """A ``roseinfer submit`` flag for one JobRequest field, derived from its annotation."""
+
+    field: str
+    flags: tuple[str, ...]
+    kinds: tuple[type, ...]  # the scalar types a value may take, tried in the annotation's order
+    repeatable: bool  # a list field: the flag may be given several times
+    help: str
+
+    def convert(self, text: str) -> Any:
+        for kind in self.kinds:
+            if kind is bool:
+                if text.lower() in ("true", "false"):
+                    return text.lower() == "true"
+                continue
+            try:
+                return kind(text)
+            except ValueError:
+                continue
+        words = " or ".join(_TYPE_WORDS[k] for k in self.kinds)
+        raise InvalidRequest(f"invalid job: {self.field}: {text!r} is not {words}")
+
+
+def _members(annotation: Any) -> list[Any]:
+    """A field's types, None and Annotated stripped: ``NonNegInt | None`` -> ``[int]``."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [] if annotation is type(None) else [annotation]
+
+
+def _bounds(annotation: Any, metadata: list[Any]) -> list[str]:
+    """``>= 0.0``, ``<= 2.0``, ... from the field's constraints and those of Annotated types inside it."""
+    found = list(metadata)
+    stack = [annotation]
+    while stack:
+        a = stack.pop()
+        if get_origin(a) is Annotated:
+            for extra in get_args(a)[1:]:
+                found.extend(getattr(extra, "metadata", [extra]))
+        stack.extend(get_args(a)[:1] if get_origin(a) is Annotated else get_args(a))
+    out = []
+    for m in found:
+        for attr, form in _BOUNDS.items():
+            if getattr(m, attr, None) is not None and form.format(getattr(m, attr)) not in out:
+                out.append(form.format(getattr(m, attr)))
+    return out
+
+
+def payload_flags() -> list[PayloadFlag]:
+    """One flag per JobRequest field of scalar type (int, float, bool, str) or list of one; others are skipped."""
+    flags = []
+    for name, field in JobRequest.model_fields.items():
+        if name in _NOT_FLAGS:
+            continue
+        kinds: list[type] = []
+        repeatable, expressible = False, True
+        for m in _members(field.annotation):
+            if get_origin(m) is list:
+                repeatable = True
+                items = _members(get_args(m)[0])
+                expressible &= len(items) == 1 and items[0] in _SCALARS
+                m = items[0] if items else None
+            if m in _SCALARS:
+                kinds += [m] if m not in kinds else []
+            else:
+                expressible = False
+        if not expressible or not kinds:
+            continue
+        # a list-only field (stop_token_ids) gives one value per flag: --stop-token-id 2 --stop-token-id 7
+        singular = name.endswith("s") and _is_list_only(field.annotation)
+        names = ("--" + name[:-1].replace("_", "-"),) if singular else ()
+        names += ("--" + name.replace("_", "-"),)
+        default = "none" if field.default is None else json.dumps(field.default)
+        detail = [] if kinds == [bool] else [" or ".join(_TYPE_WORDS[k] for k in kinds)]  # a switch: no value
+        detail += _bounds(field.annotation, field.metadata)
+        if repeatable:
+            detail.append("repeatable")
+        help_text = f"{field.description or name} ({'; '.join(detail)}; default: {default})"
+        flags.append(PayloadFlag(name, names, tuple(kinds), repeatable, help_text.replace("%", "%%")))
+    return flags
+
+
+def _is_list_only(annotation: Any) -> bool:
+    return all(get_origin(m) is list for m in _members(annotation))
 
 
 def add_connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("ROSEINFER_REDIS_URL", DEFAULT_REDIS_URL))
-    p.add_argument("--queue", default=os.environ.get("ROSEINFER_QUEUE", DEFAULT_QUEUE))
+    # None: not given here, so resolved from the environment when connecting (and left out of a resume command).
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help=f"the Redis the workers serve (default: $ROSEINFER_REDIS_URL if set, else {DEFAULT_REDIS_URL})",
+    )
+    p.add_argument(
+        "--queue", default=None, help=f"the queue name (default: $ROSEINFER_QUEUE if set, else {DEFAULT_QUEUE})"
+    )
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.redis_url, args.queue)
+    url = args.redis_url or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
+    return Client(url, args.queue or os.environ.get("ROSEINFER_QUEUE") or DEFAULT_QUEUE)
+
+
+def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The job payload the flags describe, validated by JobRequest: InvalidRequest before Redis is touched."""
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    request: dict[str, Any] = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
+    for flag in payload_flags():
+        value = getattr(args, flag.field)
+        if value is None:
+            continue
+        if isinstance(value, bool):  # --ignore-eos / --no-ignore-eos
+            request[flag.field] = value
+        elif flag.repeatable:
+            request[flag.field] = [flag.convert(v) for v in value]
+        else:
+            request[flag.field] = flag.convert(value)
+    if args.metadata is not None:
+        try:
+            request["metadata"] = json.loads(args.metadata)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"invalid job: metadata: not JSON ({exc})") from None
+    validate(request)
+    return request
+
+
+def _report(exc: JobError, print_result: bool = True) -> int:
+    """A job that ended without a result: what the worker stored (partial text of a canceled job) on stdout,
+    the reason on stderr."""
+    if exc.result is not None and print_result:
+        print(json.dumps(exc.result, ensure_ascii=False))
+        print(f"error: {exc} (what it had generated is on stdout)", file=sys.stderr)
+    else:
+        print(f"error: {exc}", file=sys.stderr)
+    return 1
 
 
 def submit(args: argparse.Namespace) -> int:
-    fields = {name: getattr(args, name) for name in _SAMPLING if getattr(args, name) is not None}
-    if args.stop:
-        fields["stop"] = args.stop
-    if args.ignore_eos:
-        fields["ignore_eos"] = True
-    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
-    if args.raw:
-        job = _client(args).submit(prompt, **fields)
-    else:
-        job = _client(args).submit(messages=[{"role": "user", "content": prompt}], **fields)
+    request = request_from_args(args)
+    job = _client(args).submit(**request)
     if not args.stream and not args.wait:
         print(job.id)
         return 0
@@ -55,8 +182,7 @@ def submit(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         result = job.result(timeout=args.timeout)
     except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _report(exc, print_result=not args.stream)  # streamed: its text is already out
     if args.stream:
         u = result["usage"]
         print(
@@ -73,8 +199,7 @@ def result(args: argparse.Namespace) -> int:
     try:
         print(json.dumps(_client(args).job(args.job_id).result(timeout=args.timeout), ensure_ascii=False))
     except JobError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _report(exc)
     return 0
 
 
@@ -102,18 +227,69 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-def batch(args: argparse.Namespace) -> int:
-    from producer.batch import run_batch
+def _run_id(text: str) -> str:
+    from producer.batch import RUN_ID
 
-    summary = run_batch(
-        _client(args),
-        args.input,
-        args.output,
-        errors_path=args.errors,
-        max_in_flight=args.max_in_flight,
-        timeout=args.timeout,
+    if not RUN_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"a run id is 1 to 32 letters and digits, got {text!r}")
+    return text
+
+
+def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
+    """The command that resumes this batch: the same one, a --fresh run's id pinned so its jobs are picked up."""
+    argv = ["roseinfer", "batch", args.input, "-o", args.output]
+    options = (
+        ("--errors", args.errors, None),
+        ("--max-in-flight", args.max_in_flight, DEFAULT_MAX_IN_FLIGHT),
+        ("--timeout", args.timeout, None),
+        ("--log-interval", args.log_interval, DEFAULT_LOG_INTERVAL),
+        ("--run-id", run_id, None),
+        ("--redis-url", args.redis_url, None),
+        ("--queue", args.queue, None),
     )
+    for flag, value, default in options:
+        if value is not None and value != default:
+            argv += [flag, str(value)]
+    return shlex.join(argv)
+
+
+def batch(args: argparse.Namespace) -> int:
+    from producer.batch import BatchInterrupted, default_errors_path, new_run_id, run_batch
+
+    run_id = new_run_id() if args.fresh else args.run_id
+    errors = args.errors or default_errors_path(args.output)
+    try:
+        summary = run_batch(
+            _client(args),
+            args.input,
+            args.output,
+            errors_path=errors,
+            max_in_flight=args.max_in_flight,
+            timeout=args.timeout,
+            log_interval=args.log_interval,
+            run_id=run_id,
+        )
+    except KeyboardInterrupt as exc:
+        s = exc.summary if isinstance(exc, BatchInterrupted) else None
+        done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
+        detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
+        print(
+            f"interrupted: {done}{detail}; jobs already submitted keep running in the workers.\n"
+            f"To resume, run the same command again: it skips the custom_ids already in {args.output} and picks up "
+            f"the jobs still queued or finished in Redis:\n  {resume_command(args, run_id)}",
+            file=sys.stderr,
+        )
+        return 130
+    except OSError as exc:  # no such input, an output folder that is not there: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary), file=sys.stderr)
+    if summary["reused"]:
+        print(
+            f"note: {summary['reused']} rows were taken from jobs of an earlier run still in Redis (same lines, same "
+            "settings, so sampled lines repeat that run's samples); pass --fresh to generate them again",
+            file=sys.stderr,
+        )
     return 0 if summary["failed"] == 0 else 1
 
 
@@ -123,17 +299,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")
-    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=None)
-    for name, kind in _SAMPLING.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    metadata = JobRequest.model_fields["metadata"].description or "metadata"
+    p.add_argument("--metadata", default=None, metavar="JSON", help=f"{metadata} (JSON)".replace("%", "%%"))
+    for flag in payload_flags():
+        if flag.kinds == (bool,) and not flag.repeatable:
+            p.add_argument(*flag.flags, dest=flag.field, action=argparse.BooleanOptionalAction, help=flag.help)
+        else:
+            metavar = "|".join(_METAVARS[k] for k in flag.kinds)
+            action = "append" if flag.repeatable else "store"
+            p.add_argument(*flag.flags, dest=flag.field, action=action, metavar=metavar, help=flag.help)
     add_connection_arguments(p)
     p.set_defaults(func=submit)
 
     p = sub.add_parser("result", help="wait for a job's result and print it as JSON")
     p.add_argument("job_id")
-    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
     add_connection_arguments(p)
     p.set_defaults(func=result)
 
@@ -150,8 +331,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="a JSONL of requests in (OpenAI batch lines or {'prompt': ...}), outputs out")
     p.add_argument("input")
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--errors", default=None, help="bad lines and failed jobs (default: OUTPUT.errors.jsonl)")
-    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument(
+        "--errors",
+        default=None,
+        help="bad lines and failed jobs, rewritten each run (default: the output path with its last suffix "
+        "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl)",
+    )
+    p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once")
     p.add_argument("--timeout", type=float, default=None, help="give up on a job after this many seconds")
+    p.add_argument(
+        "--log-interval",
+        type=float,
+        default=DEFAULT_LOG_INTERVAL,
+        help="seconds between progress lines when stderr is not a terminal (default: %(default)s)",
+    )
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--fresh",
+        action="store_true",
+        help="generate every row not yet in the output again, even where an earlier run's job for the same line "
+        "still holds a result in Redis (new job ids, so sampled lines get new samples)",
+    )
+    again.add_argument(
+        "--run-id", type=_run_id, default=None, help="resume a --fresh run: the id its interrupted-run message printed"
+    )
     add_connection_arguments(p)
     p.set_defaults(func=batch)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
+import fakeredis
 import pytest
 from conftest import ThreadWorker
 
 from producer import Client
-from producer.batch import parse_line, run_batch
+from producer.batch import Progress, default_errors_path, parse_line, run_batch
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,7 @@ def _lines(n: int) -> list[str]:
     return out
 
 
+@pytest.mark.redis
 def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp_path):
     _, client = served
     good = _lines(30)
@@ -75,7 +79,7 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
     assert len(out.read_text().splitlines()) == 10
 
     summary = run_batch(client, src, out, max_in_flight=8, poll_interval=0.05)
-    assert summary == {"total": 35, "skipped": 10, "succeeded": 20, "failed": 5}
+    assert summary == {"total": 35, "skipped": 10, "succeeded": 20, "failed": 5, "reused": 0}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
     assert sorted(r["custom_id"] for r in rows) == sorted(
@@ -96,12 +100,14 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
     messages = " | ".join(e["error"]["message"] for e in errors)
     for phrase in ("not JSON", "max_tokens", "url must be one of", "custom_id already used", "colour: unknown field"):
         assert phrase in messages
+    assert [e["custom_id"] for e in errors] == [None, "neg", "url", "chat-0", "line-15"]
 
     again = run_batch(client, src, out, poll_interval=0.05)
     assert again["skipped"] == 30 and again["succeeded"] == 0
     assert len(out.read_text().splitlines()) == 30
 
 
+@pytest.mark.redis
 def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_again(served, tmp_path):
     _, client = served
     line = parse_line(1, json.dumps({"custom_id": "again", "prompt": "Resume me", "max_tokens": 3}))
@@ -110,6 +116,85 @@ def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_agai
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"custom_id": "again", "prompt": "Resume me", "max_tokens": 3}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert run_batch(client, src, out, poll_interval=0.05)["succeeded"] == 1
+    summary = run_batch(client, src, out, poll_interval=0.05)
+    assert summary["succeeded"] == 1 and summary["reused"] == 1
     row = json.loads(out.read_text())
     assert row["response"]["request_id"] == job.id
+
+
+def _offline_client() -> Client:
+    """A client on fakeredis with no worker: jobs are queued and never run."""
+    return Client(connection=fakeredis.FakeRedis(), queue="q")
+
+
+def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
+    lines = [
+        "{not json",
+        "[1, 2]",
+        json.dumps({"custom_id": 7, "prompt": "x"}),
+        json.dumps({"custom_id": "extra", "body": {"prompt": "x"}, "url": "/v1/completions", "colour": "red"}),
+        json.dumps({"custom_id": "field", "prompt": "x", "colour": "red"}),
+        json.dumps({"custom_id": "value", "prompt": "x", "temperature": 9}),
+        json.dumps({"custom_id": "url", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "method", "method": "GET", "body": {"prompt": "x"}}),
+        json.dumps({"custom_id": "chat-prompt", "body": {"prompt": "x"}}),
+        json.dumps({"prompt": "x", "max_tokens": 0}),  # no custom_id: named line-N, as its output row would be
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    summary = run_batch(_offline_client(), src, out, poll_interval=0.01)
+    assert summary == {"total": 10, "skipped": 0, "succeeded": 0, "failed": 10, "reused": 0}
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["custom_id"]) for e in errors] == [
+        (1, None),
+        (2, None),
+        (3, None),
+        (4, "extra"),
+        (5, "field"),
+        (6, "value"),
+        (7, "url"),
+        (8, "method"),
+        (9, "chat-prompt"),
+        (10, "line-10"),
+    ]
+    assert all(e["error"]["code"] == "invalid_request" for e in errors)
+    assert "temperature" in errors[5]["error"]["message"] and "colour: unknown field" in errors[4]["error"]["message"]
+
+
+def test_the_errors_file_sits_beside_the_output_with_its_last_suffix_replaced():
+    assert default_errors_path("out.jsonl") == Path("out.errors.jsonl")
+    assert default_errors_path("runs/out.v2.jsonl") == Path("runs/out.v2.errors.jsonl")
+    assert default_errors_path("out") == Path("out.errors.jsonl")
+
+
+def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path, capsys):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "x"}) + "\n" for i in range(3)))
+    # No worker: the jobs stay queued until the timeout; the log lines come from the timer alone.
+    summary = run_batch(_offline_client(), src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
+    assert summary["failed"] == 3 and summary["succeeded"] == 0
+    lines = capsys.readouterr().err.splitlines()
+    waiting = [line for line in lines if line.startswith("batch: 0/3 rows done")]
+    assert len(waiting) >= 3, lines
+    assert all("0.00 rows/s" in line and "tokens/s" in line and "ETA unknown" in line for line in waiting)
+    assert lines[-1].startswith("batch: 3 rows in ") and "0 succeeded, 3 failed" in lines[-1]
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["r0", "r1", "r2"]
+    assert all("no result within 1.0 s" in e["error"]["message"] for e in errors)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_the_bar_and_no_log_lines():
+    term = _Terminal()
+    progress = Progress(total=4, already=1, log_interval=0.0, stream=term)
+    progress.update(7)
+    progress.tick()
+    progress.finish({"total": 4, "skipped": 1, "succeeded": 1, "failed": 0, "reused": 0}, Path("o"), Path("e"))
+    text = term.getvalue()
+    assert "2/4" in text and "tok/s" in text  # tqdm's bar
+    assert "rows done" not in text
+    assert text.rstrip().splitlines()[-1].startswith("batch: 4 rows in ")

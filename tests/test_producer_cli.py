@@ -1,0 +1,311 @@
+"""The producer's command line: submit flags derived from the payload model, ``result`` of a canceled job,
+``batch`` interrupted by Ctrl-C and resumed, results reused from an earlier run and ``--fresh``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+import fakeredis
+import pytest
+from conftest import ThreadWorker
+from pydantic import Field
+
+from producer import Client, JobRequest
+from producer import batch as batch_mod
+from producer import cli as producer_cli
+from producer.batch import Progress
+from producer.client import InvalidRequest
+from producer.protocol import result_key
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="roseinfer")
+    producer_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(list(argv))
+
+
+def _help(command: str) -> str:
+    parser = argparse.ArgumentParser(prog="roseinfer")
+    sub = parser.add_subparsers()
+    producer_cli.add_parsers(sub)
+    return " ".join(sub.choices[command].format_help().split())  # argparse wraps lines: compare words
+
+
+@pytest.fixture
+def no_redis(monkeypatch):
+    """Fail the test if a command builds a client: a bad value must be refused before Redis is asked."""
+
+    def refuse(args):
+        raise AssertionError("connected to Redis")
+
+    monkeypatch.setattr(producer_cli, "_client", refuse)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1)
+    yield w, Client(redis_url, queue=w.queue)
+    w.stop()
+
+
+# -- submit: flags from JobRequest ------------------------------------------------------------------------------
+
+
+def test_every_scalar_payload_field_has_a_submit_flag_with_its_description_and_default():
+    text = _help("submit")
+    for name, field in JobRequest.model_fields.items():
+        if name in ("prompt", "messages", "metadata"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        assert flag in text or flag[:-1] in text, name  # --stop-token-id for stop_token_ids
+        assert " ".join((field.description or name).split()) in text, name
+    temperature = JobRequest.model_fields["temperature"].description or "temperature"
+    assert f"--temperature FLOAT {temperature} (a number; >= 0.0; <= 2.0; default: 1.0)" in text
+    assert "--temperature FLOAT" in text and "--max-tokens INT" in text and "--logprobs BOOL|INT" in text
+    assert "--ignore-eos, --no-ignore-eos" in text
+    assert "$ROSEINFER_REDIS_URL" in text and "$ROSEINFER_QUEUE" in text
+
+
+def test_a_field_added_to_the_payload_model_gets_its_flag(monkeypatch):
+    class Extended(JobRequest):
+        typical_p: float = Field(0.9, ge=0.0, le=1.0, description="a new knob")
+
+    monkeypatch.setattr(producer_cli, "JobRequest", Extended)
+    monkeypatch.setattr(producer_cli, "validate", lambda fields: Extended.model_validate(fields))
+    text = _help("submit")
+    assert "--typical-p FLOAT a new knob (a number; >= 0.0; <= 1.0; default: 0.9)" in text
+    args = _parse("submit", "hi", "--typical-p", "0.5")
+    assert producer_cli.request_from_args(args)["typical_p"] == 0.5
+
+
+def test_submit_flags_become_a_typed_payload(no_redis):
+    args = _parse(
+        "submit",
+        "hello",
+        "--raw",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "1",
+        "--stop",
+        "A",
+        "--stop",
+        "B",
+        "--stop-token-id",
+        "3",
+        "--stop-token-id",
+        "7",
+        "--logprobs",
+        "true",
+        "--top-logprobs",
+        "2",
+        "--ignore-eos",
+        "--custom-id",
+        "c-1",
+        "--metadata",
+        '{"k": 1}',
+    )
+    assert producer_cli.request_from_args(args) == {
+        "prompt": "hello",
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "stop": ["A", "B"],
+        "stop_token_ids": [3, 7],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "ignore_eos": True,
+        "custom_id": "c-1",
+        "metadata": {"k": 1},
+    }
+    chat = producer_cli.request_from_args(_parse("submit", "hi", "--logprobs", "3", "--no-ignore-eos"))
+    assert chat == {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3, "ignore_eos": False}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "phrase"),
+    [
+        ("--max-tokens", "4.5", "max_tokens: '4.5' is not an integer"),
+        ("--temperature", "warm", "temperature: 'warm' is not a number"),
+        ("--temperature", "3", "temperature: Input should be less than or equal to 2"),
+        ("--max-tokens", "-3", "max_tokens: Input should be greater than or equal to 1"),
+        ("--logprobs", "many", "logprobs: 'many' is not true or false or an integer"),
+        ("--stop-token-id", "-1", "stop_token_ids.0"),
+        ("--metadata", "{oops", "metadata: not JSON"),
+    ],
+)
+def test_a_bad_flag_value_is_one_line_before_redis_is_asked(no_redis, flag, value, phrase):
+    args = _parse("submit", "hi", flag, value)
+    with pytest.raises(InvalidRequest) as err:
+        producer_cli.submit(args)
+    assert phrase in str(err.value) and "\n" not in str(err.value)
+
+
+def test_connection_defaults_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ROSEINFER_REDIS_URL", "redis://envhost:6390/3")
+    monkeypatch.setenv("ROSEINFER_QUEUE", "envq")
+    client = producer_cli._client(_parse("status"))
+    assert client.connection.connection_pool.connection_kwargs["host"] == "envhost"
+    assert client.queue.name == "envq"
+    client = producer_cli._client(_parse("status", "--redis-url", "redis://flaghost:1/0", "--queue", "q2"))
+    assert client.connection.connection_pool.connection_kwargs["host"] == "flaghost" and client.queue.name == "q2"
+
+
+# -- result of a job that ended without finishing ---------------------------------------------------------------
+
+
+def test_result_of_a_failed_job_prints_what_the_worker_stored(monkeypatch, capsys):
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    client.connection.hset("rq:job:j1", "status", "failed")
+    stored = {"id": "j1", "status": "failed", "text": "half", "finish_reason": "error", "error": "boom"}
+    client.connection.set(result_key("j1"), json.dumps(stored))
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.result(_parse("result", "j1")) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == stored
+    assert err.strip().splitlines() == ["error: job j1: boom (what it had generated is on stdout)"]
+
+
+@pytest.mark.redis
+def test_result_of_a_canceled_job_prints_its_partial_text_and_exits_1(served, redis_url, capsys):
+    worker, client = served
+    job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
+    next(iter(job.events(timeout=30)))
+    assert job.cancel()
+    rc = producer_cli.result(
+        _parse("result", job.id, "--timeout", "30", "--redis-url", redis_url, "--queue", worker.queue)
+    )
+    out, err = capsys.readouterr()
+    assert rc == 1
+    partial = json.loads(out)
+    assert partial["status"] == "canceled" and partial["finish_reason"] == "abort"
+    assert 0 < partial["usage"]["completion_tokens"] < 200 and len(partial["token_ids"]) > 0
+    events = list(job.events(timeout=10))
+    assert partial["text"] == "".join(e["text"] for e in events)
+    assert err.strip().splitlines() == [f"error: job {job.id}: job canceled (what it had generated is on stdout)"]
+
+
+# -- batch: Ctrl-C, resume, reuse, --fresh ----------------------------------------------------------------------
+
+
+def _batch_input(path, n: int, **body) -> list[str]:
+    ids = [f"row-{i}" for i in range(n)]
+    path.write_text("".join(json.dumps({"custom_id": c, "prompt": f"Story {c}:", **body}) + "\n" for c in ids))
+    return ids
+
+
+def _rows(path) -> list[dict]:
+    text = path.read_text()
+    assert not text or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh", [False, True], ids=["plain", "fresh"])
+def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
+    served, redis_url, tmp_path, monkeypatch, capsys, fresh
+):
+    worker, _ = served
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = _batch_input(src, 16, max_tokens=24, temperature=0.7, ignore_eos=True)
+    argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url]
+    argv += ["--queue", worker.queue] + (["--fresh"] if fresh else [])
+
+    ticks = 0
+    real_tick, real_submit = Progress.tick, batch_mod._submit
+    in_flight: dict = {}
+
+    def submit_and_watch(client, pending, flight, *args):
+        in_flight["jobs"] = flight  # the run's own dict of jobs in flight, to interrupt while some are
+        return real_submit(client, pending, flight, *args)
+
+    def interrupt_from_the_fourth_poll_with_jobs_in_flight(self):
+        nonlocal ticks
+        ticks += 1
+        if ticks >= 4 and in_flight["jobs"]:
+            raise KeyboardInterrupt
+        real_tick(self)
+
+    monkeypatch.setattr(batch_mod, "_submit", submit_and_watch)
+    monkeypatch.setattr(Progress, "tick", interrupt_from_the_fourth_poll_with_jobs_in_flight)
+    assert producer_cli.batch(_parse(*argv)) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    first = _rows(out)  # every line complete
+    assert 0 < len(first) < 16
+    assert f"interrupted: {len(first)} of 16 rows done ({len(first)} in {out}, 0 in " in err
+    command = err.strip().splitlines()[-1].strip()
+    assert command.startswith(f"roseinfer batch {shlex.quote(str(src))} -o {shlex.quote(str(out))} ")
+    assert "--fresh" not in command and ("--run-id" in command) == fresh
+    assert f"--queue {worker.queue}" in command and "--max-in-flight 3" in command
+
+    monkeypatch.setattr(Progress, "tick", real_tick)
+    monkeypatch.setattr(batch_mod, "_submit", real_submit)
+    with out.open("a") as f:
+        f.write('{"custom_id": "row-1')  # a row cut short, as by a kill mid-write: dropped, not glued to the next
+    argv = shlex.split(command)
+    assert argv[0] == "roseinfer"
+    assert producer_cli.batch(_parse(*argv[1:])) == 0
+    summary = json.loads(next(line for line in capsys.readouterr().err.splitlines() if line.startswith("{")))
+    rows = _rows(out)
+    assert sorted(r["custom_id"] for r in rows) == sorted(ids)  # each row once
+    assert summary["skipped"] == len(first) and summary["succeeded"] == 16 - len(first)
+    assert summary["reused"] >= 1  # the jobs in flight at Ctrl-C were picked up, in both modes
+    if fresh:  # the resumed --fresh run kept its own job ids
+        run_id = argv[argv.index("--run-id") + 1]
+        assert all(r["response"]["request_id"].startswith(f"batch-{run_id}-") for r in rows)
+
+
+@pytest.mark.redis
+def test_a_rerun_into_a_new_output_says_it_reused_results_and_fresh_generates_again(
+    served, redis_url, tmp_path, capsys
+):
+    worker, _ = served
+    src = tmp_path / "in.jsonl"
+    _batch_input(src, 4, max_tokens=12, temperature=1.0, ignore_eos=True)  # sampled, no seed
+    conn = ["--redis-url", redis_url, "--queue", worker.queue]
+
+    def run(name: str, *extra: str) -> tuple[dict, str, dict[str, dict]]:
+        out = tmp_path / name
+        assert producer_cli.batch(_parse("batch", str(src), "-o", str(out), *conn, *extra)) == 0
+        err = capsys.readouterr().err
+        summary = json.loads(next(line for line in err.splitlines() if line.startswith("{")))
+        return summary, err, {r["custom_id"]: r for r in _rows(out)}
+
+    first, err, rows1 = run("one.jsonl")
+    assert first["reused"] == 0 and "earlier run" not in err
+    again, err, rows2 = run("two.jsonl")
+    assert again["reused"] == 4 and again["succeeded"] == 4
+    assert "note: 4 rows were taken from jobs of an earlier run still in Redis" in err and "--fresh" in err
+    assert "(4 from an earlier run's jobs)" in err  # the summary line says it too
+    assert rows2 == rows1  # the same samples: what the note warns about
+    fresh, err, rows3 = run("three.jsonl", "--fresh")
+    assert fresh["reused"] == 0 and fresh["succeeded"] == 4 and "earlier run" not in err
+    assert all(rows3[c]["response"]["request_id"] != rows1[c]["response"]["request_id"] for c in rows1)
+    assert _texts(rows3) != _texts(rows1)  # new samples
+
+
+def _texts(rows: dict[str, dict]) -> list[str]:
+    return [rows[c]["response"]["body"]["choices"][0]["text"] for c in sorted(rows)]
+
+
+def test_batch_help_names_the_real_errors_file_and_the_new_flags():
+    text = _help("batch")
+    assert "out.jsonl -> out.errors.jsonl" in text
+    assert "--log-interval" in text and "default: 10.0" in text
+    assert "--fresh" in text and "--run-id" in text
+    with pytest.raises(SystemExit) as exit_:
+        _parse("batch", "in.jsonl", "-o", "out.jsonl", "--run-id", "not/ok")
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit):
+        _parse("batch", "in.jsonl", "-o", "out.jsonl", "--run-id", "abc", "--fresh")
+
+
+def test_a_missing_input_file_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(producer_cli, "_client", lambda args: Client(connection=fakeredis.FakeRedis(), queue="q"))
+    args = _parse("batch", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "out.jsonl"))
+    assert producer_cli.batch(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No such file" in err and "nope.jsonl" in err
