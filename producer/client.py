@@ -114,6 +114,8 @@ class Client:
             stats = pipe.execute()
         rows = []
         for w, st in zip(workers, stats):
+            if not st:  # its statistics lapse with its heartbeat: a dead worker (SIGKILL, OOM) is not listed
+                continue
             st = {k.decode(): v.decode() for k, v in st.items()}
             rows.append(
                 {

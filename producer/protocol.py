@@ -35,6 +35,11 @@ def result_key(job_id: str) -> str:
     return f"roseinfer:result:{job_id}"
 
 
+def rejected_key(queue: str) -> str:
+    """Jobs RQ could not read (a sorted set of ids by time): never run, their reason in their result key."""
+    return f"roseinfer:rejected:{queue}"
+
+
 def make_event(
     n: int,
     text: str,

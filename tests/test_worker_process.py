@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 
 import pytest
 from redis import Redis
 
-from producer import Client
+from producer import Client, JobFailed
 from worker.cli import worker_command
+
+pytestmark = pytest.mark.slow  # real worker processes, each loading a model
 
 
 def _start_worker(redis_url: str, queue: str, model: str, *extra: str) -> subprocess.Popen:
@@ -138,3 +141,66 @@ def test_a_stock_rq_worker_runs_the_same_jobs_one_at_a_time(redis_url, tiny_chat
         assert res["usage"]["completion_tokens"] == 5
         assert job.rq_job.return_value() == res
         assert "".join(job.stream(timeout=5)) == res["text"]
+
+
+def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):
+    from test_worker_hostile import MALFORMED, _raw_job
+
+    client = Client(redis_url, queue=queue_name)
+    conn = Redis.from_url(redis_url)
+    proc = _start_worker(redis_url, queue_name, tiny_chat_model)
+    try:
+        hostile = []
+        for i, fields in enumerate(MALFORMED.values()):
+            hostile.append(f"hostile-{i}")
+            _raw_job(conn, queue_name, hostile[-1], **fields)
+        for name, payload in {
+            "cb": ({"prompt": "x"}, {"success_callback_name": "os.system"}),
+            "topk": ({"prompt": "x", "top_k": 10**30}, {}),
+            "huge": ({"prompt": "x" * (5 * 2**20)}, {}),
+            "space": ({"prompt": "x"}, {}),
+        }.items():
+            job_id = f"hostile {name}" if name == "space" else f"hostile-{name}"
+            hostile.append(job_id)
+            _raw_job(conn, queue_name, job_id, payload[0], **payload[1])
+        good = client.submit_many([{"prompt": f"good {i}", "max_tokens": 6, "temperature": 0} for i in range(4)])
+        for job in good:
+            assert job.result(timeout=120)["usage"]["completion_tokens"] == 6
+        for job_id in hostile:
+            with pytest.raises(JobFailed):
+                client.job(job_id).result(timeout=30)
+        assert proc.poll() is None  # the same process, alive
+        workers = client.status()["workers"]
+        assert len(workers) == 1
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
+
+def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_name):
+    from worker.local_redis import free_port, start_private_redis
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = _start_worker(url, queue_name, tiny_chat_model)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    redis_proc = None
+    try:
+        deadline = time.time() + 120
+        while not any("waiting for Redis" in line for line in lines) and time.time() < deadline:
+            assert proc.poll() is None, "".join(lines)[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # a few retries against nothing
+        assert proc.poll() is None
+        url, redis_proc = start_private_redis(port=port)
+        assert redis_proc is not None
+        job = Client(url, queue=queue_name).submit("late redis", max_tokens=4, temperature=0)
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        if redis_proc is not None:
+            redis_proc.terminate()
+    assert sum("waiting for Redis" in line for line in lines) == 1  # logged once, not at every retry

@@ -1,9 +1,13 @@
 """An RQ worker that keeps many jobs in flight in one engine: continuous batching behind a Redis queue.
 
-Each loop: take commands from the pub/sub thread, run maintenance and heartbeats when due, pull jobs while the
-engine has room (blocking briefly only when idle), run one engine step, then one pipelined round trip that
-publishes every job's new text and reads their statuses (a cancel lands within one step). Finished jobs go
-through RQ's own success path, so registries, results and ``job.return_value()`` behave as RQ users expect.
+Each loop: take commands from the pub/sub thread, run maintenance when due, pull jobs while the engine has room
+(blocking briefly only when idle), run one engine step, then one pipelined round trip that publishes every job's
+new text and reads their statuses (a cancel lands within one step). Finished jobs go through RQ's own success
+path, so registries, results and ``job.return_value()`` behave as RQ users expect. Heartbeats come from a thread
+of their own, so a long step never makes the worker look dead.
+
+Whatever one job does fails that job alone: an unreadable hash, a payload the engine refuses, a callback it names,
+an exception inside a step (then the jobs of that step fail, through RQ's retry policy). The process keeps serving.
 """
 
 from __future__ import annotations
@@ -18,26 +22,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from rq import worker_registration
 from rq.command import parse_payload
-from rq.exceptions import DequeueTimeout
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
-from rq.timeouts import JobTimeoutException
+from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
 from producer.protocol import STATS_KEY
 from producer.schema import JobRequest
+from worker.heartbeat import Heartbeat
+from worker.intake import REDIS_DOWN, HookPolicy, Unreadable, pull, quarantine
 from worker.jobs import JobRejected, JobStopped, add_to_engine, build_result, failure_result, parse_request, usage
 from worker.publisher import JobStream, Publisher
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
 
-_REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+class StepFailed(Exception):
+    """An engine step raised: the jobs it ran fail (and are retried where their policy allows)."""
 
 
 @dataclass
@@ -62,18 +71,20 @@ class BatchWorker(BaseWorker):
             maintenance_interval=settings.maintenance_interval,
             job_monitoring_interval=settings.heartbeat_interval,
         )
+        # An allowed callback's time limit by a timer thread, not SIGALRM: the loop may run off the main thread.
+        self.death_penalty_class = TimerDeathPenalty
         self.engine = engine
         self.settings = settings
+        self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
         self.in_flight: dict[str, InFlight] = {}
         self._stop_jobs: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # from the pub/sub thread
         self._force_stop = False
-        self._next_heartbeat = 0.0
         self._next_suspension_check = 0.0
         self._suspended = False
-        self._tokens = 0
-        self._rate = (time.monotonic(), 0)  # (when, tokens) at the last heartbeat, for tokens/s
+        self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._finishing: list[tuple[InFlight, Any]] = []  # finished in the engine, not yet recorded in Redis
+        self._heartbeat = Heartbeat(self)
 
     # ----- RQ hooks ----------------------------------------------------------------------------------
     def _set_ip_address(self, connection: redis.Redis) -> None:
@@ -121,10 +132,29 @@ class BatchWorker(BaseWorker):
         else:
             log.info("command %r ignored by the batching worker", command)
 
+    def clean_registries(self) -> None:
+        """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
+        error is logged, never fatal, and the queue's maintenance lock is always released."""
+        for queue in self.queues:
+            if not queue.acquire_maintenance_lock():
+                continue
+            try:
+                clean_registries(queue, self._exc_handlers)
+                worker_registration.clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(self, queue)
+            except REDIS_DOWN:
+                raise
+            except Exception:
+                log.exception("maintenance of queue %s failed (a job hash RQ cannot read?); carrying on", queue.name)
+            finally:
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()
+
     # ----- the loop ----------------------------------------------------------------------------------
     def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
         self.bootstrap(logging_level)
         self._install_signal_handlers()
+        self._heartbeat.start()
         worked = False
         backoff = 0.5
         try:
@@ -138,11 +168,12 @@ class BatchWorker(BaseWorker):
                     elif not self.in_flight and not self._finishing and (self._stop_requested or burst):
                         break
                     backoff = 0.5
-                except _REDIS_DOWN as exc:
+                except REDIS_DOWN as exc:
                     log.error("Redis unreachable (%s); the engine waits, retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
+            self._heartbeat.stop()
             self.teardown()
         log.info("worker %s stopped", self.name)
         return worked
@@ -154,8 +185,6 @@ class BatchWorker(BaseWorker):
         mono = time.monotonic()
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
-        if mono >= self._next_heartbeat:
-            self._heartbeat_all(mono)
         if not self._stop_requested and not self._is_suspended(mono):
             self._pull(block=not self.in_flight and not burst)
         if not self.in_flight:
@@ -182,48 +211,67 @@ class BatchWorker(BaseWorker):
 
     # ----- jobs in ------------------------------------------------------------------------------------
     def _pull(self, block: bool) -> None:
-        room = self.settings.in_flight_limit - len(self.in_flight)
-        pulled: list[tuple[Job, Queue]] = []
-        while room > len(pulled) and len(pulled) < 64:
-            timeout = self.settings.idle_wait if block and not pulled else None
-            try:
-                got = Queue.dequeue_any(
-                    self._ordered_queues,
-                    timeout,
-                    connection=self.connection,
-                    job_class=self.job_class,
-                    serializer=self.serializer,
-                )
-            except DequeueTimeout:
-                break
-            except _REDIS_DOWN:
-                raise
-            except Exception as exc:  # the job hash itself is unreadable
-                self._fail_unreadable(getattr(exc, "job_id", None), getattr(exc, "queue", None), exc)
-                continue
-            if got is None:
-                break
-            pulled.append(got)
-        if pulled:
-            self._start(pulled)
+        room = min(self.settings.in_flight_limit - len(self.in_flight), 64)
+        if room <= 0:
+            return
+        pulled, unreadable = pull(
+            self._ordered_queues,
+            room,
+            self.settings.idle_wait if block else None,
+            self.connection,
+            self.job_class,
+            self.serializer,
+        )
+        for item in unreadable:
+            self._reject_unreadable(item)
+        fresh = []
+        for job, queue in pulled:
+            if job.id in self.in_flight:
+                self._keep_running_copy(job, queue)
+            else:
+                fresh.append((job, queue))
+        if fresh:
+            self._start(fresh)
+
+    def _keep_running_copy(self, job: Job, queue: Queue) -> None:
+        """A job RQ requeued while this worker still runs it (a stall outlived its heartbeat): the running copy
+        goes on, the pulled one is dropped, and the job is marked ours again."""
+        log.warning("job %s came back to the queue while it runs here; the running copy carries on", job.id)
+        held = self.in_flight[job.id]
+        ttl = self.get_heartbeat_ttl(job)
+        with self.connection.pipeline() as pipe:
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
+            held.job.set_status(JobStatus.STARTED, pipeline=pipe)
+            held.job.heartbeat(now(), ttl, pipeline=pipe)
+            pipe.execute()
 
     def _start(self, pulled: list[tuple[Job, Queue]]) -> None:
-        started: list[tuple[Job, Queue, Execution, JobRequest | None, Exception | None]] = []
         executions = self._mark_started(pulled)
+        requests: list[tuple[Job, Queue, Execution, JobRequest | None, Exception | None]] = []
         for (job, queue), execution in zip(pulled, executions):
             try:
-                started.append((job, queue, execution, parse_request(job), None))
+                refused = self.hooks.refuse(job)
+                if refused:
+                    raise JobRejected(refused)
+                requests.append((job, queue, execution, parse_request(job, self.settings.max_job_bytes), None))
             except JobRejected as exc:
-                started.append((job, queue, execution, None, exc))
-        streams = self.publisher.resume(self.connection, [job.id for job, *_ in started])
+                requests.append((job, queue, execution, None, exc))
+            except Exception as exc:  # anything else about one job stays with that job
+                log.exception("job %s could not be read", job.id)
+                requests.append((job, queue, execution, None, JobRejected(f"unreadable job: {exc}")))
+        streams = self.publisher.resume(self.connection, [job.id for job, *_ in requests])
         wall = time.time()
-        for job, queue, execution, req, error in started:
+        for job, queue, execution, req, error in requests:
             stream = streams[job.id]
             if error is None:
                 try:
                     add_to_engine(self.engine, job.id, req)
                 except JobRejected as exc:
                     error = exc
+                except Exception as exc:  # an engine bug on this one job: it fails, the rest go on
+                    log.exception("job %s: the engine could not take it", job.id)
+                    error = JobRejected(f"the engine could not take this job: {type(exc).__name__}: {exc}")
             if error is not None:
                 self._fail(job, queue, execution, req, stream, error)
                 continue
@@ -256,7 +304,11 @@ class BatchWorker(BaseWorker):
 
     # ----- the step -----------------------------------------------------------------------------------
     def _step(self) -> None:
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
         wall = time.time()
         for out in outputs:
             job = self.in_flight.get(out.request_id)
@@ -264,7 +316,7 @@ class BatchWorker(BaseWorker):
                 continue
             if job.first_token_at is None and out.delta_token_ids:
                 job.first_token_at = wall
-            self._tokens += len(out.delta_token_ids)
+            self.tokens += len(out.delta_token_ids)
             reason = out.outputs[0].finish_reason
             self.publisher.add(
                 job.stream, out.delta_text, out.delta_token_ids, reason, usage(out) if out.finished else None
@@ -276,6 +328,19 @@ class BatchWorker(BaseWorker):
             if job.deadline is not None and wall > job.deadline:
                 self._end_early(job, JobTimeoutException(f"job exceeded its timeout of {job.job.timeout} s"))
 
+    def _step_failed(self, exc: Exception) -> None:
+        """The step raised and its culprit cannot be named: every job the engine was running fails (through RQ's
+        retry policy, so the innocent ones run again); waiting jobs and the process carry on."""
+        running = [seq.request_id for seq in self.engine.scheduler.running()]
+        log.error("an engine step failed (%s: %s); failing its %d jobs", type(exc).__name__, exc, len(running))
+        for job_id in running:
+            job = self.in_flight.get(job_id)
+            if job is None:
+                self.engine.abort_request(job_id)
+            else:
+                reason = f"the engine step running this job failed: {type(exc).__name__}: {exc}"
+                self._end_early(job, StepFailed(reason))
+
     def _flush(self) -> None:
         """Send the step's events and read every job's status, in one round trip."""
         jobs = list(self.in_flight.values())
@@ -283,11 +348,34 @@ class BatchWorker(BaseWorker):
             self.publisher.flush(pipe)
             for job in jobs:
                 pipe.hget(job.job.key, "status")
+            # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis lost data.
+            pipe.hexists(self.key, "birth")
             replies = pipe.execute()
         self.publisher.sent()
-        for job, status in zip(jobs, replies[len(replies) - len(jobs) :]):
+        worker_known = bool(replies[-1])
+        statuses = replies[len(replies) - len(jobs) - 1 : -1]
+        if not worker_known:
+            self._redis_lost_data()
+        for job, status in zip(jobs, statuses):
+            if status is None and not worker_known:
+                continue  # not deleted by anyone: Redis restarted empty; the job finishes and its result is written
             if status in (b"canceled", b"stopped", None) and job.job.id in self.in_flight:
                 self._end_early(job, JobStopped(f"job {status.decode() if status else 'deleted'} by request"))
+
+    def _redis_lost_data(self) -> None:
+        """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight
+        carry on and write their results (their hashes come back with them)."""
+        log.error("Redis lost its data (restarted without persistence?): registering again, jobs in flight go on")
+        self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
+        self.register_birth()
+        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
+        ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        with self.connection.pipeline() as pipe:
+            for held in self.in_flight.values():  # written back from memory, so they read as started, not deleted
+                held.job.save(pipeline=pipe)
+                held.job.set_status(JobStatus.STARTED, pipeline=pipe)
+                held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
+            pipe.execute()
 
     def _apply_stop_requests(self) -> None:
         while not self._stop_jobs.empty():
@@ -306,7 +394,7 @@ class BatchWorker(BaseWorker):
             job, out = self._finishing[0]
             try:
                 self._succeed(job, out)
-            except _REDIS_DOWN:
+            except REDIS_DOWN:
                 raise
             except Exception:
                 log.exception("job %s: could not record its result", job.job.id)
@@ -334,12 +422,15 @@ class BatchWorker(BaseWorker):
         self._finalize_success(job.job, job.queue, job.execution, result)
 
     def _end_early(self, job: InFlight, reason: Exception) -> None:
-        """Cancel, stop-job or timeout: the engine frees the job's blocks now; the stream gets a last event."""
+        """Cancel, stop-job, timeout or a failed step: the engine frees the job's blocks now; the stream gets a
+        last event."""
         out = self.engine.abort_request(job.job.id)
         self.in_flight.pop(job.job.id, None)
         canceled = isinstance(reason, JobStopped)
+        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt.
+        retrying = not canceled and bool(job.job.retries_left)
         finish = "abort" if canceled else "error"
-        if out is not None:
+        if out is not None and not retrying:
             self.publisher.add(job.stream, out.delta_text, [], finish, usage(out), None if canceled else str(reason))
             self._flush_outbox()  # the last event lands before the status that tells followers to stop
         if canceled:
@@ -355,9 +446,10 @@ class BatchWorker(BaseWorker):
                     pipe.execute()
             log.info("job %s %s", job.job.id, reason)
         else:
-            self.publisher.write_result(
-                self.connection, job.job.id, failure_result(job.job.id, job.request, str(reason))
-            )
+            if not retrying:
+                self.publisher.write_result(
+                    self.connection, job.job.id, failure_result(job.job.id, job.request, str(reason))
+                )
             self._record_failure(job.job, job.queue, job.execution, reason)
 
     def _fail(
@@ -371,17 +463,17 @@ class BatchWorker(BaseWorker):
         job.retries_left = None
         self._record_failure(job, queue, execution, error)
 
-    def _fail_unreadable(self, job_id: str | None, queue: Queue | None, exc: Exception) -> None:
-        log.error("job %s cannot be read (%s): moved to the failed registry", job_id, exc)
-        if not job_id or queue is None:
-            return
-        job = Job(job_id, connection=self.connection, serializer=self.serializer)
-        job.origin = queue.name
-        with self.connection.pipeline() as pipe:
-            pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-            job.set_status(JobStatus.FAILED, pipeline=pipe)
-            queue.failed_job_registry.add(job, exc_string=f"unreadable job: {exc!r}", pipeline=pipe)
+    def _reject_unreadable(self, item: Unreadable) -> None:
+        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream."""
+        log.error("job %r cannot be read (%s): moved to %s", item.job_id, item.reason, "roseinfer:rejected")
+        stream = self.publisher.resume(self.connection, [item.job_id])[item.job_id]
+        self.publisher.add(stream, "", [], "error", {}, item.reason)
+        with self.connection.pipeline(transaction=False) as pipe:
+            self.publisher.flush(pipe)
+            self.publisher.write_result(pipe, item.job_id, failure_result(item.job_id, None, item.reason))
+            quarantine(pipe, item, self.settings.result_ttl)
             pipe.execute()
+        self.publisher.sent()
 
     def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
         try:
@@ -406,28 +498,9 @@ class BatchWorker(BaseWorker):
         log.warning("%d jobs handed back", len(self.in_flight))
         self.in_flight.clear()
 
-    def _heartbeat_all(self, mono: float) -> None:
-        """Worker, executions and jobs kept alive in one pipeline; statistics for `roseinfer status`."""
-        self._next_heartbeat = mono + self.settings.heartbeat_interval
-        ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
-        when, tokens = self._rate
-        rate = (self._tokens - tokens) / max(mono - when, 1e-6)
-        self._rate = (mono, self._tokens)
-        with self.connection.pipeline(transaction=False) as pipe:
-            self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            for job in self.in_flight.values():
-                job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
-                job.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
-            key = STATS_KEY.format(worker=self.name)
-            pipe.hset(
-                key,
-                mapping={
-                    "in_flight": len(self.in_flight),
-                    "generated_tokens": self._tokens,
-                    "tokens_per_s": f"{rate:.1f}",
-                    "queue": self.settings.queue,
-                    "model": self.settings.model,
-                },
-            )
-            pipe.expire(key, ttl + 60)
-            pipe.execute()
+    def stats(self) -> dict[str, Any]:
+        """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""
+        return {"in_flight": len(self.in_flight), "queue": self.settings.queue, "model": self.settings.model}
+
+    def stats_key(self) -> str:
+        return STATS_KEY.format(worker=self.name)

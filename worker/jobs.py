@@ -29,7 +29,11 @@ class JobStopped(Exception):
     """The job was stopped on request while it ran."""
 
 
-def parse_request(job: Job) -> JobRequest:
+def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
+    """The job's payload, checked; JobRejected with a readable reason otherwise. ``max_bytes`` bounds the stored
+    data before it is parsed, so a 10 MB prompt is refused before anything tokenizes it."""
+    if max_bytes is not None and len(job.data or b"") > max_bytes:
+        raise JobRejected(f"the job's data is {len(job.data)} bytes; this worker takes at most {max_bytes}")
     try:
         func_name = job.func_name
         args, kwargs = job.args, job.kwargs

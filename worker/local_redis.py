@@ -18,9 +18,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_private_redis(server: str = "redis-server") -> tuple[str, subprocess.Popen | None]:
-    """A throwaway redis-server (nothing saved); (url, process), or (url, None) when it cannot start."""
-    port = free_port()
+def start_private_redis(server: str = "redis-server", port: int | None = None) -> tuple[str, subprocess.Popen | None]:
+    """A throwaway redis-server (nothing saved) on ``port`` (default: a free one); (url, process), or (url, None)
+    when it cannot start."""
+    port = port or free_port()
     url = f"redis://127.0.0.1:{port}/0"
     if shutil.which(server) is None:
         return url, None

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from redis import Redis
 
+from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
+
+
+def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
+    """Ping until Redis answers: a worker may start before its Redis (compose, a restart). Logged once, then
+    once a minute, without the URL's password."""
+    backoff, next_log = 0.25, 0.0
+    address = "{host}:{port}".format(**{"host": "?", "port": "?", **connection.connection_pool.connection_kwargs})
+    while True:
+        try:
+            connection.ping()
+            if next_log:
+                log.warning("Redis at %s answers", address)
+            return
+        except REDIS_DOWN as exc:
+            if time.monotonic() >= next_log:
+                log.warning("waiting for Redis at %s (%s); retrying with backoff", address, exc)
+                next_log = time.monotonic() + 60
+            time.sleep(backoff)
+            backoff = min(backoff * 2, max_backoff)
 
 
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):
@@ -16,8 +37,8 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     from worker.batch_worker import BatchWorker
 
     connection = connection or Redis.from_url(settings.redis_url)
-    connection.ping()  # a wrong URL fails here, before minutes of model loading
     engine = LLM(settings.model, **settings.engine_options()).engine
+    wait_for_redis(connection)
     return BatchWorker(engine, settings, connection)
 
 

@@ -1,0 +1,12 @@
+"""A callback a job can name (``hook_probe.record``): it leaves a mark in Redis, so a test sees whether it ran."""
+
+from __future__ import annotations
+
+
+def record(job, connection, *args) -> None:
+    connection.set(f"hook-probe:{job.id}", "ran")
+
+
+def record_unlisted(job, connection, *args) -> None:
+    """The same, under a name no test worker allows."""
+    connection.set(f"hook-probe:{job.id}", "ran")

@@ -1,0 +1,311 @@
+"""The worker under input a buggy or hostile producer writes: every bad job fails alone with a reason, nothing a
+job names runs, good jobs between them finish, and the worker keeps serving (same thread, same process)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+import uuid
+from typing import ClassVar
+
+import pytest
+from conftest import ThreadWorker
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from producer import Client, JobFailed
+from producer.protocol import rejected_key, result_key
+
+FN = "worker.jobs.generate"
+NOW = "2026-11-22T00:00:00.000000Z"
+
+
+def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, **fields) -> None:
+    """A job written the way another language would: a hash and an RPUSH."""
+    data = json.dumps([FN, None, [], payload or {"prompt": "hi", "max_tokens": 3, "temperature": 0}])
+    mapping = {"data": data, "origin": queue, "status": "queued", "created_at": NOW, "enqueued_at": NOW, **fields}
+    conn.hset(f"rq:job:{job_id}", mapping=mapping)
+    conn.sadd("rq:queues", f"rq:queue:{queue}")
+    conn.rpush(f"rq:queue:{queue}", job_id)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    w = ThreadWorker(
+        redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
+        allow_callback=["hook_probe.record"], allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
+    )  # fmt: skip
+    yield w, Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
+    w.stop()
+
+
+MALFORMED = {
+    "created_at": {"created_at": "yesterday"},
+    "enqueued_at": {"enqueued_at": "soon"},
+    "timeout": {"timeout": "forever"},
+    "retries_left": {"retries_left": "many"},
+    "result_ttl": {"result_ttl": "x"},
+    "failure_ttl": {"failure_ttl": "x"},
+    "status": {"status": "bogus"},
+    "retry_intervals": {"retry_intervals": "{"},
+    "dependency_ids": {"dependency_ids": "{"},
+    "exc_info": {"exc_info": b"\xff\xfe\x00"},
+}
+
+
+def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(served):
+    w, client, conn = served
+    good_before = client.submit("before", max_tokens=4, temperature=0)
+    bad_ids = {}
+    for name, fields in MALFORMED.items():
+        bad_ids[name] = f"bad-{name.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+        _raw_job(conn, w.queue, bad_ids[name], **fields)
+    bad_ids["space id"] = f"with space {uuid.uuid4().hex[:6]}"
+    bad_ids["non-ascii id"] = f"ünïcode-{uuid.uuid4().hex[:6]}"
+    for name in ("space id", "non-ascii id"):
+        _raw_job(conn, w.queue, bad_ids[name])
+    good_after = [client.submit(f"after {i}", max_tokens=4, temperature=0) for i in range(3)]
+
+    for job in [good_before, *good_after]:
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 4
+    for name, job_id in bad_ids.items():
+        deadline = time.time() + 30
+        while not conn.exists(result_key(job_id)) and time.time() < deadline:
+            time.sleep(0.05)
+        stored = json.loads(conn.get(result_key(job_id)))
+        assert stored["status"] == "failed" and stored["finish_reason"] == "error", name
+        reason = stored["error"]
+        assert reason, name
+        if name.endswith(" id"):
+            assert "job ids may only use" in reason
+        else:  # the field is named
+            assert f"RQ cannot read this job: its field {name!r}" in reason, (name, reason)
+        assert conn.zscore(rejected_key(w.queue), job_id) is not None, name
+        assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
+    with pytest.raises(JobFailed, match="RQ cannot read"):
+        client.job(bad_ids["status"]).result(timeout=5)
+    assert conn.llen(f"rq:queue:{w.queue}:intermediate") == 0
+    assert w.thread.is_alive()
+
+
+@pytest.mark.slow  # a worker of its own, or seconds of waiting
+def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served):
+    w, client, conn = served
+    # A hostile hash placed straight into the started registry, where RQ's clean-up fetches it once it expires.
+    job_id = f"planted-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, "elsewhere", job_id, created_at="yesterday")
+    conn.lrem("rq:queue:elsewhere", 0, job_id)
+    conn.zadd(f"rq:wip:{w.queue}", {f"{job_id}:exec": 1})
+    conn.delete(f"rq:clean_registries:{w.queue}")
+    time.sleep(2.5)  # at least one maintenance pass (interval 1 s)
+    assert not conn.exists(f"rq:clean_registries:{w.queue}")  # the lock is not left held
+    assert client.submit("still serving", max_tokens=2, temperature=0).result(timeout=30)["status"] == "finished"
+    assert w.thread.is_alive()
+    conn.zrem(f"rq:wip:{w.queue}", f"{job_id}:exec")
+
+
+def test_callbacks_named_by_a_job_never_run_unless_allowed(served):
+    w, client, conn = served
+    refused = {}
+    for kind, name in (("success", "builtins.print"), ("failure", "os.system"), ("stopped", "hook_probe.missing")):
+        job_id = f"cb-{kind}-{uuid.uuid4().hex[:6]}"
+        _raw_job(conn, w.queue, job_id, **{f"{kind}_callback_name": name})
+        refused[job_id] = name
+    allowed = f"cb-allowed-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, allowed, success_callback_name="hook_probe.record")
+    not_allowed = f"cb-probe-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, not_allowed, failure_callback_name="hook_probe.record_unlisted", retries_left="1")
+    for job_id, name in [*refused.items(), (not_allowed, "hook_probe.record_unlisted")]:
+        with pytest.raises(JobFailed) as err:
+            client.job(job_id).result(timeout=30)
+        assert "runs no code and calls no address" in err.value.reason and name in err.value.reason
+        assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+    # The refused failure callback did not run on the failure path either.
+    assert not conn.exists(f"hook-probe:{not_allowed}")
+    assert client.job(allowed).result(timeout=30)["status"] == "finished"
+    deadline = time.time() + 5
+    while not conn.exists(f"hook-probe:{allowed}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert conn.get(f"hook-probe:{allowed}") == b"ran"  # an allow-listed name runs, as RQ users expect
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    hits: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        _Recorder.hits.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_webhooks_named_by_a_job_are_never_called_unless_the_host_is_allowed(served):
+    w, client, conn = served
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/hook"
+        job_id = f"wh-{uuid.uuid4().hex[:6]}"
+        hooks = [{"url": url, "job_status": status} for status in ("finished", "failed")]
+        _raw_job(conn, w.queue, job_id, webhooks=json.dumps(hooks))
+        with pytest.raises(JobFailed, match="webhook to"):
+            client.job(job_id).result(timeout=30)
+        time.sleep(0.5)
+        assert _Recorder.hits == []
+    finally:
+        server.shutdown()
+
+
+def test_values_past_their_bounds_fail_alone_with_the_field_named(served):
+    w, client, conn = served
+    cases = {
+        "topk": ({"prompt": "hi", "top_k": 10**30}, "top_k"),
+        "seed": ({"prompt": "hi", "seed": 2**64}, "seed"),
+        "stopid": ({"prompt": "hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
+        "huge": ({"prompt": "x" * (100 * 1024)}, "bytes"),
+    }
+    ids = {}
+    for name, (payload, _) in cases.items():
+        ids[name] = f"bound-{name}-{uuid.uuid4().hex[:6]}"
+        _raw_job(conn, w.queue, ids[name], payload)
+    ok = client.submit("fine", max_tokens=3, temperature=0.7, top_k=10**6)  # past the vocabulary: all of it
+    assert ok.result(timeout=30)["usage"]["completion_tokens"] == 3
+    for name, (_, phrase) in cases.items():
+        with pytest.raises(JobFailed) as err:
+            client.job(ids[name]).result(timeout=30)
+        assert phrase in err.value.reason, (name, err.value.reason)
+    assert w.thread.is_alive()
+
+
+def test_a_step_that_raises_fails_its_jobs_and_the_worker_serves_on(served, monkeypatch):
+    w, client, _ = served
+    engine = w.worker.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise IndexError("injected fault inside a step")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    jobs = [client.submit(f"victim {i}", max_tokens=40, temperature=0, ignore_eos=True) for i in range(3)]
+    results = [job.result(timeout=60) for job in jobs]  # failed by the step, retried (retries=2), finished
+    assert calls["n"] > 3
+    retried = [job for job in jobs if job.rq_job.retries_left < 2]
+    assert retried, "no job was failed by the faulty step"
+    for job, result in zip(jobs, results):
+        assert result["status"] == "finished" and result["usage"]["completion_tokens"] == 40
+        events = list(job.events(timeout=10))  # the failed attempt left no final event: the retry's stream goes on
+        assert [e["finish_reason"] for e in events if "finish_reason" in e] == ["length"]
+        assert "".join(e["text"] for e in events) == result["text"]
+    monkeypatch.setattr(engine, "step", real_step)
+    after = client.submit("after the fault", max_tokens=5, temperature=0)
+    assert after.result(timeout=30)["usage"]["completion_tokens"] == 5
+    assert engine.kv.num_used_blocks == 0 or engine.has_unfinished_requests()
+    assert w.thread.is_alive()
+
+
+def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
+    w, client, _ = served
+    engine = w.worker.engine
+    real_add = engine.add_request
+
+    def picky_add(request_id, prompt, params=None):
+        if "poison" in json.dumps(prompt):
+            raise RuntimeError("injected fault at admission")
+        return real_add(request_id, prompt, params)
+
+    monkeypatch.setattr(engine, "add_request", picky_add)
+    poison = client.submit("poison pill", max_tokens=3)
+    fine = client.submit("fine pill", max_tokens=3, temperature=0)
+    with pytest.raises(JobFailed, match="injected fault at admission"):
+        poison.result(timeout=30)
+    assert fine.result(timeout=30)["usage"]["completion_tokens"] == 3
+    assert w.thread.is_alive()
+
+
+def test_a_job_requeued_while_it_runs_here_is_neither_failed_nor_run_twice(served):
+    w, client, conn = served
+    job = client.submit("long one", max_tokens=150, temperature=0, ignore_eos=True)
+    next(iter(job.events(timeout=30)))
+    conn.rpush(f"rq:queue:{w.queue}", job.id)  # what maintenance does when it thinks the worker died
+    result = job.result(timeout=60)
+    assert result["status"] == "finished" and result["usage"]["completion_tokens"] == 150
+    events = list(job.events(timeout=10))
+    assert sum(len(e["token_ids"]) for e in events) == 150
+    assert [e["finish_reason"] for e in events if "finish_reason" in e] == ["length"]
+    assert conn.llen(f"rq:queue:{w.queue}") == 0
+
+
+@pytest.mark.slow  # a worker of its own, or seconds of waiting
+def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat_model, monkeypatch):
+    # Heartbeat every second and only one second of grace: a 4 s step would lose the jobs without the thread.
+    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1, heartbeat_grace=1, maintenance_interval=1)
+    try:
+        client = Client(redis_url, queue=w.queue)
+        engine = w.worker.engine
+        real_step = engine.step
+        stalled = {"done": False}
+
+        def stalling_step():
+            if not stalled["done"] and engine.has_unfinished_requests():
+                stalled["done"] = True
+                time.sleep(4)
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", stalling_step)
+        job = client.submit("stall", max_tokens=20, temperature=0, ignore_eos=True)
+        result = job.result(timeout=60)
+        assert stalled["done"] and result["status"] == "finished"
+        assert job.rq_job.get_status() == "finished"
+        assert Redis.from_url(redis_url).llen(f"rq:queue:{w.queue}") == 0
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow  # a worker of its own, or seconds of waiting
+def test_redis_losing_its_data_mid_run_does_not_cancel_running_jobs(redis_url, tiny_chat_model, monkeypatch):
+    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
+    try:
+        client = Client(redis_url, queue=w.queue)
+        conn = Redis.from_url(redis_url)
+        real_step = w.worker.engine.step
+
+        def slow_step():  # ~2 s for the jobs below, so Redis loses its data while they run
+            time.sleep(0.02)
+            return real_step()
+
+        monkeypatch.setattr(w.worker.engine, "step", slow_step)
+        jobs = [client.submit(f"lost {i}", max_tokens=100, temperature=0, ignore_eos=True) for i in range(3)]
+        next(iter(jobs[0].events(timeout=30)))
+        conn.flushall()  # what a restart without persistence leaves
+        for job in jobs:
+            deadline = time.time() + 60
+            while not conn.exists(result_key(job.id)) and time.time() < deadline:
+                time.sleep(0.05)
+            result = job.result(timeout=5)
+            assert result["status"] == "finished" and result["finish_reason"] == "length"
+            assert result["usage"]["completion_tokens"] == 100
+            assert job.status() == "finished"  # the job's hash came back with its result
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow  # a worker of its own, or seconds of waiting
+def test_stats_tell_the_truth_after_a_drain(redis_url, tiny_chat_model):
+    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
+    client = Client(redis_url, queue=w.queue)
+    jobs = [client.submit(f"stat {i}", max_tokens=30, temperature=0) for i in range(4)]
+    for job in jobs:
+        job.result(timeout=60)
+    time.sleep(1.5)  # a heartbeat after the last job ended
+    assert [row["in_flight"] for row in client.status()["workers"]] == [0]
+    w.stop()
+    assert client.status()["workers"] == []  # a stopped worker drops out

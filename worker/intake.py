@@ -1,0 +1,143 @@
+"""Taking jobs off the queue without trusting them.
+
+A job hash is written by whoever can reach Redis, in any language. What RQ cannot read (a date that does not
+parse, a status that does not exist, bytes that are not UTF-8, an id outside ``[A-Za-z0-9_-]``) is moved aside
+with a reason, never built into a ``Job`` without data. What a job names to be run or called (RQ callbacks,
+webhooks) is refused unless the operator allowed that exact name or host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import redis
+from rq.exceptions import DequeueTimeout
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.utils import parse_timeout, str_to_date
+
+from producer.protocol import rejected_key
+
+log = logging.getLogger("roseinfer.worker")
+
+JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
+BAD_ID = "job ids may only use A-Z, a-z, 0-9, '_' and '-' (at most 256 of them)"
+_DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
+_INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
+         "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
+_JSON = ("retry_intervals", "dependency_ids")
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass
+class Unreadable:
+    """A job RQ could not read: its id, its queue and why."""
+
+    job_id: str
+    queue: Queue
+    reason: str
+
+
+def pull(
+    queues: list[Queue], limit: int, block: float | None, connection: redis.Redis, job_class: type[Job], serializer
+) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
+    """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
+    Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate."""
+    pulled: list[tuple[Job, Queue]] = []
+    unreadable: list[Unreadable] = []
+    while len(pulled) + len(unreadable) < limit:
+        timeout = block if block and not pulled and not unreadable else None
+        try:
+            got = Queue.dequeue_any(queues, timeout, connection=connection, job_class=job_class, serializer=serializer)
+        except DequeueTimeout:
+            break
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # the job hash itself: a field RQ cannot parse, an id it refuses
+            job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+            if job_id is None or queue is None:  # nothing to pin it on: log it and leave the queue for now
+                log.exception("could not take a job off the queue")
+                break
+            unreadable.append(Unreadable(job_id, queue, diagnose(connection, job_id, exc)))
+            continue
+        if got is None:
+            break
+        job, queue = got
+        if not JOB_ID.match(job.id):
+            unreadable.append(Unreadable(job.id, queue, BAD_ID))
+            continue
+        pulled.append(got)
+    return pulled, unreadable
+
+
+def diagnose(connection: redis.Redis, job_id: str, exc: Exception) -> str:
+    """Which field of the hash RQ could not read, in words (RQ's own errors rarely name it)."""
+    if not JOB_ID.match(job_id):
+        return BAD_ID
+    fields = {k.decode("utf-8", "replace"): v for k, v in (connection.hgetall(Job.key_for(job_id)) or {}).items()}
+    checks = [(name, str_to_date) for name in _DATES] + [(name, int) for name in _INTS]
+    checks += [("timeout", parse_timeout), ("status", lambda v: JobStatus(v.decode()))]
+    checks += [(name, lambda v: json.loads(v.decode())) for name in _JSON]
+    for name, parse in checks:
+        if fields.get(name):
+            try:
+                parse(fields[name])
+            except Exception:
+                return f"RQ cannot read this job: its field {name!r} holds {fields[name][:60]!r}"
+    for name, value in fields.items():
+        if name != "data":
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"RQ cannot read this job: its field {name!r} is not UTF-8 text"
+    return f"RQ cannot read this job: {type(exc).__name__}: {exc}"
+
+
+def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
+    """Off the queue lists, status failed where the hash exists, and into ``roseinfer:rejected:<queue>`` (a sorted
+    set by time) where an operator finds it; RQ's own registries never hold it, so its maintenance cannot trip."""
+    queue = item.queue
+    pipe.lrem(queue.intermediate_queue_key, 0, item.job_id)
+    pipe.lrem(queue.key, 0, item.job_id)
+    pipe.hset(Job.key_for(item.job_id), "status", "failed")  # the hash exists: RQ found it and could not read it
+    rejected = rejected_key(queue.name)
+    pipe.zadd(rejected, {item.job_id: time.time()})
+    pipe.expire(rejected, ttl)
+
+
+@dataclass(frozen=True)
+class HookPolicy:
+    """What a job may name to be run or called: exact callback names, webhook hosts. Empty: nothing."""
+
+    callbacks: frozenset[str] = frozenset()
+    webhook_hosts: frozenset[str] = frozenset()
+
+    def refuse(self, job: Job) -> str | None:
+        """Why this job may not run here, or None. Whatever is refused is also taken off the job, so RQ's
+        failure path cannot call it either."""
+        problems = []
+        for kind in ("success", "failure", "stopped"):
+            name = getattr(job, f"_{kind}_callback_name", None)
+            if name and name not in self.callbacks:
+                problems.append(f"{kind} callback {name!r}")
+                setattr(job, f"_{kind}_callback_name", None)
+                setattr(job, f"_{kind}_callback", None)
+        kept = []
+        for hook in getattr(job, "webhooks", None) or []:
+            host = urlsplit(str(hook.url)).hostname or ""
+            if host in self.webhook_hosts:
+                kept.append(hook)
+            else:
+                problems.append(f"webhook to {hook.url!r}")
+        job.webhooks = kept
+        if not problems:
+            return None
+        return (
+            f"this worker runs no code and calls no address that a job names; refused: {', '.join(problems)} "
+            "(an operator allows exact names with --allow-callback module.function and hosts with --allow-webhook-host)"
+        )
