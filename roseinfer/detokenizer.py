@@ -1,14 +1,21 @@
 """Incremental detokenization with stop strings.
 
-Each step decodes only a short window of tokens: the text of the window minus the text of its older part
-is what the new tokens added. A window that ends inside a multi-byte character decodes to U+FFFD, so its
-text waits for the next token. Text that could still turn into a stop string is held back until it
-cannot; a stop string found is cut from the output (unless asked to keep it).
+A fast tokenizer decodes through the ``tokenizers`` library's ``DecodeStream``: one call in Rust per token, which
+holds a token back while it ends inside a multi-byte character (about ten times cheaper than two Python
+``decode`` calls a token). Other tokenizers decode a short window of tokens each step: the text of the window
+minus the text of its older part is what the new tokens added, and a window ending in U+FFFD waits for the next
+token. Either way, text that could still turn into a stop string is held back until it cannot; a stop string
+found is cut from the output (unless asked to keep it).
 """
 
 from __future__ import annotations
 
 from roseinfer.sampling_params import SamplingParams
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
 
 # Prompt tokens kept as left context, so the first output tokens decode with the right spacing.
 _CONTEXT_TOKENS = 5
@@ -23,7 +30,11 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids)  # tokens up to here have given their text
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
+        self._stream = (
+            DecodeStream(ids=self._ids, skip_special_tokens=self.skip_special_tokens) if self._backend else None
+        )
         self.text = ""  # all text decoded so far (cut at a stop string once found)
         self._emitted = 0  # chars of ``text`` already handed out
         self.stop_hit: str | None = None
@@ -37,7 +48,15 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int | None, finished: bool = False) -> str:
         """Take one new token (None: nothing new) and return the text now safe to show."""
-        if token_id is not None and self.stop_hit is None:
+        if token_id is not None and self.stop_hit is None and self._stream is not None:
+            self._ids.append(token_id)
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self._add_text(piece)
+            if piece is not None:
+                self._read_offset = len(self._ids)
+                self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
+        elif token_id is not None and self.stop_hit is None:
             self._ids.append(token_id)
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self._ids[self._prefix_offset :])

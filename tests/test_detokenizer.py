@@ -2,8 +2,18 @@
 
 import pytest
 
+from roseinfer import detokenizer
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True, params=["decode-stream", "window"])
+def decode_path(request, monkeypatch):
+    """Every test on both paths: tokenizers' DecodeStream, and the windowed decode other tokenizers take."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    return request.param
+
 
 TEXTS = [
     "Hello 👋🏽 world 🎉!",  # emoji with a skin-tone modifier: many bytes, split over tokens
@@ -60,3 +70,13 @@ def test_partial_match_that_never_completes_is_released(smol_tokenizer):
     _, pieces, d = stream(smol_tokenizer, "we say THE EN and stop there", SamplingParams(stop=["THE END"]))
     assert d.stop_hit is None
     assert "".join(pieces) == "we say THE EN and stop there"
+
+
+def test_a_character_cut_off_by_the_end_still_comes_out(smol_tokenizer, decode_path):
+    ids = smol_tokenizer.encode("ok 🎉")
+    d = IncrementalDetokenizer(smol_tokenizer, smol_tokenizer.encode("Say:"), SamplingParams())
+    assert (d._stream is not None) == (decode_path == "decode-stream")
+    pieces = [d.update(t) for t in ids[:-1]]  # the emoji's last byte never arrives
+    pieces.append(d.finish())
+    assert "".join(pieces) == smol_tokenizer.decode(ids[:-1]) == d.output_text
+    assert pieces[-1].endswith("\ufffd")
