@@ -91,25 +91,31 @@ class LLMEngine:
         return 1 << 30
 
     # ----- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
-        or {"messages": [...]} (chat template applied)."""
+        or {"messages": [...]} (chat template applied). {"prompt_token_ids": ..., "prompt": text} is a prompt
+        tokenized already (as vLLM's TokensPrompt): the ids are used, the text kept for the output. ``tokenizer``
+        replaces the engine's own (a thread that tokenizes beside the step loop brings its own copy)."""
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages"}
-            if unknown or len(prompt) != 1:
+            tokenized = set(prompt) == {"prompt", "prompt_token_ids"}
+            if unknown or (len(prompt) != 1 and not tokenized):
                 raise ValueError(
-                    "a prompt dict takes exactly one of 'prompt', 'prompt_token_ids', 'messages'; "
-                    f"got keys {sorted(prompt)}"
+                    "a prompt dict takes exactly one of 'prompt', 'prompt_token_ids', 'messages' (or "
+                    f"'prompt_token_ids' with the 'prompt' they came from); got keys {sorted(prompt)}"
                 )
+            if tokenized:
+                return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
             if "messages" in prompt:
-                return None, self.apply_chat_template(prompt["messages"])
+                return None, self.apply_chat_template(prompt["messages"], tokenizer)
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
             if not prompt:
                 raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             vocab = self.model.vocab_size
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
@@ -117,8 +123,9 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    def apply_chat_template(self, messages: list[dict], tokenizer=None) -> list[int]:
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a plain prompt instead of messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -126,7 +133,7 @@ class LLMEngine:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
         return list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None) -> None:
@@ -161,6 +168,10 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
         return self._output(seq, delta, [])
+
+    def running_request_ids(self) -> list[str]:
+        """The requests in the running batch (those a step computes)."""
+        return [seq.request_id for seq in self.scheduler.running()]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

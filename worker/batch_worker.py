@@ -1,10 +1,12 @@
 """An RQ worker that keeps many jobs in flight in one engine: continuous batching behind a Redis queue.
 
-Each loop: take commands from the pub/sub thread, run maintenance when due, pull jobs while the engine has room
-(blocking briefly only when idle), run one engine step, then one pipelined round trip that publishes every job's
-new text and reads their statuses (a cancel lands within one step). Finished jobs go through RQ's own success
-path, so registries, results and ``job.return_value()`` behave as RQ users expect. Heartbeats come from a thread
-of their own, so a long step never makes the worker look dead.
+It is the RQ adapter over the Redis-free ``Pump``: each loop takes the cancels and stop requests that came in,
+runs maintenance when due, pulls jobs while the engine has room (blocking briefly only when idle), runs one pump
+step, and hands what the step produced to the ``Sender`` thread, which writes it to Redis off the step loop
+(events, then results and RQ's success or failure path, in order) and reads the statuses of the jobs in flight in
+the same round trip (a cancel lands within a step or two). Heartbeats come from a thread of their own, so a long
+step never makes the worker look dead. Finished jobs go through RQ's own success path, so registries, results and
+``job.return_value()`` behave as RQ users expect.
 
 Whatever one job does fails that job alone: an unreadable hash, a payload the engine refuses, a callback it names,
 an exception inside a step (then the jobs of that step fail, through RQ's retry policy). The process keeps serving.
@@ -38,8 +40,10 @@ from producer.protocol import STATS_KEY
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, HookPolicy, Unreadable, pull, quarantine
-from worker.jobs import JobRejected, JobStopped, add_to_engine, build_result, failure_result, parse_request, usage
+from worker.jobs import JobRejected, JobStopped, build_result, failure_result, parse_request, sampling_params, usage
 from worker.publisher import JobStream, Publisher
+from worker.pump import JobEvent, Pump
+from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
@@ -57,7 +61,6 @@ class InFlight:
     request: JobRequest
     stream: JobStream
     started_at: float
-    deadline: float | None
     first_token_at: float | None = None
 
 
@@ -75,15 +78,23 @@ class BatchWorker(BaseWorker):
         self.death_penalty_class = TimerDeathPenalty
         self.engine = engine
         self.settings = settings
+        self.pump = Pump(engine)
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
+        self.sender = Sender(connection, self.publisher, self._on_statuses)
         self.in_flight: dict[str, InFlight] = {}
+        self._tasks: list = []  # job endings of this step, for the sender, after its events
         self._stop_jobs: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # from the pub/sub thread
+        self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._force_stop = False
         self._next_suspension_check = 0.0
         self._suspended = False
+        self._pull_paused_until = 0.0
+        self._next_pull = 0.0
+        self._next_hand_over = 0.0
+        self._next_maintenance = 0.0
+        self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
-        self._finishing: list[tuple[InFlight, Any]] = []  # finished in the engine, not yet recorded in Redis
         self._heartbeat = Heartbeat(self)
 
     # ----- RQ hooks ----------------------------------------------------------------------------------
@@ -154,6 +165,9 @@ class BatchWorker(BaseWorker):
     def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
         self.bootstrap(logging_level)
         self._install_signal_handlers()
+        self.sender.worker_key = self.key
+        self.sender.queue_keys = [queue.key for queue in self.queues]
+        self.sender.start()
         self._heartbeat.start()
         worked = False
         backoff = 0.5
@@ -165,14 +179,18 @@ class BatchWorker(BaseWorker):
                         break
                     if self._loop_once(burst):
                         worked = True
-                    elif not self.in_flight and not self._finishing and (self._stop_requested or burst):
+                    elif not self.in_flight and not self.sender.busy and (self._stop_requested or burst):
                         break
+                    elif not self.in_flight:
+                        self.sender.drain(0.05)  # the sender still ends jobs: wait for it, not spin
                     backoff = 0.5
                 except REDIS_DOWN as exc:
-                    log.error("Redis unreachable (%s); the engine waits, retrying in %.1f s", exc, backoff)
+                    log.error("Redis unreachable (%s); retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
+            self.sender.stop()
+            self.pump.close()
             self._heartbeat.stop()
             self.teardown()
         log.info("worker %s stopped", self.name)
@@ -180,22 +198,45 @@ class BatchWorker(BaseWorker):
 
     def _loop_once(self, burst: bool) -> bool:
         """One iteration; False when there was nothing to do."""
-        self._settle()
+        self._apply_reports()
         self._apply_stop_requests()
         mono = time.monotonic()
-        if self.should_run_maintenance_tasks:
+        if mono >= self._next_maintenance:  # RQ's own check builds datetimes: too dear for every step
+            self._next_maintenance = mono + self.settings.maintenance_interval
             self.run_maintenance_tasks()
-        if not self._stop_requested and not self._is_suspended(mono):
-            self._pull(block=not self.in_flight and not burst)
-        if not self.in_flight:
-            if self.publisher.outbox:  # the last events of jobs that just ended early
-                self._flush()
-            return False
-        if not self.publisher.outbox:  # a step's events still unsent: hold the engine until Redis takes them
-            self._step()
-        self._flush()
-        self._settle()
-        return True
+        idle = not self.in_flight and not self.sender.busy and not burst
+        # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE at every
+        # step is a round trip on the step's critical path.
+        due = idle or self.sender.queued > 0 or mono >= self._next_pull
+        if due and not self._stop_requested and mono >= self._pull_paused_until and not self._is_suspended(mono):
+            self._next_pull = mono + 1.0
+            try:
+                self._pull(block=idle)
+            except REDIS_DOWN as exc:  # the jobs in flight go on; their events wait in the sender
+                log.error("Redis unreachable while pulling jobs (%s); trying again in 5 s", exc)
+                self._pull_paused_until = mono + 5.0
+        if self.pump.has_work():
+            self._route(self.pump.step())
+            if not self.engine.has_unfinished_requests():
+                time.sleep(0.001)  # only prompts being tokenized: no step to run yet
+        self._hand_over()
+        self._set_busy(bool(self.in_flight))
+        return bool(self.in_flight)
+
+    def _hand_over(self, force: bool = False) -> None:
+        """Give the sender what the steps produced: at once for a job's first piece, a job's end, or a job
+        ending; otherwise once ``event_interval_ms`` has passed, so the steps in between share one event per
+        job (a fast engine's steps would otherwise each cost Redis a write per job)."""
+        mono = time.monotonic()
+        if not (force or self._tasks or self.publisher.urgent or mono >= self._next_hand_over):
+            return
+        self._next_hand_over = mono + self.settings.event_interval_ms / 1000
+        tasks, self._tasks = self._tasks, []
+        events = self.publisher.take()
+        if events or tasks or self.in_flight or self._watching:
+            watch = [(job_id, job.job.key) for job_id, job in self.in_flight.items()]
+            self._watching = bool(watch)
+            self.sender.put(Batch(events, tasks, watch))
 
     def _is_suspended(self, mono: float) -> bool:
         # is_suspended also refreshes our worker key's TTL: checked once a second, not every step.
@@ -222,6 +263,8 @@ class BatchWorker(BaseWorker):
             self.job_class,
             self.serializer,
         )
+        if len(pulled) + len(unreadable) < room:
+            self.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
         for item in unreadable:
             self._reject_unreadable(item)
         fresh = []
@@ -248,39 +291,27 @@ class BatchWorker(BaseWorker):
 
     def _start(self, pulled: list[tuple[Job, Queue]]) -> None:
         executions = self._mark_started(pulled)
-        requests: list[tuple[Job, Queue, Execution, JobRequest | None, Exception | None]] = []
+        streams = self.publisher.resume(self.connection, [job.id for job, _ in pulled])
+        wall = time.time()
         for (job, queue), execution in zip(pulled, executions):
+            req = None
             try:
                 refused = self.hooks.refuse(job)
                 if refused:
                     raise JobRejected(refused)
-                requests.append((job, queue, execution, parse_request(job, self.settings.max_job_bytes), None))
+                req = parse_request(job, self.settings.max_job_bytes)
+                params = sampling_params(job.id, req)
             except JobRejected as exc:
-                requests.append((job, queue, execution, None, exc))
+                self._fail(job, queue, execution, req, streams[job.id], str(exc))
+                continue
             except Exception as exc:  # anything else about one job stays with that job
                 log.exception("job %s could not be read", job.id)
-                requests.append((job, queue, execution, None, JobRejected(f"unreadable job: {exc}")))
-        streams = self.publisher.resume(self.connection, [job.id for job, *_ in requests])
-        wall = time.time()
-        for job, queue, execution, req, error in requests:
-            stream = streams[job.id]
-            if error is None:
-                try:
-                    add_to_engine(self.engine, job.id, req)
-                except JobRejected as exc:
-                    error = exc
-                except Exception as exc:  # an engine bug on this one job: it fails, the rest go on
-                    log.exception("job %s: the engine could not take it", job.id)
-                    error = JobRejected(f"the engine could not take this job: {type(exc).__name__}: {exc}")
-            if error is not None:
-                self._fail(job, queue, execution, req, stream, error)
+                self._fail(job, queue, execution, req, streams[job.id], f"unreadable job: {exc}")
                 continue
             timeout = job.timeout if job.timeout and job.timeout > 0 else None
-            self.in_flight[job.id] = InFlight(
-                job, queue, execution, req, stream, wall, wall + timeout if timeout else None
-            )
+            self.pump.submit(job.id, req.engine_prompt(), params, timeout)
+            self.in_flight[job.id] = InFlight(job, queue, execution, req, streams[job.id], wall)
             log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
-        self._set_busy(bool(self.in_flight))
 
     def _mark_started(self, pulled: list[tuple[Job, Queue]]) -> list[Execution]:
         """RQ's prepare_execution + prepare_job_execution for every pulled job, in one pipeline (and without
@@ -302,65 +333,191 @@ class BatchWorker(BaseWorker):
             pipe.execute()
         return executions
 
-    # ----- the step -----------------------------------------------------------------------------------
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            self._step_failed(exc)
-            return
+    # ----- what a step produced -------------------------------------------------------------------------
+    def _route(self, events: list[JobEvent]) -> None:
         wall = time.time()
-        for out in outputs:
-            job = self.in_flight.get(out.request_id)
+        done: list[tuple[InFlight, Any]] = []
+        for event in events:
+            job = self.in_flight.get(event.job_id)
             if job is None:
                 continue
-            if job.first_token_at is None and out.delta_token_ids:
+            if job.first_token_at is None and event.token_ids:
                 job.first_token_at = wall
-            self.tokens += len(out.delta_token_ids)
-            reason = out.outputs[0].finish_reason
-            self.publisher.add(
-                job.stream, out.delta_text, out.delta_token_ids, reason, usage(out) if out.finished else None
-            )
-            if out.finished:
-                del self.in_flight[out.request_id]
-                self._finishing.append((job, out))
-        for job in list(self.in_flight.values()):
-            if job.deadline is not None and wall > job.deadline:
-                self._end_early(job, JobTimeoutException(f"job exceeded its timeout of {job.job.timeout} s"))
-
-    def _step_failed(self, exc: Exception) -> None:
-        """The step raised and its culprit cannot be named: every job the engine was running fails (through RQ's
-        retry policy, so the innocent ones run again); waiting jobs and the process carry on."""
-        running = [seq.request_id for seq in self.engine.scheduler.running()]
-        log.error("an engine step failed (%s: %s); failing its %d jobs", type(exc).__name__, exc, len(running))
-        for job_id in running:
-            job = self.in_flight.get(job_id)
-            if job is None:
-                self.engine.abort_request(job_id)
+            self.tokens += len(event.token_ids)
+            if not event.finished:
+                self.publisher.add(job.stream, event.text, event.token_ids)
+            elif event.finish_reason in ("stop", "length"):
+                del self.in_flight[event.job_id]
+                out = event.output
+                self.publisher.add(job.stream, event.text, event.token_ids, event.finish_reason, usage(out))
+                done.append((job, out))
+            elif event.finish_reason == "abort":
+                self._canceled(job, event)
             else:
-                reason = f"the engine step running this job failed: {type(exc).__name__}: {exc}"
-                self._end_early(job, StepFailed(reason))
+                self._errored(job, event)
+        if done:
+            self._tasks.append(lambda: self._succeed(done))
 
-    def _flush(self) -> None:
-        """Send the step's events and read every job's status, in one round trip."""
-        jobs = list(self.in_flight.values())
+    def _succeed(self, done: list[tuple[InFlight, Any]]) -> None:
+        """The jobs a step finished, through RQ's success path: for plain jobs (no dependents, repeats, allowed
+        callback, webhook or rate limit) the same writes as RQ's ``handle_job_success``, for all of them in two
+        round trips; the others one by one through RQ's own code."""
         with self.connection.pipeline(transaction=False) as pipe:
-            self.publisher.flush(pipe)
-            for job in jobs:
-                pipe.hget(job.job.key, "status")
-            # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis lost data.
-            pipe.hexists(self.key, "birth")
-            replies = pipe.execute()
-        self.publisher.sent()
-        worker_known = bool(replies[-1])
-        statuses = replies[len(replies) - len(jobs) - 1 : -1]
-        if not worker_known:
-            self._redis_lost_data()
-        for job, status in zip(jobs, statuses):
-            if status is None and not worker_known:
-                continue  # not deleted by anyone: Redis restarted empty; the job finishes and its result is written
-            if status in (b"canceled", b"stopped", None) and job.job.id in self.in_flight:
-                self._end_early(job, JobStopped(f"job {status.decode() if status else 'deleted'} by request"))
+            for job, _ in done:
+                pipe.exists(job.job.dependents_key)
+            has_dependents = pipe.execute()
+        ended = now()
+        plain = []
+        for (job, out), dependents in zip(done, has_dependents):
+            result = self._result(job, out)
+            j = job.job
+            if dependents or j._success_callback_name or j.webhooks or j.repeats_left or getattr(j, "rate_limit", None):
+                self.publisher.write_result(self.connection, j.id, result)
+                self._finalize_success(j, job.queue, job.execution, result)
+            else:
+                plain.append((job, result))
+        if not plain:
+            return
+        ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        with self.connection.pipeline() as pipe:
+            for job, result in plain:
+                j = job.job
+                j.ended_at, j._result = ended, result
+                self.publisher.write_result(pipe, j.id, result)
+                j.heartbeat(ended, ttl, pipeline=pipe)
+                self.increment_successful_job_count(pipeline=pipe)
+                self.increment_total_working_time(ended - j.started_at, pipe)
+                result_ttl = j.get_result_ttl(self.default_result_ttl)
+                if result_ttl != 0:
+                    j._handle_success(
+                        result_ttl, pipeline=pipe, worker_name=self.name, execution_id=job.execution.id,
+                        execution_started_at=job.execution.created_at, execution_ended_at=ended,
+                    )  # fmt: skip
+                j.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+                j._status = JobStatus.FINISHED
+                self.cleanup_execution(j, pipeline=pipe, execution=job.execution)
+            pipe.execute()
+        for job, _ in plain:
+            log.info("job %s finished", job.job.id)
+
+    def _canceled(self, job: InFlight, event: JobEvent, stopped: bool = False) -> None:
+        """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept."""
+        del self.in_flight[job.job.id]
+        out = event.output
+        if out is not None:
+            self.publisher.add(job.stream, event.text, [], "abort", usage(out))
+        reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
+
+        def end() -> None:
+            with self.connection.pipeline() as pipe:
+                if out is not None:
+                    self.publisher.write_result(pipe, job.job.id, self._result(job, out))
+                if stopped:
+                    pipe.execute()
+                    self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
+                    self._record_failure(job.job, job.queue, job.execution, reason)
+                else:
+                    self.cleanup_execution(job.job, pipe, job.execution)
+                    pipe.execute()
+            log.info("job %s %s", job.job.id, reason)
+
+        self._tasks.append(end)
+
+    def _errored(self, job: InFlight, event: JobEvent) -> None:
+        """A failed step (retryable) or a job the engine refused or timed out (not)."""
+        del self.in_flight[job.job.id]
+        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt.
+        retrying = event.retryable and bool(job.job.retries_left)
+        if event.retryable:
+            error: Exception = StepFailed(event.error)
+        elif "timeout" in (event.error or ""):
+            error = JobTimeoutException(f"job exceeded its timeout of {job.job.timeout} s")
+        else:
+            error = JobRejected(event.error)
+        if not retrying:
+            self.publisher.add(
+                job.stream, event.text, [], "error", usage(event.output) if event.output else {}, str(error)
+            )
+
+        def end() -> None:
+            if not retrying:
+                self.publisher.write_result(
+                    self.connection, job.job.id, failure_result(job.job.id, job.request, str(error))
+                )
+                job.job.retries_left = None  # the same job would fail the same way again
+            self._record_failure(job.job, job.queue, job.execution, error)
+
+        self._tasks.append(end)
+
+    def _fail(
+        self, job: Job, queue: Queue, execution: Execution, req: JobRequest | None, stream: JobStream, error: str
+    ) -> None:
+        """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
+        log.warning("job %s rejected: %s", job.id, error)
+        self.publisher.add(stream, "", [], "error", {}, error)
+
+        def end() -> None:
+            self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error))
+            job.retries_left = None
+            self._record_failure(job, queue, execution, JobRejected(error))
+
+        self._tasks.append(end)
+
+    def _reject_unreadable(self, item: Unreadable) -> None:
+        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream."""
+        log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
+        stream = self.publisher.resume(self.connection, [item.job_id])[item.job_id]
+        self.publisher.add(stream, "", [], "error", {}, item.reason)
+
+        def end() -> None:
+            with self.connection.pipeline(transaction=False) as pipe:
+                self.publisher.write_result(pipe, item.job_id, failure_result(item.job_id, None, item.reason))
+                quarantine(pipe, item, self.settings.result_ttl)
+                pipe.execute()
+
+        self._tasks.append(end)
+
+    def _result(self, job: InFlight, out: Any) -> dict[str, Any]:
+        return build_result(
+            job.job, job.request, out, model=self.settings.model, started_at=job.started_at,
+            first_token_at=job.first_token_at,
+        )  # fmt: skip
+
+    def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
+        try:
+            raise error
+        except Exception:
+            self._finalize_failure(job, queue, execution, sys.exc_info())
+
+    # ----- what came back -----------------------------------------------------------------------------
+    def _on_statuses(self, statuses: list[tuple[str, bytes | None]], registered: bool) -> None:
+        """On the sender thread: statuses that end a job, and whether Redis still knows this worker."""
+        ended = [(job_id, status) for job_id, status in statuses if status in (b"canceled", b"stopped", None)]
+        if ended or not registered:
+            self._reports.put((ended, registered))
+
+    def _apply_reports(self) -> None:
+        while not self._reports.empty():
+            ended, registered = self._reports.get()
+            if not registered:
+                self._redis_lost_data()
+            for job_id, status in ended:
+                if status is None and not registered:
+                    continue  # not deleted by anyone: Redis restarted empty; the job finishes and writes its result
+                job = self.in_flight.get(job_id)
+                event = self.pump.cancel(job_id) if job is not None else None
+                if event is not None:
+                    self._canceled(job, event, stopped=status == b"stopped")
+
+    def _apply_stop_requests(self) -> None:
+        while not self._stop_jobs.empty():
+            job_id = self._stop_jobs.get()
+            job = self.in_flight.get(job_id)
+            event = self.pump.cancel(job_id) if job is not None else None
+            if event is None:
+                log.info("stop-job %s: not in flight here, ignored", job_id)
+                continue
+            self._canceled(job, event, stopped=True)
 
     def _redis_lost_data(self) -> None:
         """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight
@@ -377,120 +534,19 @@ class BatchWorker(BaseWorker):
                 held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
             pipe.execute()
 
-    def _apply_stop_requests(self) -> None:
-        while not self._stop_jobs.empty():
-            job_id = self._stop_jobs.get()
-            job = self.in_flight.get(job_id)
-            if job is None:
-                log.info("stop-job %s: not in flight here, ignored", job_id)
-                continue
-            self._stopped_job_id = job_id  # RQ then marks it STOPPED, not FAILED, and never retries it
-            self._end_early(job, JobStopped("job stopped by a stop-job command"))
-
-    # ----- jobs out -----------------------------------------------------------------------------------
-    def _settle(self) -> None:
-        """Record finished jobs in Redis (RQ result, result key); kept for later if Redis is down."""
-        while self._finishing:
-            job, out = self._finishing[0]
-            try:
-                self._succeed(job, out)
-            except REDIS_DOWN:
-                raise
-            except Exception:
-                log.exception("job %s: could not record its result", job.job.id)
-            self._finishing.pop(0)
-        self._set_busy(bool(self.in_flight))
-
+    # ----- the rest --------------------------------------------------------------------------------------
     def _set_busy(self, busy: bool) -> None:
         state = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
         if self._state != state:
             self.set_state(state)
 
-    def _result(self, job: InFlight, out: Any) -> dict[str, Any]:
-        return build_result(
-            job.job,
-            job.request,
-            out,
-            model=self.settings.model,
-            started_at=job.started_at,
-            first_token_at=job.first_token_at,
-        )
-
-    def _succeed(self, job: InFlight, out: Any) -> None:
-        result = self._result(job, out)
-        self.publisher.write_result(self.connection, job.job.id, result)
-        self._finalize_success(job.job, job.queue, job.execution, result)
-
-    def _end_early(self, job: InFlight, reason: Exception) -> None:
-        """Cancel, stop-job, timeout or a failed step: the engine frees the job's blocks now; the stream gets a
-        last event."""
-        out = self.engine.abort_request(job.job.id)
-        self.in_flight.pop(job.job.id, None)
-        canceled = isinstance(reason, JobStopped)
-        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt.
-        retrying = not canceled and bool(job.job.retries_left)
-        finish = "abort" if canceled else "error"
-        if out is not None and not retrying:
-            self.publisher.add(job.stream, out.delta_text, [], finish, usage(out), None if canceled else str(reason))
-            self._flush_outbox()  # the last event lands before the status that tells followers to stop
-        if canceled:
-            result = self._result(job, out) if out is not None else None
-            with self.connection.pipeline() as pipe:
-                if result is not None:
-                    self.publisher.write_result(pipe, job.job.id, result)
-                if self._stopped_job_id == job.job.id:
-                    pipe.execute()
-                    self._record_failure(job.job, job.queue, job.execution, reason)
-                else:
-                    self.cleanup_execution(job.job, pipe, job.execution)
-                    pipe.execute()
-            log.info("job %s %s", job.job.id, reason)
-        else:
-            if not retrying:
-                self.publisher.write_result(
-                    self.connection, job.job.id, failure_result(job.job.id, job.request, str(reason))
-                )
-            self._record_failure(job.job, job.queue, job.execution, reason)
-
-    def _fail(
-        self, job: Job, queue: Queue, execution: Execution, req: JobRequest | None, stream: JobStream, error: Exception
-    ) -> None:
-        """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
-        log.warning("job %s rejected: %s", job.id, error)
-        self.publisher.add(stream, "", [], "error", {}, str(error))
-        self._flush_outbox()
-        self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, str(error)))
-        job.retries_left = None
-        self._record_failure(job, queue, execution, error)
-
-    def _reject_unreadable(self, item: Unreadable) -> None:
-        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream."""
-        log.error("job %r cannot be read (%s): moved to %s", item.job_id, item.reason, "roseinfer:rejected")
-        stream = self.publisher.resume(self.connection, [item.job_id])[item.job_id]
-        self.publisher.add(stream, "", [], "error", {}, item.reason)
-        with self.connection.pipeline(transaction=False) as pipe:
-            self.publisher.flush(pipe)
-            self.publisher.write_result(pipe, item.job_id, failure_result(item.job_id, None, item.reason))
-            quarantine(pipe, item, self.settings.result_ttl)
-            pipe.execute()
-        self.publisher.sent()
-
-    def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
-        try:
-            raise error
-        except Exception:
-            self._finalize_failure(job, queue, execution, sys.exc_info())
-
-    def _flush_outbox(self) -> None:
-        with self.connection.pipeline(transaction=False) as pipe:
-            self.publisher.flush(pipe)
-            pipe.execute()
-        self.publisher.sent()
-
     def _hand_back_all(self) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
+        for job_id in list(self.in_flight):
+            self.pump.cancel(job_id)
+        self._hand_over(force=True)
+        self.sender.drain(30.0)  # the events already produced land first
         for job in self.in_flight.values():
-            self.engine.abort_request(job.job.id)
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job.job, pipe, job.execution)
                 pipe.execute()

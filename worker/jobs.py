@@ -71,14 +71,6 @@ def sampling_params(job_id: str, req: JobRequest):
         raise JobRejected(str(exc)) from None
 
 
-def add_to_engine(engine: LLMEngine, job_id: str, req: JobRequest) -> None:
-    params = sampling_params(job_id, req)
-    try:
-        engine.add_request(job_id, req.engine_prompt(), params)
-    except (ValueError, TypeError) as exc:
-        raise JobRejected(str(exc)) from None
-
-
 def usage(out: RequestOutput) -> dict[str, int]:
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -144,10 +136,12 @@ def _engine() -> LLMEngine:
 
 
 def generate(**payload: Any) -> dict[str, Any]:
-    """One job on its own, for a stock RQ worker: streams and stores results like ``roseinfer worker``."""
+    """One job on its own, for a stock RQ worker: streams and stores results like ``roseinfer worker`` (the same
+    pump drives the engine; events are sent after each step)."""
     from rq import get_current_job
 
     from worker.publisher import Publisher
+    from worker.pump import Pump
     from worker.settings import WorkerSettings
 
     job = get_current_job()
@@ -158,24 +152,32 @@ def generate(**payload: Any) -> dict[str, Any]:
     except ValidationError as exc:
         raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
     settings = WorkerSettings()
-    engine = _engine()
     publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
     stream = publisher.resume(job.connection, [job.id])[job.id]
-    started_at, first_token_at = time.time(), None
-    add_to_engine(engine, job.id, req)
-    final = None
+    pump = Pump(_engine(), tokenize_in_thread=False)
+    pump.submit(job.id, req.engine_prompt(), sampling_params(job.id, req))
+    started_at, first_token_at, final = time.time(), None, None
     while final is None:
-        for out in engine.step():
-            if out.request_id != job.id:
-                continue
-            first_token_at = first_token_at or (time.time() if out.delta_token_ids else None)
-            reason = out.outputs[0].finish_reason
-            publisher.add(stream, out.delta_text, out.delta_token_ids, reason, usage(out) if reason else None)
-            final = out if out.finished else None
+        for event in pump.step():
+            first_token_at = first_token_at or (time.time() if event.token_ids else None)
+            if event.finished:
+                final = event
+            if event.finish_reason == "error":
+                continue  # raised below, once its last event is out
+            out_usage = usage(event.output) if event.finished else None
+            publisher.add(stream, event.text, event.token_ids, event.finish_reason, out_usage)
         with job.connection.pipeline(transaction=False) as pipe:
             publisher.flush(pipe)
             pipe.execute()
-        publisher.sent()
-    result = build_result(job, req, final, model=settings.model, started_at=started_at, first_token_at=first_token_at)
+    if final.finish_reason == "error":
+        publisher.add(stream, final.text, [], "error", {}, final.error)
+        with job.connection.pipeline(transaction=False) as pipe:
+            publisher.flush(pipe)
+            publisher.write_result(pipe, job.id, failure_result(job.id, req, final.error))
+            pipe.execute()
+        raise JobRejected(final.error)
+    result = build_result(
+        job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
+    )
     publisher.write_result(job.connection, job.id, result)
     return result

@@ -1,21 +1,22 @@
-"""Token events out to Redis: one pipelined round trip per engine step for every job in flight."""
+"""Token events out to Redis: what each job has streamed, its next events, and where they are written."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
 
-from producer.protocol import channel_key, event_from_stream, make_event, result_key, stream_fields, stream_key
+from producer.protocol import STREAM_FIELD, channel_key, event_from_stream, make_event, result_key, stream_key
 
 
 @dataclass
 class JobStream:
-    """What one job has put on its channel and stream. A retried job regenerates from the start (with the
-    same seed, so the same tokens); what an earlier attempt already streamed is not sent again."""
+    """What one job has put on its channel and stream, and what waits to go out. A retried job regenerates from
+    the start (with the same seed, so the same tokens); what an earlier attempt already streamed is not sent
+    again."""
 
     job_id: str
     next_n: int = 0
@@ -24,6 +25,10 @@ class JobStream:
     chars: int = 0
     tokens: int = 0
     ended: bool = False  # a final event is in the stream (an earlier attempt may have written it)
+    # Not sent yet: text and token ids since the last event, and the final event's fields once the job ended.
+    pending_text: list[str] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)
+    pending_end: tuple[str, dict[str, int] | None, str | None] | None = None
 
     def new_part(self, text: str, token_ids: list[int]) -> tuple[str, list[int]]:
         skip_chars = max(0, self.resume_chars - self.chars)
@@ -34,12 +39,16 @@ class JobStream:
 
 
 class Publisher:
+    """Collects each job's new text as the steps produce it and turns it into events when asked (``take``): all a
+    job produced since its last event becomes one event, so a fast engine's steps share writes. Nothing is lost
+    when Redis is unreachable: events taken are kept by whoever sends them until Redis accepts them."""
+
     def __init__(self, maxlen: int, stream_ttl: int, result_ttl: int) -> None:
         self.maxlen = maxlen
         self.stream_ttl = stream_ttl
         self.result_ttl = result_ttl
-        # Events of the current step, written by flush(); kept when Redis is unreachable so none is lost.
-        self.outbox: list[tuple[str, dict[str, Any], bool]] = []
+        self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
+        self.urgent = False  # something waits that should not: a job's first piece (its TTFT) or its end
 
     def resume(self, conn: Redis, job_ids: list[str]) -> dict[str, JobStream]:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""
@@ -69,26 +78,51 @@ class Publisher:
         error: str | None = None,
     ) -> None:
         text, token_ids = s.new_part(text, token_ids)
-        if finish_reason is None and not text and not token_ids:
+        if s.ended or (finish_reason is None and not text and not token_ids):
             return
-        if s.ended:
-            return
-        event = make_event(s.next_n, text, token_ids, finish_reason, usage, error)
-        self.outbox.append((s.job_id, event, s.next_n == 0 or finish_reason is not None))
-        s.next_n += 1
-        s.ended = finish_reason is not None
+        if text:
+            s.pending_text.append(text)
+        s.pending_ids += token_ids
+        if finish_reason is not None:
+            s.pending_end = (finish_reason, usage, error)
+        self.urgent = self.urgent or s.next_n == 0 or finish_reason is not None
+        self._dirty[s.job_id] = s
 
-    def flush(self, pipe: Pipeline) -> None:
-        """Queue the outbox's writes on ``pipe``; the caller executes it, then calls ``sent()``."""
-        for job_id, event, set_ttl in self.outbox:
-            key = stream_key(job_id)
-            pipe.xadd(key, stream_fields(event), maxlen=self.maxlen, approximate=True)
-            pipe.publish(channel_key(job_id), json.dumps(event))
+    def take(self) -> list[tuple[str, dict[str, Any], bool]]:
+        """One event per job with something pending: (job id, event, whether the stream's TTL is (re)set)."""
+        events = []
+        for s in self._dirty.values():
+            end = s.pending_end or (None, None, None)
+            event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end)
+            events.append((s.job_id, event, s.next_n == 0 or end[0] is not None))
+            s.next_n += 1
+            s.ended = end[0] is not None
+            s.pending_text, s.pending_ids, s.pending_end = [], [], None
+        self._dirty = {}
+        self.urgent = False
+        return events
+
+    def queue_writes(self, pipe: Pipeline, events: list[tuple[str, dict[str, Any], bool]]) -> None:
+        """Queue the writes of ``events`` on ``pipe``: each to its job's stream and channel."""
+        for job_id, event, set_ttl in events:
+            key, message = stream_key(job_id), json.dumps(event)
+            pipe.xadd(key, {STREAM_FIELD: message}, maxlen=self.maxlen, approximate=True)
+            pipe.publish(channel_key(job_id), message)
             if set_ttl:
                 pipe.expire(key, self.stream_ttl)
 
-    def sent(self) -> None:
-        self.outbox.clear()
+    @staticmethod
+    def script_args(events: list[tuple[str, dict[str, Any], bool]]) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the sender's event script: the same writes as ``queue_writes``, as one command."""
+        keys, args = [], []
+        for job_id, event, set_ttl in events:
+            keys.append(stream_key(job_id))
+            args += [int(set_ttl), channel_key(job_id), json.dumps(event)]
+        return keys, args
+
+    def flush(self, pipe: Pipeline) -> None:
+        """Take what is pending and queue its writes on ``pipe``; the caller executes it."""
+        self.queue_writes(pipe, self.take())
 
     def write_result(self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any]) -> None:
         pipe.set(result_key(job_id), json.dumps(result), ex=self.result_ttl)

@@ -42,6 +42,10 @@ class QueueSettings(BaseSettings):
     # Short, so signals and maintenance stay prompt.
     idle_wait: int = Field(1, ge=1, description="seconds to block on an empty queue when nothing runs")
     burst: bool = Field(False, description="quit when the queue is empty and every job is done")
+    event_interval_ms: int = Field(
+        20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
+        "(its first piece and its end go at once)",
+    )  # fmt: skip
     # A job names nothing that runs: RQ callbacks and webhooks are refused unless allowed here by exact name.
     allow_callback: list[str] = Field(
         default_factory=list, description="an RQ callback (module.function) jobs may name; repeatable"

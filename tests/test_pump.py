@@ -1,0 +1,179 @@
+"""The worker's Redis-free core with a fake engine: admission off the step loop, one event per job per step,
+failures that stay with their job, a failing step, cancels and deadlines; then the RQ worker around it on
+fakeredis (no Redis server, no model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import fakeredis
+import pytest
+
+from producer import Client, JobFailed
+from worker.pump import Pump
+
+
+class FakeEngine:
+    """Each request emits one token a step (text "t<i>") until it has ``max_tokens``."""
+
+    tokenizer = "a tokenizer"  # copied for the pump's tokenizing thread
+
+    def __init__(self) -> None:
+        self.requests: dict[str, dict] = {}
+        self.fail_steps = 0  # the next steps that raise
+        self.steps = 0
+
+    def tokenize(self, prompt, tokenizer=None):
+        text = prompt["prompt"]
+        if "break the tokenizer" in text:
+            raise RuntimeError("tokenizer bug")
+        return text, [ord(c) % 50 for c in text]
+
+    def add_request(self, request_id, prompt, params=None) -> None:
+        if "too long" in prompt.get("prompt", ""):
+            raise ValueError("the prompt has 9999 tokens, but this model allows at most 100")
+        if "engine bug" in prompt.get("prompt", ""):
+            raise KeyError("engine bug at admission")
+        self.requests[request_id] = {"left": params.max_tokens, "made": 0}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def running_request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def abort_request(self, request_id):
+        req = self.requests.pop(request_id, None)
+        return None if req is None else self._out(request_id, req, "", [], "abort")
+
+    def step(self):
+        self.steps += 1
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise IndexError("injected fault inside a step")
+        outs = []
+        for rid, req in list(self.requests.items()):
+            req["made"] += 1
+            done = req["made"] >= req["left"]
+            if done:
+                del self.requests[rid]
+            outs.append(self._out(rid, req, f"t{req['made']}", [req["made"]], "length" if done else None))
+        return outs
+
+    @staticmethod
+    def _out(rid, req, text, ids, reason):
+        completion = SimpleNamespace(text="", token_ids=list(range(1, req["made"] + 1)), finish_reason=reason,
+                                     stop_reason=None, logprobs=None)  # fmt: skip
+        return SimpleNamespace(request_id=rid, delta_text=text, delta_token_ids=ids, finished=reason is not None,
+                               outputs=[completion], prompt_token_ids=[1, 2], prompt=None)  # fmt: skip
+
+
+def _params(max_tokens=3):
+    from roseinfer import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+def _run(pump: Pump, limit: int = 200) -> list:
+    events = []
+    for _ in range(limit):
+        events += pump.step()
+        if not pump.has_work():
+            return events
+        time.sleep(0.001)
+    raise AssertionError("the pump never finished")
+
+
+def test_jobs_are_tokenized_off_the_loop_and_stream_one_event_per_step():
+    pump = Pump(FakeEngine())
+    pump.submit("a", {"prompt": "hello"}, _params(3))
+    pump.submit("b", {"prompt": "world"}, _params(2))
+    events = _run(pump)
+    by_job = {j: [e for e in events if e.job_id == j] for j in ("a", "b")}
+    assert [e.text for e in by_job["a"]] == ["t1", "t2", "t3"] and by_job["a"][-1].finish_reason == "length"
+    assert [e.token_ids for e in by_job["b"]] == [[1], [2]] and by_job["b"][-1].output is not None
+    assert len(pump) == 0
+    pump.close()
+
+
+def test_a_job_that_breaks_the_tokenizer_or_the_engine_fails_alone():
+    engine = FakeEngine()
+    pump = Pump(engine)
+    pump.submit("good", {"prompt": "fine"}, _params(2))
+    pump.submit("tok", {"prompt": "break the tokenizer"}, _params(2))
+    pump.submit("long", {"prompt": "too long"}, _params(2))
+    pump.submit("bug", {"prompt": "engine bug"}, _params(2))
+    events = {e.job_id: e for e in _run(pump) if e.finished}
+    assert events["good"].finish_reason == "length"
+    assert events["tok"].finish_reason == "error" and "tokenizer bug" in events["tok"].error
+    assert events["long"].error == "the prompt has 9999 tokens, but this model allows at most 100"
+    assert "KeyError" in events["bug"].error and not events["bug"].retryable
+    pump.close()
+
+
+def test_a_failing_step_fails_its_jobs_retryably_and_the_pump_goes_on():
+    engine = FakeEngine()
+    pump = Pump(engine, tokenize_in_thread=False)
+    pump.submit("a", {"prompt": "x"}, _params(5))
+    pump.submit("b", {"prompt": "y"}, _params(5))
+    pump.step()  # both admitted and stepped once
+    engine.fail_steps = 1
+    failed = pump.step()
+    assert {e.job_id for e in failed} == {"a", "b"}
+    assert all(e.finish_reason == "error" and e.retryable and "injected fault" in e.error for e in failed)
+    assert not engine.requests and len(pump) == 0  # their engine requests were aborted
+    pump.submit("c", {"prompt": "z"}, _params(2))
+    assert [e.finish_reason for e in _run(pump) if e.finished] == ["length"]
+
+
+def test_cancel_and_deadline():
+    engine = FakeEngine()
+    pump = Pump(engine, tokenize_in_thread=False)
+    pump.submit("a", {"prompt": "x"}, _params(100))
+    pump.submit("late", {"prompt": "y"}, _params(100), timeout=0.05)
+    pump.step()
+    event = pump.cancel("a")
+    assert event.finish_reason == "abort" and event.output is not None and "a" not in engine.requests
+    assert pump.cancel("a") is None
+    time.sleep(0.06)
+    ended = [e for e in pump.step() if e.finished]
+    assert [(e.job_id, e.finish_reason) for e in ended] == [("late", "error")] and "timeout" in ended[0].error
+    assert not engine.requests
+
+
+@pytest.fixture
+def fake_worker():
+    """The RQ worker over a fake engine, on fakeredis (no server, no Lua: the plain-command path)."""
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    engine = FakeEngine()
+    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=1)
+    worker = BatchWorker(engine, settings, conn)
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    client_conn = fakeredis.FakeRedis(server=server)
+    yield worker, engine, Client(connection=client_conn, queue="fake")
+    worker.request_stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fake_worker):
+    worker, engine, client = fake_worker
+    good = client.submit("fine", max_tokens=4)
+    assert good.result(timeout=10)["usage"]["completion_tokens"] == 4
+    assert "".join(good.stream(timeout=5)) == "t1t2t3t4"
+    refused = client.submit("too long", max_tokens=4)
+    with pytest.raises(JobFailed, match="allows at most 100"):
+        refused.result(timeout=10)
+    engine.fail_steps = 1
+    victim = client.submit("victim", max_tokens=3)  # failed by the step, retried (retries=2), then done
+    assert victim.result(timeout=10)["usage"]["completion_tokens"] == 3
+    assert victim.rq_job.retries_left == 1
+    assert worker.sender.round_trips > 0 and worker.sender._emit is None

@@ -1,0 +1,159 @@
+"""The worker's core, with no Redis in it: it holds the jobs in flight, admits them into the engine, steps the
+engine, and turns what each step produced into one event per job; cancels and deadlines apply here.
+
+``BatchWorker`` (many RQ jobs in one engine) and ``worker.jobs.generate`` (one job on a stock RQ worker) are
+adapters over it: they bring jobs in and carry events out. Whatever one job does fails that job: a prompt the
+engine refuses or that breaks its tokenizer, a deadline passed. An exception inside a step cannot be pinned on one
+job, so every job of that step fails with a retryable event, and the pump goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("roseinfer.worker")
+
+
+@dataclass
+class JobEvent:
+    """What one step (or a cancel, a failure) produced for one job."""
+
+    job_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop, length, abort (canceled) or error; None while the job runs
+    output: Any = None  # the engine's RequestOutput, on a final event that has one
+    error: str | None = None
+    retryable: bool = False  # an error another attempt may not meet (a failed step), not one about the job itself
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Job:
+    prompt: Any
+    params: Any
+    deadline: float | None  # time.monotonic() after which the job fails
+    tokenized: Future | None = None  # prompt token ids, computed off the step loop
+    admitted: bool = False
+
+
+class Pump:
+    def __init__(self, engine: Any, tokenize_in_thread: bool = True) -> None:
+        self.engine = engine
+        self._jobs: dict[str, _Job] = {}
+        # Tokenizing a long prompt takes milliseconds to seconds: a thread keeps it off the step loop. It has a
+        # tokenizer of its own: a Rust tokenizer borrowed by two threads at once can raise "Already borrowed".
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread_tokenizer = None
+        if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
+            self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    def submit(self, job_id: str, prompt: Any, params: Any, timeout: float | None = None) -> None:
+        """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams. Its
+        admission (or its failure) shows in a later ``step()``."""
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id!r} is already in flight")
+        job = _Job(prompt, params, None if timeout is None else time.monotonic() + timeout)
+        if self._pool is not None:
+            job.tokenized = self._pool.submit(self.engine.tokenize, prompt, self._thread_tokenizer)
+        self._jobs[job_id] = job
+
+    def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
+        """End a job now (canceled: finish ``abort``; with ``reason``: failed, finish ``error``), freeing its
+        blocks. Returns its final event, or None if it is not here."""
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return None
+        out = self.engine.abort_request(job_id) if job.admitted else None
+        text = out.delta_text if out is not None else ""
+        return JobEvent(job_id, text, [], "abort" if reason is None else "error", out, reason)
+
+    def step(self) -> list[JobEvent]:
+        """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all."""
+        events = self._admit()
+        if self.engine.has_unfinished_requests():
+            events += self._run_step()
+        now = time.monotonic()
+        for job_id in [j for j, job in self._jobs.items() if job.deadline is not None and now > job.deadline]:
+            events.append(self.cancel(job_id, "the job exceeded its timeout"))
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----- inside a step ------------------------------------------------------------------------------
+    def _admit(self) -> list[JobEvent]:
+        events = []
+        for job_id, job in list(self._jobs.items()):
+            if job.admitted or (job.tokenized is not None and not job.tokenized.done()):
+                continue
+            try:
+                prompt = job.prompt
+                if job.tokenized is not None:
+                    text, token_ids = job.tokenized.result()
+                    prompt = (
+                        {"prompt_token_ids": token_ids}
+                        if text is None
+                        else {"prompt_token_ids": token_ids, "prompt": text}
+                    )
+                self.engine.add_request(job_id, prompt, job.params)
+                job.admitted = True
+            except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
+                del self._jobs[job_id]
+                events.append(JobEvent(job_id, finish_reason="error", error=str(exc)))
+            except Exception as exc:  # an engine or tokenizer bug on this one job: it fails, the rest go on
+                log.exception("job %s: the engine could not take it", job_id)
+                del self._jobs[job_id]
+                error = f"the engine could not take this job: {type(exc).__name__}: {exc}"
+                events.append(JobEvent(job_id, finish_reason="error", error=error))
+        return events
+
+    def _run_step(self) -> list[JobEvent]:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            return self._step_failed(exc)
+        events = []
+        for out in outputs:
+            if out.request_id not in self._jobs:
+                continue
+            reason = out.outputs[0].finish_reason
+            if out.finished:
+                del self._jobs[out.request_id]
+            events.append(
+                JobEvent(out.request_id, out.delta_text, out.delta_token_ids, reason, out if out.finished else None)
+            )
+        return events
+
+    def _step_failed(self, exc: Exception) -> list[JobEvent]:
+        """The culprit cannot be named: every job the engine was running fails, retryably; waiting ones go on."""
+        running = [job_id for job_id in self.engine.running_request_ids() if job_id in self._jobs]
+        log.error("an engine step failed (%s: %s); failing its %d jobs", type(exc).__name__, exc, len(running))
+        events = []
+        for job_id in running:
+            event = self.cancel(job_id, f"the engine step running this job failed: {type(exc).__name__}: {exc}")
+            event.retryable = True
+            events.append(event)
+        return events

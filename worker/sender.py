@@ -1,0 +1,210 @@
+"""Redis writes off the step loop: a thread that sends what the steps produced, in order.
+
+The step loop hands over, after each step, the events it produced (stream entries and pub/sub messages), the
+job-ending work in order behind them (results, RQ's success and failure paths), and the jobs whose status to
+watch. The thread sends everything that piled up since its last round trip in one pipeline, reads the statuses in
+the same round trip, then runs the job-ending work, so a job's last event always lands before the status and the
+result that tell a follower it ended. The queue between them is bounded: when Redis falls behind (or is away),
+the step loop waits instead of dropping anything; unsent work is kept and retried with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+
+from worker.intake import REDIS_DOWN
+from worker.publisher import Publisher
+
+log = logging.getLogger("roseinfer.worker")
+
+# Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
+# loop more (they share the GIL) than Redis spends running them. KEYS: the streams; ARGV: maxlen, ttl, then per
+# event: set-ttl flag, channel, the event's JSON (the stream entry's one field and the pub/sub message).
+_EMIT = """
+local maxlen, ttl, a = ARGV[1], ARGV[2], 3
+for i = 1, #KEYS do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
+  redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
+  if ARGV[a] == '1' then redis.call('EXPIRE', KEYS[i], ttl) end
+  a = a + 3
+end
+return #KEYS
+"""
+# The jobs (of KEYS, their hashes) whose status ends them here: canceled, stopped, or the hash gone.
+_ENDED = """
+local ended = {}
+for i = 1, #KEYS do
+  local status = redis.call('HGET', KEYS[i], 'status')
+  if not status or status == 'canceled' or status == 'stopped' then
+    ended[#ended + 1] = i - 1
+    ended[#ended + 1] = status or ''
+  end
+end
+return ended
+"""
+
+
+@dataclass
+class Batch:
+    """One step's hand-over."""
+
+    events: list[tuple[str, dict[str, Any], bool]] = field(default_factory=list)  # the Publisher's outbox entries
+    tasks: list[Callable[[], None]] = field(default_factory=list)  # job endings, run after the events, in order
+    watch: list[tuple[str, str]] | None = None  # (job id, job key) to read statuses of; None: keep the last
+
+
+class Sender:
+    def __init__(
+        self,
+        connection: Redis,
+        publisher: Publisher,
+        on_statuses: Callable[[list[tuple[str, bytes | None]], bool], None],
+        queue_keys: list[str] | None = None,
+        max_pending: int = 64,
+    ) -> None:
+        self.connection = connection
+        self.publisher = publisher
+        # Called on the sender thread with (job id, status) pairs and whether the worker is still registered.
+        self.on_statuses = on_statuses
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=max_pending)
+        self._watch: list[tuple[str, str]] = []
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="roseinfer-sender", daemon=True)
+        self.worker_key: str | None = None
+        self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
+        self.round_trips = 0
+        # Jobs waiting in the queues, read in each round trip: the step loop pulls only when some wait, instead of
+        # asking Redis (an empty LMOVE) at every step.
+        self.queue_keys = queue_keys or []
+        self.queued = 0
+        self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
+
+    def _load_scripts(self) -> None:
+        try:
+            self.connection.script_load("return 1")
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            log.info("this Redis runs no Lua scripts: events go out as one command each")
+            return
+        self._emit = self.connection.register_script(_EMIT)
+        self._ended = self.connection.register_script(_ENDED)
+
+    def start(self) -> None:
+        self._load_scripts()
+        self._thread.start()
+
+    def put(self, batch: Batch) -> None:
+        """Hand a step's work over; blocks while ``max_pending`` batches wait (Redis slower than the engine)."""
+        if self.error is not None:
+            raise self.error
+        if batch.events or batch.tasks or batch.watch is not None:
+            self._idle.clear()
+            self._queue.put(batch)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything handed over is sent; False on timeout."""
+        return self._idle.wait(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.drain(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # ----- the thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                batches = [first]
+                while True:  # everything that piled up meanwhile goes in the same round trip
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self._send_until_done(batches)
+                        return
+                    batches.append(more)
+                self._send_until_done(batches)
+                if self._queue.empty():
+                    self._idle.set()
+        except BaseException as exc:  # a bug here must not leave the step loop waiting forever
+            log.exception("the sender thread stopped")
+            self.error = exc
+            self._idle.set()
+
+    def _send_until_done(self, batches: list[Batch]) -> None:
+        for batch in batches:
+            if batch.watch is not None:
+                self._watch = batch.watch
+        events = [e for batch in batches for e in batch.events]
+        tasks = [t for batch in batches for t in batch.tasks]
+        backoff = 0.25
+        while True:
+            try:
+                self._send(events)
+                break
+            except REDIS_DOWN as exc:
+                log.error("Redis unreachable (%s); %d events kept, retrying in %.1f s", exc, len(events), backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+        for task in tasks:
+            backoff = 0.25
+            while True:
+                try:
+                    task()
+                    break
+                except REDIS_DOWN as exc:
+                    log.error("Redis unreachable (%s) while ending a job; retrying in %.1f s", exc, backoff)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                except Exception:
+                    log.exception("ending a job failed")
+                    break
+
+    def _send(self, events: list[tuple[str, dict[str, Any], bool]]) -> None:
+        watch = list(self._watch)
+        with self.connection.pipeline(transaction=False) as pipe:
+            if self._emit is None:
+                self.publisher.queue_writes(pipe, events)
+                for _job_id, key in watch:
+                    pipe.hget(key, "status")
+            else:
+                if events:
+                    keys, args = self.publisher.script_args(events)
+                    self._emit(keys=keys, args=[self.publisher.maxlen, self.publisher.stream_ttl, *args], client=pipe)
+                self._ended(keys=[key for _, key in watch], client=pipe)
+            for key in self.queue_keys:
+                pipe.llen(key)
+            if self.worker_key:
+                # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis
+                # lost its data.
+                pipe.hexists(self.worker_key, "birth")
+            replies = pipe.execute()
+        self.round_trips += 1
+        registered = bool(replies[-1]) if self.worker_key else True
+        tail = len(self.queue_keys) + (1 if self.worker_key else 0)
+        self.queued = sum(replies[len(replies) - tail : len(replies) - tail + len(self.queue_keys)])
+        if self._emit is None:
+            first = len(replies) - len(watch) - tail
+            ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]
+        else:
+            flat = replies[len(replies) - tail - 1]
+            ended = [(watch[int(i)][0], status or None) for i, status in zip(flat[::2], flat[1::2])]
+        self.on_statuses(ended, registered)
