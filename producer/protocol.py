@@ -3,10 +3,12 @@
 Any language can speak this protocol; README.md shows it with redis-cli.
 
 - ``roseinfer:tokens:<job_id>``  pub/sub channel, one JSON message per event (live only).
-- ``roseinfer:stream:<job_id>``  stream holding the same events (replayable, bounded, expires).
+- ``roseinfer:stream:<job_id>``  stream holding the same events (replayable, bounded, expires): each entry has
+  one field, ``event``, holding the same JSON as the channel's message.
 - ``roseinfer:result:<job_id>``  string, the final result as JSON (expires).
 
-Every event has ``n`` (0, 1, 2, ... within the job), ``text`` (the new piece) and ``token_ids`` (JSON list).
+Every event has ``n`` (0, 1, 2, ... within the job), ``text`` (the new piece: one or more tokens' text) and
+``token_ids`` (a list).
 The last event also has ``finish_reason`` (``stop``, ``length``, ``abort`` or ``error``), ``usage`` (JSON),
 and ``error`` when the job failed. A subscriber merging the channel with the stream drops events whose ``n``
 it already has.
@@ -48,7 +50,7 @@ def make_event(
     usage: dict[str, int] | None = None,
     error: str | None = None,
 ) -> dict[str, Any]:
-    """An event as published on the channel (JSON) and, flattened by ``stream_fields``, in the stream."""
+    """An event as published on the channel and stored in the stream (JSON, both)."""
     event: dict[str, Any] = {"n": n, "text": text, "token_ids": token_ids}
     if finish_reason is not None:
         event["finish_reason"] = finish_reason
@@ -58,13 +60,22 @@ def make_event(
     return event
 
 
-def stream_fields(event: dict[str, Any]) -> dict[str, str]:
-    """Stream entries hold strings: lists and dicts go in as JSON."""
-    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in event.items()}
+# A stream entry's one field: it holds the same JSON as the pub/sub message, so one decoder reads both.
+STREAM_FIELD = "event"
+
+
+def event_from_message(data: str | bytes) -> dict[str, Any]:
+    """An event from a pub/sub message (or a stream entry's ``event`` field)."""
+    return json.loads(data)
 
 
 def event_from_stream(fields: dict[Any, Any]) -> dict[str, Any]:
-    f = {_text(k): _text(v) for k, v in fields.items()}
+    """An event from a stream entry. Entries written before the single ``event`` field (one field per event key,
+    every value a string) are read too."""
+    f = {_text(k): v for k, v in fields.items()}
+    if STREAM_FIELD in f:
+        return event_from_message(f[STREAM_FIELD])
+    f = {k: _text(v) for k, v in f.items()}
     event: dict[str, Any] = {"n": int(f["n"]), "text": f.get("text", ""), "token_ids": json.loads(f["token_ids"])}
     if "finish_reason" in f:
         event["finish_reason"] = f["finish_reason"]

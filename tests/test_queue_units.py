@@ -9,7 +9,7 @@ import sys
 import fakeredis
 import pytest
 
-from producer.protocol import event_from_stream, make_event, stream_fields, stream_key
+from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, stream_key
 from producer.schema import JobRequest
 from worker.jobs import job_seed
 from worker.publisher import JobStream, Publisher
@@ -58,16 +58,30 @@ def test_payload_maps_to_engine_arguments():
     assert JobRequest.model_validate({"prompt": "x", "logprobs": False}).num_logprobs is None
 
 
-def test_events_round_trip_through_stream_fields():
-    event = make_event(3, "héllo", [1, 2], "stop", {"completion_tokens": 4}, None)
-    fields = stream_fields(event)
-    assert all(isinstance(v, str) for v in fields.values())
-    assert event_from_stream({k.encode(): v.encode() for k, v in fields.items()}) == event
+def test_stream_entries_and_messages_share_one_encoding_and_old_entries_still_read():
+    event = make_event(3, "héllo 4", [1, 2], "stop", {"completion_tokens": 4}, None)
+    message = json.dumps(event)
+    assert event_from_message(message) == event_from_stream({STREAM_FIELD.encode(): message.encode()}) == event
+    # Entries of the first protocol: one field per key, every value a string (" 4" stays text, not a number).
+    legacy = {
+        "n": "3",
+        "text": "héllo 4",
+        "token_ids": "[1, 2]",
+        "finish_reason": "stop",
+        "usage": '{"completion_tokens": 4}',
+    }
+    assert event_from_stream({k.encode(): v.encode() for k, v in legacy.items()}) == event
 
 
 def test_job_seed_is_fixed_per_job_and_differs_between_jobs():
     assert job_seed("a") == job_seed("a") != job_seed("b")
     assert 0 <= job_seed("a") < 2**63
+
+
+def _send(conn, pub) -> None:
+    with conn.pipeline() as pipe:
+        pub.flush(pipe)
+        pipe.execute()
 
 
 def test_a_retried_job_does_not_repeat_what_was_streamed():
@@ -76,24 +90,47 @@ def test_a_retried_job_does_not_repeat_what_was_streamed():
     first = pub.resume(conn, ["j"])["j"]
     for piece, ids in (("Hel", [1]), ("lo", [2]), (" wor", [3])):
         pub.add(first, piece, ids)
-    with conn.pipeline() as pipe:
-        pub.flush(pipe)
-        pipe.execute()
-    pub.sent()
+        _send(conn, pub)  # one event per step
     # The worker dies; the retry regenerates the same text in other chunks.
     second = pub.resume(conn, ["j"])["j"]
     assert (second.next_n, second.resume_chars, second.resume_tokens) == (3, 9, 3)
     for piece, ids in (("Hello", [1, 2]), (" w", [3]), ("orld", [4])):
         pub.add(second, piece, ids)
+        _send(conn, pub)
     pub.add(second, "!", [5], "length", {"completion_tokens": 5})
-    with conn.pipeline() as pipe:
-        pub.flush(pipe)
-        pipe.execute()
+    _send(conn, pub)
     events = [event_from_stream(f) for _id, f in conn.xrange(stream_key("j"))]
     assert "".join(e["text"] for e in events) == "Hello world!"
     assert [t for e in events for t in e["token_ids"]] == [1, 2, 3, 4, 5]
     assert [e["n"] for e in events] == list(range(len(events)))
     assert 0 < conn.ttl(stream_key("j")) <= 60
+
+
+def test_steps_between_sends_share_one_event_per_job():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    a, b = (pub.resume(conn, [j])[j] for j in ("a", "b"))
+    pub.add(a, "first", [1])
+    assert pub.urgent  # a job's first piece goes out at once
+    _send(conn, pub)
+    pub.add(b, "<b>", [2])
+    assert pub.urgent
+    _send(conn, pub)
+    for i in range(5):  # five steps before the next send
+        pub.add(a, f" {i}", [10 + i])
+        pub.add(b, f"<{i}>", [20 + i])
+    assert not pub.urgent
+    pub.add(b, "", [], "length", {"completion_tokens": 6})
+    assert pub.urgent  # and a job's end
+    _send(conn, pub)
+    ea = [event_from_stream(f) for _id, f in conn.xrange(stream_key("a"))]
+    eb = [event_from_stream(f) for _id, f in conn.xrange(stream_key("b"))]
+    assert [(e["n"], e["text"], e["token_ids"]) for e in ea] == [
+        (0, "first", [1]),
+        (1, " 0 1 2 3 4", [10, 11, 12, 13, 14]),
+    ]
+    assert [e["text"] for e in eb] == ["<b>", "<0><1><2><3><4>"] and eb[1]["finish_reason"] == "length"
+    assert pub.take() == []
 
 
 def test_job_stream_skips_exactly_the_resumed_prefix():

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from roseinfer.bench import add_arguments as add_bench_arguments
-from roseinfer.bench import build_llm, load_prompts, median_run, percentile, run_roseinfer
+from roseinfer.bench import build_llm, load_prompts, median_run, percentile, resolve_model_arg, run_roseinfer
 from roseinfer.config import engine_config_from_args
 from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis
@@ -189,6 +189,7 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer import SamplingParams
 
     convs = load_prompts(args)
+    resolve_model_arg(args)
     llm = build_llm(args)
     model_path = llm.engine.model_path
     llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
