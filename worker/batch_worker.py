@@ -523,16 +523,18 @@ class BatchWorker(BaseWorker):
         """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight
         carry on and write their results (their hashes come back with them)."""
         log.error("Redis lost its data (restarted without persistence?): registering again, jobs in flight go on")
-        self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
-        self.register_birth()
-        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        # The jobs' hashes first, from memory: once registration is back, the sender reads their statuses as
+        # meaning what they say again, and a missing one as deleted.
         with self.connection.pipeline() as pipe:
-            for held in self.in_flight.values():  # written back from memory, so they read as started, not deleted
+            for held in self.in_flight.values():
                 held.job.save(pipeline=pipe)
                 held.job.set_status(JobStatus.STARTED, pipeline=pipe)
                 held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
             pipe.execute()
+        self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
+        self.register_birth()
+        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
 
     # ----- the rest --------------------------------------------------------------------------------------
     def _set_busy(self, busy: bool) -> None:
