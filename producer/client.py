@@ -17,6 +17,7 @@ from rq.worker import Worker
 
 from producer.protocol import DEFAULT_QUEUE, JOB_FUNCTION, STATS_KEY, event_from_stream, result_key, stream_key
 from producer.schema import JobRequest, describe_validation_error
+from producer.wire import JobResult, StreamEvent
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
@@ -40,6 +41,19 @@ class JobCanceled(JobError):
 
 class InvalidRequest(ValueError):
     pass
+
+
+class ProtocolError(JobError):
+    """What a worker wrote does not follow the protocol (docs/protocol.md, docs/schemas/)."""
+
+
+def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """``value`` if it follows the protocol's schema (the same models the schemas are generated from)."""
+    try:
+        model.model_validate(value)
+    except ValidationError as exc:
+        raise ProtocolError(job_id, f"{model.__name__} off the protocol: {describe_validation_error(exc)}") from None
+    return value
 
 
 def validate(fields: dict[str, Any]) -> JobRequest:
@@ -192,7 +206,7 @@ class GenerationJob:
             for _key, entries in reply or []:
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    event = event_from_stream(fields)
+                    event = checked(StreamEvent, event_from_stream(fields), self.id)
                     yield event
                     if "finish_reason" in event:
                         return
@@ -231,7 +245,7 @@ class GenerationJob:
             status = status.decode() if status else "missing"
             result = json.loads(raw) if raw else None
             if result is not None and result.get("status") == "finished":
-                return result
+                return checked(JobResult, result, self.id)
             if status == "finished":
                 value = self.rq_job.return_value()
                 if value is not None:

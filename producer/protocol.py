@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Carried by every event and result as "v". 2: stream entries hold the event's JSON in one field; results and job
+# status are written before a job's final event. Clients read version 1 entries too.
+PROTOCOL_VERSION = 2
 JOB_FUNCTION = "worker.jobs.generate"
 DEFAULT_QUEUE = "roseinfer"
 # Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
@@ -51,7 +54,7 @@ def make_event(
     error: str | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both)."""
-    event: dict[str, Any] = {"n": n, "text": text, "token_ids": token_ids}
+    event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
     if finish_reason is not None:
         event["finish_reason"] = finish_reason
         event["usage"] = usage or {}
@@ -76,7 +79,12 @@ def event_from_stream(fields: dict[Any, Any]) -> dict[str, Any]:
     if STREAM_FIELD in f:
         return event_from_message(f[STREAM_FIELD])
     f = {k: _text(v) for k, v in f.items()}
-    event: dict[str, Any] = {"n": int(f["n"]), "text": f.get("text", ""), "token_ids": json.loads(f["token_ids"])}
+    event: dict[str, Any] = {
+        "v": 1,
+        "n": int(f["n"]),
+        "text": f.get("text", ""),
+        "token_ids": json.loads(f["token_ids"]),
+    }
     if "finish_reason" in f:
         event["finish_reason"] = f["finish_reason"]
         event["usage"] = json.loads(f.get("usage") or "{}")

@@ -70,7 +70,8 @@ def test_stream_entries_and_messages_share_one_encoding_and_old_entries_still_re
         "finish_reason": "stop",
         "usage": '{"completion_tokens": 4}',
     }
-    assert event_from_stream({k.encode(): v.encode() for k, v in legacy.items()}) == event
+    assert event_from_stream({k.encode(): v.encode() for k, v in legacy.items()}) == {**event, "v": 1}
+    assert event["v"] == 2
 
 
 def test_job_seed_is_fixed_per_job_and_differs_between_jobs():
@@ -130,7 +131,7 @@ def test_steps_between_sends_share_one_event_per_job():
         (1, " 0 1 2 3 4", [10, 11, 12, 13, 14]),
     ]
     assert [e["text"] for e in eb] == ["<b>", "<0><1><2><3><4>"] and eb[1]["finish_reason"] == "length"
-    assert pub.take() == []
+    assert pub.take() == ([], [])
 
 
 def test_job_stream_skips_exactly_the_resumed_prefix():

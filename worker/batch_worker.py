@@ -76,6 +76,8 @@ class BatchWorker(BaseWorker):
         )
         # An allowed callback's time limit by a timer thread, not SIGALRM: the loop may run off the main thread.
         self.death_penalty_class = TimerDeathPenalty
+        # A job written without result_ttl (another language, say) keeps its status as long as its result key.
+        self.default_result_ttl = settings.result_ttl
         self.engine = engine
         self.settings = settings
         self.pump = Pump(engine)
@@ -232,11 +234,11 @@ class BatchWorker(BaseWorker):
             return
         self._next_hand_over = mono + self.settings.event_interval_ms / 1000
         tasks, self._tasks = self._tasks, []
-        events = self.publisher.take()
-        if events or tasks or self.in_flight or self._watching:
+        events, finals = self.publisher.take()
+        if events or tasks or finals or self.in_flight or self._watching:
             watch = [(job_id, job.job.key) for job_id, job in self.in_flight.items()]
             self._watching = bool(watch)
-            self.sender.put(Batch(events, tasks, watch))
+            self.sender.put(Batch(events, tasks, finals, watch))
 
     def _is_suspended(self, mono: float) -> bool:
         # is_suspended also refreshes our worker key's TTL: checked once a second, not every step.
@@ -267,12 +269,18 @@ class BatchWorker(BaseWorker):
             self.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
         for item in unreadable:
             self._reject_unreadable(item)
-        fresh = []
+        fresh, canceled = [], []
         for job, queue in pulled:
             if job.id in self.in_flight:
                 self._keep_running_copy(job, queue)
+            elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
+                canceled.append((job, queue))
             else:
                 fresh.append((job, queue))
+        if canceled:
+            streams = self.publisher.resume(self.connection, [job.id for job, _ in canceled])
+            for job, queue in canceled:
+                self._never_ran(job, queue, streams[job.id])
         if fresh:
             self._start(fresh)
 
@@ -418,6 +426,8 @@ class BatchWorker(BaseWorker):
                     self._record_failure(job.job, job.queue, job.execution, reason)
                 else:
                     self.cleanup_execution(job.job, pipe, job.execution)
+                    # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
+                    job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.execute()
             log.info("job %s %s", job.job.id, reason)
 
@@ -460,6 +470,25 @@ class BatchWorker(BaseWorker):
             self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error))
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
+
+        self._tasks.append(end)
+
+    def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
+        """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
+        not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
+        status = job.get_status(refresh=False)
+        log.info("job %s was %s while queued: not run", job.id, status)
+        self.publisher.add(stream, "", [], "abort", {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
+
+        def end() -> None:
+            result = failure_result(job.id, None, f"job {status} before it ran", status="canceled")
+            result["finish_reason"] = "abort"
+            with self.connection.pipeline() as pipe:
+                self.publisher.write_result(pipe, job.id, result)
+                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
+                pipe.expire(job.key, self.settings.result_ttl)
+                pipe.execute()
 
         self._tasks.append(end)
 

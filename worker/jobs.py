@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from rq.job import Job
 
-from producer.protocol import JOB_FUNCTION
+from producer.protocol import JOB_FUNCTION, PROTOCOL_VERSION
 from producer.schema import JobRequest, describe_validation_error
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ def build_result(
     finished_at = time.time()
     enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
     result: dict[str, Any] = {
+        "v": PROTOCOL_VERSION,
         "id": job.id,
         "custom_id": req.custom_id,
         "status": "canceled" if c.finish_reason == "abort" else "finished",
@@ -113,6 +114,7 @@ def build_result(
 
 def failure_result(job_id: str, req: JobRequest | None, error: str, status: str = "failed") -> dict[str, Any]:
     return {
+        "v": PROTOCOL_VERSION,
         "id": job_id,
         "custom_id": req.custom_id if req else None,
         "status": status,
@@ -162,22 +164,25 @@ def generate(**payload: Any) -> dict[str, Any]:
             first_token_at = first_token_at or (time.time() if event.token_ids else None)
             if event.finished:
                 final = event
-            if event.finish_reason == "error":
-                continue  # raised below, once its last event is out
-            out_usage = usage(event.output) if event.finished else None
-            publisher.add(stream, event.text, event.token_ids, event.finish_reason, out_usage)
-        with job.connection.pipeline(transaction=False) as pipe:
-            publisher.flush(pipe)
-            pipe.execute()
+            else:
+                publisher.add(stream, event.text, event.token_ids)
+        if final is None:
+            with job.connection.pipeline(transaction=False) as pipe:
+                publisher.flush(pipe)
+                pipe.execute()
+    # The result first, then the last event: a follower that sees the end finds the result.
     if final.finish_reason == "error":
+        result = failure_result(job.id, req, final.error)
         publisher.add(stream, final.text, [], "error", {}, final.error)
-        with job.connection.pipeline(transaction=False) as pipe:
-            publisher.flush(pipe)
-            publisher.write_result(pipe, job.id, failure_result(job.id, req, final.error))
-            pipe.execute()
+    else:
+        result = build_result(
+            job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
+        )
+        publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output))
+    with job.connection.pipeline(transaction=False) as pipe:
+        publisher.write_result(pipe, job.id, result)
+        publisher.flush(pipe)
+        pipe.execute()
+    if final.finish_reason == "error":
         raise JobRejected(final.error)
-    result = build_result(
-        job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
-    )
-    publisher.write_result(job.connection, job.id, result)
     return result

@@ -38,6 +38,9 @@ class JobStream:
         return text[skip_chars:], token_ids[skip_tokens:]
 
 
+Event = tuple[str, dict[str, Any], bool]  # (job id, event, whether to (re)set the stream's TTL)
+
+
 class Publisher:
     """Collects each job's new text as the steps produce it and turns it into events when asked (``take``): all a
     job produced since its last event becomes one event, so a fast engine's steps share writes. Nothing is lost
@@ -88,21 +91,23 @@ class Publisher:
         self.urgent = self.urgent or s.next_n == 0 or finish_reason is not None
         self._dirty[s.job_id] = s
 
-    def take(self) -> list[tuple[str, dict[str, Any], bool]]:
-        """One event per job with something pending: (job id, event, whether the stream's TTL is (re)set)."""
-        events = []
+    def take(self) -> tuple[list[Event], list[Event]]:
+        """One event per job with something pending, as (job id, event, whether the stream's TTL is (re)set):
+        (running jobs' events, final events). Final events go out after their job's result and status."""
+        events: list[Event] = []
+        finals: list[Event] = []
         for s in self._dirty.values():
             end = s.pending_end or (None, None, None)
             event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end)
-            events.append((s.job_id, event, s.next_n == 0 or end[0] is not None))
+            (finals if end[0] is not None else events).append((s.job_id, event, s.next_n == 0 or end[0] is not None))
             s.next_n += 1
             s.ended = end[0] is not None
             s.pending_text, s.pending_ids, s.pending_end = [], [], None
         self._dirty = {}
         self.urgent = False
-        return events
+        return events, finals
 
-    def queue_writes(self, pipe: Pipeline, events: list[tuple[str, dict[str, Any], bool]]) -> None:
+    def queue_writes(self, pipe: Pipeline, events: list[Event]) -> None:
         """Queue the writes of ``events`` on ``pipe``: each to its job's stream and channel."""
         for job_id, event, set_ttl in events:
             key, message = stream_key(job_id), json.dumps(event)
@@ -112,7 +117,7 @@ class Publisher:
                 pipe.expire(key, self.stream_ttl)
 
     @staticmethod
-    def script_args(events: list[tuple[str, dict[str, Any], bool]]) -> tuple[list[str], list[Any]]:
+    def script_args(events: list[Event]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the sender's event script: the same writes as ``queue_writes``, as one command."""
         keys, args = [], []
         for job_id, event, set_ttl in events:
@@ -121,8 +126,9 @@ class Publisher:
         return keys, args
 
     def flush(self, pipe: Pipeline) -> None:
-        """Take what is pending and queue its writes on ``pipe``; the caller executes it."""
-        self.queue_writes(pipe, self.take())
+        """Take what is pending and queue its writes on ``pipe`` (final events last); the caller executes it."""
+        events, finals = self.take()
+        self.queue_writes(pipe, events + finals)
 
     def write_result(self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any]) -> None:
         pipe.set(result_key(job_id), json.dumps(result), ex=self.result_ttl)

@@ -16,12 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from redis import Redis
 
 from worker.intake import REDIS_DOWN
-from worker.publisher import Publisher
+from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -56,8 +55,9 @@ return ended
 class Batch:
     """One step's hand-over."""
 
-    events: list[tuple[str, dict[str, Any], bool]] = field(default_factory=list)  # the Publisher's outbox entries
+    events: list[Event] = field(default_factory=list)  # running jobs' events
     tasks: list[Callable[[], None]] = field(default_factory=list)  # job endings, run after the events, in order
+    finals: list[Event] = field(default_factory=list)  # jobs' last events: sent after the job endings
     watch: list[tuple[str, str]] | None = None  # (job id, job key) to read statuses of; None: keep the last
 
 
@@ -107,7 +107,7 @@ class Sender:
         """Hand a step's work over; blocks while ``max_pending`` batches wait (Redis slower than the engine)."""
         if self.error is not None:
             raise self.error
-        if batch.events or batch.tasks or batch.watch is not None:
+        if batch.events or batch.tasks or batch.finals or batch.watch is not None:
             self._idle.clear()
             self._queue.put(batch)
 
@@ -155,40 +155,41 @@ class Sender:
                 self._watch = batch.watch
         events = [e for batch in batches for e in batch.events]
         tasks = [t for batch in batches for t in batch.tasks]
+        finals = [e for batch in batches for e in batch.finals]
+        self._retrying(lambda: self._send(events), f"{len(events)} events kept")
+        for task in tasks:
+            try:
+                self._retrying(task, "while ending a job")
+            except Exception:
+                log.exception("ending a job failed")
+        if finals:  # after the results and statuses they announce
+            self._retrying(lambda: self._send(finals, read=False), f"{len(finals)} final events kept")
+
+    @staticmethod
+    def _retrying(action: Callable[[], None], what: str) -> None:
         backoff = 0.25
         while True:
             try:
-                self._send(events)
-                break
+                return action()
             except REDIS_DOWN as exc:
-                log.error("Redis unreachable (%s); %d events kept, retrying in %.1f s", exc, len(events), backoff)
+                log.error("Redis unreachable (%s); %s, retrying in %.1f s", exc, what, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
-        for task in tasks:
-            backoff = 0.25
-            while True:
-                try:
-                    task()
-                    break
-                except REDIS_DOWN as exc:
-                    log.error("Redis unreachable (%s) while ending a job; retrying in %.1f s", exc, backoff)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                except Exception:
-                    log.exception("ending a job failed")
-                    break
 
-    def _send(self, events: list[tuple[str, dict[str, Any], bool]]) -> None:
+    def _send(self, events: list[Event], read: bool = True) -> None:
+        """Write ``events``; with ``read``, also read the statuses, the queue's length and the registration."""
+        if not read:
+            with self.connection.pipeline(transaction=False) as pipe:
+                self._queue_events(pipe, events)
+                pipe.execute()
+            return
         watch = list(self._watch)
         with self.connection.pipeline(transaction=False) as pipe:
+            self._queue_events(pipe, events)
             if self._emit is None:
-                self.publisher.queue_writes(pipe, events)
                 for _job_id, key in watch:
                     pipe.hget(key, "status")
             else:
-                if events:
-                    keys, args = self.publisher.script_args(events)
-                    self._emit(keys=keys, args=[self.publisher.maxlen, self.publisher.stream_ttl, *args], client=pipe)
                 self._ended(keys=[key for _, key in watch], client=pipe)
             for key in self.queue_keys:
                 pipe.llen(key)
@@ -208,3 +209,10 @@ class Sender:
             flat = replies[len(replies) - tail - 1]
             ended = [(watch[int(i)][0], status or None) for i, status in zip(flat[::2], flat[1::2])]
         self.on_statuses(ended, registered)
+
+    def _queue_events(self, pipe, events: list[Event]) -> None:
+        if self._emit is None:
+            self.publisher.queue_writes(pipe, events)
+        elif events:
+            keys, args = self.publisher.script_args(events)
+            self._emit(keys=keys, args=[self.publisher.maxlen, self.publisher.stream_ttl, *args], client=pipe)

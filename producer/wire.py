@@ -1,0 +1,98 @@
+"""The protocol's outputs as models: a token event and a job's result. Their JSON Schemas (and the job payload's)
+are shipped in ``docs/schemas/`` for producers in other languages; ``python -m producer.wire`` writes them, and a
+test fails when the shipped files drift from these models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer.protocol import PROTOCOL_VERSION
+from producer.schema import JobRequest
+
+SCHEMA_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    total_tokens: int = Field(0, ge=0)
+
+
+class StreamEvent(BaseModel):
+    """One event: a pub/sub message on ``roseinfer:tokens:<id>``, and the ``event`` field of an entry of
+    ``roseinfer:stream:<id>`` (the same JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: int = Field(PROTOCOL_VERSION, description="protocol version")
+    n: int = Field(ge=0, description="0, 1, 2, ... within the job, with no gap")
+    text: str = Field(description="the new piece of text: one or more tokens' worth")
+    token_ids: list[int] = Field(description="the token ids the piece came from")
+    finish_reason: FinishReason | None = Field(None, description="on the last event only")
+    usage: Usage | None = Field(None, description="on the last event only")
+    error: str | None = Field(None, description="on a last event with finish_reason 'error'")
+
+
+class Timings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enqueued_at: float = Field(description="Unix time, seconds")
+    started_at: float = Field(description="Unix time, seconds")
+    first_token_at: float | None = Field(description="Unix time, seconds")
+    finished_at: float = Field(description="Unix time, seconds")
+    queue_s: float = Field(description="seconds from enqueued to started")
+    ttft_s: float | None = Field(description="seconds from enqueued to the first token")
+    total_s: float = Field(description="seconds from enqueued to finished")
+
+
+class JobResult(BaseModel):
+    """``GET roseinfer:result:<id>`` (JSON) and RQ's ``job.return_value()`` for a finished job. A failed job's
+    result has ``error`` and no text; a job canceled before it ran, too (status ``canceled``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: int = Field(PROTOCOL_VERSION, description="protocol version")
+    id: str
+    custom_id: str | None = None
+    status: Literal["finished", "canceled", "failed"]
+    finish_reason: FinishReason
+    model: str | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    stop_reason: str | int | None = Field(None, description="the stop string or stop token id that ended it")
+    usage: Usage | None = None
+    timings: Timings | None = None
+    logprobs: list[list[list[float]]] | None = Field(None, description="per token: [[token_id, logprob], ...]")
+    metadata: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """File name -> JSON Schema, for the job payload, a token event and a result."""
+    return {
+        "job-payload.schema.json": JobRequest.model_json_schema(),
+        "event.schema.json": StreamEvent.model_json_schema(),
+        "result.schema.json": JobResult.model_json_schema(),
+    }
+
+
+def render(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def write_schemas(folder: Path = SCHEMA_DIR) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, schema in schemas().items():
+        (folder / name).write_text(render(schema))
+
+
+if __name__ == "__main__":
+    write_schemas(Path(sys.argv[1]) if len(sys.argv) > 1 else SCHEMA_DIR)
