@@ -223,7 +223,11 @@ def status(args: argparse.Namespace) -> int:
     )
     print(f"{len(st['workers'])} workers, {st['tokens_per_s']:.1f} tokens/s")
     for w in st["workers"]:
-        print(f"  {w['name']}  {w['state']:<8} {w['model']}  {w['in_flight']} in flight  {w['tokens_per_s']:.1f} tok/s")
+        redis_state = "" if w.get("redis", "ok") == "ok" else f"  Redis refuses writes: {w['redis']}"
+        print(
+            f"  {w['name']}  {w['state']:<8} {w['model']}  {w['in_flight']} in flight  {w['tokens_per_s']:.1f} tok/s"
+            + redis_state
+        )
     return 0
 
 

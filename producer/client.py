@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -56,6 +57,22 @@ def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
     return value
 
 
+def eviction_warning(connection: Redis) -> str | None:
+    """A warning when Redis may evict keys to make room: under any policy but ``noeviction``, queued jobs,
+    job hashes and results can vanish without a trace. None when the policy is safe or cannot be read."""
+    try:
+        policy = connection.config_get("maxmemory-policy").get("maxmemory-policy")
+    except Exception:  # managed Redis often refuses CONFIG
+        return None
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    if policy in (None, "noeviction"):
+        return None
+    return (
+        f"Redis evicts keys under memory pressure (maxmemory-policy {policy}): queued jobs, job hashes and results "
+        "can vanish without a trace; set maxmemory-policy noeviction"
+    )
+
+
 def validate(fields: dict[str, Any]) -> JobRequest:
     try:
         return JobRequest.model_validate(fields)
@@ -83,6 +100,7 @@ class Client:
         self.connection = connection or Redis.from_url(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
         self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl
+        self._policy_checked = False
 
     def submit(
         self,
@@ -94,6 +112,7 @@ class Client:
     ) -> GenerationJob:
         """Enqueue one job; ``fields`` are the payload's sampling fields (OpenAI names) plus custom_id/metadata."""
         req = validate({"prompt": prompt, "messages": messages, **fields})
+        self._check_eviction_policy()
         job = self.queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         return GenerationJob(self, job.id)
 
@@ -111,10 +130,20 @@ class Client:
             datas.append(
                 Queue.prepare_data(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
             )
+        self._check_eviction_policy()
         with self.connection.pipeline() as pipe:
             jobs = self.queue.enqueue_many(datas, pipeline=pipe)
             pipe.execute()
         return [GenerationJob(self, job.id) for job in jobs]
+
+    def _check_eviction_policy(self) -> None:
+        """Once per client, before its first job: a loud warning where Redis may evict the queue's keys."""
+        if self._policy_checked:
+            return
+        self._policy_checked = True
+        warning = eviction_warning(self.connection)
+        if warning:
+            warnings.warn(warning, RuntimeWarning, stacklevel=3)
 
     def job(self, job_id: str) -> GenerationJob:
         return GenerationJob(self, job_id)
@@ -138,6 +167,7 @@ class Client:
                     "model": st.get("model"),
                     "in_flight": int(st.get("in_flight", 0)),
                     "tokens_per_s": float(st.get("tokens_per_s", 0.0)),
+                    "redis": st.get("redis", "ok"),  # or why Redis refuses the worker's writes right now
                 }
             )
         return {

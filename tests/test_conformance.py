@@ -26,6 +26,7 @@ def test_the_shipped_schemas_are_the_models_schemas():
 
 @pytest.fixture(scope="module")
 def served(redis_url, tiny_chat_model):
+    """A worker of this module's own (the scenarios below are marked slow: they wait on generation)."""
     w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
     yield w.queue, Redis.from_url(redis_url, decode_responses=True)
     w.stop()
@@ -89,6 +90,7 @@ def _wait_for_events(r: Redis, job_id: str, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_chat_job_followed_live(served):
     queue, r = served
     payload = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}
@@ -117,6 +119,7 @@ def test_a_chat_job_followed_live(served):
     assert job_ttl > 0 and result_ttl > 0 and abs(job_ttl - result_ttl) < 120
 
 
+@pytest.mark.slow
 def test_a_sampled_prompt_followed_late(served):
     queue, r = served
     job_id = _enqueue(r, queue, {"prompt": "Once", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 7})
@@ -127,6 +130,7 @@ def test_a_sampled_prompt_followed_late(served):
     assert "".join(e["text"] for e in late) == _result(r, job_id)["text"]
 
 
+@pytest.mark.slow
 def test_cancel_a_running_job(served):
     queue, r = served
     job_id = _enqueue(r, queue, {"prompt": "Long", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
@@ -140,6 +144,7 @@ def test_cancel_a_running_job(served):
     assert r.zscore(f"rq:canceled:{queue}", job_id) is not None
 
 
+@pytest.mark.slow
 def test_cancel_a_queued_job(served):
     queue, r = served
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
@@ -157,6 +162,7 @@ def test_cancel_a_queued_job(served):
     assert r.ttl(f"rq:job:{job_id}") > 0
 
 
+@pytest.mark.slow
 def test_a_failed_job(served):
     queue, r = served
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
@@ -171,6 +177,7 @@ def test_a_failed_job(served):
     assert r.hget(f"rq:job:{job_id}", "status") == "failed"
 
 
+@pytest.mark.slow
 def test_a_job_id_outside_the_rules_fails_with_a_reason(served):
     queue, r = served
     job_id = f"bad id {uuid.uuid4().hex[:6]}"

@@ -39,7 +39,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from producer.protocol import STATS_KEY
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
-from worker.intake import REDIS_DOWN, HookPolicy, Unreadable, pull, quarantine
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, pull, quarantine
 from worker.jobs import JobRejected, JobStopped, build_result, failure_result, parse_request, sampling_params, usage
 from worker.publisher import JobStream, Publisher
 from worker.pump import JobEvent, Pump
@@ -186,8 +186,8 @@ class BatchWorker(BaseWorker):
                     elif not self.in_flight:
                         self.sender.drain(0.05)  # the sender still ends jobs: wait for it, not spin
                     backoff = 0.5
-                except REDIS_DOWN as exc:
-                    log.error("Redis unreachable (%s); retrying in %.1f s", exc, backoff)
+                except REDIS_UNAVAILABLE as exc:
+                    log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
@@ -205,7 +205,10 @@ class BatchWorker(BaseWorker):
         mono = time.monotonic()
         if mono >= self._next_maintenance:  # RQ's own check builds datetimes: too dear for every step
             self._next_maintenance = mono + self.settings.maintenance_interval
-            self.run_maintenance_tasks()
+            try:
+                self.run_maintenance_tasks()
+            except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; maintenance runs again later
+                log.error("maintenance skipped: Redis unavailable (%s)", exc)
         idle = not self.in_flight and not self.sender.busy and not burst
         # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE at every
         # step is a round trip on the step's critical path.
@@ -214,8 +217,8 @@ class BatchWorker(BaseWorker):
             self._next_pull = mono + 1.0
             try:
                 self._pull(block=idle)
-            except REDIS_DOWN as exc:  # the jobs in flight go on; their events wait in the sender
-                log.error("Redis unreachable while pulling jobs (%s); trying again in 5 s", exc)
+            except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; their events wait in the sender
+                log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
                 self._pull_paused_until = mono + 5.0
         if self.pump.has_work():
             self._route(self.pump.step())
@@ -587,7 +590,12 @@ class BatchWorker(BaseWorker):
 
     def stats(self) -> dict[str, Any]:
         """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""
-        return {"in_flight": len(self.in_flight), "queue": self.settings.queue, "model": self.settings.model}
+        return {
+            "in_flight": len(self.in_flight),
+            "queue": self.settings.queue,
+            "model": self.settings.model,
+            "redis": self.sender.refusing or "ok",
+        }
 
     def stats_key(self) -> str:
         return STATS_KEY.format(worker=self.name)

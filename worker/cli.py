@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from producer.client import InvalidRequest
     from roseinfer.config import ConfigError
+    from worker.main import UnsafeRedis
 
     try:
         return args.func(args)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValidationError as exc:
         print(f"error: {describe_settings_error(exc)}", file=sys.stderr)
-    except (ConfigError, InvalidRequest) as exc:
+    except (ConfigError, InvalidRequest, UnsafeRedis) as exc:
         print(f"error: {exc}", file=sys.stderr)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from rq.utils import now
 
-from worker.intake import REDIS_DOWN
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
@@ -42,8 +42,8 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.beat()
-            except REDIS_DOWN as exc:
-                log.warning("heartbeat: Redis unreachable (%s)", exc)
+            except REDIS_UNAVAILABLE as exc:
+                log.warning("heartbeat: Redis unavailable (%s)", exc)
             except Exception:
                 log.exception("heartbeat failed")
             self._stop.wait(interval)

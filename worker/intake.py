@@ -32,6 +32,14 @@ _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries"
          "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
 _JSON = ("retry_intervals", "dependency_ids")
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
+# back-pressure, not death.
+REDIS_REFUSING = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+)
+REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 
 
 @dataclass

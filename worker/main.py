@@ -7,6 +7,7 @@ import time
 
 from redis import Redis
 
+from producer.client import eviction_warning
 from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
 
@@ -39,7 +40,20 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     connection = connection or Redis.from_url(settings.redis_url)
     engine = LLM(settings.model, **settings.engine_options()).engine
     wait_for_redis(connection)
+    check_eviction_policy(connection, settings.require_noeviction)
     return BatchWorker(engine, settings, connection)
+
+
+class UnsafeRedis(RuntimeError):
+    """Redis may evict the queue's keys, and the operator asked for a Redis that never does."""
+
+
+def check_eviction_policy(connection: Redis, required: bool) -> None:
+    warning = eviction_warning(connection)
+    if warning and required:
+        raise UnsafeRedis(f"{warning} (refusing to start: --require-noeviction)")
+    if warning:
+        log.warning("WARNING: %s", warning)
 
 
 def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from redis import Redis
 
-from worker.intake import REDIS_DOWN
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
@@ -82,6 +82,7 @@ class Sender:
         self.worker_key: str | None = None
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
+        self.refusing: str | None = None  # why Redis refuses our writes right now, for `roseinfer status`
         # Jobs waiting in the queues, read in each round trip: the step loop pulls only when some wait, instead of
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
@@ -165,16 +166,24 @@ class Sender:
         if finals:  # after the results and statuses they announce
             self._retrying(lambda: self._send(finals, read=False), f"{len(finals)} final events kept")
 
-    @staticmethod
-    def _retrying(action: Callable[[], None], what: str) -> None:
-        backoff = 0.25
+    def _retrying(self, action: Callable[[], None], what: str) -> None:
+        """Run ``action`` until Redis takes it: unreachable or refusing writes (full memory), it waits with
+        backoff, keeping everything (and the step loop waits once the queue is full); logged once a minute."""
+        backoff, next_log = 0.25, 0.0
         while True:
             try:
-                return action()
-            except REDIS_DOWN as exc:
-                log.error("Redis unreachable (%s); %s, retrying in %.1f s", exc, what, backoff)
+                action()
+                if next_log:
+                    log.warning("Redis takes writes again")
+                    self.refusing = None
+                return
+            except REDIS_UNAVAILABLE as exc:
+                self.refusing = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= next_log:
+                    log.error("Redis unavailable (%s); %s, retrying with backoff", self.refusing, what)
+                    next_log = time.monotonic() + 60
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+                backoff = min(backoff * 2, 5.0)
 
     def _send(self, events: list[Event], read: bool = True) -> None:
         """Write ``events``; with ``read``, also read the statuses, the queue's length and the registration."""

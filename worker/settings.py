@@ -53,6 +53,9 @@ class QueueSettings(BaseSettings):
     allow_webhook_host: list[str] = Field(
         default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
     )
+    require_noeviction: bool = Field(
+        False, description="refuse to start unless Redis's maxmemory-policy is noeviction (else: a loud warning)"
+    )
     max_job_bytes: int = Field(
         4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
     )

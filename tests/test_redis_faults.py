@@ -1,0 +1,89 @@
+"""Redis faults a fleet meets: a Redis that refuses writes (full memory) is back-pressure, not death; an eviction
+policy gets a loud warning, or a refusal to start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ThreadWorker
+from redis import Redis
+
+from producer import Client
+from worker.local_redis import start_private_redis
+from worker.main import UnsafeRedis, check_eviction_policy
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of this test's own: its settings are changed here."""
+    url, proc = start_private_redis()
+    if proc is None:
+        pytest.skip("could not start redis-server")
+    yield url, Redis.from_url(url)
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog):
+    url, conn = own_redis
+    conn.config_set("maxmemory-policy", "allkeys-lru")
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        check_eviction_policy(conn, required=False)
+    assert "maxmemory-policy allkeys-lru" in caplog.text and "noeviction" in caplog.text
+    with pytest.raises(UnsafeRedis, match="refusing to start"):
+        check_eviction_policy(conn, required=True)
+    with pytest.warns(RuntimeWarning, match="maxmemory-policy allkeys-lru"):
+        Client(url, queue="evict").submit("x", max_tokens=1)
+    conn.config_set("maxmemory-policy", "noeviction")
+    check_eviction_policy(conn, required=True)  # a safe Redis: nothing to say
+
+
+@pytest.mark.slow
+def test_require_noeviction_refuses_to_start_in_one_line(own_redis, tiny_chat_model):
+    url, conn = own_redis
+    conn.config_set("maxmemory-policy", "volatile-lru")
+    env = {**os.environ, "ROSEINFER_REQUIRE_NOEVICTION": "true"}
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", tiny_chat_model]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: Redis evicts keys under memory pressure")
+
+
+@pytest.mark.slow
+def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_model, monkeypatch):
+    url, conn = own_redis
+    w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, max_num_seqs=4)
+    real_step = w.worker.engine.step
+
+    def slow_step():  # a few seconds of work, so Redis fills while the jobs run
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(w.worker.engine, "step", slow_step)
+    try:
+        client = Client(url, queue=w.queue)
+        jobs = client.submit_many([{"prompt": f"full {i}", "max_tokens": 150, "ignore_eos": True} for i in range(4)])
+        next(iter(jobs[0].events(timeout=30)))
+        used = int(conn.info("memory")["used_memory"])
+        conn.config_set("maxmemory", used // 2)  # noeviction: every write is refused from now on
+        time.sleep(3)
+        assert w.thread.is_alive()
+        assert w.worker.sender.refusing is not None and "OutOfMemoryError" in w.worker.sender.refusing
+        conn.config_set("maxmemory", 0)
+        for job in jobs:
+            result = job.result(timeout=60)
+            assert result["usage"]["completion_tokens"] == 150
+            events = list(job.events(timeout=10))
+            assert [e["n"] for e in events] == list(range(len(events)))  # no event lost, none twice
+            assert "".join(e["text"] for e in events) == result["text"]
+        assert w.worker.sender.refusing is None
+    finally:
+        conn.config_set("maxmemory", 0)
+        w.stop()
