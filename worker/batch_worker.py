@@ -82,7 +82,9 @@ class BatchWorker(BaseWorker):
         self.settings = settings
         self.pump = Pump(engine)
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
-        self.publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
+        self.publisher = Publisher(
+            settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
+        )
         self.sender = Sender(connection, self.publisher, self._on_statuses)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events

@@ -154,7 +154,9 @@ def generate(**payload: Any) -> dict[str, Any]:
     except ValidationError as exc:
         raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
     settings = WorkerSettings()
-    publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl)
+    publisher = Publisher(
+        settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
+    )
     stream = publisher.resume(job.connection, [job.id])[job.id]
     pump = Pump(_engine(), tokenize_in_thread=False)
     pump.submit(job.id, req.engine_prompt(), sampling_params(job.id, req))

@@ -38,7 +38,7 @@ class JobStream:
         return text[skip_chars:], token_ids[skip_tokens:]
 
 
-Event = tuple[str, dict[str, Any], bool]  # (job id, event, whether to (re)set the stream's TTL)
+Event = tuple[str, dict[str, Any], int]  # (job id, event, the stream's TTL to set with it in seconds, 0: none)
 
 
 class Publisher:
@@ -46,9 +46,11 @@ class Publisher:
     job produced since its last event becomes one event, so a fast engine's steps share writes. Nothing is lost
     when Redis is unreachable: events taken are kept by whoever sends them until Redis accepts them."""
 
-    def __init__(self, maxlen: int, stream_ttl: int, result_ttl: int) -> None:
+    def __init__(self, maxlen: int, stream_ttl: int, result_ttl: int, stream_ttl_after_end: int | None = None) -> None:
         self.maxlen = maxlen
         self.stream_ttl = stream_ttl
+        # A finished job's stream is for late followers only: it goes soon; the result keeps its own TTL.
+        self.stream_ttl_after_end = min(stream_ttl, stream_ttl_after_end or stream_ttl)
         self.result_ttl = result_ttl
         self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
         self.urgent = False  # something waits that should not: a job's first piece (its TTFT) or its end
@@ -92,14 +94,15 @@ class Publisher:
         self._dirty[s.job_id] = s
 
     def take(self) -> tuple[list[Event], list[Event]]:
-        """One event per job with something pending, as (job id, event, whether the stream's TTL is (re)set):
-        (running jobs' events, final events). Final events go out after their job's result and status."""
+        """One event per job with something pending, as (job id, event, stream TTL to set): (running jobs'
+        events, final events). Final events go out after their job's result and status."""
         events: list[Event] = []
         finals: list[Event] = []
         for s in self._dirty.values():
             end = s.pending_end or (None, None, None)
             event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end)
-            (finals if end[0] is not None else events).append((s.job_id, event, s.next_n == 0 or end[0] is not None))
+            ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
+            (finals if end[0] is not None else events).append((s.job_id, event, ttl))
             s.next_n += 1
             s.ended = end[0] is not None
             s.pending_text, s.pending_ids, s.pending_end = [], [], None
@@ -109,20 +112,20 @@ class Publisher:
 
     def queue_writes(self, pipe: Pipeline, events: list[Event]) -> None:
         """Queue the writes of ``events`` on ``pipe``: each to its job's stream and channel."""
-        for job_id, event, set_ttl in events:
+        for job_id, event, ttl in events:
             key, message = stream_key(job_id), json.dumps(event)
             pipe.xadd(key, {STREAM_FIELD: message}, maxlen=self.maxlen, approximate=True)
             pipe.publish(channel_key(job_id), message)
-            if set_ttl:
-                pipe.expire(key, self.stream_ttl)
+            if ttl:
+                pipe.expire(key, ttl)
 
     @staticmethod
     def script_args(events: list[Event]) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the sender's event script: the same writes as ``queue_writes``, as one command."""
         keys, args = [], []
-        for job_id, event, set_ttl in events:
+        for job_id, event, ttl in events:
             keys.append(stream_key(job_id))
-            args += [int(set_ttl), channel_key(job_id), json.dumps(event)]
+            args += [ttl, channel_key(job_id), json.dumps(event)]
         return keys, args
 
     def flush(self, pipe: Pipeline) -> None:

@@ -25,14 +25,14 @@ from worker.publisher import Event, Publisher
 log = logging.getLogger("roseinfer.worker")
 
 # Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
-# loop more (they share the GIL) than Redis spends running them. KEYS: the streams; ARGV: maxlen, ttl, then per
-# event: set-ttl flag, channel, the event's JSON (the stream entry's one field and the pub/sub message).
+# loop more (they share the GIL) than Redis spends running them. KEYS: the streams; ARGV: maxlen, then per event:
+# the stream's TTL to set (0: none), channel, the event's JSON (the stream entry's one field and the message).
 _EMIT = """
-local maxlen, ttl, a = ARGV[1], ARGV[2], 3
+local maxlen, a = ARGV[1], 2
 for i = 1, #KEYS do
   redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
   redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
-  if ARGV[a] == '1' then redis.call('EXPIRE', KEYS[i], ttl) end
+  if ARGV[a] ~= '0' then redis.call('EXPIRE', KEYS[i], ARGV[a]) end
   a = a + 3
 end
 return #KEYS
@@ -224,4 +224,4 @@ class Sender:
             self.publisher.queue_writes(pipe, events)
         elif events:
             keys, args = self.publisher.script_args(events)
-            self._emit(keys=keys, args=[self.publisher.maxlen, self.publisher.stream_ttl, *args], client=pipe)
+            self._emit(keys=keys, args=[self.publisher.maxlen, *args], client=pipe)

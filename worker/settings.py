@@ -31,7 +31,10 @@ class QueueSettings(BaseSettings):
     max_in_flight: int | None = Field(
         None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
     )
-    stream_ttl: int = Field(24 * 3600, ge=1, description="seconds a job's replay stream lives after its last event")
+    stream_ttl: int = Field(24 * 3600, ge=1, description="seconds a running job's replay stream lives")
+    stream_ttl_after_end: int = Field(
+        600, ge=1, description="seconds a job's replay stream lives after its last event (its result keeps its own)"
+    )
     result_ttl: int = Field(24 * 3600, ge=1, description="seconds a result key lives")
     stream_maxlen: int = Field(100_000, ge=16, description="events kept per replay stream")
     # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace + maintenance_interval
