@@ -69,6 +69,7 @@ class Sender:
         on_statuses: Callable[[list[tuple[str, bytes | None]], bool], None],
         queue_keys: list[str] | None = None,
         max_pending: int = 64,
+        status_interval: float = 0.1,
     ) -> None:
         self.connection = connection
         self.publisher = publisher
@@ -87,6 +88,8 @@ class Sender:
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
         self.queued = 0
+        self.status_interval = status_interval
+        self._next_status_read = 0.0
         self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
 
     def _load_scripts(self) -> None:
@@ -192,13 +195,18 @@ class Sender:
                 self._queue_events(pipe, events)
                 pipe.execute()
             return
-        watch = list(self._watch)
+        # Statuses (cancels) at most every status_interval: a fast engine's round trips would otherwise read every
+        # job's status every few milliseconds, the most of Redis's work per token.
+        mono = time.monotonic()
+        watch = list(self._watch) if mono >= self._next_status_read else []
+        if watch:
+            self._next_status_read = mono + self.status_interval
         with self.connection.pipeline(transaction=False) as pipe:
             self._queue_events(pipe, events)
             if self._emit is None:
                 for _job_id, key in watch:
                     pipe.hget(key, "status")
-            else:
+            elif watch:
                 self._ended(keys=[key for _, key in watch], client=pipe)
             for key in self.queue_keys:
                 pipe.llen(key)
@@ -214,9 +222,11 @@ class Sender:
         if self._emit is None:
             first = len(replies) - len(watch) - tail
             ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]
-        else:
+        elif watch:
             flat = replies[len(replies) - tail - 1]
             ended = [(watch[int(i)][0], status or None) for i, status in zip(flat[::2], flat[1::2])]
+        else:
+            ended = []
         self.on_statuses(ended, registered)
 
     def _queue_events(self, pipe, events: list[Event]) -> None:

@@ -1,0 +1,121 @@
+"""``roseinfer bench-redis``: what generated tokens cost Redis, through a real ``roseinfer worker`` and a private
+``redis-server``.
+
+Jobs are submitted while the queue is suspended (``rq suspend``), so submission and generation are counted apart;
+then the statistics are reset, the queue resumed, and every job run to its end with one pattern subscriber
+following all channels. Printed per generated token: commands by command (``INFO commandstats``; commands run
+inside Lua scripts count too), Redis CPU (``INFO cpu``), bytes in and out (``INFO stats``); and bytes a finished
+job keeps once its stream has expired (``MEMORY USAGE`` of its hash, its result key and RQ's result), and how
+many 30,000 tokens/s workers one Redis core would serve at that CPU cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import threading
+import time
+from typing import Any
+
+from redis import Redis
+
+from producer import Client
+from producer.protocol import result_key
+from roseinfer.bench import add_arguments as add_bench_arguments
+from roseinfer.bench import load_prompts, resolve_model_arg
+from roseinfer.config import engine_config_from_args
+from worker.bench_queue import _wait_for_worker
+from worker.cli import engine_flags, worker_command
+from worker.local_redis import start_private_redis
+
+_WORKER_RATE = 30_000  # tokens/s of one GPU worker, the fleet figure the issue asks about
+
+
+def _cpu_seconds(info: dict[str, Any]) -> float:
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def _follow_everything(url: str, stop: threading.Event, counter: list[int]) -> None:
+    """One subscriber on every job's channel, as a dashboard would have."""
+    pubsub = Redis.from_url(url).pubsub()
+    pubsub.psubscribe("roseinfer:tokens:*")
+    while not stop.is_set():
+        if pubsub.get_message(timeout=0.2):
+            counter[0] += 1
+    pubsub.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    url, redis_proc = start_private_redis()
+    if redis_proc is None:
+        raise SystemExit("no redis-server could be started")
+    conn = Redis.from_url(url)
+    queue = "bench-redis"
+    config = engine_config_from_args(args)
+    cmd = worker_command(url, queue, config.model, *engine_flags(config))
+    worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop, messages = threading.Event(), [0]
+    try:
+        client = Client(url, queue=queue)
+        _wait_for_worker(conn, queue, worker)
+        convs = load_prompts(args)
+        conn.set("rq:suspended", 1)  # what `rq suspend` does: nothing is pulled while the jobs go in
+        jobs = client.submit_many(
+            [{"messages": c, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
+        )
+        follower = threading.Thread(target=_follow_everything, args=(url, stop, messages), daemon=True)
+        follower.start()
+        time.sleep(0.5)
+        conn.config_resetstat()
+        cpu0 = _cpu_seconds(conn.info("cpu"))
+        start = time.time()
+        conn.delete("rq:suspended")
+        results = [job.result(timeout=3600) for job in jobs]
+        seconds = time.time() - start
+        cpu = _cpu_seconds(conn.info("cpu")) - cpu0
+        commands = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
+        stats = conn.info("stats")
+        tokens = sum(r["usage"]["completion_tokens"] for r in results)
+        kept = 0
+        for job in jobs:
+            for key in (f"rq:job:{job.id}", result_key(job.id), f"rq:results:{job.id}"):
+                kept += conn.memory_usage(key, samples=0) or 0
+    finally:
+        stop.set()
+        worker.terminate()
+        worker.wait(timeout=120)
+        redis_proc.terminate()
+    us_per_token = cpu / tokens * 1e6
+    return {
+        "jobs": len(jobs),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "commands_per_token": round(sum(commands.values()) / tokens, 3),
+        "commands_by_command_per_token": {k: round(v / tokens, 4) for k, v in sorted(commands.items())},
+        "redis_cpu_us_per_token": round(us_per_token, 2),
+        "bytes_in_per_token": round(stats["total_net_input_bytes"] / tokens, 1),
+        "bytes_out_per_token": round(stats["total_net_output_bytes"] / tokens, 1),
+        "bytes_kept_per_token_after_stream_expiry": round(kept / tokens, 1),
+        "pubsub_messages_received": messages[0],
+        "workers_of_30k_tokens_per_s_per_redis_core": round(1e6 / us_per_token / _WORKER_RATE, 1),
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_bench_arguments(p)
+    p.set_defaults(model="tiny", num_prompts=128, max_tokens=512)
+
+
+def main(args: argparse.Namespace) -> int:
+    resolve_model_arg(args)
+    figures = run(args)
+    width = max(len(k) for k in figures)
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for name, per_token in sorted(value.items(), key=lambda kv: -kv[1]):
+                print(f"    {name:<16} {per_token}")
+        else:
+            print(f"{key:<{width}} {value}")
+    return 0
