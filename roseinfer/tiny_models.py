@@ -49,9 +49,7 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def save_tiny_llama(
-    path: str | Path, vocab_size: int = 256, max_position_embeddings: int = 512, eos_token_id: int | None = None
-) -> str:
+def save_tiny_llama(path: str | Path, vocab_size: int = 256, max_position_embeddings: int = 512) -> str:
     """A 2-layer random Llama (4 query heads, 2 KV heads), saved at ``path``; the same weights every time."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,7 +64,7 @@ def save_tiny_llama(
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
         initializer_range=0.3,  # large weights: decisive logits, so greedy argmax never hangs on rounding
-        eos_token_id=eos_token_id,  # None: runs to max_tokens
+        eos_token_id=None,  # runs to max_tokens
         bos_token_id=None,
     )
     LlamaForCausalLM(config).save_pretrained(path)

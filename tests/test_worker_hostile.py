@@ -312,3 +312,23 @@ def test_stats_tell_the_truth_after_a_drain(redis_url, tiny_chat_model):
     assert [row["in_flight"] for row in client.status()["workers"]] == [0]
     w.stop()
     assert client.status()["workers"] == []  # a stopped worker drops out
+
+
+def test_a_job_past_its_timeout_fails_alone_and_is_not_retried(served, monkeypatch):
+    w, client, conn = served
+    real_step = w.worker.engine.step
+
+    def slow_step():  # 200 tokens take ~4 s: past the job's 1 s timeout
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(w.worker.engine, "step", slow_step)
+    job_id = f"late-{uuid.uuid4().hex[:6]}"
+    payload = {"prompt": "slow", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    _raw_job(conn, w.queue, job_id, payload, timeout="1", retries_left="2")
+    other = client.submit("quick", max_tokens=3, temperature=0)
+    with pytest.raises(JobFailed, match="exceeded its timeout of 1 s"):
+        client.job(job_id).result(timeout=30)
+    assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
+    assert conn.llen(f"rq:queue:{w.queue}") == 0  # not requeued: it would time out again
+    assert other.result(timeout=30)["usage"]["completion_tokens"] == 3

@@ -445,7 +445,7 @@ class BatchWorker(BaseWorker):
         retrying = event.retryable and bool(job.job.retries_left)
         if event.retryable:
             error: Exception = StepFailed(event.error)
-        elif "timeout" in (event.error or ""):
+        elif event.timed_out:
             error = JobTimeoutException(f"job exceeded its timeout of {job.job.timeout} s")
         else:
             error = JobRejected(event.error)

@@ -30,6 +30,7 @@ class JobEvent:
     output: Any = None  # the engine's RequestOutput, on a final event that has one
     error: str | None = None
     retryable: bool = False  # an error another attempt may not meet (a failed step), not one about the job itself
+    timed_out: bool = False  # the job ran past its deadline
 
     @property
     def finished(self) -> bool:
@@ -93,7 +94,9 @@ class Pump:
             events += self._run_step()
         now = time.monotonic()
         for job_id in [j for j, job in self._jobs.items() if job.deadline is not None and now > job.deadline]:
-            events.append(self.cancel(job_id, "the job exceeded its timeout"))
+            event = self.cancel(job_id, "the job exceeded its timeout")
+            event.timed_out = True
+            events.append(event)
         return events
 
     def has_work(self) -> bool:
