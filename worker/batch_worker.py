@@ -32,7 +32,7 @@ from rq.queue import Queue
 from rq.registry import clean_registries
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
-from rq.timeouts import JobTimeoutException, TimerDeathPenalty
+from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
@@ -40,7 +40,16 @@ from producer.protocol import STATS_KEY
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, pull, quarantine
-from worker.jobs import JobRejected, JobStopped, build_result, failure_result, parse_request, sampling_params, usage
+from worker.jobs import (
+    JobRejected,
+    JobStopped,
+    JobTimedOut,
+    build_result,
+    failure_result,
+    parse_request,
+    sampling_params,
+    usage,
+)
 from worker.publisher import JobStream, Publisher
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
@@ -446,7 +455,7 @@ class BatchWorker(BaseWorker):
         if event.retryable:
             error: Exception = StepFailed(event.error)
         elif event.timed_out:
-            error = JobTimeoutException(f"job exceeded its timeout of {job.job.timeout} s")
+            error = JobTimedOut(f"job exceeded its timeout of {job.job.timeout} s")
         else:
             error = JobRejected(event.error)
         if not retrying:

@@ -29,6 +29,11 @@ class JobStopped(Exception):
     """The job was stopped on request while it ran."""
 
 
+class JobTimedOut(Exception):
+    """The job ran past its timeout. (Not RQ's JobTimeoutException: RQ's timer death penalty rewrites that class's
+    message globally.)"""
+
+
 def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     """The job's payload, checked; JobRejected with a readable reason otherwise. ``max_bytes`` bounds the stored
     data before it is parsed, so a 10 MB prompt is refused before anything tokenizes it."""
