@@ -69,6 +69,13 @@ class IncrementalDetokenizer:
             self._add_text(self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :])
         return self._flush(finished)
 
+    def prime(self, token_ids: list[int]) -> str:
+        """Take tokens generated earlier (a resumed request's output so far) as if they had been streamed: their
+        text is the start of the output and is not handed out again. Returns that text."""
+        for token_id in token_ids:
+            self.update(token_id)
+        return self.text[: self._emitted]
+
     def finish(self) -> str:
         """Everything still held back, once the request is over."""
         return self.update(None, finished=True)

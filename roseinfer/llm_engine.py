@@ -17,7 +17,7 @@ from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from roseinfer.sampler import Sampler
+from roseinfer.sampler import Sampler, advance_generator
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.sequence import Sequence
@@ -136,7 +136,17 @@ class LLMEngine:
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        output_prefix: list[int] | None = None,
+    ) -> None:
+        """Queue a request. ``output_prefix``: tokens an earlier attempt of it already generated (and streamed);
+        they become the start of its output, computed in its prefill and never sampled again. Its output text and
+        ids then include them, its deltas hold only what follows, and a seeded request goes on drawing as an
+        uninterrupted run would."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -148,16 +158,39 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but this model allows at most "
                 f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
+        prefix = self._checked_prefix(output_prefix or [], len(token_ids), params)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if request_id in self.scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
+        if detok is not None and prefix:
+            detok.prime(prefix)
+            if detok.stop_hit is not None:
+                raise ValueError("the output prefix already contains a stop string: the request had ended")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        self.scheduler.add(Sequence(request_id, token_ids, params, detok, generator, prompt=text))
+            if not params.greedy:
+                advance_generator(generator, len(prefix), self.model.vocab_size)
+        self.scheduler.add(Sequence(request_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix))
+
+    def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
+        if not prefix:
+            return []
+        ids = self.tokenize(list(prefix))[1]  # the same checks as prompt token ids
+        if num_prompt_tokens + len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt ({num_prompt_tokens} tokens) and the output to resume ({len(ids)} tokens) leave no room "
+                f"in this model's {self.max_model_len} tokens"
+            )
+        if params.max_tokens is not None and len(ids) >= params.max_tokens:
+            raise ValueError(f"the output to resume has {len(ids)} tokens, max_tokens is {params.max_tokens}")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if any(t in stops for t in ids[max(params.min_tokens - 1, 0) :]):
+            raise ValueError("the output to resume holds a stop token: the request had ended")
+        return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its last output, or None if unknown."""
@@ -190,7 +223,7 @@ class LLMEngine:
         self.stats.num_steps += 1
         outputs: list[RequestOutput] = []
         for seq, token in new_tokens:
-            if seq.num_output_tokens == 1:  # its first token: the whole prompt has been computed
+            if seq.num_output_tokens == seq.num_resumed_tokens + 1:  # its first token: the prompt is computed
                 self.stats.num_prompt_tokens_computed += seq.num_prompt_tokens
             self.stats.num_generated_tokens += 1
             outputs.append(self._process_token(seq, token, now))

@@ -21,6 +21,15 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
+    """Move a request's generator past ``num_draws`` samples, as ``Sampler`` draws them (one ``exponential_`` of
+    a float32 vocabulary-sized row per sampled token): a resumed seeded request then draws what an uninterrupted
+    run would draw next."""
+    row = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_draws):
+        row.exponential_(generator=generator)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
         self.eos_token_ids = eos_token_ids

@@ -35,11 +35,15 @@ class Sequence:
         detokenizer: IncrementalDetokenizer | None,
         generator: torch.Generator | None,
         prompt: str | None = None,
+        output_prefix: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.token_ids: list[int] = list(prompt_token_ids)
+        # A resumed request's output starts with the tokens an earlier attempt generated: they are computed with
+        # the prompt in its prefill and count as output (max_tokens, min_tokens, penalties); only the rest is sampled.
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_prefix or ())
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_resumed_tokens = len(output_prefix or ())
         self.params = params
         self.detokenizer = detokenizer
         self.generator = generator

@@ -1,0 +1,107 @@
+"""A request resumed from an earlier attempt's output: at float32 it ends exactly as the uninterrupted run, greedy
+and seeded, with penalties, min_tokens and stop strings; its deltas hold only what the earlier attempt had not
+streamed."""
+
+from __future__ import annotations
+
+import pytest
+
+from roseinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model):
+    return LLM(tiny_chat_model, dtype="float32", max_num_seqs=8, enable_prefix_caching=True)
+
+
+def run(llm, request_id, prompt, params, output_prefix=None):
+    """Run one request to its end beside two busy neighbours; (per-token deltas, final output)."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, params, output_prefix=output_prefix)
+    for i in range(2):  # other requests in the batch change its shape, not its tokens
+        engine.add_request(f"{request_id}-other{i}", f"neighbour {i}", SamplingParams(max_tokens=7, temperature=1.0))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                deltas.append((out.delta_text, out.delta_token_ids))
+                final = out if out.finished else final
+    return deltas, final
+
+
+CASES = {
+    "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, seed=1234, max_tokens=40, ignore_eos=True),
+    "seeded-filters-penalties": SamplingParams(
+        temperature=1.2, seed=7, top_k=50, top_p=0.9, frequency_penalty=0.8, presence_penalty=0.5,
+        repetition_penalty=1.3, max_tokens=40, ignore_eos=True,
+    ),  # fmt: skip
+    "min-tokens": SamplingParams(temperature=0.8, seed=5, min_tokens=30, max_tokens=40),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cut", [1, 17, 39])
+def test_resumed_request_equals_the_uninterrupted_run(llm, case, cut):
+    params = CASES[case]
+    deltas, full = run(llm, f"full-{case}-{cut}", "Tell me a story", params)
+    ids = full.outputs[0].token_ids
+    assert len(ids) == 40
+    streamed = "".join(text for text, _ in deltas[:cut])
+
+    rest, resumed = run(llm, f"resumed-{case}-{cut}", "Tell me a story", params, output_prefix=ids[:cut])
+    assert resumed.outputs[0].token_ids == ids
+    assert resumed.outputs[0].text == full.outputs[0].text
+    assert resumed.outputs[0].finish_reason == full.outputs[0].finish_reason
+    # Only what follows the prefix comes out, and it is what the uninterrupted run streamed after it.
+    assert [t for _, d in rest for t in d] == ids[cut:]
+    assert streamed + "".join(text for text, _ in rest) == full.outputs[0].text
+
+
+def test_stop_string_found_across_the_resume_point(llm):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, full = run(llm, "probe", "Once upon", base)
+    text = full.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string that shows up mid-output
+    assert stop.strip()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop)
+    deltas, stopped = run(llm, "stopped", "Once upon", params)
+    ids = stopped.outputs[0].token_ids
+    assert stopped.outputs[0].finish_reason == "stop"
+    cut = len(ids) - 1  # resume just before the token that completes the stop string
+    streamed = "".join(t for t, _ in deltas[:cut])
+    rest, resumed = run(llm, "stopped-resumed", "Once upon", params, output_prefix=ids[:cut])
+    assert resumed.outputs[0].token_ids == ids
+    assert resumed.outputs[0].text == stopped.outputs[0].text
+    assert streamed + "".join(t for t, _ in rest) == stopped.outputs[0].text
+
+
+def test_prefix_is_computed_in_one_prefill_and_reuses_the_prefix_cache(llm):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    _, full = run(llm, "cache-full", "A long walk " * 8, params)
+    ids = full.outputs[0].token_ids
+    steps_before = llm.engine.stats.num_steps
+    _, resumed = run(llm, "cache-resumed", "A long walk " * 8, params, output_prefix=ids[:60])
+    assert resumed.outputs[0].token_ids == ids
+    assert resumed.metrics.num_cached_tokens > 0  # the blocks of the prompt and the first output tokens were kept
+    assert llm.engine.stats.num_steps - steps_before <= 8  # one prefill, four decodes, the neighbours' tail
+
+
+@pytest.mark.parametrize(
+    "prefix, params, message",
+    [
+        ([1] * 40, SamplingParams(max_tokens=40), "max_tokens is 40"),
+        ([1, 2, -3], SamplingParams(max_tokens=40), r"\[0, "),
+        ([1, 2], SamplingParams(max_tokens=40, stop_token_ids=[2]), "stop token"),
+    ],
+)
+def test_prefix_that_cannot_be_resumed_is_refused(llm, prefix, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request("bad-prefix", "hello", params, output_prefix=prefix)
+    assert "bad-prefix" not in llm.engine.scheduler
+
+
+def test_a_stop_token_before_min_tokens_is_part_of_a_valid_prefix(llm):
+    params = SamplingParams(temperature=0, min_tokens=5, max_tokens=8, stop_token_ids=[2])
+    llm.engine.add_request("early-stop-id", "hello", params, output_prefix=[2, 2, 3])
+    llm.engine.abort_request("early-stop-id")
