@@ -33,9 +33,16 @@ CASES = {
     "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
     "seeded": SamplingParams(temperature=0.9, seed=1234, max_tokens=40, ignore_eos=True),
     "seeded-filters-penalties": SamplingParams(
-        temperature=1.2, seed=7, top_k=50, top_p=0.9, frequency_penalty=0.8, presence_penalty=0.5,
-        repetition_penalty=1.3, max_tokens=40, ignore_eos=True,
-    ),  # fmt: skip
+        temperature=1.2,
+        seed=7,
+        top_k=50,
+        top_p=0.9,
+        frequency_penalty=0.8,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        max_tokens=40,
+        ignore_eos=True,
+    ),
     "min-tokens": SamplingParams(temperature=0.8, seed=5, min_tokens=30, max_tokens=40),
 }
 
