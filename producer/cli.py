@@ -11,7 +11,7 @@ import types
 from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, validate
+from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
 from producer.protocol import DEFAULT_QUEUE
 from producer.schema import JobRequest
 
@@ -175,11 +175,16 @@ def submit(args: argparse.Namespace) -> int:
         return 0
     print(f"job {job.id}", file=sys.stderr)
     try:
-        if args.stream:
-            for piece in job.stream(timeout=args.timeout):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        while args.stream:
+            try:
+                for piece in job.stream(timeout=args.timeout):
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except StreamRestarted:
+                print("\n[the job restarted from the beginning; what is above is void]", file=sys.stderr)
+                continue
             sys.stdout.write("\n")
+            break
         result = job.result(timeout=args.timeout)
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out

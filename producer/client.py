@@ -44,6 +44,15 @@ class InvalidRequest(ValueError):
     pass
 
 
+class StreamRestarted(Exception):
+    """The job's output started over (a retry could not resume what an earlier attempt streamed): the text
+    already read from ``stream()`` is void. Call ``stream()`` again for the new output from its start."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: its output restarted from the beginning; the text read so far is void")
+        self.job_id = job_id
+
+
 class ProtocolError(JobError):
     """What a worker wrote does not follow the protocol (docs/protocol.md, docs/schemas/)."""
 
@@ -225,18 +234,25 @@ class GenerationJob:
             return False
         return True
 
-    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last."""
+    def events(self, timeout: float | None = None, skip_void: bool = False) -> Iterator[dict[str, Any]]:
+        """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last.
+        ``skip_void``: leave out events that a later ``reset`` event read in the same batch makes void (a replay
+        then starts at the last reset). An event 0 after others (the stream expired and the job ran again) comes
+        marked as a reset too."""
         conn, key = self.client.connection, stream_key(self.id)
-        last_id = "0-0"
+        last_id, next_n = "0-0", 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
             reply = conn.xread({key: last_id}, count=1024, block=wait_ms)
             for _key, entries in reply or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    event = checked(StreamEvent, event_from_stream(fields), self.id)
+                events = [checked(StreamEvent, event_from_stream(fields), self.id) for _id, fields in entries]
+                last_id = entries[-1][0]
+                resets = [i for i, e in enumerate(events) if e.get("reset")] if skip_void else []
+                for event in events[resets[-1] :] if resets else events:
+                    if event["n"] == 0 and next_n:
+                        event["reset"] = True
+                    next_n = event["n"] + 1
                     yield event
                     if "finish_reason" in event:
                         return
@@ -254,9 +270,14 @@ class GenerationJob:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
 
     def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """The generated text piece by piece, from the first token, whenever it is called."""
-        for event in self.events(timeout):
+        """The generated text piece by piece, from the first token, whenever it is called. Raises
+        ``StreamRestarted`` if the output starts over after text was read (call it again to follow the new one)."""
+        read_any = False
+        for event in self.events(timeout, skip_void=True):
+            if event.get("reset") and read_any:
+                raise StreamRestarted(self.id)
             if event["text"]:
+                read_any = True
                 yield event["text"]
             if event.get("finish_reason") == "error":
                 raise JobFailed(self.id, event.get("error", "failed"))

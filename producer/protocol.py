@@ -11,7 +11,8 @@ Every event has ``n`` (0, 1, 2, ... within the job), ``text`` (the new piece: on
 ``token_ids`` (a list).
 The last event also has ``finish_reason`` (``stop``, ``length``, ``abort`` or ``error``), ``usage`` (JSON),
 and ``error`` when the job failed. A subscriber merging the channel with the stream drops events whose ``n``
-it already has.
+it already has. An event with ``reset: true`` starts the output over: everything before it is void (a retried job
+whose earlier output could not be resumed), and its own text is the new output's first piece.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ def make_event(
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
     error: str | None = None,
+    reset: bool = False,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
+    if reset:
+        event["reset"] = True
     if finish_reason is not None:
         event["finish_reason"] = finish_reason
         event["usage"] = usage or {}

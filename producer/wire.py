@@ -39,6 +39,9 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = Field(None, description="on the last event only")
     usage: Usage | None = Field(None, description="on the last event only")
     error: str | None = Field(None, description="on a last event with finish_reason 'error'")
+    reset: bool | None = Field(
+        None, description="true: the output starts over here; drop the text and token ids of every earlier event"
+    )
 
 
 class Timings(BaseModel):

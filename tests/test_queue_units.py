@@ -12,7 +12,7 @@ import pytest
 from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, stream_key
 from producer.schema import JobRequest
 from worker.jobs import job_seed
-from worker.publisher import JobStream, Publisher
+from worker.publisher import Publisher
 
 
 @pytest.mark.parametrize(
@@ -85,26 +85,73 @@ def _send(conn, pub) -> None:
         pipe.execute()
 
 
-def test_a_retried_job_does_not_repeat_what_was_streamed():
+def _events(conn, job_id="j"):
+    return [event_from_stream(f) for _id, f in conn.xrange(stream_key(job_id))]
+
+
+def test_a_retried_job_resumes_from_what_was_streamed():
     conn = fakeredis.FakeRedis()
     pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
     first = pub.resume(conn, ["j"])["j"]
+    assert first.start(can_resume=True) == []
     for piece, ids in (("Hel", [1]), ("lo", [2]), (" wor", [3])):
         pub.add(first, piece, ids)
         _send(conn, pub)  # one event per step
-    # The worker dies; the retry regenerates the same text in other chunks.
+    # The worker dies; the retry resumes after the streamed tokens and sends only what follows them.
     second = pub.resume(conn, ["j"])["j"]
-    assert (second.next_n, second.resume_chars, second.resume_tokens) == (3, 9, 3)
-    for piece, ids in (("Hello", [1, 2]), (" w", [3]), ("orld", [4])):
-        pub.add(second, piece, ids)
-        _send(conn, pub)
+    assert (second.next_n, second.resume_text, second.whole) == (3, "Hello wor", True)
+    assert second.start(can_resume=True) == [1, 2, 3]
+    pub.add(second, "ld", [4])
     pub.add(second, "!", [5], "length", {"completion_tokens": 5})
     _send(conn, pub)
-    events = [event_from_stream(f) for _id, f in conn.xrange(stream_key("j"))]
+    events = _events(conn)
     assert "".join(e["text"] for e in events) == "Hello world!"
     assert [t for e in events for t in e["token_ids"]] == [1, 2, 3, 4, 5]
     assert [e["n"] for e in events] == list(range(len(events)))
+    assert not any(e.get("reset") for e in events)
     assert 0 < conn.ttl(stream_key("j")) <= 60
+
+
+def _stream_with(conn, pub, pieces, first_n=0):
+    s = pub.resume(conn, ["j"])["j"]
+    s.next_n = first_n
+    for piece, ids in pieces:
+        pub.add(s, piece, ids)
+        _send(conn, pub)
+
+
+@pytest.mark.parametrize(
+    "why, first_n, end, can_resume",
+    [
+        ("trimmed: its first events are gone", 4, False, True),
+        ("it ended: a requeued job runs again", 0, True, True),
+        ("the job asks for logprobs, which the stream does not hold", 0, False, False),
+    ],
+)
+def test_a_stream_that_cannot_be_resumed_is_reset_once(why, first_n, end, can_resume):
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("old ", [7]), ("text", [8])], first_n)
+    if end:
+        s = pub.resume(conn, ["j"])["j"]
+        pub.add(s, "", [], "stop", {})
+        _send(conn, pub)
+    retry = pub.resume(conn, ["j"])["j"]
+    assert retry.start(can_resume=can_resume) == [], why
+    pub.add(retry, "new", [1])
+    _send(conn, pub)
+    pub.add(retry, " text", [2], "length", {})
+    _send(conn, pub)
+    events = _events(conn)
+    assert [e["n"] for e in events] == list(range(first_n, first_n + len(events)))
+    reset = [i for i, e in enumerate(events) if e.get("reset")]
+    assert len(reset) == 1 and events[reset[0]]["text"] == "new"
+    after = events[reset[0] :]
+    assert "".join(e["text"] for e in after) == "new text"
+    assert [t for e in after for t in e["token_ids"]] == [1, 2]
+    # A later retry resumes from the events after the reset.
+    again = pub.resume(conn, ["j"])["j"]
+    assert (again.resume_ids, again.resume_text, again.whole) == ([1, 2], "new text", False)
 
 
 def test_steps_between_sends_share_one_event_per_job():
@@ -134,11 +181,42 @@ def test_steps_between_sends_share_one_event_per_job():
     assert pub.take() == ([], [])
 
 
-def test_job_stream_skips_exactly_the_resumed_prefix():
-    s = JobStream("x", resume_chars=4, resume_tokens=1)
-    assert s.new_part("ab", [1]) == ("", [])
-    assert s.new_part("cdef", [2]) == ("ef", [2])
-    assert s.new_part("g", []) == ("g", [])
+def test_a_follower_sees_a_restarted_output_once_and_a_replay_skips_the_void_part():
+    from producer import Client, StreamRestarted
+
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("old ", [7]), ("text", [8])])
+    conn.hset("rq:job:j", "status", "started")
+    live = Client(connection=conn).job("j").stream(timeout=5)
+    assert next(live) == "old "
+    retry = pub.resume(conn, ["j"])["j"]
+    retry.start(can_resume=False)
+    pub.add(retry, "new", [1])
+    _send(conn, pub)
+    pub.add(retry, " text", [2], "length", {})
+    _send(conn, pub)
+    conn.hset("rq:job:j", "status", "finished")
+    assert next(live) == "text"
+    with pytest.raises(StreamRestarted):
+        next(live)
+    # Read again (or late), the stream gives the new output only.
+    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "new text"
+
+
+def test_an_expired_stream_starting_again_at_event_0_reads_as_a_reset():
+    from producer import Client, StreamRestarted
+
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("old ", [7]), ("text", [8])])
+    conn.hset("rq:job:j", "status", "started")
+    live = Client(connection=conn).job("j").stream(timeout=5)
+    assert next(live) + next(live) == "old text"
+    conn.delete(stream_key("j"))  # expired; the job runs again from nothing
+    _stream_with(conn, pub, [("new", [1])])
+    with pytest.raises(StreamRestarted):
+        next(live)
 
 
 def test_the_producer_imports_without_torch_or_transformers():

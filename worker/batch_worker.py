@@ -331,7 +331,9 @@ class BatchWorker(BaseWorker):
                 self._fail(job, queue, execution, req, streams[job.id], f"unreadable job: {exc}")
                 continue
             timeout = job.timeout if job.timeout and job.timeout > 0 else None
-            self.pump.submit(job.id, req.engine_prompt(), params, timeout)
+            # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
+            prefix = streams[job.id].start(can_resume=params.logprobs is None)
+            self.pump.submit(job.id, req.engine_prompt(), params, timeout, prefix)
             self.in_flight[job.id] = InFlight(job, queue, execution, req, streams[job.id], wall)
             log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
 
@@ -366,6 +368,8 @@ class BatchWorker(BaseWorker):
             if job.first_token_at is None and event.token_ids:
                 job.first_token_at = wall
             self.tokens += len(event.token_ids)
+            if event.restarted:
+                job.stream.restart()
             if not event.finished:
                 self.publisher.add(job.stream, event.text, event.token_ids)
             elif event.finish_reason in ("stop", "length"):

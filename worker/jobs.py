@@ -163,12 +163,16 @@ def generate(**payload: Any) -> dict[str, Any]:
         settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
     )
     stream = publisher.resume(job.connection, [job.id])[job.id]
+    params = sampling_params(job.id, req)
+    prefix = stream.start(can_resume=params.logprobs is None)
     pump = Pump(_engine(), tokenize_in_thread=False)
-    pump.submit(job.id, req.engine_prompt(), sampling_params(job.id, req))
+    pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix)
     started_at, first_token_at, final = time.time(), None, None
     while final is None:
         for event in pump.step():
             first_token_at = first_token_at or (time.time() if event.token_ids else None)
+            if event.restarted:
+                stream.restart()
             if event.finished:
                 final = event
             else:

@@ -14,28 +14,50 @@ from producer.protocol import STREAM_FIELD, channel_key, event_from_stream, make
 
 @dataclass
 class JobStream:
-    """What one job has put on its channel and stream, and what waits to go out. A retried job regenerates from
-    the start (with the same seed, so the same tokens); what an earlier attempt already streamed is not sent
-    again."""
+    """What one job has put on its channel and stream, and what waits to go out. A retried job resumes from what
+    its earlier attempts streamed (``resume_ids``): the engine takes those tokens as the start of its output and
+    only the rest is generated, so the stream and the result agree whatever the precision or the hardware."""
 
     job_id: str
     next_n: int = 0
-    resume_chars: int = 0
-    resume_tokens: int = 0
-    chars: int = 0
-    tokens: int = 0
     ended: bool = False  # a final event is in the stream (an earlier attempt may have written it)
+    # What the stream holds since its start (or its last reset): the output an attempt can resume from.
+    resume_ids: list[int] = field(default_factory=list)
+    resume_text: str = ""
+    # The stream cannot serve as a prefix (trimmed, or with a final event): a retry starts over, after a reset.
+    whole: bool = True
     # Not sent yet: text and token ids since the last event, and the final event's fields once the job ended.
     pending_text: list[str] = field(default_factory=list)
     pending_ids: list[int] = field(default_factory=list)
     pending_end: tuple[str, dict[str, int] | None, str | None] | None = None
+    pending_reset: bool = False
 
-    def new_part(self, text: str, token_ids: list[int]) -> tuple[str, list[int]]:
-        skip_chars = max(0, self.resume_chars - self.chars)
-        skip_tokens = max(0, self.resume_tokens - self.tokens)
-        self.chars += len(text)
-        self.tokens += len(token_ids)
-        return text[skip_chars:], token_ids[skip_tokens:]
+    def read(self, events: list[dict[str, Any]]) -> None:
+        """Take in what an earlier attempt left in the stream."""
+        if not events:
+            return
+        self.next_n = events[-1]["n"] + 1
+        self.ended = "finish_reason" in events[-1]
+        resets = [i for i, e in enumerate(events) if e.get("reset")]
+        since = events[resets[-1] :] if resets else events
+        self.whole = (bool(resets) or events[0]["n"] == 0) and not self.ended
+        self.resume_ids = [t for e in since for t in e["token_ids"]]
+        self.resume_text = "".join(e["text"] for e in since)
+
+    def start(self, can_resume: bool) -> list[int]:
+        """Plan this attempt: the output it resumes from (its stream is whole and the job allows it), or [] and
+        a reset first when something streamed before is void (a follower then drops what it has). A stream that
+        expired has nothing to resume: it starts again at event 0, which tells a follower as much."""
+        if can_resume and self.whole and self.resume_ids:
+            return self.resume_ids
+        if self.next_n:
+            self.restart()
+        return []
+
+    def restart(self) -> None:
+        """The job starts over: its next event tells followers to drop what they have."""
+        self.pending_reset, self.ended = True, False
+        self.resume_ids, self.resume_text = [], ""
 
 
 Event = tuple[str, dict[str, Any], int]  # (job id, event, the stream's TTL to set with it in seconds, 0: none)
@@ -59,18 +81,12 @@ class Publisher:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""
         with conn.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.xrevrange(stream_key(job_id), count=1)
-            lasts = pipe.execute()
+                pipe.xrange(stream_key(job_id))
+            entries = pipe.execute()
         streams = {}
-        for job_id, last in zip(job_ids, lasts):
-            s = JobStream(job_id)
-            if last:
-                events = [event_from_stream(fields) for _id, fields in conn.xrange(stream_key(job_id))]
-                s.next_n = event_from_stream(last[0][1])["n"] + 1
-                s.resume_chars = sum(len(e["text"]) for e in events)
-                s.resume_tokens = sum(len(e["token_ids"]) for e in events)
-                s.ended = any("finish_reason" in e for e in events)
-            streams[job_id] = s
+        for job_id, found in zip(job_ids, entries):
+            streams[job_id] = s = JobStream(job_id)
+            s.read([event_from_stream(fields) for _id, fields in found])
         return streams
 
     def add(
@@ -82,15 +98,14 @@ class Publisher:
         usage: dict[str, int] | None = None,
         error: str | None = None,
     ) -> None:
-        text, token_ids = s.new_part(text, token_ids)
-        if s.ended or (finish_reason is None and not text and not token_ids):
+        if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
             return
         if text:
             s.pending_text.append(text)
         s.pending_ids += token_ids
         if finish_reason is not None:
             s.pending_end = (finish_reason, usage, error)
-        self.urgent = self.urgent or s.next_n == 0 or finish_reason is not None
+        self.urgent = self.urgent or s.next_n == 0 or s.pending_reset or finish_reason is not None
         self._dirty[s.job_id] = s
 
     def take(self) -> tuple[list[Event], list[Event]]:
@@ -100,12 +115,12 @@ class Publisher:
         finals: list[Event] = []
         for s in self._dirty.values():
             end = s.pending_end or (None, None, None)
-            event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end)
+            event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end, reset=s.pending_reset)
             ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
             (finals if end[0] is not None else events).append((s.job_id, event, ttl))
             s.next_n += 1
             s.ended = end[0] is not None
-            s.pending_text, s.pending_ids, s.pending_end = [], [], None
+            s.pending_text, s.pending_ids, s.pending_end, s.pending_reset = [], [], None, False
         self._dirty = {}
         self.urgent = False
         return events, finals

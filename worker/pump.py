@@ -31,6 +31,7 @@ class JobEvent:
     error: str | None = None
     retryable: bool = False  # an error another attempt may not meet (a failed step), not one about the job itself
     timed_out: bool = False  # the job ran past its deadline
+    restarted: bool = False  # the engine could not resume the job's output: it starts over (streams say so)
 
     @property
     def finished(self) -> bool:
@@ -42,6 +43,7 @@ class _Job:
     prompt: Any
     params: Any
     deadline: float | None  # time.monotonic() after which the job fails
+    output_prefix: list[int] | None = None  # what an earlier attempt generated: the output resumes from there
     tokenized: Future | None = None  # prompt token ids, computed off the step loop
     admitted: bool = False
 
@@ -67,12 +69,21 @@ class Pump:
     def job_ids(self) -> list[str]:
         return list(self._jobs)
 
-    def submit(self, job_id: str, prompt: Any, params: Any, timeout: float | None = None) -> None:
-        """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams. Its
-        admission (or its failure) shows in a later ``step()``."""
+    def submit(
+        self,
+        job_id: str,
+        prompt: Any,
+        params: Any,
+        timeout: float | None = None,
+        output_prefix: list[int] | None = None,
+    ) -> None:
+        """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams,
+        ``output_prefix`` the tokens an earlier attempt already streamed. Its admission (or its failure) shows in
+        a later ``step()``; a prefix the engine refuses (a shorter context here, say) makes the job start over,
+        with a ``restarted`` event."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
-        job = _Job(prompt, params, None if timeout is None else time.monotonic() + timeout)
+        job = _Job(prompt, params, None if timeout is None else time.monotonic() + timeout, output_prefix or None)
         if self._pool is not None:
             job.tokenized = self._pool.submit(self.engine.tokenize, prompt, self._thread_tokenizer)
         self._jobs[job_id] = job
@@ -121,7 +132,15 @@ class Pump:
                         if text is None
                         else {"prompt_token_ids": token_ids, "prompt": text}
                     )
-                self.engine.add_request(job_id, prompt, job.params)
+                if job.output_prefix:
+                    try:
+                        self.engine.add_request(job_id, prompt, job.params, output_prefix=job.output_prefix)
+                    except ValueError as exc:
+                        log.warning("job %s cannot resume its earlier output (%s): it starts over", job_id, exc)
+                        self.engine.add_request(job_id, prompt, job.params)
+                        events.append(JobEvent(job_id, restarted=True))
+                else:
+                    self.engine.add_request(job_id, prompt, job.params)
                 job.admitted = True
             except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
                 del self._jobs[job_id]
