@@ -28,11 +28,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from roseinfer import bench
+    from roseinfer import bench, bench_resume
 
     p = sub.add_parser("bench", help="roseinfer against transformers generate on the standard workload")
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
+
+    p = sub.add_parser("bench-resume", help="a retried job resumed from its streamed tokens vs regenerated")
+    bench_resume.add_arguments(p)
+    p.set_defaults(func=bench_resume.main)
 
     p = sub.add_parser("generate", help="answer chat prompts offline (arguments, or one per stdin line)")
     p.add_argument("prompt", nargs="*")

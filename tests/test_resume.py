@@ -47,11 +47,16 @@ CASES = {
 }
 
 
+_FULL: dict[str, tuple] = {}  # case -> its uninterrupted run, shared by the cut points
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("cut", [1, 17, 39])
 def test_resumed_request_equals_the_uninterrupted_run(llm, case, cut):
     params = CASES[case]
-    deltas, full = run(llm, f"full-{case}-{cut}", "Tell me a story", params)
+    if case not in _FULL:
+        _FULL[case] = run(llm, f"full-{case}", "Tell me a story", params)
+    deltas, full = _FULL[case]
     ids = full.outputs[0].token_ids
     assert len(ids) == 40
     streamed = "".join(text for text, _ in deltas[:cut])
@@ -112,3 +117,19 @@ def test_a_stop_token_before_min_tokens_is_part_of_a_valid_prefix(llm):
     params = SamplingParams(temperature=0, min_tokens=5, max_tokens=8, stop_token_ids=[2])
     llm.engine.add_request("early-stop-id", "hello", params, output_prefix=[2, 2, 3])
     llm.engine.abort_request("early-stop-id")
+
+
+@pytest.mark.slow
+def test_bench_resume_prints_both_ways_and_checks_the_tokens(tiny_chat_model, capsys):
+    import argparse
+    import json
+
+    from roseinfer import bench_resume
+
+    parser = argparse.ArgumentParser()
+    bench_resume.add_arguments(parser)
+    args = parser.parse_args(["--model", tiny_chat_model, "--jobs", "2", "--tokens", "20", "--repeats", "1"])
+    assert bench_resume.main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["streamed_before_the_kill"] == 18 and out["same_tokens_as_uninterrupted"] is True
+    assert out["resumed_s"] > 0 and out["regenerated_s"] > 0
