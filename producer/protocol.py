@@ -25,6 +25,10 @@ from typing import Any
 PROTOCOL_VERSION = 2
 JOB_FUNCTION = "worker.jobs.generate"
 DEFAULT_QUEUE = "roseinfer"
+# The job hash field naming the attempt that owns the job (set when an attempt starts it): a worker writes a job's
+# events, result and status only while it holds this; one that stalled past its heartbeat and lost the job to a
+# retry drops its copy without writing.
+OWNER_FIELD = "roseinfer_owner"
 # Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
 STATS_KEY = "roseinfer:stats:{worker}"
 

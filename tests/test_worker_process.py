@@ -247,3 +247,48 @@ def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_n
         if redis_proc is not None:
             redis_proc.terminate()
     assert sum("waiting for Redis" in line for line in lines) == 1  # logged once, not at every retry
+
+
+def test_a_frozen_worker_that_lost_its_jobs_writes_nothing_for_them(redis_url, default_model_path, queue_name):
+    """Fencing: a worker stopped (SIGSTOP) past its heartbeat loses its jobs to a second worker, which resumes
+    them; thawed, the first one's events, results and statuses for them never land: one final event per job, one
+    result in RQ, and every stream equals its result."""
+    client = Client(redis_url, queue=queue_name)
+    conn = client.connection
+    jobs = client.submit_many(
+        [{"prompt": f"Frozen {i}", "max_tokens": 160, "ignore_eos": True, "temperature": 0} for i in range(4)]
+    )
+    first = _start_worker(redis_url, queue_name, default_model_path)
+    second = None
+    try:
+        _wait_started(client, jobs, 4)
+        owners = {job.id: conn.hget(f"rq:job:{job.id}", "roseinfer_owner") for job in jobs}
+        time.sleep(0.5)  # some tokens out
+        first.send_signal(signal.SIGSTOP)
+        second = _start_worker(redis_url, queue_name, default_model_path)
+        deadline = time.time() + 90
+        while time.time() < deadline:  # the second worker took every job over
+            now_owners = {job.id: conn.hget(f"rq:job:{job.id}", "roseinfer_owner") for job in jobs}
+            if all(now_owners[j] != owners[j] for j in owners) or all(job.status() == "finished" for job in jobs):
+                break
+            time.sleep(0.05)
+        first.send_signal(signal.SIGCONT)
+        results = [job.result(timeout=120) for job in jobs]
+        time.sleep(2)  # what the thawed worker would still write
+        assert first.poll() is None  # thawed, it lives on
+    finally:
+        first.send_signal(signal.SIGCONT)
+        for proc in (first, second):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    for job, res in zip(jobs, results):
+        events = list(job.events(timeout=10))
+        assert sum("finish_reason" in e for e in events) == 1
+        assert [e["n"] for e in events] == list(range(len(events)))
+        assert [t for e in events for t in e["token_ids"]] == res["token_ids"]
+        assert "".join(e["text"] for e in events) == res["text"]
+        assert res["usage"]["completion_tokens"] == 160
+        assert len(job.rq_job.results()) == 1
+    log = first.stderr.read()
+    assert "belongs to another attempt now" in log, log[-3000:]

@@ -36,7 +36,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.protocol import STATS_KEY
+from producer.protocol import OWNER_FIELD, STATS_KEY
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, pull, quarantine
@@ -94,11 +94,12 @@ class BatchWorker(BaseWorker):
         self.publisher = Publisher(
             settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
         )
-        self.sender = Sender(connection, self.publisher, self._on_statuses)
+        self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events
         self._stop_jobs: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # from the pub/sub thread
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
+        self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
         self._force_stop = False
         self._next_suspension_check = 0.0
         self._suspended = False
@@ -316,6 +317,7 @@ class BatchWorker(BaseWorker):
         streams = self.publisher.resume(self.connection, [job.id for job, _ in pulled])
         wall = time.time()
         for (job, queue), execution in zip(pulled, executions):
+            streams[job.id].owner = execution.id
             req = None
             try:
                 refused = self.hooks.refuse(job)
@@ -349,6 +351,7 @@ class BatchWorker(BaseWorker):
                 executions.append(execution)
                 job.heartbeat(now(), ttl, pipeline=pipe)
                 job.prepare_for_execution(self.name, pipeline=pipe)
+                pipe.hset(job.key, OWNER_FIELD, execution.id)  # this attempt owns the job from now on
                 pipe.persist(job.key)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
@@ -386,13 +389,18 @@ class BatchWorker(BaseWorker):
 
     def _succeed(self, done: list[tuple[InFlight, Any]]) -> None:
         """The jobs a step finished, through RQ's success path: for plain jobs (no dependents, repeats, allowed
-        callback, webhook or rate limit) the same writes as RQ's ``handle_job_success``, for all of them in two
-        round trips; the others one by one through RQ's own code."""
+        callback, webhook or rate limit) the same writes as RQ's ``handle_job_success``, for all of them in a few
+        round trips, each taking effect only while this attempt still owns the job (WATCH on their hashes); the
+        others one by one through RQ's own code. A job another attempt owns now is dropped without a write."""
+        owned = self._owned([job for job, _ in done])
+        for (job, _), mine in zip(done, owned):
+            if not mine:
+                self._lost_at_end(job)
+        done = [item for item, mine in zip(done, owned) if mine]
         with self.connection.pipeline(transaction=False) as pipe:
             for job, _ in done:
                 pipe.exists(job.job.dependents_key)
             has_dependents = pipe.execute()
-        ended = now()
         plain = []
         for (job, out), dependents in zip(done, has_dependents):
             result = self._result(job, out)
@@ -402,11 +410,25 @@ class BatchWorker(BaseWorker):
                 self._finalize_success(j, job.queue, job.execution, result)
             else:
                 plain.append((job, result))
-        if not plain:
-            return
+        while plain:
+            try:
+                plain = self._succeed_plain(plain)
+            except redis.WatchError:
+                continue  # a job hash changed meanwhile (a heartbeat, a cancel): check ownership again
+        for job, _ in done:
+            log.info("job %s finished", job.job.id)
+
+    def _succeed_plain(self, plain: list[tuple[InFlight, dict[str, Any]]]) -> list:
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        ended = now()
         with self.connection.pipeline() as pipe:
-            for job, result in plain:
+            pipe.watch(*[job.job.key for job, _ in plain])
+            owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
+            pipe.multi()
+            for (job, result), (owner, status) in zip(plain, owners):
+                if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
+                    self._lost_at_end(job)
+                    continue
                 j = job.job
                 j.ended_at, j._result = ended, result
                 self.publisher.write_result(pipe, j.id, result)
@@ -423,8 +445,14 @@ class BatchWorker(BaseWorker):
                 j._status = JobStatus.FINISHED
                 self.cleanup_execution(j, pipeline=pipe, execution=job.execution)
             pipe.execute()
-        for job, _ in plain:
-            log.info("job %s finished", job.job.id)
+        return []
+
+    def _lost_at_end(self, job: InFlight) -> None:
+        """A job that ended here but belongs to another attempt now: only our execution's record goes."""
+        log.warning("job %s belongs to another attempt now (this worker stalled): its end here is dropped", job.job.id)
+        with self.connection.pipeline() as pipe:
+            self.cleanup_execution(job.job, pipe, job.execution)
+            pipe.execute()
 
     def _canceled(self, job: InFlight, event: JobEvent, stopped: bool = False) -> None:
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept."""
@@ -435,6 +463,9 @@ class BatchWorker(BaseWorker):
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
 
         def end() -> None:
+            if not self._owned([job])[0]:
+                self._lost_at_end(job)
+                return
             with self.connection.pipeline() as pipe:
                 if out is not None:
                     self.publisher.write_result(pipe, job.job.id, self._result(job, out))
@@ -468,6 +499,9 @@ class BatchWorker(BaseWorker):
             )
 
         def end() -> None:
+            if not self._owned([job])[0]:
+                self._lost_at_end(job)
+                return
             if not retrying:
                 self.publisher.write_result(
                     self.connection, job.job.id, failure_result(job.job.id, job.request, str(error))
@@ -543,7 +577,42 @@ class BatchWorker(BaseWorker):
         if ended or not registered:
             self._reports.put((ended, registered))
 
+    def _reports_lost(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            self._lost.put(job_id)
+
+    def _drop_lost(self) -> None:
+        """Jobs whose events Redis refused because another attempt owns them (this worker stalled past its
+        heartbeat and they were retried elsewhere): dropped without writing anything but our own execution's end."""
+        while not self._lost.empty():
+            job_id = self._lost.get()
+            held = self.in_flight.pop(job_id, None)
+            if held is None:
+                continue
+            self.pump.cancel(job_id)
+            log.warning("job %s belongs to another attempt now (this worker stalled): dropped here", job_id)
+
+            def end(held: InFlight = held) -> None:
+                with self.connection.pipeline() as pipe:
+                    self.cleanup_execution(held.job, pipe, held.execution)
+                    pipe.execute()
+
+            self._tasks.append(end)
+
+    def _owned(self, held: list[InFlight]) -> list[bool]:
+        """Whether each job is still this attempt's: its owner field names our execution (or the hash is gone:
+        Redis lost data), and it was not requeued meanwhile."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in held:
+                pipe.hmget(job.job.key, OWNER_FIELD, "status")
+            replies = pipe.execute()
+        return [
+            owner is None or (owner.decode() == job.execution.id and status != b"queued")
+            for job, (owner, status) in zip(held, replies)
+        ]
+
     def _apply_reports(self) -> None:
+        self._drop_lost()
         while not self._reports.empty():
             ended, registered = self._reports.get()
             if not registered:
@@ -577,6 +646,7 @@ class BatchWorker(BaseWorker):
             for held in self.in_flight.values():
                 held.job.save(pipeline=pipe)
                 held.job.set_status(JobStatus.STARTED, pipeline=pipe)
+                pipe.hset(held.job.key, OWNER_FIELD, held.execution.id)
                 held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
             pipe.execute()
         self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin

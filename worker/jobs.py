@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rq.job import Job
 
-from producer.protocol import JOB_FUNCTION, PROTOCOL_VERSION
+from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION
 from producer.schema import JobRequest, describe_validation_error
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ def generate(**payload: Any) -> dict[str, Any]:
     publisher = Publisher(
         settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
     )
+    # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
+    job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     stream = publisher.resume(job.connection, [job.id])[job.id]
     params = sampling_params(job.id, req)
     prefix = stream.start(can_resume=params.logprobs is None)

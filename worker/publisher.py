@@ -8,6 +8,7 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from rq.job import Job
 
 from producer.protocol import STREAM_FIELD, channel_key, event_from_stream, make_event, result_key, stream_key
 
@@ -19,6 +20,7 @@ class JobStream:
     only the rest is generated, so the stream and the result agree whatever the precision or the hardware."""
 
     job_id: str
+    owner: str = ""  # the attempt writing it (the job hash's roseinfer_owner must hold this); "": no check
     next_n: int = 0
     ended: bool = False  # a final event is in the stream (an earlier attempt may have written it)
     # What the stream holds since its start (or its last reset): the output an attempt can resume from.
@@ -60,7 +62,8 @@ class JobStream:
         self.resume_ids, self.resume_text = [], ""
 
 
-Event = tuple[str, dict[str, Any], int]  # (job id, event, the stream's TTL to set with it in seconds, 0: none)
+# (job id, event, the stream's TTL to set with it in seconds (0: none), the attempt that must own the job ("": any))
+Event = tuple[str, dict[str, Any], int, str]
 
 
 class Publisher:
@@ -117,7 +120,7 @@ class Publisher:
             end = s.pending_end or (None, None, None)
             event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end, reset=s.pending_reset)
             ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
-            (finals if end[0] is not None else events).append((s.job_id, event, ttl))
+            (finals if end[0] is not None else events).append((s.job_id, event, ttl, s.owner))
             s.next_n += 1
             s.ended = end[0] is not None
             s.pending_text, s.pending_ids, s.pending_end, s.pending_reset = [], [], None, False
@@ -127,7 +130,7 @@ class Publisher:
 
     def queue_writes(self, pipe: Pipeline, events: list[Event]) -> None:
         """Queue the writes of ``events`` on ``pipe``: each to its job's stream and channel."""
-        for job_id, event, ttl in events:
+        for job_id, event, ttl, _owner in events:
             key, message = stream_key(job_id), json.dumps(event)
             pipe.xadd(key, {STREAM_FIELD: message}, maxlen=self.maxlen, approximate=True)
             pipe.publish(channel_key(job_id), message)
@@ -136,11 +139,12 @@ class Publisher:
 
     @staticmethod
     def script_args(events: list[Event]) -> tuple[list[str], list[Any]]:
-        """KEYS and ARGV of the sender's event script: the same writes as ``queue_writes``, as one command."""
+        """KEYS and ARGV of the sender's event script: the same writes as ``queue_writes``, as one command, each
+        only while its attempt owns the job."""
         keys, args = [], []
-        for job_id, event, ttl in events:
-            keys.append(stream_key(job_id))
-            args += [ttl, channel_key(job_id), json.dumps(event)]
+        for job_id, event, ttl, owner in events:
+            keys += [stream_key(job_id), Job.key_for(job_id)]
+            args += [ttl, channel_key(job_id), json.dumps(event), owner]
         return keys, args
 
     def flush(self, pipe: Pipeline) -> None:

@@ -25,17 +25,27 @@ from worker.publisher import Event, Publisher
 log = logging.getLogger("roseinfer.worker")
 
 # Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
-# loop more (they share the GIL) than Redis spends running them. KEYS: the streams; ARGV: maxlen, then per event:
-# the stream's TTL to set (0: none), channel, the event's JSON (the stream entry's one field and the message).
+# loop more (they share the GIL) than Redis spends running them. KEYS: per event its stream and its job's hash;
+# ARGV: maxlen, then per event: the stream's TTL to set (0: none), channel, the event's JSON (the stream entry's one
+# field and the message), the attempt that must own the job ('': any). An event of a job that another attempt owns
+# now, or that was requeued meanwhile, is not written (fencing: this worker stalled past its heartbeat); the reply
+# lists those events. A job hash that is gone does not fence: Redis may have lost its data (the worker writes the
+# hashes back), and a deleted job is a cancel.
 _EMIT = """
-local maxlen, a = ARGV[1], 2
-for i = 1, #KEYS do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
-  redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
-  if ARGV[a] ~= '0' then redis.call('EXPIRE', KEYS[i], ARGV[a]) end
-  a = a + 3
+local maxlen, a, lost = ARGV[1], 2, {}
+for i = 1, #KEYS, 2 do
+  local owner = ARGV[a + 3]
+  local job = owner ~= '' and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
+  if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
+    redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
+    redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
+    if ARGV[a] ~= '0' then redis.call('EXPIRE', KEYS[i], ARGV[a]) end
+  else
+    lost[#lost + 1] = (i - 1) / 2
+  end
+  a = a + 4
 end
-return #KEYS
+return lost
 """
 # The jobs (of KEYS, their hashes) whose status ends them here: canceled, stopped, or the hash gone.
 _ENDED = """
@@ -67,6 +77,7 @@ class Sender:
         connection: Redis,
         publisher: Publisher,
         on_statuses: Callable[[list[tuple[str, bytes | None]], bool], None],
+        on_lost: Callable[[list[str]], None] = lambda job_ids: None,
         queue_keys: list[str] | None = None,
         max_pending: int = 64,
         status_interval: float = 0.1,
@@ -75,6 +86,8 @@ class Sender:
         self.publisher = publisher
         # Called on the sender thread with (job id, status) pairs and whether the worker is still registered.
         self.on_statuses = on_statuses
+        # Called on the sender thread with the jobs whose events were refused: another attempt owns them now.
+        self.on_lost = on_lost
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=max_pending)
         self._watch: list[tuple[str, str]] = []
         self._idle = threading.Event()
@@ -193,7 +206,8 @@ class Sender:
         if not read:
             with self.connection.pipeline(transaction=False) as pipe:
                 self._queue_events(pipe, events)
-                pipe.execute()
+                replies = pipe.execute()
+            self._report_lost(events, replies)
             return
         # Statuses (cancels) at most every status_interval: a fast engine's round trips would otherwise read every
         # job's status every few milliseconds, the most of Redis's work per token.
@@ -215,6 +229,7 @@ class Sender:
                 # lost its data.
                 pipe.hexists(self.worker_key, "birth")
             replies = pipe.execute()
+        self._report_lost(events, replies)
         self.round_trips += 1
         registered = bool(replies[-1]) if self.worker_key else True
         tail = len(self.queue_keys) + (1 if self.worker_key else 0)
@@ -228,6 +243,11 @@ class Sender:
         else:
             ended = []
         self.on_statuses(ended, registered)
+
+    def _report_lost(self, events: list[Event], replies: list) -> None:
+        """The events the script refused (its reply, first in the round trip): their jobs are another attempt's."""
+        if self._emit is not None and events and replies[0]:
+            self.on_lost(sorted({events[int(i)][0] for i in replies[0]}))
 
     def _queue_events(self, pipe, events: list[Event]) -> None:
         if self._emit is None:
