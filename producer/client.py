@@ -89,6 +89,32 @@ def validate(fields: dict[str, Any]) -> JobRequest:
         raise InvalidRequest(f"invalid job: {describe_validation_error(exc)}") from None
 
 
+class EventCursor:
+    """Where a reader of a job's stream is, and the events each batch of entries it reads holds (checked against
+    the protocol; with ``skip_void``, those a later reset in the batch makes void are left out)."""
+
+    def __init__(self, job_id: str, skip_void: bool = False) -> None:
+        self.job_id, self.skip_void = job_id, skip_void
+        self.last_id: bytes | str = "0-0"
+        self.next_n = 0
+
+    def take(self, entries: list) -> list[dict[str, Any]]:
+        events = [checked(StreamEvent, event_from_stream(fields), self.job_id) for _id, fields in entries]
+        self.last_id = entries[-1][0]
+        resets = [i for i, e in enumerate(events) if e.get("reset")] if self.skip_void else []
+        out = events[resets[-1] :] if resets else events
+        for event in out:
+            if event["n"] == 0 and self.next_n:
+                event["reset"] = True
+            self.next_n = event["n"] + 1
+        return out
+
+
+def stream_expired(job_id: str) -> JobFailed:
+    """Finished, but no final event: the replay stream expired before it was read."""
+    return JobFailed(job_id, "the job finished but its token stream has expired; use result()")
+
+
 class Client:
     """``Client(redis_url, queue="roseinfer")``: submit generation jobs to roseinfer workers.
 
@@ -240,19 +266,13 @@ class GenerationJob:
         then starts at the last reset). An event 0 after others (the stream expired and the job ran again) comes
         marked as a reset too."""
         conn, key = self.client.connection, stream_key(self.id)
-        last_id, next_n = "0-0", 0
+        cursor = EventCursor(self.id, skip_void)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
-            reply = conn.xread({key: last_id}, count=1024, block=wait_ms)
+            reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
             for _key, entries in reply or []:
-                events = [checked(StreamEvent, event_from_stream(fields), self.id) for _id, fields in entries]
-                last_id = entries[-1][0]
-                resets = [i for i, e in enumerate(events) if e.get("reset")] if skip_void else []
-                for event in events[resets[-1] :] if resets else events:
-                    if event["n"] == 0 and next_n:
-                        event["reset"] = True
-                    next_n = event["n"] + 1
+                for event in cursor.take(entries):
                     yield event
                     if "finish_reason" in event:
                         return
@@ -260,12 +280,11 @@ class GenerationJob:
                 continue
             status = self.status()
             if status in _ENDED or status == "missing":
-                if conn.xread({key: last_id}, count=1):
+                if conn.xread({key: cursor.last_id}, count=1):
                     continue  # the last events landed just now
                 self._raise_ended(status)
             if status == "finished":
-                # Finished but no final event: the replay stream expired before we read it.
-                raise JobFailed(self.id, "the job finished but its token stream has expired; use result()")
+                raise stream_expired(self.id)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
 

@@ -1,0 +1,265 @@
+"""OpenAI's request and response shapes, and how they map to a roseinfer job and back. No HTTP here: the server
+(``producer/server.py``) reads requests through these models and writes what these functions build."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from producer.schema import JobRequest, describe_validation_error
+
+# Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
+IGNORED = ("user", "service_tier", "store", "parallel_tool_calls")
+
+
+class APIError(Exception):
+    """An error in OpenAI's JSON: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code=None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None  # taken, not used: the chat template knows roles only
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """What chat and text completions share: OpenAI's sampling fields and vLLM's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # vLLM's extras (the openai client sends them through extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported: send the request n times with different seeds", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        skip = {"model", "n", "stream", "stream_options", "messages", "prompt", *IGNORED}
+        return {k: v for k, v in self.model_dump(exclude_none=True).items() if k not in skip}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def job_fields(self) -> dict[str, Any]:
+        fields = self.sampling()
+        fields.pop("max_completion_tokens", None)
+        if self.max_completion_tokens is not None:
+            fields["max_tokens"] = self.max_completion_tokens
+        if self.logprobs and self.stream:
+            raise APIError(400, "logprobs are not streamed by this server: ask without stream", param="logprobs")
+        fields["messages"] = [{"role": m.role, "content": m.text()} for m in self.messages]
+        return fields
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def job_fields(self) -> dict[str, Any]:
+        fields = self.sampling()
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.logprobs is not None and self.stream:
+            raise APIError(400, "logprobs are not streamed by this server: ask without stream", param="logprobs")
+        fields.pop("echo", None)
+        fields.pop("suffix", None)
+        fields["prompt"] = prompt
+        return fields
+
+
+def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
+    """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        if first.get("type") == "extra_forbidden":
+            raise APIError(400, f"unsupported parameter: {param}", param=param) from None
+        raise APIError(400, describe_validation_error(exc), param=param) from None
+    fields = request.job_fields()
+    try:
+        JobRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = str(first["loc"][0]) if first.get("loc") else None
+        if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        raise APIError(400, describe_validation_error(exc), param=param) from None
+    return request, fields
+
+
+# ----- responses -----------------------------------------------------------------------------------------
+def _token(token_id: int) -> str:
+    # The server holds no tokenizer: tokens are named by id, as vLLM's return_tokens_as_token_ids does.
+    return f"token_id:{token_id}"
+
+
+def usage(result: dict[str, Any]) -> dict[str, int]:
+    u = result.get("usage") or {}
+    return {k: int(u.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def chat_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
+    steps = result.get("logprobs")
+    if steps is None:
+        return None
+    content = []
+    for token_id, pairs in zip(result["token_ids"], steps):
+        lps = {int(t): lp for t, lp in pairs}
+        content.append(
+            {
+                "token": _token(token_id),
+                "logprob": lps.get(token_id, float("-inf")),
+                "bytes": None,
+                "top_logprobs": [{"token": _token(int(t)), "logprob": lp, "bytes": None} for t, lp in pairs[:top]],
+            }
+        )
+    return {"content": content}
+
+
+def completion_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
+    steps = result.get("logprobs")
+    if steps is None:
+        return None
+    token_ids = result["token_ids"]
+    return {
+        "tokens": [_token(t) for t in token_ids],
+        "token_logprobs": [{int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)],
+        "top_logprobs": [{_token(int(t)): lp for t, lp in pairs[:top]} for pairs in steps],
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return {"abort": "stop", "error": "stop"}.get(reason, reason) if reason else None  # type: ignore[arg-type]
+
+
+def chat_response(job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any]) -> dict[str, Any]:
+    logprobs = chat_logprobs(result, request.top_logprobs or 0) if request.logprobs else None
+    return {
+        "id": f"chatcmpl-{job_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.get("text", "")},
+                "finish_reason": finish_reason(result.get("finish_reason")),
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": usage(result),
+    }
+
+
+def completion_response(job_id: str, model: str, request: CompletionRequest, result: dict[str, Any]) -> dict:
+    logprobs = completion_logprobs(result, request.logprobs or 0) if request.logprobs is not None else None
+    return {
+        "id": f"cmpl-{job_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": result.get("text", ""),
+                "finish_reason": finish_reason(result.get("finish_reason")),
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": usage(result),
+    }
+
+
+class ChunkWriter:
+    """The chunks of one streamed response, in OpenAI's shape (chat or text)."""
+
+    def __init__(self, job_id: str, model: str, chat: bool) -> None:
+        self.chat = chat
+        self.head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def piece(self, text: str, reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if reason is not None and not text:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        return {**self.head, "choices": [choice]}
+
+    def usage(self, values: dict[str, Any]) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage({"usage": values})}

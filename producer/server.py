@@ -1,0 +1,201 @@
+"""``roseinfer serve``: an OpenAI-compatible HTTP server over the queue. No engine in this process: each request
+becomes a job submitted through ``AsyncClient``, and its events come back as server-sent events (or its result as
+one response). A client that goes away cancels its job.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the models live workers
+serve), ``GET /health`` (200 when Redis answers and a worker is alive, 503 with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from producer.aio import AsyncClient, AsyncGenerationJob
+from producer.client import JobCanceled, JobFailed, StreamRestarted
+from producer.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    ChunkWriter,
+    CompletionRequest,
+    chat_response,
+    completion_response,
+    parse,
+)
+
+log = logging.getLogger("roseinfer.server")
+
+
+class Workers:
+    """The live workers of the queue and their models, read at most once a second."""
+
+    def __init__(self, client: AsyncClient, ttl: float = 1.0) -> None:
+        self.client, self.ttl = client, ttl
+        self._at, self._rows = 0.0, []
+
+    async def live(self) -> list[dict[str, Any]]:
+        if time.monotonic() - self._at > self.ttl:
+            self._rows = (await self.client.status())["workers"]
+            self._at = time.monotonic()
+        return self._rows
+
+    async def models(self) -> list[str]:
+        return sorted({row["model"] for row in await self.live() if row.get("model")})
+
+
+def create_app(client: AsyncClient, api_key: str | None = None, timeout: float = 600.0) -> FastAPI:
+    app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
+    workers = Workers(client)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await client.connection.ping()
+            live = await workers.live()
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, status_code=503)
+        if not live:
+            reason = f"no live worker on queue {client.queue_name!r}"
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(live), "models": await workers.models()})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "roseinfer"} for m in await workers.models()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(request, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(request, CompletionRequest)
+
+    async def _complete(request: Request, kind: type) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        req, fields = parse(kind, body)
+        served = await workers.models()
+        if not served:
+            raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
+        if req.model not in served:
+            raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
+                           code="model_not_found")  # fmt: skip
+        job = await client.submit(**fields)
+        chat = kind is ChatCompletionRequest
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = _sse(job, ChunkWriter(job.id, req.model, chat), include_usage, timeout)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
+        result = await _result_unless_gone(request, job, timeout)
+        body = (chat_response if chat else completion_response)(job.id, req.model, req, result)
+        return JSONResponse(body, headers={"x-roseinfer-job-id": job.id})
+
+    return app
+
+
+async def _result_unless_gone(request: Request, job: AsyncGenerationJob, timeout: float) -> dict[str, Any]:
+    """The job's result; its cancel if the client goes away first; the job's failure as an API error."""
+    waiting = asyncio.create_task(job.result(timeout))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=0.25)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                raise ConnectionAbortedError
+    except TimeoutError:
+        _cancel_soon(job)
+        raise APIError(504, f"no result within {timeout:g} s", "timeout") from None
+    except (JobFailed, JobCanceled) as exc:
+        raise _job_error(exc) from None
+    except (ConnectionAbortedError, asyncio.CancelledError):
+        _cancel_soon(job)
+        raise
+    finally:
+        waiting.cancel()
+
+
+def _job_error(exc: JobFailed | JobCanceled) -> APIError:
+    if isinstance(exc, JobCanceled):
+        return APIError(500, "the job was canceled", "server_error")
+    # A failed engine step is the server's fault; anything else the worker refused is about the request.
+    if "engine step" in exc.reason:
+        return APIError(500, exc.reason, "server_error")
+    return APIError(400, exc.reason)
+
+
+async def _sse(job: AsyncGenerationJob, chunks: ChunkWriter, include_usage: bool, timeout: float) -> AsyncIterator[str]:
+    finished = False
+    try:
+        yield _data(chunks.piece("", first=True))
+        async for event in job.events(timeout, skip_void=True):
+            if event.get("reset") and event["n"]:
+                raise StreamRestarted(job.id)  # text already sent cannot be taken back
+            reason = event.get("finish_reason")
+            if reason == "error":
+                yield _data(_job_error(JobFailed(job.id, event.get("error", "failed"))).body())
+                break
+            if event["text"] or reason is not None:
+                yield _data(chunks.piece(event["text"], reason))
+            if reason is not None:
+                if include_usage:
+                    yield _data(chunks.usage(event.get("usage") or {}))
+                break
+        yield "data: [DONE]\n\n"
+        finished = True
+    except (JobFailed, JobCanceled, StreamRestarted, TimeoutError) as exc:
+        err = _job_error(exc) if isinstance(exc, (JobFailed, JobCanceled)) else APIError(500, str(exc), "server_error")
+        yield _data(err.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            _cancel_soon(job)
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _cancel_soon(job: AsyncGenerationJob) -> None:
+    """Cancel the job on a thread, not awaited: this runs while the request's task is being cancelled."""
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, job._sync.cancel)
+    log.info("job %s canceled: its client went away", job.id)
+
+
+# ----- the command -------------------------------------------------------------------------------------
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    client = AsyncClient(args.redis_url, args.queue)
+    app = create_app(client, args.api_key, args.timeout)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,231 @@
+"""``roseinfer serve`` driven by the official openai client (and plain HTTP), over a real Redis and a worker; and
+``producer.AsyncClient``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import ThreadWorker
+
+from producer import Client
+from producer.aio import AsyncClient
+from producer.server import create_app
+from worker.local_redis import free_port
+
+pytestmark = pytest.mark.slow  # a worker and HTTP servers in threads: about 15 s
+
+
+class ServerThread:
+    def __init__(self, redis_url: str, queue: str, **options) -> None:
+        self.port = free_port()
+        self.client = AsyncClient(redis_url, queue)
+        config = uvicorn.Config(create_app(self.client, **options), host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    worker = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=8)
+    server = ServerThread(redis_url, worker.queue)
+    yield worker, server, tiny_chat_model
+    server.stop()
+    worker.stop()
+
+
+@pytest.fixture
+def oai(served):
+    _, server, _ = served
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
+
+
+def direct(redis_url, queue, **fields):
+    return Client(redis_url, queue=queue).submit(**fields).result(timeout=60)
+
+
+def test_chat_completion_matches_the_same_job_submitted_directly(served, oai, redis_url):
+    worker, _, model = served
+    out = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+    expected = direct(redis_url, worker.queue, messages=MESSAGES, max_tokens=12, temperature=0.0)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == expected["text"]
+    assert choice.finish_reason == expected["finish_reason"]
+    assert out.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    assert out.usage.prompt_tokens == expected["usage"]["prompt_tokens"] > 0
+
+
+def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
+    _, _, model = served
+    whole = oai.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        oai.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_text_completion_streamed_and_not(served, oai):
+    _, _, model = served
+    prompt = "The capital of France is"
+    whole = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, seed=1)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens <= 10
+    pieces = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, seed=1, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text
+
+
+def test_content_as_text_parts_and_logprobs(served, oai):
+    _, _, model = served
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "about the sea"}]}
+    ]
+    a = oai.chat.completions.create(
+        model=model, messages=parts, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    b = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    content = a.choices[0].logprobs.content
+    assert len(content) == a.usage.completion_tokens
+    assert all(len(step.top_logprobs) == 2 and step.logprob <= 0 for step in content)
+    assert content[0].token.startswith("token_id:")
+
+
+def test_concurrent_streams_each_get_their_own_text(served, oai):
+    _, _, model = served
+
+    def one(i: int) -> tuple[str, str]:
+        msgs = [{"role": "user", "content": f"Story number {i}"}]
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in oai.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, stream=True)
+            if c.choices
+        )
+        whole = oai.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+        return streamed, whole.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        pairs = list(pool.map(one, range(8)))
+    assert all(streamed == whole for streamed, whole in pairs)
+    assert len({whole for _, whole in pairs}) > 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 2}, "n"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ],
+)
+def test_a_bad_request_is_a_400_naming_the_parameter(served, oai, kwargs, param):
+    _, _, model = served
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model, messages=MESSAGES, **kwargs)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param
+
+
+def test_unknown_model_and_bad_json(served, oai):
+    _, server, _ = served
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=10)
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url):
+    worker, server, model = served
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as reply:
+        job_id = reply.headers["x-roseinfer-job-id"]
+        lines = (line for line in reply.iter_lines() if line.startswith("data: {"))
+        next(lines), next(lines), next(lines)  # the role chunk, then text: the job runs; then the client goes
+    job = Client(redis_url, queue=worker.queue).job(job_id)
+    deadline = time.time() + 10
+    while job.status() not in ("canceled", "finished") and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "canceled"
+
+
+def test_health_models_and_api_key(served, redis_url):
+    worker, server, model = served
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["workers"] == 1
+    models = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == [model]
+
+    locked = ServerThread(redis_url, worker.queue, api_key="sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{locked.url}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{locked.url}/v1", api_key="sesame", max_retries=0)
+        assert ok.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).usage.completion_tokens <= 2
+    finally:
+        locked.stop()
+
+
+def test_no_live_worker_is_a_503(redis_url):
+    lonely = ServerThread(redis_url, "queue-without-workers")
+    try:
+        health = httpx.get(f"{lonely.url}/health", timeout=10)
+        assert health.status_code == 503 and "no live worker" in health.json()["reason"]
+        client = openai.OpenAI(base_url=f"{lonely.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model="any", messages=MESSAGES)
+        assert info.value.status_code == 503
+    finally:
+        lonely.stop()
+
+
+async def _text(job) -> str:
+    return "".join([piece async for piece in job.stream(timeout=60)])
+
+
+def test_async_client_submits_streams_and_waits(served, redis_url):
+    worker, _, _ = served
+
+    async def main():
+        async with AsyncClient(redis_url, worker.queue) as client:
+            jobs = [await client.submit(f"async {i}", max_tokens=8, temperature=0.0) for i in range(3)]
+            texts = [await _text(job) for job in jobs]
+            results = await asyncio.gather(*(job.result(timeout=60) for job in jobs))
+            return texts, results, await jobs[0].status()
+
+    texts, results, status = asyncio.run(main())
+    assert texts == [r["text"] for r in results]
+    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+    assert status == "finished"
