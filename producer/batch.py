@@ -20,12 +20,20 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from producer.client import Client, validate
-from producer.protocol import result_key
+from producer.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse,
+)
+from producer.protocol import BULK_PRIORITY, result_key
 
 log = logging.getLogger("roseinfer.batch")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-_IGNORED_BODY_FIELDS = ("model", "stream", "n", "user")
+REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 # Statuses of an earlier run's job that will still give (or gave) a result: followed, not submitted again.
 _LIVE = ("queued", "started", "scheduled", "deferred")
 RUN_ID = re.compile(r"[A-Za-z0-9]{1,32}")
@@ -70,8 +78,9 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
     return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
 
 
-def parse_line(number: int, text: str, run_id: str | None = None) -> Line:
-    """One input line into a job payload; BadLine (a ValueError) with a readable reason for a bad one."""
+def parse_line(number: int, text: str, run_id: str | None = None, priority: int = BULK_PRIORITY) -> Line:
+    """One input line into a job payload (at ``priority`` unless the line says); BadLine (a ValueError) with a
+    readable reason for a bad one."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -84,6 +93,7 @@ def parse_line(number: int, text: str, run_id: str | None = None) -> Line:
     try:
         url, payload = _payload(obj)
         payload["custom_id"] = custom_id
+        payload.setdefault("priority", priority)
         validate(payload)  # InvalidRequest is a ValueError
     except ValueError as exc:
         raise BadLine(str(exc), custom_id) from None
@@ -106,14 +116,21 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     body = obj["body"]
     if not isinstance(body, dict):
         raise ValueError("body must be a JSON object")
-    if body.get("n", 1) != 1 or body.get("stream", False):
-        raise ValueError("n must be 1 and stream false in batch requests")
-    payload = {k: v for k, v in body.items() if k not in _IGNORED_BODY_FIELDS}
-    if url == "/v1/chat/completions" and "prompt" in payload:
+    if body.get("stream", False):
+        raise ValueError("stream must be false in batch requests")
+    if url == "/v1/chat/completions" and "prompt" in body:
         raise ValueError("/v1/chat/completions takes messages, not prompt")
-    if url == "/v1/completions" and "messages" in payload:
+    if url == "/v1/completions" and "messages" in body:
         raise ValueError("/v1/completions takes prompt, not messages")
-    return url, payload
+    # The server's reading of OpenAI's request (max_completion_tokens, content as text parts, logprobs forms);
+    # roseinfer's own fields (priority, metadata) pass through.
+    own = {k: body[k] for k in ("priority", "metadata") if k in body}
+    request = {k: v for k, v in body.items() if k not in own}
+    try:
+        _, payload = parse(REQUESTS[url], {"model": "batch", **request})
+    except APIError as exc:
+        raise ValueError(exc.message) from None
+    return url, {**payload, **own}
 
 
 def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +142,13 @@ def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
     else:
         choice = {"index": 0, "text": result["text"]}
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
-    choice.update({"finish_reason": result["finish_reason"], "logprobs": result.get("logprobs")})
+    asked = line.payload.get("logprobs")
+    logprobs = None
+    if asked is not None and asked is not False:  # OpenAI's shape, tokens named by id
+        top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
+        shape = chat_logprobs if line.url == "/v1/chat/completions" else completion_logprobs
+        logprobs = shape(result, top)
+    choice.update({"finish_reason": result["finish_reason"], "logprobs": logprobs})
     body.update({"created": created, "model": result["model"], "choices": [choice], "usage": result["usage"]})
     return {
         "id": f"batch_req_{result['id']}",
@@ -244,6 +267,7 @@ def run_batch(
     poll_interval: float = 0.2,
     log_interval: float = 10.0,
     run_id: str | None = None,
+    priority: int = BULK_PRIORITY,
 ) -> dict[str, int]:
     """Run every line of ``input_path`` as a job; returns ``total``, ``skipped`` (already in the output),
     ``succeeded``, ``failed`` and ``reused`` (succeeded rows whose job an earlier run had submitted).
@@ -258,7 +282,7 @@ def run_batch(
     summary = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
     progress: Progress | None = None
     try:
-        lines, errors = _read_input(Path(input_path), _done_ids(output_path), run_id, summary)
+        lines, errors = _read_input(Path(input_path), _done_ids(output_path), run_id, summary, priority)
         progress = Progress(summary["total"], summary["skipped"] + len(errors), len(errors), log_interval)
         with output_path.open("a") as out, errors_path.open("w") as err:
             for e in errors:
@@ -276,7 +300,7 @@ def run_batch(
 
 
 def _read_input(
-    path: Path, done: set[str], run_id: str | None, summary: dict[str, int]
+    path: Path, done: set[str], run_id: str | None, summary: dict[str, int], priority: int = BULK_PRIORITY
 ) -> tuple[list[Line], list[dict[str, Any]]]:
     """The lines still to run, and the error lines of the bad ones; counts total, skipped and failed."""
     lines: list[Line] = []
@@ -287,7 +311,7 @@ def _read_input(
             continue
         summary["total"] += 1
         try:
-            line = parse_line(number, text, run_id)
+            line = parse_line(number, text, run_id, priority)
         except BadLine as exc:
             errors.append(error_line(number, exc.custom_id, "invalid_request", str(exc)))
             continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
-from producer.protocol import DEFAULT_QUEUE
+from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.schema import JobRequest
 
 # Payload fields that get no derived flag: the prompt is the positional argument, metadata takes JSON.
@@ -289,6 +289,7 @@ def batch(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             log_interval=args.log_interval,
             run_id=run_id,
+            priority=args.priority,
         )
     except KeyboardInterrupt as exc:
         s = exc.summary if isinstance(exc, BatchInterrupted) else None
@@ -367,6 +368,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl)",
     )
     p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=BULK_PRIORITY,
+        help="priority of lines that name none: lower runs first; interactive jobs are 0, so a batch makes way "
+        f"for them (default: {BULK_PRIORITY})",
+    )
     p.add_argument("--timeout", type=float, default=None, help="give up on a job after this many seconds")
     p.add_argument(
         "--log-interval",

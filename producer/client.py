@@ -16,7 +16,16 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from producer.protocol import DEFAULT_QUEUE, JOB_FUNCTION, STATS_KEY, event_from_stream, result_key, stream_key
+from producer.protocol import (
+    DEFAULT_QUEUE,
+    JOB_FUNCTION,
+    STATS_KEY,
+    event_from_stream,
+    lane_name,
+    lanes,
+    result_key,
+    stream_key,
+)
 from producer.schema import JobRequest, describe_validation_error
 from producer.wire import JobResult, StreamEvent
 
@@ -134,6 +143,7 @@ class Client:
     ) -> None:
         self.connection = connection or Redis.from_url(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
+        self._lanes: dict[int, Queue] = {0: self.queue}
         self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl
         self._policy_checked = False
 
@@ -148,13 +158,22 @@ class Client:
         """Enqueue one job; ``fields`` are the payload's sampling fields (OpenAI names) plus custom_id/metadata."""
         req = validate({"prompt": prompt, "messages": messages, **fields})
         self._check_eviction_policy()
-        job = self.queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
+        queue = self.lane(req.priority)
+        job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         return GenerationJob(self, job.id)
+
+    def lane(self, priority: int) -> Queue:
+        """The RQ queue holding this client's jobs of ``priority`` (the queue itself for 0)."""
+        if priority not in self._lanes:
+            name = lane_name(self.queue.name, priority)
+            self._lanes[priority] = Queue(name, connection=self.connection, serializer=JSONSerializer)
+        return self._lanes[priority]
 
     def submit_many(self, requests: Iterable[dict[str, Any]]) -> list[GenerationJob]:
         """Enqueue many jobs in one pipeline. Each request is a payload dict (may hold ``job_id``); all are
         validated before any is enqueued."""
-        datas = []
+        datas: dict[int, list] = {}
+        order: list[tuple[int, int]] = []  # (lane, index in it) of each request, to return jobs in input order
         for i, fields in enumerate(requests):
             fields = dict(fields)
             job_id = fields.pop("job_id", None)
@@ -162,14 +181,15 @@ class Client:
                 req = validate(fields)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"request {i}: {exc}") from None
-            datas.append(
-                Queue.prepare_data(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
-            )
+            data = Queue.prepare_data(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
+            lane = datas.setdefault(req.priority, [])
+            order.append((req.priority, len(lane)))
+            lane.append(data)
         self._check_eviction_policy()
         with self.connection.pipeline() as pipe:
-            jobs = self.queue.enqueue_many(datas, pipeline=pipe)
+            jobs = {p: self.lane(p).enqueue_many(lane, pipeline=pipe) for p, lane in datas.items()}
             pipe.execute()
-        return [GenerationJob(self, job.id) for job in jobs]
+        return [GenerationJob(self, jobs[p][i].id) for p, i in order]
 
     def _check_eviction_policy(self) -> None:
         """Once per client, before its first job: a loud warning where Redis may evict the queue's keys."""
@@ -205,13 +225,15 @@ class Client:
                     "redis": st.get("redis", "ok"),  # or why Redis refuses the worker's writes right now
                 }
             )
+        queues = [self.lane(p) for p, _name in lanes(self.connection, self.queue.name)]
         return {
             "queue": self.queue.name,
-            "queued": self.queue.count,
-            "in_flight": self.queue.started_job_registry.count,
-            "finished": self.queue.finished_job_registry.count,
-            "failed": self.queue.failed_job_registry.count,
-            "canceled": self.queue.canceled_job_registry.count,
+            "queued": sum(q.count for q in queues),
+            "lanes": {str(p): q.count for p, q in self._lanes.items() if q in queues},  # queued, per priority
+            "in_flight": sum(q.started_job_registry.count for q in queues),
+            "finished": sum(q.finished_job_registry.count for q in queues),
+            "failed": sum(q.failed_job_registry.count for q in queues),
+            "canceled": sum(q.canceled_job_registry.count for q in queues),
             "workers": rows,
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
         }

@@ -76,6 +76,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    priority: int | None = None  # lower runs first; the job goes into its priority's lane
     user: str | None = None
     service_tier: str | None = None
     store: bool | None = None

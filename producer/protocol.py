@@ -33,6 +33,42 @@ OWNER_FIELD = "roseinfer_owner"
 STATS_KEY = "roseinfer:stats:{worker}"
 
 
+# Priority lanes: a job of priority p (lower runs first, as in vLLM) goes into the RQ queue lane_name(queue, p); the
+# default priority 0 is the queue itself, so `rq info` shows each lane as a queue of its own.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+BULK_PRIORITY = 10  # `roseinfer batch`'s default: bulk work makes way for interactive jobs (0)
+
+
+def lane_name(queue: str, priority: int) -> str:
+    return queue if priority == 0 else f"{queue}:p{priority}"
+
+
+def lane_priority(queue: str, name: str) -> int | None:
+    """The priority of the lane ``name`` of ``queue``, or None if ``name`` is not one of its lanes."""
+    if name == queue:
+        return 0
+    prefix = f"{queue}:p"
+    if not name.startswith(prefix):
+        return None
+    try:
+        priority = int(name[len(prefix) :])
+    except ValueError:
+        return None
+    return priority if MIN_PRIORITY <= priority <= MAX_PRIORITY and lane_name(queue, priority) == name else None
+
+
+def lanes(connection: Any, queue: str) -> list[tuple[int, str]]:
+    """(priority, queue name) of every lane of ``queue`` RQ knows (``rq:queues``), first-served first. The
+    interactive (0) and bulk lanes are always there, so a worker blocks on both from its start."""
+    found = {0: queue, BULK_PRIORITY: lane_name(queue, BULK_PRIORITY)}
+    for key in connection.smembers("rq:queues"):
+        name = (key.decode() if isinstance(key, bytes) else key).removeprefix("rq:queue:")
+        priority = lane_priority(queue, name)
+        if priority is not None:
+            found[priority] = name
+    return sorted(found.items())
+
+
 def channel_key(job_id: str) -> str:
     return f"roseinfer:tokens:{job_id}"
 

@@ -50,6 +50,9 @@ class JobRequest(BaseModel):
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the output")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    priority: int = Field(
+        0, ge=-100, le=100, description="lower runs first (as in vLLM); the job waits in its priority's lane"
+    )
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
     metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
 

@@ -142,11 +142,14 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         output_prefix: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request. ``output_prefix``: tokens an earlier attempt of it already generated (and streamed);
-        they become the start of its output, computed in its prefill and never sampled again. Its output text and
-        ids then include them, its deltas hold only what follows, and a seeded request goes on drawing as an
-        uninterrupted run would."""
+        """Queue a request. ``priority``: lower runs first (admitted first, and preempting a running request
+        that comes later when there is no slot or KV block for it); equal priorities run in arrival order.
+        ``output_prefix``: tokens an earlier attempt of it already generated (and streamed); they become the start
+        of its output, computed in its prefill and never sampled again. Its output text and ids then include
+        them, its deltas hold only what follows, and a seeded request goes on drawing as an uninterrupted run
+        would."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -174,7 +177,12 @@ class LLMEngine:
             generator.manual_seed(params.seed)
             if not params.greedy:
                 advance_generator(generator, len(prefix), self.model.vocab_size)
-        self.scheduler.add(Sequence(request_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix))
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError("priority must be an integer")
+        seq = Sequence(
+            request_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
+        )
+        self.scheduler.add(seq)
 
     def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
         if not prefix:

@@ -1,8 +1,10 @@
 """The scheduler decides, each step, which requests run and how many tokens each one computes.
 
 Decodes go first, then chunks of prefills that were already started, then new requests from the waiting
-queue, all under one token budget. When the KV pool runs dry, the newest running request is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
+queue, all under one token budget. The waiting queue is ordered by priority (lower first, as in vLLM), then by
+arrival. When the KV pool runs dry, the running request that comes last in that order is preempted: its blocks are
+freed and it goes back to the waiting queue (in its place by that order) to be recomputed later. A waiting request
+that comes before a running one in that order takes its place when there is no slot or no blocks for it.
 
 The step contract: ``schedule()`` says what runs (a ``SchedulerOutput``, every field fixed when it is made),
 the model runner computes it, and ``update_from_output()`` is the one place that records the result on the
@@ -11,11 +13,11 @@ requests. Only the scheduler changes ``Sequence.num_computed_tokens``.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from roseinfer.block_manager import KVCacheManager
+from roseinfer.block_manager import KVCacheManager, PrefixHit
 from roseinfer.sampler import SamplerOutput
 from roseinfer.sequence import Sequence, SequenceStatus
 
@@ -52,7 +54,8 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self._waiting: deque[Sequence] = deque()
+        self._waiting: list[Sequence] = []  # by (priority, arrival)
+        self._arrivals = 0
         self._running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
@@ -90,7 +93,12 @@ class Scheduler:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self._by_id[seq.request_id] = seq
-        self._waiting.append(seq)
+        seq.arrival_order = self._arrivals
+        self._arrivals += 1
+        self._wait(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        bisect.insort(self._waiting, seq, key=_order)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take ``seq`` out of the engine and free its blocks (also used for aborts)."""
@@ -110,6 +118,8 @@ class Scheduler:
         prefills: list[ScheduledRequest] = []
         preempted: list[Sequence] = []
         taken: set[str] = set()  # request ids scheduled this step; never preempted
+        preempted += self._make_room()
+        num_made_room = len(preempted)
 
         # Decodes first, then started prefills: a long prompt never stalls tokens already streaming.
         order = [s for s in self._running if s.num_uncomputed_tokens == 1]
@@ -131,25 +141,61 @@ class Scheduler:
                 taken.add(seq.request_id)
                 budget -= n
 
-        # Admit waiting requests only when nothing had to be preempted: the pool is tight otherwise.
-        while not preempted and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+        # Admit waiting requests only when nothing had to be preempted for the running ones: the pool is tight
+        # otherwise (room made for a request that comes first by priority does not count).
+        tight = len(preempted) > num_made_room
+        while not tight and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             hit = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(seq, n, hit):
                 break
-            self._waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
-            seq.num_computed_tokens = hit.num_tokens
-            if hit.num_tokens:
-                seq.num_cached_tokens = hit.num_tokens
-            self._running.append(seq)
-            self._add_scheduled(seq, n, decodes, prefills)
-            taken.add(seq.request_id)
+            self._admit(seq, n, hit, decodes, prefills, taken)
             budget -= n
 
         return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted)
+
+    def _make_room(self) -> list[Sequence]:
+        """Preempt running requests that come after the first waiting one by priority while it lacks a slot or
+        the blocks of its prompt: it is admitted in their place."""
+        preempted: list[Sequence] = []
+        while self._waiting and self._running:
+            head, last = self._waiting[0], max(self._running, key=_order)
+            if _order(last) < _order(head):
+                break
+            # Its prompt's blocks, and those the running requests take this step before it is admitted.
+            needed = self._blocks_for(head, head.num_tokens) + sum(
+                self._blocks_for(r, r.num_tokens) for r in self._running
+            )
+            if len(self._running) < self.max_num_seqs and self.kv.num_free_blocks >= needed:
+                break
+            self._preempt(last)
+            preempted.append(last)
+        return preempted
+
+    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs to hold ``num_tokens`` tokens."""
+        held = len(self.kv.get_block_ids(seq.request_id)) if seq.status is SequenceStatus.RUNNING else 0
+        return max(0, -(-num_tokens // self.kv.block_size) - held)
+
+    def _admit(
+        self,
+        seq: Sequence,
+        n: int,
+        hit: PrefixHit,
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+        taken: set[str],
+    ) -> None:
+        self._waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
+        seq.num_computed_tokens = hit.num_tokens
+        if hit.num_tokens:
+            seq.num_cached_tokens = hit.num_tokens
+        self._running.append(seq)
+        self._add_scheduled(seq, n, decodes, prefills)
+        taken.add(seq.request_id)
 
     def _add_scheduled(
         self, seq: Sequence, n: int, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
@@ -161,10 +207,10 @@ class Scheduler:
         (prefills if is_prefill else decodes).append(item)
 
     def _pick_victim(self, taken: set[str]) -> Sequence:
-        for seq in reversed(self._running):
-            if seq.request_id not in taken:
-                return seq
-        raise RuntimeError("KV cache too small to run even one request; raise the KV cache memory budget")
+        candidates = [seq for seq in self._running if seq.request_id not in taken]
+        if not candidates:
+            raise RuntimeError("KV cache too small to run even one request; raise the KV cache memory budget")
+        return max(candidates, key=_order)
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
@@ -173,7 +219,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._wait(seq)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: SamplerOutput, now: float
@@ -200,3 +246,8 @@ class Scheduler:
                 seq.logprobs.append(logprobs)
             new_tokens.append((seq, token))
         return new_tokens
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Who comes first: lower priority value, then earlier arrival."""
+    return seq.priority, seq.arrival_order

@@ -36,6 +36,7 @@ class Sequence:
         generator: torch.Generator | None,
         prompt: str | None = None,
         output_prefix: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -44,6 +45,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids) + list(output_prefix or ())
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_resumed_tokens = len(output_prefix or ())
+        self.priority = priority  # lower runs first (as in vLLM)
+        self.arrival_order = 0  # set by the scheduler: ties between equal priorities go to the earlier request
         self.params = params
         self.detokenizer = detokenizer
         self.generator = generator

@@ -31,7 +31,7 @@ class FakeEngine:
             raise RuntimeError("tokenizer bug")
         return text, [ord(c) % 50 for c in text]
 
-    def add_request(self, request_id, prompt, params=None) -> None:
+    def add_request(self, request_id, prompt, params=None, priority=0) -> None:
         if "too long" in prompt.get("prompt", ""):
             raise ValueError("the prompt has 9999 tokens, but this model allows at most 100")
         if "engine bug" in prompt.get("prompt", ""):

@@ -274,3 +274,28 @@ def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model):
         assert "".join(e["text"] for e in events) == res["text"]
     finally:
         w.stop()
+
+
+@pytest.mark.slow
+def test_an_interactive_job_overtakes_a_full_worker_of_bulk_jobs_without_changing_them(redis_url, tiny_chat_model):
+    worker = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=2, max_in_flight=2, event_interval_ms=0)
+    try:
+        client = Client(redis_url, queue=worker.queue)
+        bulk_requests = [
+            {"prompt": f"Bulk {i}", "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "priority": 10}
+            for i in range(6)
+        ]
+        bulk = client.submit_many(bulk_requests)
+        while client.status()["in_flight"] < 2:
+            time.sleep(0.01)
+        chat = client.submit("Hello there", max_tokens=4, temperature=0.0)  # priority 0
+        chat_first_token = chat.result(timeout=60)["timings"]["first_token_at"]
+        results = [job.result(timeout=120) for job in bulk]
+        # The worker was full (two of two in flight): the chat job came in over the limit and took a running
+        # bulk job's slot, before any bulk job ended.
+        assert chat_first_token < min(r["timings"]["finished_at"] for r in results)
+        # Preempted and recomputed (float32, greedy): the same tokens as the engine alone.
+        assert [r["token_ids"] for r in results] == _reference(tiny_chat_model, bulk, bulk_requests)
+        assert Queue(f"{worker.queue}:p10", connection=client.connection).count == 0
+    finally:
+        worker.stop()

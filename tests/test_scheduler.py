@@ -85,3 +85,45 @@ def test_step_cost_follows_the_batch_not_history():
     out = run_step(sched)
     assert [x.seq.request_id for x in out.scheduled] == ["live"]
     assert sched.num_unfinished == 1
+
+
+def add_p(sched, rid, n, priority):
+    s = Sequence(rid, [hash((rid, i)) % 1000 for i in range(n)], SamplingParams(), None, None, priority=priority)
+    sched.add(s)
+    return s
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    _, sched = make(max_seqs=3, budget=100)
+    for rid, priority in (("bulk0", 10), ("bulk1", 10), ("chat0", 0), ("bulk2", 10), ("chat1", 0)):
+        add_p(sched, rid, 5, priority)
+    out = run_step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["chat0", "chat1", "bulk0"]
+
+
+def test_a_higher_priority_request_takes_the_slot_of_the_last_running_one():
+    _, sched = make(max_seqs=2, budget=100)
+    old = add_p(sched, "bulk-old", 5, 10)
+    new = add_p(sched, "bulk-new", 5, 10)
+    run_step(sched)
+    chat = add_p(sched, "chat", 5, 0)
+    out = run_step(sched)
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.num_preemptions == 1
+    assert out.preempted == [new]
+    assert {s.seq.request_id for s in out.scheduled} == {"bulk-old", "chat"}
+    assert old.status is SequenceStatus.RUNNING and chat.status is SequenceStatus.RUNNING
+    # Equal priorities never preempt each other: a later bulk request waits.
+    add_p(sched, "bulk-later", 5, 10)
+    run_step(sched)
+    assert sched.num_running == 2 and new.num_preemptions == 1
+
+
+def test_a_higher_priority_request_takes_kv_blocks_from_a_lower_one():
+    kv, sched = make(num_blocks=6, block_size=4, max_seqs=8, budget=100)
+    bulk = [add_p(sched, f"bulk{i}", 8, 10) for i in range(3)]  # 2 blocks each: the pool is full
+    run_step(sched)
+    assert kv.num_free_blocks == 0
+    chat = add_p(sched, "chat", 6, 0)
+    out = run_step(sched)
+    assert chat.status is SequenceStatus.RUNNING
+    assert bulk[2].status is SequenceStatus.WAITING and out.preempted[0] is bulk[2]

@@ -159,6 +159,20 @@ def test_a_bad_request_is_a_400_naming_the_parameter(served, oai, kwargs, param)
     assert info.value.body["param"] == param
 
 
+def test_priority_through_extra_body_picks_the_lane(served, oai, redis_url):
+    worker, _, model = served
+    out = oai.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=3, extra_body={"priority": -5}
+    )
+    job_id = out.headers["x-roseinfer-job-id"]
+    assert out.parse().usage.completion_tokens <= 3
+    origin = Client(redis_url, queue=worker.queue).connection.hget(f"rq:job:{job_id}", "origin")
+    assert origin.decode() == f"{worker.queue}:p-5"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model, messages=MESSAGES, extra_body={"priority": 1000})
+    assert info.value.body["param"] == "priority"
+
+
 def test_unknown_model_and_bad_json(served, oai):
     _, server, _ = served
     with pytest.raises(openai.NotFoundError):

@@ -217,10 +217,10 @@ def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
     engine = w.worker.engine
     real_add = engine.add_request
 
-    def picky_add(request_id, prompt, params=None):
+    def picky_add(request_id, prompt, params=None, **options):
         if "poison" in json.dumps(prompt):
             raise RuntimeError("injected fault at admission")
-        return real_add(request_id, prompt, params)
+        return real_add(request_id, prompt, params, **options)
 
     monkeypatch.setattr(engine, "add_request", picky_add)
     poison = client.submit("poison pill", max_tokens=3)

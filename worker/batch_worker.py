@@ -36,7 +36,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.protocol import OWNER_FIELD, STATS_KEY
+from producer.protocol import BULK_PRIORITY, OWNER_FIELD, STATS_KEY, lane_name, lanes
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, pull, quarantine
@@ -71,6 +71,10 @@ class InFlight:
     stream: JobStream
     started_at: float
     first_token_at: float | None = None
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
 
 
 class BatchWorker(BaseWorker):
@@ -110,6 +114,9 @@ class BatchWorker(BaseWorker):
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._heartbeat = Heartbeat(self)
+        # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
+        self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
+        self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])
 
     # ----- RQ hooks ----------------------------------------------------------------------------------
     def _set_ip_address(self, connection: redis.Redis) -> None:
@@ -255,10 +262,28 @@ class BatchWorker(BaseWorker):
             self._watching = bool(watch)
             self.sender.put(Batch(events, tasks, finals, watch))
 
+    def _refresh_lanes(self) -> None:
+        """The queue's priority lanes RQ knows, first-served first: pulled in that order, watched and maintained."""
+        found = lanes(self.connection, self.settings.queue)
+        if [p for p, _ in found] != [p for p, _ in self._lanes]:
+            self._set_lanes(found)
+            log.info("serving lanes %s", ", ".join(f"{q.name} (priority {p})" for p, q in self._lanes))
+
+    def _set_lanes(self, found: list[tuple[int, str]]) -> None:
+        by_name = {q.name: q for q in self.queues}
+        queues = [
+            by_name.get(name) or Queue(name, connection=self.connection, serializer=self.serializer)
+            for _, name in found
+        ]  # fmt: skip
+        self._lanes = [(p, q) for (p, _), q in zip(found, queues)]
+        self.queues = self._ordered_queues = queues
+        self.sender.queue_keys = [q.key for q in queues]
+
     def _is_suspended(self, mono: float) -> bool:
         # is_suspended also refreshes our worker key's TTL: checked once a second, not every step.
         if mono >= self._next_suspension_check:
             self._next_suspension_check = mono + 1.0
+            self._refresh_lanes()
             suspended = bool(is_suspended(self.connection, self))
             if suspended != self._suspended:
                 log.warning(
@@ -269,11 +294,19 @@ class BatchWorker(BaseWorker):
 
     # ----- jobs in ------------------------------------------------------------------------------------
     def _pull(self, block: bool) -> None:
-        room = min(self.settings.in_flight_limit - len(self.in_flight), 64)
-        if room <= 0:
+        limit = self.settings.in_flight_limit
+        queues = [q for _, q in self._lanes]
+        if len(self.in_flight) >= limit:
+            # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
+            # engine preempts the later ones for them.
+            worst = max(job.priority for job in self.in_flight.values())
+            queues = [q for p, q in self._lanes if p < worst]
+            limit *= 2
+        room = min(limit - len(self.in_flight), 64)
+        if room <= 0 or not queues:
             return
         pulled, unreadable = pull(
-            self._ordered_queues,
+            queues,
             room,
             self.settings.idle_wait if block else None,
             self.connection,
@@ -335,7 +368,7 @@ class BatchWorker(BaseWorker):
             timeout = job.timeout if job.timeout and job.timeout > 0 else None
             # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
             prefix = streams[job.id].start(can_resume=params.logprobs is None)
-            self.pump.submit(job.id, req.engine_prompt(), params, timeout, prefix)
+            self.pump.submit(job.id, req.engine_prompt(), params, timeout, prefix, req.priority)
             self.in_flight[job.id] = InFlight(job, queue, execution, req, streams[job.id], wall)
             log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
 

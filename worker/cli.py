@@ -108,11 +108,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=demo)
 
-    from worker import bench_queue, bench_redis
+    from worker import bench_priority, bench_queue, bench_redis
 
     p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
     bench_queue.add_arguments(p)
     p.set_defaults(func=bench_queue.main)
+
+    p = sub.add_parser("bench-priority", help="an interactive job's TTFT on a worker full of bulk jobs, by priority")
+    bench_priority.add_arguments(p)
+    p.set_defaults(func=bench_priority.main)
 
     p = sub.add_parser("bench-redis", help="what generated tokens cost Redis: commands, CPU, bytes (tiny model)")
     bench_redis.add_arguments(p)

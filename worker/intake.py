@@ -56,8 +56,17 @@ def pull(
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
     Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate."""
-    if len(queues) == 1 and not block:
-        return _pull_batch(queues[0], limit, connection, job_class, serializer)
+    if not block:  # each queue in turn (first-served first), a batch of round trips each
+        pulled_all: list[tuple[Job, Queue]] = []
+        unreadable_all: list[Unreadable] = []
+        for queue in queues:
+            room = limit - len(pulled_all) - len(unreadable_all)
+            if room <= 0:
+                break
+            pulled, unreadable = _pull_batch(queue, room, connection, job_class, serializer)
+            pulled_all += pulled
+            unreadable_all += unreadable
+        return pulled_all, unreadable_all
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
     while len(pulled) + len(unreadable) < limit:

@@ -44,6 +44,7 @@ class _Job:
     params: Any
     deadline: float | None  # time.monotonic() after which the job fails
     output_prefix: list[int] | None = None  # what an earlier attempt generated: the output resumes from there
+    priority: int = 0
     tokenized: Future | None = None  # prompt token ids, computed off the step loop
     admitted: bool = False
 
@@ -76,14 +77,16 @@ class Pump:
         params: Any,
         timeout: float | None = None,
         output_prefix: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams,
-        ``output_prefix`` the tokens an earlier attempt already streamed. Its admission (or its failure) shows in
-        a later ``step()``; a prefix the engine refuses (a shorter context here, say) makes the job start over,
-        with a ``restarted`` event."""
+        ``output_prefix`` the tokens an earlier attempt already streamed, ``priority`` lower first. Its admission
+        (or its failure) shows in a later ``step()``; a prefix the engine refuses (a shorter context here, say)
+        makes the job start over, with a ``restarted`` event."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
-        job = _Job(prompt, params, None if timeout is None else time.monotonic() + timeout, output_prefix or None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = _Job(prompt, params, deadline, output_prefix or None, priority)
         if self._pool is not None:
             job.tokenized = self._pool.submit(self.engine.tokenize, prompt, self._thread_tokenizer)
         self._jobs[job_id] = job
@@ -134,13 +137,15 @@ class Pump:
                     )
                 if job.output_prefix:
                     try:
-                        self.engine.add_request(job_id, prompt, job.params, output_prefix=job.output_prefix)
+                        self.engine.add_request(
+                            job_id, prompt, job.params, output_prefix=job.output_prefix, priority=job.priority
+                        )
                     except ValueError as exc:
                         log.warning("job %s cannot resume its earlier output (%s): it starts over", job_id, exc)
-                        self.engine.add_request(job_id, prompt, job.params)
+                        self.engine.add_request(job_id, prompt, job.params, priority=job.priority)
                         events.append(JobEvent(job_id, restarted=True))
                 else:
-                    self.engine.add_request(job_id, prompt, job.params)
+                    self.engine.add_request(job_id, prompt, job.params, priority=job.priority)
                 job.admitted = True
             except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
                 del self._jobs[job_id]
