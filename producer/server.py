@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from producer.aio import AsyncClient, AsyncGenerationJob
 from producer.client import JobCanceled, JobFailed, StreamRestarted
@@ -53,22 +54,48 @@ class Workers:
         return sorted({row["model"] for row in await self.live() if row.get("model")})
 
 
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "roseinfer_server_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "roseinfer_server_request_seconds", "time to the response's headers", ["endpoint"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r,
+        )  # fmt: skip
+        self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
+
+
 def create_app(client: AsyncClient, api_key: str | None = None, timeout: float = 600.0) -> FastAPI:
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
+    metrics = ServerMetrics()
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
+    async def _auth_and_count(request: Request, call_next):
+        path, started = request.url.path, time.perf_counter()
+        if api_key and path.startswith("/v1/"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+                response = JSONResponse(err.body(), status_code=401)
+                metrics.requests.labels(path, "401").inc()
+                return response
+        response = await call_next(request)
+        if path != "/metrics":
+            metrics.requests.labels(path, str(response.status_code)).inc()
+            metrics.latency.labels(path).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -111,7 +138,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = _sse(job, ChunkWriter(job.id, req.model, chat), include_usage, timeout)
+            stream = _sse(job, ChunkWriter(job.id, req.model, chat), include_usage, timeout, metrics.streams)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
         result = await _result_unless_gone(request, job, timeout)
         body = (chat_response if chat else completion_response)(job.id, req.model, req, result)
@@ -151,8 +178,11 @@ def _job_error(exc: JobFailed | JobCanceled) -> APIError:
     return APIError(400, exc.reason)
 
 
-async def _sse(job: AsyncGenerationJob, chunks: ChunkWriter, include_usage: bool, timeout: float) -> AsyncIterator[str]:
+async def _sse(
+    job: AsyncGenerationJob, chunks: ChunkWriter, include_usage: bool, timeout: float, open_streams: Gauge
+) -> AsyncIterator[str]:
     finished = False
+    open_streams.inc()
     try:
         yield _data(chunks.piece("", first=True))
         async for event in job.events(timeout, skip_void=True):
@@ -175,6 +205,7 @@ async def _sse(job: AsyncGenerationJob, chunks: ChunkWriter, include_usage: bool
         yield _data(err.body())
         yield "data: [DONE]\n\n"
     finally:
+        open_streams.dec()
         if not finished:
             _cancel_soon(job)
 

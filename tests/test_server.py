@@ -243,3 +243,43 @@ def test_async_client_submits_streams_and_waits(served, redis_url):
     assert texts == [r["text"] for r in results]
     assert all(r["usage"]["completion_tokens"] == 8 for r in results)
     assert status == "finished"
+
+
+def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_url, tiny_chat_model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, server, model = served
+    oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+
+    def samples(text: str) -> dict:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    got = samples(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    assert got[("roseinfer_server_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
+    assert got[("roseinfer_server_open_streams", ())] == 0
+
+    port = free_port()
+    worker = ThreadWorker(redis_url, tiny_chat_model, metrics_port=port)
+    try:
+        client = Client(redis_url, queue=worker.queue)
+        jobs = client.submit_many([{"prompt": f"m{i}", "max_tokens": 5, "ignore_eos": True} for i in range(3)])
+        for job in jobs:
+            job.result(timeout=60)
+        time.sleep(0.3)  # the sender ends jobs after their results land
+        got = samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+    finally:
+        worker.stop()
+    assert got[("roseinfer_jobs_total", (("status", "finished"),))] == 3
+    assert got[("roseinfer_generated_tokens_total", ())] == 15
+    assert got[("roseinfer_ttft_seconds_count", ())] == 3
+    assert got[("roseinfer_time_per_output_token_seconds_count", ())] == 3
+    assert got[("roseinfer_engine_step_seconds_count", ())] >= 5
+    assert got[("roseinfer_redis_round_trip_seconds_count", ())] >= 1
+    assert got[("roseinfer_queue_depth", (("lane", worker.queue),))] == 0
+    assert got[("roseinfer_jobs_in_flight", ())] == 0
+    assert 0 <= got[("roseinfer_kv_cache_usage_ratio", ())] <= 1
+    assert ("roseinfer_preemptions_total", ()) in got and got[("roseinfer_prompt_tokens_total", ())] > 0

@@ -50,6 +50,7 @@ from worker.jobs import (
     sampling_params,
     usage,
 )
+from worker.metrics import WorkerMetrics
 from worker.publisher import JobStream, Publisher
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
@@ -117,6 +118,9 @@ class BatchWorker(BaseWorker):
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])
+        self.metrics = WorkerMetrics()
+        self.metrics.watch(self)
+        self.sender.on_round_trip = self.metrics.redis_rtt.observe
 
     # ----- RQ hooks ----------------------------------------------------------------------------------
     def _set_ip_address(self, connection: redis.Redis) -> None:
@@ -189,6 +193,9 @@ class BatchWorker(BaseWorker):
         self.sender.worker_key = self.key
         self.sender.queue_keys = [queue.key for queue in self.queues]
         self.sender.start()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+            log.info("metrics on :%d/metrics", self.settings.metrics_port)
         self._heartbeat.start()
         worked = False
         backoff = 0.5
@@ -240,7 +247,10 @@ class BatchWorker(BaseWorker):
                 log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
                 self._pull_paused_until = mono + 5.0
         if self.pump.has_work():
-            self._route(self.pump.step())
+            started = time.perf_counter()
+            events = self.pump.step()
+            self.metrics.step.observe(time.perf_counter() - started)
+            self._route(events)
             if not self.engine.has_unfinished_requests():
                 time.sleep(0.001)  # only prompts being tokenized: no step to run yet
         self._hand_over()
@@ -437,6 +447,7 @@ class BatchWorker(BaseWorker):
         plain = []
         for (job, out), dependents in zip(done, has_dependents):
             result = self._result(job, out)
+            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
             j = job.job
             if dependents or j._success_callback_name or j.webhooks or j.repeats_left or getattr(j, "rate_limit", None):
                 self.publisher.write_result(self.connection, j.id, result)
@@ -483,6 +494,7 @@ class BatchWorker(BaseWorker):
     def _lost_at_end(self, job: InFlight) -> None:
         """A job that ended here but belongs to another attempt now: only our execution's record goes."""
         log.warning("job %s belongs to another attempt now (this worker stalled): its end here is dropped", job.job.id)
+        self.metrics.job_ended("lost", None)
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
@@ -512,6 +524,7 @@ class BatchWorker(BaseWorker):
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.execute()
             log.info("job %s %s", job.job.id, reason)
+            self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
         self._tasks.append(end)
 
@@ -541,6 +554,7 @@ class BatchWorker(BaseWorker):
                 )
                 job.job.retries_left = None  # the same job would fail the same way again
             self._record_failure(job.job, job.queue, job.execution, error)
+            self.metrics.job_ended("retried" if retrying else "failed", None)
 
         self._tasks.append(end)
 
@@ -555,6 +569,7 @@ class BatchWorker(BaseWorker):
             self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error))
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
+            self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
 
@@ -574,6 +589,7 @@ class BatchWorker(BaseWorker):
                 queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
                 pipe.expire(job.key, self.settings.result_ttl)
                 pipe.execute()
+            self.metrics.job_ended("canceled", None)
 
         self._tasks.append(end)
 
@@ -624,6 +640,7 @@ class BatchWorker(BaseWorker):
                 continue
             self.pump.cancel(job_id)
             log.warning("job %s belongs to another attempt now (this worker stalled): dropped here", job_id)
+            self.metrics.job_ended("lost", None)
 
             def end(held: InFlight = held) -> None:
                 with self.connection.pipeline() as pipe:

@@ -101,6 +101,8 @@ class Sender:
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
         self.queued = 0
+        self.queued_by_key: list[int] = []
+        self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
         self.status_interval = status_interval
         self._next_status_read = 0.0
         self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
@@ -215,6 +217,7 @@ class Sender:
         watch = list(self._watch) if mono >= self._next_status_read else []
         if watch:
             self._next_status_read = mono + self.status_interval
+        started = time.perf_counter()
         with self.connection.pipeline(transaction=False) as pipe:
             self._queue_events(pipe, events)
             if self._emit is None:
@@ -229,11 +232,14 @@ class Sender:
                 # lost its data.
                 pipe.hexists(self.worker_key, "birth")
             replies = pipe.execute()
+        if self.on_round_trip is not None:
+            self.on_round_trip(time.perf_counter() - started)
         self._report_lost(events, replies)
         self.round_trips += 1
         registered = bool(replies[-1]) if self.worker_key else True
         tail = len(self.queue_keys) + (1 if self.worker_key else 0)
-        self.queued = sum(replies[len(replies) - tail : len(replies) - tail + len(self.queue_keys)])
+        self.queued_by_key = replies[len(replies) - tail : len(replies) - tail + len(self.queue_keys)]
+        self.queued = sum(self.queued_by_key)
         if self._emit is None:
             first = len(replies) - len(watch) - tail
             ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]

@@ -56,6 +56,9 @@ class QueueSettings(BaseSettings):
     allow_webhook_host: list[str] = Field(
         default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
     )
+    metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve Prometheus metrics on this port at /metrics (off by default)"
+    )
     require_noeviction: bool = Field(
         False, description="refuse to start unless Redis's maxmemory-policy is noeviction (else: a loud warning)"
     )

@@ -1,0 +1,79 @@
+"""The worker's Prometheus metrics (``--metrics-port``): latencies as histograms observed as jobs end and steps
+run, and the rest (jobs in flight, queue depth per lane, tokens, KV cache use, preemptions) read from the worker
+when scraped. Every worker has a registry of its own, so several in one process (tests) do not collide."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from worker.batch_worker import BatchWorker
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.jobs = Counter("roseinfer_jobs", "jobs ended here, by final status", ["status"], registry=r)
+        self.ttft = Histogram("roseinfer_ttft_seconds", "enqueue to first token", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(
+            "roseinfer_time_per_output_token_seconds", "first token to last, per later token", buckets=_PER_TOKEN,
+            registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram("roseinfer_e2e_latency_seconds", "enqueue to end", buckets=_LATENCY, registry=r)
+        self.step = Histogram("roseinfer_engine_step_seconds", "one engine step", buckets=_STEP, registry=r)
+        self.redis_rtt = Histogram(
+            "roseinfer_redis_round_trip_seconds", "one round trip of the sender", buckets=_STEP, registry=r
+        )
+
+    def watch(self, worker: BatchWorker) -> None:
+        """Read the worker's state at each scrape."""
+        self.registry.register(_WorkerState(worker))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def job_ended(self, status: str, timings: dict | None, completion_tokens: int = 0) -> None:
+        self.jobs.labels(status).inc()
+        if not timings:
+            return
+        if timings.get("ttft_s") is not None:
+            self.ttft.observe(timings["ttft_s"])
+            if completion_tokens > 1 and timings.get("first_token_at") is not None:
+                self.tpot.observe((timings["finished_at"] - timings["first_token_at"]) / (completion_tokens - 1))
+        self.e2e.observe(timings["total_s"])
+
+
+class _WorkerState(Collector):
+    def __init__(self, worker: BatchWorker) -> None:
+        self.worker = worker
+
+    def collect(self) -> Iterator:
+        w = self.worker
+        engine = w.engine
+        yield GaugeMetricFamily("roseinfer_jobs_in_flight", "jobs held by this worker", value=len(w.in_flight))
+        depth = GaugeMetricFamily("roseinfer_queue_depth", "jobs waiting in each lane", labels=["lane"])
+        for (_, queue), count in zip(w._lanes, w.sender.queued_by_key):
+            depth.add_metric([queue.name], count)
+        yield depth
+        yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
+        yield CounterMetricFamily(
+            "roseinfer_prompt_tokens", "prompt tokens computed here", value=engine.stats.num_prompt_tokens_computed
+        )
+        kv = engine.kv
+        yield GaugeMetricFamily(
+            "roseinfer_kv_cache_usage_ratio", "share of KV cache blocks in use",
+            value=1 - kv.num_free_blocks / kv.num_blocks,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "roseinfer_preemptions", "requests preempted (recomputed later)", value=engine.scheduler.num_preemptions
+        )
