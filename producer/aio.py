@@ -27,6 +27,7 @@ from producer.client import (
     StreamRestarted,
     checked,
     stream_expired,
+    validate,
 )
 from producer.protocol import DEFAULT_QUEUE, result_key, stream_key
 from producer.wire import JobResult
@@ -38,15 +39,43 @@ class AsyncClient:
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = DEFAULT_QUEUE, **options: Any) -> None:
         self.connection = AsyncRedis.from_url(redis_url)
-        self.sync = Client(redis_url, queue, **options)  # RQ's enqueue and cancel, run on a thread
+        # RQ's enqueue and cancel, run on a thread (``connection``: a sync client of the caller's, as Client takes)
+        self.sync = Client(redis_url, queue, **options)
+        self.hub = StreamHub(AsyncRedis.from_url(redis_url))  # its blocking reads on a connection of their own
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._flushing = False
+        self._flusher: asyncio.Task | None = None
 
     @property
     def queue_name(self) -> str:
         return self.sync.queue.name
 
     async def submit(self, prompt: str | None = None, **fields: Any) -> AsyncGenerationJob:
-        job = await asyncio.to_thread(self.sync.submit, prompt, **fields)
-        return self.job(job.id)
+        """Enqueue one job. Submissions that arrive while others are being enqueued go in one pipeline together
+        (a server's concurrent requests reach the worker as one batch, not one by one)."""
+        request = {"prompt": prompt, **fields} if prompt is not None else dict(fields)
+        validate({k: v for k, v in request.items() if k != "job_id"})  # a bad request fails alone, here
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if not self._flushing:
+            self._flushing = True
+            self._flusher = asyncio.create_task(self._flush())  # kept: a task nobody holds may be collected
+        return self.job(await future)
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    jobs = await asyncio.to_thread(self.sync.submit_many, [request for request, _ in batch])
+                except Exception as exc:  # Redis down, say: every caller of this batch hears it
+                    for _, future in batch:
+                        future.set_exception(exc)
+                    continue
+                for (_, future), job in zip(batch, jobs):
+                    future.set_result(job.id)
+        finally:
+            self._flushing = False
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncGenerationJob]:
         jobs = await asyncio.to_thread(self.sync.submit_many, requests)
@@ -60,6 +89,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.connection.aclose()
+        await self.hub.connection.aclose()
         self.sync.connection.close()
 
     async def __aenter__(self) -> AsyncClient:
@@ -67,6 +97,64 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class StreamHub:
+    """One reader for the streams of every job followed through a client: a single ``XREAD BLOCK`` over all of
+    them (one command per wake-up for hundreds of streams, not one per job and event), handing each follower the
+    entries past the last one it got. A stream followed from now on joins the read within ``wait_ms``."""
+
+    def __init__(self, connection: AsyncRedis, wait_ms: int = 50) -> None:
+        self.connection, self.wait_ms = connection, wait_ms
+        self._followers: dict[int, _Follower] = {}
+        self._next = 0
+        self._task: asyncio.Task | None = None
+
+    def follow(self, key: str) -> _Follower:
+        follower = _Follower(self._next, key)
+        self._followers[follower.id] = follower
+        self._next += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read())
+        return follower
+
+    def leave(self, follower: _Follower) -> None:
+        self._followers.pop(follower.id, None)
+
+    async def _read(self) -> None:
+        while self._followers:
+            streams: dict[str, tuple[int, int]] = {}
+            for f in self._followers.values():
+                streams[f.key] = min(streams.get(f.key, f.last), f.last)
+            try:
+                reply = await self.connection.xread(
+                    {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
+                )
+            except Exception as exc:  # Redis away: every follower hears it
+                for f in self._followers.values():
+                    f.entries.put_nowait(exc)
+                await asyncio.sleep(0.5)
+                continue
+            for key, found in reply or []:
+                key = key.decode() if isinstance(key, bytes) else key
+                ids = [_entry_id(entry_id) for entry_id, _ in found]
+                for f in [f for f in self._followers.values() if f.key == key]:
+                    new = [entry for entry, entry_id in zip(found, ids) if entry_id > f.last]
+                    if new:
+                        f.last = ids[-1]
+                        f.entries.put_nowait(new)
+
+
+class _Follower:
+    def __init__(self, id_: int, key: str) -> None:
+        self.id, self.key = id_, key
+        self.last = (0, 0)  # the last entry id handed over
+        self.entries: asyncio.Queue = asyncio.Queue()
+
+
+def _entry_id(value: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (value.decode() if isinstance(value, bytes) else value).partition("-")
+    return int(ms), int(seq or 0)
 
 
 class AsyncGenerationJob:
@@ -91,29 +179,37 @@ class AsyncGenerationJob:
         return await asyncio.to_thread(self._sync.cancel)
 
     async def events(self, timeout: float | None = None, skip_void: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """As ``GenerationJob.events``."""
-        conn, key = self.client.connection, stream_key(self.id)
+        """As ``GenerationJob.events`` (read through the client's ``StreamHub``)."""
+        key = stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
+        follower = self.client.hub.follow(key)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
-            reply = await conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
-            for _key, entries in reply or []:
-                for event in cursor.take(entries):
-                    yield event
-                    if "finish_reason" in event:
-                        return
-            if reply:
-                continue
-            status = await self.status()
-            if status in _ENDED or status == "missing":
-                if await conn.xread({key: cursor.last_id}, count=1):
-                    continue  # the last events landed just now
-                await asyncio.to_thread(self._sync._raise_ended, status)
-            if status == "finished":
-                raise stream_expired(self.id)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+        try:
+            while True:
+                wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
+                try:
+                    found = await asyncio.wait_for(follower.entries.get(), wait)
+                except TimeoutError:
+                    found = None
+                if isinstance(found, Exception):
+                    raise found
+                if found:
+                    for event in cursor.take(found):
+                        yield event
+                        if "finish_reason" in event:
+                            return
+                    continue
+                status = await self.status()
+                if status in _ENDED or status == "missing":
+                    if await self.client.connection.xread({key: cursor.last_id}, count=1):
+                        continue  # the last events landed just now: the hub brings them
+                    await asyncio.to_thread(self._sync._raise_ended, status)
+                if status == "finished":
+                    raise stream_expired(self.id)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+        finally:
+            self.client.hub.leave(follower)
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         """As ``GenerationJob.stream``: text pieces; ``StreamRestarted`` if the output starts over after some."""

@@ -128,21 +128,14 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _target(args: argparse.Namespace) -> tuple[str, str]:
+def target(args: argparse.Namespace) -> tuple[str, str]:
     """(Redis URL, queue) from the flags, else the environment, else the defaults."""
     url = args.redis_url or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
     return url, args.queue or os.environ.get("ROSEINFER_QUEUE") or DEFAULT_QUEUE
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(*_target(args))
-
-
-def serve(args: argparse.Namespace) -> int:
-    from producer import server  # FastAPI and uvicorn: only this command needs them
-
-    args.redis_url, args.queue = _target(args)
-    return server.main(args)
+    return Client(*target(args))
 
 
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -344,14 +337,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job_id")
     add_connection_arguments(p)
     p.set_defaults(func=cancel)
-
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the queue (chat and text completions)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="a bearer token every /v1 request must carry")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
-    add_connection_arguments(p)
-    p.set_defaults(func=serve)
 
     p = sub.add_parser("status", help="queue depth, workers, jobs in flight, tokens/s")
     p.add_argument("--json", action="store_true")

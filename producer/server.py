@@ -8,7 +8,6 @@ serve), ``GET /health`` (200 when Redis answers and a worker is alive, 503 with 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -222,11 +221,19 @@ def _cancel_soon(job: AsyncGenerationJob) -> None:
 
 
 # ----- the command -------------------------------------------------------------------------------------
-def main(args: argparse.Namespace) -> int:
+def run_server(
+    redis_url: str,
+    queue: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    client: AsyncClient | None = None,
+) -> int:
     import uvicorn
 
-    client = AsyncClient(args.redis_url, args.queue)
-    app = create_app(client, args.api_key, args.timeout)
+    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout)
+    log.warning("serving the OpenAI API for queue %r on http://%s:%d/v1", queue, host, port)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning")
     return 0

@@ -237,6 +237,12 @@ def test_async_client_submits_streams_and_waits(served, redis_url):
             jobs = [await client.submit(f"async {i}", max_tokens=8, temperature=0.0) for i in range(3)]
             texts = [await _text(job) for job in jobs]
             results = await asyncio.gather(*(job.result(timeout=60) for job in jobs))
+            # Many followers at once, two of them on one job: each gets every event of its job, once.
+            more = [await client.submit(f"together {i}", max_tokens=6, temperature=0.0) for i in range(4)]
+            together = await asyncio.gather(*(_text(job) for job in [*more, more[0]]))
+            assert together[0] == together[-1]
+            for job, text in zip(more, together):
+                assert text == (await job.result(timeout=60))["text"]
             return texts, results, await jobs[0].status()
 
     texts, results, status = asyncio.run(main())
@@ -283,3 +289,29 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
     assert got[("roseinfer_jobs_in_flight", ())] == 0
     assert 0 <= got[("roseinfer_kv_cache_usage_ratio", ())] <= 1
     assert ("roseinfer_preemptions_total", ()) in got and got[("roseinfer_prompt_tokens_total", ())] > 0
+
+
+def test_serve_embedded_is_one_command(tiny_chat_model):
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--embedded", "--model", tiny_chat_model, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model=tiny_chat_model, messages=MESSAGES, max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens <= 5 and out.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -91,6 +91,17 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args.prompt, model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
+def serve(args: argparse.Namespace) -> int:
+    from producer.cli import target
+    from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
+
+    if not args.embedded:
+        return run_server(*target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout)
+    from worker.embedded import serve_embedded
+
+    return serve_embedded(args)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "worker",
@@ -101,6 +112,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_settings_flags(p)
     p.set_defaults(func=worker)
 
+    from producer.cli import add_connection_arguments
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the queue (chat and text completions)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="a bearer token every /v1 request must carry")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
+    p.add_argument(
+        "--embedded", action="store_true",
+        help="also start a private Redis and a worker in this process: one command, nothing else to install",
+    )  # fmt: skip
+    p.add_argument("--model", default=WorkerSettings.model_fields["model"].default, help="with --embedded")
+    p.add_argument("--dtype", default="float32", help="with --embedded")
+    add_connection_arguments(p)
+    p.set_defaults(func=serve)
+
     p = sub.add_parser("demo", help="the whole flow on one machine: embedded Redis, a worker, jobs, live tokens")
     p.add_argument("prompt", nargs="*")
     p.add_argument("--model", default=WorkerSettings.model_fields["model"].default)
@@ -108,7 +135,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=demo)
 
-    from worker import bench_priority, bench_queue, bench_redis
+    from worker import bench_priority, bench_queue, bench_redis, bench_serve
 
     p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
     bench_queue.add_arguments(p)
@@ -117,6 +144,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-priority", help="an interactive job's TTFT on a worker full of bulk jobs, by priority")
     bench_priority.add_arguments(p)
     p.set_defaults(func=bench_priority.main)
+
+    p = sub.add_parser("bench-serve", help="streamed requests through roseinfer serve vs the same jobs submitted")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
 
     p = sub.add_parser("bench-redis", help="what generated tokens cost Redis: commands, CPU, bytes (tiny model)")
     bench_redis.add_arguments(p)

@@ -1,0 +1,40 @@
+"""``roseinfer serve --embedded``: a private Redis, a worker on a thread and the OpenAI-compatible server, in one
+process, so ``curl`` works on a laptop with nothing else installed (a ``redis-server`` on the PATH is used when
+there is one, else fakeredis' embedded server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+
+log = logging.getLogger("roseinfer.worker")
+
+
+def serve_embedded(args: argparse.Namespace) -> int:
+    from producer.aio import AsyncClient
+    from producer.protocol import DEFAULT_QUEUE
+    from producer.server import run_server
+    from worker.local_redis import embedded_connection, start_embedded_redis, start_private_redis
+    from worker.main import build_worker
+    from worker.settings import WorkerSettings
+
+    url, redis_proc = start_private_redis()
+    connection = None
+    if redis_proc is None:
+        url = start_embedded_redis()
+        connection = embedded_connection(url)
+    queue = args.queue or DEFAULT_QUEUE
+    log.warning("embedded Redis at %s; loading %s", url, args.model)
+    settings = WorkerSettings(redis_url=url, queue=queue, model=args.model, dtype=args.dtype)
+    worker = build_worker(settings, connection)
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    client = AsyncClient(url, queue, connection=embedded_connection(url) if connection is not None else None)
+    try:
+        return run_server(url, queue, args.host, args.port, args.api_key, args.timeout, client=client)
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+        if redis_proc is not None:
+            redis_proc.terminate()
