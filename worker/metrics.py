@@ -21,7 +21,7 @@ _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 class WorkerMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         r = self.registry
         self.jobs = Counter("roseinfer_jobs", "jobs ended here, by final status", ["status"], registry=r)
         self.ttft = Histogram("roseinfer_ttft_seconds", "enqueue to first token", buckets=_LATENCY, registry=r)
