@@ -29,6 +29,7 @@ from producer.client import (
     stream_expired,
     validate,
 )
+from producer.connection import connect_async
 from producer.protocol import DEFAULT_QUEUE, result_key, stream_key
 from producer.wire import JobResult
 
@@ -38,10 +39,10 @@ class AsyncClient:
     ``await job.result()``. Options as ``Client``'s."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = DEFAULT_QUEUE, **options: Any) -> None:
-        self.connection = AsyncRedis.from_url(redis_url)
+        self.connection = connect_async(redis_url)
         # RQ's enqueue and cancel, run on a thread (``connection``: a sync client of the caller's, as Client takes)
         self.sync = Client(redis_url, queue, **options)
-        self.hub = StreamHub(AsyncRedis.from_url(redis_url))  # its blocking reads on a connection of their own
+        self.hub = StreamHub(connect_async(redis_url))  # its blocking reads on a connection of their own
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False
         self._flusher: asyncio.Task | None = None

@@ -16,6 +16,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
+from producer.connection import connect
 from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
@@ -141,7 +142,7 @@ class Client:
         job_timeout: int = 3600,
         result_ttl: int = 24 * 3600,
     ) -> None:
-        self.connection = connection or Redis.from_url(redis_url)
+        self.connection = connection or connect(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
         self._lanes: dict[int, Queue] = {0: self.queue}
         self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl

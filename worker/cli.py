@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import redis
 
     from producer.client import InvalidRequest
+    from producer.connection import InvalidRedisURL
     from roseinfer.config import ConfigError
     from worker.main import UnsafeRedis
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValidationError as exc:
         print(f"error: {describe_settings_error(exc)}", file=sys.stderr)
-    except (ConfigError, InvalidRequest, UnsafeRedis) as exc:
+    except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL) as exc:
         print(f"error: {exc}", file=sys.stderr)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)

@@ -8,6 +8,7 @@ import time
 from redis import Redis
 
 from producer.client import eviction_warning
+from producer.connection import connect
 from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
 
@@ -37,7 +38,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     from roseinfer import LLM
     from worker.batch_worker import BatchWorker
 
-    connection = connection or Redis.from_url(settings.redis_url)
+    connection = connection or connect(settings.redis_url)
     engine = LLM(settings.model, **settings.engine_options()).engine
     wait_for_redis(connection)
     check_eviction_policy(connection, settings.require_noeviction)

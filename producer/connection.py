@@ -1,0 +1,105 @@
+"""Redis clients from a URL: ``redis://``, ``rediss://``, ``unix://`` as redis-py reads them, and
+``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]`` for a primary that Redis Sentinel
+manages (``rediss+sentinel://`` for TLS to it; ``?sentinel_password=`` when the sentinels want one). A Sentinel
+client asks the sentinels where the primary is, and asks again after a failover."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS to the primary
+
+
+class InvalidRedisURL(ValueError):
+    """A Redis URL that cannot be read (the message says why, without its password)."""
+
+
+@dataclass
+class SentinelURL:
+    hosts: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    ssl: bool = False
+    sentinel_password: str | None = None
+
+
+def parse_sentinel_url(url: str) -> SentinelURL | None:
+    """The parts of a ``redis+sentinel://`` URL; None for any other URL; InvalidRedisURL saying what is wrong."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SENTINEL_SCHEMES:
+        return None
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    credentials, at, hostlist = netloc.rpartition("@")
+    if not at:
+        credentials, hostlist = "", netloc
+    username = password = None
+    if credentials:
+        user, colon, secret = credentials.partition(":")
+        username, password = (unquote(user) or None), (unquote(secret) if colon else None)
+    hosts = []
+    for item in hostlist.split(","):
+        host, colon, port = item.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise InvalidRedisURL(f"a sentinel address is host:port, got {item!r} in {_redact(url)}")
+        hosts.append((host.strip("[]"), int(port)))
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise InvalidRedisURL(f"a Sentinel URL ends in /service or /service/db, got {_redact(url)}")
+    params = parse_qs(query)
+    return SentinelURL(
+        hosts,
+        unquote(parts[0]),
+        int(parts[1]) if len(parts) == 2 else 0,
+        username,
+        password,
+        SENTINEL_SCHEMES[scheme],
+        params.get("sentinel_password", [None])[0],
+    )
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"db": s.db, "username": s.username, "password": s.password}
+    if s.ssl:
+        kwargs["ssl"] = True
+    return kwargs
+
+
+def connect(url: str, **kwargs: Any) -> Redis:
+    """A Redis client for ``url`` (any of the forms above)."""
+    s = parse_sentinel_url(url)
+    if s is None:
+        try:
+            return Redis.from_url(url, **kwargs)
+        except ValueError as exc:
+            raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
+    return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)
+
+
+def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
+    """The ``redis.asyncio`` client for ``url``."""
+    s = parse_sentinel_url(url)
+    if s is None:
+        try:
+            return AsyncRedis.from_url(url, **kwargs)
+        except ValueError as exc:
+            raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinel = Sentinel(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
+    return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)

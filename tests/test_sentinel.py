@@ -1,0 +1,131 @@
+"""Redis Sentinel: ``redis+sentinel://`` URLs everywhere a Redis URL is taken, and a failover mid-run with real
+``redis-server`` and sentinel processes on loopback ports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+from conftest import ThreadWorker
+from redis import Redis
+
+from producer import Client
+from producer.connection import InvalidRedisURL, SentinelURL, parse_sentinel_url
+from worker.local_redis import free_port
+
+
+@pytest.mark.parametrize(
+    "url, parsed",
+    [
+        ("redis://127.0.0.1:6379/0", None),
+        ("redis+sentinel://h1:26379/mymaster", SentinelURL([("h1", 26379)], "mymaster")),
+        (
+            "redis+sentinel://:s%40cret@h1:26379,h2:26380/svc/3?sentinel_password=pw",
+            SentinelURL([("h1", 26379), ("h2", 26380)], "svc", 3, None, "s@cret", False, "pw"),
+        ),
+        ("rediss+sentinel://user:pw@[::1]:26379/svc", SentinelURL([("::1", 26379)], "svc", 0, "user", "pw", True)),
+    ],
+)
+def test_sentinel_urls_are_read(url, parsed):
+    assert parse_sentinel_url(url) == parsed
+
+
+@pytest.mark.parametrize(
+    "url, phrase",
+    [
+        ("redis+sentinel://h1/svc", "host:port"),
+        ("redis+sentinel://:secret@h1:26379", "/service"),
+        ("redis+sentinel://h1:26379/svc/notadb", "/service"),
+    ],
+)
+def test_a_bad_sentinel_url_says_why_without_its_password(url, phrase):
+    with pytest.raises(InvalidRedisURL, match=phrase) as info:
+        parse_sentinel_url(url)
+    assert "secret" not in str(info.value)
+
+
+class SentinelSetup:
+    """A primary and a replica (AOF on, fsync every second) and one sentinel watching them, on free ports."""
+
+    def __init__(self, tmp_path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.primary, self.replica, self.sentinel = free_port(), free_port(), free_port()
+        for port, extra in ((self.primary, []), (self.replica, ["--replicaof", "127.0.0.1", str(self.primary)])):
+            folder = tmp_path / f"redis-{port}"
+            folder.mkdir()
+            cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
+            self._start([*cmd, "--appendfsync", "everysec", "--dir", str(folder), *extra])
+        conf = tmp_path / "sentinel.conf"
+        conf.write_text(
+            f"port {self.sentinel}\nbind 127.0.0.1\ndir {tmp_path}\n"
+            f"sentinel monitor roseinfer 127.0.0.1 {self.primary} 1\n"
+            "sentinel down-after-milliseconds roseinfer 2000\nsentinel failover-timeout roseinfer 10000\n"
+        )
+        self._start(["redis-server", str(conf), "--sentinel"])
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel}/roseinfer"
+        deadline = time.time() + 30
+        while not self._replica_known():
+            assert time.time() < deadline, "the sentinel never saw the replica"
+            time.sleep(0.1)
+
+    def _start(self, cmd: list[str]) -> None:
+        self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def _replica_known(self) -> bool:
+        try:
+            s = Redis(port=self.sentinel)
+            return (
+                bool(s.sentinel_slaves("roseinfer"))
+                and Redis(port=self.replica).info("replication")["master_link_status"] == "up"
+            )
+        except Exception:
+            return False
+
+    def primary_port(self) -> int:
+        return int(Redis(port=self.sentinel).sentinel_get_master_addr_by_name("roseinfer")[1])
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def sentinel(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    setup = SentinelSetup(tmp_path)
+    yield setup
+    setup.stop()
+
+
+@pytest.mark.slow
+def test_a_sentinel_failover_mid_run_loses_no_job_and_no_event(sentinel, tiny_chat_model):
+    worker = ThreadWorker(sentinel.url, tiny_chat_model, max_num_seqs=4, event_interval_ms=0, heartbeat_interval=1)
+    try:
+        client = Client(sentinel.url, queue=worker.queue)
+        jobs = client.submit_many(
+            [{"prompt": f"Failover {i}", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0} for i in range(40)]
+        )
+        while not any(job.status() == "finished" for job in jobs):
+            time.sleep(0.02)
+        before = sentinel.primary_port()
+        Redis(port=sentinel.sentinel).execute_command("SENTINEL", "FAILOVER", "roseinfer")
+        deadline = time.time() + 30
+        while sentinel.primary_port() == before:
+            assert time.time() < deadline, "no failover"
+            time.sleep(0.1)
+        unfinished = sum(job.status() != "finished" for job in jobs)
+        results = [job.result(timeout=120) for job in jobs]
+    finally:
+        worker.stop()
+    assert sentinel.primary_port() == sentinel.replica
+    assert unfinished >= 8, unfinished  # jobs ran across the failover
+    for job, res in zip(jobs, results):
+        assert res["usage"]["completion_tokens"] == 200
+        events = list(job.events(timeout=10))
+        assert [e["n"] for e in events] == list(range(len(events)))
+        assert [t for e in events for t in e["token_ids"]] == res["token_ids"]
