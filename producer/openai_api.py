@@ -22,6 +22,7 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers: dict[str, str] = {}  # e.g. the job a failed request ran as
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

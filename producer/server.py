@@ -74,7 +74,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next):
@@ -158,14 +158,19 @@ async def _result_unless_gone(request: Request, job: AsyncGenerationJob, timeout
                 raise ConnectionAbortedError
     except TimeoutError:
         _cancel_soon(job)
-        raise APIError(504, f"no result within {timeout:g} s", "timeout") from None
+        raise _with_job(APIError(504, f"no result within {timeout:g} s", "timeout"), job) from None
     except (JobFailed, JobCanceled) as exc:
-        raise _job_error(exc) from None
+        raise _with_job(_job_error(exc), job) from None
     except (ConnectionAbortedError, asyncio.CancelledError):
         _cancel_soon(job)
         raise
     finally:
         waiting.cancel()
+
+
+def _with_job(err: APIError, job: AsyncGenerationJob) -> APIError:
+    err.headers["x-roseinfer-job-id"] = job.id
+    return err
 
 
 def _job_error(exc: JobFailed | JobCanceled) -> APIError:

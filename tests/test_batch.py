@@ -11,7 +11,7 @@ import pytest
 from conftest import ThreadWorker
 
 from producer import Client
-from producer.batch import Progress, default_errors_path, parse_line, run_batch
+from producer.batch import Progress, default_errors_path, output_line, parse_line, run_batch
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +198,35 @@ def test_a_terminal_gets_the_bar_and_no_log_lines():
     assert "2/4" in text and "tok/s" in text  # tqdm's bar
     assert "rows done" not in text
     assert text.rstrip().splitlines()[-1].startswith("batch: 4 rows in ")
+
+
+def test_openai_batch_bodies_are_read_as_the_server_reads_them():
+    body = {
+        "model": "any",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 7,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+    assert line.payload["messages"] == [{"role": "user", "content": "Hi there"}]
+    assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
+    assert (line.payload["logprobs"], line.payload["top_logprobs"]) == (True, 2)
+    result = {
+        "id": "j",
+        "text": "ok",
+        "token_ids": [5, 6],
+        "finish_reason": "length",
+        "model": "m",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "timings": {"finished_at": 1.0},
+        "logprobs": [[[5, -0.1], [9, -2.0]], [[6, -0.3], [5, -1.5]]],
+    }
+    choice = output_line(line, result)["response"]["body"]["choices"][0]
+    steps = choice["logprobs"]["content"]
+    assert [s["token"] for s in steps] == ["token_id:5", "token_id:6"] and steps[0]["logprob"] == -0.1
+    assert [t["token"] for t in steps[1]["top_logprobs"]] == ["token_id:6", "token_id:5"]
+    plain = parse_line(2, json.dumps({"prompt": "x", "priority": 0}))
+    assert plain.payload["priority"] == 0
+    with pytest.raises(ValueError, match="n=1"):
+        parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}}))

@@ -212,6 +212,26 @@ def test_health_models_and_api_key(served, redis_url):
         locked.stop()
 
 
+def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_url):
+    worker, _, model = served
+    impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
+    try:
+        client = openai.OpenAI(base_url=f"{impatient.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.with_raw_response.create(
+                model=model, messages=MESSAGES, max_tokens=230, extra_body={"ignore_eos": True}
+            )
+        assert info.value.status_code == 504
+        job_id = info.value.response.headers["x-roseinfer-job-id"]
+    finally:
+        impatient.stop()
+    job = Client(redis_url, queue=worker.queue).job(job_id)
+    deadline = time.time() + 10
+    while job.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "canceled"
+
+
 def test_no_live_worker_is_a_503(redis_url):
     lonely = ServerThread(redis_url, "queue-without-workers")
     try:
