@@ -88,6 +88,9 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.sync.status)
 
+    async def workers(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.sync.workers)
+
     async def close(self) -> None:
         await self.connection.aclose()
         await self.hub.connection.aclose()

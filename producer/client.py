@@ -206,6 +206,22 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         """Queue depth, jobs in flight, finished and failed counts, live workers and their tokens/s."""
+        rows = self.workers()
+        queues = [self.lane(p) for p, _name in lanes(self.connection, self.queue.name)]
+        return {
+            "queue": self.queue.name,
+            "queued": sum(q.count for q in queues),
+            "lanes": {str(p): q.count for p, q in self._lanes.items() if q in queues},  # queued, per priority
+            "in_flight": sum(q.started_job_registry.count for q in queues),
+            "finished": sum(q.finished_job_registry.count for q in queues),
+            "failed": sum(q.failed_job_registry.count for q in queues),
+            "canceled": sum(q.canceled_job_registry.count for q in queues),
+            "workers": rows,
+            "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
+        }
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The live workers of the queue: name, state, model, jobs in flight, tokens/s, Redis health."""
         workers = Worker.all(connection=self.connection, queue=self.queue)
         with self.connection.pipeline(transaction=False) as pipe:
             for w in workers:
@@ -226,18 +242,7 @@ class Client:
                     "redis": st.get("redis", "ok"),  # or why Redis refuses the worker's writes right now
                 }
             )
-        queues = [self.lane(p) for p, _name in lanes(self.connection, self.queue.name)]
-        return {
-            "queue": self.queue.name,
-            "queued": sum(q.count for q in queues),
-            "lanes": {str(p): q.count for p, q in self._lanes.items() if q in queues},  # queued, per priority
-            "in_flight": sum(q.started_job_registry.count for q in queues),
-            "finished": sum(q.finished_job_registry.count for q in queues),
-            "failed": sum(q.failed_job_registry.count for q in queues),
-            "canceled": sum(q.canceled_job_registry.count for q in queues),
-            "workers": rows,
-            "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
-        }
+        return rows
 
     def _payload(self, req: JobRequest) -> dict[str, Any]:
         return req.model_dump(exclude_defaults=True)

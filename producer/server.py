@@ -45,7 +45,7 @@ class Workers:
 
     async def live(self) -> list[dict[str, Any]]:
         if time.monotonic() - self._at > self.ttl:
-            self._rows = (await self.client.status())["workers"]
+            self._rows = await self.client.workers()
             self._at = time.monotonic()
         return self._rows
 
