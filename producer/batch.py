@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -197,6 +199,14 @@ class Progress:
             self.bar.update(1)
             self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.0f} tok/s")
 
+    def skip(self, failed: bool = False) -> None:
+        """A row settled without a job (already in the output, or a bad line): done, but not in the rates."""
+        self.done += 1
+        self.already += 1
+        self.failed += failed
+        if self.bar is not None:
+            self.bar.update(1)
+
     def tick(self) -> None:
         """Called every poll: a log line off a terminal once ``log_interval`` has passed since the last."""
         if self.bar is None and time.monotonic() - self.last_log >= self.log_interval:
@@ -237,18 +247,32 @@ def _done_ids(path: Path) -> set[str]:
     done: set[str] = set()
     if not path.exists():
         return done
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, len(data) - end)
-        with path.open("r+b") as f:
-            f.truncate(end)
-    for text in data[:end].decode("utf-8", errors="replace").splitlines():
-        try:
-            done.add(json.loads(text)["custom_id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
+    _cut_partial_last_line(path)
+    with path.open("rb") as f:  # line by line: an output of millions of rows is never held in memory
+        for raw in f:
+            try:
+                done.add(json.loads(raw)["custom_id"])
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                continue
     return done
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    with path.open("r+b") as f:
+        size = f.seek(0, 2)
+        end = size
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            newline = block.rfind(b"\n")
+            if newline != -1:
+                end = start + newline + 1
+                break
+            end = start
+        if end < size:
+            log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, size - end)
+            f.truncate(end)
 
 
 def default_errors_path(output_path: str | Path) -> Path:
@@ -281,13 +305,13 @@ def run_batch(
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
     progress: Progress | None = None
+    input_path = Path(input_path)
     try:
-        lines, errors = _read_input(Path(input_path), _done_ids(output_path), run_id, summary, priority)
-        progress = Progress(summary["total"], summary["skipped"] + len(errors), len(errors), log_interval)
+        done = _done_ids(output_path)
+        summary["total"] = _count_rows(input_path)  # a first pass that keeps nothing: for progress and ETA
+        progress = Progress(summary["total"], 0, 0, log_interval)
         with output_path.open("a") as out, errors_path.open("w") as err:
-            for e in errors:
-                err.write(json.dumps(e, ensure_ascii=False) + "\n")
-            err.flush()
+            lines = _read_input(input_path, done, run_id, summary, priority, err, progress)
             _run(client, lines, out, err, progress, summary, max_in_flight, timeout, poll_interval)
         progress.finish(summary, output_path, errors_path)
     except KeyboardInterrupt:
@@ -299,37 +323,73 @@ def run_batch(
     return summary
 
 
+def dry_run(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    errors_path: str | Path | None = None,
+    run_id: str | None = None,
+    priority: int = BULK_PRIORITY,
+) -> dict[str, int]:
+    """Check every line as ``run_batch`` would, submitting nothing: ``total``, ``valid`` (would run), ``skipped``
+    (already in the output) and ``failed`` (bad lines, written to the errors file)."""
+    output_path = Path(output_path)
+    errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
+    summary = {"total": _count_rows(Path(input_path)), "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
+    done = _done_ids(output_path) if output_path.exists() else set()
+    with errors_path.open("w") as err, open(os.devnull, "w") as quiet:
+        progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
+        valid = sum(1 for _ in _read_input(Path(input_path), done, run_id, summary, priority, err, progress))
+    return {"total": summary["total"], "valid": valid, "skipped": summary["skipped"], "failed": summary["failed"]}
+
+
+def _count_rows(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
 def _read_input(
-    path: Path, done: set[str], run_id: str | None, summary: dict[str, int], priority: int = BULK_PRIORITY
-) -> tuple[list[Line], list[dict[str, Any]]]:
-    """The lines still to run, and the error lines of the bad ones; counts total, skipped and failed."""
-    lines: list[Line] = []
-    errors: list[dict[str, Any]] = []
+    path: Path,
+    done: set[str],
+    run_id: str | None,
+    summary: dict[str, int],
+    priority: int,
+    err: TextIO,
+    progress: Progress,
+) -> Iterator[Line]:
+    """The lines still to run, read as they are needed (memory stays bounded by the jobs in flight, plus the set
+    of custom_ids seen); bad lines go to ``err`` and rows already in the output are counted as they come."""
     seen: set[str] = set()
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
-        summary["total"] += 1
-        try:
-            line = parse_line(number, text, run_id, priority)
-        except BadLine as exc:
-            errors.append(error_line(number, exc.custom_id, "invalid_request", str(exc)))
-            continue
-        if line.custom_id in seen:
-            errors.append(error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above"))
-            continue
-        seen.add(line.custom_id)
-        if line.custom_id in done:
-            summary["skipped"] += 1
-        else:
-            lines.append(line)
-    summary["failed"] = len(errors)
-    return lines, errors
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                line = parse_line(number, text, run_id, priority)
+            except BadLine as exc:
+                _bad(err, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress)
+                continue
+            if line.custom_id in seen:
+                error = error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above")
+                _bad(err, error, summary, progress)
+                continue
+            seen.add(line.custom_id)
+            if line.custom_id in done:
+                summary["skipped"] += 1
+                progress.skip()
+            else:
+                yield line
+
+
+def _bad(err: TextIO, error: dict[str, Any], summary: dict[str, int], progress: Progress) -> None:
+    err.write(json.dumps(error, ensure_ascii=False) + "\n")
+    summary["failed"] += 1
+    progress.skip(failed=True)
 
 
 def _run(
     client: Client,
-    lines: list[Line],
+    lines: Iterator[Line],
     out: TextIO,
     err: TextIO,
     progress: Progress,
@@ -339,11 +399,11 @@ def _run(
     poll_interval: float,
 ) -> None:
     conn = client.connection
-    pending = list(reversed(lines))
     in_flight: dict[str, tuple[Line, float]] = {}
     reused: set[str] = set()
-    while pending or in_flight:
-        _submit(client, pending, in_flight, max_in_flight, reused)
+    more = True
+    while more or in_flight:
+        more = _submit(client, lines, in_flight, max_in_flight, reused)
         with conn.pipeline(transaction=False) as pipe:
             for job_id in in_flight:
                 pipe.get(result_key(job_id))
@@ -376,15 +436,20 @@ def _run(
 
 
 def _submit(
-    client: Client, pending: list[Line], in_flight: dict[str, tuple[Line, float]], limit: int, reused: set[str]
-) -> None:
-    """Top up to ``limit`` jobs in flight; a line whose job exists from an earlier run is picked up, not redone
-    (and its id added to ``reused``)."""
-    take = []
-    while pending and len(in_flight) + len(take) < limit:
-        take.append(pending.pop())
+    client: Client, lines: Iterator[Line], in_flight: dict[str, tuple[Line, float]], limit: int, reused: set[str]
+) -> bool:
+    """Top up to ``limit`` jobs in flight from ``lines``; a line whose job exists from an earlier run is picked
+    up, not redone (and its id added to ``reused``). False once ``lines`` is used up."""
+    take: list[Line] = []
+    more = True
+    while len(in_flight) + len(take) < limit:
+        line = next(lines, None)
+        if line is None:
+            more = False
+            break
+        take.append(line)
     if not take:
-        return
+        return more
     with client.connection.pipeline(transaction=False) as pipe:
         for line in take:
             pipe.hget(f"rq:job:{line.job_id}", "status")
@@ -404,6 +469,7 @@ def _submit(
         client.submit_many([{**line.payload, "job_id": line.job_id} for line in fresh])
         for line in fresh:
             in_flight[line.job_id] = (line, time.monotonic())
+    return more
 
 
 def _failure_reason(client: Client, job_id: str, status: str, timeout: float | None) -> str:

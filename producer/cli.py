@@ -268,10 +268,18 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
 
 
 def batch(args: argparse.Namespace) -> int:
-    from producer.batch import BatchInterrupted, default_errors_path, new_run_id, run_batch
+    from producer.batch import BatchInterrupted, default_errors_path, dry_run, new_run_id, run_batch
 
     run_id = new_run_id() if args.fresh else args.run_id
     errors = args.errors or default_errors_path(args.output)
+    if args.dry_run:
+        counts = dry_run(args.input, args.output, errors_path=errors, run_id=run_id, priority=args.priority)
+        print(
+            f"dry run: {counts['total']} rows: {counts['valid']} would run, {counts['skipped']} already in "
+            f"{args.output}, {counts['failed']} bad" + (f" (see {errors})" if counts["failed"] else ""),
+            file=sys.stderr,
+        )
+        return 1 if counts["failed"] else 0
     try:
         summary = run_batch(
             _client(args),
@@ -353,6 +361,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl)",
     )
     p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every line (as a run would) and submit nothing; exit 1 if any is bad",
+    )
     p.add_argument(
         "--priority",
         type=int,

@@ -230,3 +230,36 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     assert plain.payload["priority"] == 0
     with pytest.raises(ValueError, match="n=1"):
         parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}}))
+
+
+def test_a_dry_run_checks_every_line_and_submits_nothing(tmp_path):
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(
+        '{"prompt": "a"}\n{"prompt": ""}\n\n{"custom_id": "x", "prompt": "hi"}\n{"custom_id": "x", "prompt": "dup"}\n'
+        '{"custom_id": "done", "prompt": "old"}\n'
+    )
+    out.write_text(json.dumps({"custom_id": "done"}) + "\n")
+    counts = dry_run(src, out)
+    assert counts == {"total": 5, "valid": 2, "skipped": 1, "failed": 2}
+    errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
+    assert [(e["line"], e["error"]["code"]) for e in errors] == [(2, "invalid_request"), (5, "duplicate_custom_id")]
+
+
+def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, monkeypatch):
+    import producer.batch as batch_mod
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(1000)))
+    parsed = []
+    real_parse = batch_mod.parse_line
+    monkeypatch.setattr(batch_mod, "parse_line", lambda *a: parsed.append(a[0]) or real_parse(*a))
+    client = Client(connection=fakeredis.FakeRedis(), queue="lazy")
+    progress = Progress(1000, 0, 0, stream=io.StringIO())
+    summary = {"total": 1000, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
+    lines = batch_mod._read_input(src, set(), None, summary, 10, io.StringIO(), progress)
+    in_flight: dict = {}
+    assert batch_mod._submit(client, lines, in_flight, 8, set()) is True
+    assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
+    assert client.status()["lanes"]["10"] == 8
