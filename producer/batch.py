@@ -30,7 +30,7 @@ from producer.openai_api import (
     completion_logprobs,
     parse,
 )
-from producer.protocol import BULK_PRIORITY, result_key
+from producer.protocol import BULK_PRIORITY, done_key, result_key
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -398,45 +398,95 @@ def _run(
     timeout: float | None,
     poll_interval: float,
 ) -> None:
+    """Keep jobs in flight and write each row as its job ends. The run's jobs push their ids onto a completion
+    list of its own when they end, and the run blocks on it; every job in flight is also looked at now and then
+    (``poll_interval``, backing off to 5 s), for the endings no job announces (one canceled before it ran, a
+    job that expired, one submitted by an earlier run)."""
     conn = client.connection
+    notify = f"batch-{secrets.token_hex(8)}"
     in_flight: dict[str, tuple[Line, float]] = {}
     reused: set[str] = set()
     more = True
-    while more or in_flight:
-        more = _submit(client, lines, in_flight, max_in_flight, reused)
-        with conn.pipeline(transaction=False) as pipe:
-            for job_id in in_flight:
-                pipe.get(result_key(job_id))
-                pipe.hget(f"rq:job:{job_id}", "status")
-            replies = pipe.execute()
-        now = time.monotonic()
-        for (job_id, (line, started)), raw, status in zip(list(in_flight.items()), replies[::2], replies[1::2]):
-            status = status.decode() if status else "missing"
-            result = json.loads(raw) if raw else None
-            if result is not None and result.get("status") == "finished":
-                out.write(json.dumps(output_line(line, result), ensure_ascii=False) + "\n")
-                summary["succeeded"] += 1
-                summary["reused"] += job_id in reused
-                progress.update(result["usage"]["completion_tokens"])
-            elif status in ("failed", "canceled", "stopped", "missing") or (
-                timeout is not None and now - started > timeout
-            ):
-                reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
-                err.write(json.dumps(error_line(line.number, line.custom_id, "job_" + status, reason)) + "\n")
-                summary["failed"] += 1
-                progress.update(0, failed=True)
+    sweep_every, next_sweep = poll_interval, 0.0
+    try:
+        while more or in_flight:
+            more = _submit(client, lines, in_flight, max_in_flight, reused, notify)
+            if time.monotonic() >= next_sweep:
+                ended = list(in_flight)
+                sweep_every = min(sweep_every * 2, 5.0)
+                next_sweep = time.monotonic() + sweep_every
             else:
-                continue
-            del in_flight[job_id]
-        out.flush()
-        err.flush()
-        progress.tick()
-        if in_flight:
-            time.sleep(poll_interval)
+                ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
+            _settle(
+                client, [j for j in ended if j in in_flight], in_flight, reused, out, err, progress, summary, timeout
+            )
+            progress.tick()
+    finally:
+        conn.delete(done_key(notify))
+
+
+def _wait_for_endings(conn, key: str, wait: float) -> list[str]:
+    """Job ids pushed onto ``key`` within ``wait`` seconds: the first blocks, the rest come in the same call."""
+    first = conn.blpop([key], timeout=max(wait, 0.01))
+    if first is None:
+        return []
+    with conn.pipeline() as pipe:  # MULTI: nothing pushed between the read and the delete is lost
+        pipe.lrange(key, 0, -1)
+        pipe.delete(key)
+        rest, _ = pipe.execute()
+    return [x.decode() if isinstance(x, bytes) else x for x in [first[1], *rest]]
+
+
+def _settle(
+    client: Client,
+    job_ids: list[str],
+    in_flight: dict[str, tuple[Line, float]],
+    reused: set[str],
+    out: TextIO,
+    err: TextIO,
+    progress: Progress,
+    summary: dict[str, int],
+    timeout: float | None,
+) -> None:
+    """Write the rows of the jobs among ``job_ids`` that ended (and fail those past ``timeout``)."""
+    if not job_ids:
+        return
+    with client.connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.get(result_key(job_id))
+            pipe.hget(f"rq:job:{job_id}", "status")
+        replies = pipe.execute()
+    now = time.monotonic()
+    for job_id, raw, status in zip(job_ids, replies[::2], replies[1::2]):
+        line, started = in_flight[job_id]
+        status = status.decode() if status else "missing"
+        result = json.loads(raw) if raw else None
+        if result is not None and result.get("status") == "finished":
+            out.write(json.dumps(output_line(line, result), ensure_ascii=False) + "\n")
+            summary["succeeded"] += 1
+            summary["reused"] += job_id in reused
+            progress.update(result["usage"]["completion_tokens"])
+        elif status in ("failed", "canceled", "stopped", "missing") or (
+            timeout is not None and now - started > timeout
+        ):
+            reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
+            err.write(json.dumps(error_line(line.number, line.custom_id, "job_" + status, reason)) + "\n")
+            summary["failed"] += 1
+            progress.update(0, failed=True)
+        else:
+            continue
+        del in_flight[job_id]
+    out.flush()
+    err.flush()
 
 
 def _submit(
-    client: Client, lines: Iterator[Line], in_flight: dict[str, tuple[Line, float]], limit: int, reused: set[str]
+    client: Client,
+    lines: Iterator[Line],
+    in_flight: dict[str, tuple[Line, float]],
+    limit: int,
+    reused: set[str],
+    notify: str | None = None,
 ) -> bool:
     """Top up to ``limit`` jobs in flight from ``lines``; a line whose job exists from an earlier run is picked
     up, not redone (and its id added to ``reused``). False once ``lines`` is used up."""
@@ -466,7 +516,8 @@ def _submit(
             client.connection.delete(f"rq:job:{line.job_id}", result_key(line.job_id))
         fresh.append(line)
     if fresh:
-        client.submit_many([{**line.payload, "job_id": line.job_id} for line in fresh])
+        extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from
+        client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
         for line in fresh:
             in_flight[line.job_id] = (line, time.monotonic())
     return more

@@ -81,6 +81,11 @@ def result_key(job_id: str) -> str:
     return f"roseinfer:result:{job_id}"
 
 
+def done_key(name: str) -> str:
+    """A job submitted with ``notify: name`` has its id pushed onto this list when it ends (any way but a retry)."""
+    return f"roseinfer:done:{name}"
+
+
 def rejected_key(queue: str) -> str:
     """Jobs RQ could not read (a sorted set of ids by time): never run, their reason in their result key."""
     return f"roseinfer:rejected:{queue}"

@@ -53,6 +53,10 @@ class JobRequest(BaseModel):
     priority: int = Field(
         0, ge=-100, le=100, description="lower runs first (as in vLLM); the job waits in its priority's lane"
     )
+    notify: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="when the job ends, its id is pushed onto the list roseinfer:done:<notify> (waiters block on it)",
+    )  # fmt: skip
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
     metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
 

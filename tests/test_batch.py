@@ -263,3 +263,27 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     assert batch_mod._submit(client, lines, in_flight, 8, set()) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
     assert client.status()["lanes"]["10"] == 8
+
+
+@pytest.mark.redis
+def test_rows_are_written_as_their_jobs_announce_their_end_not_by_polling(served, tmp_path, monkeypatch):
+    import producer.batch as batch_mod
+
+    _, client = served
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [json.dumps({"prompt": f"Announced {i} {tmp_path.name}", "max_tokens": 3}) for i in range(12)]
+    src.write_text("\n".join(rows) + "\n")  # rows no earlier test submitted: all new jobs
+    announced: list[str] = []
+    real_wait = batch_mod._wait_for_endings
+
+    def spy(conn, key, wait):
+        got = real_wait(conn, key, wait)
+        announced.extend(got)
+        return got
+
+    monkeypatch.setattr(batch_mod, "_wait_for_endings", spy)
+    # Sweeps of every job in flight: one at the start, the next 60 s later; the run is over long before.
+    summary = run_batch(client, src, out, max_in_flight=4, poll_interval=30)
+    assert summary["succeeded"] == 12
+    assert len(set(announced)) == 12  # every row came through the completion list
+    assert not client.connection.keys("roseinfer:done:*")  # the run's list is gone with it

@@ -450,7 +450,7 @@ class BatchWorker(BaseWorker):
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
             j = job.job
             if dependents or j._success_callback_name or j.webhooks or j.repeats_left or getattr(j, "rate_limit", None):
-                self.publisher.write_result(self.connection, j.id, result)
+                self.publisher.write_result(self.connection, j.id, result, job.request.notify)
                 self._finalize_success(j, job.queue, job.execution, result)
             else:
                 plain.append((job, result))
@@ -475,7 +475,7 @@ class BatchWorker(BaseWorker):
                     continue
                 j = job.job
                 j.ended_at, j._result = ended, result
-                self.publisher.write_result(pipe, j.id, result)
+                self.publisher.write_result(pipe, j.id, result, job.request.notify)
                 j.heartbeat(ended, ttl, pipeline=pipe)
                 self.increment_successful_job_count(pipeline=pipe)
                 self.increment_total_working_time(ended - j.started_at, pipe)
@@ -513,7 +513,7 @@ class BatchWorker(BaseWorker):
                 return
             with self.connection.pipeline() as pipe:
                 if out is not None:
-                    self.publisher.write_result(pipe, job.job.id, self._result(job, out))
+                    self.publisher.write_result(pipe, job.job.id, self._result(job, out), job.request.notify)
                 if stopped:
                     pipe.execute()
                     self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
@@ -549,9 +549,8 @@ class BatchWorker(BaseWorker):
                 self._lost_at_end(job)
                 return
             if not retrying:
-                self.publisher.write_result(
-                    self.connection, job.job.id, failure_result(job.job.id, job.request, str(error))
-                )
+                result = failure_result(job.job.id, job.request, str(error))
+                self.publisher.write_result(self.connection, job.job.id, result, job.request.notify)
                 job.job.retries_left = None  # the same job would fail the same way again
             self._record_failure(job.job, job.queue, job.execution, error)
             self.metrics.job_ended("retried" if retrying else "failed", None)
@@ -566,7 +565,8 @@ class BatchWorker(BaseWorker):
         self.publisher.add(stream, "", [], "error", {}, error)
 
         def end() -> None:
-            self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error))
+            notify = req.notify if req is not None else None
+            self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error), notify)
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
             self.metrics.job_ended("rejected", None)

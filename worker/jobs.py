@@ -194,7 +194,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         )
         publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output))
     with job.connection.pipeline(transaction=False) as pipe:
-        publisher.write_result(pipe, job.id, result)
+        publisher.write_result(pipe, job.id, result, req.notify)
         publisher.flush(pipe)
         pipe.execute()
     if final.finish_reason == "error":

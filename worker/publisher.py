@@ -10,7 +10,15 @@ from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
-from producer.protocol import STREAM_FIELD, channel_key, event_from_stream, make_event, result_key, stream_key
+from producer.protocol import (
+    STREAM_FIELD,
+    channel_key,
+    done_key,
+    event_from_stream,
+    make_event,
+    result_key,
+    stream_key,
+)
 
 
 @dataclass
@@ -152,5 +160,11 @@ class Publisher:
         events, finals = self.take()
         self.queue_writes(pipe, events + finals)
 
-    def write_result(self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any]) -> None:
+    def write_result(
+        self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any], notify: str | None = None
+    ) -> None:
+        """The job's result, and its id onto the completion list it named (``notify``), if any."""
         pipe.set(result_key(job_id), json.dumps(result), ex=self.result_ttl)
+        if notify:
+            pipe.rpush(done_key(notify), job_id)
+            pipe.expire(done_key(notify), self.result_ttl)
