@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
+from producer.connection import QUEUE_URLS_ENV, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.schema import JobRequest
 
@@ -129,9 +130,12 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def target(args: argparse.Namespace) -> tuple[str, str]:
-    """(Redis URL, queue) from the flags, else the environment, else the defaults."""
-    url = args.redis_url or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
-    return url, args.queue or os.environ.get("ROSEINFER_QUEUE") or DEFAULT_QUEUE
+    """(Redis URL, queue): the queue from --queue, else the environment, else the default; its Redis from
+    --redis-url, else the queue's entry in ROSEINFER_QUEUE_URLS, else ROSEINFER_REDIS_URL, else the default."""
+    queue = args.queue or os.environ.get("ROSEINFER_QUEUE") or DEFAULT_QUEUE
+    mapped = queue_urls(os.environ.get(QUEUE_URLS_ENV)).get(queue)
+    url = args.redis_url or mapped or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
+    return url, queue
 
 
 def _client(args: argparse.Namespace) -> Client:

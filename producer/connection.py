@@ -65,6 +65,23 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
     )
 
 
+QUEUE_URLS_ENV = "ROSEINFER_QUEUE_URLS"
+
+
+def queue_urls(spec: str | None) -> dict[str, str]:
+    """``"chat=redis://a:6379/0;bulk=redis+sentinel://s1:26379,s2:26379/bulk"`` -> {queue: URL}: where each
+    queue's Redis deployment is, when queues are spread over several (``;`` apart, since Sentinel URLs hold commas)."""
+    mapping: dict[str, str] = {}
+    for item in (spec or "").split(";"):
+        if not item.strip():
+            continue
+        queue, eq, url = item.partition("=")
+        if not eq or not queue.strip() or not url.strip():
+            raise InvalidRedisURL(f"{QUEUE_URLS_ENV} takes queue=URL pairs separated by ';', got {_redact(item)!r}")
+        mapping[queue.strip()] = url.strip()
+    return mapping
+
+
 def _redact(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url

@@ -129,3 +129,31 @@ def test_a_sentinel_failover_mid_run_loses_no_job_and_no_event(sentinel, tiny_ch
         events = list(job.events(timeout=10))
         assert [e["n"] for e in events] == list(range(len(events)))
         assert [t for e in events for t in e["token_ids"]] == res["token_ids"]
+
+
+def test_each_queue_can_live_on_its_own_redis(monkeypatch):
+    import argparse
+
+    from producer.cli import target
+    from producer.connection import queue_urls
+
+    spec = "chat=redis+sentinel://s1:26379,s2:26379/chat ; bulk=redis://bulk:6379/1"
+    assert queue_urls(spec) == {"chat": "redis+sentinel://s1:26379,s2:26379/chat", "bulk": "redis://bulk:6379/1"}
+    monkeypatch.setenv("ROSEINFER_QUEUE_URLS", spec)
+    monkeypatch.setenv("ROSEINFER_REDIS_URL", "redis://other:6379/0")
+    ns = argparse.Namespace
+    assert target(ns(redis_url=None, queue="bulk")) == ("redis://bulk:6379/1", "bulk")
+    assert target(ns(redis_url=None, queue="misc")) == ("redis://other:6379/0", "misc")
+    assert target(ns(redis_url="redis://flag:1/0", queue="bulk")) == ("redis://flag:1/0", "bulk")
+    with pytest.raises(InvalidRedisURL, match="queue=URL"):
+        queue_urls("chat:redis://a")
+
+
+def test_a_bad_queue_url_map_is_one_line_and_exit_2():
+    import os
+    import sys
+
+    env = {**os.environ, "ROSEINFER_QUEUE_URLS": "oops"}
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "status"], capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: ROSEINFER_QUEUE_URLS takes queue=URL")
+    assert "Traceback" not in out.stderr

@@ -17,7 +17,7 @@ from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
 
 ENV_PREFIX = "ROSEINFER_"
 # Read by the producer commands and the tests rather than by the worker's settings.
-OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER",)
+OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER", "ROSEINFER_QUEUE_URLS")  # the second: producer commands
 
 
 class QueueSettings(BaseSettings):
