@@ -96,27 +96,24 @@ def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:
 
 def connect(url: str, **kwargs: Any) -> Redis:
     """A Redis client for ``url`` (any of the forms above)."""
-    s = parse_sentinel_url(url)
-    if s is None:
-        try:
-            return Redis.from_url(url, **kwargs)
-        except ValueError as exc:
-            raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
     from redis.sentinel import Sentinel
 
-    sentinel = Sentinel(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
-    return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)
+    return _connect(url, Redis, Sentinel, kwargs)
 
 
 def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
     """The ``redis.asyncio`` client for ``url``."""
+    from redis.asyncio.sentinel import Sentinel
+
+    return _connect(url, AsyncRedis, Sentinel, kwargs)
+
+
+def _connect(url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any]) -> Any:
     s = parse_sentinel_url(url)
     if s is None:
         try:
-            return AsyncRedis.from_url(url, **kwargs)
+            return client_class.from_url(url, **kwargs)
         except ValueError as exc:
             raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
-    from redis.asyncio.sentinel import Sentinel
-
-    sentinel = Sentinel(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
+    sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
     return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)

@@ -265,7 +265,7 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     assert client.status()["lanes"]["10"] == 8
 
 
-@pytest.mark.redis
+@pytest.mark.slow
 def test_rows_are_written_as_their_jobs_announce_their_end_not_by_polling(served, tmp_path, monkeypatch):
     import producer.batch as batch_mod
 

@@ -299,3 +299,29 @@ def test_an_interactive_job_overtakes_a_full_worker_of_bulk_jobs_without_changin
         assert Queue(f"{worker.queue}:p10", connection=client.connection).count == 0
     finally:
         worker.stop()
+
+
+@pytest.mark.slow
+def test_a_full_worker_does_not_pull_from_lanes_it_saw_empty(redis_url, tiny_chat_model, monkeypatch):
+    import worker.intake as intake
+
+    pulls: list[str] = []
+    real = intake._pull_batch
+
+    def spy(queue, *args):
+        pulls.append(queue.name)
+        return real(queue, *args)
+
+    monkeypatch.setattr(intake, "_pull_batch", spy)
+    worker = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=2, max_in_flight=2)
+    try:
+        client = Client(redis_url, queue=worker.queue)
+        jobs = client.submit_many(
+            [{"prompt": f"Full {i}", "max_tokens": 200, "ignore_eos": True, "priority": 10} for i in range(6)]
+        )
+        results = [job.result(timeout=120) for job in jobs]
+    finally:
+        worker.stop()
+    assert all(r["usage"]["completion_tokens"] == 200 for r in results)
+    # Full of bulk jobs with more waiting, it looks at the empty interactive lane only before the sender read it.
+    assert pulls.count(worker.queue) <= 3, pulls.count(worker.queue)

@@ -240,3 +240,24 @@ def test_the_cli_reports_a_dead_redis_and_a_bad_request_in_one_line(capsys):
     assert err.count("error: cannot reach Redis") == 2 and "Traceback" not in err
     assert main(["submit", "hi", "--max-tokens", "-3", *dead]) == 2  # refused before Redis is asked
     assert "max_tokens: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"event": "not json"},
+        {"event": json.dumps({"v": 2, "text": "no n", "token_ids": [1]})},
+        {"event": json.dumps({"v": 2, "n": 0, "text": "x", "token_ids": "12"})},
+        {"n": "zero", "text": "x", "token_ids": "[1]"},
+    ],
+)
+def test_a_stream_entry_off_the_protocol_makes_the_job_start_over_not_fail_the_worker(fields):
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    conn.xadd(stream_key("j"), fields)
+    s = pub.resume(conn, ["j"])["j"]
+    assert s.start(can_resume=True) == []
+    pub.add(s, "fresh", [1], "length", {})
+    _send(conn, pub)
+    last = event_from_stream(conn.xrevrange(stream_key("j"), count=1)[0][1])  # the bad entry stays before it
+    assert (last["n"], last["reset"], last["text"]) == (1, True, "fresh")

@@ -13,6 +13,7 @@ from redis import Redis
 
 from producer import Client
 from producer.connection import InvalidRedisURL, SentinelURL, parse_sentinel_url
+from producer.protocol import event_from_stream
 from worker.local_redis import free_port
 
 
@@ -103,8 +104,20 @@ def sentinel(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sentinel_failover_mid_run_loses_no_job_and_no_event(sentinel, tiny_chat_model):
-    worker = ThreadWorker(sentinel.url, tiny_chat_model, max_num_seqs=4, event_interval_ms=0, heartbeat_interval=1)
+def test_a_sentinel_failover_mid_run_loses_no_job(sentinel, tiny_chat_model):
+    """Until Sentinel demotes the old primary, the worker keeps writing to it, and those writes are gone once it
+    resyncs from the new one (README: what a failover loses). What must hold: no job is lost (a job whose end was
+    lost is requeued by maintenance and resumed from its stream on the new primary), the worker serves on, and no
+    stream repeats an event."""
+    worker = ThreadWorker(
+        sentinel.url,
+        tiny_chat_model,
+        max_num_seqs=4,
+        event_interval_ms=0,
+        heartbeat_interval=1,
+        heartbeat_grace=2,
+        maintenance_interval=1,
+    )
     try:
         client = Client(sentinel.url, queue=worker.queue)
         jobs = client.submit_many(
@@ -114,21 +127,25 @@ def test_a_sentinel_failover_mid_run_loses_no_job_and_no_event(sentinel, tiny_ch
             time.sleep(0.02)
         before = sentinel.primary_port()
         Redis(port=sentinel.sentinel).execute_command("SENTINEL", "FAILOVER", "roseinfer")
-        deadline = time.time() + 30
-        while sentinel.primary_port() == before:
+        deadline = time.time() + 60
+        while sentinel.primary_port() == before or Redis(port=before).info("replication")["role"] != "slave":
             assert time.time() < deadline, "no failover"
             time.sleep(0.1)
         unfinished = sum(job.status() != "finished" for job in jobs)
-        results = [job.result(timeout=120) for job in jobs]
+        primary = Redis(port=sentinel.replica)
+        deadline = time.time() + 120
+        while not all(primary.hget(f"rq:job:{job.id}", "status") == b"finished" for job in jobs):
+            assert time.time() < deadline, "jobs lost in the failover"
+            time.sleep(0.2)
+        results = [job.result(timeout=10) for job in jobs]
     finally:
         worker.stop()
     assert sentinel.primary_port() == sentinel.replica
     assert unfinished >= 8, unfinished  # jobs ran across the failover
     for job, res in zip(jobs, results):
         assert res["usage"]["completion_tokens"] == 200
-        events = list(job.events(timeout=10))
-        assert [e["n"] for e in events] == list(range(len(events)))
-        assert [t for e in events for t in e["token_ids"]] == res["token_ids"]
+        ns = [event_from_stream(f)["n"] for _id, f in primary.xrange(f"roseinfer:stream:{job.id}")]
+        assert ns == sorted(set(ns))  # in order and none twice
 
 
 def test_each_queue_can_live_on_its_own_redis(monkeypatch):

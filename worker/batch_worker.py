@@ -303,15 +303,23 @@ class BatchWorker(BaseWorker):
         return self._suspended
 
     # ----- jobs in ------------------------------------------------------------------------------------
+    def lane_depths(self) -> list[tuple[int, Queue, int | None]]:
+        """(priority, queue, jobs waiting in it as the sender last read; None: not read yet) of each lane."""
+        depths = self.sender.queued_by_key
+        return [(p, q, depths.get(q.key)) for p, q in self._lanes]
+
     def _pull(self, block: bool) -> None:
         limit = self.settings.in_flight_limit
-        queues = [q for _, q in self._lanes]
+        # Lanes the sender saw empty are skipped (an LMOVE batch on nothing is a round trip on the step's path);
+        # an idle worker blocks on all of them.
+        lanes = [(p, q) for p, q, depth in self.lane_depths() if block or depth is None or depth > 0]
         if len(self.in_flight) >= limit:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
             # engine preempts the later ones for them.
             worst = max(job.priority for job in self.in_flight.values())
-            queues = [q for p, q in self._lanes if p < worst]
+            lanes = [(p, q) for p, q in lanes if p < worst]
             limit *= 2
+        queues = [q for _, q in lanes]
         room = min(limit - len(self.in_flight), 64)
         if room <= 0 or not queues:
             return

@@ -137,21 +137,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     from worker import bench_priority, bench_queue, bench_redis, bench_serve
 
-    p = sub.add_parser("bench-queue", help="the bench workload through Redis and a worker, vs in-process and stock rq")
-    bench_queue.add_arguments(p)
-    p.set_defaults(func=bench_queue.main)
-
-    p = sub.add_parser("bench-priority", help="an interactive job's TTFT on a worker full of bulk jobs, by priority")
-    bench_priority.add_arguments(p)
-    p.set_defaults(func=bench_priority.main)
-
-    p = sub.add_parser("bench-serve", help="streamed requests through roseinfer serve vs the same jobs submitted")
-    bench_serve.add_arguments(p)
-    p.set_defaults(func=bench_serve.main)
-
-    p = sub.add_parser("bench-redis", help="what generated tokens cost Redis: commands, CPU, bytes (tiny model)")
-    bench_redis.add_arguments(p)
-    p.set_defaults(func=bench_redis.main)
+    for name, module, help_text in (
+        ("bench-queue", bench_queue, "the bench workload through Redis and a worker, vs in-process and stock rq"),
+        ("bench-priority", bench_priority, "an interactive job's TTFT on a worker full of bulk jobs, by priority"),
+        ("bench-serve", bench_serve, "streamed requests through roseinfer serve vs the same jobs submitted"),
+        ("bench-redis", bench_redis, "what generated tokens cost Redis: commands, CPU, bytes (tiny model)"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
 
 
 def version() -> str:

@@ -13,7 +13,7 @@ log = logging.getLogger("roseinfer.worker")
 
 def serve_embedded(args: argparse.Namespace) -> int:
     from producer.aio import AsyncClient
-    from producer.protocol import DEFAULT_QUEUE
+    from producer.cli import target
     from producer.server import run_server
     from worker.local_redis import embedded_connection, start_embedded_redis, start_private_redis
     from worker.main import build_worker
@@ -24,7 +24,7 @@ def serve_embedded(args: argparse.Namespace) -> int:
     if redis_proc is None:
         url = start_embedded_redis()
         connection = embedded_connection(url)
-    queue = args.queue or DEFAULT_QUEUE
+    queue = target(args)[1]  # --queue, else ROSEINFER_QUEUE; the Redis is this command's own
     log.warning("embedded Redis at %s; loading %s", url, args.model)
     settings = WorkerSettings(redis_url=url, queue=queue, model=args.model, dtype=args.dtype)
     worker = build_worker(settings, connection)

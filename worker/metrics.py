@@ -62,8 +62,9 @@ class _WorkerState(Collector):
         engine = w.engine
         yield GaugeMetricFamily("roseinfer_jobs_in_flight", "jobs held by this worker", value=len(w.in_flight))
         depth = GaugeMetricFamily("roseinfer_queue_depth", "jobs waiting in each lane", labels=["lane"])
-        for (_, queue), count in zip(w._lanes, w.sender.queued_by_key):
-            depth.add_metric([queue.name], count)
+        for _, queue, count in w.lane_depths():
+            if count is not None:
+                depth.add_metric([queue.name], count)
         yield depth
         yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
         yield CounterMetricFamily(

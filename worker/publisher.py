@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,9 @@ from producer.protocol import (
     result_key,
     stream_key,
 )
+from producer.wire import StreamEvent
+
+log = logging.getLogger("roseinfer.worker")
 
 
 @dataclass
@@ -97,7 +101,15 @@ class Publisher:
         streams = {}
         for job_id, found in zip(job_ids, entries):
             streams[job_id] = s = JobStream(job_id)
-            s.read([event_from_stream(fields) for _id, fields in found])
+            try:
+                events = [event_from_stream(fields) for _id, fields in found]
+                for event in events:
+                    StreamEvent.model_validate(event)
+            except (ValueError, KeyError, TypeError) as exc:  # written by hand, say: it can't be the output's start
+                log.warning("job %s: its stream holds an entry off the protocol (%s): the job starts over", job_id, exc)
+                s.next_n, s.whole = len(found), False
+                continue
+            s.read(events)
         return streams
 
     def add(

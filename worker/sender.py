@@ -101,7 +101,7 @@ class Sender:
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
         self.queued = 0
-        self.queued_by_key: list[int] = []
+        self.queued_by_key: dict[str, int] = {}  # jobs waiting per queue key, as last read
         self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
         self.status_interval = status_interval
         self._next_status_read = 0.0
@@ -218,6 +218,7 @@ class Sender:
         if watch:
             self._next_status_read = mono + self.status_interval
         started = time.perf_counter()
+        queue_keys = list(self.queue_keys)  # the step loop may change the lanes meanwhile
         with self.connection.pipeline(transaction=False) as pipe:
             self._queue_events(pipe, events)
             if self._emit is None:
@@ -225,7 +226,7 @@ class Sender:
                     pipe.hget(key, "status")
             elif watch:
                 self._ended(keys=[key for _, key in watch], client=pipe)
-            for key in self.queue_keys:
+            for key in queue_keys:
                 pipe.llen(key)
             if self.worker_key:
                 # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis
@@ -237,9 +238,9 @@ class Sender:
         self._report_lost(events, replies)
         self.round_trips += 1
         registered = bool(replies[-1]) if self.worker_key else True
-        tail = len(self.queue_keys) + (1 if self.worker_key else 0)
-        self.queued_by_key = replies[len(replies) - tail : len(replies) - tail + len(self.queue_keys)]
-        self.queued = sum(self.queued_by_key)
+        tail = len(queue_keys) + (1 if self.worker_key else 0)
+        self.queued_by_key = dict(zip(queue_keys, replies[len(replies) - tail : len(replies) - tail + len(queue_keys)]))
+        self.queued = sum(self.queued_by_key.values())
         if self._emit is None:
             first = len(replies) - len(watch) - tail
             ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]
