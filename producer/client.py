@@ -245,7 +245,7 @@ class Client:
         return rows
 
     def _payload(self, req: JobRequest) -> dict[str, Any]:
-        return req.model_dump(exclude_defaults=True)
+        return req.model_dump(exclude_defaults=True, by_alias=True)
 
     def _job_options(self, req: JobRequest) -> dict[str, Any]:
         text = req.prompt if req.prompt is not None else req.messages[-1].content  # type: ignore[index]

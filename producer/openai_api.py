@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer.schema import JobRequest, describe_validation_error
+from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = ("user", "service_tier", "store", "parallel_tool_calls")
@@ -78,6 +78,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None  # lower runs first; the job goes into its priority's lane
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's form (extra_body)
     user: str | None = None
     service_tier: str | None = None
     store: bool | None = None
@@ -89,7 +91,7 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         skip = {"model", "n", "stream", "stream_options", "messages", "prompt", *IGNORED}
-        return {k: v for k, v in self.model_dump(exclude_none=True).items() if k not in skip}
+        return {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
 
 
 class ChatCompletionRequest(_Common):

@@ -21,6 +21,66 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class StructuredOutputs(BaseModel):
+    """Constrain the output, as vLLM's ``structured_outputs``: exactly one of a JSON schema, any JSON object, a
+    regex, a choice of strings or a Lark grammar. The worker compiles it (llguidance); one it rejects fails the job
+    with the library's reason."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (an object or its text)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    regex: str | None = Field(None, min_length=1, description="a regular expression the whole output matches")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, description="one of these")
+    grammar: str | None = Field(None, min_length=1, description="a Lark (or GBNF) grammar")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+    def engine_form(self) -> dict[str, Any]:
+        """The keyword arguments of ``roseinfer.StructuredOutputsParams``."""
+        if self.json_ is not None:
+            return {"json": self.json_}
+        if self.json_object:
+            return {"json_object": True}
+        return {k: v for k in ("regex", "choice", "grammar") if (v := getattr(self, k)) is not None}
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def engine_form(self) -> dict[str, Any] | None:
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return {"json": self.json_schema.schema_}
+        return {"json_object": True} if self.type == "json_object" else None
+
+
 class JobRequest(BaseModel):
     """One generation job. Field names follow the OpenAI API; unknown fields are refused.
 
@@ -57,6 +117,8 @@ class JobRequest(BaseModel):
         None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="when the job ends, its id is pushed onto the list roseinfer:done:<notify> (waiters block on it)",
     )  # fmt: skip
+    structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
+    response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
     metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
 
@@ -93,7 +155,15 @@ class JobRequest(BaseModel):
             raise ValueError("messages must not be empty")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("give structured_outputs or response_format, not both")
         return self
+
+    def structured_form(self) -> dict[str, Any] | None:
+        """The output's constraint, from either field, as ``roseinfer.StructuredOutputsParams`` takes it."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.engine_form()
+        return self.response_format.engine_form() if self.response_format is not None else None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -128,6 +198,7 @@ class JobRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": self.structured_form(),
         }
 
 

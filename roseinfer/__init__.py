@@ -8,9 +8,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from roseinfer.config import DEFAULT_MODEL, EngineConfig
 from roseinfer.outputs import CompletionOutput, RequestOutput
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["DEFAULT_MODEL", "LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str):

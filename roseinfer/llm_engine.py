@@ -21,6 +21,7 @@ from roseinfer.sampler import Sampler, advance_generator
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.sequence import Sequence
+from roseinfer.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.runner = ModelRunner(self.model, self.attn_backend, num_blocks, self.device, sampler)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking
         # the millions of objects transformers leaves behind at every collection in the step loop.
@@ -166,6 +168,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if request_id in self.scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Compiled before anything else is built: a constraint the library rejects fails here, with its reason.
+        grammar = self.structured.matcher_for(params.structured_outputs, prefix) if params.structured_outputs else None
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
         if detok is not None and prefix:
             detok.prime(prefix)
@@ -182,6 +186,7 @@ class LLMEngine:
         seq = Sequence(
             request_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
         )
+        seq.grammar = grammar
         self.scheduler.add(seq)
 
     def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
@@ -225,7 +230,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        sampled = self.runner.execute(sched)
+        masks = self.structured.start_masks([item.seq for item in sched.scheduled if item.samples])
+        sampled = self.runner.execute(sched, masks)
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1
@@ -246,12 +252,20 @@ class LLMEngine:
                 reason = "stop"
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
+        complete = False  # the structured output is complete and nothing may follow: it ends after this token
+        if seq.grammar is not None and reason is None:
+            if not self.structured.accept(seq, token):  # the mask forbids this; a library fault if it happens
+                log.error("request %s: its structured output refused token %d", seq.request_id, token)
+                reason = "abort"
+            complete = self.structured.is_done(seq)
         # A stopping token's own text stays out of the output, as in vLLM.
         delta = ""
         if seq.detokenizer is not None:
             delta = seq.detokenizer.update(None if reason else token, finished=False)
             if reason is None and seq.detokenizer.stop_hit is not None:
                 reason, stop_reason = "stop", seq.detokenizer.stop_hit
+        if reason is None and complete:
+            reason = "stop"
         if reason is None and (
             (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len
         ):

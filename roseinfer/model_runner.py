@@ -8,6 +8,7 @@ from roseinfer.attention import AttentionBackend
 from roseinfer.models import CausalLM
 from roseinfer.sampler import Sampler, SamplerOutput
 from roseinfer.scheduler import SchedulerOutput
+from roseinfer.structured_output import PendingMasks
 
 
 class ModelRunner:
@@ -30,9 +31,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+    def execute(self, sched: SchedulerOutput, masks: PendingMasks | None = None) -> SamplerOutput:
         """Run one step. Returns one sampled token per scheduled request that samples, in the order of
-        ``sched.scheduled`` (requests in the middle of a prefill sample nothing)."""
+        ``sched.scheduled`` (requests in the middle of a prefill sample nothing). ``masks``: the structured-output
+        masks of those rows, filling while the forward runs."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -55,4 +57,5 @@ class ModelRunner:
             return SamplerOutput([], [])
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        return self.sampler(self.model.compute_logits(hidden), sample_seqs)
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, sample_seqs, masks.get() if masks is not None else None)

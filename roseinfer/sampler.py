@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from roseinfer.sequence import Sequence
+from roseinfer.structured_output import GrammarMasks
 
 
 @dataclass
@@ -37,17 +38,21 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SamplerOutput:
         params = [s.params for s in seqs]
         logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
-        if not any(want_logprobs) and all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params):
+        plain = all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params)
+        if not any(want_logprobs) and plain and masks is None:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        unconstrained = logits
         logits = logits.clone()
         self._apply_penalties(logits, seqs)
         self._block_early_stop(logits, seqs)
+        if masks is not None:
+            self._apply_grammar(logits, unconstrained, masks)
 
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -90,6 +95,18 @@ class Sampler:
                 banned = [t for t in banned if t < vocab]
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, unconstrained: torch.Tensor, masks: GrammarMasks) -> None:
+        """Tokens a row's structured output does not allow cannot be chosen. When min_tokens banned all it allows
+        (the constraint is complete, only EOS may follow), the constraint wins: the row keeps what it allows."""
+        rows = torch.tensor(masks.rows, device=logits.device)
+        allowed = masks.allowed(logits.shape[1]).to(logits.device)
+        sub = logits[rows].masked_fill_(~allowed, float("-inf"))
+        empty = torch.isneginf(sub).all(dim=-1)
+        if empty.any():
+            sub[empty] = unconstrained[rows][empty].masked_fill(~allowed[empty], float("-inf"))
+        logits[rows] = sub
 
     # ----- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -12,6 +12,42 @@ MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are 
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output, as vLLM's ``StructuredOutputsParams``: exactly one of a JSON schema (``json``, a dict or
+    its JSON text), any JSON object (``json_object=True``), a regex, a list of strings to choose from (``choice``)
+    or a Lark grammar (``grammar``; GBNF is converted)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"invalid structured output: {msg}")
+
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if not isinstance(self.json_object, bool):
+            fail(f"json_object must be true or false, got {self.json_object!r}")
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            fail(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            fail(f"json must be a JSON schema (an object, or its text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail(f"{name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            fail("choice must be a non-empty list of non-empty strings")
+
+
+@dataclass
 class SamplingParams:
     """What to generate and when to stop, shaped like vLLM's ``SamplingParams``.
 
@@ -37,6 +73,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +81,13 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"invalid structured output: {exc}") from exc
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("invalid sampling parameter: structured_outputs must be a StructuredOutputsParams or dict")
         self._validate()
 
     def _validate(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from roseinfer.sampling_params import SamplingParams
 
@@ -50,6 +50,8 @@ class Sequence:
         self.params = params
         self.detokenizer = detokenizer
         self.generator = generator
+        # The structured-output matcher (llguidance's LLMatcher), fed every output token; None when unconstrained.
+        self.grammar: Any = None
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V sit in the cache (computed here or found in the prefix cache); set by the scheduler.
         self.num_computed_tokens = 0

@@ -22,7 +22,7 @@ from worker.settings import WorkerSettings, unknown_env_vars
 # Engine-only sampling fields (not in the payload) and why.
 ENGINE_ONLY = {"n": "only n=1 is served", "stop_strings": "derived from stop"}
 # Payload fields that are not sampling fields.
-PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs", "priority", "notify"}
+PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs", "priority", "notify", "response_format"}
 
 
 def _sampling_fields() -> list[dataclasses.Field]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 import uvicorn
 from conftest import ThreadWorker
 
-from producer import Client
+from producer import Client, JobFailed
 from producer.aio import AsyncClient
 from producer.server import create_app
 from worker.local_redis import free_port
@@ -335,3 +336,47 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"enum": ["calm", "rough"]}, "waves": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["label", "waves"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_structured_outputs_pass_through(served, oai, redis_url):
+    import jsonschema
+
+    worker, _, model = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "sea", "schema": SCHEMA, "strict": True}}
+    out = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0, response_format=fmt)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    # The same constraint in vLLM's form gives the same output, through the server and submitted directly.
+    so = {"json": SCHEMA}
+    vllm_form = oai.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=40, temperature=0, extra_body={"structured_outputs": so}
+    )
+    direct_out = direct(
+        redis_url, worker.queue, messages=MESSAGES, max_tokens=40, temperature=0.0, structured_outputs=so
+    )
+    assert vllm_form.choices[0].message.content == direct_out["text"] == out.choices[0].message.content
+    choice = oai.completions.create(
+        model=model, prompt="The sea is", max_tokens=10, extra_body={"structured_outputs": {"choice": ["calm", "wild"]}}
+    )
+    assert choice.choices[0].text in ("calm", "wild")
+
+
+def test_a_schema_the_library_rejects_is_a_failed_job_and_a_bad_response_format_a_400(served, oai, redis_url):
+    worker, _, model = served
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=model, messages=MESSAGES, response_format={"type": "xml"})
+    assert err.value.body["param"] == "response_format.type"
+    client = Client(redis_url, queue=worker.queue)
+    bad = client.submit(prompt="x", structured_outputs={"json": {"type": "frobnicate"}})
+    good = client.submit(prompt="x", max_tokens=5, structured_outputs={"regex": "[a-z]{3}"})
+    with pytest.raises(JobFailed, match=r"invalid structured output.*frobnicate"):
+        bad.result(timeout=60)
+    assert len(good.result(timeout=60)["text"]) == 3

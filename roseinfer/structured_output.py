@@ -1,0 +1,157 @@
+"""Structured outputs: decoding constrained to a JSON schema, any JSON object, a regex, a choice or a Lark grammar.
+
+llguidance does the matching. Each constrained request holds one ``LLMatcher`` (on ``Sequence.grammar``) that has
+consumed every output token so far. Before a step samples, the matchers of the rows that sample fill a token bitmask
+(in llguidance's threads, while the model's forward runs); the sampler sets every token the mask leaves out to -inf,
+greedy and sampled rows alike. Preemption and recompute keep the matcher: the tokens it consumed stay the request's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from roseinfer.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from roseinfer.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# JSON as Python's json.dumps writes it: one space after ',' and ':', no other whitespace. A small model left free
+# wanders in blanks and newlines until max_tokens; this keeps every JSON output compact and bounded.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_CACHE_SIZE = 64  # compiled grammars kept (a dataset run uses one schema for every row)
+
+
+@dataclass
+class GrammarMasks:
+    """The token bitmask of one step: ``rows`` are indexes into the step's sampling rows, ``bitmask[i]`` is row
+    ``rows[i]``'s (int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """A bool [len(rows), vocab] tensor: True where the mask allows the token."""
+        bits = (self.bitmask[:, :, None] >> _SHIFTS) & 1
+        return bits.reshape(len(self.rows), -1)[:, :vocab].bool()
+
+
+class PendingMasks:
+    """Masks being filled in the background; ``get()`` waits for them."""
+
+    def __init__(self, future: Future[GrammarMasks] | None) -> None:
+        self._future = future
+
+    def get(self) -> GrammarMasks | None:
+        return self._future.result() if self._future is not None else None
+
+
+def grammar_text(so: StructuredOutputsParams) -> str:
+    """The llguidance grammar for one request's constraint."""
+    import llguidance
+    from llguidance import LLMatcher
+
+    if so.json is not None:
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if so.json_object:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if so.regex is not None:
+        return LLMatcher.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(so.choice))
+    assert so.grammar is not None
+    return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to it
+
+
+class StructuredOutputManager:
+    """Compiles constraints into matchers and fills each step's masks. Built once per engine; llguidance's view of
+    the tokenizer (~0.5 s to build) is made at the first constrained request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        self._templates: OrderedDict[str, Any] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _setup(self) -> None:
+        if self._ll_tokenizer is not None:
+            return
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError as exc:  # a declared dependency; only a broken install lacks it
+            raise ValueError(f"structured outputs need the llguidance package: {exc}") from exc
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer, and this model has none")
+        self._ll_tokenizer = llguidance.hf.from_tokenizer(
+            self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+        )
+        self._executor = llguidance.LLExecutor(num_threads=1)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+    # ----- admission -------------------------------------------------------------------------------
+    def matcher_for(self, so: StructuredOutputsParams, output_prefix: list[int]) -> Any:
+        """A fresh matcher for ``so`` that has consumed ``output_prefix``, or ``ValueError`` with llguidance's reason
+        (a schema it cannot compile, a regex that does not parse, a prefix the constraint does not allow)."""
+        from llguidance import LLMatcher
+
+        self._setup()
+        try:
+            text = grammar_text(so)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid structured output: {exc}") from exc
+        template = self._templates.get(text)
+        if template is None:
+            template = LLMatcher(self._ll_tokenizer, text, log_level=0)
+            if template.is_error():
+                raise ValueError(f"invalid structured output: {template.get_error()}")
+            self._templates[text] = template
+            if len(self._templates) > _CACHE_SIZE:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(text)
+        matcher = template.deep_copy()
+        if output_prefix and not matcher.consume_tokens(list(output_prefix)):
+            raise ValueError(f"the output to resume breaks its structured output: {matcher.get_error()}")
+        return matcher
+
+    # ----- the step --------------------------------------------------------------------------------
+    def start_masks(self, sampling: list[Sequence]) -> PendingMasks:
+        """Begin filling the masks of the constrained requests among ``sampling`` (the step's rows that sample, in
+        order); they fill while the forward runs."""
+        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None]
+        matchers = [sampling[i].grammar for i in rows]
+        if not rows:
+            return PendingMasks(None)
+        assert self._pool is not None
+        return PendingMasks(self._pool.submit(self._fill, rows, matchers))
+
+    def _fill(self, rows: list[int], matchers: list[Any]) -> GrammarMasks:
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], bitmask)
+        return GrammarMasks(rows, bitmask)
+
+    @staticmethod
+    def accept(seq: Sequence, token: int) -> bool:
+        """Feed a sampled token to the request's matcher. False when the matcher refuses it (it then stays in error)."""
+        return bool(seq.grammar.consume_token(token))
+
+    @staticmethod
+    def is_done(seq: Sequence) -> bool:
+        """The constraint is complete and nothing may follow: the request ends as if it sampled EOS."""
+        return bool(seq.grammar.is_stopped())

@@ -1,0 +1,138 @@
+"""Structured outputs through the engine: every kind, greedy and seeded, with chunked prefill, preemption, stop
+strings, min_tokens and a resumed output; a constraint the library rejects fails only its own request."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from roseinfer import LLM, SamplingParams, StructuredOutputsParams
+
+# Bounded, so even a random model's output ends well within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["cat", "dog", "bird"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["label", "score", "ok"],
+    "additionalProperties": False,
+}
+GRAMMAR = 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]/'
+KINDS = {
+    "json": ({"json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    "json-text": ({"json": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    "regex": ({"regex": "[0-9]{3}-[0-9]{4}"}, lambda t: _match(r"[0-9]{3}-[0-9]{4}", t)),
+    "choice": ({"choice": ["positive", "negative", "neutral"]}, lambda t: _match("positive|negative|neutral", t)),
+    "grammar": ({"grammar": GRAMMAR}, lambda t: _match("yes|no|maybe [0-9]", t)),
+}
+
+
+def _match(pattern: str, text: str) -> None:
+    import re
+
+    assert re.fullmatch(pattern, text), text
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model):
+    return LLM(tiny_chat_model, dtype="float32", max_num_seqs=8)
+
+
+def texts(outs):
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+PROMPTS = [f"Question {i}: classify this animal and score it." for i in range(5)]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_every_kind_finishes_valid(llm, kind, sampling):
+    so, check = KINDS[kind]
+    extra = {"temperature": 0} if sampling == "greedy" else {"temperature": 1.0, "seed": 11}
+    params = SamplingParams(max_tokens=60, structured_outputs=so, **extra)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for text, reason in texts(outs):
+        assert reason == "stop", text
+        check(text)
+    if sampling == "seeded":  # a rerun draws the same
+        assert texts(llm.generate(PROMPTS, params, use_tqdm=False)) == texts(outs)
+
+
+def test_unconstrained_neighbours_and_the_constraint_change_nothing_of_each_other(llm):
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA})
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = texts(llm.generate(PROMPTS[:1], params, use_tqdm=False))
+    free_alone = texts(llm.generate(PROMPTS[1:2], free, use_tqdm=False))
+    mixed = texts(llm.generate(PROMPTS[:2], [params, free], use_tqdm=False))
+    assert mixed == alone + free_alone
+
+
+@pytest.mark.slow
+def test_chunked_prefill_and_preemption_keep_the_constraint(tiny_chat_model):
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA})
+    prompts = [p * 6 for p in PROMPTS]  # long enough to be chunked
+    roomy = LLM(tiny_chat_model, dtype="float32", max_num_seqs=8)
+    want = texts(roomy.generate(prompts, params, use_tqdm=False))
+    # 40 blocks of 8 tokens cannot hold five of these at once: requests are preempted and recomputed.
+    tight = LLM(tiny_chat_model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, block_size=8)
+    tight.engine.kv.__init__(40, 8, True)
+    got = texts(tight.generate(prompts, params, use_tqdm=False))
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    for text, _ in got:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_constraint_the_library_rejects_fails_only_its_request(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"invalid structured output.*frobnicate"):
+        engine.add_request("bad-schema", "hi", SamplingParams(structured_outputs={"json": {"type": "frobnicate"}}))
+    with pytest.raises(ValueError, match=r"invalid structured output.*regex"):
+        engine.add_request("bad-regex", "hi", SamplingParams(structured_outputs={"regex": "a(b"}))
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+    with pytest.raises(ValueError, match="invalid structured output"):
+        SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=60, structured_outputs={"choice": ["x", "y"]}))
+    assert outs[0].outputs[0].text in ("x", "y")
+
+
+def test_a_stop_string_still_cuts_and_min_tokens_gives_way_to_a_complete_constraint(llm):
+    so = {"grammar": 'start: "alpha beta gamma"'}
+    out = llm.generate(["go"], SamplingParams(temperature=0, max_tokens=20, stop=" beta", structured_outputs=so))[0]
+    assert (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("alpha", "stop", " beta")
+    # The grammar is complete before min_tokens: nothing else may follow, so it ends there.
+    out = llm.generate(["go"], SamplingParams(temperature=0, max_tokens=20, min_tokens=15, structured_outputs=so))[0]
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("alpha beta gamma", "stop")
+
+
+def test_max_tokens_cuts_with_length(llm):
+    params = SamplingParams(temperature=0, max_tokens=3, structured_outputs={"json": SCHEMA})
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
+def test_a_resumed_output_goes_on_under_its_constraint(llm, sampling):
+    params = SamplingParams(max_tokens=60, structured_outputs={"json": SCHEMA}, **sampling)
+    whole = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    engine = llm.engine
+    prefix = whole.token_ids[:4]
+    engine.add_request("resumed", PROMPTS[0], params, output_prefix=prefix)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert (final.outputs[0].token_ids, final.outputs[0].text) == (whole.token_ids, whole.text)
+    # A prefix the constraint does not allow is refused with the reason.
+    bad = llm.get_tokenizer().encode("nope")
+    with pytest.raises(ValueError, match="breaks its structured output"):
+        engine.add_request("resumed-bad", PROMPTS[0], params, output_prefix=bad)
