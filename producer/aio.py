@@ -215,13 +215,14 @@ class AsyncGenerationJob:
         finally:
             self.client.hub.leave(follower)
 
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[str]:
-        """As ``GenerationJob.stream``: text pieces; ``StreamRestarted`` if the output starts over after some."""
+    async def stream(self, timeout: float | None = None, index: int = 0) -> AsyncIterator[str]:
+        """As ``GenerationJob.stream``: text pieces (of sample ``index``); ``StreamRestarted`` if the output starts
+        over after some."""
         read_any = False
         async for event in self.events(timeout, skip_void=True):
             if event.get("reset") and read_any:
                 raise StreamRestarted(self.id)
-            if event["text"]:
+            if event["text"] and event.get("index", 0) == index:
                 read_any = True
                 yield event["text"]
             if event.get("finish_reason") == "error":

@@ -26,9 +26,11 @@ from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_choices,
     chat_logprobs,
-    completion_logprobs,
+    completion_choices,
     parse,
+    samples,
 )
 from producer.protocol import BULK_PRIORITY, done_key, result_key
 
@@ -138,20 +140,22 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
     """The OpenAI batch output line for a finished job."""
     created = int(result["timings"]["finished_at"])
-    if line.url == "/v1/chat/completions":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}}
-        body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
-    else:
-        choice = {"index": 0, "text": result["text"]}
-        body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
     asked = line.payload.get("logprobs")
-    logprobs = None
+    top = None
     if asked is not None and asked is not False:  # OpenAI's shape, tokens named by id
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
-        shape = chat_logprobs if line.url == "/v1/chat/completions" else completion_logprobs
-        logprobs = shape(result, top)
-    choice.update({"finish_reason": result["finish_reason"], "logprobs": logprobs})
-    body.update({"created": created, "model": result["model"], "choices": [choice], "usage": result["usage"]})
+    if line.url == "/v1/chat/completions":
+        body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
+        choices = chat_choices(result, None)
+        if top is not None:
+            for choice, sample in zip(choices, samples(result)):
+                choice["logprobs"] = chat_logprobs(sample, top)
+    else:
+        body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
+        choices = completion_choices(result, top)
+    for choice, sample in zip(choices, samples(result)):
+        choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
+    body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})
     return {
         "id": f"batch_req_{result['id']}",
         "custom_id": line.custom_id,

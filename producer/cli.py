@@ -16,8 +16,10 @@ from producer.connection import QUEUE_URLS_ENV, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.schema import JobRequest
 
-# Payload fields that get no derived flag: the prompt is the positional argument, metadata takes JSON.
-_NOT_FLAGS = ("prompt", "messages", "metadata")
+# Payload fields that take a JSON value on the command line (a flag of their own each).
+_JSON_FLAGS = ("metadata", "structured_outputs", "response_format")
+# Payload fields that get no derived flag: the prompt is the positional argument, the others take JSON.
+_NOT_FLAGS = ("prompt", "messages", *_JSON_FLAGS)
 _SCALARS = (bool, int, float, str)
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _METAVARS = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
@@ -156,11 +158,14 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
             request[flag.field] = [flag.convert(v) for v in value]
         else:
             request[flag.field] = flag.convert(value)
-    if args.metadata is not None:
+    for name in _JSON_FLAGS:
+        value = getattr(args, name)
+        if value is None:
+            continue
         try:
-            request["metadata"] = json.loads(args.metadata)
+            request[name] = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"invalid job: metadata: not JSON ({exc})") from None
+            raise InvalidRequest(f"invalid job: {name}: not JSON ({exc})") from None
     validate(request)
     return request
 
@@ -327,8 +332,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")
     p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
-    metadata = JobRequest.model_fields["metadata"].description or "metadata"
-    p.add_argument("--metadata", default=None, metavar="JSON", help=f"{metadata} (JSON)".replace("%", "%%"))
+    for name in _JSON_FLAGS:
+        about = JobRequest.model_fields[name].description or name
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, default=None, metavar="JSON", help=f"{about} (JSON)".replace("%", "%%"))
     for flag in payload_flags():
         if flag.kinds == (bool,) and not flag.repeatable:
             p.add_argument(*flag.flags, dest=flag.field, action=argparse.BooleanOptionalAction, help=flag.help)

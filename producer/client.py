@@ -316,14 +316,15 @@ class GenerationJob:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
 
-    def stream(self, timeout: float | None = None) -> Iterator[str]:
-        """The generated text piece by piece, from the first token, whenever it is called. Raises
-        ``StreamRestarted`` if the output starts over after text was read (call it again to follow the new one)."""
+    def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
+        """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
+        job with n > 1). Raises ``StreamRestarted`` if the output starts over after text was read (call it again to
+        follow the new one)."""
         read_any = False
         for event in self.events(timeout, skip_void=True):
             if event.get("reset") and read_any:
                 raise StreamRestarted(self.id)
-            if event["text"]:
+            if event["text"] and event.get("index", 0) == index:
                 read_any = True
                 yield event["text"]
             if event.get("finish_reason") == "error":

@@ -86,11 +86,9 @@ class _Common(BaseModel):
     parallel_tool_calls: bool | None = None
 
     def sampling(self) -> dict[str, Any]:
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported: send the request n times with different seeds", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        skip = {"model", "n", "stream", "stream_options", "messages", "prompt", *IGNORED}
+        skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
         return {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
 
 
@@ -205,40 +203,55 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason) if reason else None  # type: ignore[arg-type]
 
 
+def samples(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result's samples (``choices``; a result without them is its one sample)."""
+    return result.get("choices") or [{"index": 0, **result}]
+
+
+def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) -> list[dict[str, Any]]:
+    top = request.top_logprobs or 0 if request is not None else 0
+    want = request is not None and request.logprobs
+    return [
+        {
+            "index": s["index"],
+            "message": {"role": "assistant", "content": s.get("text", "")},
+            "finish_reason": finish_reason(s.get("finish_reason")),
+            "logprobs": chat_logprobs(s, top) if want else None,
+        }
+        for s in samples(result)
+    ]
+
+
+def completion_choices(result: dict[str, Any], top: int | None) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": s["index"],
+            "text": s.get("text", ""),
+            "finish_reason": finish_reason(s.get("finish_reason")),
+            "logprobs": completion_logprobs(s, top) if top is not None else None,
+        }
+        for s in samples(result)
+    ]
+
+
 def chat_response(job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any]) -> dict[str, Any]:
-    logprobs = chat_logprobs(result, request.top_logprobs or 0) if request.logprobs else None
     return {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.get("text", "")},
-                "finish_reason": finish_reason(result.get("finish_reason")),
-                "logprobs": logprobs,
-            }
-        ],
+        "choices": chat_choices(result, request),
         "usage": usage(result),
     }
 
 
 def completion_response(job_id: str, model: str, request: CompletionRequest, result: dict[str, Any]) -> dict:
-    logprobs = completion_logprobs(result, request.logprobs or 0) if request.logprobs is not None else None
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": result.get("text", ""),
-                "finish_reason": finish_reason(result.get("finish_reason")),
-                "logprobs": logprobs,
-            }
-        ],
+        "choices": completion_choices(result, request.logprobs),
         "usage": usage(result),
     }
 
@@ -246,8 +259,8 @@ def completion_response(job_id: str, model: str, request: CompletionRequest, res
 class ChunkWriter:
     """The chunks of one streamed response, in OpenAI's shape (chat or text)."""
 
-    def __init__(self, job_id: str, model: str, chat: bool) -> None:
-        self.chat = chat
+    def __init__(self, job_id: str, model: str, chat: bool, n: int = 1) -> None:
+        self.chat, self.n = chat, n
         self.head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -255,14 +268,14 @@ class ChunkWriter:
             "model": model,
         }
 
-    def piece(self, text: str, reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def piece(self, text: str, reason: str | None = None, first: bool = False, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reason is not None and not text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
         return {**self.head, "choices": [choice]}
 
     def usage(self, values: dict[str, Any]) -> dict[str, Any]:

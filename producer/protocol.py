@@ -99,9 +99,13 @@ def make_event(
     usage: dict[str, int] | None = None,
     error: str | None = None,
     reset: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """An event as published on the channel and stored in the stream (JSON, both)."""
+    """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
+    belongs to (jobs with n > 1; left out for sample 0)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
+    if index:
+        event["index"] = index
     if reset:
         event["reset"] = True
     if finish_reason is not None:

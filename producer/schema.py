@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
+MAX_N = 64
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
@@ -117,6 +118,7 @@ class JobRequest(BaseModel):
         None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="when the job ends, its id is pushed onto the list roseinfer:done:<notify> (waiters block on it)",
     )  # fmt: skip
+    n: int = Field(1, ge=1, le=MAX_N, description="samples of the prompt (computed once), each in the result's choices")
     structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
     response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
@@ -199,6 +201,7 @@ class JobRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "structured_outputs": self.structured_form(),
+            "n": self.n,
         }
 
 

@@ -137,7 +137,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = _sse(job, ChunkWriter(job.id, req.model, chat), include_usage, timeout, metrics.streams)
+            chunks = ChunkWriter(job.id, req.model, chat, req.n)
+            stream = _sse(job, chunks, include_usage, timeout, metrics.streams)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
         result = await _result_unless_gone(request, job, timeout)
         body = (chat_response if chat else completion_response)(job.id, req.model, req, result)
@@ -188,7 +189,8 @@ async def _sse(
     finished = False
     open_streams.inc()
     try:
-        yield _data(chunks.piece("", first=True))
+        for index in range(chunks.n):
+            yield _data(chunks.piece("", first=True, index=index))
         async for event in job.events(timeout, skip_void=True):
             if event.get("reset") and event["n"]:
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
@@ -196,8 +198,12 @@ async def _sse(
             if reason == "error":
                 yield _data(_job_error(JobFailed(job.id, event.get("error", "failed"))).body())
                 break
-            if event["text"] or reason is not None:
-                yield _data(chunks.piece(event["text"], reason))
+            if event["text"] or (reason is not None and chunks.n == 1):
+                yield _data(chunks.piece(event["text"], None if chunks.n > 1 else reason, index=event.get("index", 0)))
+            if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
+                result = await job.result(timeout)
+                for choice in result.get("choices") or []:
+                    yield _data(chunks.piece("", choice["finish_reason"], index=choice["index"]))
             if reason is not None:
                 if include_usage:
                     yield _data(chunks.usage(event.get("usage") or {}))

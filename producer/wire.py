@@ -42,6 +42,7 @@ class StreamEvent(BaseModel):
     reset: bool | None = Field(
         None, description="true: the output starts over here; drop the text and token ids of every earlier event"
     )
+    index: int | None = Field(None, ge=0, description="the sample the piece belongs to (a job with n > 1); absent: 0")
 
 
 class Timings(BaseModel):
@@ -54,6 +55,17 @@ class Timings(BaseModel):
     queue_s: float = Field(description="seconds from enqueued to started")
     ttft_s: float | None = Field(description="seconds from enqueued to the first token")
     total_s: float = Field(description="seconds from enqueued to finished")
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    logprobs: list[list[list[float]]] | None = None
 
 
 class JobResult(BaseModel):
@@ -74,6 +86,7 @@ class JobResult(BaseModel):
     usage: Usage | None = None
     timings: Timings | None = None
     logprobs: list[list[list[float]]] | None = Field(None, description="per token: [[token_id, logprob], ...]")
+    choices: list[Choice] | None = Field(None, description="every sample (n of them), sample 0 first")
     metadata: dict[str, Any] | None = None
     error: str | None = None
 

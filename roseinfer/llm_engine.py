@@ -33,6 +33,7 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens_computed: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed (not found in the prefix cache), recomputes included
 
 
 class LLMEngine:
@@ -71,6 +72,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attn_backend, num_blocks, self.device, sampler)
         self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples, for requests with n > 1
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
@@ -164,30 +166,44 @@ class LLMEngine:
                 f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
         prefix = self._checked_prefix(output_prefix or [], len(token_ids), params)
+        if prefix and params.n > 1:
+            raise ValueError("a request with n > 1 cannot resume from an output prefix: its samples start over")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        if request_id in self.scheduler:
+        if request_id in self.scheduler or request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Compiled before anything else is built: a constraint the library rejects fails here, with its reason.
-        grammar = self.structured.matcher_for(params.structured_outputs, prefix) if params.structured_outputs else None
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
-        if detok is not None and prefix:
-            detok.prime(prefix)
-            if detok.stop_hit is not None:
-                raise ValueError("the output prefix already contains a stop string: the request had ended")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-            if not params.greedy:
-                advance_generator(generator, len(prefix), self.model.vocab_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError("priority must be an integer")
-        seq = Sequence(
-            request_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
-        )
-        seq.grammar = grammar
-        self.scheduler.add(seq)
+        so = params.structured_outputs
+        seqs = []
+        for index in range(params.n):
+            # Compiled before anything else is built: a constraint the library rejects fails here, with its reason.
+            grammar = self.structured.matcher_for(so, prefix) if so else None
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
+            if detok is not None and prefix:
+                detok.prime(prefix)
+                if detok.stop_hit is not None:
+                    raise ValueError("the output prefix already contains a stop string: the request had ended")
+            generator = None
+            seed = params.sample_seed(index)
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+                if not params.greedy:
+                    advance_generator(generator, len(prefix), self.model.vocab_size)
+            seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
+            seq = Sequence(
+                seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
+            )
+            seq.grammar, seq.parent_id, seq.index = grammar, request_id, index
+            seq.leader = seqs[0] if seqs else None
+            seqs.append(seq)
+        if params.n > 1:
+            if any(seq.request_id in self.scheduler for seq in seqs):
+                raise ValueError(f"request id {request_id!r} clashes with the samples of another request")
+            self._groups[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
         if not prefix:
@@ -206,18 +222,24 @@ class LLMEngine:
         return ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks. Returns its last output, or None if unknown."""
-        seq = self.scheduler.get(request_id)
-        if seq is None:
+        """Stop a request now (every sample of it) and free its KV blocks. Returns its last output, or None if
+        unknown."""
+        seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
+        if seqs[0] is None:
             return None
-        self.scheduler.finish(seq, "abort")
-        seq.finish_time = time.perf_counter()
-        delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
-        return self._output(seq, delta, [])
+        now = time.perf_counter()
+        delta = ""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "abort")
+            seq.finish_time = now
+            delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
+        return self._output(seqs[-1], delta, [])
 
     def running_request_ids(self) -> list[str]:
-        """The requests in the running batch (those a step computes)."""
-        return [seq.request_id for seq in self.scheduler.running()]
+        """The requests in the running batch (those a step computes), by the ids they were added with."""
+        return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -235,6 +257,9 @@ class LLMEngine:
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1
+        for item in sched.scheduled:  # prompt (and resumed) tokens computed, less prefix-cache hits
+            known = item.seq.num_prompt_tokens + item.seq.num_resumed_tokens
+            self.stats.num_prefill_tokens += max(0, min(item.start + item.num_tokens, known) - item.start)
         outputs: list[RequestOutput] = []
         for seq, token in new_tokens:
             if seq.num_output_tokens == seq.num_resumed_tokens + 1:  # its first token: the prompt is computed
@@ -278,25 +303,38 @@ class LLMEngine:
             seq.finish_time = now
         return self._output(seq, delta, [token])
 
-    @staticmethod
-    def _output(seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=seq.output_text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs,
-        )
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        """The request's output after ``seq`` advanced: every sample of it, the delta of ``seq``."""
+        samples = self._groups.get(seq.parent_id, [seq]) if seq.parent_id != seq.request_id else [seq]
+        finished = all(s.is_finished for s in samples)
+        if finished and len(samples) > 1:
+            del self._groups[seq.parent_id]
+        lead = samples[0]
+        first_times = [s.first_token_time for s in samples if s.first_token_time is not None]
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
+            request_id=seq.parent_id,
+            prompt=lead.prompt,
+            prompt_token_ids=lead.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=s.index,
+                    text=s.output_text,
+                    token_ids=s.output_token_ids,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=s.logprobs,
+                )
+                for s in samples
+            ],
+            finished=finished,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            delta_index=seq.index,
             metrics=RequestMetrics(
-                seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
+                lead.arrival_time,
+                min(first_times) if first_times else None,
+                max(s.finish_time for s in samples) if finished else None,
+                sum(s.num_cached_tokens for s in samples),
+                sum(s.num_preemptions for s in samples),
             ),
         )

@@ -38,7 +38,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # What this step added: the text now safe to show and the token ids sampled.
+    # What this step added: the text now safe to show and the token ids sampled, for the sample ``delta_index``
+    # (always 0 with n = 1; a step that advances several samples of one request gives one output for each).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_index: int = 0
     metrics: RequestMetrics | None = None

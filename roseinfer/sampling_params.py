@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 # Bounds shared with the job payload (producer/schema.py; tests/test_options.py checks that the two agree).
@@ -9,6 +10,7 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
 MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
+MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
 
 
 @dataclass
@@ -100,8 +102,8 @@ class SamplingParams:
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        if self.n != 1:
-            fail(f"n must be 1 (got {self.n!r}); submit the prompt several times with different seeds instead")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             fail(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -134,6 +136,14 @@ class SamplingParams:
                 fail(f"{name} must be true or false, got {getattr(self, name)!r}")
         if any(s == "" for s in self.stop_strings):
             fail("stop strings must not be empty")
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample ``index`` of ``n``: sample 0 uses ``seed`` itself, the others seeds derived from it, so a
+        rerun reproduces every sample."""
+        if self.seed is None or index == 0:
+            return self.seed
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
 
     @property
     def greedy(self) -> bool:

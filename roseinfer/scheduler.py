@@ -146,6 +146,8 @@ class Scheduler:
         tight = len(preempted) > num_made_room
         while not tight and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
+            if seq.leader is not None and not self._leader_holds_prompt(seq.leader):
+                break  # a later sample of a request: it waits to share its first sample's prompt blocks
             hit = self.kv.get_computed_blocks(seq)
             n = min(seq.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(seq, n, hit):
@@ -172,6 +174,15 @@ class Scheduler:
             self._preempt(last)
             preempted.append(last)
         return preempted
+
+    def _leader_holds_prompt(self, leader: Sequence) -> bool:
+        """The first sample of a request has blocks for all of its prompt's full blocks (registered in the prefix
+        cache as they are allocated), or it ended: the other samples are admitted and find them there. Without a
+        prefix cache there is nothing to share, and nothing to wait for."""
+        if not self.kv.enable_prefix_caching or leader.status is SequenceStatus.FINISHED:
+            return True
+        num_full = leader.num_prompt_tokens // self.kv.block_size
+        return leader.status is SequenceStatus.RUNNING and len(self.kv.get_block_ids(leader.request_id)) >= num_full
 
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs to hold ``num_tokens`` tokens."""

@@ -46,6 +46,11 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_resumed_tokens = len(output_prefix or ())
         self.priority = priority  # lower runs first (as in vLLM)
+        # Sample ``index`` of a request with n > 1 (request_id is then the request's id with "[index]"): the others
+        # wait for ``leader`` (sample 0) to hold its prompt's blocks, then share them through the prefix cache.
+        self.parent_id = request_id
+        self.index = 0
+        self.leader: Sequence | None = None
         self.arrival_order = 0  # set by the scheduler: ties between equal priorities go to the earlier request
         self.params = params
         self.detokenizer = detokenizer

@@ -228,8 +228,9 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     assert [t["token"] for t in steps[1]["top_logprobs"]] == ["token_id:6", "token_id:5"]
     plain = parse_line(2, json.dumps({"prompt": "x", "priority": 0}))
     assert plain.payload["priority"] == 0
-    with pytest.raises(ValueError, match="n=1"):
-        parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}}))
+    assert parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}})).payload["n"] == 3
+    with pytest.raises(ValueError, match="n: Input should be less than or equal to 64"):
+        parse_line(4, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 65}}))
 
 
 def test_a_dry_run_checks_every_line_and_submits_nothing(tmp_path):

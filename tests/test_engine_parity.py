@@ -33,7 +33,7 @@ def _run_online(llm: LLM, prompts: list[list[int]], arrive_every: int, params=GR
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-ops"])
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2"])
+@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("tiny_gpt2", marks=pytest.mark.slow)])
 def test_mixed_batch_matches_transformers(model, kernels, request):
     if not kernels:
         request.getfixturevalue("no_kernels")
@@ -45,8 +45,10 @@ def test_mixed_batch_matches_transformers(model, kernels, request):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("block_size", [16, 8, 4])
-@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-ops"])
+@pytest.mark.parametrize(
+    "block_size", [pytest.param(16, marks=pytest.mark.slow), 8, pytest.param(4, marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("kernels", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["c-kernels", "torch-ops"])
 def test_arrivals_chunked_prefill_and_prefix_hits(tiny_llama, kernels, block_size, request):
     if not kernels:
         request.getfixturevalue("no_kernels")

@@ -46,7 +46,7 @@ def test_float32_layer_is_untouched():
     torch.testing.assert_close(layer(x), x @ w.T)
 
 
-@pytest.mark.parametrize("bf16_gemm", ["float32", "bfloat16"], indirect=True)
+@pytest.mark.parametrize("bf16_gemm", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"], indirect=True)
 def test_bfloat16_engine_agrees_with_transformers_on_either_gemm(tiny_llama, bf16_gemm):
     prompts = [[5, 17, 99, 3, 42, 8], [250, 1, 7], list(range(10, 40))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

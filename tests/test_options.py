@@ -20,7 +20,7 @@ from worker.cli import build_parser, engine_flags, load_settings
 from worker.settings import WorkerSettings, unknown_env_vars
 
 # Engine-only sampling fields (not in the payload) and why.
-ENGINE_ONLY = {"n": "only n=1 is served", "stop_strings": "derived from stop"}
+ENGINE_ONLY = {"stop_strings": "derived from stop"}
 # Payload fields that are not sampling fields.
 PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs", "priority", "notify", "response_format"}
 
@@ -132,7 +132,28 @@ def test_payload_and_sampling_params_declare_the_same_fields_and_defaults():
     assert SamplingParams().max_tokens is None and SamplingParams().temperature == 1.0
 
 
-PROBES = [-(10**30), -3, -2, -1, -0.5, 0, 0.5, 1, 1.5, 2, 2.5, 20, 21, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30]
+PROBES = [
+    -(10**30),
+    -3,
+    -2,
+    -1,
+    -0.5,
+    0,
+    0.5,
+    1,
+    1.5,
+    2,
+    2.5,
+    20,
+    21,
+    64,
+    65,
+    2**31 - 1,
+    2**31,
+    2**63 - 1,
+    2**63,
+    10**30,
+]
 
 
 @pytest.mark.parametrize("name", [f.name for f in _sampling_fields()])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import fakeredis
 import pytest
 
 from producer import Client, JobFailed
+from roseinfer.outputs import CompletionOutput, RequestOutput
 from worker.pump import Pump
 
 
@@ -64,10 +64,8 @@ class FakeEngine:
 
     @staticmethod
     def _out(rid, req, text, ids, reason):
-        completion = SimpleNamespace(text="", token_ids=list(range(1, req["made"] + 1)), finish_reason=reason,
-                                     stop_reason=None, logprobs=None)  # fmt: skip
-        return SimpleNamespace(request_id=rid, delta_text=text, delta_token_ids=ids, finished=reason is not None,
-                               outputs=[completion], prompt_token_ids=[1, 2], prompt=None)  # fmt: skip
+        completion = CompletionOutput(0, "", list(range(1, req["made"] + 1)), reason)
+        return RequestOutput(rid, None, [1, 2], [completion], reason is not None, text, ids)
 
 
 def _params(max_tokens=3):

@@ -146,6 +146,7 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
 
 
+@pytest.mark.slow
 def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
     _, client = served
     job = client.submit("Keep going", max_tokens=200, temperature=0, ignore_eos=True)

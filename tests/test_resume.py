@@ -51,7 +51,7 @@ _FULL: dict[str, tuple] = {}  # case -> its uninterrupted run, shared by the cut
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("cut", [1, 17, 39])
+@pytest.mark.parametrize("cut", [pytest.param(1, marks=pytest.mark.slow), 17, pytest.param(39, marks=pytest.mark.slow)])
 def test_resumed_request_equals_the_uninterrupted_run(llm, case, cut):
     params = CASES[case]
     if case not in _FULL:

@@ -50,7 +50,7 @@ PROMPTS = [f"Question {i}: classify this animal and score it." for i in range(5)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
 def test_every_kind_finishes_valid(llm, kind, sampling):
     so, check = KINDS[kind]
     extra = {"temperature": 0} if sampling == "greedy" else {"temperature": 1.0, "seed": 11}

@@ -47,6 +47,7 @@ from worker.jobs import (
     build_result,
     failure_result,
     parse_request,
+    resumable,
     sampling_params,
     usage,
 )
@@ -385,7 +386,7 @@ class BatchWorker(BaseWorker):
                 continue
             timeout = job.timeout if job.timeout and job.timeout > 0 else None
             # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
-            prefix = streams[job.id].start(can_resume=params.logprobs is None)
+            prefix = streams[job.id].start(can_resume=resumable(params))
             self.pump.submit(job.id, req.engine_prompt(), params, timeout, prefix, req.priority)
             self.in_flight[job.id] = InFlight(job, queue, execution, req, streams[job.id], wall)
             log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
@@ -425,11 +426,13 @@ class BatchWorker(BaseWorker):
             if event.restarted:
                 job.stream.restart()
             if not event.finished:
-                self.publisher.add(job.stream, event.text, event.token_ids)
+                self.publisher.add(job.stream, event.text, event.token_ids, index=event.index)
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output
-                self.publisher.add(job.stream, event.text, event.token_ids, event.finish_reason, usage(out))
+                self.publisher.add(
+                    job.stream, event.text, event.token_ids, event.finish_reason, usage(out), index=event.index
+                )
                 done.append((job, out))
             elif event.finish_reason == "abort":
                 self._canceled(job, event)

@@ -77,9 +77,21 @@ def sampling_params(job_id: str, req: JobRequest):
         raise JobRejected(str(exc)) from None
 
 
+def resumable(params: Any) -> bool:
+    """A retry resumes from the job's stream, unless the stream cannot rebuild the output: it carries no logprobs,
+    and the samples of a job with n > 1 start over together."""
+    return params.logprobs is None and params.n == 1
+
+
 def usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """The prompt counts once, however many samples share it."""
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
+    # JSON objects need string keys: a list of [token_id, logprob] pairs per generated token.
+    return [[[tid, lp] for tid, lp in step.items()] for step in steps]
 
 
 def build_result(
@@ -111,8 +123,19 @@ def build_result(
         },
     }
     if c.logprobs is not None:
-        # JSON objects need string keys: a list of [token_id, logprob] pairs per generated token.
-        result["logprobs"] = [[[tid, lp] for tid, lp in step.items()] for step in c.logprobs]
+        result["logprobs"] = _logprobs(c.logprobs)
+    # Every sample, sample 0 first (its text, token ids and finish reason are also the result's own).
+    result["choices"] = [
+        {
+            "index": s.index,
+            "text": s.text,
+            "token_ids": list(s.token_ids),
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+            **({"logprobs": _logprobs(s.logprobs)} if s.logprobs is not None else {}),
+        }
+        for s in out.outputs
+    ]
     if req.metadata is not None:
         result["metadata"] = req.metadata
     return result
@@ -167,7 +190,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     stream = publisher.resume(job.connection, [job.id])[job.id]
     params = sampling_params(job.id, req)
-    prefix = stream.start(can_resume=params.logprobs is None)
+    prefix = stream.start(can_resume=resumable(params))
     pump = Pump(_engine(), tokenize_in_thread=False)
     pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix)
     started_at, first_token_at, final = time.time(), None, None
@@ -179,7 +202,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             if event.finished:
                 final = event
             else:
-                publisher.add(stream, event.text, event.token_ids)
+                publisher.add(stream, event.text, event.token_ids, index=event.index)
         if final is None:
             with job.connection.pipeline(transaction=False) as pipe:
                 publisher.flush(pipe)
@@ -192,7 +215,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         result = build_result(
             job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
         )
-        publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output))
+        publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index)
     with job.connection.pipeline(transaction=False) as pipe:
         publisher.write_result(pipe, job.id, result, req.notify)
         publisher.flush(pipe)

@@ -40,9 +40,9 @@ class JobStream:
     resume_text: str = ""
     # The stream cannot serve as a prefix (trimmed, or with a final event): a retry starts over, after a reset.
     whole: bool = True
-    # Not sent yet: text and token ids since the last event, and the final event's fields once the job ended.
-    pending_text: list[str] = field(default_factory=list)
-    pending_ids: list[int] = field(default_factory=list)
+    # Not sent yet: per sample (0 unless the job has n > 1) the text pieces and token ids since its last event, and
+    # the final event's fields once the job ended.
+    pending: dict[int, tuple[list[str], list[int]]] = field(default_factory=dict)
     pending_end: tuple[str, dict[str, int] | None, str | None] | None = None
     pending_reset: bool = False
 
@@ -120,30 +120,37 @@ class Publisher:
         finish_reason: str | None = None,
         usage: dict[str, int] | None = None,
         error: str | None = None,
+        index: int = 0,
     ) -> None:
+        """``text`` and ``token_ids`` of sample ``index`` to stream; ``finish_reason`` ends the job."""
         if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
             return
+        texts, ids = s.pending.setdefault(index, ([], []))
         if text:
-            s.pending_text.append(text)
-        s.pending_ids += token_ids
+            texts.append(text)
+        ids += token_ids
         if finish_reason is not None:
             s.pending_end = (finish_reason, usage, error)
         self.urgent = self.urgent or s.next_n == 0 or s.pending_reset or finish_reason is not None
         self._dirty[s.job_id] = s
 
     def take(self) -> tuple[list[Event], list[Event]]:
-        """One event per job with something pending, as (job id, event, stream TTL to set): (running jobs'
-        events, final events). Final events go out after their job's result and status."""
+        """One event per job (per sample of a job with n > 1) with something pending, as (job id, event, stream TTL
+        to set): (running jobs' events, final events). Final events go out after their job's result and status."""
         events: list[Event] = []
         finals: list[Event] = []
         for s in self._dirty.values():
-            end = s.pending_end or (None, None, None)
-            event = make_event(s.next_n, "".join(s.pending_text), s.pending_ids, *end, reset=s.pending_reset)
-            ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
-            (finals if end[0] is not None else events).append((s.job_id, event, ttl, s.owner))
-            s.next_n += 1
-            s.ended = end[0] is not None
-            s.pending_text, s.pending_ids, s.pending_end, s.pending_reset = [], [], None, False
+            pieces = list(s.pending.items()) or [(0, ([], []))]
+            for k, (index, (texts, ids)) in enumerate(pieces):
+                last = k == len(pieces) - 1
+                end = (s.pending_end if last else None) or (None, None, None)
+                reset = s.pending_reset and k == 0
+                event = make_event(s.next_n, "".join(texts), ids, *end, reset=reset, index=index)
+                ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
+                (finals if end[0] is not None else events).append((s.job_id, event, ttl, s.owner))
+                s.next_n += 1
+                s.ended = end[0] is not None
+            s.pending, s.pending_end, s.pending_reset = {}, None, False
         self._dirty = {}
         self.urgent = False
         return events, finals

@@ -32,6 +32,7 @@ class JobEvent:
     retryable: bool = False  # an error another attempt may not meet (a failed step), not one about the job itself
     timed_out: bool = False  # the job ran past its deadline
     restarted: bool = False  # the engine could not resume the job's output: it starts over (streams say so)
+    index: int = 0  # the sample the text and token ids belong to (jobs with n > 1)
 
     @property
     def finished(self) -> bool:
@@ -166,11 +167,19 @@ class Pump:
         for out in outputs:
             if out.request_id not in self._jobs:
                 continue
-            reason = out.outputs[0].finish_reason
+            # A job ends with its last sample; its finish reason is sample 0's (each sample's is in the output).
+            reason = out.outputs[0].finish_reason if out.finished else None
             if out.finished:
                 del self._jobs[out.request_id]
             events.append(
-                JobEvent(out.request_id, out.delta_text, out.delta_token_ids, reason, out if out.finished else None)
+                JobEvent(
+                    out.request_id,
+                    out.delta_text,
+                    out.delta_token_ids,
+                    reason,
+                    out if out.finished else None,
+                    index=out.delta_index,
+                )
             )
         return events
 
