@@ -226,6 +226,15 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     steps = choice["logprobs"]["content"]
     assert [s["token"] for s in steps] == ["token_id:5", "token_id:6"] and steps[0]["logprob"] == -0.1
     assert [t["token"] for t in steps[1]["top_logprobs"]] == ["token_id:6", "token_id:5"]
+    # n samples: one choice each, with its own text, finish reason and logprobs.
+    second = {"index": 1, "text": "no", "token_ids": [7], "finish_reason": "stop", "logprobs": [[[7, -0.2]]]}
+    first = {"index": 0, **{k: result[k] for k in ("text", "token_ids", "finish_reason", "logprobs")}}
+    choices = output_line(line, {**result, "choices": [first, second]})["response"]["body"]["choices"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in choices] == [
+        (0, "ok", "length"),
+        (1, "no", "stop"),
+    ]
+    assert choices[0] == choice and choices[1]["logprobs"]["content"][0]["token"] == "token_id:7"
     plain = parse_line(2, json.dumps({"prompt": "x", "priority": 0}))
     assert plain.payload["priority"] == 0
     assert parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}})).payload["n"] == 3

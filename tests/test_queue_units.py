@@ -12,6 +12,7 @@ import pytest
 
 from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, stream_key
 from producer.schema import JobRequest
+from producer.wire import StreamEvent
 from worker.jobs import job_seed
 from worker.publisher import Publisher
 
@@ -261,3 +262,24 @@ def test_a_stream_entry_off_the_protocol_makes_the_job_start_over_not_fail_the_w
     _send(conn, pub)
     last = event_from_stream(conn.xrevrange(stream_key("j"), count=1)[0][1])  # the bad entry stays before it
     assert (last["n"], last["reset"], last["text"]) == (1, True, "fresh")
+
+
+def test_the_samples_of_a_job_get_events_of_their_own():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    s = pub.resume(conn, ["multi"])["multi"]
+    pub.add(s, "a", [1], index=0)
+    pub.add(s, "b", [2], index=1)
+    pub.add(s, "c", [3], index=0)  # coalesced with its own sample's piece, never with another's
+    _send(conn, pub)
+    pub.add(s, "d", [4], "stop", {"completion_tokens": 4}, index=1)
+    _send(conn, pub)
+    events = _events(conn, "multi")
+    assert [(e["n"], e.get("index", 0), e["text"], e["token_ids"]) for e in events] == [
+        (0, 0, "ac", [1, 3]),
+        (1, 1, "b", [2]),
+        (2, 1, "d", [4]),
+    ]
+    assert "index" not in events[0] and events[-1]["finish_reason"] == "stop"
+    for e in events:
+        StreamEvent.model_validate(e)

@@ -380,3 +380,29 @@ def test_a_schema_the_library_rejects_is_a_failed_job_and_a_bad_response_format_
     with pytest.raises(JobFailed, match=r"invalid structured output.*frobnicate"):
         bad.result(timeout=60)
     assert len(good.result(timeout=60)["text"]) == 3
+
+
+def test_n_samples_through_the_queue_the_stream_and_the_server(served, oai, redis_url):
+    worker, _, model = served
+    job = Client(redis_url, queue=worker.queue).submit(prompt="The sea", max_tokens=8, temperature=1.0, seed=3, n=3)
+    result = job.result(timeout=60)
+    choices = result["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and len({c["text"] for c in choices}) > 1
+    assert (result["text"], result["token_ids"]) == (choices[0]["text"], choices[0]["token_ids"])
+    assert result["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    for c in choices:  # each sample's events add up to it, in the stream and in stream(index=)
+        assert "".join(job.stream(timeout=10, index=c["index"])) == c["text"]
+        ids = [t for e in job.events(timeout=10) if e.get("index", 0) == c["index"] for t in e["token_ids"]]
+        assert ids == c["token_ids"]
+    fields = {"model": model, "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3}
+    chat = oai.chat.completions.create(messages=MESSAGES, **fields)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    pieces: dict[int, str] = {}
+    ends = {}
+    for chunk in oai.chat.completions.create(messages=MESSAGES, stream=True, **fields):
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                ends[c.index] = c.finish_reason
+    assert pieces == {c.index: c.message.content for c in chat.choices}
+    assert ends == {c.index: c.finish_reason for c in chat.choices}
