@@ -1,4 +1,4 @@
-"""``roseinfer batch``: a JSONL of requests in, a JSONL of OpenAI batch output lines out; resumable.
+"""``roseinfer batch``: rows in (OpenAI batch lines or plain rows, JSONL or Parquet), their outputs out; resumable.
 
 Each line gets a job id derived from its custom_id and content, so a rerun after a crash picks up jobs that
 are still queued or already finished instead of generating them again, and skips lines already in the output.
@@ -21,6 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from producer.batch_io import (
+    DEFAULT_FIELDS,
+    JSONLSink,
+    ParquetSink,
+    RowOptions,
+    count_rows,
+    format_of,
+    input_columns,
+    payload_digest,
+    read_rows,
+)
 from producer.client import Client, validate
 from producer.openai_api import (
     APIError,
@@ -66,6 +77,7 @@ class Line:
     url: str
     payload: dict[str, Any]
     job_id: str
+    row: dict[str, Any] | None = None  # a plain row's columns (a Parquet output keeps them)
 
 
 def new_run_id() -> str:
@@ -82,26 +94,68 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
     return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
 
 
-def parse_line(number: int, text: str, run_id: str | None = None, priority: int = BULK_PRIORITY) -> Line:
-    """One input line into a job payload (at ``priority`` unless the line says); BadLine (a ValueError) with a
-    readable reason for a bad one."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadLine(f"not JSON: {exc}") from None
+def parse_line(
+    number: int,
+    text: str | dict[str, Any],
+    run_id: str | None = None,
+    priority: int = BULK_PRIORITY,
+    options: RowOptions | None = None,
+) -> Line:
+    """One input row (a JSONL line's text, or a Parquet row) into a job payload (at ``priority`` unless it says;
+    the run's defaults where it names none); BadLine (a ValueError) with a readable reason for a bad one."""
+    options = options or RowOptions()
+    if isinstance(text, dict):
+        obj = text
+    else:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadLine(f"not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadLine("a line must be a JSON object")
-    custom_id = obj.get("custom_id", f"line-{number}")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise BadLine("custom_id must be a non-empty string")
+    if options.plain:
+        key = options.id_column
+        custom_id = obj.get(key) if key is not None else f"row-{number}"
+        custom_id = str(custom_id) if isinstance(custom_id, (int, str)) and not isinstance(custom_id, bool) else None
+        if key is not None and not custom_id:
+            raise BadLine(f"the id column {key!r} must hold a non-empty string or integer")
+    else:
+        custom_id = obj.get("custom_id", f"line-{number}")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise BadLine("custom_id must be a non-empty string")
     try:
-        url, payload = _payload(obj)
+        url, payload = _row_payload(obj, options) if options.plain else _payload(obj)
+        _apply_defaults(payload, options.defaults)
         payload["custom_id"] = custom_id
         payload.setdefault("priority", priority)
         validate(payload)  # InvalidRequest is a ValueError
     except ValueError as exc:
         raise BadLine(str(exc), custom_id) from None
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id))
+    row = obj if options.plain else None
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id), row)
+
+
+def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[str, Any]]:
+    """A plain row's prompt (or messages) column; its other columns are data, not settings."""
+    if options.messages_column is not None:
+        messages = row.get(options.messages_column)
+        if not isinstance(messages, list):
+            raise ValueError(f"the messages column {options.messages_column!r} must hold a list of messages")
+        return "/v1/chat/completions", {"messages": messages}
+    prompt = row.get(options.prompt_column)  # type: ignore[arg-type]
+    if not isinstance(prompt, str):
+        raise ValueError(f"the prompt column {options.prompt_column!r} must hold text, got {type(prompt).__name__}")
+    return "/v1/completions", {"prompt": prompt}
+
+
+def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """The run's defaults (``--max-tokens`` ...) for what the row does not set itself."""
+    for name in DEFAULT_FIELDS:
+        if name not in defaults or name in payload:
+            continue
+        if name == "response_format" and "structured_outputs" in payload:
+            continue
+        payload[name] = defaults[name]
 
 
 def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -222,11 +276,12 @@ class Progress:
                 f"{self.tokens / self._elapsed():.1f} tokens/s, ETA {eta}"
             )
 
-    def finish(self, summary: dict[str, int], output: Path, errors: Path) -> None:
+    def finish(self, summary: dict[str, Any], output: Path, errors: Path) -> None:
         self.close()
         elapsed = self._elapsed()
         reused = f" ({summary['reused']} from an earlier run's jobs)" if summary["reused"] else ""
-        failed = f" (see {errors})" if summary["failed"] else ""
+        reasons = ", ".join(f"{n} {code}" for code, n in sorted(summary.get("failures", {}).items()))
+        failed = f" ({reasons}; see {errors})" if summary["failed"] else ""
         self._print(
             f"batch: {summary['total']} rows in {duration(elapsed)}: {summary['succeeded']} succeeded{reused}, "
             f"{summary['failed']} failed{failed}, {summary['skipped']} already in {output}; "
@@ -245,43 +300,42 @@ class Progress:
         print(text, file=self.stream, flush=True)
 
 
-def _done_ids(path: Path) -> set[str]:
-    """custom_ids already in the output. A last line cut short (a crash mid-write) is cut off, so that the rows
-    appended next start on a line of their own; its request runs again."""
-    done: set[str] = set()
-    if not path.exists():
-        return done
-    _cut_partial_last_line(path)
-    with path.open("rb") as f:  # line by line: an output of millions of rows is never held in memory
-        for raw in f:
-            try:
-                done.add(json.loads(raw)["custom_id"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                continue
-    return done
-
-
-def _cut_partial_last_line(path: Path) -> None:
-    with path.open("r+b") as f:
-        size = f.seek(0, 2)
-        end = size
-        while end > 0:  # back to the last newline, a block at a time
-            start = max(0, end - 65536)
-            f.seek(start)
-            block = f.read(end - start)
-            newline = block.rfind(b"\n")
-            if newline != -1:
-                end = start + newline + 1
-                break
-            end = start
-        if end < size:
-            log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, size - end)
-            f.truncate(end)
-
-
 def default_errors_path(output_path: str | Path) -> Path:
     """``out.jsonl`` -> ``out.errors.jsonl``: the output's last suffix replaced."""
     return Path(output_path).with_suffix(".errors.jsonl")
+
+
+Sink = JSONLSink | ParquetSink
+
+
+def settings_path(output_path: Path) -> Path:
+    """Beside the output: the settings its rows were made with (a rerun with others is refused)."""
+    return output_path.with_name(output_path.name + ".batch.json")
+
+
+def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bool) -> None:
+    path = settings_path(output_path)
+    if has_rows and path.exists():
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            before = None
+        if before is not None and before != fingerprint:
+            raise ValueError(
+                f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
+                f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
+            )
+    path.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
+
+
+def _open_sink(
+    output_path: Path, output_format: str, err: TextIO, input_path: Path, input_format: str, options: RowOptions
+) -> Sink:
+    if output_format == "jsonl":
+        return JSONLSink(output_path, err)
+    id_column = options.id_column or "custom_id"
+    columns = input_columns(input_path, input_format) if options.plain else None
+    return ParquetSink(output_path, err, columns, id_column, int(options.defaults.get("n", 1)))
 
 
 def run_batch(
@@ -296,30 +350,40 @@ def run_batch(
     log_interval: float = 10.0,
     run_id: str | None = None,
     priority: int = BULK_PRIORITY,
-) -> dict[str, int]:
-    """Run every line of ``input_path`` as a job; returns ``total``, ``skipped`` (already in the output),
-    ``succeeded``, ``failed`` and ``reused`` (succeeded rows whose job an earlier run had submitted).
+    options: RowOptions | None = None,
+    input_format: str | None = None,
+    output_format: str | None = None,
+) -> dict[str, Any]:
+    """Run every row of ``input_path`` as a job; returns ``total``, ``skipped`` (already in the output),
+    ``succeeded``, ``failed``, ``reused`` (succeeded rows whose job an earlier run had submitted) and ``failures``
+    (failed rows by reason).
 
     ``run_id`` derives new job ids (see ``job_id_for``): pass a new one to generate again what an earlier run's
     jobs still hold in Redis, the same one to resume that run. Ctrl-C raises BatchInterrupted with the counts.
     """
     if run_id is not None and not RUN_ID.fullmatch(run_id):
         raise ValueError(f"a run id is 1 to 32 letters and digits, got {run_id!r}")
-    output_path = Path(output_path)
+    input_path, output_path = Path(input_path), Path(output_path)
+    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    options = (options or RowOptions()).for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
-    summary = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
+    summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
-    input_path = Path(input_path)
     try:
-        done = _done_ids(output_path)
-        summary["total"] = _count_rows(input_path)  # a first pass that keeps nothing: for progress and ETA
-        progress = Progress(summary["total"], 0, 0, log_interval)
-        with output_path.open("a") as out, errors_path.open("w") as err:
-            lines = _read_input(input_path, done, run_id, summary, priority, err, progress)
-            _run(client, lines, out, err, progress, summary, max_in_flight, timeout, poll_interval)
+        summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
+        with errors_path.open("w") as err:
+            sink = _open_sink(output_path, out_fmt, err, input_path, in_fmt, options)
+            done = sink.done()
+            _check_settings(output_path, options.fingerprint(), bool(done))
+            progress = Progress(summary["total"], 0, 0, log_interval)
+            sink.open()
+            try:
+                lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+                _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
+            finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
+                sink.close()
         progress.finish(summary, output_path, errors_path)
     except KeyboardInterrupt:
-        # Every row is written whole with one write; leaving the with block flushed and closed both files.
         raise BatchInterrupted(summary) from None
     finally:
         if progress is not None:
@@ -334,70 +398,83 @@ def dry_run(
     errors_path: str | Path | None = None,
     run_id: str | None = None,
     priority: int = BULK_PRIORITY,
-) -> dict[str, int]:
-    """Check every line as ``run_batch`` would, submitting nothing: ``total``, ``valid`` (would run), ``skipped``
-    (already in the output) and ``failed`` (bad lines, written to the errors file)."""
-    output_path = Path(output_path)
+    options: RowOptions | None = None,
+    input_format: str | None = None,
+    output_format: str | None = None,
+) -> dict[str, Any]:
+    """Check every row as ``run_batch`` would, submitting nothing: ``total``, ``valid`` (would run), ``skipped``
+    (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by reason."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    options = (options or RowOptions()).for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
-    summary = {"total": _count_rows(Path(input_path)), "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
-    done = _done_ids(output_path) if output_path.exists() else set()
+    summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
+    summary.update(reused=0, failures={})
     with errors_path.open("w") as err, open(os.devnull, "w") as quiet:
+        sink = _open_sink(output_path, out_fmt, err, input_path, in_fmt, options)
+        done = sink.done()
         progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
-        valid = sum(1 for _ in _read_input(Path(input_path), done, run_id, summary, priority, err, progress))
-    return {"total": summary["total"], "valid": valid, "skipped": summary["skipped"], "failed": summary["failed"]}
-
-
-def _count_rows(path: Path) -> int:
-    with path.open("rb") as f:
-        return sum(1 for raw in f if raw.strip())
+        lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+        valid = sum(1 for _ in lines)
+        sink.flush()
+    counts = {k: summary[k] for k in ("total", "skipped", "failed", "failures")}
+    return {**counts, "valid": valid}
 
 
 def _read_input(
     path: Path,
-    done: set[str],
+    fmt: str,
+    options: RowOptions,
+    done: dict[str, int],
     run_id: str | None,
-    summary: dict[str, int],
+    summary: dict[str, Any],
     priority: int,
-    err: TextIO,
+    sink: Sink,
     progress: Progress,
 ) -> Iterator[Line]:
-    """The lines still to run, read as they are needed (memory stays bounded by the jobs in flight, plus the set
-    of custom_ids seen); bad lines go to ``err`` and rows already in the output are counted as they come."""
+    """The rows still to run, read as they are needed (memory stays bounded by the jobs in flight, plus the ids
+    seen); bad rows go to the errors, rows already in the output are counted as they come. A row in the output
+    made from another request than this row's (the input changed since) is refused, not mixed in."""
     seen: set[str] = set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                line = parse_line(number, text, run_id, priority)
-            except BadLine as exc:
-                _bad(err, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress)
-                continue
-            if line.custom_id in seen:
-                error = error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above")
-                _bad(err, error, summary, progress)
-                continue
-            seen.add(line.custom_id)
-            if line.custom_id in done:
-                summary["skipped"] += 1
-                progress.skip()
-            else:
-                yield line
+    for number, raw in read_rows(path, fmt):
+        try:
+            line = parse_line(number, raw, run_id, priority, options)
+        except BadLine as exc:
+            _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress)
+            continue
+        if line.custom_id in seen:
+            error = error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above")
+            _bad(sink, error, summary, progress)
+            continue
+        seen.add(line.custom_id)
+        digest = done.get(line.custom_id)
+        if digest is None:
+            yield line
+        elif digest == payload_digest(line.job_id):
+            summary["skipped"] += 1
+            progress.skip()
+        else:
+            message = "the output holds this custom_id made from another request (the row or the settings changed)"
+            _bad(sink, error_line(number, line.custom_id, "changed_request", message), summary, progress)
 
 
-def _bad(err: TextIO, error: dict[str, Any], summary: dict[str, int], progress: Progress) -> None:
-    err.write(json.dumps(error, ensure_ascii=False) + "\n")
-    summary["failed"] += 1
+def _bad(sink: Sink, error: dict[str, Any], summary: dict[str, Any], progress: Progress) -> None:
+    sink.error(error)
+    _count_failure(summary, error["error"]["code"])
     progress.skip(failed=True)
+
+
+def _count_failure(summary: dict[str, Any], code: str) -> None:
+    summary["failed"] += 1
+    summary["failures"][code] = summary["failures"].get(code, 0) + 1
 
 
 def _run(
     client: Client,
     lines: Iterator[Line],
-    out: TextIO,
-    err: TextIO,
+    sink: Sink,
     progress: Progress,
-    summary: dict[str, int],
+    summary: dict[str, Any],
     max_in_flight: int,
     timeout: float | None,
     poll_interval: float,
@@ -421,9 +498,7 @@ def _run(
                 next_sweep = time.monotonic() + sweep_every
             else:
                 ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
-            _settle(
-                client, [j for j in ended if j in in_flight], in_flight, reused, out, err, progress, summary, timeout
-            )
+            _settle(client, [j for j in ended if j in in_flight], in_flight, reused, sink, progress, summary, timeout)
             progress.tick()
     finally:
         conn.delete(done_key(notify))
@@ -446,10 +521,9 @@ def _settle(
     job_ids: list[str],
     in_flight: dict[str, tuple[Line, float]],
     reused: set[str],
-    out: TextIO,
-    err: TextIO,
+    sink: Sink,
     progress: Progress,
-    summary: dict[str, int],
+    summary: dict[str, Any],
     timeout: float | None,
 ) -> None:
     """Write the rows of the jobs among ``job_ids`` that ended (and fail those past ``timeout``)."""
@@ -466,7 +540,7 @@ def _settle(
         status = status.decode() if status else "missing"
         result = json.loads(raw) if raw else None
         if result is not None and result.get("status") == "finished":
-            out.write(json.dumps(output_line(line, result), ensure_ascii=False) + "\n")
+            sink.result(line, output_line(line, result), result)
             summary["succeeded"] += 1
             summary["reused"] += job_id in reused
             progress.update(result["usage"]["completion_tokens"])
@@ -474,14 +548,13 @@ def _settle(
             timeout is not None and now - started > timeout
         ):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
-            err.write(json.dumps(error_line(line.number, line.custom_id, "job_" + status, reason)) + "\n")
-            summary["failed"] += 1
+            sink.error(error_line(line.number, line.custom_id, "job_" + status, reason), line)
+            _count_failure(summary, "job_" + status)
             progress.update(0, failed=True)
         else:
             continue
         del in_flight[job_id]
-    out.flush()
-    err.flush()
+    sink.flush()
 
 
 def _submit(

@@ -9,6 +9,7 @@ import shlex
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
@@ -267,6 +268,17 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--timeout", args.timeout, None),
         ("--log-interval", args.log_interval, DEFAULT_LOG_INTERVAL),
         ("--run-id", run_id, None),
+        ("--format", args.format, None),
+        ("--output-format", args.output_format, None),
+        ("--prompt-column", args.prompt_column, None),
+        ("--messages-column", args.messages_column, None),
+        ("--id-column", args.id_column, None),
+        ("--max-tokens", args.max_tokens, None),
+        ("--temperature", args.temperature, None),
+        ("--seed", args.seed, None),
+        ("--n", args.n, None),
+        ("--response-format", args.response_format, None),
+        ("--priority", args.priority, BULK_PRIORITY),
         ("--redis-url", args.redis_url, None),
         ("--queue", args.queue, None),
     )
@@ -276,13 +288,52 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
     return shlex.join(argv)
 
 
+def _response_format(path: str) -> dict[str, Any]:
+    """``--response-format FILE.json``: OpenAI's response_format object, or a bare JSON schema."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"--response-format {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"--response-format {path}: not a JSON object")
+    if value.get("type") in ("text", "json_object", "json_schema"):
+        return value
+    return {"type": "json_schema", "json_schema": {"name": Path(path).stem[:64] or "schema", "schema": value}}
+
+
+def batch_options(args: argparse.Namespace):
+    """The row options and per-run defaults the flags give."""
+    from producer.batch_io import RowOptions
+
+    defaults: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "seed", "n"):
+        if getattr(args, name) is not None:
+            defaults[name] = getattr(args, name)
+    if args.response_format is not None:
+        defaults["response_format"] = _response_format(args.response_format)
+    return RowOptions(args.prompt_column, args.messages_column, args.id_column, defaults)
+
+
 def batch(args: argparse.Namespace) -> int:
     from producer.batch import BatchInterrupted, default_errors_path, dry_run, new_run_id, run_batch
 
     run_id = new_run_id() if args.fresh else args.run_id
     errors = args.errors or default_errors_path(args.output)
+    try:
+        options = batch_options(args)
+    except InvalidRequest as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    formats = {"input_format": args.format, "output_format": args.output_format or args.format}
     if args.dry_run:
-        counts = dry_run(args.input, args.output, errors_path=errors, run_id=run_id, priority=args.priority)
+        try:
+            counts = dry_run(
+                args.input, args.output, errors_path=errors, run_id=run_id, priority=args.priority, options=options,
+                **formats,
+            )  # fmt: skip
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(
             f"dry run: {counts['total']} rows: {counts['valid']} would run, {counts['skipped']} already in "
             f"{args.output}, {counts['failed']} bad" + (f" (see {errors})" if counts["failed"] else ""),
@@ -300,6 +351,8 @@ def batch(args: argparse.Namespace) -> int:
             log_interval=args.log_interval,
             run_id=run_id,
             priority=args.priority,
+            options=options,
+            **formats,
         )
     except KeyboardInterrupt as exc:
         s = exc.summary if isinstance(exc, BatchInterrupted) else None
@@ -312,7 +365,7 @@ def batch(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    except OSError as exc:  # no such input, an output folder that is not there: one line, not a traceback
+    except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary), file=sys.stderr)
@@ -362,7 +415,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_connection_arguments(p)
     p.set_defaults(func=status)
 
-    p = sub.add_parser("batch", help="a JSONL of requests in (OpenAI batch lines or {'prompt': ...}), outputs out")
+    p = sub.add_parser("batch", help="rows in (OpenAI batch lines or plain rows; JSONL or Parquet), their outputs out")
     p.add_argument("input")
     p.add_argument("-o", "--output", required=True)
     p.add_argument(
@@ -390,6 +443,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=DEFAULT_LOG_INTERVAL,
         help="seconds between progress lines when stderr is not a terminal (default: %(default)s)",
+    )
+    rows = p.add_argument_group("formats and plain rows")
+    rows.add_argument(
+        "--format",
+        choices=("jsonl", "parquet"),
+        default=None,
+        help="the input's format (and the output's, unless --output-format); default: from the extension",
+    )
+    rows.add_argument("--output-format", choices=("jsonl", "parquet"), default=None, help="the output's format")
+    rows.add_argument(
+        "--prompt-column",
+        default=None,
+        help="plain rows: the column holding the prompt (a Parquet input's default: prompt); other columns are data, "
+        "kept in a Parquet output",
+    )
+    rows.add_argument("--messages-column", default=None, help="plain rows: the column holding chat messages")
+    rows.add_argument("--id-column", default=None, help="plain rows: the column holding each row's id (default: row-N)")
+    defaults = p.add_argument_group("defaults for rows that set none")
+    defaults.add_argument("--max-tokens", type=int, default=None)
+    defaults.add_argument("--temperature", type=float, default=None)
+    defaults.add_argument("--seed", type=int, default=None)
+    defaults.add_argument("--n", type=int, default=None, help="samples per row (a Parquet output then holds a list)")
+    defaults.add_argument(
+        "--response-format",
+        default=None,
+        metavar="FILE.json",
+        help="constrain every row's output: OpenAI's response_format object, or a bare JSON schema",
     )
     again = p.add_mutually_exclusive_group()
     again.add_argument(

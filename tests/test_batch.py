@@ -79,7 +79,8 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
     assert len(out.read_text().splitlines()) == 10
 
     summary = run_batch(client, src, out, max_in_flight=8, poll_interval=0.05)
-    assert summary == {"total": 35, "skipped": 10, "succeeded": 20, "failed": 5, "reused": 0}
+    failures = {"invalid_request": 4, "duplicate_custom_id": 1}
+    assert summary == {"total": 35, "skipped": 10, "succeeded": 20, "failed": 5, "reused": 0, "failures": failures}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
     assert sorted(r["custom_id"] for r in rows) == sorted(
@@ -143,7 +144,9 @@ def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     summary = run_batch(_offline_client(), src, out, poll_interval=0.01)
-    assert summary == {"total": 10, "skipped": 0, "succeeded": 0, "failed": 10, "reused": 0}
+    assert summary == {
+        "total": 10, "skipped": 0, "succeeded": 0, "failed": 10, "reused": 0, "failures": {"invalid_request": 10}
+    }  # fmt: skip
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [(e["line"], e["custom_id"]) for e in errors] == [
         (1, None),
@@ -250,9 +253,11 @@ def test_a_dry_run_checks_every_line_and_submits_nothing(tmp_path):
         '{"prompt": "a"}\n{"prompt": ""}\n\n{"custom_id": "x", "prompt": "hi"}\n{"custom_id": "x", "prompt": "dup"}\n'
         '{"custom_id": "done", "prompt": "old"}\n'
     )
-    out.write_text(json.dumps({"custom_id": "done"}) + "\n")
+    done = parse_line(6, '{"custom_id": "done", "prompt": "old"}')
+    out.write_text(json.dumps({"custom_id": "done", "response": {"request_id": done.job_id}}) + "\n")
     counts = dry_run(src, out)
-    assert counts == {"total": 5, "valid": 2, "skipped": 1, "failed": 2}
+    failures = {"invalid_request": 1, "duplicate_custom_id": 1}
+    assert counts == {"total": 5, "valid": 2, "skipped": 1, "failed": 2, "failures": failures}
     errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
     assert [(e["line"], e["error"]["code"]) for e in errors] == [(2, "invalid_request"), (5, "duplicate_custom_id")]
 
@@ -267,8 +272,10 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     monkeypatch.setattr(batch_mod, "parse_line", lambda *a: parsed.append(a[0]) or real_parse(*a))
     client = Client(connection=fakeredis.FakeRedis(), queue="lazy")
     progress = Progress(1000, 0, 0, stream=io.StringIO())
-    summary = {"total": 1000, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0}
-    lines = batch_mod._read_input(src, set(), None, summary, 10, io.StringIO(), progress)
+    summary = {"total": 1000, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
+    sink = batch_mod.JSONLSink(tmp_path / "out.jsonl", io.StringIO())
+    options = batch_mod.RowOptions()
+    lines = batch_mod._read_input(src, "jsonl", options, {}, None, summary, 10, sink, progress)
     in_flight: dict = {}
     assert batch_mod._submit(client, lines, in_flight, 8, set()) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet

@@ -1,0 +1,271 @@
+"""Where a batch's rows come from and where its outputs go: JSONL (OpenAI batch lines, or plain rows) or Parquet.
+
+Rows are read one at a time (Parquet in record batches), and outputs are written as jobs end, so a run's memory is
+bounded by the jobs in flight and the set of ids already done, never by the file. A Parquet output is written to a
+temporary file beside it and renamed over it when the run ends or is interrupted (the file is then whole); a rerun
+copies the rows of the last one in record batches and goes on after them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger("roseinfer.batch")
+
+FORMATS = ("jsonl", "parquet")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+# Columns a Parquet output adds to the input's.
+ADDED_COLUMNS = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "error", "job_id")
+# Payload defaults a run may set for every row that names none (``--max-tokens`` ...).
+DEFAULT_FIELDS = ("max_tokens", "temperature", "seed", "n", "response_format")
+_BATCH_ROWS = 1024  # Parquet rows read or written at a time
+
+
+def format_of(path: str | Path, given: str | None = None) -> str:
+    """The file's format: ``given`` (``--format``), else its extension."""
+    if given is not None:
+        if given not in FORMATS:
+            raise ValueError(f"the format is one of {FORMATS}, got {given!r}")
+        return given
+    suffix = Path(path).suffix.lower()
+    if suffix not in _EXTENSIONS:
+        raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass --format")
+    return _EXTENSIONS[suffix]
+
+
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError("Parquet needs pyarrow: pip install 'roseinfer[parquet]'") from None
+    return pa, pq
+
+
+@dataclass
+class RowOptions:
+    """How plain rows (a Parquet table, or JSONL rows of data) become jobs, and the run's per-row defaults."""
+
+    prompt_column: str | None = None  # the column holding a plain prompt
+    messages_column: str | None = None  # the column holding chat messages
+    id_column: str | None = None  # the column holding each row's id (default: its row number)
+    defaults: dict[str, Any] = field(default_factory=dict)  # payload fields for rows that name none
+
+    @property
+    def plain(self) -> bool:
+        return self.prompt_column is not None or self.messages_column is not None
+
+    def for_format(self, fmt: str) -> RowOptions:
+        """A Parquet input is always plain rows: its prompts are in the ``prompt`` column unless told otherwise."""
+        if fmt == "parquet" and not self.plain:
+            return RowOptions("prompt", None, self.id_column, self.defaults)
+        return self
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes two runs' rows different jobs: kept beside the output, a rerun with others is refused."""
+        columns = {"prompt_column": self.prompt_column, "messages_column": self.messages_column}
+        return {**columns, "id_column": self.id_column, "defaults": self.defaults}
+
+
+# ----- input ---------------------------------------------------------------------------------------------
+def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, str | dict[str, Any]]]:
+    """(row number from 1, the row): a JSONL line's text (blank lines skipped), or a Parquet row as a dict."""
+    if fmt == "jsonl":
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for number, text in enumerate(f, start=1):
+                if text.strip():
+                    yield number, text
+        return
+    _, pq = _pyarrow()
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row
+
+
+def count_rows(path: Path, fmt: str) -> int:
+    if fmt == "parquet":
+        return _pyarrow()[1].ParquetFile(path).metadata.num_rows
+    with path.open("rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def input_columns(path: Path, fmt: str) -> Any:
+    """The Parquet input's schema (its columns go into a Parquet output), or None."""
+    return _pyarrow()[1].ParquetFile(path).schema_arrow if fmt == "parquet" else None
+
+
+# ----- output --------------------------------------------------------------------------------------------
+def payload_digest(job_id: str) -> int:
+    """The part of a batch job id that depends on the request alone (not on a run id), as a small int: a rerun
+    keeps one per row done."""
+    return int(job_id.rsplit("-", 1)[-1][:12], 16)
+
+
+class JSONLSink:
+    """OpenAI batch output lines, appended; bad rows and failed jobs in the errors file (rewritten each run)."""
+
+    def __init__(self, path: Path, errors: TextIO) -> None:
+        self.path, self.errors = path, errors
+        self._out: TextIO | None = None
+
+    def done(self) -> dict[str, int]:
+        """custom_id -> payload digest of the rows already in the output. A last line cut short (a crash mid-write)
+        is cut off, so that the rows appended next start on a line of their own; its request runs again."""
+        done: dict[str, int] = {}
+        if not self.path.exists():
+            return done
+        _cut_partial_last_line(self.path)
+        with self.path.open("rb") as f:  # line by line: an output of millions of rows is never held in memory
+            for raw in f:
+                try:
+                    line = json.loads(raw)
+                    done[line["custom_id"]] = payload_digest(line["response"]["request_id"])
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError):
+                    continue
+        return done
+
+    def open(self) -> None:
+        self._out = self.path.open("a")
+
+    def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
+        assert self._out is not None
+        self._out.write(json.dumps(out_line, ensure_ascii=False) + "\n")
+
+    def error(self, error: dict[str, Any], line: Any | None = None) -> None:
+        self.errors.write(json.dumps(error, ensure_ascii=False) + "\n")
+
+    def flush(self) -> None:
+        if self._out is not None:
+            self._out.flush()
+        self.errors.flush()
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+
+class ParquetSink:
+    """The input's columns with the run's added ones (``ADDED_COLUMNS``), a row per job as it ends. Failed rows
+    are written with their ``error`` (and to the errors file) and run again on a rerun."""
+
+    def __init__(self, path: Path, errors: TextIO, columns: Any, id_column: str, n: int) -> None:
+        pa, _ = _pyarrow()
+        self.path, self.errors = path, errors
+        self.tmp = path.with_name(path.name + ".partial")
+        base = columns if columns is not None else pa.schema([(id_column, pa.string())])
+        clash = [name for name in ADDED_COLUMNS if name in base.names]
+        if clash:
+            raise ValueError(f"the input already has the columns {clash} that the output adds; rename them")
+        output = pa.list_(pa.string()) if n > 1 else pa.string()
+        added = [("output", output), ("finish_reason", pa.string()), ("prompt_tokens", pa.int64())]
+        added += [("completion_tokens", pa.int64()), ("error", pa.string()), ("job_id", pa.string())]
+        self.schema = base
+        for name, kind in added:
+            self.schema = self.schema.append(pa.field(name, kind))
+        self.id_column, self.n = id_column, n
+        self._keeps_input = columns is not None  # a Parquet input's columns are carried over
+        self._rows: list[dict[str, Any]] = []
+        self._writer: Any = None
+
+    def done(self) -> dict[str, int]:
+        """custom_id -> payload digest of the rows of the last run that succeeded (failed rows run again)."""
+        done: dict[str, int] = {}
+        for batch in self._previous_batches():
+            for cid, job_id, error in zip(*(batch.column(c).to_pylist() for c in (self.id_column, "job_id", "error"))):
+                if error is None and job_id:
+                    done[str(cid)] = payload_digest(job_id)
+        return done
+
+    def _previous_batches(self) -> Iterator[Any]:
+        if not self.path.exists():
+            return
+        _, pq = _pyarrow()
+        try:
+            f = pq.ParquetFile(self.path)
+        except Exception as exc:  # pyarrow raises its own error types for a file that is not Parquet
+            raise ValueError(f"{self.path} exists and is not a Parquet file ({exc}); move it away") from None
+        if not self.schema.equals(f.schema_arrow, check_metadata=False):
+            raise ValueError(f"{self.path} has other columns than this run writes: write to a new output")
+        yield from f.iter_batches(batch_size=_BATCH_ROWS)
+
+    def open(self) -> None:
+        _, pq = _pyarrow()
+        self._writer = pq.ParquetWriter(self.tmp, self.schema)
+        for batch in self._previous_batches():  # the last run's successful rows, carried over
+            keep = [row for row in batch.to_pylist() if row["error"] is None]
+            if keep:
+                self._write(keep)
+
+    def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
+        texts = [c["text"] for c in (result.get("choices") or [result])]
+        usage = result.get("usage") or {}
+        self._rows.append(
+            {
+                **self._input_row(line),
+                "output": texts if self.n > 1 else texts[0],
+                "finish_reason": result.get("finish_reason"),
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "completion_tokens": usage.get("completion_tokens"),
+                "error": None,
+                "job_id": result.get("id"),
+            }
+        )
+        if len(self._rows) >= _BATCH_ROWS:
+            self.flush()
+
+    def error(self, error: dict[str, Any], line: Any | None = None) -> None:
+        self.errors.write(json.dumps(error, ensure_ascii=False) + "\n")
+        if line is not None:
+            message = f"{error['error']['code']}: {error['error']['message']}"
+            self._rows.append({**self._input_row(line), "error": message, "job_id": line.job_id})
+
+    def _input_row(self, line: Any) -> dict[str, Any]:
+        if self._keeps_input and line.row is not None:
+            return dict(line.row)
+        return {self.id_column: line.custom_id}
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        pa, _ = _pyarrow()
+        self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+
+    def flush(self) -> None:
+        if self._rows and self._writer is not None:
+            self._write(self._rows)
+            self._rows = []
+        self.errors.flush()
+
+    def close(self) -> None:
+        """Write what is buffered, close the file (its footer makes it whole) and put it in the output's place."""
+        if self._writer is None:
+            return
+        self.flush()
+        self._writer.close()
+        self._writer = None
+        os.replace(self.tmp, self.path)
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    with path.open("r+b") as f:
+        size = f.seek(0, 2)
+        end = size
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            newline = block.rfind(b"\n")
+            if newline != -1:
+                end = start + newline + 1
+                break
+            end = start
+        if end < size:
+            log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, size - end)
+            f.truncate(end)

@@ -1,0 +1,152 @@
+"""``roseinfer batch`` with Parquet and plain rows: the input's columns kept, per-run defaults (a response format,
+n samples), resume after Ctrl-C, and a rerun with other settings refused."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+import jsonschema
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import ThreadWorker
+
+import producer.batch as batch_mod
+from producer import Client
+from producer import cli as producer_cli
+from producer.batch import Progress, run_batch
+from producer.batch_io import RowOptions
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"enum": ["sea", "sky", "land"]}, "level": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["topic", "level"],
+    "additionalProperties": False,
+}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="roseinfer")
+    producer_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1)
+    yield w, Client(redis_url, queue=w.queue)
+    w.stop()
+
+
+def _table(path, n: int, tag: str) -> list[str]:
+    ids = [f"q{i}" for i in range(n)]
+    table = pa.table(
+        {
+            "qid": ids,
+            "question": [f"Question {i} about the {tag}: what is it?" for i in range(n)],
+            "difficulty": [i % 3 for i in range(n)],
+            "tags": [["a", tag] for _ in range(n)],
+        }
+    )
+    pq.write_table(table, path)
+    return ids
+
+
+@pytest.mark.slow
+def test_parquet_in_parquet_out_keeps_columns_with_a_schema_and_n_samples(served, tmp_path):
+    _, client = served
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    ids = _table(src, 12, tmp_path.name)
+    options = RowOptions(
+        "question", None, "qid", {"max_tokens": 40, "n": 2, "temperature": 0.8, "seed": 1, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "label", "schema": SCHEMA, "strict": True}}},
+    )  # fmt: skip
+    summary = run_batch(client, src, out, options=options, max_in_flight=5, poll_interval=0.05)
+    assert summary["succeeded"] == 12 and summary["failed"] == 0
+    table = pq.read_table(out)
+    assert table.column_names == ["qid", "question", "difficulty", "tags", "output", "finish_reason"] + [
+        "prompt_tokens", "completion_tokens", "error", "job_id"
+    ]  # fmt: skip
+    assert table.schema.field("tags").type == pa.list_(pa.string()) and table.schema.field("output").type == pa.list_(
+        pa.string()
+    )
+    rows = table.to_pylist()
+    assert sorted(r["qid"] for r in rows) == sorted(ids)
+    for r in rows:
+        assert r["difficulty"] == int(r["qid"][1:]) % 3 and r["tags"][0] == "a" and r["error"] is None
+        assert len(r["output"]) == 2 and r["finish_reason"] == "stop" and r["prompt_tokens"] > 0
+        for text in r["output"]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    # The same run again: every row is done already; with other settings it is refused, not mixed.
+    again = run_batch(client, src, out, options=options, poll_interval=0.05)
+    assert (again["skipped"], again["succeeded"]) == (12, 0)
+    other = RowOptions("question", None, "qid", {**options.defaults, "max_tokens": 41})
+    with pytest.raises(ValueError, match="holds rows made with other settings"):
+        run_batch(client, src, out, options=other)
+    assert pq.read_table(out).num_rows == 12
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_parquet_output_leaves_a_whole_file_and_the_rerun_completes_it(
+    served, redis_url, tmp_path, monkeypatch, capsys
+):
+    worker, _ = served
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    ids = _table(src, 16, tmp_path.name)
+    argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url, "--queue"]
+    argv += [worker.queue, "--prompt-column", "question", "--id-column", "qid", "--max-tokens", "12"]
+    argv += ["--temperature", "0"]
+    ticks = 0
+    real_tick = Progress.tick
+
+    def interrupt_on_the_fourth_poll(self):
+        nonlocal ticks
+        ticks += 1
+        if ticks == 4:
+            raise KeyboardInterrupt
+        real_tick(self)
+
+    monkeypatch.setattr(Progress, "tick", interrupt_on_the_fourth_poll)
+    assert producer_cli.batch(_parse(argv)) == 130
+    first = pq.read_table(out).to_pylist()  # a whole Parquet file, footer and all
+    assert 0 < len(first) < 16
+    command = capsys.readouterr().err.strip().splitlines()[-1].strip()
+    assert "--prompt-column question" in command and "--max-tokens 12" in command
+    monkeypatch.setattr(Progress, "tick", real_tick)
+    assert producer_cli.batch(_parse(shlex.split(command)[1:])) == 0
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["qid"] for r in rows) == sorted(ids)  # each row once
+    assert {r["qid"]: r["output"] for r in rows if r["qid"] in {f["qid"] for f in first}} == {
+        f["qid"]: f["output"] for f in first
+    }
+    # Another --max-tokens on the same output: one line, exit 2.
+    argv[argv.index("12")] = "13"
+    capsys.readouterr()
+    assert producer_cli.batch(_parse(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings" in err[0]
+
+
+@pytest.mark.slow
+def test_plain_jsonl_rows_with_columns_and_a_bad_row_into_parquet(served, tmp_path):
+    _, client = served
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    rows = [{"id": i, "text": f"Plain row {i} {tmp_path.name}", "extra": "kept?"} for i in range(5)]
+    rows.append({"id": 5, "text": 42})
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = RowOptions("text", None, "id", {"max_tokens": 4, "temperature": 0})
+    summary = run_batch(client, src, out, options=options, poll_interval=0.05)
+    assert (summary["succeeded"], summary["failed"], summary["failures"]) == (5, 1, {"invalid_request": 1})
+    table = pq.read_table(out)
+    assert table.column_names[0] == "id" and "extra" not in table.column_names  # JSONL rows have no schema
+    assert sorted(table.column("id").to_pylist()) == ["0", "1", "2", "3", "4"]
+    assert all(len(t) > 0 for t in table.column("output").to_pylist())
+
+
+def test_the_columns_an_output_adds_must_not_be_in_the_input(tmp_path):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["x"], "output": ["clash"]}), src)
+    with pytest.raises(ValueError, match="output"):
+        batch_mod.dry_run(src, tmp_path / "out.parquet")
