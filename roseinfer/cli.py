@@ -28,7 +28,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    from roseinfer import bench, bench_resume
+    from roseinfer import bench, bench_dataset, bench_resume
 
     p = sub.add_parser("bench", help="roseinfer against transformers generate on the standard workload")
     bench.add_arguments(p)
@@ -37,6 +37,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-resume", help="a retried job resumed from its streamed tokens vs regenerated")
     bench_resume.add_arguments(p)
     p.set_defaults(func=bench_resume.main)
+
+    p = sub.add_parser("bench-dataset", help="structured outputs and n samples: what each costs, in-process")
+    bench_dataset.add_arguments(p)
+    p.set_defaults(func=bench_dataset.main)
 
     p = sub.add_parser("generate", help="answer chat prompts offline (arguments, or one per stdin line)")
     p.add_argument("prompt", nargs="*")
