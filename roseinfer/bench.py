@@ -202,12 +202,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where a decode step of the whole batch goes (dense layers, output layer, attention, "
+        "elementwise kernels, sampling, Python) and the step's cost over its dense layers",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from roseinfer import SamplingParams
+    from roseinfer.cpu_features import describe
 
     convs = load_prompts(args)
+    print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
     resolve_model_arg(args)
     t = time.perf_counter()
     llm = build_llm(args)
@@ -237,8 +245,17 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats > 1:
         print(f"\nmedian of {args.repeats} runs each:")
     print_table(results, args.dtype)
+    profile = None
+    if args.profile:
+        from roseinfer.step_profile import profile_decode
+
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        profile = profile_decode(llm.engine, [{"messages": c} for c in convs], params)
+        print("\ndecode step profile:", json.dumps(profile))
     if args.json:
         payload = {
+            "cpu": describe(),
+            "profile": profile,
             "dtype": args.dtype,
             "model": args.model,
             "max_tokens": args.max_tokens,

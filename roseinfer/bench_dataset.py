@@ -1,8 +1,9 @@
 """``roseinfer bench-dataset``: what dataset generation's two engine features cost, in-process, interleaved repeats,
 medians.
 
-- ``structured``: the same chat prompts with a JSON schema and free-form (both sampled with a fixed seed and
-  ``max_tokens``); throughput of each, the schema's cost in percent, and how many of the schema's outputs that
+- ``structured``: the same chat prompts with a JSON schema, then free-form with each request held to the length
+  its JSON output had (EOS ignored), so both runs generate the same tokens in the same batch shapes and differ only
+  by the constraint; throughput of each, the schema's cost in percent, and how many of the schema's outputs that
   finished with ``stop`` parse and validate.
 - ``n``: one request with n samples of a long prompt against n separate requests of it submitted at once (each its
   own seed), with the prefix cache (separate requests admitted together share the prompt's blocks here too) and
@@ -60,22 +61,23 @@ def _structured(engine, args, SamplingParams) -> dict[str, Any]:
     workload = json.loads(DEFAULT_WORKLOAD.read_text())
     prompts = [{"messages": [{"role": "user", "content": INSTRUCTION + workload[i % len(workload)]}]}
                for i in range(args.prompts)]  # fmt: skip
-    kinds = {
-        "free": SamplingParams(temperature=0.7, seed=1, max_tokens=args.tokens),
-        "json_schema": SamplingParams(
-            temperature=0.7, seed=1, max_tokens=args.tokens, structured_outputs={"json": SCHEMA}
-        ),
-    }
-    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    constrained = SamplingParams(temperature=0.7, seed=1, max_tokens=args.tokens, structured_outputs={"json": SCHEMA})
+    rates: dict[str, list[float]] = {"free": [], "json_schema": []}
+    lengths: list[int] = []
     stopped = valid = 0
     for r in range(args.repeats + 1):  # the first round warms up (llguidance's tokenizer, caches)
-        for kind, params in kinds.items():
+        for kind in ("json_schema", "free"):
             engine.kv.reset_prefix_cache()  # the same prompts each way: none starts with the other's blocks
             tag = f"{kind}-{r}-"
             start = time.perf_counter()
             for i, prompt in enumerate(prompts):
+                params = constrained
+                if kind == "free":
+                    params = SamplingParams(temperature=0.7, seed=1, max_tokens=lengths[i], ignore_eos=True)
                 engine.add_request(f"{tag}{i}", prompt, params)
             end, outs = _drain(engine, tag)
+            if kind == "json_schema":
+                lengths = [len(outs[f"{tag}{i}"].outputs[0].token_ids) for i in range(len(prompts))]
             tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
             if r == 0:
                 continue

@@ -1,0 +1,32 @@
+"""``roseinfer bench --profile``: the split of a decode step adds up to the step, and puts its time where it goes."""
+
+from __future__ import annotations
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.cpu_features import NAMED, describe, flags
+from roseinfer.models.linear import Linear
+from roseinfer.sampler import Sampler
+from roseinfer.step_profile import PARTS, profile_decode
+
+
+def test_the_parts_of_a_decode_step_add_up_and_the_timers_come_off(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=8)
+    engine = llm.engine
+    call, forward = Linear.__call__, engine.attn_backend.forward
+    prompts = [{"prompt_token_ids": list(range(1 + i, 9 + i))} for i in range(6)]
+    report = profile_decode(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), steps=8)
+    assert (report["batch"], report["steps"]) == (6, 8)
+    parts = report["ms_per_step"]
+    assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
+    assert abs(sum(parts.values()) - report["step_ms"]) < 0.05 * report["step_ms"] + 0.05
+    assert parts["dense layers"] > 0 and parts["output layer"] > 0 and parts["attention"] > 0
+    assert 0 < report["dense_share"] < 1 and report["step_over_dense"] > 1
+    # Everything patched is back, and the profiled requests are gone.
+    assert Linear.__call__ is call and engine.attn_backend.forward == forward
+    assert isinstance(engine.runner.sampler, Sampler)
+    assert not engine.has_unfinished_requests()
+
+
+def test_cpu_features_name_what_the_cpu_has():
+    text = describe()
+    assert all((f in text.split("(")[-1]) == (f in flags()) for f in NAMED)
