@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 from producer.batch_io import (
     DEFAULT_FIELDS,
+    OUTPUT_FORMATS,
     JSONLSink,
     ParquetSink,
     RowOptions,
@@ -328,6 +329,13 @@ def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bo
     path.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
 
 
+def _formats(input_path: Path, input_format: str | None, output_path: Path, output_format: str | None):
+    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    if out_fmt not in OUTPUT_FORMATS:
+        raise ValueError(f"an output is one of {OUTPUT_FORMATS} (datasets loads Parquet: Dataset.from_parquet)")
+    return in_fmt, out_fmt
+
+
 def _open_sink(
     output_path: Path, output_format: str, err: TextIO, input_path: Path, input_format: str, options: RowOptions
 ) -> Sink:
@@ -364,7 +372,7 @@ def run_batch(
     if run_id is not None and not RUN_ID.fullmatch(run_id):
         raise ValueError(f"a run id is 1 to 32 letters and digits, got {run_id!r}")
     input_path, output_path = Path(input_path), Path(output_path)
-    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = (options or RowOptions()).for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
@@ -401,11 +409,14 @@ def dry_run(
     options: RowOptions | None = None,
     input_format: str | None = None,
     output_format: str | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
     """Check every row as ``run_batch`` would, submitting nothing: ``total``, ``valid`` (would run), ``skipped``
-    (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by reason."""
+    (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by reason. With a
+    ``tokenizer`` (a transformers tokenizer: its chat template applied to messages), also ``prompt_tokens`` of the
+    rows that would run and the longest one's, ``max_prompt_tokens``."""
     input_path, output_path = Path(input_path), Path(output_path)
-    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = (options or RowOptions()).for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
@@ -415,10 +426,25 @@ def dry_run(
         done = sink.done()
         progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
         lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
-        valid = sum(1 for _ in lines)
+        valid = prompt_tokens = longest = 0
+        for line in lines:
+            valid += 1
+            if tokenizer is not None:
+                n = count_prompt_tokens(tokenizer, line.payload)
+                prompt_tokens, longest = prompt_tokens + n, max(longest, n)
         sink.flush()
     counts = {k: summary[k] for k in ("total", "skipped", "failed", "failures")}
+    if tokenizer is not None:
+        counts.update(prompt_tokens=prompt_tokens, max_prompt_tokens=longest)
     return {**counts, "valid": valid}
+
+
+def count_prompt_tokens(tokenizer: Any, payload: dict[str, Any]) -> int:
+    """The prompt's tokens as the worker makes them: the chat template applied to messages, a plain prompt as is."""
+    if "messages" in payload:
+        chat = tokenizer.apply_chat_template(payload["messages"], add_generation_prompt=True, return_dict=False)
+        return len(chat)
+    return len(tokenizer.encode(payload["prompt"]))
 
 
 def _read_input(

@@ -1,4 +1,5 @@
-"""Where a batch's rows come from and where its outputs go: JSONL (OpenAI batch lines, or plain rows) or Parquet.
+"""Where a batch's rows come from and where its outputs go: JSONL (OpenAI batch lines, or plain rows), Parquet, or
+(input only) a Hugging Face ``datasets`` folder (``Dataset.save_to_disk``; the ``datasets`` extra).
 
 Rows are read one at a time (Parquet in record batches), and outputs are written as jobs end, so a run's memory is
 bounded by the jobs in flight and the set of ids already done, never by the file. A Parquet output is written to a
@@ -18,7 +19,8 @@ from typing import Any, TextIO
 
 log = logging.getLogger("roseinfer.batch")
 
-FORMATS = ("jsonl", "parquet")
+FORMATS = ("jsonl", "parquet", "hf")
+OUTPUT_FORMATS = ("jsonl", "parquet")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 # Columns a Parquet output adds to the input's.
 ADDED_COLUMNS = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "error", "job_id")
@@ -33,6 +35,8 @@ def format_of(path: str | Path, given: str | None = None) -> str:
         if given not in FORMATS:
             raise ValueError(f"the format is one of {FORMATS}, got {given!r}")
         return given
+    if Path(path).is_dir():
+        return "hf"
     suffix = Path(path).suffix.lower()
     if suffix not in _EXTENSIONS:
         raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass --format")
@@ -62,8 +66,8 @@ class RowOptions:
         return self.prompt_column is not None or self.messages_column is not None
 
     def for_format(self, fmt: str) -> RowOptions:
-        """A Parquet input is always plain rows: its prompts are in the ``prompt`` column unless told otherwise."""
-        if fmt == "parquet" and not self.plain:
+        """A table (Parquet, a datasets folder) is always plain rows: prompts in the ``prompt`` column unless told."""
+        if fmt in ("parquet", "hf") and not self.plain:
             return RowOptions("prompt", None, self.id_column, self.defaults)
         return self
 
@@ -82,15 +86,31 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, str | dict[str, Any]]
                 if text.strip():
                     yield number, text
         return
-    _, pq = _pyarrow()
+    if fmt == "hf":
+        batches: Iterator[Any] = (b for b in _dataset(path).data.to_batches(max_chunksize=_BATCH_ROWS))
+    else:
+        batches = _pyarrow()[1].ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS):
+    for batch in batches:  # memory-mapped or read a record batch at a time: never the whole table as rows
         for row in batch.to_pylist():
             number += 1
             yield number, row
 
 
+def _dataset(path: Path) -> Any:
+    try:
+        from datasets import Dataset, load_from_disk
+    except ImportError:
+        raise ValueError("a datasets folder needs the datasets package: pip install 'roseinfer[datasets]'") from None
+    ds = load_from_disk(str(path))
+    if not isinstance(ds, Dataset):
+        raise ValueError(f"{path} holds several splits ({', '.join(ds)}): name one split's folder")
+    return ds.flatten_indices()  # a selected or shuffled dataset: its rows in their order
+
+
 def count_rows(path: Path, fmt: str) -> int:
+    if fmt == "hf":
+        return len(_dataset(path))
     if fmt == "parquet":
         return _pyarrow()[1].ParquetFile(path).metadata.num_rows
     with path.open("rb") as f:
@@ -98,7 +118,9 @@ def count_rows(path: Path, fmt: str) -> int:
 
 
 def input_columns(path: Path, fmt: str) -> Any:
-    """The Parquet input's schema (its columns go into a Parquet output), or None."""
+    """The table's schema (its columns go into a Parquet output), or None for JSONL."""
+    if fmt == "hf":
+        return _dataset(path).data.schema.remove_metadata()
     return _pyarrow()[1].ParquetFile(path).schema_arrow if fmt == "parquet" else None
 
 
@@ -161,7 +183,9 @@ class ParquetSink:
         pa, _ = _pyarrow()
         self.path, self.errors = path, errors
         self.tmp = path.with_name(path.name + ".partial")
-        base = columns if columns is not None else pa.schema([(id_column, pa.string())])
+        base = columns if columns is not None else pa.schema([])
+        if id_column not in base.names:  # rows named by number (row-N), or JSONL rows: the id gets a column
+            base = base.append(pa.field(id_column, pa.string()))
         clash = [name for name in ADDED_COLUMNS if name in base.names]
         if clash:
             raise ValueError(f"the input already has the columns {clash} that the output adds; rename them")
@@ -229,9 +253,8 @@ class ParquetSink:
             self._rows.append({**self._input_row(line), "error": message, "job_id": line.job_id})
 
     def _input_row(self, line: Any) -> dict[str, Any]:
-        if self._keeps_input and line.row is not None:
-            return dict(line.row)
-        return {self.id_column: line.custom_id}
+        row = dict(line.row) if self._keeps_input and line.row is not None else {}
+        return {self.id_column: line.custom_id, **row}
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         pa, _ = _pyarrow()

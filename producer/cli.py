@@ -301,6 +301,19 @@ def _response_format(path: str) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": Path(path).stem[:64] or "schema", "schema": value}}
 
 
+def _tokenizer(name: str) -> Any:
+    """A transformers tokenizer from a model folder (or a hub id in the local cache): the producer holds no model, so
+    ``--count-tokens`` names the one the workers serve (``roseinfer worker --model``'s folder)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError("--count-tokens needs transformers: pip install 'roseinfer[engine]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise ValueError(f"--count-tokens {name}: no tokenizer there ({exc})") from None
+
+
 def batch_options(args: argparse.Namespace):
     """The row options and per-run defaults the flags give."""
     from producer.batch_io import RowOptions
@@ -324,21 +337,25 @@ def batch(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    formats = {"input_format": args.format, "output_format": args.output_format or args.format}
+    same = args.format if args.format != "hf" else None  # a datasets folder is an input only
+    formats = {"input_format": args.format, "output_format": args.output_format or same}
     if args.dry_run:
         try:
+            tokenizer = _tokenizer(args.count_tokens) if args.count_tokens else None
             counts = dry_run(
                 args.input, args.output, errors_path=errors, run_id=run_id, priority=args.priority, options=options,
-                **formats,
+                tokenizer=tokenizer, **formats,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(
             f"dry run: {counts['total']} rows: {counts['valid']} would run, {counts['skipped']} already in "
-            f"{args.output}, {counts['failed']} bad" + (f" (see {errors})" if counts["failed"] else ""),
+            f"{args.output}, {counts['failed']} bad" + (f" (see {errors})" if counts["failed"] else "")
+            + (f"; {counts['prompt_tokens']} prompt tokens (longest {counts['max_prompt_tokens']})"
+               if "prompt_tokens" in counts else ""),
             file=sys.stderr,
-        )
+        )  # fmt: skip
         return 1 if counts["failed"] else 0
     try:
         summary = run_batch(
@@ -431,6 +448,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="check every line (as a run would) and submit nothing; exit 1 if any is bad",
     )
     p.add_argument(
+        "--count-tokens",
+        default=None,
+        metavar="MODEL_FOLDER",
+        help="with --dry-run: count the prompt tokens of the rows that would run, with this model's tokenizer and "
+        "chat template",
+    )
+    p.add_argument(
         "--priority",
         type=int,
         default=BULK_PRIORITY,
@@ -447,9 +471,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rows = p.add_argument_group("formats and plain rows")
     rows.add_argument(
         "--format",
-        choices=("jsonl", "parquet"),
+        choices=("jsonl", "parquet", "hf"),
         default=None,
-        help="the input's format (and the output's, unless --output-format); default: from the extension",
+        help="the input's format (and the output's, unless --output-format): jsonl, parquet, or hf (a datasets "
+        "folder, input only); default: from the extension (a folder is hf)",
     )
     rows.add_argument("--output-format", choices=("jsonl", "parquet"), default=None, help="the output's format")
     rows.add_argument(

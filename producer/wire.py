@@ -86,7 +86,7 @@ class JobResult(BaseModel):
     usage: Usage | None = None
     timings: Timings | None = None
     logprobs: list[list[list[float]]] | None = Field(None, description="per token: [[token_id, logprob], ...]")
-    choices: list[Choice] | None = Field(None, description="every sample (n of them), sample 0 first")
+    choices: list[Choice] | None = Field(None, description="a job with n > 1: every sample, sample 0 first")
     metadata: dict[str, Any] | None = None
     error: str | None = None
 

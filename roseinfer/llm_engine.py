@@ -70,7 +70,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.runner = ModelRunner(self.model, self.attn_backend, num_blocks, self.device, sampler)
-        self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model.vocab_size, self.eos_token_ids, overlap=self.device.type == "cuda"
+        )
         self.stats = EngineStats()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples, for requests with n > 1
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking

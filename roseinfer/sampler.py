@@ -100,13 +100,16 @@ class Sampler:
     def _apply_grammar(logits: torch.Tensor, unconstrained: torch.Tensor, masks: GrammarMasks) -> None:
         """Tokens a row's structured output does not allow cannot be chosen. When min_tokens banned all it allows
         (the constraint is complete, only EOS may follow), the constraint wins: the row keeps what it allows."""
-        rows = torch.tensor(masks.rows, device=logits.device)
         allowed = masks.allowed(logits.shape[1]).to(logits.device)
-        sub = logits[rows].masked_fill_(~allowed, float("-inf"))
+        whole = len(masks.rows) == logits.shape[0]  # every row constrained: no gather, no scatter
+        rows = slice(None) if whole else torch.tensor(masks.rows, device=logits.device)
+        sub = logits if whole else logits[rows]
+        sub.masked_fill_(~allowed, float("-inf"))
         empty = torch.isneginf(sub).all(dim=-1)
         if empty.any():
             sub[empty] = unconstrained[rows][empty].masked_fill(~allowed[empty], float("-inf"))
-        logits[rows] = sub
+        if not whole:
+            logits[rows] = sub
 
     # ----- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 llguidance does the matching. Each constrained request holds one ``LLMatcher`` (on ``Sequence.grammar``) that has
 consumed every output token so far. Before a step samples, the matchers of the rows that sample fill a token bitmask
-(in llguidance's threads, while the model's forward runs); the sampler sets every token the mask leaves out to -inf,
-greedy and sampled rows alike. Preemption and recompute keep the matcher: the tokens it consumed stay the request's.
+(in llguidance's threads); the sampler sets every token the mask leaves out to -inf, greedy and sampled rows alike.
+On a GPU the masks fill while the model's forward runs; on a CPU, where the forward's threads hold every core, they
+fill just before it, on every core (a thread of their own would only slow the forward's threads down).
+Preemption and recompute keep the matcher: the tokens it consumed stay the request's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from roseinfer.sampling_params import StructuredOutputsParams
@@ -27,7 +30,6 @@ log = logging.getLogger(__name__)
 # JSON as Python's json.dumps writes it: one space after ',' and ':', no other whitespace. A small model left free
 # wanders in blanks and newlines until max_tokens; this keeps every JSON output compact and bounded.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 _CACHE_SIZE = 64  # compiled grammars kept (a dataset run uses one schema for every row)
 
 
@@ -41,18 +43,18 @@ class GrammarMasks:
 
     def allowed(self, vocab: int) -> torch.Tensor:
         """A bool [len(rows), vocab] tensor: True where the mask allows the token."""
-        bits = (self.bitmask[:, :, None] >> _SHIFTS) & 1
-        return bits.reshape(len(self.rows), -1)[:, :vocab].bool()
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :vocab]).view(torch.bool)
 
 
 class PendingMasks:
     """Masks being filled in the background; ``get()`` waits for them."""
 
-    def __init__(self, future: Future[GrammarMasks] | None) -> None:
+    def __init__(self, future: Future[GrammarMasks] | GrammarMasks | None) -> None:
         self._future = future
 
     def get(self) -> GrammarMasks | None:
-        return self._future.result() if self._future is not None else None
+        return self._future.result() if isinstance(self._future, Future) else self._future
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:
@@ -77,7 +79,9 @@ class StructuredOutputManager:
     """Compiles constraints into matchers and fills each step's masks. Built once per engine; llguidance's view of
     the tokenizer (~0.5 s to build) is made at the first constrained request."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], overlap: bool = False) -> None:
+        """``overlap``: fill masks in a thread while the forward runs (a GPU's forward leaves the CPU free)."""
+        self.overlap = overlap
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -99,8 +103,9 @@ class StructuredOutputManager:
         self._ll_tokenizer = llguidance.hf.from_tokenizer(
             self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
         )
-        self._executor = llguidance.LLExecutor(num_threads=1)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._executor = llguidance.LLExecutor(num_threads=1 if self.overlap else max(1, torch.get_num_threads()))
+        if self.overlap:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     # ----- admission -------------------------------------------------------------------------------
     def matcher_for(self, so: StructuredOutputsParams, output_prefix: list[int]) -> Any:
@@ -136,7 +141,8 @@ class StructuredOutputManager:
         matchers = [sampling[i].grammar for i in rows]
         if not rows:
             return PendingMasks(None)
-        assert self._pool is not None
+        if self._pool is None:
+            return PendingMasks(self._fill(rows, matchers))
         return PendingMasks(self._pool.submit(self._fill, rows, matchers))
 
     def _fill(self, rows: list[int], matchers: list[Any]) -> GrammarMasks:

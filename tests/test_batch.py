@@ -304,3 +304,22 @@ def test_rows_are_written_as_their_jobs_announce_their_end_not_by_polling(served
     assert summary["succeeded"] == 12
     assert len(set(announced)) == 12  # every row came through the completion list
     assert not client.connection.keys("roseinfer:done:*")  # the run's list is gone with it
+
+
+def test_a_dry_run_counts_the_prompt_tokens_the_worker_then_sees(served, tiny_chat_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from producer.batch import dry_run
+
+    _, client = served
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"prompt": f"Count me {i} {tmp_path.name}", "max_tokens": 2} for i in range(3)]
+    rows += [
+        {"messages": [{"role": "user", "content": f"Chat {i} {tmp_path.name}"}], "max_tokens": 2} for i in range(3)
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    counts = dry_run(src, out, tokenizer=AutoTokenizer.from_pretrained(tiny_chat_model))
+    assert counts["valid"] == 6 and not out.exists()
+    run_batch(client, src, out, poll_interval=0.05)
+    usage = [json.loads(line)["response"]["body"]["usage"]["prompt_tokens"] for line in out.read_text().splitlines()]
+    assert counts["prompt_tokens"] == sum(usage) and counts["max_prompt_tokens"] == max(usage)

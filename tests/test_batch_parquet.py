@@ -150,3 +150,21 @@ def test_the_columns_an_output_adds_must_not_be_in_the_input(tmp_path):
     pq.write_table(pa.table({"prompt": ["x"], "output": ["clash"]}), src)
     with pytest.raises(ValueError, match="output"):
         batch_mod.dry_run(src, tmp_path / "out.parquet")
+
+
+@pytest.mark.slow
+def test_a_datasets_folder_in_parquet_out(served, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    _, client = served
+    folder, out = tmp_path / "ds", tmp_path / "out.parquet"
+    ds = datasets.Dataset.from_dict(
+        {"text": [f"Dataset row {i} {tmp_path.name}" for i in range(8)], "label": list(range(8))}
+    )
+    ds.shuffle(seed=1).select(range(6)).save_to_disk(str(folder))  # an indices mapping: rows in that order
+    counts = batch_mod.dry_run(folder, out, options=RowOptions("text", None, None, {"max_tokens": 3}))
+    assert (counts["total"], counts["valid"]) == (6, 6)
+    summary = run_batch(client, folder, out, options=RowOptions("text", None, None, {"max_tokens": 3}))
+    assert summary["succeeded"] == 6
+    rows = pq.read_table(out).to_pylist()
+    expected = {f"row-{i + 1}": row["label"] for i, row in enumerate(datasets.load_from_disk(str(folder)))}
+    assert {r["custom_id"]: r["label"] for r in rows} == expected and all(r["output"] for r in rows)

@@ -148,7 +148,7 @@ def test_concurrent_streams_each_get_their_own_text(served, oai):
     [
         ({"temperature": 5}, "temperature"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 65}, "n"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ],
 )
