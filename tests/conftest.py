@@ -122,6 +122,7 @@ class ThreadWorker:
         from worker.settings import WorkerSettings
 
         self.queue = f"q-{uuid.uuid4().hex[:8]}"
+        settings.setdefault("idle_wait", 0.2)  # an idle worker notices stop() within this, not a second
         self.settings = WorkerSettings(redis_url=redis_url, queue=self.queue, model=model, **settings)
         self.worker = build_worker(self.settings)
         self.thread = threading.Thread(target=self.worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)

@@ -306,6 +306,7 @@ def test_rows_are_written_as_their_jobs_announce_their_end_not_by_polling(served
     assert not client.connection.keys("roseinfer:done:*")  # the run's list is gone with it
 
 
+@pytest.mark.slow
 def test_a_dry_run_counts_the_prompt_tokens_the_worker_then_sees(served, tiny_chat_model, tmp_path):
     from transformers import AutoTokenizer
 

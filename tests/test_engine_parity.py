@@ -32,7 +32,7 @@ def _run_online(llm: LLM, prompts: list[list[int]], arrive_every: int, params=GR
     return done
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-ops"])
+@pytest.mark.parametrize("kernels", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["c-kernels", "torch-ops"])
 @pytest.mark.parametrize("model", ["tiny_llama", pytest.param("tiny_gpt2", marks=pytest.mark.slow)])
 def test_mixed_batch_matches_transformers(model, kernels, request):
     if not kernels:

@@ -53,6 +53,7 @@ def test_n_samples_share_the_prompt_computed_once(llm):
     assert final.request_id == "story" and engine.kv.num_block_tables == 0
 
 
+@pytest.mark.slow
 def test_seeded_samples_repeat_and_sample_zero_is_the_n1_request(llm):
     params = SamplingParams(temperature=1.0, seed=21, max_tokens=10, ignore_eos=True, n=3)
     first = llm.generate([PROMPT], params, use_tqdm=False)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from roseinfer import LLM, SamplingParams
 from roseinfer.cpu_features import NAMED, describe, flags
 from roseinfer.models.linear import Linear
@@ -9,6 +11,7 @@ from roseinfer.sampler import Sampler
 from roseinfer.step_profile import PARTS, profile_decode
 
 
+@pytest.mark.slow
 def test_the_parts_of_a_decode_step_add_up_and_the_timers_come_off(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", max_num_seqs=8)
     engine = llm.engine

@@ -49,7 +49,9 @@ def texts(outs):
 PROMPTS = [f"Question {i}: classify this animal and score it." for i in range(5)]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize(
+    "kind", [k if k in ("json", "choice") else pytest.param(k, marks=pytest.mark.slow) for k in sorted(KINDS)]
+)
 @pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
 def test_every_kind_finishes_valid(llm, kind, sampling):
     so, check = KINDS[kind]

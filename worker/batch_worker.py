@@ -327,7 +327,7 @@ class BatchWorker(BaseWorker):
         pulled, unreadable = pull(
             queues,
             room,
-            self.settings.idle_wait if block else None,
+            _wait_arg(self.settings.idle_wait) if block else None,
             self.connection,
             self.job_class,
             self.serializer,
@@ -745,3 +745,8 @@ class BatchWorker(BaseWorker):
 
     def stats_key(self) -> str:
         return STATS_KEY.format(worker=self.name)
+
+
+def _wait_arg(seconds: float) -> float | int:
+    """A BLPOP timeout: whole seconds as an integer, which every Redis takes (fractions need Redis 6)."""
+    return int(seconds) if float(seconds).is_integer() else seconds

@@ -43,7 +43,9 @@ class QueueSettings(BaseSettings):
     heartbeat_grace: int = Field(30, ge=1, description="seconds a missed heartbeat is forgiven before jobs return")
     maintenance_interval: int = Field(15, ge=1, description="seconds between RQ registry clean-ups (dead workers)")
     # Short, so signals and maintenance stay prompt.
-    idle_wait: int = Field(1, ge=1, description="seconds to block on an empty queue when nothing runs")
+    idle_wait: float = Field(
+        1.0, gt=0, le=60, description="seconds to block on an empty queue when nothing runs (under 1 needs Redis 6)"
+    )
     burst: bool = Field(False, description="quit when the queue is empty and every job is done")
     event_interval_ms: int = Field(
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
