@@ -1,0 +1,77 @@
+"""Structured outputs through the queue: every kind as a job (greedy and seeded), and a job resumed from what an
+earlier attempt streamed goes on under its constraint and ends as the uninterrupted job."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import jsonschema
+import pytest
+from conftest import ThreadWorker
+
+from producer import Client
+
+pytestmark = pytest.mark.slow  # a worker and many generations
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["label", "n"],
+    "additionalProperties": False,
+}
+KINDS = {
+    "json": ({"json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    "json_object": ({"json_object": True}, lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
+    "regex": ({"regex": "[a-c]{2}-[0-9]"}, lambda t: re.fullmatch("[a-c]{2}-[0-9]", t) or pytest.fail(t)),
+    "choice": ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no") or pytest.fail(t)),
+    "grammar": ({"grammar": 'start: "A" | "B" "C"'}, lambda t: t in ("A", "BC") or pytest.fail(t)),
+}
+
+
+@pytest.fixture(scope="module")
+def served(redis_url, tiny_chat_model):
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=8)
+    yield w, Client(redis_url, queue=w.queue)
+    w.stop()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+def test_every_kind_as_a_job(served, sampling):
+    _, client = served
+    requests = [
+        {"prompt": f"Answer {kind}", "max_tokens": 200, "structured_outputs": so, **sampling}
+        for kind, (so, _) in KINDS.items()
+    ]
+    for kind, job in zip(KINDS, client.submit_many(requests)):
+        result = job.result(timeout=120)
+        if kind == "json_object" and result["finish_reason"] == "length":
+            continue  # any object: a random model may nest past max_tokens; what it wrote is cut, not wrong
+        assert result["finish_reason"] == "stop", (kind, result["text"])
+        KINDS[kind][1](result["text"])
+        assert "".join(job.stream(timeout=10)) == result["text"]
+
+
+def test_a_resumed_job_goes_on_under_its_constraint(served):
+    _, client = served
+    payload = {
+        "prompt": "Resume me",
+        "max_tokens": 60,
+        "temperature": 1.0,
+        "seed": 5,
+        "structured_outputs": KINDS["json"][0],
+    }
+    first = client.submit(**payload)
+    full = first.result(timeout=120)
+    events = list(first.events(timeout=10))
+    assert len(events) >= 2
+    # As if an earlier attempt of a new job streamed the first event and died: the worker resumes after it.
+    job_id = f"so-resume-{uuid.uuid4().hex[:8]}"
+    client.connection.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(events[0])})
+    resumed = client.submit(**payload, job_id=job_id)
+    result = resumed.result(timeout=120)
+    assert (result["text"], result["token_ids"]) == (full["text"], full["token_ids"])
+    replay = list(resumed.events(timeout=10))
+    assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
+    jsonschema.validate(json.loads(result["text"]), SCHEMA)
