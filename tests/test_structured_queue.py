@@ -75,3 +75,28 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     replay = list(resumed.events(timeout=10))
     assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
+
+
+def test_every_kind_through_roseinfer_batch(served, tmp_path):
+    from producer.batch import run_batch
+
+    _, client = served
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = []
+    for kind, (so, _) in KINDS.items():
+        body = {"model": "m", "prompt": f"Batch {kind} {tmp_path.name}", "max_tokens": 200, "temperature": 0}
+        lines.append({"custom_id": kind, "url": "/v1/completions", "body": {**body, "structured_outputs": so}})
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "Pet?"}], "max_tokens": 60, "response_format": fmt}
+    lines.append({"custom_id": "response_format", "url": "/v1/chat/completions", "body": body})
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert run_batch(client, src, out, poll_interval=0.05)["succeeded"] == len(lines)
+    for row in map(json.loads, out.read_text().splitlines()):
+        choice = row["response"]["body"]["choices"][0]
+        kind = row["custom_id"]
+        if kind == "response_format":
+            assert choice["finish_reason"] == "stop"
+            KINDS["json"][1](choice["message"]["content"])
+        elif not (kind == "json_object" and choice["finish_reason"] == "length"):
+            assert choice["finish_reason"] == "stop", (kind, choice["text"])
+            KINDS[kind][1](choice["text"])
