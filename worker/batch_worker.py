@@ -515,7 +515,7 @@ class BatchWorker(BaseWorker):
         del self.in_flight[job.job.id]
         out = event.output
         if out is not None:
-            self.publisher.add(job.stream, event.text, [], "abort", usage(out))
+            self.publisher.add(job.stream, event.text, [], "abort", usage(out), index=event.index)
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
 
         def end() -> None:

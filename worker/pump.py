@@ -100,7 +100,8 @@ class Pump:
             return None
         out = self.engine.abort_request(job_id) if job.admitted else None
         text = out.delta_text if out is not None else ""
-        return JobEvent(job_id, text, [], "abort" if reason is None else "error", out, reason)
+        index = out.delta_index if out is not None else 0
+        return JobEvent(job_id, text, [], "abort" if reason is None else "error", out, reason, index=index)
 
     def step(self) -> list[JobEvent]:
         """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all."""
