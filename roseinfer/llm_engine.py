@@ -254,14 +254,19 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        masks = self.structured.start_masks([item.seq for item in sched.scheduled if item.samples])
+        sampling: list[Sequence] = []
+        for item in sched.scheduled:  # one pass: the rows that sample, and the prompt tokens computed (not cached)
+            seq = item.seq
+            known = seq.num_prompt_tokens + seq.num_resumed_tokens
+            if item.start < known:
+                self.stats.num_prefill_tokens += min(item.start + item.num_tokens, known) - item.start
+            if item.samples:
+                sampling.append(seq)
+        masks = self.structured.start_masks(sampling)
         sampled = self.runner.execute(sched, masks)
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1
-        for item in sched.scheduled:  # prompt (and resumed) tokens computed, less prefix-cache hits
-            known = item.seq.num_prompt_tokens + item.seq.num_resumed_tokens
-            self.stats.num_prefill_tokens += max(0, min(item.start + item.num_tokens, known) - item.start)
         outputs: list[RequestOutput] = []
         for seq, token in new_tokens:
             if seq.num_output_tokens == seq.num_resumed_tokens + 1:  # its first token: the prompt is computed
@@ -306,12 +311,15 @@ class LLMEngine:
         return self._output(seq, delta, [token])
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        """The request's output after ``seq`` advanced: every sample of it, the delta of ``seq``."""
-        samples = self._groups.get(seq.parent_id, [seq]) if seq.parent_id != seq.request_id else [seq]
-        finished = all(s.is_finished for s in samples)
-        if finished and len(samples) > 1:
+        """The request's output after ``seq`` advanced, with the delta of ``seq``: its outputs are ``seq``'s alone
+        while the request runs, every sample once it finished (copying n samples' tokens at every token of each
+        would cost n^2 per step)."""
+        group = self._groups.get(seq.parent_id) if seq.parent_id != seq.request_id else None
+        finished = seq.is_finished and (group is None or all(s.is_finished for s in group))
+        samples = group if group is not None and finished else [seq]
+        if finished and group is not None:
             del self._groups[seq.parent_id]
-        lead = samples[0]
+        lead = group[0] if group is not None else seq
         first_times = [s.first_token_time for s in samples if s.first_token_time is not None]
         return RequestOutput(
             request_id=seq.parent_id,

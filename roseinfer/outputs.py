@@ -36,7 +36,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # n > 1: the advancing sample's while running, every sample once finished
     finished: bool
     # What this step added: the text now safe to show and the token ids sampled, for the sample ``delta_index``
     # (always 0 with n = 1; a step that advances several samples of one request gives one output for each).
