@@ -10,6 +10,12 @@ import uuid
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if os.environ.get("TRITON_INTERPRET") is None:
+    import torch
+
+    # Without a GPU the Triton kernels run in Triton's interpreter: decided before any test module imports them.
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -63,19 +69,19 @@ def smol_tokenizer(default_model_path):
 
 
 def hf_greedy(
-    model_path: str, prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32"
+    model_path: str, prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32", device: str = "cpu"
 ) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), new tokens only."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     out = []
     for ids in prompts:
         with torch.inference_mode():
             gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,

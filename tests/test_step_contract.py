@@ -16,8 +16,9 @@ from roseinfer.attention import (
     TorchAttentionBackend,
     select_attention_backend,
 )
+from roseinfer.attention.triton_backend import TritonAttentionBackend
 from roseinfer.block_manager import KVCacheManager
-from roseinfer.kernels import add_rms_norm, cpu_kernels_for
+from roseinfer.kernels import add_rms_norm, cpu_kernels_for, triton_kernels_for
 from roseinfer.sampler import SamplerOutput
 from roseinfer.scheduler import ScheduledRequest, Scheduler
 from roseinfer.sequence import Sequence
@@ -286,7 +287,10 @@ def test_one_function_decides_where_the_c_kernels_run():
     assert isinstance(chosen, CpuKernelAttentionBackend if lib is not None else TorchAttentionBackend)
     for device, dtype in [(torch.device("cuda"), torch.float32), (CPU, torch.float16), (CPU, torch.float64)]:
         assert cpu_kernels_for(device, dtype) is None
-        assert isinstance(select_attention_backend(8, dtype, device), TorchAttentionBackend)
+        gpu = triton_kernels_for(device) is not None  # CUDA with Triton installed runs the Triton kernels
+        assert isinstance(
+            select_attention_backend(8, dtype, device), TritonAttentionBackend if gpu else TorchAttentionBackend
+        )
 
 
 def test_kernels_off_means_torch_attention_and_torch_ops(no_kernels):

@@ -13,7 +13,7 @@ import torch
 from roseinfer.attention.backend import KV_CACHE_DIMS, AttentionBackend, AttentionMetadata
 from roseinfer.attention.cpu_kernel_backend import CpuKernelAttentionBackend, CpuKernelAttentionMetadata
 from roseinfer.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from roseinfer.kernels import cpu_kernels_for
+from roseinfer.kernels import cpu_kernels_for, triton_kernels_for
 
 __all__ = [
     "KV_CACHE_DIMS",
@@ -28,8 +28,13 @@ __all__ = [
 
 
 def select_attention_backend(block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
-    """The C kernels where they run on this device and dtype (``cpu_kernels_for`` decides), PyTorch elsewhere."""
+    """The C kernels where they run on this device and dtype (``cpu_kernels_for`` decides), Triton on CUDA where it
+    is installed, PyTorch elsewhere."""
     lib = cpu_kernels_for(device, dtype)
     if lib is not None:
         return CpuKernelAttentionBackend(lib, block_size, dtype, device)
+    if triton_kernels_for(device) is not None:
+        from roseinfer.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(block_size, dtype, device)
     return TorchAttentionBackend(block_size, dtype, device)

@@ -1,6 +1,7 @@
 """Fused CPU kernels (``cpu_kernels.c``), built once with the system C compiler and loaded with ctypes.
 
-Each op has a plain PyTorch twin with the same semantics: it runs on CUDA, on dtypes the C code does not
+On CUDA the same ops run as Triton kernels (``triton_kernels``, chosen by ``triton_kernels_for``). Each op has a
+plain PyTorch twin with the same semantics: it runs on CUDA without Triton, on dtypes the C code does not
 cover, where no compiler is found, or when ``ROSEINFER_CPU_KERNELS=0``. Whether the C code runs is decided
 by ``cpu_kernels_for`` alone, for the attention backend and the elementwise ops here alike.
 """
@@ -29,6 +30,8 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trappin
 _MAX_HEAD_DIM = 512
 _lib: ctypes.CDLL | None = None
 _tried = False
+_triton = None
+_triton_tried = False
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -95,6 +98,22 @@ def cpu_kernels_for(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | N
     return cpu_kernels()
 
 
+def triton_kernels_for(device: torch.device):
+    """The Triton kernels (``triton_kernels``) on a CUDA device where Triton is installed, else None."""
+    global _triton, _triton_tried
+    if device.type != "cuda":
+        return None
+    if not _triton_tried:
+        _triton_tried = True
+        try:
+            from roseinfer.kernels import triton_kernels
+
+            _triton = triton_kernels
+        except ImportError as exc:
+            log.warning("Triton is not available (%s): the GPU runs the slower PyTorch ops", exc)
+    return _triton
+
+
 def _bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
@@ -102,6 +121,8 @@ def _bf16(t: torch.Tensor) -> int:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``h += delta`` in place (when given), then ``weight * rmsnorm(h)`` as transformers computes it."""
     lib = cpu_kernels_for(h.device, h.dtype)
+    if lib is None and (tk := triton_kernels_for(h.device)) is not None and h.is_contiguous():
+        return tk.add_rms_norm(h, delta, weight, eps)
     if lib is None or not h.is_contiguous() or (delta is not None and not delta.is_contiguous()):
         if delta is not None:
             h.add_(delta)
@@ -130,6 +151,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """Rotary embedding in place on x: [T, heads, D] (rows may be strided); cos/sin: [max_pos, D] tables."""
     lib = cpu_kernels_for(x.device, x.dtype)
+    heads_packed = x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    if lib is None and (tk := triton_kernels_for(x.device)) is not None and heads_packed:
+        tk.rope_(x, cos, sin, positions)
+        return
     if lib is None or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] > _MAX_HEAD_DIM:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         x.copy_(x * c + rotate_half(x) * s)
@@ -151,6 +176,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows [gate | up]."""
     lib = cpu_kernels_for(gate_up.device, gate_up.dtype)
     n = gate_up.shape[1] // 2
+    if lib is None and (tk := triton_kernels_for(gate_up.device)) is not None and gate_up.is_contiguous():
+        return tk.silu_mul(gate_up)
     if lib is None or not gate_up.is_contiguous():
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,0 +1,192 @@
+"""The GPU's Triton kernels against plain PyTorch: on CUDA where there is one, else in Triton's interpreter on CPU
+(TRITON_INTERPRET=1), so every machine with Triton checks the same kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+# conftest.py set TRITON_INTERPRET=1 where there is no GPU, before anything imported Triton or the kernels.
+triton = pytest.importorskip("triton")
+from roseinfer.kernels import triton_kernels as tk  # noqa: E402
+
+if not CUDA:
+    from triton.runtime import interpreter
+
+    _patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        """NumPy 2.4 refuses int() of a one-element 1-D array, which the interpreter calls for a loop bound read
+        from memory (``range(0, tl.load(p))``); .item() reads it as the compiled kernel does."""
+        _patch_tensor(tensor, scope)
+        tensor.__index__ = lambda self: int(self.handle.data.item())
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _ref_attention(q, keys, values, scale, first_pos):
+    """float64 causal attention of queries at positions first_pos.. over keys 0..; GQA by repeating K/V heads."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    pos = torch.arange(q.shape[0])[:, None] + first_pos
+    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+
+
+def _caches(num_blocks, block_size, hkv, d, gen):
+    shape = (num_blocks, block_size, hkv, d)
+    return (torch.randn(shape, generator=gen).to(DEVICE), torch.randn(shape, generator=gen).to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(4, 2, 16, 8), (9, 3, 64, 16), (8, 8, 32, 4)]
+)
+def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size)
+    k_cache, v_cache = _caches(64, block_size, kv_heads, head_dim, gen)
+    ctx_lens = [1, 5, 37, 130, 0]  # the last row is padding: no context, writes zeros
+    width = max(math.ceil(c / block_size) for c in ctx_lens)
+    perm = torch.randperm(64, generator=gen).tolist()  # blocks scattered over the cache
+    tables, used = [], 0
+    for c in ctx_lens:
+        n = math.ceil(c / block_size)
+        tables.append(perm[used : used + n] + [0] * (width - n))
+        used += n
+    b = len(ctx_lens)
+    q = torch.randn(b, heads, head_dim, generator=gen).to(DEVICE)
+    k_new = torch.randn(b, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v_new = torch.randn(b, kv_heads, head_dim, generator=gen).to(DEVICE)
+    slots = [
+        t[(c - 1) // block_size] * block_size + (c - 1) % block_size if c else -1 for t, c in zip(tables, ctx_lens)
+    ]
+    before = k_cache.clone()
+    tk.store_kv(k_new, v_new, k_cache, v_cache, torch.tensor(slots, device=DEVICE))
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    for i, s in enumerate(slots[:-1]):
+        assert torch.equal(flat_k[s], k_new[i])
+    changed = (k_cache != before).any(dim=-1).any(dim=-1).nonzero().tolist()
+    assert len(changed) == len(slots) - 1  # the padding row stored nothing
+
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    tk.paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+        torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
+        scale,
+        out=out,
+    )
+    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    for i, c in enumerate(ctx_lens):
+        if c == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+            continue
+        idx = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(c)])
+        ref = _ref_attention(q[i : i + 1].cpu(), flat_k[idx].cpu(), flat_v[idx].cpu(), scale, c - 1)
+        assert torch.allclose(out[i].cpu().double(), ref[0], atol=1e-5, rtol=1e-4)
+
+
+def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token():
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, bs = 6, 2, 32, 8
+    k_cache, v_cache = _caches(48, bs, kv_heads, d, gen)
+    # (tokens computed before, chunk length): a fresh prompt, a chunk after a prefix hit, a long one, a single token.
+    chunks = [(0, 13), (16, 20), (5, 70), (40, 1)]
+    width = max(math.ceil((s + n) / bs) for s, n in chunks)
+    perm = torch.randperm(48, generator=gen).tolist()
+    tables, used = [], 0
+    for s, n in chunks:
+        m = math.ceil((s + n) / bs)
+        tables.append(perm[used : used + m] + [0] * (width - m))
+        used += m
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, d, generator=gen).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    starts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    tk.paged_prefill(
+        q,
+        k_cache,
+        v_cache,
+        as_i32(tables),
+        as_i32(starts),
+        as_i32([n for _, n in chunks]),
+        as_i32([s for s, _ in chunks]),
+        max(n for _, n in chunks),
+        0.125,
+        out,
+    )
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d).cpu(), v_cache.view(-1, kv_heads, d).cpu()
+    for (s, n), t, q0 in zip(chunks, tables, starts):
+        idx = torch.tensor([t[p // bs] * bs + p % bs for p in range(s + n)])
+        ref = _ref_attention(q[q0 : q0 + n].cpu(), flat_k[idx], flat_v[idx], 0.125, s)
+        assert torch.allclose(out[q0 : q0 + n].cpu().double(), ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_ops_round_as_pytorch_does(dtype):
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(7, 96, generator=gen).to(DEVICE, dtype)
+    delta = torch.randn(7, 96, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(96, generator=gen).to(DEVICE, dtype)
+    h_ref = h.clone()
+    out = tk.add_rms_norm(h, delta, w, 1e-5)
+    h_ref += delta
+    x = h_ref.float()
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    # Exact where conversions round to nearest as PyTorch's do; the interpreter truncates float32 to bfloat16.
+    same = torch.equal if CUDA or dtype == torch.float32 else lambda a, b: torch.allclose(a, b, atol=0.1, rtol=0.02)
+    assert same(h, h_ref)  # the residual stream updated in place
+    assert torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol)
+
+    # Rotary embedding on strided rows: q and k heads of a fused projection output.
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=gen).to(DEVICE, dtype)
+    qk = qkv.view(5, 8, 16)[:, :6]
+    cos = torch.randn(32, 16, generator=gen).to(DEVICE, dtype)
+    sin = torch.randn(32, 16, generator=gen).to(DEVICE, dtype)
+    pos = torch.tensor([0, 3, 9, 31, 2], device=DEVICE)
+    ref = qk * cos[pos][:, None] + torch.cat((-qk[..., 8:], qk[..., :8]), dim=-1) * sin[pos][:, None]
+    untouched = qkv.view(5, 8, 16)[:, 6:].clone()
+    tk.rope_(qk, cos, sin, pos)
+    assert same(qk, ref)
+    assert torch.equal(qkv.view(5, 8, 16)[:, 6:], untouched)
+
+    gate_up = torch.randn(3, 2 * 40, generator=gen).to(DEVICE, dtype)
+    ref = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    assert torch.allclose(tk.silu_mul(gate_up).float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.slow
+def test_the_engine_on_the_triton_backend_matches_transformers(tiny_llama, monkeypatch):
+    """The whole step (K/V store, decode and chunked-prefill attention, fused elementwise ops) on the Triton
+    kernels, on CPU through the interpreter where there is no GPU: the same greedy tokens as transformers."""
+    import random
+
+    from conftest import hf_greedy
+
+    import roseinfer.attention as attention
+    import roseinfer.kernels as kernels
+    from roseinfer import LLM, SamplingParams
+
+    if not CUDA:
+        monkeypatch.setenv("ROSEINFER_CPU_KERNELS", "0")
+        monkeypatch.setattr(kernels, "_tried", False)
+        monkeypatch.setattr(kernels, "_lib", None)
+        monkeypatch.setattr(kernels, "triton_kernels_for", lambda device: tk)
+        monkeypatch.setattr(attention, "triton_kernels_for", lambda device: tk)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+    llm = LLM(tiny_llama, dtype="float32", device=DEVICE, max_num_batched_tokens=24)
+    assert llm.engine.attn_backend.name == "triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 10, device=DEVICE)
