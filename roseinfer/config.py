@@ -60,6 +60,7 @@ class EngineConfig:
         "auto", "memory for the KV cache, e.g. 4GiB; auto: 1 GiB on CPU, half the free GPU memory on CUDA"
     )
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
+    enforce_eager: bool = option(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     seed: int = option(0, "seed of the shared generator (requests with their own seed use theirs)")
     num_threads: int | None = option(None, "threads for the math (torch.set_num_threads); default: every core")
 
@@ -82,8 +83,9 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.kv_cache_memory != "auto":
             try:
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)

@@ -6,7 +6,7 @@ import torch
 
 from roseinfer.attention import AttentionBackend
 from roseinfer.models import CausalLM
-from roseinfer.sampler import Sampler, SamplerOutput
+from roseinfer.sampler import PendingSample, Sampler, SamplerOutput
 from roseinfer.scheduler import SchedulerOutput
 from roseinfer.structured_output import PendingMasks
 
@@ -19,6 +19,8 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         sampler: Sampler,
+        cuda_graph_max_seqs: int = 0,
+        max_blocks_per_seq: int = 0,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -29,12 +31,26 @@ class ModelRunner:
         self.kv_caches = attn_backend.allocate_kv_caches(
             model.num_layers, num_blocks, model.num_kv_heads, model.head_dim
         )
+        # Decode-only steps of up to cuda_graph_max_seqs requests replay captured graphs (0: every step eager).
+        self.graphs = None
+        if cuda_graph_max_seqs and device.type == "cuda" and getattr(attn_backend, "supports_cuda_graphs", False):
+            from roseinfer.cuda_graphs import DecodeGraphs
 
-    @torch.inference_mode()
+            self.graphs = DecodeGraphs(
+                model, attn_backend, self.kv_caches, cuda_graph_max_seqs, max_blocks_per_seq, device
+            )
+
     def execute(self, sched: SchedulerOutput, masks: PendingMasks | None = None) -> SamplerOutput:
         """Run one step. Returns one sampled token per scheduled request that samples, in the order of
         ``sched.scheduled`` (requests in the middle of a prefill sample nothing). ``masks``: the structured-output
         masks of those rows, filling while the forward runs."""
+        return self.launch(sched, masks).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, masks: PendingMasks | None = None) -> PendingSample:
+        """``execute`` without waiting for the device where it can: the host is free until ``result()``."""
+        if self.graphs is not None and sched.num_decodes == len(sched.scheduled) <= self.graphs.max_batch:
+            return self._execute_graph(sched, masks)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -54,8 +70,25 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(sched.scheduled, sched.num_decodes, pos, slots)
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), pos, meta, self.kv_caches)
         if not sample_seqs:
-            return SamplerOutput([], [])
+            return PendingSample(SamplerOutput([], []))
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, sample_seqs, masks.get() if masks is not None else None)
+        return self.sampler.start(logits, sample_seqs, masks.get() if masks is not None else None)
+
+    def _execute_graph(self, sched: SchedulerOutput, masks: PendingMasks | None) -> PendingSample:
+        """A decode-only step through the captured graph of its batch size; every request samples."""
+        bs = self.block_size
+        input_ids, positions, slots, tables, seqs, owners = [], [], [], [], [], []
+        for item in sched.scheduled:
+            p, table, seq = item.start, item.block_ids, item.seq
+            input_ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+            seqs.append(seq)
+            # A preempted request's table is rebuilt from scratch: its owner changes with its preemption count.
+            owners.append((seq, seq.num_preemptions))
+        hidden = self.graphs.run(input_ids, positions, slots, tables, owners)
+        logits = self.model.compute_logits(hidden)
+        return self.sampler.start(logits, seqs, masks.get() if masks is not None else None)

@@ -1,0 +1,138 @@
+"""The GPU path (Triton attention, CUDA-graph decode) against transformers on the same GPU, at float32: token for
+token, through graph replay at every batch-size bucket, chunked prefill, preemption and prefix hits. Skipped
+where there is no CUDA device."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from roseinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 256, prefix=()) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [list(prefix) + [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _save(tmp_path_factory, name: str, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(name)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
+    from transformers import LlamaConfig, Qwen2Config
+
+    qwen2 = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    # SmolLM2-135M's shape: 30 layers, 9 query heads on 3 K/V heads, head dim 64, tied embeddings.
+    smol = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # decisive logits: greedy argmax is not decided by rounding
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    return {
+        "llama": tiny_llama,
+        "qwen2": _save(tmp_path_factory, "qwen2", qwen2),
+        "gpt2": tiny_gpt2,
+        "smollm2-shape": _save(tmp_path_factory, "smol", smol),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "smollm2-shape"])
+def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, name):
+    path = models[name]
+    vocab = 49152 if name == "smollm2-shape" else 256
+    prompts = _prompts(12, seed=1, vocab=vocab)
+    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=16)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24, device="cuda")
+    assert sum(graphs.replays.values()) > 0
+
+
+def test_graph_replay_at_every_bucket_size(models):
+    path = models["llama"]
+    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=40)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4, 8, 16, 32, 40]
+    prompts = _prompts(40, seed=2, lo=5, hi=30)
+    ref = hf_greedy(path, prompts, 12, device="cuda")
+    for n in [1, 2, 3, 4, 7, 8, 13, 16, 31, 32, 35, 40]:  # each bucket, full and padded
+        graphs.replays.clear()
+        params = SamplingParams(max_tokens=12, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
+        assert [o.outputs[0].token_ids for o in outs] == ref[:n], f"{n} requests"
+        assert graphs.replays[graphs.bucket(n)] > 0, f"{n} requests never replayed bucket {graphs.bucket(n)}"
+
+
+def test_chunked_prefill_prefix_hits_and_arrivals_on_the_gpu(models):
+    path = models["llama"]
+    shared = _prompts(1, seed=7, lo=40, hi=40)[0]
+    prompts = _prompts(4, seed=2, prefix=shared) + _prompts(3, seed=3, lo=70, hi=90)
+    llm = LLM(path, dtype="float32", device="cuda", max_num_batched_tokens=24, block_size=8)
+    engine, done, pending, step = llm.engine, {}, list(enumerate(prompts)), 0
+    params = SamplingParams(max_tokens=24, temperature=0)
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert [done[f"r{i}"] for i in range(len(prompts))] == hf_greedy(path, prompts, 24, device="cuda")
+    assert engine.kv.prefix_hit_tokens >= 3 * 32
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_preemption_on_the_gpu(models):
+    path = models["llama"]
+    prompts = _prompts(6, seed=5, lo=20, hi=30)
+    llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory=12 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=28, temperature=0))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 28, device="cuda")
+
+
+def test_eager_and_graph_decode_agree_and_sampling_runs_on_the_gpu(models):
+    path = models["llama"]
+    prompts = _prompts(5, seed=9)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=20, seed=i) for i in range(5)]
+    runs = []
+    for eager in (False, True):
+        llm = LLM(path, dtype="float32", device="cuda", enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
