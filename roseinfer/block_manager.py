@@ -127,8 +127,14 @@ class KVCacheManager:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones (and, at admission,
         after ``prefix_hit``, whose blocks it then shares). Returns False, changing nothing, when the pool
         is too small. ``seq.num_computed_tokens`` is read, never written: the scheduler records the hit."""
-        hit_blocks = prefix_hit.block_ids if prefix_hit is not None else []
         table = self._block_tables.get(seq.request_id)
+        if prefix_hit is None and table is not None:
+            total = seq.num_computed_tokens + num_new_tokens
+            if total <= len(table) * self.block_size:  # fits in the blocks it holds: most decode steps
+                if self.enable_prefix_caching:
+                    self._register_full_blocks(seq, table, total)
+                return True
+        hit_blocks = prefix_hit.block_ids if prefix_hit is not None else []
         if hit_blocks and table:
             raise ValueError("prefix hits are taken at admission, before a request holds any block")
         total = seq.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens

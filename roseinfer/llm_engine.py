@@ -69,12 +69,26 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.attn_backend, num_blocks, self.device, sampler)
+        self.runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            num_blocks,
+            self.device,
+            sampler,
+            cuda_graph_max_seqs=0 if config.enforce_eager else config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+        )
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model.vocab_size, self.eos_token_ids, overlap=self.device.type == "cuda"
         )
         self.stats = EngineStats()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples, for requests with n > 1
+        # Tokens sampled whose outputs are not made yet: (request, token, whether the token itself stopped it,
+        # whether the request ended at it).
+        self._pending: list[tuple[Sequence, int, bool, bool]] = []
+        self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
+        if self.device.type == "cuda":
+            self._warm_up()
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
@@ -87,6 +101,22 @@ class LLMEngine:
             num_blocks,
             self.attn_backend.name,
         )
+
+    def _warm_up(self) -> None:
+        """Compile the GPU kernels of every step shape (long and short prefill chunks, prefill beside decodes)
+        now, so the first requests do not wait for them; then forget the warm-up's requests entirely."""
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        n = max(1, min(40, self.max_model_len - 4))
+        self.add_request("__warm-up-0", [0] * n, params)
+        self.step()
+        self.add_request("__warm-up-1", [1] * min(5, n), params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.kv.prefix_query_tokens = self.kv.prefix_hit_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.stats = EngineStats()
+        torch.cuda.synchronize(self.device)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":
@@ -244,16 +274,20 @@ class LLMEngine:
         return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
     # ----- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by a step. On a GPU the outputs of a step come back with the next
+        call: their text and output objects are made while the device runs that next step (the host's work
+        hidden behind the device's); what ends a request (length, EOS, stop ids, a complete structured output)
+        is still decided before the next step is scheduled, and a stop string found late drops the extra token."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._emit_pending()
         sampling: list[Sequence] = []
         for item in sched.scheduled:  # one pass: the rows that sample, and the prompt tokens computed (not cached)
             seq = item.seq
@@ -263,19 +297,26 @@ class LLMEngine:
             if item.samples:
                 sampling.append(seq)
         masks = self.structured.start_masks(sampling)
-        sampled = self.runner.execute(sched, masks)
+        pending = self.runner.launch(sched, masks)
+        outputs = self._emit_pending()  # the previous step's, while the device runs this one
+        sampled = pending.result()
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1
-        outputs: list[RequestOutput] = []
         for seq, token in new_tokens:
             if seq.num_output_tokens == seq.num_resumed_tokens + 1:  # its first token: the prompt is computed
                 self.stats.num_prompt_tokens_computed += seq.num_prompt_tokens
             self.stats.num_generated_tokens += 1
-            outputs.append(self._process_token(seq, token, now))
+            by_token = self._end_check(seq, token, now)
+            self._pending.append((seq, token, by_token, seq.is_finished))
+        if not self._overlap:
+            outputs += self._emit_pending()
         return outputs
 
-    def _process_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _end_check(self, seq: Sequence, token: int, now: float) -> bool:
+        """What ends ``seq`` at ``token`` without its text: EOS, a stop id, its structured output refusing or
+        completing, its length. Ends it (its blocks freed before the next schedule). Returns whether the token
+        itself stopped it (EOS, a stop id, a refusal): such a token's text stays out of the output."""
         p = seq.params
         reason: str | None = None
         stop_reason: str | int | None = None
@@ -284,38 +325,78 @@ class LLMEngine:
                 reason = "stop"
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
-        complete = False  # the structured output is complete and nothing may follow: it ends after this token
+        by_token = reason is not None
         if seq.grammar is not None and reason is None:
             if not self.structured.accept(seq, token):  # the mask forbids this; a library fault if it happens
                 log.error("request %s: its structured output refused token %d", seq.request_id, token)
-                reason = "abort"
-            complete = self.structured.is_done(seq)
-        # A stopping token's own text stays out of the output, as in vLLM.
-        delta = ""
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.update(None if reason else token, finished=False)
-            if reason is None and seq.detokenizer.stop_hit is not None:
-                reason, stop_reason = "stop", seq.detokenizer.stop_hit
-        if reason is None and complete:
-            reason = "stop"
+                reason = by_token = "abort"
+            elif self.structured.is_done(seq):  # complete, nothing may follow: it ends after this token
+                reason = "stop"
         if reason is None and (
             (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
         if reason is not None:
-            if seq.detokenizer is not None:
-                delta += seq.detokenizer.finish()
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason
             seq.finish_time = now
-        return self._output(seq, delta, [token])
+        return bool(by_token)
 
-    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+    def _emit_pending(self) -> list[RequestOutput]:
+        """Text and outputs of the tokens the last step sampled; a stop string in the text ends its request."""
+        outputs = []
+        pending, self._pending = self._pending, []
+        # A request with n > 1 ends once, at its last sample's output of the batch (they may all end in one step).
+        last = {entry[0].parent_id: i for i, entry in enumerate(pending)}
+        for i, (seq, token, by_token, ended_at_token) in enumerate(pending):
+            if seq.is_finished and not ended_at_token:
+                continue  # aborted since: its last output was given then
+            delta = ""
+            if seq.detokenizer is not None:
+                # A stopping token's own text stays out of the output, as in vLLM.
+                delta = seq.detokenizer.update(None if by_token else token, finished=False)
+                hit = seq.detokenizer.stop_hit
+                if hit is not None and not by_token:  # a stop string wins over the length or a complete output
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
+                        seq.finish_time = time.perf_counter()
+                    seq.finish_reason, seq.stop_reason = "stop", hit
+                if seq.is_finished:
+                    delta += seq.detokenizer.finish()
+            outputs.append(self._output(seq, delta, [token], group_may_end=last[seq.parent_id] == i))
+        return outputs
+
+    def _output(
+        self, seq: Sequence, delta_text: str, delta_ids: list[int], group_may_end: bool = True
+    ) -> RequestOutput:
         """The request's output after ``seq`` advanced, with the delta of ``seq``: its outputs are ``seq``'s alone
         while the request runs, every sample once it finished (copying n samples' tokens at every token of each
         would cost n^2 per step)."""
-        group = self._groups.get(seq.parent_id) if seq.parent_id != seq.request_id else None
-        finished = seq.is_finished and (group is None or all(s.is_finished for s in group))
+        if seq.parent_id == seq.request_id:  # one sample: the common case, built without the group's bookkeeping
+            return RequestOutput(
+                request_id=seq.request_id,
+                prompt=seq.prompt,
+                prompt_token_ids=seq.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(
+                        seq.index,
+                        seq.output_text,
+                        seq.output_token_ids,
+                        seq.finish_reason,
+                        seq.stop_reason,
+                        seq.logprobs,
+                    )
+                ],
+                finished=seq.is_finished,
+                delta_text=delta_text,
+                delta_token_ids=delta_ids,
+                delta_index=seq.index,
+                metrics=RequestMetrics(
+                    seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
+                ),
+            )
+        group = self._groups.get(seq.parent_id)
+        finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
         samples = group if group is not None and finished else [seq]
         if finished and group is not None:
             del self._groups[seq.parent_id]

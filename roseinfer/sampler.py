@@ -31,12 +31,45 @@ def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: in
         row.exponential_(generator=generator)
 
 
+class PendingSample:
+    """A step's tokens on their way to the host: ``result()`` waits for them. Greedy rows on a GPU come back
+    through one non-blocking copy, so the host is free until then; anything else is sampled at once."""
+
+    def __init__(self, done: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None) -> None:
+        self._done, self._host, self._event = done, host, event
+
+    def result(self) -> SamplerOutput:
+        if self._done is None:
+            self._event.synchronize()
+            tokens = self._host.tolist()
+            self._done = SamplerOutput(tokens, [None] * len(tokens))
+        return self._done
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._pinned: torch.Tensor | None = None  # the host side of start()'s copies, grown as needed
+
+    def start(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> PendingSample:
+        """Sample without waiting where that is possible (greedy rows on a GPU), else as ``__call__``."""
+        plain = masks is None and all(
+            s.params.greedy and not s.params.uses_penalties and s.params.min_tokens == 0 and s.params.logprobs is None
+            for s in seqs
+        )
+        if not plain or logits.device.type != "cuda":
+            return PendingSample(self(logits, seqs, masks))
+        tokens = logits.float().argmax(dim=-1)
+        if self._pinned is None or self._pinned.shape[0] < len(seqs):
+            self._pinned = torch.empty(max(len(seqs), 256), dtype=torch.long, pin_memory=True)
+        host = self._pinned[: len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingSample(host=host, event=event)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SamplerOutput:
         params = [s.params for s in seqs]

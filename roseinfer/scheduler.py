@@ -250,6 +250,8 @@ class Scheduler:
                 continue
             token, logprobs = sampled.token_ids[i], sampled.logprobs[i]
             i += 1
+            if seq.is_finished:  # ended while the step ran (a stop string found in its last token's text)
+                continue
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -1,0 +1,70 @@
+"""On a GPU the engine makes a step's outputs while the device runs the next step. Forced on here, on CPU, the
+outputs must be what the plain order gives: the same tokens, text, deltas, finish and stop reasons, a stop string
+found late dropping the token computed meanwhile, samples of one request ending once, aborts ending at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from roseinfer import LLM, SamplingParams
+
+
+def _run(engine, requests, overlap: bool):
+    engine._overlap = overlap
+    engine.kv.reset_prefix_cache()
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    deltas: dict[tuple[str, int], str] = {}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            key = (out.request_id, out.delta_index)
+            deltas[key] = deltas.get(key, "") + out.delta_text
+            if out.finished:
+                assert out.request_id not in finals, "a request ended twice"
+                finals[out.request_id] = [
+                    (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs
+                ]
+    assert engine.kv.num_used_blocks == 0
+    return deltas, finals
+
+
+@pytest.mark.slow
+def test_outputs_made_during_the_next_step_are_the_plain_order_outputs(tiny_chat_model):
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    chat = {"messages": [{"role": "user", "content": "Tell me a story about a dragon."}]}
+    probe = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    _, ref = _run(engine, [("probe", chat, probe)], overlap=False)
+    text = ref["probe"][0][1]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # found mid-way: the request ends early on it
+    requests = [
+        ("plain", chat, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+        ("stop-string", chat, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])),
+        ("samples", chat, SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=2, ignore_eos=True)),
+        ("eos", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=25, temperature=0.9, seed=4)),
+    ]
+    plain = _run(engine, requests, overlap=False)
+    overlapped = _run(engine, requests, overlap=True)
+    assert overlapped == plain
+    deltas, finals = plain
+    assert finals["stop-string"][0][3:] == ("stop", stop)
+    assert [c[0] for c in finals["samples"]] == [0, 1]
+    for rid, outs in finals.items():  # each sample's deltas add up to its text
+        for index, text, *_ in outs:
+            assert deltas[(rid, index)] == text
+
+
+def test_an_abort_while_outputs_wait_ends_the_request_at_once(tiny_chat_model):
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    engine.add_request("a", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", {"prompt": "What is"}, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    later = []
+    while engine.has_unfinished_requests():
+        later += engine.step()
+    assert all(o.request_id == "b" for o in later)  # nothing more of the aborted request
+    assert later[-1].finished and len(later[-1].outputs[0].token_ids) == 8
