@@ -64,7 +64,12 @@ TINY_MODEL = "tiny"
 
 def resolve_model_arg(args: argparse.Namespace) -> None:
     """``--model tiny``: a tiny random Llama with a small tokenizer (built in a second, no download), whose steps
-    take milliseconds as a GPU's do, so a benchmark times the machinery around the model."""
+    take milliseconds as a GPU's do, so a benchmark times the machinery around the model. ``--model random:SHAPE``
+    (smollm2-135m, llama-1b): a random-weight model of that shape (pair it with ``--tokenizer`` for chat)."""
+    if args.model.startswith("random:"):
+        from roseinfer.tiny_models import save_random_model
+
+        args.model = save_random_model(args.model.split(":", 1)[1], args.dtype)
     if args.model == TINY_MODEL:
         from roseinfer.tiny_models import save_tiny_chat_model
 
@@ -202,6 +207,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
+    p.add_argument(
+        "--skip-hf-compiled", action="store_true", help="on CUDA, leave out transformers' static-cache compiled run"
+    )
+    p.add_argument("--latency", action="store_true", help="on CUDA, also time one sequence against the weight floor")
     p.add_argument(
         "--profile",
         action="store_true",

@@ -27,12 +27,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """On CUDA the GPU benchmark (transformers' compiled generate beside it, a latency row), else the CPU one."""
+    from roseinfer import bench, bench_gpu
+
+    return (bench_gpu.main if args.device.startswith("cuda") else bench.main)(args)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     from roseinfer import bench, bench_dataset, bench_resume
 
     p = sub.add_parser("bench", help="roseinfer against transformers generate on the standard workload")
     bench.add_arguments(p)
-    p.set_defaults(func=bench.main)
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("bench-resume", help="a retried job resumed from its streamed tokens vs regenerated")
     bench_resume.add_arguments(p)

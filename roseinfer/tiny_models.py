@@ -78,3 +78,49 @@ def save_tiny_chat_model(path: str | Path, tokenizer=None, max_position_embeddin
     save_tiny_llama(path, len(tokenizer), max_position_embeddings)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+# Real models' shapes, for benchmarks with random weights (``--model random:SHAPE``).
+RANDOM_SHAPES = {
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def save_random_model(shape: str, dtype: str, path: str | None = None) -> str:
+    """A random-weight Llama of a named shape (``RANDOM_SHAPES``), saved in ``dtype``; EOS never produced (no eos
+    id). Speed does not depend on the weights: benchmarks of real shapes need no download."""
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    path = path or tempfile.mkdtemp(prefix=f"roseinfer-{shape}-")
+    config = LlamaConfig(
+        **RANDOM_SHAPES[shape], max_position_embeddings=8192, eos_token_id=None, bos_token_id=None, dtype=dtype
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
