@@ -25,3 +25,11 @@ if [[ $what == queue || $what == all ]]; then
     --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 --arrival-interval 0.1 \
     --skip-hf --json "$out/queue.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee -a "$out/queue.log"
 fi
+if [[ $what == queue-profile ]]; then
+  # The same, under py-spy (carried in .gpu-pack): every thread of the bench and of the worker it starts, sampled.
+  timeout 400 py-spy record --subprocesses --threads --nonblocking --format raw -o "$out/queue-profile.txt" -- \
+    python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))" bench-queue \
+    --device cuda --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --num-prompts 256 \
+    --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 --arrival-interval 0.1 \
+    --skip-hf --json "$out/queue.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tail -12
+fi

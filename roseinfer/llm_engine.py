@@ -159,8 +159,34 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict], tokenizer=None) -> list[int]:
+    def tokenize_many(
+        self, prompts: list[PromptInput], tokenizer=None
+    ) -> list[tuple[str | None, list[int]] | Exception]:
+        """``tokenize`` of each prompt, text prompts and chats encoded in one batch (the tokenizer's Rust side
+        encodes them in parallel, outside the GIL); a prompt it refuses gets its exception in its place."""
         tokenizer = tokenizer or self.tokenizer
+        results: list = [None] * len(prompts)
+        batches: dict[bool, list[tuple[int, str, str | None]]] = {True: [], False: []}  # by add_special_tokens
+        for i, prompt in enumerate(prompts):
+            try:
+                if tokenizer is not None and isinstance(prompt, str) and prompt:
+                    batches[True].append((i, prompt, prompt))
+                elif tokenizer is not None and isinstance(prompt, dict) and set(prompt) == {"messages"}:
+                    self._check_chat(prompt["messages"], tokenizer)
+                    text = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+                    batches[False].append((i, text, None))  # as apply_chat_template encodes its text
+                else:
+                    results[i] = self.tokenize(prompt, tokenizer)
+            except Exception as exc:  # this prompt's own fault, reported in its place
+                results[i] = exc
+        for special, items in batches.items():
+            if items:
+                encoded = tokenizer([text for _, text, _ in items], add_special_tokens=special)["input_ids"]
+                for (i, _, kept), ids in zip(items, encoded):
+                    results[i] = (kept, list(ids))
+        return results
+
+    def _check_chat(self, messages: list[dict], tokenizer) -> None:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a plain prompt instead of messages")
         if not isinstance(messages, list) or not messages:
@@ -168,6 +194,10 @@ class LLMEngine:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+
+    def apply_chat_template(self, messages: list[dict], tokenizer=None) -> list[int]:
+        tokenizer = tokenizer or self.tokenizer
+        self._check_chat(messages, tokenizer)
         return list(
             tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         )

@@ -54,7 +54,7 @@ def profile_decode(engine: Any, prompts: list[Any], params: Any, steps: int = 16
             totals, linear_mod.Linear, "__call__", lambda layer: "output layer" if layer is lm_head else "dense layers"
         ),
         _timed(totals, engine.attn_backend, "forward", "attention"),
-        _timed(totals, engine.runner, "sampler", "sampling"),
+        _timed(totals, engine.runner.sampler, "start", "sampling"),  # on CPU it samples before returning
         *[_timed(totals, model_module, name, "elementwise") for name in elementwise],
     ]
     batch = engine.scheduler.num_running

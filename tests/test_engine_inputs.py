@@ -66,3 +66,27 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     ).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, gpt2"):
         LLM(str(tmp_path))
+
+
+def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
+    from roseinfer import LLM
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    prompts = [
+        "Once upon a time",
+        chat,
+        {"prompt": "hello there"},
+        [5, 6, 7],
+        "",  # refused: empty
+        {"messages": []},  # refused: no messages
+        {"messages": [{"role": "user", "content": "Tell me a story."}]},
+    ]
+    got = engine.tokenize_many(prompts)
+    for prompt, found in zip(prompts, got):
+        try:
+            expected = engine.tokenize(prompt)
+        except ValueError as exc:
+            assert isinstance(found, ValueError) and str(found) == str(exc)
+        else:
+            assert found == expected

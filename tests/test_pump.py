@@ -31,6 +31,15 @@ class FakeEngine:
             raise RuntimeError("tokenizer bug")
         return text, [ord(c) % 50 for c in text]
 
+    def tokenize_many(self, prompts, tokenizer=None):  # the engine's contract: each result or its exception
+        out = []
+        for prompt in prompts:
+            try:
+                out.append(self.tokenize(prompt, tokenizer))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
     def add_request(self, request_id, prompt, params=None, priority=0) -> None:
         if "too long" in prompt.get("prompt", ""):
             raise ValueError("the prompt has 9999 tokens, but this model allows at most 100")

@@ -53,7 +53,14 @@ def test_require_noeviction_refuses_to_start_in_one_line(own_redis, tiny_chat_mo
     cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--model", tiny_chat_model]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("error: Redis evicts keys under memory pressure")
+    # The last line of ours: where Triton is installed (the dev extra), its C extension may add nanobind's
+    # leak report after it as the interpreter exits.
+    lines = [
+        line
+        for line in out.stderr.strip().splitlines()
+        if not line.startswith(("nanobind:", " - leaked", "See https://nanobind"))
+    ]
+    assert lines[-1].startswith("error: Redis evicts keys under memory pressure")
 
 
 @pytest.mark.slow

@@ -321,7 +321,7 @@ class BatchWorker(BaseWorker):
             lanes = [(p, q) for p, q in lanes if p < worst]
             limit *= 2
         queues = [q for _, q in lanes]
-        room = min(limit - len(self.in_flight), 64)
+        room = min(limit - len(self.in_flight), 256)  # one pipeline of LMOVEs takes a GPU batch at once
         if room <= 0 or not queues:
             return
         pulled, unreadable = pull(

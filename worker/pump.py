@@ -46,8 +46,25 @@ class _Job:
     deadline: float | None  # time.monotonic() after which the job fails
     output_prefix: list[int] | None = None  # what an earlier attempt generated: the output resumes from there
     priority: int = 0
-    tokenized: Future | None = None  # prompt token ids, computed off the step loop
+    tokenized: _Tokenized | None = None  # prompt token ids, computed off the step loop
     admitted: bool = False
+
+
+@dataclass
+class _Tokenized:
+    """One job's place in a batch of prompts tokenized off the step loop."""
+
+    batch: Future
+    index: int
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+    def result(self) -> tuple[str | None, list[int]]:
+        found = self.batch.result()[self.index]
+        if isinstance(found, Exception):
+            raise found
+        return found
 
 
 class Pump:
@@ -58,6 +75,7 @@ class Pump:
         # tokenizer of its own: a Rust tokenizer borrowed by two threads at once can raise "Already borrowed".
         self._pool: ThreadPoolExecutor | None = None
         self._thread_tokenizer = None
+        self._untokenized: list[_Job] = []  # submitted since the last step: tokenized together, in one batch
         if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
@@ -89,8 +107,16 @@ class Pump:
         deadline = None if timeout is None else time.monotonic() + timeout
         job = _Job(prompt, params, deadline, output_prefix or None, priority)
         if self._pool is not None:
-            job.tokenized = self._pool.submit(self.engine.tokenize, prompt, self._thread_tokenizer)
+            self._untokenized.append(job)
         self._jobs[job_id] = job
+
+    def _tokenize_submitted(self) -> None:
+        """The prompts submitted since the last step, to the tokenizer thread as one batch."""
+        jobs, self._untokenized = self._untokenized, []
+        if jobs:
+            batch = self._pool.submit(self.engine.tokenize_many, [j.prompt for j in jobs], self._thread_tokenizer)
+            for i, job in enumerate(jobs):
+                job.tokenized = _Tokenized(batch, i)
 
     def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
         """End a job now (canceled: finish ``abort``; with ``reason``: failed, finish ``error``), freeing its
@@ -105,6 +131,7 @@ class Pump:
 
     def step(self) -> list[JobEvent]:
         """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all."""
+        self._tokenize_submitted()
         events = self._admit()
         if self.engine.has_unfinished_requests():
             events += self._run_step()
@@ -126,7 +153,8 @@ class Pump:
     def _admit(self) -> list[JobEvent]:
         events = []
         for job_id, job in list(self._jobs.items()):
-            if job.admitted or (job.tokenized is not None and not job.tokenized.done()):
+            waiting = self._pool is not None and (job.tokenized is None or not job.tokenized.done())
+            if job.admitted or waiting:
                 continue
             try:
                 prompt = job.prompt
