@@ -223,6 +223,7 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer import SamplingParams
     from roseinfer.cpu_features import describe
 
+    engine_config_from_args(args)  # a bad option fails here, before torch loads
     convs = load_prompts(args)
     print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
     resolve_model_arg(args)

@@ -151,8 +151,10 @@ def latency(llm, vocab: int, max_tokens: int) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from roseinfer.bench import resolve_model_arg
+    from roseinfer.config import engine_config_from_args
     from roseinfer.model_loader import has_tokenizer
 
+    engine_config_from_args(args)  # a bad option fails here, before CUDA starts
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     resolve_model_arg(args)
     t = time.perf_counter()

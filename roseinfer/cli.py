@@ -29,9 +29,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """On CUDA the GPU benchmark (transformers' compiled generate beside it, a latency row), else the CPU one."""
-    from roseinfer import bench, bench_gpu
+    if args.device.startswith("cuda"):
+        from roseinfer import bench_gpu  # imports torch: only where the run needs it (options are checked first)
 
-    return (bench_gpu.main if args.device.startswith("cuda") else bench.main)(args)
+        return bench_gpu.main(args)
+    from roseinfer import bench
+
+    return bench.main(args)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

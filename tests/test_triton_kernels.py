@@ -46,7 +46,13 @@ def _caches(num_blocks, block_size, hkv, d, gen):
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"), [(4, 2, 16, 8), (9, 3, 64, 16), (8, 8, 32, 4)]
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    # The interpreter is slow: two of the three shapes run in the slow lane.
+    [
+        (4, 2, 16, 8),
+        pytest.param(9, 3, 64, 16, marks=pytest.mark.slow),
+        pytest.param(8, 8, 32, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
@@ -132,7 +138,7 @@ def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token():
         assert torch.allclose(out[q0 : q0 + n].cpu().double(), ref, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_elementwise_ops_round_as_pytorch_does(dtype):
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(7, 96, generator=gen).to(DEVICE, dtype)
