@@ -50,12 +50,13 @@ def _varied_requests(n: int) -> list[dict]:
     return reqs
 
 
-def _reference(model: str, jobs, reqs) -> list[list[int]]:
-    """The same requests through the engine in-process, with the seed the worker uses for each job."""
+def _reference(model: str, jobs, reqs, **engine) -> list[list[int]]:
+    """The same requests through the engine in-process (``engine``: its options), with the seed the worker uses
+    for each job."""
     from roseinfer import LLM, SamplingParams
     from worker.jobs import JobRequest
 
-    llm = LLM(model)
+    llm = LLM(model, **engine)
     prompts, params = [], []
     for job, fields in zip(jobs, reqs):
         req = JobRequest.model_validate(fields)
