@@ -59,6 +59,13 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
 
+# KEYS: job hashes; ARGV[1]: the owner field. Per job: {owner, status} (nil where absent).
+_OWNERS = """
+local out = {}
+for i, key in ipairs(KEYS) do out[i] = redis.call('HMGET', key, ARGV[1], 'status') end
+return out
+"""
+
 
 class StepFailed(Exception):
     """An engine step raised: the jobs it ran fail (and are retried where their policy allows)."""
@@ -477,8 +484,10 @@ class BatchWorker(BaseWorker):
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
         ended = now()
         with self.connection.pipeline() as pipe:
-            pipe.watch(*[job.job.key for job, _ in plain])
-            owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
+            keys = [job.job.key for job, _ in plain]
+            pipe.watch(*keys)
+            # Every job's owner and status in one round trip (an HMGET each was a round trip per job).
+            owners = pipe.eval(_OWNERS, len(keys), *keys, OWNER_FIELD)
             pipe.multi()
             for (job, result), (owner, status) in zip(plain, owners):
                 if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
