@@ -107,11 +107,15 @@ def load_prompts(args) -> list[list[dict]]:
 
 
 def run_roseinfer(llm, convs, max_tokens: int) -> RunResult:
+    return run_prompts(llm, [llm.engine.apply_chat_template(c) for c in convs], max_tokens)
+
+
+def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
+    """Every prompt (token ids) added at once, greedy, EOS ignored; the engine stepped until all end."""
     from roseinfer import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [engine.apply_chat_template(c) for c in convs]
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", ids, params)

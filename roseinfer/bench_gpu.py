@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.bench import RunResult, build_llm, median_run, print_table
+from roseinfer.bench import RunResult, build_llm, median_run, print_table, run_prompts
 
 LENGTHS = Path(__file__).with_name("data") / "prompts64_lengths.json"  # the standard chat prompts, tokenized
 
@@ -28,28 +28,10 @@ def token_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
-def run_engine(llm, prompts: list[list[int]], max_tokens: int, label: str = "roseinfer") -> RunResult:
-    from roseinfer import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.kv.reset_prefix_cache()
+def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
+    llm.engine.kv.reset_prefix_cache()  # no help from an earlier run's blocks
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{i}", ids, params)
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    seconds = time.perf_counter() - start
-    result = RunResult(label, len(prompts), 0, seconds)
-    for out in finished:
-        n, m = len(out.outputs[0].token_ids), out.metrics
-        result.generated_tokens += n
-        result.ttft_s.append(m.first_token_time - start)
-        if n > 1:
-            result.tpot_s.append((m.finish_time - m.first_token_time) / (n - 1))
-    return result
+    return run_prompts(llm, prompts, max_tokens)
 
 
 def _hf_batch(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from conftest import hf_greedy
 
 from roseinfer import LLM, SamplingParams
+from roseinfer.tiny_models import RANDOM_SHAPES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,15 +48,8 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
     )
     # SmolLM2-135M's shape: 30 layers, 9 query heads on 3 K/V heads, head dim 64, tied embeddings.
     smol = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
+        **RANDOM_SHAPES["smollm2-135m"],
         max_position_embeddings=2048,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
         initializer_range=0.1,  # decisive logits: greedy argmax is not decided by rounding
         eos_token_id=None,
         bos_token_id=None,
