@@ -229,6 +229,7 @@ def test_invalid_requests_are_refused_at_submit(served):
             client.submit(**fields)
 
 
+@pytest.mark.slow  # keeps the fast lane under a minute
 def test_status_reports_workers_and_queue(served):
     worker, client = served
     client.submit("status check", max_tokens=2).result(timeout=30)

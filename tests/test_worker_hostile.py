@@ -231,6 +231,7 @@ def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
     assert w.thread.is_alive()
 
 
+@pytest.mark.slow  # keeps the fast lane under a minute
 def test_a_job_requeued_while_it_runs_here_is_neither_failed_nor_run_twice(served):
     w, client, conn = served
     job = client.submit("long one", max_tokens=150, temperature=0, ignore_eos=True)

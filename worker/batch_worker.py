@@ -486,8 +486,10 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline() as pipe:
             keys = [job.job.key for job, _ in plain]
             pipe.watch(*keys)
-            # Every job's owner and status in one round trip (an HMGET each was a round trip per job).
-            owners = pipe.eval(_OWNERS, len(keys), *keys, OWNER_FIELD)
+            if self.sender.runs_scripts:  # every job's owner and status in one round trip, not one per job
+                owners = pipe.eval(_OWNERS, len(keys), *keys, OWNER_FIELD)
+            else:
+                owners = [pipe.hmget(key, OWNER_FIELD, "status") for key in keys]
             pipe.multi()
             for (job, result), (owner, status) in zip(plain, owners):
                 if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):

@@ -118,6 +118,11 @@ class Sender:
         self._emit = self.connection.register_script(_EMIT)
         self._ended = self.connection.register_script(_ENDED)
 
+    @property
+    def runs_scripts(self) -> bool:
+        """Whether this Redis runs Lua scripts (the embedded fakeredis does not)."""
+        return self._emit is not None
+
     def start(self) -> None:
         self._load_scripts()
         self._thread.start()
