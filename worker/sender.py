@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis import Redis
+from redis.exceptions import NoScriptError
 
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
@@ -115,8 +116,12 @@ class Sender:
         except Exception:
             log.info("this Redis runs no Lua scripts: events go out as one command each")
             return
+        # Loaded now and called by their SHA: a pipeline holding registered scripts would ask SCRIPT EXISTS first,
+        # a round trip more at every send. Redis losing its scripts (a restart) reloads them (``_send``).
         self._emit = self.connection.register_script(_EMIT)
         self._ended = self.connection.register_script(_ENDED)
+        for script in (_EMIT, _ENDED):
+            self.connection.script_load(script)
 
     @property
     def runs_scripts(self) -> bool:
@@ -210,6 +215,14 @@ class Sender:
 
     def _send(self, events: list[Event], read: bool = True) -> None:
         """Write ``events``; with ``read``, also read the statuses, the queue's length and the registration."""
+        try:
+            self._send_once(events, read)
+        except NoScriptError:  # Redis restarted without its scripts: nothing of the round trip was written
+            log.warning("Redis lost its scripts (a restart?): loading them again")
+            self._load_scripts()
+            self._send_once(events, read)
+
+    def _send_once(self, events: list[Event], read: bool) -> None:
         if not read:
             with self.connection.pipeline(transaction=False) as pipe:
                 self._queue_events(pipe, events)
@@ -230,7 +243,8 @@ class Sender:
                 for _job_id, key in watch:
                     pipe.hget(key, "status")
             elif watch:
-                self._ended(keys=[key for _, key in watch], client=pipe)
+                keys = [key for _, key in watch]
+                pipe.evalsha(self._ended.sha, len(keys), *keys)
             for key in queue_keys:
                 pipe.llen(key)
             if self.worker_key:
@@ -266,4 +280,4 @@ class Sender:
             self.publisher.queue_writes(pipe, events)
         elif events:
             keys, args = self.publisher.script_args(events)
-            self._emit(keys=keys, args=[self.publisher.maxlen, *args], client=pipe)
+            pipe.evalsha(self._emit.sha, len(keys), *keys, self.publisher.maxlen, *args)
