@@ -377,7 +377,7 @@ class LLMEngine:
         outputs = []
         pending, self._pending = self._pending, []
         # A request with n > 1 ends once, at its last sample's output of the batch (they may all end in one step).
-        last = {entry[0].parent_id: i for i, entry in enumerate(pending)}
+        last = {entry[0].parent_id: i for i, entry in enumerate(pending)} if self._groups else None
         for i, (seq, token, by_token, ended_at_token) in enumerate(pending):
             if seq.is_finished and not ended_at_token:
                 continue  # aborted since: its last output was given then
@@ -393,7 +393,7 @@ class LLMEngine:
                     seq.finish_reason, seq.stop_reason = "stop", hit
                 if seq.is_finished:
                     delta += seq.detokenizer.finish()
-            outputs.append(self._output(seq, delta, [token], group_may_end=last[seq.parent_id] == i))
+            outputs.append(self._output(seq, delta, [token], group_may_end=last is None or last[seq.parent_id] == i))
         return outputs
 
     def _output(
