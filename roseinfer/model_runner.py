@@ -33,7 +33,7 @@ class ModelRunner:
         )
         # Decode-only steps of up to cuda_graph_max_seqs requests replay captured graphs (0: every step eager).
         self.graphs = None
-        if cuda_graph_max_seqs and device.type == "cuda" and getattr(attn_backend, "supports_cuda_graphs", False):
+        if cuda_graph_max_seqs and device.type == "cuda" and attn_backend.supports_cuda_graphs:
             from roseinfer.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(

@@ -30,6 +30,8 @@ class AttentionBackend(ABC):
     """Paged attention for one engine: chosen once, for one block size, dtype and device."""
 
     name: ClassVar[str]
+    # Whether a decode-only step can be captured in a CUDA graph (``decode_metadata`` over fixed buffers).
+    supports_cuda_graphs: ClassVar[bool] = False
     # Each cache's dimensions in memory order, named from KV_CACHE_DIMS: the layout the backend reads and writes.
     k_cache_layout: ClassVar[tuple[str, str, str, str]]
     v_cache_layout: ClassVar[tuple[str, str, str, str]]
