@@ -49,6 +49,43 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), WIDTH=hkv * d, BLOCK=_pow2(hkv * d))
 
 
+# ----- attention over the block table ----------------------------------------------------------------------------
+@triton.jit
+def _attend(
+    q, pos, table_ptr, end, kvh, k_cache_ptr, v_cache_ptr, scale,
+    ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Softmax attention of ``q`` ([ROWS, HEAD_DIM_P]) over keys 0..end-1 of K/V head ``kvh``, read through the
+    block table at ``table_ptr`` in tiles of BLOCK_N (online softmax); CAUSAL: row i sees keys <= pos[i]. A row
+    that sees no key gets zeros."""
+    d = tl.arange(0, HEAD_DIM_P)
+    d_mask = d < HEAD_DIM
+    m_i = tl.zeros([ROWS], tl.float32) - float("inf")
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
+        row = (block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = n_mask[None, :]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
 # ----- decode: one query token per request ----------------------------------------------------------------------
 @triton.jit(do_not_specialize=["q_stride", "out_stride", "table_stride"])
 def _paged_decode_kernel(
@@ -71,27 +108,11 @@ def _paged_decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    m_i = tl.zeros([GROUP_P], tl.float32) - float("inf")
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
-    kv_width = NUM_KV_HEADS * HEAD_DIM
-    for start in range(0, ctx, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < ctx
-        block = tl.load(tables_ptr + b * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
-        row = (block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * kv_width + kvh * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a padding row (no context) writes zeros
+    # A padding row (no context) gets zeros.
+    out = _attend(
+        q, 0, tables_ptr + b * table_stride, ctx, kvh, k_cache_ptr, v_cache_ptr, scale,
+        GROUP_P, False, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+    )  # fmt: skip
     tl.store(
         out_ptr + b * out_stride + (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -152,28 +173,11 @@ def _paged_prefill_kernel(
     q_rows = (q_start + m).to(tl.int64) * q_stride + h * HEAD_DIM
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     pos = ctx_start + m  # each query's position: it sees the keys at positions <= its own
-    m_i = tl.zeros([BLOCK_M], tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    kv_width = NUM_KV_HEADS * HEAD_DIM
-    end = ctx_start + tl.minimum(q_len, (tile + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < end
-        block = tl.load(tables_ptr + r * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0)
-        row = (block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * kv_width + kvh * HEAD_DIM
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    end = ctx_start + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the tile's last query sees keys up to here
+    out = _attend(
+        q, pos, tables_ptr + r * table_stride, end, kvh, k_cache_ptr, v_cache_ptr, scale,
+        BLOCK_M, True, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+    )  # fmt: skip
     tl.store(
         out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
     )
