@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _wait_for_worker(conn, queue, worker)
         convs = load_prompts(args)
         conn.set("rq:suspended", 1)  # what `rq suspend` does: nothing is pulled while the jobs go in
+        time.sleep(1.5)  # the worker looks at the flag once a second
         jobs = client.submit_many(
             [{"messages": c, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
         )
@@ -73,13 +74,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = [job.result(timeout=3600) for job in jobs]
         seconds = time.time() - start
         cpu = _cpu_seconds(conn.info("cpu")) - cpu0
-        commands = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
+        stats_by_command = conn.info("commandstats")
+        commands = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats_by_command.items()}
+        usec = {k.removeprefix("cmdstat_"): v["usec"] for k, v in stats_by_command.items()}
         stats = conn.info("stats")
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
-        kept = 0
+        kept_by_key = {"job hash": 0, "result key": 0, "rq result": 0}
         for job in jobs:
-            for key in (f"rq:job:{job.id}", result_key(job.id), f"rq:results:{job.id}"):
-                kept += conn.memory_usage(key, samples=0) or 0
+            for what, key in zip(kept_by_key, (f"rq:job:{job.id}", result_key(job.id), f"rq:results:{job.id}")):
+                kept_by_key[what] += conn.memory_usage(key, samples=0) or 0
+        kept = sum(kept_by_key.values())
     finally:
         stop.set()
         worker.terminate()
@@ -94,9 +98,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "commands_per_token": round(sum(commands.values()) / tokens, 3),
         "commands_by_command_per_token": {k: round(v / tokens, 4) for k, v in sorted(commands.items())},
         "redis_cpu_us_per_token": round(us_per_token, 2),
+        # Inside a script a command counts both on its own and in the script's time (evalsha).
+        "command_us_per_token_by_command": {k: round(v / tokens, 3) for k, v in sorted(usec.items()) if v},
         "bytes_in_per_token": round(stats["total_net_input_bytes"] / tokens, 1),
         "bytes_out_per_token": round(stats["total_net_output_bytes"] / tokens, 1),
         "bytes_kept_per_token_after_stream_expiry": round(kept / tokens, 1),
+        "bytes_kept_per_token_by_key": {k: round(v / tokens, 1) for k, v in kept_by_key.items()},
         "pubsub_messages_received": messages[0],
         "workers_of_30k_tokens_per_s_per_redis_core": round(1e6 / us_per_token / _WORKER_RATE, 1),
     }
