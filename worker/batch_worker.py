@@ -39,20 +39,18 @@ from rq.worker import BaseWorker, WorkerStatus
 from producer.protocol import BULK_PRIORITY, OWNER_FIELD, STATS_KEY, lane_name, lanes
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, pull, quarantine
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, quarantine
 from worker.jobs import (
     JobRejected,
     JobStopped,
     JobTimedOut,
     build_result,
     failure_result,
-    parse_request,
-    resumable,
-    sampling_params,
     usage,
 )
 from worker.metrics import WorkerMetrics
 from worker.publisher import JobStream, Publisher
+from worker.puller import NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
@@ -116,13 +114,12 @@ class BatchWorker(BaseWorker):
         self._force_stop = False
         self._next_suspension_check = 0.0
         self._suspended = False
-        self._pull_paused_until = 0.0
-        self._next_pull = 0.0
         self._next_hand_over = 0.0
         self._next_maintenance = 0.0
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._heartbeat = Heartbeat(self)
+        self.puller = Puller(self)
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])
@@ -201,6 +198,8 @@ class BatchWorker(BaseWorker):
         self.sender.worker_key = self.key
         self.sender.queue_keys = [queue.key for queue in self.queues]
         self.sender.start()
+        self.puller.burst = burst
+        self.puller.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
             log.info("metrics on :%d/metrics", self.settings.metrics_port)
@@ -213,18 +212,21 @@ class BatchWorker(BaseWorker):
                     if self._force_stop:
                         self._hand_back_all()
                         break
-                    if self._loop_once(burst):
+                    if self._loop_once():
                         worked = True
-                    elif not self.in_flight and not self.sender.busy and (self._stop_requested or burst):
-                        break
+                    elif self._done(burst):
+                        self.puller.stop()  # a pull under way hands over what it took: those jobs run first
+                        if self.puller.quiet:
+                            break
                     elif not self.in_flight:
-                        self.sender.drain(0.05)  # the sender still ends jobs: wait for it, not spin
+                        self.puller.wait(0.05)  # nothing to run: until jobs arrive
                     backoff = 0.5
                 except REDIS_UNAVAILABLE as exc:
                     log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
+            self.puller.stop()
             self.sender.stop()
             self.pump.close()
             self._heartbeat.stop()
@@ -232,7 +234,13 @@ class BatchWorker(BaseWorker):
         log.info("worker %s stopped", self.name)
         return worked
 
-    def _loop_once(self, burst: bool) -> bool:
+    def _done(self, burst: bool) -> bool:
+        """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
+        if self.in_flight or self.sender.busy or not self.puller.quiet:
+            return False
+        return self._stop_requested or (burst and self.puller.dry)
+
+    def _loop_once(self) -> bool:
         """One iteration; False when there was nothing to do."""
         self._apply_reports()
         self._apply_stop_requests()
@@ -243,22 +251,13 @@ class BatchWorker(BaseWorker):
                 self.run_maintenance_tasks()
             except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; maintenance runs again later
                 log.error("maintenance skipped: Redis unavailable (%s)", exc)
-        idle = not self.in_flight and not self.sender.busy and not burst
-        # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE at every
-        # step is a round trip on the step's critical path.
-        due = idle or self.sender.queued > 0 or mono >= self._next_pull
-        if due and not self._stop_requested and mono >= self._pull_paused_until and not self._is_suspended(mono):
-            self._next_pull = mono + 1.0
-            try:
-                self._pull(block=idle)
-            except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; their events wait in the sender
-                log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
-                self._pull_paused_until = mono + 5.0
+        self._apply_arrivals()
         if self.pump.has_work():
             started = time.perf_counter()
             events = self.pump.step()
             self.metrics.step.observe(time.perf_counter() - started)
-            self._route(events)
+            if self._route(events):
+                self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
                 time.sleep(0.001)  # only prompts being tokenized: no step to run yet
         self._hand_over()
@@ -297,6 +296,12 @@ class BatchWorker(BaseWorker):
         self.queues = self._ordered_queues = queues
         self.sender.queue_keys = [q.key for q in queues]
 
+    def idle_wait_arg(self) -> float | int:
+        """How long an idle pull blocks, as BLMOVE takes it: whole seconds as an integer, which every Redis takes
+        (fractions need Redis 6)."""
+        seconds = self.settings.idle_wait
+        return int(seconds) if float(seconds).is_integer() else seconds
+
     def _is_suspended(self, mono: float) -> bool:
         # is_suspended also refreshes our worker key's TTL: checked once a second, not every step.
         if mono >= self._next_suspension_check:
@@ -316,48 +321,6 @@ class BatchWorker(BaseWorker):
         depths = self.sender.queued_by_key
         return [(p, q, depths.get(q.key)) for p, q in self._lanes]
 
-    def _pull(self, block: bool) -> None:
-        limit = self.settings.in_flight_limit
-        # Lanes the sender saw empty are skipped (an LMOVE batch on nothing is a round trip on the step's path);
-        # an idle worker blocks on all of them.
-        lanes = [(p, q) for p, q, depth in self.lane_depths() if block or depth is None or depth > 0]
-        if len(self.in_flight) >= limit:
-            # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
-            # engine preempts the later ones for them.
-            worst = max(job.priority for job in self.in_flight.values())
-            lanes = [(p, q) for p, q in lanes if p < worst]
-            limit *= 2
-        queues = [q for _, q in lanes]
-        room = min(limit - len(self.in_flight), 256)  # one pipeline of LMOVEs takes a GPU batch at once
-        if room <= 0 or not queues:
-            return
-        pulled, unreadable = pull(
-            queues,
-            room,
-            _wait_arg(self.settings.idle_wait) if block else None,
-            self.connection,
-            self.job_class,
-            self.serializer,
-        )
-        if len(pulled) + len(unreadable) < room:
-            self.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
-        for item in unreadable:
-            self._reject_unreadable(item)
-        fresh, canceled = [], []
-        for job, queue in pulled:
-            if job.id in self.in_flight:
-                self._keep_running_copy(job, queue)
-            elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
-                canceled.append((job, queue))
-            else:
-                fresh.append((job, queue))
-        if canceled:
-            streams = self.publisher.resume(self.connection, [job.id for job, _ in canceled])
-            for job, queue in canceled:
-                self._never_ran(job, queue, streams[job.id])
-        if fresh:
-            self._start(fresh)
-
     def _keep_running_copy(self, job: Job, queue: Queue) -> None:
         """A job RQ requeued while this worker still runs it (a stall outlived its heartbeat): the running copy
         goes on, the pulled one is dropped, and the job is marked ours again."""
@@ -371,34 +334,33 @@ class BatchWorker(BaseWorker):
             held.job.heartbeat(now(), ttl, pipeline=pipe)
             pipe.execute()
 
-    def _start(self, pulled: list[tuple[Job, Queue]]) -> None:
-        executions = self._mark_started(pulled)
-        streams = self.publisher.resume(self.connection, [job.id for job, _ in pulled])
+    def _apply_arrivals(self) -> None:
+        """What the puller took off the queues, into the engine (or failed, for jobs that can never run)."""
+        arrivals = self.puller.take()
         wall = time.time()
-        for (job, queue), execution in zip(pulled, executions):
-            streams[job.id].owner = execution.id
-            req = None
-            try:
-                refused = self.hooks.refuse(job)
-                if refused:
-                    raise JobRejected(refused)
-                req = parse_request(job, self.settings.max_job_bytes)
-                params = sampling_params(job.id, req)
-            except JobRejected as exc:
-                self._fail(job, queue, execution, req, streams[job.id], str(exc))
-                continue
-            except Exception as exc:  # anything else about one job stays with that job
-                log.exception("job %s could not be read", job.id)
-                self._fail(job, queue, execution, req, streams[job.id], f"unreadable job: {exc}")
-                continue
-            timeout = job.timeout if job.timeout and job.timeout > 0 else None
-            # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
-            prefix = streams[job.id].start(can_resume=resumable(params))
-            self.pump.submit(job.id, req.engine_prompt(), params, timeout, prefix, req.priority)
-            self.in_flight[job.id] = InFlight(job, queue, execution, req, streams[job.id], wall)
-            log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
+        todo = list(reversed(arrivals))
+        while todo:
+            a = todo.pop()
+            if isinstance(a, Rejected):
+                self._reject_unreadable(a.item, a.stream)
+            elif isinstance(a, NeverRan):
+                self._never_ran(a.job, a.queue, a.stream)
+            elif isinstance(a, RunningCopy):
+                if a.job.id in self.in_flight:
+                    self._keep_running_copy(a.job, a.queue)
+                else:  # it ended here meanwhile (its end is fenced off): this copy runs like any other job
+                    todo += reversed(self.puller.read([(a.job, a.queue)]))
+            elif a.error is not None:
+                self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
+            else:
+                job, req = a.job, a.request
+                timeout = job.timeout if job.timeout and job.timeout > 0 else None
+                self.pump.submit(job.id, req.engine_prompt(), a.params, timeout, a.prefix, req.priority)
+                self.in_flight[job.id] = InFlight(job, a.queue, a.execution, req, a.stream, wall)
+                log.info("job %s started (%d in flight)", job.id, len(self.in_flight))
+        self.puller.applied(arrivals)
 
-    def _mark_started(self, pulled: list[tuple[Job, Queue]]) -> list[Execution]:
+    def mark_started(self, pulled: list[tuple[Job, Queue]]) -> list[Execution]:
         """RQ's prepare_execution + prepare_job_execution for every pulled job, in one pipeline (and without
         touching the job's data, which may be unreadable: that job then fails properly)."""
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
@@ -414,14 +376,14 @@ class BatchWorker(BaseWorker):
                 pipe.persist(job.key)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            self._state = WorkerStatus.BUSY
-            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
             pipe.execute()
         return executions
 
     # ----- what a step produced -------------------------------------------------------------------------
-    def _route(self, events: list[JobEvent]) -> None:
+    def _route(self, events: list[JobEvent]) -> bool:
+        """Each event to its job's stream (its end to the sender's tasks); whether some job ended."""
         wall = time.time()
+        held = len(self.in_flight)
         done: list[tuple[InFlight, Any]] = []
         for event in events:
             job = self.in_flight.get(event.job_id)
@@ -447,6 +409,7 @@ class BatchWorker(BaseWorker):
                 self._errored(job, event)
         if done:
             self._tasks.append(lambda: self._succeed(done))
+        return len(self.in_flight) < held
 
     def _succeed(self, done: list[tuple[InFlight, Any]]) -> None:
         """The jobs a step finished, through RQ's success path: for plain jobs (no dependents, repeats, allowed
@@ -615,10 +578,9 @@ class BatchWorker(BaseWorker):
 
         self._tasks.append(end)
 
-    def _reject_unreadable(self, item: Unreadable) -> None:
+    def _reject_unreadable(self, item: Unreadable, stream: JobStream) -> None:
         """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream."""
         log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
-        stream = self.publisher.resume(self.connection, [item.job_id])[item.job_id]
         self.publisher.add(stream, "", [], "error", {}, item.reason)
 
         def end() -> None:
@@ -733,6 +695,8 @@ class BatchWorker(BaseWorker):
 
     def _hand_back_all(self) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
+        self.puller.stop()
+        self._apply_arrivals()  # taken already: they go back with the rest
         for job_id in list(self.in_flight):
             self.pump.cancel(job_id)
         self._hand_over(force=True)
@@ -756,8 +720,3 @@ class BatchWorker(BaseWorker):
 
     def stats_key(self) -> str:
         return STATS_KEY.format(worker=self.name)
-
-
-def _wait_arg(seconds: float) -> float | int:
-    """A BLPOP timeout: whole seconds as an integer, which every Redis takes (fractions need Redis 6)."""
-    return int(seconds) if float(seconds).is_integer() else seconds

@@ -1,0 +1,226 @@
+"""Jobs in, off the step loop: a thread that takes jobs off the queues while the engine steps.
+
+Taking a job is round trips (the LMOVEs, the job hashes, RQ's start writes, the streams of retried jobs) and Python
+(RQ's ``Job`` objects, the payload checks). On the step loop all of it stalls the engine: with short jobs on a fast
+engine, pulling took a third of the loop's time. The puller does it on a thread of its own, up to the room the worker
+has, and hands the step loop arrivals ready to admit (or to fail, for a job that can never run). The step loop only
+applies them: its own state (the jobs in flight, the pump, the publisher) is never touched from here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+
+from worker.intake import REDIS_UNAVAILABLE, Unreadable, pull
+from worker.jobs import JobRejected, parse_request, resumable, sampling_params
+from worker.publisher import JobStream
+
+if TYPE_CHECKING:
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker
+
+log = logging.getLogger("roseinfer.worker")
+
+
+@dataclass
+class Arrival:
+    """A job taken off a queue, for the step loop. ``error`` set: it can never run (it fails alone); else it is
+    marked started under ``execution`` and ready for the engine."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    stream: JobStream
+    request: JobRequest | None = None
+    params: Any = None
+    prefix: list[int] | None = None  # what an earlier attempt streamed: the output resumes from there
+    error: str | None = None
+
+
+@dataclass
+class NeverRan:
+    """A job canceled while it waited in the queue: it ends without running."""
+
+    job: Job
+    queue: Queue
+    stream: JobStream
+
+
+@dataclass
+class RunningCopy:
+    """A job RQ requeued while this worker may still run it (a stall outlived its heartbeat)."""
+
+    job: Job
+    queue: Queue
+
+
+@dataclass
+class Rejected:
+    """A job hash RQ cannot read."""
+
+    item: Unreadable
+    stream: JobStream
+
+
+class Puller:
+    def __init__(self, worker: BatchWorker) -> None:
+        self.worker = worker
+        self._arrivals: queue.SimpleQueue[list] = queue.SimpleQueue()
+        # Jobs handed over and not yet taken by the step loop: each counter written by one thread only.
+        self._handed = 0
+        self._taken = 0
+        self._wake = threading.Event()  # room freed or jobs seen waiting: pull now
+        self._arrived = threading.Event()
+        self._stop = threading.Event()
+        self._pulling = False
+        self.dry = False  # the last pull found the queues empty (burst mode quits on it)
+        self.burst = False  # never block waiting for jobs
+        self._next_pull = 0.0
+        self._paused_until = 0.0
+        self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No more pulls; returns once a pull under way has handed over what it took."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=120)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def take(self) -> list:
+        """What arrived since the last call, in order (on the step loop, which calls ``applied`` once the jobs are
+        in flight: until then they count against the room)."""
+        got: list = []
+        while True:
+            try:
+                got += self._arrivals.get_nowait()
+            except queue.Empty:
+                return got
+
+    def applied(self, arrivals: list) -> None:
+        self._taken += sum(1 for a in arrivals if not isinstance(a, Rejected))
+
+    def wait(self, timeout: float) -> None:
+        """Until something arrives, or ``timeout`` (the step loop when it has nothing to run)."""
+        self._arrived.wait(timeout)
+        self._arrived.clear()
+
+    @property
+    def quiet(self) -> bool:
+        """No pull under way and nothing handed over untaken."""
+        return not self._pulling and self._arrivals.empty()
+
+    # ----- the thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pulled = self._pull_once()
+            except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; their events wait in the sender
+                log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
+                self._paused_until = time.monotonic() + 5.0
+                pulled = False
+            except Exception:  # a bug here must not stop the worker taking jobs for good
+                log.exception("taking jobs off the queue failed; trying again in 1 s")
+                self._paused_until = time.monotonic() + 1.0
+                pulled = False
+            finally:
+                self._pulling = False
+            if not pulled:
+                self._wake.wait(0.01 if self._room() > 0 else 0.05)
+                self._wake.clear()
+
+    def _room(self) -> int:
+        return self.worker.settings.in_flight_limit - len(self.worker.in_flight) - (self._handed - self._taken)
+
+    def _pull_once(self) -> bool:
+        """One pull, when one is due; whether it took anything."""
+        w = self.worker
+        mono = time.monotonic()
+        if w._stop_requested or w._force_stop or mono < self._paused_until or w._is_suspended(mono):
+            return False
+        idle = not w.in_flight and self._handed == self._taken and not w.sender.busy
+        # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE is a round
+        # trip for nothing.
+        if not (idle or w.sender.queued > 0 or mono >= self._next_pull):
+            return False
+        limit = w.settings.in_flight_limit
+        held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
+        # Lanes the sender saw empty are skipped; an idle worker blocks on all of them.
+        lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or depth is None or depth > 0]
+        if len(held) + self._handed - self._taken >= limit and held:
+            # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
+            # engine preempts the later ones for them.
+            worst = max(job.priority for job in held)
+            lanes = [(p, q) for p, q in lanes if p < worst]
+            limit *= 2
+        room = min(limit - len(held) - (self._handed - self._taken), 256)  # one pipeline takes a GPU batch
+        if room <= 0 or not lanes:
+            return False
+        self._pulling = True
+        self._next_pull = mono + 1.0
+        block = w.idle_wait_arg() if idle and not self.burst else None
+        pulled, unreadable = pull([q for _, q in lanes], room, block, w.connection, w.job_class, w.serializer)
+        self.dry = not pulled and not unreadable
+        if len(pulled) + len(unreadable) < room:
+            w.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
+        arrivals = self.read(pulled, unreadable)
+        if arrivals:
+            self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
+            self._arrivals.put(arrivals)
+            self._arrived.set()
+        return bool(arrivals)
+
+    def read(self, pulled: list[tuple[Job, Queue]], unreadable: list[Unreadable] = ()) -> list:
+        """The arrivals of jobs just taken off the queues: jobs to run marked started, their payloads checked."""
+        w = self.worker
+        fresh, canceled, running = [], [], []
+        for job, q in pulled:
+            if job.id in w.in_flight:
+                running.append(RunningCopy(job, q))
+            elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
+                canceled.append((job, q))
+            else:
+                fresh.append((job, q))
+        executions = w.mark_started(fresh) if fresh else []
+        ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable]
+        streams = w.publisher.resume(w.connection, ids) if ids else {}
+        arrivals: list = [Rejected(item, streams[item.job_id]) for item in unreadable]
+        arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
+        arrivals += running
+        for (job, q), execution in zip(fresh, executions):
+            stream = streams[job.id]
+            stream.owner = execution.id
+            arrivals.append(self._check(job, q, execution, stream))
+        return arrivals
+
+    def _check(self, job: Job, q: Queue, execution: Execution, stream: JobStream) -> Arrival:
+        arrival = Arrival(job, q, execution, stream)
+        try:
+            refused = self.worker.hooks.refuse(job)
+            if refused:
+                raise JobRejected(refused)
+            arrival.request = parse_request(job, self.worker.settings.max_job_bytes)
+            arrival.params = sampling_params(job.id, arrival.request)
+        except JobRejected as exc:
+            arrival.error = str(exc)
+            return arrival
+        except Exception as exc:  # anything else about one job stays with that job
+            log.exception("job %s could not be read", job.id)
+            arrival.error = f"unreadable job: {exc}"
+            return arrival
+        # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
+        arrival.prefix = stream.start(can_resume=resumable(arrival.params))
+        return arrival
