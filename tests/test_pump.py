@@ -152,8 +152,9 @@ def test_cancel_and_deadline():
 
 
 @pytest.fixture
-def fake_worker():
-    """The RQ worker over a fake engine, on fakeredis (no server, no Lua: the plain-command path)."""
+def fake_worker(request):
+    """The RQ worker over a fake engine, on fakeredis (no server, no Lua: the plain-command path); settings from
+    the test's ``worker_settings`` mark."""
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
@@ -161,7 +162,8 @@ def fake_worker():
     conn = fakeredis.FakeRedis(server=server)
     setattr(conn, "__rq_redis_server_version", (8, 0, 0))
     engine = FakeEngine()
-    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=1)
+    marker = request.node.get_closest_marker("worker_settings")
+    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=1, **(marker.kwargs if marker else {}))
     worker = BatchWorker(engine, settings, conn)
     thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     thread.start()
@@ -185,3 +187,28 @@ def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fa
     assert victim.result(timeout=10)["usage"]["completion_tokens"] == 3
     assert victim.rq_job.retries_left == 1
     assert worker.sender.round_trips > 0 and worker.sender._emit is None
+
+
+@pytest.mark.worker_settings(max_in_flight=3, max_num_seqs=2)
+def test_the_puller_takes_jobs_only_as_far_as_the_worker_has_room(fake_worker):
+    """Jobs are pulled on a thread of their own while the engine steps, never more than ``max_in_flight`` held
+    (taken but not yet in flight counts): the rest wait in Redis, where another worker can take them."""
+    worker, _engine, client = fake_worker
+    held, waiting, stop = [], [], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            puller = worker.puller
+            held.append(len(worker.in_flight) + puller._handed - puller._taken)
+            waiting.append(client.connection.llen("rq:queue:fake"))
+            time.sleep(0.0005)
+
+    jobs = client.submit_many([{"prompt": f"job {i}", "max_tokens": 40} for i in range(12)])
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    results = [job.result(timeout=30) for job in jobs]
+    stop.set()
+    watcher.join()
+    assert [r["usage"]["completion_tokens"] for r in results] == [40] * 12
+    assert max(held) <= 3
+    assert max(waiting) >= 12 - 3  # not all taken at once
