@@ -29,6 +29,11 @@ DEFAULT_QUEUE = "roseinfer"
 # events, result and status only while it holds this; one that stalled past its heartbeat and lost the job to a
 # retry drops its copy without writing.
 OWNER_FIELD = "roseinfer_owner"
+# A worker's lease: while it exists, no job this worker runs can have been retried elsewhere (it expires before
+# the jobs' own heartbeats do, and only a lapsed heartbeat lets RQ requeue a job), so the worker's events skip the
+# per-event ownership check. Extended only while it exists; once lapsed, set again only after every job held is
+# found still owned.
+LEASE_KEY = "roseinfer:lease:{worker}"
 # Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
 STATS_KEY = "roseinfer:stats:{worker}"
 

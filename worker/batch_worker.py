@@ -36,7 +36,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.protocol import BULK_PRIORITY, OWNER_FIELD, STATS_KEY, lane_name, lanes
+from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, lane_name, lanes
 from producer.schema import JobRequest
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, quarantine
@@ -198,6 +198,8 @@ class BatchWorker(BaseWorker):
         self.sender.worker_key = self.key
         self.sender.queue_keys = [queue.key for queue in self.queues]
         self.sender.start()
+        if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
+            self.sender.lease_key = LEASE_KEY.format(worker=self.name)
         self.puller.burst = burst
         self.puller.start()
         if self.settings.metrics_port:

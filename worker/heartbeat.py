@@ -35,7 +35,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with contextlib.suppress(*REDIS_DOWN):
-            self.worker.connection.delete(self.worker.stats_key())  # a stopped worker shows nothing in flight
+            # A stopped worker shows nothing in flight, and holds no lease.
+            self.worker.connection.delete(self.worker.stats_key(), *[k for k in [self.worker.sender.lease_key] if k])
 
     def _run(self) -> None:
         interval = self.worker.settings.heartbeat_interval
@@ -66,4 +67,24 @@ class Heartbeat:
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
             # The statistics lapse with the heartbeat: a dead worker drops out of `roseinfer status`.
             pipe.expire(key, ttl)
-            pipe.execute()
+            lease = w.sender.lease_key
+            if lease:  # extended only while it exists: a lapse may have let RQ requeue a job held here
+                pipe.pexpire(lease, self.lease_ms())
+            replies = pipe.execute()
+        if lease and not replies[-1]:
+            self.renew_lease(jobs)
+
+    def lease_ms(self) -> int:
+        """Shorter than the jobs' heartbeat TTL by half the grace: the lease lapses before RQ may requeue any job
+        held here, whatever the skew between this host's clock and the one whose maintenance requeues jobs (up to
+        that half)."""
+        settings = self.worker.settings
+        return int((settings.heartbeat_interval + settings.heartbeat_grace / 2) * 1000)
+
+    def renew_lease(self, jobs: list) -> None:
+        """The lease again, in one script, if every job held here is still this worker's; if not, the sender's
+        per-event checks find the lost ones (and the next beat tries again once they are dropped)."""
+        keys = [job.job.key for job in jobs] + [self.worker.sender.lease_key]
+        owners = [job.execution.id for job in jobs]
+        if not self.worker.sender.renew_script(keys=keys, args=[*owners, self.lease_ms()]):
+            log.warning("lease not renewed: a job held here belongs to another attempt now")

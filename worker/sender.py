@@ -27,16 +27,19 @@ log = logging.getLogger("roseinfer.worker")
 
 # Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
 # loop more (they share the GIL) than Redis spends running them. KEYS: per event its stream and its job's hash;
-# ARGV: maxlen, then per event: the stream's TTL to set (0: none), channel, the event's JSON (the stream entry's one
-# field and the message), the attempt that must own the job ('': any). An event of a job that another attempt owns
-# now, or that was requeued meanwhile, is not written (fencing: this worker stalled past its heartbeat); the reply
-# lists those events. A job hash that is gone does not fence: Redis may have lost its data (the worker writes the
-# hashes back), and a deleted job is a cancel.
+# ARGV: maxlen, the worker's lease key ('': none), then per event: the stream's TTL to set (0: none), channel, the
+# event's JSON (the stream entry's one field and the message), the attempt that must own the job ('': any). An
+# event of a job that another attempt owns now, or that was requeued meanwhile, is not written (fencing: this
+# worker stalled past its heartbeat); the reply lists those events. While the lease exists no job of this worker
+# can have gone elsewhere, so the per-event check is skipped (one EXISTS a round trip, not an HMGET an event). A
+# job hash that is gone does not fence: Redis may have lost its data (the worker writes the hashes back), and a
+# deleted job is a cancel.
 _EMIT = """
-local maxlen, a, lost = ARGV[1], 2, {}
+local maxlen, a, lost = ARGV[1], 3, {}
+local leased = ARGV[2] ~= '' and redis.call('EXISTS', ARGV[2]) == 1
 for i = 1, #KEYS, 2 do
   local owner = ARGV[a + 3]
-  local job = owner ~= '' and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
+  local job = (owner ~= '' and not leased) and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
   if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
     redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
     redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
@@ -47,6 +50,16 @@ for i = 1, #KEYS, 2 do
   a = a + 4
 end
 return lost
+"""
+# The lease again after it lapsed (``LEASE_KEY``): KEYS: the jobs held, then the lease; ARGV: each job's owner here,
+# then the lease's milliseconds. Set only if every job is still this worker's; 1 if set.
+_RENEW = """
+for i = 1, #KEYS - 1 do
+  local job = redis.call('HMGET', KEYS[i], 'roseinfer_owner', 'status')
+  if job[1] and (job[1] ~= ARGV[i] or job[2] == 'queued') then return 0 end
+end
+redis.call('SET', KEYS[#KEYS], 1, 'PX', ARGV[#ARGV])
+return 1
 """
 # The jobs (of KEYS, their hashes) whose status ends them here: canceled, stopped, or the hash gone.
 _ENDED = """
@@ -107,6 +120,8 @@ class Sender:
         self.status_interval = status_interval
         self._next_status_read = 0.0
         self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
+        self.renew_script = None
+        self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
 
     def _load_scripts(self) -> None:
         try:
@@ -120,6 +135,7 @@ class Sender:
         # a round trip more at every send. Redis losing its scripts (a restart) reloads them (``_send``).
         self._emit = self.connection.register_script(_EMIT)
         self._ended = self.connection.register_script(_ENDED)
+        self.renew_script = self.connection.register_script(_RENEW)
         for script in (_EMIT, _ENDED):
             self.connection.script_load(script)
 
@@ -223,9 +239,9 @@ class Sender:
             self._send_once(events, read)
 
     def _send_once(self, events: list[Event], read: bool) -> None:
-        if not read:
+        if not read:  # final events: each checked, lease or not (a job never gets two)
             with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events)
+                self._queue_events(pipe, events, lease="")
                 replies = pipe.execute()
             self._report_lost(events, replies)
             return
@@ -275,9 +291,10 @@ class Sender:
         if self._emit is not None and events and replies[0]:
             self.on_lost(sorted({events[int(i)][0] for i in replies[0]}))
 
-    def _queue_events(self, pipe, events: list[Event]) -> None:
+    def _queue_events(self, pipe, events: list[Event], lease: str | None = None) -> None:
         if self._emit is None:
             self.publisher.queue_writes(pipe, events)
         elif events:
             keys, args = self.publisher.script_args(events)
-            pipe.evalsha(self._emit.sha, len(keys), *keys, self.publisher.maxlen, *args)
+            lease = self.lease_key if lease is None else lease
+            pipe.evalsha(self._emit.sha, len(keys), *keys, self.publisher.maxlen, lease, *args)
