@@ -283,3 +283,43 @@ def test_the_samples_of_a_job_get_events_of_their_own():
     assert "index" not in events[0] and events[-1]["finish_reason"] == "stop"
     for e in events:
         StreamEvent.model_validate(e)
+
+
+@pytest.mark.redis
+def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next_sweep(redis_url):
+    """Statuses of the jobs in flight are read every status_interval, and at once when a lane's canceled registry
+    changed (what RQ's job.cancel() does), so a fast engine's round trips do not each read every job's status."""
+    import uuid
+
+    from redis import Redis
+
+    from worker.sender import Batch, Sender
+
+    conn = Redis.from_url(redis_url)
+    tag = uuid.uuid4().hex[:8]
+    jobs = {name: f"rq:job:{tag}-{name}" for name in ("via-registry", "bare")}
+    for key in jobs.values():
+        conn.hset(key, "status", "started")
+    seen: list[list] = []
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: seen.append(ended), status_interval=3600)
+    sender.canceled_keys = [f"rq:canceled:{tag}"]
+    sender.start()
+    watch = [(f"{tag}-{name}", key) for name, key in jobs.items()]
+
+    def round_trip() -> list:
+        seen.clear()
+        sender.put(Batch(watch=watch))
+        sender.drain(10)
+        return [job_id for ended in seen for job_id, _status in ended]
+
+    try:
+        assert round_trip() == []  # the first read of every status
+        conn.hset(jobs["bare"], "status", "canceled")
+        assert round_trip() == []  # a bare status waits for the next sweep
+        conn.hset(jobs["via-registry"], "status", "canceled")
+        conn.zadd(f"rq:canceled:{tag}", {f"{tag}-via-registry": time.time() + 60})
+        round_trip()  # the round trip that sees the registry change
+        assert sorted(round_trip()) == [f"{tag}-bare", f"{tag}-via-registry"]
+    finally:
+        sender.stop()
+        conn.delete(*jobs.values(), f"rq:canceled:{tag}")

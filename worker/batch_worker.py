@@ -197,6 +197,7 @@ class BatchWorker(BaseWorker):
         self._install_signal_handlers()
         self.sender.worker_key = self.key
         self.sender.queue_keys = [queue.key for queue in self.queues]
+        self.sender.canceled_keys = [queue.canceled_job_registry.key for queue in self.queues]
         self.sender.start()
         if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
             self.sender.lease_key = LEASE_KEY.format(worker=self.name)
@@ -297,6 +298,7 @@ class BatchWorker(BaseWorker):
         self._lanes = [(p, q) for (p, _), q in zip(found, queues)]
         self.queues = self._ordered_queues = queues
         self.sender.queue_keys = [q.key for q in queues]
+        self.sender.canceled_keys = [q.canceled_job_registry.key for q in queues]
 
     def idle_wait_arg(self) -> float | int:
         """How long an idle pull blocks, as BLMOVE takes it: whole seconds as an integer, which every Redis takes

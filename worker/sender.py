@@ -94,7 +94,7 @@ class Sender:
         on_lost: Callable[[list[str]], None] = lambda job_ids: None,
         queue_keys: list[str] | None = None,
         max_pending: int = 64,
-        status_interval: float = 0.1,
+        status_interval: float = 1.0,
     ) -> None:
         self.connection = connection
         self.publisher = publisher
@@ -114,6 +114,8 @@ class Sender:
         # Jobs waiting in the queues, read in each round trip: the step loop pulls only when some wait, instead of
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
+        self.canceled_keys: list[str] = []  # RQ's canceled registries of the lanes: read each round trip
+        self._canceled_counts: dict[str, int] = {}
         self.queued = 0
         self.queued_by_key: dict[str, int] = {}  # jobs waiting per queue key, as last read
         self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
@@ -245,14 +247,17 @@ class Sender:
                 replies = pipe.execute()
             self._report_lost(events, replies)
             return
-        # Statuses (cancels) at most every status_interval: a fast engine's round trips would otherwise read every
-        # job's status every few milliseconds, the most of Redis's work per token.
+        # Every job's status (cancels) only every status_interval, or at once when RQ's canceled registry of a lane
+        # changed (``job.cancel()`` adds the job there): a fast engine's round trips would otherwise read every
+        # job's status every few milliseconds, the most of Redis's work per token. A status written by hand
+        # (``HSET status canceled``), a deleted hash, lands within the interval.
         mono = time.monotonic()
         watch = list(self._watch) if mono >= self._next_status_read else []
         if watch:
             self._next_status_read = mono + self.status_interval
         started = time.perf_counter()
         queue_keys = list(self.queue_keys)  # the step loop may change the lanes meanwhile
+        canceled_keys = list(self.canceled_keys)
         with self.connection.pipeline(transaction=False) as pipe:
             self._queue_events(pipe, events)
             if self._emit is None:
@@ -263,6 +268,8 @@ class Sender:
                 pipe.evalsha(self._ended.sha, len(keys), *keys)
             for key in queue_keys:
                 pipe.llen(key)
+            for key in canceled_keys:
+                pipe.zcard(key)
             if self.worker_key:
                 # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis
                 # lost its data.
@@ -273,9 +280,15 @@ class Sender:
         self._report_lost(events, replies)
         self.round_trips += 1
         registered = bool(replies[-1]) if self.worker_key else True
-        tail = len(queue_keys) + (1 if self.worker_key else 0)
-        self.queued_by_key = dict(zip(queue_keys, replies[len(replies) - tail : len(replies) - tail + len(queue_keys)]))
+        tail = len(queue_keys) + len(canceled_keys) + (1 if self.worker_key else 0)
+        depths = replies[len(replies) - tail : len(replies) - (1 if self.worker_key else 0)]
+        self.queued_by_key = dict(zip(queue_keys, depths))
         self.queued = sum(self.queued_by_key.values())
+        canceled = dict(zip(canceled_keys, depths[len(queue_keys) :]))
+        if canceled != self._canceled_counts:  # a job was canceled (or the registry cleaned): read statuses next
+            if self._canceled_counts:  # (the first counts are where to start from)
+                self._next_status_read = 0.0
+            self._canceled_counts = canceled
         if self._emit is None:
             first = len(replies) - len(watch) - tail
             ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]
