@@ -183,6 +183,24 @@ def test_steps_between_sends_share_one_event_per_job():
     assert pub.take() == ([], [])
 
 
+def test_a_hand_over_before_the_interval_takes_only_the_jobs_that_cannot_wait():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    a, b, c = (pub.resume(conn, [j])[j] for j in ("a", "b", "c"))
+    for s in (a, b):
+        pub.add(s, "start", [1])
+    pub.take()
+    pub.add(a, " more", [2])  # running: may wait
+    pub.add(b, " last", [3], "length", {"completion_tokens": 2})  # an end: may not
+    pub.add(c, "first", [4])  # a first piece (the job's TTFT): may not
+    events, finals = pub.take(urgent_only=True)
+    assert [(job_id, e["text"]) for job_id, e, _ttl, _owner in events] == [("c", "first")]
+    assert [(job_id, e["text"]) for job_id, e, _ttl, _owner in finals] == [("b", " last")]
+    assert not pub.urgent
+    events, finals = pub.take()  # the interval passed: the rest
+    assert [(job_id, e["text"], e["n"]) for job_id, e, _ttl, _owner in events] == [("a", " more", 1)] and not finals
+
+
 def test_a_follower_sees_a_restarted_output_once_and_a_replay_skips_the_void_part():
     from producer import Client, StreamRestarted
 

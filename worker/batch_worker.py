@@ -268,15 +268,19 @@ class BatchWorker(BaseWorker):
         return bool(self.in_flight)
 
     def _hand_over(self, force: bool = False) -> None:
-        """Give the sender what the steps produced: at once for a job's first piece, a job's end, or a job
-        ending; otherwise once ``event_interval_ms`` has passed, so the steps in between share one event per
-        job (a fast engine's steps would otherwise each cost Redis a write per job)."""
+        """Give the sender what the steps produced: every job's new text once the event interval has passed, so
+        the steps in between share one event per job (a fast engine's steps would otherwise each cost Redis a
+        write per job); sooner only a job's first piece, a job's end, and the job endings. The interval is
+        ``event_interval_ms``, longer with many jobs in flight so that events stay within ``max_events_per_s``."""
         mono = time.monotonic()
-        if not (force or self._tasks or self.publisher.urgent or mono >= self._next_hand_over):
+        due = force or mono >= self._next_hand_over
+        if not (due or self._tasks or self.publisher.urgent):
             return
-        self._next_hand_over = mono + self.settings.event_interval_ms / 1000
+        if due:
+            interval = max(self.settings.event_interval_ms / 1000, len(self.in_flight) / self.settings.max_events_per_s)
+            self._next_hand_over = mono + interval
         tasks, self._tasks = self._tasks, []
-        events, finals = self.publisher.take()
+        events, finals = self.publisher.take(urgent_only=not due)
         if events or tasks or finals or self.in_flight or self._watching:
             watch = [(job_id, job.job.key) for job_id, job in self.in_flight.items()]
             self._watching = bool(watch)
@@ -532,6 +536,8 @@ class BatchWorker(BaseWorker):
             self.publisher.add(
                 job.stream, event.text, [], "error", usage(event.output) if event.output else {}, str(error)
             )
+        else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
+            self.publisher.expedite(job.stream)
 
         def end() -> None:
             if not self._owned([job])[0]:
@@ -627,6 +633,7 @@ class BatchWorker(BaseWorker):
             if held is None:
                 continue
             self.pump.cancel(job_id)
+            self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease
             log.warning("job %s belongs to another attempt now (this worker stalled): dropped here", job_id)
             self.metrics.job_ended("lost", None)
 

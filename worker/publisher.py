@@ -90,7 +90,7 @@ class Publisher:
         self.stream_ttl_after_end = min(stream_ttl, stream_ttl_after_end or stream_ttl)
         self.result_ttl = result_ttl
         self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
-        self.urgent = False  # something waits that should not: a job's first piece (its TTFT) or its end
+        self._urgent: dict[str, JobStream] = {}  # those whose pending should not wait: a first piece (TTFT), an end
 
     def resume(self, conn: Redis, job_ids: list[str]) -> dict[str, JobStream]:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""
@@ -131,15 +131,33 @@ class Publisher:
         ids += token_ids
         if finish_reason is not None:
             s.pending_end = (finish_reason, usage, error)
-        self.urgent = self.urgent or s.next_n == 0 or s.pending_reset or finish_reason is not None
+        if s.next_n == 0 or s.pending_reset or finish_reason is not None:
+            self._urgent[s.job_id] = s
         self._dirty[s.job_id] = s
 
-    def take(self) -> tuple[list[Event], list[Event]]:
-        """One event per job (per sample of a job with n > 1) with something pending, as (job id, event, stream TTL
-        to set): (running jobs' events, final events). Final events go out after their job's result and status."""
+    def discard(self, s: JobStream) -> None:
+        """Drop what ``s`` has pending: its job is another attempt's now."""
+        self._dirty.pop(s.job_id, None)
+        self._urgent.pop(s.job_id, None)
+        s.pending, s.pending_end, s.pending_reset = {}, None, False
+
+    def expedite(self, s: JobStream) -> None:
+        """What ``s`` has pending goes out with the next hand-over, however soon."""
+        if s.job_id in self._dirty:
+            self._urgent[s.job_id] = s
+
+    @property
+    def urgent(self) -> bool:
+        return bool(self._urgent)
+
+    def take(self, urgent_only: bool = False) -> tuple[list[Event], list[Event]]:
+        """One event per job (per sample of a job with n > 1) with something pending (``urgent_only``: of the jobs
+        whose pending should not wait), as (job id, event, stream TTL to set, owner): (running jobs' events, final
+        events). Final events go out after their job's result and status."""
         events: list[Event] = []
         finals: list[Event] = []
-        for s in self._dirty.values():
+        streams = self._urgent if urgent_only else self._dirty
+        for s in streams.values():
             pieces = list(s.pending.items()) or [(0, ([], []))]
             for k, (index, (texts, ids)) in enumerate(pieces):
                 last = k == len(pieces) - 1
@@ -151,8 +169,12 @@ class Publisher:
                 s.next_n += 1
                 s.ended = end[0] is not None
             s.pending, s.pending_end, s.pending_reset = {}, None, False
-        self._dirty = {}
-        self.urgent = False
+        if urgent_only:
+            for job_id in self._urgent:
+                del self._dirty[job_id]
+        else:
+            self._dirty = {}
+        self._urgent = {}
         return events, finals
 
     def queue_writes(self, pipe: Pipeline, events: list[Event]) -> None:

@@ -51,6 +51,12 @@ class QueueSettings(BaseSettings):
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
         "(its first piece and its end go at once)",
     )  # fmt: skip
+    # Events are Redis's work per token (an XADD and a PUBLISH each): a budget per worker keeps a fleet's load on
+    # one Redis bounded however many jobs each worker runs. With few jobs the interval above rules.
+    max_events_per_s: int = Field(
+        2000, ge=1, le=1_000_000, description="running jobs' events per second a worker sends at most: with many "
+        "jobs in flight each job's text waits longer (jobs / this seconds) to share an event",
+    )  # fmt: skip
     # A job names nothing that runs: RQ callbacks and webhooks are refused unless allowed here by exact name.
     allow_callback: list[str] = Field(
         default_factory=list, description="an RQ callback (module.function) jobs may name; repeatable"
