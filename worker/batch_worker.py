@@ -120,6 +120,7 @@ class BatchWorker(BaseWorker):
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._heartbeat = Heartbeat(self)
         self.puller = Puller(self)
+        self.sender.on_jobs_waiting = self.puller.wake
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])

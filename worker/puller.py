@@ -85,6 +85,7 @@ class Puller:
         self.dry = False  # the last pull found the queues empty (burst mode quits on it)
         self.burst = False  # never block waiting for jobs
         self._next_pull = 0.0
+        self._follow_up = False  # pull again at once, without waiting for the sender to see jobs
         self._paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
 
@@ -138,12 +139,9 @@ class Puller:
                 pulled = False
             finally:
                 self._pulling = False
-            if not pulled:
-                self._wake.wait(0.01 if self._room() > 0 else 0.05)
+            if not pulled:  # until the sender sees jobs waiting (it reads the queues while jobs run), room frees
+                self._wake.wait(1.0 if self.worker.in_flight else 0.05)
                 self._wake.clear()
-
-    def _room(self) -> int:
-        return self.worker.settings.in_flight_limit - len(self.worker.in_flight) - (self._handed - self._taken)
 
     def _pull_once(self) -> bool:
         """One pull, when one is due; whether it took anything."""
@@ -154,7 +152,7 @@ class Puller:
         idle = not w.in_flight and self._handed == self._taken and not w.sender.busy
         # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE is a round
         # trip for nothing.
-        if not (idle or w.sender.queued > 0 or mono >= self._next_pull):
+        if not (idle or w.sender.queued > 0 or mono >= self._next_pull or self._follow_up):
             return False
         limit = w.settings.in_flight_limit
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
@@ -174,6 +172,8 @@ class Puller:
         block = w.idle_wait_arg() if idle and not self.burst else None
         pulled, unreadable = pull([q for _, q in lanes], room, block, w.connection, w.job_class, w.serializer)
         self.dry = not pulled and not unreadable
+        # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in.
+        self._follow_up = block is not None and not self.dry
         if len(pulled) + len(unreadable) < room:
             w.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
         arrivals = self.read(pulled, unreadable)

@@ -119,6 +119,7 @@ class Sender:
         self.queued = 0
         self.queued_by_key: dict[str, int] = {}  # jobs waiting per queue key, as last read
         self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
+        self.on_jobs_waiting: Callable[[], None] | None = None  # called when a round trip saw jobs in the queues
         self.status_interval = status_interval
         self._next_status_read = 0.0
         self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
@@ -284,6 +285,8 @@ class Sender:
         depths = replies[len(replies) - tail : len(replies) - (1 if self.worker_key else 0)]
         self.queued_by_key = dict(zip(queue_keys, depths))
         self.queued = sum(self.queued_by_key.values())
+        if self.queued and self.on_jobs_waiting is not None:
+            self.on_jobs_waiting()
         canceled = dict(zip(canceled_keys, depths[len(queue_keys) :]))
         if canceled != self._canceled_counts:  # a job was canceled (or the registry cleaned): read statuses next
             if self._canceled_counts:  # (the first counts are where to start from)
