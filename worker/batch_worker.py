@@ -242,7 +242,7 @@ class BatchWorker(BaseWorker):
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
         if self.in_flight or self.sender.busy or not self.puller.quiet:
             return False
-        return self._stop_requested or (burst and self.puller.dry)
+        return self._stop_requested or (burst and self.puller.dry and not self.sender.queued)
 
     def _loop_once(self) -> bool:
         """One iteration; False when there was nothing to do."""
