@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from roseinfer.kernels import argmax_rows
 from roseinfer.sequence import Sequence
 from roseinfer.structured_output import GrammarMasks
 
@@ -73,11 +74,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SamplerOutput:
         params = [s.params for s in seqs]
-        logits = logits.float()
         want_logprobs = [p.logprobs is not None for p in params]
         plain = all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params)
         if not any(want_logprobs) and plain and masks is None:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+            return SamplerOutput(argmax_rows(logits), [None] * len(seqs))
+        logits = logits.float()
 
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         unconstrained = logits

@@ -39,6 +39,7 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
     "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
+    "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
 }
 
 
@@ -184,3 +185,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(gate_up.shape[0], n)
     lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n, _bf16(gate_up))
     return out
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token: ``logits.float().argmax(-1)``, without the float32 copy on CPU."""
+    lib = cpu_kernels_for(logits.device, logits.dtype)
+    if lib is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return logits.float().argmax(dim=-1).tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    rows, n = logits.shape
+    lib.argmax_rows(logits.data_ptr(), rows, n, logits.stride(0), _bf16(logits), out.data_ptr())
+    return out.tolist()

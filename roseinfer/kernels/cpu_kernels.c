@@ -379,3 +379,57 @@ void silu_mul(const void* gu, void* out, int64_t rows, int64_t n, int bf16) {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Greedy sampling: the index of each row's largest value, the first of equal ones, a NaN counting as the largest
+// (as torch.argmax has it), straight from float32 or bfloat16 logits (no float32 copy of the whole vocabulary).
+// The maximum is one vectorized pass; its first index is found 256 values at a time.
+static inline float logit_at(const void* row, int64_t i, int bf16) {
+    return bf16 ? bf2f(((const uint16_t*)row)[i]) : ((const float*)row)[i];
+}
+
+void argmax_rows(const void* x, int64_t rows, int64_t n, int64_t row_stride, int bf16, int64_t* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const char* row = (const char*)x + r * row_stride * (bf16 ? 2 : 4);
+        float m = -INFINITY;
+        int nan = 0;
+        if (bf16) {
+            const uint16_t* v = (const uint16_t*)row;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+            for (int64_t i = 0; i < n; i++) {
+                const float f = bf2f(v[i]);
+                m = f > m ? f : m;
+                nan |= f != f;
+            }
+        } else {
+            const float* v = (const float*)row;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+            for (int64_t i = 0; i < n; i++) {
+                m = v[i] > m ? v[i] : m;
+                nan |= v[i] != v[i];
+            }
+        }
+        int64_t found = 0;
+        for (int64_t i0 = 0; i0 < n; i0 += 256) {
+            const int64_t end = i0 + 256 < n ? i0 + 256 : n;
+            int hit = 0;
+#pragma omp simd reduction(| : hit)
+            for (int64_t i = i0; i < end; i++) {
+                const float f = logit_at(row, i, bf16);
+                hit |= nan ? f != f : f == m;
+            }
+            if (hit) {
+                for (int64_t i = i0; i < end; i++) {
+                    const float f = logit_at(row, i, bf16);
+                    if (nan ? f != f : f == m) {
+                        found = i;
+                        break;
+                    }
+                }
+                break;
+            }
+        }
+        out[r] = found;
+    }
+}
