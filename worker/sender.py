@@ -94,7 +94,7 @@ class Sender:
         on_lost: Callable[[list[str]], None] = lambda job_ids: None,
         queue_keys: list[str] | None = None,
         max_pending: int = 64,
-        status_interval: float = 1.0,
+        status_interval: float = 0.1,
     ) -> None:
         self.connection = connection
         self.publisher = publisher
@@ -248,10 +248,10 @@ class Sender:
                 replies = pipe.execute()
             self._report_lost(events, replies)
             return
-        # Every job's status (cancels) only every status_interval, or at once when RQ's canceled registry of a lane
-        # changed (``job.cancel()`` adds the job there): a fast engine's round trips would otherwise read every
-        # job's status every few milliseconds, the most of Redis's work per token. A status written by hand
-        # (``HSET status canceled``), a deleted hash, lands within the interval.
+        # Every job's status (cancels) every status_interval (100 ms: a status written by hand from another
+        # language, ``HSET status canceled``, or a deleted hash lands within that), and at once when RQ's canceled
+        # registry of a lane changed (``job.cancel()`` adds the job there). Not at every round trip: a fast
+        # engine's round trips would then read every job's status every few milliseconds.
         mono = time.monotonic()
         watch = list(self._watch) if mono >= self._next_status_read else []
         if watch:
