@@ -303,41 +303,67 @@ def test_the_samples_of_a_job_get_events_of_their_own():
         StreamEvent.model_validate(e)
 
 
-@pytest.mark.redis
-def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next_sweep(redis_url):
-    """Statuses of the jobs in flight are read every status_interval, and at once when a lane's canceled registry
-    changed (what RQ's job.cancel() does), so a fast engine's round trips do not each read every job's status."""
+@pytest.fixture(params=["sort", "hget"])
+def status_reader(request, redis_url):
+    """A connection to the tests' Redis, and the way the sender reads statuses on it: one SORT for all jobs, or,
+    for a user whose ACL limits its keys (SORT's GET patterns are refused then), an HGET per job."""
     import uuid
 
     from redis import Redis
 
+    admin = Redis.from_url(redis_url)
+    if request.param == "sort":
+        yield admin, True
+        return
+    user, password = f"limited-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["rq:*", "roseinfer:*"], commands=["+@all"])
+    try:
+        yield Redis.from_url(redis_url, username=user, password=password), False
+    finally:
+        admin.acl_deluser(user)
+
+
+@pytest.mark.redis
+def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next_sweep(status_reader):
+    """Statuses of the jobs in flight are read every status_interval, and at once when a lane's canceled registry
+    changed (what RQ's job.cancel() does), so a fast engine's round trips do not each read every job's status."""
+    import uuid
+
     from worker.sender import Batch, Sender
 
-    conn = Redis.from_url(redis_url)
+    conn, sorts = status_reader
     tag = uuid.uuid4().hex[:8]
-    jobs = {name: f"rq:job:{tag}-{name}" for name in ("via-registry", "bare")}
+    jobs = {name: f"rq:job:{tag}-{name}" for name in ("via-registry", "bare", "deleted")}
     for key in jobs.values():
         conn.hset(key, "status", "started")
     seen: list[list] = []
     sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: seen.append(ended), status_interval=3600)
     sender.canceled_keys = [f"rq:canceled:{tag}"]
+    conn.rpush(sender.status_list, "left-by-a-broken-round-trip")
     sender.start()
+    assert sender.sorts_statuses is sorts
     watch = [(f"{tag}-{name}", key) for name, key in jobs.items()]
 
     def round_trip() -> list:
         seen.clear()
         sender.put(Batch(watch=watch))
         sender.drain(10)
-        return [job_id for ended in seen for job_id, _status in ended]
+        return sorted((job_id, status) for ended in seen for job_id, status in ended)
 
     try:
         assert round_trip() == []  # the first read of every status
         conn.hset(jobs["bare"], "status", "canceled")
+        conn.delete(jobs["deleted"])
         assert round_trip() == []  # a bare status waits for the next sweep
-        conn.hset(jobs["via-registry"], "status", "canceled")
+        conn.hset(jobs["via-registry"], "status", "stopped")
         conn.zadd(f"rq:canceled:{tag}", {f"{tag}-via-registry": time.time() + 60})
         round_trip()  # the round trip that sees the registry change
-        assert sorted(round_trip()) == [f"{tag}-bare", f"{tag}-via-registry"]
+        assert round_trip() == [
+            (f"{tag}-bare", b"canceled"),
+            (f"{tag}-deleted", None),
+            (f"{tag}-via-registry", b"stopped"),
+        ]
+        assert not conn.exists(sender.status_list) or not sorts  # the scratch list lives inside a round trip
     finally:
         sender.stop()
-        conn.delete(*jobs.values(), f"rq:canceled:{tag}")
+        conn.delete(*jobs.values(), f"rq:canceled:{tag}", sender.status_list)

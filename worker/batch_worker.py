@@ -197,6 +197,7 @@ class BatchWorker(BaseWorker):
         self.bootstrap(logging_level)
         self._install_signal_handlers()
         self.sender.worker_key = self.key
+        self.sender.status_list = f"roseinfer:statuses:{self.name}"
         self.sender.queue_keys = [queue.key for queue in self.queues]
         self.sender.canceled_keys = [queue.canceled_job_registry.key for queue in self.queues]
         self.sender.start()

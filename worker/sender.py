@@ -14,11 +14,13 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis import Redis
 from redis.exceptions import NoScriptError
+from rq.job import Job
 
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
@@ -61,18 +63,9 @@ end
 redis.call('SET', KEYS[#KEYS], 1, 'PX', ARGV[#ARGV])
 return 1
 """
-# The jobs (of KEYS, their hashes) whose status ends them here: canceled, stopped, or the hash gone.
-_ENDED = """
-local ended = {}
-for i = 1, #KEYS do
-  local status = redis.call('HGET', KEYS[i], 'status')
-  if not status or status == 'canceled' or status == 'stopped' then
-    ended[#ended + 1] = i - 1
-    ended[#ended + 1] = status or ''
-  end
-end
-return ended
-"""
+
+# The statuses that end a job here: canceled, stopped, or the hash gone.
+_ENDING = (b"canceled", b"stopped", None)
 
 
 @dataclass
@@ -108,6 +101,9 @@ class Sender:
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="roseinfer-sender", daemon=True)
         self.worker_key: str | None = None
+        # A scratch list of job ids, for reading their statuses: its own per sender (the worker names it after itself).
+        self.status_list = f"roseinfer:statuses:{uuid.uuid4().hex}"
+        self.sorts_statuses = True  # statuses read by one SORT (``_probe_sort``), else an HGET per job
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
         self.refusing: str | None = None  # why Redis refuses our writes right now, for `roseinfer status`
@@ -122,9 +118,20 @@ class Sender:
         self.on_jobs_waiting: Callable[[], None] | None = None  # called when a round trip saw jobs in the queues
         self.status_interval = status_interval
         self._next_status_read = 0.0
-        self._emit = self._ended = None  # Lua scripts, where the server runs them (not the embedded fakeredis)
+        self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
         self.renew_script = None
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
+
+    def _probe_sort(self) -> None:
+        """Whether this Redis lets us read statuses with SORT's GET patterns (an ACL user limited to some keys
+        may not): one command for every job's status instead of one per job."""
+        try:
+            self.connection.sort(self.status_list, by="nosort", get=f"{Job.key_for('*')}->status")
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:
+            log.info("this Redis refuses SORT ... GET (%s): statuses are read with an HGET per job", exc)
+            self.sorts_statuses = False
 
     def _load_scripts(self) -> None:
         try:
@@ -137,10 +144,8 @@ class Sender:
         # Loaded now and called by their SHA: a pipeline holding registered scripts would ask SCRIPT EXISTS first,
         # a round trip more at every send. Redis losing its scripts (a restart) reloads them (``_send``).
         self._emit = self.connection.register_script(_EMIT)
-        self._ended = self.connection.register_script(_ENDED)
         self.renew_script = self.connection.register_script(_RENEW)
-        for script in (_EMIT, _ENDED):
-            self.connection.script_load(script)
+        self.connection.script_load(_EMIT)
 
     @property
     def runs_scripts(self) -> bool:
@@ -149,6 +154,7 @@ class Sender:
 
     def start(self) -> None:
         self._load_scripts()
+        self._probe_sort()
         self._thread.start()
 
     def put(self, batch: Batch) -> None:
@@ -261,12 +267,7 @@ class Sender:
         canceled_keys = list(self.canceled_keys)
         with self.connection.pipeline(transaction=False) as pipe:
             self._queue_events(pipe, events)
-            if self._emit is None:
-                for _job_id, key in watch:
-                    pipe.hget(key, "status")
-            elif watch:
-                keys = [key for _, key in watch]
-                pipe.evalsha(self._ended.sha, len(keys), *keys)
+            read_statuses = self._queue_status_reads(pipe, watch)
             for key in queue_keys:
                 pipe.llen(key)
             for key in canceled_keys:
@@ -292,15 +293,32 @@ class Sender:
             if self._canceled_counts:  # (the first counts are where to start from)
                 self._next_status_read = 0.0
             self._canceled_counts = canceled
-        if self._emit is None:
-            first = len(replies) - len(watch) - tail
-            ended = [(job_id, status) for (job_id, _), status in zip(watch, replies[first : first + len(watch)])]
-        elif watch:
-            flat = replies[len(replies) - tail - 1]
-            ended = [(watch[int(i)][0], status or None) for i, status in zip(flat[::2], flat[1::2])]
-        else:
-            ended = []
-        self.on_statuses(ended, registered)
+        statuses = read_statuses(replies[: len(replies) - tail])
+        self.on_statuses([(job_id, s) for job_id, s in statuses if s in _ENDING], registered)
+
+    def _queue_status_reads(
+        self, pipe, watch: list[tuple[str, str]]
+    ) -> Callable[[list], list[tuple[str, bytes | None]]]:
+        """Queue the reads of the watched jobs' statuses on ``pipe``; returns what reads them from the replies
+        before the round trip's tail. One SORT reads them all (the ids into a scratch list of this worker's, then
+        SORT's GETs take each job hash's status, nil where the hash is gone), not a command per job; where Redis
+        refuses SORT's patterns (an ACL user limited to some keys), an HGET per job."""
+        if not watch:
+            return lambda replies: []
+        if not self.sorts_statuses:
+            for _job_id, key in watch:
+                pipe.hget(key, "status")
+            return lambda replies: [(job_id, s) for (job_id, _), s in zip(watch, replies[-len(watch) :])]
+        pipe.rpush(self.status_list, *[job_id for job_id, _ in watch])
+        pipe.sort(self.status_list, by="nosort", get=["#", f"{Job.key_for('*')}->status"])
+        pipe.delete(self.status_list)
+        ids = {job_id.encode(): job_id for job_id, _ in watch}
+
+        def read(replies: list) -> list[tuple[str, bytes | None]]:
+            pairs = replies[-2]  # (id, status) pairs; ids a broken round trip left in the list are not ours now
+            return [(ids[i], status) for i, status in zip(pairs[::2], pairs[1::2]) if i in ids]
+
+        return read
 
     def _report_lost(self, events: list[Event], replies: list) -> None:
         """The events the script refused (its reply, first in the round trip): their jobs are another attempt's."""
