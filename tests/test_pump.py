@@ -151,6 +151,20 @@ def test_cancel_and_deadline():
     assert not engine.requests
 
 
+def test_a_deadline_belongs_to_its_job_not_to_an_earlier_one_of_the_same_id():
+    pump = Pump(FakeEngine(), tokenize_in_thread=False)
+    pump.submit("a", {"prompt": "x"}, _params(100), timeout=0.05)
+    pump.step()
+    pump.cancel("a")
+    pump.submit("a", {"prompt": "x"}, _params(100), timeout=60)  # a retry, here again
+    time.sleep(0.06)
+    assert not [e for e in pump.step() if e.finished]  # the first attempt's deadline is not this one's
+    for i in range(500):  # jobs that end before their deadline leave nothing behind for long
+        pump.submit(f"j{i}", {"prompt": "x"}, _params(100), timeout=60)
+        pump.cancel(f"j{i}")
+    assert len(pump._deadlines) <= 2 * len(pump) + 64
+
+
 @pytest.fixture
 def fake_worker(request):
     """The RQ worker over a fake engine, on fakeredis (no server, no Lua: the plain-command path); settings from

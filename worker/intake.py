@@ -56,42 +56,52 @@ def pull(
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
     Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate."""
-    if not block:  # each queue in turn (first-served first), a batch of round trips each
-        pulled_all: list[tuple[Job, Queue]] = []
-        unreadable_all: list[Unreadable] = []
-        for queue in queues:
-            room = limit - len(pulled_all) - len(unreadable_all)
-            if room <= 0:
-                break
-            pulled, unreadable = _pull_batch(queue, room, connection, job_class, serializer)
-            pulled_all += pulled
-            unreadable_all += unreadable
-        return pulled_all, unreadable_all
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
-    while len(pulled) + len(unreadable) < limit:
-        timeout = block if block and not pulled and not unreadable else None
-        try:
-            got = Queue.dequeue_any(queues, timeout, connection=connection, job_class=job_class, serializer=serializer)
-        except DequeueTimeout:
+    if block:  # RQ's blocking dequeue for the first job; the burst it woke for comes in batches below
+        _dequeue_one(queues, block, connection, job_class, serializer, pulled, unreadable)
+        if not pulled and not unreadable:
+            return pulled, unreadable
+    for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
+        room = limit - len(pulled) - len(unreadable)
+        if room <= 0:
             break
-        except REDIS_DOWN:
-            raise
-        except Exception as exc:  # the job hash itself: a field RQ cannot parse, an id it refuses
-            job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
-            if job_id is None or queue is None:  # nothing to pin it on: log it and leave the queue for now
-                log.exception("could not take a job off the queue")
-                break
-            unreadable.append(Unreadable(job_id, queue, diagnose(connection.hgetall(Job.key_for(job_id)), job_id, exc)))
-            continue
-        if got is None:
-            break
-        job, queue = got
-        if not JOB_ID.match(job.id):
-            unreadable.append(Unreadable(job.id, queue, BAD_ID))
-            continue
-        pulled.append(got)
+        got, bad = _pull_batch(queue, room, connection, job_class, serializer)
+        pulled += got
+        unreadable += bad
     return pulled, unreadable
+
+
+def _dequeue_one(
+    queues: list[Queue],
+    block: float,
+    connection: redis.Redis,
+    job_class: type[Job],
+    serializer,
+    pulled: list[tuple[Job, Queue]],
+    unreadable: list[Unreadable],
+) -> None:
+    """One job by RQ's blocking dequeue (up to ``block`` seconds), into ``pulled`` or ``unreadable``."""
+    try:
+        got = Queue.dequeue_any(queues, block, connection=connection, job_class=job_class, serializer=serializer)
+    except DequeueTimeout:
+        return
+    except REDIS_DOWN:
+        raise
+    except Exception as exc:  # the job hash itself: a field RQ cannot parse, an id it refuses
+        job_id, queue = getattr(exc, "job_id", None), getattr(exc, "queue", None)
+        if job_id is None or queue is None:  # nothing to pin it on: log it and leave the queue for now
+            log.exception("could not take a job off the queue")
+            return
+        unreadable.append(Unreadable(job_id, queue, diagnose(connection.hgetall(Job.key_for(job_id)), job_id, exc)))
+        return
+    if got is None:
+        return
+    job, queue = got
+    if not JOB_ID.match(job.id):
+        unreadable.append(Unreadable(job.id, queue, BAD_ID))
+    else:
+        pulled.append(got)
 
 
 def _pull_batch(
@@ -114,6 +124,9 @@ def _pull_batch(
     for job_id, raw in zip(ids, raws):
         if not raw:  # deleted meanwhile: RQ skips it too
             connection.lrem(queue.intermediate_queue_key, 1, job_id)
+            continue
+        if not JOB_ID.match(job_id):
+            unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
         try:
             job = job_class(job_id, connection=connection, serializer=serializer)

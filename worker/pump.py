@@ -10,6 +10,7 @@ job, so every job of that step fails with a retryable event, and the pump goes o
 from __future__ import annotations
 
 import copy
+import heapq
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,6 +77,9 @@ class Pump:
         self._pool: ThreadPoolExecutor | None = None
         self._thread_tokenizer = None
         self._untokenized: list[_Job] = []  # submitted since the last step: tokenized together, in one batch
+        # Kept apart so that a step looks only at what changed, not at every job in flight.
+        self._waiting: dict[str, _Job] = {}  # not admitted into the engine yet
+        self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, job id); ended jobs left to drop
         if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
@@ -109,6 +113,12 @@ class Pump:
         if self._pool is not None:
             self._untokenized.append(job)
         self._jobs[job_id] = job
+        self._waiting[job_id] = job
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, job_id))
+            if len(self._deadlines) > 2 * len(self._jobs) + 64:  # mostly jobs that ended: keep the live ones
+                self._deadlines = [(d, j) for d, j in self._deadlines if j in self._jobs]
+                heapq.heapify(self._deadlines)
 
     def _tokenize_submitted(self) -> None:
         """The prompts submitted since the last step, to the tokenizer thread as one batch."""
@@ -124,6 +134,7 @@ class Pump:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
+        self._waiting.pop(job_id, None)
         out = self.engine.abort_request(job_id) if job.admitted else None
         text = out.delta_text if out is not None else ""
         index = out.delta_index if out is not None else 0
@@ -136,7 +147,11 @@ class Pump:
         if self.engine.has_unfinished_requests():
             events += self._run_step()
         now = time.monotonic()
-        for job_id in [j for j, job in self._jobs.items() if job.deadline is not None and now > job.deadline]:
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, job_id = heapq.heappop(self._deadlines)
+            job = self._jobs.get(job_id)
+            if job is None or job.deadline != deadline:  # ended already (or a new job under the same id)
+                continue
             event = self.cancel(job_id, "the job exceeded its timeout")
             event.timed_out = True
             events.append(event)
@@ -152,10 +167,10 @@ class Pump:
     # ----- inside a step ------------------------------------------------------------------------------
     def _admit(self) -> list[JobEvent]:
         events = []
-        for job_id, job in list(self._jobs.items()):
-            waiting = self._pool is not None and (job.tokenized is None or not job.tokenized.done())
-            if job.admitted or waiting:
+        for job_id, job in list(self._waiting.items()):
+            if self._pool is not None and (job.tokenized is None or not job.tokenized.done()):
                 continue
+            del self._waiting[job_id]
             try:
                 prompt = job.prompt
                 if job.tokenized is not None:
