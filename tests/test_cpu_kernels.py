@@ -1,13 +1,12 @@
 """The C kernels against the PyTorch ops they stand for, at float32 and bfloat16: RoPE and RMSNorm round every
-step as PyTorch's separate ops do, so they must agree bit for bit; SiLU uses its own exp (within an ulp or two)."""
+step as PyTorch's separate ops do, so they must agree bit for bit; paged attention against float64 attention."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from roseinfer.kernels import add_rms_norm, cpu_kernels_for, rope_, rotate_half, silu_mul
+from roseinfer.kernels import add_rms_norm, cpu_kernels_for, rope_, rotate_half
 
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,9 +48,49 @@ def test_add_rms_norm_matches_pytorch_bit_for_bit(dtype, with_delta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_mul_matches_pytorch(dtype):
-    gate_up = (torch.randn(23, 2 * 1536, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = F.silu(gate) * up
-    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
-    torch.testing.assert_close(silu_mul(gate_up), expected, **tolerance)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64),
+                                                                      (10, 2, 128), (6, 3, 48)])  # fmt: skip
+def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_heads, head_dim):
+    """The C kernel's decode and prefill rows against attention in float64, for every way a group of query heads
+    is split over the kernel's shared value reads (1 to 5 heads a KV head), head sizes of 64 and beyond, and the
+    generic loop (48); the sequences' blocks scattered over the cache."""
+    from roseinfer.attention import CpuKernelAttentionBackend
+    from roseinfer.scheduler import ScheduledRequest
+
+    lib = cpu_kernels_for(torch.device("cpu"), dtype)
+    if lib is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(7)
+    bs, lens = 8, {"long": 45, "short": 3, "prompt": 20}  # "prompt" is prefilled in this one step
+    backend = CpuKernelAttentionBackend(lib, bs, dtype, torch.device("cpu"))
+    k_cache, v_cache = backend.allocate_kv_caches(1, 32, num_kv_heads, head_dim)[0]
+    free = torch.randperm(32, generator=g).tolist()
+    tables = {name: [free.pop() for _ in range((n + bs - 1) // bs)] for name, n in lens.items()}
+    keys = {n: torch.randn(lens[n], num_kv_heads, head_dim, generator=g).to(dtype) for n in lens}
+    values = {n: torch.randn(lens[n], num_kv_heads, head_dim, generator=g).to(dtype) for n in lens}
+    for name in ("long", "short"):  # earlier steps' keys, written straight into the kernel's layout
+        for p in range(lens[name] - 1):
+            blk, off = tables[name][p // bs], p % bs
+            k_cache[blk, :, :, off] = keys[name][p]
+            v_cache[blk, :, off, :] = values[name][p]
+    requests = [
+        ScheduledRequest(None, lens["long"] - 1, 1, True, False, tables["long"]),
+        ScheduledRequest(None, lens["short"] - 1, 1, True, False, tables["short"]),
+        ScheduledRequest(None, 0, lens["prompt"], True, True, tables["prompt"]),
+    ]
+    rows = [("long", lens["long"] - 1), ("short", lens["short"] - 1)] + [("prompt", p) for p in range(lens["prompt"])]
+    positions = torch.tensor([p for _, p in rows])
+    slots = [tables[n][p // bs] * bs + p % bs for n, p in rows]
+    q = torch.randn(len(rows), num_heads, head_dim, generator=g).to(dtype)
+    k = torch.stack([keys[n][p] for n, p in rows])
+    v = torch.stack([values[n][p] for n, p in rows])
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(requests, 2, positions, slots), 0.125)
+
+    group = num_heads // num_kv_heads
+    for i, (name, p) in enumerate(rows):
+        kk = keys[name][: p + 1].double().repeat_interleave(group, dim=1)
+        vv = values[name][: p + 1].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,khd->hk", q[i].double(), kk) * 0.125).softmax(-1)
+        expected = torch.einsum("hk,khd->hd", weights, vv)
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(out[i].double(), expected, **tolerance)

@@ -38,7 +38,6 @@ _SIGNATURES = {
     "paged_attention": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
-    "silu_mul": [_P, _P, _I, _I, ctypes.c_int],
     "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
 }
 
@@ -174,17 +173,12 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [gate | up]."""
-    lib = cpu_kernels_for(gate_up.device, gate_up.dtype)
-    n = gate_up.shape[1] // 2
-    if lib is None and (tk := triton_kernels_for(gate_up.device)) is not None and gate_up.is_contiguous():
+    """silu(gate) * up for rows [gate | up]. On CPU PyTorch's own two ops: its vectorized exp beats a fused C loop
+    (64 x 1536: 36 against 83 us at float32, 47 against 88 at bfloat16), and they are what transformers runs."""
+    if (tk := triton_kernels_for(gate_up.device)) is not None and gate_up.is_contiguous():
         return tk.silu_mul(gate_up)
-    if lib is None or not gate_up.is_contiguous():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    out = gate_up.new_empty(gate_up.shape[0], n)
-    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], n, _bf16(gate_up))
-    return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

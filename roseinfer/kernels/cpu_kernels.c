@@ -33,7 +33,7 @@ static inline void load_row(const void* src, int bf16, int64_t n, float* dst) {
 static inline float round_to(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }
 
 // exp, branch-free so loops over it vectorize: 2^n * p(r) with |r| <= ln2/2 and a degree-6 polynomial
-// (error about 2 ulp); exp(-inf) = 0. Clamped to [-87, 88] so 2^n stays a normal float (silu's -g can be large).
+// (error about 2 ulp); exp(-inf) = 0. Clamped to [-87, 88] so 2^n stays a normal float.
 static inline float softmax_exp(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
@@ -112,27 +112,45 @@ static block_scores_fn block_scorer(int64_t block_size, int64_t heads) {
     return NULL;
 }
 
-// acc = sum over keys j < ctx of p[j] * V[j] for one KV head, 64 dims at a time: the 8 vector sums stay in
-// registers (each output still sums the keys in order). V cache [blocks, Hkv, block_size, D], D % 64 == 0.
-static void weighted_values64(const float* restrict p, int64_t ctx, const int64_t* table, const char* v_cache,
-                              int64_t num_kv_heads, int64_t kh, int64_t block_size, int64_t head_dim, int bf16,
-                              float* restrict acc) {
-    const int64_t esz = bf16 ? 2 : 4;
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-        v8f a[8];
-        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] = (v8f){0};
-        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-            const char* base = v_cache + (((table[j0 / block_size] * num_kv_heads + kh) * block_size) * head_dim + d0) * esz;
-            const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-            for (int64_t jj = 0; jj < n; jj++) {
-                const float pj = p[j0 + jj];
-                const char* r = base + jj * head_dim * esz;
-                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] += pj * load8(r + v * 8 * esz, bf16);
-            }
-        }
-        memcpy(acc + d0, a, sizeof(a));
+// acc[g] = sum over keys j < ctx of p[g][j] * V[j] for G query heads (probabilities p_step apart) of one KV head,
+// 64 dims at a time: each V row is loaded once for the G heads, and the G * 8 vector sums stay in registers (each
+// output still sums the keys in order). V cache [blocks, Hkv, block_size, D], D % 64 == 0. The next block's rows
+// are prefetched while a block is summed: the rows of a sequence are scattered over blocks, and the loads waited
+// on memory. One function per G so every loop is unrolled.
+#define WEIGHTED_VALUES64(G)                                                                              \
+    static void weighted_values64_##G(const float* restrict p, int64_t p_step, int64_t ctx, const int64_t* table, \
+                                      const char* v_cache, int64_t num_kv_heads, int64_t kh, int64_t block_size, \
+                                      int64_t head_dim, int bf16, float* restrict acc) {                   \
+        const int64_t esz = bf16 ? 2 : 4;                                                                 \
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {                                                   \
+            v8f a[G][8];                                                                                  \
+            _Pragma("GCC unroll 3") for (int g = 0; g < G; g++)                                           \
+                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[g][v] = (v8f){0};                   \
+            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {                                            \
+                const int64_t blk = table[j0 / block_size];                                               \
+                const char* base = v_cache + (((blk * num_kv_heads + kh) * block_size) * head_dim + d0) * esz; \
+                const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                          \
+                if (j0 + block_size < ctx) {                                                              \
+                    const char* next = v_cache +                                                          \
+                        (((table[j0 / block_size + 1] * num_kv_heads + kh) * block_size) * head_dim + d0) * esz; \
+                    for (int64_t b = 0; b < block_size * head_dim * esz; b += 64) __builtin_prefetch(next + b); \
+                }                                                                                         \
+                for (int64_t jj = 0; jj < n; jj++) {                                                      \
+                    const char* r = base + jj * head_dim * esz;                                           \
+                    v8f x[8];                                                                             \
+                    _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) x[v] = load8(r + v * 8 * esz, bf16); \
+                    _Pragma("GCC unroll 3") for (int g = 0; g < G; g++) {                                 \
+                        const float pj = p[g * p_step + j0 + jj];                                         \
+                        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[g][v] += pj * x[v];         \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+            _Pragma("GCC unroll 3") for (int g = 0; g < G; g++) memcpy(acc + g * head_dim + d0, a[g], sizeof(a[g])); \
+        }                                                                                                 \
     }
-}
+WEIGHTED_VALUES64(1)
+WEIGHTED_VALUES64(2)
+WEIGHTED_VALUES64(3)
 
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
@@ -185,6 +203,10 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
             for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
                 const int64_t first = (table[j0 / block_size] * row + kh * head_dim) * block_size;
                 const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
+                if (j0 + block_size < ctx) {  // the next block's keys, while this one is scored
+                    const char* next = (const char*)k_cache + (table[j0 / block_size + 1] * row + kh * head_dim) * block_size * esz;
+                    for (int64_t b = 0; b < head_dim * block_size * esz; b += 64) __builtin_prefetch(next + b);
+                }
                 int64_t g0 = 0;
                 for (; g0 < group; g0 += 4) {  // up to 4 heads of the group share each read of the block
                     const int64_t heads = group - g0 < 4 ? group - g0 : 4;
@@ -227,9 +249,20 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                 for (int64_t j = 0; j < ctx; j++) sg[j] *= inv;
             }
             if (head_dim % 64 == 0) {
-                for (int64_t g = 0; g < group; g++)
-                    weighted_values64(scores + g * max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
-                                      block_size, head_dim, bf16, acc + g * head_dim);
+                for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 heads of the group share each V row
+                    const int64_t heads = group - g0 < 3 ? group - g0 : 3;
+                    const float* pg = scores + g0 * max_ctx;
+                    float* ag = acc + g0 * head_dim;
+                    if (heads == 3)
+                        weighted_values64_3(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                                            block_size, head_dim, bf16, ag);
+                    else if (heads == 2)
+                        weighted_values64_2(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                                            block_size, head_dim, bf16, ag);
+                    else
+                        weighted_values64_1(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                                            block_size, head_dim, bf16, ag);
+                }
             } else {  // the generic loop, for head sizes that are not a multiple of 64
                 memset(acc, 0, sizeof(float) * group * head_dim);
                 for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
@@ -351,31 +384,6 @@ void rope(void* x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, in
                 rope_head_bf16((uint16_t*)x + at, c, s, half);
             else
                 rope_head_f32((float*)x + at, c, s, half);
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// out = silu(gate) * up, where each row of gu holds [gate | up]. One loop per dtype: no branch inside, so
-// both vectorize.
-void silu_mul(const void* gu, void* out, int64_t rows, int64_t n, int bf16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        if (bf16) {
-            const uint16_t* restrict g = (const uint16_t*)gu + r * 2 * n;
-            const uint16_t* restrict u = g + n;
-            uint16_t* restrict o = (uint16_t*)out + r * n;
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) {
-                const float gv = bf2f(g[i]);
-                o[i] = f2bf(bf2f(f2bf(gv / (1.f + softmax_exp(-gv)))) * bf2f(u[i]));
-            }
-        } else {
-            const float* restrict g = (const float*)gu + r * 2 * n;
-            const float* restrict u = g + n;
-            float* restrict o = (float*)out + r * n;
-#pragma omp simd
-            for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.f + softmax_exp(-g[i])) * u[i];
         }
     }
 }
