@@ -367,3 +367,153 @@ def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next
     finally:
         sender.stop()
         conn.delete(*jobs.values(), f"rq:canceled:{tag}", sender.status_list)
+
+
+@pytest.mark.redis
+def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_jobs_owned_elsewhere(redis_url):
+    """RQ's methods write onto the batch's pipeline; one script call runs them: the same state as executing that
+    pipeline, except for a job another attempt owns (or requeued), whose commands do not run."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import OWNER_FIELD
+    from worker.command_batch import CommandBatch
+
+    conn = Redis.from_url(redis_url)
+    tag = uuid.uuid4().hex[:8]
+
+    def write(pipe, name: str, prefix: str) -> None:
+        key = f"{prefix}:{name}"
+        pipe.hset(f"{key}:h", mapping={"status": "finished", "n": 1.5, "text": "caf\u00e9 \U0001f600"})
+        pipe.hincrbyfloat(f"{key}:h", "n", 0.25)
+        pipe.zadd(f"{key}:z", {name: 12.5})
+        pipe.xadd(f"{key}:s", {"type": 1, "v": b"\x00\xff"}, maxlen=10, approximate=True)
+        pipe.set(f"{key}:r", "x" * 3000, ex=100)
+        pipe.expire(f"{key}:h", 200)
+        pipe.sadd(f"{key}:set", "a", "b")
+        pipe.srem(f"{key}:set", "a")
+
+    def state(prefix: str, name: str) -> list:
+        key = f"{prefix}:{name}"
+        stream = [fields for _id, fields in conn.xrange(f"{key}:s")]
+        return [conn.hgetall(f"{key}:h"), conn.zrange(f"{key}:z", 0, -1, withscores=True), stream,
+                conn.get(f"{key}:r"), conn.ttl(f"{key}:h") > 100, conn.smembers(f"{key}:set")]  # fmt: skip
+
+    names = ["ours", "gone", "elsewhere", "requeued", "unchecked"]
+    conn.hset(f"rq:job:{tag}-ours", mapping={OWNER_FIELD: "me", "status": "started"})
+    conn.hset(f"rq:job:{tag}-elsewhere", mapping={OWNER_FIELD: "another", "status": "started"})
+    conn.hset(f"rq:job:{tag}-requeued", mapping={OWNER_FIELD: "me", "status": "queued"})
+    try:
+        with conn.pipeline() as pipe:  # the reference: the same commands as one transaction
+            for name in names:
+                write(pipe, name, f"{tag}:ref")
+            pipe.execute()
+        batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn))
+        for name in names:
+            owner = "" if name == "unchecked" else "me"
+            write(batch.job(f"rq:job:{tag}-{name}", owner), name, f"{tag}:run")
+        assert batch.run() == [2, 3]
+        for name in names:
+            expected = (
+                state(f"{tag}:ref", name) if name not in ("elsewhere", "requeued") else state(f"{tag}:none", name)
+            )
+            assert state(f"{tag}:run", name) == expected, name
+    finally:
+        conn.delete(*conn.keys(f"{tag}*"), *conn.keys(f"rq:job:{tag}-*"))
+
+
+@pytest.mark.redis
+def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis_url):
+    """Two jobs alike, started together: one ends through RQ's own methods (``_handle_success``, ``cleanup``,
+    ``cleanup_execution``), the other through the worker's writes, in the batch script: the job hashes, RQ's
+    result streams, registries, executions, TTLs and worker counters match, and RQ's readers see the same."""
+    import uuid
+    from datetime import datetime
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.registry import FinishedJobRegistry, StartedJobRegistry
+    from rq.results import Result
+    from rq.serializers import JSONSerializer
+    from rq.utils import now
+
+    from producer import Client
+    from producer.protocol import OWNER_FIELD
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.command_batch import CommandBatch
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    client = Client(redis_url, queue=name, result_ttl=900)
+    payload = {"prompt": "hello", "max_tokens": 4}
+    jobs = client.submit_many([payload, payload])
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, bad = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    assert not bad and [j.id for j, _ in pulled] == [job.id for job in jobs]
+    (ref, queue), (ours, _) = pulled
+    executions = worker.mark_started(pulled)
+    result = {"status": "finished", "text": "ok \u00e9", "token_ids": [1, 2]}
+    ended = now()
+
+    with conn.pipeline() as pipe:  # the reference: RQ's methods, as the worker used them before
+        ref.ended_at, ref._result = ended, result
+        worker.publisher.write_result(pipe, ref.id, result)
+        ref.heartbeat(ended, 60, pipeline=pipe)
+        worker.increment_successful_job_count(pipeline=pipe)
+        worker.increment_total_working_time(ended - ref.started_at, pipe)
+        ref._handle_success(
+            900, pipeline=pipe, worker_name=worker.name, execution_id=executions[0].id,
+            execution_started_at=executions[0].created_at, execution_ended_at=ended,
+        )  # fmt: skip
+        ref.cleanup(900, pipeline=pipe, remove_from_queue=False)
+        worker.cleanup_execution(ref, pipeline=pipe, execution=executions[0])
+        pipe.execute()
+    held = InFlight(ours, queue, executions[1], JobRequest.model_validate(payload), JobStream(ours.id), 0.0)
+    batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn))
+    pipe = batch.job(ours.key, executions[1].id)
+    worker._write_success(pipe, held, result, ended)
+    worker._count_success(pipe, held, ended)
+    assert batch.run() == []
+
+    def hash_of(job: Job) -> dict:
+        fields = {k.decode(): v for k, v in conn.hgetall(job.key).items()}
+        assert fields.pop(OWNER_FIELD).decode() in {e.id for e in executions}
+        for field in ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat"):
+            fields[field] = datetime.fromisoformat(fields[field].decode().rstrip("Z")).replace(microsecond=0)
+        return fields
+
+    a, b = hash_of(ref), hash_of(ours)
+    for field in ("created_at", "enqueued_at", "started_at"):  # the two jobs were made a moment apart
+        assert abs((a.pop(field) - b.pop(field)).total_seconds()) <= 1
+    assert a == b and a["status"] == b"finished"
+    for job in (ref, ours):
+        again = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+        assert again.get_status() == "finished" and again.return_value() == result
+        latest = Result.fetch_latest(again, serializer=JSONSerializer)
+        assert latest.type == Result.Type.SUCCESSFUL and latest.worker_name == worker.name
+        assert abs(latest.execution_ended_at.timestamp() - ended.timestamp()) < 1e-3
+        assert 890 <= conn.ttl(job.key) <= 900 and 890 <= conn.ttl(Result.get_key(job.id)) <= 900
+        assert 890 <= conn.ttl(job.dependents_key) <= 900 or not conn.exists(job.dependents_key)
+    fields = [conn.xrange(Result.get_key(job.id))[0][1] for job in (ref, ours)]
+    assert sorted(fields[0]) == sorted(fields[1])
+    assert fields[0][b"return_value"] == fields[1][b"return_value"]
+    assert conn.get(f"roseinfer:result:{ref.id}") == conn.get(f"roseinfer:result:{ours.id}")
+    finished = FinishedJobRegistry(name, connection=conn)
+    assert sorted(finished.get_job_ids()) == sorted(j.id for j in jobs)
+    scores = [conn.zscore(finished.key, j.id) for j in (ref, ours)]
+    assert abs(scores[0] - scores[1]) <= 1
+    assert StartedJobRegistry(name, connection=conn).get_job_ids() == []
+    for execution in executions:
+        assert not conn.exists(execution.key)
+        assert not conn.zscore(f"rq:executions:{execution.job_id}", execution.id)
+    assert not conn.smembers(f"rq:worker:{worker.name}:executions")
+    assert int(conn.hget(worker.key, "successful_job_count")) == 2

@@ -202,10 +202,11 @@ class Publisher:
         self.queue_writes(pipe, events + finals)
 
     def write_result(
-        self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any], notify: str | None = None
+        self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any] | str, notify: str | None = None
     ) -> None:
-        """The job's result, and its id onto the completion list it named (``notify``), if any."""
-        pipe.set(result_key(job_id), json.dumps(result), ex=self.result_ttl)
+        """The job's result (a dict, or its JSON already made), and its id onto the completion list it named
+        (``notify``), if any."""
+        pipe.set(result_key(job_id), result if isinstance(result, str) else json.dumps(result), ex=self.result_ttl)
         if notify:
             pipe.rpush(done_key(notify), job_id)
             pipe.expire(done_key(notify), self.result_ttl)

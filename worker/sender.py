@@ -22,6 +22,7 @@ from redis import Redis
 from redis.exceptions import NoScriptError
 from rq.job import Job
 
+from worker.command_batch import CommandBatch
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
 
@@ -120,6 +121,7 @@ class Sender:
         self._next_status_read = 0.0
         self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
         self.renew_script = None
+        self.batch_script = None  # runs many jobs' RQ bookkeeping in one call (``CommandBatch``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
 
     def _probe_sort(self) -> None:
@@ -146,6 +148,7 @@ class Sender:
         self._emit = self.connection.register_script(_EMIT)
         self.renew_script = self.connection.register_script(_RENEW)
         self.connection.script_load(_EMIT)
+        self.batch_script = CommandBatch.register(self.connection)
 
     @property
     def runs_scripts(self) -> bool:
