@@ -403,8 +403,8 @@ class BatchWorker(BaseWorker):
             self.tokens += len(event.token_ids)
             if event.restarted:
                 job.stream.restart()
-            if not event.finished:
-                self.publisher.add(job.stream, event.text, event.token_ids, index=event.index)
+            if event.finish_reason is None:
+                self.publisher.add(job.stream, event.text, event.token_ids, None, None, None, event.index)
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output

@@ -125,7 +125,10 @@ class Publisher:
         """``text`` and ``token_ids`` of sample ``index`` to stream; ``finish_reason`` ends the job."""
         if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
             return
-        texts, ids = s.pending.setdefault(index, ([], []))
+        pending = s.pending.get(index)
+        if pending is None:  # (setdefault would build the empty pair at every token)
+            pending = s.pending[index] = ([], [])
+        texts, ids = pending
         if text:
             texts.append(text)
         ids += token_ids

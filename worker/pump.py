@@ -20,7 +20,7 @@ from typing import Any
 log = logging.getLogger("roseinfer.worker")
 
 
-@dataclass
+@dataclass(slots=True)
 class JobEvent:
     """What one step (or a cancel, a failure) produced for one job."""
 
