@@ -115,7 +115,7 @@ def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
     from roseinfer import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="final_only")
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", ids, params)

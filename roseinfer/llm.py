@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -57,6 +58,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Only the finished outputs are returned: the engine need not build one for every request at every step.
+        final: dict[int, SamplingParams] = {}
+        params = [final.setdefault(id(p), dataclasses.replace(p, output_kind="final_only")) for p in params]
         order: dict[str, int] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):

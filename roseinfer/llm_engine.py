@@ -393,7 +393,12 @@ class LLMEngine:
                     seq.finish_reason, seq.stop_reason = "stop", hit
                 if seq.is_finished:
                     delta += seq.detokenizer.finish()
-            outputs.append(self._output(seq, delta, [token], group_may_end=last is None or last[seq.parent_id] == i))
+            final_only = seq.params.output_kind == "final_only"
+            if final_only and not seq.is_finished:
+                continue
+            out = self._output(seq, delta, [token], group_may_end=last is None or last[seq.parent_id] == i)
+            if out.finished or not final_only:
+                outputs.append(out)
         return outputs
 
     def _output(

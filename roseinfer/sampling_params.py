@@ -11,6 +11,7 @@ MAX_TEMPERATURE = 2.0  # as the OpenAI API
 MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass
@@ -76,6 +77,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # What ``LLMEngine.step`` returns for the request, as vLLM's RequestOutputKind: an output at every step with
+    # everything so far ("cumulative"), or only its final one ("final_only": no per-step output objects to build).
+    output_kind: str = "cumulative"
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +140,8 @@ class SamplingParams:
                 fail(f"{name} must be true or false, got {getattr(self, name)!r}")
         if any(s == "" for s in self.stop_strings):
             fail("stop strings must not be empty")
+        if self.output_kind not in OUTPUT_KINDS:
+            fail(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample ``index`` of ``n``: sample 0 uses ``seed`` itself, the others seeds derived from it, so a

@@ -44,6 +44,7 @@ class Sequence:
         # the prompt in its prefill and count as output (max_tokens, min_tokens, penalties); only the rest is sampled.
         self.token_ids: list[int] = list(prompt_token_ids) + list(output_prefix or ())
         self.num_prompt_tokens = len(prompt_token_ids)
+        self._prompt_token_ids: list[int] | None = None  # the prompt as a list of its own, made once
         self.num_resumed_tokens = len(output_prefix or ())
         self.priority = priority  # lower runs first (as in vLLM)
         # Sample ``index`` of a request with n > 1 (request_id is then the request's id with "[index]"): the others
@@ -87,7 +88,10 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt (one list for the request's life: every output shares it, as vLLM's do)."""
+        if self._prompt_token_ids is None:
+            self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_token_ids
 
     @property
     def num_uncomputed_tokens(self) -> int:

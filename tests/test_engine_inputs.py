@@ -90,3 +90,39 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
             assert isinstance(found, ValueError) and str(found) == str(exc)
         else:
             assert found == expected
+
+
+def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_before(tiny_chat_model):
+    """output_kind="final_only" (vLLM's FINAL_ONLY): a step returns nothing for the request until it ends, then
+    the same output a cumulative request ends with, for n samples, a stop string and an abort alike."""
+    import dataclasses
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    cases = {
+        "plain": ("Tell me a story", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+        "n3": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=3)),
+        "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
+        "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+    }
+    ended = {}
+    for kind in ("cumulative", "final_only"):
+        for name, (prompt, params) in cases.items():
+            engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            for out in engine.step():
+                assert kind == "cumulative" or out.finished, out.request_id
+                if out.finished:
+                    ended[out.request_id] = out
+            if steps == 3:
+                ended[f"{kind}-aborted"] = engine.abort_request(f"{kind}-aborted")
+    for name in cases:
+        a, b = ended[f"cumulative-{name}"], ended[f"final_only-{name}"]
+        assert a.finished and b.finished and a.prompt_token_ids == b.prompt_token_ids
+        assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in a.outputs] == [
+            (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in b.outputs
+        ], name
+    assert len(ended["final_only-n3"].outputs) == 3 and ended["final_only-stop"].outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")

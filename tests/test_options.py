@@ -20,7 +20,10 @@ from worker.cli import build_parser, engine_flags, load_settings
 from worker.settings import WorkerSettings, unknown_env_vars
 
 # Engine-only sampling fields (not in the payload) and why.
-ENGINE_ONLY = {"stop_strings": "derived from stop"}
+ENGINE_ONLY = {
+    "stop_strings": "derived from stop",
+    "output_kind": "how the engine hands outputs back: the worker streams every step",
+}
 # Payload fields that are not sampling fields.
 PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs", "priority", "notify", "response_format"}
 
