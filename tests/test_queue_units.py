@@ -517,3 +517,29 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
         assert not conn.zscore(f"rq:executions:{execution.job_id}", execution.id)
     assert not conn.smembers(f"rq:worker:{worker.name}:executions")
     assert int(conn.hget(worker.key, "successful_job_count")) == 2
+
+
+@pytest.mark.redis
+def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_url):
+    """Taking up to 200 jobs from a lane of 3 and an empty one: three jobs, in order, and about as many LMOVEs
+    (a pipeline of one per slot of room cost 400 commands a pull)."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.intake import MOVE_SCRIPT, pull
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    jobs = Client(redis_url, queue=name).submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(3)])
+    lanes = [Queue(name, connection=conn, serializer=JSONSerializer), Queue(f"{name}-empty", connection=conn)]
+    conn.config_resetstat()
+    pulled, bad = pull(lanes, 200, None, conn, Job, JSONSerializer, conn.register_script(MOVE_SCRIPT))
+    moves = conn.info("commandstats").get("cmdstat_lmove", {}).get("calls", 0)
+    assert not bad and [job.id for job, _ in pulled] == [job.id for job in jobs]
+    assert conn.lrange(lanes[0].intermediate_queue_key, 0, -1) == [job.id.encode() for job in jobs]
+    assert moves <= 5

@@ -51,11 +51,31 @@ class Unreadable:
     reason: str
 
 
+# KEYS: a queue, its intermediate list; ARGV[1]: how many at most. RQ's dequeue move, repeated until the queue is
+# empty: a pipeline of that many LMOVEs cost a command each whatever the queue held (hundreds a pull, for nothing).
+MOVE_SCRIPT = """
+local ids = {}
+for _ = 1, tonumber(ARGV[1]) do
+  local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then break end
+  ids[#ids + 1] = id
+end
+return ids
+"""
+
+
 def pull(
-    queues: list[Queue], limit: int, block: float | None, connection: redis.Redis, job_class: type[Job], serializer
+    queues: list[Queue],
+    limit: int,
+    block: float | None,
+    connection: redis.Redis,
+    job_class: type[Job],
+    serializer,
+    move_script=None,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
-    Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate."""
+    Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate. ``move_script``: the
+    registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs then)."""
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
     if block:  # RQ's blocking dequeue for the first job; the burst it woke for comes in batches below
@@ -66,7 +86,7 @@ def pull(
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
             break
-        got, bad = _pull_batch(queue, room, connection, job_class, serializer)
+        got, bad = _pull_batch(queue, room, connection, job_class, serializer, move_script)
         pulled += got
         unreadable += bad
     return pulled, unreadable
@@ -105,14 +125,18 @@ def _dequeue_one(
 
 
 def _pull_batch(
-    queue: Queue, limit: int, connection: redis.Redis, job_class: type[Job], serializer
+    queue: Queue, limit: int, connection: redis.Redis, job_class: type[Job], serializer, move_script=None
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """What RQ's dequeue does (LMOVE to the intermediate list, then the job's hash), for ``limit`` jobs in two
     round trips instead of two per job."""
-    with connection.pipeline(transaction=False) as pipe:
-        for _ in range(limit):
-            pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
-        ids = [i.decode() if isinstance(i, bytes) else i for i in pipe.execute() if i is not None]
+    if move_script is not None:
+        moved = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit])
+    else:
+        with connection.pipeline(transaction=False) as pipe:
+            for _ in range(limit):
+                pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+            moved = [i for i in pipe.execute() if i is not None]
+    ids = [i.decode() if isinstance(i, bytes) else i for i in moved]
     if not ids:
         return [], []
     with connection.pipeline(transaction=False) as pipe:

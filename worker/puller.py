@@ -170,7 +170,8 @@ class Puller:
         self._pulling = True
         self._next_pull = mono + 1.0
         block = w.idle_wait_arg() if idle and not self.burst else None
-        pulled, unreadable = pull([q for _, q in lanes], room, block, w.connection, w.job_class, w.serializer)
+        queues = [q for _, q in lanes]
+        pulled, unreadable = pull(queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script)
         self.dry = not pulled and not unreadable
         # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in.
         self._follow_up = block is not None and not self.dry

@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError
 from rq.job import Job
 
 from worker.command_batch import CommandBatch
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
+from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
@@ -122,6 +122,7 @@ class Sender:
         self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
         self.renew_script = None
         self.batch_script = None  # runs many jobs' RQ bookkeeping in one call (``CommandBatch``)
+        self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
 
     def _probe_sort(self) -> None:
@@ -149,6 +150,8 @@ class Sender:
         self.renew_script = self.connection.register_script(_RENEW)
         self.connection.script_load(_EMIT)
         self.batch_script = CommandBatch.register(self.connection)
+        self.move_script = self.connection.register_script(MOVE_SCRIPT)
+        self.connection.script_load(MOVE_SCRIPT)
 
     @property
     def runs_scripts(self) -> bool:
