@@ -543,3 +543,60 @@ def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_
     assert not bad and [job.id for job, _ in pulled] == [job.id for job in jobs]
     assert conn.lrange(lanes[0].intermediate_queue_key, 0, -1) == [job.id.encode() for job in jobs]
     assert moves <= 5
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("retries", [0, 2])
+def test_submit_many_writes_the_job_hashes_rqs_enqueue_many_writes(redis_url, retries):
+    """The producer writes each job's hash itself: field for field what RQ's ``enqueue_many`` writes for the same
+    job (times aside), RQ reads it back the same, and the queue lists and rq:queues are RQ's."""
+    import uuid
+    import zlib
+    from datetime import datetime, timezone
+
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.client import validate
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    client = Client(redis_url, queue=name, retries=retries, result_ttl=123, job_timeout=77)
+    requests = [
+        {"prompt": "hello", "max_tokens": 4, "custom_id": "row-1"},
+        {"messages": [{"role": "user", "content": "hi \u00e9"}], "temperature": 0.5, "priority": 10},
+    ]
+    ours = client.submit_many(requests)
+    with conn.pipeline() as pipe:  # the reference: RQ's own enqueue_many of the same jobs
+        theirs = []
+        for fields in requests:
+            req = validate(fields)
+            data = Queue.prepare_data(
+                "worker.jobs.generate", kwargs=client._payload(req), job_id=f"ref-{uuid.uuid4().hex}",
+                **client._job_options(req),
+            )  # fmt: skip
+            theirs += client.lane(req.priority).enqueue_many([data], pipeline=pipe)
+        pipe.execute()
+
+    def fields(job_id: str) -> dict:
+        raw = {k.decode(): v for k, v in conn.hgetall(Job.key_for(job_id)).items()}
+        raw["data"] = zlib.decompress(raw["data"])
+        for stamp in ("created_at", "enqueued_at"):
+            when = datetime.fromisoformat(raw.pop(stamp).decode().rstrip("Z")).replace(tzinfo=timezone.utc)
+            assert abs((when - datetime.now(timezone.utc)).total_seconds()) < 60
+        return raw
+
+    for mine, ref in zip(ours, theirs):
+        assert fields(mine.id) == fields(ref.id)
+        a, b = (Job.fetch(j, connection=conn, serializer=JSONSerializer) for j in (mine.id, ref.id))
+        assert (a.kwargs, a.origin, a.timeout, a.result_ttl, a.retries_left, a.description, a.get_status()) == (
+            b.kwargs, b.origin, b.timeout, b.result_ttl, b.retries_left, b.description, b.get_status()
+        )  # fmt: skip
+    assert conn.lrange(f"rq:queue:{name}", 0, -1) == [ours[0].id.encode(), theirs[0].id.encode()]
+    assert conn.lrange(f"rq:queue:{name}:p10", 0, -1) == [ours[1].id.encode(), theirs[1].id.encode()]
+    assert {f"rq:queue:{name}".encode(), f"rq:queue:{name}:p10".encode()} <= conn.smembers("rq:queues")
+    with pytest.raises(Exception, match="request 0"):
+        client.submit_many([{"prompt": "x", "job_id": "has spaces"}])
