@@ -226,3 +226,33 @@ def test_the_puller_takes_jobs_only_as_far_as_the_worker_has_room(fake_worker):
     assert [r["usage"]["completion_tokens"] for r in results] == [40] * 12
     assert max(held) <= 3
     assert max(waiting) >= 12 - 3  # not all taken at once
+
+
+@pytest.mark.worker_settings(max_in_flight=300, max_num_seqs=300)
+def test_a_burst_is_handed_to_the_engine_in_slices_in_the_order_it_was_queued(fake_worker):
+    """A pull of 150 jobs reaches the step loop a slice at a time (the engine starts on the first while the rest
+    are marked started), every job once and in queue order."""
+    from worker.puller import HAND_OVER
+
+    worker, engine, client = fake_worker
+    admitted: list[str] = []
+    real_add = engine.add_request
+
+    def add_request(request_id, prompt, params=None, priority=0):
+        admitted.append(request_id)
+        return real_add(request_id, prompt, params, priority)
+
+    engine.add_request = add_request
+    handed: list[int] = []
+    real_read = worker.puller.read
+
+    def read(pulled, unreadable=()):
+        arrivals = real_read(pulled, unreadable)
+        handed.append(len(arrivals))
+        return arrivals
+
+    worker.puller.read = read
+    jobs = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3} for i in range(150)])
+    assert [r["usage"]["completion_tokens"] for r in (job.result(timeout=30) for job in jobs)] == [3] * 150
+    assert admitted == [job.id for job in jobs]
+    assert max(handed) <= HAND_OVER < 150 and sum(handed) == 150

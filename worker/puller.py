@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("roseinfer.worker")
 
+HAND_OVER = 64  # jobs of a pull handed to the step loop at a time
+
 
 @dataclass
 class Arrival:
@@ -177,12 +179,16 @@ class Puller:
         self._follow_up = block is not None and not self.dry
         if len(pulled) + len(unreadable) < room:
             w.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
-        arrivals = self.read(pulled, unreadable)
-        if arrivals:
-            self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
-            self._arrivals.put(arrivals)
-            self._arrived.set()
-        return bool(arrivals)
+        handed = False
+        # Handed over a slice at a time: the engine starts on a burst's first jobs while the rest are marked started.
+        for start in range(0, max(len(pulled), 1), HAND_OVER):
+            arrivals = self.read(pulled[start : start + HAND_OVER], unreadable if start == 0 else [])
+            if arrivals:
+                self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
+                self._arrivals.put(arrivals)
+                self._arrived.set()
+                handed = True
+        return handed
 
     def read(self, pulled: list[tuple[Job, Queue]], unreadable: list[Unreadable] = ()) -> list:
         """The arrivals of jobs just taken off the queues: jobs to run marked started, their payloads checked."""
