@@ -1,10 +1,10 @@
 """Many jobs' RQ bookkeeping in one script call.
 
-RQ's own methods (``Execution.create``, ``Job._handle_success``, ...) write each job's commands onto a redis-py
-pipeline that is never executed; one EVALSHA then runs them all, in order, each job's only while the attempt that
-wrote them still owns the job. The writes stay exactly RQ's; what goes is redis-py's cost per queued command
-(packing each one, parsing each reply: ~9 us a command, 14 commands a finished job), and the WATCH/MULTI round
-trips of the fencing check.
+Each job's commands are written onto a redis-py pipeline that is never executed (by RQ's own methods, as
+``Execution.create`` for the jobs a pull starts, or by the worker's writes of what RQ's success path leaves); one
+EVALSHA then runs them all, in order, each job's only while the attempt that wrote them still owns the job. What
+goes is redis-py's cost per queued command (packing each one, parsing each reply: ~9 us a command, 14 commands a
+finished job), and the WATCH/MULTI round trips of the fencing check.
 """
 
 from __future__ import annotations
