@@ -661,9 +661,9 @@ class BatchWorker(BaseWorker):
             self._finalize_failure(job, queue, execution, sys.exc_info())
 
     # ----- what came back -----------------------------------------------------------------------------
-    def _on_statuses(self, statuses: list[tuple[str, bytes | None]], registered: bool) -> None:
-        """On the sender thread: statuses that end a job, and whether Redis still knows this worker."""
-        ended = [(job_id, status) for job_id, status in statuses if status in (b"canceled", b"stopped", None)]
+    def _on_statuses(self, ended: list[tuple[str, bytes | None]], registered: bool) -> None:
+        """On the sender thread: the statuses that end a job (the sender keeps only those), and whether Redis still
+        knows this worker."""
         if ended or not registered:
             self._reports.put((ended, registered))
 

@@ -92,7 +92,8 @@ class Sender:
     ) -> None:
         self.connection = connection
         self.publisher = publisher
-        # Called on the sender thread with (job id, status) pairs and whether the worker is still registered.
+        # Called on the sender thread with the (job id, status) pairs whose status ends the job (canceled, stopped,
+        # the hash gone) and whether the worker is still registered.
         self.on_statuses = on_statuses
         # Called on the sender thread with the jobs whose events were refused: another attempt owns them now.
         self.on_lost = on_lost
