@@ -372,7 +372,8 @@ def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next
 @pytest.mark.redis
 def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_jobs_owned_elsewhere(redis_url):
     """RQ's methods write onto the batch's pipeline; one script call runs them: the same state as executing that
-    pipeline, except for a job another attempt owns (or requeued), whose commands do not run."""
+    pipeline, except for a job another attempt owns (or requeued), or whose must-be-absent key exists, whose
+    commands do not run. Commands on shared keys become one per batch, with the same outcome."""
     import uuid
 
     from redis import Redis
@@ -393,6 +394,14 @@ def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_j
         pipe.expire(f"{key}:h", 200)
         pipe.sadd(f"{key}:set", "a", "b")
         pipe.srem(f"{key}:set", "a")
+        shared = f"{prefix}:shared"  # keys every job writes
+        pipe.zadd(f"{shared}:z", {name: len(name) + 0.5})
+        pipe.zadd(f"{shared}:z", {"x" + name: 1}, xx=True)  # with a flag: left as it is
+        pipe.sadd(f"{shared}:set", name, name + "2")
+        pipe.srem(f"{shared}:gone", name)
+        pipe.hincrby(f"{shared}:h", "jobs", 1)
+        pipe.hincrbyfloat(f"{shared}:h", "time", len(name) / 8)
+        pipe.expire(f"{shared}:set", 300)
 
     def state(prefix: str, name: str) -> list:
         key = f"{prefix}:{name}"
@@ -400,25 +409,41 @@ def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_j
         return [conn.hgetall(f"{key}:h"), conn.zrange(f"{key}:z", 0, -1, withscores=True), stream,
                 conn.get(f"{key}:r"), conn.ttl(f"{key}:h") > 100, conn.smembers(f"{key}:set")]  # fmt: skip
 
-    names = ["ours", "gone", "elsewhere", "requeued", "unchecked"]
+    def shared_state(prefix: str) -> list:
+        shared = f"{prefix}:shared"
+        return [conn.zrange(f"{shared}:z", 0, -1, withscores=True), conn.smembers(f"{shared}:set"),
+                conn.smembers(f"{shared}:gone"), conn.hgetall(f"{shared}:h"), 290 < conn.ttl(f"{shared}:set") <= 300]  # fmt: skip
+
+    names = ["ours", "gone", "elsewhere", "requeued", "unchecked", "blocked"]
+    runs = ["ours", "gone", "unchecked"]
     conn.hset(f"rq:job:{tag}-ours", mapping={OWNER_FIELD: "me", "status": "started"})
     conn.hset(f"rq:job:{tag}-elsewhere", mapping={OWNER_FIELD: "another", "status": "started"})
     conn.hset(f"rq:job:{tag}-requeued", mapping={OWNER_FIELD: "me", "status": "queued"})
+    conn.hset(f"rq:job:{tag}-blocked", mapping={OWNER_FIELD: "me", "status": "started"})
+    conn.set(f"{tag}:present", 1)
+    for prefix in (f"{tag}:ref", f"{tag}:run"):
+        conn.sadd(f"{prefix}:shared:gone", *names, "other")
     try:
         with conn.pipeline() as pipe:  # the reference: the same commands as one transaction
-            for name in names:
+            for name in runs:
                 write(pipe, name, f"{tag}:ref")
             pipe.execute()
-        batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn))
+        merge = tuple(f"{tag}:run:shared:{k}" for k in ("z", "set", "gone", "h"))
+        batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn), merge=merge)
         for name in names:
             owner = "" if name == "unchecked" else "me"
-            write(batch.job(f"rq:job:{tag}-{name}", owner), name, f"{tag}:run")
-        assert batch.run() == [2, 3]
+            absent = f"{tag}:present" if name == "blocked" else f"{tag}:absent"
+            write(batch.job(f"rq:job:{tag}-{name}", owner, absent), name, f"{tag}:run")
+        conn.config_resetstat()
+        assert batch.run() == ([2, 3], [5])
+        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
         for name in names:
-            expected = (
-                state(f"{tag}:ref", name) if name not in ("elsewhere", "requeued") else state(f"{tag}:none", name)
-            )
+            expected = state(f"{tag}:ref", name) if name in runs else state(f"{tag}:none", name)
             assert state(f"{tag}:run", name) == expected, name
+        assert shared_state(f"{tag}:run") == shared_state(f"{tag}:ref")
+        # Each job's own 9 (3 run), the checks (5 owners, 4 absent keys); the shared 6 once (the flagged ZADD: 3).
+        assert calls["zadd"] == 3 + 1 + 3 and calls["sadd"] == 3 + 1 and calls["hincrby"] == 1, calls
+        assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 9 * 3 + 5 + 4 + 6, calls
     finally:
         conn.delete(*conn.keys(f"{tag}*"), *conn.keys(f"rq:job:{tag}-*"))
 
@@ -454,12 +479,12 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     name = f"q-{uuid.uuid4().hex[:8]}"
     client = Client(redis_url, queue=name, result_ttl=900)
     payload = {"prompt": "hello", "max_tokens": 4}
-    jobs = client.submit_many([payload, payload])
+    jobs = client.submit_many([payload, payload, payload])
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    pulled, bad = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    pulled, bad = pull([worker.queues[0]], 3, None, conn, Job, JSONSerializer)
     assert not bad and [j.id for j, _ in pulled] == [job.id for job in jobs]
-    (ref, queue), (ours, _) = pulled
+    (ref, queue), (ours, _), (ours2, _) = pulled
     executions = worker.mark_started(pulled)
     result = {"status": "finished", "text": "ok \u00e9", "token_ids": [1, 2]}
     ended = now()
@@ -477,12 +502,15 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
         ref.cleanup(900, pipeline=pipe, remove_from_queue=False)
         worker.cleanup_execution(ref, pipeline=pipe, execution=executions[0])
         pipe.execute()
-    held = InFlight(ours, queue, executions[1], JobRequest.model_validate(payload), JobStream(ours.id), 0.0)
-    batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn))
-    pipe = batch.job(ours.key, executions[1].id)
-    worker._write_success(pipe, held, result, ended)
-    worker._count_success(pipe, held, ended)
-    assert batch.run() == []
+    held = [
+        InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
+        for job, execution in zip((ours, ours2), executions[1:])
+    ]
+    worker.sender.batch_script = CommandBatch.register(conn)
+    conn.config_resetstat()
+    plain = [(h, result) for h in held]
+    assert worker._succeed_plain(plain, ended) == (plain, [])
+    calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
 
     def hash_of(job: Job) -> dict:
         fields = {k.decode(): v for k, v in conn.hgetall(job.key).items()}
@@ -491,11 +519,13 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
             fields[field] = datetime.fromisoformat(fields[field].decode().rstrip("Z")).replace(microsecond=0)
         return fields
 
-    a, b = hash_of(ref), hash_of(ours)
-    for field in ("created_at", "enqueued_at", "started_at"):  # the two jobs were made a moment apart
-        assert abs((a.pop(field) - b.pop(field)).total_seconds()) <= 1
-    assert a == b and a["status"] == b"finished"
-    for job in (ref, ours):
+    a = hash_of(ref)
+    for b in (hash_of(ours), hash_of(ours2)):
+        for field in ("created_at", "enqueued_at", "started_at"):  # the jobs were made a moment apart
+            assert abs((a[field] - b.pop(field)).total_seconds()) <= 1
+        assert {k: v for k, v in a.items() if k not in ("created_at", "enqueued_at", "started_at")} == b
+    assert a["status"] == b"finished"
+    for job in (ref, ours, ours2):
         again = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
         assert again.get_status() == "finished" and again.return_value() == result
         latest = Result.fetch_latest(again, serializer=JSONSerializer)
@@ -503,20 +533,25 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
         assert abs(latest.execution_ended_at.timestamp() - ended.timestamp()) < 1e-3
         assert 890 <= conn.ttl(job.key) <= 900 and 890 <= conn.ttl(Result.get_key(job.id)) <= 900
         assert 890 <= conn.ttl(job.dependents_key) <= 900 or not conn.exists(job.dependents_key)
-    fields = [conn.xrange(Result.get_key(job.id))[0][1] for job in (ref, ours)]
-    assert sorted(fields[0]) == sorted(fields[1])
-    assert fields[0][b"return_value"] == fields[1][b"return_value"]
+    fields = [conn.xrange(Result.get_key(job.id))[0][1] for job in (ref, ours, ours2)]
+    assert sorted(fields[0]) == sorted(fields[1]) == sorted(fields[2])
+    assert fields[0][b"return_value"] == fields[1][b"return_value"] == fields[2][b"return_value"]
     assert conn.get(f"roseinfer:result:{ref.id}") == conn.get(f"roseinfer:result:{ours.id}")
     finished = FinishedJobRegistry(name, connection=conn)
     assert sorted(finished.get_job_ids()) == sorted(j.id for j in jobs)
-    scores = [conn.zscore(finished.key, j.id) for j in (ref, ours)]
-    assert abs(scores[0] - scores[1]) <= 1
+    # Per job: the owner and dependents checks, result key, hash, RQ's result and its TTL, job TTL, execution gone
+    # (2); the finished and started registries, the worker's executions and two counters: one each for the batch.
+    assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 9 * 2 + 5, calls
+    scores = [conn.zscore(finished.key, j.id) for j in (ref, ours, ours2)]
+    assert max(scores) - min(scores) <= 1
     assert StartedJobRegistry(name, connection=conn).get_job_ids() == []
     for execution in executions:
         assert not conn.exists(execution.key)
         assert not conn.zscore(f"rq:executions:{execution.job_id}", execution.id)
     assert not conn.smembers(f"rq:worker:{worker.name}:executions")
-    assert int(conn.hget(worker.key, "successful_job_count")) == 2
+    assert int(conn.hget(worker.key, "successful_job_count")) == 3
+    working = float(conn.hget(worker.key, "total_working_time"))
+    assert abs(working - sum((ended - j.started_at).total_seconds() for j in (ref, ours, ours2))) < 1e-6
 
 
 @pytest.mark.redis

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from rq import worker_registration
 from rq.command import parse_payload
-from rq.executions import Execution, ExecutionRegistry
+from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import FinishedJobRegistry, StartedJobRegistry, clean_registries
@@ -373,15 +373,17 @@ class BatchWorker(BaseWorker):
         touching the job's data, which may be unreadable: that job then fails properly)."""
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
         executions = []
-        batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script)
+        # The queues' started registries and this worker's executions set: one ZADD, SADD, EXPIRE for the batch.
+        shared = {q.started_job_registry.key for _, q in pulled} | {WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}
+        batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script, merge=tuple(shared))
         for job, queue in pulled:
             pipe = batch.job(job.key)
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             self.executions[execution.id] = execution
             executions.append(execution)
-            job.heartbeat(now(), ttl, pipeline=pipe)
-            job.prepare_for_execution(self.name, pipeline=pipe)
-            pipe.hset(job.key, OWNER_FIELD, execution.id)  # this attempt owns the job from now on
+            job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
+            args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
+            pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
             pipe.persist(job.key)
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=batch.job(self.key))
@@ -425,69 +427,83 @@ class BatchWorker(BaseWorker):
         callback, webhook, rate limit or result_ttl 0) the same writes as RQ's ``handle_job_success``, for all of
         them in one script call, each taking effect only while this attempt still owns the job; the others one by
         one through RQ's own code. A job another attempt owns now is dropped without a write."""
-        with self.connection.pipeline(transaction=False) as pipe:  # owners and dependents in one round trip
-            for job, _ in done:
-                pipe.hmget(job.job.key, OWNER_FIELD, "status")
-                pipe.exists(job.job.dependents_key)
-            replies = pipe.execute()
-        mine, with_dependents = [], []
-        for (job, out), (owner, status), has_dependents in zip(done, replies[::2], replies[1::2]):
-            if self._is_ours(job, owner, status):
-                mine.append((job, out))
-                with_dependents.append(has_dependents)
-            else:
-                self._lost_at_end(job)
-        done = mine
-        plain = []
-        for (job, out), dependents in zip(done, with_dependents):
+        plain, through_rq = [], []
+        for job, out in done:
             result = self._result(job, out)
-            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
             j = job.job
             special = j._success_callback_name or j.webhooks or j.repeats_left or getattr(j, "rate_limit", None)
-            if dependents or special or j.get_result_ttl(self.default_result_ttl) == 0:
-                self.publisher.write_result(self.connection, j.id, result, job.request.notify)
-                self._finalize_success(j, job.queue, job.execution, result)
-            else:
-                plain.append((job, result))
+            (through_rq if special or j.get_result_ttl(self.default_result_ttl) == 0 else plain).append((job, result))
+        finished: list[tuple[InFlight, dict[str, Any]]] = []
         while plain:
             try:
-                plain = self._succeed_plain(plain)
+                written, with_dependents = self._succeed_plain(plain)
             except redis.WatchError:
                 continue  # a job hash changed meanwhile (a heartbeat, a cancel): check ownership again
-        for job, _ in done:
-            log.info("job %s finished", job.job.id)
-
-    def _succeed_plain(self, plain: list[tuple[InFlight, dict[str, Any]]]) -> list:
-        """RQ's success writes for every job, in one script call that skips the jobs another attempt owns now.
-        Without Lua (the embedded fakeredis): in one transaction under WATCH of their hashes (a hash that changed
-        meanwhile, a heartbeat or a cancel, makes the caller try again)."""
-        ended = now()
-        if self.sender.batch_script is not None:
-            batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script)
-            for job, result in plain:
-                pipe = batch.job(job.job.key, job.execution.id)
-                self._write_success(pipe, job, result, ended)
-                self._count_success(pipe, job, ended)
-            lost = set(batch.run())
-            for i, (job, _) in enumerate(plain):
-                if i in lost:
-                    self._lost_at_end(job)
-                else:
-                    job.job._status = JobStatus.FINISHED
-            return []
-        with self.connection.pipeline() as pipe:
-            pipe.watch(*[job.job.key for job, _ in plain])
-            owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
-            pipe.multi()
-            for (job, result), (owner, status) in zip(plain, owners):
-                if not self._is_ours(job, owner, status):
+            finished += written
+            through_rq += with_dependents
+            break
+        if through_rq:
+            for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq])):
+                if not mine:
                     self._lost_at_end(job)
                     continue
+                self.publisher.write_result(self.connection, job.job.id, result, job.request.notify)
+                self._finalize_success(job.job, job.queue, job.execution, result)
+                finished.append((job, result))
+        for job, result in finished:
+            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
+            log.info("job %s finished", job.job.id)
+
+    def _succeed_plain(
+        self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime | None = None
+    ) -> tuple[list, list]:
+        """RQ's success writes for every job, in one script call that skips the jobs another attempt owns now
+        (dropped) and those that got dependents (returned second, for RQ's path, which enqueues them); the jobs
+        written come first. The writes to registries and to this worker's counters are one command for the batch.
+        Without Lua (the embedded fakeredis): in one transaction under WATCH of their hashes (a hash that changed
+        meanwhile, a heartbeat or a cancel, makes the caller try again)."""
+        ended = ended or now()
+        if self.sender.batch_script is not None:
+            shared = {StartedJobRegistry.key_template.format(job.job.origin) for job, _ in plain}
+            shared |= {FinishedJobRegistry.key_template.format(job.job.origin) for job, _ in plain}
+            shared |= {self.key, WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}
+            batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script, merge=tuple(shared))
+            for job, result in plain:
+                pipe = batch.job(job.job.key, job.execution.id, absent=job.job.dependents_key)
                 self._write_success(pipe, job, result, ended)
                 self._count_success(pipe, job, ended)
-                job.job._status = JobStatus.FINISHED
+            lost, held = batch.run()
+            written, with_dependents = [], []
+            for i, (job, result) in enumerate(plain):
+                if i in lost:
+                    self._lost_at_end(job)
+                elif i in held:
+                    with_dependents.append((job, result))
+                else:
+                    job.job._status = JobStatus.FINISHED
+                    self.executions.pop(job.execution.id, None)
+                    written.append((job, result))
+            return written, with_dependents
+        written, with_dependents = [], []
+        with self.connection.pipeline() as pipe:
+            pipe.watch(*[job.job.key for job, _ in plain], *[job.job.dependents_key for job, _ in plain])
+            owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
+            dependents = [pipe.exists(job.job.dependents_key) for job, _ in plain]
+            pipe.multi()
+            for (job, result), (owner, status), has_dependents in zip(plain, owners, dependents):
+                if not self._is_ours(job, owner, status):
+                    self._lost_at_end(job)
+                elif has_dependents:
+                    with_dependents.append((job, result))
+                else:
+                    self._write_success(pipe, job, result, ended)
+                    self._count_success(pipe, job, ended)
+                    written.append((job, result))
             pipe.execute()
-        return []
+        for job, _ in written:
+            job.job._status = JobStatus.FINISHED
+            self.executions.pop(job.execution.id, None)
+        return written, with_dependents
 
     def _count_success(self, pipe, job: InFlight, ended: datetime) -> None:
         """This worker's counters in RQ (``rq info``): a job done, its working time."""
@@ -521,15 +537,14 @@ class BatchWorker(BaseWorker):
             pipe.expire(Result.get_key(j.id), result_ttl)
         expires = "+inf" if result_ttl == -1 else current_timestamp() + result_ttl
         pipe.zadd(FinishedJobRegistry.key_template.format(j.origin), {j.id: expires})
-        if result_ttl > 0:
-            for key in (j.key, j.dependents_key, j.dependencies_key):
+        if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
+            for key in (j.key, j.dependencies_key) if j._dependency_ids else (j.key,):
                 pipe.expire(key, result_ttl)
         pipe.delete(execution.key)  # RQ's cleanup_execution
         pipe.zrem(StartedJobRegistry.key_template.format(j.origin), execution.composite_key)
         pipe.zrem(ExecutionRegistry.key_template.format(j.id), execution.id)
         if execution.worker_name:
             pipe.srem(execution.worker_executions_key, execution.composite_key)
-        self.executions.pop(execution.id, None)
 
     def _lost_at_end(self, job: InFlight) -> None:
         """A job that ended here but belongs to another attempt now: only our execution's record goes."""
