@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "redis_cpu_us_per_token": round(us_per_token, 2),
         # Inside a script a command counts both on its own and in the script's time (evalsha).
         "command_us_per_token_by_command": {k: round(v / tokens, 3) for k, v in sorted(usec.items()) if v},
-        # Each read event is a client's round trip (a pipeline or a script call); each write, a reply or pushed messages.
+        # A read event is a client's round trip (a pipeline or a script call); a write, replies or pushed messages.
         "round_trips_per_s": round(stats["total_reads_processed"] / seconds, 1),
         "writes_per_s": round(stats["total_writes_processed"] / seconds, 1),
         "bytes_in_per_token": round(stats["total_net_input_bytes"] / tokens, 1),
