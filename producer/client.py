@@ -24,6 +24,7 @@ from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
     STATS_KEY,
+    channel_key,
     event_from_stream,
     lane_name,
     lanes,
@@ -295,6 +296,21 @@ class Client:
         }
 
 
+def _wait_for_final_event(pubsub: Any, seconds: float) -> None:
+    """Read a job's channel until its final event (the one with a finish reason) or for ``seconds``."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        message = pubsub.get_message(timeout=left)
+        if not message or message["type"] != "message":
+            continue
+        try:
+            event = json.loads(message["data"])
+        except ValueError:  # not ours to read: the next look at the result decides
+            return
+        if isinstance(event, dict) and "finish_reason" in event:
+            return
+
+
 class GenerationJob:
     """A handle on one submitted job, by id: stream its text, wait for its result, cancel it."""
 
@@ -369,35 +385,43 @@ class GenerationJob:
                 raise JobFailed(self.id, event.get("error", "failed"))
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled."""
+        """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.
+        Waits on the job's channel (its final event goes out once the result is written), not by polling; it looks
+        again at least once a second, since a job can end without a final event (RQ failed it, it was deleted)."""
         conn = self.client.connection
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.01
         grace: float | None = None
-        while True:
-            with conn.pipeline(transaction=False) as pipe:
-                pipe.get(result_key(self.id))
-                pipe.hget(Job.key_for(self.id), "status")
-                raw, status = pipe.execute()
-            status = status.decode() if status else "missing"
-            result = json.loads(raw) if raw else None
-            if result is not None and result.get("status") == "finished":
-                return checked(JobResult, result, self.id)
-            if status == "finished":
-                value = self.rq_job.return_value()
-                if value is not None:
-                    return value
-            if status in _ENDED or (status == "missing" and result is None):
-                if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
-                    grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
-                    if time.monotonic() < grace:
-                        time.sleep(0.02)
-                        continue
-                self._raise_ended(status, result)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.25)
+        pubsub = None
+        try:
+            while True:
+                raw = conn.get(result_key(self.id))
+                result = json.loads(raw) if raw else None
+                if result is not None and result.get("status") == "finished":
+                    return checked(JobResult, result, self.id)
+                status = conn.hget(Job.key_for(self.id), "status")
+                status = status.decode() if status else "missing"
+                if status == "finished":
+                    value = self.rq_job.return_value()
+                    if value is not None:
+                        return value
+                if status in _ENDED or (status == "missing" and result is None):
+                    if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
+                        grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
+                        if time.monotonic() < grace:
+                            time.sleep(0.02)
+                            continue
+                    self._raise_ended(status, result)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+                if pubsub is None:  # subscribed, then a look again: an end in between is not missed
+                    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(channel_key(self.id))
+                    continue
+                _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
+        finally:
+            if pubsub is not None:
+                pubsub.close()
 
     def _was_running(self) -> bool:
         return bool(self.client.connection.hget(Job.key_for(self.id), "started_at"))

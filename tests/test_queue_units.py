@@ -363,10 +363,20 @@ def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next
             (f"{tag}-deleted", None),
             (f"{tag}-via-registry", b"stopped"),
         ]
-        assert not conn.exists(sender.status_list) or not sorts  # the scratch list lives inside a round trip
+        if sorts:  # the scratch list holds the jobs watched (what a broken round trip left is gone) and stays
+            assert sorted(conn.lrange(sender.status_list, 0, -1)) == sorted(j.encode() for j, _ in watch)
+            rpushes = conn.info("commandstats").get("cmdstat_rpush", {}).get("calls", 0)
+            sender._next_status_read = 0.0
+            round_trip()
+            assert conn.info("commandstats").get("cmdstat_rpush", {}).get("calls", 0) == rpushes
+            watch.append((f"{tag}-new", f"rq:job:{tag}-new"))  # a job joins: the list is written again
+            sender._next_status_read = 0.0
+            round_trip()
+            assert len(conn.lrange(sender.status_list, 0, -1)) == 4
     finally:
         sender.stop()
-        conn.delete(*jobs.values(), f"rq:canceled:{tag}", sender.status_list)
+        conn.delete(*jobs.values(), f"rq:canceled:{tag}")
+    assert not conn.exists(sender.status_list) or not sorts  # a stopped sender's list is gone
 
 
 @pytest.mark.redis

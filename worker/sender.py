@@ -10,6 +10,7 @@ the step loop waits instead of dropping anything; unsent work is kept and retrie
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -125,6 +126,8 @@ class Sender:
         self.batch_script = None  # runs many jobs' RQ bookkeeping in one call (``CommandBatch``)
         self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
+        self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
+        self._next_birth_check = 0.0
 
     def _probe_sort(self) -> None:
         """Whether this Redis lets us read statuses with SORT's GET patterns (an ACL user limited to some keys
@@ -184,6 +187,8 @@ class Sender:
         self.drain(timeout)
         self._queue.put(None)
         self._thread.join(timeout)
+        with contextlib.suppress(*REDIS_DOWN):
+            self.connection.delete(self.status_list)
 
     # ----- the thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -271,35 +276,45 @@ class Sender:
             self._next_status_read = mono + self.status_interval
         started = time.perf_counter()
         queue_keys = list(self.queue_keys)  # the step loop may change the lanes meanwhile
-        canceled_keys = list(self.canceled_keys)
-        with self.connection.pipeline(transaction=False) as pipe:
-            self._queue_events(pipe, events)
-            read_statuses = self._queue_status_reads(pipe, watch)
-            for key in queue_keys:
-                pipe.llen(key)
-            for key in canceled_keys:
-                pipe.zcard(key)
-            if self.worker_key:
-                # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis
-                # lost its data.
-                pipe.hexists(self.worker_key, "birth")
-            replies = pipe.execute()
+        # Between two status reads only: a cancel then reads every status at once (a fast engine's round trips
+        # come every few ms); a round trip that reads them anyway needs no count.
+        canceled_keys = list(self.canceled_keys) if not watch else []
+        # `birth` is written only by registration (heartbeats recreate the key without it): gone, Redis lost its
+        # data. Looked at with every read of statuses (a hash gone is then no cancel), and at least once a second.
+        check_birth = bool(self.worker_key) and (bool(watch) or mono >= self._next_birth_check)
+        if check_birth:
+            self._next_birth_check = mono + 1.0
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                self._queue_events(pipe, events)
+                read_statuses = self._queue_status_reads(pipe, watch)
+                for key in queue_keys:
+                    pipe.llen(key)
+                for key in canceled_keys:
+                    pipe.zcard(key)
+                if check_birth:
+                    pipe.hexists(self.worker_key, "birth")
+                replies = pipe.execute()
+        except Exception:
+            self._listed = frozenset()  # what the scratch list holds is unknown now: written again next time
+            raise
         if self.on_round_trip is not None:
             self.on_round_trip(time.perf_counter() - started)
         self._report_lost(events, replies)
         self.round_trips += 1
-        registered = bool(replies[-1]) if self.worker_key else True
-        tail = len(queue_keys) + len(canceled_keys) + (1 if self.worker_key else 0)
-        depths = replies[len(replies) - tail : len(replies) - (1 if self.worker_key else 0)]
+        registered = bool(replies[-1]) if check_birth else True
+        tail = len(queue_keys) + len(canceled_keys) + check_birth
+        depths = replies[len(replies) - tail : len(replies) - check_birth]
         self.queued_by_key = dict(zip(queue_keys, depths))
         self.queued = sum(self.queued_by_key.values())
         if self.queued and self.on_jobs_waiting is not None:
             self.on_jobs_waiting()
-        canceled = dict(zip(canceled_keys, depths[len(queue_keys) :]))
-        if canceled != self._canceled_counts:  # a job was canceled (or the registry cleaned): read statuses next
-            if self._canceled_counts:  # (the first counts are where to start from)
-                self._next_status_read = 0.0
-            self._canceled_counts = canceled
+        if canceled_keys:
+            canceled = dict(zip(canceled_keys, depths[len(queue_keys) :]))
+            if canceled != self._canceled_counts:  # a job was canceled (or the registry cleaned): statuses next
+                if self._canceled_counts:  # (the first counts are where to start from)
+                    self._next_status_read = 0.0
+                self._canceled_counts = canceled
         statuses = read_statuses(replies[: len(replies) - tail])
         self.on_statuses([(job_id, s) for job_id, s in statuses if s in _ENDING], registered)
 
@@ -316,14 +331,22 @@ class Sender:
             for _job_id, key in watch:
                 pipe.hget(key, "status")
             return lambda replies: [(job_id, s) for (job_id, _), s in zip(watch, replies[-len(watch) :])]
-        pipe.rpush(self.status_list, *[job_id for job_id, _ in watch])
-        pipe.sort(self.status_list, by="nosort", get=["#", f"{Job.key_for('*')}->status"])
-        pipe.delete(self.status_list)
+        # The list is kept between reads and written again only when a job joined (or it holds many that left):
+        # a batch that runs for a while costs one SORT a read, not RPUSH + SORT + DEL.
         ids = {job_id.encode(): job_id for job_id, _ in watch}
+        if not self._listed.issuperset(ids) or len(self._listed) > 2 * len(ids) + 16:
+            pipe.delete(self.status_list)
+            pipe.rpush(self.status_list, *ids)
+            pipe.expire(self.status_list, 3600)  # what a worker that died leaves goes within the hour
+            self._listed = frozenset(ids)
+        pipe.sort(self.status_list, by="nosort", get=["#", f"{Job.key_for('*')}->status"])
 
         def read(replies: list) -> list[tuple[str, bytes | None]]:
-            pairs = replies[-2]  # (id, status) pairs; ids a broken round trip left in the list are not ours now
-            return [(ids[i], status) for i, status in zip(pairs[::2], pairs[1::2]) if i in ids]
+            pairs = replies[-1]  # (id, status) pairs; ids of jobs that left since are not ours now
+            found = [(ids[i], status) for i, status in zip(pairs[::2], pairs[1::2]) if i in ids]
+            if len(found) < len(ids):  # the list is gone (Redis lost its data): written again next time
+                self._listed = frozenset()
+            return found
 
         return read
 
