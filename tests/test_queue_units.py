@@ -550,9 +550,10 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     assert conn.get(f"roseinfer:result:{ref.id}") == conn.get(f"roseinfer:result:{ours.id}")
     finished = FinishedJobRegistry(name, connection=conn)
     assert sorted(finished.get_job_ids()) == sorted(j.id for j in jobs)
-    # Per job: the owner and dependents checks, result key, hash, RQ's result and its TTL, job TTL, execution gone
-    # (2); the finished and started registries, the worker's executions and two counters: one each for the batch.
-    assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 9 * 2 + 5, calls
+    # Per job: the owner and dependents checks, result key, hash, RQ's result and its TTL, job TTL, its execution
+    # in the job's registry; the finished and started registries, the worker's executions, the execution hashes
+    # and two counters: one command each for the batch.
+    assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 8 * 2 + 6, calls
     scores = [conn.zscore(finished.key, j.id) for j in (ref, ours, ours2)]
     assert max(scores) - min(scores) <= 1
     assert StartedJobRegistry(name, connection=conn).get_job_ids() == []

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from base64 import b64encode
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -76,6 +76,8 @@ class InFlight:
     stream: JobStream
     started_at: float
     first_token_at: float | None = None
+    # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
+    beat_at: float = field(default_factory=time.monotonic)
 
     @property
     def priority(self) -> int:
@@ -466,7 +468,7 @@ class BatchWorker(BaseWorker):
         if self.sender.batch_script is not None:
             shared = {StartedJobRegistry.key_template.format(job.job.origin) for job, _ in plain}
             shared |= {FinishedJobRegistry.key_template.format(job.job.origin) for job, _ in plain}
-            shared |= {self.key, WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}
+            shared |= {self.key, WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name), "DEL"}  # (DEL: the executions)
             batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script, merge=tuple(shared))
             for job, result in plain:
                 pipe = batch.job(job.job.key, job.execution.id, absent=job.job.dependents_key)

@@ -8,8 +8,8 @@ finished job), and the WATCH/MULTI round trips of the fencing check.
 
 Commands on keys the caller declares shared (``merge``: a registry, the worker's hash) become one command for the
 whole batch, run after every job's own: each job that runs adds its members (ZADD, SADD, ZREM, SREM) or its
-amount (HINCRBY, HINCRBYFLOAT), and an EXPIRE many jobs repeat runs once. Redis counts every command a script
-runs, so a batch of 64 jobs adding themselves to one registry costs one command, not 64.
+amount (HINCRBY, HINCRBYFLOAT), an EXPIRE many jobs repeat runs once, and their DELs of one key each can be one.
+Redis counts every command a script runs, so 64 jobs adding themselves to one registry cost one command, not 64.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class CommandBatch:
         self._pipe = connection.pipeline(transaction=True)
         self._owner_field = owner_field
         self._script = script  # the registered _RUN script; None where Redis runs no Lua (the embedded fakeredis)
-        self._merge = set(merge)  # the keys whose commands become one per batch
+        self._merge = set(merge)  # the keys whose commands become one per batch ("DEL": every one-key DEL)
         self._merged: dict[tuple, int] = {}  # (mode, fixed arguments) -> its number (from 1)
         self._keys: list[str] = []
         self._args: list[Any] = []
@@ -111,6 +111,8 @@ class CommandBatch:
     def _split(self, args: tuple) -> tuple[tuple, tuple[str, tuple]] | None:
         """(fixed arguments, (mode, this job's part)) of a command on a shared key; None for any other."""
         name = str(args[0]).upper()
+        if name == "DEL" and "DEL" in self._merge and len(args) == 2:  # keys the caller deletes, one DEL for all
+            return ("DEL",), ("", args[1:])
         tail = _TAIL.get(name)
         if tail is None or len(args) < 2 or args[1] not in self._merge:
             return None

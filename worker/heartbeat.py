@@ -58,9 +58,15 @@ class Heartbeat:
         rate = (w.tokens - tokens) / max(mono - when, 1e-6)
         self._rate = (mono, w.tokens)
         jobs = list(w.in_flight.values())  # a snapshot: the main thread adds and removes jobs meanwhile
+        # A job whose heartbeat is younger than grace - interval outlives its TTL (interval + grace) until the next
+        # beat without one: a job started a moment ago costs no writes (six a job a beat).
+        fresh = mono - (w.settings.heartbeat_grace - w.settings.heartbeat_interval)
         with w.connection.pipeline(transaction=False) as pipe:
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             for job in jobs:
+                if job.beat_at > fresh:
+                    continue
+                job.beat_at = mono
                 job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
                 job.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
             key = w.stats_key()
