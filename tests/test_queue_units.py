@@ -380,6 +380,60 @@ def test_a_cancel_through_rqs_registry_is_read_at_once_a_bare_status_at_the_next
 
 
 @pytest.mark.redis
+def test_events_are_published_only_where_someone_listens_and_always_streamed(redis_url):
+    """A channel with a subscriber gets every event, one without gets none (its stream has them all); while a
+    pattern subscriber exists every channel is published. A follower that subscribes, then replays the stream
+    (the protocol), misses nothing whenever it joins."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import channel_key, make_event, stream_key
+    from worker.sender import Batch, Sender
+
+    conn = Redis.from_url(redis_url)
+    tag = uuid.uuid4().hex[:8]
+    heard, quiet, late = (f"{tag}-{name}" for name in ("heard", "quiet", "late"))
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None)
+    sender.start()
+    listener, watcher = conn.pubsub(ignore_subscribe_messages=True), conn.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(channel_key(heard))
+
+    def send(n: int, job_ids: list[str]) -> None:
+        sender.put(Batch(events=[(j, make_event(n, f"t{n}", [n]), 0, "") for j in job_ids]))
+        sender.drain(10)
+
+    def messages(pubsub) -> list[tuple[bytes, int]]:
+        got, until = [], time.monotonic() + 0.5  # (a subscription's confirmation reads as None)
+        while time.monotonic() < until:
+            if (m := pubsub.get_message(timeout=0.1)) is not None:
+                got.append((m["channel"], json.loads(m["data"])["n"]))
+        return got
+
+    try:
+        conn.config_resetstat()
+        send(0, [heard, quiet, late])
+        assert conn.info("commandstats")["cmdstat_publish"]["calls"] == 1
+        watcher.subscribe(channel_key(late))  # a follower joins: it replays the stream, then listens
+        replayed = [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(late))]
+        send(1, [heard, quiet, late])
+        assert replayed + [n for _, n in messages(watcher)] == [0, 1]
+        watcher.psubscribe(f"roseinfer:tokens:{tag}-*")  # a dashboard following every job
+        send(2, [heard, quiet, late])
+        assert sorted(messages(watcher)) == sorted(
+            [(channel_key(j).encode(), 2) for j in (heard, quiet, late)] + [(channel_key(late).encode(), 2)]
+        )
+        assert [n for _, n in messages(listener)] == [0, 1, 2]
+        for job_id in (heard, quiet, late):
+            assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1, 2]
+    finally:
+        listener.close()
+        watcher.close()
+        sender.stop()
+        conn.delete(*[stream_key(j) for j in (heard, quiet, late)])
+
+
+@pytest.mark.redis
 def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_jobs_owned_elsewhere(redis_url):
     """RQ's methods write onto the batch's pipeline; one script call runs them: the same state as executing that
     pipeline, except for a job another attempt owns (or requeued), or whose must-be-absent key exists, whose

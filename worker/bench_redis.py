@@ -2,11 +2,12 @@
 ``redis-server``.
 
 Jobs are submitted while the queue is suspended (``rq suspend``), so submission and generation are counted apart;
-then the statistics are reset, the queue resumed, and every job run to its end with one pattern subscriber
-following all channels. Printed per generated token: commands by command (``INFO commandstats``; commands run
-inside Lua scripts count too), Redis CPU (``INFO cpu``), bytes in and out (``INFO stats``); and bytes a finished
-job keeps once its stream has expired (``MEMORY USAGE`` of its hash, its result key and RQ's result), and how
-many 30,000 tokens/s workers one Redis core would serve at that CPU cost.
+then the statistics are reset, the queue resumed, and every job run to its end with one subscriber following the
+first job's channel (``--follow all``: a pattern subscriber on every channel, so every event is published).
+Printed per generated token: commands by command (``INFO commandstats``; commands run inside Lua scripts count
+too), Redis CPU (``INFO cpu``), round trips, bytes in and out (``INFO stats``); and bytes a finished job keeps once
+its stream has expired (``MEMORY USAGE`` of its hash, its result key and RQ's result), and how many 30,000
+tokens/s workers one Redis core would serve at that CPU cost.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from redis import Redis
 
 from producer import Client
-from producer.protocol import result_key
+from producer.protocol import channel_key, result_key
 from roseinfer.bench import add_arguments as add_bench_arguments
 from roseinfer.bench import load_prompts, resolve_model_arg
 from roseinfer.config import engine_config_from_args
@@ -35,10 +36,13 @@ def _cpu_seconds(info: dict[str, Any]) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _follow_everything(url: str, stop: threading.Event, counter: list[int]) -> None:
-    """One subscriber on every job's channel, as a dashboard would have."""
-    pubsub = Redis.from_url(url).pubsub()
-    pubsub.psubscribe("roseinfer:tokens:*")
+def _follow(url: str, channel: str | None, stop: threading.Event, counter: list[int]) -> None:
+    """One subscriber: on one job's channel (a client streaming its job), or on every job's (a dashboard)."""
+    pubsub = Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+    if channel is None:
+        pubsub.psubscribe("roseinfer:tokens:*")
+    else:
+        pubsub.subscribe(channel)
     while not stop.is_set():
         if pubsub.get_message(timeout=0.2):
             counter[0] += 1
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         jobs = client.submit_many(
             [{"messages": c, "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
         )
-        follower = threading.Thread(target=_follow_everything, args=(url, stop, messages), daemon=True)
+        channel = None if args.follow == "all" else channel_key(jobs[0].id)
+        follower = threading.Thread(target=_follow, args=(url, channel, stop, messages), daemon=True)
         follower.start()
         time.sleep(0.5)
         conn.config_resetstat()
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         redis_proc.terminate()
     us_per_token = cpu / tokens * 1e6
     return {
+        "follower": "every channel (PSUBSCRIBE)" if args.follow == "all" else "one job's channel",
         "jobs": len(jobs),
         "tokens": tokens,
         "seconds": round(seconds, 2),
@@ -114,6 +120,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_arguments(p)
+    p.add_argument(
+        "--follow", choices=("one", "all"), default="one",
+        help="the one subscriber follows one job's channel (a client), or every job's with a pattern (a dashboard: "
+        "every event is then published)",
+    )  # fmt: skip
     p.set_defaults(model="tiny", num_prompts=128, max_tokens=512)
 
 

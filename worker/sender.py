@@ -37,16 +37,28 @@ log = logging.getLogger("roseinfer.worker")
 # worker stalled past its heartbeat); the reply lists those events. While the lease exists no job of this worker
 # can have gone elsewhere, so the per-event check is skipped (one EXISTS a round trip, not an HMGET an event). A
 # job hash that is gone does not fence: Redis may have lost its data (the worker writes the hashes back), and a
-# deleted job is a cancel.
+# deleted job is a cancel. A channel nobody listens to gets no PUBLISH (most jobs have no live follower): one
+# PUBSUB NUMSUB for all channels instead, and everything is published while any pattern subscriber exists. The
+# script runs at once, so a follower that subscribed before it gets the message, and one that subscribes after
+# reads the entry from the stream (the protocol: subscribe first, then replay the stream).
 _EMIT = """
 local maxlen, a, lost = ARGV[1], 3, {}
 local leased = ARGV[2] ~= '' and redis.call('EXISTS', ARGV[2]) == 1
+local everyone, heard = redis.call('PUBSUB', 'NUMPAT') > 0, {}
+if not everyone then
+  local channels = {}
+  for k = 4, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
+  for first = 1, #channels, 1000 do
+    local counts = redis.call('PUBSUB', 'NUMSUB', unpack(channels, first, math.min(first + 999, #channels)))
+    for k = 1, #counts, 2 do if counts[k + 1] > 0 then heard[counts[k]] = true end end
+  end
+end
 for i = 1, #KEYS, 2 do
   local owner = ARGV[a + 3]
   local job = (owner ~= '' and not leased) and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
   if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
     redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
-    redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2])
+    if everyone or heard[ARGV[a + 1]] then redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2]) end
     if ARGV[a] ~= '0' then redis.call('EXPIRE', KEYS[i], ARGV[a]) end
   else
     lost[#lost + 1] = (i - 1) / 2
