@@ -18,7 +18,7 @@ def bf16_gemm(request, monkeypatch):
         pack = linear._pack
         monkeypatch.setattr(linear, "_pack", lambda w: None if w.dtype == torch.bfloat16 else pack(w))
     else:
-        monkeypatch.setattr(linear.Linear, "_run_in_float32", lambda self: None)
+        monkeypatch.setattr(linear.Linear, "_run_in_float32", lambda self, why: None)
     return request.param
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,22 +33,50 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _warn_float32_fallback() -> None:
+def _warn_float32_fallback(why: str) -> None:
     global _warned_no_bf16
     if not _warned_no_bf16:
         _warned_no_bf16 = True
         log.warning(
-            "oneDNN cannot multiply bfloat16 matrices on this CPU: bfloat16 layers multiply in float32 "
-            "(the results of a bfloat16 GEMM with float32 sums, ~7x faster than PyTorch's fallback here; "
-            "the weights take float32 memory)"
+            "%s: bfloat16 layers multiply in float32 (the results of a bfloat16 GEMM with float32 sums; the "
+            "weights take float32 memory)",
+            why,
         )
+
+
+@functools.cache
+def bfloat16_gemm_is_slower() -> bool:
+    """Whether oneDNN's packed bfloat16 GEMM is slower than its float32 one on this CPU (timed once, on a layer of
+    a small model's size). So it is where AVX-512 BF16's dot products issue at half the rate of float32 FMAs and
+    no AMX tiles are exposed (an Intel Xeon in a VM, seen: 150 vs 198 GFLOP/s); where the CPU has AMX, or on AMD
+    Zen 4, bfloat16 is the faster. ``ROSEINFER_BF16_GEMM=bfloat16|float32`` decides instead of the timing."""
+    forced = os.environ.get("ROSEINFER_BF16_GEMM", "")
+    if forced in ("bfloat16", "float32"):
+        return forced == "float32"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    weight, x = torch.randn(1024, 1024), torch.randn(128, 1024)
+    try:
+        runs = [(_pack(weight), x), (_pack(weight.bfloat16()), x.bfloat16())]
+    except RuntimeError:
+        return False
+    if any(packed is None for packed, _ in runs):
+        return False
+    best = [float("inf"), float("inf")]
+    for _ in range(8):  # interleaved, the best of each: a busy machine slows both alike
+        for i, (packed, inp) in enumerate(runs):
+            start = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(inp, packed, None, "none", [], "")
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] < 0.85 * best[1]
 
 
 class Linear:
     """``y = x @ weight.T + bias`` for x of shape [T, in].
 
     A bfloat16 layer on a CPU whose oneDNN cannot pack bfloat16 (no AVX-512) would fall back to PyTorch's
-    scalar bfloat16 GEMM, ~8x slower than float32 there. It multiplies in float32 instead: products of
+    scalar bfloat16 GEMM, ~8x slower than float32 there; where it can, but slower than in float32
+    (``bfloat16_gemm_is_slower``), the same holds. It multiplies in float32 instead: products of
     bfloat16 values are exact in float32, so with the output rounded back to bfloat16 the result is that of
     a bfloat16 GEMM with float32 accumulation, as oneDNN computes it where it can.
     """
@@ -56,11 +87,14 @@ class Linear:
         self.out_features = weight.shape[0]
         self.out_dtype: torch.dtype | None = None  # set when the GEMM runs in float32 for a bfloat16 layer
         self._packed = _pack(self.weight)
-        if self._packed is None and _can_pack(self.weight) and self.weight.dtype == torch.bfloat16:
-            self._run_in_float32()
+        if _can_pack(self.weight) and self.weight.dtype == torch.bfloat16:
+            if self._packed is None:
+                self._run_in_float32("oneDNN cannot multiply bfloat16 matrices on this CPU")
+            elif bfloat16_gemm_is_slower():
+                self._run_in_float32("oneDNN's bfloat16 GEMM is slower than its float32 one on this CPU")
 
-    def _run_in_float32(self) -> None:
-        _warn_float32_fallback()
+    def _run_in_float32(self, why: str) -> None:
+        _warn_float32_fallback(why)
         self.out_dtype = self.weight.dtype
         self.weight = self.weight.float()
         self.bias = None if self.bias is None else self.bias.float()
