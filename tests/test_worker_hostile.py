@@ -272,6 +272,34 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
 
 
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
+def test_heartbeats_skip_a_job_until_its_start_is_grace_minus_interval_old(redis_url, tiny_chat_model, monkeypatch):
+    # Beats every second, 4 s of grace: the start's heartbeat (TTL 5 s) stands for the first 3 s of a job.
+    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1, heartbeat_grace=4)
+    try:
+        client, conn = Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
+        real_step = w.worker.engine.step
+
+        def slow_step():  # ~7 s for the job below
+            time.sleep(0.1)
+            return real_step()
+
+        monkeypatch.setattr(w.worker.engine, "step", slow_step)
+        job = client.submit("beat", max_tokens=70, temperature=0, ignore_eos=True)
+        next(iter(job.events(timeout=30)))
+        started = conn.hget(f"rq:job:{job.id}", "last_heartbeat")
+        time.sleep(1.5)  # a beat or two came meanwhile: none for this job yet
+        assert conn.hget(f"rq:job:{job.id}", "last_heartbeat") == started
+        deadline = time.time() + 6
+        while conn.hget(f"rq:job:{job.id}", "last_heartbeat") == started and time.time() < deadline:
+            time.sleep(0.1)
+        assert conn.hget(f"rq:job:{job.id}", "last_heartbeat") != started  # then it is beaten again
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 70
+        assert job.rq_job.get_status() == "finished"
+    finally:
+        w.stop()
+
+
+@pytest.mark.slow  # a worker of its own, or seconds of waiting
 def test_redis_losing_its_data_mid_run_does_not_cancel_running_jobs(redis_url, tiny_chat_model, monkeypatch):
     w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
     try:
