@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if redis_proc is None:
         raise SystemExit("no redis-server could be started")
     conn = Redis.from_url(url)
+    for setting in args.redis_config:  # a deployment's settings, as README recommends them
+        name, _, value = setting.partition("=")
+        conn.config_set(name, value)
     queue = "bench-redis"
     config = engine_config_from_args(args)
     cmd = worker_command(url, queue, config.model, *engine_flags(config))
@@ -124,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--follow", choices=("one", "all"), default="one",
         help="the one subscriber follows one job's channel (a client), or every job's with a pattern (a dashboard: "
         "every event is then published)",
+    )  # fmt: skip
+    p.add_argument(
+        "--redis-config", action="append", default=[], metavar="NAME=VALUE",
+        help="a setting of the private redis-server (CONFIG SET), e.g. stream-node-max-bytes=1024; repeatable",
     )  # fmt: skip
     p.set_defaults(model="tiny", num_prompts=128, max_tokens=512)
 
