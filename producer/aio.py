@@ -26,11 +26,12 @@ from producer.client import (
     JobFailed,
     StreamRestarted,
     checked,
+    ends_the_wait,
     stream_expired,
     validate,
 )
 from producer.connection import connect_async
-from producer.protocol import DEFAULT_QUEUE, result_key, stream_key
+from producer.protocol import DEFAULT_QUEUE, channel_key, result_key, stream_key
 from producer.wire import JobResult
 
 
@@ -229,26 +230,38 @@ class AsyncGenerationJob:
                 raise JobFailed(self.id, event.get("error", "failed"))
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
-        """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``."""
+        """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits
+        on the job's channel for its final event, looking again at least once a second."""
         conn = self.client.connection
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.01
-        while True:
-            async with conn.pipeline(transaction=False) as pipe:
-                pipe.get(result_key(self.id))
-                pipe.hget(Job.key_for(self.id), "status")
-                raw, status = await pipe.execute()
-            status = status.decode() if status else "missing"
-            result = json.loads(raw) if raw else None
-            if result is not None and result.get("status") == "finished":
-                return checked(JobResult, result, self.id)
-            if status in _ENDED or status == "finished" or (status == "missing" and result is None):
-                # The rarer endings (RQ's own result store, a partial result still being written) as the sync client.
-                return await asyncio.to_thread(self._sync.result, 5.0)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
+        pubsub = None
+        try:
+            while True:
+                async with conn.pipeline(transaction=False) as pipe:
+                    pipe.get(result_key(self.id))
+                    pipe.hget(Job.key_for(self.id), "status")
+                    raw, status = await pipe.execute()
+                status = status.decode() if status else "missing"
+                result = json.loads(raw) if raw else None
+                if result is not None and result.get("status") == "finished":
+                    return checked(JobResult, result, self.id)
+                if status in _ENDED or status == "finished" or (status == "missing" and result is None):
+                    # The rarer endings (RQ's own result store, a partial result being written) as the sync client.
+                    return await asyncio.to_thread(self._sync.result, 5.0)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+                if pubsub is None:  # subscribed, then a look again: an end in between is not missed
+                    pubsub = conn.pubsub(ignore_subscribe_messages=True)
+                    await pubsub.subscribe(channel_key(self.id))
+                    continue
+                until = time.monotonic() + (1.0 if left is None else min(1.0, left))
+                while (wait := until - time.monotonic()) > 0:
+                    if ends_the_wait(await pubsub.get_message(timeout=wait)):
+                        break
+        finally:
+            if pubsub is not None:
+                await pubsub.aclose()
 
 
 __all__ = ["AsyncClient", "AsyncGenerationJob", "JobCanceled", "JobFailed"]

@@ -296,18 +296,23 @@ class Client:
         }
 
 
+def ends_the_wait(message: dict[str, Any] | None) -> bool:
+    """Whether a message read on a job's channel ends a wait for its result: its final event (the one with a
+    finish reason), or anything not ours to read (the next look at the result decides)."""
+    if not message or message["type"] != "message":
+        return False
+    try:
+        event = json.loads(message["data"])
+    except ValueError:
+        return True
+    return not isinstance(event, dict) or "finish_reason" in event
+
+
 def _wait_for_final_event(pubsub: Any, seconds: float) -> None:
-    """Read a job's channel until its final event (the one with a finish reason) or for ``seconds``."""
+    """Read a job's channel until its final event, or for ``seconds``."""
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
-        message = pubsub.get_message(timeout=left)
-        if not message or message["type"] != "message":
-            continue
-        try:
-            event = json.loads(message["data"])
-        except ValueError:  # not ours to read: the next look at the result decides
-            return
-        if isinstance(event, dict) and "finish_reason" in event:
+        if ends_the_wait(pubsub.get_message(timeout=left)):
             return
 
 

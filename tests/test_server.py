@@ -264,6 +264,11 @@ def test_async_client_submits_streams_and_waits(served, redis_url):
             assert together[0] == together[-1]
             for job, text in zip(more, together):
                 assert text == (await job.result(timeout=60))["text"]
+            # Waited for while they run (on each job's channel), all at once.
+            waiting = [await client.submit(f"wait {i}", max_tokens=24, temperature=0.0) for i in range(3)]
+            waited = await asyncio.gather(*(job.result(timeout=60) for job in waiting))
+            assert [r["usage"]["completion_tokens"] for r in waited] == [24] * 3
+            assert [r["text"] for r in waited] == [(await job.result(timeout=5))["text"] for job in waiting]
             return texts, results, await jobs[0].status()
 
     texts, results, status = asyncio.run(main())
