@@ -201,13 +201,11 @@ class Puller:
                 canceled.append((job, q))
             else:
                 fresh.append((job, q))
-        # A job never started before (RQ writes started_at with the start) has streamed nothing: no read of its
-        # stream. (A stream left by an expired job of the same id is then not taken as this job's output.)
-        first = {job.id for job, _ in fresh if job.started_at is None}
+        # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
+        # writes to the job hash while the stream keeps events written after it.
         executions = w.mark_started(fresh) if fresh else []
-        ids = [job.id for job, _ in fresh + canceled if job.id not in first] + [item.job_id for item in unreadable]
+        ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable]
         streams = w.publisher.resume(w.connection, ids) if ids else {}
-        streams.update((job_id, JobStream(job_id)) for job_id in first)
         arrivals: list = [Rejected(item, streams[item.job_id]) for item in unreadable]
         arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
         arrivals += running
