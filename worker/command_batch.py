@@ -75,8 +75,11 @@ end
 return {lost, held}
 """
 
-# How a command on a shared key splits into (fixed arguments, this job's part): the members or amount are last.
-_TAIL = {"ZADD": 2, "SADD": -1, "SREM": -1, "ZREM": -1, "HINCRBY": 1, "HINCRBYFLOAT": 1, "EXPIRE": 0}
+# How the commands on a shared key merge: their members appended, their amounts summed, or run once.
+_MERGES = {
+    "ZADD": "members", "SADD": "members", "SREM": "members", "ZREM": "members",
+    "HINCRBY": "sum", "HINCRBYFLOAT": "sum", "EXPIRE": "once",
+}  # fmt: skip
 
 
 class CommandBatch:
@@ -113,16 +116,16 @@ class CommandBatch:
         name = str(args[0]).upper()
         if name == "DEL" and "DEL" in self._merge and len(args) == 2:  # keys the caller deletes, one DEL for all
             return ("DEL",), ("", args[1:])
-        tail = _TAIL.get(name)
-        if tail is None or len(args) < 2 or args[1] not in self._merge:
+        merges = _MERGES.get(name)
+        if merges is None or len(args) < 2 or args[1] not in self._merge:
             return None
-        if tail == -1:  # members after the key
-            return args[:2], ("", args[2:])
-        if tail == 0:  # nothing of the job's own: runs once
+        if merges == "once":
             return args, ("", ())
-        if name == "ZADD":  # one score and member, no flags (XX, NX, GT...): else left as it is
-            return (args[:2], ("", args[2:])) if len(args) == 4 else None
-        return args[:-1], ("+", args[-1:])
+        if merges == "sum":  # the amount is last
+            return args[:-1], ("+", args[-1:])
+        if name == "ZADD" and len(args) != 4:  # flags (XX, NX, GT...) or several members: left as it is
+            return None
+        return args[:2], ("", args[2:])  # the members after the key
 
     def _close_job(self) -> None:
         if not self._started:
