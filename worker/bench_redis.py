@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 
 from producer import Client
 from producer.protocol import channel_key, result_key
@@ -54,9 +55,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if redis_proc is None:
         raise SystemExit("no redis-server could be started")
     conn = Redis.from_url(url)
-    for setting in args.redis_config:  # a deployment's settings, as README recommends them
-        name, _, value = setting.partition("=")
-        conn.config_set(name, value)
+    for name, value in args.redis_config:  # a deployment's settings, as README recommends them
+        try:
+            conn.config_set(name, value)
+        except ResponseError as exc:
+            redis_proc.terminate()
+            raise SystemExit(f"--redis-config {name}={value}: redis-server refused it ({exc})") from None
     queue = "bench-redis"
     config = engine_config_from_args(args)
     cmd = worker_command(url, queue, config.model, *engine_flags(config))
@@ -121,6 +125,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _setting(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not (name and eq):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_arguments(p)
     p.add_argument(
@@ -129,7 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "every event is then published)",
     )  # fmt: skip
     p.add_argument(
-        "--redis-config", action="append", default=[], metavar="NAME=VALUE",
+        "--redis-config", action="append", default=[], metavar="NAME=VALUE", type=_setting,
         help="a setting of the private redis-server (CONFIG SET), e.g. stream-node-max-bytes=1024; repeatable",
     )  # fmt: skip
     p.set_defaults(model="tiny", num_prompts=128, max_tokens=512)
