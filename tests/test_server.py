@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -338,9 +339,26 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         out = client.chat.completions.create(model=tiny_chat_model, messages=MESSAGES, max_tokens=5, temperature=0)
         assert out.usage.completion_tokens <= 5 and out.choices[0].finish_reason in ("length", "stop")
+        redis_servers = [p for p in Path("/proc").iterdir() if _parent(p) == proc.pid and "redis" in _command(p)]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    time.sleep(0.5)
+    assert [p for p in redis_servers if "redis" in _command(p)] == []  # its redis-server stopped with it (SIGTERM)
+
+
+def _parent(proc_dir: Path) -> int | None:
+    try:
+        return int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _command(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 SCHEMA = {

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 import threading
 
 log = logging.getLogger("roseinfer.worker")
@@ -31,6 +33,8 @@ def serve_embedded(args: argparse.Namespace) -> int:
     thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     thread.start()
     client = AsyncClient(url, queue, connection=embedded_connection(url) if connection is not None else None)
+    # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return run_server(url, queue, args.host, args.port, args.api_key, args.timeout, client=client)
     finally:
