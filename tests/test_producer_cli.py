@@ -213,24 +213,22 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url]
     argv += ["--queue", worker.queue] + (["--fresh"] if fresh else [])
 
-    ticks = 0
     real_tick, real_submit = Progress.tick, batch_mod._submit
-    in_flight: dict = {}
+    seen: dict = {}
 
-    def submit_and_watch(client, pending, flight, *args):
-        in_flight["jobs"] = flight  # the run's own dict of jobs in flight, to interrupt while some are
-        return real_submit(client, pending, flight, *args)
-
-    def interrupt_with_rows_done_and_jobs_in_flight(self):
-        # From the fourth poll on, once a row is written (a busy machine may take more polls to finish one).
-        nonlocal ticks
-        ticks += 1
-        if ticks >= 4 and self.done > 0 and in_flight["jobs"]:
-            raise KeyboardInterrupt
+    def remember_progress(self):
+        seen["progress"] = self
         real_tick(self)
 
-    monkeypatch.setattr(batch_mod, "_submit", submit_and_watch)
-    monkeypatch.setattr(Progress, "tick", interrupt_with_rows_done_and_jobs_in_flight)
+    def submit_then_interrupt_with_rows_done_and_jobs_in_flight(client, pending, flight, *args):
+        more = real_submit(client, pending, flight, *args)
+        progress = seen.get("progress")
+        if progress is not None and progress.done > 0 and flight:  # Ctrl-C now: rows written, jobs running
+            raise KeyboardInterrupt
+        return more
+
+    monkeypatch.setattr(batch_mod, "_submit", submit_then_interrupt_with_rows_done_and_jobs_in_flight)
+    monkeypatch.setattr(Progress, "tick", remember_progress)
     assert producer_cli.batch(_parse(*argv)) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err
