@@ -8,7 +8,6 @@ thread (``asyncio.to_thread``), so a job is enqueued exactly as ``Client`` enque
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +30,7 @@ from producer.client import (
     validate,
 )
 from producer.connection import connect_async
-from producer.protocol import DEFAULT_QUEUE, channel_key, result_key, stream_key
+from producer.protocol import DEFAULT_QUEUE, channel_key, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
 
@@ -238,15 +237,15 @@ class AsyncGenerationJob:
         try:
             while True:
                 async with conn.pipeline(transaction=False) as pipe:
-                    pipe.get(result_key(self.id))
+                    read_result(pipe, self.id)
                     pipe.hget(Job.key_for(self.id), "status")
-                    raw, status = await pipe.execute()
+                    entries, status = await pipe.execute()
                 status = status.decode() if status else "missing"
-                result = json.loads(raw) if raw else None
+                result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
                 if status in _ENDED or status == "finished" or (status == "missing" and result is None):
-                    # The rarer endings (RQ's own result store, a partial result being written) as the sync client.
+                    # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     return await asyncio.to_thread(self._sync.result, 5.0)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

@@ -44,7 +44,7 @@ from producer.openai_api import (
     parse,
     samples,
 )
-from producer.protocol import BULK_PRIORITY, done_key, result_key
+from producer.protocol import BULK_PRIORITY, done_key, read_result, result_from_entries, result_key
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -557,20 +557,20 @@ def _settle(
         return
     with client.connection.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.get(result_key(job_id))
+            read_result(pipe, job_id)
             pipe.hget(f"rq:job:{job_id}", "status")
         replies = pipe.execute()
     now = time.monotonic()
-    for job_id, raw, status in zip(job_ids, replies[::2], replies[1::2]):
+    for job_id, entries, status in zip(job_ids, replies[::2], replies[1::2]):
         line, started = in_flight[job_id]
         status = status.decode() if status else "missing"
-        result = json.loads(raw) if raw else None
+        result = result_from_entries(entries)
         if result is not None and result.get("status") == "finished":
             sink.result(line, output_line(line, result), result)
             summary["succeeded"] += 1
             summary["reused"] += job_id in reused
             progress.update(result["usage"]["completion_tokens"])
-        elif status in ("failed", "canceled", "stopped", "missing") or (
+        elif status in ("failed", "canceled", "stopped", "missing", "finished") or (
             timeout is not None and now - started > timeout
         ):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
@@ -631,6 +631,8 @@ def _failure_reason(client: Client, job_id: str, status: str, timeout: float | N
         return f"no result within {timeout} s"
     if status == "missing":
         return "the job disappeared from Redis (expired or deleted)"
+    if status == "finished":  # RQ writes a result with the status: this one is gone
+        return "the job finished, but its result expired"
     from producer.client import JobError
 
     try:

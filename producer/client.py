@@ -28,7 +28,8 @@ from producer.protocol import (
     event_from_stream,
     lane_name,
     lanes,
-    result_key,
+    read_result,
+    result_from_entries,
     stream_key,
 )
 from producer.schema import JobRequest, describe_validation_error
@@ -399,16 +400,16 @@ class GenerationJob:
         pubsub = None
         try:
             while True:
-                raw = conn.get(result_key(self.id))
-                result = json.loads(raw) if raw else None
+                with conn.pipeline(transaction=False) as pipe:
+                    read_result(pipe, self.id)
+                    pipe.hget(Job.key_for(self.id), "status")
+                    entries, status = pipe.execute()
+                result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
-                status = conn.hget(Job.key_for(self.id), "status")
                 status = status.decode() if status else "missing"
-                if status == "finished":
-                    value = self.rq_job.return_value()
-                    if value is not None:
-                        return value
+                if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
+                    raise JobFailed(self.id, "the job finished, but its result is not kept (result_ttl 0, or expired)")
                 if status in _ENDED or (status == "missing" and result is None):
                     if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
                         grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
@@ -435,8 +436,7 @@ class GenerationJob:
         if status == "missing":
             raise JobFailed(self.id, "no such job (never submitted, or expired)")
         if result is None:
-            raw = self.client.connection.get(result_key(self.id))
-            result = json.loads(raw) if raw else None
+            result = result_from_entries(read_result(self.client.connection, self.id))
         if status in ("canceled", "stopped"):
             raise JobCanceled(self.id, f"job {status}", result)
         reason = result.get("error") if result else None

@@ -5,7 +5,9 @@ Any language can speak this protocol; README.md shows it with redis-cli.
 - ``roseinfer:tokens:<job_id>``  pub/sub channel, one JSON message per event (live only).
 - ``roseinfer:stream:<job_id>``  stream holding the same events (replayable, bounded, expires): each entry has
   one field, ``event``, holding the same JSON as the channel's message.
-- ``roseinfer:result:<job_id>``  string, the final result as JSON (expires).
+- ``rq:results:<job_id>``  RQ's result stream: its latest entry's ``return_value`` holds the final result (JSON in
+  base64, as RQ's JSON serializer stores a return value), for every ending: finished, failed, canceled. Stored
+  once: ``job.return_value()`` reads the same entry.
 
 Every event has ``n`` (0, 1, 2, ... within the job), ``text`` (the new piece: one or more tokens' text) and
 ``token_ids`` (a list).
@@ -18,11 +20,13 @@ whose earlier output could not be resumed), and its own text is the new output's
 from __future__ import annotations
 
 import json
+from base64 import b64decode, b64encode
 from typing import Any
 
 # Carried by every event and result as "v". 2: stream entries hold the event's JSON in one field; results and job
-# status are written before a job's final event. Clients read version 1 entries too.
-PROTOCOL_VERSION = 2
+# status are written before a job's final event. 3: the result is stored once, in RQ's result stream (no
+# ``roseinfer:result:<id>`` key). Clients read version 1 entries too.
+PROTOCOL_VERSION = 3
 JOB_FUNCTION = "worker.jobs.generate"
 DEFAULT_QUEUE = "roseinfer"
 # The job hash field naming the attempt that owns the job (set when an attempt starts it): a worker writes a job's
@@ -83,7 +87,32 @@ def stream_key(job_id: str) -> str:
 
 
 def result_key(job_id: str) -> str:
-    return f"roseinfer:result:{job_id}"
+    """RQ's result stream of the job: the result is its latest entry's ``RESULT_FIELD``."""
+    return f"rq:results:{job_id}"
+
+
+RESULT_FIELD = "return_value"
+
+
+def encode_result(result: dict[str, Any]) -> str:
+    """A result as RQ stores a return value (its JSON serializer's bytes in base64), without JSON's optional
+    spaces: Redis keeps it for the job's result TTL."""
+    return b64encode(json.dumps(result, separators=(",", ":")).encode()).decode()
+
+
+def read_result(conn: Any, job_id: str) -> Any:
+    """Read (or queue on a pipeline) the latest entry of the job's result stream, for ``result_from_entries``."""
+    return conn.xrevrange(result_key(job_id), count=1)
+
+
+def result_from_entries(entries: list[Any]) -> dict[str, Any] | None:
+    """The result held by the latest entry of a result stream (``XREVRANGE rq:results:<id> + - COUNT 1``), or None:
+    no entry yet, or RQ's own record of a failure or retry, which has none."""
+    if not entries:
+        return None
+    _, fields = entries[0]
+    raw = fields.get(RESULT_FIELD.encode(), fields.get(RESULT_FIELD))
+    return None if raw is None else json.loads(b64decode(raw))
 
 
 def done_key(name: str) -> str:
@@ -92,7 +121,7 @@ def done_key(name: str) -> str:
 
 
 def rejected_key(queue: str) -> str:
-    """Jobs RQ could not read (a sorted set of ids by time): never run, their reason in their result key."""
+    """Jobs RQ could not read (a sorted set of ids by time): never run, their reason in their result."""
     return f"roseinfer:rejected:{queue}"
 
 

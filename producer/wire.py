@@ -69,8 +69,9 @@ class Choice(BaseModel):
 
 
 class JobResult(BaseModel):
-    """``GET roseinfer:result:<id>`` (JSON) and RQ's ``job.return_value()`` for a finished job. A failed job's
-    result has ``error`` and no text; a job canceled before it ran, too (status ``canceled``)."""
+    """The ``return_value`` of the latest entry of ``rq:results:<id>`` (JSON in base64; RQ's
+    ``job.return_value()`` for a finished job, ``job.latest_result().return_value`` for any). A failed job's result
+    has ``error`` and no text; a job canceled before it ran, too (status ``canceled``)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -4,6 +4,7 @@ Schemas. The same scenarios run in Node.js in test_conformance_node.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -76,10 +77,11 @@ def _follow(r: Redis, job_id: str, timeout: float = 60) -> list[dict]:
 
 def _result(r: Redis, job_id: str) -> dict:
     # The protocol's promise: once the final event is out, the result and the final status are there.
-    raw = r.get(f"roseinfer:result:{job_id}")
-    assert raw is not None, "the final event came before the result"
-    result = json.loads(raw)
+    entries = r.xrevrange(f"rq:results:{job_id}", count=1)
+    assert entries and "return_value" in entries[0][1], "the final event came before the result"
+    result = json.loads(base64.b64decode(entries[0][1]["return_value"]))
     jsonschema.validate(result, SCHEMAS["result.schema.json"])
+    assert not r.exists(f"roseinfer:result:{job_id}")  # stored once (protocol 2 kept a copy there)
     return result
 
 
@@ -115,7 +117,7 @@ def test_a_chat_job_followed_live(served):
     assert live[-1]["usage"]["completion_tokens"] == result["usage"]["completion_tokens"] == 8
     assert _replay(r, job_id) == live  # the stream holds the same events
     # No result_ttl given: the job's status lives as long as its result.
-    job_ttl, result_ttl = r.ttl(f"rq:job:{job_id}"), r.ttl(f"roseinfer:result:{job_id}")
+    job_ttl, result_ttl = r.ttl(f"rq:job:{job_id}"), r.ttl(f"rq:results:{job_id}")
     assert job_ttl > 0 and result_ttl > 0 and abs(job_ttl - result_ttl) < 120
 
 

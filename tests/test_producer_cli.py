@@ -17,7 +17,7 @@ from producer import batch as batch_mod
 from producer import cli as producer_cli
 from producer.batch import Progress
 from producer.client import InvalidRequest
-from producer.protocol import result_key
+from producer.protocol import encode_result, result_key
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -159,7 +159,7 @@ def test_result_of_a_failed_job_prints_what_the_worker_stored(monkeypatch, capsy
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
     client.connection.hset("rq:job:j1", "status", "failed")
     stored = {"id": "j1", "status": "failed", "text": "half", "finish_reason": "error", "error": "boom"}
-    client.connection.set(result_key("j1"), json.dumps(stored))
+    client.connection.xadd(result_key("j1"), {"type": 2, "return_value": encode_result(stored)})
     monkeypatch.setattr(producer_cli, "_client", lambda args: client)
     assert producer_cli.result(_parse("result", "j1")) == 1
     out, err = capsys.readouterr()

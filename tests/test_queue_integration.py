@@ -13,10 +13,11 @@ from redis import Redis
 from rq import Queue
 from rq.command import send_stop_job_command
 from rq.job import Job
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer import Client, JobCanceled, JobFailed
-from producer.protocol import result_key, stream_key
+from producer.protocol import result_from_entries, result_key, stream_key
 from worker.jobs import job_seed
 
 
@@ -118,8 +119,9 @@ def test_stream_events_carry_order_and_the_last_one_usage(served, redis_url):
     assert sum(len(e["token_ids"]) for e in events) == 12
     conn = Redis.from_url(redis_url)
     assert 0 < conn.ttl(stream_key(job.id)) <= 600  # a finished job's stream goes 10 minutes after its end
-    stored = json.loads(conn.get(result_key(job.id)))
-    assert stored["text"] == "".join(e["text"] for e in events)
+    stored = result_from_entries(conn.xrevrange(result_key(job.id), count=1))
+    assert stored["text"] == "".join(e["text"] for e in events) == job.rq_job.return_value()["text"]
+    assert not conn.exists(f"roseinfer:result:{job.id}")  # the result is stored once, in RQ's result stream
 
 
 def _first_event(job, timeout=30.0):
@@ -139,6 +141,10 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     assert 0 < partial["usage"]["completion_tokens"] < 200
     assert job.status() == "canceled"
     assert list(job.events(timeout=10))[-1]["finish_reason"] == "abort"
+    # RQ's view: no return value (not finished), its latest result a stop holding the partial result.
+    latest = job.rq_job.latest_result()
+    assert latest.type == Result.Type.STOPPED and latest.return_value == partial
+    assert job.rq_job.return_value() is None
     for other in others:
         assert other.result(timeout=60)["usage"]["completion_tokens"] == 8
     deadline = time.time() + 10
@@ -153,9 +159,11 @@ def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
     job = client.submit("Keep going", max_tokens=200, temperature=0, ignore_eos=True)
     _first_event(job)
     send_stop_job_command(Redis.from_url(redis_url), job.id, serializer=JSONSerializer)
-    with pytest.raises(JobCanceled):
+    with pytest.raises(JobCanceled) as err:
         job.result(timeout=30)
     assert job.status() == "stopped"
+    latest = job.rq_job.latest_result()  # after RQ's own record of the stop: the partial result
+    assert latest.type == Result.Type.STOPPED and latest.return_value == err.value.result
 
 
 def _enqueue_raw(conn: Redis, queue: str, job_id: str, data: bytes) -> None:
@@ -207,7 +215,10 @@ def test_bad_payloads_fail_alone_with_a_clear_reason(served, redis_url):
         rq_job = Job.fetch(ids[name], connection=conn, serializer=JSONSerializer)
         assert rq_job.get_status() == "failed"
         assert ids[name] in Queue(worker.queue, connection=conn).failed_job_registry.get_job_ids()
-        assert reason in rq_job.latest_result().exc_string
+        latest = rq_job.latest_result()  # RQ reads it as its own failure; it also holds the result
+        assert latest.type == Result.Type.FAILED and reason in latest.exc_string
+        assert latest.return_value == err.value.result and latest.return_value["error"] == err.value.reason
+        assert latest.return_value["status"] == "failed" and rq_job.return_value() is None
     with pytest.raises(JobFailed) as err:
         client.job(pickled.id).result(timeout=30)
     assert "JSON" in err.value.reason

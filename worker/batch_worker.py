@@ -14,14 +14,13 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 
 from __future__ import annotations
 
-import json
 import logging
 import queue as queue_mod
 import signal
 import sys
 import threading
 import time
-from base64 import b64encode
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -54,7 +53,7 @@ from worker.jobs import (
     usage,
 )
 from worker.metrics import WorkerMetrics
-from worker.publisher import JobStream, Publisher
+from worker.publisher import JobStream, Publisher, result_entry
 from worker.puller import NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
@@ -96,7 +95,7 @@ class BatchWorker(BaseWorker):
         )
         # An allowed callback's time limit by a timer thread, not SIGALRM: the loop may run off the main thread.
         self.death_penalty_class = TimerDeathPenalty
-        # A job written without result_ttl (another language, say) keeps its status as long as its result key.
+        # A job written without result_ttl (another language, say) keeps its result and status this long.
         self.default_result_ttl = settings.result_ttl
         self.engine = engine
         self.settings = settings
@@ -449,8 +448,8 @@ class BatchWorker(BaseWorker):
                 if not mine:
                     self._lost_at_end(job)
                     continue
-                self.publisher.write_result(self.connection, job.job.id, result, job.request.notify)
-                self._finalize_success(job.job, job.queue, job.execution, result)
+                self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+                self.publisher.notify(self.connection, job.job.id, job.request.notify)
                 finished.append((job, result))
         for job, result in finished:
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
@@ -513,30 +512,17 @@ class BatchWorker(BaseWorker):
         self.increment_total_working_time(ended - job.job.started_at, pipe)
 
     def _write_success(self, pipe, job: InFlight, result: dict[str, Any], ended: datetime) -> None:
-        """A finished job's writes: its result key, and what RQ's ``handle_job_success`` writes, made here
-        without RQ's objects (a registry object a write, the result serialized three times, the job's data
-        compressed again: 0.2 ms a job). The same keys, fields and values (a test holds them to RQ's own): the job
-        hash's status, end and heartbeat (RQ rewrites every field; the others have not changed since the start),
-        the result in RQ's result stream, the finished registry, the keys' TTLs, the execution's records gone."""
+        """A finished job's writes: what RQ's ``handle_job_success`` writes, made here without RQ's objects (a
+        registry object a write, the result serialized three times, the job's data compressed again: 0.2 ms a
+        job). The same keys, fields and values (a test holds them to RQ's own): the job hash's status, end and
+        heartbeat (RQ rewrites every field; the others have not changed since the start), the result in RQ's
+        result stream (its one copy), the finished registry, the keys' TTLs, the execution's records gone."""
         j, execution = job.job, job.execution
-        payload = json.dumps(result)  # JSONSerializer's bytes too: RQ's result stream holds them in base64
-        self.publisher.write_result(pipe, j.id, payload, job.request.notify)
         stamp = utcformat(ended)
         pipe.hset(j.key, mapping={"last_heartbeat": stamp, "status": JobStatus.FINISHED.value, "ended_at": stamp})
         result_ttl = j.get_result_ttl(self.default_result_ttl)  # not 0 (``_succeed``)
-        stored = {
-            "type": Result.Type.SUCCESSFUL.value,
-            "worker_name": self.name,
-            "return_value": b64encode(payload.encode()).decode(),
-            "execution_id": execution.id,
-            "execution_started_at": execution.created_at.timestamp(),
-            "execution_ended_at": ended.timestamp(),
-        }
-        pipe.xadd(Result.get_key(j.id), stored, maxlen=10)
-        if result_ttl == -1:
-            pipe.persist(Result.get_key(j.id))
-        else:
-            pipe.expire(Result.get_key(j.id), result_ttl)
+        entry = result_entry(result, Result.Type.SUCCESSFUL, self.name, execution=execution, ended=ended)
+        self.publisher.write_result(pipe, j.id, entry, result_ttl, job.request.notify)
         expires = "+inf" if result_ttl == -1 else current_timestamp() + result_ttl
         pipe.zadd(FinishedJobRegistry.key_template.format(j.origin), {j.id: expires})
         if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
@@ -568,18 +554,20 @@ class BatchWorker(BaseWorker):
             if not self._owned([job])[0]:
                 self._lost_at_end(job)
                 return
+            if stopped:
+                self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
+                self._record_failure(job.job, job.queue, job.execution, reason)
             with self.connection.pipeline() as pipe:
-                if out is not None:
-                    self.publisher.write_result(pipe, job.job.id, self._result(job, out), job.request.notify)
-                if stopped:
-                    pipe.execute()
-                    self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
-                    self._record_failure(job.job, job.queue, job.execution, reason)
-                else:
+                if not stopped:
                     self.cleanup_execution(job.job, pipe, job.execution)
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
-                    pipe.execute()
+                if out is not None:  # the partial result, after RQ's own record of a stop (the latest entry is it)
+                    entry = result_entry(
+                        self._result(job, out), Result.Type.STOPPED, self.name, execution=job.execution, ended=now()
+                    )
+                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
+                pipe.execute()
             log.info("job %s %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
@@ -608,10 +596,11 @@ class BatchWorker(BaseWorker):
                 self._lost_at_end(job)
                 return
             if not retrying:
-                result = failure_result(job.job.id, job.request, str(error))
-                self.publisher.write_result(self.connection, job.job.id, result, job.request.notify)
                 job.job.retries_left = None  # the same job would fail the same way again
             self._record_failure(job.job, job.queue, job.execution, error)
+            if not retrying:
+                result = failure_result(job.job.id, job.request, str(error))
+                self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 
         self._tasks.append(end)
@@ -624,10 +613,10 @@ class BatchWorker(BaseWorker):
         self.publisher.add(stream, "", [], "error", {}, error)
 
         def end() -> None:
-            notify = req.notify if req is not None else None
-            self.publisher.write_result(self.connection, job.id, failure_result(job.id, req, error), notify)
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
+            notify = req.notify if req is not None else None
+            self._write_failure(job, failure_result(job.id, req, error), JobRejected(error), notify, execution)
             self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
@@ -643,7 +632,8 @@ class BatchWorker(BaseWorker):
             result = failure_result(job.id, None, f"job {status} before it ran", status="canceled")
             result["finish_reason"] = "abort"
             with self.connection.pipeline() as pipe:
-                self.publisher.write_result(pipe, job.id, result)
+                entry = result_entry(result, Result.Type.STOPPED, self.name)
+                self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                 queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
                 pipe.expire(job.key, self.settings.result_ttl)
@@ -659,7 +649,9 @@ class BatchWorker(BaseWorker):
 
         def end() -> None:
             with self.connection.pipeline(transaction=False) as pipe:
-                self.publisher.write_result(pipe, item.job_id, failure_result(item.job_id, None, item.reason))
+                result = failure_result(item.job_id, None, item.reason)
+                entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason)
+                self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
                 quarantine(pipe, item, self.settings.result_ttl)
                 pipe.execute()
 
@@ -670,6 +662,16 @@ class BatchWorker(BaseWorker):
             job.job, job.request, out, model=self.settings.model, started_at=job.started_at,
             first_token_at=job.first_token_at,
         )  # fmt: skip
+
+    def _write_failure(
+        self, job: Job, result: dict[str, Any], error: Exception, notify: str | None, execution: Execution | None
+    ) -> None:
+        """A failed job's result, after RQ's own record of the failure (``_record_failure``): the latest entry of
+        its result stream is then this one, a failure RQ reads as its own (its ``exc_string``) that also holds the
+        result. Kept as long as RQ keeps its failure record (the job's ``failure_ttl``)."""
+        exc = "".join(traceback.format_exception_only(type(error), error))
+        entry = result_entry(result, Result.Type.FAILED, self.name, error=exc, execution=execution, ended=now())
+        self.publisher.write_result(self.connection, job.id, entry, job.failure_ttl, notify)
 
     def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
         try:

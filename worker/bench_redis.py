@@ -6,7 +6,7 @@ then the statistics are reset, the queue resumed, and every job run to its end w
 first job's channel (``--follow all``: a pattern subscriber on every channel, so every event is published).
 Printed per generated token: commands by command (``INFO commandstats``; commands run inside Lua scripts count
 too), Redis CPU (``INFO cpu``), round trips, bytes in and out (``INFO stats``); and bytes a finished job keeps once
-its stream has expired (``MEMORY USAGE`` of its hash, its result key and RQ's result), and how many 30,000
+its stream has expired (``MEMORY USAGE`` of its hash and its result in RQ's result stream), and how many 30,000
 tokens/s workers one Redis core would serve at that CPU cost.
 """
 
@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         usec = {k.removeprefix("cmdstat_"): v["usec"] for k, v in stats_by_command.items()}
         stats = conn.info("stats")
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
-        kept_by_key = {"job hash": 0, "result key": 0, "rq result": 0}
+        kept_by_key = {"job hash": 0, "result": 0}
         for job in jobs:
-            for what, key in zip(kept_by_key, (f"rq:job:{job.id}", result_key(job.id), f"rq:results:{job.id}")):
+            for what, key in zip(kept_by_key, (f"rq:job:{job.id}", result_key(job.id))):
                 kept_by_key[what] += conn.memory_usage(key, samples=0) or 0
         kept = sum(kept_by_key.values())
     finally:

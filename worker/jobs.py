@@ -97,7 +97,7 @@ def _logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
 def build_result(
     job: Job, req: JobRequest, out: RequestOutput, *, model: str, started_at: float, first_token_at: float | None
 ) -> dict[str, Any]:
-    """The job's result: ``job.return_value()`` and the ``roseinfer:result:<id>`` key hold this."""
+    """The job's result: the return value of its entry in RQ's result stream (``job.return_value()``)."""
     c = out.outputs[0]
     finished_at = time.time()
     enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
@@ -112,14 +112,14 @@ def build_result(
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         "usage": usage(out),
-        "timings": {
-            "enqueued_at": enqueued_at,
-            "started_at": started_at,
-            "first_token_at": first_token_at,
-            "finished_at": finished_at,
-            "queue_s": started_at - enqueued_at,
-            "ttft_s": None if first_token_at is None else first_token_at - enqueued_at,
-            "total_s": finished_at - enqueued_at,
+        "timings": {  # to the microsecond, as RQ's own stamps: the digits past it cost Redis bytes for a day
+            "enqueued_at": round(enqueued_at, 6),
+            "started_at": round(started_at, 6),
+            "first_token_at": None if first_token_at is None else round(first_token_at, 6),
+            "finished_at": round(finished_at, 6),
+            "queue_s": round(started_at - enqueued_at, 6),
+            "ttft_s": None if first_token_at is None else round(first_token_at - enqueued_at, 6),
+            "total_s": round(finished_at - enqueued_at, 6),
         },
     }
     if c.logprobs is not None:
@@ -209,9 +209,8 @@ def generate(**payload: Any) -> dict[str, Any]:
             with job.connection.pipeline(transaction=False) as pipe:
                 publisher.flush(pipe)
                 pipe.execute()
-    # The result first, then the last event: a follower that sees the end finds the result.
     if final.finish_reason == "error":
-        result = failure_result(job.id, req, final.error)
+        result = None  # RQ records the failure it raises
         publisher.add(stream, final.text, [], "error", {}, final.error)
     else:
         result = build_result(
@@ -219,9 +218,9 @@ def generate(**payload: Any) -> dict[str, Any]:
         )
         publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index)
     with job.connection.pipeline(transaction=False) as pipe:
-        publisher.write_result(pipe, job.id, result, req.notify)
         publisher.flush(pipe)
+        publisher.notify(pipe, job.id, req.notify)
         pipe.execute()
     if final.finish_reason == "error":
         raise JobRejected(final.error)
-    return result
+    return result  # RQ stores it once this returns: a stock worker writes the result after the last event

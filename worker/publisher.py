@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
+from base64 import b64encode
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from rq.executions import Execution
 from rq.job import Job
+from rq.results import Result
 
 from producer.protocol import (
     STREAM_FIELD,
     channel_key,
     done_key,
+    encode_result,
     event_from_stream,
     make_event,
     result_key,
@@ -205,11 +211,43 @@ class Publisher:
         self.queue_writes(pipe, events + finals)
 
     def write_result(
-        self, pipe: Pipeline | Redis, job_id: str, result: dict[str, Any] | str, notify: str | None = None
+        self, pipe: Pipeline | Redis, job_id: str, entry: dict[str, Any], ttl: int | None, notify: str | None = None
     ) -> None:
-        """The job's result (a dict, or its JSON already made), and its id onto the completion list it named
-        (``notify``), if any."""
-        pipe.set(result_key(job_id), result if isinstance(result, str) else json.dumps(result), ex=self.result_ttl)
+        """The job's result (an entry of RQ's result stream, ``result_entry``) with RQ's TTL rules (None: the
+        stream's TTL is left alone, -1: kept for good), and its id onto the completion list it named, if any."""
+        pipe.xadd(result_key(job_id), entry, maxlen=10)  # RQ keeps a job's last 10 results
+        if ttl == -1:
+            pipe.persist(result_key(job_id))
+        elif ttl is not None:
+            pipe.expire(result_key(job_id), ttl)
+        self.notify(pipe, job_id, notify)
+
+    def notify(self, pipe: Pipeline | Redis, job_id: str, notify: str | None) -> None:
+        """The job's id onto the completion list it named (``notify``), after its result."""
         if notify:
             pipe.rpush(done_key(notify), job_id)
             pipe.expire(done_key(notify), self.result_ttl)
+
+
+def result_entry(
+    result: dict[str, Any] | str,
+    kind: Result.Type,
+    worker_name: str,
+    *,
+    error: str | None = None,
+    execution: Execution | None = None,
+    ended: datetime | None = None,
+) -> dict[str, Any]:
+    """An entry of RQ's result stream, field for field as RQ's ``Result.serialize`` writes it, whose return value is
+    the roseinfer result (a dict, or ``encode_result``'s text already made): the one place a result is stored.
+    RQ's ``job.return_value()`` reads it for a finished job; ``latest_result().return_value`` for any ending."""
+    entry: dict[str, Any] = {"type": kind.value, "worker_name": worker_name}
+    if error is not None:
+        entry["exc_string"] = b64encode(zlib.compress(error.encode())).decode()
+    entry["return_value"] = result if isinstance(result, str) else encode_result(result)
+    if execution is not None:
+        entry["execution_id"] = execution.id
+        entry["execution_started_at"] = execution.created_at.timestamp()
+    if ended is not None:
+        entry["execution_ended_at"] = ended.timestamp()
+    return entry

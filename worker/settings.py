@@ -35,7 +35,11 @@ class QueueSettings(BaseSettings):
     stream_ttl_after_end: int = Field(
         600, ge=1, description="seconds a job's replay stream lives after its last event (its result keeps its own)"
     )
-    result_ttl: int = Field(24 * 3600, ge=1, description="seconds a result key lives")
+    result_ttl: int = Field(
+        24 * 3600,
+        ge=1,
+        description="seconds a result is kept: a job's without result_ttl, a canceled or rejected job's",
+    )
     stream_maxlen: int = Field(100_000, ge=16, description="events kept per replay stream")
     # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace + maintenance_interval
     # (about 55 s with these), run by any surviving worker.

@@ -13,7 +13,7 @@ import { createClient } from 'redis';
 const REDIS_URL = process.env.REDIS_URL ?? 'redis://127.0.0.1:6379/0';
 const QUEUE = process.env.ROSEINFER_QUEUE ?? 'roseinfer';
 const WAIT_MS = 60_000; // every wait is bounded: a broken worker makes a scenario fail, never the script hang
-const PROTOCOL_VERSION = 2;
+const PROTOCOL_VERSION = 3;
 // Ids of this run only, so runs against a shared Redis never read each other's keys.
 const PREFIX = `conf-${randomBytes(6).toString('hex')}`;
 
@@ -22,7 +22,7 @@ const jobKey = (id) => `rq:job:${id}`;
 const queueKey = (queue) => `rq:queue:${queue}`;
 const channelKey = (id) => `roseinfer:tokens:${id}`;
 const streamKey = (id) => `roseinfer:stream:${id}`;
-const resultKey = (id) => `roseinfer:result:${id}`;
+const resultKey = (id) => `rq:results:${id}`; // RQ's result stream: the result is stored once
 const canceledKey = (queue) => `rq:canceled:${queue}`;
 
 // ----- small helpers ---------------------------------------------------------------------------------------
@@ -159,11 +159,19 @@ function checkSequence(events) {
 const joinText = (events) => events.map((e) => e.text).join('');
 const joinIds = (events) => events.flatMap((e) => e.token_ids);
 
-// The ordering guarantee: once the final event is out, the result key and the job's final status are there.
+// The result: the latest entry of RQ's result stream holds it in `return_value`, JSON in base64 (null: none yet).
+async function readResult(redis, id) {
+  const [latest] = await redis.xRevRange(resultKey(id), '+', '-', { COUNT: 1 });
+  const encoded = latest?.message?.return_value;
+  return encoded === undefined ? null : JSON.parse(Buffer.from(encoded, 'base64').toString('utf8'));
+}
+
+// The ordering guarantee: once the final event is out, the result and the job's final status are there.
 async function resultAfterFinal(redis, id) {
-  const raw = await redis.get(resultKey(id));
-  check(raw !== null, `no ${resultKey(id)} right after the final event (it must be written before)`);
-  return JSON.parse(raw);
+  const result = await readResult(redis, id);
+  check(result !== null, `no result in ${resultKey(id)} right after the final event (it must be written before)`);
+  check(!(await redis.exists(`roseinfer:result:${id}`)), 'a second copy of the result (protocol 2\'s key)');
+  return result;
 }
 
 async function statusAfterFinal(redis, id, expected) {
@@ -216,7 +224,7 @@ async function sampledFollowedLate({ redis }) {
     seed: 7,
   });
   // Nobody follows: wait for the result, then for the final entry (written after the result) and replay.
-  const result = JSON.parse(await until(`${resultKey(id)}`, () => redis.get(resultKey(id))));
+  const result = await until(`the result in ${resultKey(id)}`, () => readResult(redis, id));
   const events = await until(`the final entry of ${streamKey(id)}`, async () => {
     const replayed = await replay(redis, id);
     return replayed.some(isFinal) && replayed;
