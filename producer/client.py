@@ -37,6 +37,7 @@ from producer.wire import JobResult, StreamEvent
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
+_NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
 
 
 class JobError(Exception):
@@ -409,7 +410,7 @@ class GenerationJob:
                     return checked(JobResult, result, self.id)
                 status = status.decode() if status else "missing"
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
-                    raise JobFailed(self.id, "the job finished, but its result is not kept (result_ttl 0, or expired)")
+                    raise JobFailed(self.id, _NOT_KEPT)
                 if status in _ENDED or (status == "missing" and result is None):
                     if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
                         grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
@@ -434,6 +435,9 @@ class GenerationJob:
 
     def _raise_ended(self, status: str, result: dict[str, Any] | None = None) -> None:
         if status == "missing":
+            last = self.client.connection.xrevrange(stream_key(self.id), count=1)
+            if last and event_from_stream(last[0][1]).get("finish_reason") in ("stop", "length"):
+                raise JobFailed(self.id, _NOT_KEPT)  # RQ deletes a job with result_ttl 0 once it finishes
             raise JobFailed(self.id, "no such job (never submitted, or expired)")
         if result is None:
             result = result_from_entries(read_result(self.client.connection, self.id))

@@ -109,6 +109,16 @@ def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served,
     assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
 
 
+def test_a_job_that_keeps_no_result_says_so_instead_of_waiting(served, redis_url):
+    worker, _ = served
+    client = Client(redis_url, queue=worker.queue, result_ttl=0)  # RQ's meaning: the result is not kept
+    job = client.submit("Keep nothing", max_tokens=3, temperature=0)
+    assert list(job.events(timeout=60))[-1]["finish_reason"] == "length"
+    with pytest.raises(JobFailed, match="result is not kept"):  # RQ deleted the job and kept no result
+        job.result(timeout=10)
+    assert not Redis.from_url(redis_url).exists(result_key(job.id))
+
+
 def test_stream_events_carry_order_and_the_last_one_usage(served, redis_url):
     _, client = served
     job = client.submit("Tell me something", max_tokens=12, temperature=0)
