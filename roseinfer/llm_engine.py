@@ -12,6 +12,7 @@ import torch
 from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
 from roseinfer.config import EngineConfig
+from roseinfer.cpu_allocator import keep_freed_memory
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
@@ -39,9 +40,11 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":  # before the weights are allocated
+            keep_freed_memory()  # a step's large tensors reuse the heap instead of faulting pages in again
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         loaded = load_model(config.model, config.dtype, config.device, config.tokenizer)
         self.tokenizer = loaded.tokenizer

@@ -1,0 +1,35 @@
+"""glibc's malloc thresholds raised for an engine on the CPU (``roseinfer.cpu_allocator``)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+_MALLOC_PROBE = """
+import ctypes, sys
+from roseinfer.cpu_allocator import keep_freed_memory
+print(keep_freed_memory())
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+block = libc.malloc(20 << 20)
+# glibc marks an mmapped chunk in its size field (bit 1); a chunk of the heap has it clear.
+print(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2 == 2)
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_malloc_thresholds_keep_large_blocks_on_the_heap_unless_turned_off():
+    # Each in a fresh process: a process's own frees move glibc's dynamic threshold.
+    def probe(tuning: str) -> list[str]:
+        env = {**os.environ, "ROSEINFER_MALLOC_TUNING": tuning}
+        out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.split()
+
+    assert probe("0") == ["False", "True"]  # glibc's default: a 20 MB block is mapped afresh, and unmapped on free
+    assert probe("1") == ["True", "False"]  # raised: it comes from the heap, and its pages stay for the next step
