@@ -229,6 +229,7 @@ def test_bad_payloads_fail_alone_with_a_clear_reason(served, redis_url):
         assert latest.type == Result.Type.FAILED and reason in latest.exc_string
         assert latest.return_value == err.value.result and latest.return_value["error"] == err.value.reason
         assert latest.return_value["status"] == "failed" and rq_job.return_value() is None
+        assert 0 < conn.ttl(result_key(ids[name])) <= 365 * 24 * 3600  # as long as RQ keeps the failed job
     with pytest.raises(JobFailed) as err:
         client.job(pickled.id).result(timeout=30)
     assert "JSON" in err.value.reason

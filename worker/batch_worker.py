@@ -28,6 +28,7 @@ from typing import Any
 import redis
 from rq import worker_registration
 from rq.command import parse_payload
+from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -668,10 +669,12 @@ class BatchWorker(BaseWorker):
     ) -> None:
         """A failed job's result, after RQ's own record of the failure (``_record_failure``): the latest entry of
         its result stream is then this one, a failure RQ reads as its own (its ``exc_string``) that also holds the
-        result. Kept as long as RQ keeps its failure record (the job's ``failure_ttl``)."""
+        result. Kept as long as RQ keeps the failed job (its ``failure_ttl``, RQ's default a year): RQ itself sets no
+        TTL on its failure record when the job names none."""
         exc = "".join(traceback.format_exception_only(type(error), error))
         entry = result_entry(result, Result.Type.FAILED, self.name, error=exc, execution=execution, ended=now())
-        self.publisher.write_result(self.connection, job.id, entry, job.failure_ttl, notify)
+        ttl = job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+        self.publisher.write_result(self.connection, job.id, entry, ttl, notify)
 
     def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
         try:
