@@ -236,10 +236,10 @@ class AsyncGenerationJob:
         pubsub = None
         try:
             while True:
-                async with conn.pipeline(transaction=False) as pipe:
-                    read_result(pipe, self.id)
+                async with conn.pipeline(transaction=False) as pipe:  # the status first, as the sync client
                     pipe.hget(Job.key_for(self.id), "status")
-                    entries, status = await pipe.execute()
+                    read_result(pipe, self.id)
+                    status, entries = await pipe.execute()
                 status = status.decode() if status else "missing"
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":

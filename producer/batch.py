@@ -556,12 +556,12 @@ def _settle(
     if not job_ids:
         return
     with client.connection.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            read_result(pipe, job_id)
+        for job_id in job_ids:  # the status first, as the client reads them
             pipe.hget(f"rq:job:{job_id}", "status")
+            read_result(pipe, job_id)
         replies = pipe.execute()
     now = time.monotonic()
-    for job_id, entries, status in zip(job_ids, replies[::2], replies[1::2]):
+    for job_id, status, entries in zip(job_ids, replies[::2], replies[1::2]):
         line, started = in_flight[job_id]
         status = status.decode() if status else "missing"
         result = result_from_entries(entries)

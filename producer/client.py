@@ -401,10 +401,10 @@ class GenerationJob:
         pubsub = None
         try:
             while True:
-                with conn.pipeline(transaction=False) as pipe:
-                    read_result(pipe, self.id)
+                with conn.pipeline(transaction=False) as pipe:  # the status first (``read_result`` says why)
                     pipe.hget(Job.key_for(self.id), "status")
-                    entries, status = pipe.execute()
+                    read_result(pipe, self.id)
+                    status, entries = pipe.execute()
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)

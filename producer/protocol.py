@@ -101,7 +101,9 @@ def encode_result(result: dict[str, Any]) -> str:
 
 
 def read_result(conn: Any, job_id: str) -> Any:
-    """Read (or queue on a pipeline) the latest entry of the job's result stream, for ``result_from_entries``."""
+    """Read (or queue on a pipeline) the latest entry of the job's result stream, for ``result_from_entries``.
+    Read the job's status before it, in the same pipeline: a worker writes a success's result and status together,
+    so a status read as ``finished`` means the result is there (read after, it could miss one written between)."""
     return conn.xrevrange(result_key(job_id), count=1)
 
 

@@ -211,14 +211,14 @@ class Publisher:
         self.queue_writes(pipe, events + finals)
 
     def write_result(
-        self, pipe: Pipeline | Redis, job_id: str, entry: dict[str, Any], ttl: int | None, notify: str | None = None
+        self, pipe: Pipeline | Redis, job_id: str, entry: dict[str, Any], ttl: int, notify: str | None = None
     ) -> None:
-        """The job's result (an entry of RQ's result stream, ``result_entry``) with RQ's TTL rules (None: the
-        stream's TTL is left alone, -1: kept for good), and its id onto the completion list it named, if any."""
+        """The job's result (an entry of RQ's result stream, ``result_entry``) for ``ttl`` seconds (-1: for good, as
+        RQ has it), and its id onto the completion list it named, if any."""
         pipe.xadd(result_key(job_id), entry, maxlen=10)  # RQ keeps a job's last 10 results
         if ttl == -1:
             pipe.persist(result_key(job_id))
-        elif ttl is not None:
+        else:
             pipe.expire(result_key(job_id), ttl)
         self.notify(pipe, job_id, notify)
 
@@ -230,7 +230,7 @@ class Publisher:
 
 
 def result_entry(
-    result: dict[str, Any] | str,
+    result: dict[str, Any],
     kind: Result.Type,
     worker_name: str,
     *,
@@ -239,12 +239,12 @@ def result_entry(
     ended: datetime | None = None,
 ) -> dict[str, Any]:
     """An entry of RQ's result stream, field for field as RQ's ``Result.serialize`` writes it, whose return value is
-    the roseinfer result (a dict, or ``encode_result``'s text already made): the one place a result is stored.
+    the roseinfer result: the one place a result is stored.
     RQ's ``job.return_value()`` reads it for a finished job; ``latest_result().return_value`` for any ending."""
     entry: dict[str, Any] = {"type": kind.value, "worker_name": worker_name}
     if error is not None:
         entry["exc_string"] = b64encode(zlib.compress(error.encode())).decode()
-    entry["return_value"] = result if isinstance(result, str) else encode_result(result)
+    entry["return_value"] = encode_result(result)
     if execution is not None:
         entry["execution_id"] = execution.id
         entry["execution_started_at"] = execution.created_at.timestamp()
