@@ -1,10 +1,12 @@
 """What the queue costs a worker whose engine runs elsewhere (a GPU): the worker's own Python and Redis work, alone.
 
 A fake engine stands in for the model: each step sleeps ``--step-ms`` (the CPU and the interpreter lock are free
-meanwhile, as while a GPU computes) and gives every running request one token ("word "). The same jobs run twice,
-interleaved ``--repeats`` times:
+meanwhile, as while a GPU computes) and gives every running request one token ("word "); like the real engine with
+output kind "delta", a step called with ``flush=False`` gives a request no output between its first and its last.
+The same jobs run twice, interleaved ``--repeats`` times:
 
-- in-process: the fake engine stepped directly, every request added at once (what `roseinfer bench` does);
+- in-process: the fake engine stepped directly, every request added at once, outputs at the end only (what
+  `roseinfer bench` does);
 - through Redis: a real ``BatchWorker`` over the same fake engine in this process, fed by a producer process that
   submits every job at once to a private redis-server and waits for every result.
 
@@ -48,7 +50,9 @@ class SleepingEngine:
         return [(None, [1] * 16) for _ in prompts]
 
     def add_request(self, request_id, prompt, params=None, priority=0, output_prefix=None) -> None:
-        self.requests[request_id] = {"max": params.max_tokens, "ids": [], "text": "", "t0": time.perf_counter()}
+        self.requests[request_id] = {
+            "max": params.max_tokens, "ids": [], "text": "", "t0": time.perf_counter(), "held": 0
+        }  # fmt: skip
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -58,27 +62,31 @@ class SleepingEngine:
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)
-        return None if req is None else self._out(request_id, req, "", [], "abort")
+        return None if req is None else self._out(request_id, req, "abort")
 
-    def step(self):
+    def step(self, flush=True):
         time.sleep(self.step_s)
         outs = []
         for rid, req in list(self.requests.items()):
-            token = len(req["ids"]) + 1
-            req["ids"].append(token)
+            req["ids"].append(len(req["ids"]) + 1)
             req["text"] += PIECE
+            req["held"] += 1
             done = len(req["ids"]) >= req["max"]
             if done:
                 del self.requests[rid]
-            outs.append(self._out(rid, req, PIECE, [token], "length" if done else None))
+            if done or flush or len(req["ids"]) == 1:
+                outs.append(self._out(rid, req, "length" if done else None))
         return outs
 
     @staticmethod
-    def _out(rid, req, text, ids, reason):
+    def _out(rid, req, reason):
+        """What the request added since its last output (its whole output too, once it ended)."""
         now = time.perf_counter()
+        held, req["held"] = req["held"], 0
+        ids = req["ids"][len(req["ids"]) - held :]
         completion = CompletionOutput(0, req["text"], req["ids"], reason)
         metrics = RequestMetrics(req["t0"], now, now if reason else None)
-        return RequestOutput(rid, None, [1] * 16, [completion], reason is not None, text, ids, 0, metrics)
+        return RequestOutput(rid, None, [1] * 16, [completion], reason is not None, PIECE * held, ids, 0, metrics)
 
 
 def run_in_process(jobs: int, tokens: int, step_s: float) -> float:
@@ -90,7 +98,7 @@ def run_in_process(jobs: int, tokens: int, step_s: float) -> float:
     for i in range(jobs):
         engine.add_request(f"r{i}", {"prompt_token_ids": [1] * 16}, params)
     while engine.has_unfinished_requests():
-        engine.step()
+        engine.step(flush=False)
     return time.perf_counter() - start
 
 

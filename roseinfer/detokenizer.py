@@ -48,6 +48,12 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int | None, finished: bool = False) -> str:
         """Take one new token (None: nothing new) and return the text now safe to show."""
+        self.push(token_id, finished)
+        return self._flush(finished)
+
+    def push(self, token_id: int | None, finished: bool = False) -> None:
+        """Take one new token (None: nothing new), its text kept for a later ``update``; a stop string in it
+        shows in ``stop_hit`` at once."""
         if token_id is not None and self.stop_hit is None and self._stream is not None:
             self._ids.append(token_id)
             piece = self._stream.step(self._backend, token_id)
@@ -67,7 +73,6 @@ class IncrementalDetokenizer:
         elif finished and self.stop_hit is None and self._read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             self._add_text(self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :])
-        return self._flush(finished)
 
     def prime(self, token_ids: list[int]) -> str:
         """Take tokens generated earlier (a resumed request's output so far) as if they had been streamed: their

@@ -90,6 +90,7 @@ class LLMEngine:
         # whether the request ended at it).
         self._pending: list[tuple[Sequence, int, bool, bool]] = []
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
+        self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
         if self.device.type == "cuda":
             self._warm_up()
         # Everything loaded so far lives as long as the engine: keep the garbage collector from walking
@@ -293,14 +294,15 @@ class LLMEngine:
         if seqs[0] is None:
             return None
         now = time.perf_counter()
-        delta = ""
+        delta, held = "", []
         for seq in seqs:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "abort")
             seq.finish_time = now
             delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
-        return self._output(seqs[-1], delta, [])
+            held, seq.held_ids = seq.held_ids, []  # sampled since its last output (output kind "delta")
+        return self._output(seqs[-1], delta, held)
 
     def running_request_ids(self) -> list[str]:
         """The requests in the running batch (those a step computes), by the ids they were added with."""
@@ -313,11 +315,15 @@ class LLMEngine:
         return self.scheduler.num_unfinished
 
     # ----- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, flush: bool = True) -> list[RequestOutput]:
         """Advance every scheduled request by a step. On a GPU the outputs of a step come back with the next
         call: their text and output objects are made while the device runs that next step (the host's work
         hidden behind the device's); what ends a request (length, EOS, stop ids, a complete structured output)
-        is still decided before the next step is scheduled, and a stop string found late drops the extra token."""
+        is still decided before the next step is scheduled, and a stop string found late drops the extra token.
+        ``flush=False``: running requests of output kind "delta" that have had their first output get none now;
+        what they add waits for a step with ``flush`` (or their end), so a caller that sends text out every few
+        steps builds an output per request only then."""
+        self._flush = flush
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._emit_pending()
@@ -384,23 +390,31 @@ class LLMEngine:
         for i, (seq, token, by_token, ended_at_token) in enumerate(pending):
             if seq.is_finished and not ended_at_token:
                 continue  # aborted since: its last output was given then
-            delta = ""
-            if seq.detokenizer is not None:
+            detok = seq.detokenizer
+            if detok is not None:
                 # A stopping token's own text stays out of the output, as in vLLM.
-                delta = seq.detokenizer.update(None if by_token else token, finished=False)
-                hit = seq.detokenizer.stop_hit
+                detok.push(None if by_token else token)
+                hit = detok.stop_hit
                 if hit is not None and not by_token:  # a stop string wins over the length or a complete output
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
                         seq.finish_time = time.perf_counter()
                     seq.finish_reason, seq.stop_reason = "stop", hit
-                if seq.is_finished:
-                    delta += seq.detokenizer.finish()
-            final_only = seq.params.output_kind == "final_only"
-            if final_only and not seq.is_finished:
+            kind = seq.params.output_kind
+            if not seq.is_finished and (
+                kind == "final_only"
+                or (kind == "delta" and not self._flush and seq.streamed and seq.parent_id == seq.request_id)
+            ):
+                if kind == "delta":
+                    seq.held_ids.append(token)  # its text waits in the detokenizer, as a final_only request's does
                 continue
-            out = self._output(seq, delta, [token], group_may_end=last is None or last[seq.parent_id] == i)
-            if out.finished or not final_only:
+            delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
+            ids = [token]
+            if seq.held_ids:
+                ids, seq.held_ids = seq.held_ids + ids, []
+            seq.streamed = True
+            out = self._output(seq, delta, ids, group_may_end=last is None or last[seq.parent_id] == i)
+            if out.finished or kind != "final_only":  # a sample of n ending before the others: not yet
                 outputs.append(out)
         return outputs
 
@@ -410,6 +424,14 @@ class LLMEngine:
         """The request's output after ``seq`` advanced, with the delta of ``seq``: its outputs are ``seq``'s alone
         while the request runs, every sample once it finished (copying n samples' tokens at every token of each
         would cost n^2 per step)."""
+        group = self._groups.get(seq.parent_id)
+        if seq.params.output_kind == "delta" and not (
+            seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
+        ):  # the request runs on: what is new, and nothing else (no copy of the whole output at every step)
+            piece = CompletionOutput(seq.index, delta_text, delta_ids)
+            return RequestOutput(
+                seq.parent_id, seq.prompt, seq.prompt_token_ids, [piece], False, delta_text, delta_ids, seq.index
+            )
         if seq.parent_id == seq.request_id:  # one sample: the common case, built without the group's bookkeeping
             return RequestOutput(
                 request_id=seq.request_id,
@@ -433,7 +455,6 @@ class LLMEngine:
                     seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
                 ),
             )
-        group = self._groups.get(seq.parent_id)
         finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
         samples = group if group is not None and finished else [seq]
         if finished and group is not None:

@@ -11,7 +11,7 @@ MAX_TEMPERATURE = 2.0  # as the OpenAI API
 MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -78,7 +78,10 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | dict | None = None
     # What ``LLMEngine.step`` returns for the request, as vLLM's RequestOutputKind: an output at every step with
-    # everything so far ("cumulative"), or only its final one ("final_only": no per-step output objects to build).
+    # everything so far ("cumulative"); outputs holding only what is new since the request's last one ("delta":
+    # no copies of the whole output, and a step called with ``flush=False`` keeps a running request's new text
+    # for a later step; its first and final outputs never wait, and the final one holds everything); or only its
+    # final one ("final_only": no per-step output objects to build).
     output_kind: str = "cumulative"
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 

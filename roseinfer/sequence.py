@@ -70,6 +70,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Output kind "delta": whether an output went out yet, and the tokens sampled since the last one.
+        self.streamed = False
+        self.held_ids: list[int] = []
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -125,4 +125,50 @@ def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_befor
         ], name
     assert len(ended["final_only-n3"].outputs) == 3 and ended["final_only-stop"].outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="streaming")
+
+
+@pytest.mark.parametrize("flush_every", [1, 3, 0], ids=["every step", "every 3rd step", "never"])
+def test_delta_outputs_add_up_to_the_cumulative_output(tiny_chat_model, flush_every):
+    """output_kind="delta": each output holds only what is new; steps with flush=False give a running request
+    none after its first, and what it added comes with the next flushed step, its end or its abort. The pieces
+    add up to what a cumulative request ends with (text and token ids), for a stop string, n samples and an abort."""
+    import dataclasses
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    cases = {
+        "plain": ("Tell me a story", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+        "n2": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=2)),
+        "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
+        "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+    }
+    ended, pieces, running_outputs = {}, {}, {}
+    for kind in ("cumulative", "delta"):
+        for name, (prompt, params) in cases.items():
+            engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            flush = kind == "cumulative" or (flush_every and steps % flush_every == 0)
+            outs = engine.step(flush=flush)
+            if steps == 5:
+                outs.append(engine.abort_request(f"{kind}-aborted"))
+            for out in outs:
+                text, ids = pieces.setdefault((out.request_id, out.delta_index), ("", []))
+                pieces[out.request_id, out.delta_index] = (text + out.delta_text, ids + out.delta_token_ids)
+                if out.finished:
+                    ended[out.request_id] = out
+                elif kind == "delta":
+                    running_outputs[out.request_id] = running_outputs.get(out.request_id, 0) + 1
+                    assert [(c.text, c.token_ids) for c in out.outputs] == [(out.delta_text, out.delta_token_ids)]
+    for name in cases:
+        a, b = ended[f"cumulative-{name}"], ended[f"delta-{name}"]
+        assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in a.outputs] == [
+            (c.index, c.text, c.token_ids, c.finish_reason) for c in b.outputs
+        ], name
+        for c in b.outputs:  # the final output is whole; the pieces streamed add up to it
+            assert pieces[f"delta-{name}", c.index] == (c.text, c.token_ids), (name, c.index)
+    plain = running_outputs["delta-plain"]  # 12 tokens: 11 running outputs at most, then the final one
+    assert plain == {1: 11, 3: 1 + 10 // 3, 0: 1}[flush_every], plain
+    if flush_every == 0:  # the first output only, until the end or the abort
+        assert running_outputs["delta-aborted"] == 1 and running_outputs.get("delta-stop", 1) == 1

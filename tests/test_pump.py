@@ -57,7 +57,7 @@ class FakeEngine:
         req = self.requests.pop(request_id, None)
         return None if req is None else self._out(request_id, req, "", [], "abort")
 
-    def step(self):
+    def step(self, flush=True):
         self.steps += 1
         if self.fail_steps:
             self.fail_steps -= 1

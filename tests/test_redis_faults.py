@@ -66,9 +66,9 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
     w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, max_num_seqs=4)
     real_step = w.worker.engine.step
 
-    def slow_step():  # a few seconds of work, so Redis fills while the jobs run
+    def slow_step(flush=True):  # a few seconds of work, so Redis fills while the jobs run
         time.sleep(0.01)
-        return real_step()
+        return real_step(flush=flush)
 
     monkeypatch.setattr(w.worker.engine, "step", slow_step)
     try:

@@ -188,11 +188,11 @@ def test_a_step_that_raises_fails_its_jobs_and_the_worker_serves_on(served, monk
     real_step = engine.step
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_step(flush=True):
         calls["n"] += 1
         if calls["n"] == 3:
             raise IndexError("injected fault inside a step")
-        return real_step()
+        return real_step(flush=flush)
 
     monkeypatch.setattr(engine, "step", flaky_step)
     jobs = [client.submit(f"victim {i}", max_tokens=40, temperature=0, ignore_eos=True) for i in range(3)]
@@ -255,11 +255,11 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
         real_step = engine.step
         stalled = {"done": False}
 
-        def stalling_step():
+        def stalling_step(flush=True):
             if not stalled["done"] and engine.has_unfinished_requests():
                 stalled["done"] = True
                 time.sleep(4)
-            return real_step()
+            return real_step(flush=flush)
 
         monkeypatch.setattr(engine, "step", stalling_step)
         job = client.submit("stall", max_tokens=20, temperature=0, ignore_eos=True)
@@ -279,9 +279,9 @@ def test_heartbeats_skip_a_job_until_its_start_is_grace_minus_interval_old(redis
         client, conn = Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
         real_step = w.worker.engine.step
 
-        def slow_step():  # ~7 s for the job below
+        def slow_step(flush=True):  # ~7 s for the job below
             time.sleep(0.1)
-            return real_step()
+            return real_step(flush=flush)
 
         monkeypatch.setattr(w.worker.engine, "step", slow_step)
         job = client.submit("beat", max_tokens=70, temperature=0, ignore_eos=True)
@@ -307,9 +307,9 @@ def test_redis_losing_its_data_mid_run_does_not_cancel_running_jobs(redis_url, t
         conn = Redis.from_url(redis_url)
         real_step = w.worker.engine.step
 
-        def slow_step():  # ~2 s for the jobs below, so Redis loses its data while they run
+        def slow_step(flush=True):  # ~2 s for the jobs below, so Redis loses its data while they run
             time.sleep(0.02)
-            return real_step()
+            return real_step(flush=flush)
 
         monkeypatch.setattr(w.worker.engine, "step", slow_step)
         jobs = client.submit_many([{"prompt": f"lost {i}", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
@@ -350,9 +350,9 @@ def test_a_job_past_its_timeout_fails_alone_and_is_not_retried(served, monkeypat
     w, client, conn = served
     real_step = w.worker.engine.step
 
-    def slow_step():  # 200 tokens take ~4 s: past the job's 1 s timeout
+    def slow_step(flush=True):  # 200 tokens take ~4 s: past the job's 1 s timeout
         time.sleep(0.02)
-        return real_step()
+        return real_step(flush=flush)
 
     monkeypatch.setattr(w.worker.engine, "step", slow_step)
     job_id = f"late-{uuid.uuid4().hex[:6]}"

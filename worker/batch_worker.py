@@ -259,7 +259,8 @@ class BatchWorker(BaseWorker):
         self._apply_arrivals()
         if self.pump.has_work():
             started = time.perf_counter()
-            events = self.pump.step()
+            # Running jobs' new text is only wanted when the hand-over after this step sends it.
+            events = self.pump.step(flush=time.monotonic() >= self._next_hand_over)
             self.metrics.step.observe(time.perf_counter() - started)
             if self._route(events):
                 self.puller.wake()  # room for more jobs

@@ -68,7 +68,8 @@ def job_seed(job_id: str) -> int:
 def sampling_params(job_id: str, req: JobRequest):
     from roseinfer.sampling_params import SamplingParams
 
-    kwargs = req.sampling_kwargs()
+    # Deltas: a step builds no copy of a job's whole output, and the step loop asks for them only when it sends.
+    kwargs = {**req.sampling_kwargs(), "output_kind": "delta"}
     if kwargs["seed"] is None and req.temperature > 0:
         kwargs["seed"] = job_seed(job_id)
     try:

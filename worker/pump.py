@@ -140,12 +140,14 @@ class Pump:
         index = out.delta_index if out is not None else 0
         return JobEvent(job_id, text, [], "abort" if reason is None else "error", out, reason, index=index)
 
-    def step(self) -> list[JobEvent]:
-        """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all."""
+    def step(self, flush: bool = True) -> list[JobEvent]:
+        """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all.
+        ``flush=False``: a running job's new text may wait for a later step (its first piece and its end never
+        do), as the engine's ``step`` takes it: a caller that sends events every few steps passes True then."""
         self._tokenize_submitted()
         events = self._admit()
         if self.engine.has_unfinished_requests():
-            events += self._run_step()
+            events += self._run_step(flush)
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] < now:
             deadline, job_id = heapq.heappop(self._deadlines)
@@ -202,9 +204,9 @@ class Pump:
                 events.append(JobEvent(job_id, finish_reason="error", error=error))
         return events
 
-    def _run_step(self) -> list[JobEvent]:
+    def _run_step(self, flush: bool) -> list[JobEvent]:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(flush=flush)
         except Exception as exc:
             return self._step_failed(exc)
         events = []
