@@ -88,6 +88,7 @@ class Puller:
         self.burst = False  # never block waiting for jobs
         self._next_pull = 0.0
         self._follow_up = False  # pull again at once, without waiting for the sender to see jobs
+        self._blocked = False  # the last pull blocked waiting for jobs
         self._paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
 
@@ -141,12 +142,15 @@ class Puller:
                 pulled = False
             finally:
                 self._pulling = False
-            if not pulled:  # until the sender sees jobs waiting (it reads the queues while jobs run), room frees
+            # Until the sender sees jobs waiting (it reads the queues while jobs run), room frees; a pull that
+            # blocked has waited already (a burst arriving as its wait ran out must not wait 50 ms more).
+            if not pulled and not self._blocked:
                 self._wake.wait(1.0 if self.worker.in_flight else 0.05)
                 self._wake.clear()
 
     def _pull_once(self) -> bool:
         """One pull, when one is due; whether it took anything."""
+        self._blocked = False
         w = self.worker
         mono = time.monotonic()
         if w._stop_requested or w._force_stop or mono < self._paused_until or w._is_suspended(mono):
@@ -166,17 +170,21 @@ class Puller:
             worst = max(job.priority for job in held)
             lanes = [(p, q) for p, q in lanes if p < worst]
             limit *= 2
-        room = min(limit - len(held) - (self._handed - self._taken), 256)  # one pipeline takes a GPU batch
+        room = limit - len(held) - (self._handed - self._taken)
         if room <= 0 or not lanes:
             return False
         self._pulling = True
         self._next_pull = mono + 1.0
         block = w.idle_wait_arg() if idle and not self.burst else None
+        # A slice at a time: a burst's first jobs go to the engine before the rest are even read.
+        room = min(room, HAND_OVER)
+        self._blocked = block is not None
         queues = [q for _, q in lanes]
         pulled, unreadable = pull(queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script)
         self.dry = not pulled and not unreadable
-        # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in.
-        self._follow_up = block is not None and not self.dry
+        # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in; a pull
+        # that filled its room leaves more behind.
+        self._follow_up = (block is not None and not self.dry) or len(pulled) + len(unreadable) >= room
         if len(pulled) + len(unreadable) < room:
             w.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
         handed = False
