@@ -515,6 +515,49 @@ def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_j
 
 
 @pytest.mark.redis
+def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url):
+    """Two jobs alike: one started by RQ's own ``Execution.create`` and ``prepare_for_execution``, the other by the
+    worker's ``mark_started`` (its execution ids made in bulk): the same registries, execution records and TTLs."""
+    import uuid
+
+    from redis import Redis
+    from rq.executions import Execution, ExecutionRegistry
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    client = Client(redis_url, queue=name)
+    client.submit_many([{"prompt": "hello", "max_tokens": 4}] * 2)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    (ref, queue), (ours, _) = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)[0]
+    ttl = worker.get_heartbeat_ttl(None)
+    with conn.pipeline() as pipe:
+        ref_execution = Execution.create(ref, ttl, pipeline=pipe, worker_name=worker.name)
+        ref.prepare_for_execution(worker.name, pipeline=pipe)
+        pipe.execute()
+    (execution,) = worker.mark_started([(ours, queue)])
+    assert len(execution.id) == 32 and execution.id != ref_execution.id
+    started = {m.decode() for m in conn.zrange(queue.started_job_registry.key, 0, -1)}
+    assert started == {ref_execution.composite_key, execution.composite_key}
+    assert {m.decode() for m in conn.smembers(execution.worker_executions_key)} == started
+    for job, ex in ((ref, ref_execution), (ours, execution)):
+        assert ExecutionRegistry(job_id=job.id, connection=conn).get_execution_ids() == [ex.id]
+        assert set(conn.hgetall(ex.key)) == set(conn.hgetall(ref_execution.key))
+        assert abs(conn.ttl(ex.key) - conn.ttl(ref_execution.key)) <= 1
+        assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).get_status() == "started"
+
+
+@pytest.mark.redis
 def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis_url):
     """Two jobs alike, started together: one ends through RQ's own methods (``_handle_success``, ``cleanup``,
     ``cleanup_execution``), the other through the worker's writes, in the batch script: the job hashes, RQ's

@@ -15,14 +15,12 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 from __future__ import annotations
 
 import logging
-import os
 import queue as queue_mod
 import signal
 import sys
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -381,16 +379,9 @@ class BatchWorker(BaseWorker):
         # The queues' started registries and this worker's executions set: one ZADD, SADD, EXPIRE for the batch.
         shared = {q.started_job_registry.key for _, q in pulled} | {WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}
         batch = CommandBatch(self.connection, OWNER_FIELD, self.sender.batch_script, merge=tuple(shared))
-        # RQ's Execution.create, with every id from one os.urandom call: one uuid4 a job released the interpreter
-        # lock each time, and this thread then waited for the step loop to give it back (the first burst of a
-        # fresh worker started 70 ms later).
-        random = os.urandom(16 * len(pulled))
-        for i, (job, queue) in enumerate(pulled):
+        for job, queue in pulled:
             pipe = batch.job(job.key)
-            execution_id = uuid.UUID(bytes=random[16 * i : 16 * i + 16], version=4).hex
-            execution = Execution(id=execution_id, job_id=job.id, connection=job.connection, worker_name=self.name)
-            execution._job = job
-            execution.save(ttl=ttl, pipeline=pipe)
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             self.executions[execution.id] = execution
             executions.append(execution)
             job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
