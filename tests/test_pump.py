@@ -45,7 +45,7 @@ class FakeEngine:
             raise ValueError("the prompt has 9999 tokens, but this model allows at most 100")
         if "engine bug" in prompt.get("prompt", ""):
             raise KeyError("engine bug at admission")
-        self.requests[request_id] = {"left": params.max_tokens, "made": 0}
+        self.requests[request_id] = {"left": params.max_tokens, "made": 0, "held": 0}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -55,26 +55,36 @@ class FakeEngine:
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)
-        return None if req is None else self._out(request_id, req, "", [], "abort")
+        return None if req is None else self._out(request_id, req, "abort")
 
     def step(self, flush=True):
+        """One token "t<k>" a request; as the real engine's "delta" outputs, a step with ``flush=False`` gives a
+        request no output between its first and its last (what it made waits for a flushed step)."""
         self.steps += 1
+        time.sleep(self.step_s)
         if self.fail_steps:
             self.fail_steps -= 1
             raise IndexError("injected fault inside a step")
         outs = []
         for rid, req in list(self.requests.items()):
             req["made"] += 1
+            req["held"] += 1
             done = req["made"] >= req["left"]
             if done:
                 del self.requests[rid]
-            outs.append(self._out(rid, req, f"t{req['made']}", [req["made"]], "length" if done else None))
+            if done or flush or req["made"] == 1:
+                outs.append(self._out(rid, req, "length" if done else None))
         return outs
 
+    step_s = 0.0  # how long a step sleeps
+
     @staticmethod
-    def _out(rid, req, text, ids, reason):
+    def _out(rid, req, reason):
+        """What the request made since its last output."""
+        ids = list(range(req["made"] - req["held"] + 1, req["made"] + 1))
+        req["held"] = 0
         completion = CompletionOutput(0, "", list(range(1, req["made"] + 1)), reason)
-        return RequestOutput(rid, None, [1, 2], [completion], reason is not None, text, ids)
+        return RequestOutput(rid, None, [1, 2], [completion], reason is not None, "".join(f"t{i}" for i in ids), ids)
 
 
 def _params(max_tokens=3):
@@ -201,6 +211,25 @@ def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fa
     assert victim.result(timeout=10)["usage"]["completion_tokens"] == 3
     assert victim.rq_job.retries_left == 1
     assert worker.sender.round_trips > 0 and worker.sender._emit is None
+
+
+@pytest.mark.worker_settings(event_interval_ms=20)
+@pytest.mark.parametrize("step_ms", [30, 2], ids=["steps longer than the event interval", "short steps"])
+def test_a_running_jobs_text_goes_out_every_event_interval_whatever_the_step_time(fake_worker, step_ms):
+    """The engine keeps a running job's new text until the worker asks for it, on the step before it sends events:
+    with steps longer than the interval every step's text goes out with it; with short ones, about one event an
+    interval. Either way the text streams while the job runs, and the pieces add up to the result."""
+    _worker, engine, client = fake_worker
+    engine.step_s = step_ms / 1000
+    job = client.submit("stream me", max_tokens=40)
+    result = job.result(timeout=30)
+    events = list(job.events(timeout=5))
+    assert "".join(e["text"] for e in events) == "".join(f"t{i}" for i in range(1, 41))
+    assert [t for e in events for t in e["token_ids"]] == list(range(1, 41)) == result["token_ids"]
+    if step_ms == 30:  # each step ended past the interval: one event a token
+        assert len(events) >= 35, len(events)
+    else:  # 40 steps of 2 ms (and the loop's own time): a few events of several tokens, not one a token
+        assert 3 <= len(events) < 30, len(events)
 
 
 @pytest.mark.worker_settings(max_in_flight=3, max_num_seqs=2)

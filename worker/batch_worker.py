@@ -115,6 +115,7 @@ class BatchWorker(BaseWorker):
         self._next_suspension_check = 0.0
         self._suspended = False
         self._next_hand_over = 0.0
+        self._step_s = 0.0  # how long the last engine step took
         self._next_maintenance = 0.0
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
@@ -259,9 +260,12 @@ class BatchWorker(BaseWorker):
         self._apply_arrivals()
         if self.pump.has_work():
             started = time.perf_counter()
-            # Running jobs' new text is only wanted when the hand-over after this step sends it.
-            events = self.pump.step(flush=time.monotonic() >= self._next_hand_over)
-            self.metrics.step.observe(time.perf_counter() - started)
+            # Running jobs' new text is only wanted when the hand-over after this step sends it: when the hand-over
+            # is due by the time a step like the last one ends (a step longer than the interval flushes each time).
+            flush = time.monotonic() + self._step_s >= self._next_hand_over
+            events = self.pump.step(flush=flush)
+            self._step_s = time.perf_counter() - started
+            self.metrics.step.observe(self._step_s)
             if self._route(events):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
