@@ -92,18 +92,24 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
             assert found == expected
 
 
+def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:
+    """Requests whose outputs the output kinds must agree on: greedy, n sampled samples, a stop string, one that
+    the test aborts."""
+    return {
+        "plain": ("Tell me a story", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+        f"n{n}": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=n)),
+        "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
+        "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+    }
+
+
 def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_before(tiny_chat_model):
     """output_kind="final_only" (vLLM's FINAL_ONLY): a step returns nothing for the request until it ends, then
     the same output a cumulative request ends with, for n samples, a stop string and an abort alike."""
     import dataclasses
 
     engine = LLM(tiny_chat_model, dtype="float32").engine
-    cases = {
-        "plain": ("Tell me a story", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
-        "n3": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=3)),
-        "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
-        "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
-    }
+    cases = _output_kind_cases(n=3)
     ended = {}
     for kind in ("cumulative", "final_only"):
         for name, (prompt, params) in cases.items():
@@ -136,12 +142,7 @@ def test_delta_outputs_add_up_to_the_cumulative_output(tiny_chat_model, flush_ev
     import dataclasses
 
     engine = LLM(tiny_chat_model, dtype="float32").engine
-    cases = {
-        "plain": ("Tell me a story", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
-        "n2": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=2)),
-        "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
-        "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
-    }
+    cases = _output_kind_cases(n=2)
     ended, pieces, running_outputs = {}, {}, {}
     for kind in ("cumulative", "delta"):
         for name, (prompt, params) in cases.items():
