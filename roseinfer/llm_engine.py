@@ -425,9 +425,9 @@ class LLMEngine:
         while the request runs, every sample once it finished (copying n samples' tokens at every token of each
         would cost n^2 per step)."""
         group = self._groups.get(seq.parent_id)
-        if seq.params.output_kind == "delta" and not (
-            seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
-        ):  # the request runs on: what is new, and nothing else (no copy of the whole output at every step)
+        finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
+        if seq.params.output_kind == "delta" and not finished:
+            # The request runs on: what is new, and nothing else (no copy of the whole output at every step).
             piece = CompletionOutput(seq.index, delta_text, delta_ids)
             return RequestOutput(
                 seq.parent_id, seq.prompt, seq.prompt_token_ids, [piece], False, delta_text, delta_ids, seq.index
@@ -455,7 +455,6 @@ class LLMEngine:
                     seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
                 ),
             )
-        finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
         samples = group if group is not None and finished else [seq]
         if finished and group is not None:
             del self._groups[seq.parent_id]

@@ -161,6 +161,18 @@ def test_cancel_and_deadline():
     assert not engine.requests
 
 
+def test_a_cancel_ends_with_what_the_engine_held_since_the_last_flush():
+    """Steps with flush=False leave a running job's new text in the engine: its cancel event carries that text
+    and its token ids, so the stream still adds up to the partial result."""
+    pump = Pump(FakeEngine(), tokenize_in_thread=False)
+    pump.submit("a", {"prompt": "x"}, _params(100))
+    first = pump.step()  # admitted, and its first token out at once
+    held = [pump.step(flush=False) for _ in range(3)]
+    event = pump.cancel("a")
+    assert [(e.text, e.token_ids) for e in first] == [("t1", [1])] and held == [[], [], []]
+    assert (event.finish_reason, event.text, event.token_ids) == ("abort", "t2t3t4", [2, 3, 4])
+
+
 def test_a_deadline_belongs_to_its_job_not_to_an_earlier_one_of_the_same_id():
     pump = Pump(FakeEngine(), tokenize_in_thread=False)
     pump.submit("a", {"prompt": "x"}, _params(100), timeout=0.05)

@@ -150,7 +150,11 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     assert partial["status"] == "canceled" and partial["finish_reason"] == "abort"
     assert 0 < partial["usage"]["completion_tokens"] < 200
     assert job.status() == "canceled"
-    assert list(job.events(timeout=10))[-1]["finish_reason"] == "abort"
+    events = list(job.events(timeout=10))
+    assert events[-1]["finish_reason"] == "abort"
+    # What the stream holds is the partial result, token ids included (those sampled since the last event too).
+    assert "".join(e["text"] for e in events) == partial["text"]
+    assert [t for e in events for t in e["token_ids"]] == partial["token_ids"]
     # RQ's view: no return value (not finished), its latest result a stop holding the partial result.
     latest = job.rq_job.latest_result()
     assert latest.type == Result.Type.STOPPED and latest.return_value == partial

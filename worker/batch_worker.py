@@ -553,7 +553,7 @@ class BatchWorker(BaseWorker):
         del self.in_flight[job.job.id]
         out = event.output
         if out is not None:
-            self.publisher.add(job.stream, event.text, [], "abort", usage(out), index=event.index)
+            self.publisher.add(job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index)
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
 
         def end() -> None:
@@ -591,9 +591,8 @@ class BatchWorker(BaseWorker):
         else:
             error = JobRejected(event.error)
         if not retrying:
-            self.publisher.add(
-                job.stream, event.text, [], "error", usage(event.output) if event.output else {}, str(error)
-            )
+            end_usage = usage(event.output) if event.output else {}
+            self.publisher.add(job.stream, event.text, event.token_ids, "error", end_usage, str(error))
         else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
             self.publisher.expedite(job.stream)
 

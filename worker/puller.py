@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("roseinfer.worker")
 
-HAND_OVER = 64  # jobs of a pull handed to the step loop at a time
+HAND_OVER = 64  # jobs a pull takes at most, handed to the step loop together
 
 
 @dataclass
@@ -187,16 +187,13 @@ class Puller:
         self._follow_up = (block is not None and not self.dry) or len(pulled) + len(unreadable) >= room
         if len(pulled) + len(unreadable) < room:
             w.sender.queued = 0  # the queue ran dry: no more pulls until the sender sees jobs again
-        handed = False
-        # Handed over a slice at a time: the engine starts on a burst's first jobs while the rest are marked started.
-        for start in range(0, max(len(pulled), 1), HAND_OVER):
-            arrivals = self.read(pulled[start : start + HAND_OVER], unreadable if start == 0 else [])
-            if arrivals:
-                self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
-                self._arrivals.put(arrivals)
-                self._arrived.set()
-                handed = True
-        return handed
+        arrivals = self.read(pulled, unreadable)
+        if not arrivals:
+            return False
+        self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
+        self._arrivals.put(arrivals)
+        self._arrived.set()
+        return True
 
     def read(self, pulled: list[tuple[Job, Queue]], unreadable: list[Unreadable] = ()) -> list:
         """The arrivals of jobs just taken off the queues: jobs to run marked started, their payloads checked."""

@@ -136,9 +136,11 @@ class Pump:
             return None
         self._waiting.pop(job_id, None)
         out = self.engine.abort_request(job_id) if job.admitted else None
-        text = out.delta_text if out is not None else ""
-        index = out.delta_index if out is not None else 0
-        return JobEvent(job_id, text, [], "abort" if reason is None else "error", out, reason, index=index)
+        finish = "abort" if reason is None else "error"
+        if out is None:
+            return JobEvent(job_id, finish_reason=finish, error=reason)
+        # What it made since its last event (a step with flush=False holds it in the engine) ends with it.
+        return JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index)
 
     def step(self, flush: bool = True) -> list[JobEvent]:
         """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all.
