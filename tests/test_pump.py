@@ -270,9 +270,11 @@ def test_the_puller_takes_jobs_only_as_far_as_the_worker_has_room(fake_worker):
 
 
 @pytest.mark.worker_settings(max_in_flight=300, max_num_seqs=300)
-def test_a_burst_is_handed_to_the_engine_in_slices_in_the_order_it_was_queued(fake_worker):
-    """A pull of 150 jobs reaches the step loop a slice at a time (the engine starts on the first while the rest
-    are marked started), every job once and in queue order."""
+@pytest.mark.parametrize("busy", [False, True], ids=["idle worker", "busy worker"])
+def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake_worker, busy):
+    """150 jobs queued at once: an idle worker hands them to the engine in one pull (one prefill starts them all);
+    one whose engine is stepping hands them over a slice at a time (the engine starts on the first while the rest
+    are marked started). Either way every job once, in queue order."""
     from worker.puller import HAND_OVER
 
     worker, engine, client = fake_worker
@@ -289,11 +291,24 @@ def test_a_burst_is_handed_to_the_engine_in_slices_in_the_order_it_was_queued(fa
 
     def read(pulled, unreadable=()):
         arrivals = real_read(pulled, unreadable)
-        handed.append(len(arrivals))
+        if arrivals:
+            handed.append(len(arrivals))
         return arrivals
 
     worker.puller.read = read
+    first = []
+    if busy:
+        engine.step_s = 0.002
+        first = [client.submit("a long one", max_tokens=2000)]
+        next(iter(first[0].events(timeout=10)))  # it runs
     jobs = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3} for i in range(150)])
     assert [r["usage"]["completion_tokens"] for r in (job.result(timeout=30) for job in jobs)] == [3] * 150
-    assert admitted == [job.id for job in jobs]
-    assert max(handed) <= HAND_OVER < 150 and sum(handed) == 150
+    assert admitted == [job.id for job in first + jobs]
+    handed = handed[len(first) :] if busy else handed
+    assert sum(handed) == 150
+    if busy:
+        assert max(handed) <= HAND_OVER < 150
+    else:
+        assert handed == [150]
+    for job in first:
+        job.cancel()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("roseinfer.worker")
 
-HAND_OVER = 64  # jobs a pull takes at most, handed to the step loop together
+HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step loop together
 
 
 @dataclass
@@ -176,8 +176,11 @@ class Puller:
         self._pulling = True
         self._next_pull = mono + 1.0
         block = w.idle_wait_arg() if idle and not self.burst else None
-        # A slice at a time: a burst's first jobs go to the engine before the rest are even read.
-        room = min(room, HAND_OVER)
+        # While jobs run, a slice at a time, so new jobs reach the engine before the rest are read. An idle worker
+        # loses no step while it reads: it takes the whole burst, and one prefill starts them all (in slices, the
+        # steps of the first ones and the reading of the rest slowed each other down: 0.76 s -> 0.96 s, 256 jobs).
+        if not idle:
+            room = min(room, HAND_OVER)
         self._blocked = block is not None
         queues = [q for _, q in lanes]
         pulled, unreadable = pull(queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script)
