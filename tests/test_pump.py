@@ -269,6 +269,25 @@ def test_the_puller_takes_jobs_only_as_far_as_the_worker_has_room(fake_worker):
     assert max(waiting) >= 12 - 3  # not all taken at once
 
 
+def test_a_worker_whose_last_results_are_sent_looks_for_jobs_at_once(fake_worker, monkeypatch):
+    """Once its last job's results are sent, a worker with nothing in flight wakes its puller, which then blocks on
+    the queues. Before, the pull after a job's end could not block (the results were still being sent) and the
+    next look came ``LOOK_AGAIN_S`` later: a burst arriving meanwhile waited for it (here made 60 s to show it)."""
+    import worker.puller
+
+    bw, _engine, client = fake_worker
+    monkeypatch.setattr(worker.puller, "LOOK_AGAIN_S", 60.0)
+    real_send = bw.sender._send_until_done
+
+    def slow_send(batches) -> None:  # a job's results still being sent when the puller looks after its end
+        time.sleep(0.2)
+        real_send(batches)
+
+    monkeypatch.setattr(bw.sender, "_send_until_done", slow_send)
+    for prompt in ("one", "two", "three"):  # each submitted as the one before ends
+        assert client.submit(prompt, max_tokens=3).result(timeout=10)["usage"]["completion_tokens"] == 3
+
+
 @pytest.mark.worker_settings(max_in_flight=300, max_num_seqs=300)
 @pytest.mark.parametrize("busy", [False, True], ids=["idle worker", "busy worker"])
 def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake_worker, busy):

@@ -122,6 +122,9 @@ class BatchWorker(BaseWorker):
         self._heartbeat = Heartbeat(self)
         self.puller = Puller(self)
         self.sender.on_jobs_waiting = self.puller.wake
+        # A worker goes idle once its last results are sent: its puller then blocks on the queues at once, rather
+        # than look again 50 ms later (a burst that came as the last job ended waited for that look).
+        self.sender.on_idle = lambda: None if self.in_flight else self.puller.wake()
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])

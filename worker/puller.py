@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("roseinfer.worker")
 
 HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step loop together
+LOOK_AGAIN_S = 0.05  # after a pull that could not block and found nothing, with no job in flight
 
 
 @dataclass
@@ -145,7 +146,7 @@ class Puller:
             # Until the sender sees jobs waiting (it reads the queues while jobs run), room frees; a pull that
             # blocked has waited already (a burst arriving as its wait ran out must not wait 50 ms more).
             if not pulled and not self._blocked:
-                self._wake.wait(1.0 if self.worker.in_flight else 0.05)
+                self._wake.wait(1.0 if self.worker.in_flight else LOOK_AGAIN_S)
                 self._wake.clear()
 
     def _pull_once(self) -> bool:

@@ -131,6 +131,7 @@ class Sender:
         self.queued_by_key: dict[str, int] = {}  # jobs waiting per queue key, as last read
         self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
         self.on_jobs_waiting: Callable[[], None] | None = None  # called when a round trip saw jobs in the queues
+        self.on_idle: Callable[[], None] | None = None  # called when everything handed over is sent
         self.status_interval = status_interval
         self._next_status_read = 0.0
         self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
@@ -222,6 +223,8 @@ class Sender:
                 self._send_until_done(batches)
                 if self._queue.empty():
                     self._idle.set()
+                    if self.on_idle is not None:
+                        self.on_idle()
         except BaseException as exc:  # a bug here must not leave the step loop waiting forever
             log.exception("the sender thread stopped")
             self.error = exc
