@@ -122,9 +122,7 @@ class BatchWorker(BaseWorker):
         self._heartbeat = Heartbeat(self)
         self.puller = Puller(self)
         self.sender.on_jobs_waiting = self.puller.wake
-        # A worker goes idle once its last results are sent: its puller then blocks on the queues at once, rather
-        # than look again 50 ms later (a burst that came as the last job ended waited for that look).
-        self.sender.on_idle = lambda: None if self.in_flight else self.puller.wake()
+        self.sender.on_idle = self._on_sender_idle
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])
@@ -133,6 +131,12 @@ class BatchWorker(BaseWorker):
         self.sender.on_round_trip = self.metrics.redis_rtt.observe
 
     # ----- RQ hooks ----------------------------------------------------------------------------------
+    def _on_sender_idle(self) -> None:
+        """Everything sent: with nothing in flight the puller blocks on the queues now, rather than look again
+        ``LOOK_AGAIN_S`` later (the pull after the last job's end could not block while its results went out)."""
+        if not self.in_flight:
+            self.puller.wake()
+
     def _set_ip_address(self, connection: redis.Redis) -> None:
         try:
             super()._set_ip_address(connection)
