@@ -515,9 +515,11 @@ def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_j
 
 
 @pytest.mark.redis
-def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url):
+@pytest.mark.parametrize("scripted", [True, False], ids=["one script", "RQ's objects (Redis without Lua)"])
+def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, scripted):
     """Two jobs alike: one started by RQ's own ``Execution.create`` and ``prepare_for_execution``, the other by the
-    worker's ``mark_started`` (its execution ids made in bulk): the same registries, execution records and TTLs."""
+    worker's ``mark_started`` (by one script, or through RQ's objects where Redis runs no Lua): the same
+    registries and scores, execution records, job hash fields, TTLs, and the same job objects afterwards."""
     import uuid
 
     from redis import Redis
@@ -526,8 +528,10 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url):
     from rq.serializers import JSONSerializer
 
     from producer import Client
+    from producer.protocol import OWNER_FIELD
     from worker.batch_worker import BatchWorker
     from worker.intake import pull
+    from worker.job_start import register
     from worker.settings import WorkerSettings
 
     class Engine:
@@ -539,22 +543,47 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url):
     client.submit_many([{"prompt": "hello", "max_tokens": 4}] * 2)
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
+    worker.sender.start_script = register(conn) if scripted else None
     (ref, queue), (ours, _) = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)[0]
     ttl = worker.get_heartbeat_ttl(None)
+    for job in (ref, ours):
+        conn.expire(job.key, 1000)  # a job with a TTL of its own keeps its hash while it runs
     with conn.pipeline() as pipe:
         ref_execution = Execution.create(ref, ttl, pipeline=pipe, worker_name=worker.name)
         ref.prepare_for_execution(worker.name, pipeline=pipe)
+        pipe.persist(ref.key)
+        pipe.lrem(queue.intermediate_queue_key, 1, ref.id)
         pipe.execute()
     (execution,) = worker.mark_started([(ours, queue)])
     assert len(execution.id) == 32 and execution.id != ref_execution.id
-    started = {m.decode() for m in conn.zrange(queue.started_job_registry.key, 0, -1)}
-    assert started == {ref_execution.composite_key, execution.composite_key}
-    assert {m.decode() for m in conn.smembers(execution.worker_executions_key)} == started
+    assert worker.executions[execution.id] is execution and execution.job_id == ours.id
+    started = dict(conn.zrange(queue.started_job_registry.key, 0, -1, withscores=True))
+    assert {m.decode() for m in started} == {ref_execution.composite_key, execution.composite_key}
+    assert abs(started[execution.composite_key.encode()] - started[ref_execution.composite_key.encode()]) <= 1
+    assert {m.decode() for m in conn.smembers(execution.worker_executions_key)} == set(map(bytes.decode, started))
+    assert conn.ttl(execution.worker_executions_key) >= ttl + 59  # the worker's heartbeat keeps it longer
+    assert conn.llen(queue.intermediate_queue_key) == 0
+    ref_record = conn.hgetall(ref_execution.key)
     for job, ex in ((ref, ref_execution), (ours, execution)):
-        assert ExecutionRegistry(job_id=job.id, connection=conn).get_execution_ids() == [ex.id]
-        assert set(conn.hgetall(ex.key)) == set(conn.hgetall(ref_execution.key))
+        registry = ExecutionRegistry(job_id=job.id, connection=conn)
+        assert registry.get_execution_ids() == [ex.id]
+        assert abs(conn.ttl(registry.key) - conn.ttl(ExecutionRegistry(ref.id, conn).key)) <= 1
+        record = conn.hgetall(ex.key)
+        assert set(record) == set(ref_record)
+        assert record[b"worker_name"] == worker.name.encode() and record[b"job_id"] == job.id.encode()
+        assert abs(float(record[b"created_at"]) - float(ref_record[b"created_at"])) < 5
         assert abs(conn.ttl(ex.key) - conn.ttl(ref_execution.key)) <= 1
-        assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).get_status() == "started"
+        assert conn.ttl(job.key) == -1
+        fetched = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+        assert fetched.get_status() == "started" and fetched.worker_name == worker.name
+        assert abs((fetched.started_at - ref.started_at).total_seconds()) < 5
+        assert fetched.last_heartbeat == fetched.started_at
+        # The objects the worker keeps say what Redis says.
+        assert job.get_status(refresh=False) == "started" and job.worker_name == worker.name
+        assert Execution.fetch(ex.id, job.id, conn).job_id == job.id
+    ref_fields, our_fields = conn.hgetall(ref.key), conn.hgetall(ours.key)
+    assert set(our_fields) == set(ref_fields) | {OWNER_FIELD.encode()}
+    assert our_fields[OWNER_FIELD.encode()] == execution.id.encode()
 
 
 @pytest.mark.redis

@@ -45,6 +45,8 @@ from producer.schema import JobRequest
 from worker.command_batch import CommandBatch
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, quarantine
+from worker.job_start import register as register_start_script
+from worker.job_start import start_jobs
 from worker.jobs import (
     JobRejected,
     JobStopped,
@@ -383,9 +385,24 @@ class BatchWorker(BaseWorker):
         self.puller.applied(arrivals)
 
     def mark_started(self, pulled: list[tuple[Job, Queue]]) -> list[Execution]:
-        """RQ's prepare_execution + prepare_job_execution for every pulled job, in one pipeline (and without
+        """RQ's prepare_execution + prepare_job_execution for every pulled job, in one round trip (and without
         touching the job's data, which may be unreadable: that job then fails properly)."""
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        script = self.sender.start_script
+        if script is not None:  # one script writes what RQ's objects would
+            for attempt in (1, 2):
+                with self.connection.pipeline(transaction=False) as pipe:
+                    executions = start_jobs(script, pipe, pulled, self.name, ttl, OWNER_FIELD)
+                    self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
+                    try:
+                        pipe.execute()
+                    except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, start again
+                        if attempt == 2:
+                            raise
+                        script = self.sender.start_script = register_start_script(self.connection)
+                        continue
+                self.executions.update((execution.id, execution) for execution in executions)
+                return executions
         executions = []
         # The queues' started registries and this worker's executions set: one ZADD, SADD, EXPIRE for the batch.
         shared = {q.started_job_registry.key for _, q in pulled} | {WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}

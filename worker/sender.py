@@ -23,6 +23,7 @@ from redis import Redis
 from redis.exceptions import NoScriptError
 from rq.job import Job
 
+from worker import job_start
 from worker.command_batch import CommandBatch
 from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
@@ -138,6 +139,7 @@ class Sender:
         self.renew_script = None
         self.batch_script = None  # runs many jobs' RQ bookkeeping in one call (``CommandBatch``)
         self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
+        self.start_script = None  # starts pulled jobs as RQ would (``job_start``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
         self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
         self._next_birth_check = 0.0
@@ -169,6 +171,7 @@ class Sender:
         self.batch_script = CommandBatch.register(self.connection)
         self.move_script = self.connection.register_script(MOVE_SCRIPT)
         self.connection.script_load(MOVE_SCRIPT)
+        self.start_script = job_start.register(self.connection)
 
     @property
     def runs_scripts(self) -> bool:
