@@ -103,17 +103,23 @@ def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:
     }
 
 
+def _add_cases(engine, cases: dict[str, tuple[str, SamplingParams]], kind: str) -> None:
+    """Every case as a request of output kind ``kind``, its id ``<kind>-<case>``."""
+    import dataclasses
+
+    for name, (prompt, params) in cases.items():
+        engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
+
+
 def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_before(tiny_chat_model):
     """output_kind="final_only" (vLLM's FINAL_ONLY): a step returns nothing for the request until it ends, then
     the same output a cumulative request ends with, for n samples, a stop string and an abort alike."""
-    import dataclasses
 
     engine = LLM(tiny_chat_model, dtype="float32").engine
     cases = _output_kind_cases(n=3)
     ended = {}
     for kind in ("cumulative", "final_only"):
-        for name, (prompt, params) in cases.items():
-            engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
+        _add_cases(engine, cases, kind)
         steps = 0
         while engine.has_unfinished_requests():
             steps += 1
@@ -139,14 +145,12 @@ def test_delta_outputs_add_up_to_the_cumulative_output(tiny_chat_model, flush_ev
     """output_kind="delta": each output holds only what is new; steps with flush=False give a running request
     none after its first, and what it added comes with the next flushed step, its end or its abort. The pieces
     add up to what a cumulative request ends with (text and token ids), for a stop string, n samples and an abort."""
-    import dataclasses
 
     engine = LLM(tiny_chat_model, dtype="float32").engine
     cases = _output_kind_cases(n=2)
     ended, pieces, running_outputs = {}, {}, {}
     for kind in ("cumulative", "delta"):
-        for name, (prompt, params) in cases.items():
-            engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
+        _add_cases(engine, cases, kind)
         steps = 0
         while engine.has_unfinished_requests():
             steps += 1

@@ -515,11 +515,15 @@ def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_j
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("scripted", [True, False], ids=["one script", "RQ's objects (Redis without Lua)"])
-def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, scripted):
+@pytest.mark.parametrize(
+    "way", ["script", "script forgotten", "objects"],
+    ids=["one script", "one script Redis forgot (reloaded)", "RQ's objects (Redis without Lua)"],
+)  # fmt: skip
+def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way):
     """Two jobs alike: one started by RQ's own ``Execution.create`` and ``prepare_for_execution``, the other by the
-    worker's ``mark_started`` (by one script, or through RQ's objects where Redis runs no Lua): the same
-    registries and scores, execution records, job hash fields, TTLs, and the same job objects afterwards."""
+    worker's ``mark_started`` (by one script, loaded again if Redis forgot it, or through RQ's objects where Redis
+    runs no Lua): the same registries and scores, execution records, job hash fields, TTLs, and the same job
+    objects afterwards."""
     import uuid
 
     from redis import Redis
@@ -543,7 +547,9 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, scr
     client.submit_many([{"prompt": "hello", "max_tokens": 4}] * 2)
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    worker.sender.start_script = register(conn) if scripted else None
+    worker.sender.start_script = None if way == "objects" else register(conn)
+    if way == "script forgotten":
+        conn.script_flush()  # as a restarted Redis without persistence
     (ref, queue), (ours, _) = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)[0]
     ttl = worker.get_heartbeat_ttl(None)
     for job in (ref, ours):

@@ -388,21 +388,12 @@ class BatchWorker(BaseWorker):
         """RQ's prepare_execution + prepare_job_execution for every pulled job, in one round trip (and without
         touching the job's data, which may be unreadable: that job then fails properly)."""
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
-        script = self.sender.start_script
-        if script is not None:  # one script writes what RQ's objects would
-            for attempt in (1, 2):
-                with self.connection.pipeline(transaction=False) as pipe:
-                    executions = start_jobs(script, pipe, pulled, self.name, ttl, OWNER_FIELD)
-                    self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-                    try:
-                        pipe.execute()
-                    except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, start again
-                        if attempt == 2:
-                            raise
-                        script = self.sender.start_script = register_start_script(self.connection)
-                        continue
-                self.executions.update((execution.id, execution) for execution in executions)
-                return executions
+        if self.sender.start_script is not None:  # one script writes what RQ's objects would
+            try:
+                return self._start_by_script(pulled, ttl)
+            except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, start again
+                self.sender.start_script = register_start_script(self.connection)
+                return self._start_by_script(pulled, ttl)
         executions = []
         # The queues' started registries and this worker's executions set: one ZADD, SADD, EXPIRE for the batch.
         shared = {q.started_job_registry.key for _, q in pulled} | {WORKER_EXECUTIONS_KEY_TEMPLATE.format(self.name)}
@@ -419,6 +410,14 @@ class BatchWorker(BaseWorker):
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=batch.job(self.key))
         batch.run()
+        return executions
+
+    def _start_by_script(self, pulled: list[tuple[Job, Queue]], ttl: int) -> list[Execution]:
+        with self.connection.pipeline(transaction=False) as pipe:
+            executions = start_jobs(self.sender.start_script, pipe, pulled, self.name, ttl, OWNER_FIELD)
+            self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
+            pipe.execute()
+        self.executions.update((execution.id, execution) for execution in executions)
         return executions
 
     # ----- what a step produced -------------------------------------------------------------------------
