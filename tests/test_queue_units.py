@@ -435,86 +435,6 @@ def test_events_are_published_only_where_someone_listens_and_always_streamed(red
 
 
 @pytest.mark.redis
-def test_a_command_batch_runs_each_jobs_commands_as_a_pipeline_would_and_skips_jobs_owned_elsewhere(redis_url):
-    """RQ's methods write onto the batch's pipeline; one script call runs them: the same state as executing that
-    pipeline, except for a job another attempt owns (or requeued), or whose must-be-absent key exists, whose
-    commands do not run. Commands on shared keys become one per batch, with the same outcome."""
-    import uuid
-
-    from redis import Redis
-
-    from producer.protocol import OWNER_FIELD
-    from worker.command_batch import CommandBatch
-
-    conn = Redis.from_url(redis_url)
-    tag = uuid.uuid4().hex[:8]
-
-    def write(pipe, name: str, prefix: str) -> None:
-        key = f"{prefix}:{name}"
-        pipe.hset(f"{key}:h", mapping={"status": "finished", "n": 1.5, "text": "caf\u00e9 \U0001f600"})
-        pipe.hincrbyfloat(f"{key}:h", "n", 0.25)
-        pipe.zadd(f"{key}:z", {name: 12.5})
-        pipe.xadd(f"{key}:s", {"type": 1, "v": b"\x00\xff"}, maxlen=10, approximate=True)
-        pipe.set(f"{key}:r", "x" * 3000, ex=100)
-        pipe.expire(f"{key}:h", 200)
-        pipe.sadd(f"{key}:set", "a", "b")
-        pipe.srem(f"{key}:set", "a")
-        shared = f"{prefix}:shared"  # keys every job writes
-        pipe.zadd(f"{shared}:z", {name: len(name) + 0.5})
-        pipe.zadd(f"{shared}:z", {"x" + name: 1}, xx=True)  # with a flag: left as it is
-        pipe.sadd(f"{shared}:set", name, name + "2")
-        pipe.srem(f"{shared}:gone", name)
-        pipe.hincrby(f"{shared}:h", "jobs", 1)
-        pipe.hincrbyfloat(f"{shared}:h", "time", len(name) / 8)
-        pipe.expire(f"{shared}:set", 300)
-
-    def state(prefix: str, name: str) -> list:
-        key = f"{prefix}:{name}"
-        stream = [fields for _id, fields in conn.xrange(f"{key}:s")]
-        return [conn.hgetall(f"{key}:h"), conn.zrange(f"{key}:z", 0, -1, withscores=True), stream,
-                conn.get(f"{key}:r"), conn.ttl(f"{key}:h") > 100, conn.smembers(f"{key}:set")]  # fmt: skip
-
-    def shared_state(prefix: str) -> list:
-        shared = f"{prefix}:shared"
-        ttl = conn.ttl(f"{shared}:set")
-        return [conn.zrange(f"{shared}:z", 0, -1, withscores=True), conn.smembers(f"{shared}:set"),
-                conn.smembers(f"{shared}:gone"), conn.hgetall(f"{shared}:h"), 290 < ttl <= 300]  # fmt: skip
-
-    names = ["ours", "gone", "elsewhere", "requeued", "unchecked", "blocked"]
-    runs = ["ours", "gone", "unchecked"]
-    conn.hset(f"rq:job:{tag}-ours", mapping={OWNER_FIELD: "me", "status": "started"})
-    conn.hset(f"rq:job:{tag}-elsewhere", mapping={OWNER_FIELD: "another", "status": "started"})
-    conn.hset(f"rq:job:{tag}-requeued", mapping={OWNER_FIELD: "me", "status": "queued"})
-    conn.hset(f"rq:job:{tag}-blocked", mapping={OWNER_FIELD: "me", "status": "started"})
-    conn.set(f"{tag}:present", 1)
-    for prefix in (f"{tag}:ref", f"{tag}:run"):
-        conn.sadd(f"{prefix}:shared:gone", *names, "other")
-    try:
-        with conn.pipeline() as pipe:  # the reference: the same commands as one transaction
-            for name in runs:
-                write(pipe, name, f"{tag}:ref")
-            pipe.execute()
-        merge = tuple(f"{tag}:run:shared:{k}" for k in ("z", "set", "gone", "h"))
-        batch = CommandBatch(conn, OWNER_FIELD, CommandBatch.register(conn), merge=merge)
-        for name in names:
-            owner = "" if name == "unchecked" else "me"
-            absent = f"{tag}:present" if name == "blocked" else f"{tag}:absent"
-            write(batch.job(f"rq:job:{tag}-{name}", owner, absent), name, f"{tag}:run")
-        conn.config_resetstat()
-        assert batch.run() == ([2, 3], [5])
-        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
-        for name in names:
-            expected = state(f"{tag}:ref", name) if name in runs else state(f"{tag}:none", name)
-            assert state(f"{tag}:run", name) == expected, name
-        assert shared_state(f"{tag}:run") == shared_state(f"{tag}:ref")
-        # Each job's own 9 (3 run), the checks (5 owners, 4 absent keys); the shared 6 once (the flagged ZADD: 3).
-        assert calls["zadd"] == 3 + 1 + 3 and calls["sadd"] == 3 + 1 and calls["hincrby"] == 1, calls
-        assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 9 * 3 + 5 + 4 + 6, calls
-    finally:
-        conn.delete(*conn.keys(f"{tag}*"), *conn.keys(f"rq:job:{tag}-*"))
-
-
-@pytest.mark.redis
 @pytest.mark.parametrize(
     "way", ["script", "script forgotten", "objects"],
     ids=["one script", "one script Redis forgot (reloaded)", "RQ's objects (Redis without Lua)"],
@@ -593,10 +513,16 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
 
 
 @pytest.mark.redis
-def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis_url):
-    """Two jobs alike, started together: one ends through RQ's own methods (``_handle_success``, ``cleanup``,
-    ``cleanup_execution``), the other through the worker's writes, in the batch script: the job hashes, RQ's
-    result streams, registries, executions, TTLs and worker counters match, and RQ's readers see the same."""
+@pytest.mark.parametrize(
+    "way", ["script", "script forgotten", "transaction"],
+    ids=["one script", "one script Redis forgot (reloaded)", "a transaction (Redis without Lua)"],
+)  # fmt: skip
+def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis_url, way):
+    """Jobs alike, started together: one ends through RQ's own methods (``_handle_success``, ``cleanup``,
+    ``cleanup_execution``), two through the worker's writes (one script, loaded again if Redis forgot it, or a
+    transaction where Redis runs no Lua): the job hashes, RQ's result streams, registries, executions, TTLs and
+    worker counters match, and RQ's readers see the same. A job another attempt owns now gets no write, and one
+    that got dependents is left to RQ's own path (which enqueues them)."""
     import uuid
     from datetime import datetime
 
@@ -611,8 +537,8 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     from producer.protocol import OWNER_FIELD
     from producer.schema import JobRequest
     from worker.batch_worker import BatchWorker, InFlight
-    from worker.command_batch import CommandBatch
     from worker.intake import pull
+    from worker.job_finish import register
     from worker.publisher import JobStream
     from worker.settings import WorkerSettings
 
@@ -623,13 +549,15 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     name = f"q-{uuid.uuid4().hex[:8]}"
     client = Client(redis_url, queue=name, result_ttl=900)
     payload = {"prompt": "hello", "max_tokens": 4}
-    jobs = client.submit_many([payload, payload, payload])
+    jobs = client.submit_many([payload] * 5)
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    pulled, bad = pull([worker.queues[0]], 3, None, conn, Job, JSONSerializer)
+    pulled, bad = pull([worker.queues[0]], 5, None, conn, Job, JSONSerializer)
     assert not bad and [j.id for j, _ in pulled] == [job.id for job in jobs]
-    (ref, queue), (ours, _), (ours2, _) = pulled
+    (ref, queue), (ours, _), (ours2, _), (taken, _), (parent, _) = pulled
     executions = worker.mark_started(pulled)
+    conn.hset(taken.key, OWNER_FIELD, "another-attempt")  # requeued and started elsewhere meanwhile
+    conn.sadd(parent.dependents_key, "a-child-job")
     result = {"status": "finished", "text": "ok \u00e9", "token_ids": [1, 2]}
     ended = now()
 
@@ -647,11 +575,20 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
         pipe.execute()
     held = [
         InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
-        for job, execution in zip((ours, ours2), executions[1:])
+        for job, execution in zip((ours, ours2, taken, parent), executions[1:])
     ]
-    worker.sender.batch_script = CommandBatch.register(conn)
+    worker.sender.finish_script = None if way == "transaction" else register(conn)
+    if way == "script forgotten":
+        conn.script_flush()  # as a restarted Redis without persistence
+    others = [(h, result) for h in held[2:]]
+    assert worker._succeed_plain(others, ended) == ([], others[1:])
+    for job in (taken, parent):
+        assert conn.hget(job.key, "status") == b"started" and not conn.exists(Result.get_key(job.id))
+    assert conn.hget(taken.key, OWNER_FIELD) == b"another-attempt"
+    assert not conn.exists(executions[3].key)  # only this attempt's own record of it went
+    assert conn.exists(executions[4].key)  # RQ's path ends it (and enqueues its dependents)
     conn.config_resetstat()
-    plain = [(h, result) for h in held]
+    plain = [(h, result) for h in held[:2]]
     assert worker._succeed_plain(plain, ended) == (plain, [])
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in conn.info("commandstats").items()}
 
@@ -684,18 +621,20 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     assert len(fields[1][b"return_value"]) < len(fields[0][b"return_value"])
     assert not conn.keys("roseinfer:result:*")
     finished = FinishedJobRegistry(name, connection=conn)
-    assert sorted(finished.get_job_ids()) == sorted(j.id for j in jobs)
-    # Per job: the owner and dependents checks, hash, RQ's result and its TTL, job TTL, its execution
-    # in the job's registry; the finished and started registries, the worker's executions, the execution hashes
-    # and two counters: one command each for the batch.
-    assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 7 * 2 + 6, calls
+    assert sorted(finished.get_job_ids()) == sorted(j.id for j in (ref, ours, ours2))
+    if way != "transaction":
+        # Per job: the owner and dependents checks, hash, RQ's result and its TTL, job TTL, its execution in the
+        # job's registry; the finished and started registries, the worker's executions, the execution hashes and
+        # two counters: one command each for the batch.
+        assert sum(calls.values()) - calls["evalsha"] - calls["config|resetstat"] == 7 * 2 + 6, calls
     scores = [conn.zscore(finished.key, j.id) for j in (ref, ours, ours2)]
     assert max(scores) - min(scores) <= 1
-    assert StartedJobRegistry(name, connection=conn).get_job_ids() == []
-    for execution in executions:
+    assert StartedJobRegistry(name, connection=conn).get_job_ids() == [parent.id]
+    for execution in executions[:4]:
         assert not conn.exists(execution.key)
         assert not conn.zscore(f"rq:executions:{execution.job_id}", execution.id)
-    assert not conn.smembers(f"rq:worker:{worker.name}:executions")
+    members = conn.smembers(f"rq:worker:{worker.name}:executions")
+    assert members == {executions[4].composite_key.encode()}
     assert int(conn.hget(worker.key, "successful_job_count")) == 3
     working = float(conn.hget(worker.key, "total_working_time"))
     assert abs(working - sum((ended - j.started_at).total_seconds() for j in (ref, ours, ours2))) < 1e-6

@@ -23,8 +23,7 @@ from redis import Redis
 from redis.exceptions import NoScriptError
 from rq.job import Job
 
-from worker import job_start
-from worker.command_batch import CommandBatch
+from worker import job_finish, job_start
 from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE
 from worker.publisher import Event, Publisher
 
@@ -137,7 +136,7 @@ class Sender:
         self._next_status_read = 0.0
         self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
         self.renew_script = None
-        self.batch_script = None  # runs many jobs' RQ bookkeeping in one call (``CommandBatch``)
+        self.finish_script = None  # ends finished jobs as RQ would (``job_finish``)
         self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
         self.start_script = None  # starts pulled jobs as RQ would (``job_start``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
@@ -168,7 +167,7 @@ class Sender:
         self._emit = self.connection.register_script(_EMIT)
         self.renew_script = self.connection.register_script(_RENEW)
         self.connection.script_load(_EMIT)
-        self.batch_script = CommandBatch.register(self.connection)
+        self.finish_script = job_finish.register(self.connection)
         self.move_script = self.connection.register_script(MOVE_SCRIPT)
         self.connection.script_load(MOVE_SCRIPT)
         self.start_script = job_start.register(self.connection)
