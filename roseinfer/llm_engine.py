@@ -185,7 +185,7 @@ class LLMEngine:
                 results[i] = exc
         for special, items in batches.items():
             if items:
-                encoded = tokenizer([text for _, text, _ in items], add_special_tokens=special)["input_ids"]
+                encoded = _encode_batch(tokenizer, [text for _, text, _ in items], special)
                 for (i, _, kept), ids in zip(items, encoded):
                     results[i] = (kept, list(ids))
         return results
@@ -487,3 +487,14 @@ class LLMEngine:
                 sum(s.num_preemptions for s in samples),
             ),
         )
+
+
+def _encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The token ids of ``texts``, as ``tokenizer(texts)`` gives them. A fast tokenizer's Rust side is called
+    directly (without offsets), which halves the cost of a burst of short prompts; where its backend truncates or
+    pads (the transformers call turns both off first), through the transformers call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    encode = getattr(backend, "encode_batch_fast", None)
+    if encode is None or backend.truncation is not None or backend.padding is not None:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]

@@ -1,5 +1,7 @@
 """Bad requests are refused at submission with a clear error; the engine keeps serving the others."""
 
+import copy
+
 import pytest
 
 from roseinfer import LLM, EngineConfig, SamplingParams
@@ -90,6 +92,11 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
             assert isinstance(found, ValueError) and str(found) == str(exc)
         else:
             assert found == expected
+    # A backend left truncating (transformers' own call turns that off): the whole prompt all the same.
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.backend_tokenizer.enable_truncation(3)
+    long = "Once upon a time there was a cat"
+    assert engine.tokenize_many([long], tokenizer) == [engine.tokenize(long)] and len(engine.tokenize(long)[1]) > 3
 
 
 def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:
