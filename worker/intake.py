@@ -64,6 +64,14 @@ return ids
 """
 
 
+def load_script(connection: redis.Redis, source: str):
+    """``source`` registered and loaded now: called by its SHA from then on (a pipeline holding a registered script
+    would ask SCRIPT EXISTS first, a round trip more at every call)."""
+    script = connection.register_script(source)
+    connection.script_load(source)
+    return script
+
+
 def pull(
     queues: list[Queue],
     limit: int,

@@ -22,6 +22,7 @@ from rq.results import Result
 from rq.utils import current_timestamp, utcformat
 
 from producer.protocol import done_key, result_key
+from worker.intake import load_script
 
 # ARGV: the field naming a job's owner, RQ's time stamp of the end, the worker's name, the end as a float (the
 # result's execution_ended_at), the worker's hash, the worker's executions set, the result entry's type, the TTL of
@@ -90,9 +91,7 @@ _PER_JOB = 17
 
 def register(connection: Redis) -> Any:
     """The script, loaded (called by its SHA from then on)."""
-    script = connection.register_script(_FINISH)
-    connection.script_load(_FINISH)
-    return script
+    return load_script(connection, _FINISH)
 
 
 def finish_jobs(

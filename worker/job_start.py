@@ -18,6 +18,8 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
+from worker.intake import load_script
+
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
 # names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
@@ -55,9 +57,7 @@ if #members > 0 then redis.call('EXPIRE', executions, ttl + 60) end
 
 def register(connection: Redis) -> Any:
     """The script, loaded (called by its SHA from then on)."""
-    script = connection.register_script(_START)
-    connection.script_load(_START)
-    return script
+    return load_script(connection, _START)
 
 
 def start_jobs(

@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError
 from rq.job import Job
 
 from worker import job_finish, job_start
-from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE
+from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE, load_script
 from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
@@ -162,14 +162,11 @@ class Sender:
         except Exception:
             log.info("this Redis runs no Lua scripts: events go out as one command each")
             return
-        # Loaded now and called by their SHA: a pipeline holding registered scripts would ask SCRIPT EXISTS first,
-        # a round trip more at every send. Redis losing its scripts (a restart) reloads them (``_send``).
-        self._emit = self.connection.register_script(_EMIT)
+        # Loaded now and called by their SHA (``load_script``). Redis losing its scripts (a restart) reloads them.
+        self._emit = load_script(self.connection, _EMIT)
         self.renew_script = self.connection.register_script(_RENEW)
-        self.connection.script_load(_EMIT)
         self.finish_script = job_finish.register(self.connection)
-        self.move_script = self.connection.register_script(MOVE_SCRIPT)
-        self.connection.script_load(MOVE_SCRIPT)
+        self.move_script = load_script(self.connection, MOVE_SCRIPT)
         self.start_script = job_start.register(self.connection)
 
     @property
