@@ -435,6 +435,57 @@ def test_events_are_published_only_where_someone_listens_and_always_streamed(red
 
 
 @pytest.mark.redis
+def test_registering_again_after_redis_lost_its_data_survives_the_heartbeat_and_failures(redis_url, caplog):
+    """Redis lost its data: the worker registers again. The heartbeat thread may recreate the worker's key (without
+    ``birth``) between the step loop's delete and RQ's registration, which then refuses a twin; and registration may
+    fail outright. Neither may end the step loop: it registers on the next try, or at the next report."""
+    import uuid
+
+    from redis import Redis
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    worker = BatchWorker(
+        Engine(), WorkerSettings(redis_url=redis_url, queue=f"q-{uuid.uuid4().hex[:8]}", model="fake"), conn
+    )
+    worker.register_birth()
+    register = worker.register_birth
+    calls = []
+
+    def heartbeat_first() -> None:  # the heartbeat thread's write lands just before registration's own check
+        calls.append(1)
+        if len(calls) == 1:
+            conn.hset(worker.key, "last_heartbeat", "now")
+        register()
+
+    try:
+        conn.delete(worker.key)  # what a restart without persistence leaves
+        worker.register_birth = heartbeat_first
+        worker._on_statuses([], False)
+        worker._apply_reports()
+        assert len(calls) == 2 and conn.hexists(worker.key, "birth")
+
+        def broken() -> None:
+            raise RuntimeError("registration broke")
+
+        conn.delete(worker.key)
+        worker.register_birth = broken
+        worker._on_statuses([], False)
+        worker._apply_reports()  # logged, not raised: the step loop goes on
+        assert "registration broke" in caplog.text and not conn.exists(worker.key)
+        worker.register_birth = register
+        worker._on_statuses([], False)
+        worker._apply_reports()
+        assert conn.hexists(worker.key, "birth")
+    finally:
+        conn.delete(worker.key)
+
+
 @pytest.mark.parametrize(
     "way", ["script", "script forgotten", "objects"],
     ids=["one script", "one script Redis forgot (reloaded)", "RQ's objects (Redis without Lua)"],

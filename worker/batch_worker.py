@@ -765,7 +765,12 @@ class BatchWorker(BaseWorker):
         while not self._reports.empty():
             ended, registered = self._reports.get()
             if not registered:
-                self._redis_lost_data()
+                try:
+                    self._redis_lost_data()
+                except REDIS_UNAVAILABLE as exc:  # the sender reports it again once Redis answers
+                    log.error("could not register again yet: Redis unavailable (%s)", exc)
+                except Exception:  # the next report tries again; the jobs in flight go on meanwhile
+                    log.exception("registering again after Redis lost its data failed; trying again shortly")
             for job_id, status in ended:
                 if status is None and not registered:
                     continue  # not deleted by anyone: Redis restarted empty; the job finishes and writes its result
@@ -798,8 +803,14 @@ class BatchWorker(BaseWorker):
                 pipe.hset(held.job.key, OWNER_FIELD, held.execution.id)
                 held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
             pipe.execute()
-        self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
-        self.register_birth()
+        for attempt in range(3):
+            self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
+            try:
+                self.register_birth()
+                break
+            except ValueError:  # the heartbeat thread recreated the key between the two: once more
+                if attempt == 2:
+                    raise
         self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
 
     # ----- the rest --------------------------------------------------------------------------------------
