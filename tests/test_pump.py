@@ -199,7 +199,8 @@ def fake_worker(request):
     setattr(conn, "__rq_redis_server_version", (8, 0, 0))
     engine = FakeEngine()
     marker = request.node.get_closest_marker("worker_settings")
-    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=1, **(marker.kwargs if marker else {}))
+    kwargs = {"idle_wait": 0.2, **(marker.kwargs if marker else {})}  # stop() noticed within 0.2 s, not a second
+    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=1, **kwargs)
     worker = BatchWorker(engine, settings, conn)
     thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     thread.start()
