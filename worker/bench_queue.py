@@ -2,6 +2,8 @@
 
 Prints, measured in one run on the same prompts:
 - the engine in-process (tokens/s), the reference;
+- the same jobs streamed in-process: the worker's ``Pump`` over the same engine, text handed out at the worker's
+  event cadence, no Redis; what streaming costs apart from the queue;
 - the same jobs through Redis and a fresh ``roseinfer worker`` process (tokens/s, and its share of the in-process
   figure), the two interleaved --repeats times and compared by their medians;
 - TTFT p50/p99 of jobs arriving one by one while a full batch decodes;
@@ -37,6 +39,47 @@ def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 
             return
         time.sleep(0.2)
     raise SystemExit("the worker did not start")
+
+
+def run_streamed(llm, convs, max_tokens: int) -> dict[str, Any]:
+    """Every job at once through the worker's ``Pump`` over ``llm``'s engine, no Redis: delta text made when a
+    hand-over is due, as ``BatchWorker`` flushes (``event_interval_ms``, longer with many jobs in flight), so the
+    engine does the worker's streaming work. Prompts are tokenized before the clock starts, as in ``run_roseinfer``."""
+    from roseinfer import SamplingParams
+    from worker.pump import Pump
+    from worker.settings import WorkerSettings
+
+    defaults = WorkerSettings.model_fields
+    interval_s = defaults["event_interval_ms"].default / 1000
+    events_per_s = defaults["max_events_per_s"].default
+    engine = llm.engine
+    prompts = [{"prompt_token_ids": engine.apply_chat_template(c)} for c in convs]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
+    pump = Pump(engine, tokenize_in_thread=False)
+    texts: dict[str, list[str]] = {}
+    tokens = 0
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        pump.submit(f"streamed-{i}", prompt, params)
+    next_hand_over, step_s = start, 0.0
+    while pump.has_work():
+        began = time.perf_counter()
+        flush = began + step_s >= next_hand_over
+        if flush:
+            next_hand_over = began + max(interval_s, len(pump) / events_per_s)
+        for event in pump.step(flush=flush):
+            texts.setdefault(event.job_id, []).append(event.text)
+            tokens += len(event.token_ids)
+        step_s = time.perf_counter() - began
+    seconds = time.perf_counter() - start
+    pump.close()
+    return {
+        "system": "roseinfer streamed in-process (the worker's Pump)",
+        "requests": len(texts),
+        "generated_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
 
 
 def _chat_jobs(convs: list[list[dict]], max_tokens: int) -> list[dict[str, Any]]:
@@ -202,17 +245,20 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit("no redis-server could be started: pass --redis-url")
     # This machine's speed drifts by several percent from minute to minute: the two systems run in interleaved
     # pairs, so both see the same drift, and the medians are compared.
-    engine_rows, redis_rows = [], []
+    engine_rows, streamed_rows, redis_rows = [], [], []
     try:
         for rep in range(args.repeats):
             llm.engine.kv.reset_prefix_cache()
             row = run_roseinfer(llm, convs, args.max_tokens).summary()
             row["system"] = "roseinfer engine in-process"
             engine_rows.append(row)
+            llm.engine.kv.reset_prefix_cache()
+            streamed_rows.append(run_streamed(llm, convs, args.max_tokens))
             last = rep == args.repeats - 1
             redis_rows.append(run_through_redis(args, url, convs, f"bench-roseinfer-{rep}", arrivals=last))
             print(
                 f"pair {rep + 1}/{args.repeats}: in-process {row['tokens_per_s']} tok/s, "
+                f"streamed in-process {streamed_rows[-1]['tokens_per_s']} tok/s, "
                 f"through Redis {redis_rows[-1]['tokens_per_s']} tok/s "
                 f"({redis_rows[-1]['tokens_per_s'] / row['tokens_per_s']:.1%})",
                 flush=True,
@@ -222,14 +268,20 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
-    engine, queued = (median_run(rows, lambda r: r["tokens_per_s"]) for rows in (engine_rows, redis_rows))
+    engine, streamed, queued = (
+        median_run(rows, lambda r: r["tokens_per_s"]) for rows in (engine_rows, streamed_rows, redis_rows)
+    )
     share = queued["tokens_per_s"] / engine["tokens_per_s"]
     print(f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
     print(f"{'system (median of ' + str(args.repeats) + ' runs)':<44} {'tok/s':>8}")
-    for row in (engine, queued, stock):
+    for row in (engine, streamed, queued, stock):
         if row:
             print(f"{row['system']:<44} {row['tokens_per_s']:>8}")
     print(f"through Redis keeps {share:.1%} of the in-process tokens/s (medians)")
+    print(
+        f"streaming alone keeps {streamed['tokens_per_s'] / engine['tokens_per_s']:.1%}; through Redis keeps "
+        f"{queued['tokens_per_s'] / streamed['tokens_per_s']:.1%} of the streamed in-process tokens/s (medians)"
+    )
     if stock:
         print(f"through Redis vs stock rq worker: {queued['tokens_per_s'] / stock['tokens_per_s']:.1f}x")
     print(f"TTFT, {len(convs)} jobs submitted at once: p50 {queued['ttft_p50_ms']} ms, p99 {queued['ttft_p99_ms']} ms")
@@ -241,10 +293,11 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         figures = {
             "engine": engine,
+            "streamed": streamed,
             "redis": queued,
             "stock_rq": stock,
             "share_of_engine": round(share, 4),
-            "runs": {"engine": engine_rows, "redis": redis_rows},
+            "runs": {"engine": engine_rows, "streamed": streamed_rows, "redis": redis_rows},
         }
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
