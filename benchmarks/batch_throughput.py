@@ -3,7 +3,7 @@ repeats, medians. The rows are chat prompts from the standard workload (greedy, 
 in-process run adds them all to the engine as `roseinfer batch` keeps `--max-in-flight` of them in the worker.
 
     python3 benchmarks/batch_throughput.py [--rows 10000] [--tokens 32] [--model tiny|smollm2-135m-instruct]
-        [--repeats 3] [--max-in-flight 256]
+        [--repeats 3] [--max-in-flight 256] [--worker-flag=--engine-process ...]
 
 Each through-Redis run starts a fresh `roseinfer worker` on a private redis-server (no run profits from another's
 prefix cache); each in-process run builds a fresh engine likewise. Model loading is outside both timings.
@@ -49,7 +49,9 @@ def in_process(model: str, data: list[dict], max_num_seqs: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
 
 
-def through_worker(model: str, data: list[dict], max_num_seqs: int, max_in_flight: int, folder: Path) -> float:
+def through_worker(
+    model: str, data: list[dict], max_num_seqs: int, max_in_flight: int, folder: Path, flags: list[str]
+) -> float:
     from producer import Client
     from producer.batch import run_batch
     from worker.cli import worker_command
@@ -61,7 +63,7 @@ def through_worker(model: str, data: list[dict], max_num_seqs: int, max_in_fligh
     src, out = folder / "in.jsonl", folder / f"out-{time.time_ns()}.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in data))
     queue = "bench-batch"
-    cmd = worker_command(url, queue, model, "--max-num-seqs", str(max_num_seqs), "--dtype", "float32")
+    cmd = worker_command(url, queue, model, "--max-num-seqs", str(max_num_seqs), "--dtype", "float32", *flags)
     worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = Client(url, queue=queue)
@@ -88,6 +90,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument(
+        "--worker-flag", action="append", default=[], metavar="FLAG",
+        help="a flag for the worker only, repeatable: --worker-flag=--engine-process",
+    )  # fmt: skip
     args = p.parse_args()
     from roseinfer.cpu_features import describe
 
@@ -101,12 +107,13 @@ def main() -> int:
     local, queued = [], []
     for _ in range(args.repeats):  # interleaved: drift of the machine hits both ways alike
         local.append(in_process(model, data, args.max_num_seqs))
-        queued.append(through_worker(model, data, args.max_num_seqs, args.max_in_flight, folder))
+        queued.append(through_worker(model, data, args.max_num_seqs, args.max_in_flight, folder, args.worker_flag))
     print(
         json.dumps(
             {
                 "cpu": describe(),
                 "model": args.model,
+                "worker_flags": args.worker_flag,
                 "rows": args.rows,
                 "tokens_per_row": args.tokens,
                 "in_process_tok_s": round(statistics.median(local), 1),

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,13 +132,21 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def run_through_redis(url: str, queue: str, jobs: int, tokens: int, step_s: float, redis_pid: int) -> dict:
+def run_through_redis(
+    url: str, queue: str, jobs: int, tokens: int, step_s: float, redis_pid: int, engine_process: bool = False
+) -> dict:
     from worker.batch_worker import BatchWorker
     from worker.main import connect
     from worker.settings import WorkerSettings
 
     settings = WorkerSettings(redis_url=url, queue=queue, model="fake", max_num_seqs=jobs, idle_wait=0.2)
-    worker = BatchWorker(SleepingEngine(step_s), settings, connect(url))
+    if engine_process:  # the fake engine in a process of its own, as ``--engine-process`` runs a real one
+        from worker.engine_process import EngineProcess
+
+        engine = EngineProcess(partial(SleepingEngine, step_s), settings.event_interval_ms, settings.max_events_per_s)
+        worker = BatchWorker(engine, settings, connect(url), engine)
+    else:
+        worker = BatchWorker(SleepingEngine(step_s), settings, connect(url))
     thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     thread.start()
     time.sleep(1.0)  # registered, idle, blocking on the queue
@@ -160,6 +169,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=2.0, help="the fake device's step time")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--engine-process", action="store_true", help="the fake engine in a process of its own")
     p.add_argument("--py-spy", metavar="FILE", help="record this process with py-spy during the last run (raw format)")
     args = p.parse_args()
 
@@ -179,7 +189,9 @@ def main() -> None:
                      args.py_spy, "--pid", str(os.getpid())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
                 time.sleep(1.0)
-            got = run_through_redis(url, f"overhead-{rep}", args.jobs, args.tokens, args.step_ms / 1000, redis_proc.pid)
+            got = run_through_redis(
+                url, f"overhead-{rep}", args.jobs, args.tokens, args.step_ms / 1000, redis_proc.pid, args.engine_process
+            )
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait()

@@ -292,3 +292,39 @@ def test_a_frozen_worker_that_lost_its_jobs_writes_nothing_for_them(redis_url, d
         assert len(job.rq_job.results()) == 1
     log = first.stderr.read()
     assert "belongs to another attempt now" in log, log[-3000:]
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found |= {int(x) for x in f.read().split()}
+    return found
+
+
+def test_an_engine_process_gives_the_in_process_tokens_and_dies_with_its_worker(redis_url, tiny_chat_model, queue_name):
+    from roseinfer import LLM, SamplingParams
+
+    prompts = [f"Tell me about number {i}" for i in range(6)]
+    client = Client(redis_url, queue=queue_name)
+    jobs = client.submit_many([{"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True} for p in prompts])
+    proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--engine-process")
+    try:
+        results = [job.result(timeout=120) for job in jobs]
+        engines = _children(proc.pid)
+        assert engines  # the engine runs in a process of its own
+        expected = LLM(tiny_chat_model).generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        assert [r["token_ids"] for r in results] == [list(o.outputs[0].token_ids) for o in expected]
+        assert [r["text"] for r in results] == [o.outputs[0].text for o in expected]
+        for job, res in zip(jobs, results):
+            assert "".join(e["text"] for e in job.events(timeout=10)) == res["text"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in engines):
+            time.sleep(0.05)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in engines)  # no engine left holding the memory
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

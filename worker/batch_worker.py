@@ -42,6 +42,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, encode_result, lane_name, lanes
 from producer.schema import JobRequest
+from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, quarantine
 from worker.job_finish import finish_jobs
@@ -88,7 +89,7 @@ class InFlight:
 
 
 class BatchWorker(BaseWorker):
-    def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis) -> None:
+    def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis, pump: Any = None) -> None:
         super().__init__(
             settings.queue,
             name=settings.name,
@@ -103,7 +104,7 @@ class BatchWorker(BaseWorker):
         self.default_result_ttl = settings.result_ttl
         self.engine = engine
         self.settings = settings
-        self.pump = Pump(engine)
+        self.pump = pump if pump is not None else Pump(engine)  # an EngineProcess when the engine runs apart
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.publisher = Publisher(
             settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
@@ -280,6 +281,8 @@ class BatchWorker(BaseWorker):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
                 time.sleep(0.001)  # only prompts being tokenized: no step to run yet
+        if getattr(self.pump, "failure", None):
+            self._engine_died()
         self._hand_over()
         self._set_busy(bool(self.in_flight))
         return bool(self.in_flight)
@@ -812,6 +815,15 @@ class BatchWorker(BaseWorker):
                 if attempt == 2:
                     raise
         self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
+
+    def _engine_died(self) -> None:
+        """The engine's process is gone: no more pulls; every job here, the ones a pull under way took too, fails
+        retryably (RQ retries it elsewhere, as after a failed step); then the worker stops."""
+        self.puller.stop()  # first: a job requeued by its failure must not come back to this worker
+        self._apply_arrivals()
+        self._route(self.pump.step())
+        self._hand_over(force=True)
+        raise EngineProcessDied(self.pump.failure)
 
     # ----- the rest --------------------------------------------------------------------------------------
     def _set_busy(self, busy: bool) -> None:

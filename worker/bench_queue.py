@@ -93,7 +93,7 @@ def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arr
 
     client = Client(url, queue=queue)
     config = engine_config_from_args(args)
-    cmd = worker_command(url, queue, config.model, *engine_flags(config))
+    cmd = worker_command(url, queue, config.model, *engine_flags(config), *args.worker_flag)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_worker(client.connection, queue, proc)
@@ -226,6 +226,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
     p.add_argument("--arrival-interval", type=float, default=0.25)
     p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
+    p.add_argument(
+        "--worker-flag", action="append", default=[], metavar="FLAG",
+        help="a flag for the worker through Redis only, repeatable: --worker-flag=--engine-process",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from redis import Redis
 
 from producer.client import eviction_warning
 from producer.connection import connect
+from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
 from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
 
@@ -35,14 +37,17 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
 
 
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):
-    from roseinfer import LLM
     from worker.batch_worker import BatchWorker
 
     connection = connection or connect(settings.redis_url)
-    engine = LLM(settings.model, **settings.engine_options()).engine
+    if settings.engine_process:
+        build = partial(build_engine, settings.model, settings.engine_options())
+        engine = pump = EngineProcess(build, settings.event_interval_ms, settings.max_events_per_s)
+    else:
+        engine, pump = build_engine(settings.model, settings.engine_options()), None
     wait_for_redis(connection)
     check_eviction_policy(connection, settings.require_noeviction)
-    return BatchWorker(engine, settings, connection)
+    return BatchWorker(engine, settings, connection, pump)
 
 
 class UnsafeRedis(RuntimeError):
@@ -60,5 +65,9 @@ def check_eviction_policy(connection: Redis, required: bool) -> None:
 def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
     worker = build_worker(settings)
     log.info("worker %s serving queue %r with %s", worker.name, settings.queue, settings.model)
-    worker.work(burst=settings.burst, logging_level=logging_level)
+    try:
+        worker.work(burst=settings.burst, logging_level=logging_level)
+    except EngineProcessDied as exc:  # its jobs failed (retryably) and were written: a supervisor restarts us
+        log.error("worker %s stops: %s", worker.name, exc)
+        return 1
     return 0

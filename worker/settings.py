@@ -51,6 +51,10 @@ class QueueSettings(BaseSettings):
         1.0, gt=0, le=60, description="seconds to block on an empty queue when nothing runs (under 1 needs Redis 6)"
     )
     burst: bool = Field(False, description="quit when the queue is empty and every job is done")
+    # The worker's threads and the step loop share one interpreter lock in one process: apart, neither waits.
+    engine_process: bool = Field(
+        False, description="run the engine in a process of its own, so Redis work never holds up a step"
+    )
     event_interval_ms: int = Field(
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
         "(its first piece and its end go at once)",

@@ -1,0 +1,171 @@
+"""The engine in a process of its own (``--engine-process``): the Pump's interface over a pipe, with the fake
+engine of ``test_pump`` in a spawned child. Jobs end as they do in-process, a cancel keeps every piece of text, a
+dead child fails its jobs retryably and stops the worker, and the RQ worker serves through it on fakeredis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from functools import partial
+
+import fakeredis
+import pytest
+from test_pump import FakeEngine, _params, _run
+
+from producer import Client, JobFailed
+from worker.engine_process import EngineProcess, EngineProcessDied
+from worker.pump import Pump
+
+
+def fake_engine(step_s: float = 0.0) -> FakeEngine:
+    """Built in the child (by reference: this module is importable there)."""
+    engine = FakeEngine()
+    engine.step_s = step_s
+    return engine
+
+
+def broken_engine() -> FakeEngine:
+    raise OSError("no such model file")
+
+
+def _drain(pump, limit_s: float = 10.0) -> list:
+    events, until = [], time.monotonic() + limit_s
+    while pump.has_work():
+        assert time.monotonic() < until, "the jobs never ended"
+        events += pump.step()
+    return events
+
+
+def _by_job(events) -> dict[str, tuple[str, str | None, str | None]]:
+    """Each job's text (its pieces joined), finish reason and error."""
+    out: dict[str, list] = {}
+    for e in events:
+        text, _, _ = out.get(e.job_id, ("", None, None))
+        out[e.job_id] = (text + e.text, e.finish_reason, e.error)
+    return out
+
+
+def test_jobs_end_in_the_engine_process_as_they_do_in_process():
+    jobs = [("a", "hello", 4), ("b", "too long", 2), ("c", "engine bug", 2), ("d", "break the tokenizer", 2)]
+    jobs += [("e", "x", 7)]
+    local = Pump(FakeEngine())
+    remote = EngineProcess(partial(fake_engine))
+    try:
+        for pump in (local, remote):
+            for job_id, prompt, n in jobs:
+                pump.submit(job_id, {"prompt": prompt}, _params(n))
+        with pytest.raises(ValueError, match="already in flight"):
+            remote.submit("a", {"prompt": "again"}, _params(1))
+        got, expected = _by_job(_drain(remote)), _by_job(_run(local))
+        assert got == expected
+        assert got["a"] == ("t1t2t3t4", "length", None) and "9999 tokens" in got["b"][2]
+        assert remote.pid != os.getpid() and remote.facts.prompt_tokens_computed == 0
+        assert len(remote) == 0 and not remote.has_unfinished_requests()
+    finally:
+        local.close()
+        remote.close()
+    assert remote._proc.exitcode == 0  # stopped when asked, not killed
+
+
+def test_a_cancel_keeps_the_text_the_child_made_before_it():
+    """Pieces the child sent before the cancel reached it, not yet taken by the worker, end with the job: the
+    stream still adds up to the partial result, as in-process."""
+    pump = EngineProcess(partial(fake_engine, 0.002), event_interval_ms=0)  # a piece every step
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10_000))
+        pump.submit("b", {"prompt": "y"}, _params(10_000))
+        first = []
+        while not first:
+            first = pump.step()
+        time.sleep(0.1)  # ~50 more steps' pieces wait in the pipe
+        event = pump.cancel("a")
+        assert event.finish_reason == "abort" and event.output is not None
+        pieces = [e for e in first if e.job_id == "a"] + [event]
+        made = [t for e in pieces for t in e.token_ids]
+        assert made == list(range(1, len(made) + 1)) and len(made) > 10
+        assert "".join(e.text for e in pieces) == "".join(f"t{i}" for i in made)
+        assert "a" not in pump and pump.cancel("a") is None
+        assert all(e.job_id == "b" for e in pump.step())  # nothing of "a" comes after its end
+    finally:
+        pump.close()
+
+
+def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
+    pump = EngineProcess(partial(fake_engine, 0.01))
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10_000))
+        pump.submit("b", {"prompt": "y"}, _params(10_000))
+        while not pump.step():
+            pass
+        os.kill(pump.pid, signal.SIGKILL)  # the OOM killer, say
+        ended = []
+        for _ in range(100):
+            ended += [e for e in pump.step() if e.finished]
+            if len(ended) == 2:
+                break
+        assert sorted(e.job_id for e in ended) == ["a", "b"]
+        assert all(e.finish_reason == "error" and e.retryable for e in ended)
+        assert "engine process exited" in ended[0].error and pump.failure and not pump.has_work()
+        assert pump.cancel("a") is None
+    finally:
+        pump.close()
+
+
+def test_an_engine_that_cannot_start_is_one_clear_error():
+    with pytest.raises(EngineProcessDied, match="could not start: OSError: no such model file"):
+        EngineProcess(partial(broken_engine))
+
+
+def _worker_with_engine_process(step_s: float = 0.0):
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    engine = EngineProcess(partial(fake_engine, step_s))
+    settings = WorkerSettings(queue="proc", model="fake", heartbeat_interval=1, idle_wait=0.2, engine_process=True)
+    worker = BatchWorker(engine, settings, conn, engine)
+    crashed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            worker.work(logging_level="WARNING")
+        except BaseException as exc:
+            crashed.append(exc)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return worker, engine, Client(connection=fakeredis.FakeRedis(server=server), queue="proc"), thread, crashed
+
+
+def test_the_rq_worker_serves_through_an_engine_process():
+    worker, engine, client, thread, crashed = _worker_with_engine_process()
+    try:
+        good = client.submit("fine", max_tokens=4)
+        assert good.result(timeout=20)["usage"]["completion_tokens"] == 4
+        assert "".join(good.stream(timeout=5)) == "t1t2t3t4"
+        with pytest.raises(JobFailed, match="allows at most 100"):
+            client.submit("too long", max_tokens=4).result(timeout=20)
+        many = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3 + i % 5} for i in range(40)])
+        assert [j.result(timeout=20)["usage"]["completion_tokens"] for j in many] == [3 + i % 5 for i in range(40)]
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive() and not crashed and engine._proc.exitcode == 0
+
+
+def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops():
+    _worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
+    job = client.submit("long", max_tokens=100_000)
+    for _ in range(200):
+        if job.status() == "started":
+            break
+        time.sleep(0.02)
+    os.kill(engine.pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(crashed[0], EngineProcessDied)
+    rq_job = job.rq_job
+    assert rq_job.get_status() == "queued" and rq_job.retries_left == 1  # retried elsewhere, one retry spent

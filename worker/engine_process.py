@@ -1,0 +1,310 @@
+"""The engine in a process of its own, driven through the ``Pump``'s interface.
+
+In one process the worker's threads (the puller reading jobs, the sender writing events and results) and the
+engine's step loop share one interpreter lock: each piece of Python they run stalls the engine's next kernel
+launch, and on a fast engine with short jobs that cost a third of its speed (vLLM's engine core runs apart from its
+front end for the same reason). With ``--engine-process`` the ``Pump`` and the engine run in a child process that
+steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' bookkeeping.
+
+Messages go over a pipe. Parent to child: ``("jobs", [...])`` (submits, batched), ``("cancel", job_id, reason)``,
+``("stop",)``. Child to parent: ``("ready", facts)``, ``("step", events, facts)`` after each engine step,
+``("canceled", job_id, event)``, ``("error", text)`` if the child's loop itself fails. The child decides when a
+step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies
+with its parent, and a full pipe slows the engine down rather than drop anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from worker.pump import JobEvent, Pump
+
+log = logging.getLogger("roseinfer.worker")
+
+# How long the parent's ``step`` waits for the child's next message: short, so the worker's loop still takes
+# arrivals and reports promptly while the engine works.
+_WAIT_S = 0.005
+
+
+class EngineProcessDied(RuntimeError):
+    """The engine's process ended (a crash, the OOM killer): the worker cannot go on without it."""
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the parent reads of the engine (metrics, status): a snapshot sent with every step."""
+
+    has_unfinished: bool = False
+    prompt_tokens_computed: int = 0
+    kv_free_blocks: int = 0
+    kv_blocks: int = 1
+    preemptions: int = 0
+
+
+def _facts(engine: Any) -> EngineFacts:
+    kv = getattr(engine, "kv", None)
+    stats = getattr(engine, "stats", None)
+    scheduler = getattr(engine, "scheduler", None)
+    return EngineFacts(
+        engine.has_unfinished_requests(),
+        getattr(stats, "num_prompt_tokens_computed", 0),
+        getattr(kv, "num_free_blocks", 0),
+        getattr(kv, "num_blocks", 1),
+        getattr(scheduler, "num_preemptions", 0),
+    )
+
+
+def build_engine(model: str, options: dict[str, Any]) -> Any:
+    """The child's engine, as ``roseinfer worker`` builds it in-process."""
+    from roseinfer import LLM
+
+    return LLM(model, **options).engine
+
+
+def _die_with_parent() -> None:
+    """The kernel kills this process when its parent dies, even in the middle of a step (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the pipe's end stops it after its step
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _serve(conn: Any, build: Callable[[], Any], interval_s: float, events_per_s: int, level: int) -> None:
+    """The child: build the engine, then step it while taking the parent's commands between steps."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (a Ctrl-C reaches both)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s engine: %(message)s")
+    try:
+        engine = build()
+        pump = Pump(engine)
+    except Exception as exc:
+        log.exception("the engine could not start")
+        conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", _facts(engine)))
+    next_flush, step_s = 0.0, 0.0
+    try:
+        while True:
+            busy = engine.has_unfinished_requests()
+            # Idle: block until the parent sends something. Prompts being tokenized: look again shortly.
+            wait = 0.0 if busy else (0.001 if pump.has_work() else None)
+            while conn.poll(wait):
+                message = conn.recv()
+                wait = 0.0
+                kind = message[0]
+                if kind == "jobs":
+                    for job_id, prompt, params, timeout, prefix, priority in message[1]:
+                        pump.submit(job_id, prompt, params, timeout, prefix, priority)
+                elif kind == "cancel":
+                    conn.send(("canceled", message[1], pump.cancel(message[1], message[2])))
+                elif kind == "stop":
+                    return
+            if not pump.has_work():
+                continue
+            began = time.monotonic()
+            flush = began + step_s >= next_flush
+            if flush:
+                next_flush = began + max(interval_s, len(pump) / events_per_s)
+            events = pump.step(flush=flush)
+            step_s = time.monotonic() - began
+            if events or busy:
+                conn.send(("step", events, _facts(engine)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
+        return
+    except Exception as exc:
+        log.exception("the engine process failed")
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"the engine process failed: {type(exc).__name__}: {exc}"))
+    finally:
+        pump.close()
+
+
+class EngineProcess:
+    """The ``Pump`` (and the engine facts ``BatchWorker`` reads) for an engine running in a child process.
+
+    ``build`` makes the engine in the child: a picklable callable, ``functools.partial(build_engine, model,
+    options)`` for a real one. ``cancel`` answers with the job's final event as ``Pump.cancel`` does, after at
+    most the step the child is running. If the child dies, ``step`` fails every job in flight, retryably, and
+    ``failure`` says why: the worker cannot serve without its engine."""
+
+    def __init__(
+        self,
+        build: Callable[[], Any],
+        event_interval_ms: int = 20,
+        max_events_per_s: int = 2000,
+        start_timeout: float = 600.0,
+    ) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (and torch's pools)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, build, event_interval_ms / 1000, max_events_per_s, logging.getLogger().level),
+            name="roseinfer-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._jobs: set[str] = set()
+        self._outbox: list[tuple] = []  # submits since the last step, sent together
+        self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
+        self._answers: dict[str, JobEvent | None] = {}
+        self.failure: str | None = None  # why the child is gone, once it is
+        if not self._conn.poll(start_timeout):
+            self.close()
+            raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
+        self.facts = self._receive_first()
+
+    def _receive_first(self) -> EngineFacts:
+        kind, *rest = self._recv()
+        if kind == "ready":
+            return rest[0]
+        self.close()
+        raise EngineProcessDied(rest[0] if kind == "error" else f"unexpected first message {kind!r}")
+
+    # ----- the Pump's interface -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def job_ids(self) -> list[str]:
+        return list(self._jobs)
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def submit(
+        self,
+        job_id: str,
+        prompt: Any,
+        params: Any,
+        timeout: float | None = None,
+        output_prefix: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id!r} is already in flight")
+        self._jobs.add(job_id)
+        self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority))
+
+    def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
+        if job_id not in self._jobs:
+            return None
+        try:
+            self._send_outbox()
+            self._send(("cancel", job_id, reason))
+            while job_id not in self._answers:
+                self._take(self._recv())
+        except EngineProcessDied:  # what it made since its last event died with the engine
+            self._jobs.discard(job_id)
+            return JobEvent(job_id, finish_reason="abort" if reason is None else "error", error=reason)
+        self._jobs.discard(job_id)
+        answer = self._answers.pop(job_id)
+        # Text the child made before the cancel and not yet handed out ends with the job, as in-process (for a
+        # job of n samples, the other samples' last pieces are in its result only).
+        earlier = [e for e in self._events if e.job_id == job_id]
+        if earlier:
+            self._events = [e for e in self._events if e.job_id != job_id]
+            same = [e for e in earlier if answer is not None and e.index == answer.index]
+            if same:
+                answer.text = "".join(e.text for e in same) + answer.text
+                answer.token_ids = [t for e in same for t in e.token_ids] + list(answer.token_ids)
+        return answer
+
+    def step(self, flush: bool = True) -> list[JobEvent]:
+        """The events of the steps the child ran since the last call (``flush`` is the child's to decide): waits
+        a few ms for one if none came yet."""
+        try:
+            self._send_outbox()
+            if not self._events and self._conn.poll(_WAIT_S):
+                self._take(self._recv())
+            while self._conn.poll(0):
+                self._take(self._recv())
+        except EngineProcessDied as exc:
+            log.error("%s: failing its %d jobs", exc, len(self._jobs))
+            error = f"{exc}; the job may run again elsewhere"
+            self._events += [JobEvent(j, finish_reason="error", error=error, retryable=True) for j in self._jobs]
+        events, self._events = self._events, []
+        for event in events:
+            if event.finished:
+                self._jobs.discard(event.job_id)
+        return events
+
+    def close(self) -> None:
+        if self.failure is None:
+            with contextlib.suppress(EngineProcessDied):
+                self._send(("stop",))
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._conn.close()
+
+    # ----- what BatchWorker reads of an engine ----------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._jobs)  # ``step`` waits for the child itself: never a reason to sleep here
+
+    @property
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(num_prompt_tokens_computed=self.facts.prompt_tokens_computed)
+
+    @property
+    def kv(self) -> SimpleNamespace:
+        return SimpleNamespace(num_free_blocks=self.facts.kv_free_blocks, num_blocks=self.facts.kv_blocks)
+
+    @property
+    def scheduler(self) -> SimpleNamespace:
+        return SimpleNamespace(num_preemptions=self.facts.preemptions)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # ----- the pipe -------------------------------------------------------------------------------
+    def _send_outbox(self) -> None:
+        if self._outbox:
+            jobs, self._outbox = self._outbox, []
+            self._send(("jobs", jobs))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+            raise self._died() from exc
+
+    def _recv(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as exc:
+            raise self._died() from exc
+
+    def _take(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._events += message[1]
+            self.facts = message[2]
+        elif kind == "canceled":
+            self._answers[message[1]] = message[2]
+        elif kind == "error":
+            self.failure = message[1]
+            raise EngineProcessDied(message[1])
+
+    def _died(self) -> EngineProcessDied:
+        self._proc.join(timeout=5)
+        self.failure = self.failure or f"the engine process exited (exit code {self._proc.exitcode})"
+        return EngineProcessDied(self.failure)
+
+
+def engine_process_pid(engine: Any) -> int | None:
+    """The engine's process id, when it runs apart (for logs and tests)."""
+    return engine.pid if isinstance(engine, EngineProcess) else os.getpid()
