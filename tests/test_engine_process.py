@@ -15,7 +15,7 @@ import pytest
 from test_pump import FakeEngine, _params, _run
 
 from producer import Client, JobFailed
-from worker.engine_process import EngineProcess, EngineProcessDied
+from worker.engine_process import EngineProcess, EngineProcessDied, sparing_a_core
 from worker.pump import Pump
 
 
@@ -169,3 +169,12 @@ def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops()
     assert not thread.is_alive() and isinstance(crashed[0], EngineProcessDied)
     rq_job = job.rq_job
     assert rq_job.get_status() == "queued" and rq_job.retries_left == 1  # retried elsewhere, one retry spent
+
+
+def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwise():
+    import torch
+
+    cores = torch.get_num_threads()
+    assert sparing_a_core({"num_threads": None, "device": "cpu"})["num_threads"] == max(1, cores - 1)
+    assert sparing_a_core({"num_threads": 3, "device": "cpu"})["num_threads"] == 3
+    assert sparing_a_core({"num_threads": None, "device": "cuda"})["num_threads"] is None

@@ -41,7 +41,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
 
     connection = connection or connect(settings.redis_url)
     if settings.engine_process:
-        build = partial(build_engine, settings.model, settings.engine_options())
+        build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
         engine = pump = EngineProcess(build, settings.event_interval_ms, settings.max_events_per_s)
     else:
         engine, pump = build_engine(settings.model, settings.engine_options()), None
