@@ -14,7 +14,7 @@ import fakeredis
 import pytest
 from test_pump import FakeEngine, _params, _run
 
-from producer import Client, JobFailed
+from producer import Client, JobCanceled, JobFailed
 from worker.engine_process import EngineProcess, EngineProcessDied, sparing_a_core
 from worker.pump import Pump
 
@@ -88,6 +88,23 @@ def test_a_cancel_keeps_the_text_the_child_made_before_it():
         assert "".join(e.text for e in pieces) == "".join(f"t{i}" for i in made)
         assert "a" not in pump and pump.cancel("a") is None
         assert all(e.job_id == "b" for e in pump.step())  # nothing of "a" comes after its end
+        pump.submit("c", {"prompt": "z"}, _params(10_000))
+        time.sleep(0.1)
+        ended = pump.cancel_many(["b", "c", "nobody"], "the worker stops")  # one round trip for all
+        assert sorted(ended) == ["b", "c"] and all(e.finish_reason == "error" for e in ended.values())
+        assert not pump.has_work() and not pump.step()
+    finally:
+        pump.close()
+
+
+def test_the_engine_process_ignores_the_signals_meant_for_its_worker():
+    """A Ctrl-C or systemd's SIGTERM reaches the whole process group: the worker drains, its engine goes on."""
+    pump = EngineProcess(partial(fake_engine))
+    try:
+        os.kill(pump.pid, signal.SIGTERM)
+        os.kill(pump.pid, signal.SIGINT)
+        pump.submit("a", {"prompt": "x"}, _params(3))
+        assert _by_job(_drain(pump))["a"] == ("t1t2t3", "length", None)
     finally:
         pump.close()
 
@@ -151,6 +168,16 @@ def test_the_rq_worker_serves_through_an_engine_process():
             client.submit("too long", max_tokens=4).result(timeout=20)
         many = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3 + i % 5} for i in range(40)])
         assert [j.result(timeout=20)["usage"]["completion_tokens"] for j in many] == [3 + i % 5 for i in range(40)]
+        engine_slow = worker.pump  # a canceled job stops with its partial text, as in-process
+        long = client.submit("long", max_tokens=10**6)
+        next(iter(long.events(timeout=20)))
+        assert long.cancel()
+        with pytest.raises(JobCanceled) as canceled:
+            long.result(timeout=20)
+        partial_result = canceled.value.result
+        streamed = [t for e in long.events(timeout=5) for t in e["token_ids"]]
+        assert partial_result["finish_reason"] == "abort" and partial_result["token_ids"][:2] == [1, 2]
+        assert streamed == partial_result["token_ids"] and long.id not in engine_slow
     finally:
         worker.request_stop()
         thread.join(timeout=30)

@@ -774,13 +774,10 @@ class BatchWorker(BaseWorker):
                     log.error("could not register again yet: Redis unavailable (%s)", exc)
                 except Exception:  # the next report tries again; the jobs in flight go on meanwhile
                     log.exception("registering again after Redis lost its data failed; trying again shortly")
-            for job_id, status in ended:
-                if status is None and not registered:
-                    continue  # not deleted by anyone: Redis restarted empty; the job finishes and writes its result
-                job = self.in_flight.get(job_id)
-                event = self.pump.cancel(job_id) if job is not None else None
-                if event is not None:
-                    self._canceled(job, event, stopped=status == b"stopped")
+            # Not deleted by anyone when Redis restarted empty: such a job finishes and writes its result.
+            ending = {j: s for j, s in ended if j in self.in_flight and (s is not None or registered)}
+            for job_id, event in self.pump.cancel_many(list(ending)).items():  # one round trip to an engine process
+                self._canceled(self.in_flight[job_id], event, stopped=ending[job_id] == b"stopped")
 
     def _apply_stop_requests(self) -> None:
         while not self._stop_jobs.empty():
@@ -835,8 +832,7 @@ class BatchWorker(BaseWorker):
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
         self.puller.stop()
         self._apply_arrivals()  # taken already: they go back with the rest
-        for job_id in list(self.in_flight):
-            self.pump.cancel(job_id)
+        self.pump.cancel_many(list(self.in_flight))
         self._hand_over(force=True)
         self.sender.drain(30.0)  # the events already produced land first
         for job in self.in_flight.values():

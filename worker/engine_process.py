@@ -6,9 +6,9 @@ launch, and on a fast engine with short jobs that cost a third of its speed (vLL
 front end for the same reason). With ``--engine-process`` the ``Pump`` and the engine run in a child process that
 steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' bookkeeping.
 
-Messages go over a pipe. Parent to child: ``("jobs", [...])`` (submits, batched), ``("cancel", job_id, reason)``,
+Messages go over a pipe. Parent to child: ``("jobs", [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``,
 ``("stop",)``. Child to parent: ``("ready", facts)``, ``("step", events, facts)`` after each engine step,
-``("canceled", job_id, event)``, ``("error", text)`` if the child's loop itself fails. The child decides when a
+``("canceled", {job_id: event})``, ``("error", text)`` if the child's loop itself fails. The child decides when a
 step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies
 with its parent, and a full pipe slows the engine down rather than drop anything.
 """
@@ -95,8 +95,10 @@ def _die_with_parent() -> None:
 def _serve(conn: Any, build: Callable[[], Any], interval_s: float, events_per_s: int, level: int) -> None:
     """The child: build the engine, then step it while taking the parent's commands between steps."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (a Ctrl-C reaches both)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The worker decides when this stops (it drains first): a Ctrl-C, or systemd's SIGTERM to the whole group,
+    # reaches both. Its death kills this one anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s engine: %(message)s")
     try:
         engine = build()
@@ -120,7 +122,7 @@ def _serve(conn: Any, build: Callable[[], Any], interval_s: float, events_per_s:
                     for job_id, prompt, params, timeout, prefix, priority in message[1]:
                         pump.submit(job_id, prompt, params, timeout, prefix, priority)
                 elif kind == "cancel":
-                    conn.send(("canceled", message[1], pump.cancel(message[1], message[2])))
+                    conn.send(("canceled", pump.cancel_many(message[1], message[2])))
                 elif kind == "stop":
                     return
             if not pump.has_work():
@@ -171,7 +173,6 @@ class EngineProcess:
         self._jobs: set[str] = set()
         self._outbox: list[tuple] = []  # submits since the last step, sent together
         self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
-        self._answers: dict[str, JobEvent | None] = {}
         self.failure: str | None = None  # why the child is gone, once it is
         if not self._conn.poll(start_timeout):
             self.close()
@@ -213,28 +214,38 @@ class EngineProcess:
         self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority))
 
     def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
-        if job_id not in self._jobs:
-            return None
+        return self.cancel_many([job_id], reason).get(job_id)
+
+    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, JobEvent]:
+        """``Pump.cancel_many``: one round trip to the child for all of them."""
+        here = [job_id for job_id in job_ids if job_id in self._jobs]
+        if not here:
+            return {}
+        self._jobs.difference_update(here)
+        answers = None
         try:
             self._send_outbox()
-            self._send(("cancel", job_id, reason))
-            while job_id not in self._answers:
-                self._take(self._recv())
-        except EngineProcessDied:  # what it made since its last event died with the engine
-            self._jobs.discard(job_id)
-            return JobEvent(job_id, finish_reason="abort" if reason is None else "error", error=reason)
-        self._jobs.discard(job_id)
-        answer = self._answers.pop(job_id)
+            self._send(("cancel", here, reason))
+            while answers is None:
+                message = self._recv()
+                if message[0] == "canceled":
+                    answers = message[1]
+                else:
+                    self._take(message)
+        except EngineProcessDied:  # what they made since their last events died with the engine
+            finish = "abort" if reason is None else "error"
+            return {job_id: JobEvent(job_id, finish_reason=finish, error=reason) for job_id in here}
         # Text the child made before the cancel and not yet handed out ends with the job, as in-process (for a
         # job of n samples, the other samples' last pieces are in its result only).
-        earlier = [e for e in self._events if e.job_id == job_id]
+        earlier = [e for e in self._events if e.job_id in answers]
         if earlier:
-            self._events = [e for e in self._events if e.job_id != job_id]
-            same = [e for e in earlier if answer is not None and e.index == answer.index]
-            if same:
-                answer.text = "".join(e.text for e in same) + answer.text
-                answer.token_ids = [t for e in same for t in e.token_ids] + list(answer.token_ids)
-        return answer
+            self._events = [e for e in self._events if e.job_id not in answers]
+            for job_id, answer in answers.items():
+                same = [e for e in earlier if e.job_id == job_id and e.index == answer.index]
+                if same:
+                    answer.text = "".join(e.text for e in same) + answer.text
+                    answer.token_ids = [t for e in same for t in e.token_ids] + list(answer.token_ids)
+        return answers
 
     def step(self, flush: bool = True) -> list[JobEvent]:
         """The events of the steps the child ran since the last call (``flush`` is the child's to decide): waits
@@ -308,8 +319,6 @@ class EngineProcess:
         if kind == "step":
             self._events += message[1]
             self.facts = message[2]
-        elif kind == "canceled":
-            self._answers[message[1]] = message[2]
         elif kind == "error":
             self.failure = message[1]
             raise EngineProcessDied(message[1])

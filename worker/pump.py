@@ -142,6 +142,11 @@ class Pump:
         # What it made since its last event (a step with flush=False holds it in the engine) ends with it.
         return JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index)
 
+    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, JobEvent]:
+        """``cancel`` of each job here; the final events by job id."""
+        ended = {job_id: self.cancel(job_id, reason) for job_id in job_ids}
+        return {job_id: event for job_id, event in ended.items() if event is not None}
+
     def step(self, flush: bool = True) -> list[JobEvent]:
         """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all.
         ``flush=False``: a running job's new text may wait for a later step (its first piece and its end never
