@@ -73,9 +73,14 @@ def run_streamed(llm, convs, max_tokens: int) -> dict[str, Any]:
         step_s = time.perf_counter() - began
     seconds = time.perf_counter() - start
     pump.close()
+    return _row("roseinfer streamed in-process (its Pump)", len(texts), tokens, seconds)
+
+
+def _row(system: str, requests: int, tokens: int, seconds: float) -> dict[str, Any]:
+    """One system's figures, as ``RunResult.summary`` gives the in-process run's."""
     return {
-        "system": "roseinfer streamed in-process (the worker's Pump)",
-        "requests": len(texts),
+        "system": system,
+        "requests": requests,
         "generated_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -108,15 +113,9 @@ def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arr
         seconds = max(r["timings"]["finished_at"] for r in results) - start
         tokens = sum(r["usage"]["completion_tokens"] for r in results)
         batch_ttft = [r["timings"]["ttft_s"] for r in results]
-        row = {
-            "system": "roseinfer through Redis",
-            "requests": len(results),
-            "generated_tokens": tokens,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1),
-            "ttft_p50_ms": round(percentile(batch_ttft, 0.5) * 1e3, 1),
-            "ttft_p99_ms": round(percentile(batch_ttft, 0.99) * 1e3, 1),
-        }
+        row = _row("roseinfer through Redis", len(results), tokens, seconds)
+        row["ttft_p50_ms"] = round(percentile(batch_ttft, 0.5) * 1e3, 1)
+        row["ttft_p99_ms"] = round(percentile(batch_ttft, 0.99) * 1e3, 1)
         if arrivals:
             row.update(_arrival_ttft(args, client, convs))
     finally:
@@ -210,13 +209,7 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
         raise SystemExit("stock rq worker: some jobs failed")
     seconds = (max(j.ended_at for j in jobs) - min(j.started_at for j in jobs)).total_seconds()
     tokens = sum(j.return_value()["completion_tokens"] for j in jobs)
-    return {
-        "system": "stock rq worker + transformers generate",
-        "requests": len(jobs),
-        "generated_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-    }
+    return _row("stock rq worker + transformers generate", len(jobs), tokens, seconds)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
