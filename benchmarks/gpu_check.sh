@@ -19,11 +19,15 @@ if [[ $what == 1b || $what == all ]]; then
   bench 150 --model random:llama-1b --dtype bfloat16 --num-prompts 256 --max-tokens 256 --max-num-seqs 256 --skip-hf
 fi
 if [[ $what == queue || $what == all ]]; then
-  # SmolLM2's shape with its real tokenizer (carried in .gpu-model), 256 chat jobs x 128 tokens through a redis-server.
-  timeout 300 python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))" bench-queue \
-    --device cuda --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --num-prompts 256 \
-    --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 --arrival-interval 0.1 \
-    --skip-hf --json "$out/queue.json" 2>&1 | grep -v -E "Loading weights|Writing model" | tee -a "$out/queue.log"
+  # SmolLM2's shape with its real tokenizer (carried in .gpu-model), 256 chat jobs x 128 tokens through a redis-server:
+  # the worker as one process, then with its engine in a process of its own (--engine-process).
+  for flags in "" "--worker-flag=--engine-process"; do
+    timeout 300 python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))" bench-queue \
+      --device cuda --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --num-prompts 256 \
+      --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 --arrival-interval 0.1 $flags \
+      --skip-hf --json "$out/queue${flags:+-engine-process}.json" 2>&1 | grep -v -E "Loading weights|Writing model" \
+      | tee -a "$out/queue.log"
+  done
 fi
 if [[ $what == queue-profile ]]; then
   # The same, under py-spy (carried in .gpu-pack): every thread of the bench and of the worker it starts, sampled.
