@@ -205,3 +205,40 @@ def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwi
     assert sparing_a_core({"num_threads": None, "device": "cpu"})["num_threads"] == max(1, cores - 1)
     assert sparing_a_core({"num_threads": 3, "device": "cpu"})["num_threads"] == 3
     assert sparing_a_core({"num_threads": None, "device": "cuda"})["num_threads"] is None
+
+
+def test_a_big_submit_while_the_child_sends_fast_does_not_deadlock():
+    """The worker writing a large batch of jobs to the child while the child's events fill the pipe back: neither
+    side may wait on the other's reading (the child reads its commands on a thread of its own)."""
+    pump = EngineProcess(partial(fake_engine), event_interval_ms=0)
+    try:
+        for i in range(200):
+            pump.submit(f"run{i}", {"prompt": "x"}, _params(10**9))
+        pump.step()
+        time.sleep(0.5)  # the worker busy elsewhere: the child's events fill the pipe back
+        for i in range(300):
+            pump.submit(f"big{i}", {"prompt": "y" * 20_000}, _params(2))
+        done = threading.Event()
+
+        def go() -> None:
+            pump.step()
+            done.set()
+
+        threading.Thread(target=go, daemon=True).start()
+        assert done.wait(20), "the worker and its engine process wait on each other"
+        big = {e.job_id for e in _drain_until(pump, lambda ev: {e.job_id for e in ev if e.finished} >= _ids(300))}
+        assert _ids(300) <= big
+    finally:
+        pump.close()
+
+
+def _ids(n: int) -> set[str]:
+    return {f"big{i}" for i in range(n)}
+
+
+def _drain_until(pump, enough, limit_s: float = 30.0) -> list:
+    events, until = [], time.monotonic() + limit_s
+    while not enough(events):
+        assert time.monotonic() < until, "the jobs never ended"
+        events += pump.step()
+    return events

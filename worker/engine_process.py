@@ -20,7 +20,9 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,7 +94,29 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _serve(conn: Any, build: Callable[[], Any], interval_s: float, events_per_s: int, level: int) -> None:
+def _read_commands(commands: Any, inbox: queue.SimpleQueue) -> None:
+    """The child's reading thread: the parent's messages, as they come, so that the parent never waits on a full
+    pipe while this process itself waits to send (each would wait on the other); None once the parent is gone."""
+    try:
+        while True:
+            inbox.put(commands.recv())
+    except (EOFError, OSError):
+        inbox.put(None)
+
+
+def _take_commands(inbox: queue.SimpleQueue, wait: float | None) -> list:
+    """Every message waiting, after waiting up to ``wait`` s for the first (None: until one comes)."""
+    got = []
+    with contextlib.suppress(queue.Empty):
+        got.append(inbox.get(timeout=wait) if wait != 0 else inbox.get_nowait())
+        while True:
+            got.append(inbox.get_nowait())
+    return got
+
+
+def _serve(
+    commands: Any, conn: Any, build: Callable[[], Any], interval_s: float, events_per_s: int, level: int
+) -> None:
     """The child: build the engine, then step it while taking the parent's commands between steps."""
     _die_with_parent()
     # The worker decides when this stops (it drains first): a Ctrl-C, or systemd's SIGTERM to the whole group,
@@ -108,16 +132,16 @@ def _serve(conn: Any, build: Callable[[], Any], interval_s: float, events_per_s:
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", _facts(engine)))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
     next_flush, step_s = 0.0, 0.0
     try:
         while True:
             busy = engine.has_unfinished_requests()
             # Idle: block until the parent sends something. Prompts being tokenized: look again shortly.
             wait = 0.0 if busy else (0.001 if pump.has_work() else None)
-            while conn.poll(wait):
-                message = conn.recv()
-                wait = 0.0
-                kind = message[0]
+            for message in _take_commands(inbox, wait):
+                kind = message[0] if message is not None else "stop"  # None: the parent is gone
                 if kind == "jobs":
                     for job_id, prompt, params, timeout, prefix, priority in message[1]:
                         pump.submit(job_id, prompt, params, timeout, prefix, priority)
@@ -161,15 +185,20 @@ class EngineProcess:
         start_timeout: float = 600.0,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (and torch's pools)
-        self._conn, child = ctx.Pipe()
+        child_commands, self._commands = ctx.Pipe(duplex=False)  # one pipe each way
+        self._conn, child_events = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, build, event_interval_ms / 1000, max_events_per_s, logging.getLogger().level),
+            args=(
+                child_commands, child_events, build, event_interval_ms / 1000, max_events_per_s,
+                logging.getLogger().level,
+            ),
             name="roseinfer-engine",
             daemon=True,
-        )
+        )  # fmt: skip
         self._proc.start()
-        child.close()
+        child_commands.close()
+        child_events.close()
         self._jobs: set[str] = set()
         self._outbox: list[tuple] = []  # submits since the last step, sent together
         self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
@@ -270,11 +299,16 @@ class EngineProcess:
         if self.failure is None:
             with contextlib.suppress(EngineProcessDied):
                 self._send(("stop",))
-        self._proc.join(timeout=10)
+        until = time.monotonic() + 10
+        while self._proc.is_alive() and time.monotonic() < until:  # what it still sends must not hold it up
+            with contextlib.suppress(EOFError, OSError):
+                if self._conn.poll(0.05):
+                    self._conn.recv()
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=10)
         self._conn.close()
+        self._commands.close()
 
     # ----- what BatchWorker reads of an engine ----------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -304,7 +338,7 @@ class EngineProcess:
 
     def _send(self, message: tuple) -> None:
         try:
-            self._conn.send(message)
+            self._commands.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
             raise self._died() from exc
 
