@@ -6,11 +6,12 @@ launch, and on a fast engine with short jobs that cost a third of its speed (vLL
 front end for the same reason). With ``--engine-process`` the ``Pump`` and the engine run in a child process that
 steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' bookkeeping.
 
-Messages go over a pipe. Parent to child: ``("jobs", [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``,
-``("stop",)``. Child to parent: ``("ready", facts)``, ``("step", events, facts)`` after each engine step,
-``("canceled", {job_id: event})``, ``("error", text)`` if the child's loop itself fails. The child decides when a
-step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies
-with its parent, and a full pipe slows the engine down rather than drop anything.
+Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
+[...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
+facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: event})``, ``("error", text)``
+if the child's loop itself fails. The child decides when a step's text is handed out (``event_interval_ms`` /
+``max_events_per_s``, as ``BatchWorker`` does in-process), dies with its parent, and a full pipe slows the engine
+down rather than drop anything.
 """
 
 from __future__ import annotations
