@@ -13,7 +13,7 @@ import uuid
 import pytest
 from redis import Redis
 
-from producer import Client, JobFailed
+from producer import Client, JobCanceled, JobFailed
 from worker.cli import worker_command
 
 pytestmark = pytest.mark.slow  # real worker processes, each loading a model
@@ -318,6 +318,14 @@ def test_an_engine_process_gives_the_in_process_tokens_and_dies_with_its_worker(
         assert [r["text"] for r in results] == [o.outputs[0].text for o in expected]
         for job, res in zip(jobs, results):
             assert "".join(e["text"] for e in job.events(timeout=10)) == res["text"]
+        long = client.submit("Write forever", max_tokens=5000, temperature=0, ignore_eos=True)
+        next(iter(long.events(timeout=60)))
+        assert long.cancel()
+        with pytest.raises(JobCanceled) as canceled:
+            long.result(timeout=30)
+        partial = canceled.value.result  # what the engine made before the cancel reached it, streamed whole
+        assert partial["finish_reason"] == "abort" and 0 < partial["usage"]["completion_tokens"] < 5000
+        assert [t for e in long.events(timeout=10) for t in e["token_ids"]] == partial["token_ids"]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.time() + 10

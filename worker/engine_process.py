@@ -8,10 +8,10 @@ steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' b
 
 Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
 [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
-facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: event})``, ``("error", text)``
-if the child's loop itself fails. The child decides when a step's text is handed out (``event_interval_ms`` /
-``max_events_per_s``, as ``BatchWorker`` does in-process), dies with its parent, and a full pipe slows the engine
-down rather than drop anything.
+facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: event}, facts)``,
+``("error", text)`` if the child's loop itself fails. The child decides when a step's text is handed out
+(``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with its parent, and a
+full pipe slows the engine down rather than drop anything.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _serve(
                     for job_id, prompt, params, timeout, prefix, priority in message[1]:
                         pump.submit(job_id, prompt, params, timeout, prefix, priority)
                 elif kind == "cancel":
-                    conn.send(("canceled", pump.cancel_many(message[1], message[2])))
+                    conn.send(("canceled", pump.cancel_many(message[1], message[2]), _facts(engine)))
                 elif kind == "stop":
                     return
             if not pump.has_work():
@@ -259,7 +259,7 @@ class EngineProcess:
             while answers is None:
                 message = self._recv()
                 if message[0] == "canceled":
-                    answers = message[1]
+                    answers, self.facts = message[1], message[2]  # the blocks the cancels freed show at once
                 else:
                     self._take(message)
         except EngineProcessDied:  # what they made since their last events died with the engine
