@@ -51,7 +51,7 @@ def run_demo(prompts: list[str], model: str, dtype: str, max_tokens: int) -> int
                 f"ttft {r['timings']['ttft_s']:.2f} s ---\n{r['text']}\n"
             )
 
-    consumer = threading.Thread(target=consume)
+    consumer = threading.Thread(target=consume, daemon=True)  # a worker that fails must not leave it waiting
     consumer.start()
     start = time.perf_counter()
     worker.work(burst=True, logging_level="WARNING")
