@@ -281,7 +281,7 @@ class BatchWorker(BaseWorker):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
                 time.sleep(0.001)  # only prompts being tokenized: no step to run yet
-        if getattr(self.pump, "failure", None):
+        if self.pump.failure:  # an engine process died
             self._engine_died()
         self._hand_over()
         self._set_busy(bool(self.in_flight))

@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import logging
 import multiprocessing
-import os
 import queue
 import signal
 import threading
@@ -47,7 +46,6 @@ class EngineProcessDied(RuntimeError):
 class EngineFacts:
     """What the parent reads of the engine (metrics, status): a snapshot sent with every step."""
 
-    has_unfinished: bool = False
     prompt_tokens_computed: int = 0
     kv_free_blocks: int = 0
     kv_blocks: int = 1
@@ -59,7 +57,6 @@ def _facts(engine: Any) -> EngineFacts:
     stats = getattr(engine, "stats", None)
     scheduler = getattr(engine, "scheduler", None)
     return EngineFacts(
-        engine.has_unfinished_requests(),
         getattr(stats, "num_prompt_tokens_computed", 0),
         getattr(kv, "num_free_blocks", 0),
         getattr(kv, "num_blocks", 1),
@@ -362,8 +359,3 @@ class EngineProcess:
         self._proc.join(timeout=5)
         self.failure = self.failure or f"the engine process exited (exit code {self._proc.exitcode})"
         return EngineProcessDied(self.failure)
-
-
-def engine_process_pid(engine: Any) -> int | None:
-    """The engine's process id, when it runs apart (for logs and tests)."""
-    return engine.pid if isinstance(engine, EngineProcess) else os.getpid()

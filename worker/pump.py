@@ -80,6 +80,7 @@ class Pump:
         # Kept apart so that a step looks only at what changed, not at every job in flight.
         self._waiting: dict[str, _Job] = {}  # not admitted into the engine yet
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, job id); ended jobs left to drop
+        self.failure: str | None = None  # never set here: an engine in this process cannot die apart from it
         if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
