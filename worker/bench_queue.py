@@ -13,10 +13,12 @@ Prints, measured in one run on the same prompts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +93,20 @@ def _chat_jobs(convs: list[list[dict]], max_tokens: int) -> list[dict[str, Any]]
     return [{"messages": c, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
 
 
-def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arrivals: bool) -> dict[str, Any]:
-    """The workload through a fresh ``roseinfer worker`` process (so no run profits from another's prefix cache);
-    with ``arrivals``, then TTFT of jobs arriving one by one while a full batch decodes."""
+WARM_UP_TOKENS = 8
+
+
+def warm_up_convs(convs: list[list[dict]], count: int) -> list[list[dict]]:
+    """``count`` jobs like the workload's, for the engine's first-use costs (its GEMM primitives for each row
+    count, its buffers) to be paid before the clock: the same user turns under a system turn of their own, so
+    they share no full KV block with the workload (its prefix-cache hits stay the in-process run's)."""
+    return [[{"role": "system", "content": f"Warm-up {i}."}, *convs[i % len(convs)]] for i in range(count)]
+
+
+@contextlib.contextmanager
+def fresh_worker(args: argparse.Namespace, url: str, convs, queue: str) -> Iterator[Any]:
+    """A fresh ``roseinfer worker`` process (so no run profits from another's prefix cache), registered and past
+    its warm-up jobs; yields a producer ``Client`` of its queue."""
     from producer import Client
 
     client = Client(url, queue=queue)
@@ -102,25 +115,29 @@ def run_through_redis(args: argparse.Namespace, url: str, convs, queue: str, arr
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_worker(client.connection, queue, proc)
-        warm = [[{"role": "user", "content": f"Warm up number {i}"}] for i in range(4)]
-        for job in client.submit_many(_chat_jobs(warm, 4)):
+        for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.warm_up_jobs), WARM_UP_TOKENS)):
             job.result(timeout=300)
-
-        # Throughput: every job submitted at once, as the in-process run adds every request at once.
-        start = time.time()
-        jobs = client.submit_many(_chat_jobs(convs, args.max_tokens))
-        results = [job.result(timeout=600) for job in jobs]
-        seconds = max(r["timings"]["finished_at"] for r in results) - start
-        tokens = sum(r["usage"]["completion_tokens"] for r in results)
-        batch_ttft = [r["timings"]["ttft_s"] for r in results]
-        row = _row("roseinfer through Redis", len(results), tokens, seconds)
-        row["ttft_p50_ms"] = round(percentile(batch_ttft, 0.5) * 1e3, 1)
-        row["ttft_p99_ms"] = round(percentile(batch_ttft, 0.99) * 1e3, 1)
-        if arrivals:
-            row.update(_arrival_ttft(args, client, convs))
+        yield client
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+
+
+def run_through_redis(args: argparse.Namespace, client, convs, arrivals: bool) -> dict[str, Any]:
+    """The workload through ``client``'s worker; with ``arrivals``, then TTFT of jobs arriving one by one while a
+    full batch decodes."""
+    # Throughput: every job submitted at once, as the in-process run adds every request at once.
+    start = time.time()
+    jobs = client.submit_many(_chat_jobs(convs, args.max_tokens))
+    results = [job.result(timeout=600) for job in jobs]
+    seconds = max(r["timings"]["finished_at"] for r in results) - start
+    tokens = sum(r["usage"]["completion_tokens"] for r in results)
+    batch_ttft = [r["timings"]["ttft_s"] for r in results]
+    row = _row("roseinfer through Redis", len(results), tokens, seconds)
+    row["ttft_p50_ms"] = round(percentile(batch_ttft, 0.5) * 1e3, 1)
+    row["ttft_p99_ms"] = round(percentile(batch_ttft, 0.99) * 1e3, 1)
+    if arrivals:
+        row.update(_arrival_ttft(args, client, convs))
     return row
 
 
@@ -218,6 +235,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
     p.add_argument("--arrival-interval", type=float, default=0.25)
+    p.add_argument(
+        "--warm-up-jobs", type=int, default=None,
+        help="jobs run before the clock, in-process and by each fresh worker alike (default: as many as the prompts)",
+    )  # fmt: skip
     p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
     p.add_argument(
         "--worker-flag", action="append", default=[], metavar="FLAG",
@@ -229,10 +250,13 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer import SamplingParams
 
     convs = load_prompts(args)
+    if args.warm_up_jobs is None:
+        args.warm_up_jobs = len(convs)
     resolve_model_arg(args)
     llm = build_llm(args)
     model_path = llm.engine.model_path
-    llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    warm_up = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0, ignore_eos=True)
+    llm.chat(warm_up_convs(convs, args.warm_up_jobs), warm_up, use_tqdm=False)
 
     redis_proc = None
     url = args.redis_url
@@ -245,14 +269,16 @@ def main(args: argparse.Namespace) -> int:
     engine_rows, streamed_rows, redis_rows = [], [], []
     try:
         for rep in range(args.repeats):
-            llm.engine.kv.reset_prefix_cache()
-            row = run_roseinfer(llm, convs, args.max_tokens).summary()
-            row["system"] = "roseinfer engine in-process"
-            engine_rows.append(row)
-            llm.engine.kv.reset_prefix_cache()
-            streamed_rows.append(run_streamed(llm, convs, args.max_tokens))
-            last = rep == args.repeats - 1
-            redis_rows.append(run_through_redis(args, url, convs, f"bench-roseinfer-{rep}", arrivals=last))
+            # The worker boots first: the three runs of a pair then follow each other within a second or two.
+            with fresh_worker(args, url, convs, f"bench-roseinfer-{rep}") as client:
+                llm.engine.kv.reset_prefix_cache()
+                row = run_roseinfer(llm, convs, args.max_tokens).summary()
+                row["system"] = "roseinfer engine in-process"
+                engine_rows.append(row)
+                llm.engine.kv.reset_prefix_cache()
+                streamed_rows.append(run_streamed(llm, convs, args.max_tokens))
+                last = rep == args.repeats - 1
+                redis_rows.append(run_through_redis(args, client, convs, arrivals=last))
             print(
                 f"pair {rep + 1}/{args.repeats}: in-process {row['tokens_per_s']} tok/s, "
                 f"streamed in-process {streamed_rows[-1]['tokens_per_s']} tok/s, "
@@ -281,7 +307,10 @@ def main(args: argparse.Namespace) -> int:
     )
     if stock:
         print(f"through Redis vs stock rq worker: {queued['tokens_per_s'] / stock['tokens_per_s']:.1f}x")
-    print(f"TTFT, {len(convs)} jobs submitted at once: p50 {queued['ttft_p50_ms']} ms, p99 {queued['ttft_p99_ms']} ms")
+    print(
+        f"TTFT, {len(convs)} jobs submitted at once: p50 {queued['ttft_p50_ms']} ms, p99 {queued['ttft_p99_ms']} ms "
+        f"(in-process, every request added at once: p50 {engine['ttft_p50_ms']} ms, p99 {engine['ttft_p99_ms']} ms)"
+    )
     last = redis_rows[-1]
     print(
         f"TTFT, {last['arrivals']} jobs arriving every {args.arrival_interval}s while a batch decodes: "
