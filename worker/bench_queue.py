@@ -98,9 +98,19 @@ WARM_UP_TOKENS = 8
 
 def warm_up_convs(convs: list[list[dict]], count: int) -> list[list[dict]]:
     """``count`` jobs like the workload's, for the engine's first-use costs (its GEMM primitives for each row
-    count, its buffers) to be paid before the clock: the same user turns under a system turn of their own, so
-    they share no full KV block with the workload (its prefix-cache hits stay the in-process run's)."""
+    count, its buffers) to be paid before the clock: the same user turns under a system turn of their own. Their
+    blocks stay in a worker's prefix cache (with the tiny tokenizer the template's first block is shared with the
+    workload), so the in-process engine runs them after each cache reset too: both sides time from the same cache."""
     return [[{"role": "system", "content": f"Warm-up {i}."}, *convs[i % len(convs)]] for i in range(count)]
+
+
+def _fresh_cache_then_warm_up(llm, convs: list[list[dict]], count: int) -> None:
+    """The in-process engine's cache as a fresh worker's is when its clock starts: empty, then the warm-up jobs."""
+    from roseinfer import SamplingParams
+
+    llm.engine.kv.reset_prefix_cache()
+    params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0, ignore_eos=True)
+    llm.chat(warm_up_convs(convs, count), params, use_tqdm=False)
 
 
 @contextlib.contextmanager
@@ -247,16 +257,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from roseinfer import SamplingParams
-
     convs = load_prompts(args)
     if args.warm_up_jobs is None:
         args.warm_up_jobs = len(convs)
     resolve_model_arg(args)
     llm = build_llm(args)
     model_path = llm.engine.model_path
-    warm_up = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0, ignore_eos=True)
-    llm.chat(warm_up_convs(convs, args.warm_up_jobs), warm_up, use_tqdm=False)
 
     redis_proc = None
     url = args.redis_url
@@ -271,11 +277,11 @@ def main(args: argparse.Namespace) -> int:
         for rep in range(args.repeats):
             # The worker boots first: the three runs of a pair then follow each other within a second or two.
             with fresh_worker(args, url, convs, f"bench-roseinfer-{rep}") as client:
-                llm.engine.kv.reset_prefix_cache()
+                _fresh_cache_then_warm_up(llm, convs, args.warm_up_jobs)
                 row = run_roseinfer(llm, convs, args.max_tokens).summary()
                 row["system"] = "roseinfer engine in-process"
                 engine_rows.append(row)
-                llm.engine.kv.reset_prefix_cache()
+                _fresh_cache_then_warm_up(llm, convs, args.warm_up_jobs)
                 streamed_rows.append(run_streamed(llm, convs, args.max_tokens))
                 last = rep == args.repeats - 1
                 redis_rows.append(run_through_redis(args, client, convs, arrivals=last))
