@@ -5,8 +5,9 @@ Prints, measured in one run on the same prompts:
 - the same jobs streamed in-process: the worker's ``Pump`` over the same engine, text handed out at the worker's
   event cadence, no Redis; what streaming costs apart from the queue;
 - the same jobs through Redis and a fresh ``roseinfer worker`` process (tokens/s, and its share of the in-process
-  figure), the two interleaved --repeats times and compared by their medians;
-- TTFT p50/p99 of jobs arriving one by one while a full batch decodes;
+  figure), the two interleaved --repeats times and compared by their medians, each side past the same warm-up jobs;
+- TTFT p50/p99 of the jobs submitted at once, beside the in-process engine's, and of jobs arriving one by one
+  while a full batch decodes;
 - a stock ``rq worker`` (SimpleWorker, model loaded once) running transformers ``generate`` per job.
 """
 
@@ -257,6 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.warm_up_jobs is not None and args.warm_up_jobs < 0:
+        raise SystemExit(f"--warm-up-jobs must be 0 or more, got {args.warm_up_jobs}")
     convs = load_prompts(args)
     if args.warm_up_jobs is None:
         args.warm_up_jobs = len(convs)
