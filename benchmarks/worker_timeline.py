@@ -2,10 +2,10 @@
 
 The worker runs as a child process with its step (``Pump.step``), its pulls (``Puller._pull_once``, and the
 reading of what a pull took, ``Puller.read``), its prompt tokenizing (``LLMEngine.tokenize_many``) and its sends
-(``Sender._send_until_done``) timed; a private redis-server carries the jobs. After a few warm-up jobs, every job
-is submitted at once, as ``roseinfer bench-queue`` does, and the parent prints, from the first submit: when the
-pulls and reads ran, the first steps, when the last job was admitted, and the steps' count, median and sum. It is
-the tool that showed where the tiny model's through-Redis time went (README, "Queue benchmark").
+(``Sender._send_until_done``) timed; a private redis-server carries the jobs. After the warm-up jobs bench-queue
+gives a worker, every job is submitted at once, as ``roseinfer bench-queue`` does, and the parent prints, from the
+first submit: when the pulls and reads ran, the first steps, when the last job was admitted, and the steps' count,
+median and sum. It is the tool that showed where the tiny model's through-Redis time went (README, "Queue benchmark").
 
     python3 benchmarks/worker_timeline.py --model tiny --jobs 256 --tokens 128 --max-num-seqs 256
 """
@@ -101,7 +101,7 @@ def main() -> int:
 
     from producer import Client
     from roseinfer.bench import load_prompts, resolve_model_arg
-    from worker.bench_queue import _chat_jobs, _wait_for_worker
+    from worker.bench_queue import WARM_UP_TOKENS, _chat_jobs, _wait_for_worker, warm_up_convs
     from worker.local_redis import start_private_redis
 
     resolve_model_arg(args)
@@ -120,7 +120,8 @@ def main() -> int:
         client = Client(url, queue="timeline")
         _wait_for_worker(client.connection, "timeline", proc)
         convs = load_prompts(argparse.Namespace(num_prompts=args.jobs, prompts=None, input_len=0))
-        for job in client.submit_many(_chat_jobs(convs[:4], 4)):
+        # The warm-up bench-queue gives its workers: the engine's first-use costs paid before the clock.
+        for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.jobs), WARM_UP_TOKENS)):
             job.result(timeout=300)
         t0 = time.time()
         jobs = client.submit_many(_chat_jobs(convs, args.tokens))

@@ -12,7 +12,7 @@ import torch
 from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
 from roseinfer.config import EngineConfig
-from roseinfer.cpu_allocator import keep_freed_memory
+from roseinfer.cpu_allocator import keep_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
@@ -97,6 +97,8 @@ class LLMEngine:
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
         gc.freeze()
+        if self.device.type == "cpu":
+            reserve_heap()  # at the heap's top, above the weights: room the first large steps need, faulted in now
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks, %s attention",
             config.model,

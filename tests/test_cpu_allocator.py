@@ -33,3 +33,33 @@ def test_malloc_thresholds_keep_large_blocks_on_the_heap_unless_turned_off():
 
     assert probe("0") == ["False", "True"]  # glibc's default: a 20 MB block is mapped afresh, and unmapped on free
     assert probe("1") == ["True", "False"]  # raised: it comes from the heap, and its pages stay for the next step
+
+
+_CUSHION_PROBE = """
+import ctypes, resource, sys
+from roseinfer.cpu_allocator import reserve_heap
+print(reserve_heap(int(sys.argv[1])))
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = libc.malloc(8 << 20)
+ctypes.memset(block, 1, 8 << 20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_the_heap_cushion_is_faulted_in_once_so_a_larger_step_later_takes_no_page_faults():
+    def probe(nbytes: int, tuning: str = "1") -> tuple[str, int]:
+        env = {**os.environ, "ROSEINFER_MALLOC_TUNING": tuning}
+        out = subprocess.run(
+            [sys.executable, "-c", _CUSHION_PROBE, str(nbytes)], env=env, capture_output=True, text=True, check=True
+        )
+        done, faults = out.stdout.split()
+        return done, int(faults)
+
+    done, faults = probe(32 << 20)
+    assert done == "True" and faults < 256  # 8 MB of the cushion's pages, already in: (almost) no faults
+    done, faults = probe(0)  # no cushion: the heap grows, and each of its 2,048 new pages faults in as it is touched
+    assert done == "False" and faults >= 2000
+    assert probe(32 << 20, tuning="0")[0] == "False"  # thresholds left alone: a cushion would be trimmed at once
