@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def serve(out: str, argv: list[str]) -> int:
     """The child: a worker whose steps, pulls, reads, tokenizing and sends are timed, written to ``out`` at exit."""
     from roseinfer import llm_engine
-    from worker import puller, pump, sender
+    from worker import batch_worker, puller, pump, sender
     from worker.cli import main
 
     spans: list[tuple[str, float, float, int | None, str]] = []
@@ -51,6 +51,7 @@ def serve(out: str, argv: list[str]) -> int:
     timed(puller.Puller, "read", lambda s, a, r: len(r))
     timed(llm_engine.LLMEngine, "tokenize_many", lambda s, a, r: len(r))
     timed(sender.Sender, "_send_until_done")
+    timed(batch_worker.BatchWorker, "_succeed", lambda s, a, r: len(a[0]))  # the results of jobs a step ended
     atexit.register(lambda: Path(out).write_text(json.dumps(spans)))
     return main(argv)
 
