@@ -37,6 +37,9 @@ class EngineStats:
     num_prefill_tokens: int = 0  # prompt tokens computed (not found in the prefix cache), recomputes included
 
 
+GC_YOUNG_THRESHOLD = 10_000  # allocations between two collections of the youngest generation
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -97,6 +100,11 @@ class LLMEngine:
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
         gc.freeze()
+        # A step allocates thousands of short-lived objects: at Python's default (700) the tiny model's 256 x 128
+        # burst ran 132 young collections (8.8 ms); at 10,000 none, and the burst 2% faster. Never lowered.
+        threshold = gc.get_threshold()
+        if threshold[0] < GC_YOUNG_THRESHOLD:
+            gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
         if self.device.type == "cpu":
             reserve_heap()  # at the heap's top, above the weights: room the first large steps need, faulted in now
         log.info(

@@ -184,3 +184,20 @@ def test_delta_outputs_add_up_to_the_cumulative_output(tiny_chat_model, flush_ev
     assert plain == {1: 11, 3: 1 + 10 // 3, 0: 1}[flush_every], plain
     if flush_every == 0:  # the first output only, until the end or the abort
         assert running_outputs["delta-aborted"] == 1 and running_outputs.get("delta-stop", 1) == 1
+
+
+def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama):
+    import gc
+
+    from roseinfer.llm_engine import GC_YOUNG_THRESHOLD
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *saved[1:])  # Python's default
+        LLM(tiny_llama, dtype="float32", max_model_len=64)
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *saved[1:])
+        gc.set_threshold(50_000, *saved[1:])  # the application's own, higher
+        LLM(tiny_llama, dtype="float32", max_model_len=64)
+        assert gc.get_threshold()[0] == 50_000
+    finally:
+        gc.set_threshold(*saved)
