@@ -60,6 +60,6 @@ def test_the_heap_cushion_is_faulted_in_once_so_a_larger_step_later_takes_no_pag
 
     done, faults = probe(32 << 20)
     assert done == "True" and faults < 256  # 8 MB of the cushion's pages, already in: (almost) no faults
-    done, faults = probe(0)  # no cushion: the heap grows, and each of its 2,048 new pages faults in as it is touched
+    done, faults = probe(0)  # no cushion (nor raised thresholds): a fresh mapping, each of its 2,048 pages faulting in
     assert done == "False" and faults >= 2000
     assert probe(32 << 20, tuning="0")[0] == "False"  # thresholds left alone: a cushion would be trimmed at once
