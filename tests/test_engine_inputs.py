@@ -97,6 +97,19 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
     tokenizer.backend_tokenizer.enable_truncation(3)
     long = "Once upon a time there was a cat"
     assert engine.tokenize_many([long], tokenizer) == [engine.tokenize(long)] and len(engine.tokenize(long)[1]) > 3
+    # Chats render in one call; a template that refuses one of them fails that one alone.
+    strict = copy.deepcopy(engine.tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role == 'robot' %}{{ raise_exception('no robots here') }}{% endif %}"
+        + engine.tokenizer.chat_template
+        + "{% endfor %}"
+    )
+    robot = {"messages": [{"role": "robot", "content": "beep"}]}
+    got = engine.tokenize_many([chat, robot, prompts[-1]], strict)
+    assert "no robots here" in str(got[1])
+    for prompt, found in zip([chat, prompts[-1]], [got[0], got[2]]):
+        text = strict.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+        assert found == (None, strict(text, add_special_tokens=False)["input_ids"])
 
 
 def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:

@@ -130,6 +130,28 @@ def test_a_job_that_breaks_the_tokenizer_or_the_engine_fails_alone():
     pump.close()
 
 
+def test_prompts_tokenized_ahead_on_another_thread_are_taken_as_they_are():
+    engine = FakeEngine()
+    batches = []
+    inner = engine.tokenize_many
+    engine.tokenize_many = lambda prompts, tokenizer=None: batches.append(len(prompts)) or inner(prompts, tokenizer)
+    pump = Pump(engine)
+    prompts = [{"prompt": "hello"}, {"prompt": "break the tokenizer"}]
+    ahead = []
+    puller = threading.Thread(target=lambda: ahead.extend(pump.tokenize_ahead(prompts)))
+    puller.start()
+    puller.join()
+    pump.submit("a", prompts[0], _params(2), tokenized=ahead[0])
+    pump.submit("tok", prompts[1], _params(2), tokenized=ahead[1])
+    pump.submit("late", {"prompt": "world"}, _params(1))  # not tokenized ahead: in the pump's own batch
+    events = {e.job_id: e for e in _run(pump) if e.finished}
+    assert events["a"].finish_reason == "length" and events["late"].finish_reason == "length"
+    assert events["tok"].finish_reason == "error" and "tokenizer bug" in events["tok"].error
+    assert batches == [2, 1]  # the two ahead once, never again at their submit
+    assert Pump(engine, tokenize_in_thread=False).tokenize_ahead(prompts) is None  # tokenized on the step loop
+    pump.close()
+
+
 def test_a_failing_step_fails_its_jobs_retryably_and_the_pump_goes_on():
     engine = FakeEngine()
     pump = Pump(engine, tokenize_in_thread=False)

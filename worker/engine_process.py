@@ -234,11 +234,16 @@ class EngineProcess:
         timeout: float | None = None,
         output_prefix: list[int] | None = None,
         priority: int = 0,
+        tokenized: None = None,  # prompts are tokenized in the child: ``tokenize_ahead`` starts none here
     ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
         self._jobs.add(job_id)
         self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority))
+
+    def tokenize_ahead(self, prompts: list[Any]) -> None:
+        """The child tokenizes each prompt it is sent (``Pump.tokenize_ahead``): nothing starts here."""
+        return None
 
     def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
         return self.cancel_many([job_id], reason).get(job_id)

@@ -47,6 +47,7 @@ class Arrival:
     params: Any = None
     prefix: list[int] | None = None  # what an earlier attempt streamed: the output resumes from there
     error: str | None = None
+    tokenized: Any = None  # its prompt's tokenizing, started by the pump's ``tokenize_ahead`` (None: not started)
 
 
 @dataclass
@@ -210,6 +211,10 @@ class Puller:
                 canceled.append((job, q))
             else:
                 fresh.append((job, q))
+        # The payloads first: their prompts are tokenized (the pump's thread) while the round trips below run.
+        checked = [self._check(job) for job, _ in fresh]
+        readable = [request for request, _, error in checked if error is None]
+        ahead = iter(w.pump.tokenize_ahead([request.engine_prompt() for request in readable]) or ())
         # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
         # writes to the job hash while the stream keeps events written after it.
         executions = w.mark_started(fresh) if fresh else []
@@ -218,27 +223,27 @@ class Puller:
         arrivals: list = [Rejected(item, streams[item.job_id]) for item in unreadable]
         arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
         arrivals += running
-        for (job, q), execution in zip(fresh, executions):
+        for (job, q), execution, (request, params, error) in zip(fresh, executions, checked):
             stream = streams[job.id]
             stream.owner = execution.id
-            arrivals.append(self._check(job, q, execution, stream))
+            arrival = Arrival(job, q, execution, stream, request, params, error=error)
+            if error is None:
+                arrival.tokenized = next(ahead, None)
+                # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
+                arrival.prefix = stream.start(can_resume=resumable(params))
+            arrivals.append(arrival)
         return arrivals
 
-    def _check(self, job: Job, q: Queue, execution: Execution, stream: JobStream) -> Arrival:
-        arrival = Arrival(job, q, execution, stream)
+    def _check(self, job: Job) -> tuple[JobRequest | None, Any, str | None]:
+        """The job's request and sampling parameters, or why it cannot run."""
         try:
             refused = self.worker.hooks.refuse(job)
             if refused:
                 raise JobRejected(refused)
-            arrival.request = parse_request(job, self.worker.settings.max_job_bytes)
-            arrival.params = sampling_params(job.id, arrival.request)
+            request = parse_request(job, self.worker.settings.max_job_bytes)
+            return request, sampling_params(job.id, request), None
         except JobRejected as exc:
-            arrival.error = str(exc)
-            return arrival
+            return None, None, str(exc)
         except Exception as exc:  # anything else about one job stays with that job
             log.exception("job %s could not be read", job.id)
-            arrival.error = f"unreadable job: {exc}"
-            return arrival
-        # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
-        arrival.prefix = stream.start(can_resume=resumable(arrival.params))
-        return arrival
+            return None, None, f"unreadable job: {exc}"

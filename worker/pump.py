@@ -102,16 +102,18 @@ class Pump:
         timeout: float | None = None,
         output_prefix: list[int] | None = None,
         priority: int = 0,
+        tokenized: _Tokenized | None = None,
     ) -> None:
         """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams,
-        ``output_prefix`` the tokens an earlier attempt already streamed, ``priority`` lower first. Its admission
-        (or its failure) shows in a later ``step()``; a prefix the engine refuses (a shorter context here, say)
-        makes the job start over, with a ``restarted`` event."""
+        ``output_prefix`` the tokens an earlier attempt already streamed, ``priority`` lower first, ``tokenized``
+        what ``tokenize_ahead`` gave for its prompt. Its admission (or its failure) shows in a later ``step()``; a
+        prefix the engine refuses (a shorter context here, say) makes the job start over, with a ``restarted``
+        event."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = _Job(prompt, params, deadline, output_prefix or None, priority)
-        if self._pool is not None:
+        job = _Job(prompt, params, deadline, output_prefix or None, priority, tokenized)
+        if self._pool is not None and tokenized is None:
             self._untokenized.append(job)
         self._jobs[job_id] = job
         self._waiting[job_id] = job
@@ -120,6 +122,14 @@ class Pump:
             if len(self._deadlines) > 2 * len(self._jobs) + 64:  # mostly jobs that ended: keep the live ones
                 self._deadlines = [(d, j) for d, j in self._deadlines if j in self._jobs]
                 heapq.heapify(self._deadlines)
+
+    def tokenize_ahead(self, prompts: list[Any]) -> list[_Tokenized] | None:
+        """Start tokenizing the prompts of jobs not submitted yet, from any thread (the puller, while it marks them
+        started); each result goes to ``submit``. None where this pump tokenizes on its step loop."""
+        if self._pool is None or not prompts:
+            return None
+        batch = self._pool.submit(self.engine.tokenize_many, prompts, self._thread_tokenizer)
+        return [_Tokenized(batch, i) for i in range(len(prompts))]
 
     def _tokenize_submitted(self) -> None:
         """The prompts submitted since the last step, to the tokenizer thread as one batch."""
