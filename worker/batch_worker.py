@@ -384,7 +384,7 @@ class BatchWorker(BaseWorker):
             else:
                 job, req = a.job, a.request
                 timeout = job.timeout if job.timeout and job.timeout > 0 else None
-                self.pump.submit(job.id, req.engine_prompt(), a.params, timeout, a.prefix, req.priority, a.tokenized)
+                self.pump.submit(job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized)
                 self.in_flight[job.id] = InFlight(job, a.queue, a.execution, req, a.stream, wall)
                 started.append(job.id)
         if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256

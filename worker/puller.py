@@ -47,6 +47,7 @@ class Arrival:
     params: Any = None
     prefix: list[int] | None = None  # what an earlier attempt streamed: the output resumes from there
     error: str | None = None
+    prompt: Any = None  # the request's prompt as the engine takes it
     tokenized: Any = None  # its prompt's tokenizing, started by the pump's ``tokenize_ahead`` (None: not started)
 
 
@@ -213,8 +214,9 @@ class Puller:
                 fresh.append((job, q))
         # The payloads first: their prompts are tokenized (the pump's thread) while the round trips below run.
         checked = [self._check(job) for job, _ in fresh]
-        readable = [request for request, _, error in checked if error is None]
-        ahead = iter(w.pump.tokenize_ahead([request.engine_prompt() for request in readable]) or ())
+        prompts = [request.engine_prompt() for request, _, error in checked if error is None]
+        ahead = iter(w.pump.tokenize_ahead(prompts) or ())
+        prompt_of = iter(prompts)
         # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
         # writes to the job hash while the stream keeps events written after it.
         executions = w.mark_started(fresh) if fresh else []
@@ -228,7 +230,7 @@ class Puller:
             stream.owner = execution.id
             arrival = Arrival(job, q, execution, stream, request, params, error=error)
             if error is None:
-                arrival.tokenized = next(ahead, None)
+                arrival.prompt, arrival.tokenized = next(prompt_of), next(ahead, None)
                 # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
                 arrival.prefix = stream.start(can_resume=resumable(params))
             arrivals.append(arrival)

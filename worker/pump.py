@@ -134,10 +134,8 @@ class Pump:
     def _tokenize_submitted(self) -> None:
         """The prompts submitted since the last step, to the tokenizer thread as one batch."""
         jobs, self._untokenized = self._untokenized, []
-        if jobs:
-            batch = self._pool.submit(self.engine.tokenize_many, [j.prompt for j in jobs], self._thread_tokenizer)
-            for i, job in enumerate(jobs):
-                job.tokenized = _Tokenized(batch, i)
+        for job, tokenized in zip(jobs, self.tokenize_ahead([j.prompt for j in jobs]) or ()):
+            job.tokenized = tokenized
 
     def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
         """End a job now (canceled: finish ``abort``; with ``reason``: failed, finish ``error``), freeing its
