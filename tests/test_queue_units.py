@@ -691,6 +691,44 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     assert abs(working - sum((ended - j.started_at).total_seconds() for j in (ref, ours, ours2))) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "stamps",
+    [
+        {"created_at": "2026-11-24T09:08:07.123456Z", "enqueued_at": "2026-11-24T09:08:07.000001Z"},
+        {"started_at": "2024-02-29T23:59:59.999999Z", "last_heartbeat": "2026-11-24T09:08:07Z"},  # RQ's old form
+        {"ended_at": "2026-02-29T10:00:00.000000Z"},  # no such day: RQ's error
+        {"created_at": "yesterday"},
+    ],
+)
+def test_the_workers_job_class_reads_a_hash_as_rqs_job_does(stamps):
+    """``PulledJob`` skips RQ's per-job serializer check and parses RQ's stamps without strptime: every attribute
+    comes out as RQ's ``Job`` leaves it, and what RQ cannot read raises for both."""
+    import json
+    import zlib
+
+    import fakeredis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from worker.intake import PulledJob
+
+    conn = fakeredis.FakeRedis()
+    data = zlib.compress(json.dumps(["worker.jobs.generate", None, [], {"prompt": "hi"}]).encode())
+    raw = {b"data": data, b"origin": b"q", b"status": b"queued", b"timeout": b"60", b"result_ttl": b"500"}
+    raw.update({k.encode(): v.encode() for k, v in stamps.items()})
+    built = []
+    for cls in (Job, PulledJob):
+        job = cls("j-1", connection=conn, serializer=JSONSerializer)
+        try:
+            job.restore(dict(raw))
+        except Exception as exc:
+            built.append(type(exc))
+            continue
+        assert job.serializer is JSONSerializer
+        built.append({k: v for k, v in vars(job).items() if k != "created_at" or "created_at" in stamps})
+    assert built[0] == built[1]
+
+
 @pytest.mark.redis
 def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_url):
     """Taking up to 200 jobs from a lane of 3 and an empty one: three jobs, in order, and about as many LMOVEs

@@ -44,7 +44,7 @@ from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, 
 from producer.schema import JobRequest
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, Unreadable, quarantine
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, PulledJob, Unreadable, quarantine
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
 from worker.job_start import register as register_start_script
@@ -95,6 +95,7 @@ class BatchWorker(BaseWorker):
             name=settings.name,
             connection=connection,
             serializer=JSONSerializer,
+            job_class=PulledJob,
             maintenance_interval=settings.maintenance_interval,
             job_monitoring_interval=settings.heartbeat_interval,
         )
