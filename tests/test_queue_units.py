@@ -756,6 +756,43 @@ def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("block", [None, 1])
+def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_pulled_with_it_run(redis_url, lanes, block):
+    """RQ's dequeue raised on an id that is not UTF-8 and left it (and, in a batch, every job taken with it) in the
+    intermediate list, where RQ's clean-up raised at every pass. A pull, blocking (by BLMOVE from one lane, BLPOP
+    from two) or not, hands it back apart, by its bytes, and the jobs around it as usual; quarantine moves it aside."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.protocol import rejected_key
+    from worker.intake import MOVE_SCRIPT, NOT_TEXT_ID, PulledJob, pull, quarantine
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    queues = [Queue(n, connection=conn, serializer=JSONSerializer) for n in (name, f"{name}-low")][:lanes]
+    bad = b"bad-\xff\xfe-" + uuid.uuid4().hex[:6].encode()
+    good = Client(redis_url, queue=name).submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(3)])
+    conn.lpush(queues[0].key, bad)  # first in line: what a blocking pull wakes for, or a batch takes first
+    script = conn.register_script(MOVE_SCRIPT)
+    pulled, unreadable = pull(queues, 10, block, conn, PulledJob, JSONSerializer, script)
+    assert [job.id for job, _ in pulled] == [job.id for job in good]
+    assert [(u.raw_id, u.reason) for u in unreadable] == [(bad, NOT_TEXT_ID)]
+    assert unreadable[0].job_id == bad.decode(errors="backslashreplace")
+    assert conn.lrange(queues[0].intermediate_queue_key, 0, -1) == [bad] + [job.id.encode() for job in good]
+    with conn.pipeline() as pipe:
+        quarantine(pipe, unreadable[0], 60)
+        pipe.execute()
+    assert bad not in conn.lrange(queues[0].intermediate_queue_key, 0, -1)
+    assert conn.zscore(rejected_key(name), bad) is not None
+    queues[0].intermediate_queue.cleanup(None, queues[0])  # RQ's clean-up reads the list again without raising
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize("retries", [0, 2])
 def test_submit_many_writes_the_job_hashes_rqs_enqueue_many_writes(redis_url, retries):
     """The producer writes each job's hash itself: field for field what RQ's ``enqueue_many`` writes for the same

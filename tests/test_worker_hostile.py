@@ -91,6 +91,23 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
     assert w.thread.is_alive()
 
 
+def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(served):
+    """RQ's dequeue raised on it and stranded every job of the same pull in the intermediate list, queued forever."""
+    w, client, conn = served
+    bad = b"bad-\xff\xfe-" + uuid.uuid4().hex[:6].encode()
+    conn.hset(b"rq:job:" + bad, mapping={"data": json.dumps([FN, None, [], {"prompt": "hi"}]), "status": "queued"})
+    conn.rpush(f"rq:queue:{w.queue}", bad)  # the worker idle: its blocking wait takes it
+    good = [client.submit(f"after {i}", max_tokens=3, temperature=0) for i in range(2)]
+    conn.rpush(f"rq:queue:{w.queue}", bad)  # and again, behind a job: in the same pull as the rest
+    good += [client.submit(f"later {i}", max_tokens=3, temperature=0) for i in range(2)]
+    for job in good:
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 3
+    assert conn.zscore(rejected_key(w.queue), bad) is not None
+    assert bad not in conn.lrange(f"rq:queue:{w.queue}:intermediate", 0, -1)
+    assert bad not in conn.lrange(f"rq:queue:{w.queue}", 0, -1)
+    assert w.thread.is_alive()
+
+
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
 def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served):
     w, client, conn = served

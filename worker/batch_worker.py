@@ -681,16 +681,19 @@ class BatchWorker(BaseWorker):
 
         self._tasks.append(end)
 
-    def _reject_unreadable(self, item: Unreadable, stream: JobStream) -> None:
-        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream."""
+    def _reject_unreadable(self, item: Unreadable, stream: JobStream | None) -> None:
+        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream
+        (an id that is not text has neither: it is only moved aside)."""
         log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
-        self.publisher.add(stream, "", [], "error", {}, item.reason)
+        if stream is not None:
+            self.publisher.add(stream, "", [], "error", {}, item.reason)
 
         def end() -> None:
             with self.connection.pipeline(transaction=False) as pipe:
-                result = failure_result(item.job_id, None, item.reason)
-                entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason)
-                self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
+                if stream is not None:
+                    result = failure_result(item.job_id, None, item.reason)
+                    entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason)
+                    self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
                 quarantine(pipe, item, self.settings.result_ttl)
                 pipe.execute()
 

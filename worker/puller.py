@@ -73,7 +73,7 @@ class Rejected:
     """A job hash RQ cannot read."""
 
     item: Unreadable
-    stream: JobStream
+    stream: JobStream | None  # None: an id that is not text has no stream
 
 
 class Puller:
@@ -220,9 +220,9 @@ class Puller:
         # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
         # writes to the job hash while the stream keeps events written after it.
         executions = w.mark_started(fresh) if fresh else []
-        ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable]
+        ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable if item.raw_id is None]
         streams = w.publisher.resume(w.connection, ids) if ids else {}
-        arrivals: list = [Rejected(item, streams[item.job_id]) for item in unreadable]
+        arrivals: list = [Rejected(item, streams.get(item.job_id)) for item in unreadable]
         arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
         arrivals += running
         for (job, q), execution, (request, params, error) in zip(fresh, executions, checked):
