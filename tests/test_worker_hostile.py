@@ -8,6 +8,7 @@ import json
 import threading
 import time
 import uuid
+import zlib
 from typing import ClassVar
 
 import pytest
@@ -197,6 +198,49 @@ def test_values_past_their_bounds_fail_alone_with_the_field_named(served):
             client.job(ids[name]).result(timeout=30)
         assert phrase in err.value.reason, (name, err.value.reason)
     assert w.thread.is_alive()
+
+
+def _inflating_to(size: int) -> bytes:
+    """A job's data, compressed as RQ stores it, that inflates to ``size`` bytes (a thousandth of it stored)."""
+    packer = zlib.compressobj(9)
+    head = f'["{FN}", null, [], {{"prompt": "'.encode()
+    chunks = [packer.compress(head)] + [packer.compress(b"x" * 2**20) for _ in range(size // 2**20)]
+    return b"".join(chunks) + packer.compress(b'"}]') + packer.flush()
+
+
+def test_a_payload_that_inflates_past_the_bound_fails_unread_and_the_jobs_beside_it_run(served):
+    """RQ inflates a job's data as it reads the hash: 16 such jobs of 64 KB each held 1 GB of prompt."""
+    w, client, conn = served
+    bomb = _inflating_to(64 * 2**20)
+    assert len(bomb) < 128 * 1024
+    ids = [f"bomb-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
+    for job_id in ids:
+        conn.hset(f"rq:job:{job_id}", mapping={"data": bomb, "origin": w.queue, "status": "queued"})
+    conn.rpush(f"rq:queue:{w.queue}", *ids)
+    ok = client.submit("fine", max_tokens=3, temperature=0)
+    assert ok.result(timeout=30)["usage"]["completion_tokens"] == 3
+    for job_id in ids:
+        with pytest.raises(JobFailed, match=f"over {64 * 1024} bytes once inflated"):
+            client.job(job_id).result(timeout=30)
+        assert conn.zscore(rejected_key(w.queue), job_id) is not None
+    assert w.thread.is_alive()
+
+
+def test_the_inflated_size_of_a_payload_is_found_without_inflating_it():
+    import tracemalloc
+
+    from worker.intake import _inflates_past
+
+    bomb = _inflating_to(256 * 2**20)
+    tracemalloc.start()
+    try:
+        assert _inflates_past(bomb, 64 * 1024)
+        assert tracemalloc.get_traced_memory()[1] < 2**20  # the peak: the bound, not the 256 MB
+    finally:
+        tracemalloc.stop()
+    small = zlib.compress(b"x" * 1000)
+    assert not _inflates_past(small, 1000) and _inflates_past(small, 999)
+    assert not _inflates_past(b"[uncompressed]", 14) and _inflates_past(b"[uncompressed]", 13)  # as RQ reads it
 
 
 def test_a_step_that_raises_fails_its_jobs_and_the_worker_serves_on(served, monkeypatch):

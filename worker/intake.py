@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from urllib.parse import urlsplit
@@ -118,10 +119,12 @@ def pull(
     job_class: type[Job],
     serializer,
     move_script=None,
+    max_data_bytes: int | None = None,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
     Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate. ``move_script``: the
-    registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs then)."""
+    registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs then).
+    ``max_data_bytes``: a job whose data inflates past it comes back apart too, unread."""
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
@@ -130,12 +133,12 @@ def pull(
             return pulled, unreadable
         queue, raw_id = first
         raw = connection.hgetall(job_class.redis_job_namespace_prefix.encode() + raw_id)
-        pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer)
+        pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
     for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
             break
-        got, bad = _pull_batch(queue, room, connection, job_class, serializer, move_script)
+        got, bad = _pull_batch(queue, room, connection, job_class, serializer, move_script, max_data_bytes)
         pulled += got
         unreadable += bad
     return pulled, unreadable
@@ -160,7 +163,13 @@ def _wait_for_one(queues: list[Queue], block: float, connection: redis.Redis) ->
 
 
 def _pull_batch(
-    queue: Queue, limit: int, connection: redis.Redis, job_class: type[Job], serializer, move_script=None
+    queue: Queue,
+    limit: int,
+    connection: redis.Redis,
+    job_class: type[Job],
+    serializer,
+    move_script=None,
+    max_data_bytes: int | None = None,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """What RQ's dequeue does (LMOVE to the intermediate list, then the job's hash), for ``limit`` jobs in one
     script call (without Lua: two round trips) instead of two round trips per job."""
@@ -177,11 +186,17 @@ def _pull_batch(
             for raw_id in moved:
                 pipe.hgetall(job_class.redis_job_namespace_prefix.encode() + raw_id)
             raws = pipe.execute() if moved else []
-    return _restore(queue, moved, raws, connection, job_class, serializer)
+    return _restore(queue, moved, raws, connection, job_class, serializer, max_data_bytes)
 
 
 def _restore(
-    queue: Queue, raw_ids: list[bytes], raws: list[dict], connection: redis.Redis, job_class: type[Job], serializer
+    queue: Queue,
+    raw_ids: list[bytes],
+    raws: list[dict],
+    connection: redis.Redis,
+    job_class: type[Job],
+    serializer,
+    max_data_bytes: int | None,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
     """The jobs of ``raw_ids`` (taken off ``queue``), built from their hashes ``raws``; those RQ cannot read apart,
     with the reason."""
@@ -199,6 +214,10 @@ def _restore(
         if not JOB_ID.match(job_id):
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
+        if max_data_bytes is not None and _inflates_past(raw.get(b"data"), max_data_bytes):
+            reason = f"the job's data is over {max_data_bytes} bytes once inflated; this worker takes at most that"
+            unreadable.append(Unreadable(job_id, queue, reason))
+            continue
         try:
             job = job_class(job_id, connection=connection, serializer=serializer)
             job.restore(raw)
@@ -207,6 +226,17 @@ def _restore(
             continue
         pulled.append((job, queue))
     return pulled, unreadable
+
+
+def _inflates_past(data: bytes | None, limit: int) -> bool:
+    """Whether a job's data, inflated as RQ's restore inflates it, is over ``limit`` bytes, found by inflating no
+    more than ``limit`` + 1 of them: a 200 KB hash held 200 MB of prompt, and a pull of 256 such jobs, 51 GB."""
+    if not data:
+        return False
+    try:
+        return len(zlib.decompressobj().decompress(data, limit + 1)) > limit
+    except zlib.error:  # stored as it is: RQ reads it so
+        return len(data) > limit
 
 
 def diagnose(raw: dict, job_id: str, exc: Exception) -> str:
