@@ -208,19 +208,21 @@ def _inflating_to(size: int) -> bytes:
     return b"".join(chunks) + packer.compress(b'"}]') + packer.flush()
 
 
-def test_a_payload_that_inflates_past_the_bound_fails_unread_and_the_jobs_beside_it_run(served):
-    """RQ inflates a job's data as it reads the hash: 16 such jobs of 64 KB each held 1 GB of prompt."""
+def test_a_field_that_inflates_past_the_bound_fails_unread_and_the_jobs_beside_it_run(served):
+    """RQ inflates a job's data and exc_info as it reads the hash: 16 such jobs of 64 KB each held 1 GB."""
     w, client, conn = served
     bomb = _inflating_to(64 * 2**20)
     assert len(bomb) < 128 * 1024
-    ids = [f"bomb-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
-    for job_id in ids:
-        conn.hset(f"rq:job:{job_id}", mapping={"data": bomb, "origin": w.queue, "status": "queued"})
+    fine = zlib.compress(json.dumps([FN, None, [], {"prompt": "hi", "max_tokens": 3}]).encode())
+    ids = {f"bomb-{i}-{uuid.uuid4().hex[:6]}": ("data", "exc_info")[i % 2] for i in range(16)}
+    for job_id, field in ids.items():
+        mapping = {"data": fine, "origin": w.queue, "status": "queued", field: bomb}
+        conn.hset(f"rq:job:{job_id}", mapping=mapping)
     conn.rpush(f"rq:queue:{w.queue}", *ids)
     ok = client.submit("fine", max_tokens=3, temperature=0)
     assert ok.result(timeout=30)["usage"]["completion_tokens"] == 3
-    for job_id in ids:
-        with pytest.raises(JobFailed, match=f"over {64 * 1024} bytes once inflated"):
+    for job_id, field in ids.items():
+        with pytest.raises(JobFailed, match=f"field '{field}' is over {64 * 1024} bytes once inflated"):
             client.job(job_id).result(timeout=30)
         assert conn.zscore(rejected_key(w.queue), job_id) is not None
     assert w.thread.is_alive()

@@ -50,6 +50,7 @@ REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 # RQ's own stamps (``utcformat``): read by ``datetime.fromisoformat``, a tenth of what RQ's ``strptime`` costs.
 _STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 _STAMP_FIELDS = tuple(name.encode() for name in _DATES)
+_INFLATED = (b"data", b"exc_info")  # the fields RQ's restore zlib-inflates
 _resolved_serializer = functools.cache(resolve_serializer)
 
 
@@ -124,7 +125,8 @@ def pull(
     """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
     Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate. ``move_script``: the
     registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs then).
-    ``max_data_bytes``: a job whose data inflates past it comes back apart too, unread."""
+    ``max_data_bytes``: a job with a field RQ inflates (its data, its exc_info) that would inflate past it comes
+    back apart too, unread."""
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
@@ -132,7 +134,7 @@ def pull(
         if first is None:
             return pulled, unreadable
         queue, raw_id = first
-        raw = connection.hgetall(job_class.redis_job_namespace_prefix.encode() + raw_id)
+        raw = connection.hgetall(_hash_key(job_class, raw_id))
         pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
     for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
         room = limit - len(pulled) - len(unreadable)
@@ -184,9 +186,14 @@ def _pull_batch(
             moved = [i for i in pipe.execute() if i is not None]
         with connection.pipeline(transaction=False) as pipe:
             for raw_id in moved:
-                pipe.hgetall(job_class.redis_job_namespace_prefix.encode() + raw_id)
+                pipe.hgetall(_hash_key(job_class, raw_id))
             raws = pipe.execute() if moved else []
     return _restore(queue, moved, raws, connection, job_class, serializer, max_data_bytes)
+
+
+def _hash_key(job_class: type[Job], raw_id: bytes) -> bytes:
+    """``Job.key_for`` of an id still in bytes (it may not be text)."""
+    return job_class.redis_job_namespace_prefix.encode() + raw_id
 
 
 def _restore(
@@ -214,8 +221,12 @@ def _restore(
         if not JOB_ID.match(job_id):
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
-        if max_data_bytes is not None and _inflates_past(raw.get(b"data"), max_data_bytes):
-            reason = f"the job's data is over {max_data_bytes} bytes once inflated; this worker takes at most that"
+        swollen = [name for name in _INFLATED if _inflates_past(raw.get(name), max_data_bytes)]
+        if swollen:
+            reason = (
+                f"the job's field {swollen[0].decode()!r} is over {max_data_bytes} bytes once inflated; "
+                "this worker takes at most that"
+            )
             unreadable.append(Unreadable(job_id, queue, reason))
             continue
         try:
@@ -228,10 +239,10 @@ def _restore(
     return pulled, unreadable
 
 
-def _inflates_past(data: bytes | None, limit: int) -> bool:
-    """Whether a job's data, inflated as RQ's restore inflates it, is over ``limit`` bytes, found by inflating no
-    more than ``limit`` + 1 of them: a 200 KB hash held 200 MB of prompt, and a pull of 256 such jobs, 51 GB."""
-    if not data:
+def _inflates_past(data: bytes | None, limit: int | None) -> bool:
+    """Whether a field RQ's restore inflates is over ``limit`` bytes once inflated, found by inflating no more than
+    ``limit`` + 1 of them: a 200 KB hash held 200 MB of prompt, and a pull of 256 such jobs, 51 GB."""
+    if not data or limit is None:
         return False
     try:
         return len(zlib.decompressobj().decompress(data, limit + 1)) > limit
