@@ -336,3 +336,23 @@ def test_an_engine_process_gives_the_in_process_tokens_and_dies_with_its_worker(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(redis_url, tiny_chat_model, tmp_path):
+    import argparse
+
+    from worker import bench_queue
+
+    parser = argparse.ArgumentParser()
+    bench_queue.add_arguments(parser)
+    figures = tmp_path / "queue.json"
+    args = parser.parse_args(
+        ["--model", tiny_chat_model, "--num-prompts", "4", "--max-tokens", "4", "--max-num-seqs", "8", "--repeats", "2",
+         "--arrivals", "0", "--stock-jobs", "0", "--redis-url", redis_url, "--json", str(figures)]
+    )  # fmt: skip
+    assert bench_queue.main(args) == 0  # (the last pair's arrival phase raised on an empty list)
+    runs = json.loads(figures.read_text())["runs"]["redis"]
+    assert [(r["requests"], r["generated_tokens"]) for r in runs] == [(4, 16), (4, 16)]
+    assert not any("arrivals" in r for r in runs)
+    with pytest.raises(SystemExit, match="--arrivals must be 0 or more"):
+        bench_queue.main(parser.parse_args(["--model", tiny_chat_model, "--arrivals", "-1"]))
