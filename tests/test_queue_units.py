@@ -531,7 +531,13 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
         pipe.persist(ref.key)
         pipe.lrem(queue.intermediate_queue_key, 1, ref.id)
         pipe.execute()
-    (execution,) = worker.mark_started([(ours, queue)])
+    # An earlier attempt's events, in the stream of the job and of one with nothing to start: read with the start.
+    only_read = f"only-read-{uuid.uuid4().hex}"
+    for job_id in (ours.id, only_read):
+        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Hi", [7, 8]))})
+    (execution,), streams = worker.mark_started([(ours, queue)], [ours.id, only_read])
+    assert set(streams) == {ours.id, only_read}
+    assert [(s.next_n, s.resume_ids, s.resume_text) for s in streams.values()] == [(1, [7, 8], "Hi")] * 2
     assert len(execution.id) == 32 and execution.id != ref_execution.id
     assert worker.executions[execution.id] is execution and execution.job_id == ours.id
     started = dict(conn.zrange(queue.started_job_registry.key, 0, -1, withscores=True))
@@ -606,7 +612,7 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     pulled, bad = pull([worker.queues[0]], 5, None, conn, Job, JSONSerializer)
     assert not bad and [j.id for j, _ in pulled] == [job.id for job in jobs]
     (ref, queue), (ours, _), (ours2, _), (taken, _), (parent, _) = pulled
-    executions = worker.mark_started(pulled)
+    executions, _ = worker.mark_started(pulled)
     conn.hset(taken.key, OWNER_FIELD, "another-attempt")  # requeued and started elsewhere meanwhile
     conn.sadd(parent.dependents_key, "a-child-job")
     result = {"status": "finished", "text": "ok \u00e9", "token_ids": [1, 2]}

@@ -392,16 +392,20 @@ class BatchWorker(BaseWorker):
             log.info("%s started (%d in flight)", _jobs_named(started), len(self.in_flight))
         self.puller.applied(arrivals)
 
-    def mark_started(self, pulled: list[tuple[Job, Queue]]) -> list[Execution]:
-        """RQ's prepare_execution + prepare_job_execution for every pulled job, in one round trip (and without
-        touching the job's data, which may be unreadable: that job then fails properly)."""
+    def mark_started(
+        self, pulled: list[tuple[Job, Queue]], stream_ids: list[str] = ()
+    ) -> tuple[list[Execution], dict[str, JobStream]]:
+        """RQ's prepare_execution + prepare_job_execution for every pulled job (without touching the job's data,
+        which may be unreadable: that job then fails properly), and the streams of ``stream_ids`` read after those
+        writes, all in one round trip. The streams come after the start: until then an earlier attempt may still
+        append to them (the job names it as owner), after it none can."""
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
         if self.sender.start_script is not None:  # one script writes what RQ's objects would
             try:
-                return self._start_by_script(pulled, ttl)
+                return self._start_by_script(pulled, stream_ids, ttl)
             except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, start again
                 self.sender.start_script = register_start_script(self.connection)
-                return self._start_by_script(pulled, ttl)
+                return self._start_by_script(pulled, stream_ids, ttl)
         executions = []
         with self.connection.pipeline() as pipe:  # Redis without Lua: RQ's own writes, in one transaction
             for job, queue in pulled:
@@ -414,16 +418,20 @@ class BatchWorker(BaseWorker):
                 pipe.persist(job.key)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            pipe.execute()
-        return executions
+            self.publisher.queue_stream_reads(pipe, stream_ids)
+            replies = pipe.execute()
+        return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
-    def _start_by_script(self, pulled: list[tuple[Job, Queue]], ttl: int) -> list[Execution]:
+    def _start_by_script(
+        self, pulled: list[tuple[Job, Queue]], stream_ids: list[str], ttl: int
+    ) -> tuple[list[Execution], dict[str, JobStream]]:
         with self.connection.pipeline(transaction=False) as pipe:
             executions = start_jobs(self.sender.start_script, pipe, pulled, self.name, ttl, OWNER_FIELD)
             self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            pipe.execute()
+            self.publisher.queue_stream_reads(pipe, stream_ids)
+            replies = pipe.execute()
         self.executions.update((execution.id, execution) for execution in executions)
-        return executions
+        return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
     # ----- what a step produced -------------------------------------------------------------------------
     def _route(self, events: list[JobEvent]) -> bool:

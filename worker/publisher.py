@@ -101,9 +101,18 @@ class Publisher:
     def resume(self, conn: Redis, job_ids: list[str]) -> dict[str, JobStream]:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""
         with conn.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.xrange(stream_key(job_id))
+            self.queue_stream_reads(pipe, job_ids)
             entries = pipe.execute()
+        return self.streams_from(job_ids, entries)
+
+    @staticmethod
+    def queue_stream_reads(pipe: Pipeline, job_ids: list[str]) -> None:
+        """Queue on ``pipe`` the reads ``streams_from`` takes: each job's whole stream."""
+        for job_id in job_ids:
+            pipe.xrange(stream_key(job_id))
+
+    def streams_from(self, job_ids: list[str], entries: list[Any]) -> dict[str, JobStream]:
+        """``resume``'s streams, from the replies of ``queue_stream_reads``."""
         streams = {}
         for job_id, found in zip(job_ids, entries):
             streams[job_id] = s = JobStream(job_id)

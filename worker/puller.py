@@ -221,9 +221,11 @@ class Puller:
         prompt_of = iter(prompts)
         # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
         # writes to the job hash while the stream keeps events written after it.
-        executions = w.mark_started(fresh) if fresh else []
         ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable if item.raw_id is None]
-        streams = w.publisher.resume(w.connection, ids) if ids else {}
+        if fresh:  # the streams in the start's round trip
+            executions, streams = w.mark_started(fresh, ids)
+        else:
+            executions, streams = [], w.publisher.resume(w.connection, ids) if ids else {}
         arrivals: list = [Rejected(item, streams.get(item.job_id)) for item in unreadable]
         arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
         arrivals += running
