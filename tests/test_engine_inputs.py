@@ -1,6 +1,7 @@
 """Bad requests are refused at submission with a clear error; the engine keeps serving the others."""
 
 import copy
+import os
 
 import pytest
 
@@ -70,10 +71,14 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(tiny_chat_model):
-    from roseinfer import LLM
+@pytest.fixture(scope="module")
+def chat_engine(tiny_chat_model):
+    """One engine for the tests below: each runs its requests to their end (building one takes a second)."""
+    return LLM(tiny_chat_model, dtype="float32").engine
 
-    engine = LLM(tiny_chat_model, dtype="float32").engine
+
+def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(chat_engine):
+    engine = chat_engine
     chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
     prompts = [
         "Once upon a time",
@@ -131,11 +136,11 @@ def _add_cases(engine, cases: dict[str, tuple[str, SamplingParams]], kind: str) 
         engine.add_request(f"{kind}-{name}", prompt, dataclasses.replace(params, output_kind=kind))
 
 
-def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_before(tiny_chat_model):
+def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_before(chat_engine):
     """output_kind="final_only" (vLLM's FINAL_ONLY): a step returns nothing for the request until it ends, then
     the same output a cumulative request ends with, for n samples, a stop string and an abort alike."""
-
-    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine = chat_engine
+    assert not engine.has_unfinished_requests()
     cases = _output_kind_cases(n=3)
     ended = {}
     for kind in ("cumulative", "final_only"):
@@ -161,12 +166,13 @@ def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_befor
 
 
 @pytest.mark.parametrize("flush_every", [1, 3, 0], ids=["every step", "every 3rd step", "never"])
-def test_delta_outputs_add_up_to_the_cumulative_output(tiny_chat_model, flush_every):
+def test_delta_outputs_add_up_to_the_cumulative_output(chat_engine, flush_every):
     """output_kind="delta": each output holds only what is new; steps with flush=False give a running request
     none after its first, and what it added comes with the next flushed step, its end or its abort. The pieces
     add up to what a cumulative request ends with (text and token ids), for a stop string, n samples and an abort."""
 
-    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine = chat_engine
+    assert not engine.has_unfinished_requests()
     cases = _output_kind_cases(n=2)
     ended, pieces, running_outputs = {}, {}, {}
     for kind in ("cumulative", "delta"):
@@ -214,3 +220,24 @@ def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama)
         assert gc.get_threshold()[0] == 50_000
     finally:
         gc.set_threshold(*saved)
+
+
+def test_a_cpu_kv_cache_holds_memory_only_for_the_blocks_used(tiny_llama):
+    """The KV cache on CPU is zeroed by the OS page by page as blocks are first written: a 1 GiB cache takes no
+    1 GiB at start (nor the second a fill of it took), and reads as zeros."""
+    import gc
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    gc.collect()
+    before = rss_mib()
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory="1GiB")
+    caches = llm.engine.runner.kv_caches
+    assert sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches) > 0.9 * 2**30
+    assert rss_mib() - before < 256
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    k, v = caches[0]
+    assert not k[-1].any() and not v[-1].any()  # a block no request wrote: zeros
