@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,17 +56,13 @@ class AttentionBackend(ABC):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K cache, V cache) per layer, zeroed, in this backend's layouts."""
         k_shape, v_shape = self.kv_cache_shapes(num_blocks, num_kv_heads, head_dim)
-        return [(self._zeroed(k_shape), self._zeroed(v_shape)) for _ in range(num_layers)]
-
-    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed cache. On CPU over an anonymous mapping, whose pages the OS zeroes as they are first touched:
-        a 1 GiB cache is there at once instead of after a 0.4-1 s fill, and holds memory only for the blocks used."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
-        if nbytes == 0:
-            return torch.zeros(shape, dtype=self.dtype)
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)  # the tensor keeps the map
+        return [
+            (
+                torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(v_shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
 
     @abstractmethod
     def build_metadata(
