@@ -219,4 +219,3 @@ def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama)
         assert gc.get_threshold()[0] == 50_000
     finally:
         gc.set_threshold(*saved)
-
