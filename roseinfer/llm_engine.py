@@ -60,11 +60,15 @@ class LLMEngine:
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
         )
-        num_blocks = max(1, self._kv_budget() // block_bytes)
         self.max_model_len = min(
             config.max_model_len or self.model.max_position_embeddings,
             self.model.max_position_embeddings,
         )
+        num_blocks = max(1, self._kv_budget() // block_bytes)
+        if config.kv_cache_memory == "auto" and self.device.type == "cpu":
+            # No more than every running request at full length needs: a small model or context is not handed
+            # (and made to zero) the whole default GiB.
+            num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         if num_blocks * config.block_size < self.max_model_len:
             log.warning(
                 "KV cache holds %d tokens, fewer than the context length %d; requests are limited to it",

@@ -219,3 +219,20 @@ def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama)
         assert gc.get_threshold()[0] == 50_000
     finally:
         gc.set_threshold(*saved)
+
+
+def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
+    """ "auto" on CPU: 1 GiB, or what max_num_seqs requests at max_model_len fill, whichever is less (a tiny model
+    is not handed a GiB to zero); a size given is taken as it is."""
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=60, max_num_seqs=4, block_size=8)
+    engine = llm.engine
+    assert engine.kv.num_blocks == 4 * 8  # 60 tokens: 8 blocks of 8 each, for each of 4 requests
+    # Four requests at the full length run together, none preempted.
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [i + 1] * 50} for i in range(4)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10] * 4 and engine.scheduler.num_preemptions == 0
+    block_bytes = engine.attn_backend.kv_cache_bytes_per_block(
+        engine.model.num_layers, engine.model.num_kv_heads, engine.model.head_dim
+    )
+    given = LLM(tiny_llama, dtype="float32", max_model_len=60, max_num_seqs=4, kv_cache_memory="8MiB").engine
+    assert given.kv.num_blocks == 8 * 2**20 // block_bytes > 4 * 8
