@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -393,7 +394,7 @@ class BatchWorker(BaseWorker):
         self.puller.applied(arrivals)
 
     def mark_started(
-        self, pulled: list[tuple[Job, Queue]], stream_ids: list[str] = ()
+        self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str] = ()
     ) -> tuple[list[Execution], dict[str, JobStream]]:
         """RQ's prepare_execution + prepare_job_execution for every pulled job (without touching the job's data,
         which may be unreadable: that job then fails properly), and the streams of ``stream_ids`` read after those
@@ -423,7 +424,7 @@ class BatchWorker(BaseWorker):
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
     def _start_by_script(
-        self, pulled: list[tuple[Job, Queue]], stream_ids: list[str], ttl: int
+        self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
     ) -> tuple[list[Execution], dict[str, JobStream]]:
         with self.connection.pipeline(transaction=False) as pipe:
             executions = start_jobs(self.sender.start_script, pipe, pulled, self.name, ttl, OWNER_FIELD)

@@ -6,6 +6,7 @@ import json
 import logging
 import zlib
 from base64 import b64encode
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -106,12 +107,12 @@ class Publisher:
         return self.streams_from(job_ids, entries)
 
     @staticmethod
-    def queue_stream_reads(pipe: Pipeline, job_ids: list[str]) -> None:
+    def queue_stream_reads(pipe: Pipeline, job_ids: Sequence[str]) -> None:
         """Queue on ``pipe`` the reads ``streams_from`` takes: each job's whole stream."""
         for job_id in job_ids:
             pipe.xrange(stream_key(job_id))
 
-    def streams_from(self, job_ids: list[str], entries: list[Any]) -> dict[str, JobStream]:
+    def streams_from(self, job_ids: Sequence[str], entries: list[Any]) -> dict[str, JobStream]:
         """``resume``'s streams, from the replies of ``queue_stream_reads``."""
         streams = {}
         for job_id, found in zip(job_ids, entries):
