@@ -180,6 +180,7 @@ class Client:
         """Enqueue many jobs in one pipeline. Each request is a payload dict (may hold ``job_id``); all are
         validated before any is enqueued."""
         hashes: list[tuple[str, Queue, dict[str, Any]]] = []
+        stamp = utcformat(now())  # the jobs are enqueued together, in one transaction
         for i, fields in enumerate(requests):
             fields = dict(fields)
             job_id = fields.pop("job_id", None)
@@ -191,22 +192,26 @@ class Client:
                 raise InvalidRequest(f"request {i}: {exc}") from None
             job_id = job_id or str(uuid.uuid4())
             lane = self.lane(req.priority)
-            hashes.append((job_id, lane, self._job_hash(lane, req)))
+            hashes.append((job_id, lane, self._job_hash(lane, req, stamp)))
         self._check_eviction_policy()
         with self.connection.pipeline() as pipe:
             for key in dict.fromkeys(lane.key for _, lane, _ in hashes):
                 pipe.sadd(Queue.redis_queues_keys, key)
+            ids_by_lane: dict[str, list[str]] = {}
             for job_id, lane, mapping in hashes:
                 pipe.hset(Job.key_for(job_id), mapping=mapping)
-                pipe.rpush(lane.key, job_id)
+                ids_by_lane.setdefault(lane.key, []).append(job_id)
+            # One RPUSH a lane, in submission order (the transaction makes the hashes and ids appear together):
+            # a command a job cost this process ~10 us to pack and Redis a command to run.
+            for key, ids in ids_by_lane.items():
+                pipe.rpush(key, *ids)
             pipe.execute()
         return [GenerationJob(self, job_id) for job_id, _, _ in hashes]
 
-    def _job_hash(self, lane: Queue, req: JobRequest) -> dict[str, Any]:
+    def _job_hash(self, lane: Queue, req: JobRequest, stamp: str) -> dict[str, Any]:
         """The job hash RQ's ``enqueue_many`` writes for this request, made without RQ's Job objects (0.14 ms a job
         of this process's time: 256 jobs took 35 ms to submit). ``tests/test_queue_units.py`` holds it to RQ's."""
         options = self._job_options(req)
-        stamp = utcformat(now())
         fields: dict[str, Any] = {
             "created_at": stamp,
             "data": zlib.compress(JSONSerializer.dumps((JOB_FUNCTION, None, (), self._payload(req)))),
