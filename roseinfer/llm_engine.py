@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -104,6 +107,7 @@ class LLMEngine:
         # the millions of objects transformers leaves behind at every collection in the step loop.
         gc.collect()
         gc.freeze()
+        _unfreeze_at_exit()
         # A step allocates thousands of short-lived objects: at Python's default (700) the tiny model's 256 x 128
         # burst ran 132 young collections (8.8 ms); at 10,000 none, and the burst 2% faster. Never lowered.
         threshold = gc.get_threshold()
@@ -535,3 +539,16 @@ def _encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list
     if encode is None or backend.truncation is not None or backend.padding is not None:
         return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Where triton is loaded (torch imports it), the frozen objects go back to the collector at exit: left frozen,
+    triton's nanobind objects outlive the interpreter and it prints dozens of "leaked" lines. It costs the exit the
+    collection of everything loaded (~1 s for a model's worth of objects)."""
+
+    def unfreeze() -> None:
+        if any(name.startswith("triton") for name in sys.modules):
+            gc.unfreeze()
+
+    atexit.register(unfreeze)

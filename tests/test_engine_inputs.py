@@ -221,6 +221,20 @@ def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama)
         gc.set_threshold(*saved)
 
 
+@pytest.mark.slow
+def test_a_process_that_built_an_engine_exits_without_nanobind_leak_lines(tiny_llama):
+    """The engine freezes what is loaded (``gc.freeze``); frozen at exit, triton's objects (torch imports it)
+    outlived the interpreter and every ``roseinfer`` command ended with dozens of "nanobind: leaked" lines."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = f"from roseinfer import LLM; LLM({tiny_llama!r}, dtype='float32', max_model_len=64); print('built')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "built", out.stderr[-2000:]
+    assert "leaked" not in out.stderr, out.stderr[-2000:]
+
+
 def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
     """ "auto" on CPU: 1 GiB, or what max_num_seqs requests at max_model_len fill, whichever is less (a tiny model
     is not handed a GiB to zero); a size given is taken as it is."""
