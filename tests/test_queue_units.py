@@ -489,6 +489,17 @@ def test_registering_again_after_redis_lost_its_data_survives_the_heartbeat_and_
         conn.delete(worker.key)
 
 
+def test_execution_ids_made_together_are_distinct_uuid4s_as_rq_makes_them():
+    import uuid
+
+    from worker.job_start import execution_ids
+
+    ids = execution_ids(300) + execution_ids(300)
+    assert len(set(ids)) == 600 and execution_ids(0) == []
+    for made in ids:
+        assert len(made) == 32 and uuid.UUID(made).version == 4 and uuid.UUID(made).hex == made
+
+
 @pytest.mark.parametrize(
     "way", ["script", "script forgotten", "objects"],
     ids=["one script", "one script Redis forgot (reloaded)", "RQ's objects (Redis without Lua)"],

@@ -9,8 +9,9 @@ field for field and with the same TTLs (``tests/test_queue_units.py`` holds them
 
 from __future__ import annotations
 
+import os
 from typing import Any
-from uuid import uuid4
+from uuid import UUID
 
 from redis import Redis
 from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRegistry
@@ -81,8 +82,8 @@ def start_jobs(
         worker_name, repr(right_now.timestamp()), stamp, ttl, score, score + 60,
         WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field,
     ]  # fmt: skip
-    for job, queue in pulled:
-        execution = Execution(uuid4().hex, job.id, job.connection, worker_name=worker_name)
+    for (job, queue), execution_id in zip(pulled, execution_ids(len(pulled))):
+        execution = Execution(execution_id, job.id, job.connection, worker_name=worker_name)
         execution.created_at = execution.last_heartbeat = right_now
         execution._job = job
         executions.append(execution)
@@ -98,3 +99,11 @@ def start_jobs(
         job._status = JobStatus.STARTED
     pipe.evalsha(script.sha, 0, *args)
     return executions
+
+
+def execution_ids(n: int) -> list[str]:
+    """``n`` ids as RQ makes an execution's (``uuid4().hex``), from one ``urandom`` call: a call per id let go of
+    the interpreter lock each time, and the tokenizing thread beside a burst's start took it over 256 times (the
+    start of 256 jobs 17 ms longer)."""
+    raw = os.urandom(16 * n)
+    return [UUID(bytes=raw[i : i + 16], version=4).hex for i in range(0, 16 * n, 16)]
