@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import statistics
 import subprocess
@@ -46,13 +47,24 @@ def serve(out: str, argv: list[str]) -> int:
 
         setattr(cls, name, wrapper)
 
-    timed(pump.Pump, "step", lambda s, a, r: len(s.engine.running_request_ids()))  # running after the step
+    # Jobs running after the step; for the step that ended them all, the jobs it ended (0: the loop waiting for
+    # prompts to be tokenized).
+    timed(pump.Pump, "step", lambda s, a, r: len(s.engine.running_request_ids()) or len(r))
     timed(puller.Puller, "_pull_once")
     timed(puller.Puller, "read", lambda s, a, r: len(r))
     timed(llm_engine.LLMEngine, "tokenize_many", lambda s, a, r: len(r))
     timed(sender.Sender, "_send_until_done")
     timed(batch_worker.BatchWorker, "_succeed", lambda s, a, r: len(a[0]))  # the results of jobs a step ended
-    atexit.register(lambda: Path(out).write_text(json.dumps(spans)))
+    # The Python threads' native ids, for the parent's CPU accounting (torch's math threads are not among them).
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    timed_step = pump.Pump.step
+
+    def step_naming_threads(self, *args, **kwargs):
+        names.update({str(t.native_id): t.name for t in threading.enumerate()})
+        return timed_step(self, *args, **kwargs)
+
+    pump.Pump.step = step_naming_threads
+    atexit.register(lambda: Path(out).write_text(json.dumps({"spans": spans, "threads": names})))
     return main(argv)
 
 
@@ -68,13 +80,12 @@ def report(spans: list, t0: float, submitted: float, results: list[dict]) -> Non
     working = [s for s in steps if s[3]]
     print("\nfrom the first submit (ms)   took (ms)  what                          n (a span that began before the")
     print("                                             burst, as a blocking pull, starts below zero)")
-    shown = 0
-    for name, a, b, n, thread in spans:
-        if name == "Pump.step" and not n:
-            continue  # the loop waiting for prompts to be tokenized
-        if shown < 40:
+    shown = [s for s in spans if s[0] != "Pump.step" or s[3]]  # (not the loop waiting for prompts to tokenize)
+    for i, (name, a, b, n, thread) in enumerate(shown):
+        if i < 40 or i >= len(shown) - 12:  # the start and the end, where the queue's time goes
+            if i == len(shown) - 12 and i > 40:
+                print(f"{'...':>26}")
             print(f"{ms(a):>26.1f} {(b - a) * 1e3:>10.2f}  {name:<29} {n if n is not None else ''} ({thread})")
-        shown += 1
     full = max((s[3] for s in working), default=0)
     everyone = next((s for s in working if s[3] == full), None)
     if working:
@@ -124,16 +135,48 @@ def main() -> int:
         # The warm-up bench-queue gives its workers: the engine's first-use costs paid before the clock.
         for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.jobs), WARM_UP_TOKENS)):
             job.result(timeout=300)
+        before = cpu_seconds(proc.pid, client.connection)
         t0 = time.time()
         jobs = client.submit_many(_chat_jobs(convs, args.tokens))
         submitted = time.time()
         results = [job.result(timeout=600) for job in jobs]
+        after = cpu_seconds(proc.pid, client.connection)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
         redis_proc.terminate()
-    report(json.loads(out.read_text()), t0, submitted, results)
+    written = json.loads(out.read_text())
+    report(written["spans"], t0, submitted, results)
+    report_cpu(before, after, written["threads"], str(proc.pid))
     return 0
+
+
+def report_cpu(before: dict[str, float], after: dict[str, float], threads: dict[str, str], step_loop: str) -> None:
+    """Each one's CPU over the burst: the engine (the step loop and torch's math threads), the rest of the worker
+    by thread, redis-server and this process."""
+    cpu: dict[str, float] = {}
+    for key, seconds in after.items():
+        name = threads.get(key, "torch's math threads") if key.isdigit() else key
+        name = "the step loop" if key == step_loop else name.split("_")[0]  # the tokenizing pool's threads as one
+        cpu[name] = cpu.get(name, 0.0) + seconds - before.get(key, 0.0)
+    engine = {"the step loop", "torch's math threads"}
+    shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in cpu.items() if v >= 5e-4)
+    print(f"CPU from the first submit to the last result read (ms): {shown}")
+    outside = sum(v for k, v in cpu.items() if k not in engine)
+    print(f"outside the engine: {outside * 1e3:.0f} ms of CPU; the engine: {sum(cpu[k] for k in engine) * 1e3:.0f} ms")
+
+
+def cpu_seconds(pid: int, connection) -> dict[str, float]:
+    """CPU seconds so far of each of the worker's threads (by native id), of redis-server and of this process (the
+    producer's submit and the result reads): on two cores every one of them takes time from the engine's math."""
+    seconds: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
+            seconds[task.name] = int((task / "schedstat").read_text().split()[0]) / 1e9
+    info = connection.info("cpu")
+    seconds["redis-server"] = info["used_cpu_user"] + info["used_cpu_sys"]
+    seconds["producer and result reads"] = time.process_time()
+    return seconds
 
 
 if __name__ == "__main__":
