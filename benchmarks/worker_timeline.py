@@ -55,12 +55,14 @@ def serve(out: str, argv: list[str]) -> int:
     timed(llm_engine.LLMEngine, "tokenize_many", lambda s, a, r: len(r))
     timed(sender.Sender, "_send_until_done")
     timed(batch_worker.BatchWorker, "_succeed", lambda s, a, r: len(a[0]))  # the results of jobs a step ended
-    # The Python threads' native ids, for the parent's CPU accounting (torch's math threads are not among them).
+    # The Python threads' native ids, for the parent's CPU accounting (torch's math threads are not among them),
+    # looked at again only when a thread started (the pool's tokenizing threads start with the first burst).
     names = {str(t.native_id): t.name for t in threading.enumerate()}
     timed_step = pump.Pump.step
 
     def step_naming_threads(self, *args, **kwargs):
-        names.update({str(t.native_id): t.name for t in threading.enumerate()})
+        if threading.active_count() > len(names):
+            names.update({str(t.native_id): t.name for t in threading.enumerate()})
         return timed_step(self, *args, **kwargs)
 
     pump.Pump.step = step_naming_threads
@@ -151,19 +153,21 @@ def main() -> int:
     return 0
 
 
+NATIVE = "threads Python did not start (torch's math)"  # with one math thread: none
+
+
 def report_cpu(before: dict[str, float], after: dict[str, float], threads: dict[str, str], step_loop: str) -> None:
     """Each one's CPU over the burst: the engine (the step loop and torch's math threads), the rest of the worker
     by thread, redis-server and this process."""
     cpu: dict[str, float] = {}
     for key, seconds in after.items():
-        name = threads.get(key, "torch's math threads") if key.isdigit() else key
+        name = threads.get(key, NATIVE) if key.isdigit() else key
         name = "the step loop" if key == step_loop else name.split("_")[0]  # the tokenizing pool's threads as one
         cpu[name] = cpu.get(name, 0.0) + seconds - before.get(key, 0.0)
-    engine = {"the step loop", "torch's math threads"}
+    engine = sum(v for k, v in cpu.items() if k in ("the step loop", NATIVE))
     shown = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in cpu.items() if v >= 5e-4)
     print(f"CPU from the first submit to the last result read (ms): {shown}")
-    outside = sum(v for k, v in cpu.items() if k not in engine)
-    print(f"outside the engine: {outside * 1e3:.0f} ms of CPU; the engine: {sum(cpu[k] for k in engine) * 1e3:.0f} ms")
+    print(f"outside the engine: {(sum(cpu.values()) - engine) * 1e3:.0f} ms of CPU; the engine: {engine * 1e3:.0f} ms")
 
 
 def cpu_seconds(pid: int, connection) -> dict[str, float]:
