@@ -1,6 +1,7 @@
 #!/bin/bash
-# On a lent GPU machine (see ../shared/gpu/README.md): the CUDA tests, then `roseinfer bench --device cuda` on the
-# issue's workloads. Usage: bash benchmarks/gpu_check.sh [tests|smol|1b|all]; logs under $OUT (or ./out).
+# On a lent GPU machine: the CUDA tests, then `roseinfer bench --device cuda` on the issue's workloads, or the queue
+# through a redis-server. Usage: bash benchmarks/gpu_check.sh [tests|smol|1b|all|queue|queue-profile]; logs under $OUT
+# (or ./out). Made beforehand on this machine by `bash benchmarks/gpu_prepare.sh`, and carried: .gpu-pack, .gpu-model.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
 source .gpu-pack/activate.sh
