@@ -1,8 +1,10 @@
 """What the queue costs a worker whose engine runs elsewhere (a GPU): the worker's own Python and Redis work, alone.
 
-A fake engine stands in for the model: each step sleeps ``--step-ms`` (the CPU and the interpreter lock are free
-meanwhile, as while a GPU computes) and gives every running request one token ("word "); like the real engine with
-output kind "delta", a step called with ``flush=False`` gives a request no output between its first and its last.
+A fake engine stands in for the model: each step runs ``--step-python-ms`` of Python (holding the interpreter lock,
+as a GPU engine's scheduling, packing and output objects do), then sleeps ``--step-ms`` (the CPU and the interpreter
+lock are free meanwhile, as while a GPU computes) and gives every running request one token ("word "); like the real
+engine with output kind "delta", a step called with ``flush=False`` gives a request no output between its first and
+its last.
 The same jobs run twice, interleaved ``--repeats`` times:
 
 - in-process: the fake engine stepped directly, every request added at once, outputs at the end only (what
@@ -43,8 +45,9 @@ class SleepingEngine:
 
     tokenizer = None  # nothing to copy for the worker's tokenizing thread
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, python_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.python_s = python_s
         self.requests: dict[str, dict] = {}
 
     def tokenize_many(self, prompts, tokenizer=None):
@@ -66,6 +69,9 @@ class SleepingEngine:
         return None if req is None else self._out(request_id, req, "abort")
 
     def step(self, flush=True):
+        deadline = time.perf_counter() + self.python_s
+        while time.perf_counter() < deadline:  # the host's Python of a step: the interpreter lock held, a core busy
+            pass
         time.sleep(self.step_s)
         outs = []
         for rid, req in list(self.requests.items()):
@@ -90,10 +96,10 @@ class SleepingEngine:
         return RequestOutput(rid, None, [1] * 16, [completion], reason is not None, PIECE * held, ids, 0, metrics)
 
 
-def run_in_process(jobs: int, tokens: int, step_s: float) -> float:
+def run_in_process(jobs: int, tokens: int, step_s: float, python_s: float) -> float:
     from roseinfer import SamplingParams
 
-    engine = SleepingEngine(step_s)
+    engine = SleepingEngine(step_s, python_s)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i in range(jobs):
@@ -133,7 +139,14 @@ def _thread_cpu(pid: int) -> dict[str, float]:
 
 
 def run_through_redis(
-    url: str, queue: str, jobs: int, tokens: int, step_s: float, redis_pid: int, engine_process: bool = False
+    url: str,
+    queue: str,
+    jobs: int,
+    tokens: int,
+    step_s: float,
+    python_s: float,
+    redis_pid: int,
+    engine_process: bool = False,
 ) -> dict:
     from worker.batch_worker import BatchWorker
     from worker.main import connect
@@ -143,10 +156,11 @@ def run_through_redis(
     if engine_process:  # the fake engine in a process of its own, as ``--engine-process`` runs a real one
         from worker.engine_process import EngineProcess
 
-        engine = EngineProcess(partial(SleepingEngine, step_s), settings.event_interval_ms, settings.max_events_per_s)
+        make = partial(SleepingEngine, step_s, python_s)
+        engine = EngineProcess(make, settings.event_interval_ms, settings.max_events_per_s)
         worker = BatchWorker(engine, settings, connect(url), engine)
     else:
-        worker = BatchWorker(SleepingEngine(step_s), settings, connect(url))
+        worker = BatchWorker(SleepingEngine(step_s, python_s), settings, connect(url))
     thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
     thread.start()
     time.sleep(1.0)  # registered, idle, blocking on the queue
@@ -168,6 +182,9 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=256)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--step-ms", type=float, default=2.0, help="the fake device's step time")
+    p.add_argument(
+        "--step-python-ms", type=float, default=0.0, help="Python run before each step's sleep (the host's share)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engine-process", action="store_true", help="the fake engine in a process of its own")
     p.add_argument("--py-spy", metavar="FILE", help="record this process with py-spy during the last run (raw format)")
@@ -181,7 +198,7 @@ def main() -> None:
     ratios, rows = [], []
     try:
         for rep in range(args.repeats):
-            engine_s = run_in_process(args.jobs, args.tokens, args.step_ms / 1000)
+            engine_s = run_in_process(args.jobs, args.tokens, args.step_ms / 1000, args.step_python_ms / 1000)
             spy = None
             if args.py_spy and rep == args.repeats - 1:
                 spy = subprocess.Popen(
@@ -190,7 +207,14 @@ def main() -> None:
                 )  # fmt: skip
                 time.sleep(1.0)
             got = run_through_redis(
-                url, f"overhead-{rep}", args.jobs, args.tokens, args.step_ms / 1000, redis_proc.pid, args.engine_process
+                url,
+                f"overhead-{rep}",
+                args.jobs,
+                args.tokens,
+                args.step_ms / 1000,
+                args.step_python_ms / 1000,
+                redis_proc.pid,
+                args.engine_process,
             )
             if spy is not None:
                 spy.send_signal(2)
@@ -208,7 +232,8 @@ def main() -> None:
     finally:
         redis_proc.terminate()
     print(
-        f"{args.jobs} jobs x {args.tokens} tokens, steps of {args.step_ms} ms: through Redis keeps "
+        f"{args.jobs} jobs x {args.tokens} tokens, steps of {args.step_python_ms} ms of Python + {args.step_ms} ms "
+        f"asleep: through Redis keeps "
         f"{statistics.median(ratios):.1%} of in-process (median of {args.repeats})"
     )
 
