@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -242,3 +244,32 @@ def _drain_until(pump, enough, limit_s: float = 30.0) -> list:
         assert time.monotonic() < until, "the jobs never ended"
         events += pump.step()
     return events
+
+
+_COLLECTOR_PROBE = """
+import gc
+from functools import partial
+
+import transformers.modeling_utils  # what a worker's process loads (its tokenizer, roseinfer's imports)
+from test_engine_process import fake_engine
+from worker.engine_process import EngineProcess
+
+loaded = len(gc.get_objects())
+pump = EngineProcess(partial(fake_engine))
+print(loaded, len(gc.get_objects()))
+pump.close()
+"""
+
+
+@pytest.mark.slow
+def test_the_workers_side_of_an_engine_process_leaves_what_it_loaded_out_of_collections():
+    """The worker's process loads what the engine's does (torch, transformers) but builds no engine, whose start
+    freezes them: every full collection walked them all (230 ms with the tiny model, every tenth burst or so)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    probe = subprocess.run(
+        [sys.executable, "-c", _COLLECTOR_PROBE], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    loaded, tracked = map(int, probe.stdout.split())
+    assert loaded > 100_000  # torch and transformers are in
+    assert tracked < loaded / 10  # and no longer walked by the collector

@@ -205,6 +205,11 @@ class EngineProcess:
             self.close()
             raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
         self.facts = self._receive_first()
+        # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
+        # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
+        from roseinfer.llm_engine import settle_garbage_collector
+
+        settle_garbage_collector()
 
     def _receive_first(self) -> EngineFacts:
         kind, *rest = self._recv()
