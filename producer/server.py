@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
 from producer.client import JobCanceled, JobFailed, StreamRestarted
@@ -66,6 +67,37 @@ class ServerMetrics:
         self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
 
 
+class AuthAndCount:
+    """The API key's check and the requests' counts, as plain ASGI: ``@app.middleware("http")`` hands the endpoint
+    a stream of its own, on which a client's disconnect never shows, so a client that left a non-streamed request
+    never canceled its job."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, started = scope["path"], time.perf_counter()
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
+                self.metrics.requests.labels(path, "401").inc()
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start" and path != "/metrics":
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+                self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(client: AsyncClient, api_key: str | None = None, timeout: float = 600.0) -> FastAPI:
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
@@ -76,21 +108,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        path, started = request.url.path, time.perf_counter()
-        if api_key and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
-                response = JSONResponse(err.body(), status_code=401)
-                metrics.requests.labels(path, "401").inc()
-                return response
-        response = await call_next(request)
-        if path != "/metrics":
-            metrics.requests.labels(path, str(response.status_code)).inc()
-            metrics.latency.labels(path).observe(time.perf_counter() - started)
-        return response
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -140,7 +158,10 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             chunks = ChunkWriter(job.id, req.model, chat, req.n)
             stream = _sse(job, chunks, include_usage, timeout, metrics.streams)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
-        result = await _result_unless_gone(request, job, timeout)
+        try:
+            result = await _result_unless_gone(request, job, timeout)
+        except ConnectionAbortedError:  # its job is canceled; the status (nginx's "client closed request") is logged
+            return Response(status_code=499, headers={"x-roseinfer-job-id": job.id})
         body = (chat_response if chat else completion_response)(job.id, req.model, req, result)
         return JSONResponse(body, headers={"x-roseinfer-job-id": job.id})
 

@@ -197,6 +197,28 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url)
     assert job.status() == "canceled"
 
 
+def test_a_client_that_leaves_a_non_streamed_request_cancels_its_job(redis_url):
+    """No worker takes this queue's jobs (the server is told one serves it), so the job waits until the client
+    gives up: the server sees the disconnect while it waits for the result, and cancels the job."""
+    server = ServerThread(redis_url, "nobody-serves-this")
+
+    async def one_live_worker() -> list[dict]:
+        return [{"name": "w", "model": "m", "in_flight": 0, "tokens_per_s": 0.0, "redis": "ok"}]
+
+    server.client.workers = one_live_worker
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=0.5)
+        queue = Client(redis_url, queue="nobody-serves-this").queue
+        deadline = time.time() + 10
+        while not queue.canceled_job_registry.get_job_ids() and time.time() < deadline:
+            time.sleep(0.05)
+        [job_id] = queue.canceled_job_registry.get_job_ids()
+        assert queue.fetch_job(job_id).get_status() == "canceled" and queue.count == 0
+    finally:
+        server.stop()
+
+
 def test_health_models_and_api_key(served, redis_url):
     worker, server, model = served
     health = httpx.get(f"{server.url}/health", timeout=10)
