@@ -71,10 +71,14 @@ class AsyncClient:
                     jobs = await asyncio.to_thread(self.sync.submit_many, [request for request, _ in batch])
                 except Exception as exc:  # Redis down, say: every caller of this batch hears it
                     for _, future in batch:
-                        future.set_exception(exc)
+                        if not future.done():
+                            future.set_exception(exc)
                     continue
                 for (_, future), job in zip(batch, jobs):
-                    future.set_result(job.id)
+                    if not future.done():
+                        future.set_result(job.id)
+                    else:  # its caller was cancelled while the batch went in: no one will follow this job
+                        await asyncio.to_thread(job.cancel)
         finally:
             self._flushing = False
 
@@ -193,7 +197,7 @@ class AsyncGenerationJob:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
                 try:
                     found = await asyncio.wait_for(follower.entries.get(), wait)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                     found = None
                 if isinstance(found, Exception):
                     raise found

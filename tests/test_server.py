@@ -451,3 +451,30 @@ def test_n_samples_through_the_queue_the_stream_and_the_server(served, oai, redi
                 ends[c.index] = c.finish_reason
     assert pieces == {c.index: c.message.content for c in chat.choices}
     assert ends == {c.index: c.finish_reason for c in chat.choices}
+
+
+def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(redis_url):
+    """Three submits batched together; one caller is cancelled (its client left) while the batch is enqueued. The
+    other two get their jobs; the cancelled caller's job, which no one can follow, is canceled."""
+
+    async def main():
+        async with AsyncClient(redis_url, "cancelled-submit") as client:
+            enqueue = client.sync.submit_many
+
+            def slowly(requests):  # the batch takes a while to go in: the cancel lands meanwhile
+                time.sleep(0.2)
+                return enqueue(requests)
+
+            client.sync.submit_many = slowly
+            calls = [asyncio.create_task(client.submit(f"p{i}", max_tokens=4)) for i in range(3)]
+            await asyncio.sleep(0.05)
+            calls[0].cancel()
+            _, waiting = await asyncio.wait(calls[1:], timeout=10)
+            assert not waiting, "the others' submits never returned"
+            return [call.result().id for call in calls[1:]]
+
+    kept = asyncio.run(main())
+    queue = Client(redis_url, queue="cancelled-submit").queue
+    assert queue.job_ids == kept
+    [gone] = queue.canceled_job_registry.get_job_ids()
+    assert gone not in kept
