@@ -18,6 +18,7 @@ from rq.job import Job
 from producer.client import (
     _ENDED,
     DEFAULT_REDIS_URL,
+    FINAL_EVENT_GRACE_S,
     Client,
     EventCursor,
     GenerationJob,
@@ -192,9 +193,12 @@ class AsyncGenerationJob:
         cursor = EventCursor(self.id, skip_void)
         follower = self.client.hub.follow(key)
         deadline = None if timeout is None else time.monotonic() + timeout
+        expired_at: float | None = None
         try:
             while True:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
+                if expired_at is not None:
+                    wait = max(0.001, min(wait, expired_at - time.monotonic()))
                 try:
                     found = await asyncio.wait_for(follower.entries.get(), wait)
                 except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
@@ -213,7 +217,9 @@ class AsyncGenerationJob:
                         continue  # the last events landed just now: the hub brings them
                     await asyncio.to_thread(self._sync._raise_ended, status)
                 if status == "finished":
-                    raise stream_expired(self.id)
+                    expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S
+                    if time.monotonic() >= expired_at:
+                        raise stream_expired(self.id)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
         finally:

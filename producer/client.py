@@ -37,6 +37,9 @@ from producer.wire import JobResult, StreamEvent
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
+# A finished job's final event goes out in the worker's next write after its result: a reader that finds the job
+# finished and its stream short of that event waits this long for it before calling the stream expired.
+FINAL_EVENT_GRACE_S = 2.0
 _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
 
 
@@ -362,8 +365,11 @@ class GenerationJob:
         conn, key = self.client.connection, stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
         deadline = None if timeout is None else time.monotonic() + timeout
+        expired_at: float | None = None
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
+            if expired_at is not None:
+                wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
             reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
             for _key, entries in reply or []:
                 for event in cursor.take(entries):
@@ -378,7 +384,9 @@ class GenerationJob:
                     continue  # the last events landed just now
                 self._raise_ended(status)
             if status == "finished":
-                raise stream_expired(self.id)
+                expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S
+                if time.monotonic() >= expired_at:
+                    raise stream_expired(self.id)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
 

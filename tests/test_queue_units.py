@@ -241,6 +241,33 @@ def test_an_expired_stream_starting_again_at_event_0_reads_as_a_reset():
         next(live)
 
 
+def test_a_final_event_written_just_after_the_finished_status_still_ends_the_stream():
+    """The worker writes a job's result (status finished) and then, in its next write, the final event: a reader
+    that looks in between waits for it; a finished job whose stream never shows its end reads as expired."""
+    import threading
+
+    from producer import Client, JobFailed
+
+    conn = fakeredis.FakeRedis()
+    conn.hset("rq:job:j", "status", "started")
+    live = Client(connection=conn).job("j").stream(timeout=10)
+
+    def finish() -> None:
+        time.sleep(0.5)  # within the reader's first quiet second; the event comes after it, once the reader
+        conn.hset("rq:job:j", "status", "finished")  # has found the job finished
+        time.sleep(0.8)
+        conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(0, "Yes", [5], "stop", {}))})
+
+    threading.Thread(target=finish, daemon=True).start()
+    assert list(live) == ["Yes"]
+
+    conn.hset("rq:job:k", "status", "finished")  # and nothing in its stream, ever
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match="token stream has expired"):
+        list(Client(connection=conn).job("k").stream(timeout=10))
+    assert time.monotonic() - started < 5
+
+
 def test_the_producer_imports_without_torch_or_transformers():
     code = (
         "import sys, producer, producer.batch, producer.cli; from producer import Client;"
