@@ -343,6 +343,12 @@ def _open_sink(
         return JSONLSink(output_path, err)
     id_column = options.id_column or "custom_id"
     columns = input_columns(input_path, input_format) if options.plain else None
+    if options.id_column is None and columns is not None and id_column in columns.names:
+        # Its values would overwrite the row-N ids the output's resume reads: every row would run again.
+        raise ValueError(
+            f"the input has a {id_column!r} column, where the output writes each row's id (row-N by default): "
+            f"pass --id-column {id_column} to name the rows by it, or rename it"
+        )
     return ParquetSink(output_path, err, columns, id_column, int(options.defaults.get("n", 1)))
 
 

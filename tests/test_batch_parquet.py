@@ -168,3 +168,16 @@ def test_a_datasets_folder_in_parquet_out(served, tmp_path):
     rows = pq.read_table(out).to_pylist()
     expected = {f"row-{i + 1}": row["label"] for i, row in enumerate(datasets.load_from_disk(str(folder)))}
     assert {r["custom_id"]: r["label"] for r in rows} == expected and all(r["output"] for r in rows)
+
+
+def test_a_custom_id_column_without_id_column_is_refused_before_any_job(tmp_path):
+    """The output names rows row-N in its custom_id column unless told otherwise: an input column of that name
+    would overwrite those ids, and a rerun would find none of its rows done and run them all again."""
+    import fakeredis
+
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"custom_id": ["q1", "q2"], "prompt": ["a", "b"]}), source)
+    client = Client(connection=fakeredis.FakeRedis())
+    with pytest.raises(ValueError, match="pass --id-column custom_id"):
+        run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9)
+    assert client.queue.count == 0 and not (tmp_path / "out.parquet").exists()
