@@ -479,6 +479,10 @@ def _read_input(
             _bad(sink, error, summary, progress)
             continue
         seen.add(line.custom_id)
+        refused = sink.refuse(line.payload)
+        if refused:
+            _bad(sink, error_line(number, line.custom_id, "invalid_request", refused), summary, progress)
+            continue
         digest = done.get(line.custom_id)
         if digest is None:
             yield line

@@ -154,6 +154,10 @@ class JSONLSink:
                     continue
         return done
 
+    def refuse(self, payload: dict[str, Any]) -> str | None:
+        """Why this output cannot hold the output of a job of ``payload`` (None: it can)."""
+        return None
+
     def open(self) -> None:
         self._out = self.path.open("a")
 
@@ -199,6 +203,14 @@ class ParquetSink:
         self._keeps_input = columns is not None  # a Parquet input's columns are carried over
         self._rows: list[dict[str, Any]] = []
         self._writer: Any = None
+
+    def refuse(self, payload: dict[str, Any]) -> str | None:
+        """Why this output cannot hold the output of a job of ``payload``: its ``output`` column holds the run's
+        number of samples a row (``--n``), so a row asking for another would lose samples or have none to give."""
+        n = payload.get("n", 1)
+        if n != self.n:
+            return f"this row asks for n={n} samples; this Parquet output holds {self.n} a row (run with --n {n})"
+        return None
 
     def done(self) -> dict[str, int]:
         """custom_id -> payload digest of the rows of the last run that succeeded (failed rows run again)."""

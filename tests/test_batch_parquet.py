@@ -181,3 +181,18 @@ def test_a_custom_id_column_without_id_column_is_refused_before_any_job(tmp_path
     with pytest.raises(ValueError, match="pass --id-column custom_id"):
         run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9)
     assert client.queue.count == 0 and not (tmp_path / "out.parquet").exists()
+
+
+def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_path):
+    """The output column holds --n samples a row: a JSONL line asking for 3 into a 1-sample output would have
+    lost two of them unsaid; it fails before it runs, and the line beside it goes in."""
+    import fakeredis
+
+    source = tmp_path / "in.jsonl"
+    lines = [{"custom_id": "three", "prompt": "p", "n": 3}, {"custom_id": "one", "prompt": "q"}]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    client = Client(connection=fakeredis.FakeRedis())
+    summary = run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9, timeout=0.01)
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "job_queued"}
+    assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time, no worker here
