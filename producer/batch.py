@@ -91,7 +91,10 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
     ``--fresh`` takes new ids rather than deleting the earlier jobs: the worker derives an unseeded sampled job's
     seed from its id, so the same id would replay the same samples, and another run may still follow those jobs.
     """
-    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    # Not the priority: it orders the jobs and changes no output, so a rerun at another one resumes the same rows.
+    # (Taken as the default every earlier run wrote: their ids stay as they were.)
+    same_output = {**payload, "priority": BULK_PRIORITY}
+    digest = hashlib.sha256(json.dumps(same_output, sort_keys=True).encode()).hexdigest()[:24]
     return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
 
 

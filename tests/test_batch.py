@@ -325,3 +325,18 @@ def test_a_dry_run_counts_the_prompt_tokens_the_worker_then_sees(served, tiny_ch
     run_batch(client, src, out, poll_interval=0.05)
     usage = [json.loads(line)["response"]["body"]["usage"]["prompt_tokens"] for line in out.read_text().splitlines()]
     assert counts["prompt_tokens"] == sum(usage) and counts["max_prompt_tokens"] == max(usage)
+
+
+def test_a_rerun_at_another_priority_resumes_the_same_rows():
+    """The priority orders jobs and changes no output: a rerun at another one names the rows' jobs as before, so
+    the rows already done are skipped, not refused as changed requests."""
+    import hashlib
+
+    from producer.protocol import BULK_PRIORITY
+
+    line = json.dumps({"custom_id": "a", "prompt": "x", "max_tokens": 3})
+    low, high = parse_line(1, line), parse_line(1, line, priority=0)
+    assert (low.payload["priority"], high.payload["priority"]) == (BULK_PRIORITY, 0)
+    assert high.job_id == low.job_id
+    # A run at the default priority names its jobs as every earlier version did (their outputs resume).
+    assert low.job_id == "batch-" + hashlib.sha256(json.dumps(low.payload, sort_keys=True).encode()).hexdigest()[:24]
