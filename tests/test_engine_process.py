@@ -273,3 +273,20 @@ def test_the_workers_side_of_an_engine_process_leaves_what_it_loaded_out_of_coll
     loaded, tracked = map(int, probe.stdout.split())
     assert loaded > 100_000  # torch and transformers are in
     assert tracked < loaded / 10  # and no longer walked by the collector
+
+
+def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
+    """The child ended the job while its cancel was on the way: the answer names no such job, and the job's last
+    event, read while waiting for it, is still work to hand out (else a quiet worker never steps again to take it,
+    and the job stays in flight for good)."""
+    pump = EngineProcess(partial(fake_engine, 0.05))  # 3 steps: longer than step() waits for the first event
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(3))
+        pump.step()  # sent; the child runs it to its end on its own
+        time.sleep(0.6)
+        assert pump.cancel_many(["a"]) == {}
+        assert pump.has_work()
+        assert [(e.job_id, e.finish_reason) for e in _drain(pump) if e.finished] == [("a", "length")]
+        assert not pump.has_work()
+    finally:
+        pump.close()

@@ -354,3 +354,23 @@ def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake
         assert handed == [150]
     for job in first:
         job.cancel()
+
+
+def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and_a_result(fake_worker, monkeypatch):
+    """Canceled after it started but before the engine took it (a long prompt still being tokenized): it ends as
+    any canceled running job, with a final "abort" event that ends its followers' waits, and a canceled result."""
+    from producer import JobCanceled
+
+    _, engine, client = fake_worker
+    tokenize = engine.tokenize_many
+    monkeypatch.setattr(engine, "tokenize_many", lambda *a, **k: (time.sleep(1.5), tokenize(*a, **k))[1])
+    job = client.submit("x", max_tokens=50)
+    deadline = time.time() + 10
+    while job.status() != "started" and time.time() < deadline:
+        time.sleep(0.01)
+    assert job.cancel()
+    events = list(job.events(timeout=10))
+    assert [(e["text"], e["finish_reason"]) for e in events] == [("", "abort")]
+    with pytest.raises(JobCanceled) as canceled:
+        job.result(timeout=10)
+    assert canceled.value.result["status"] == "canceled" and canceled.value.result["finish_reason"] == "abort"

@@ -66,6 +66,7 @@ from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
+NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
 
 
 class StepFailed(Exception):
@@ -594,10 +595,15 @@ class BatchWorker(BaseWorker):
     def _canceled(self, job: InFlight, event: JobEvent, stopped: bool = False) -> None:
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept."""
         del self.in_flight[job.job.id]
-        out = event.output
+        out = event.output  # None: the engine had not taken it yet (its prompt still tokenizing), or it is gone
+        reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
         if out is not None:
             self.publisher.add(job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index)
-        reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
+            result = self._result(job, out)
+        else:  # it ends as every canceled job does, with a last event and a result, of nothing made
+            self.publisher.add(job.stream, "", [], "abort", dict(NO_USAGE))
+            result = failure_result(job.job.id, job.request, str(reason), status="canceled")
+            result["finish_reason"] = "abort"
 
         def end() -> None:
             if not self._owned([job])[0]:
@@ -611,11 +617,9 @@ class BatchWorker(BaseWorker):
                     self.cleanup_execution(job.job, pipe, job.execution)
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
-                if out is not None:  # the partial result, after RQ's own record of a stop (the latest entry is it)
-                    entry = result_entry(
-                        self._result(job, out), Result.Type.STOPPED, self.name, execution=job.execution, ended=now()
-                    )
-                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
+                # The partial result, after RQ's own record of a stop (the latest entry is it).
+                entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
+                self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
                 pipe.execute()
             log.info("job %s %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
@@ -674,7 +678,7 @@ class BatchWorker(BaseWorker):
         not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
         status = job.get_status(refresh=False)
         log.info("job %s was %s while queued: not run", job.id, status)
-        self.publisher.add(stream, "", [], "abort", {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
+        self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
 
         def end() -> None:
             result = failure_result(job.id, None, f"job {status} before it ran", status="canceled")

@@ -229,7 +229,9 @@ class EngineProcess:
         return list(self._jobs)
 
     def has_work(self) -> bool:
-        return bool(self._jobs)
+        """Jobs in the child, or events here not handed out yet (a job's last event that came in while its cancel,
+        which crossed its end, waited for the child's answer)."""
+        return bool(self._jobs or self._events)
 
     def submit(
         self,
