@@ -427,3 +427,26 @@ def test_a_job_past_its_timeout_fails_alone_and_is_not_retried(served, monkeypat
     assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
     assert conn.llen(f"rq:queue:{w.queue}") == 0  # not requeued: it would time out again
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
+
+
+def test_redis_busy_with_another_clients_long_script_is_waited_out(served, redis_url):
+    """Another client's Lua script runs past Redis's busy-reply-threshold: Redis answers BUSY to everyone until it
+    ends. The worker's writes wait for it, as for an unreachable Redis (the sender thread died on the reply once,
+    and the step loop then waited on it for good); the job running meanwhile ends whole."""
+    _, client, conn = served
+    threshold = conn.config_get("busy-reply-threshold")["busy-reply-threshold"]
+    conn.config_set("busy-reply-threshold", 100)
+    try:
+        job = client.submit("keep going", max_tokens=200, ignore_eos=True, temperature=0.0)
+        next(iter(job.events(timeout=30)))
+        spin = "local t = tonumber(redis.call('TIME')[1]) while tonumber(redis.call('TIME')[1]) - t < 2 do end"
+        busy = threading.Thread(target=lambda: Redis.from_url(redis_url).eval(spin, 0), daemon=True)
+        busy.start()
+        busy.join(10)
+        result = job.result(timeout=60)
+        assert result["usage"]["completion_tokens"] == 200
+        assert "".join(job.stream(timeout=10)) == result["text"]
+        after = client.submit("and after", max_tokens=4, temperature=0.0)
+        assert after.result(timeout=30)["usage"]["completion_tokens"] == 4
+    finally:
+        conn.config_set("busy-reply-threshold", threshold)

@@ -45,7 +45,15 @@ from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, 
 from producer.schema import JobRequest
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, HookPolicy, PulledJob, Unreadable, quarantine
+from worker.intake import (
+    REDIS_DOWN,
+    REDIS_UNAVAILABLE,
+    HookPolicy,
+    PulledJob,
+    Unreadable,
+    quarantine,
+    redis_waits,
+)
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
 from worker.job_start import register as register_start_script
@@ -241,7 +249,9 @@ class BatchWorker(BaseWorker):
                     elif not self.in_flight:
                         self.puller.wait(0.05)  # nothing to run: until jobs arrive
                     backoff = 0.5
-                except REDIS_UNAVAILABLE as exc:
+                except (*REDIS_UNAVAILABLE, redis.exceptions.ResponseError) as exc:
+                    if not redis_waits(exc):
+                        raise
                     log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)

@@ -47,6 +47,16 @@ REDIS_REFUSING = (
 REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 
 
+def redis_waits(exc: Exception) -> bool:
+    """Whether ``exc`` says Redis cannot take this now but will (a write is then waited for, nothing dropped):
+    unavailable, or running another client's script past its ``busy-reply-threshold`` (BUSY to every command
+    until that ends or is killed; redis-py names it no error class of its own)."""
+    if isinstance(exc, REDIS_UNAVAILABLE):
+        return True
+    text = str(exc) if isinstance(exc, redis.exceptions.ResponseError) else ""
+    return text.startswith("BUSY ") or "caused error: BUSY " in text  # a pipeline's names its command first
+
+
 # RQ's own stamps (``utcformat``): read by ``datetime.fromisoformat``, a tenth of what RQ's ``strptime`` costs.
 _STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 _STAMP_FIELDS = tuple(name.encode() for name in _DATES)

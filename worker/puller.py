@@ -20,7 +20,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
-from worker.intake import REDIS_UNAVAILABLE, Unreadable, pull
+from worker.intake import REDIS_UNAVAILABLE, Unreadable, pull, redis_waits
 from worker.jobs import JobRejected, parse_request, resumable, sampling_params
 from worker.publisher import JobStream
 
@@ -139,8 +139,11 @@ class Puller:
                 log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
                 self._paused_until = time.monotonic() + 5.0
                 pulled = False
-            except Exception:  # a bug here must not stop the worker taking jobs for good
-                log.exception("taking jobs off the queue failed; trying again in 1 s")
+            except Exception as exc:  # a bug here must not stop the worker taking jobs for good
+                if redis_waits(exc):  # Redis busy with another client's long script
+                    log.error("no new jobs for now: %s; trying again in 1 s", exc)
+                else:
+                    log.exception("taking jobs off the queue failed; trying again in 1 s")
                 self._paused_until = time.monotonic() + 1.0
                 pulled = False
             finally:

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from rq.job import Job
 
 from worker import job_finish, job_start
-from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE, load_script
+from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE, load_script, redis_waits
 from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
@@ -77,6 +77,7 @@ end
 redis.call('SET', KEYS[#KEYS], 1, 'PX', ARGV[#ARGV])
 return 1
 """
+
 
 # The statuses that end a job here: canceled, stopped, or the hash gone.
 _ENDING = (b"canceled", b"stopped", None)
@@ -236,14 +237,22 @@ class Sender:
         events = [e for batch in batches for e in batch.events]
         tasks = [t for batch in batches for t in batch.tasks]
         finals = [e for batch in batches for e in batch.finals]
-        self._retrying(lambda: self._send(events), f"{len(events)} events kept")
+        # An error Redis will give again (not a wait: those are retried) drops what failed, never this thread: the
+        # step loop would wait on it for good.
+        try:
+            self._retrying(lambda: self._send(events), f"{len(events)} events kept")
+        except Exception:
+            log.exception("writing %d events failed; they are dropped (their jobs' results still go)", len(events))
         for task in tasks:
             try:
                 self._retrying(task, "while ending a job")
             except Exception:
                 log.exception("ending a job failed")
         if finals:  # after the results and statuses they announce
-            self._retrying(lambda: self._send(finals, read=False), f"{len(finals)} final events kept")
+            try:
+                self._retrying(lambda: self._send(finals, read=False), f"{len(finals)} final events kept")
+            except Exception:
+                log.exception("writing %d final events failed; they are dropped", len(finals))
 
     def _retrying(self, action: Callable[[], None], what: str) -> None:
         """Run ``action`` until Redis takes it: unreachable or refusing writes (full memory), it waits with
@@ -256,7 +265,9 @@ class Sender:
                     log.warning("Redis takes writes again")
                     self.refusing = None
                 return
-            except REDIS_UNAVAILABLE as exc:
+            except (*REDIS_UNAVAILABLE, ResponseError) as exc:
+                if not redis_waits(exc):
+                    raise
                 self.refusing = f"{type(exc).__name__}: {exc}"
                 if time.monotonic() >= next_log:
                     log.error("Redis unavailable (%s); %s, retrying with backoff", self.refusing, what)
