@@ -465,6 +465,44 @@ def test_events_are_published_only_where_someone_listens_and_always_streamed(red
 
 
 @pytest.mark.redis
+def test_a_send_tried_again_after_its_reply_was_lost_writes_no_event_twice(redis_url):
+    """The connection drops after Redis ran the event script, before its reply: the sender tries the same send
+    again (so does redis-py's own retry). The send's number makes that second run write nothing."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import make_event, stream_key
+    from worker.sender import Sender
+
+    conn = Redis.from_url(redis_url)
+    job_id = f"twice-{uuid.uuid4().hex[:8]}"
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None)
+    sender.start()
+    try:
+        first = [(job_id, make_event(0, "Hel", [1]), 0, "")]
+        send = sender._next_send()
+        sender._send(first, False, send)
+        sender._send(first, False, send)  # the same send again: its first run's reply was lost
+        sender._send([(job_id, make_event(1, "lo", [2]), 0, "")], False, sender._next_send())
+        assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1]
+    finally:
+        sender.stop()
+        conn.delete(stream_key(job_id), sender.sent_key)
+
+
+def test_a_stream_holding_an_event_twice_is_not_resumed_from():
+    """An event written twice (by a worker before sends were numbered) would double the resumed output's tokens:
+    the next attempt starts over, with a reset, instead."""
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("Hel", [1]), ("lo", [2])])
+    conn.xadd(stream_key("j"), conn.xrevrange(stream_key("j"), count=1)[0][1])
+    retry = pub.resume(conn, ["j"])["j"]
+    assert retry.start(can_resume=True) == [] and retry.pending_reset
+
+
+@pytest.mark.redis
 def test_registering_again_after_redis_lost_its_data_survives_the_heartbeat_and_failures(redis_url, caplog):
     """Redis lost its data: the worker registers again. The heartbeat thread may recreate the worker's key (without
     ``birth``) between the step loop's delete and RQ's registration, which then refuses a twin; and registration may
@@ -736,6 +774,10 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     assert int(conn.hget(worker.key, "successful_job_count")) == 3
     working = float(conn.hget(worker.key, "total_working_time"))
     assert abs(working - sum((ended - j.started_at).total_seconds() for j in (ref, ours, ours2))) < 1e-6
+    if way != "transaction":  # the same call again, as after a lost reply: nothing written twice
+        worker._succeed_plain(plain, ended)
+        assert [conn.xlen(Result.get_key(j.id)) for j in (ours, ours2)] == [1, 1]
+        assert int(conn.hget(worker.key, "successful_job_count")) == 3
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,8 @@ from worker.intake import load_script
 # result stream, return value, execution start, result TTL (-1: for good), dependencies key ('': none), execution
 # hash, execution registry, finished registry and score, started registry, execution's composite key, seconds
 # worked, completion list ('': none). Returns the (0-based) jobs skipped: those another attempt owns now (a job
-# hash that is gone does not fence: Redis may have lost its data), and those that got dependents.
+# hash that is gone does not fence: Redis may have lost its data), and those that got dependents. A job this
+# attempt finished already (the same call tried again after its reply was lost) is left as it is.
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -50,6 +51,8 @@ for a = 9, #ARGV, 17 do
   local now = redis.call('HMGET', job, field, 'status')
   if now[1] and (now[1] ~= exec_id or now[2] == 'queued') then
     lost[#lost + 1] = j
+  elseif now[2] == 'finished' then
+    -- ended by this call already: a try again after its reply was lost writes nothing twice
   elseif redis.call('EXISTS', dependents) == 1 then
     held[#held + 1] = j
   else

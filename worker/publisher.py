@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import zlib
@@ -61,7 +62,10 @@ class JobStream:
         self.ended = "finish_reason" in events[-1]
         resets = [i for i, e in enumerate(events) if e.get("reset")]
         since = events[resets[-1] :] if resets else events
-        self.whole = (bool(resets) or events[0]["n"] == 0) and not self.ended
+        # Numbered one after another: a repeated or missing event (a write tried twice, an entry lost) would make
+        # the resumed output wrong, so the job starts over instead.
+        in_order = all(b["n"] == a["n"] + 1 for a, b in itertools.pairwise(since))
+        self.whole = (bool(resets) or events[0]["n"] == 0) and in_order and not self.ended
         self.resume_ids = [t for e in since for t in e["token_ids"]]
         self.resume_text = "".join(e["text"] for e in since)
 

@@ -31,7 +31,9 @@ log = logging.getLogger("roseinfer.worker")
 
 # Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
 # loop more (they share the GIL) than Redis spends running them. KEYS: per event its stream and its job's hash;
-# ARGV: maxlen, the worker's lease key ('': none), then per event: the stream's TTL to set (0: none), channel, the
+# ARGV: maxlen, the worker's lease key ('': none), this worker's key of the last send written and this send's number
+# (a send tried again after its reply was lost, when the first try ran, writes nothing twice), then per event: the
+# stream's TTL to set (0: none), channel, the
 # event's JSON (the stream entry's one field and the message), the attempt that must own the job ('': any). An
 # event of a job that another attempt owns now, or that was requeued meanwhile, is not written (fencing: this
 # worker stalled past its heartbeat); the reply lists those events. While the lease exists no job of this worker
@@ -42,12 +44,14 @@ log = logging.getLogger("roseinfer.worker")
 # script runs at once, so a follower that subscribed before it gets the message, and one that subscribes after
 # reads the entry from the stream (the protocol: subscribe first, then replay the stream).
 _EMIT = """
-local maxlen, a, lost = ARGV[1], 3, {}
+local maxlen, a, lost = ARGV[1], 5, {}
+if redis.call('GET', ARGV[3]) == ARGV[4] then return lost end
+redis.call('SET', ARGV[3], ARGV[4], 'EX', 3600)
 local leased = ARGV[2] ~= '' and redis.call('EXISTS', ARGV[2]) == 1
 local everyone, heard = redis.call('PUBSUB', 'NUMPAT') > 0, {}
 if not everyone then
   local channels = {}
-  for k = 4, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
+  for k = 6, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
   for first = 1, #channels, 1000 do
     local counts = redis.call('PUBSUB', 'NUMSUB', unpack(channels, first, math.min(first + 999, #channels)))
     for k = 1, #counts, 2 do if counts[k + 1] > 0 then heard[counts[k]] = true end end
@@ -119,6 +123,8 @@ class Sender:
         self.worker_key: str | None = None
         # A scratch list of job ids, for reading their statuses: its own per sender (the worker names it after itself).
         self.status_list = f"roseinfer:statuses:{uuid.uuid4().hex}"
+        self.sent_key = f"roseinfer:sent:{uuid.uuid4().hex}"  # the number of the last send the event script wrote
+        self._sends = 0
         self.sorts_statuses = True  # statuses read by one SORT (``_probe_sort``), else an HGET per job
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
@@ -201,7 +207,7 @@ class Sender:
         self._queue.put(None)
         self._thread.join(timeout)
         with contextlib.suppress(*REDIS_DOWN):
-            self.connection.delete(self.status_list)
+            self.connection.delete(self.status_list, self.sent_key)
 
     # ----- the thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -240,7 +246,8 @@ class Sender:
         # An error Redis will give again (not a wait: those are retried) drops what failed, never this thread: the
         # step loop would wait on it for good.
         try:
-            self._retrying(lambda: self._send(events), f"{len(events)} events kept")
+            send = self._next_send()  # the same on every try: a try after a lost reply that ran writes nothing
+            self._retrying(lambda: self._send(events, True, send), f"{len(events)} events kept")
         except Exception:
             log.exception("writing %d events failed; they are dropped (their jobs' results still go)", len(events))
         for task in tasks:
@@ -250,7 +257,8 @@ class Sender:
                 log.exception("ending a job failed")
         if finals:  # after the results and statuses they announce
             try:
-                self._retrying(lambda: self._send(finals, read=False), f"{len(finals)} final events kept")
+                send = self._next_send()
+                self._retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
             except Exception:
                 log.exception("writing %d final events failed; they are dropped", len(finals))
 
@@ -275,19 +283,24 @@ class Sender:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _send(self, events: list[Event], read: bool = True) -> None:
-        """Write ``events``; with ``read``, also read the statuses, the queue's length and the registration."""
+    def _next_send(self) -> str:
+        self._sends += 1
+        return str(self._sends)
+
+    def _send(self, events: list[Event], read: bool, send: str) -> None:
+        """Write ``events`` (as send number ``send``); with ``read``, also read the statuses, the queue's length and
+        the registration."""
         try:
-            self._send_once(events, read)
+            self._send_once(events, read, send)
         except NoScriptError:  # Redis restarted without its scripts: nothing of the round trip was written
             log.warning("Redis lost its scripts (a restart?): loading them again")
             self._load_scripts()
-            self._send_once(events, read)
+            self._send_once(events, read, send)
 
-    def _send_once(self, events: list[Event], read: bool) -> None:
+    def _send_once(self, events: list[Event], read: bool, send: str) -> None:
         if not read:  # final events: each checked, lease or not (a job never gets two)
             with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events, lease="")
+                self._queue_events(pipe, events, send, lease="")
                 replies = pipe.execute()
             self._report_lost(events, replies)
             return
@@ -311,7 +324,7 @@ class Sender:
             self._next_birth_check = mono + 1.0
         try:
             with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events)
+                self._queue_events(pipe, events, send)
                 read_statuses = self._queue_status_reads(pipe, watch)
                 for key in queue_keys:
                     pipe.llen(key)
@@ -380,10 +393,11 @@ class Sender:
         if self._emit is not None and events and replies[0]:
             self.on_lost(sorted({events[int(i)][0] for i in replies[0]}))
 
-    def _queue_events(self, pipe, events: list[Event], lease: str | None = None) -> None:
+    def _queue_events(self, pipe, events: list[Event], send: str, lease: str | None = None) -> None:
         if self._emit is None:
             self.publisher.queue_writes(pipe, events)
         elif events:
             keys, args = self.publisher.script_args(events)
             lease = self.lease_key if lease is None else lease
-            pipe.evalsha(self._emit.sha, len(keys), *keys, self.publisher.maxlen, lease, *args)
+            head = [self.publisher.maxlen, lease, self.sent_key, send]
+            pipe.evalsha(self._emit.sha, len(keys), *keys, *head, *args)
