@@ -374,3 +374,31 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
     with pytest.raises(JobCanceled) as canceled:
         job.result(timeout=10)
     assert canceled.value.result["status"] == "canceled" and canceled.value.result["finish_reason"] == "abort"
+
+
+def test_handing_jobs_back_hands_each_back_once_when_redis_fails_midway(fake_worker, monkeypatch):
+    """The second stop signal hands every job in flight back to its queue; Redis failing after the first of them
+    makes the worker try again, and the jobs already back are not queued twice."""
+    import redis
+    from rq.queue import Queue
+
+    worker, _, client = fake_worker
+    jobs = [client.submit(f"long {i}", max_tokens=10**6) for i in range(3)]
+    deadline = time.time() + 10
+    while len(worker.in_flight) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    enqueue, calls = Queue.enqueue_job, []
+
+    def flaky(self, job, *args, **kwargs):
+        calls.append(job.id)
+        if len(calls) == 2:
+            raise redis.exceptions.ConnectionError("Redis went away")
+        return enqueue(self, job, *args, **kwargs)
+
+    monkeypatch.setattr(Queue, "enqueue_job", flaky)
+    worker.request_stop()
+    worker.request_stop()  # the second signal: hand them back
+    deadline = time.time() + 10
+    while worker.in_flight and time.time() < deadline:
+        time.sleep(0.05)
+    assert sorted(client.queue.job_ids) == sorted(job.id for job in jobs)

@@ -862,13 +862,15 @@ class BatchWorker(BaseWorker):
         self.pump.cancel_many(list(self.in_flight))
         self._hand_over(force=True)
         self.sender.drain(30.0)  # the events already produced land first
-        for job in self.in_flight.values():
+        handed = 0
+        for job_id, job in list(self.in_flight.items()):
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job.job, pipe, job.execution)
                 pipe.execute()
             job.queue.enqueue_job(job.job, at_front=True)
-        log.warning("%d jobs handed back", len(self.in_flight))
-        self.in_flight.clear()
+            del self.in_flight[job_id]  # back: if Redis fails on a later one, the next try skips this one
+            handed += 1
+        log.warning("%d jobs handed back", handed)
 
     def stats(self) -> dict[str, Any]:
         """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""
