@@ -119,6 +119,10 @@ class Sender:
         self._watch: list[tuple[str, str]] = []
         self._idle = threading.Event()
         self._idle.set()
+        # Batches handed over and not yet sent, counted under a lock: an empty queue alone is not idle (a batch
+        # handed over between the sender's look at it and its setting the flag would be waited for by no one).
+        self._unsent = 0
+        self._unsent_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="roseinfer-sender", daemon=True)
         self.worker_key: str | None = None
         # A scratch list of job ids, for reading their statuses: its own per sender (the worker names it after itself).
@@ -191,8 +195,10 @@ class Sender:
         if self.error is not None:
             raise self.error
         if batch.events or batch.tasks or batch.finals or batch.watch is not None:
-            self._idle.clear()
-            self._queue.put(batch)
+            with self._unsent_lock:
+                self._unsent += 1
+                self._idle.clear()
+            self._queue.put(batch)  # (may block: outside the lock, which the sender takes once it sent)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything handed over is sent; False on timeout."""
@@ -227,10 +233,13 @@ class Sender:
                         return
                     batches.append(more)
                 self._send_until_done(batches)
-                if self._queue.empty():
-                    self._idle.set()
-                    if self.on_idle is not None:
-                        self.on_idle()
+                with self._unsent_lock:
+                    self._unsent -= len(batches)
+                    idle = self._unsent == 0
+                    if idle:
+                        self._idle.set()
+                if idle and self.on_idle is not None:
+                    self.on_idle()
         except BaseException as exc:  # a bug here must not leave the step loop waiting forever
             log.exception("the sender thread stopped")
             self.error = exc
