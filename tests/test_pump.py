@@ -402,3 +402,11 @@ def test_handing_jobs_back_hands_each_back_once_when_redis_fails_midway(fake_wor
     while worker.in_flight and time.time() < deadline:
         time.sleep(0.05)
     assert sorted(client.queue.job_ids) == sorted(job.id for job in jobs)
+
+
+def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_worker):
+    _, _, client = fake_worker
+    one = client.submit("a", max_tokens=2, metadata={"user": "alice"})
+    many = client.submit("b", max_tokens=2, n=2, temperature=1.0, metadata={"user": "bob"})
+    assert one.result(timeout=10)["metadata"] == {"user": "alice"}
+    assert many.result(timeout=10)["metadata"] == {"user": "bob"}

@@ -125,6 +125,8 @@ def build_result(
     }
     if c.logprobs is not None:
         result["logprobs"] = _logprobs(c.logprobs)
+    if req.metadata is not None:
+        result["metadata"] = req.metadata
     if len(out.outputs) == 1:
         return result  # one sample: the result's own fields are it (stored once: Redis keeps every byte a day)
     # Every sample, sample 0 first (its text, token ids and finish reason are also the result's own).
@@ -139,8 +141,6 @@ def build_result(
         }
         for s in out.outputs
     ]
-    if req.metadata is not None:
-        result["metadata"] = req.metadata
     return result
 
 
