@@ -410,3 +410,19 @@ def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_wo
     many = client.submit("b", max_tokens=2, n=2, temperature=1.0, metadata={"user": "bob"})
     assert one.result(timeout=10)["metadata"] == {"user": "alice"}
     assert many.result(timeout=10)["metadata"] == {"user": "bob"}
+
+
+def test_a_job_id_pushed_twice_runs_once_and_the_worker_serves_on(fake_worker):
+    """The same id twice on the queue (a producer's push tried again) is one job: it runs once, ends with one last
+    event, and the worker (which raised "already in flight" and stopped) serves the next job."""
+    worker, _, client = fake_worker
+    payload = {"prompt": "twice", "max_tokens": 3, "job_id": "pushed-twice"}
+    [job, _] = client.submit_many([payload, payload])  # one transaction: the id twice in one RPUSH
+    assert job.result(timeout=10)["usage"]["completion_tokens"] == 3
+    events = list(job.events(timeout=5))
+    assert [e["n"] for e in events] == list(range(len(events))) and "finish_reason" in events[-1]
+    assert client.submit("next", max_tokens=2).result(timeout=10)["usage"]["completion_tokens"] == 2
+    deadline = time.time() + 5
+    while worker.in_flight and time.time() < deadline:
+        time.sleep(0.01)
+    assert not worker.in_flight

@@ -391,7 +391,7 @@ class BatchWorker(BaseWorker):
                 if a.job.id in self.in_flight:
                     self._keep_running_copy(a.job, a.queue)
                 else:  # it ended here meanwhile (its end is fenced off): this copy runs like any other job
-                    todo += reversed(self.puller.read([(a.job, a.queue)]))
+                    todo += reversed(self.puller.read_again(a.job, a.queue))
             elif a.error is not None:
                 self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
             else:

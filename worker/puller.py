@@ -83,6 +83,7 @@ class Puller:
         # Jobs handed over and not yet taken by the step loop: each counter written by one thread only.
         self._handed = 0
         self._taken = 0
+        self._unapplied: set[str] = set()  # ids of jobs handed over to start, not yet in flight (the step loop's)
         self._wake = threading.Event()  # room freed or jobs seen waiting: pull now
         self._arrived = threading.Event()
         self._stop = threading.Event()
@@ -119,6 +120,7 @@ class Puller:
 
     def applied(self, arrivals: list) -> None:
         self._taken += sum(1 for a in arrivals if not isinstance(a, Rejected))
+        self._unapplied.difference_update(a.job.id for a in arrivals if isinstance(a, Arrival))
 
     def wait(self, timeout: float) -> None:
         """Until something arrives, or ``timeout`` (the step loop when it has nothing to run)."""
@@ -202,6 +204,7 @@ class Puller:
         if not arrivals:
             return False
         self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
+        self._unapplied.update(a.job.id for a in arrivals if isinstance(a, Arrival))
         self._arrivals.put(arrivals)
         self._arrived.set()
         return True
@@ -210,13 +213,16 @@ class Puller:
         """The arrivals of jobs just taken off the queues: jobs to run marked started, their payloads checked."""
         w = self.worker
         fresh, canceled, running = [], [], []
+        seen: set[str] = set()
         for job, q in pulled:
-            if job.id in w.in_flight:
+            # An id pushed twice (a producer's RPUSH tried again) is one job: the copy that runs carries on.
+            if job.id in w.in_flight or job.id in seen or job.id in self._unapplied:
                 running.append(RunningCopy(job, q))
             elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
                 canceled.append((job, q))
             else:
                 fresh.append((job, q))
+            seen.add(job.id)
         # The payloads first: their prompts are tokenized (the pump's thread) while the round trips below run.
         checked = [self._check(job) for job, _ in fresh]
         prompts = [request.engine_prompt() for request, _, error in checked if error is None]
@@ -231,7 +237,6 @@ class Puller:
             executions, streams = [], w.publisher.resume(w.connection, ids) if ids else {}
         arrivals: list = [Rejected(item, streams.get(item.job_id)) for item in unreadable]
         arrivals += [NeverRan(job, q, streams[job.id]) for job, q in canceled]
-        arrivals += running
         for (job, q), execution, (request, params, error) in zip(fresh, executions, checked):
             stream = streams[job.id]
             stream.owner = execution.id
@@ -241,7 +246,12 @@ class Puller:
                 # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
                 arrival.prefix = stream.start(can_resume=resumable(params))
             arrivals.append(arrival)
-        return arrivals
+        return arrivals + running  # last: a copy of a job this pull starts finds it in flight
+
+    def read_again(self, job: Job, q: Queue) -> list:
+        """The arrival of a copy whose running job ended meanwhile (on the step loop): it runs like any other."""
+        self._unapplied.discard(job.id)
+        return self.read([(job, q)])
 
     def _check(self, job: Job) -> tuple[JobRequest | None, Any, str | None]:
         """The job's request and sampling parameters, or why it cannot run."""
