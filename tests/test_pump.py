@@ -4,6 +4,7 @@ fakeredis (no Redis server, no model)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -426,3 +427,21 @@ def test_a_job_id_pushed_twice_runs_once_and_the_worker_serves_on(fake_worker):
     while worker.in_flight and time.time() < deadline:
         time.sleep(0.01)
     assert not worker.in_flight
+
+
+def test_a_failed_step_with_retries_left_minus_one_fails_the_job_with_its_end(fake_worker):
+    """``retries_left -1`` in a hand-written hash is none left (RQ's should_retry): the job fails for good, so its
+    followers get a last event and a result (the worker took -1 as a retry to come and wrote neither)."""
+    from producer import JobFailed
+
+    _, engine, client = fake_worker
+    stamp = "2026-11-22T00:00:00.000000Z"
+    data = json.dumps(["worker.jobs.generate", None, [], {"prompt": "hi", "max_tokens": 3}])
+    fields = {"data": data, "origin": "fake", "status": "queued", "created_at": stamp, "enqueued_at": stamp}
+    engine.fail_steps = 1
+    client.connection.hset("rq:job:minus-one", mapping={**fields, "retries_left": -1})
+    client.connection.rpush(client.queue.key, "minus-one")
+    job = client.job("minus-one")
+    with pytest.raises(JobFailed, match="injected fault"):
+        job.result(timeout=10)
+    assert list(job.events(timeout=5))[-1]["finish_reason"] == "error"

@@ -640,7 +640,7 @@ class BatchWorker(BaseWorker):
         """A failed step (retryable) or a job the engine refused or timed out (not)."""
         del self.in_flight[job.job.id]
         # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt.
-        retrying = event.retryable and bool(job.job.retries_left)
+        retrying = event.retryable and (job.job.retries_left or 0) > 0  # as RQ's should_retry: -1 is none left
         if event.retryable:
             error: Exception = StepFailed(event.error)
         elif event.timed_out:
