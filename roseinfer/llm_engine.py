@@ -350,9 +350,15 @@ class LLMEngine:
             if item.samples:
                 sampling.append(seq)
         masks = self.structured.start_masks(sampling)
-        pending = self.runner.launch(sched, masks)
-        outputs = self._emit_pending()  # the previous step's, while the device runs this one
-        sampled = pending.result()
+        try:
+            pending = self.runner.launch(sched, masks)
+            outputs = self._emit_pending()  # the previous step's, while the device runs this one
+            sampled = pending.result()
+        except BaseException:
+            # The blocks this step registered in the prefix cache were never filled (out of memory, say): a later
+            # request with the same prefix would read them. Forget every hash; the cache refills as requests run.
+            self.kv.reset_prefix_cache()
+            raise
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1

@@ -73,3 +73,30 @@ def test_preemption_resumes_with_the_same_tokens(tiny_llama):
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28)
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_a_failed_step_leaves_no_unfilled_block_in_the_prefix_cache(tiny_llama, monkeypatch):
+    """A step that raises (out of memory, say) after it allocated and registered its blocks: the request is
+    aborted and sent again (as the worker retries it), and must not hit blocks whose K/V were never written."""
+    llm = LLM(tiny_llama, dtype="float32", block_size=8)
+    engine = llm.engine
+    prompt = _prompts(1, seed=11, lo=40, hi=40)[0]  # 5 full blocks
+    other = _prompts(1, seed=12, lo=40, hi=40)[0]
+    llm.generate([{"prompt_token_ids": other}], GREEDY, use_tqdm=False)  # the free blocks hold another's K/V
+    forward = engine.model.forward
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", fails_once)
+    engine.add_request("first", {"prompt_token_ids": prompt}, GREEDY)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    engine.abort_request("first")
+    again = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == hf_greedy(tiny_llama, [prompt], 24)[0]
+    assert engine.kv.num_used_blocks == 0
