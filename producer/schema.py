@@ -102,7 +102,9 @@ class JobRequest(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below this share of the likeliest one")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="penalise tokens already in the output")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="penalise tokens by their count in the output")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="divide logits of tokens seen in prompt or output")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, allow_inf_nan=False, description="divide logits of tokens seen in prompt or output"
+    )
     stop: str | list[str] | None = Field(None, description="strings that end the output (cut from it)")
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")

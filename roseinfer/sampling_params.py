@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 # Bounds shared with the job payload (producer/schema.py; tests/test_options.py checks that the two agree).
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
+# Below this a temperature is greedy (as vLLM reads it): dividing logits by 1e-50 overflows float32 to inf, and
+# the softmax of infs is NaN (token 0 every time).
+GREEDY_BELOW = 1e-5
 MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
@@ -119,14 +123,17 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             fail(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
             fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOKEN_ID}, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        penalty = self.repetition_penalty
+        if not is_num(penalty) or not math.isfinite(penalty) or penalty <= 0:  # NaN passed "<= 0": NaN logits
+            fail(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:

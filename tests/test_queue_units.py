@@ -26,6 +26,7 @@ from worker.publisher import Publisher
         ({"prompt": "hi", "temperature": -0.1}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"prompt": "hi", "seed": -1}, "seed"),
         ({"prompt": "hi", "stop": [""]}, "stop strings must not be empty"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),

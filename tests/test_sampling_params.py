@@ -17,6 +17,8 @@ BAD = [
     {"min_p": -0.1},
     {"min_p": 1.1},
     {"repetition_penalty": 0},
+    {"repetition_penalty": float("nan")},  # passed "<= 0": NaN logits, argmax picked them
+    {"repetition_penalty": float("inf")},
     {"frequency_penalty": 3},
     {"presence_penalty": -2.5},
     {"seed": -1},
@@ -50,3 +52,9 @@ def test_good_values_are_kept():
     assert p.greedy and p.stop_strings == ("###",) and p.stop_token_ids == [7] and p.max_tokens is None
     assert not SamplingParams(temperature=0.7, top_p=1.0).uses_filters
     assert SamplingParams(temperature=0.7, min_p=0.1).uses_filters
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-50 overflowed the logits to inf and the softmax to NaN (token 0 every time): below 1e-5 it is greedy."""
+    assert SamplingParams(temperature=1e-50).temperature == 0.0
+    assert SamplingParams(temperature=1e-3).temperature == 1e-3
