@@ -30,11 +30,18 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)  # tokens up to here have given their text
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
-        self._stream = (
-            DecodeStream(ids=self._ids, skip_special_tokens=self.skip_special_tokens) if self._backend else None
-        )
+        # A prompt of token ids may end inside a character: its last bytes wait as an output token's would, so the
+        # token that completes the character gives that character (not the prompt's words before it).
+        read = len(self._ids)
+        while read > len(self._ids) - 3 and read and self._context_text(read).endswith("\ufffd"):
+            read -= 1
+        self._read_offset = read  # tokens up to here have given their text
+        self._stream = None
+        if self._backend is not None:
+            self._stream = DecodeStream(ids=self._ids[:read], skip_special_tokens=self.skip_special_tokens)
+            for token_id in self._ids[read:]:
+                self._stream.step(self._backend, token_id)  # held: an unfinished character
         self.text = ""  # all text decoded so far (cut at a stop string once found)
         self._emitted = 0  # chars of ``text`` already handed out
         self.stop_hit: str | None = None
@@ -42,6 +49,12 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         return self.text
+
+    def _context_text(self, end: int) -> str:
+        ids = self._ids[:end]
+        if self._backend is not None:  # in Rust: this runs for every request admitted
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode(ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -80,3 +80,21 @@ def test_a_character_cut_off_by_the_end_still_comes_out(smol_tokenizer, decode_p
     pieces.append(d.finish())
     assert "".join(pieces) == smol_tokenizer.decode(ids[:-1]) == d.output_text
     assert pieces[-1].endswith("\ufffd")
+
+
+def test_a_prompt_of_token_ids_that_ends_inside_a_character_leaks_none_of_its_text(smol_tokenizer):
+    """Token ids cut anywhere may end a prompt inside an emoji: the output's first tokens complete it. The output
+    is that emoji and what follows, never the prompt's words before it (a stop string in those words ends nothing)."""
+    ids = smol_tokenizer.encode("a story about the party 🎉 and more")
+    cut = next(i for i in range(1, len(ids)) if smol_tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    prompt, output = ids[:cut], ids[cut:]
+    _, pieces, d = stream_ids(smol_tokenizer, prompt, output, SamplingParams(stop=["about"]))
+    assert d.stop_hit is None
+    assert "".join(pieces) == d.output_text == " 🎉 and more"  # the held token is " " and the emoji's first byte
+
+
+def stream_ids(tok, prompt_ids, ids, params):
+    d = IncrementalDetokenizer(tok, prompt_ids, params)
+    pieces = [d.update(t) for t in ids]
+    pieces.append(d.finish())
+    return ids, pieces, d
