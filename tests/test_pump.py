@@ -445,3 +445,29 @@ def test_a_failed_step_with_retries_left_minus_one_fails_the_job_with_its_end(fa
     with pytest.raises(JobFailed, match="injected fault"):
         job.result(timeout=10)
     assert list(job.events(timeout=5))[-1]["finish_reason"] == "error"
+
+
+def test_a_job_taken_in_during_a_long_step_is_heartbeaten_from_its_start(fake_worker):
+    """Its start wrote the started registry's expiry; the step loop takes it in only after the step under way. Its
+    heartbeats count from the start (else one step longer than the grace let RQ requeue a running job)."""
+    worker, engine, client = fake_worker
+    engine.step_s = 1.0
+    jobs = [client.submit("long", max_tokens=10**6)]
+    _wait(lambda: jobs[0].id in worker.in_flight)
+    jobs.append(client.submit("taken in mid-step", max_tokens=10**6))
+    _wait(lambda: jobs[1].status() == "started")
+    seen_started = time.monotonic()
+    _wait(lambda: jobs[1].id in worker.in_flight)
+    try:
+        assert worker.in_flight[jobs[1].id].beat_at <= seen_started
+    finally:
+        for job in jobs:
+            job.cancel()
+        _wait(lambda: not worker.in_flight)
+
+
+def _wait(done, limit_s: float = 10.0) -> None:
+    deadline = time.time() + limit_s
+    while not done():
+        assert time.time() < deadline, "waited too long"
+        time.sleep(0.005)

@@ -398,7 +398,8 @@ class BatchWorker(BaseWorker):
                 job, req = a.job, a.request
                 timeout = job.timeout if job.timeout and job.timeout > 0 else None
                 self.pump.submit(job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized)
-                self.in_flight[job.id] = InFlight(job, a.queue, a.execution, req, a.stream, wall)
+                held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.started_mono)
+                self.in_flight[job.id] = held
                 started.append(job.id)
         if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256
             log.info("%s started (%d in flight)", _jobs_named(started), len(self.in_flight))

@@ -49,6 +49,9 @@ class Arrival:
     error: str | None = None
     prompt: Any = None  # the request's prompt as the engine takes it
     tokenized: Any = None  # its prompt's tokenizing, started by the pump's ``tokenize_ahead`` (None: not started)
+    # When its start (and the registry's expiry) was written, by this host's monotonic clock: its first heartbeat
+    # is due from then, not from when the step loop takes it in (after a step that may outlast the expiry).
+    started_mono: float = 0.0
 
 
 @dataclass
@@ -231,6 +234,7 @@ class Puller:
         # Every job's stream is read, even one whose hash shows no earlier start: a failover can lose the start's
         # writes to the job hash while the stream keeps events written after it.
         ids = [job.id for job, _ in fresh + canceled] + [item.job_id for item in unreadable if item.raw_id is None]
+        started_mono = time.monotonic()  # before the writes: the heartbeat then errs early, never late
         if fresh:  # the streams in the start's round trip
             executions, streams = w.mark_started(fresh, ids)
         else:
@@ -240,7 +244,7 @@ class Puller:
         for (job, q), execution, (request, params, error) in zip(fresh, executions, checked):
             stream = streams[job.id]
             stream.owner = execution.id
-            arrival = Arrival(job, q, execution, stream, request, params, error=error)
+            arrival = Arrival(job, q, execution, stream, request, params, error=error, started_mono=started_mono)
             if error is None:
                 arrival.prompt, arrival.tokenized = next(prompt_of), next(ahead, None)
                 # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
