@@ -450,3 +450,18 @@ def test_redis_busy_with_another_clients_long_script_is_waited_out(served, redis
         assert after.result(timeout=30)["usage"]["completion_tokens"] == 4
     finally:
         conn.config_set("busy-reply-threshold", threshold)
+
+
+def test_a_hand_written_job_naming_another_origin_is_kept_in_its_own_queues_registries(served):
+    """``origin`` names the queue RQ keeps a job's registries and retries by: a hand-written job whose origin is not
+    the list it was pushed to (the queue's name, for a job pushed to a priority lane) gets the queue it came from,
+    else its heartbeats missed the registry it started in and RQ failed it while it ran."""
+    from rq.registry import FinishedJobRegistry
+
+    _, client, conn = served
+    queue = client.queue.name
+    job_id = f"origin-{uuid.uuid4().hex[:8]}"
+    _raw_job(conn, queue, job_id, {"prompt": "hi", "max_tokens": 3, "temperature": 0}, origin="some-other-queue")
+    assert client.job(job_id).result(timeout=30)["usage"]["completion_tokens"] == 3
+    assert conn.hget(f"rq:job:{job_id}", "origin") == queue.encode()
+    assert job_id in FinishedJobRegistry(queue, connection=conn).get_job_ids()

@@ -226,6 +226,7 @@ class Puller:
             else:
                 fresh.append((job, q))
             seen.add(job.id)
+        self._own_origins(fresh)
         # The payloads first: their prompts are tokenized (the pump's thread) while the round trips below run.
         checked = [self._check(job) for job, _ in fresh]
         prompts = [request.engine_prompt() for request, _, error in checked if error is None]
@@ -251,6 +252,21 @@ class Puller:
                 arrival.prefix = stream.start(can_resume=resumable(params))
             arrivals.append(arrival)
         return arrivals + running  # last: a copy of a job this pull starts finds it in flight
+
+    def _own_origins(self, fresh: list[tuple[Job, Queue]]) -> None:
+        """A hand-written job whose ``origin`` is not the queue it was taken from (``roseinfer`` for a job pushed to
+        a priority lane): RQ keeps its registries and retries by ``origin``, so it is made that queue, else its
+        heartbeats went to a registry it is not in and RQ failed it while it ran."""
+        stray = [(job, q) for job, q in fresh if job.origin != q.name]
+        if not stray:
+            return
+        with self.worker.connection.pipeline(transaction=False) as pipe:
+            for job, q in stray:
+                log.warning("job %s names origin %r but came from queue %r: its origin is now that queue",
+                            job.id, job.origin, q.name)  # fmt: skip
+                job.origin = q.name
+                pipe.hset(job.key, "origin", q.name)
+            pipe.execute()
 
     def read_again(self, job: Job, q: Queue) -> list:
         """The arrival of a copy whose running job ended meanwhile (on the step loop): it runs like any other."""
