@@ -471,3 +471,37 @@ def _wait(done, limit_s: float = 10.0) -> None:
     while not done():
         assert time.time() < deadline, "waited too long"
         time.sleep(0.005)
+
+
+@pytest.mark.redis
+def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
+    """A failed step with retry intervals left (``Retry(max, interval)``, a hash's ``retry_intervals``): RQ puts
+    the job in its scheduled registry, which only a scheduler empties. The worker moves it back when due (RQ's
+    scheduler, on its heartbeat thread), so it runs again and finishes instead of waiting there for good."""
+    import uuid
+
+    from redis import Redis
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    conn = Redis.from_url(redis_url)
+    name = f"later-{uuid.uuid4().hex[:8]}"
+    engine = FakeEngine()
+    worker = BatchWorker(engine, WorkerSettings(queue=name, model="fake", heartbeat_interval=1, idle_wait=0.2), conn)
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    try:
+        stamp = "2026-11-22T00:00:00.000000Z"
+        data = json.dumps(["worker.jobs.generate", None, [], {"prompt": "hi", "max_tokens": 3}])
+        fields = {"data": data, "origin": name, "status": "queued", "created_at": stamp, "enqueued_at": stamp}
+        engine.fail_steps = 1
+        conn.hset(f"rq:job:{name}-j", mapping={**fields, "retries_left": 1, "retry_intervals": "[1]"})
+        conn.sadd("rq:queues", f"rq:queue:{name}")
+        conn.rpush(f"rq:queue:{name}", f"{name}-j")
+        result = Client(connection=conn, queue=name).job(f"{name}-j").result(timeout=20)
+        assert result["usage"]["completion_tokens"] == 3
+        assert conn.hget(f"rq:job:{name}-j", "retries_left") == b"0"
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)

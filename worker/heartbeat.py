@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rq.utils import now
 
+from worker.due_retries import DueRetries
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rate = (time.monotonic(), 0)  # (when, tokens) at the last beat, for tokens/s
+        self.due_retries = DueRetries(worker)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="roseinfer-heartbeat", daemon=True)
@@ -34,6 +36,7 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.due_retries.stop()
         with contextlib.suppress(*REDIS_DOWN):
             # A stopped worker shows nothing in flight, and holds no lease.
             self.worker.connection.delete(self.worker.stats_key(), *[k for k in [self.worker.sender.lease_key] if k])
@@ -47,6 +50,12 @@ class Heartbeat:
                 log.warning("heartbeat: Redis unavailable (%s)", exc)
             except Exception:
                 log.exception("heartbeat failed")
+            try:
+                self.due_retries.enqueue()
+            except REDIS_UNAVAILABLE as exc:
+                log.debug("due retries: Redis unavailable (%s)", exc)
+            except Exception:
+                log.exception("moving due retries back to their queues failed")
             self._stop.wait(interval)
 
     def beat(self) -> None:

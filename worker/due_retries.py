@@ -1,0 +1,50 @@
+"""Retries RQ put off: a job that fails with retry intervals left (``Retry(max, interval=...)``, or a hash's
+``retry_intervals``) goes to RQ's scheduled registry, and only RQ's scheduler moves it back to its queue when due.
+A batching worker runs no ``rq worker --with-scheduler``, so it does that part itself, with RQ's own scheduler
+class: one worker of the fleet at a time per queue (RQ's scheduler lock), on the heartbeat thread (off the step
+loop), never in a forked process (the worker holds torch's threads)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from rq.scheduler import RQScheduler
+
+if TYPE_CHECKING:
+    from worker.batch_worker import BatchWorker
+
+log = logging.getLogger("roseinfer.worker")
+
+
+class DueRetries:
+    def __init__(self, worker: BatchWorker) -> None:
+        self.worker = worker
+        self._scheduler: RQScheduler | None = None
+        self._names: list[str] = []
+
+    def enqueue(self) -> None:
+        """The due jobs of the scheduled registries of this worker's queues and lanes, back on their queues (where
+        this worker holds, or now takes, RQ's scheduler lock of that queue)."""
+        w = self.worker
+        if not w.sender.runs_scripts:  # RQ's lock is a script: the embedded fakeredis leaves them scheduled
+            return
+        names = sorted(q.name for _, q, _ in w.lane_depths())
+        if self._scheduler is None or names != self._names:
+            self._release()
+            self._scheduler = RQScheduler(
+                names, connection=w.connection, serializer=w.serializer, interval=w.settings.heartbeat_interval
+            )
+            self._names = names
+        if self._scheduler.acquire_locks():
+            self._scheduler.enqueue_scheduled_jobs()
+
+    def _release(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.release_locks()
+
+    def stop(self) -> None:
+        try:
+            self._release()
+        except Exception:  # Redis gone: the locks lapse on their own
+            log.debug("scheduler locks not released", exc_info=True)
