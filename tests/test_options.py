@@ -105,6 +105,7 @@ def test_unknown_roseinfer_variables_are_named_with_a_suggestion():
         (["worker", "--dtype", "fp32"], {}, "error: dtype must be one of float32, bfloat16, float16"),
         (["worker"], {"ROSEINFER_MAX_NUM_SEQS": "lots"}, "error: --max-num-seqs / ROSEINFER_MAX_NUM_SEQS"),
         (["bench", "--block-size", "0"], {}, "error: block_size must be a positive integer"),
+        (["worker"], {"ROSEINFER_ALLOW_CALLBACK": "a.b"}, "error: ROSEINFER_ALLOW_CALLBACK does not parse"),
     ],
 )
 def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase):

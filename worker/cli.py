@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import typing
 from importlib import metadata
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s: %(message)s",
     )
     import redis
+    from pydantic_settings import SettingsError
 
     from producer.client import InvalidRequest
     from producer.connection import InvalidRedisURL
@@ -191,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValidationError as exc:
         print(f"error: {describe_settings_error(exc)}", file=sys.stderr)
+    except SettingsError as exc:  # a ROSEINFER_* variable that does not parse (a list that is not JSON, say)
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"ROSEINFER_{field.group(1).upper()}" if field else "a ROSEINFER_* variable"
+        print(f"error: {name} does not parse ({exc.__cause__}); list settings take JSON: '[\"a\", \"b\"]'",
+              file=sys.stderr)  # fmt: skip
     except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL) as exc:
         print(f"error: {exc}", file=sys.stderr)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
