@@ -63,6 +63,7 @@ from worker.jobs import (
     JobStopped,
     JobTimedOut,
     build_result,
+    canceled_result,
     failure_result,
     usage,
 )
@@ -613,8 +614,7 @@ class BatchWorker(BaseWorker):
             result = self._result(job, out)
         else:  # it ends as every canceled job does, with a last event and a result, of nothing made
             self.publisher.add(job.stream, "", [], "abort", dict(NO_USAGE))
-            result = failure_result(job.job.id, job.request, str(reason), status="canceled")
-            result["finish_reason"] = "abort"
+            result = canceled_result(job.job.id, job.request, str(reason))
 
         def end() -> None:
             if not self._owned([job])[0]:
@@ -692,8 +692,7 @@ class BatchWorker(BaseWorker):
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
 
         def end() -> None:
-            result = failure_result(job.id, None, f"job {status} before it ran", status="canceled")
-            result["finish_reason"] = "abort"
+            result = canceled_result(job.id, None, f"job {status} before it ran")
             with self.connection.pipeline() as pipe:
                 entry = result_entry(result, Result.Type.STOPPED, self.name)
                 self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl)

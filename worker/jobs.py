@@ -155,6 +155,11 @@ def failure_result(job_id: str, req: JobRequest | None, error: str, status: str 
     }
 
 
+def canceled_result(job_id: str, req: JobRequest | None, reason: str) -> dict[str, Any]:
+    """The result of a job canceled before it made anything (finish ``abort``, as the engine's own aborts)."""
+    return {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
+
+
 _ENGINE: LLMEngine | None = None
 
 
