@@ -95,7 +95,7 @@ class JobRequest(BaseModel):
     prompt: str | None = Field(None, description="a plain prompt (no chat template)")
     messages: list[ChatMessage] | None = Field(None, description="chat messages (the model's chat template applied)")
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
-    min_tokens: NonNegInt = Field(0, description="tokens generated before EOS or a stop token may end the output")
+    min_tokens: NonNegInt = Field(0, description="tokens before EOS, a stop token or a stop string may end the output")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of this mass")
     top_k: int = Field(0, ge=-1, le=MAX_TOKEN_ID, description="sample among the k likeliest tokens; 0 or -1: all")

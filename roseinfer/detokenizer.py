@@ -28,6 +28,9 @@ class IncrementalDetokenizer:
         self.stop_strings = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
+        # As with EOS and stop ids, a stop string ends nothing before min_tokens; one may end in the text of that token.
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0  # output tokens taken (resumed ones included)
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
@@ -67,6 +70,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int | None, finished: bool = False) -> None:
         """Take one new token (None: nothing new), its text kept for a later ``update``; a stop string in it
         shows in ``stop_hit`` at once."""
+        if token_id is not None:
+            self._num_tokens += 1
         if token_id is not None and self.stop_hit is None and self._stream is not None:
             self._ids.append(token_id)
             piece = self._stream.step(self._backend, token_id)
@@ -101,7 +106,7 @@ class IncrementalDetokenizer:
     def _add_text(self, delta: str) -> None:
         start = max(0, len(self.text) - self._max_stop + 1)
         self.text += delta
-        if not self.stop_strings:
+        if not self.stop_strings or self._num_tokens < self._min_tokens:
             return
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:

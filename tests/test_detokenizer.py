@@ -98,3 +98,16 @@ def stream_ids(tok, prompt_ids, ids, params):
     pieces = [d.update(t) for t in ids]
     pieces.append(d.finish())
     return ids, pieces, d
+
+
+def test_a_stop_string_ends_nothing_before_min_tokens(smol_tokenizer):
+    text = "STOP one two STOP three"
+    ids = smol_tokenizer.encode(text)
+    first_stop_tokens = len(smol_tokenizer.encode("STOP"))
+    assert len(ids) > first_stop_tokens + 3
+    # Before min_tokens the first STOP is plain text; the second one, past min_tokens, ends the output.
+    _, pieces, d = stream(smol_tokenizer, text, SamplingParams(stop="STOP", min_tokens=first_stop_tokens + 1))
+    assert (d.stop_hit, d.output_text, "".join(pieces)) == ("STOP", "STOP one two ", "STOP one two ")
+    # A stop string whose last token is the min_tokens-th ends it there, as a stop id would.
+    _, _, d = stream(smol_tokenizer, text, SamplingParams(stop="STOP", min_tokens=first_stop_tokens))
+    assert (d.stop_hit, d.output_text) == ("STOP", "")
