@@ -70,7 +70,7 @@ class SleepingEngine:
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)
-        return None if req is None else self._out(request_id, req, "abort")
+        return [] if req is None else [self._out(request_id, req, "abort")]
 
     def step(self, flush=True):
         deadline = time.perf_counter() + self.python_s

@@ -301,14 +301,15 @@ class LLMEngine:
             raise ValueError("the output to resume holds a stop token: the request had ended")
         return ids
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now (every sample of it) and free its KV blocks. Returns its last output, or None if
-        unknown."""
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now (every sample of it) and free its KV blocks. Returns its last outputs, the final one
+        last; [] if unknown. Output kind "delta" with n > 1: each sample that had text or tokens not yet given out
+        gets an output of its own first (one output holds one sample's delta)."""
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
         if seqs[0] is None:
-            return None
+            return []
         now = time.perf_counter()
-        delta, held = "", []
+        tails: list[tuple[Sequence, str, list[int]]] = []
         for seq in seqs:
             if seq.is_finished:
                 continue
@@ -316,7 +317,15 @@ class LLMEngine:
             seq.finish_time = now
             delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
             held, seq.held_ids = seq.held_ids, []  # sampled since its last output (output kind "delta")
-        return self._output(seqs[-1], delta, held)
+            tails.append((seq, delta, held))
+        if not tails:
+            return [self._output(seqs[-1], "", [])]
+        outputs = []
+        if seqs[0].params.output_kind == "delta":
+            outputs = [self._output(seq, delta, held, group_may_end=False) for seq, delta, held in tails[:-1]]
+            outputs = [out for out in outputs if out.delta_text or out.delta_token_ids]
+        seq, delta, held = tails[-1]
+        return [*outputs, self._output(seq, delta, held)]
 
     def running_request_ids(self) -> list[str]:
         """The requests in the running batch (those a step computes), by the ids they were added with."""

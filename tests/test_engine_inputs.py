@@ -38,9 +38,9 @@ def test_duplicate_id_and_abort(llm):
     with pytest.raises(ValueError, match="already in use"):
         e.add_request("x", [1, 2, 3])
     e.step()
-    out = e.abort_request("x")
+    [out] = e.abort_request("x")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert e.abort_request("x") is None and e.kv.num_used_blocks == 0
+    assert e.abort_request("x") == [] and e.kv.num_used_blocks == 0
 
 
 def test_generation_stops_at_the_context_length(llm):
@@ -116,6 +116,9 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(chat_engine):
         assert found == (None, strict(text, add_special_tokens=False)["input_ids"])
 
 
+HOLD = [c + "\x00\x01" for c in "abcdefghijklmnopqrstuvwxyz.,)"]
+
+
 def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:
     """Requests whose outputs the output kinds must agree on: greedy, n sampled samples, a stop string, one that
     the test aborts."""
@@ -124,6 +127,8 @@ def _output_kind_cases(n: int) -> dict[str, tuple[str, SamplingParams]]:
         f"n{n}": ("Count to ten", SamplingParams(max_tokens=9, temperature=0.9, seed=5, n=n)),
         "stop": ("Say something", SamplingParams(max_tokens=40, temperature=0.8, seed=3, stop=["e"])),
         "aborted": ("Go on", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+        # Stop strings that never match but hold back most last letters: at the abort each sample has text unsent.
+        "aborted-n": ("Go on", SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True, n=n, stop=HOLD)),
     }
 
 
@@ -152,7 +157,8 @@ def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_befor
                 if out.finished:
                     ended[out.request_id] = out
             if steps == 3:
-                ended[f"{kind}-aborted"] = engine.abort_request(f"{kind}-aborted")
+                for name in ("aborted", "aborted-n"):
+                    [ended[f"{kind}-{name}"]] = engine.abort_request(f"{kind}-{name}")
     for name in cases:
         a, b = ended[f"cumulative-{name}"], ended[f"final_only-{name}"]
         assert a.finished and b.finished and a.prompt_token_ids == b.prompt_token_ids
@@ -182,7 +188,7 @@ def test_delta_outputs_add_up_to_the_cumulative_output(chat_engine, flush_every)
             flush = kind == "cumulative" or (flush_every and steps % flush_every == 0)
             outs = engine.step(flush=flush)
             if steps == 5:
-                outs.append(engine.abort_request(f"{kind}-aborted"))
+                outs += engine.abort_request(f"{kind}-aborted") + engine.abort_request(f"{kind}-aborted-n")
             for out in outs:
                 text, ids = pieces.setdefault((out.request_id, out.delta_index), ("", []))
                 pieces[out.request_id, out.delta_index] = (text + out.delta_text, ids + out.delta_token_ids)

@@ -80,10 +80,10 @@ def test_an_abort_ends_every_sample(llm):
     engine = llm.engine
     engine.add_request("cut", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True, n=3))
     engine.step()
-    last = engine.abort_request("cut")
+    last = engine.abort_request("cut")[-1]
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"] * 3
     assert not engine.has_unfinished_requests() and engine.kv.num_block_tables == 0
-    assert engine.abort_request("cut") is None
+    assert engine.abort_request("cut") == []
 
 
 def test_n_bounds_and_no_resume(llm):

@@ -61,7 +61,7 @@ def test_an_abort_while_outputs_wait_ends_the_request_at_once(tiny_chat_model):
     engine.add_request("b", {"prompt": "What is"}, SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    out = engine.abort_request("a")
+    [out] = engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     later = []
     while engine.has_unfinished_requests():

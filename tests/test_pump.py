@@ -56,7 +56,7 @@ class FakeEngine:
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)
-        return None if req is None else self._out(request_id, req, "abort")
+        return [] if req is None else [self._out(request_id, req, "abort")]
 
     def step(self, flush=True):
         """One token "t<k>" a request; as the real engine's "delta" outputs, a step with ``flush=False`` gives a
@@ -174,9 +174,9 @@ def test_cancel_and_deadline():
     pump.submit("a", {"prompt": "x"}, _params(100))
     pump.submit("late", {"prompt": "y"}, _params(100), timeout=0.05)
     pump.step()
-    event = pump.cancel("a")
+    [event] = pump.cancel("a")
     assert event.finish_reason == "abort" and event.output is not None and "a" not in engine.requests
-    assert pump.cancel("a") is None
+    assert pump.cancel("a") == []
     time.sleep(0.06)
     ended = [e for e in pump.step() if e.finished]
     assert [(e.job_id, e.finish_reason) for e in ended] == [("late", "error")] and "timeout" in ended[0].error
@@ -191,7 +191,7 @@ def test_a_cancel_ends_with_what_the_engine_held_since_the_last_flush():
     pump.submit("a", {"prompt": "x"}, _params(100))
     first = pump.step()  # admitted, and its first token out at once
     held = [pump.step(flush=False) for _ in range(3)]
-    event = pump.cancel("a")
+    [event] = pump.cancel("a")
     assert [(e.text, e.token_ids) for e in first] == [("t1", [1])] and held == [[], [], []]
     assert (event.finish_reason, event.text, event.token_ids) == ("abort", "t2t3t4", [2, 3, 4])
 

@@ -472,7 +472,7 @@ class BatchWorker(BaseWorker):
                 )
                 done.append((job, out))
             elif event.finish_reason == "abort":
-                self._canceled(job, event)
+                self._canceled(job, [event])
             else:
                 self._errored(job, event)
         if done:
@@ -604,9 +604,12 @@ class BatchWorker(BaseWorker):
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
 
-    def _canceled(self, job: InFlight, event: JobEvent, stopped: bool = False) -> None:
+    def _canceled(self, job: InFlight, events: list[JobEvent], stopped: bool = False) -> None:
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept."""
         del self.in_flight[job.job.id]
+        *pieces, event = events
+        for piece in pieces:  # a job of n samples: each sample's text not sent yet
+            self.publisher.add(job.stream, piece.text, piece.token_ids, None, None, None, piece.index)
         out = event.output  # None: the engine had not taken it yet (its prompt still tokenizing), or it is gone
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
         if out is not None:
@@ -803,18 +806,18 @@ class BatchWorker(BaseWorker):
                     log.exception("registering again after Redis lost its data failed; trying again shortly")
             # Not deleted by anyone when Redis restarted empty: such a job finishes and writes its result.
             ending = {j: s for j, s in ended if j in self.in_flight and (s is not None or registered)}
-            for job_id, event in self.pump.cancel_many(list(ending)).items():  # one round trip to an engine process
-                self._canceled(self.in_flight[job_id], event, stopped=ending[job_id] == b"stopped")
+            for job_id, events in self.pump.cancel_many(list(ending)).items():  # one round trip to an engine process
+                self._canceled(self.in_flight[job_id], events, stopped=ending[job_id] == b"stopped")
 
     def _apply_stop_requests(self) -> None:
         while not self._stop_jobs.empty():
             job_id = self._stop_jobs.get()
             job = self.in_flight.get(job_id)
-            event = self.pump.cancel(job_id) if job is not None else None
-            if event is None:
+            events = self.pump.cancel(job_id) if job is not None else []
+            if not events:
                 log.info("stop-job %s: not in flight here, ignored", job_id)
                 continue
-            self._canceled(job, event, stopped=True)
+            self._canceled(job, events, stopped=True)
 
     def _redis_lost_data(self) -> None:
         """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight

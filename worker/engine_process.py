@@ -8,7 +8,7 @@ steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' b
 
 Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
 [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
-facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: event}, facts)``,
+facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: [event, ...]}, facts)``,
 ``("error", text)`` if the child's loop itself fails. The child decides when a step's text is handed out
 (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with its parent, and a
 full pipe slows the engine down rather than drop anything.
@@ -171,7 +171,7 @@ class EngineProcess:
     """The ``Pump`` (and the engine facts ``BatchWorker`` reads) for an engine running in a child process.
 
     ``build`` makes the engine in the child: a picklable callable, ``functools.partial(build_engine, model,
-    options)`` for a real one. ``cancel`` answers with the job's final event as ``Pump.cancel`` does, after at
+    options)`` for a real one. ``cancel`` answers with the job's last events as ``Pump.cancel`` does, after at
     most the step the child is running. If the child dies, ``step`` fails every job in flight, retryably, and
     ``failure`` says why: the worker cannot serve without its engine."""
 
@@ -252,10 +252,10 @@ class EngineProcess:
         """The child tokenizes each prompt it is sent (``Pump.tokenize_ahead``): nothing starts here."""
         return None
 
-    def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
-        return self.cancel_many([job_id], reason).get(job_id)
+    def cancel(self, job_id: str, reason: str | None = None) -> list[JobEvent]:
+        return self.cancel_many([job_id], reason).get(job_id, [])
 
-    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, JobEvent]:
+    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, list[JobEvent]]:
         """``Pump.cancel_many``: one round trip to the child for all of them."""
         here = [job_id for job_id in job_ids if job_id in self._jobs]
         if not here:
@@ -273,17 +273,12 @@ class EngineProcess:
                     self._take(message)
         except EngineProcessDied:  # what they made since their last events died with the engine
             finish = "abort" if reason is None else "error"
-            return {job_id: JobEvent(job_id, finish_reason=finish, error=reason) for job_id in here}
-        # Text the child made before the cancel and not yet handed out ends with the job, as in-process (for a
-        # job of n samples, the other samples' last pieces are in its result only).
-        earlier = [e for e in self._events if e.job_id in answers]
-        if earlier:
+            return {job_id: [JobEvent(job_id, finish_reason=finish, error=reason)] for job_id in here}
+        # Pieces the child made before the cancel and not yet handed out come first, as in-process.
+        if any(e.job_id in answers for e in self._events):
+            for job_id, events in answers.items():
+                events[:0] = [e for e in self._events if e.job_id == job_id]
             self._events = [e for e in self._events if e.job_id not in answers]
-            for job_id, answer in answers.items():
-                same = [e for e in earlier if e.job_id == job_id and e.index == answer.index]
-                if same:
-                    answer.text = "".join(e.text for e in same) + answer.text
-                    answer.token_ids = [t for e in same for t in e.token_ids] + list(answer.token_ids)
         return answers
 
     def step(self, flush: bool = True) -> list[JobEvent]:

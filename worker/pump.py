@@ -137,24 +137,28 @@ class Pump:
         for job, tokenized in zip(jobs, self.tokenize_ahead([j.prompt for j in jobs]) or ()):
             job.tokenized = tokenized
 
-    def cancel(self, job_id: str, reason: str | None = None) -> JobEvent | None:
+    def cancel(self, job_id: str, reason: str | None = None) -> list[JobEvent]:
         """End a job now (canceled: finish ``abort``; with ``reason``: failed, finish ``error``), freeing its
-        blocks. Returns its final event, or None if it is not here."""
+        blocks. Returns its last events, the final one last ([] if it is not here): a job with n > 1 may first
+        have a piece of each sample's text not sent yet."""
         job = self._jobs.pop(job_id, None)
         if job is None:
-            return None
+            return []
         self._waiting.pop(job_id, None)
-        out = self.engine.abort_request(job_id) if job.admitted else None
+        outs = self.engine.abort_request(job_id) if job.admitted else []
         finish = "abort" if reason is None else "error"
-        if out is None:
-            return JobEvent(job_id, finish_reason=finish, error=reason)
+        if not outs:
+            return [JobEvent(job_id, finish_reason=finish, error=reason)]
         # What it made since its last event (a step with flush=False holds it in the engine) ends with it.
-        return JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index)
+        *pieces, out = outs
+        events = [JobEvent(job_id, p.delta_text, p.delta_token_ids, index=p.delta_index) for p in pieces]
+        events.append(JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index))
+        return events
 
-    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, JobEvent]:
-        """``cancel`` of each job here; the final events by job id."""
+    def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, list[JobEvent]]:
+        """``cancel`` of each job here; the events by job id."""
         ended = {job_id: self.cancel(job_id, reason) for job_id in job_ids}
-        return {job_id: event for job_id, event in ended.items() if event is not None}
+        return {job_id: events for job_id, events in ended.items() if events}
 
     def step(self, flush: bool = True) -> list[JobEvent]:
         """Admit the jobs whose prompts are ready, run one engine step, apply deadlines; the events of it all.
@@ -170,9 +174,9 @@ class Pump:
             job = self._jobs.get(job_id)
             if job is None or job.deadline != deadline:  # ended already (or a new job under the same id)
                 continue
-            event = self.cancel(job_id, "the job exceeded its timeout")
-            event.timed_out = True
-            events.append(event)
+            ended = self.cancel(job_id, "the job exceeded its timeout")
+            ended[-1].timed_out = True
+            events += ended
         return events
 
     def has_work(self) -> bool:
@@ -251,7 +255,7 @@ class Pump:
         log.error("an engine step failed (%s: %s); failing its %d jobs", type(exc).__name__, exc, len(running))
         events = []
         for job_id in running:
-            event = self.cancel(job_id, f"the engine step running this job failed: {type(exc).__name__}: {exc}")
-            event.retryable = True
-            events.append(event)
+            ended = self.cancel(job_id, f"the engine step running this job failed: {type(exc).__name__}: {exc}")
+            ended[-1].retryable = True
+            events += ended
         return events
