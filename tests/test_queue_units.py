@@ -775,10 +775,59 @@ def test_the_workers_success_writes_leave_what_rqs_own_success_path_leaves(redis
     assert int(conn.hget(worker.key, "successful_job_count")) == 3
     working = float(conn.hget(worker.key, "total_working_time"))
     assert abs(working - sum((ended - j.started_at).total_seconds() for j in (ref, ours, ours2))) < 1e-6
-    if way != "transaction":  # the same call again, as after a lost reply: nothing written twice
-        worker._succeed_plain(plain, ended)
-        assert [conn.xlen(Result.get_key(j.id)) for j in (ours, ours2)] == [1, 1]
-        assert int(conn.hget(worker.key, "successful_job_count")) == 3
+    worker._succeed_plain(plain, ended)  # the same call again, as after a lost reply: nothing written twice
+    assert [conn.xlen(Result.get_key(j.id)) for j in (ours, ours2)] == [1, 1]
+    assert int(conn.hget(worker.key, "successful_job_count")) == 3
+
+
+@pytest.mark.redis
+def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
+    """A job's end runs again when Redis took it but its reply was lost: RQ's failure (the worker's count, the
+    failed registry, a retry) is not made twice; a job that will be retried later keeps the retries it has."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.registry import FailedJobRegistry, ScheduledJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.pump import JobEvent
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    client = Client(redis_url, queue=name)
+    failing, retried = client.submit(**payload), client.submit(**payload)  # two retries each (the client's default)
+    conn.hset(f"rq:job:{retried.id}", "retry_intervals", "[600]")  # the retry waits in RQ's scheduled registry
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    executions, _ = worker.mark_started(pulled)
+    for (job, queue), execution in zip(pulled, executions):
+        held = InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
+        worker.in_flight[job.id] = held
+        retryable = job.id == retried.id
+        worker._errored(held, JobEvent(job.id, finish_reason="error", error="boom", retryable=retryable))
+    ends, worker._tasks = worker._tasks, []
+    for _ in range(2):  # the second time as the sender's try again after a lost reply
+        for end in ends:
+            end()
+    assert int(conn.hget(worker.key, "failed_job_count")) == 2
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [failing.id]
+    assert ScheduledJobRegistry(name, connection=conn).get_job_ids() == [retried.id]
+    again = Job.fetch(retried.id, connection=conn, serializer=JSONSerializer)
+    assert again.get_status() == "scheduled" and again.retries_left == 1
+    latest = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).latest_result()
+    assert latest.type == latest.Type.FAILED and "boom" in latest.exc_string
 
 
 @pytest.mark.parametrize(

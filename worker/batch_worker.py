@@ -500,12 +500,13 @@ class BatchWorker(BaseWorker):
             through_rq += with_dependents
             break
         if through_rq:
-            for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq])):
-                if not mine:
+            for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq], (b"finished",))):
+                if mine is False:
                     self._lost_at_end(job)
                     continue
-                self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-                self.publisher.notify(self.connection, job.job.id, job.request.notify)
+                if mine:
+                    self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+                    self.publisher.notify(self.connection, job.job.id, job.request.notify)
                 finished.append((job, result))
         for _job, result in finished:
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
@@ -544,8 +545,11 @@ class BatchWorker(BaseWorker):
             dependents = [pipe.exists(job.job.dependents_key) for job, _ in plain]
             pipe.multi()
             for (job, result), (owner, status), has_dependents in zip(plain, owners, dependents):
-                if not self._is_ours(job, owner, status):
+                mine = self._is_ours(job, owner, status, (b"finished",))
+                if mine is False:
                     self._lost_at_end(job)
+                elif mine is None:
+                    written.append((job, result))  # by the try whose reply was lost
                 elif has_dependents:
                     with_dependents.append((job, result))
                 else:
@@ -620,10 +624,11 @@ class BatchWorker(BaseWorker):
             result = canceled_result(job.job.id, job.request, str(reason))
 
         def end() -> None:
-            if not self._owned([job])[0]:
+            mine = self._owned([job], (b"stopped",) if stopped else ())[0]
+            if mine is False:
                 self._lost_at_end(job)
                 return
-            if stopped:
+            if stopped and mine:
                 self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
                 self._record_failure(job.job, job.queue, job.execution, reason)
             with self.connection.pipeline() as pipe:
@@ -658,12 +663,14 @@ class BatchWorker(BaseWorker):
             self.publisher.expedite(job.stream)
 
         def end() -> None:
-            if not self._owned([job])[0]:
+            mine = self._owned([job], (b"scheduled",) if retrying else (b"failed",))[0]
+            if mine is False:
                 self._lost_at_end(job)
                 return
             if not retrying:
                 job.job.retries_left = None  # the same job would fail the same way again
-            self._record_failure(job.job, job.queue, job.execution, error)
+            if mine:
+                self._record_failure(job.job, job.queue, job.execution, error)
             if not retrying:
                 result = failure_result(job.job.id, job.request, str(error))
                 self._write_failure(job.job, result, error, job.request.notify, job.execution)
@@ -780,18 +787,25 @@ class BatchWorker(BaseWorker):
 
             self._tasks.append(end)
 
-    def _owned(self, held: list[InFlight]) -> list[bool]:
-        """Whether each job is still this attempt's (``_is_ours``), in one round trip."""
+    def _owned(self, held: list[InFlight], ends_as: tuple[bytes, ...] = ()) -> list[bool | None]:
+        """Whether each job is still this attempt's to end (``_is_ours``), in one round trip."""
         with self.connection.pipeline(transaction=False) as pipe:
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
             replies = pipe.execute()
-        return [self._is_ours(job, owner, status) for job, (owner, status) in zip(held, replies)]
+        return [self._is_ours(job, owner, status, ends_as) for job, (owner, status) in zip(held, replies)]
 
     @staticmethod
-    def _is_ours(job: InFlight, owner: bytes | None, status: bytes | None) -> bool:
-        """Its owner field names our execution (or the hash is gone: Redis lost data), and it was not requeued."""
-        return owner is None or (owner.decode() == job.execution.id and status != b"queued")
+    def _is_ours(
+        job: InFlight, owner: bytes | None, status: bytes | None, ends_as: tuple[bytes, ...] = ()
+    ) -> bool | None:
+        """True: its owner field names our execution (or the hash is gone: Redis lost data) and it was not requeued.
+        None: ours, but its status is one ``ends_as`` names, the status this end writes: an earlier try of it (whose
+        reply was lost) wrote it, and RQ's writes (counters, a retry, dependents) are not made again. False: another
+        attempt's now."""
+        if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
+            return False
+        return None if status in ends_as else True
 
     def _apply_reports(self) -> None:
         self._drop_lost()
