@@ -25,6 +25,7 @@ from producer.client import (
     JobCanceled,
     JobFailed,
     StreamRestarted,
+    check_job_id,
     checked,
     ends_the_wait,
     stream_expired,
@@ -56,7 +57,10 @@ class AsyncClient:
         """Enqueue one job. Submissions that arrive while others are being enqueued go in one pipeline together
         (a server's concurrent requests reach the worker as one batch, not one by one)."""
         request = {"prompt": prompt, **fields} if prompt is not None else dict(fields)
-        validate({k: v for k, v in request.items() if k != "job_id"})  # a bad request fails alone, here
+        # A bad request (or job id) fails alone, here: in the batch it would fail every request sent with it.
+        validate({k: v for k, v in request.items() if k != "job_id"})
+        if request.get("job_id") is not None:
+            check_job_id(request["job_id"])
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
         if not self._flushing:

@@ -76,6 +76,14 @@ class ProtocolError(JobError):
     """What a worker wrote does not follow the protocol (docs/protocol.md, docs/schemas/)."""
 
 
+def check_job_id(job_id: Any) -> None:
+    """RQ's rule for a job id (text of letters, digits, ``-`` and ``_``), as an ``InvalidRequest``."""
+    try:
+        validate_job_id(job_id)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
     """``value`` if it follows the protocol's schema (the same models the schemas are generated from)."""
     try:
@@ -190,8 +198,8 @@ class Client:
             try:
                 req = validate(fields)
                 if job_id is not None:
-                    validate_job_id(job_id)
-            except (InvalidRequest, ValueError, TypeError) as exc:
+                    check_job_id(job_id)
+            except (ValueError, TypeError) as exc:
                 raise InvalidRequest(f"request {i}: {exc}") from None
             job_id = job_id or str(uuid.uuid4())
             lane = self.lane(req.priority)

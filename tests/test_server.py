@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -478,3 +479,19 @@ def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(re
     assert queue.job_ids == kept
     [gone] = queue.canceled_job_registry.get_job_ids()
     assert gone not in kept
+
+
+def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redis_url):
+    from producer.client import InvalidRequest
+
+    queue_name = f"bad-id-{uuid.uuid4().hex[:6]}"
+
+    async def main():
+        async with AsyncClient(redis_url, queue_name) as client:
+            calls = [client.submit("p0", max_tokens=4), client.submit("p1", max_tokens=4, job_id="bad id!")]
+            calls.append(client.submit("p2", max_tokens=4, job_id="good-id"))
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, bad, good = asyncio.run(main())
+    assert isinstance(bad, InvalidRequest) and "Job ID" in str(bad)
+    assert Client(redis_url, queue=queue_name).queue.job_ids == [first.id, good.id] and good.id == "good-id"
