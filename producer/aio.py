@@ -240,7 +240,7 @@ class AsyncGenerationJob:
                 read_any = True
                 yield event["text"]
             if event.get("finish_reason") == "error":
-                raise JobFailed(self.id, event.get("error", "failed"))
+                raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

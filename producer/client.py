@@ -44,11 +44,15 @@ _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expi
 
 
 class JobError(Exception):
-    """A job ended without a result. ``result`` holds what the worker recorded, if anything."""
+    """A job ended without a result. ``result`` holds what the worker recorded, if anything; ``error_type`` whose
+    fault a failure was, as the worker said (``invalid_request``, ``timeout``, ``server_error``; None: not said)."""
 
-    def __init__(self, job_id: str, reason: str, result: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, job_id: str, reason: str, result: dict[str, Any] | None = None, error_type: str | None = None
+    ) -> None:
         super().__init__(f"job {job_id}: {reason}")
         self.job_id, self.reason, self.result = job_id, reason, result
+        self.error_type = error_type or (result or {}).get("error_type")
 
 
 class JobFailed(JobError):
@@ -410,7 +414,7 @@ class GenerationJob:
                 read_any = True
                 yield event["text"]
             if event.get("finish_reason") == "error":
-                raise JobFailed(self.id, event.get("error", "failed"))
+                raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.

@@ -136,9 +136,10 @@ def make_event(
     error: str | None = None,
     reset: bool = False,
     index: int = 0,
+    error_type: str | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
-    belongs to (jobs with n > 1; left out for sample 0)."""
+    belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
     if index:
         event["index"] = index
@@ -149,6 +150,8 @@ def make_event(
         event["usage"] = usage or {}
     if error is not None:
         event["error"] = error
+    if error_type is not None:
+        event["error_type"] = error_type
     return event
 
 

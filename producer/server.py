@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
@@ -68,6 +69,9 @@ class ServerMetrics:
         self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
 
 
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+
 class AuthAndCount:
     """The API key's check and the requests' counts, as plain ASGI: ``@app.middleware("http")`` hands the endpoint
     a stream of its own, on which a client's disconnect never shows, so a client that left a non-streamed request
@@ -82,18 +86,19 @@ class AuthAndCount:
             await self.app(scope, receive, send)
             return
         path, started = scope["path"], time.perf_counter()
+        label = path if path in ENDPOINTS else "other"  # any path a client makes up would be a series of its own
         if self.expected is not None and path.startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
-                self.metrics.requests.labels(path, "401").inc()
+                self.metrics.requests.labels(label, "401").inc()
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start" and path != "/metrics":
-                self.metrics.requests.labels(path, str(message["status"])).inc()
-                self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+                self.metrics.requests.labels(label, str(message["status"])).inc()
+                self.metrics.latency.labels(label).observe(time.perf_counter() - started)
             await send(message)
 
         await self.app(scope, receive, counted)
@@ -108,6 +113,10 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RedisError)
+    async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        return await _api_error(request, APIError(503, f"Redis is unavailable: {exc}", "service_unavailable"))
 
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
 
@@ -199,10 +208,12 @@ def _with_job(err: APIError, job: AsyncGenerationJob) -> APIError:
 def _job_error(exc: JobFailed | JobCanceled) -> APIError:
     if isinstance(exc, JobCanceled):
         return APIError(500, "the job was canceled", "server_error")
-    # A failed engine step is the server's fault; anything else the worker refused is about the request.
-    if "engine step" in exc.reason:
-        return APIError(500, exc.reason, "server_error")
-    return APIError(400, exc.reason)
+    # Only a job the worker found at fault is the client's (400): a timeout, a failed step, an abandoned job are not.
+    if exc.error_type == "invalid_request":
+        return APIError(400, exc.reason)
+    if exc.error_type == "timeout":
+        return APIError(504, exc.reason, "timeout")
+    return APIError(500, exc.reason, "server_error")
 
 
 async def _sse(
@@ -218,7 +229,8 @@ async def _sse(
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":
-                yield _data(_job_error(JobFailed(job.id, event.get("error", "failed"))).body())
+                failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+                yield _data(_job_error(failed).body())
                 break
             if event["text"] or (reason is not None and chunks.n == 1):
                 yield _data(chunks.piece(event["text"], None if chunks.n > 1 else reason, index=event.get("index", 0)))

@@ -16,6 +16,12 @@ from producer.schema import JobRequest
 
 SCHEMA_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorType = Literal["invalid_request", "timeout", "server_error"]
+ERROR_TYPE_DOC = (
+    "with an error: whose fault it was. invalid_request: the job itself (its payload, a prompt too long), it would "
+    "fail again; timeout: it ran past its timeout; server_error: the worker or engine failed it. Absent: RQ failed "
+    "the job (an abandoned job, say)"
+)
 
 
 class Usage(BaseModel):
@@ -39,6 +45,7 @@ class StreamEvent(BaseModel):
     finish_reason: FinishReason | None = Field(None, description="on the last event only")
     usage: Usage | None = Field(None, description="on the last event only")
     error: str | None = Field(None, description="on a last event with finish_reason 'error'")
+    error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
     reset: bool | None = Field(
         None, description="true: the output starts over here; drop the text and token ids of every earlier event"
     )
@@ -90,6 +97,7 @@ class JobResult(BaseModel):
     choices: list[Choice] | None = Field(None, description="a job with n > 1: every sample, sample 0 first")
     metadata: dict[str, Any] | None = None
     error: str | None = None
+    error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
 
 
 def schemas() -> dict[str, dict[str, Any]]:

@@ -180,7 +180,7 @@ def test_cancel_and_deadline():
     time.sleep(0.06)
     ended = [e for e in pump.step() if e.finished]
     assert [(e.job_id, e.finish_reason) for e in ended] == [("late", "error")] and "timeout" in ended[0].error
-    assert ended[0].timed_out and not ended[0].retryable
+    assert ended[0].timed_out and not ended[0].retryable and ended[0].error_type == "timeout"
     assert not engine.requests
 
 

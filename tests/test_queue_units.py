@@ -792,6 +792,7 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     from rq.serializers import JSONSerializer
 
     from producer import Client
+    from producer.protocol import read_result, result_from_entries
     from producer.schema import JobRequest
     from worker.batch_worker import BatchWorker, InFlight
     from worker.intake import pull
@@ -828,6 +829,12 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     assert again.get_status() == "scheduled" and again.retries_left == 1
     latest = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).latest_result()
     assert latest.type == latest.Type.FAILED and "boom" in latest.exc_string
+    # Whose fault, in the result and the last event: the engine refused the job itself.
+    assert result_from_entries(read_result(conn, failing.id))["error_type"] == "invalid_request"
+    _, finals = worker.publisher.take()
+    assert [(job_id, e["finish_reason"], e["error_type"]) for job_id, e, _, _ in finals] == [
+        (failing.id, "error", "invalid_request")
+    ]  # the retried job's stream goes on with its next attempt
 
 
 @pytest.mark.parametrize(

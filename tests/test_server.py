@@ -495,3 +495,47 @@ def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redi
     first, bad, good = asyncio.run(main())
     assert isinstance(bad, InvalidRequest) and "Job ID" in str(bad)
     assert Client(redis_url, queue=queue_name).queue.job_ids == [first.id, good.id] and good.id == "good-id"
+
+
+def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis_url):
+    """The worker says whose fault a failure was (``error_type``): a prompt longer than the model allows is the
+    request's (400, as vLLM answers it); a job past its own timeout is a 504; a failure the worker never explained
+    (RQ's abandoned job, say) is the server's (500), which the openai client retries."""
+    from producer.client import JobFailed as Failed
+    from producer.server import _job_error
+
+    _, _, model = served
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], max_tokens=2)
+    assert "too long" in err.value.message or "tokens" in err.value.message
+    timed_out = Failed("j", "job exceeded its timeout of 1 s", {"error_type": "timeout"})
+    assert (_job_error(timed_out).status, _job_error(timed_out).type) == (504, "timeout")
+    assert _job_error(Failed("j", "AbandonedJobError: the worker died")).status == 500
+
+
+def test_a_redis_that_does_not_answer_is_a_503_in_openais_shape():
+    gone = ServerThread(f"redis://127.0.0.1:{free_port()}/0", "anything")
+    try:
+        for method, path, body in [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"model": "m"})]:
+            body = {"model": "m", "messages": MESSAGES} if body else None
+            response = httpx.request(method, f"{gone.url}{path}", json=body, timeout=30)
+            assert response.status_code == 503, (path, response.text)
+            assert "Redis" in response.json()["error"]["message"]
+    finally:
+        gone.stop()
+
+
+def test_request_metrics_are_labelled_by_endpoint_not_by_any_path_a_client_sends(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, server, _ = served
+    for i in range(5):
+        httpx.get(f"{server.url}/made-up/{i}", timeout=10)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    endpoints = {
+        s.labels["endpoint"]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "endpoint" in s.labels
+    }
+    assert "other" in endpoints and not any(e.startswith("/made-up") for e in endpoints)

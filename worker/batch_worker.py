@@ -656,9 +656,13 @@ class BatchWorker(BaseWorker):
             error = JobTimedOut(f"job exceeded its timeout of {job.job.timeout} s")
         else:
             error = JobRejected(event.error)
+        # Whose fault: a job the engine refused is the job's own unless the event says otherwise.
+        error_type = event.error_type or ("server_error" if event.retryable else "invalid_request")
         if not retrying:
             end_usage = usage(event.output) if event.output else {}
-            self.publisher.add(job.stream, event.text, event.token_ids, "error", end_usage, str(error))
+            self.publisher.add(
+                job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type
+            )
         else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
             self.publisher.expedite(job.stream)
 
@@ -672,7 +676,7 @@ class BatchWorker(BaseWorker):
             if mine:
                 self._record_failure(job.job, job.queue, job.execution, error)
             if not retrying:
-                result = failure_result(job.job.id, job.request, str(error))
+                result = failure_result(job.job.id, job.request, str(error), error_type=error_type)
                 self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 
@@ -683,13 +687,14 @@ class BatchWorker(BaseWorker):
     ) -> None:
         """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
         log.warning("job %s rejected: %s", job.id, error)
-        self.publisher.add(stream, "", [], "error", {}, error)
+        self.publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")
 
         def end() -> None:
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
             notify = req.notify if req is not None else None
-            self._write_failure(job, failure_result(job.id, req, error), JobRejected(error), notify, execution)
+            result = failure_result(job.id, req, error, error_type="invalid_request")
+            self._write_failure(job, result, JobRejected(error), notify, execution)
             self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
@@ -719,12 +724,12 @@ class BatchWorker(BaseWorker):
         (an id that is not text has neither: it is only moved aside)."""
         log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
         if stream is not None:
-            self.publisher.add(stream, "", [], "error", {}, item.reason)
+            self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
 
         def end() -> None:
             with self.connection.pipeline(transaction=False) as pipe:
                 if stream is not None:
-                    result = failure_result(item.job_id, None, item.reason)
+                    result = failure_result(item.job_id, None, item.reason, error_type="invalid_request")
                     entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason)
                     self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
                 quarantine(pipe, item, self.settings.result_ttl)

@@ -293,7 +293,10 @@ class EngineProcess:
         except EngineProcessDied as exc:
             log.error("%s: failing its %d jobs", exc, len(self._jobs))
             error = f"{exc}; the job may run again elsewhere"
-            self._events += [JobEvent(j, finish_reason="error", error=error, retryable=True) for j in self._jobs]
+            self._events += [
+                JobEvent(j, finish_reason="error", error=error, retryable=True, error_type="server_error")
+                for j in self._jobs
+            ]
         events, self._events = self._events, []
         for event in events:
             if event.finished:

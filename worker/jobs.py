@@ -144,8 +144,10 @@ def build_result(
     return result
 
 
-def failure_result(job_id: str, req: JobRequest | None, error: str, status: str = "failed") -> dict[str, Any]:
-    return {
+def failure_result(
+    job_id: str, req: JobRequest | None, error: str, status: str = "failed", error_type: str | None = None
+) -> dict[str, Any]:
+    result = {
         "v": PROTOCOL_VERSION,
         "id": job_id,
         "custom_id": req.custom_id if req else None,
@@ -153,6 +155,9 @@ def failure_result(job_id: str, req: JobRequest | None, error: str, status: str 
         "error": error,
         "finish_reason": "error",
     }
+    if error_type is not None:
+        result["error_type"] = error_type
+    return result
 
 
 def canceled_result(job_id: str, req: JobRequest | None, reason: str) -> dict[str, Any]:
@@ -217,7 +222,7 @@ def generate(**payload: Any) -> dict[str, Any]:
                 pipe.execute()
     if final.finish_reason == "error":
         result = None  # RQ records the failure it raises
-        publisher.add(stream, final.text, [], "error", {}, final.error)
+        publisher.add(stream, final.text, [], "error", {}, final.error, error_type=final.error_type)
     else:
         result = build_result(
             job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at

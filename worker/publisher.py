@@ -51,7 +51,7 @@ class JobStream:
     # Not sent yet: per sample (0 unless the job has n > 1) the text pieces and token ids since its last event, and
     # the final event's fields once the job ended.
     pending: dict[int, tuple[list[str], list[int]]] = field(default_factory=dict)
-    pending_end: tuple[str, dict[str, int] | None, str | None] | None = None
+    pending_end: tuple[str, dict[str, int] | None, str | None, str | None] | None = None
     pending_reset: bool = False
 
     def read(self, events: list[dict[str, Any]]) -> None:
@@ -141,6 +141,7 @@ class Publisher:
         usage: dict[str, int] | None = None,
         error: str | None = None,
         index: int = 0,
+        error_type: str | None = None,
     ) -> None:
         """``text`` and ``token_ids`` of sample ``index`` to stream; ``finish_reason`` ends the job."""
         if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
@@ -153,7 +154,7 @@ class Publisher:
             texts.append(text)
         ids += token_ids
         if finish_reason is not None:
-            s.pending_end = (finish_reason, usage, error)
+            s.pending_end = (finish_reason, usage, error, error_type)
         if s.next_n == 0 or s.pending_reset or finish_reason is not None:
             self._urgent[s.job_id] = s
         self._dirty[s.job_id] = s
@@ -184,13 +185,13 @@ class Publisher:
             pieces = list(s.pending.items()) or [(0, ([], []))]
             for k, (index, (texts, ids)) in enumerate(pieces):
                 last = k == len(pieces) - 1
-                end = (s.pending_end if last else None) or (None, None, None)
+                reason, usage, error, error_type = (s.pending_end if last else None) or (None, None, None, None)
                 reset = s.pending_reset and k == 0
-                event = make_event(s.next_n, "".join(texts), ids, *end, reset=reset, index=index)
-                ttl = self.stream_ttl_after_end if end[0] is not None else self.stream_ttl if s.next_n == 0 else 0
-                (finals if end[0] is not None else events).append((s.job_id, event, ttl, s.owner))
+                event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type)
+                ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if s.next_n == 0 else 0
+                (finals if reason is not None else events).append((s.job_id, event, ttl, s.owner))
                 s.next_n += 1
-                s.ended = end[0] is not None
+                s.ended = reason is not None
             s.pending, s.pending_end, s.pending_reset = {}, None, False
         if urgent_only:
             for job_id in self._urgent:

@@ -34,6 +34,7 @@ class JobEvent:
     timed_out: bool = False  # the job ran past its deadline
     restarted: bool = False  # the engine could not resume the job's output: it starts over (streams say so)
     index: int = 0  # the sample the text and token ids belong to (jobs with n > 1)
+    error_type: str | None = None  # an error's fault: invalid_request (the job itself), timeout or server_error
 
     @property
     def finished(self) -> bool:
@@ -175,7 +176,7 @@ class Pump:
             if job is None or job.deadline != deadline:  # ended already (or a new job under the same id)
                 continue
             ended = self.cancel(job_id, "the job exceeded its timeout")
-            ended[-1].timed_out = True
+            ended[-1].timed_out, ended[-1].error_type = True, "timeout"
             events += ended
         return events
 
@@ -216,12 +217,12 @@ class Pump:
                 job.admitted = True
             except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
                 del self._jobs[job_id]
-                events.append(JobEvent(job_id, finish_reason="error", error=str(exc)))
+                events.append(JobEvent(job_id, finish_reason="error", error=str(exc), error_type="invalid_request"))
             except Exception as exc:  # an engine or tokenizer bug on this one job: it fails, the rest go on
                 log.exception("job %s: the engine could not take it", job_id)
                 del self._jobs[job_id]
                 error = f"the engine could not take this job: {type(exc).__name__}: {exc}"
-                events.append(JobEvent(job_id, finish_reason="error", error=error))
+                events.append(JobEvent(job_id, finish_reason="error", error=error, error_type="server_error"))
         return events
 
     def _run_step(self, flush: bool) -> list[JobEvent]:
@@ -256,6 +257,6 @@ class Pump:
         events = []
         for job_id in running:
             ended = self.cancel(job_id, f"the engine step running this job failed: {type(exc).__name__}: {exc}")
-            ended[-1].retryable = True
+            ended[-1].retryable, ended[-1].error_type = True, "server_error"
             events += ended
         return events
