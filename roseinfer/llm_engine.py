@@ -308,13 +308,15 @@ class LLMEngine:
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
         if seqs[0] is None:
             return []
+        drained = self._drain_pending(request_id)
         now = time.perf_counter()
         tails: list[tuple[Sequence, str, list[int]]] = []
         for seq in seqs:
-            if seq.is_finished:
-                continue
-            self.scheduler.finish(seq, "abort")
-            seq.finish_time = now
+            if seq.is_finished and id(seq) not in drained:
+                continue  # its last output was given
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                seq.finish_time = now
             delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
             held, seq.held_ids = seq.held_ids, []  # sampled since its last output (output kind "delta")
             tails.append((seq, delta, held))
@@ -326,6 +328,31 @@ class LLMEngine:
             outputs = [out for out in outputs if out.delta_text or out.delta_token_ids]
         seq, delta, held = tails[-1]
         return [*outputs, self._output(seq, delta, held)]
+
+    def _drain_pending(self, request_id: str) -> set[int]:
+        """The tokens of ``request_id`` the last step sampled whose outputs wait for the next step (on a GPU): taken
+        in now, text and ids, so its last outputs hold them and no output of it comes after. The ids of the
+        sequences that had one."""
+        if not self._pending or all(entry[0].parent_id != request_id for entry in self._pending):
+            return set()
+        drained = set()
+        kept = []
+        for seq, token, by_token, ended_at_token in self._pending:
+            if seq.parent_id != request_id:
+                kept.append((seq, token, by_token, ended_at_token))
+                continue
+            detok = seq.detokenizer
+            if detok is not None:
+                detok.push(None if by_token else token)
+                if detok.stop_hit is not None and not by_token:  # it ended there, before the abort (as in a step)
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "stop")
+                        seq.finish_time = time.perf_counter()
+                    seq.finish_reason, seq.stop_reason = "stop", detok.stop_hit
+            seq.held_ids.append(token)
+            drained.add(id(seq))
+        self._pending = kept
+        return drained
 
     def running_request_ids(self) -> list[str]:
         """The requests in the running batch (those a step computes), by the ids they were added with."""

@@ -68,3 +68,33 @@ def test_an_abort_while_outputs_wait_ends_the_request_at_once(tiny_chat_model):
         later += engine.step()
     assert all(o.request_id == "b" for o in later)  # nothing more of the aborted request
     assert later[-1].finished and len(later[-1].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_an_abort_takes_in_the_token_whose_output_waits(tiny_chat_model, kind):
+    """On a GPU a step's tokens give their outputs at the next step: an abort in between ends the request with
+    that token in its text and its deltas, as in its token ids."""
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, output_kind=kind)
+    engine.add_request("a", {"prompt": "Once upon a time"}, params)
+    outs = [o for _ in range(6) for o in engine.step()]
+    outs += engine.abort_request("a")
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "abort" and len(final.token_ids) == 6
+    assert [t for o in outs for t in o.delta_token_ids] == final.token_ids
+    assert "".join(o.delta_text for o in outs) == final.text == engine.tokenizer.decode(final.token_ids)
+    assert not engine.step() and not engine.has_unfinished_requests()
+
+
+def test_an_abort_of_samples_that_ended_at_the_last_step_gives_one_final_output(tiny_chat_model):
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=1, n=2, ignore_eos=True)
+    engine.add_request("g", {"prompt": "Once upon a time"}, params)
+    outs = [o for _ in range(3) for o in engine.step()]
+    outs += engine.abort_request("g")
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    [final] = [o for o in outs if o.finished]
+    assert [(c.index, c.finish_reason, len(c.token_ids)) for c in final.outputs] == [(0, "length", 3), (1, "length", 3)]
