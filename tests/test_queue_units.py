@@ -1007,3 +1007,42 @@ def test_the_embedded_redis_survives_its_server_dropping_a_connection_after_a_re
         with pytest.raises(redis.ResponseError):
             conn.script_load("return 1")
         assert conn.sort("nothing", by="nosort", get="rq:job:*->status") == []
+
+
+@pytest.mark.redis
+def test_a_refused_event_of_an_earlier_attempt_does_not_drop_the_attempt_running_now(redis_url):
+    """The sender reports events Redis refused (another attempt owns their job) with the attempt that wrote them:
+    a job this worker pulled again (after an outage) keeps running when the earlier attempt's events come back
+    refused; only a report naming the attempt running now drops it."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    job = Client(redis_url, queue=name).submit(**payload)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    [execution], _ = worker.mark_started(pulled)
+    (rq_job, queue), stream = pulled[0], JobStream(job.id, owner=execution.id)
+    worker.in_flight[job.id] = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), stream, 0.0)
+    worker._reports_lost([(job.id, "an-earlier-attempt")])
+    worker._drop_lost()
+    assert job.id in worker.in_flight and not worker._tasks
+    worker._reports_lost([(job.id, execution.id)])
+    worker._drop_lost()
+    assert job.id not in worker.in_flight and len(worker._tasks) == 1

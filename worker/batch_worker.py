@@ -768,18 +768,19 @@ class BatchWorker(BaseWorker):
         if ended or not registered:
             self._reports.put((ended, registered))
 
-    def _reports_lost(self, job_ids: list[str]) -> None:
-        for job_id in job_ids:
-            self._lost.put(job_id)
+    def _reports_lost(self, lost: list[tuple[str, str]]) -> None:
+        for job_id, owner in lost:
+            self._lost.put((job_id, owner))
 
     def _drop_lost(self) -> None:
         """Jobs whose events Redis refused because another attempt owns them (this worker stalled past its
         heartbeat and they were retried elsewhere): dropped without writing anything but our own execution's end."""
         while not self._lost.empty():
-            job_id = self._lost.get()
-            held = self.in_flight.pop(job_id, None)
-            if held is None:
+            job_id, owner = self._lost.get()
+            held = self.in_flight.get(job_id)
+            if held is None or held.execution.id != owner:  # an earlier attempt's events: this one goes on
                 continue
+            del self.in_flight[job_id]
             self.pump.cancel(job_id)
             self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease
             log.warning("job %s belongs to another attempt now (this worker stalled): dropped here", job_id)

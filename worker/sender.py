@@ -103,7 +103,7 @@ class Sender:
         connection: Redis,
         publisher: Publisher,
         on_statuses: Callable[[list[tuple[str, bytes | None]], bool], None],
-        on_lost: Callable[[list[str]], None] = lambda job_ids: None,
+        on_lost: Callable[[list[tuple[str, str]]], None] = lambda lost: None,
         queue_keys: list[str] | None = None,
         max_pending: int = 64,
         status_interval: float = 0.1,
@@ -398,9 +398,10 @@ class Sender:
         return read
 
     def _report_lost(self, events: list[Event], replies: list) -> None:
-        """The events the script refused (its reply, first in the round trip): their jobs are another attempt's."""
+        """The events the script refused (its reply, first in the round trip): their jobs are another attempt's
+        than the one that wrote them (reported as (job id, that attempt), so a later attempt here is kept)."""
         if self._emit is not None and events and replies[0]:
-            self.on_lost(sorted({events[int(i)][0] for i in replies[0]}))
+            self.on_lost(sorted({(events[int(i)][0], events[int(i)][3]) for i in replies[0]}))
 
     def _queue_events(self, pipe, events: list[Event], send: str, lease: str | None = None) -> None:
         if self._emit is None:
