@@ -906,8 +906,8 @@ def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_
 @pytest.mark.parametrize("block", [None, 1])
 def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_pulled_with_it_run(redis_url, lanes, block):
     """RQ's dequeue raised on an id that is not UTF-8 and left it (and, in a batch, every job taken with it) in the
-    intermediate list, where RQ's clean-up raised at every pass. A pull, blocking (by BLMOVE from one lane, BLPOP
-    from two) or not, hands it back apart, by its bytes, and the jobs around it as usual; quarantine moves it aside."""
+    intermediate list, where RQ's clean-up raised at every pass. A pull, blocking (by BLMOVE from the first lane)
+    or not, hands it back apart, by its bytes, and the jobs around it as usual; quarantine moves it aside."""
     import uuid
 
     from redis import Redis
@@ -1046,3 +1046,39 @@ def test_a_refused_event_of_an_earlier_attempt_does_not_drop_the_attempt_running
     worker._reports_lost([(job.id, execution.id)])
     worker._drop_lost()
     assert job.id not in worker.in_flight and len(worker._tasks) == 1
+
+
+@pytest.mark.redis
+def test_an_idle_pull_of_several_lanes_never_pops_a_job_out_of_every_list(redis_url):
+    """Redis has no blocking move from several lists: a BLPOP then a move lost the job when the reply was lost or the
+    worker was killed between the two. An idle pull of two lanes waits by BLMOVE on the first (a job in the
+    intermediate list is one RQ's clean-up recovers) and finds a job of the second lane within a short wait."""
+    import threading
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.intake import MOVE_SCRIPT, MULTI_LANE_WAIT_S, pull
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    queues = [Queue(n, connection=conn, serializer=JSONSerializer) for n in (name, f"{name}:p10")]
+    client = Client(redis_url, queue=name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a blocking pop takes a job out of every list")
+
+    conn.blpop = conn.brpop = conn.blmpop = refuse
+    threading.Timer(0.05, lambda: client.submit("late", max_tokens=2, priority=10)).start()
+    got = []
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        started = time.monotonic()
+        got, _ = pull(queues, 10, 1.0, conn, Job, JSONSerializer, conn.register_script(MOVE_SCRIPT))
+        assert time.monotonic() - started < MULTI_LANE_WAIT_S + 0.5  # it looks at the other lane within the slice
+    [(job, queue)] = got
+    assert queue.name == f"{name}:p10" and conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode()]

@@ -122,6 +122,11 @@ def load_script(connection: redis.Redis, source: str):
     return script
 
 
+# An idle worker serving several lanes waits on the first this long at a time (a job of another lane waits at most
+# as long); 5 BLMOVEs and 5 scripts a second per idle worker.
+MULTI_LANE_WAIT_S = 0.2
+
+
 def pull(
     queues: list[Queue],
     limit: int,
@@ -141,11 +146,12 @@ def pull(
     unreadable: list[Unreadable] = []
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
         first = _wait_for_one(queues, block, connection)
-        if first is None:
+        if first is None and len(queues) == 1:
             return pulled, unreadable
-        queue, raw_id = first
-        raw = connection.hgetall(_hash_key(job_class, raw_id))
-        pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
+        if first is not None:
+            queue, raw_id = first
+            raw = connection.hgetall(_hash_key(job_class, raw_id))
+            pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
     for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
@@ -157,21 +163,16 @@ def pull(
 
 
 def _wait_for_one(queues: list[Queue], block: float, connection: redis.Redis) -> tuple[Queue, bytes] | None:
-    """The id of the first job to come into ``queues`` within ``block`` seconds, moved to its queue's intermediate
-    list: by BLMOVE from one queue, as RQ's dequeue does; from several, by BLPOP and then the move (RQ's dequeue of
-    several queues leaves the job in no list at all). As raw bytes: RQ's dequeue raised on an id that is not text
-    and left it where its clean-up of the intermediate list raised too, at every pass."""
-    if len(queues) == 1:
-        queue = queues[0]
-        raw_id = connection.blmove(queue.key, queue.intermediate_queue_key, block, "LEFT", "RIGHT")
-        return None if raw_id is None else (queue, raw_id)
-    got = connection.blpop([q.key for q in queues], block)
-    if got is None:
-        return None
-    key, raw_id = got
-    queue = next(q for q in queues if q.key.encode() == key)
-    connection.rpush(queue.intermediate_queue_key, raw_id)
-    return queue, raw_id
+    """The id of the first job to come into the first of ``queues``, moved to its intermediate list by BLMOVE, as
+    RQ's dequeue of one queue does: atomic, so a reply lost or a worker killed leaves it where RQ's clean-up finds
+    it (a BLPOP and then the move, as RQ does for several queues, lost it). Redis has no blocking move from several
+    lists: with several queues this waits at most ``MULTI_LANE_WAIT_S`` on the first, and the caller then looks at
+    the others. As raw bytes: RQ's dequeue raised on an id that is not text and left it where its clean-up of the
+    intermediate list raised too, at every pass."""
+    queue = queues[0]
+    wait = block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S)
+    raw_id = connection.blmove(queue.key, queue.intermediate_queue_key, wait, "LEFT", "RIGHT")
+    return None if raw_id is None else (queue, raw_id)
 
 
 def _pull_batch(
