@@ -1082,3 +1082,63 @@ def test_an_idle_pull_of_several_lanes_never_pops_a_job_out_of_every_list(redis_
         assert time.monotonic() - started < MULTI_LANE_WAIT_S + 0.5  # it looks at the other lane within the slice
     [(job, queue)] = got
     assert queue.name == f"{name}:p10" and conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode()]
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("how", ["requeued by RQ", "Redis lost its data"])
+def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_url, how):
+    """A running job whose registry entries went (RQ requeued it while this worker stalled, or Redis restarted
+    empty) is written into them again: the started registry, its executions, this worker's; else a crash of this
+    worker later would leave it started for good, in no registry RQ's clean-up reads."""
+    import uuid
+
+    from redis import Redis
+    from rq.executions import ExecutionRegistry
+    from rq.job import Job
+    from rq.registry import StartedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    job = Client(redis_url, queue=name).submit(**payload)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    [execution], _ = worker.mark_started(pulled)
+    (rq_job, queue) = pulled[0]
+    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
+    worker.in_flight[job.id] = held
+    started = StartedJobRegistry(name, connection=conn)
+
+    def registered() -> tuple:
+        return (
+            started.get_job_ids(),
+            ExecutionRegistry(job.id, connection=conn).get_job_ids(),
+            conn.smembers(execution.worker_executions_key),
+            conn.exists(execution.key),
+        )
+
+    before = registered()
+    assert before == ([job.id], [execution.id], {execution.composite_key.encode()}, 1)
+    if how == "requeued by RQ":
+        conn.delete(started.key, f"rq:executions:{job.id}", execution.worker_executions_key, execution.key)
+        conn.lrem(queue.key, 0, job.id)
+        conn.rpush(queue.intermediate_queue_key, job.id)  # pulled again: the copy in the intermediate list
+        worker._keep_running_copy(rq_job, queue)
+    else:
+        conn.delete(*[k for k in conn.keys(f"*{name}*")], *conn.keys(f"rq:*{job.id}*"), execution.key, worker.key)
+        conn.delete(execution.worker_executions_key)
+        worker._redis_lost_data()
+    assert registered() == before
+    assert conn.hget(f"rq:job:{job.id}", "status") == b"started"

@@ -371,10 +371,23 @@ class BatchWorker(BaseWorker):
         ttl = self.get_heartbeat_ttl(job)
         with self.connection.pipeline() as pipe:
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
+            self._register_execution(held, ttl, pipe)  # RQ's requeue took it out of every registry
             held.job.set_status(JobStatus.STARTED, pipeline=pipe)
             held.job.heartbeat(now(), ttl, pipeline=pipe)
             pipe.execute()
+
+    def _register_execution(self, held: InFlight, ttl: int, pipe: redis.client.Pipeline) -> None:
+        """Every record of a running job's execution, written again where it is gone (RQ's requeue of a stalled job,
+        Redis restarted empty): the started registry, the job's executions, this worker's, the execution's hash.
+        RQ's ``Execution.heartbeat`` only refreshes entries that exist, and a job in no registry is never recovered
+        if this worker dies."""
+        execution = held.execution
+        execution.last_heartbeat = now()
+        execution.save(ttl, pipeline=pipe)
+        ExecutionRegistry(job_id=execution.job_id, connection=pipe).add(execution=execution, ttl=ttl, pipeline=pipe)
+        held.job.started_job_registry.add_execution(execution, pipeline=pipe, ttl=ttl, xx=False)
+        pipe.sadd(execution.worker_executions_key, execution.composite_key)
+        pipe.expire(execution.worker_executions_key, ttl + 60)
 
     def _apply_arrivals(self) -> None:
         """What the puller took off the queues, into the engine (or failed, for jobs that can never run)."""
@@ -851,7 +864,7 @@ class BatchWorker(BaseWorker):
                 held.job.save(pipeline=pipe)
                 held.job.set_status(JobStatus.STARTED, pipeline=pipe)
                 pipe.hset(held.job.key, OWNER_FIELD, held.execution.id)
-                held.execution.heartbeat(held.job.started_job_registry, ttl, pipe)
+                self._register_execution(held, ttl, pipe)
             pipe.execute()
         for attempt in range(3):
             self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
