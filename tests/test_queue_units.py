@@ -1142,3 +1142,47 @@ def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_
         worker._redis_lost_data()
     assert registered() == before
     assert conn.hget(f"rq:job:{job.id}", "status") == b"started"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "transaction"])
+def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_url, way):
+    """This worker stalled past its heartbeat, RQ's clean-up failed the job (abandoned, no retry left), and it
+    still ran here and finished: it ends finished, out of the failed registry (RQ's own success path leaves it
+    in both, counted as failed and finished)."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.registry import FailedJobRegistry, FinishedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.intake import pull
+    from worker.job_finish import register
+    from worker.publisher import JobStream
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    job = Client(redis_url, queue=name).submit(**payload)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    [execution], _ = worker.mark_started(pulled)
+    (rq_job, queue) = pulled[0]
+    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
+    conn.hset(rq_job.key, "status", "failed")  # what RQ's handling of an abandoned job writes
+    conn.zadd(FailedJobRegistry(name, connection=conn).key, {job.id: 9e9})
+    worker.sender.finish_script = register(conn) if way == "script" else None
+    result = {"status": "finished", "text": "ok", "token_ids": [1]}
+    assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
+    assert conn.hget(rq_job.key, "status") == b"finished"
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
+    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [job.id]

@@ -33,7 +33,7 @@ from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import FinishedJobRegistry, StartedJobRegistry, clean_registries
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry, clean_registries
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
@@ -519,6 +519,7 @@ class BatchWorker(BaseWorker):
                     continue
                 if mine:
                     self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+                    job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
                     self.publisher.notify(self.connection, job.job.id, job.request.notify)
                 finished.append((job, result))
         for _job, result in finished:
@@ -566,7 +567,7 @@ class BatchWorker(BaseWorker):
                 elif has_dependents:
                     with_dependents.append((job, result))
                 else:
-                    self._write_success(pipe, job, result, ended)
+                    self._write_success(pipe, job, result, ended, failed_by_rq=status == b"failed")
                     self._count_success(pipe, job, ended)
                     written.append((job, result))
             pipe.execute()
@@ -590,7 +591,9 @@ class BatchWorker(BaseWorker):
         self.increment_successful_job_count(pipeline=pipe)
         self.increment_total_working_time(ended - job.job.started_at, pipe)
 
-    def _write_success(self, pipe, job: InFlight, result: dict[str, Any], ended: datetime) -> None:
+    def _write_success(
+        self, pipe, job: InFlight, result: dict[str, Any], ended: datetime, failed_by_rq: bool = False
+    ) -> None:
         """A finished job's writes: what RQ's ``handle_job_success`` writes, made here without RQ's objects (a
         registry object a write, the result serialized three times, the job's data compressed again: 0.2 ms a
         job). The same keys, fields and values (a test holds them to RQ's own): the job hash's status, end and
@@ -604,6 +607,8 @@ class BatchWorker(BaseWorker):
         self.publisher.write_result(pipe, j.id, entry, result_ttl, job.request.notify)
         expires = "+inf" if result_ttl == -1 else current_timestamp() + result_ttl
         pipe.zadd(FinishedJobRegistry.key_template.format(j.origin), {j.id: expires})
+        if failed_by_rq:  # abandoned while this worker stalled, and still ours: finished, in one registry
+            pipe.zrem(FailedJobRegistry.key_template.format(j.origin), j.id)
         if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
             for key in (j.key, j.dependencies_key) if j._dependency_ids else (j.key,):
                 pipe.expire(key, result_ttl)
