@@ -167,12 +167,35 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     latest = job.rq_job.latest_result()
     assert latest.type == Result.Type.STOPPED and latest.return_value == partial
     assert job.rq_job.return_value() is None
+    conn = client.connection
+    assert 0 < conn.ttl(f"rq:job:{job.id}") <= conn.ttl(result_key(job.id))  # it expires with its result
     for other in others:
         assert other.result(timeout=60)["usage"]["completion_tokens"] == 8
     deadline = time.time() + 10
     while worker.worker.in_flight and time.time() < deadline:
         time.sleep(0.05)
     assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
+
+
+def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served):
+    """RQ's ``job.delete()`` on a running job: it stops within a step and its followers get a last event, but no
+    result, registry entry or hash of it comes back (it was written as a canceled job's)."""
+    from rq.registry import CanceledJobRegistry, StartedJobRegistry
+
+    worker, client = served
+    job = client.submit("Write on and on", max_tokens=200, temperature=0, ignore_eos=True)
+    _first_event(job)
+    job.rq_job.delete()
+    events = list(job.events(timeout=30))
+    assert events[-1]["finish_reason"] == "abort"
+    deadline = time.time() + 10
+    while job.id in worker.worker.in_flight and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the sender ends jobs after their last events
+    conn, queue = client.connection, client.queue.name
+    assert not conn.exists(f"rq:job:{job.id}") and not conn.exists(result_key(job.id))
+    assert job.id not in CanceledJobRegistry(queue, connection=conn).get_job_ids()
+    assert job.id not in StartedJobRegistry(queue, connection=conn).get_job_ids()
 
 
 @pytest.mark.slow

@@ -626,8 +626,9 @@ class BatchWorker(BaseWorker):
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
 
-    def _canceled(self, job: InFlight, events: list[JobEvent], stopped: bool = False) -> None:
-        """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept."""
+    def _canceled(self, job: InFlight, events: list[JobEvent], stopped: bool = False, deleted: bool = False) -> None:
+        """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept, but for a job
+        deleted (RQ's ``job.delete()``): nothing of it is left in Redis but its stream's last event."""
         del self.in_flight[job.job.id]
         *pieces, event = events
         for piece in pieces:  # a job of n samples: each sample's text not sent yet
@@ -652,11 +653,13 @@ class BatchWorker(BaseWorker):
             with self.connection.pipeline() as pipe:
                 if not stopped:
                     self.cleanup_execution(job.job, pipe, job.execution)
+                if not stopped and not deleted:
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
-                # The partial result, after RQ's own record of a stop (the latest entry is it).
-                entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
-                self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
+                    pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
+                if not deleted:  # the partial result, after RQ's own record of a stop (the latest entry is it)
+                    entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
+                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
                 pipe.execute()
             log.info("job %s %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
@@ -845,7 +848,8 @@ class BatchWorker(BaseWorker):
             # Not deleted by anyone when Redis restarted empty: such a job finishes and writes its result.
             ending = {j: s for j, s in ended if j in self.in_flight and (s is not None or registered)}
             for job_id, events in self.pump.cancel_many(list(ending)).items():  # one round trip to an engine process
-                self._canceled(self.in_flight[job_id], events, stopped=ending[job_id] == b"stopped")
+                status = ending[job_id]  # None: its hash was deleted (Redis still knows this worker: not data lost)
+                self._canceled(self.in_flight[job_id], events, stopped=status == b"stopped", deleted=status is None)
 
     def _apply_stop_requests(self) -> None:
         while not self._stop_jobs.empty():
