@@ -808,22 +808,27 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     payload = {"prompt": "hello", "max_tokens": 4}
     client = Client(redis_url, queue=name)
     failing, retried = client.submit(**payload), client.submit(**payload)  # two retries each (the client's default)
+    timed_out = client.submit(**payload)
     conn.hset(f"rq:job:{retried.id}", "retry_intervals", "[600]")  # the retry waits in RQ's scheduled registry
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    pulled, _ = pull([worker.queues[0]], 3, None, conn, Job, JSONSerializer)
     executions, _ = worker.mark_started(pulled)
     for (job, queue), execution in zip(pulled, executions):
         held = InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
         worker.in_flight[job.id] = held
-        retryable = job.id == retried.id
-        worker._errored(held, JobEvent(job.id, finish_reason="error", error="boom", retryable=retryable))
+        retryable, late = job.id == retried.id, job.id == timed_out.id
+        event = JobEvent(job.id, finish_reason="error", error="boom", retryable=retryable, timed_out=late)
+        worker._errored(held, event)
     ends, worker._tasks = worker._tasks, []
     for _ in range(2):  # the second time as the sender's try again after a lost reply
         for end in ends:
             end()
-    assert int(conn.hget(worker.key, "failed_job_count")) == 2
+    assert int(conn.hget(worker.key, "failed_job_count")) == 3
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == [failing.id]
+    # A timeout is retried as RQ retries its own: back in the queue, one retry spent.
+    late = Job.fetch(timed_out.id, connection=conn, serializer=JSONSerializer)
+    assert late.get_status() == "queued" and late.retries_left == 1 and worker.queues[0].job_ids == [timed_out.id]
     assert ScheduledJobRegistry(name, connection=conn).get_job_ids() == [retried.id]
     again = Job.fetch(retried.id, connection=conn, serializer=JSONSerializer)
     assert again.get_status() == "scheduled" and again.retries_left == 1

@@ -409,11 +409,15 @@ def test_stats_tell_the_truth_after_a_drain(redis_url, tiny_chat_model):
     assert client.status()["workers"] == []  # a stopped worker drops out
 
 
-def test_a_job_past_its_timeout_fails_alone_and_is_not_retried(served, monkeypatch):
+def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone(served, monkeypatch):
+    """A timeout is retried as RQ retries its own, while the job has retries left; each attempt resumes from what
+    the last one streamed (its stream never starts over), and the job fails alone once they are spent."""
+    from producer.protocol import STREAM_FIELD, event_from_stream
+
     w, client, conn = served
     real_step = w.worker.engine.step
 
-    def slow_step(flush=True):  # 200 tokens take ~4 s: past the job's 1 s timeout
+    def slow_step(flush=True):  # 200 tokens take ~4 s: past the job's 1 s timeout, three times
         time.sleep(0.02)
         return real_step(flush=flush)
 
@@ -423,9 +427,17 @@ def test_a_job_past_its_timeout_fails_alone_and_is_not_retried(served, monkeypat
     _raw_job(conn, w.queue, job_id, payload, timeout="1", retries_left="2")
     other = client.submit("quick", max_tokens=3, temperature=0)
     with pytest.raises(JobFailed, match="exceeded its timeout of 1 s"):
-        client.job(job_id).result(timeout=30)
+        client.job(job_id).result(timeout=60)
     assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
-    assert conn.llen(f"rq:queue:{w.queue}") == 0  # not requeued: it would time out again
+    assert conn.llen(f"rq:queue:{w.queue}") == 0
+    events = [
+        event_from_stream({STREAM_FIELD.encode(): f[STREAM_FIELD.encode()]})
+        for _, f in conn.xrange(f"roseinfer:stream:{job_id}")
+    ]
+    assert not any(e.get("reset") for e in events) and events[-1]["error_type"] == "timeout"
+    streamed = sum(len(e["token_ids"]) for e in events)
+    assert conn.hget(f"rq:job:{job_id}", "retries_left") == b"0"  # every retry spent
+    assert 60 < streamed < 200  # an attempt makes at most ~50 (a step takes 20 ms): the next ones went on from it
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
 
 

@@ -669,8 +669,10 @@ class BatchWorker(BaseWorker):
     def _errored(self, job: InFlight, event: JobEvent) -> None:
         """A failed step (retryable) or a job the engine refused or timed out (not)."""
         del self.in_flight[job.job.id]
-        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt.
-        retrying = event.retryable and (job.job.retries_left or 0) > 0  # as RQ's should_retry: -1 is none left
+        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt. A timeout is
+        # retried too, as RQ retries its own (the next attempt resumes from what this one streamed).
+        may_retry = event.retryable or event.timed_out
+        retrying = may_retry and (job.job.retries_left or 0) > 0  # as RQ's should_retry: -1 is none left
         if event.retryable:
             error: Exception = StepFailed(event.error)
         elif event.timed_out:
