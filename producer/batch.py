@@ -14,12 +14,17 @@ import logging
 import os
 import re
 import secrets
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from pydantic import ValidationError
 
 from producer.batch_io import (
     DEFAULT_FIELDS,
@@ -30,6 +35,7 @@ from producer.batch_io import (
     count_rows,
     format_of,
     input_columns,
+    open_lines,
     payload_digest,
     read_rows,
 )
@@ -45,6 +51,7 @@ from producer.openai_api import (
     samples,
 )
 from producer.protocol import BULK_PRIORITY, done_key, read_result, result_from_entries, result_key
+from producer.schema import JobRequest
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -100,7 +107,7 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
 
 def parse_line(
     number: int,
-    text: str | dict[str, Any],
+    text: str | bytes | dict[str, Any],
     run_id: str | None = None,
     priority: int = BULK_PRIORITY,
     options: RowOptions | None = None,
@@ -108,13 +115,8 @@ def parse_line(
     """One input row (a JSONL line's text, or a Parquet row) into a job payload (at ``priority`` unless it says;
     the run's defaults where it names none); BadLine (a ValueError) with a readable reason for a bad one."""
     options = options or RowOptions()
-    if isinstance(text, dict):
-        obj = text
-    else:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadLine(f"not JSON: {exc}") from None
+    line_text = None if isinstance(text, dict) else _utf8(text)
+    obj = text if line_text is None else _json(line_text)
     if not isinstance(obj, dict):
         raise BadLine("a line must be a JSON object")
     if options.plain:
@@ -127,6 +129,12 @@ def parse_line(
         custom_id = obj.get("custom_id", f"line-{number}")
         if not isinstance(custom_id, str) or not custom_id:
             raise BadLine("custom_id must be a non-empty string")
+    # Bytes decoded as UTF-8 hold a surrogate only through a \u escape: most lines are spared the check.
+    if line_text is not None and (isinstance(text, str) or "\\u" in line_text):
+        surrogate = _lone_surrogate(obj)
+        if surrogate is not None:
+            message = f"not valid Unicode: a lone surrogate {surrogate!r} (a \\u escape of half a UTF-16 pair)"
+            raise BadLine(message, custom_id if _lone_surrogate(custom_id) is None else None)
     try:
         url, payload = _row_payload(obj, options) if options.plain else _payload(obj)
         _apply_defaults(payload, options.defaults)
@@ -137,6 +145,34 @@ def parse_line(
         raise BadLine(str(exc), custom_id) from None
     row = obj if options.plain else None
     return Line(number, custom_id, url, payload, job_id_for(payload, run_id), row)
+
+
+def _utf8(text: str | bytes) -> str:
+    """A JSONL line's text; BadLine for bytes that are not UTF-8 (never replaced: the job would run on a damaged
+    prompt)."""
+    if isinstance(text, str):
+        return text
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadLine(f"not UTF-8: {exc.reason} (byte {exc.object[exc.start]:#04x} at byte {exc.start})") from None
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadLine(f"not JSON: {exc}") from None
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in ``value``'s strings (keys too), or None: such text has no UTF-8 form, so neither
+    a job nor an output or error line could hold it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.object[exc.start]
+    return None
 
 
 def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[str, Any]]:
@@ -339,11 +375,9 @@ def _formats(input_path: Path, input_format: str | None, output_path: Path, outp
     return in_fmt, out_fmt
 
 
-def _open_sink(
-    output_path: Path, output_format: str, err: TextIO, input_path: Path, input_format: str, options: RowOptions
-) -> Sink:
+def _open_sink(output_path: Path, output_format: str, input_path: Path, input_format: str, options: RowOptions) -> Sink:
     if output_format == "jsonl":
-        return JSONLSink(output_path, err)
+        return JSONLSink(output_path)
     id_column = options.id_column or "custom_id"
     columns = input_columns(input_path, input_format) if options.plain else None
     if options.id_column is None and columns is not None and id_column in columns.names:
@@ -352,7 +386,30 @@ def _open_sink(
             f"the input has a {id_column!r} column, where the output writes each row's id (row-N by default): "
             f"pass --id-column {id_column} to name the rows by it, or rename it"
         )
-    return ParquetSink(output_path, err, columns, id_column, int(options.defaults.get("n", 1)))
+    return ParquetSink(output_path, columns, id_column, int(options.defaults.get("n", 1)))
+
+
+def check_run_settings(options: RowOptions, priority: int, max_in_flight: int = 1) -> None:
+    """The run's defaults and priority, checked once as every job's payload is (JobRequest): a bad one is one
+    ValueError before anything is read or written, not an error on every row and a state file that keeps it."""
+    if max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+    values = {**options.defaults, "priority": priority}
+    try:
+        JobRequest.model_validate({"prompt": "x", **values})
+    except ValidationError as exc:
+        problems = "; ".join(_settings_problem(error, values) for error in exc.errors())
+        raise ValueError(f"bad batch settings: {problems}") from None
+
+
+def _settings_problem(error: Any, values: dict[str, Any]) -> str:
+    """``--temperature 5.0: Input should be ...``: named by the flag that set it (and the place in a nested value)."""
+    if not error["loc"]:
+        return error["msg"]
+    name, *inner = error["loc"]
+    flag = "--" + str(name).replace("_", "-")
+    where = ".".join(str(part) for part in inner) if inner else values.get(name)
+    return f"{flag} {where}: {error['msg']}"
 
 
 def run_batch(
@@ -380,20 +437,22 @@ def run_batch(
     """
     if run_id is not None and not RUN_ID.fullmatch(run_id):
         raise ValueError(f"a run id is 1 to 32 letters and digits, got {run_id!r}")
+    options = options or RowOptions()
+    check_run_settings(options, priority, max_in_flight)
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
-    options = (options or RowOptions()).for_format(in_fmt)
+    options = options.for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
     try:
         summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
-        with errors_path.open("w") as err:
-            sink = _open_sink(output_path, out_fmt, err, input_path, in_fmt, options)
-            done = sink.done()
-            _check_settings(output_path, options.fingerprint(), bool(done))
+        sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
+        done = sink.done()
+        _check_settings(output_path, options.fingerprint(), bool(done))  # a refused run leaves the last errors
+        with open_lines(errors_path, "w") as err, _signals_interrupt():
             progress = Progress(summary["total"], 0, 0, log_interval)
-            sink.open()
+            sink.open(err)
             try:
                 lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
                 _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
@@ -406,6 +465,33 @@ def run_batch(
         if progress is not None:
             progress.close()
     return summary
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a kill, a closed terminal) stop the run as Ctrl-C does: every row settled is written and
+    the output is whole and resumable. The first only: a second one acts as it did before the run."""
+    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may handle signals
+        yield
+        return
+    before = {name: signal.getsignal(getattr(signal, name)) for name in names}
+
+    def interrupt(signum: int, frame: Any) -> None:
+        _restore(before)
+        raise KeyboardInterrupt
+
+    for name in names:
+        signal.signal(getattr(signal, name), interrupt)
+    try:
+        yield
+    finally:
+        _restore(before)
+
+
+def _restore(handlers: dict[str, Any]) -> None:
+    for name, handler in handlers.items():
+        signal.signal(getattr(signal, name), handler)
 
 
 def dry_run(
@@ -424,15 +510,18 @@ def dry_run(
     (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by reason. With a
     ``tokenizer`` (a transformers tokenizer: its chat template applied to messages), also ``prompt_tokens`` of the
     rows that would run and the longest one's, ``max_prompt_tokens``."""
+    options = options or RowOptions()
+    check_run_settings(options, priority)
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
-    options = (options or RowOptions()).for_format(in_fmt)
+    options = options.for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})
-    with errors_path.open("w") as err, open(os.devnull, "w") as quiet:
-        sink = _open_sink(output_path, out_fmt, err, input_path, in_fmt, options)
-        done = sink.done()
+    sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
+    done = sink.done()
+    with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
+        sink.open(err, output=False)
         progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
         lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
         valid = prompt_tokens = longest = 0
@@ -583,17 +672,24 @@ def _settle(
             summary["succeeded"] += 1
             summary["reused"] += job_id in reused
             progress.update(result["usage"]["completion_tokens"])
-        elif status in ("failed", "canceled", "stopped", "missing", "finished") or (
-            timeout is not None and now - started > timeout
-        ):
-            reason = (result or {}).get("error") or _failure_reason(client, job_id, status, timeout)
-            sink.error(error_line(line.number, line.custom_id, "job_" + status, reason), line)
-            _count_failure(summary, "job_" + status)
-            progress.update(0, failed=True)
+        elif status in ("failed", "canceled", "stopped", "missing", "finished"):
+            reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
+            _fail(sink, line, "job_" + status, reason, summary, progress)
+        elif timeout is not None and now - started > timeout:
+            if not client.job(job_id).cancel():
+                continue  # it ended since its status was read: the next look writes its row
+            reason = f"no result within {timeout} s: the job was canceled (a rerun submits it again)"
+            _fail(sink, line, "job_" + status, reason, summary, progress)
         else:
             continue
         del in_flight[job_id]
     sink.flush()
+
+
+def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any], progress: Progress) -> None:
+    sink.error(error_line(line.number, line.custom_id, code, reason), line)
+    _count_failure(summary, code)
+    progress.update(0, failed=True)
 
 
 def _submit(
@@ -639,9 +735,7 @@ def _submit(
     return more
 
 
-def _failure_reason(client: Client, job_id: str, status: str, timeout: float | None) -> str:
-    if status in ("queued", "started"):
-        return f"no result within {timeout} s"
+def _failure_reason(client: Client, job_id: str, status: str) -> str:
     if status == "missing":
         return "the job disappeared from Redis (expired or deleted)"
     if status == "finished":  # RQ writes a result with the status: this one is gone

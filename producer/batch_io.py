@@ -9,10 +9,11 @@ copies the rows of the last one in record batches and goes on after them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,7 +27,24 @@ _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parque
 ADDED_COLUMNS = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "error", "job_id")
 # Payload defaults a run may set for every row that names none (``--max-tokens`` ...).
 DEFAULT_FIELDS = ("max_tokens", "temperature", "seed", "n", "response_format")
-_BATCH_ROWS = 1024  # Parquet rows read or written at a time
+_BATCH_ROWS = 1024  # Parquet rows read or written at a time (a Parquet output's row group)
+_BOM = b"\xef\xbb\xbf"
+
+
+def at_least(kind: Callable[[str], float], low: float, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse type for a number flag of ``roseinfer batch``: ``kind`` of at least ``low`` (above it, when not
+    ``inclusive``); NaN never passes. ``--max-in-flight 0`` submitted nothing and waited forever."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (value >= low if inclusive else value > low):
+            raise argparse.ArgumentTypeError(f"must be {'at least' if inclusive else 'above'} {low}, got {text}")
+        return value
+
+    return parse
 
 
 def format_of(path: str | Path, given: str | None = None) -> str:
@@ -78,13 +96,11 @@ class RowOptions:
 
 
 # ----- input ---------------------------------------------------------------------------------------------
-def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, str | dict[str, Any]]]:
-    """(row number from 1, the row): a JSONL line's text (blank lines skipped), or a Parquet row as a dict."""
+def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
+    """(row number from 1, the row): a JSONL line's bytes (blank lines skipped; decoded strictly by the parser, so a
+    line that is not UTF-8 is a bad line of its own), or a Parquet row as a dict."""
     if fmt == "jsonl":
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for number, text in enumerate(f, start=1):
-                if text.strip():
-                    yield number, text
+        yield from _jsonl_lines(path)
         return
     if fmt == "hf":
         batches: Iterator[Any] = (b for b in _dataset(path).data.to_batches(max_chunksize=_BATCH_ROWS))
@@ -95,6 +111,16 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, str | dict[str, Any]]
         for row in batch.to_pylist():
             number += 1
             yield number, row
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """A JSONL file's non-blank lines with their numbers; a UTF-8 BOM before the first one is not part of it."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            if raw.strip():
+                yield number, raw
 
 
 def _dataset(path: Path) -> Any:
@@ -113,8 +139,7 @@ def count_rows(path: Path, fmt: str) -> int:
         return len(_dataset(path))
     if fmt == "parquet":
         return _pyarrow()[1].ParquetFile(path).metadata.num_rows
-    with path.open("rb") as f:
-        return sum(1 for raw in f if raw.strip())
+    return sum(1 for _ in _jsonl_lines(path))
 
 
 def input_columns(path: Path, fmt: str) -> Any:
@@ -125,6 +150,12 @@ def input_columns(path: Path, fmt: str) -> Any:
 
 
 # ----- output --------------------------------------------------------------------------------------------
+def open_lines(path: Path, mode: str) -> TextIO:
+    """A JSONL file to write. A lone surrogate (a \\u escape of half a UTF-16 pair) can only sit inside a JSON
+    string there, where backslashreplace writes it as that same escape: the line stays valid JSON, never raises."""
+    return path.open(mode, encoding="utf-8", errors="backslashreplace")
+
+
 def payload_digest(job_id: str) -> int:
     """The part of a batch job id that depends on the request alone (not on a run id), as a small int: a rerun
     keeps one per row done."""
@@ -134,8 +165,9 @@ def payload_digest(job_id: str) -> int:
 class JSONLSink:
     """OpenAI batch output lines, appended; bad rows and failed jobs in the errors file (rewritten each run)."""
 
-    def __init__(self, path: Path, errors: TextIO) -> None:
-        self.path, self.errors = path, errors
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.errors: TextIO | None = None
         self._out: TextIO | None = None
 
     def done(self) -> dict[str, int]:
@@ -158,20 +190,24 @@ class JSONLSink:
         """Why this output cannot hold the output of a job of ``payload`` (None: it can)."""
         return None
 
-    def open(self) -> None:
-        self._out = self.path.open("a")
+    def open(self, errors: TextIO, output: bool = True) -> None:
+        """Errors go to ``errors`` from now on; the output is opened too unless ``output`` is False (a dry run)."""
+        self.errors = errors
+        if output:
+            self._out = open_lines(self.path, "a")
 
     def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
         assert self._out is not None
         self._out.write(json.dumps(out_line, ensure_ascii=False) + "\n")
 
     def error(self, error: dict[str, Any], line: Any | None = None) -> None:
-        self.errors.write(json.dumps(error, ensure_ascii=False) + "\n")
+        _write_error(self.errors, error)
 
     def flush(self) -> None:
+        """Every line settled so far reaches the file (a killed run keeps them; the rerun skips them)."""
         if self._out is not None:
             self._out.flush()
-        self.errors.flush()
+        _flush(self.errors)
 
     def close(self) -> None:
         if self._out is not None:
@@ -183,9 +219,10 @@ class ParquetSink:
     """The input's columns with the run's added ones (``ADDED_COLUMNS``), a row per job as it ends. Failed rows
     are written with their ``error`` (and to the errors file) and run again on a rerun."""
 
-    def __init__(self, path: Path, errors: TextIO, columns: Any, id_column: str, n: int) -> None:
+    def __init__(self, path: Path, columns: Any, id_column: str, n: int) -> None:
         pa, _ = _pyarrow()
-        self.path, self.errors = path, errors
+        self.path = path
+        self.errors: TextIO | None = None
         self.tmp = path.with_name(path.name + ".partial")
         base = columns if columns is not None else pa.schema([])
         if id_column not in base.names:  # rows named by number (row-N), or JSONL rows: the id gets a column
@@ -233,18 +270,23 @@ class ParquetSink:
             raise ValueError(f"{self.path} has other columns than this run writes: write to a new output")
         yield from f.iter_batches(batch_size=_BATCH_ROWS)
 
-    def open(self) -> None:
+    def open(self, errors: TextIO, output: bool = True) -> None:
+        """Errors go to ``errors`` from now on; the output is started too unless ``output`` is False (a dry run):
+        the last run's successful rows first, carried over."""
+        self.errors = errors
+        if not output:
+            return
         _, pq = _pyarrow()
         self._writer = pq.ParquetWriter(self.tmp, self.schema)
-        for batch in self._previous_batches():  # the last run's successful rows, carried over
-            keep = [row for row in batch.to_pylist() if row["error"] is None]
-            if keep:
-                self._write(keep)
+        for batch in self._previous_batches():
+            for row in batch.to_pylist():
+                if row["error"] is None:
+                    self._add(row)
 
     def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
         texts = [c["text"] for c in (result.get("choices") or [result])]
         usage = result.get("usage") or {}
-        self._rows.append(
+        self._add(
             {
                 **self._input_row(line),
                 "output": texts if self.n > 1 else texts[0],
@@ -255,37 +297,55 @@ class ParquetSink:
                 "job_id": result.get("id"),
             }
         )
-        if len(self._rows) >= _BATCH_ROWS:
-            self.flush()
 
     def error(self, error: dict[str, Any], line: Any | None = None) -> None:
-        self.errors.write(json.dumps(error, ensure_ascii=False) + "\n")
+        _write_error(self.errors, error)
         if line is not None:
             message = f"{error['error']['code']}: {error['error']['message']}"
-            self._rows.append({**self._input_row(line), "error": message, "job_id": line.job_id})
+            self._add({**self._input_row(line), "error": message, "job_id": line.job_id})
 
     def _input_row(self, line: Any) -> dict[str, Any]:
         row = dict(line.row) if self._keeps_input and line.row is not None else {}
         return {self.id_column: line.custom_id, **row}
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        pa, _ = _pyarrow()
-        self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+    def _add(self, row: dict[str, Any]) -> None:
+        """A row of the output; a row group is written each ``_BATCH_ROWS`` rows (see ``flush``)."""
+        self._rows.append(row)
+        if len(self._rows) >= _BATCH_ROWS:
+            self._write_rows()
+
+    def _write_rows(self) -> None:
+        if self._rows and self._writer is not None:
+            pa, _ = _pyarrow()
+            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self.schema))  # one row group
+            self._rows = []
 
     def flush(self) -> None:
-        if self._rows and self._writer is not None:
-            self._write(self._rows)
-            self._rows = []
-        self.errors.flush()
+        """The errors file only. Rows wait for a whole row group: a run killed outright leaves a ``.partial``
+        without its footer, which no rerun reads whatever it holds, so rows written early would save nothing; the
+        rerun takes those rows from their jobs' results, still in Redis (kept a day), and Ctrl-C or SIGTERM
+        write them at ``close``. A row group per poll made a footer larger than the data."""
+        _flush(self.errors)
 
     def close(self) -> None:
         """Write what is buffered, close the file (its footer makes it whole) and put it in the output's place."""
         if self._writer is None:
             return
-        self.flush()
+        self._write_rows()
+        _flush(self.errors)
         self._writer.close()
         self._writer = None
         os.replace(self.tmp, self.path)
+
+
+def _write_error(errors: TextIO | None, error: dict[str, Any]) -> None:
+    assert errors is not None, "open the sink first"
+    errors.write(json.dumps(error, ensure_ascii=False) + "\n")
+
+
+def _flush(errors: TextIO | None) -> None:
+    if errors is not None:
+        errors.flush()
 
 
 def _cut_partial_last_line(path: Path) -> None:

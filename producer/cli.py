@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
 
+from producer.batch_io import at_least
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
 from producer.connection import QUEUE_URLS_ENV, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
@@ -441,7 +442,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="bad lines and failed jobs, rewritten each run (default: the output path with its last suffix "
         "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl)",
     )
-    p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once")
+    p.add_argument(
+        "--max-in-flight", type=at_least(int, 1), default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once"
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -461,10 +464,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="priority of lines that name none: lower runs first; interactive jobs are 0, so a batch makes way "
         f"for them (default: {BULK_PRIORITY})",
     )
-    p.add_argument("--timeout", type=float, default=None, help="give up on a job after this many seconds")
+    p.add_argument(
+        "--timeout",
+        type=at_least(float, 0, inclusive=False),
+        default=None,
+        help="give up on a job after this many seconds (and cancel it)",
+    )
     p.add_argument(
         "--log-interval",
-        type=float,
+        type=at_least(float, 0),
         default=DEFAULT_LOG_INTERVAL,
         help="seconds between progress lines when stderr is not a terminal (default: %(default)s)",
     )

@@ -273,7 +273,8 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     client = Client(connection=fakeredis.FakeRedis(), queue="lazy")
     progress = Progress(1000, 0, 0, stream=io.StringIO())
     summary = {"total": 1000, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
-    sink = batch_mod.JSONLSink(tmp_path / "out.jsonl", io.StringIO())
+    sink = batch_mod.JSONLSink(tmp_path / "out.jsonl")
+    sink.open(io.StringIO(), output=False)
     options = batch_mod.RowOptions()
     lines = batch_mod._read_input(src, "jsonl", options, {}, None, summary, 10, sink, progress)
     in_flight: dict = {}
@@ -340,3 +341,139 @@ def test_a_rerun_at_another_priority_resumes_the_same_rows():
     assert high.job_id == low.job_id
     # A run at the default priority names its jobs as every earlier version did (their outputs resume).
     assert low.job_id == "batch-" + hashlib.sha256(json.dumps(low.payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cli_args(*argv: str):
+    import argparse
+
+    from producer import cli as producer_cli
+
+    parser = argparse.ArgumentParser(prog="roseinfer")
+    producer_cli.add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.redis
+def test_a_line_with_a_lone_surrogate_is_a_bad_line_and_the_rest_run(served, tmp_path):
+    """json.loads takes a \\u escape of half a UTF-16 pair; no UTF-8 file can hold it, so writing its row raised
+    and stopped the whole run, on every rerun."""
+    _, client = served
+    tag = tmp_path.name
+    lines = [
+        json.dumps({"custom_id": "ok-1", "prompt": f"Surrogates {tag} 1", "max_tokens": 2}),
+        '{"custom_id": "bad\\ud800", "prompt": "x"}',
+        '{"custom_id": "in-prompt", "prompt": "half \\udc00 a pair"}',
+        '{"custom_id": "in-key", "prompt": "x", "\\ud83d": 1}',
+        json.dumps({"custom_id": "pair", "prompt": f"Whole pair \U0001f600 {tag}", "max_tokens": 2}),  # \ud83d\ude00
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    summary = run_batch(client, src, out, poll_interval=0.05)
+    assert (summary["succeeded"], summary["failed"], summary["failures"]) == (2, 3, {"invalid_request": 3})
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text(encoding="utf-8").splitlines()) == ["ok-1", "pair"]
+    errors = [json.loads(x) for x in default_errors_path(out).read_text(encoding="utf-8").splitlines()]
+    assert [(e["line"], e["custom_id"]) for e in errors] == [(2, None), (3, "in-prompt"), (4, "in-key")]
+    assert all("lone surrogate" in e["error"]["message"] for e in errors)
+    again = run_batch(client, src, out, poll_interval=0.05)  # the rerun skips the rows done, refuses the same lines
+    assert (again["skipped"], again["failed"]) == (2, 3)
+
+
+def test_an_error_holding_a_lone_surrogate_is_written_as_its_json_escape(tmp_path):
+    """Whatever reaches a line (a worker's error text, say) cannot stop the run: the escape is valid JSON."""
+    from producer.batch_io import JSONLSink, open_lines
+
+    error = {"custom_id": "x", "error": {"code": "job_failed", "message": "half \ud800 a pair"}}
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = JSONLSink(tmp_path / "out.jsonl")
+        sink.open(err)
+        sink.error(error)
+        sink.close()
+    text = (tmp_path / "errors.jsonl").read_text(encoding="utf-8")
+    assert "\\ud800" in text and json.loads(text) == error
+
+
+def test_a_bom_opens_the_file_and_a_line_that_is_not_utf8_is_a_bad_line(tmp_path):
+    """A BOM made line 1 'not JSON'; bytes that are not UTF-8 were replaced by U+FFFD and the job ran on them."""
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    good = json.dumps({"prompt": "café"}, ensure_ascii=False).encode()
+    src.write_bytes(b"\xef\xbb\xbf" + good + b'\n{"prompt": "caf\xe9"}\n' + good.replace(b"caf", b"the") + b"\n")
+    counts = dry_run(src, out)
+    assert (counts["total"], counts["valid"], counts["failed"]) == (3, 2, 1)
+    errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
+    assert [(e["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [(2, None, "invalid_request")]
+    assert "not UTF-8" in errors[0]["error"]["message"] and "0xe9" in errors[0]["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--max-in-flight", "0", "at least 1"),
+        ("--max-in-flight", "-3", "at least 1"),
+        ("--timeout", "0", "above 0"),
+        ("--timeout", "nan", "above 0"),
+        ("--log-interval", "-1", "at least 0"),
+    ],
+)
+def test_batch_number_flags_out_of_range_are_refused_at_the_flag(flag, value, says, capsys):
+    """--max-in-flight 0 submitted nothing and waited for ever."""
+    with pytest.raises(SystemExit) as exit_:
+        _cli_args("batch", "in.jsonl", "-o", "out.jsonl", flag, value)
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be {says}" in capsys.readouterr().err
+
+
+def test_run_batch_refuses_no_jobs_in_flight(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="--max-in-flight must be at least 1"):
+        run_batch(_offline_client(), src, tmp_path / "out.jsonl", max_in_flight=0)
+    assert list(tmp_path.iterdir()) == [src]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--temperature", "5"), ("--priority", "500"), ("--n", "0"), ("--max-tokens", "0"), ("--seed", "-1")],
+)
+def test_bad_run_defaults_are_one_error_before_any_row(flag, value, tmp_path, monkeypatch, capsys):
+    """They failed every row one by one, and were kept in the output's settings file."""
+    from producer import cli as producer_cli
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(3)))
+    client = _offline_client()
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.batch(_cli_args("batch", str(src), "-o", str(out), flag, value)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: bad batch settings: {flag} ") and "Input should be" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no output, errors or settings file
+    assert client.queue.count == 0
+
+
+def test_a_job_past_the_timeout_is_canceled_not_left_to_run(tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"custom_id": f"slow-{i}", "prompt": "x"} for i in range(2)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    client = _offline_client()  # no worker: the jobs wait in the queue
+    summary = run_batch(client, src, out, timeout=0.2, poll_interval=0.02, log_interval=1e9)
+    assert summary["failures"] == {"job_queued": 2}
+    ids = [parse_line(i, json.dumps(r)).job_id for i, r in enumerate(rows, 1)]
+    assert [client.job(job_id).status() for job_id in ids] == ["canceled", "canceled"]
+    assert client.lane(10).count == 0
+    errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
+    assert all("no result within 0.2 s: the job was canceled" in e["error"]["message"] for e in errors)
+
+
+def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
+    from producer.batch_io import RowOptions
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    out.write_text(json.dumps({"custom_id": "old", "response": {"request_id": "batch-" + "0" * 24}}) + "\n")
+    run_batch(_offline_client(), src, out, timeout=0.01, poll_interval=0.01, options=RowOptions(defaults={"seed": 1}))
+    errors = default_errors_path(out).read_text()
+    assert '"custom_id": "a"' in errors
+    with pytest.raises(ValueError, match="other settings"):
+        run_batch(_offline_client(), src, out, options=RowOptions(defaults={"seed": 2}))
+    assert default_errors_path(out).read_text() == errors

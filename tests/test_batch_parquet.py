@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 
 import jsonschema
 import pyarrow as pa
@@ -16,8 +18,8 @@ from conftest import ThreadWorker
 import producer.batch as batch_mod
 from producer import Client
 from producer import cli as producer_cli
-from producer.batch import Progress, run_batch
-from producer.batch_io import RowOptions
+from producer.batch import Progress, parse_line, run_batch
+from producer.batch_io import ParquetSink, RowOptions
 
 SCHEMA = {
     "type": "object",
@@ -65,6 +67,7 @@ def test_parquet_in_parquet_out_keeps_columns_with_a_schema_and_n_samples(served
     )  # fmt: skip
     summary = run_batch(client, src, out, options=options, max_in_flight=5, poll_interval=0.05)
     assert summary["succeeded"] == 12 and summary["failed"] == 0
+    assert pq.ParquetFile(out).metadata.num_row_groups == 1  # not one a poll
     table = pq.read_table(out)
     assert table.column_names == ["qid", "question", "difficulty", "tags", "output", "finish_reason"] + [
         "prompt_tokens", "completion_tokens", "error", "job_id"
@@ -82,6 +85,7 @@ def test_parquet_in_parquet_out_keeps_columns_with_a_schema_and_n_samples(served
     # The same run again: every row is done already; with other settings it is refused, not mixed.
     again = run_batch(client, src, out, options=options, poll_interval=0.05)
     assert (again["skipped"], again["succeeded"]) == (12, 0)
+    assert pq.ParquetFile(out).metadata.num_row_groups == 1  # the rows carried over, as one row group again
     other = RowOptions("question", None, "qid", {**options.defaults, "max_tokens": 41})
     with pytest.raises(ValueError, match="holds rows made with other settings"):
         run_batch(client, src, out, options=other)
@@ -196,3 +200,88 @@ def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "job_queued"}
     assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time, no worker here
+
+
+def _write_rows(sink: ParquetSink, first: int, count: int) -> None:
+    for number in range(first, first + count):
+        line = parse_line(number, {"prompt": f"p{number}"}, options=RowOptions("prompt"))
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        sink.result(line, {}, {"id": line.job_id, "text": "t", "finish_reason": "stop", "usage": usage})
+        sink.flush()  # as after every poll
+
+
+def test_a_parquet_output_gets_a_row_group_each_1024_rows_not_each_poll(tmp_path):
+    """A row group a poll: 2,000 rows made 1,975 row groups and a footer of 1.6 MB."""
+    from producer.batch_io import open_lines
+
+    out = tmp_path / "out.parquet"
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = ParquetSink(out, None, "custom_id", 1)
+        sink.open(err)
+        _write_rows(sink, 1, 1500)
+        sink.close()
+    meta = pq.ParquetFile(out).metadata
+    assert (meta.num_rows, meta.num_row_groups, meta.row_group(0).num_rows) == (1500, 2, 1024)
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:  # a rerun: the rows carried over, 10 more
+        sink = ParquetSink(out, None, "custom_id", 1)
+        sink.open(err)
+        _write_rows(sink, 1501, 10)
+        sink.close()
+    meta = pq.ParquetFile(out).metadata
+    assert (meta.num_rows, meta.num_row_groups, meta.row_group(1).num_rows) == (1510, 2, 486)
+
+
+@pytest.mark.slow
+def test_rows_a_killed_parquet_run_had_not_written_come_back_from_redis(served, tmp_path, monkeypatch):
+    """Rows wait in memory for a whole row group; a run killed outright (no footer: its .partial is not read)
+    loses none of them: the rerun takes their jobs' results, still in Redis."""
+    _, client = served
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    ids = _table(src, 10, tmp_path.name)
+    options = RowOptions("question", None, "qid", {"max_tokens": 3, "temperature": 0})
+    monkeypatch.setattr(ParquetSink, "close", lambda self: None)  # killed: nothing written, no footer, no rename
+    assert run_batch(client, src, out, options=options, poll_interval=0.05)["succeeded"] == 10
+    assert not out.exists()
+    monkeypatch.undo()
+    summary = run_batch(client, src, out, options=options, poll_interval=0.05)
+    assert (summary["succeeded"], summary["reused"]) == (10, 10)
+    assert sorted(pq.read_table(out).column("qid").to_pylist()) == sorted(ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_stop_a_parquet_run_as_ctrl_c_does(name, served, redis_url, tmp_path, monkeypatch):
+    """They left no output at all (only Ctrl-C was handled): now a whole file, and the rerun completes it."""
+    worker, _ = served
+    number = getattr(signal, name)
+    received: list[int] = []
+
+    def noted(signum, frame):  # without the run's own handler the signal is noted here, not the end of pytest
+        received.append(signum)
+
+    before = signal.signal(number, noted)
+    try:
+        src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+        ids = _table(src, 16, tmp_path.name)
+        argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url, "--queue"]
+        argv += [worker.queue, "--prompt-column", "question", "--id-column", "qid", "--max-tokens", "12"]
+        ticks = 0
+        real_tick = Progress.tick
+
+        def signal_on_the_fourth_poll(self):
+            nonlocal ticks
+            ticks += 1
+            if ticks == 4:
+                os.kill(os.getpid(), number)
+            real_tick(self)
+
+        monkeypatch.setattr(Progress, "tick", signal_on_the_fourth_poll)
+        assert producer_cli.batch(_parse(argv)) == 130
+        assert received == [] and signal.getsignal(number) is noted  # the run's handler took it, then gave back
+        first = pq.read_table(out).to_pylist()
+        assert 0 < len(first) < 16 and not out.with_name(out.name + ".partial").exists()
+        monkeypatch.setattr(Progress, "tick", real_tick)
+        assert producer_cli.batch(_parse(argv)) == 0
+        assert sorted(r["qid"] for r in pq.read_table(out).to_pylist()) == sorted(ids)
+    finally:
+        signal.signal(number, before)
