@@ -205,10 +205,10 @@ def submit(args: argparse.Namespace) -> int:
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out
     if args.stream:
-        u = result["usage"]
+        u, ttft = result["usage"], (result.get("timings") or {}).get("ttft_s")
         print(
             f"[{result['finish_reason']}; {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens; "
-            f"ttft {result['timings']['ttft_s']:.3f} s]",
+            f"ttft {'-' if ttft is None else f'{ttft:.3f} s'}]",
             file=sys.stderr,
         )
     else:

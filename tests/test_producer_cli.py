@@ -308,3 +308,41 @@ def test_a_missing_input_file_is_one_line_and_exit_2(tmp_path, monkeypatch, caps
     assert producer_cli.batch(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No such file" in err and "nope.jsonl" in err
+
+
+@pytest.mark.redis
+def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceback(redis_url, capsys):
+    """``--timeout`` of a result running out is one line and exit 124 (as timeout(1)); the job stays queued. A Redis
+    URL naming a database the server lacks is one line and exit 2."""
+    import uuid
+
+    from worker.cli import main
+
+    queue = f"nobody-{uuid.uuid4().hex[:6]}"
+    job = Client(redis_url, queue=queue).submit("x", max_tokens=2)
+    assert main(["result", job.id, "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no result within 0.3 s" in err and job.status() == "queued"
+    bad_db = redis_url.rsplit("/", 1)[0] + "/999"
+    assert main(["status", "--redis-url", bad_db]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DB index is out of range" in err
+
+
+def test_a_streamed_result_without_a_first_token_time_still_prints_its_summary(monkeypatch, capsys):
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+
+    class Job:
+        id = "j1"
+
+        def stream(self, timeout=None):
+            return iter(())
+
+        def result(self, timeout=None):
+            usage = {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+            return {"finish_reason": "stop", "usage": usage, "timings": {"ttft_s": None}}
+
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
+    assert producer_cli.submit(_parse("submit", "hi", "--stream")) == 0
+    assert "ttft -]" in capsys.readouterr().err

@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+    except redis.exceptions.RedisError as exc:  # e.g. a database number the server does not have
+        print(f"error: Redis refused ({type(exc).__name__}: {exc}); check --redis-url", file=sys.stderr)
+    except TimeoutError as exc:  # --timeout of a wait, a stream or a result ran out: the job goes on
+        print(f"error: {exc}", file=sys.stderr)
+        return 124  # as timeout(1)
     return 2
 
 
