@@ -91,8 +91,18 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> PrefixHit:
-        """Leading blocks of ``seq`` already in the cache. At least one token is always left to compute,
-        because the last prompt token must run through the model to give the next token's logits."""
+        """Leading blocks of ``seq`` already in the cache, counted in the hit-rate stats (``prefix_query_tokens``,
+        ``prefix_hit_tokens``): what an admission calls."""
+        hit = self.lookup_computed_blocks(seq)
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += hit.num_tokens
+        return hit
+
+    def lookup_computed_blocks(self, seq: Sequence) -> PrefixHit:
+        """Leading blocks of ``seq`` already in the cache, left out of the stats (a look ahead, not an admission).
+        At least one token is always left to compute, because the last prompt token must run through the model
+        to give the next token's logits."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -103,8 +113,6 @@ class KVCacheManager:
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             found.append(block_id)
-        self.prefix_query_tokens += seq.num_tokens
-        self.prefix_hit_tokens += len(found) * bs
         return PrefixHit(found, len(found) * bs)
 
     def _register_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
@@ -184,6 +192,20 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def uncache_uncomputed(self, request_id: str, num_computed_tokens: int) -> None:
+        """Drop from the prefix cache the blocks of a request past its computed tokens: they were registered when
+        allocated, and the step that would have written their K/V was undone (the request was un-scheduled)."""
+        table = self._block_tables.get(request_id, [])
+        first = num_computed_tokens // self.block_size
+        for block_id in table[first:]:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        if request_id in self._num_registered_blocks:
+            self._num_registered_blocks[request_id] = min(self._num_registered_blocks[request_id], first)
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():

@@ -117,21 +117,20 @@ class Scheduler:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         preempted: list[Sequence] = []
-        taken: set[str] = set()  # request ids scheduled this step; never preempted
+        taken: set[str] = set()  # request ids scheduled this step
         preempted += self._make_room()
         num_made_room = len(preempted)
 
-        # Decodes first, then started prefills: a long prompt never stalls tokens already streaming.
-        order = [s for s in self._running if s.num_uncomputed_tokens == 1]
-        order += [s for s in self._running if s.num_uncomputed_tokens > 1]
-        for seq in order:
+        for seq in self._step_order():
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.allocate_slots(seq, n):
-                victim = self._pick_victim(taken)
+                victim = self._pick_victim()
+                if victim.request_id in taken:  # scheduled earlier this step: its part of the step is undone
+                    budget += self._unschedule(victim, decodes, prefills, taken)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -159,21 +158,39 @@ class Scheduler:
 
     def _make_room(self) -> list[Sequence]:
         """Preempt running requests that come after the first waiting one by priority while it lacks a slot or
-        the blocks of its prompt: it is admitted in their place."""
+        the blocks of its first chunk: it is admitted in their place."""
         preempted: list[Sequence] = []
         while self._waiting and self._running:
             head, last = self._waiting[0], max(self._running, key=_order)
             if _order(last) < _order(head):
                 break
-            # Its prompt's blocks, and those the running requests take this step before it is admitted.
-            needed = self._blocks_for(head, head.num_tokens) + sum(
-                self._blocks_for(r, r.num_tokens) for r in self._running
-            )
-            if len(self._running) < self.max_num_seqs and self.kv.num_free_blocks >= needed:
+            if len(self._running) < self.max_num_seqs and self._head_fits(head):
                 break
             self._preempt(last)
             preempted.append(last)
         return preempted
+
+    def _head_fits(self, head: Sequence) -> bool:
+        """Whether the free blocks hold what the running requests take this step and then ``head``'s first chunk,
+        as the admission loop would size it (after its prefix hit, within the budget they leave)."""
+        budget, needed = self.max_num_batched_tokens, 0
+        for seq in self._step_order():
+            n = min(seq.num_uncomputed_tokens, budget)
+            needed += self._blocks_for(seq, seq.num_computed_tokens + n)
+            budget -= n
+        hit = self.kv.lookup_computed_blocks(head)  # not counted in the hit-rate stats: admission counts it
+        n = min(head.num_tokens - hit.num_tokens, budget)
+        needed += self.kv.blocks_needed(hit.num_tokens + n) - len(hit.block_ids)
+        # Hit blocks no running request holds sit in the free pool: reviving them takes them out of it.
+        needed += sum(1 for b in hit.block_ids if self.kv.blocks[b].ref_count == 0)
+        return self.kv.num_free_blocks >= needed
+
+    def _step_order(self) -> list[Sequence]:
+        """The running requests, decodes first, then started prefills: a long prompt never stalls tokens already
+        streaming."""
+        order = [s for s in self._running if s.num_uncomputed_tokens == 1]
+        order += [s for s in self._running if s.num_uncomputed_tokens > 1]
+        return order
 
     def _leader_holds_prompt(self, leader: Sequence) -> bool:
         """The first sample of a request has blocks for all of its prompt's full blocks (registered in the prefix
@@ -202,7 +219,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
         seq.num_computed_tokens = hit.num_tokens
-        if hit.num_tokens:
+        if seq.num_preemptions == 0:  # set once, as vLLM: a recompute's hit on its own freed blocks is no cache hit
             seq.num_cached_tokens = hit.num_tokens
         self._running.append(seq)
         self._add_scheduled(seq, n, decodes, prefills)
@@ -217,11 +234,25 @@ class Scheduler:
         item = ScheduledRequest(seq, start, n, samples, is_prefill, list(self.kv.get_block_ids(seq.request_id)))
         (prefills if is_prefill else decodes).append(item)
 
-    def _pick_victim(self, taken: set[str]) -> Sequence:
-        candidates = [seq for seq in self._running if seq.request_id not in taken]
-        if not candidates:
+    def _pick_victim(self) -> Sequence:
+        """The running request that comes last by (priority, arrival), scheduled this step or not (as vLLM)."""
+        if not self._running:
             raise RuntimeError("KV cache too small to run even one request; raise the KV cache memory budget")
-        return max(candidates, key=_order)
+        return max(self._running, key=_order)
+
+    def _unschedule(
+        self, seq: Sequence, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest], taken: set[str]
+    ) -> int:
+        """Take ``seq``'s item out of this step; returns its tokens, given back to the budget."""
+        taken.discard(seq.request_id)
+        # Blocks its allocation registered this step will not be written: they must not serve a prefix hit.
+        self.kv.uncache_uncomputed(seq.request_id, seq.num_computed_tokens)
+        for items in (decodes, prefills):
+            for i, item in enumerate(items):
+                if item.seq is seq:
+                    del items[i]
+                    return item.num_tokens
+        raise ValueError(f"{seq.request_id!r} is not scheduled this step")
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)

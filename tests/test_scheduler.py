@@ -127,3 +127,83 @@ def test_a_higher_priority_request_takes_kv_blocks_from_a_lower_one():
     out = run_step(sched)
     assert chat.status is SequenceStatus.RUNNING
     assert bulk[2].status is SequenceStatus.WAITING and out.preempted[0] is bulk[2]
+
+
+def test_a_higher_priority_request_short_of_blocks_preempts_a_lower_one_scheduled_before_it():
+    kv, sched = make(num_blocks=4, block_size=4, budget=64)
+    low = add_p(sched, "low", 1, 5)
+    run_step(sched)
+    high = add_p(sched, "high", 4, 0)
+    for _ in range(8):  # both decode until the pool runs dry
+        out = run_step(sched)
+        if out.preempted:
+            break
+    # low was scheduled first this step (admitted first), yet it is the one that gives its blocks and budget back.
+    assert out.preempted == [low] and low.status is SequenceStatus.WAITING and kv.get_block_ids("low") == []
+    assert [(x.seq.request_id, x.num_tokens) for x in out.scheduled] == [("high", 1)]
+    assert out.num_batched_tokens == 1 and out.num_decodes == 1
+    out = run_step(sched)
+    assert out.preempted == [] and high.num_preemptions == 0 and high.status is SequenceStatus.RUNNING
+
+
+def test_an_unscheduled_request_leaves_no_unwritten_block_in_the_prefix_cache():
+    kv, sched = make(num_blocks=5, block_size=4, budget=11)
+    high = add_p(sched, "high", 2, 0)
+    low = add_p(sched, "low", 2, 5)
+    run_step(sched)
+    long = add_p(sched, "long", 20, 0)
+    run_step(sched)  # high and low decode, long takes its first 9 tokens: the pool is full
+    assert kv.num_free_blocks == 0 and low.num_computed_tokens == 3
+    out = run_step(sched)
+    # low's decode (its token 3, completing its block) was undone for long's chunk, which then could not run anyway:
+    # long is the latest arrival among the rest, so it goes too.
+    assert out.preempted == [low, long]
+    assert [x.seq for x in out.scheduled] == [high]
+    # low's block was registered at allocation but its last slot never written: a request sharing it must not hit it.
+    probe = Sequence("probe", low.token_ids + [1, 2, 3, 4], SamplingParams(), None, None)
+    assert kv.lookup_computed_blocks(probe).num_tokens == 0
+
+
+def test_make_room_counts_the_prefix_hit_of_the_waiting_request():
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler(kv, 8, 64)
+    system = list(range(100, 116))  # 4 full blocks
+    low = Sequence("low", system + [1, 2], SamplingParams(), None, None, priority=5)
+    sched.add(low)
+    run_step(sched)  # 5 blocks: 3 free
+    high = Sequence("high", system + [3, 4, 5], SamplingParams(), None, None, priority=0)
+    sched.add(high)
+    queries, hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
+    out = run_step(sched)
+    # high shares low's 4 system blocks and needs 1 new one: nothing is preempted.
+    assert out.preempted == [] and low.num_preemptions == 0
+    assert [(x.seq.request_id, x.start, x.num_tokens) for x in out.scheduled] == [("low", 18, 1), ("high", 16, 3)]
+    # The look-ahead is not counted in the hit-rate stats: only the admission is.
+    assert (kv.prefix_query_tokens - queries, kv.prefix_hit_tokens - hits) == (19, 16)
+
+
+def test_make_room_counts_only_the_first_chunk_of_the_waiting_request():
+    _, sched = make(num_blocks=6, block_size=4, budget=8)
+    low = add_p(sched, "low", 4, 5)
+    run_step(sched)
+    add_p(sched, "high", 40, 0)
+    out = run_step(sched)
+    # high is admitted with a 7-token chunk (2 blocks), low's decode takes 1: both fit in the 5 free blocks.
+    assert out.preempted == [] and low.status is SequenceStatus.RUNNING
+    assert [(x.seq.request_id, x.num_tokens) for x in out.scheduled] == [("low", 1), ("high", 7)]
+
+
+def test_cached_tokens_are_those_of_the_first_admission():
+    _, sched = make(num_blocks=6, block_size=4, budget=64)
+    a = add(sched, "a", 8)
+    b = add(sched, "b", 8)
+    run_step(sched)
+    for _ in range(8):
+        if run_step(sched).preempted:
+            break
+    assert b.num_preemptions == 1 and b.num_cached_tokens == 0
+    sched.finish(a, "stop")
+    out = run_step(sched)
+    (item,) = out.scheduled
+    assert item.seq is b and item.start > 0  # the recompute found its own freed blocks in the prefix cache
+    assert b.num_cached_tokens == 0  # which is not a cache hit of the request
