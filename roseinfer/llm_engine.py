@@ -288,6 +288,11 @@ class LLMEngine:
     def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
         if not prefix:
             return []
+        if params.logprobs is not None:  # the prefix has no logprobs: the list would be out of step with the ids
+            raise ValueError(
+                "a request asking for logprobs cannot resume from an output prefix (its tokens have no logprobs): "
+                "start it over"
+            )
         ids = self.tokenize(list(prefix))[1]  # the same checks as prompt token ids
         if num_prompt_tokens + len(ids) >= self.max_model_len:
             raise ValueError(

@@ -105,6 +105,7 @@ def test_prefix_is_computed_in_one_prefill_and_reuses_the_prefix_cache(llm):
         ([1] * 40, SamplingParams(max_tokens=40), "max_tokens is 40"),
         ([1, 2, -3], SamplingParams(max_tokens=40), r"\[0, "),
         ([1, 2], SamplingParams(max_tokens=40, stop_token_ids=[2]), "stop token"),
+        ([5, 6], SamplingParams(max_tokens=40, logprobs=2), "logprobs"),
     ],
 )
 def test_prefix_that_cannot_be_resumed_is_refused(llm, prefix, params, message):
