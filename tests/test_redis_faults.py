@@ -91,3 +91,35 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
     finally:
         conn.config_set("maxmemory", 0)
         w.stop()
+
+
+@pytest.mark.slow
+def test_a_second_stop_signal_stops_a_worker_whose_redis_is_gone(own_redis, tiny_chat_model):
+    """A cold stop does not wait for Redis: with Redis gone and jobs streaming, the step loop filled the sender's
+    queue and blocked there, so two SIGTERMs never stopped the worker. It exits within seconds; RQ's clean-up
+    requeues its jobs once its heartbeat lapses."""
+    import signal
+
+    from worker.cli import worker_command
+
+    url, conn = own_redis
+    cmd = worker_command(url, "gone", tiny_chat_model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = Client(url, queue="gone")
+        jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
+        deadline = time.time() + 60
+        while not all(job.status() == "started" for job in jobs):
+            assert time.time() < deadline and proc.poll() is None, "the worker never started the jobs"
+            time.sleep(0.05)
+        conn.shutdown(nosave=True)  # Redis goes away while the jobs stream
+        time.sleep(4)  # the sender waits on Redis; the steps' writes pile up behind it
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "not handed back" in err or "handed back" in err, err[-3000:]

@@ -173,6 +173,7 @@ class BatchWorker(BaseWorker):
         if self._stop_requested:
             log.warning("second stop signal: handing %d jobs back to the queue", len(self.in_flight))
             self._force_stop = True
+            self.sender.give_up.set()
         else:
             log.warning(
                 "stop signal: no new jobs; finishing the %d in flight (again to hand them back)", len(self.in_flight)
@@ -239,7 +240,13 @@ class BatchWorker(BaseWorker):
             while True:
                 try:
                     if self._force_stop:
-                        self._hand_back_all()
+                        try:
+                            self._hand_back_all()
+                        except REDIS_UNAVAILABLE as exc:  # a cold stop does not wait for Redis
+                            log.error(
+                                "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up requeues them once "
+                                "this worker's heartbeat lapses", exc, len(self.in_flight),
+                            )  # fmt: skip
                         break
                     if self._loop_once():
                         worked = True
@@ -261,7 +268,12 @@ class BatchWorker(BaseWorker):
             self.sender.stop()
             self.pump.close()
             self._heartbeat.stop()
-            self.teardown()
+            try:
+                self.teardown()
+            except REDIS_UNAVAILABLE as exc:
+                log.error(
+                    "could not unregister (Redis unavailable: %s); the registration lapses with its heartbeat", exc
+                )
         log.info("worker %s stopped", self.name)
         return worked
 
@@ -910,7 +922,7 @@ class BatchWorker(BaseWorker):
         self._hand_over(force=True)
         self.sender.drain(30.0)  # the events already produced land first
         handed = 0
-        for job_id, job in list(self.in_flight.items()):
+        for job_id, job in reversed(list(self.in_flight.items())):  # each to the front: the first taken ends up first
             with self.connection.pipeline() as pipe:
                 self.cleanup_execution(job.job, pipe, job.execution)
                 pipe.execute()

@@ -133,6 +133,9 @@ class Sender:
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
         self.refusing: str | None = None  # why Redis refuses our writes right now, for `roseinfer status`
+        # A cold stop: what Redis refuses from now on is dropped, not waited for (RQ's clean-up requeues the jobs
+        # once this worker's heartbeat lapses).
+        self.give_up = threading.Event()
         # Jobs waiting in the queues, read in each round trip: the step loop pulls only when some wait, instead of
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
@@ -198,7 +201,17 @@ class Sender:
             with self._unsent_lock:
                 self._unsent += 1
                 self._idle.clear()
-            self._queue.put(batch)  # (may block: outside the lock, which the sender takes once it sent)
+            while True:  # (may block: outside the lock, which the sender takes once it sent)
+                try:
+                    self._queue.put(batch, timeout=0.25)
+                    return
+                except queue.Full:
+                    if self.give_up.is_set() and self.refusing is not None:
+                        log.error(
+                            "the worker stops and Redis refuses writes (%s): a step's writes dropped", self.refusing
+                        )
+                        self._sent(1)
+                        return
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything handed over is sent; False on timeout."""
@@ -210,7 +223,8 @@ class Sender:
 
     def stop(self, timeout: float = 30.0) -> None:
         self.drain(timeout)
-        self._queue.put(None)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout)
         self._thread.join(timeout)
         with contextlib.suppress(*REDIS_DOWN):
             self.connection.delete(self.status_list, self.sent_key)
@@ -233,17 +247,21 @@ class Sender:
                         return
                     batches.append(more)
                 self._send_until_done(batches)
-                with self._unsent_lock:
-                    self._unsent -= len(batches)
-                    idle = self._unsent == 0
-                    if idle:
-                        self._idle.set()
-                if idle and self.on_idle is not None:
+                if self._sent(len(batches)) and self.on_idle is not None:
                     self.on_idle()
         except BaseException as exc:  # a bug here must not leave the step loop waiting forever
             log.exception("the sender thread stopped")
             self.error = exc
             self._idle.set()
+
+    def _sent(self, num_batches: int) -> bool:
+        """``num_batches`` are done with (sent, or dropped); whether nothing is left unsent."""
+        with self._unsent_lock:
+            self._unsent -= num_batches
+            idle = self._unsent == 0
+            if idle:
+                self._idle.set()
+        return idle
 
     def _send_until_done(self, batches: list[Batch]) -> None:
         for batch in batches:
@@ -283,7 +301,7 @@ class Sender:
                     self.refusing = None
                 return
             except (*REDIS_UNAVAILABLE, ResponseError) as exc:
-                if not redis_waits(exc):
+                if not redis_waits(exc) or self.give_up.is_set():
                     raise
                 self.refusing = f"{type(exc).__name__}: {exc}"
                 if time.monotonic() >= next_log:
