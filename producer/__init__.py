@@ -3,7 +3,16 @@
 Light on purpose: redis, rq and pydantic only (no torch, no transformers), so it runs inside any service.
 """
 
-from producer.client import Client, GenerationJob, InvalidRequest, JobCanceled, JobError, JobFailed, StreamRestarted
+from producer.client import (
+    Client,
+    GenerationJob,
+    InvalidRequest,
+    JobCanceled,
+    JobError,
+    JobFailed,
+    StreamGap,
+    StreamRestarted,
+)
 from producer.schema import ChatMessage, JobRequest
 
 __all__ = [
@@ -15,5 +24,6 @@ __all__ = [
     "JobError",
     "JobFailed",
     "JobRequest",
+    "StreamGap",
     "StreamRestarted",
 ]

@@ -67,6 +67,18 @@ class InvalidRequest(ValueError):
     pass
 
 
+class StreamGap(Exception):
+    """Events of the job's stream were trimmed before they were read (the worker keeps ``stream_maxlen`` entries a
+    job): what the stream gives is not the whole output. ``result()`` holds it."""
+
+    def __init__(self, job_id: str, first: int, last: int) -> None:
+        super().__init__(
+            f"job {job_id}: events {first}-{last} of its stream were trimmed before they were read (the worker's "
+            "stream_maxlen); its text here is not whole: read result()"
+        )
+        self.job_id = job_id
+
+
 class StreamRestarted(Exception):
     """The job's output started over (a retry could not resume what an earlier attempt streamed): the text
     already read from ``stream()`` is void. Call ``stream()`` again for the new output from its start."""
@@ -137,6 +149,8 @@ class EventCursor:
         for event in out:
             if event["n"] == 0 and self.next_n:
                 event["reset"] = True
+            elif event["n"] > self.next_n and not event.get("reset"):  # a reset starts the text over: nothing missed
+                raise StreamGap(self.job_id, self.next_n, event["n"] - 1)
             self.next_n = event["n"] + 1
         return out
 

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
-from producer.client import JobCanceled, JobFailed, StreamRestarted
+from producer.client import JobCanceled, JobFailed, StreamGap, StreamRestarted
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -244,7 +244,7 @@ async def _sse(
                 break
         yield "data: [DONE]\n\n"
         finished = True
-    except (JobFailed, JobCanceled, StreamRestarted, TimeoutError) as exc:
+    except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError) as exc:
         err = _job_error(exc) if isinstance(exc, (JobFailed, JobCanceled)) else APIError(500, str(exc), "server_error")
         yield _data(err.body())
         yield "data: [DONE]\n\n"

@@ -242,6 +242,20 @@ def test_an_expired_stream_starting_again_at_event_0_reads_as_a_reset():
         next(live)
 
 
+def test_a_stream_trimmed_before_it_was_read_says_so_rather_than_give_part_of_the_text():
+    """A late reader of a stream the worker trimmed (a short --stream-maxlen): its first events are gone. It is told
+    (the text it would read is not the output); both clients read through the same ``EventCursor``."""
+    from producer import Client, StreamGap
+
+    conn = fakeredis.FakeRedis()
+    conn.hset("rq:job:j", "status", "finished")
+    for n in range(5, 10):  # events 0-4 trimmed
+        end = ("stop", {}) if n == 9 else ()
+        conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(n, f"t{n} ", [n], *end))})
+    with pytest.raises(StreamGap, match="events 0-4"):
+        list(Client(connection=conn).job("j").stream(timeout=5))
+
+
 def test_a_final_event_written_just_after_the_finished_status_still_ends_the_stream():
     """The worker writes a job's result (status finished) and then, in its next write, the final event: a reader
     that looks in between waits for it; a finished job whose stream never shows its end reads as expired."""

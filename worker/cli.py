@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     import redis
     from pydantic_settings import SettingsError
 
-    from producer.client import InvalidRequest
+    from producer.client import InvalidRequest, StreamGap
     from producer.connection import InvalidRedisURL
     from roseinfer.config import ConfigError
     from worker.main import UnsafeRedis
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
     except redis.exceptions.RedisError as exc:  # e.g. a database number the server does not have
         print(f"error: Redis refused ({type(exc).__name__}: {exc}); check --redis-url", file=sys.stderr)
+    except StreamGap as exc:  # the stream lost events (a short --stream-maxlen): the result holds them
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except TimeoutError as exc:  # --timeout of a wait, a stream or a result ran out: the job goes on
         print(f"error: {exc}", file=sys.stderr)
         return 124  # as timeout(1)
