@@ -123,7 +123,7 @@ def load_script(connection: redis.Redis, source: str):
 
 
 # An idle worker serving several lanes waits on the first this long at a time (a job of another lane waits at most
-# as long); 5 BLMOVEs and 5 scripts a second per idle worker.
+# as long); 5 BLMOVEs a second per idle worker, and a script a lane for the others.
 MULTI_LANE_WAIT_S = 0.2
 
 
@@ -144,15 +144,20 @@ def pull(
     back apart too, unread."""
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
+    waited_out = None  # the lane a wait found empty: not looked at again now
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
         first = _wait_for_one(queues, block, connection)
         if first is None and len(queues) == 1:
             return pulled, unreadable
-        if first is not None:
+        if first is None:
+            waited_out = queues[0]
+        else:
             queue, raw_id = first
             raw = connection.hgetall(_hash_key(job_class, raw_id))
             pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
     for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
+        if queue is waited_out:
+            continue
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
             break
