@@ -381,6 +381,12 @@ class GenerationJob:
             job.cancel()
         except (NoSuchJobError, InvalidJobOperation):
             return False
+        except ValueError:  # a hash RQ cannot read (written by hand, a stamp it cannot parse): as any language cancels
+            key = Job.key_for(self.id)
+            status = self.client.connection.hget(key, "status")
+            if status is None or status.decode() in ("finished", "failed", "canceled", "stopped"):
+                return False
+            self.client.connection.hset(key, "status", "canceled")  # the worker skips it, or stops it within a step
         return True
 
     def events(self, timeout: float | None = None, skip_void: bool = False) -> Iterator[dict[str, Any]]:

@@ -346,3 +346,16 @@ def test_a_streamed_result_without_a_first_token_time_still_prints_its_summary(m
     monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
     assert producer_cli.submit(_parse("submit", "hi", "--stream")) == 0
     assert "ttft -]" in capsys.readouterr().err
+
+
+def test_cancel_of_a_job_hash_rq_cannot_read_marks_it_canceled(monkeypatch, capsys):
+    """A job written by hand in another language, with a stamp RQ cannot parse: ``roseinfer cancel`` marks it
+    canceled as any language would (the worker honours the status), not a traceback with the job left queued."""
+    conn = fakeredis.FakeRedis()
+    conn.hset("rq:job:hand-1", mapping={"status": "queued", "created_at": "yesterday", "origin": "q", "data": b"x"})
+    conn.rpush("rq:queue:q", "hand-1")
+    client = Client(connection=conn, queue="q")
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.cancel(_parse("cancel", "hand-1")) == 0
+    assert conn.hget("rq:job:hand-1", "status") == b"canceled"
+    assert client.job("hand-1").cancel() is False  # ended already
