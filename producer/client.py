@@ -140,6 +140,7 @@ class EventCursor:
         self.job_id, self.skip_void = job_id, skip_void
         self.last_id: bytes | str = "0-0"
         self.next_n = 0
+        self.missing: tuple[int, int] | None = None  # events trimmed before they were read (no reset since)
 
     def take(self, entries: list) -> list[dict[str, Any]]:
         events = [checked(StreamEvent, event_from_stream(fields), self.job_id) for _id, fields in entries]
@@ -149,9 +150,13 @@ class EventCursor:
         for event in out:
             if event["n"] == 0 and self.next_n:
                 event["reset"] = True
-            elif event["n"] > self.next_n and not event.get("reset"):  # a reset starts the text over: nothing missed
-                raise StreamGap(self.job_id, self.next_n, event["n"] - 1)
+            if event.get("reset"):  # the text starts over: what was missed before it is void anyway
+                self.missing = None
+            elif event["n"] > self.next_n and self.missing is None:
+                self.missing = (self.next_n, event["n"] - 1)
             self.next_n = event["n"] + 1
+        if self.missing is not None and out and out[-1].get("finish_reason") is not None:
+            raise StreamGap(self.job_id, *self.missing)  # the output ended without them: it is not whole
         return out
 
 

@@ -76,6 +76,7 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
+HAND_BACK_PATIENCE_S = 5.0  # a second stop signal tries to hand jobs back this long while Redis fails
 
 
 class StepFailed(Exception):
@@ -240,13 +241,7 @@ class BatchWorker(BaseWorker):
             while True:
                 try:
                     if self._force_stop:
-                        try:
-                            self._hand_back_all()
-                        except REDIS_UNAVAILABLE as exc:  # a cold stop does not wait for Redis
-                            log.error(
-                                "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up requeues them once "
-                                "this worker's heartbeat lapses", exc, len(self.in_flight),
-                            )  # fmt: skip
+                        self._hand_back_cold()
                         break
                     if self._loop_once():
                         worked = True
@@ -913,6 +908,24 @@ class BatchWorker(BaseWorker):
         state = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
         if self._state != state:
             self.set_state(state)
+
+    def _hand_back_cold(self) -> None:
+        """``_hand_back_all``, tried again through a blip of Redis for ``HAND_BACK_PATIENCE_S``, not longer: a cold
+        stop does not wait for Redis (RQ's clean-up requeues what is left once this worker's heartbeat lapses)."""
+        deadline, backoff = time.monotonic() + HAND_BACK_PATIENCE_S, 0.1
+        while True:
+            try:
+                self._hand_back_all()
+                return
+            except REDIS_UNAVAILABLE as exc:
+                if time.monotonic() >= deadline:
+                    log.error(
+                        "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up requeues them once this "
+                        "worker's heartbeat lapses", exc, len(self.in_flight),
+                    )  # fmt: skip
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
 
     def _hand_back_all(self) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
