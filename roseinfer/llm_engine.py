@@ -47,6 +47,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, graph capture and CUDA events use the current device, not the tensors'.
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":  # before the weights are allocated
             keep_freed_memory()  # a step's large tensors reuse the heap instead of faulting pages in again
         if config.num_threads:
@@ -99,6 +102,7 @@ class LLMEngine:
         # Tokens sampled whose outputs are not made yet: (request, token, whether the token itself stopped it,
         # whether the request ended at it).
         self._pending: list[tuple[Sequence, int, bool, bool]] = []
+        self.undelivered: list[RequestOutput] = []  # see ``take_undelivered``
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
         if self.device.type == "cuda":
@@ -311,8 +315,10 @@ class LLMEngine:
         last; [] if unknown. Output kind "delta" with n > 1: each sample that had text or tokens not yet given out
         gets an output of its own first (one output holds one sample's delta)."""
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
-        if seqs[0] is None:
-            return []
+        if seqs[0] is None:  # unknown, or it ended at the last step and its final output waits (on a GPU)
+            seqs = [entry[0] for entry in self._pending if entry[0].parent_id == request_id][:1]
+            if not seqs:
+                return []
         drained = self._drain_pending(request_id)
         now = time.perf_counter()
         tails: list[tuple[Sequence, str, list[int]]] = []
@@ -359,6 +365,12 @@ class LLMEngine:
         self._pending = kept
         return drained
 
+    def take_undelivered(self) -> list[RequestOutput]:
+        """Outputs of the step before one that raised (on a GPU they are made while the next step runs): requests
+        that ended there are not running, and would get no final output otherwise."""
+        outputs, self.undelivered = self.undelivered, []
+        return outputs
+
     def running_request_ids(self) -> list[str]:
         """The requests in the running batch (those a step computes), by the ids they were added with."""
         return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
@@ -391,6 +403,7 @@ class LLMEngine:
             if item.samples:
                 sampling.append(seq)
         masks = self.structured.start_masks(sampling)
+        outputs: list[RequestOutput] = []
         try:
             pending = self.runner.launch(sched, masks)
             outputs = self._emit_pending()  # the previous step's, while the device runs this one
@@ -399,6 +412,7 @@ class LLMEngine:
             # The blocks this step registered in the prefix cache were never filled (out of memory, say): a later
             # request with the same prefix would read them. Forget every hash; the cache refills as requests run.
             self.kv.reset_prefix_cache()
+            self.undelivered = outputs  # the last step's, made before this one failed: ``take_undelivered``
             raise
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)

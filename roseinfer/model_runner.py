@@ -68,11 +68,14 @@ class ModelRunner:
                 sample_seqs.append(item.seq)
         pos = torch.tensor(positions, device=self.device)
         meta = self.attn_backend.build_metadata(sched.scheduled, sched.num_decodes, pos, slots)
+        # Copied before the forward is queued: a blocking copy after it waits for the whole forward on a GPU, and
+        # the host's work on the last step's outputs would no longer run beside it.
+        rows = torch.tensor(sample_rows, device=self.device) if 0 < len(sample_rows) < len(input_ids) else None
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), pos, meta, self.kv_caches)
         if not sample_seqs:
             return PendingSample(SamplerOutput([], []))
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        if rows is not None:
+            hidden = hidden[rows]
         logits = self.model.compute_logits(hidden)
         return self.sampler.start(logits, sample_seqs, masks.get() if masks is not None else None)
 

@@ -98,3 +98,41 @@ def test_an_abort_of_samples_that_ended_at_the_last_step_gives_one_final_output(
         outs += engine.step()
     [final] = [o for o in outs if o.finished]
     assert [(c.index, c.finish_reason, len(c.token_ids)) for c in final.outputs] == [(0, "length", 3), (1, "length", 3)]
+
+
+def test_an_abort_of_a_request_whose_final_output_waits_gives_that_output(tiny_chat_model):
+    """It ended at the last step (its length) and, on a GPU, its final output comes with the next step: an abort in
+    between gives it then, whole and with its own finish reason, and the next step gives nothing more of it."""
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    engine.add_request("a", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert not any(o.finished for o in outs)
+    [final] = engine.abort_request("a")
+    assert final.finished and final.outputs[0].finish_reason == "length" and len(final.outputs[0].token_ids) == 3
+    assert not engine.step() and engine.abort_request("a") == []
+
+
+def test_a_step_that_fails_still_gives_the_final_outputs_the_step_before_made(tiny_chat_model):
+    """On a GPU the outputs of step N are made while step N+1 runs: when N+1 fails, the requests that ended at N
+    are not running (the failure is not theirs) and still end, with their outputs; the running ones fail."""
+    from worker.pump import Pump
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    pump = Pump(engine, tokenize_in_thread=False)
+    pump.submit("short", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=3, ignore_eos=True))
+    pump.submit("long", {"prompt": "What is"}, SamplingParams(max_tokens=50, ignore_eos=True))
+    events = [e for _ in range(3) for e in pump.step()]
+    assert not any(e.finished for e in events)  # "short" ended at step 3; its final output waits
+
+    class Broken:
+        def result(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    launch = engine.runner.launch
+    engine.runner.launch = lambda sched, masks: (launch(sched, masks), Broken())[1]
+    ended = {e.job_id: e for e in pump.step() if e.finished}
+    assert ended["short"].finish_reason == "length" and len(ended["short"].output.outputs[0].token_ids) == 3
+    assert ended["long"].finish_reason == "error" and ended["long"].retryable
+    assert not pump.has_work()

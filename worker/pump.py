@@ -229,7 +229,11 @@ class Pump:
         try:
             outputs = self.engine.step(flush=flush)
         except Exception as exc:
-            return self._step_failed(exc)
+            # Jobs the step before ended get their final events; those this one ran fail.
+            return self._events_of(self.engine.take_undelivered()) + self._step_failed(exc)
+        return self._events_of(outputs)
+
+    def _events_of(self, outputs: list[Any]) -> list[JobEvent]:
         events = []
         for out in outputs:
             if out.request_id not in self._jobs:
