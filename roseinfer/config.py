@@ -17,7 +17,13 @@ from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # Environment variables the engine reads itself (EngineConfig fields come from flags or the worker's settings).
-ENGINE_ENV_VARS = ("ROSEINFER_CACHE_DIR", "ROSEINFER_CPU_KERNELS", "ROSEINFER_BENCH_PROMPTS")
+ENGINE_ENV_VARS = (
+    "ROSEINFER_CACHE_DIR",
+    "ROSEINFER_CPU_KERNELS",
+    "ROSEINFER_BENCH_PROMPTS",
+    "ROSEINFER_MALLOC_TUNING",
+    "ROSEINFER_BF16_GEMM",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}

@@ -99,6 +99,20 @@ def test_unknown_roseinfer_variables_are_named_with_a_suggestion():
     assert unknown_env_vars({"ROSEINFER_CPU_KERNELS": "0", "ROSEINFER_CACHE_DIR": "/tmp"}) == []
 
 
+def test_every_roseinfer_variable_the_code_reads_is_known():
+    """A variable read somewhere but missing from the known list made every command warn that it is ignored."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for package in ("roseinfer", "worker", "producer"):
+        for path in (root / package).rglob("*.py"):
+            read |= set(re.findall(r"environ(?:\.get\(|\[)\s*[\"'](ROSEINFER_\w+)", path.read_text()))
+    assert {"ROSEINFER_BF16_GEMM", "ROSEINFER_MALLOC_TUNING", "ROSEINFER_CACHE_DIR"} <= read
+    assert unknown_env_vars(dict.fromkeys(read, "1")) == []
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "phrase"),
     [
