@@ -15,7 +15,7 @@ def _generate(args: argparse.Namespace) -> int:
     from roseinfer import LLM, SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -57,6 +57,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="*")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    # Not the engine's seed option (left out below): its own name, or the engine would take None as its seed.
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
     add_engine_arguments(p, exclude=("seed",))
     p.set_defaults(func=_generate)

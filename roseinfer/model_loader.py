@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.config import DEFAULT_MODEL, cache_dir
+from roseinfer.config import DEFAULT_MODEL, ConfigError, cache_dir
 from roseinfer.models import check_supported
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ def resolve_model(model: str) -> str:
         return str(path)
     if path.exists():
         raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    if model.startswith(("/", "./", "../", "~")):  # a path, not a hub id: say so rather than what the hub says
+        raise FileNotFoundError(f"no such model folder or file: {path}")
     return model  # a hub id: transformers finds it in the local HF cache or on the hub
 
 
@@ -103,8 +105,15 @@ def has_tokenizer(path: str) -> bool:
 def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    path = resolve_model(model)
-    config = AutoConfig.from_pretrained(path)
+    try:
+        path = resolve_model(model)
+        config = AutoConfig.from_pretrained(path)
+    except OSError as exc:  # no such file, folder or hub id: transformers' 50-line traceback says no more
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"cannot load model {model!r}: {reason} (a model is a transformers folder, a .gguf file, a hub id in the "
+            f"local Hugging Face cache, or {DEFAULT_MODEL})"
+        ) from None
     check_supported(config.model_type)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf_model.to(device).eval()

@@ -199,3 +199,16 @@ def test_min_tokens_above_max_tokens_is_refused_by_both():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
     json.dumps(SamplingParams().__dict__)  # plain values only
+
+
+def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(tiny_chat_model, capsys):
+    """``roseinfer generate`` took its sampling seed flag's None as the engine's seed and refused to start unless
+    given --seed; a model path that does not exist was transformers' 50-line traceback."""
+    from worker.cli import main
+
+    assert main(["generate", "Hello", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["completion_tokens"] <= 3 and line["finish_reason"] in ("length", "stop")
+    assert main(["generate", "Hello", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such model folder or file: /nonexistent/model" in err
