@@ -159,6 +159,7 @@ def test_cancel_a_queued_job(served):
     result = _result(r, job_id)
     assert [e["finish_reason"] for e in events] == ["abort"] and events[0]["token_ids"] == []
     assert result["status"] == "canceled" and not result.get("token_ids")
+    assert result["error"] == "job canceled before it ran"
     assert r.hget(f"rq:job:{job_id}", "status") == "canceled"
     assert r.zscore(f"rq:canceled:{queue}", job_id) is not None
     assert r.ttl(f"rq:job:{job_id}") > 0

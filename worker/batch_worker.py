@@ -732,7 +732,7 @@ class BatchWorker(BaseWorker):
     def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
         """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
         not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
-        status = job.get_status(refresh=False)
+        status = JobStatus(job.get_status(refresh=False)).value  # "canceled", not "JobStatus.CANCELED"
         log.info("job %s was %s while queued: not run", job.id, status)
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
 
