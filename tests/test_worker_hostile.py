@@ -409,6 +409,7 @@ def test_stats_tell_the_truth_after_a_drain(redis_url, tiny_chat_model):
     assert client.status()["workers"] == []  # a stopped worker drops out
 
 
+@pytest.mark.slow  # three attempts of a second each
 def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone(served, monkeypatch):
     """A timeout is retried as RQ retries its own, while the job has retries left; each attempt resumes from what
     the last one streamed (its stream never starts over), and the job fails alone once they are spent."""
