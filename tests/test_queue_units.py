@@ -800,6 +800,7 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     failed registry, a retry) is not made twice; a job that will be retried later keeps the retries it has."""
     import uuid
 
+    import redis
     from redis import Redis
     from rq.job import Job
     from rq.registry import FailedJobRegistry, ScheduledJobRegistry
@@ -839,6 +840,13 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
         for end in ends:
             end()
     assert int(conn.hget(worker.key, "failed_job_count")) == 3
+    # RQ swallows an error of its last write (it logs it): the end raises, so the sender tries it again.
+    late_job = Job.fetch(timed_out.id, connection=conn, serializer=JSONSerializer)
+    conn.hset(late_job.key, "status", "started")
+    worker._finalize_failure = lambda *args: None  # as if RQ's pipeline had failed
+    with pytest.raises(redis.exceptions.ConnectionError, match="did not land"):
+        worker._record_failure(late_job, worker.queues[0], executions[2], RuntimeError("boom"))
+    conn.hset(late_job.key, "status", "queued")
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == [failing.id]
     # A timeout is retried as RQ retries its own: back in the queue, one retry spent.
     late = Job.fetch(timed_out.id, connection=conn, serializer=JSONSerializer)

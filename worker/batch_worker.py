@@ -790,6 +790,9 @@ class BatchWorker(BaseWorker):
             raise error
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
+        # RQ logs an error of its last write and goes on: read it back, so the sender tries this end again.
+        if self.connection.hget(job.key, "status") == JobStatus.STARTED.value.encode():
+            raise redis.exceptions.ConnectionError(f"RQ's record of the failure of job {job.id} did not land")
 
     # ----- what came back -----------------------------------------------------------------------------
     def _on_statuses(self, ended: list[tuple[str, bytes | None]], registered: bool) -> None:
