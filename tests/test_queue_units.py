@@ -1213,3 +1213,36 @@ def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_u
     assert conn.hget(rq_job.key, "status") == b"finished"
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
     assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [job.id]
+
+
+@pytest.mark.redis
+def test_a_cancel_that_lands_between_the_pull_and_the_start_is_kept(redis_url):
+    """The start of a pulled job wrote status started over a cancel that came in since the pull: the job ran to its
+    end. The cancel stays, and the worker's watch of its jobs' statuses stops it within a step."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.job_start import register
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    client = Client(redis_url, queue=name)
+    canceled, kept = client.submit("a", max_tokens=2), client.submit("b", max_tokens=2)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    assert canceled.cancel()  # RQ's cancel, after the pull read the job's hash
+    worker.sender.start_script = register(conn)
+    worker.mark_started(pulled)
+    assert conn.hget(f"rq:job:{canceled.id}", "status") == b"canceled"
+    assert conn.hget(f"rq:job:{kept.id}", "status") == b"started"

@@ -24,7 +24,7 @@ from worker.intake import load_script
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
 # names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
-# registry and intermediate list. Returns nothing.
+# registry and intermediate list. A job canceled since it was pulled keeps that status. Returns nothing.
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -37,7 +37,10 @@ for a = 9, #ARGV, 7 do
   redis.call('EXPIRE', exec_key, ttl)
   redis.call('ZADD', registry, exec_score, exec_id)
   redis.call('EXPIRE', registry, ttl + 60)
-  redis.call('HSET', job, 'last_heartbeat', stamp, 'status', 'started', 'started_at', stamp, 'worker_name', name,
+  -- A cancel that landed since the pull stays: the worker reads it and stops the job within a step.
+  local status = redis.call('HGET', job, 'status')
+  if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
+  redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
     owner, exec_id)
   redis.call('PERSIST', job)
   redis.call('LREM', intermediate, 1, id)
