@@ -68,7 +68,7 @@ def lane_priority(queue: str, name: str) -> int | None:
 
 def lanes(connection: Any, queue: str) -> list[tuple[int, str]]:
     """(priority, queue name) of every lane of ``queue`` RQ knows (``rq:queues``), first-served first. The
-    interactive (0) and bulk lanes are always there, so a worker blocks on both from its start."""
+    interactive (0) and bulk lanes are always there, so a worker serves both from its start."""
     found = {0: queue, BULK_PRIORITY: lane_name(queue, BULK_PRIORITY)}
     for key in connection.smembers("rq:queues"):
         name = (key.decode() if isinstance(key, bytes) else key).removeprefix("rq:queue:")

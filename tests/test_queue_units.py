@@ -1100,6 +1100,11 @@ def test_an_idle_pull_of_several_lanes_never_pops_a_job_out_of_every_list(redis_
         raise AssertionError("a blocking pop takes a job out of every list")
 
     conn.blpop = conn.brpop = conn.blmpop = refuse
+    # A job a lane holds already comes at once, whichever lane: no wait on another lane first.
+    waiting = client.submit("early", max_tokens=2, priority=10)
+    started = time.monotonic()
+    [(job, _)], _ = pull(queues, 10, 1.0, conn, Job, JSONSerializer, conn.register_script(MOVE_SCRIPT))
+    assert job.id == waiting.id and time.monotonic() - started < 0.1
     threading.Timer(0.05, lambda: client.submit("late", max_tokens=2, priority=10)).start()
     got = []
     deadline = time.monotonic() + 5
@@ -1108,7 +1113,7 @@ def test_an_idle_pull_of_several_lanes_never_pops_a_job_out_of_every_list(redis_
         got, _ = pull(queues, 10, 1.0, conn, Job, JSONSerializer, conn.register_script(MOVE_SCRIPT))
         assert time.monotonic() - started < MULTI_LANE_WAIT_S + 0.5  # it looks at the other lane within the slice
     [(job, queue)] = got
-    assert queue.name == f"{name}:p10" and conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode()]
+    assert queue.name == f"{name}:p10" and conn.lrange(queue.intermediate_queue_key, 0, -1)[-1] == job.id.encode()
 
 
 @pytest.mark.redis
@@ -1246,3 +1251,46 @@ def test_a_cancel_that_lands_between_the_pull_and_the_start_is_kept(redis_url):
     worker.mark_started(pulled)
     assert conn.hget(f"rq:job:{canceled.id}", "status") == b"canceled"
     assert conn.hget(f"rq:job:{kept.id}", "status") == b"started"
+
+
+@pytest.mark.redis
+def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier_try(redis_url):
+    """A running job whose status another client set to stopped: its end records the stop (RQ's failed registry,
+    the started registry and the execution left, the hash's TTL), though the status already reads as what that end
+    writes. Only our execution's hash being gone says an earlier try of the end ran."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.registry import FailedJobRegistry, StartedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.pump import JobEvent
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    job = Client(redis_url, queue=name).submit(**payload)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    [execution], _ = worker.mark_started(pulled)
+    (rq_job, queue) = pulled[0]
+    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
+    worker.in_flight[job.id] = held
+    conn.hset(rq_job.key, "status", "stopped")  # as another client writes it; the sender reports it
+    worker._canceled(held, [JobEvent(job.id, finish_reason="abort")], stopped=True)
+    for end in worker._tasks:
+        end()
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [job.id]
+    assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and not conn.exists(execution.key)
+    assert conn.ttl(rq_job.key) > 0

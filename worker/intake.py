@@ -122,8 +122,9 @@ def load_script(connection: redis.Redis, source: str):
     return script
 
 
-# An idle worker serving several lanes waits on the first this long at a time (a job of another lane waits at most
-# as long); 5 BLMOVEs a second per idle worker, and a script a lane for the others.
+# An idle worker serving several lanes waits on one (the queue itself) this long at a time, and looks at every
+# lane in between: a job of another lane waits at most as long; 5 BLMOVEs and 5 scripts a lane a second per idle
+# worker.
 MULTI_LANE_WAIT_S = 0.2
 
 
@@ -136,28 +137,44 @@ def pull(
     serializer,
     move_script=None,
     max_data_bytes: int | None = None,
+    wait_on: int = 0,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
-    """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all).
-    Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate. ``move_script``: the
-    registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs then).
-    ``max_data_bytes``: a job with a field RQ inflates (its data, its exc_info) that would inflate past it comes
-    back apart too, unread."""
+    """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all),
+    on ``queues[wait_on]``. Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate.
+    ``move_script``: the registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs
+    then). ``max_data_bytes``: a job with a field RQ inflates (its data, its exc_info) that would inflate past it
+    comes back apart too, unread."""
     pulled: list[tuple[Job, Queue]] = []
     unreadable: list[Unreadable] = []
-    waited_out = None  # the lane a wait found empty: not looked at again now
-    if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
-        first = _wait_for_one(queues, block, connection)
-        if first is None and len(queues) == 1:
+    if block and len(queues) > 1:  # what the lanes hold already comes at once, not after a wait on one of them
+        pulled, unreadable = _pull_lanes(queues, limit, connection, job_class, serializer, move_script, max_data_bytes)
+        if pulled or unreadable:
             return pulled, unreadable
-        if first is None:
-            waited_out = queues[0]
-        else:
-            queue, raw_id = first
-            raw = connection.hgetall(_hash_key(job_class, raw_id))
-            pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
-    for queue in queues:  # each queue in turn (first-served first), a batch of round trips each
-        if queue is waited_out:
-            continue
+    if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
+        queue = queues[wait_on]
+        raw_id = _wait_for_one(queue, block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S), connection)
+        if raw_id is None:
+            return pulled, unreadable
+        raw = connection.hgetall(_hash_key(job_class, raw_id))
+        pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
+        limit -= len(pulled) + len(unreadable)
+    got, bad = _pull_lanes(queues, limit, connection, job_class, serializer, move_script, max_data_bytes)
+    return pulled + got, unreadable + bad
+
+
+def _pull_lanes(
+    queues: list[Queue],
+    limit: int,
+    connection: redis.Redis,
+    job_class: type[Job],
+    serializer,
+    move_script=None,
+    max_data_bytes: int | None = None,
+) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
+    """Up to ``limit`` jobs, each queue in turn (first-served first), a batch of round trips each, no waiting."""
+    pulled: list[tuple[Job, Queue]] = []
+    unreadable: list[Unreadable] = []
+    for queue in queues:
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
             break
@@ -167,17 +184,14 @@ def pull(
     return pulled, unreadable
 
 
-def _wait_for_one(queues: list[Queue], block: float, connection: redis.Redis) -> tuple[Queue, bytes] | None:
-    """The id of the first job to come into the first of ``queues``, moved to its intermediate list by BLMOVE, as
-    RQ's dequeue of one queue does: atomic, so a reply lost or a worker killed leaves it where RQ's clean-up finds
-    it (a BLPOP and then the move, as RQ does for several queues, lost it). Redis has no blocking move from several
-    lists: with several queues this waits at most ``MULTI_LANE_WAIT_S`` on the first, and the caller then looks at
-    the others. As raw bytes: RQ's dequeue raised on an id that is not text and left it where its clean-up of the
-    intermediate list raised too, at every pass."""
-    queue = queues[0]
-    wait = block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S)
-    raw_id = connection.blmove(queue.key, queue.intermediate_queue_key, wait, "LEFT", "RIGHT")
-    return None if raw_id is None else (queue, raw_id)
+def _wait_for_one(queue: Queue, timeout: float, connection: redis.Redis) -> bytes | None:
+    """The id of the first job to come into ``queue`` within ``timeout`` seconds, moved to its intermediate list by
+    BLMOVE, as RQ's dequeue of one queue does: atomic, so a reply lost or a worker killed leaves it where RQ's
+    clean-up finds it (a BLPOP and then the move, as RQ does for several queues, lost it). Redis has no blocking
+    move from several lists: a worker of several lanes waits on one ``MULTI_LANE_WAIT_S`` at a time and looks at
+    the others in between. As raw bytes: RQ's dequeue raised on an id that is not text and left it where its
+    clean-up of the intermediate list raised too, at every pass."""
+    return connection.blmove(queue.key, queue.intermediate_queue_key, timeout, "LEFT", "RIGHT")
 
 
 def _pull_batch(

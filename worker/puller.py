@@ -194,9 +194,11 @@ class Puller:
         room = min(room, max(HAND_OVER, w.settings.max_num_seqs) if idle else HAND_OVER)
         self._blocked = block is not None
         queues = [q for _, q in lanes]
+        wait_on = next((i for i, (p, _) in enumerate(lanes) if p == 0), 0)  # the queue itself: interactive jobs
         pulled, unreadable = pull(
-            queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script, w.settings.max_job_bytes
-        )
+            queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script,
+            w.settings.max_job_bytes, wait_on,
+        )  # fmt: skip
         self.dry = not pulled and not unreadable
         # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in; a pull
         # that filled its room leaves more behind.
