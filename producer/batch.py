@@ -626,7 +626,8 @@ def _run(
                 next_sweep = time.monotonic() + sweep_every
             else:
                 ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
-            _settle(client, [j for j in ended if j in in_flight], in_flight, reused, sink, progress, summary, timeout)
+            ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write tried again)
+            _settle(client, ended, in_flight, reused, sink, progress, summary, timeout)
             progress.tick()
     finally:
         conn.delete(done_key(notify))

@@ -245,7 +245,12 @@ async def _sse(
         yield "data: [DONE]\n\n"
         finished = True
     except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError) as exc:
-        err = _job_error(exc) if isinstance(exc, (JobFailed, JobCanceled)) else APIError(500, str(exc), "server_error")
+        if isinstance(exc, (JobFailed, JobCanceled)):
+            err = _job_error(exc)
+        elif isinstance(exc, TimeoutError):  # as the non-streamed answer: the job outlived --timeout
+            err = APIError(504, f"no result within {timeout:g} s", "timeout")
+        else:
+            err = APIError(500, str(exc), "server_error")
         yield _data(err.body())
         yield "data: [DONE]\n\n"
     finally:

@@ -122,4 +122,4 @@ def test_a_second_stop_signal_stops_a_worker_whose_redis_is_gone(own_redis, tiny
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert "not handed back" in err or "handed back" in err, err[-3000:]
+    assert "not handed back" in err, err[-3000:]  # Redis stayed gone: the cold stop gave up on it

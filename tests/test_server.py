@@ -539,3 +539,23 @@ def test_request_metrics_are_labelled_by_endpoint_not_by_any_path_a_client_sends
         if "endpoint" in s.labels
     }
     assert "other" in endpoints and not any(e.startswith("/made-up") for e in endpoints)
+
+
+def test_a_stream_past_the_server_timeout_ends_with_a_timeout_error_and_cancels_its_job(served, redis_url):
+    worker, _, model = served
+    impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
+    try:
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{impatient.url}/v1/chat/completions", json=body, timeout=30) as response:
+            job_id = response.headers["x-roseinfer-job-id"]
+            chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        impatient.stop()
+    assert chunks[-1] == "[DONE]"
+    error = json.loads(chunks[-2])["error"]
+    assert error["type"] == "timeout" and "no result within 0.3 s" in error["message"]
+    job = Client(redis_url, queue=worker.queue).job(job_id)
+    deadline = time.time() + 10
+    while job.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "canceled"

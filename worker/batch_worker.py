@@ -76,7 +76,7 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
-HAND_BACK_PATIENCE_S = 5.0  # a second stop signal tries to hand jobs back this long while Redis fails
+HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 
 
 class StepFailed(Exception):
@@ -174,7 +174,7 @@ class BatchWorker(BaseWorker):
         if self._stop_requested:
             log.warning("second stop signal: handing %d jobs back to the queue", len(self.in_flight))
             self._force_stop = True
-            self.sender.give_up.set()
+            self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S  # a blip is waited out, no more
         else:
             log.warning(
                 "stop signal: no new jobs; finishing the %d in flight (again to hand them back)", len(self.in_flight)
@@ -827,12 +827,18 @@ class BatchWorker(BaseWorker):
             self._tasks.append(end)
 
     def _owned(self, held: list[InFlight], ends_as: tuple[bytes, ...] = ()) -> list[bool | None]:
-        """Whether each job is still this attempt's to end (``_is_ours``), in one round trip."""
+        """Whether each job is still this attempt's to end (``_is_ours``), in one round trip. Its status alone
+        does not say an earlier try of this end wrote it (someone may have set it: RQ's clean-up failing it as
+        abandoned, a hand-written stop): that try also removed our execution's hash."""
         with self.connection.pipeline(transaction=False) as pipe:
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
+                pipe.exists(job.execution.key)
             replies = pipe.execute()
-        return [self._is_ours(job, owner, status, ends_as) for job, (owner, status) in zip(held, replies)]
+        return [
+            self._is_ours(job, owner, status, ends_as if not alive else ())
+            for job, (owner, status), alive in zip(held, replies[::2], replies[1::2])
+        ]
 
     @staticmethod
     def _is_ours(
@@ -913,17 +919,20 @@ class BatchWorker(BaseWorker):
             self.set_state(state)
 
     def _hand_back_cold(self) -> None:
-        """``_hand_back_all``, tried again through a blip of Redis for ``HAND_BACK_PATIENCE_S``, not longer: a cold
-        stop does not wait for Redis (RQ's clean-up requeues what is left once this worker's heartbeat lapses)."""
-        deadline, backoff = time.monotonic() + HAND_BACK_PATIENCE_S, 0.1
+        """``_hand_back_all``, tried again through a blip of Redis until the sender gives up too
+        (``HAND_BACK_PATIENCE_S`` after the signal), not longer: a cold stop does not wait for Redis. What is left is
+        RQ's clean-up's once this worker's heartbeat lapses (requeued where retries are left, failed otherwise)."""
+        deadline, backoff = self.sender.give_up_at or time.monotonic() + HAND_BACK_PATIENCE_S, 0.1
         while True:
             try:
                 self._hand_back_all()
                 return
-            except REDIS_UNAVAILABLE as exc:
+            except (*REDIS_UNAVAILABLE, redis.exceptions.ResponseError) as exc:
+                if not redis_waits(exc):
+                    raise
                 if time.monotonic() >= deadline:
                     log.error(
-                        "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up requeues them once this "
+                        "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up takes them once this "
                         "worker's heartbeat lapses", exc, len(self.in_flight),
                     )  # fmt: skip
                     return

@@ -133,9 +133,9 @@ class Sender:
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
         self.refusing: str | None = None  # why Redis refuses our writes right now, for `roseinfer status`
-        # A cold stop: what Redis refuses from now on is dropped, not waited for (RQ's clean-up requeues the jobs
-        # once this worker's heartbeat lapses).
-        self.give_up = threading.Event()
+        # A cold stop: past this time (time.monotonic()) what Redis refuses is dropped, not waited for (RQ's
+        # clean-up takes the jobs once this worker's heartbeat lapses).
+        self.give_up_at: float | None = None
         # Jobs waiting in the queues, read in each round trip: the step loop pulls only when some wait, instead of
         # asking Redis (an empty LMOVE) at every step.
         self.queue_keys = queue_keys or []
@@ -206,7 +206,7 @@ class Sender:
                     self._queue.put(batch, timeout=0.25)
                     return
                 except queue.Full:
-                    if self.give_up.is_set() and self.refusing is not None:
+                    if self._giving_up() and self.refusing is not None:
                         log.error(
                             "the worker stops and Redis refuses writes (%s): a step's writes dropped", self.refusing
                         )
@@ -253,6 +253,9 @@ class Sender:
             log.exception("the sender thread stopped")
             self.error = exc
             self._idle.set()
+
+    def _giving_up(self) -> bool:
+        return self.give_up_at is not None and time.monotonic() >= self.give_up_at
 
     def _sent(self, num_batches: int) -> bool:
         """``num_batches`` are done with (sent, or dropped); whether nothing is left unsent."""
@@ -301,7 +304,7 @@ class Sender:
                     self.refusing = None
                 return
             except (*REDIS_UNAVAILABLE, ResponseError) as exc:
-                if not redis_waits(exc) or self.give_up.is_set():
+                if not redis_waits(exc) or self._giving_up():
                     raise
                 self.refusing = f"{type(exc).__name__}: {exc}"
                 if time.monotonic() >= next_log:
