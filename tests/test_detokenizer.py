@@ -108,6 +108,15 @@ def test_a_stop_string_ends_nothing_before_min_tokens(smol_tokenizer):
     # Before min_tokens the first STOP is plain text; the second one, past min_tokens, ends the output.
     _, pieces, d = stream(smol_tokenizer, text, SamplingParams(stop="STOP", min_tokens=first_stop_tokens + 1))
     assert (d.stop_hit, d.output_text, "".join(pieces)) == ("STOP", "STOP one two ", "STOP one two ")
-    # A stop string whose last token is the min_tokens-th ends it there, as a stop id would.
+    # One that lies in the text of the first min_tokens tokens never ends it (vLLM's rule, as for a stop id).
     _, _, d = stream(smol_tokenizer, text, SamplingParams(stop="STOP", min_tokens=first_stop_tokens))
-    assert (d.stop_hit, d.output_text) == ("STOP", "")
+    assert (d.stop_hit, d.output_text) == ("STOP", "STOP one two ")
+
+
+@pytest.mark.parametrize("min_tokens", range(1, 8))
+def test_text_handed_out_before_min_tokens_is_never_cut_by_a_stop_string(smol_tokenizer, min_tokens):
+    """A stop string shorter than another one, lying in text handed out before min_tokens: the search for stop
+    strings once min_tokens are out reached back into it and cut the output behind what had been streamed."""
+    params = SamplingParams(stop=["answer", "x" * 15], min_tokens=min_tokens)
+    _, pieces, d = stream(smol_tokenizer, "The answer is 42. The end", params)
+    assert "".join(pieces) == d.output_text
