@@ -354,7 +354,7 @@ class LLMEngine:
                 continue
             detok = seq.detokenizer
             if detok is not None:
-                detok.push(None if by_token else token)
+                detok.push(_shown(seq, token, by_token))
                 if detok.stop_hit is not None and not by_token:  # it ended there, before the abort (as in a step)
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "stop")
@@ -467,8 +467,8 @@ class LLMEngine:
                 continue  # aborted since: its last output was given then
             detok = seq.detokenizer
             if detok is not None:
-                # A stopping token's own text stays out of the output, as in vLLM.
-                detok.push(None if by_token else token)
+                # A stopping token's own text stays out of the output (``_shown``).
+                detok.push(_shown(seq, token, by_token))
                 hit = detok.stop_hit
                 if hit is not None and not by_token:  # a stop string wins over the length or a complete output
                     if not seq.is_finished:
@@ -503,7 +503,8 @@ class LLMEngine:
         finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
         if seq.params.output_kind == "delta" and not finished:
             # The request runs on: what is new, and nothing else (no copy of the whole output at every step).
-            piece = CompletionOutput(seq.index, delta_text, delta_ids)
+            logprobs = seq.logprobs[len(seq.logprobs) - len(delta_ids) :] if seq.logprobs is not None else None
+            piece = CompletionOutput(seq.index, delta_text, delta_ids, logprobs=logprobs)
             return RequestOutput(
                 seq.parent_id, seq.prompt, seq.prompt_token_ids, [piece], False, delta_text, delta_ids, seq.index
             )
@@ -562,6 +563,15 @@ class LLMEngine:
                 sum(s.num_preemptions for s in samples),
             ),
         )
+
+
+def _shown(seq: Sequence, token: int, by_token: bool | str) -> int | None:
+    """The token its detokenizer takes: the text of a token that stopped the request (EOS, a stop id) stays out,
+    as in vLLM, unless the request keeps what stopped it (``include_stop_str_in_output``); one its structured output
+    refused ("abort") never shows."""
+    if not by_token or (by_token is True and seq.params.include_stop_str_in_output):
+        return token
+    return None
 
 
 def _render_chats(tokenizer, chats: list[list[dict]]) -> list[str | Exception]:

@@ -80,7 +80,9 @@ class Sampler:
             return SamplerOutput(argmax_rows(logits), [None] * len(seqs))
         logits = logits.float()
 
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = None
+        if any(want_logprobs):  # the model's, under the structured output's mask (vLLM masks before its sampler)
+            raw_logprobs = torch.log_softmax(logits if masks is None else self._masked(logits, masks), dim=-1)
         unconstrained = logits
         logits = logits.clone()
         self._apply_penalties(logits, seqs)
@@ -129,6 +131,15 @@ class Sampler:
                 banned = [t for t in banned if t < vocab]
                 if banned:
                     logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
+        """A copy of ``logits`` with what each constrained row's structured output forbids at -inf."""
+        out = logits.clone()
+        allowed = masks.allowed(logits.shape[1]).to(logits.device)
+        rows = torch.tensor(masks.rows, device=logits.device)
+        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+        return out
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, unconstrained: torch.Tensor, masks: GrammarMasks) -> None:

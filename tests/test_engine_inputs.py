@@ -256,3 +256,46 @@ def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
     )
     given = LLM(tiny_llama, dtype="float32", max_model_len=60, max_num_seqs=4, kv_cache_memory="8MiB").engine
     assert given.kv.num_blocks == 8 * 2**20 // block_bytes > 4 * 8
+
+
+def test_a_stop_tokens_text_is_kept_when_the_request_keeps_what_stopped_it(chat_engine):
+    """``include_stop_str_in_output`` keeps the text of a stop id (and EOS) as of a stop string, as vLLM does: the
+    token that stopped the request was always left out."""
+    import dataclasses
+
+    engine = chat_engine
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("free", "Say something", greedy)
+    free = _run_to_end(engine)["free"].outputs[0]
+    stop_id = free.token_ids[2]
+    assert stop_id not in free.token_ids[:2]
+    for keep in (False, True):
+        params = dataclasses.replace(greedy, stop_token_ids=[stop_id], include_stop_str_in_output=keep)
+        engine.add_request(f"keep-{keep}", "Say something", params)
+        out = _run_to_end(engine)[f"keep-{keep}"].outputs[0]
+        assert out.token_ids == free.token_ids[:3] and out.stop_reason == stop_id
+        assert out.text == engine.tokenizer.decode(free.token_ids[: 3 if keep else 2], skip_special_tokens=True)
+
+
+def _run_to_end(engine) -> dict:
+    ended = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ended[out.request_id] = out
+    return ended
+
+
+def test_delta_outputs_carry_the_logprobs_of_their_tokens(chat_engine):
+    """As vLLM's: each delta piece has the logprobs of the tokens it adds (they came only with the final output)."""
+    engine = chat_engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, output_kind="delta")
+    engine.add_request("d", "Say something", params)
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out.outputs[0]
+            else:
+                pieces += out.outputs[0].logprobs
+    assert len(final.logprobs) == 6 and pieces == final.logprobs[: len(pieces)] and len(pieces) >= 5

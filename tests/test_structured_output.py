@@ -138,3 +138,16 @@ def test_a_resumed_output_goes_on_under_its_constraint(llm, sampling):
     bad = llm.get_tokenizer().encode("nope")
     with pytest.raises(ValueError, match="breaks its structured output"):
         engine.add_request("resumed-bad", PROMPTS[0], params, output_prefix=bad)
+
+
+def test_logprobs_are_those_under_the_constraint(llm):
+    """As vLLM (its runner masks before its sampler): the alternatives a step reports are tokens the structured
+    output allows, not the model's favourites it forbids."""
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=5, structured_outputs={"choice": ["yes", "no"]})
+    out = llm.generate(["Is the sky blue? Answer:"], params, use_tqdm=False)[0].outputs[0]
+    first = out.logprobs[0]
+    assert len(first) >= 2
+    for token_id in first:
+        piece = tok.decode([token_id])
+        assert "yes".startswith(piece) or "no".startswith(piece), (piece, first)
