@@ -105,12 +105,15 @@ class ChatCompletionRequest(_Common):
             fields["max_tokens"] = self.max_completion_tokens
         if self.logprobs and self.stream:
             raise APIError(400, "logprobs are not streamed by this server: ask without stream", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         fields["messages"] = [{"role": m.role, "content": m.text()} for m in self.messages]
         return fields
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
+    max_tokens: int | None = 16  # the legacy API's default (OpenAI's and vLLM's); chat's is the context
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

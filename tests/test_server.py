@@ -108,6 +108,12 @@ def test_text_completion_streamed_and_not(served, oai):
     assert whole.object == "text_completion" and whole.usage.completion_tokens <= 10
     pieces = oai.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, seed=1, stream=True)
     assert "".join(c.choices[0].text for c in pieces) == whole.choices[0].text
+    # Without max_tokens, 16: the legacy API's default (OpenAI's, vLLM's), not the whole context.
+    default = oai.completions.create(model=model, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError) as err:  # OpenAI's rule: top_logprobs alone would give nothing
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
 
 
 def test_content_as_text_parts_and_logprobs(served, oai):
