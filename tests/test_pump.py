@@ -501,11 +501,16 @@ def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
         fields = {"data": data, "origin": name, "status": "queued", "created_at": stamp, "enqueued_at": stamp}
         engine.fail_steps = 1
         conn.hset(f"rq:job:{name}-j", mapping={**fields, "retries_left": 1, "retry_intervals": "[1]"})
+        # A due job whose hash RQ cannot read, first in the registry: it held back every other due job, at every beat.
+        conn.hset(f"rq:job:{name}-bad", mapping={**fields, "status": "scheduled", "created_at": "yesterday"})
+        conn.zadd(f"rq:scheduled:{name}", {f"{name}-bad": 0})
         conn.sadd("rq:queues", f"rq:queue:{name}")
         conn.rpush(f"rq:queue:{name}", f"{name}-j")
         result = Client(connection=conn, queue=name).job(f"{name}-j").result(timeout=20)
         assert result["usage"]["completion_tokens"] == 3
         assert conn.hget(f"rq:job:{name}-j", "retries_left") == b"0"
+        assert conn.zscore(f"roseinfer:rejected:{name}", f"{name}-bad") is not None  # set aside where reported
+        assert conn.zscore(f"rq:scheduled:{name}", f"{name}-bad") is None
     finally:
         worker.request_stop()
         thread.join(timeout=30)

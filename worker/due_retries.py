@@ -9,7 +9,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.registry import ScheduledJobRegistry
 from rq.scheduler import RQScheduler
+from rq.utils import current_timestamp
+
+from worker.intake import REDIS_DOWN, Unreadable, quarantine
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
@@ -37,7 +43,37 @@ class DueRetries:
             )
             self._names = names
         if self._scheduler.acquire_locks():
-            self._scheduler.enqueue_scheduled_jobs()
+            try:
+                self._scheduler.enqueue_scheduled_jobs()
+            except REDIS_DOWN:
+                raise
+            except Exception:  # RQ reads every due job at once: one it cannot read held back all the others
+                if self._set_aside_unreadable():
+                    self._scheduler.enqueue_scheduled_jobs()
+                else:
+                    raise
+
+    def _set_aside_unreadable(self) -> bool:
+        """The due jobs RQ cannot read (a hash written by hand), out of the scheduled registries and into
+        ``roseinfer:rejected:<queue>``, as an unreadable queued job is; whether there was one."""
+        w, found = self.worker, False
+        for queue in [q for _, q, _ in w.lane_depths()]:
+            registry = ScheduledJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
+            for job_id in registry.get_jobs_to_schedule(current_timestamp()):
+                try:
+                    Job.fetch(job_id, connection=w.connection, serializer=w.serializer)
+                except NoSuchJobError:
+                    continue  # RQ skips those itself
+                except REDIS_DOWN:
+                    raise
+                except Exception as exc:
+                    log.error("due retry %s cannot be read (%s): moved to roseinfer:rejected", job_id, exc)
+                    with w.connection.pipeline() as pipe:
+                        pipe.zrem(registry.key, job_id)
+                        quarantine(pipe, Unreadable(job_id, queue, str(exc)), w.settings.result_ttl)
+                        pipe.execute()
+                    found = True
+        return found
 
     def _release(self) -> None:
         if self._scheduler is not None:
