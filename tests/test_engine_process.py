@@ -32,6 +32,18 @@ def broken_engine() -> FakeEngine:
     raise OSError("no such model file")
 
 
+def engine_whose_abort_breaks() -> FakeEngine:
+    """Its abort raises: the child's loop fails (not a step: no job of it is to blame) and the child exits."""
+    engine = FakeEngine()
+    engine.step_s = 0.01
+
+    def abort_request(request_id):
+        raise RuntimeError("abort broke")
+
+    engine.abort_request = abort_request
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -108,6 +120,39 @@ def test_the_engine_process_ignores_the_signals_meant_for_its_worker():
         os.kill(pump.pid, signal.SIGINT)
         pump.submit("a", {"prompt": "x"}, _params(3))
         assert _by_job(_drain(pump))["a"] == ("t1t2t3", "length", None)
+    finally:
+        pump.close()
+
+
+def test_an_engine_process_that_dies_while_idle_is_seen_at_once():
+    """The parent looked at the pipe only while jobs ran: an idle worker went on pulling jobs for a dead child,
+    and each failed (a retry spent) before the worker stopped."""
+    pump = EngineProcess(partial(fake_engine))
+    try:
+        assert pump.failure is None
+        os.kill(pump.pid, signal.SIGKILL)
+        until = time.monotonic() + 10
+        while pump.failure is None and time.monotonic() < until:
+            time.sleep(0.01)
+        assert "engine process exited" in pump.failure and not pump.has_work()
+    finally:
+        pump.close()
+
+
+def test_an_error_of_the_childs_loop_fails_every_job_at_once():
+    """An error outside a step (here a cancel's): the child sends it and exits, which may take a while (a real
+    engine's teardown). Every other job still in it fails at the next step, retryably, not once its end is seen."""
+    pump = EngineProcess(partial(engine_whose_abort_breaks))
+    try:
+        for job_id in "abc":
+            pump.submit(job_id, {"prompt": "x"}, _params(10_000))
+        while not pump.step():
+            pass
+        [ended] = pump.cancel("a")
+        assert ended.finish_reason == "abort"
+        failed = {e.job_id: e for e in pump.step() if e.finished}
+        assert sorted(failed) == ["b", "c"] and all(e.retryable and "abort broke" in e.error for e in failed.values())
+        assert not pump.has_work()
     finally:
         pump.close()
 
@@ -291,3 +336,28 @@ def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
         assert not pump.has_work()
     finally:
         pump.close()
+
+
+@pytest.mark.redis
+def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
+    """A worker that fails before its loop (a name another live worker has) closed nothing: its engine process,
+    which ignores SIGTERM, kept multiprocessing's exit waiting for it, and the worker never exited."""
+    import uuid
+
+    from redis import Redis
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    conn = Redis.from_url(redis_url)
+    settings = WorkerSettings(queue=f"q-{uuid.uuid4().hex[:8]}", model="fake", name=f"twin-{uuid.uuid4().hex[:6]}")
+    first = BatchWorker(FakeEngine(), settings, conn)
+    first.register_birth()
+    try:
+        pump = EngineProcess(partial(fake_engine))
+        second = BatchWorker(pump, settings, conn, pump=pump)
+        with pytest.raises(ValueError, match="exists"):
+            second.work()
+        assert pump.failure is not None  # closed: its child is gone
+    finally:
+        first.register_death()

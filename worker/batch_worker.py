@@ -220,21 +220,11 @@ class BatchWorker(BaseWorker):
 
     # ----- the loop ----------------------------------------------------------------------------------
     def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
-        self.bootstrap(logging_level)
-        self._install_signal_handlers()
-        self.sender.worker_key = self.key
-        self.sender.status_list = f"roseinfer:statuses:{self.name}"
-        self.sender.queue_keys = [queue.key for queue in self.queues]
-        self.sender.canceled_keys = [queue.canceled_job_registry.key for queue in self.queues]
-        self.sender.start()
-        if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
-            self.sender.lease_key = LEASE_KEY.format(worker=self.name)
-        self.puller.burst = burst
-        self.puller.start()
-        if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
-            log.info("metrics on :%d/metrics", self.settings.metrics_port)
-        self._heartbeat.start()
+        try:
+            self._start(burst, logging_level)
+        except BaseException:  # (a name in use, a metrics port taken): an engine process must not outlive it
+            self.pump.close()
+            raise
         worked = False
         backoff = 0.5
         try:
@@ -272,6 +262,23 @@ class BatchWorker(BaseWorker):
         log.info("worker %s stopped", self.name)
         return worked
 
+    def _start(self, burst: bool, logging_level: str | None) -> None:
+        self.bootstrap(logging_level)
+        self._install_signal_handlers()
+        self.sender.worker_key = self.key
+        self.sender.status_list = f"roseinfer:statuses:{self.name}"
+        self.sender.queue_keys = [queue.key for queue in self.queues]
+        self.sender.canceled_keys = [queue.canceled_job_registry.key for queue in self.queues]
+        self.sender.start()
+        if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
+            self.sender.lease_key = LEASE_KEY.format(worker=self.name)
+        self.puller.burst = burst
+        self.puller.start()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+            log.info("metrics on :%d/metrics", self.settings.metrics_port)
+        self._heartbeat.start()
+
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
         if self.in_flight or self.sender.busy or not self.puller.quiet:
@@ -297,7 +304,8 @@ class BatchWorker(BaseWorker):
             flush = time.monotonic() + self._step_s >= self._next_hand_over
             events = self.pump.step(flush=flush)
             self._step_s = time.perf_counter() - started
-            self.metrics.step.observe(self._step_s)
+            for seconds in self.pump.take_step_times():  # the engine's own (an engine process: its child's)
+                self.metrics.step.observe(seconds)
             if self._route(events):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():

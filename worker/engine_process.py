@@ -8,10 +8,10 @@ steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' b
 
 Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
 [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
-facts)``, ``("step", events, facts)`` after each engine step, ``("canceled", {job_id: [event, ...]}, facts)``,
-``("error", text)`` if the child's loop itself fails. The child decides when a step's text is handed out
-(``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with its parent, and a
-full pipe slows the engine down rather than drop anything.
+facts)``, ``("step", events, facts, [step seconds, ...])`` after each engine step, ``("canceled", {job_id:
+[event, ...]}, facts)``, ``("error", text)`` if the child's loop itself fails. The child decides when a step's
+text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with
+its parent, and a full pipe slows the engine down rather than drop anything.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -84,6 +85,12 @@ def sparing_a_core(options: dict[str, Any]) -> dict[str, Any]:
     threads = max(1, torch.get_num_threads() - 1)
     log.info("engine process: %d math threads, a core left to the worker", threads)
     return {**options, "num_threads": threads}
+
+
+def _kill(proc: multiprocessing.process.BaseProcess) -> None:
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
 
 
 def _die_with_parent() -> None:
@@ -156,7 +163,7 @@ def _serve(
             events = pump.step(flush=flush)
             step_s = time.monotonic() - began
             if events or busy:
-                conn.send(("step", events, _facts(engine)))
+                conn.send(("step", events, _facts(engine), pump.take_step_times()))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
         return
     except Exception as exc:
@@ -195,12 +202,16 @@ class EngineProcess:
             daemon=True,
         )  # fmt: skip
         self._proc.start()
+        # At exit, before multiprocessing's own join of its daemon children (which waits for good on this one: it
+        # ignores the SIGTERM that join sends first), as when the worker fails before it closes this.
+        weakref.finalize(self, _kill, self._proc)
         child_commands.close()
         child_events.close()
         self._jobs: set[str] = set()
         self._outbox: list[tuple] = []  # submits since the last step, sent together
         self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
-        self.failure: str | None = None  # why the child is gone, once it is
+        self._step_times: list[float] = []  # the child's engine steps, for the step histogram
+        self._failure: str | None = None  # why the child is gone, once it is (``failure``)
         if not self._conn.poll(start_timeout):
             self.close()
             raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
@@ -281,10 +292,19 @@ class EngineProcess:
             self._events = [e for e in self._events if e.job_id not in answers]
         return answers
 
+    @property
+    def failure(self) -> str | None:
+        """Why the child is gone (an error it sent, or its exit: seen at once, even while no job runs), or None."""
+        if self._failure is None and not self._proc.is_alive():
+            self._failure = f"the engine process exited (exit code {self._proc.exitcode})"
+        return self._failure
+
     def step(self, flush: bool = True) -> list[JobEvent]:
         """The events of the steps the child ran since the last call (``flush`` is the child's to decide): waits
-        a few ms for one if none came yet."""
+        a few ms for one if none came yet. Once the child is gone, every job still here fails, retryably."""
         try:
+            if self.failure is not None:
+                raise EngineProcessDied(self.failure)  # (it may still be exiting: no end of the pipe to wait for)
             self._send_outbox()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
@@ -293,15 +313,23 @@ class EngineProcess:
         except EngineProcessDied as exc:
             log.error("%s: failing its %d jobs", exc, len(self._jobs))
             error = f"{exc}; the job may run again elsewhere"
+            done = {e.job_id for e in self._events if e.finished}
             self._events += [
                 JobEvent(j, finish_reason="error", error=error, retryable=True, error_type="server_error")
                 for j in self._jobs
+                if j not in done
             ]
+            self._outbox = []
         events, self._events = self._events, []
         for event in events:
             if event.finished:
                 self._jobs.discard(event.job_id)
         return events
+
+    def take_step_times(self) -> list[float]:
+        """``Pump.take_step_times``: the child's (the parent's ``step`` only waits on the pipe)."""
+        times, self._step_times = self._step_times, []
+        return times
 
     def close(self) -> None:
         if self.failure is None:
@@ -361,11 +389,12 @@ class EngineProcess:
         if kind == "step":
             self._events += message[1]
             self.facts = message[2]
+            self._step_times += message[3]
         elif kind == "error":
-            self.failure = message[1]
+            self._failure = message[1]
             raise EngineProcessDied(message[1])
 
     def _died(self) -> EngineProcessDied:
         self._proc.join(timeout=5)
-        self.failure = self.failure or f"the engine process exited (exit code {self._proc.exitcode})"
-        return EngineProcessDied(self.failure)
+        self._failure = self._failure or f"the engine process exited (exit code {self._proc.exitcode})"
+        return EngineProcessDied(self._failure)

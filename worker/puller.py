@@ -166,6 +166,8 @@ class Puller:
         mono = time.monotonic()
         if w._stop_requested or w._force_stop or mono < self._paused_until or w._is_suspended(mono):
             return False
+        if w.pump.failure:  # an engine process that died: a job taken now would only fail (a retry spent)
+            return False
         idle = not w.in_flight and self._handed == self._taken and not w.sender.busy
         # While jobs run, pull only when the sender saw jobs waiting (or once a second): an empty LMOVE is a round
         # trip for nothing.

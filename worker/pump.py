@@ -82,6 +82,7 @@ class Pump:
         self._waiting: dict[str, _Job] = {}  # not admitted into the engine yet
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, job id); ended jobs left to drop
         self.failure: str | None = None  # never set here: an engine in this process cannot die apart from it
+        self._step_times: list[float] = []
         if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
@@ -225,9 +226,16 @@ class Pump:
                 events.append(JobEvent(job_id, finish_reason="error", error=error, error_type="server_error"))
         return events
 
+    def take_step_times(self) -> list[float]:
+        """Seconds of each engine step run since the last call (the step histogram's)."""
+        times, self._step_times = self._step_times, []
+        return times
+
     def _run_step(self, flush: bool) -> list[JobEvent]:
+        began = time.perf_counter()
         try:
             outputs = self.engine.step(flush=flush)
+            self._step_times.append(time.perf_counter() - began)
         except Exception as exc:
             # Jobs the step before ended get their final events; those this one ran fail.
             return self._events_of(self.engine.take_undelivered()) + self._step_failed(exc)
