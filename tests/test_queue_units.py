@@ -1294,3 +1294,51 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == [job.id]
     assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and not conn.exists(execution.key)
     assert conn.ttl(rq_job.key) > 0
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("forgotten", [False, True], ids=["script loaded", "Redis forgot the script"])
+def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, forgotten):
+    """RQ's job heartbeat is an HSET whatever its xx says: a beat just after a job's ``delete()`` made a hash of one
+    field with no TTL, for good. The beat writes only where the hash still is; a running job's hash gets its beat."""
+    import uuid
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.schema import JobRequest
+    from worker.batch_worker import BatchWorker, InFlight
+    from worker.heartbeat import Heartbeat
+    from worker.intake import pull
+    from worker.publisher import JobStream
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hello", "max_tokens": 4}
+    client = Client(redis_url, queue=name)
+    deleted, running = client.submit(**payload), client.submit(**payload)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    worker.sender._load_scripts()
+    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    executions, _ = worker.mark_started(pulled)
+    for (job, queue), execution in zip(pulled, executions):
+        held = InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0, beat_at=0)
+        worker.in_flight[job.id] = held
+    heartbeat = Heartbeat(worker)
+    heartbeat.beat()  # loads its script
+    if forgotten:
+        conn.script_flush()
+    conn.delete(f"rq:job:{deleted.id}")  # RQ's job.delete(), by the job's owner, while it runs
+    conn.hdel(f"rq:job:{running.id}", "last_heartbeat")
+    for held in worker.in_flight.values():
+        held.beat_at = 0
+    heartbeat.beat()
+    assert not conn.exists(f"rq:job:{deleted.id}")
+    assert conn.hget(f"rq:job:{running.id}", "last_heartbeat")

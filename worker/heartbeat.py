@@ -7,17 +7,26 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from rq.utils import now
+import redis
+from rq.utils import now, utcformat
 
 from worker.due_retries import DueRetries
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE
+from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, load_script
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
 
 log = logging.getLogger("roseinfer.worker")
+
+# KEYS: job hashes; ARGV: the heartbeat's stamp. RQ's job heartbeat (an HSET), only where the hash exists: a job
+# deleted (RQ's job.delete()) just before a beat came back as a hash of one field and no TTL, for good.
+_BEAT_JOBS = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'last_heartbeat', ARGV[1]) end
+end
+"""
 
 
 class Heartbeat:
@@ -27,6 +36,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._rate = (time.monotonic(), 0)  # (when, tokens) at the last beat, for tokens/s
         self.due_retries = DueRetries(worker)
+        self._beat_jobs: Any = None  # ``_BEAT_JOBS``, loaded at the first beat where Redis runs Lua
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="roseinfer-heartbeat", daemon=True)
@@ -70,14 +80,32 @@ class Heartbeat:
         # A job whose heartbeat is younger than grace - interval outlives its TTL (interval + grace) until the next
         # beat without one: a job started a moment ago costs no writes (six a job a beat).
         fresh = mono - (w.settings.heartbeat_grace - w.settings.heartbeat_interval)
+        stale = [job for job in jobs if job.beat_at <= fresh]
+        if stale and w.sender.runs_scripts and self._beat_jobs is None:
+            self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
+        try:
+            replies = self._beat(stale, ttl, rate, mono)
+        except redis.exceptions.NoScriptError:  # Redis restarted and forgot it
+            self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
+            replies = self._beat(stale, ttl, rate, mono)
+        lease = w.sender.lease_key
+        if lease and not replies[-1]:
+            self.renew_lease(jobs)
+
+    def _beat(self, stale: list, ttl: int, rate: float, mono: float) -> list:
+        w = self.worker
         with w.connection.pipeline(transaction=False) as pipe:
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
-            for job in jobs:
-                if job.beat_at > fresh:
-                    continue
+            stamp = now()
+            for job in stale:
                 job.beat_at = mono
                 job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
-                job.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+                job.job.last_heartbeat = stamp
+            if stale and self._beat_jobs is not None:
+                pipe.evalsha(self._beat_jobs.sha, len(stale), *[job.job.key for job in stale], utcformat(stamp))
+            else:  # no Lua (the embedded fakeredis): RQ's own, which writes whether or not the hash exists
+                for job in stale:
+                    job.job.heartbeat(stamp, ttl, pipeline=pipe)
             key = w.stats_key()
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
             # The statistics lapse with the heartbeat: a dead worker drops out of `roseinfer status`.
@@ -85,9 +113,7 @@ class Heartbeat:
             lease = w.sender.lease_key
             if lease:  # extended only while it exists: a lapse may have let RQ requeue a job held here
                 pipe.pexpire(lease, self.lease_ms())
-            replies = pipe.execute()
-        if lease and not replies[-1]:
-            self.renew_lease(jobs)
+            return pipe.execute()
 
     def lease_ms(self) -> int:
         """Shorter than the jobs' heartbeat TTL by half the grace: the lease lapses before RQ may requeue any job
