@@ -92,6 +92,7 @@ class InFlight:
     stream: JobStream
     started_at: float
     first_token_at: float | None = None
+    finished_at: float | None = None  # when its last event came out of the engine (its result is built later)
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)
 
@@ -487,6 +488,8 @@ class BatchWorker(BaseWorker):
                 continue
             if job.first_token_at is None and event.token_ids:
                 job.first_token_at = wall
+            if event.finish_reason is not None:
+                job.finished_at = wall
             self.tokens += len(event.token_ids)
             if event.restarted:
                 job.stream.restart()
@@ -772,13 +775,14 @@ class BatchWorker(BaseWorker):
                     self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
                 quarantine(pipe, item, self.settings.result_ttl)
                 pipe.execute()
+            self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
 
     def _result(self, job: InFlight, out: Any) -> dict[str, Any]:
         return build_result(
             job.job, job.request, out, model=self.settings.model, started_at=job.started_at,
-            first_token_at=job.first_token_at,
+            first_token_at=job.first_token_at, finished_at=job.finished_at,
         )  # fmt: skip
 
     def _write_failure(

@@ -96,11 +96,19 @@ def _logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
 
 
 def build_result(
-    job: Job, req: JobRequest, out: RequestOutput, *, model: str, started_at: float, first_token_at: float | None
+    job: Job,
+    req: JobRequest,
+    out: RequestOutput,
+    *,
+    model: str,
+    started_at: float,
+    first_token_at: float | None,
+    finished_at: float | None = None,
 ) -> dict[str, Any]:
-    """The job's result: the return value of its entry in RQ's result stream (``job.return_value()``)."""
+    """The job's result: the return value of its entry in RQ's result stream (``job.return_value()``).
+    ``finished_at``: when its last event came out of the engine (default: now)."""
     c = out.outputs[0]
-    finished_at = time.time()
+    finished_at = finished_at or time.time()
     enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
     result: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
