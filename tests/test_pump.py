@@ -451,6 +451,7 @@ def test_a_failed_step_with_retries_left_minus_one_fails_the_job_with_its_end(fa
     assert list(job.events(timeout=5))[-1]["finish_reason"] == "error"
 
 
+@pytest.mark.slow  # seconds of waiting: the full suite's, not the fast lane's
 def test_a_job_taken_in_during_a_long_step_is_heartbeaten_from_its_start(fake_worker):
     """Its start wrote the started registry's expiry; the step loop takes it in only after the step under way. Its
     heartbeats count from the start (else one step longer than the grace let RQ requeue a running job)."""

@@ -256,6 +256,7 @@ def test_a_stream_trimmed_before_it_was_read_says_so_rather_than_give_part_of_th
         list(Client(connection=conn).job("j").stream(timeout=5))
 
 
+@pytest.mark.slow  # seconds of waiting: the full suite's, not the fast lane's
 def test_a_final_event_written_just_after_the_finished_status_still_ends_the_stream():
     """The worker writes a job's result (status finished) and then, in its next write, the final event: a reader
     that looks in between waits for it; a finished job whose stream never shows its end reads as expired."""

@@ -442,6 +442,7 @@ def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow  # seconds of waiting: the full suite's, not the fast lane's
 def test_redis_busy_with_another_clients_long_script_is_waited_out(served, redis_url):
     """Another client's Lua script runs past Redis's busy-reply-threshold: Redis answers BUSY to everyone until it
     ends. The worker's writes wait for it, as for an unreachable Redis (the sender thread died on the reply once,
