@@ -1042,38 +1042,14 @@ def test_a_refused_event_of_an_earlier_attempt_does_not_drop_the_attempt_running
     """The sender reports events Redis refused (another attempt owns their job) with the attempt that wrote them:
     a job this worker pulled again (after an outage) keeps running when the earlier attempt's events come back
     refused; only a report naming the attempt running now drops it."""
-    import uuid
-
-    from redis import Redis
-    from rq.job import Job
-    from rq.serializers import JSONSerializer
-
-    from producer import Client
-    from producer.schema import JobRequest
-    from worker.batch_worker import BatchWorker, InFlight
-    from worker.intake import pull
-    from worker.publisher import JobStream
-    from worker.settings import WorkerSettings
-
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    payload = {"prompt": "hello", "max_tokens": 4}
-    job = Client(redis_url, queue=name).submit(**payload)
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    worker.register_birth()
-    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
-    [execution], _ = worker.mark_started(pulled)
-    (rq_job, queue), stream = pulled[0], JobStream(job.id, owner=execution.id)
-    worker.in_flight[job.id] = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), stream, 0.0)
-    worker._reports_lost([(job.id, "an-earlier-attempt")])
+    _, worker, _, [held] = _running_jobs(redis_url)
+    job_id = held.job.id
+    worker._reports_lost([(job_id, "an-earlier-attempt")])
     worker._drop_lost()
-    assert job.id in worker.in_flight and not worker._tasks
-    worker._reports_lost([(job.id, execution.id)])
+    assert job_id in worker.in_flight and not worker._tasks
+    worker._reports_lost([(job_id, held.execution.id)])
     worker._drop_lost()
-    assert job.id not in worker.in_flight and len(worker._tasks) == 1
+    assert job_id not in worker.in_flight and len(worker._tasks) == 1
 
 
 @pytest.mark.redis
@@ -1123,58 +1099,34 @@ def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_
     """A running job whose registry entries went (RQ requeued it while this worker stalled, or Redis restarted
     empty) is written into them again: the started registry, its executions, this worker's; else a crash of this
     worker later would leave it started for good, in no registry RQ's clean-up reads."""
-    import uuid
-
-    from redis import Redis
     from rq.executions import ExecutionRegistry
-    from rq.job import Job
     from rq.registry import StartedJobRegistry
-    from rq.serializers import JSONSerializer
 
-    from producer import Client
-    from producer.schema import JobRequest
-    from worker.batch_worker import BatchWorker, InFlight
-    from worker.intake import pull
-    from worker.publisher import JobStream
-    from worker.settings import WorkerSettings
-
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    payload = {"prompt": "hello", "max_tokens": 4}
-    job = Client(redis_url, queue=name).submit(**payload)
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    worker.register_birth()
-    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
-    [execution], _ = worker.mark_started(pulled)
-    (rq_job, queue) = pulled[0]
-    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
-    worker.in_flight[job.id] = held
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    job_id, execution, queue = held.job.id, held.execution, held.queue
     started = StartedJobRegistry(name, connection=conn)
 
     def registered() -> tuple:
         return (
             started.get_job_ids(),
-            ExecutionRegistry(job.id, connection=conn).get_job_ids(),
+            ExecutionRegistry(job_id, connection=conn).get_job_ids(),
             conn.smembers(execution.worker_executions_key),
             conn.exists(execution.key),
         )
 
     before = registered()
-    assert before == ([job.id], [execution.id], {execution.composite_key.encode()}, 1)
+    assert before == ([job_id], [execution.id], {execution.composite_key.encode()}, 1)
     if how == "requeued by RQ":
-        conn.delete(started.key, f"rq:executions:{job.id}", execution.worker_executions_key, execution.key)
-        conn.lrem(queue.key, 0, job.id)
-        conn.rpush(queue.intermediate_queue_key, job.id)  # pulled again: the copy in the intermediate list
-        worker._keep_running_copy(rq_job, queue)
+        conn.delete(started.key, f"rq:executions:{job_id}", execution.worker_executions_key, execution.key)
+        conn.lrem(queue.key, 0, job_id)
+        conn.rpush(queue.intermediate_queue_key, job_id)  # pulled again: the copy in the intermediate list
+        worker._keep_running_copy(held.job, queue)
     else:
-        conn.delete(*[k for k in conn.keys(f"*{name}*")], *conn.keys(f"rq:*{job.id}*"), execution.key, worker.key)
+        conn.delete(*[k for k in conn.keys(f"*{name}*")], *conn.keys(f"rq:*{job_id}*"), execution.key, worker.key)
         conn.delete(execution.worker_executions_key)
         worker._redis_lost_data()
     assert registered() == before
-    assert conn.hget(f"rq:job:{job.id}", "status") == b"started"
+    assert conn.hget(f"rq:job:{job_id}", "status") == b"started"
 
 
 @pytest.mark.redis
@@ -1183,42 +1135,19 @@ def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_u
     """This worker stalled past its heartbeat, RQ's clean-up failed the job (abandoned, no retry left), and it
     still ran here and finished: it ends finished, out of the failed registry (RQ's own success path leaves it
     in both, counted as failed and finished)."""
-    import uuid
-
-    from redis import Redis
-    from rq.job import Job
     from rq.registry import FailedJobRegistry, FinishedJobRegistry
-    from rq.serializers import JSONSerializer
 
-    from producer import Client
-    from producer.schema import JobRequest
-    from worker.batch_worker import BatchWorker, InFlight
-    from worker.intake import pull
     from worker.job_finish import register
-    from worker.publisher import JobStream
-    from worker.settings import WorkerSettings
 
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    payload = {"prompt": "hello", "max_tokens": 4}
-    job = Client(redis_url, queue=name).submit(**payload)
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    worker.register_birth()
-    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
-    [execution], _ = worker.mark_started(pulled)
-    (rq_job, queue) = pulled[0]
-    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
-    conn.hset(rq_job.key, "status", "failed")  # what RQ's handling of an abandoned job writes
-    conn.zadd(FailedJobRegistry(name, connection=conn).key, {job.id: 9e9})
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    conn.hset(held.job.key, "status", "failed")  # what RQ's handling of an abandoned job writes
+    conn.zadd(FailedJobRegistry(name, connection=conn).key, {held.job.id: 9e9})
     worker.sender.finish_script = register(conn) if way == "script" else None
     result = {"status": "finished", "text": "ok", "token_ids": [1]}
     assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
-    assert conn.hget(rq_job.key, "status") == b"finished"
+    assert conn.hget(held.job.key, "status") == b"finished"
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
-    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [job.id]
+    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
 
 
 @pytest.mark.redis
@@ -1259,42 +1188,18 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
     """A running job whose status another client set to stopped: its end records the stop (RQ's failed registry,
     the started registry and the execution left, the hash's TTL), though the status already reads as what that end
     writes. Only our execution's hash being gone says an earlier try of the end ran."""
-    import uuid
-
-    from redis import Redis
-    from rq.job import Job
     from rq.registry import FailedJobRegistry, StartedJobRegistry
-    from rq.serializers import JSONSerializer
 
-    from producer import Client
-    from producer.schema import JobRequest
-    from worker.batch_worker import BatchWorker, InFlight
-    from worker.intake import pull
-    from worker.publisher import JobStream
     from worker.pump import JobEvent
-    from worker.settings import WorkerSettings
 
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    payload = {"prompt": "hello", "max_tokens": 4}
-    job = Client(redis_url, queue=name).submit(**payload)
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    worker.register_birth()
-    pulled, _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
-    [execution], _ = worker.mark_started(pulled)
-    (rq_job, queue) = pulled[0]
-    held = InFlight(rq_job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0)
-    worker.in_flight[job.id] = held
-    conn.hset(rq_job.key, "status", "stopped")  # as another client writes it; the sender reports it
-    worker._canceled(held, [JobEvent(job.id, finish_reason="abort")], stopped=True)
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    conn.hset(held.job.key, "status", "stopped")  # as another client writes it; the sender reports it
+    worker._canceled(held, [JobEvent(held.job.id, finish_reason="abort")], stopped=True)
     for end in worker._tasks:
         end()
-    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [job.id]
-    assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and not conn.exists(execution.key)
-    assert conn.ttl(rq_job.key) > 0
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+    assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and not conn.exists(held.execution.key)
+    assert conn.ttl(held.job.key) > 0
 
 
 @pytest.mark.redis
@@ -1302,6 +1207,28 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
 def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, forgotten):
     """RQ's job heartbeat is an HSET whatever its xx says: a beat just after a job's ``delete()`` made a hash of one
     field with no TTL, for good. The beat writes only where the hash still is; a running job's hash gets its beat."""
+    from worker.heartbeat import Heartbeat
+
+    conn, worker, _, [deleted, running] = _running_jobs(redis_url, count=2)
+    worker.sender._load_scripts()
+    heartbeat = Heartbeat(worker)
+    for held in (deleted, running):
+        held.beat_at = 0
+    heartbeat.beat()  # loads its script
+    if forgotten:
+        conn.script_flush()
+    conn.delete(deleted.job.key)  # RQ's job.delete(), by the job's owner, while it runs
+    conn.hdel(running.job.key, "last_heartbeat")
+    for held in (deleted, running):
+        held.beat_at = 0
+    heartbeat.beat()
+    assert not conn.exists(deleted.job.key)
+    assert conn.hget(running.job.key, "last_heartbeat")
+
+
+def _running_jobs(redis_url: str, count: int = 1, **fields):
+    """A worker of a new queue (no engine: its ends and registries are under test) that pulled and started ``count``
+    jobs of ``fields``, each in flight: (connection, worker, queue name, the jobs in flight)."""
     import uuid
 
     from redis import Redis
@@ -1311,7 +1238,6 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
     from producer import Client
     from producer.schema import JobRequest
     from worker.batch_worker import BatchWorker, InFlight
-    from worker.heartbeat import Heartbeat
     from worker.intake import pull
     from worker.publisher import JobStream
     from worker.settings import WorkerSettings
@@ -1321,25 +1247,15 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
 
     conn = Redis.from_url(redis_url)
     name = f"q-{uuid.uuid4().hex[:8]}"
-    payload = {"prompt": "hello", "max_tokens": 4}
-    client = Client(redis_url, queue=name)
-    deleted, running = client.submit(**payload), client.submit(**payload)
+    payload = {"prompt": "hello", "max_tokens": 4, **fields}
+    Client(redis_url, queue=name).submit_many([payload] * count)
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    worker.sender._load_scripts()
-    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    pulled, _ = pull([worker.queues[0]], count, None, conn, Job, JSONSerializer)
     executions, _ = worker.mark_started(pulled)
+    held = []
     for (job, queue), execution in zip(pulled, executions):
-        held = InFlight(job, queue, execution, JobRequest.model_validate(payload), JobStream(job.id), 0.0, beat_at=0)
-        worker.in_flight[job.id] = held
-    heartbeat = Heartbeat(worker)
-    heartbeat.beat()  # loads its script
-    if forgotten:
-        conn.script_flush()
-    conn.delete(f"rq:job:{deleted.id}")  # RQ's job.delete(), by the job's owner, while it runs
-    conn.hdel(f"rq:job:{running.id}", "last_heartbeat")
-    for held in worker.in_flight.values():
-        held.beat_at = 0
-    heartbeat.beat()
-    assert not conn.exists(f"rq:job:{deleted.id}")
-    assert conn.hget(f"rq:job:{running.id}", "last_heartbeat")
+        stream = JobStream(job.id, owner=execution.id)
+        held.append(InFlight(job, queue, execution, JobRequest.model_validate(payload), stream, 0.0))
+        worker.in_flight[job.id] = held[-1]
+    return conn, worker, name, held
