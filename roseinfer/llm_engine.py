@@ -565,11 +565,11 @@ class LLMEngine:
         )
 
 
-def _shown(seq: Sequence, token: int, by_token: bool | str) -> int | None:
+def _shown(seq: Sequence, token: int, by_token: bool) -> int | None:
     """The token its detokenizer takes: the text of a token that stopped the request (EOS, a stop id) stays out,
     as in vLLM, unless the request keeps what stopped it (``include_stop_str_in_output``); one its structured output
-    refused ("abort") never shows."""
-    if not by_token or (by_token is True and seq.params.include_stop_str_in_output):
+    refused (the request ended "abort") never shows."""
+    if not by_token or (seq.params.include_stop_str_in_output and seq.finish_reason == "stop"):
         return token
     return None
 
