@@ -195,8 +195,9 @@ class Sampler:
         tok_list = tokens[idx].tolist()
         for j, i in enumerate(rows):
             n = params[i].logprobs
-            entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
-            entry[tok_list[j]] = chosen[j]
+            # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
+            entry = {t: v for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")}
+            entry[tok_list[j]] = max(chosen[j], -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
             out[i] = entry
         return out
 

@@ -142,7 +142,10 @@ def test_a_resumed_output_goes_on_under_its_constraint(llm, sampling):
 
 def test_logprobs_are_those_under_the_constraint(llm):
     """As vLLM (its runner masks before its sampler): the alternatives a step reports are tokens the structured
-    output allows, not the model's favourites it forbids."""
+    output allows, not the model's favourites it forbids; where it allows fewer than asked for, fewer are listed
+    (never a forbidden one at -inf, which JSON cannot even hold)."""
+    import math
+
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=5, structured_outputs={"choice": ["yes", "no"]})
     out = llm.generate(["Is the sky blue? Answer:"], params, use_tqdm=False)[0].outputs[0]
@@ -151,3 +154,10 @@ def test_logprobs_are_those_under_the_constraint(llm):
     for token_id in first:
         piece = tok.decode([token_id])
         assert "yes".startswith(piece) or "no".startswith(piece), (piece, first)
+    word = "Supercalifragilistic"
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=5, structured_outputs={"choice": [word]})
+    out = llm.generate(["Say it:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == word
+    for step in out.logprobs:
+        assert all(math.isfinite(v) for v in step.values()), step
+        json.dumps(step, allow_nan=False)
