@@ -361,3 +361,37 @@ def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
         assert pump.failure is not None  # closed: its child is gone
     finally:
         first.register_death()
+
+
+def engine_that_ends_a_job_then_breaks() -> FakeEngine:
+    """Its second step ends job "short"; then its loop breaks outside any step (the child sends that step, then its
+    error, and exits)."""
+    engine = FakeEngine()
+    real = engine.has_unfinished_requests
+
+    def has_unfinished_requests():
+        if engine.steps >= 2:
+            raise RuntimeError("the engine's loop broke")
+        return real()
+
+    engine.has_unfinished_requests = has_unfinished_requests
+    return engine
+
+
+def test_what_a_dead_child_sent_before_it_went_is_read_first():
+    """The child's last messages (a step that ended a job, its error) are read before its jobs fail: the job that
+    ended ends so (no retry spent), and the reason is the child's own, not its exit code."""
+    pump = EngineProcess(partial(engine_that_ends_a_job_then_breaks))
+    try:
+        pump.submit("short", {"prompt": "x"}, _params(2))
+        pump.submit("long", {"prompt": "y"}, _params(10_000))
+        pump._send_outbox()
+        until = time.monotonic() + 10
+        while pump._proc.is_alive() and time.monotonic() < until:  # it has gone before the parent looks
+            time.sleep(0.01)
+        ended = {e.job_id: e for e in _drain(pump) if e.finished}
+        assert ended["short"].finish_reason == "length"
+        assert ended["long"].finish_reason == "error" and ended["long"].retryable
+        assert "the engine's loop broke" in ended["long"].error
+    finally:
+        pump.close()

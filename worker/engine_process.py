@@ -303,8 +303,9 @@ class EngineProcess:
         """The events of the steps the child ran since the last call (``flush`` is the child's to decide): waits
         a few ms for one if none came yet. Once the child is gone, every job still here fails, retryably."""
         try:
-            if self.failure is not None:
-                raise EngineProcessDied(self.failure)  # (it may still be exiting: no end of the pipe to wait for)
+            if self.failure is not None:  # (it may still be exiting: no end of the pipe to wait for)
+                self._read_what_is_left()
+                raise EngineProcessDied(self.failure)
             self._send_outbox()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
@@ -393,6 +394,17 @@ class EngineProcess:
         elif kind == "error":
             self._failure = message[1]
             raise EngineProcessDied(message[1])
+
+    def _read_what_is_left(self) -> None:
+        """What a child that is gone sent before it went, in order: its last steps' events (jobs they ended end so,
+        not failed) and its error (the reason given, not just its exit code)."""
+        with contextlib.suppress(EOFError, OSError):
+            while self._conn.poll(0):
+                message = self._conn.recv()
+                if message[0] == "error":
+                    self._failure = message[1]
+                elif message[0] == "step":
+                    self._take(message)
 
     def _died(self) -> EngineProcessDied:
         self._proc.join(timeout=5)
