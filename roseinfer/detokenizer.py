@@ -28,11 +28,11 @@ class IncrementalDetokenizer:
         self.stop_strings = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
-        # As with EOS and stop ids, a stop string ends nothing before min_tokens (as in vLLM): the text of the first
-        # min_tokens tokens is never searched, so nothing of it (some already handed out) can be cut.
+        # As with EOS and stop ids, a stop string ends nothing before min_tokens (as in vLLM): one lying wholly in
+        # the text of the first min_tokens tokens never matches, so nothing of it already handed out can be cut.
         self._min_tokens = params.min_tokens
         self._num_tokens = 0  # output tokens taken (resumed ones included)
-        self._stop_floor = 0  # where a stop string may start
+        self._stop_floor = 0  # the end of the first min_tokens tokens' text: a stop string must end past it
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
@@ -106,7 +106,7 @@ class IncrementalDetokenizer:
         return self.update(None, finished=True)
 
     def _add_text(self, delta: str) -> None:
-        start = max(0, len(self.text) - self._max_stop + 1, self._stop_floor)
+        start = max(0, len(self.text) - self._max_stop + 1)
         self.text += delta
         if self._num_tokens <= self._min_tokens:
             self._stop_floor = len(self.text)
@@ -115,7 +115,9 @@ class IncrementalDetokenizer:
             return
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:
-            pos = self.text.find(stop, start)
+            # It may begin in the text of the first min_tokens tokens (held back: it began a stop string), not lie
+            # wholly in it (vLLM's stop_check_offset).
+            pos = self.text.find(stop, max(start, self._stop_floor - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is not None:

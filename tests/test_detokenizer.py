@@ -113,6 +113,16 @@ def test_a_stop_string_ends_nothing_before_min_tokens(smol_tokenizer):
     assert (d.stop_hit, d.output_text) == ("STOP", "STOP one two ")
 
 
+def test_a_stop_string_across_the_min_tokens_boundary_still_ends_the_output(smol_tokenizer):
+    """Begun in the text of the first min_tokens tokens and ended after it, it matches (as in vLLM): only one lying
+    wholly before the boundary does not."""
+    for min_tokens in (0, 1):
+        _, pieces, d = stream(
+            smol_tokenizer, "Hello world again", SamplingParams(stop="lo world", min_tokens=min_tokens)
+        )
+        assert (d.stop_hit, d.output_text, "".join(pieces)) == ("lo world", "Hel", "Hel"), min_tokens
+
+
 @pytest.mark.parametrize("min_tokens", range(1, 8))
 def test_text_handed_out_before_min_tokens_is_never_cut_by_a_stop_string(smol_tokenizer, min_tokens):
     """A stop string shorter than another one, lying in text handed out before min_tokens: the search for stop
