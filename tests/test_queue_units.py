@@ -808,7 +808,7 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     from rq.serializers import JSONSerializer
 
     from producer import Client
-    from producer.protocol import read_result, result_from_entries
+    from producer.protocol import OWNER_FIELD, read_result, result_from_entries
     from producer.schema import JobRequest
     from worker.batch_worker import BatchWorker, InFlight
     from worker.intake import pull
@@ -845,8 +845,11 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     late_job = Job.fetch(timed_out.id, connection=conn, serializer=JSONSerializer)
     conn.hset(late_job.key, "status", "started")
     worker._finalize_failure = lambda *args: None  # as if RQ's pipeline had failed
+    conn.hset(late_job.key, OWNER_FIELD, executions[2].id)
     with pytest.raises(redis.exceptions.ConnectionError, match="did not land"):
         worker._record_failure(late_job, worker.queues[0], executions[2], RuntimeError("boom"))
+    conn.hset(late_job.key, OWNER_FIELD, "another-worker")  # its retry, started elsewhere meanwhile: it landed
+    worker._record_failure(late_job, worker.queues[0], executions[2], RuntimeError("boom"))
     conn.hset(late_job.key, "status", "queued")
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == [failing.id]
     # A timeout is retried as RQ retries its own: back in the queue, one retry spent.

@@ -802,8 +802,10 @@ class BatchWorker(BaseWorker):
             raise error
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
-        # RQ logs an error of its last write and goes on: read it back, so the sender tries this end again.
-        if self.connection.hget(job.key, "status") == JobStatus.STARTED.value.encode():
+        # RQ logs an error of its last write and goes on: read it back, so the sender tries this end again. (Started
+        # by another worker since, a retry of it: it landed.)
+        owner, status = self.connection.hmget(job.key, OWNER_FIELD, "status")
+        if status == JobStatus.STARTED.value.encode() and owner in (None, execution.id.encode()):
             raise redis.exceptions.ConnectionError(f"RQ's record of the failure of job {job.id} did not land")
 
     # ----- what came back -----------------------------------------------------------------------------
