@@ -210,7 +210,9 @@ def _pull_batch(
         moved, flat = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit, prefix])
         raws = [dict(zip(fields[::2], fields[1::2])) for fields in flat]
     else:
-        with connection.pipeline(transaction=False) as pipe:
+        # One transaction, as the script is one command: a burst landing midway was taken in part (its first jobs
+        # met moves already run), and then handed to the engine in slices.
+        with connection.pipeline(transaction=True) as pipe:
             for _ in range(limit):
                 pipe.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
             moved = [i for i in pipe.execute() if i is not None]
