@@ -97,22 +97,14 @@ def test_ctrl_c_with_a_parquet_output_leaves_a_whole_file_and_the_rerun_complete
     served, redis_url, tmp_path, monkeypatch, capsys
 ):
     worker, _ = served
-    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
-    ids = _table(src, 16, tmp_path.name)
-    argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url, "--queue"]
-    argv += [worker.queue, "--prompt-column", "question", "--id-column", "qid", "--max-tokens", "12"]
+    out, ids, argv = _parquet_run(tmp_path, redis_url, worker.queue)
     argv += ["--temperature", "0"]
-    ticks = 0
     real_tick = Progress.tick
 
-    def interrupt_on_the_fourth_poll(self):
-        nonlocal ticks
-        ticks += 1
-        if ticks == 4:
-            raise KeyboardInterrupt
-        real_tick(self)
+    def interrupt():
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(Progress, "tick", interrupt_on_the_fourth_poll)
+    monkeypatch.setattr(Progress, "tick", _on_the_fourth_poll(interrupt))
     assert producer_cli.batch(_parse(argv)) == 130
     first = pq.read_table(out).to_pylist()  # a whole Parquet file, footer and all
     assert 0 < len(first) < 16
@@ -261,21 +253,9 @@ def test_sigterm_and_sighup_stop_a_parquet_run_as_ctrl_c_does(name, served, redi
 
     before = signal.signal(number, noted)
     try:
-        src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
-        ids = _table(src, 16, tmp_path.name)
-        argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url, "--queue"]
-        argv += [worker.queue, "--prompt-column", "question", "--id-column", "qid", "--max-tokens", "12"]
-        ticks = 0
+        out, ids, argv = _parquet_run(tmp_path, redis_url, worker.queue)
         real_tick = Progress.tick
-
-        def signal_on_the_fourth_poll(self):
-            nonlocal ticks
-            ticks += 1
-            if ticks == 4:
-                os.kill(os.getpid(), number)
-            real_tick(self)
-
-        monkeypatch.setattr(Progress, "tick", signal_on_the_fourth_poll)
+        monkeypatch.setattr(Progress, "tick", _on_the_fourth_poll(lambda: os.kill(os.getpid(), number)))
         assert producer_cli.batch(_parse(argv)) == 130
         assert received == [] and signal.getsignal(number) is noted  # the run's handler took it, then gave back
         first = pq.read_table(out).to_pylist()
@@ -285,3 +265,25 @@ def test_sigterm_and_sighup_stop_a_parquet_run_as_ctrl_c_does(name, served, redi
         assert sorted(r["qid"] for r in pq.read_table(out).to_pylist()) == sorted(ids)
     finally:
         signal.signal(number, before)
+
+
+def _parquet_run(tmp_path, redis_url: str, queue: str):
+    """A Parquet input of 16 rows and the ``batch`` argv that runs it into a Parquet output: (output, ids, argv)."""
+    src, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    ids = _table(src, 16, tmp_path.name)
+    argv = ["batch", str(src), "-o", str(out), "--max-in-flight", "3", "--redis-url", redis_url, "--queue"]
+    argv += [queue, "--prompt-column", "question", "--id-column", "qid", "--max-tokens", "12"]
+    return out, ids, argv
+
+
+def _on_the_fourth_poll(act):
+    """A ``Progress.tick`` that calls ``act`` at the run's fourth poll (mid-run), then ticks as usual."""
+    real_tick, ticks = Progress.tick, [0]
+
+    def tick(self):
+        ticks[0] += 1
+        if ticks[0] == 4:
+            act()
+        real_tick(self)
+
+    return tick
