@@ -207,19 +207,18 @@ def test_a_parquet_output_gets_a_row_group_each_1024_rows_not_each_poll(tmp_path
     from producer.batch_io import open_lines
 
     out = tmp_path / "out.parquet"
-    with open_lines(tmp_path / "errors.jsonl", "w") as err:
-        sink = ParquetSink(out, None, "custom_id", 1)
-        sink.open(err)
-        _write_rows(sink, 1, 1500)
-        sink.close()
-    meta = pq.ParquetFile(out).metadata
+
+    def run(first: int, count: int):
+        with open_lines(tmp_path / "errors.jsonl", "w") as err:
+            sink = ParquetSink(out, None, "custom_id", 1)
+            sink.open(err)
+            _write_rows(sink, first, count)
+            sink.close()
+        return pq.ParquetFile(out).metadata
+
+    meta = run(1, 1500)
     assert (meta.num_rows, meta.num_row_groups, meta.row_group(0).num_rows) == (1500, 2, 1024)
-    with open_lines(tmp_path / "errors.jsonl", "w") as err:  # a rerun: the rows carried over, 10 more
-        sink = ParquetSink(out, None, "custom_id", 1)
-        sink.open(err)
-        _write_rows(sink, 1501, 10)
-        sink.close()
-    meta = pq.ParquetFile(out).metadata
+    meta = run(1501, 10)  # a rerun: the rows carried over, 10 more
     assert (meta.num_rows, meta.num_row_groups, meta.row_group(1).num_rows) == (1510, 2, 486)
 
 
