@@ -8,10 +8,21 @@ as a number of tokens, and the scheduler records it.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
 
 from roseinfer.sequence import Sequence
+
+ROOT_HASH = bytes(32)  # the parent of a request's first block
+
+
+def chain_hash(parent: bytes, token_ids: TokenIds[int]) -> bytes:
+    """A block's prefix-cache key: SHA-256 over its parent's key and its tokens. Cryptographic, because the
+    key stands for the whole prefix: a crafted collision of a weak hash would hand one request another's K/V."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class Block:
@@ -20,8 +31,8 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
-        # Kept beside the hash so that a hash collision can never serve the wrong tokens.
+        self.block_hash: bytes | None = None
+        # Kept beside the hash: a cheap second check of the block's own tokens.
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -43,7 +54,7 @@ class KVCacheManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently used first; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         # request id -> its block table: block i holds the request's tokens [i * block_size, (i + 1) * block_size).
         self._block_tables: dict[str, list[int]] = {}
         # request id -> how many leading blocks of its table are registered in the prefix cache.
@@ -81,13 +92,13 @@ class KVCacheManager:
         return self._block_tables.get(request_id, [])
 
     # ----- prefix cache ----------------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = seq.block_hashes
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> PrefixHit:

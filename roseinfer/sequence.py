@@ -65,7 +65,7 @@ class Sequence:
         self.num_cached_tokens = 0
         # Chained hashes of the full blocks of token_ids: a cache of their content, filled lazily by the KV
         # cache manager (tokens are only appended, so they stay valid across preemptions).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -69,3 +69,21 @@ def test_lru_evicts_the_oldest_freed_block_and_forgets_its_hash():
     assert kv.allocate_slots(b, 3)  # needs both blocks: the cached one is evicted
     assert kv.num_cached_blocks == 1  # only b's first block is cached now
     assert kv.get_computed_blocks(seq([1, 2, 3], "c")).block_ids == []
+
+
+def test_a_block_key_is_sha256_of_its_whole_prefix():
+    import hashlib
+    import struct
+
+    from roseinfer.block_manager import ROOT_HASH, chain_hash
+
+    first = chain_hash(ROOT_HASH, [1, 2, 3, 4])
+    assert first == hashlib.sha256(bytes(32) + struct.pack("<4q", 1, 2, 3, 4)).digest()
+    # Same tokens under another parent: another key, so a block's K/V (which attended to its prefix) is never
+    # served after a different prefix.
+    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(chain_hash(ROOT_HASH, [9, 2, 3, 4]), [5, 6, 7, 8])
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 0], "a")
+    assert kv.allocate_slots(a, 9)
+    assert kv.lookup_computed_blocks(seq([9, 2, 3, 4, 5, 6, 7, 8, 0], "b")).num_tokens == 0
+    assert kv.lookup_computed_blocks(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], "c")).num_tokens == 8
