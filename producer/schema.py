@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Bounds of the sampling fields, the same as the engine's SamplingParams (tests/test_options.py checks them).
 MAX_LOGPROBS = 20
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_N = 64
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -107,7 +107,7 @@ class JobRequest(BaseModel):
     )
     stop: str | list[str] | None = Field(None, description="strings that end the output (cut from it)")
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
     logprobs: bool | int | None = Field(None, description="log probabilities of the top N tokens per step")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="N, with logprobs=true (chat form)")
     ignore_eos: bool = Field(False, description="keep generating past EOS")

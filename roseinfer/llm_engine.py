@@ -272,7 +272,7 @@ class LLMEngine:
             seed = params.sample_seed(index)
             if seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
+                generator.manual_seed(seed % 2**64)  # one-to-one onto the generator's unsigned seeds
                 if not params.greedy:
                     advance_generator(generator, len(prefix), self.model.vocab_size)
             seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"

@@ -12,7 +12,7 @@ MAX_TEMPERATURE = 2.0  # as the OpenAI API
 # Below this a temperature is greedy (as vLLM reads it): dividing logits by 1e-50 overflows float32 to inf, and
 # the softmax of infs is NaN (token 0 every time).
 GREEDY_BELOW = 1e-5
-MAX_SEED = 2**63 - 1  # a seed fits a signed 64-bit integer in every language
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as OpenAI-shaped APIs (vLLM) take it
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -138,8 +138,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_num(value) or not -2 <= value <= 2:
                 fail(f"{name} must be in [-2, 2], got {value!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            fail(f"seed must be an integer in [0, 2**63 - 1] or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            fail(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         for tid in self.stop_token_ids:

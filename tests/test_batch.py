@@ -434,7 +434,7 @@ def test_run_batch_refuses_no_jobs_in_flight(tmp_path):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--temperature", "5"), ("--priority", "500"), ("--n", "0"), ("--max-tokens", "0"), ("--seed", "-1")],
+    [("--temperature", "5"), ("--priority", "500"), ("--n", "0"), ("--max-tokens", "0"), ("--seed", str(-(2**63) - 1))],
 )
 def test_bad_run_defaults_are_one_error_before_any_row(flag, value, tmp_path, monkeypatch, capsys):
     """They failed every row one by one, and were kept in the output's settings file."""

@@ -93,3 +93,16 @@ def test_n_bounds_and_no_resume(llm):
     with pytest.raises(ValueError, match="cannot resume"):
         llm.engine.add_request("r", PROMPT, SamplingParams(n=2, max_tokens=5), output_prefix=[5, 6])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_negative_seeds_repeat_and_are_their_own_streams(llm):
+    """OpenAI-shaped APIs take any signed 64-bit seed. (PyTorch's CPU generator keeps a seed's low 32 bits, so
+    seeds 2**32 apart share a stream there; the ones below differ in those bits.)"""
+
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return tuple(llm.generate(["The sea"], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    lowest = sample(-(2**63))
+    assert sample(-(2**63)) == lowest and sample(2**63 - 1)
+    assert len({sample(-1), sample(-2), sample(1), sample(2)}) == 4

@@ -152,6 +152,8 @@ def test_payload_and_sampling_params_declare_the_same_fields_and_defaults():
 
 PROBES = [
     -(10**30),
+    -(2**63) - 1,
+    -(2**63),
     -3,
     -2,
     -1,

@@ -27,7 +27,7 @@ from worker.publisher import Publisher
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
         ({"prompt": "hi", "repetition_penalty": float("inf")}, "repetition_penalty"),
-        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
         ({"prompt": "hi", "stop": [""]}, "stop strings must not be empty"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),

@@ -21,7 +21,7 @@ BAD = [
     {"repetition_penalty": float("inf")},
     {"frequency_penalty": 3},
     {"presence_penalty": -2.5},
-    {"seed": -1},
+    {"seed": -(2**63) - 1},
     {"seed": "x"},
     {"logprobs": 21},
     {"logprobs": -1},
