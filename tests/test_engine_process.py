@@ -44,6 +44,20 @@ def engine_whose_abort_breaks() -> FakeEngine:
     return engine
 
 
+def engine_that_hangs_on_its_third_step() -> FakeEngine:
+    """A stuck kernel or lock: the third step never returns."""
+    engine = FakeEngine()
+    step = engine.step
+
+    def hanging_step(flush=True):
+        if engine.steps == 2:
+            time.sleep(3600)
+        return step(flush)
+
+    engine.step = hanging_step
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -174,6 +188,50 @@ def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
         assert all(e.finish_reason == "error" and e.retryable for e in ended)
         assert "engine process exited" in ended[0].error and pump.failure and not pump.has_work()
         assert pump.cancel("a") == []
+    finally:
+        pump.close()
+
+
+def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
+    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=1.5)
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10_000))
+        pump.submit("b", {"prompt": "y"}, _params(10_000))
+        began, ended = time.monotonic(), []
+        while len(ended) < 2 and time.monotonic() - began < 30:
+            ended += [e for e in pump.step() if e.finished]
+        assert sorted(e.job_id for e in ended) == ["a", "b"]
+        assert all(e.retryable and e.error_type == "server_error" and "hung" in e.error for e in ended)
+        assert "no step for 2 s (hung) and was killed" in pump.failure and not pump.has_work()
+        assert time.monotonic() - began < 15 and pump._proc.exitcode == -signal.SIGKILL
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_a_cancel_waiting_on_a_hung_engine_process_ends_at_the_watchdog():
+    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=1.5)
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10_000))
+        pump.submit("b", {"prompt": "y"}, _params(10_000))
+        while not pump.step():  # its first steps ran
+            pass
+        time.sleep(0.2)  # now stuck in the third
+        [ended] = pump.cancel("a", "canceled by its producer")
+        assert ended.finish_reason == "error" and pump.failure and "hung" in pump.failure
+        [b] = [e for e in pump.step() if e.finished]
+        assert b.job_id == "b" and b.retryable
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_a_long_idle_spell_before_a_job_is_not_taken_for_a_hang():
+    pump = EngineProcess(partial(fake_engine, 0.01), step_timeout=0.5)
+    try:
+        time.sleep(1.0)  # idle: the child owes nothing
+        pump.submit("a", {"prompt": "x"}, _params(20))
+        assert _by_job(_drain(pump))["a"][1:] == ("length", None) and pump.failure is None
     finally:
         pump.close()
 

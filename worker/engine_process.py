@@ -11,15 +11,19 @@ Messages go over two pipes, one each way (the child reads its own on a thread). 
 facts)``, ``("step", events, facts, [step seconds, ...])`` after each engine step, ``("canceled", {job_id:
 [event, ...]}, facts)``, ``("error", text)`` if the child's loop itself fails. The child decides when a step's
 text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with
-its parent, and a full pipe slows the engine down rather than drop anything.
+its parent, and a full pipe slows the engine down rather than drop anything. A child that holds jobs and sends
+nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints its threads' stacks and
+is killed, and its jobs fail retryably, as if it had died.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -124,6 +128,7 @@ def _serve(
 ) -> None:
     """The child: build the engine, then step it while taking the parent's commands between steps."""
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watchdog asks for stacks before a kill
     # The worker decides when this stops (it drains first): a Ctrl-C, or systemd's SIGTERM to the whole group,
     # reaches both. Its death kills this one anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -179,8 +184,9 @@ class EngineProcess:
 
     ``build`` makes the engine in the child: a picklable callable, ``functools.partial(build_engine, model,
     options)`` for a real one. ``cancel`` answers with the job's last events as ``Pump.cancel`` does, after at
-    most the step the child is running. If the child dies, ``step`` fails every job in flight, retryably, and
-    ``failure`` says why: the worker cannot serve without its engine."""
+    most the step the child is running. If the child dies, or holds jobs and says nothing for ``step_timeout``
+    seconds (hung: then it is killed), ``step`` fails every job in flight, retryably, and ``failure`` says why: the
+    worker cannot serve without its engine. ``step_timeout`` 0 waits for good."""
 
     def __init__(
         self,
@@ -188,6 +194,7 @@ class EngineProcess:
         event_interval_ms: int = 20,
         max_events_per_s: int = 2000,
         start_timeout: float = 600.0,
+        step_timeout: float = 300.0,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (and torch's pools)
         child_commands, self._commands = ctx.Pipe(duplex=False)  # one pipe each way
@@ -212,6 +219,8 @@ class EngineProcess:
         self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
         self._step_times: list[float] = []  # the child's engine steps, for the step histogram
         self._failure: str | None = None  # why the child is gone, once it is (``failure``)
+        self._step_timeout = step_timeout
+        self._quiet_since = time.monotonic()  # the child's last message, or when it last owed none
         if not self._conn.poll(start_timeout):
             self.close()
             raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
@@ -256,6 +265,8 @@ class EngineProcess:
     ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
+        if not self._jobs:
+            self._quiet_since = time.monotonic()  # the child owes a step from now on
         self._jobs.add(job_id)
         self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority))
 
@@ -277,7 +288,7 @@ class EngineProcess:
             self._send_outbox()
             self._send(("cancel", here, reason))
             while answers is None:
-                message = self._recv()
+                message = self._recv_in_time()
                 if message[0] == "canceled":
                     answers, self.facts = message[1], message[2]  # the blocks the cancels freed show at once
                 else:
@@ -306,6 +317,10 @@ class EngineProcess:
             if self.failure is not None:  # (it may still be exiting: no end of the pipe to wait for)
                 self._read_what_is_left()
                 raise EngineProcessDied(self.failure)
+            if not self._jobs:
+                self._quiet_since = time.monotonic()  # it owes nothing: the watchdog's clock starts at a submit
+            elif self._overdue(time.monotonic()):
+                raise self._hung()
             self._send_outbox()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
@@ -381,9 +396,38 @@ class EngineProcess:
 
     def _recv(self) -> tuple:
         try:
-            return self._conn.recv()
+            message = self._conn.recv()
         except (EOFError, ConnectionResetError, OSError) as exc:
             raise self._died() from exc
+        self._quiet_since = time.monotonic()
+        return message
+
+    def _recv_in_time(self) -> tuple:
+        """The child's next message, waiting no longer than the watchdog allows (a cancel waits on a step)."""
+        while self._step_timeout and not self._poll(0.5):
+            if self._overdue(time.monotonic()):
+                raise self._hung()
+        return self._recv()
+
+    def _poll(self, wait: float) -> bool:
+        try:
+            return self._conn.poll(wait)
+        except (EOFError, OSError) as exc:
+            raise self._died() from exc
+
+    def _overdue(self, now: float) -> bool:
+        return bool(self._step_timeout) and now - self._quiet_since > self._step_timeout and not self._conn.poll(0)
+
+    def _hung(self) -> EngineProcessDied:
+        """Kill a child that held jobs and said nothing for ``step_timeout`` s, after it printed where it is stuck."""
+        log.error("the engine process sent nothing for %.0f s holding %d jobs: its stacks, then a kill",
+                  self._step_timeout, len(self._jobs))  # fmt: skip
+        with contextlib.suppress(OSError, TypeError):
+            os.kill(self._proc.pid, signal.SIGUSR1)
+            time.sleep(1)  # for the stacks to reach the log
+        _kill(self._proc)
+        self._failure = f"the engine process made no step for {self._step_timeout:.0f} s (hung) and was killed"
+        return EngineProcessDied(self._failure)
 
     def _take(self, message: tuple) -> None:
         kind = message[0]

@@ -42,7 +42,9 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     connection = connection or connect(settings.redis_url)
     if settings.engine_process:
         build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
-        engine = pump = EngineProcess(build, settings.event_interval_ms, settings.max_events_per_s)
+        engine = pump = EngineProcess(
+            build, settings.event_interval_ms, settings.max_events_per_s, step_timeout=settings.engine_step_timeout
+        )
     else:
         engine, pump = build_engine(settings.model, settings.engine_options()), None
     wait_for_redis(connection)

@@ -55,6 +55,12 @@ class QueueSettings(BaseSettings):
     engine_process: bool = Field(
         False, description="run the engine in a process of its own, so Redis work never holds up a step"
     )
+    # vLLM's engine has the like (VLLM_ENGINE_ITERATION_TIMEOUT_S); an engine in the worker's own process cannot be
+    # stopped mid-step, so there only the supervisor's liveness check helps.
+    engine_step_timeout: float = Field(
+        300, ge=0, description="with --engine-process: seconds the engine may hold jobs without finishing a step "
+        "before it is taken for hung, killed, and its jobs retried elsewhere (0: wait for good)",
+    )  # fmt: skip
     event_interval_ms: int = Field(
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
         "(its first piece and its end go at once)",
