@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 import jsonschema
@@ -53,8 +54,15 @@ def test_every_kind_as_a_job(served, sampling):
         assert "".join(job.stream(timeout=10)) == result["text"]
 
 
+def _tpot(worker) -> tuple[float, float]:
+    """The worker's time-per-output-token histogram: (observations, their sum)."""
+    registry = worker.metrics.registry
+    name = "roseinfer_time_per_output_token_seconds"
+    return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
+
+
 def test_a_resumed_job_goes_on_under_its_constraint(served):
-    _, client = served
+    w, client = served
     payload = {
         "prompt": "Resume me",
         "max_tokens": 60,
@@ -77,6 +85,7 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     job.started_at = now()
     job.save()
     client.connection.delete(f"rq:queue:parked-{job_id}")
+    count, total = _tpot(w.worker)
     client.queue.enqueue_job(job)
     resumed = client.job(job_id)
     result = resumed.result(timeout=120)
@@ -84,6 +93,13 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     replay = list(resumed.events(timeout=10))
     assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
+    # Its time per token spreads this attempt's time over this attempt's tokens, not the earlier one's too.
+    deadline = time.monotonic() + 10
+    while _tpot(w.worker)[0] == count and time.monotonic() < deadline:  # observed just after the result is written
+        time.sleep(0.01)
+    timings, made_here = result["timings"], len(result["token_ids"]) - len(events[0]["token_ids"])
+    observed = _tpot(w.worker)[1] - total
+    assert observed == pytest.approx((timings["finished_at"] - timings["first_token_at"]) / (made_here - 1), abs=2e-6)
 
 
 def test_every_kind_through_roseinfer_batch(served, tmp_path):

@@ -93,6 +93,7 @@ class InFlight:
     started_at: float
     first_token_at: float | None = None
     finished_at: float | None = None  # when its last event came out of the engine (its result is built later)
+    resumed_tokens: int = 0  # output tokens an earlier attempt made (its stream's), not timed by this one
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)
 
@@ -429,6 +430,7 @@ class BatchWorker(BaseWorker):
                 timeout = job.timeout if job.timeout and job.timeout > 0 else None
                 self.pump.submit(job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized)
                 held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.started_mono)
+                held.resumed_tokens = len(a.prefix or ())
                 self.in_flight[job.id] = held
                 started.append(job.id)
         if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256
@@ -540,8 +542,8 @@ class BatchWorker(BaseWorker):
                     job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
                     self.publisher.notify(self.connection, job.job.id, job.request.notify)
                 finished.append((job, result))
-        for _job, result in finished:
-            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]))
+        for job, result in finished:  # the tokens this attempt made, for its time per token
+            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
 
