@@ -32,6 +32,7 @@ from producer.batch_io import (
     JSONLSink,
     ParquetSink,
     RowOptions,
+    Undecodable,
     count_rows,
     format_of,
     input_columns,
@@ -107,7 +108,7 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
 
 def parse_line(
     number: int,
-    text: str | bytes | dict[str, Any],
+    text: str | bytes | dict[str, Any] | Undecodable,
     run_id: str | None = None,
     priority: int = BULK_PRIORITY,
     options: RowOptions | None = None,
@@ -115,6 +116,8 @@ def parse_line(
     """One input row (a JSONL line's text, or a Parquet row) into a job payload (at ``priority`` unless it says;
     the run's defaults where it names none); BadLine (a ValueError) with a readable reason for a bad one."""
     options = options or RowOptions()
+    if isinstance(text, Undecodable):
+        raise BadLine(text.reason)
     line_text = None if isinstance(text, dict) else _utf8(text)
     obj = text if line_text is None else _json(line_text)
     if not isinstance(obj, dict):

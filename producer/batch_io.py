@@ -96,9 +96,17 @@ class RowOptions:
 
 
 # ----- input ---------------------------------------------------------------------------------------------
-def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, bytes | dict[str, Any]]]:
+@dataclass(frozen=True)
+class Undecodable:
+    """A Parquet row with a string cell that is not UTF-8: a bad row of its own (never decoded with replacements:
+    the job would run on a damaged prompt)."""
+
+    reason: str
+
+
+def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, bytes | dict[str, Any] | Undecodable]]:
     """(row number from 1, the row): a JSONL line's bytes (blank lines skipped; decoded strictly by the parser, so a
-    line that is not UTF-8 is a bad line of its own), or a Parquet row as a dict."""
+    line that is not UTF-8 is a bad line of its own), or a Parquet row as a dict (``Undecodable`` if not UTF-8)."""
     if fmt == "jsonl":
         yield from _jsonl_lines(path)
         return
@@ -108,9 +116,25 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, bytes | dict[str, Any
         batches = _pyarrow()[1].ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
     number = 0
     for batch in batches:  # memory-mapped or read a record batch at a time: never the whole table as rows
-        for row in batch.to_pylist():
+        try:
+            rows: list[Any] = batch.to_pylist()
+        except UnicodeDecodeError:  # Parquet does not check its strings: find the bad rows, keep the others
+            rows = [_row_or_why(batch, i) for i in range(batch.num_rows)]
+        for row in rows:
             number += 1
             yield number, row
+
+
+def _row_or_why(batch: Any, i: int) -> dict[str, Any] | Undecodable:
+    try:
+        return batch.slice(i, 1).to_pylist()[0]
+    except UnicodeDecodeError:
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                column.slice(i, 1).to_pylist()
+            except UnicodeDecodeError as exc:
+                return Undecodable(f"column {name!r} is not UTF-8: {exc.reason} (byte {exc.object[exc.start]:#04x})")
+        raise
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:

@@ -194,6 +194,24 @@ def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_
     assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time, no worker here
 
 
+def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
+    """Parquet does not check its strings: one bad cell made the whole record batch undecodable, and the run
+    stopped. Now that row fails, saying which column, and the rows around it go on."""
+    import fakeredis
+
+    source = tmp_path / "in.parquet"
+    questions = pa.array([b"fine", b"bad \xff byte", b"also fine"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"qid": ["a", "b", "c"], "question": questions}), source)
+    client = Client(connection=fakeredis.FakeRedis())
+    options = RowOptions("question", None, "qid", {})
+    summary = run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9, timeout=0.01)
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    by_line = {e["line"]: e["error"] for e in errors}
+    assert {line: e["code"] for line, e in by_line.items()} == {1: "job_queued", 2: "invalid_request", 3: "job_queued"}
+    assert by_line[2]["message"] == "column 'question' is not UTF-8: invalid start byte (byte 0xff)"
+    assert summary["total"] == 3  # "a" and "c" ran out of time: no worker here
+
+
 def _write_rows(sink: ParquetSink, first: int, count: int) -> None:
     for number in range(first, first + count):
         line = parse_line(number, {"prompt": f"p{number}"}, options=RowOptions("prompt"))
