@@ -192,6 +192,7 @@ def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
         pump.close()
 
 
+@pytest.mark.slow
 def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
     pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=1.5)
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from producer import Client, JobFailed
 from roseinfer.outputs import CompletionOutput, RequestOutput
+from worker.puller import DID_NOT_BLOCK_S
 from worker.pump import Pump
 
 
@@ -313,6 +314,18 @@ def test_a_worker_whose_last_results_are_sent_looks_for_jobs_at_once(fake_worker
     monkeypatch.setattr(bw.sender, "_send_until_done", slow_send)
     for prompt in ("one", "two", "three"):  # each submitted as the one before ends
         assert client.submit(prompt, max_tokens=3).result(timeout=10)["usage"]["completion_tokens"] == 3
+
+
+def test_an_idle_worker_on_a_redis_that_does_not_block_does_not_spin(fake_worker):
+    """fakeredis answers an empty BLMOVE at once, timeout or not: the idle puller took that for a blocked wait and
+    pulled again straight away, a core's worth of round trips (this suite's fake workers, ``serve --embedded``)."""
+    worker, _, client = fake_worker
+    calls = []
+    real = worker.connection.blmove
+    worker.connection.blmove = lambda *a, **k: calls.append(1) or real(*a, **k)
+    time.sleep(1.0)
+    assert 2 <= len(calls) <= 1.0 / DID_NOT_BLOCK_S  # it still looks, every DID_NOT_BLOCK_S at most
+    assert client.submit("still served", max_tokens=2).result(timeout=10)["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.worker_settings(max_in_flight=300, max_num_seqs=300)

@@ -20,7 +20,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
-from worker.intake import REDIS_UNAVAILABLE, Unreadable, pull, redis_waits
+from worker.intake import MULTI_LANE_WAIT_S, REDIS_UNAVAILABLE, Unreadable, pull, redis_waits
 from worker.jobs import JobRejected, parse_request, resumable, sampling_params
 from worker.publisher import JobStream
 
@@ -32,6 +32,12 @@ log = logging.getLogger("roseinfer.worker")
 
 HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step loop together
 LOOK_AGAIN_S = 0.05  # after a pull that could not block and found nothing, with no job in flight
+DID_NOT_BLOCK_S = 0.02  # after a blocking pull that the server answered at once (an idle worker spun a core so)
+
+
+def _blocked_at_least(block: float) -> float:
+    """Half of what an empty blocking pull waits (its BLMOVE's slice of ``block``)."""
+    return min(block, MULTI_LANE_WAIT_S) / 2
 
 
 @dataclass
@@ -96,6 +102,7 @@ class Puller:
         self._next_pull = 0.0
         self._follow_up = False  # pull again at once, without waiting for the sender to see jobs
         self._blocked = False  # the last pull blocked waiting for jobs
+        self._did_not_block = False  # ... or should have, and the server answered at once that it found none
         self._paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
 
@@ -155,13 +162,13 @@ class Puller:
                 self._pulling = False
             # Until the sender sees jobs waiting (it reads the queues while jobs run), room frees; a pull that
             # blocked has waited already (a burst arriving as its wait ran out must not wait 50 ms more).
-            if not pulled and not self._blocked:
-                self._wake.wait(1.0 if self.worker.in_flight else LOOK_AGAIN_S)
+            if not pulled and (not self._blocked or self._did_not_block):  # the latter: rather than spin
+                self._wake.wait(DID_NOT_BLOCK_S if self._blocked else 1.0 if self.worker.in_flight else LOOK_AGAIN_S)
                 self._wake.clear()
 
     def _pull_once(self) -> bool:
         """One pull, when one is due; whether it took anything."""
-        self._blocked = False
+        self._blocked = self._did_not_block = False
         w = self.worker
         mono = time.monotonic()
         if w._stop_requested or w._force_stop or mono < self._paused_until or w._is_suspended(mono):
@@ -194,14 +201,17 @@ class Puller:
         # (in slices, the first ones' steps and the reading of the rest slowed each other down: 256 jobs took
         # 0.85-1.65 s against 0.76-1.04 s, whole winning 6 of 7 interleaved pairs).
         room = min(room, max(HAND_OVER, w.settings.max_num_seqs) if idle else HAND_OVER)
-        self._blocked = block is not None
         queues = [q for _, q in lanes]
         wait_on = next((i for i, (p, _) in enumerate(lanes) if p == 0), 0)  # the queue itself: interactive jobs
+        began = time.monotonic()
         pulled, unreadable = pull(
             queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script,
             w.settings.max_job_bytes, wait_on,
         )  # fmt: skip
         self.dry = not pulled and not unreadable
+        self._blocked = block is not None
+        # An empty BLMOVE returns only at its timeout, except from a server that does not block (fakeredis 2.40).
+        self._did_not_block = self._blocked and self.dry and time.monotonic() - began < _blocked_at_least(block)
         # Jobs come in bursts: the wait ended with the first of one, the rest may still be on their way in; a pull
         # that filled its room leaves more behind.
         self._follow_up = (block is not None and not self.dry) or len(pulled) + len(unreadable) >= room
