@@ -98,13 +98,16 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives to show per token; None: no logprobs asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def job_fields(self) -> dict[str, Any]:
         fields = self.sampling()
         fields.pop("max_completion_tokens", None)
         if self.max_completion_tokens is not None:
             fields["max_tokens"] = self.max_completion_tokens
-        if self.logprobs and self.stream:
-            raise APIError(400, "logprobs are not streamed by this server: ask without stream", param="logprobs")
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         fields["messages"] = [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -118,6 +121,10 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def job_fields(self) -> dict[str, Any]:
         fields = self.sampling()
         prompt = self.prompt
@@ -129,8 +136,6 @@ class CompletionRequest(_Common):
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.logprobs is not None and self.stream:
-            raise APIError(400, "logprobs are not streamed by this server: ask without stream", param="logprobs")
         fields.pop("echo", None)
         fields.pop("suffix", None)
         fields["prompt"] = prompt
@@ -212,14 +217,14 @@ def samples(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) -> list[dict[str, Any]]:
-    top = request.top_logprobs or 0 if request is not None else 0
-    want = request is not None and request.logprobs
+    top = request.num_logprobs if request is not None else None
+    want = top is not None
     return [
         {
             "index": s["index"],
             "message": {"role": "assistant", "content": s.get("text", "")},
             "finish_reason": finish_reason(s.get("finish_reason")),
-            "logprobs": chat_logprobs(s, top) if want else None,
+            "logprobs": chat_logprobs(s, top or 0) if want else None,
         }
         for s in samples(result)
     ]
@@ -260,10 +265,11 @@ def completion_response(job_id: str, model: str, request: CompletionRequest, res
 
 
 class ChunkWriter:
-    """The chunks of one streamed response, in OpenAI's shape (chat or text)."""
+    """The chunks of one streamed response, in OpenAI's shape (chat or text). ``logprobs``: the alternatives to show
+    per token, from the events' logprobs (None: the request asked for none)."""
 
-    def __init__(self, job_id: str, model: str, chat: bool, n: int = 1) -> None:
-        self.chat, self.n = chat, n
+    def __init__(self, job_id: str, model: str, chat: bool, n: int = 1, logprobs: int | None = None) -> None:
+        self.chat, self.n, self.logprobs = chat, n, logprobs
         self.head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -271,14 +277,20 @@ class ChunkWriter:
             "model": model,
         }
 
-    def piece(self, text: str, reason: str | None = None, first: bool = False, index: int = 0) -> dict[str, Any]:
+    def piece(
+        self, text: str, reason: str | None = None, first: bool = False, index: int = 0, event: dict | None = None
+    ) -> dict[str, Any]:
+        """A chunk of ``text``; with ``event``, the logprobs of its tokens too (where the request asked for them)."""
+        shown = event if self.logprobs is not None and event and event.get("logprobs") else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reason is not None and not text:
                 delta = {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}
+            logprobs = chat_logprobs(shown, self.logprobs or 0) if shown else None
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+            logprobs = completion_logprobs(shown, self.logprobs or 0) if shown else None
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         return {**self.head, "choices": [choice]}
 
     def usage(self, values: dict[str, Any]) -> dict[str, Any]:

@@ -127,6 +127,11 @@ def rejected_key(queue: str) -> str:
     return f"roseinfer:rejected:{queue}"
 
 
+def encode_logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
+    """Logprobs as results and events hold them: per token, ``[[token_id, logprob], ...]`` (JSON keys are strings)."""
+    return [[[tid, lp] for tid, lp in step.items()] for step in steps]
+
+
 def make_event(
     n: int,
     text: str,
@@ -137,10 +142,14 @@ def make_event(
     reset: bool = False,
     index: int = 0,
     error_type: str | None = None,
+    logprobs: list[dict[int, float]] | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
-    belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``)."""
+    belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``);
+    ``logprobs``: one entry per token id, for a job that asked for them."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
+    if logprobs:
+        event["logprobs"] = encode_logprobs(logprobs)
     if index:
         event["index"] = index
     if reset:

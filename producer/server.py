@@ -165,7 +165,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = ChunkWriter(job.id, req.model, chat, req.n)
+            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
             stream = _sse(job, chunks, include_usage, timeout, metrics.streams)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
         try:
@@ -232,8 +232,10 @@ async def _sse(
                 failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
                 yield _data(_job_error(failed).body())
                 break
-            if event["text"] or (reason is not None and chunks.n == 1):
-                yield _data(chunks.piece(event["text"], None if chunks.n > 1 else reason, index=event.get("index", 0)))
+            shows_logprobs = chunks.logprobs is not None and event.get("logprobs")  # tokens whose text waits
+            if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
+                end = None if chunks.n > 1 else reason
+                yield _data(chunks.piece(event["text"], end, index=event.get("index", 0), event=event))
             if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
                 result = await job.result(timeout)
                 for choice in result.get("choices") or []:

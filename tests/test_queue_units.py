@@ -116,6 +116,25 @@ def test_a_retried_job_resumes_from_what_was_streamed():
     assert 0 < conn.ttl(stream_key("j")) <= 60
 
 
+def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    s = pub.resume(conn, ["j"])["j"]
+    s.start(can_resume=False)
+    pub.add(s, "He", [1], logprobs=[{7: -0.5, 1: -1.25}])
+    pub.add(s, "llo", [2], logprobs=[{2: -0.125}])  # two steps gathered into one event
+    _send(conn, pub)
+    pub.add(s, "!", [3, 4], logprobs=[{3: -2.0}])  # one short: left out rather than out of step with the ids
+    _send(conn, pub)
+    pub.add(s, "", [], "length", {"completion_tokens": 4})
+    _send(conn, pub)
+    first, second, last = _events(conn)
+    assert first["logprobs"] == [[[7, -0.5], [1, -1.25]], [[2, -0.125]]] and first["token_ids"] == [1, 2]
+    assert "logprobs" not in second and "logprobs" not in last
+    for event in (first, second, last):
+        StreamEvent.model_validate(event)
+
+
 def _stream_with(conn, pub, pieces, first_n=0):
     s = pub.resume(conn, ["j"])["j"]
     s.next_n = first_n

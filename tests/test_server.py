@@ -132,6 +132,28 @@ def test_content_as_text_parts_and_logprobs(served, oai):
     assert content[0].token.startswith("token_id:")
 
 
+def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
+    """Each chunk carries its tokens' logprobs (chat: ``content`` entries; text: token lists), and together they are
+    the non-streamed answer's: the same tokens, values and alternatives."""
+    _, _, model = served
+    ask = {"model": model, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = oai.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, **ask)
+    chunks = list(oai.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=3, stream=True, **ask))
+    streamed = [step for c in chunks if c.choices and c.choices[0].logprobs for step in c.choices[0].logprobs.content]
+    assert [s.model_dump() for s in streamed] == [s.model_dump() for s in whole.choices[0].logprobs.content]
+    assert len(streamed) == 12 and all(len(s.top_logprobs) == 3 for s in streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    text = oai.completions.create(prompt="The sea is", logprobs=2, **ask).choices[0].logprobs
+    pieces = [
+        c.choices[0].logprobs for c in oai.completions.create(prompt="The sea is", logprobs=2, stream=True, **ask)
+    ]
+    assert [t for p in pieces if p for t in p.tokens] == text.tokens and len(text.tokens) == 12
+    assert [v for p in pieces if p for v in p.token_logprobs] == text.token_logprobs
+    assert [v for p in pieces if p for v in p.top_logprobs] == text.top_logprobs
+    plain = oai.chat.completions.create(messages=MESSAGES, stream=True, **ask)
+    assert all(c.choices[0].logprobs is None for c in plain if c.choices)  # none asked, none sent
+
+
 def test_concurrent_streams_each_get_their_own_text(served, oai):
     _, _, model = served
 

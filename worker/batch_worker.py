@@ -496,13 +496,16 @@ class BatchWorker(BaseWorker):
             if event.restarted:
                 job.stream.restart()
             if event.finish_reason is None:
-                self.publisher.add(job.stream, event.text, event.token_ids, None, None, None, event.index)
+                self.publisher.add(
+                    job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs
+                )
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output
                 self.publisher.add(
-                    job.stream, event.text, event.token_ids, event.finish_reason, usage(out), index=event.index
-                )
+                    job.stream, event.text, event.token_ids, event.finish_reason, usage(out), index=event.index,
+                    logprobs=event.logprobs,
+                )  # fmt: skip
                 done.append((job, out))
             elif event.finish_reason == "abort":
                 self._canceled(job, [event])
@@ -652,11 +655,15 @@ class BatchWorker(BaseWorker):
         del self.in_flight[job.job.id]
         *pieces, event = events
         for piece in pieces:  # a job of n samples: each sample's text not sent yet
-            self.publisher.add(job.stream, piece.text, piece.token_ids, None, None, None, piece.index)
+            self.publisher.add(
+                job.stream, piece.text, piece.token_ids, None, None, None, piece.index, logprobs=piece.logprobs
+            )
         out = event.output  # None: the engine had not taken it yet (its prompt still tokenizing), or it is gone
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
         if out is not None:
-            self.publisher.add(job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index)
+            self.publisher.add(
+                job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index, logprobs=event.logprobs
+            )
             result = self._result(job, out)
         else:  # it ends as every canceled job does, with a last event and a result, of nothing made
             self.publisher.add(job.stream, "", [], "abort", dict(NO_USAGE))
@@ -704,8 +711,9 @@ class BatchWorker(BaseWorker):
         if not retrying:
             end_usage = usage(event.output) if event.output else {}
             self.publisher.add(
-                job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type
-            )
+                job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type,
+                logprobs=event.logprobs,
+            )  # fmt: skip
         else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
             self.publisher.expedite(job.stream)
 

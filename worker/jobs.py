@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from rq.job import Job
 
-from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION
+from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION, encode_logprobs
 from producer.schema import JobRequest, describe_validation_error
 
 if TYPE_CHECKING:
@@ -90,11 +90,6 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
-    # JSON objects need string keys: a list of [token_id, logprob] pairs per generated token.
-    return [[[tid, lp] for tid, lp in step.items()] for step in steps]
-
-
 def build_result(
     job: Job,
     req: JobRequest,
@@ -132,7 +127,7 @@ def build_result(
         },
     }
     if c.logprobs is not None:
-        result["logprobs"] = _logprobs(c.logprobs)
+        result["logprobs"] = encode_logprobs(c.logprobs)
     if req.metadata is not None:
         result["metadata"] = req.metadata
     if len(out.outputs) == 1:
@@ -145,7 +140,7 @@ def build_result(
             "token_ids": list(s.token_ids),
             "finish_reason": s.finish_reason,
             "stop_reason": s.stop_reason,
-            **({"logprobs": _logprobs(s.logprobs)} if s.logprobs is not None else {}),
+            **({"logprobs": encode_logprobs(s.logprobs)} if s.logprobs is not None else {}),
         }
         for s in out.outputs
     ]
@@ -223,7 +218,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             if event.finished:
                 final = event
             else:
-                publisher.add(stream, event.text, event.token_ids, index=event.index)
+                publisher.add(stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs)
         if final is None:
             with job.connection.pipeline(transaction=False) as pipe:
                 publisher.flush(pipe)
@@ -235,7 +230,10 @@ def generate(**payload: Any) -> dict[str, Any]:
         result = build_result(
             job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
         )
-        publisher.add(stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index)
+        publisher.add(
+            stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index,
+            logprobs=final.logprobs,
+        )  # fmt: skip
     with job.connection.pipeline(transaction=False) as pipe:
         publisher.flush(pipe)
         publisher.notify(pipe, job.id, req.notify)

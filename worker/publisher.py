@@ -50,7 +50,8 @@ class JobStream:
     whole: bool = True
     # Not sent yet: per sample (0 unless the job has n > 1) the text pieces and token ids since its last event, and
     # the final event's fields once the job ended.
-    pending: dict[int, tuple[list[str], list[int]]] = field(default_factory=dict)
+    # sample index -> its texts, token ids and their logprobs (a job that asked for them) not sent yet
+    pending: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = field(default_factory=dict)
     pending_end: tuple[str, dict[str, int] | None, str | None, str | None] | None = None
     pending_reset: bool = False
 
@@ -142,17 +143,21 @@ class Publisher:
         error: str | None = None,
         index: int = 0,
         error_type: str | None = None,
+        logprobs: list[dict[int, float]] | None = None,
     ) -> None:
-        """``text`` and ``token_ids`` of sample ``index`` to stream; ``finish_reason`` ends the job."""
+        """``text`` and ``token_ids`` (and their ``logprobs``) of sample ``index`` to stream; ``finish_reason`` ends
+        the job."""
         if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
             return
         pending = s.pending.get(index)
-        if pending is None:  # (setdefault would build the empty pair at every token)
-            pending = s.pending[index] = ([], [])
-        texts, ids = pending
+        if pending is None:  # (setdefault would build the empty lists at every token)
+            pending = s.pending[index] = ([], [], [])
+        texts, ids, lps = pending
         if text:
             texts.append(text)
         ids += token_ids
+        if logprobs:
+            lps += logprobs
         if finish_reason is not None:
             s.pending_end = (finish_reason, usage, error, error_type)
         if s.next_n == 0 or s.pending_reset or finish_reason is not None:
@@ -182,12 +187,13 @@ class Publisher:
         finals: list[Event] = []
         streams = self._urgent if urgent_only else self._dirty
         for s in streams.values():
-            pieces = list(s.pending.items()) or [(0, ([], []))]
-            for k, (index, (texts, ids)) in enumerate(pieces):
+            pieces = list(s.pending.items()) or [(0, ([], [], []))]
+            for k, (index, (texts, ids, lps)) in enumerate(pieces):
                 last = k == len(pieces) - 1
                 reason, usage, error, error_type = (s.pending_end if last else None) or (None, None, None, None)
                 reset = s.pending_reset and k == 0
-                event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type)
+                lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
+                event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps)
                 ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if s.next_n == 0 else 0
                 (finals if reason is not None else events).append((s.job_id, event, ttl, s.owner))
                 s.next_n += 1

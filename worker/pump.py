@@ -35,10 +35,20 @@ class JobEvent:
     restarted: bool = False  # the engine could not resume the job's output: it starts over (streams say so)
     index: int = 0  # the sample the text and token ids belong to (jobs with n > 1)
     error_type: str | None = None  # an error's fault: invalid_request (the job itself), timeout or server_error
+    logprobs: list[dict[int, float]] | None = None  # one per token id, for a job that asked for them
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def delta_logprobs(out: Any) -> list[dict[int, float]] | None:
+    """The logprobs of an output's delta token ids (the last of its sample's), None for a request without them."""
+    num = len(out.delta_token_ids)
+    for c in out.outputs:
+        if c.index == out.delta_index:
+            return c.logprobs[len(c.logprobs) - num :] if c.logprobs is not None and num else None
+    return None
 
 
 @dataclass
@@ -153,9 +163,13 @@ class Pump:
             return [JobEvent(job_id, finish_reason=finish, error=reason)]
         # What it made since its last event (a step with flush=False holds it in the engine) ends with it.
         *pieces, out = outs
-        events = [JobEvent(job_id, p.delta_text, p.delta_token_ids, index=p.delta_index) for p in pieces]
-        events.append(JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index))
-        return events
+        events = [
+            JobEvent(job_id, p.delta_text, p.delta_token_ids, index=p.delta_index, logprobs=delta_logprobs(p))
+            for p in pieces
+        ]
+        last = JobEvent(job_id, out.delta_text, out.delta_token_ids, finish, out, reason, index=out.delta_index)
+        last.logprobs = delta_logprobs(out)
+        return [*events, last]
 
     def cancel_many(self, job_ids: list[str], reason: str | None = None) -> dict[str, list[JobEvent]]:
         """``cancel`` of each job here; the events by job id."""
@@ -258,6 +272,7 @@ class Pump:
                     reason,
                     out if out.finished else None,
                     index=out.delta_index,
+                    logprobs=delta_logprobs(out),
                 )
             )
         return events
