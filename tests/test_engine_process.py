@@ -58,6 +58,22 @@ def engine_that_hangs_on_its_third_step() -> FakeEngine:
     return engine
 
 
+def engine_that_hangs_holding_the_interpreter_lock() -> FakeEngine:
+    """Stuck in C code that keeps the lock (its command-reading thread stops too): the third step never returns."""
+    import ctypes
+
+    engine = FakeEngine()
+    step = engine.step
+
+    def hanging_step(flush=True):
+        if engine.steps == 2:
+            ctypes.PyDLL(None).sleep(3600)
+        return step(flush)
+
+    engine.step = hanging_step
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -205,6 +221,29 @@ def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
         assert all(e.retryable and e.error_type == "server_error" and "hung" in e.error for e in ended)
         assert "no step for 2 s (hung) and was killed" in pump.failure and not pump.has_work()
         assert time.monotonic() - began < 15 and pump._proc.exitcode == -signal.SIGKILL
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog():
+    """The child hangs holding the interpreter lock, so nothing reads its pipe: a big submit filled it, and the
+    parent's send waited for good (the step loop's own clock never ran)."""
+    pump = EngineProcess(partial(engine_that_hangs_holding_the_interpreter_lock), step_timeout=1.0)
+    try:
+        pump.submit("first", {"prompt": "x"}, _params(10_000))
+        while not pump.step():  # its first steps ran
+            pass
+        time.sleep(0.3)  # now stuck in the third
+        for i in range(300):  # ~600 kB of prompts: far past what the pipe holds
+            pump.submit(f"big{i}", {"prompt": f"{i} " + "y" * 2000}, _params(10))  # (distinct: pickled apart)
+        began, ended = time.monotonic(), []
+        while len(ended) < 301 and time.monotonic() - began < 30:
+            ended += [e for e in pump.step() if e.finished]
+        assert len(ended) == 301 and all(e.retryable for e in ended)
+        assert "took no command for 1 s (hung)" in pump.failure
+        pump._proc.join(10)  # killed by the watchdog's thread, a second after the stacks were asked for
+        assert pump._proc.exitcode == -signal.SIGKILL
     finally:
         pump.close()
 

@@ -221,6 +221,10 @@ class EngineProcess:
         self._failure: str | None = None  # why the child is gone, once it is (``failure``)
         self._step_timeout = step_timeout
         self._quiet_since = time.monotonic()  # the child's last message, or when it last owed none
+        self._sending_since: float | None = None  # when the send under way began
+        self._closed = threading.Event()
+        if step_timeout:
+            threading.Thread(target=self._watch_sends, name="roseinfer-engine-watchdog", daemon=True).start()
         if not self._conn.poll(start_timeout):
             self.close()
             raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
@@ -350,7 +354,8 @@ class EngineProcess:
     def close(self) -> None:
         if self.failure is None:
             with contextlib.suppress(EngineProcessDied):
-                self._send(("stop",))
+                self._send(("stop",))  # (watched too: a hung child's full pipe would hold it)
+        self._closed.set()
         until = time.monotonic() + 10
         while self._proc.is_alive() and time.monotonic() < until:  # what it still sends must not hold it up
             with contextlib.suppress(EOFError, OSError):
@@ -389,10 +394,13 @@ class EngineProcess:
             self._send(("jobs", jobs))
 
     def _send(self, message: tuple) -> None:
+        self._sending_since = time.monotonic()
         try:
             self._commands.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
             raise self._died() from exc
+        finally:
+            self._sending_since = None
 
     def _recv(self) -> tuple:
         try:
@@ -418,16 +426,24 @@ class EngineProcess:
     def _overdue(self, now: float) -> bool:
         return bool(self._step_timeout) and now - self._quiet_since > self._step_timeout and not self._conn.poll(0)
 
-    def _hung(self) -> EngineProcessDied:
-        """Kill a child that held jobs and said nothing for ``step_timeout`` s, after it printed where it is stuck."""
-        log.error("the engine process sent nothing for %.0f s holding %d jobs: its stacks, then a kill",
-                  self._step_timeout, len(self._jobs))  # fmt: skip
+    def _hung(self, what: str = "made no step") -> EngineProcessDied:
+        """Kill a child that held jobs and said nothing (or took no command) for ``step_timeout`` s, after it printed
+        where it is stuck. The failure is set first: the puller takes no job from then on."""
+        self._failure = f"the engine process {what} for {self._step_timeout:.0f} s (hung) and was killed"
+        log.error("%s; %d jobs held; its stacks first:", self._failure, len(self._jobs))
         with contextlib.suppress(OSError, TypeError):
             os.kill(self._proc.pid, signal.SIGUSR1)
             time.sleep(1)  # for the stacks to reach the log
         _kill(self._proc)
-        self._failure = f"the engine process made no step for {self._step_timeout:.0f} s (hung) and was killed"
         return EngineProcessDied(self._failure)
+
+    def _watch_sends(self) -> None:
+        """A send waits while the child's pipe is full, which a child hung holding the interpreter lock (in C code)
+        never empties: the one wait the step loop cannot time itself. Watched from here."""
+        while not self._closed.wait(min(1.0, self._step_timeout / 4)):
+            since = self._sending_since
+            if since is not None and time.monotonic() - since > self._step_timeout and self._proc.is_alive():
+                self._hung("took no command")  # the stuck send then fails: the child's end is gone
 
     def _take(self, message: tuple) -> None:
         kind = message[0]
