@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
@@ -45,12 +46,20 @@ class Workers:
     def __init__(self, client: AsyncClient, ttl: float = 1.0) -> None:
         self.client, self.ttl = client, ttl
         self._at, self._rows = 0.0, []
+        self._reading: asyncio.Future | None = None
 
     async def live(self) -> list[dict[str, Any]]:
         if time.monotonic() - self._at > self.ttl:
-            self._rows = await self.client.workers()
-            self._at = time.monotonic()
+            # One read for every request that comes meanwhile: a burst of 64 made 64 reads, each several round
+            # trips on the threads that submit jobs. Shielded: a request whose client left does not cancel it.
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._read())
+            await asyncio.shield(self._reading)
         return self._rows
+
+    async def _read(self) -> None:
+        self._rows = await self.client.workers()
+        self._at = time.monotonic()
 
     async def models(self) -> list[str]:
         return sorted({row["model"] for row in await self.live() if row.get("model")})
@@ -114,6 +123,14 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own answers (no such path, a method not allowed) in OpenAI's shape too."""
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(exc.status_code, str(exc.detail), kind)
+        err.headers.update(exc.headers or {})  # a 405's Allow
+        return await _api_error(request, err)
+
     @app.exception_handler(RedisError)
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         return await _api_error(request, APIError(503, f"Redis is unavailable: {exc}", "service_unavailable"))
@@ -166,7 +183,12 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
-            stream = _sse(job, chunks, include_usage, timeout, metrics.streams)
+            events = job.events(timeout, skip_void=True)
+            try:
+                first = await _first_event_unless_gone(request, job, events, timeout)
+            except ConnectionAbortedError:
+                return Response(status_code=499, headers={"x-roseinfer-job-id": job.id})
+            stream = _sse(job, chunks, include_usage, timeout, metrics.streams, _then(first, events))
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
         try:
             result = await _result_unless_gone(request, job, timeout)
@@ -180,7 +202,35 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
 
 async def _result_unless_gone(request: Request, job: AsyncGenerationJob, timeout: float) -> dict[str, Any]:
     """The job's result; its cancel if the client goes away first; the job's failure as an API error."""
-    waiting = asyncio.create_task(job.result(timeout))
+    return await _unless_gone(request, job, job.result(timeout), timeout)
+
+
+async def _first_event_unless_gone(
+    request: Request, job: AsyncGenerationJob, events: AsyncIterator[dict[str, Any]], timeout: float
+) -> dict[str, Any]:
+    """A streamed job's first event, before any byte of the response: a job the worker refuses (a prompt too long)
+    answers with its status, 400, as without streaming (OpenAI and vLLM check before they stream), not with 200
+    and an error chunk."""
+    event = await _unless_gone(request, job, anext(events), timeout)
+    if event.get("finish_reason") == "error":
+        failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+        raise _with_job(_job_error(failed), job)
+    if event.get("finish_reason") == "abort" and not event["text"]:
+        raise _with_job(_job_error(JobCanceled(job.id, "the job was canceled")), job)
+    return event
+
+
+async def _then(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    yield first
+    if "finish_reason" not in first:
+        async for event in rest:
+            yield event
+
+
+async def _unless_gone(request: Request, job: AsyncGenerationJob, wait: Any, timeout: float) -> Any:
+    """What ``wait`` (an awaitable about ``job``) gives; the job's cancel if the client goes away first; the job's
+    failure as an API error."""
+    waiting = asyncio.ensure_future(wait)
     try:
         while True:
             done, _ = await asyncio.wait({waiting}, timeout=0.25)
@@ -217,14 +267,19 @@ def _job_error(exc: JobFailed | JobCanceled) -> APIError:
 
 
 async def _sse(
-    job: AsyncGenerationJob, chunks: ChunkWriter, include_usage: bool, timeout: float, open_streams: Gauge
+    job: AsyncGenerationJob,
+    chunks: ChunkWriter,
+    include_usage: bool,
+    timeout: float,
+    open_streams: Gauge,
+    events: AsyncIterator[dict[str, Any]],
 ) -> AsyncIterator[str]:
     finished = False
     open_streams.inc()
     try:
         for index in range(chunks.n):
             yield _data(chunks.piece("", first=True, index=index))
-        async for event in job.events(timeout, skip_void=True):
+        async for event in events:
             if event.get("reset") and event["n"]:
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
@@ -232,6 +287,10 @@ async def _sse(
                 failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
                 yield _data(_job_error(failed).body())
                 break
+            if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
+                if event["text"]:
+                    yield _data(chunks.piece(event["text"], index=event.get("index", 0), event=event))
+                raise JobCanceled(job.id, "the job was canceled")
             shows_logprobs = chunks.logprobs is not None and event.get("logprobs")  # tokens whose text waits
             if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
                 end = None if chunks.n > 1 else reason

@@ -536,9 +536,54 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], max_tokens=2)
     assert "too long" in err.value.message or "tokens" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # streamed too: the status comes before any chunk
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], stream=True)
+    assert "too long" in err.value.message or "tokens" in err.value.message
     timed_out = Failed("j", "job exceeded its timeout of 1 s", {"error_type": "timeout"})
     assert (_job_error(timed_out).status, _job_error(timed_out).type) == (504, "timeout")
     assert _job_error(Failed("j", "AbandonedJobError: the worker died")).status == 500
+
+
+def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url):
+    """A job canceled mid-stream (``roseinfer cancel``, RQ's cancel) ended like a finished answer, with
+    ``finish_reason: stop``; without streaming the same job is an error. Now the stream ends with an error too."""
+    worker, server, model = served
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as reply:
+        Client(redis_url, queue=worker.queue).job(reply.headers["x-roseinfer-job-id"]).cancel()
+        chunks = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["error"]["message"] == "the job was canceled"
+    reasons = [c["finish_reason"] for chunk in chunks[:-2] for c in json.loads(chunk)["choices"]]
+    assert not any(reasons)
+
+
+def test_paths_and_methods_the_server_lacks_answer_in_openais_shape(served):
+    _, server, _ = served
+    missing = httpx.get(f"{server.url}/v1/nothing-here", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    wrong = httpx.get(f"{server.url}/v1/chat/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"] == "Method Not Allowed"
+    assert wrong.headers["allow"] == "POST"
+
+
+def test_a_burst_of_requests_reads_the_live_workers_once():
+    import asyncio
+
+    from producer.server import Workers
+
+    class Fleet:
+        reads = 0
+
+        async def workers(self):
+            Fleet.reads += 1
+            await asyncio.sleep(0.05)  # a few round trips
+            return [{"name": "w", "model": "m"}]
+
+    async def burst():
+        workers = Workers(Fleet())
+        return await asyncio.gather(*(workers.models() for _ in range(64)))
+
+    assert asyncio.run(burst()) == [["m"]] * 64 and Fleet.reads == 1
 
 
 def test_a_redis_that_does_not_answer_is_a_503_in_openais_shape():
