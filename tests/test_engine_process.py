@@ -353,6 +353,7 @@ def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwi
     assert sparing_a_core({"num_threads": None, "device": "cuda"})["num_threads"] is None
 
 
+@pytest.mark.slow  # seconds: the full suite's
 def test_a_big_submit_while_the_child_sends_fast_does_not_deadlock():
     """The worker writing a large batch of jobs to the child while the child's events fill the pipe back: neither
     side may wait on the other's reading (the child reads its commands on a thread of its own)."""

@@ -297,6 +297,7 @@ def test_the_puller_takes_jobs_only_as_far_as_the_worker_has_room(fake_worker):
     assert max(waiting) >= 12 - 3  # not all taken at once
 
 
+@pytest.mark.slow  # seconds: the full suite's
 def test_a_worker_whose_last_results_are_sent_looks_for_jobs_at_once(fake_worker, monkeypatch):
     """Once its last job's results are sent, a worker with nothing in flight wakes its puller, which then blocks on
     the queues. Before, the pull after a job's end could not block (the results were still being sent) and the
@@ -491,6 +492,7 @@ def _wait(done, limit_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow  # seconds: the full suite's
 @pytest.mark.redis
 def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
     """A failed step with retry intervals left (``Retry(max, interval)``, a hash's ``retry_intervals``): RQ puts
