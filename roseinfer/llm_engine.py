@@ -231,13 +231,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         output_prefix: list[int] | None = None,
         priority: int = 0,
+        prefix_logprobs: list[dict[int, float]] | None = None,
     ) -> None:
         """Queue a request. ``priority``: lower runs first (admitted first, and preempting a running request
         that comes later when there is no slot or KV block for it); equal priorities run in arrival order.
         ``output_prefix``: tokens an earlier attempt of it already generated (and streamed); they become the start
         of its output, computed in its prefill and never sampled again. Its output text and ids then include
         them, its deltas hold only what follows, and a seeded request goes on drawing as an uninterrupted run
-        would."""
+        would. ``prefix_logprobs``: the prefix tokens' logprobs, one per token, which a request asking for
+        logprobs needs to resume (its output's logprobs start with them)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
@@ -249,7 +251,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but this model allows at most "
                 f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
-        prefix = self._checked_prefix(output_prefix or [], len(token_ids), params)
+        prefix = self._checked_prefix(output_prefix or [], len(token_ids), params, prefix_logprobs)
         if prefix and params.n > 1:
             raise ValueError("a request with n > 1 cannot resume from an output prefix: its samples start over")
         if params.stop_strings and self.tokenizer is None:
@@ -280,6 +282,8 @@ class LLMEngine:
                 seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
             )
             seq.grammar, seq.parent_id, seq.index = grammar, request_id, index
+            if prefix and seq.logprobs is not None and prefix_logprobs is not None:
+                seq.logprobs = [dict(step) for step in prefix_logprobs]
             seq.leader = seqs[0] if seqs else None
             seqs.append(seq)
         if params.n > 1:
@@ -289,15 +293,25 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _checked_prefix(self, prefix: list[int], num_prompt_tokens: int, params: SamplingParams) -> list[int]:
+    def _checked_prefix(
+        self,
+        prefix: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        logprobs: list[dict[int, float]] | None = None,
+    ) -> list[int]:
         if not prefix:
             return []
-        if params.logprobs is not None:  # the prefix has no logprobs: the list would be out of step with the ids
-            raise ValueError(
-                "a request asking for logprobs cannot resume from an output prefix (its tokens have no logprobs): "
-                "start it over"
-            )
         ids = self.tokenize(list(prefix))[1]  # the same checks as prompt token ids
+        if params.logprobs is not None and (
+            logprobs is None
+            or len(logprobs) != len(ids)
+            or not all(isinstance(step, dict) and t in step for t, step in zip(ids, logprobs))
+        ):  # else the output's logprobs would be out of step with its ids
+            raise ValueError(
+                "a request asking for logprobs resumes only with its output prefix's logprobs, one per token "
+                "holding that token: start it over"
+            )
         if num_prompt_tokens + len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt ({num_prompt_tokens} tokens) and the output to resume ({len(ids)} tokens) leave no room "

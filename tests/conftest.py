@@ -3,6 +3,7 @@ helpers that run transformers' own greedy generate as the reference."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import uuid
@@ -118,6 +119,26 @@ def tiny_chat_model(tmp_path_factory, smol_tokenizer) -> str:
     from roseinfer.tiny_models import save_tiny_chat_model
 
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smol_tokenizer)
+
+
+def requeue_as_resumed(client, payload: dict, events: list[dict]):
+    """A new job of ``payload`` on ``client``'s queue, as if an earlier attempt streamed ``events`` and died and the
+    job was requeued (its hash keeps the start, its stream those events): the worker resumes after them. Made in
+    a queue nobody serves, then moved over. Returns its handle."""
+    from rq.utils import now
+
+    from producer import Client
+
+    job_id = f"resumed-{uuid.uuid4().hex[:8]}"
+    for event in events:
+        client.connection.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(event)})
+    parked = Client(connection=client.connection, queue=f"parked-{job_id}").submit(**payload, job_id=job_id)
+    job = parked.rq_job
+    job.started_at = now()
+    job.save()
+    client.connection.delete(f"rq:queue:parked-{job_id}")
+    client.queue.enqueue_job(job)
+    return client.job(job_id)
 
 
 class ThreadWorker:

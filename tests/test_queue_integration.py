@@ -8,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, requeue_as_resumed
 from redis import Redis
 from rq import Queue
 from rq.command import send_stop_job_command
@@ -115,6 +115,28 @@ def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served,
         assert "".join(pieces) == next(r["text"] for r in results if r["id"] == job_id)
     assert client.queue.finished_job_registry.count >= 100
     assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
+
+
+@pytest.mark.slow
+def test_a_job_asking_for_logprobs_resumes_from_its_stream(served):
+    """Its events carry their tokens' logprobs, so a retry resumes after what was streamed (it started over, its
+    followers told to drop what they had) and ends as the uninterrupted job, logprobs and all."""
+    _, client = served
+    payload = {"prompt": "Resume me with logprobs", "max_tokens": 24, "temperature": 0.9, "seed": 3, "logprobs": 2}
+    payload["ignore_eos"] = True
+    first = client.submit(**payload)
+    full = first.result(timeout=120)
+    events = list(first.events(timeout=10))
+    assert len(events) >= 2 and all(len(e["logprobs"]) == len(e["token_ids"]) for e in events if e["token_ids"])
+    resumed = requeue_as_resumed(client, payload, events[:1])
+    result = resumed.result(timeout=120)
+    assert result["token_ids"] == full["token_ids"] and result["text"] == full["text"]
+    assert result["logprobs"][: len(events[0]["token_ids"])] == events[0]["logprobs"]
+    for got, want in zip(result["logprobs"], full["logprobs"]):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-4)
+    replay = list(resumed.events(timeout=10))
+    assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
 
 
 def test_a_job_that_keeps_no_result_says_so_instead_of_waiting(served, redis_url):

@@ -135,6 +135,20 @@ def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():
         StreamEvent.model_validate(event)
 
 
+def test_a_stream_with_logprobs_resumes_a_job_asking_for_them():
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    s = pub.resume(conn, ["j"])["j"]
+    s.start(can_resume=True, with_logprobs=True)
+    pub.add(s, "He", [1], logprobs=[{7: -0.5, 1: -1.25}])
+    _send(conn, pub)
+    pub.add(s, "y", [2], logprobs=[{2: -0.125}])
+    _send(conn, pub)
+    retry = pub.resume(conn, ["j"])["j"]
+    assert retry.start(can_resume=True, with_logprobs=True) == [1, 2]
+    assert retry.resume_logprobs == [{7: -0.5, 1: -1.25}, {2: -0.125}]
+
+
 def _stream_with(conn, pub, pieces, first_n=0):
     s = pub.resume(conn, ["j"])["j"]
     s.next_n = first_n
@@ -148,7 +162,7 @@ def _stream_with(conn, pub, pieces, first_n=0):
     [
         ("trimmed: its first events are gone", 4, False, True),
         ("it ended: a requeued job runs again", 0, True, True),
-        ("the job asks for logprobs, which the stream does not hold", 0, False, False),
+        ("the job asks for logprobs, which this stream does not hold", 0, False, True),
     ],
 )
 def test_a_stream_that_cannot_be_resumed_is_reset_once(why, first_n, end, can_resume):
@@ -160,7 +174,7 @@ def test_a_stream_that_cannot_be_resumed_is_reset_once(why, first_n, end, can_re
         pub.add(s, "", [], "stop", {})
         _send(conn, pub)
     retry = pub.resume(conn, ["j"])["j"]
-    assert retry.start(can_resume=can_resume) == [], why
+    assert retry.start(can_resume=can_resume, with_logprobs="logprobs" in why) == [], why
     pub.add(retry, "new", [1])
     _send(conn, pub)
     pub.add(retry, " text", [2], "length", {})

@@ -105,13 +105,31 @@ def test_prefix_is_computed_in_one_prefill_and_reuses_the_prefix_cache(llm):
         ([1] * 40, SamplingParams(max_tokens=40), "max_tokens is 40"),
         ([1, 2, -3], SamplingParams(max_tokens=40), r"\[0, "),
         ([1, 2], SamplingParams(max_tokens=40, stop_token_ids=[2]), "stop token"),
-        ([5, 6], SamplingParams(max_tokens=40, logprobs=2), "logprobs"),
+        ([5, 6], SamplingParams(max_tokens=40, logprobs=2), "logprobs"),  # without the prefix's logprobs
     ],
 )
 def test_prefix_that_cannot_be_resumed_is_refused(llm, prefix, params, message):
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad-prefix", "hello", params, output_prefix=prefix)
     assert "bad-prefix" not in llm.engine.scheduler
+
+
+def test_a_request_asking_for_logprobs_resumes_with_its_prefixs_logprobs(llm):
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, logprobs=3)
+    _, full = run(llm, "lp-full", "Tell me a story", params)
+    ids, logprobs = full.outputs[0].token_ids, full.outputs[0].logprobs
+    engine = llm.engine
+    engine.add_request("lp-resumed", "Tell me a story", params, output_prefix=ids[:12], prefix_logprobs=logprobs[:12])
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == "lp-resumed" and o.finished), final)
+    resumed = final.outputs[0]
+    assert resumed.token_ids == ids and len(resumed.logprobs) == 30
+    assert resumed.logprobs[:12] == logprobs[:12]  # handed back as they were streamed
+    for got, want in zip(resumed.logprobs[12:], logprobs[12:]):  # computed again after a prefill, not decodes
+        assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+    with pytest.raises(ValueError, match="logprobs"):  # out of step with the ids: refused, not misaligned
+        engine.add_request("lp-bad", "hi", params, output_prefix=ids[:3], prefix_logprobs=logprobs[1:4])
 
 
 def test_a_stop_token_before_min_tokens_is_part_of_a_valid_prefix(llm):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 
 import jsonschema
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, requeue_as_resumed
 
 from producer import Client
 
@@ -74,20 +73,8 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     full = first.result(timeout=120)
     events = list(first.events(timeout=10))
     assert len(events) >= 2
-    # As if an earlier attempt of the job streamed the first event and died, and the job was requeued (its hash
-    # keeps the start): the worker resumes after that event. (Made in a queue nobody serves, then moved over.)
-    from rq.utils import now
-
-    job_id = f"so-resume-{uuid.uuid4().hex[:8]}"
-    client.connection.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(events[0])})
-    parked = Client(connection=client.connection, queue=f"parked-{job_id}").submit(**payload, job_id=job_id)
-    job = parked.rq_job
-    job.started_at = now()
-    job.save()
-    client.connection.delete(f"rq:queue:parked-{job_id}")
     count, total = _tpot(w.worker)
-    client.queue.enqueue_job(job)
-    resumed = client.job(job_id)
+    resumed = requeue_as_resumed(client, payload, events[:1])  # the worker resumes after the first event
     result = resumed.result(timeout=120)
     assert (result["text"], result["token_ids"]) == (full["text"], full["token_ids"])
     replay = list(resumed.events(timeout=10))

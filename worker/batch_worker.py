@@ -428,7 +428,10 @@ class BatchWorker(BaseWorker):
             else:
                 job, req = a.job, a.request
                 timeout = job.timeout if job.timeout and job.timeout > 0 else None
-                self.pump.submit(job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized)
+                self.pump.submit(
+                    job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
+                    prefix_logprobs=a.prefix_logprobs,
+                )  # fmt: skip
                 held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.started_mono)
                 held.resumed_tokens = len(a.prefix or ())
                 self.in_flight[job.id] = held

@@ -153,8 +153,8 @@ def _serve(
             for message in _take_commands(inbox, wait):
                 kind = message[0] if message is not None else "stop"  # None: the parent is gone
                 if kind == "jobs":
-                    for job_id, prompt, params, timeout, prefix, priority in message[1]:
-                        pump.submit(job_id, prompt, params, timeout, prefix, priority)
+                    for job_id, prompt, params, timeout, prefix, priority, logprobs in message[1]:
+                        pump.submit(job_id, prompt, params, timeout, prefix, priority, prefix_logprobs=logprobs)
                 elif kind == "cancel":
                     conn.send(("canceled", pump.cancel_many(message[1], message[2]), _facts(engine)))
                 elif kind == "stop":
@@ -266,13 +266,14 @@ class EngineProcess:
         output_prefix: list[int] | None = None,
         priority: int = 0,
         tokenized: None = None,  # prompts are tokenized in the child: ``tokenize_ahead`` starts none here
+        prefix_logprobs: list[dict[int, float]] | None = None,
     ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
         if not self._jobs:
             self._quiet_since = time.monotonic()  # the child owes a step from now on
         self._jobs.add(job_id)
-        self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority))
+        self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority, prefix_logprobs))
 
     def tokenize_ahead(self, prompts: list[Any]) -> None:
         """The child tokenizes each prompt it is sent (``Pump.tokenize_ahead``): nothing starts here."""

@@ -20,6 +20,7 @@ from producer.schema import JobRequest, describe_validation_error
 if TYPE_CHECKING:
     from roseinfer.llm_engine import LLMEngine
     from roseinfer.outputs import RequestOutput
+    from worker.publisher import JobStream
 
 
 class JobRejected(Exception):
@@ -78,10 +79,12 @@ def sampling_params(job_id: str, req: JobRequest):
         raise JobRejected(str(exc)) from None
 
 
-def resumable(params: Any) -> bool:
-    """A retry resumes from the job's stream, unless the stream cannot rebuild the output: it carries no logprobs,
-    and the samples of a job with n > 1 start over together."""
-    return params.logprobs is None and params.n == 1
+def resume_from(stream: JobStream, params: Any) -> tuple[list[int], list[dict[int, float]] | None]:
+    """Plan a job's attempt from its stream (``JobStream.start``): the output prefix to resume from and its
+    logprobs (for a job asking for them), or nothing. The samples of a job with n > 1 start over together."""
+    wants = params.logprobs is not None
+    prefix = stream.start(can_resume=params.n == 1, with_logprobs=wants)
+    return prefix, stream.resume_logprobs if prefix and wants else None
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
@@ -206,9 +209,9 @@ def generate(**payload: Any) -> dict[str, Any]:
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     stream = publisher.resume(job.connection, [job.id])[job.id]
     params = sampling_params(job.id, req)
-    prefix = stream.start(can_resume=resumable(params))
+    prefix, prefix_logprobs = resume_from(stream, params)
     pump = Pump(_engine(), tokenize_in_thread=False)
-    pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix)
+    pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final = time.time(), None, None
     while final is None:
         for event in pump.step():

@@ -46,6 +46,7 @@ class JobStream:
     # What the stream holds since its start (or its last reset): the output an attempt can resume from.
     resume_ids: list[int] = field(default_factory=list)
     resume_text: str = ""
+    resume_logprobs: list[dict[int, float]] | None = None  # theirs, when every event since carried them
     # The stream cannot serve as a prefix (trimmed, or with a final event): a retry starts over, after a reset.
     whole: bool = True
     # Not sent yet: per sample (0 unless the job has n > 1) the text pieces and token ids since its last event, and
@@ -69,12 +70,16 @@ class JobStream:
         self.whole = (bool(resets) or events[0]["n"] == 0) and in_order and not self.ended
         self.resume_ids = [t for e in since for t in e["token_ids"]]
         self.resume_text = "".join(e["text"] for e in since)
+        steps = [step for e in since for step in e.get("logprobs") or ()]
+        aligned = len(steps) == len(self.resume_ids)
+        self.resume_logprobs = [{int(t): lp for t, lp in step} for step in steps] if aligned else None
 
-    def start(self, can_resume: bool) -> list[int]:
-        """Plan this attempt: the output it resumes from (its stream is whole and the job allows it), or [] and
-        a reset first when something streamed before is void (a follower then drops what it has). A stream that
-        expired has nothing to resume: it starts again at event 0, which tells a follower as much."""
-        if can_resume and self.whole and self.resume_ids:
+    def start(self, can_resume: bool, with_logprobs: bool = False) -> list[int]:
+        """Plan this attempt: the output it resumes from (its stream is whole, the job allows it, and it holds the
+        logprobs ``with_logprobs`` asks for: ``resume_logprobs``), or [] and a reset first when something streamed
+        before is void (a follower then drops what it has). A stream that expired has nothing to resume: it starts
+        again at event 0, which tells a follower as much."""
+        if can_resume and self.whole and self.resume_ids and (not with_logprobs or self.resume_logprobs is not None):
             return self.resume_ids
         if self.next_n:
             self.restart()
@@ -83,7 +88,7 @@ class JobStream:
     def restart(self) -> None:
         """The job starts over: its next event tells followers to drop what they have."""
         self.pending_reset, self.ended = True, False
-        self.resume_ids, self.resume_text = [], ""
+        self.resume_ids, self.resume_text, self.resume_logprobs = [], "", None
 
 
 # (job id, event, the stream's TTL to set with it in seconds (0: none), the attempt that must own the job ("": any))

@@ -21,7 +21,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 
 from worker.intake import MULTI_LANE_WAIT_S, REDIS_UNAVAILABLE, Unreadable, pull, redis_waits
-from worker.jobs import JobRejected, parse_request, resumable, sampling_params
+from worker.jobs import JobRejected, parse_request, resume_from, sampling_params
 from worker.publisher import JobStream
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class Arrival:
     request: JobRequest | None = None
     params: Any = None
     prefix: list[int] | None = None  # what an earlier attempt streamed: the output resumes from there
+    prefix_logprobs: list[dict[int, float]] | None = None  # its logprobs, for a job asking for them
     error: str | None = None
     prompt: Any = None  # the request's prompt as the engine takes it
     tokenized: Any = None  # its prompt's tokenizing, started by the pump's ``tokenize_ahead`` (None: not started)
@@ -262,8 +263,7 @@ class Puller:
             arrival = Arrival(job, q, execution, stream, request, params, error=error, started_mono=started_mono)
             if error is None:
                 arrival.prompt, arrival.tokenized = next(prompt_of), next(ahead, None)
-                # The stream carries no logprobs: a job that asks for them starts over rather than resume without.
-                arrival.prefix = stream.start(can_resume=resumable(params))
+                arrival.prefix, arrival.prefix_logprobs = resume_from(stream, params)
             arrivals.append(arrival)
         return arrivals + running  # last: a copy of a job this pull starts finds it in flight
 

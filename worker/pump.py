@@ -60,6 +60,7 @@ class _Job:
     priority: int = 0
     tokenized: _Tokenized | None = None  # prompt token ids, computed off the step loop
     admitted: bool = False
+    prefix_logprobs: list[dict[int, float]] | None = None  # the prefix's, for a job asking for logprobs
 
 
 @dataclass
@@ -115,16 +116,18 @@ class Pump:
         output_prefix: list[int] | None = None,
         priority: int = 0,
         tokenized: _Tokenized | None = None,
+        prefix_logprobs: list[dict[int, float]] | None = None,
     ) -> None:
         """Take a job: ``prompt`` as ``LLMEngine.add_request`` takes it, ``params`` its SamplingParams,
-        ``output_prefix`` the tokens an earlier attempt already streamed, ``priority`` lower first, ``tokenized``
-        what ``tokenize_ahead`` gave for its prompt. Its admission (or its failure) shows in a later ``step()``; a
-        prefix the engine refuses (a shorter context here, say) makes the job start over, with a ``restarted``
-        event."""
+        ``output_prefix`` the tokens an earlier attempt already streamed (``prefix_logprobs`` their logprobs, for a
+        job asking for them), ``priority`` lower first, ``tokenized`` what ``tokenize_ahead`` gave for its prompt.
+        Its admission (or its failure) shows in a later ``step()``; a prefix the engine refuses (a shorter context
+        here, say) makes the job start over, with a ``restarted`` event."""
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
         deadline = None if timeout is None else time.monotonic() + timeout
         job = _Job(prompt, params, deadline, output_prefix or None, priority, tokenized)
+        job.prefix_logprobs = prefix_logprobs
         if self._pool is not None and tokenized is None:
             self._untokenized.append(job)
         self._jobs[job_id] = job
@@ -220,9 +223,10 @@ class Pump:
                     )
                 if job.output_prefix:
                     try:
-                        self.engine.add_request(
-                            job_id, prompt, job.params, output_prefix=job.output_prefix, priority=job.priority
-                        )
+                        resume = {"output_prefix": job.output_prefix, "priority": job.priority}
+                        if job.prefix_logprobs is not None:
+                            resume["prefix_logprobs"] = job.prefix_logprobs
+                        self.engine.add_request(job_id, prompt, job.params, **resume)
                     except ValueError as exc:
                         log.warning("job %s cannot resume its earlier output (%s): it starts over", job_id, exc)
                         self.engine.add_request(job_id, prompt, job.params, priority=job.priority)
