@@ -3,6 +3,7 @@
 Light on purpose: redis, rq and pydantic only (no torch, no transformers), so it runs inside any service.
 """
 
+from producer.aio import AsyncClient, AsyncGenerationJob
 from producer.client import (
     Client,
     GenerationJob,
@@ -16,6 +17,8 @@ from producer.client import (
 from producer.schema import ChatMessage, JobRequest
 
 __all__ = [
+    "AsyncClient",
+    "AsyncGenerationJob",
     "ChatMessage",
     "Client",
     "GenerationJob",

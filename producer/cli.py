@@ -242,6 +242,10 @@ def status(args: argparse.Namespace) -> int:
         f"queue {st['queue']}: {st['queued']} queued, {st['in_flight']} in flight, {st['finished']} finished, "
         f"{st['failed']} failed, {st['canceled']} canceled"
     )
+    if len(st["lanes"]) > 1:  # queued per priority lane, lowest (first served) first
+        print(
+            "lanes: " + ", ".join(f"priority {p}: {n}" for p, n in sorted(st["lanes"].items(), key=lambda x: int(x[0])))
+        )
     print(f"{len(st['workers'])} workers, {st['tokens_per_s']:.1f} tokens/s")
     for w in st["workers"]:
         redis_state = "" if w.get("redis", "ok") == "ok" else f"  Redis refuses writes: {w['redis']}"

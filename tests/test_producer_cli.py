@@ -152,6 +152,15 @@ def test_connection_defaults_come_from_the_environment(monkeypatch):
     assert client.connection.connection_pool.connection_kwargs["host"] == "flaghost" and client.queue.name == "q2"
 
 
+def test_status_lists_the_lanes_once_there_are_several(monkeypatch, capsys):
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    client.submit("now", max_tokens=2)
+    client.submit_many([{"prompt": "later", "max_tokens": 2, "priority": 10}] * 2)
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.status(_parse("status")) == 0
+    assert "lanes: priority 0: 1, priority 10: 2" in capsys.readouterr().out
+
+
 # -- result of a job that ended without finishing ---------------------------------------------------------------
 
 

@@ -25,7 +25,9 @@ class QueueSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the Redis to serve (redis:// or rediss://)")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="the Redis to serve (redis://, rediss://, unix://, redis+sentinel://)"
+    )
     queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the RQ queue to pull jobs from")
     name: str | None = Field(None, description="worker name in RQ (default: host and pid)")
     max_in_flight: int | None = Field(
