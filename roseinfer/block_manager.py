@@ -102,13 +102,17 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> PrefixHit:
-        """Leading blocks of ``seq`` already in the cache, counted in the hit-rate stats (``prefix_query_tokens``,
-        ``prefix_hit_tokens``): what an admission calls."""
+        """Leading blocks of ``seq`` already in the cache, counted in the hit-rate stats (``count_admission``)."""
         hit = self.lookup_computed_blocks(seq)
+        self.count_admission(seq, hit)
+        return hit
+
+    def count_admission(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Count an admission with ``hit`` in the hit-rate stats (``prefix_query_tokens``, ``prefix_hit_tokens``):
+        once it got its blocks, so a request refused for want of them is not counted at every step it waits."""
         if self.enable_prefix_caching:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
-        return hit
 
     def lookup_computed_blocks(self, seq: Sequence) -> PrefixHit:
         """Leading blocks of ``seq`` already in the cache, left out of the stats (a look ahead, not an admission).
@@ -119,7 +123,8 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []
         bs = self.block_size
-        for i, h in enumerate(self._block_hashes(seq, max_blocks)):
+        # The request may hold more hashes than that (a block filled by a decode that preemption then undid).
+        for i, h in enumerate(self._block_hashes(seq, max_blocks)[:max_blocks]):
             block_id = self._cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break

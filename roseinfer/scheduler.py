@@ -147,10 +147,11 @@ class Scheduler:
             seq = self._waiting[0]
             if seq.leader is not None and not self._leader_holds_prompt(seq.leader):
                 break  # a later sample of a request: it waits to share its first sample's prompt blocks
-            hit = self.kv.get_computed_blocks(seq)
+            hit = self.kv.lookup_computed_blocks(seq)
             n = min(seq.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(seq, n, hit):
                 break
+            self.kv.count_admission(seq, hit)
             self._admit(seq, n, hit, decodes, prefills, taken)
             budget -= n
 

@@ -207,3 +207,35 @@ def test_cached_tokens_are_those_of_the_first_admission():
     (item,) = out.scheduled
     assert item.seq is b and item.start > 0  # the recompute found its own freed blocks in the prefix cache
     assert b.num_cached_tokens == 0  # which is not a cache hit of the request
+
+
+def test_a_request_preempted_after_filling_a_block_is_readmitted_with_a_token_to_compute():
+    """B's decode filled a block (its hash kept on the request) and B was preempted in that same step before the
+    sampled token was appended; A holds the same tokens in the cache. B's lookup then took every hash it had, its
+    whole length: it was scheduled for 0 tokens, and the step had a sample row with no logits of its own."""
+    kv = KVCacheManager(num_blocks=5, block_size=2)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=4)
+    a = Sequence("A", [1, 2], SamplingParams(), None, None, priority=0)
+    b = Sequence("B", [1, 2], SamplingParams(), None, None, priority=1)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    c = Sequence("C", [5, 6, 7, 8], SamplingParams(), None, None, priority=0)
+    sched.add(c)
+    run_step(sched)
+    out = run_step(sched)
+    assert b in out.preempted  # (after its decode was scheduled: C's chunk needed the blocks)
+    sched.finish(c, "length")
+    assert kv.lookup_computed_blocks(b).num_tokens < b.num_tokens
+    out = run_step(sched)
+    assert all(item.num_tokens > 0 for item in out.scheduled)
+
+
+def test_a_request_waiting_for_blocks_is_counted_in_the_hit_rate_once():
+    kv, sched = make(num_blocks=4, block_size=4, budget=64)
+    add(sched, "big", 12)
+    run_step(sched)
+    add(sched, "waits", 8)  # 2 blocks, 1 free: it waits while "big" runs
+    for _ in range(3):
+        run_step(sched)
+    assert kv.prefix_query_tokens == 12  # "big" alone: "waits" was refused, and is not counted at each step
