@@ -256,7 +256,11 @@ class LLMEngine:
             raise ValueError("a request with n > 1 cannot resume from an output prefix: its samples start over")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        if request_id in self.scheduler or request_id in self._groups:
+        if (
+            request_id in self.scheduler
+            or request_id in self._groups
+            or any(entry[0].parent_id == request_id for entry in self._pending)  # its last output not out yet
+        ):
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError("priority must be an integer")

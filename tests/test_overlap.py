@@ -136,3 +136,19 @@ def test_a_step_that_fails_still_gives_the_final_outputs_the_step_before_made(ti
     assert ended["short"].finish_reason == "length" and len(ended["short"].output.outputs[0].token_ids) == 3
     assert ended["long"].finish_reason == "error" and ended["long"].retryable
     assert not pump.has_work()
+
+
+def test_a_request_id_whose_final_output_waits_is_still_in_use(tiny_chat_model):
+    """On a GPU a request's last output comes a step after its last token: the id is not free until then, or that
+    output would go out under the new request's id."""
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    engine.add_request("a", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    engine.step()  # its second token: the request ended, its output waits for the next step
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", {"prompt": "Again"}, SamplingParams(max_tokens=2))
+    [final] = [o for o in engine.step() if o.finished]
+    assert final.request_id == "a" and len(final.outputs[0].token_ids) == 2
+    engine.add_request("a", {"prompt": "Again"}, SamplingParams(max_tokens=2))  # free now
+    engine.abort_request("a")
