@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error
+from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = ("user", "service_tier", "store", "parallel_tool_calls")
@@ -150,7 +150,7 @@ def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
         request = model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        param = field_path(first.get("loc", ())) or None
         if first.get("type") == "extra_forbidden":
             raise APIError(400, f"unsupported parameter: {param}", param=param) from None
         raise APIError(400, describe_validation_error(exc), param=param) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -207,16 +208,26 @@ class JobRequest(BaseModel):
         }
 
 
+# Where a value may take one of several types, pydantic names the one it tried in the error's location
+# (``content.str``, ``content.list[TextPart]``): not part of the field's path.
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|bytes|dict|list|tuple)(\[.*\])?|[A-Z]\w*(\[.*\])?")
+
+
+def field_path(loc: tuple | list) -> str:
+    """A validation error's location as the field's path: ``messages.0.content``."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
+
+
 def describe_validation_error(exc: Exception) -> str:
-    """One readable line per problem: ``max_tokens: Input should be greater than or equal to 1``."""
+    """One readable line per field: ``max_tokens: Input should be greater than or equal to 1``; a field that may take
+    several types says what each would need (``content: Input should be a valid string or a valid list``)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
-    lines = []
+    by_field: dict[str, list[str]] = {}
     for err in errors():
-        where = ".".join(str(p) for p in err.get("loc", ())) or "payload"
-        msg = err.get("msg", "invalid")
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{where}: {msg}")
-    return "; ".join(lines)
+        msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
+        found = by_field.setdefault(field_path(err.get("loc", ())) or "payload", [])
+        if msg not in found:
+            found.append(msg)
+    return "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in by_field.items())
