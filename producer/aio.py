@@ -27,12 +27,11 @@ from producer.client import (
     StreamRestarted,
     check_job_id,
     checked,
-    ends_the_wait,
     stream_expired,
     validate,
 )
 from producer.connection import connect_async
-from producer.protocol import DEFAULT_QUEUE, channel_key, read_result, result_from_entries, stream_key
+from producer.protocol import DEFAULT_QUEUE, event_from_stream, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
 
@@ -158,6 +157,25 @@ class StreamHub:
                         f.entries.put_nowait(new)
 
 
+async def _final_event(follower: _Follower, seconds: float) -> None:
+    """Read a job's stream until its final event, or for ``seconds`` (or until Redis fails: the caller looks)."""
+    until = time.monotonic() + seconds
+    while (wait := until - time.monotonic()) > 0:
+        try:
+            found = await asyncio.wait_for(follower.entries.get(), wait)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            return
+        if isinstance(found, Exception) or any("finish_reason" in _event(fields) for _, fields in found):
+            return
+
+
+def _event(fields: dict[Any, Any]) -> dict[str, Any]:
+    try:
+        return event_from_stream(fields)
+    except (ValueError, KeyError, TypeError):
+        return {"finish_reason": None}  # not ours to read: the next look at the result decides
+
+
 class _Follower:
     def __init__(self, id_: int, key: str) -> None:
         self.id, self.key = id_, key
@@ -244,10 +262,11 @@ class AsyncGenerationJob:
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits
-        on the job's channel for its final event, looking again at least once a second."""
+        for the job's final event in its stream (read by the client's one ``StreamHub``, not a pub/sub connection
+        a waiting job: a server with 1,000 requests waiting held 1,000), looking again at least once a second."""
         conn = self.client.connection
         deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = None
+        follower = None
         try:
             while True:
                 async with conn.pipeline(transaction=False) as pipe:  # the status first, as the sync client
@@ -264,17 +283,13 @@ class AsyncGenerationJob:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
-                if pubsub is None:  # subscribed, then a look again: an end in between is not missed
-                    pubsub = conn.pubsub(ignore_subscribe_messages=True)
-                    await pubsub.subscribe(channel_key(self.id))
+                if follower is None:  # followed, then a look again: an end in between is not missed
+                    follower = self.client.hub.follow(stream_key(self.id))
                     continue
-                until = time.monotonic() + (1.0 if left is None else min(1.0, left))
-                while (wait := until - time.monotonic()) > 0:
-                    if ends_the_wait(await pubsub.get_message(timeout=wait)):
-                        break
+                await _final_event(follower, 1.0 if left is None else min(1.0, left))
         finally:
-            if pubsub is not None:
-                await pubsub.aclose()
+            if follower is not None:
+                self.client.hub.leave(follower)
 
 
 __all__ = ["AsyncClient", "AsyncGenerationJob", "JobCanceled", "JobFailed"]

@@ -318,10 +318,16 @@ def test_async_client_submits_streams_and_waits(served, redis_url):
             assert together[0] == together[-1]
             for job, text in zip(more, together):
                 assert text == (await job.result(timeout=60))["text"]
-            # Waited for while they run (on each job's channel), all at once.
-            waiting = [await client.submit(f"wait {i}", max_tokens=24, temperature=0.0) for i in range(3)]
-            waited = await asyncio.gather(*(job.result(timeout=60) for job in waiting))
-            assert [r["usage"]["completion_tokens"] for r in waited] == [24] * 3
+            # Waited for while they run, all at once, through the client's one stream reader: a connection each (a
+            # pub/sub subscription per waiting job) made a server with 1,000 requests waiting hold 1,000.
+            waiting = [
+                await client.submit(f"wait {i}", max_tokens=96, temperature=0.0, ignore_eos=True) for i in range(12)
+            ]
+            gathered = asyncio.gather(*(job.result(timeout=60) for job in waiting))
+            await asyncio.sleep(0.3)
+            assert len(client.connection.connection_pool._in_use_connections) <= 2  # held while they wait
+            waited = await gathered
+            assert [r["usage"]["completion_tokens"] for r in waited] == [96] * 12
             assert [r["text"] for r in waited] == [(await job.result(timeout=5))["text"] for job in waiting]
             return texts, results, await jobs[0].status()
 
