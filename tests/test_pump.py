@@ -530,3 +530,46 @@ def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
     finally:
         worker.request_stop()
         thread.join(timeout=30)
+
+
+_HUNG_WORKER = """
+import sys, time
+from test_pump import FakeEngine
+from redis import Redis
+from producer import Client
+from worker.batch_worker import BatchWorker
+from worker.settings import WorkerSettings
+
+engine = FakeEngine()
+real_step = engine.step
+engine.step = lambda flush=True: time.sleep(3600) if engine.steps == 1 else real_step(flush)  # the 2nd hangs
+url, queue = sys.argv[1], sys.argv[2]
+settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2)
+Client(url, queue=queue).submit("hangs", max_tokens=5)
+BatchWorker(engine, settings, Redis.from_url(url)).work(logging_level="WARNING")
+"""
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_hung_step_of_an_engine_in_the_workers_process_ends_the_process(redis_url):
+    """It cannot be interrupted, and the heartbeats (a thread of their own) kept its jobs claimed for good: the
+    watchdog prints the stacks and ends the process, as a crash, for other workers to recover the jobs."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from worker.watchdog import EXIT_HUNG
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    queue = f"hung-{uuid.uuid4().hex[:6]}"
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _HUNG_WORKER, redis_url, queue], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EXIT_HUNG, done.stderr[-2000:]
+    assert "an engine step has run for" in done.stderr and "in <lambda>" in done.stderr  # where it hung
+    assert time.monotonic() - began < 30
+    assert len(Client(redis_url, queue=queue).queue.started_job_registry.get_job_ids()) == 1  # for RQ to recover

@@ -73,6 +73,7 @@ from worker.puller import NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
+from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
@@ -135,6 +136,8 @@ class BatchWorker(BaseWorker):
         self._suspended = False
         self._next_hand_over = 0.0
         self._step_s = 0.0  # how long the last engine step took
+        # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
+        self._watchdog = StepWatchdog(settings.engine_step_timeout if isinstance(self.pump, Pump) else 0)
         self._next_maintenance = 0.0
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
@@ -251,6 +254,7 @@ class BatchWorker(BaseWorker):
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
         finally:
+            self._watchdog.stop()
             self.puller.stop()
             self.sender.stop()
             self.pump.close()
@@ -280,6 +284,7 @@ class BatchWorker(BaseWorker):
             self.metrics.serve(self.settings.metrics_port)
             log.info("metrics on :%d/metrics", self.settings.metrics_port)
         self._heartbeat.start()
+        self._watchdog.start()
 
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
@@ -304,7 +309,11 @@ class BatchWorker(BaseWorker):
             # Running jobs' new text is only wanted when the hand-over after this step sends it: when the hand-over
             # is due by the time a step like the last one ends (a step longer than the interval flushes each time).
             flush = time.monotonic() + self._step_s >= self._next_hand_over
-            events = self.pump.step(flush=flush)
+            self._watchdog.began()
+            try:
+                events = self.pump.step(flush=flush)
+            finally:
+                self._watchdog.ended()
             self._step_s = time.perf_counter() - started
             for seconds in self.pump.take_step_times():  # the engine's own (an engine process: its child's)
                 self.metrics.step.observe(seconds)

@@ -57,11 +57,11 @@ class QueueSettings(BaseSettings):
     engine_process: bool = Field(
         False, description="run the engine in a process of its own, so Redis work never holds up a step"
     )
-    # vLLM's engine has the like (VLLM_ENGINE_ITERATION_TIMEOUT_S); an engine in the worker's own process cannot be
-    # stopped mid-step, so there only the supervisor's liveness check helps.
+    # vLLM's engine has the like (VLLM_ENGINE_ITERATION_TIMEOUT_S).
     engine_step_timeout: float = Field(
-        300, ge=0, description="with --engine-process: seconds the engine may hold jobs without finishing a step "
-        "before it is taken for hung, killed, and its jobs retried elsewhere (0: wait for good)",
+        300, ge=0, description="seconds an engine step may run before the engine is taken for hung: an engine "
+        "process is killed and its jobs fail retryably; an engine in the worker's process ends the process (exit "
+        "70), and other workers recover its jobs (0: wait for good)",
     )  # fmt: skip
     event_interval_ms: int = Field(
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "

@@ -1,0 +1,59 @@
+"""The watchdog of an engine that runs in the worker's own process: a step that never returns (a stuck kernel or
+lock) cannot be interrupted from another thread, and meanwhile the heartbeats, on a thread of their own, kept the
+worker's jobs claimed for good. Past ``engine_step_timeout`` the watchdog prints every thread's stack and ends the
+process, as a crash would: the heartbeats stop, another worker recovers the jobs (RQ's abandoned jobs, retried
+where their policy allows), and a supervisor restarts this one. (With ``--engine-process`` the parent kills its
+child instead, and fails the jobs itself: ``worker/engine_process.py``.)"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("roseinfer.worker")
+
+EXIT_HUNG = 70  # EX_SOFTWARE: the engine hung
+
+
+def _exit_hung() -> None:
+    os._exit(EXIT_HUNG)
+
+
+class StepWatchdog:
+    """``began()`` before a step and ``ended()`` after it; a step longer than ``timeout`` s ends the process."""
+
+    def __init__(self, timeout: float, on_hung: Callable[[], None] = _exit_hung) -> None:
+        self.timeout, self.on_hung = timeout, on_hung
+        self._began: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="roseinfer-step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        if self.timeout:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def began(self) -> None:
+        self._began = time.monotonic()
+
+    def ended(self) -> None:
+        self._began = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            began = self._began
+            if began is not None and time.monotonic() - began > self.timeout:
+                log.critical("an engine step has run for %.0f s (hung): every thread's stack, then the process ends "
+                             "(exit %d) for its supervisor to restart it; its jobs go to other workers",
+                             time.monotonic() - began, EXIT_HUNG)  # fmt: skip
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                self.on_hung()
+                return
