@@ -161,12 +161,14 @@ class Sampler:
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
-        if any(p.uses_filters for p in params):
-            logits = apply_filters(
-                logits,
-                top_k=[p.top_k if p.top_k > 0 else 0 for p in params],
-                top_p=[p.top_p for p in params],
-                min_p=[p.min_p for p in params],
+        rows = [i for i, p in enumerate(params) if p.uses_filters]  # the others keep their whole distribution
+        if rows:
+            chosen = [params[i] for i in rows]
+            logits[rows] = apply_filters(
+                logits[rows],
+                top_k=[p.top_k if p.top_k > 0 else 0 for p in chosen],
+                top_p=[p.top_p for p in chosen],
+                min_p=[p.min_p for p in chosen],
             )
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
@@ -214,8 +216,10 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+    # (top_p 1 keeps all: in float32 the running sum reaches 1.0 before the vocabulary ends.)
     mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+    p = torch.tensor(top_p, device=device)[:, None]
+    remove |= (mass_before >= p) & (p < 1)
     remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))

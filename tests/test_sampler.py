@@ -58,3 +58,14 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     logits = torch.tensor([[9.0, 0.0, 8.0, 1.0]])
     s = seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]))
     assert Sampler([0], 0, torch.device("cpu"))(logits, [s]).token_ids == [3]
+
+
+def test_top_p_one_keeps_the_whole_vocabulary():
+    """In float32 the running mass reaches 1.0 before a 49,152-token vocabulary ends: top_p 1 (off) cut the
+    tail of every row whenever another row of the batch used a filter."""
+    from roseinfer.sampler import apply_filters
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 49152) * 8
+    kept = apply_filters(logits, top_k=[0] * 4, top_p=[1.0] * 4, min_p=[0.0] * 4)
+    assert torch.isfinite(kept).all()
