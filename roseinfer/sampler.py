@@ -205,7 +205,9 @@ class Sampler:
 
 
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
-    """Mask to -inf what top-k, top-p (nucleus) and min-p leave out, per row. 0 / 1.0 / 0.0 disable each."""
+    """Mask to -inf what top-k, top-p (nucleus) and min-p leave out, per row. 0 / 1.0 / 0.0 disable each. As vLLM
+    V1: min-p and top-k first (they commute: min-p compares each probability with the largest), then top-p over
+    what they kept, renormalized."""
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
@@ -213,6 +215,9 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     k = torch.tensor(top_k, device=device)
     k = torch.where(k > 0, k, vocab)
     remove = ranks >= k[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
+    remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
@@ -220,7 +225,6 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     mass_before = probs.cumsum(dim=-1) - probs
     p = torch.tensor(top_p, device=device)[:, None]
     remove |= (mass_before >= p) & (p < 1)
-    remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, filtered)

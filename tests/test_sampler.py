@@ -17,6 +17,12 @@ def test_top_k_top_p_min_p_masks():
     assert torch.equal(out[0, :2], logits[0, :2])
 
 
+def test_top_p_takes_the_mass_of_what_min_p_kept_as_vllm_v1():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    # min_p 0.5 keeps 0.4, 0.3, 0.2; renormalized, the first two hold 0.78 >= 0.75 (of the original, 0.7 < 0.75)
+    assert kept(apply_filters(logits, [0], [0.75], [0.5])) == [[0, 1]]
+
+
 def test_filters_follow_the_original_token_order():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.05, 0.25]]))
     assert kept(apply_filters(logits, [2], [1.0], [0.0])) == [[1, 3]]
