@@ -114,6 +114,9 @@ class JobRequest(BaseModel):
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the output")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="a slow tokenizer's spaces between special tokens (a fast one puts none)"
+    )
     priority: int = Field(
         0, ge=-100, le=100, description="lower runs first (as in vLLM); the job waits in its priority's lane"
     )
@@ -203,6 +206,7 @@ class JobRequest(BaseModel):
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "structured_outputs": self.structured_form(),
             "n": self.n,
         }

@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
+        self.spaces = params.spaces_between_special_tokens
         self.stop_strings = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop_strings), default=0)
@@ -62,7 +63,9 @@ class IncrementalDetokenizer:
         return self._decode(ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, spaces_between_special_tokens=self.spaces
+        )
 
     def update(self, token_id: int | None, finished: bool = False) -> str:
         """Take one new token (None: nothing new) and return the text now safe to show."""

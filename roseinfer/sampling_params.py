@@ -79,6 +79,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # A slow (Python) tokenizer's decode puts spaces between special tokens unless told not to; a fast one (the
+    # usual) never does, as in vLLM.
+    spaces_between_special_tokens: bool = True
     n: int = 1
     structured_outputs: StructuredOutputsParams | dict | None = None
     # What ``LLMEngine.step`` returns for the request, as vLLM's RequestOutputKind: an output at every step with
@@ -145,7 +148,12 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
                 fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 fail(f"{name} must be true or false, got {getattr(self, name)!r}")
         if any(s == "" for s in self.stop_strings):

@@ -130,3 +130,19 @@ def test_text_handed_out_before_min_tokens_is_never_cut_by_a_stop_string(smol_to
     params = SamplingParams(stop=["answer", "x" * 15], min_tokens=min_tokens)
     _, pieces, d = stream(smol_tokenizer, "The answer is 42. The end", params)
     assert "".join(pieces) == d.output_text
+
+
+def test_a_slow_tokenizer_is_told_whether_to_space_special_tokens(decode_path):
+    """vLLM's ``spaces_between_special_tokens`` reaches the decode of a tokenizer without a Rust backend (a fast one
+    puts no spaces there whatever it is told)."""
+
+    told = set()
+
+    class SlowTokenizer:  # decodes token i as one letter; says how it was asked to
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            told.add(spaces_between_special_tokens)
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    d = IncrementalDetokenizer(SlowTokenizer(), [1, 2], params)
+    assert d.update(3) + d.update(4) + d.finish() == "de" and told == {False}
