@@ -545,6 +545,8 @@ def count_prompt_tokens(tokenizer: Any, payload: dict[str, Any]) -> int:
     if "messages" in payload:
         chat = tokenizer.apply_chat_template(payload["messages"], add_generation_prompt=True, return_dict=False)
         return len(chat)
+    if "prompt_token_ids" in payload:
+        return len(payload["prompt_token_ids"])
     return len(tokenizer.encode(payload["prompt"]))
 
 

@@ -328,7 +328,10 @@ class Client:
         return req.model_dump(exclude_defaults=True, by_alias=True)
 
     def _job_options(self, req: JobRequest) -> dict[str, Any]:
-        text = req.prompt if req.prompt is not None else req.messages[-1].content  # type: ignore[index]
+        if req.prompt_token_ids is not None:
+            text = f"<{len(req.prompt_token_ids)} token ids>"
+        else:
+            text = req.prompt if req.prompt is not None else req.messages[-1].content  # type: ignore[index]
         return {
             "timeout": self.job_timeout,
             "result_ttl": self.result_ttl,

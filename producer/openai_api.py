@@ -116,7 +116,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's forms: text or token ids, one or a list
     max_tokens: int | None = 16  # the legacy API's default (OpenAI's and vLLM's); chat's is the context
     logprobs: int | None = None
     echo: bool = False
@@ -129,7 +129,7 @@ class CompletionRequest(_Common):
     def job_fields(self) -> dict[str, Any]:
         fields = self.sampling()
         prompt = self.prompt
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)):  # a list of prompts
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
@@ -139,7 +139,7 @@ class CompletionRequest(_Common):
             raise APIError(400, "suffix is not supported", param="suffix")
         fields.pop("echo", None)
         fields.pop("suffix", None)
-        fields["prompt"] = prompt
+        fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
         return fields
 
 

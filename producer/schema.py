@@ -94,6 +94,9 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str | None = Field(None, description="a plain prompt (no chat template)")
+    prompt_token_ids: list[TokenId] | None = Field(
+        None, description="the prompt as token ids of the worker's model (no chat template)"
+    )
     messages: list[ChatMessage] | None = Field(None, description="chat messages (the model's chat template applied)")
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
     min_tokens: NonNegInt = Field(0, description="tokens before EOS, a stop token or a stop string may end the output")
@@ -155,10 +158,12 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("the prompt is empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -185,6 +190,8 @@ class JobRequest(BaseModel):
         """The prompt in the form ``LLMEngine.add_request`` takes."""
         if self.messages is not None:
             return {"messages": [m.model_dump() for m in self.messages]}
+        if self.prompt_token_ids is not None:
+            return {"prompt_token_ids": list(self.prompt_token_ids)}
         return {"prompt": self.prompt}
 
     def sampling_kwargs(self) -> dict[str, Any]:

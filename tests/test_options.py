@@ -25,7 +25,17 @@ ENGINE_ONLY = {
     "output_kind": "how the engine hands outputs back: the worker streams every step",
 }
 # Payload fields that are not sampling fields.
-PAYLOAD_ONLY = {"prompt", "messages", "custom_id", "metadata", "top_logprobs", "priority", "notify", "response_format"}
+PAYLOAD_ONLY = {
+    "prompt",
+    "messages",
+    "prompt_token_ids",
+    "custom_id",
+    "metadata",
+    "top_logprobs",
+    "priority",
+    "notify",
+    "response_format",
+}
 
 
 def _sampling_fields() -> list[dataclasses.Field]:

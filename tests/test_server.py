@@ -78,6 +78,24 @@ def test_chat_completion_matches_the_same_job_submitted_directly(served, oai, re
     assert out.usage.prompt_tokens == expected["usage"]["prompt_tokens"] > 0
 
 
+def test_a_prompt_of_token_ids_is_the_same_job_as_its_text(served, oai, redis_url):
+    """OpenAI's completions take token ids for a prompt (one list, or a list of one list), and the payload
+    ``prompt_token_ids`` as any producer sends it; ids the model does not have fail that job alone, as a 400."""
+    from transformers import AutoTokenizer
+
+    worker, _, model = served
+    ids = AutoTokenizer.from_pretrained(model).encode("The sea is")
+    text = direct(redis_url, worker.queue, prompt="The sea is", max_tokens=8, temperature=0.0)
+    as_ids = direct(redis_url, worker.queue, prompt_token_ids=ids, max_tokens=8, temperature=0.0)
+    assert as_ids["token_ids"] == text["token_ids"] and as_ids["usage"] == text["usage"]
+    for prompt in (ids, [ids]):
+        served_out = oai.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert served_out.choices[0].text == text["text"]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt=[ids[0], 10**9], max_tokens=2)
+    assert "prompt token ids must be integers in [0, 49152)" in err.value.message
+
+
 def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
     _, _, model = served
     whole = oai.chat.completions.create(
