@@ -126,13 +126,21 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def job_fields(self) -> dict[str, Any]:
-        fields = self.sampling()
+    def prompts(self) -> list[str | list[int]]:
+        """Its prompts: one (text, or token ids), or a list of them."""
         prompt = self.prompt
-        if isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int)):  # a list of prompts
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def job_fields(self, prompt: str | list[int] | None = None) -> dict[str, Any]:
+        """The job of ``prompt``, by default the request's one prompt."""
+        fields = self.sampling()
+        if prompt is None:
+            prompts = self.prompts()
+            if len(prompts) != 1:
+                raise APIError(400, "give one prompt here (not a list of them)", param="prompt")
+            prompt = prompts[0]
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if self.suffix:
@@ -143,19 +151,45 @@ class CompletionRequest(_Common):
         return fields
 
 
-def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
-    """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault."""
+def _request(model: type[_Common], body: Any) -> Any:
+    """The request, or an ``APIError`` naming the parameter at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        request = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = field_path(first.get("loc", ())) or None
         if first.get("type") == "extra_forbidden":
             raise APIError(400, f"unsupported parameter: {param}", param=param) from None
         raise APIError(400, describe_validation_error(exc), param=param) from None
+
+
+def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
+    """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault."""
+    request = _request(model, body)
     fields = request.job_fields()
+    _check_job(request, fields)
+    return request, fields
+
+
+MAX_PROMPTS = 256  # prompts of one /v1/completions request: a job each
+
+
+def parse_completions(body: Any) -> tuple[CompletionRequest, list[dict[str, Any]]]:
+    """A /v1/completions request and the payload of each of its prompts (OpenAI's list forms: a job a prompt)."""
+    request: CompletionRequest = _request(CompletionRequest, body)
+    prompts = request.prompts()
+    if not prompts or len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+    jobs = [request.job_fields(prompt) for prompt in prompts]
+    for fields in jobs:
+        _check_job(request, fields)
+    return request, jobs
+
+
+def _check_job(request: _Common, fields: dict[str, Any]) -> None:
+    """The job's payload as a worker will read it, or an ``APIError`` naming the parameter at fault."""
     try:
         JobRequest.model_validate(fields)
     except ValidationError as exc:
@@ -164,7 +198,6 @@ def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
         if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             param = "max_completion_tokens"
         raise APIError(400, describe_validation_error(exc), param=param) from None
-    return request, fields
 
 
 # ----- responses -----------------------------------------------------------------------------------------
@@ -254,14 +287,24 @@ def chat_response(job_id: str, model: str, request: ChatCompletionRequest, resul
     }
 
 
-def completion_response(job_id: str, model: str, request: CompletionRequest, result: dict[str, Any]) -> dict:
+def completion_response(
+    job_id: str, model: str, request: CompletionRequest, results: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The response to the jobs of a request's prompts, in order: prompt i's samples are choices i * n to
+    i * n + n - 1, as OpenAI numbers them, and the usage is theirs together."""
+    choices = [
+        {**choice, "index": i * request.n + choice["index"]}
+        for i, result in enumerate(results)
+        for choice in completion_choices(result, request.logprobs)
+    ]
+    each = [usage(result) for result in results]
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": completion_choices(result, request.logprobs),
-        "usage": usage(result),
+        "choices": choices,
+        "usage": {k: sum(u[k] for u in each) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
     }
 
 

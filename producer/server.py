@@ -35,6 +35,7 @@ from producer.openai_api import (
     chat_response,
     completion_response,
     parse,
+    parse_completions,
 )
 
 log = logging.getLogger("roseinfer.server")
@@ -171,14 +172,23 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
-        req, fields = parse(kind, body)
+        if kind is CompletionRequest:  # a prompt or a list of them: a job each
+            req, jobs_fields = parse_completions(body)
+        else:
+            req, fields = parse(kind, body)
+            jobs_fields = [fields]
+        if req.stream and len(jobs_fields) > 1:
+            raise APIError(400, "a streamed completion takes one prompt", param="prompt")
         served = await workers.models()
         if not served:
             raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
         if req.model not in served:
             raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
-        job = await client.submit(**fields)
+        jobs = (
+            [await client.submit(**jobs_fields[0])] if len(jobs_fields) == 1 else await client.submit_many(jobs_fields)
+        )
+        job, ids = jobs[0], ",".join(j.id for j in jobs)
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -191,18 +201,23 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             stream = _sse(job, chunks, include_usage, timeout, metrics.streams, _then(first, events))
             return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
         try:
-            result = await _result_unless_gone(request, job, timeout)
-        except ConnectionAbortedError:  # its job is canceled; the status (nginx's "client closed request") is logged
-            return Response(status_code=499, headers={"x-roseinfer-job-id": job.id})
-        body = (chat_response if chat else completion_response)(job.id, req.model, req, result)
-        return JSONResponse(body, headers={"x-roseinfer-job-id": job.id})
+            results = await _results_unless_gone(request, jobs, timeout)
+        except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
+            return Response(status_code=499, headers={"x-roseinfer-job-id": ids})
+        if chat:
+            body = chat_response(job.id, req.model, req, results[0])
+        else:
+            body = completion_response(job.id, req.model, req, results)
+        return JSONResponse(body, headers={"x-roseinfer-job-id": ids})
 
     return app
 
 
-async def _result_unless_gone(request: Request, job: AsyncGenerationJob, timeout: float) -> dict[str, Any]:
-    """The job's result; its cancel if the client goes away first; the job's failure as an API error."""
-    return await _unless_gone(request, job, job.result(timeout), timeout)
+async def _results_unless_gone(
+    request: Request, jobs: list[AsyncGenerationJob], timeout: float
+) -> list[dict[str, Any]]:
+    """The jobs' results; their cancel if the client goes away first; a job's failure as an API error."""
+    return await _unless_gone(request, jobs, asyncio.gather(*(job.result(timeout) for job in jobs)), timeout)
 
 
 async def _first_event_unless_gone(
@@ -211,12 +226,12 @@ async def _first_event_unless_gone(
     """A streamed job's first event, before any byte of the response: a job the worker refuses (a prompt too long)
     answers with its status, 400, as without streaming (OpenAI and vLLM check before they stream), not with 200
     and an error chunk."""
-    event = await _unless_gone(request, job, anext(events), timeout)
+    event = await _unless_gone(request, [job], anext(events), timeout)
     if event.get("finish_reason") == "error":
         failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
-        raise _with_job(_job_error(failed), job)
+        raise _with_jobs(_job_error(failed), [job])
     if event.get("finish_reason") == "abort" and not event["text"]:
-        raise _with_job(_job_error(JobCanceled(job.id, "the job was canceled")), job)
+        raise _with_jobs(_job_error(JobCanceled(job.id, "the job was canceled")), [job])
     return event
 
 
@@ -227,9 +242,9 @@ async def _then(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> A
             yield event
 
 
-async def _unless_gone(request: Request, job: AsyncGenerationJob, wait: Any, timeout: float) -> Any:
-    """What ``wait`` (an awaitable about ``job``) gives; the job's cancel if the client goes away first; the job's
-    failure as an API error."""
+async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: Any, timeout: float) -> Any:
+    """What ``wait`` (an awaitable about ``jobs``) gives; their cancel if the client goes away first (or one
+    fails: no one will read the others); a job's failure as an API error."""
     waiting = asyncio.ensure_future(wait)
     try:
         while True:
@@ -239,20 +254,27 @@ async def _unless_gone(request: Request, job: AsyncGenerationJob, wait: Any, tim
             if await request.is_disconnected():
                 raise ConnectionAbortedError
     except TimeoutError:
-        _cancel_soon(job)
-        raise _with_job(APIError(504, f"no result within {timeout:g} s", "timeout"), job) from None
+        _cancel_all_soon(jobs)
+        raise _with_jobs(APIError(504, f"no result within {timeout:g} s", "timeout"), jobs) from None
     except (JobFailed, JobCanceled) as exc:
-        raise _with_job(_job_error(exc), job) from None
+        if len(jobs) > 1:
+            _cancel_all_soon(jobs)
+        raise _with_jobs(_job_error(exc), jobs) from None
     except (ConnectionAbortedError, asyncio.CancelledError):
-        _cancel_soon(job)
+        _cancel_all_soon(jobs)
         raise
     finally:
         waiting.cancel()
 
 
-def _with_job(err: APIError, job: AsyncGenerationJob) -> APIError:
-    err.headers["x-roseinfer-job-id"] = job.id
+def _with_jobs(err: APIError, jobs: list[AsyncGenerationJob]) -> APIError:
+    err.headers["x-roseinfer-job-id"] = ",".join(job.id for job in jobs)
     return err
+
+
+def _cancel_all_soon(jobs: list[AsyncGenerationJob]) -> None:
+    for job in jobs:
+        _cancel_soon(job)
 
 
 def _job_error(exc: JobFailed | JobCanceled) -> APIError:

@@ -96,6 +96,21 @@ def test_a_prompt_of_token_ids_is_the_same_job_as_its_text(served, oai, redis_ur
     assert "prompt token ids must be integers in [0, 49152)" in err.value.message
 
 
+def test_a_completion_of_several_prompts_numbers_their_choices_as_openai(served, oai, redis_url):
+    """A list of prompts is a job each: prompt i's samples are choices i * n .. i * n + n - 1, usage their sum."""
+    worker, _, model = served
+    prompts = ["The sea is", "A cat sat", "Once upon a time"]
+    alone = [direct(redis_url, worker.queue, prompt=p, max_tokens=6, temperature=0.0) for p in prompts]
+    out = oai.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [r["text"] for r in alone for _ in range(2)]  # greedy: both samples
+    assert out.usage.prompt_tokens == sum(r["usage"]["prompt_tokens"] for r in alone)
+    assert out.usage.completion_tokens == 2 * sum(r["usage"]["completion_tokens"] for r in alone)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt=prompts, max_tokens=6, stream=True)
+    assert err.value.body["param"] == "prompt"
+
+
 def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
     _, _, model = served
     whole = oai.chat.completions.create(
