@@ -253,8 +253,15 @@ def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fa
     assert worker.sender.round_trips > 0 and worker.sender._emit is None
 
 
-@pytest.mark.worker_settings(event_interval_ms=20)
-@pytest.mark.parametrize("step_ms", [30, 2], ids=["steps longer than the event interval", "short steps"])
+@pytest.mark.parametrize(
+    "step_ms",
+    [
+        pytest.param(30, marks=pytest.mark.worker_settings(event_interval_ms=20)),
+        # (an interval far past the steps: a loaded machine's slower steps still share events)
+        pytest.param(2, marks=pytest.mark.worker_settings(event_interval_ms=200)),
+    ],
+    ids=["steps longer than the event interval", "short steps"],
+)
 def test_a_running_jobs_text_goes_out_every_event_interval_whatever_the_step_time(fake_worker, step_ms):
     """The engine keeps a running job's new text until the worker asks for it, on the step before it sends events:
     with steps longer than the interval every step's text goes out with it; with short ones, about one event an
@@ -268,8 +275,8 @@ def test_a_running_jobs_text_goes_out_every_event_interval_whatever_the_step_tim
     assert [t for e in events for t in e["token_ids"]] == list(range(1, 41)) == result["token_ids"]
     if step_ms == 30:  # each step ended past the interval: one event a token
         assert len(events) >= 35, len(events)
-    else:  # 40 steps of 2 ms (and the loop's own time): a few events of several tokens, not one a token
-        assert 3 <= len(events) < 30, len(events)
+    else:  # 40 steps of 2 ms (and the loop's own time) in 200 ms intervals: a few events of several tokens
+        assert 2 <= len(events) < 20, len(events)
 
 
 @pytest.mark.worker_settings(max_in_flight=3, max_num_seqs=2)

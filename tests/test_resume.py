@@ -135,7 +135,8 @@ def test_a_request_asking_for_logprobs_resumes_with_its_prefixs_logprobs(llm):
 def test_a_stop_token_before_min_tokens_is_part_of_a_valid_prefix(llm):
     params = SamplingParams(temperature=0, min_tokens=5, max_tokens=8, stop_token_ids=[2])
     llm.engine.add_request("early-stop-id", "hello", params, output_prefix=[2, 2, 3])
-    llm.engine.abort_request("early-stop-id")
+    [out] = llm.engine.abort_request("early-stop-id")
+    assert out.outputs[0].token_ids == [2, 2, 3]  # taken as its output so far, not refused
 
 
 @pytest.mark.slow

@@ -37,15 +37,17 @@ def seq(params, tokens=(1, 2, 3), seed=None):
 
 
 def test_seeded_sampling_ignores_the_rest_of_the_batch():
+    """20 draws of a seeded row, alone and in a batch of unseeded ones (one draw would match by chance 1 in 50)."""
     torch.manual_seed(0)
     logits = torch.randn(8, 50)
     p = SamplingParams(temperature=1.0, seed=7)
-    solo = [Sampler([0], 0, torch.device("cpu"))(logits[3:4], [seq(p)]).token_ids[0] for _ in range(1)]
-    s = seq(p)
+    alone, s = Sampler([0], 0, torch.device("cpu")), seq(p)
+    solo = [alone(logits[3:4], [s]).token_ids[0] for _ in range(20)]
+    together, s = Sampler([0], 123, torch.device("cpu")), seq(p)
     batch = [seq(SamplingParams(temperature=1.0)) for _ in range(8)]
     batch[3] = s
-    together = Sampler([0], 123, torch.device("cpu"))(logits, batch).token_ids[3]
-    assert together == solo[0]
+    assert [together(logits, batch).token_ids[3] for _ in range(20)] == solo
+    assert len(set(solo)) > 1  # draws, not one token every time
 
 
 def test_penalties_change_the_choice():

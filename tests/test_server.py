@@ -62,6 +62,20 @@ def oai(served):
 MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
 
 
+@pytest.fixture
+def slow_steps(served, monkeypatch):
+    """Engine steps of at least 20 ms: a job of 230 tokens runs for seconds on any machine, so a test that cancels
+    it or outlasts a short timeout never meets a job that already ended."""
+    engine = served[0].worker.engine
+    real_step = engine.step
+
+    def step(*args, **kwargs):
+        time.sleep(0.02)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+
+
 def direct(redis_url, queue, **fields):
     return Client(redis_url, queue=queue).submit(**fields).result(timeout=60)
 
@@ -247,7 +261,7 @@ def test_unknown_model_and_bad_json(served, oai):
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url):
+def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url, slow_steps):
     worker, server, model = served
     body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as reply:
@@ -300,7 +314,7 @@ def test_health_models_and_api_key(served, redis_url):
         locked.stop()
 
 
-def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_url):
+def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_url, slow_steps):
     worker, _, model = served
     impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
     try:
@@ -585,7 +599,7 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     assert _job_error(Failed("j", "AbandonedJobError: the worker died")).status == 500
 
 
-def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url):
+def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url, slow_steps):
     """A job canceled mid-stream (``roseinfer cancel``, RQ's cancel) ended like a finished answer, with
     ``finish_reason: stop``; without streaming the same job is an error. Now the stream ends with an error too."""
     worker, server, model = served
@@ -655,7 +669,7 @@ def test_request_metrics_are_labelled_by_endpoint_not_by_any_path_a_client_sends
     assert "other" in endpoints and not any(e.startswith("/made-up") for e in endpoints)
 
 
-def test_a_stream_past_the_server_timeout_ends_with_a_timeout_error_and_cancels_its_job(served, redis_url):
+def test_a_stream_past_the_server_timeout_ends_with_a_timeout_error_and_cancels_its_job(served, redis_url, slow_steps):
     worker, _, model = served
     impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
     try:

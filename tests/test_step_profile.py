@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from roseinfer import LLM, SamplingParams
-from roseinfer.cpu_features import NAMED, describe, flags
+from roseinfer.cpu_features import NAMED, describe
 from roseinfer.models.linear import Linear
 from roseinfer.sampler import Sampler
 from roseinfer.step_profile import PARTS, profile_decode
@@ -21,7 +21,8 @@ def test_the_parts_of_a_decode_step_add_up_and_the_timers_come_off(tiny_llama):
     assert (report["batch"], report["steps"]) == (6, 8)
     parts = report["ms_per_step"]
     assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
-    assert abs(sum(parts.values()) - report["step_ms"]) < 0.05 * report["step_ms"] + 0.05
+    timed = sum(v for part, v in parts.items() if part != "python and scheduling")  # the rest is the step's
+    assert timed <= 1.05 * report["step_ms"] + 0.05  # no time counted twice (nested timers would)
     assert parts["dense layers"] > 0 and parts["output layer"] > 0 and parts["attention"] > 0
     assert 0 < report["dense_share"] < 1 and report["step_over_dense"] > 1
     # Everything patched is back, and the profiled requests are gone.
@@ -30,6 +31,11 @@ def test_the_parts_of_a_decode_step_add_up_and_the_timers_come_off(tiny_llama):
     assert not engine.has_unfinished_requests()
 
 
-def test_cpu_features_name_what_the_cpu_has():
-    text = describe()
-    assert all((f in text.split("(")[-1]) == (f in flags()) for f in NAMED)
+def test_cpu_features_name_what_the_cpu_has(monkeypatch):
+    import roseinfer.cpu_features as cpu
+
+    monkeypatch.setattr(cpu, "model_name", lambda: "Some EPYC")
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"fpu", "avx2", "avx512f", "amx_tile", "sse2"}))
+    assert describe() == "Some EPYC (avx2 avx512f amx_tile)"  # in NAMED's order, nothing else
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"sse2"}))
+    assert describe() == f"Some EPYC (none of {', '.join(NAMED)})"

@@ -110,15 +110,33 @@ def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(ser
 
 
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
-def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served):
+def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served, monkeypatch):
+    import worker.batch_worker as batch_worker
+
     w, client, conn = served
+    met = []  # what RQ's clean-up raised: the planted hash reached
+    real_clean = batch_worker.clean_registries
+
+    def clean(queue, *args, **kwargs):
+        try:
+            return real_clean(queue, *args, **kwargs)
+        except Exception as exc:
+            met.append(exc)
+            raise
+
+    monkeypatch.setattr(batch_worker, "clean_registries", clean)
     # A hostile hash placed straight into the started registry, where RQ's clean-up fetches it once it expires.
     job_id = f"planted-{uuid.uuid4().hex[:6]}"
     _raw_job(conn, "elsewhere", job_id, created_at="yesterday")
     conn.lrem("rq:queue:elsewhere", 0, job_id)
     conn.zadd(f"rq:wip:{w.queue}", {f"{job_id}:exec": 1})
     conn.delete(f"rq:clean_registries:{w.queue}")
-    time.sleep(2.5)  # at least one maintenance pass (interval 1 s)
+    deadline = time.time() + 10
+    while not met and time.time() < deadline:  # a maintenance pass (interval 1 s) that meets the hash
+        time.sleep(0.05)
+    assert met, "no maintenance pass met the planted hash"
+    while conn.exists(f"rq:clean_registries:{w.queue}") and time.time() < deadline:  # released just after
+        time.sleep(0.05)
     assert not conn.exists(f"rq:clean_registries:{w.queue}")  # the lock is not left held
     assert client.submit("still serving", max_tokens=2, temperature=0).result(timeout=30)["status"] == "finished"
     assert w.thread.is_alive()
