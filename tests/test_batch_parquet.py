@@ -104,7 +104,7 @@ def test_ctrl_c_with_a_parquet_output_leaves_a_whole_file_and_the_rerun_complete
     def interrupt():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Progress, "tick", _on_the_fourth_poll(interrupt))
+    monkeypatch.setattr(Progress, "tick", _once_a_row_is_done(interrupt))
     assert producer_cli.batch(_parse(argv)) == 130
     first = pq.read_table(out).to_pylist()  # a whole Parquet file, footer and all
     assert 0 < len(first) < 16
@@ -272,7 +272,7 @@ def test_sigterm_and_sighup_stop_a_parquet_run_as_ctrl_c_does(name, served, redi
     try:
         out, ids, argv = _parquet_run(tmp_path, redis_url, worker.queue)
         real_tick = Progress.tick
-        monkeypatch.setattr(Progress, "tick", _on_the_fourth_poll(lambda: os.kill(os.getpid(), number)))
+        monkeypatch.setattr(Progress, "tick", _once_a_row_is_done(lambda: os.kill(os.getpid(), number)))
         assert producer_cli.batch(_parse(argv)) == 130
         assert received == [] and signal.getsignal(number) is noted  # the run's handler took it, then gave back
         first = pq.read_table(out).to_pylist()
@@ -293,13 +293,14 @@ def _parquet_run(tmp_path, redis_url: str, queue: str):
     return out, ids, argv
 
 
-def _on_the_fourth_poll(act):
-    """A ``Progress.tick`` that calls ``act`` at the run's fourth poll (mid-run), then ticks as usual."""
-    real_tick, ticks = Progress.tick, [0]
+def _once_a_row_is_done(act):
+    """A ``Progress.tick`` that calls ``act`` once, at the first poll after a row was written (mid-run: jobs still in
+    flight, since at most --max-in-flight are done by then), then ticks as usual."""
+    real_tick, acted = Progress.tick, [False]
 
     def tick(self):
-        ticks[0] += 1
-        if ticks[0] == 4:
+        if self.done > self.already and not acted[0]:
+            acted[0] = True
             act()
         real_tick(self)
 
