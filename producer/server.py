@@ -226,7 +226,13 @@ async def _first_event_unless_gone(
     """A streamed job's first event, before any byte of the response: a job the worker refuses (a prompt too long)
     answers with its status, 400, as without streaming (OpenAI and vLLM check before they stream), not with 200
     and an error chunk."""
-    event = await _unless_gone(request, [job], anext(events), timeout)
+    try:
+        event = await _unless_gone(request, [job], anext(events), timeout)
+    except (APIError, ConnectionAbortedError, asyncio.CancelledError):
+        raise  # (its job canceled already where it should be)
+    except Exception:  # Redis away, a stream that lost events: no one will read this job
+        _cancel_soon(job)
+        raise
     if event.get("finish_reason") == "error":
         failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
         raise _with_jobs(_job_error(failed), [job])

@@ -141,6 +141,13 @@ def requeue_as_resumed(client, payload: dict, events: list[dict]):
     return client.job(job_id)
 
 
+def tpot_histogram(worker) -> tuple[float, float]:
+    """A worker's time-per-output-token histogram: (observations, their sum)."""
+    registry = worker.metrics.registry
+    name = "roseinfer_time_per_output_token_seconds"
+    return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
+
+
 class ThreadWorker:
     """A BatchWorker serving one queue from a thread of the test process."""
 

@@ -8,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed
+from conftest import ThreadWorker, requeue_as_resumed, tpot_histogram
 from redis import Redis
 from rq import Queue
 from rq.command import send_stop_job_command
@@ -137,6 +137,27 @@ def test_a_job_asking_for_logprobs_resumes_from_its_stream(served):
         assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-4)
     replay = list(resumed.events(timeout=10))
     assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
+
+
+@pytest.mark.slow
+def test_a_resume_the_engine_refuses_starts_over_and_is_timed_as_such(served):
+    """A stream whose tokens hold one of the job's stop tokens cannot be its output's start: the engine refuses the
+    prefix, the job starts over (its followers told so), and its time per token counts every token it made."""
+    worker, client = served
+    payload = {"prompt": "Start over", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [5]}
+    count, total = tpot_histogram(worker.worker)
+    job = requeue_as_resumed(client, payload, [{"v": 3, "n": 0, "text": "ab", "token_ids": [5, 6]}])
+    result = job.result(timeout=120)
+    replay = list(job.events(timeout=10))
+    assert replay[1].get("reset") and "".join(e["text"] for e in replay[1:]) == result["text"]
+    deadline = time.monotonic() + 10
+    while tpot_histogram(worker.worker)[0] == count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timings, made = result["timings"], len(result["token_ids"])
+    observed = tpot_histogram(worker.worker)[1] - total
+    assert made > 1 and observed == pytest.approx(
+        (timings["finished_at"] - timings["first_token_at"]) / (made - 1), abs=2e-6
+    )
 
 
 def test_a_job_that_keeps_no_result_says_so_instead_of_waiting(served, redis_url):

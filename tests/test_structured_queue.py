@@ -9,7 +9,7 @@ import time
 
 import jsonschema
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed
+from conftest import ThreadWorker, requeue_as_resumed, tpot_histogram
 
 from producer import Client
 
@@ -53,13 +53,6 @@ def test_every_kind_as_a_job(served, sampling):
         assert "".join(job.stream(timeout=10)) == result["text"]
 
 
-def _tpot(worker) -> tuple[float, float]:
-    """The worker's time-per-output-token histogram: (observations, their sum)."""
-    registry = worker.metrics.registry
-    name = "roseinfer_time_per_output_token_seconds"
-    return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
-
-
 def test_a_resumed_job_goes_on_under_its_constraint(served):
     w, client = served
     payload = {
@@ -73,7 +66,7 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     full = first.result(timeout=120)
     events = list(first.events(timeout=10))
     assert len(events) >= 2
-    count, total = _tpot(w.worker)
+    count, total = tpot_histogram(w.worker)
     resumed = requeue_as_resumed(client, payload, events[:1])  # the worker resumes after the first event
     result = resumed.result(timeout=120)
     assert (result["text"], result["token_ids"]) == (full["text"], full["token_ids"])
@@ -82,10 +75,12 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
     # Its time per token spreads this attempt's time over this attempt's tokens, not the earlier one's too.
     deadline = time.monotonic() + 10
-    while _tpot(w.worker)[0] == count and time.monotonic() < deadline:  # observed just after the result is written
+    while (
+        tpot_histogram(w.worker)[0] == count and time.monotonic() < deadline
+    ):  # observed just after the result is written
         time.sleep(0.01)
     timings, made_here = result["timings"], len(result["token_ids"]) - len(events[0]["token_ids"])
-    observed = _tpot(w.worker)[1] - total
+    observed = tpot_histogram(w.worker)[1] - total
     assert observed == pytest.approx((timings["finished_at"] - timings["first_token_at"]) / (made_here - 1), abs=2e-6)
 
 

@@ -505,8 +505,9 @@ class BatchWorker(BaseWorker):
             if event.finish_reason is not None:
                 job.finished_at = wall
             self.tokens += len(event.token_ids)
-            if event.restarted:
+            if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
                 job.stream.restart()
+                job.resumed_tokens = 0
             if event.finish_reason is None:
                 self.publisher.add(
                     job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs
