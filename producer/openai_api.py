@@ -197,6 +197,8 @@ def _check_job(request: _Common, fields: dict[str, Any]) -> None:
         param = str(first["loc"][0]) if first.get("loc") else None
         if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
             param = "max_completion_tokens"
+        if param == "prompt_token_ids":  # the request's own name for it
+            param = "prompt"
         raise APIError(400, describe_validation_error(exc), param=param) from None
 
 

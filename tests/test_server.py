@@ -106,6 +106,9 @@ def test_a_prompt_of_token_ids_is_the_same_job_as_its_text(served, oai, redis_ur
         served_out = oai.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
         assert served_out.choices[0].text == text["text"]
     with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt=[ids[0], -2], max_tokens=2)
+    assert err.value.body["param"] == "prompt"  # the request's name for it, not the payload's
+    with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model=model, prompt=[ids[0], 10**9], max_tokens=2)
     assert "prompt token ids must be integers in [0, 49152)" in err.value.message
 
