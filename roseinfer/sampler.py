@@ -213,8 +213,10 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     vocab = logits.shape[1]
     ranks = torch.arange(vocab, device=device)[None, :]
     k = torch.tensor(top_k, device=device)
-    k = torch.where(k > 0, k, vocab)
-    remove = ranks >= k[:, None]
+    k = torch.where(k > 0, k, vocab).clamp(max=vocab)
+    # Every token tied with the k-th stays (as vLLM's top-k): which of equal tokens to drop is no one's to say.
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    remove = (ranks >= k[:, None]) & (sorted_logits < kth)
     probs = torch.softmax(sorted_logits, dim=-1)
     remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
     remove[:, 0] = False

@@ -23,6 +23,12 @@ def test_top_p_takes_the_mass_of_what_min_p_kept_as_vllm_v1():
     assert kept(apply_filters(logits, [0], [0.75], [0.5])) == [[0, 1]]
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    assert kept(apply_filters(logits, [2], [1.0], [0.0])) == [[0, 1, 2, 3]]
+    assert kept(apply_filters(logits, [1], [1.0], [0.0])) == [[0]]
+
+
 def test_filters_follow_the_original_token_order():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.05, 0.25]]))
     assert kept(apply_filters(logits, [2], [1.0], [0.0])) == [[1, 3]]
