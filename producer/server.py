@@ -39,6 +39,7 @@ from producer.openai_api import (
 )
 
 log = logging.getLogger("roseinfer.server")
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class Workers:
@@ -177,8 +178,6 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         else:
             req, fields = parse(kind, body)
             jobs_fields = [fields]
-        if req.stream and len(jobs_fields) > 1:
-            raise APIError(400, "a streamed completion takes one prompt", param="prompt")
         served = await workers.models()
         if not served:
             raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
@@ -193,13 +192,19 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
-            events = job.events(timeout, skip_void=True)
+            streams = []
             try:
-                first = await _first_event_unless_gone(request, job, events, timeout)
+                for each in jobs:  # every job's first event before the headers (a refused one is its status)
+                    events = each.events(timeout, skip_void=True)
+                    streams.append(_then(await _first_event_unless_gone(request, each, events, timeout), events))
             except ConnectionAbortedError:
-                return Response(status_code=499, headers={"x-roseinfer-job-id": job.id})
-            stream = _sse(job, chunks, include_usage, timeout, metrics.streams, _then(first, events))
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": job.id})
+                _cancel_all_soon(jobs)
+                return Response(status_code=499, headers={"x-roseinfer-job-id": ids})
+            except BaseException:
+                _cancel_all_soon(jobs)  # no one will read the others
+                raise
+            stream = _sse(jobs, chunks, include_usage, timeout, metrics.streams, _merged(streams))
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": ids})
         try:
             results = await _results_unless_gone(request, jobs, timeout)
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
@@ -295,19 +300,22 @@ def _job_error(exc: JobFailed | JobCanceled) -> APIError:
 
 
 async def _sse(
-    job: AsyncGenerationJob,
+    jobs: list[AsyncGenerationJob],
     chunks: ChunkWriter,
     include_usage: bool,
     timeout: float,
     open_streams: Gauge,
-    events: AsyncIterator[dict[str, Any]],
+    events: AsyncIterator[tuple[int, dict[str, Any]]],
 ) -> AsyncIterator[str]:
-    finished = False
+    """The chunks of the jobs' events, ``(job i, event)`` as they come: job i's samples are choices i * n .. i * n
+    + n - 1 (one job but for a completion of several prompts); the usage of them all at the end."""
+    finished, ended, used = False, 0, dict.fromkeys(USAGE_KEYS, 0)
     open_streams.inc()
     try:
-        for index in range(chunks.n):
+        for index in range(len(jobs) * chunks.n):
             yield _data(chunks.piece("", first=True, index=index))
-        async for event in events:
+        async for i, event in events:
+            job, base = jobs[i], i * chunks.n
             if event.get("reset") and event["n"]:
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
@@ -315,22 +323,27 @@ async def _sse(
                 failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
                 yield _data(_job_error(failed).body())
                 break
+            index = base + event.get("index", 0)
             if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
                 if event["text"]:
-                    yield _data(chunks.piece(event["text"], index=event.get("index", 0), event=event))
+                    yield _data(chunks.piece(event["text"], index=index, event=event))
                 raise JobCanceled(job.id, "the job was canceled")
             shows_logprobs = chunks.logprobs is not None and event.get("logprobs")  # tokens whose text waits
             if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
                 end = None if chunks.n > 1 else reason
-                yield _data(chunks.piece(event["text"], end, index=event.get("index", 0), event=event))
+                yield _data(chunks.piece(event["text"], end, index=index, event=event))
             if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
                 result = await job.result(timeout)
                 for choice in result.get("choices") or []:
-                    yield _data(chunks.piece("", choice["finish_reason"], index=choice["index"]))
+                    yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
             if reason is not None:
-                if include_usage:
-                    yield _data(chunks.usage(event.get("usage") or {}))
-                break
+                u = event.get("usage") or {}
+                used = {k: v + int(u.get(k, 0)) for k, v in used.items()}
+                ended += 1
+                if ended == len(jobs):
+                    break
+        if include_usage:
+            yield _data(chunks.usage(used))
         yield "data: [DONE]\n\n"
         finished = True
     except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError) as exc:
@@ -345,7 +358,40 @@ async def _sse(
     finally:
         open_streams.dec()
         if not finished:
-            _cancel_soon(job)
+            _cancel_all_soon(jobs)
+
+
+async def _merged(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """``(i, event)`` of each stream i as its events come; a stream's error, once it comes."""
+    if len(streams) == 1:  # the usual case: no task, no queue
+        async for event in streams[0]:
+            yield 0, event
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for event in stream:
+                arrived.put_nowait((i, event, None))
+        except Exception as exc:
+            arrived.put_nowait((i, None, exc))
+            return
+        arrived.put_nowait((i, None, None))
+
+    readers = [asyncio.create_task(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, event, exc = await arrived.get()
+            if exc is not None:
+                raise exc
+            if event is None:
+                left -= 1
+                continue
+            yield i, event
+    finally:
+        for reader in readers:
+            reader.cancel()
 
 
 def _data(obj: dict[str, Any]) -> str:

@@ -114,7 +114,8 @@ def test_a_prompt_of_token_ids_is_the_same_job_as_its_text(served, oai, redis_ur
 
 
 def test_a_completion_of_several_prompts_numbers_their_choices_as_openai(served, oai, redis_url):
-    """A list of prompts is a job each: prompt i's samples are choices i * n .. i * n + n - 1, usage their sum."""
+    """A list of prompts is a job each: prompt i's samples are choices i * n .. i * n + n - 1, usage their sum;
+    streamed or not."""
     worker, _, model = served
     prompts = ["The sea is", "A cat sat", "Once upon a time"]
     alone = [direct(redis_url, worker.queue, prompt=p, max_tokens=6, temperature=0.0) for p in prompts]
@@ -123,9 +124,19 @@ def test_a_completion_of_several_prompts_numbers_their_choices_as_openai(served,
     assert [c.text for c in out.choices] == [r["text"] for r in alone for _ in range(2)]  # greedy: both samples
     assert out.usage.prompt_tokens == sum(r["usage"]["prompt_tokens"] for r in alone)
     assert out.usage.completion_tokens == 2 * sum(r["usage"]["completion_tokens"] for r in alone)
-    with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model=model, prompt=prompts, max_tokens=6, stream=True)
-    assert err.value.body["param"] == "prompt"
+    # Streamed: each prompt's pieces under its choices' indexes, interleaved as they come; the usage of them all.
+    chunks = list(
+        oai.completions.create(
+            model=model, prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(6)]
+    assert texts == [c.text for c in out.choices]
+    ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(ends) == 6 and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):  # one prompt the worker refuses: the request's status, streamed too
+        oai.completions.create(model=model, prompt=["fine", "sea " * 3000], max_tokens=6, stream=True)
 
 
 def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
