@@ -78,7 +78,10 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
         next(iter(jobs[0].events(timeout=30)))
         used = int(conn.info("memory")["used_memory"])
         conn.config_set("maxmemory", used // 2)  # noeviction: every write is refused from now on
-        time.sleep(3)
+        deadline = time.monotonic() + 30
+        while w.worker.sender.refusing is None and time.monotonic() < deadline:  # its next write is refused
+            time.sleep(0.05)
+        time.sleep(1)  # and it goes on through a few more refused writes
         assert w.thread.is_alive()
         assert w.worker.sender.refusing is not None and "OutOfMemoryError" in w.worker.sender.refusing
         conn.config_set("maxmemory", 0)

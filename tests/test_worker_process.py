@@ -75,7 +75,9 @@ def test_sigkill_loses_no_job_and_retries_resume_their_streams(redis_url, defaul
     first = _start_worker(redis_url, queue_name, model, "--max-num-batched-tokens", "64", *bf16)
     try:
         _wait_started(client, jobs, 4)
-        time.sleep(0.3)  # some tokens out
+        deadline = time.time() + 60
+        while sum(len(_events_so_far(client, job)) > 1 for job in jobs) < 2 and time.time() < deadline:
+            time.sleep(0.05)  # until some jobs have streamed tokens
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         assert any(job.status() == "started" for job in jobs)
