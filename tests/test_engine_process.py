@@ -44,22 +44,9 @@ def engine_whose_abort_breaks() -> FakeEngine:
     return engine
 
 
-def engine_that_hangs_on_its_third_step() -> FakeEngine:
-    """A stuck kernel or lock: the third step never returns."""
-    engine = FakeEngine()
-    step = engine.step
-
-    def hanging_step(flush=True):
-        if engine.steps == 2:
-            time.sleep(3600)
-        return step(flush)
-
-    engine.step = hanging_step
-    return engine
-
-
-def engine_that_hangs_holding_the_interpreter_lock() -> FakeEngine:
-    """Stuck in C code that keeps the lock (its command-reading thread stops too): the third step never returns."""
+def engine_that_hangs_on_its_third_step(holding_the_lock: bool = False) -> FakeEngine:
+    """A stuck kernel or lock: the third step never returns. ``holding_the_lock``: stuck in C code that keeps the
+    interpreter lock, so the child's command-reading thread stops too."""
     import ctypes
 
     engine = FakeEngine()
@@ -67,7 +54,7 @@ def engine_that_hangs_holding_the_interpreter_lock() -> FakeEngine:
 
     def hanging_step(flush=True):
         if engine.steps == 2:
-            ctypes.PyDLL(None).sleep(3600)
+            ctypes.PyDLL(None).sleep(3600) if holding_the_lock else time.sleep(3600)
         return step(flush)
 
     engine.step = hanging_step
@@ -208,15 +195,28 @@ def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
         pump.close()
 
 
+def _hanging_with_two_jobs(step_timeout: float) -> EngineProcess:
+    """An engine process whose third step hangs, running jobs "a" and "b"."""
+    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=step_timeout)
+    pump.submit("a", {"prompt": "x"}, _params(10_000))
+    pump.submit("b", {"prompt": "y"}, _params(10_000))
+    return pump
+
+
+def _ended(pump: EngineProcess, count: int, limit_s: float = 30.0) -> list:
+    """The final events of the pump's next steps, until ``count`` jobs ended (or ``limit_s`` passed)."""
+    began, ended = time.monotonic(), []
+    while len(ended) < count and time.monotonic() - began < limit_s:
+        ended += [e for e in pump.step() if e.finished]
+    return ended
+
+
 @pytest.mark.slow
 def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
-    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=1.5)
+    pump = _hanging_with_two_jobs(step_timeout=1.5)
     try:
-        pump.submit("a", {"prompt": "x"}, _params(10_000))
-        pump.submit("b", {"prompt": "y"}, _params(10_000))
-        began, ended = time.monotonic(), []
-        while len(ended) < 2 and time.monotonic() - began < 30:
-            ended += [e for e in pump.step() if e.finished]
+        began = time.monotonic()
+        ended = _ended(pump, 2)
         assert sorted(e.job_id for e in ended) == ["a", "b"]
         assert all(e.retryable and e.error_type == "server_error" and "hung" in e.error for e in ended)
         assert "no step for 2 s (hung) and was killed" in pump.failure and not pump.has_work()
@@ -229,7 +229,7 @@ def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
 def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog():
     """The child hangs holding the interpreter lock, so nothing reads its pipe: a big submit filled it, and the
     parent's send waited for good (the step loop's own clock never ran)."""
-    pump = EngineProcess(partial(engine_that_hangs_holding_the_interpreter_lock), step_timeout=1.0)
+    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step, True), step_timeout=1.0)
     try:
         pump.submit("first", {"prompt": "x"}, _params(10_000))
         while not pump.step():  # its first steps ran
@@ -237,9 +237,7 @@ def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog()
         time.sleep(0.3)  # now stuck in the third
         for i in range(300):  # ~600 kB of prompts: far past what the pipe holds
             pump.submit(f"big{i}", {"prompt": f"{i} " + "y" * 2000}, _params(10))  # (distinct: pickled apart)
-        began, ended = time.monotonic(), []
-        while len(ended) < 301 and time.monotonic() - began < 30:
-            ended += [e for e in pump.step() if e.finished]
+        ended = _ended(pump, 301)
         assert len(ended) == 301 and all(e.retryable for e in ended)
         assert "took no command for 1 s (hung)" in pump.failure
         pump._proc.join(10)  # killed by the watchdog's thread, a second after the stacks were asked for
@@ -250,10 +248,8 @@ def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog()
 
 @pytest.mark.slow
 def test_a_cancel_waiting_on_a_hung_engine_process_ends_at_the_watchdog():
-    pump = EngineProcess(partial(engine_that_hangs_on_its_third_step), step_timeout=1.5)
+    pump = _hanging_with_two_jobs(step_timeout=1.5)
     try:
-        pump.submit("a", {"prompt": "x"}, _params(10_000))
-        pump.submit("b", {"prompt": "y"}, _params(10_000))
         while not pump.step():  # its first steps ran
             pass
         time.sleep(0.2)  # now stuck in the third
