@@ -208,9 +208,18 @@ def _token(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 def usage(result: dict[str, Any]) -> dict[str, int]:
     u = result.get("usage") or {}
-    return {k: int(u.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {k: int(u.get(k, 0)) for k in USAGE_KEYS}
+
+
+def total_usage(results: list[dict[str, Any]]) -> dict[str, int]:
+    """The usage of several jobs (results, or their final events) together."""
+    each = [usage(result) for result in results]
+    return {k: sum(u[k] for u in each) for k in USAGE_KEYS}
 
 
 def chat_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
@@ -299,14 +308,13 @@ def completion_response(
         for i, result in enumerate(results)
         for choice in completion_choices(result, request.logprobs)
     ]
-    each = [usage(result) for result in results]
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {k: sum(u[k] for u in each) for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "usage": total_usage(results),
     }
 
 

@@ -36,10 +36,10 @@ from producer.openai_api import (
     completion_response,
     parse,
     parse_completions,
+    total_usage,
 )
 
 log = logging.getLogger("roseinfer.server")
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 class Workers:
@@ -184,9 +184,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.model not in served:
             raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
-        jobs = (
-            [await client.submit(**jobs_fields[0])] if len(jobs_fields) == 1 else await client.submit_many(jobs_fields)
-        )
+        jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
         job, ids = jobs[0], ",".join(j.id for j in jobs)
         chat = kind is ChatCompletionRequest
         if req.stream:
@@ -248,9 +246,8 @@ async def _first_event_unless_gone(
 
 async def _then(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
     yield first
-    if "finish_reason" not in first:
-        async for event in rest:
-            yield event
+    async for event in rest:  # (none after a final first: the job's events end there)
+        yield event
 
 
 async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: Any, timeout: float) -> Any:
@@ -309,7 +306,7 @@ async def _sse(
 ) -> AsyncIterator[str]:
     """The chunks of the jobs' events, ``(job i, event)`` as they come: job i's samples are choices i * n .. i * n
     + n - 1 (one job but for a completion of several prompts); the usage of them all at the end."""
-    finished, ended, used = False, 0, dict.fromkeys(USAGE_KEYS, 0)
+    finished, finals = False, []  # the jobs' final events, for the usage of them all
     open_streams.inc()
     try:
         for index in range(len(jobs) * chunks.n):
@@ -337,13 +334,11 @@ async def _sse(
                 for choice in result.get("choices") or []:
                     yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
             if reason is not None:
-                u = event.get("usage") or {}
-                used = {k: v + int(u.get(k, 0)) for k, v in used.items()}
-                ended += 1
-                if ended == len(jobs):
+                finals.append(event)
+                if len(finals) == len(jobs):
                     break
         if include_usage:
-            yield _data(chunks.usage(used))
+            yield _data(chunks.usage(total_usage(finals)))
         yield "data: [DONE]\n\n"
         finished = True
     except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError) as exc:

@@ -217,8 +217,8 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     # Every token tied with the k-th stays (as vLLM's top-k): which of equal tokens to drop is no one's to say.
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     remove = (ranks >= k[:, None]) & (sorted_logits < kth)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    remove |= probs < torch.tensor(min_p, device=device)[:, None] * probs[:, :1]
+    # min-p in log space (p_i < min_p * p_max): no softmax needed, and min_p 0 (log -inf) drops nothing.
+    remove |= sorted_logits - sorted_logits[:, :1] < torch.tensor(min_p, device=device).log()[:, None]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)

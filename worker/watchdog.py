@@ -13,22 +13,17 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 log = logging.getLogger("roseinfer.worker")
 
 EXIT_HUNG = 70  # EX_SOFTWARE: the engine hung
 
 
-def _exit_hung() -> None:
-    os._exit(EXIT_HUNG)
-
-
 class StepWatchdog:
     """``began()`` before a step and ``ended()`` after it; a step longer than ``timeout`` s ends the process."""
 
-    def __init__(self, timeout: float, on_hung: Callable[[], None] = _exit_hung) -> None:
-        self.timeout, self.on_hung = timeout, on_hung
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
         self._began: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="roseinfer-step-watchdog", daemon=True)
@@ -55,5 +50,4 @@ class StepWatchdog:
                              time.monotonic() - began, EXIT_HUNG)  # fmt: skip
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
-                self.on_hung()
-                return
+                os._exit(EXIT_HUNG)
