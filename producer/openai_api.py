@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
@@ -116,7 +116,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's forms: text or token ids, one or a list
+    # OpenAI's forms: text or token ids, one or a list (ids strict: JSON's true is no token 1)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16  # the legacy API's default (OpenAI's and vLLM's); chat's is the context
     logprobs: int | None = None
     echo: bool = False
@@ -182,6 +183,8 @@ def parse_completions(body: Any) -> tuple[CompletionRequest, list[dict[str, Any]
     prompts = request.prompts()
     if not prompts or len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+    if any(not (p.strip() if isinstance(p, str) else p) for p in prompts):
+        raise APIError(400, "a prompt must not be empty", param="prompt")
     jobs = [request.job_fields(prompt) for prompt in prompts]
     for fields in jobs:
         _check_job(request, fields)

@@ -253,6 +253,16 @@ def test_a_bad_request_is_a_400_naming_the_parameter(served, oai, kwargs, param)
     assert info.value.body["param"] == param and f"{param}." not in info.value.message
 
 
+@pytest.mark.parametrize("prompt", ["", ["  "], [[]], [], [True], [[1, True]], [1, "a"], [[1]] * 257])
+def test_a_bad_completion_prompt_is_a_400_naming_prompt(prompt):
+    """Empty prompts, JSON's true as a token id (no token 1), mixed forms, too many prompts."""
+    from producer.openai_api import APIError, parse_completions
+
+    with pytest.raises(APIError) as err:
+        parse_completions({"model": "m", "prompt": prompt})
+    assert (err.value.status, err.value.param) == (400, "prompt")
+
+
 def test_priority_through_extra_body_picks_the_lane(served, oai, redis_url):
     worker, _, model = served
     out = oai.chat.completions.with_raw_response.create(
