@@ -121,6 +121,22 @@ def tiny_chat_model(tmp_path_factory, smol_tokenizer) -> str:
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smol_tokenizer)
 
 
+def refuse_lua(conn):
+    """``conn`` (fakeredis, which runs Lua since lupa is installed) refusing scripts, as a Redis whose ACL or host
+    forbids them: the worker's plain-command path."""
+    import redis
+
+    inner = conn.execute_command
+
+    def execute_command(*args, **options):
+        if str(args[0]).split()[0].upper() in {"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "SCRIPT", "FCALL"}:
+            raise redis.ResponseError(f"unknown command '{args[0]}'")
+        return inner(*args, **options)
+
+    conn.execute_command = execute_command
+    return conn
+
+
 def requeue_as_resumed(client, payload: dict, events: list[dict]):
     """A new job of ``payload`` on ``client``'s queue, as if an earlier attempt streamed ``events`` and died and the
     job was requeued (its hash keeps the start, its stream those events): the worker resumes after them. Made in

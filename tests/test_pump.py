@@ -10,6 +10,7 @@ import time
 
 import fakeredis
 import pytest
+from conftest import refuse_lua
 
 from producer import Client, JobFailed
 from roseinfer.outputs import CompletionOutput, RequestOutput
@@ -216,13 +217,14 @@ def test_a_deadline_belongs_to_its_job_not_to_an_earlier_one_of_the_same_id():
 
 @pytest.fixture
 def fake_worker(request):
-    """The RQ worker over a fake engine, on fakeredis (no server, no Lua: the plain-command path); settings from
-    the test's ``worker_settings`` mark."""
+    """The RQ worker over a fake engine, on fakeredis (no server) refusing Lua: the plain-command path, for a Redis
+    that forbids scripts (the Lua path runs against real servers elsewhere); settings from the test's
+    ``worker_settings`` mark."""
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
     server = fakeredis.FakeServer()
-    conn = fakeredis.FakeRedis(server=server)
+    conn = refuse_lua(fakeredis.FakeRedis(server=server))
     setattr(conn, "__rq_redis_server_version", (8, 0, 0))
     engine = FakeEngine()
     marker = request.node.get_closest_marker("worker_settings")
@@ -499,20 +501,30 @@ def _wait(done, limit_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.fixture(params=[pytest.param("redis-server", marks=pytest.mark.redis), "embedded"])
+def server_or_embedded(request):
+    """A connection to a real redis-server, or to the embedded fakeredis of `roseinfer demo` and `serve --embedded`
+    (which runs the worker's Lua scripts too)."""
+    if request.param == "embedded":
+        from worker.local_redis import embedded_connection, start_embedded_redis
+
+        return embedded_connection(start_embedded_redis())
+    from redis import Redis
+
+    return Redis.from_url(request.getfixturevalue("redis_url"))
+
+
 @pytest.mark.slow  # seconds: the full suite's
-@pytest.mark.redis
-def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
+def test_a_retry_rq_put_off_comes_back_when_due_and_ends(server_or_embedded):
     """A failed step with retry intervals left (``Retry(max, interval)``, a hash's ``retry_intervals``): RQ puts
     the job in its scheduled registry, which only a scheduler empties. The worker moves it back when due (RQ's
     scheduler, on its heartbeat thread), so it runs again and finishes instead of waiting there for good."""
     import uuid
 
-    from redis import Redis
-
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
-    conn = Redis.from_url(redis_url)
+    conn = server_or_embedded
     name = f"later-{uuid.uuid4().hex[:8]}"
     engine = FakeEngine()
     worker = BatchWorker(engine, WorkerSettings(queue=name, model="fake", heartbeat_interval=1, idle_wait=0.2), conn)
@@ -534,6 +546,7 @@ def test_a_retry_rq_put_off_comes_back_when_due_and_ends(redis_url):
         assert conn.hget(f"rq:job:{name}-j", "retries_left") == b"0"
         assert conn.zscore(f"roseinfer:rejected:{name}", f"{name}-bad") is not None  # set aside where reported
         assert conn.zscore(f"rq:scheduled:{name}", f"{name}-bad") is None
+        assert worker.sender.runs_scripts  # fenced as on a real server: the embedded one runs Lua too
     finally:
         worker.request_stop()
         thread.join(timeout=30)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -358,3 +360,15 @@ def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(
     assert not any("arrivals" in r for r in runs)
     with pytest.raises(SystemExit, match="--arrivals must be 0 or more"):
         bench_queue.main(parser.parse_args(["--model", tiny_chat_model, "--arrivals", "-1"]))
+
+
+def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
+    """README's first command, `roseinfer demo`, with a tiny model: no Redis server, every job streamed and
+    finished, exit status 0."""
+    cmd = [sys.executable, "-m", "worker.cli", "demo", "--model", tiny_chat_model, "--max-tokens", "6", "one", "two"]
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no redis-server on it: the demo needs none
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ends = re.findall(r"--- job \S+: (length|stop), (\d+) tokens, ttft", proc.stdout)
+    assert len(ends) == 2 and all(int(n) <= 6 for _, n in ends) and "streaming live" in proc.stdout
+    assert "2 finished, 0 failed" in proc.stderr

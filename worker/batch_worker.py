@@ -569,7 +569,7 @@ class BatchWorker(BaseWorker):
         """RQ's success writes for every job, in one script call that skips the jobs another attempt owns now
         (dropped) and those that got dependents (returned second, for RQ's path, which enqueues them); the jobs
         written come first. The writes to registries and to this worker's counters are one command for the batch.
-        Without Lua (the embedded fakeredis): in one transaction under WATCH of their hashes (a hash that changed
+        Without Lua (a Redis that refuses scripts): in one transaction under WATCH of their hashes (a hash that changed
         meanwhile, a heartbeat or a cancel, makes the caller try again)."""
         ended = ended or now()
         if self.sender.finish_script is not None:

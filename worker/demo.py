@@ -58,4 +58,4 @@ def run_demo(prompts: list[str], model: str, dtype: str, max_tokens: int) -> int
     consumer.join()
     st = client.status()
     print(f"{st['finished']} finished, {st['failed']} failed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return 0
+    return 0 if st["finished"] == len(jobs) else 1  # a demo that failed a job says so to the shell too

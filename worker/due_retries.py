@@ -33,7 +33,7 @@ class DueRetries:
         """The due jobs of the scheduled registries of this worker's queues and lanes, back on their queues (where
         this worker holds, or now takes, RQ's scheduler lock of that queue)."""
         w = self.worker
-        if not w.sender.runs_scripts:  # RQ's lock is a script: the embedded fakeredis leaves them scheduled
+        if not w.sender.runs_scripts:  # RQ's lock is a script: a Redis without Lua leaves them scheduled
             return
         names = sorted(q.name for _, q, _ in w.lane_depths())
         if self._scheduler is None or names != self._names:

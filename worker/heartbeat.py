@@ -103,7 +103,7 @@ class Heartbeat:
                 job.job.last_heartbeat = stamp
             if stale and self._beat_jobs is not None:
                 pipe.evalsha(self._beat_jobs.sha, len(stale), *[job.job.key for job in stale], utcformat(stamp))
-            else:  # no Lua (the embedded fakeredis): RQ's own, which writes whether or not the hash exists
+            else:  # no Lua (a Redis that refuses scripts): RQ's own, which writes whether or not the hash exists
                 for job in stale:
                     job.job.heartbeat(stamp, ttl, pipeline=pipe)
             key = w.stats_key()

@@ -65,7 +65,7 @@ def start_embedded_redis() -> str:
 
 def embedded_connection(url: str) -> Redis:
     """A client for the embedded server. It has no INFO command, so tell RQ the version it emulates. After it refuses
-    a command it does not know (CONFIG, SCRIPT, INFO: probes the worker makes), fakeredis' TCP server sometimes drops
+    a command it does not know (CONFIG, INFO: probes the worker makes), fakeredis' TCP server sometimes drops
     the connection (1 connection in ~100; `roseinfer demo` failed 1 run in 8): such a command goes again on a fresh
     one (the dropped connection had not run it)."""
     conn = Redis.from_url(url, retry=Retry(NoBackoff(), 3))

@@ -148,7 +148,7 @@ class Sender:
         self.on_idle: Callable[[], None] | None = None  # called when everything handed over is sent
         self.status_interval = status_interval
         self._next_status_read = 0.0
-        self._emit = None  # the event script, where the server runs Lua (not the embedded fakeredis)
+        self._emit = None  # the event script, where the server runs Lua (the embedded fakeredis too)
         self.renew_script = None
         self.finish_script = None  # ends finished jobs as RQ would (``job_finish``)
         self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
@@ -185,7 +185,7 @@ class Sender:
 
     @property
     def runs_scripts(self) -> bool:
-        """Whether this Redis runs Lua scripts (the embedded fakeredis does not)."""
+        """Whether this Redis runs Lua scripts (one whose ACL or host forbids them does not)."""
         return self._emit is not None
 
     def start(self) -> None:
