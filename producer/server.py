@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
-from producer.client import JobCanceled, JobFailed, StreamGap, StreamRestarted
+from producer.client import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -40,6 +41,11 @@ from producer.openai_api import (
 )
 
 log = logging.getLogger("roseinfer.server")
+
+# A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
+# but once one came, no longer than this: a job queued behind a full worker streams when it starts.
+FIRST_EVENTS_GRACE_S = 1.0
+MAX_IDS_IN_HEADER = 32  # more: the first id and the count (256 ids, ~9.5 KB, passed a proxy's header buffer)
 
 
 class Workers:
@@ -137,6 +143,13 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         return await _api_error(request, APIError(503, f"Redis is unavailable: {exc}", "service_unavailable"))
 
+    async def _unreadable_job(request: Request, exc: Exception) -> JSONResponse:
+        """A job's events that cannot be read whole (trimmed, not the protocol): OpenAI's shape, not plain text."""
+        return await _api_error(request, APIError(500, str(exc), "server_error"))
+
+    for unreadable in (StreamGap, ProtocolError):
+        app.add_exception_handler(unreadable, _unreadable_job)
+
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.get("/metrics")
@@ -184,34 +197,35 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.model not in served:
             raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
+        if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
+            base = str(uuid.uuid4())
+            jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
         jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
-        job, ids = jobs[0], ",".join(j.id for j in jobs)
+        job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
-            streams = []
-            try:
-                for each in jobs:  # every job's first event before the headers (a refused one is its status)
-                    events = each.events(timeout, skip_void=True)
-                    streams.append(_then(await _first_event_unless_gone(request, each, events, timeout), events))
-            except ConnectionAbortedError:
-                _cancel_all_soon(jobs)
-                return Response(status_code=499, headers={"x-roseinfer-job-id": ids})
-            except BaseException:
-                _cancel_all_soon(jobs)  # no one will read the others
+            events = MergedEvents([each.events(timeout, skip_void=True) for each in jobs])
+            try:  # the jobs' first events before the headers: a refused one is the request's status
+                early = await _unless_gone(request, jobs, _first_events(jobs, events), timeout)
+            except ConnectionAbortedError:  # (its jobs canceled already)
+                events.close()
+                return Response(status_code=499, headers=ids)
+            except BaseException:  # (its jobs canceled already where they should be)
+                events.close()
                 raise
-            stream = _sse(jobs, chunks, include_usage, timeout, metrics.streams, _merged(streams))
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"x-roseinfer-job-id": ids})
+            stream = _sse(jobs, chunks, include_usage, timeout, metrics.streams, early, events)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
         try:
             results = await _results_unless_gone(request, jobs, timeout)
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
-            return Response(status_code=499, headers={"x-roseinfer-job-id": ids})
+            return Response(status_code=499, headers=ids)
         if chat:
             body = chat_response(job.id, req.model, req, results[0])
         else:
             body = completion_response(job.id, req.model, req, results)
-        return JSONResponse(body, headers={"x-roseinfer-job-id": ids})
+        return JSONResponse(body, headers=ids)
 
     return app
 
@@ -220,34 +234,41 @@ async def _results_unless_gone(
     request: Request, jobs: list[AsyncGenerationJob], timeout: float
 ) -> list[dict[str, Any]]:
     """The jobs' results; their cancel if the client goes away first; a job's failure as an API error."""
-    return await _unless_gone(request, jobs, asyncio.gather(*(job.result(timeout) for job in jobs)), timeout)
-
-
-async def _first_event_unless_gone(
-    request: Request, job: AsyncGenerationJob, events: AsyncIterator[dict[str, Any]], timeout: float
-) -> dict[str, Any]:
-    """A streamed job's first event, before any byte of the response: a job the worker refuses (a prompt too long)
-    answers with its status, 400, as without streaming (OpenAI and vLLM check before they stream), not with 200
-    and an error chunk."""
+    waits = [asyncio.ensure_future(job.result(timeout)) for job in jobs]
     try:
-        event = await _unless_gone(request, [job], anext(events), timeout)
-    except (APIError, ConnectionAbortedError, asyncio.CancelledError):
-        raise  # (its job canceled already where it should be)
-    except Exception:  # Redis away, a stream that lost events: no one will read this job
-        _cancel_soon(job)
-        raise
-    if event.get("finish_reason") == "error":
-        failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
-        raise _with_jobs(_job_error(failed), [job])
-    if event.get("finish_reason") == "abort" and not event["text"]:
-        raise _with_jobs(_job_error(JobCanceled(job.id, "the job was canceled")), [job])
-    return event
+        return await _unless_gone(request, jobs, asyncio.gather(*waits), timeout)
+    finally:  # one failed: the others' polls stop too (a failed gather leaves its children running)
+        for wait in waits:
+            wait.cancel()
 
 
-async def _then(first: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    yield first
-    async for event in rest:  # (none after a final first: the job's events end there)
-        yield event
+async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) -> list[tuple[int, dict[str, Any]]]:
+    """The events that come before any byte of the response: every job's first, or once one came, those within
+    ``FIRST_EVENTS_GRACE_S``. A job the worker refuses among them (a prompt too long) is the request's status, 400,
+    as without streaming (OpenAI and vLLM check before they stream), not 200 and an error chunk."""
+    early: list[tuple[int, dict[str, Any]]] = []
+    seen: set[int] = set()
+    deadline = None
+    while len(seen) < len(jobs):
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:
+            break
+        try:
+            got = await events.get(wait)
+        except TimeoutError:
+            break
+        if got is None:
+            break
+        i, event = got
+        reason = event.get("finish_reason")
+        if reason == "error":
+            raise JobFailed(jobs[i].id, event.get("error", "failed"), error_type=event.get("error_type"))
+        if reason == "abort" and not event["text"]:
+            raise JobCanceled(jobs[i].id, "the job was canceled")
+        early.append(got)
+        seen.add(i)
+        deadline = deadline or time.monotonic() + FIRST_EVENTS_GRACE_S
+    return early
 
 
 async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: Any, timeout: float) -> Any:
@@ -271,13 +292,23 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
     except (ConnectionAbortedError, asyncio.CancelledError):
         _cancel_all_soon(jobs)
         raise
+    except Exception:  # Redis away, events that cannot be read: no one will read the jobs
+        _cancel_all_soon(jobs)
+        raise
     finally:
         waiting.cancel()
 
 
 def _with_jobs(err: APIError, jobs: list[AsyncGenerationJob]) -> APIError:
-    err.headers["x-roseinfer-job-id"] = ",".join(job.id for job in jobs)
+    err.headers.update(_job_headers(jobs))
     return err
+
+
+def _job_headers(jobs: list[AsyncGenerationJob]) -> dict[str, str]:
+    """``x-roseinfer-job-id``: the jobs' ids; past ``MAX_IDS_IN_HEADER`` the first (``<base>-0``) and their count."""
+    if len(jobs) <= MAX_IDS_IN_HEADER:
+        return {"x-roseinfer-job-id": ",".join(job.id for job in jobs)}
+    return {"x-roseinfer-job-id": jobs[0].id, "x-roseinfer-job-count": str(len(jobs))}
 
 
 def _cancel_all_soon(jobs: list[AsyncGenerationJob]) -> None:
@@ -302,24 +333,27 @@ async def _sse(
     include_usage: bool,
     timeout: float,
     open_streams: Gauge,
-    events: AsyncIterator[tuple[int, dict[str, Any]]],
+    early: list[tuple[int, dict[str, Any]]],
+    events: MergedEvents,
 ) -> AsyncIterator[str]:
-    """The chunks of the jobs' events, ``(job i, event)`` as they come: job i's samples are choices i * n .. i * n
-    + n - 1 (one job but for a completion of several prompts); the usage of them all at the end."""
+    """The chunks of the jobs' events, ``(job i, event)``: those that came before the headers, then the others as
+    they come. Job i's samples are choices i * n .. i * n + n - 1 (one job but for a completion of several prompts);
+    the usage of them all at the end. A job's error ends the stream and cancels the others."""
     finished, finals = False, []  # the jobs' final events, for the usage of them all
+    sent: set[int] = set()  # the jobs some of whose text went out
     open_streams.inc()
     try:
         for index in range(len(jobs) * chunks.n):
             yield _data(chunks.piece("", first=True, index=index))
-        async for i, event in events:
+        async for i, event in events.after(early):
             job, base = jobs[i], i * chunks.n
-            if event.get("reset") and event["n"]:
+            if event.get("reset") and i in sent:
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":
-                failed = JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
-                yield _data(_job_error(failed).body())
-                break
+                raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+            if event["text"] or event.get("logprobs"):
+                sent.add(i)
             index = base + event.get("index", 0)
             if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
                 if event["text"]:
@@ -352,40 +386,49 @@ async def _sse(
         yield "data: [DONE]\n\n"
     finally:
         open_streams.dec()
+        events.close()
         if not finished:
             _cancel_all_soon(jobs)
 
 
-async def _merged(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """``(i, event)`` of each stream i as its events come; a stream's error, once it comes."""
-    if len(streams) == 1:  # the usual case: no task, no queue
-        async for event in streams[0]:
-            yield 0, event
-        return
-    arrived: asyncio.Queue = asyncio.Queue()
+class MergedEvents:
+    """``(i, event)`` of each stream i as its events come, each read by a task of its own (a wait for the next one
+    can time out without losing any); a stream's error once it comes."""
 
-    async def read(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+    def __init__(self, streams: list[AsyncIterator[dict[str, Any]]]) -> None:
+        self._arrived: asyncio.Queue = asyncio.Queue()
+        self._left = len(streams)
+        self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
+
+    async def _read(self, i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async for event in stream:
-                arrived.put_nowait((i, event, None))
+                self._arrived.put_nowait((i, event, None))
         except Exception as exc:
-            arrived.put_nowait((i, None, exc))
+            self._arrived.put_nowait((i, None, exc))
             return
-        arrived.put_nowait((i, None, None))
+        self._arrived.put_nowait((i, None, None))
 
-    readers = [asyncio.create_task(read(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, event, exc = await arrived.get()
+    async def get(self, timeout: float | None = None) -> tuple[int, dict[str, Any]] | None:
+        """The next ``(i, event)``; None once every stream ended; TimeoutError past ``timeout`` seconds."""
+        while self._left:
+            i, event, exc = await asyncio.wait_for(self._arrived.get(), timeout)
             if exc is not None:
                 raise exc
-            if event is None:
-                left -= 1
-                continue
-            yield i, event
-    finally:
-        for reader in readers:
+            if event is not None:
+                return i, event
+            self._left -= 1
+        return None
+
+    async def after(self, early: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """``early`` (events already taken), then the rest as they come."""
+        for got in early:
+            yield got
+        while (got := await self.get()) is not None:
+            yield got
+
+    def close(self) -> None:
+        for reader in self._readers:
             reader.cancel()
 
 

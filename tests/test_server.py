@@ -645,42 +645,6 @@ def test_paths_and_methods_the_server_lacks_answer_in_openais_shape(served):
     assert wrong.headers["allow"] == "POST"
 
 
-def test_a_streamed_job_whose_first_event_cannot_be_read_is_canceled():
-    """Redis failing while a streamed request waits for its job's first event: the request fails (a 503 from the
-    app's handler), and the job, which no one will read, is canceled rather than left to run."""
-    import asyncio
-
-    import redis
-
-    from producer.server import _first_event_unless_gone
-
-    canceled = []
-
-    class Job:
-        id = "j"
-
-        class _sync:  # (the attribute AsyncGenerationJob has)
-            @staticmethod
-            def cancel():
-                canceled.append("j")
-
-    class Request:
-        async def is_disconnected(self):
-            return False
-
-    async def events():
-        raise redis.exceptions.ConnectionError("Redis went away")
-        yield {}
-
-    async def main():
-        with pytest.raises(redis.exceptions.ConnectionError):
-            await _first_event_unless_gone(Request(), Job(), events(), 5.0)
-        await asyncio.sleep(0.1)  # the cancel runs on a thread
-
-    asyncio.run(main())
-    assert canceled == ["j"]
-
-
 def test_a_burst_of_requests_reads_the_live_workers_once():
     import asyncio
 

@@ -1,0 +1,173 @@
+"""The server's streams over jobs whose events are scripted (no Redis, no worker): when headers go out, what a job's
+error mid-stream does to the others, which jobs a failing request cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis
+
+from producer import server as server_module
+from producer.server import create_app
+
+
+def event(n: int, text: str, reason: str | None = None, **extra) -> dict:
+    out = {"v": 3, "n": n, "text": text, "token_ids": [n]}
+    if reason:
+        out.update(finish_reason=reason, usage={"prompt_tokens": 2, "completion_tokens": n + 1, "total_tokens": n + 3})
+    return {**out, **extra}
+
+
+class ScriptedJob:
+    """A job whose events come as scripted: ``(seconds to wait, event or exception)``."""
+
+    def __init__(self, job_id: str, script: list, canceled: list[str]) -> None:
+        self.id, self.script, self.canceled = job_id, script, canceled
+        self.first_event_at: float | None = None
+        job = self
+
+        class _Sync:  # (the attribute AsyncGenerationJob has, used to cancel on a thread)
+            @staticmethod
+            def cancel() -> None:
+                job.canceled.append(job.id)
+
+        self._sync = _Sync
+
+    async def events(self, timeout=None, skip_void=False):
+        for delay, item in self.script:
+            await asyncio.sleep(delay)
+            if isinstance(item, Exception):
+                raise item
+            self.first_event_at = self.first_event_at or time.monotonic()
+            yield item
+            if "finish_reason" in item:
+                return
+        await asyncio.sleep(3600)  # (a job that never ends: canceled or timed out)
+
+    async def result(self, timeout=None):
+        reason = self.script[-1][1]["finish_reason"]
+        return {"status": "finished", "choices": [{"index": 0, "finish_reason": reason, "text": ""}]}
+
+
+class ScriptedClient:
+    queue_name = "q"
+
+    def __init__(self, scripts: list[list]) -> None:
+        self.scripts, self.jobs, self.canceled = scripts, [], []
+
+    async def workers(self):
+        return [{"name": "w", "model": "m"}]
+
+    async def submit(self, **fields) -> ScriptedJob:
+        job = ScriptedJob(fields.get("job_id") or f"job{len(self.jobs)}", self.scripts[len(self.jobs)], self.canceled)
+        self.jobs.append(job)
+        return job
+
+
+def post(client: ScriptedClient, body: dict, path: str = "/v1/completions") -> tuple[dict, list]:
+    """Run one request through the app as ASGI: its response start (status, headers, when) and its body's events."""
+    sent: list = []
+    start: dict = {}
+    data = json.dumps(body).encode()
+
+    async def main() -> None:
+        done = False
+
+        async def receive():
+            nonlocal done
+            if not done:
+                done = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await asyncio.sleep(3600)  # the client stays
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                headers = {k.decode(): v.decode() for k, v in message["headers"]}
+                start.update(status=message["status"], headers=headers, at=time.monotonic())
+            elif message.get("body"):
+                sent.extend(line[6:] for line in message["body"].decode().split("\n\n") if line.startswith("data: "))
+
+        headers = [(b"content-type", b"application/json")]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+                 "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
+                 "headers": headers, "client": ("t", 1), "server": ("t", 80)}  # fmt: skip
+        await create_app(client)(scope, receive, send)
+        await asyncio.sleep(0.05)  # the cancels run on threads
+
+    asyncio.run(main())
+    return start, [line if line == "[DONE]" else json.loads(line) for line in sent]
+
+
+def test_an_error_mid_stream_ends_it_and_cancels_the_other_prompts_jobs():
+    """One job of a several-prompt stream fails after the headers: an error chunk, then [DONE], no usage chunk;
+    the other job, which no one will read, is canceled rather than left to run to its end."""
+    failing = [(0.01, event(0, "a")), (0.05, event(1, "", "error", error="step failed", error_type="server_error"))]
+    slow = [(0.01, event(0, "b"))] + [(0.2, event(i, "b")) for i in range(1, 20)] + [(0.2, event(20, "", "stop"))]
+    client = ScriptedClient([failing, slow])
+    start, chunks = post(client, {"model": "m", "prompt": ["p", "q"], "stream": True,
+                                  "stream_options": {"include_usage": True}})  # fmt: skip
+    assert start["status"] == 200
+    assert chunks[-2]["error"] == {"message": "step failed", "type": "server_error", "param": None, "code": None}
+    assert chunks[-1] == "[DONE]" and not any(c != "[DONE]" and c.get("usage") for c in chunks)
+    assert sorted(client.canceled) == sorted(job.id for job in client.jobs)
+
+
+def test_a_prompt_queued_behind_others_does_not_hold_the_stream_of_the_first(monkeypatch):
+    """The headers wait for every job's first event (a refused job is the request's status), but once one came, only
+    a grace: a job that starts later (queued behind a full worker) streams when it starts."""
+    monkeypatch.setattr(server_module, "FIRST_EVENTS_GRACE_S", 0.05)
+    first = [(0.01, event(0, "a")), (0.01, event(1, "a", "stop"))]
+    later = [(0.5, event(0, "b")), (0.01, event(1, "b", "stop"))]
+    client = ScriptedClient([first, later])
+    start, chunks = post(client, {"model": "m", "prompt": ["p", "q"], "stream": True})
+    assert start["status"] == 200 and start["at"] < client.jobs[1].first_event_at
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        texts[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert texts == {0: "aa", 1: "bb"} and chunks[-1] == "[DONE]" and client.canceled == []
+
+
+def test_a_prompt_refused_among_the_first_events_is_the_requests_status():
+    refused = [(0.05, event(0, "", "error", error="the prompt is too long", error_type="invalid_request"))]
+    fine = [(0.01, event(0, "a"))] + [(0.05, event(i, "a")) for i in range(1, 40)]
+    client = ScriptedClient([fine, refused])
+    start, chunks = post(client, {"model": "m", "prompt": ["p", "q"], "stream": True})
+    assert start["status"] == 400 and chunks == []
+    assert sorted(client.canceled) == sorted(job.id for job in client.jobs)
+
+
+def test_a_restart_before_any_of_a_jobs_text_went_out_is_no_error():
+    """A job whose output started over (a retry that could not resume) before any of its text was sent streams the
+    new output; only text already sent makes the stream fail (it cannot be taken back)."""
+    restarted = [(0.01, event(3, "new", reset=True)), (0.01, event(4, "er", "stop"))]
+    client = ScriptedClient([restarted])
+    start, chunks = post(client, {"model": "m", "prompt": "p", "stream": True})
+    assert start["status"] == 200 and chunks[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "newer"
+
+
+def test_a_streamed_job_whose_first_event_cannot_be_read_is_canceled():
+    """Redis failing while a streamed request waits for its job's first event: a 503 in OpenAI's shape, and the
+    job, which no one will read, is canceled rather than left to run."""
+    client = ScriptedClient([[(0.01, redis.exceptions.ConnectionError("Redis went away"))]])
+    start, _ = post(client, {"model": "m", "prompt": "p", "stream": True})
+    assert start["status"] == 503 and client.canceled == ["job0"]
+
+
+@pytest.mark.parametrize("prompts", [3, 40])
+def test_the_job_id_header_names_a_requests_jobs_and_stays_short(prompts):
+    """A request of several prompts names its jobs <base>-0 .. <base>-<k-1>; the header lists them, or past 32 the
+    first and the count (256 ids were ~9.5 KB, past a proxy's header buffer)."""
+    client = ScriptedClient([[(0.0, event(0, "x", "stop"))] for _ in range(prompts)])
+    start, _ = post(client, {"model": "m", "prompt": ["p"] * prompts, "stream": True})
+    ids = [job.id for job in client.jobs]
+    base = ids[0].removesuffix("-0")
+    assert ids == [f"{base}-{i}" for i in range(prompts)] and start["status"] == 200
+    if prompts <= 32:
+        assert start["headers"]["x-roseinfer-job-id"] == ",".join(ids)
+    else:
+        assert start["headers"]["x-roseinfer-job-id"] == ids[0]
+        assert start["headers"]["x-roseinfer-job-count"] == str(prompts)
