@@ -109,8 +109,9 @@ class KVCacheManager:
 
     def count_admission(self, seq: Sequence, hit: PrefixHit) -> None:
         """Count an admission with ``hit`` in the hit-rate stats (``prefix_query_tokens``, ``prefix_hit_tokens``):
-        once it got its blocks, so a request refused for want of them is not counted at every step it waits."""
-        if self.enable_prefix_caching:
+        once it got its blocks, so a request refused for want of them is not counted at every step it waits; a
+        preempted request's recompute not at all (its hit is mostly its own freed blocks, as ``num_cached_tokens``)."""
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
 

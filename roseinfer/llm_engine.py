@@ -278,7 +278,7 @@ class LLMEngine:
             seed = params.sample_seed(index)
             if seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed % 2**64)  # one-to-one onto the generator's unsigned seeds
+                generator.manual_seed(seed % 2**64)  # CUDA's Philox takes all 64 bits; the CPU's MT19937 its low 32
                 if not params.greedy:
                     advance_generator(generator, len(prefix), self.model.vocab_size)
             seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"

@@ -203,10 +203,13 @@ def test_cached_tokens_are_those_of_the_first_admission():
             break
     assert b.num_preemptions == 1 and b.num_cached_tokens == 0
     sched.finish(a, "stop")
+    kv = sched.kv
+    queries, hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
     out = run_step(sched)
     (item,) = out.scheduled
     assert item.seq is b and item.start > 0  # the recompute found its own freed blocks in the prefix cache
     assert b.num_cached_tokens == 0  # which is not a cache hit of the request
+    assert (kv.prefix_query_tokens, kv.prefix_hit_tokens) == (queries, hits)  # nor of the hit-rate stats
 
 
 def test_a_request_preempted_after_filling_a_block_is_readmitted_with_a_token_to_compute():
