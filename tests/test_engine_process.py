@@ -61,6 +61,19 @@ def engine_that_hangs_on_its_third_step(holding_the_lock: bool = False) -> FakeE
     return engine
 
 
+def engine_slow_to_admit() -> FakeEngine:
+    """Each admission takes 0.4 s (a resumed seeded job replaying its draws on a CPU)."""
+    engine = FakeEngine()
+    add = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        time.sleep(0.4)
+        return add(*args, **kwargs)
+
+    engine.add_request = slow_add
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -226,6 +239,20 @@ def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
 
 
 @pytest.mark.slow
+def test_a_step_that_admits_for_longer_than_the_watchdog_allows_is_not_hung():
+    """Admissions are progress: five of 0.4 s in one step (2 s) against a watchdog of 1 s, and every job ends."""
+    pump = EngineProcess(engine_slow_to_admit, step_timeout=1.0)
+    try:
+        for i in range(5):
+            pump.submit(f"j{i}", {"prompt": "x"}, _params(2))
+        ended = [e for e in _drain(pump, 30) if e.finished]
+        assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(5)]
+        assert pump.failure is None
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
 def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog():
     """The child hangs holding the interpreter lock, so nothing reads its pipe: a big submit filled it, and the
     parent's send waited for good (the step loop's own clock never ran)."""
@@ -240,7 +267,11 @@ def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog()
         ended = _ended(pump, 301)
         assert len(ended) == 301 and all(e.retryable for e in ended)
         assert "took no command for 1 s (hung)" in pump.failure
-        pump._proc.join(10)  # killed by the watchdog's thread, a second after the stacks were asked for
+        # Killed by the watchdog's thread, a second after the stacks were asked for. (Polled, not joined: a join
+        # here beside that thread's own could see the child reaped by it and return before its exit code was set.)
+        deadline = time.monotonic() + 10
+        while pump._proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert pump._proc.exitcode == -signal.SIGKILL
     finally:
         pump.close()

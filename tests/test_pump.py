@@ -552,6 +552,44 @@ def test_a_retry_rq_put_off_comes_back_when_due_and_ends(server_or_embedded):
         thread.join(timeout=30)
 
 
+_SLOW_TO_ADMIT = """
+import sys, time
+from test_pump import FakeEngine
+from redis import Redis
+from producer import Client
+from worker.batch_worker import BatchWorker
+from worker.settings import WorkerSettings
+
+engine = FakeEngine()
+add = engine.add_request
+engine.add_request = lambda *args, **kwargs: (time.sleep(0.4), add(*args, **kwargs))[1]  # 0.4 s an admission
+url, queue = sys.argv[1], sys.argv[2]
+settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2)
+Client(url, queue=queue).submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(5)])
+BatchWorker(engine, settings, Redis.from_url(url)).work(burst=True, logging_level="WARNING")
+"""
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_step_that_admits_for_longer_than_the_watchdog_allows_does_not_end_the_process(redis_url):
+    """Admissions are progress: five of 0.4 s in one step (2 s, a resumed seeded job replaying its draws on a CPU
+    each) against a watchdog of 1 s; the worker serves them all and exits as a burst worker does."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    queue = f"slow-admit-{uuid.uuid4().hex[:6]}"
+    done = subprocess.run(
+        [sys.executable, "-c", _SLOW_TO_ADMIT, redis_url, queue], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Client(redis_url, queue=queue).status()["finished"] == 5
+
+
 _HUNG_WORKER = """
 import sys, time
 from test_pump import FakeEngine

@@ -138,6 +138,8 @@ class BatchWorker(BaseWorker):
         self._step_s = 0.0  # how long the last engine step took
         # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
         self._watchdog = StepWatchdog(settings.engine_step_timeout if isinstance(self.pump, Pump) else 0)
+        if isinstance(self.pump, Pump):
+            self.pump.on_admitted = self._watchdog.began
         self._next_maintenance = 0.0
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
@@ -309,7 +311,7 @@ class BatchWorker(BaseWorker):
             # Running jobs' new text is only wanted when the hand-over after this step sends it: when the hand-over
             # is due by the time a step like the last one ends (a step longer than the interval flushes each time).
             flush = time.monotonic() + self._step_s >= self._next_hand_over
-            self._watchdog.began()
+            self._watchdog.began()  # (and again after each admission: ``pump.on_admitted``)
             try:
                 events = self.pump.step(flush=flush)
             finally:

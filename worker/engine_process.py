@@ -123,6 +123,20 @@ def _take_commands(inbox: queue.SimpleQueue, wait: float | None) -> list:
     return got
 
 
+class _SaysAlive:
+    """Tells the parent, at most ten times a second, that the child admits jobs: a step that admits many (a resumed
+    seeded job replays its draws: on a CPU, milliseconds a token) is not a hung one."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.last = conn, 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= 0.1:
+            self.last = now
+            self.conn.send(("alive",))
+
+
 def _serve(
     commands: Any, conn: Any, build: Callable[[], Any], interval_s: float, events_per_s: int, level: int
 ) -> None:
@@ -142,6 +156,7 @@ def _serve(
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", _facts(engine)))
+    pump.on_admitted = _SaysAlive(conn)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
     next_flush, step_s = 0.0, 0.0
@@ -447,6 +462,7 @@ class EngineProcess:
                 self._hung("took no command")  # the stuck send then fails: the child's end is gone
 
     def _take(self, message: tuple) -> None:
+        """A message of the child's (an "alive" one only restarts the watchdog's clock, as every message does)."""
         kind = message[0]
         if kind == "step":
             self._events += message[1]

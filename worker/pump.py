@@ -13,6 +13,7 @@ import copy
 import heapq
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,9 @@ class Pump:
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, job id); ended jobs left to drop
         self.failure: str | None = None  # never set here: an engine in this process cannot die apart from it
         self._step_times: list[float] = []
+        # Called after each job a step admits: admissions are progress too (a resumed seeded job replays its draws:
+        # on a CPU, milliseconds a token), so a step watchdog counts from the last one, not from the step's start.
+        self.on_admitted: Callable[[], None] | None = None
         if tokenize_in_thread and getattr(engine, "tokenizer", None) is not None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
@@ -234,6 +238,8 @@ class Pump:
                 else:
                     self.engine.add_request(job_id, prompt, job.params, priority=job.priority)
                 job.admitted = True
+                if self.on_admitted is not None:
+                    self.on_admitted()
             except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
                 del self._jobs[job_id]
                 events.append(JobEvent(job_id, finish_reason="error", error=str(exc), error_type="invalid_request"))
