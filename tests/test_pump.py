@@ -631,3 +631,21 @@ def test_a_hung_step_of_an_engine_in_the_workers_process_ends_the_process(redis_
     assert "an engine step has run for" in done.stderr and "in <lambda>" in done.stderr  # where it hung
     assert time.monotonic() - began < 30
     assert len(Client(redis_url, queue=queue).queue.started_job_registry.get_job_ids()) == 1  # for RQ to recover
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stderr", ["None", "io.StringIO()"])
+def test_the_step_watchdog_ends_the_process_without_a_usable_stderr(stderr):
+    """The stacks go to file descriptor 2 when ``sys.stderr`` has none (None, a StringIO): writing them used to
+    raise in the watchdog's thread, which then died and left the hung process running."""
+    import subprocess
+    import sys
+
+    from worker.watchdog import EXIT_HUNG
+
+    code = (
+        f"import io, sys, time\nfrom worker.watchdog import StepWatchdog\nsys.stderr = {stderr}\n"
+        "dog = StepWatchdog(0.4)\ndog.start()\ndog.began()\ntime.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_HUNG and "in <module>" in done.stderr

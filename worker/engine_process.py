@@ -142,7 +142,8 @@ def _serve(
 ) -> None:
     """The child: build the engine, then step it while taking the parent's commands between steps."""
     _die_with_parent()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watchdog asks for stacks before a kill
+    with contextlib.suppress(AttributeError, OSError, ValueError, RuntimeError):  # (no usable stderr: no stacks)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's watchdog asks for stacks first
     # The worker decides when this stops (it drains first): a Ctrl-C, or systemd's SIGTERM to the whole group,
     # reaches both. Its death kills this one anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

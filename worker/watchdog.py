@@ -48,6 +48,18 @@ class StepWatchdog:
                 log.critical("an engine step has run for %.0f s (hung): every thread's stack, then the process ends "
                              "(exit %d) for its supervisor to restart it; its jobs go to other workers",
                              time.monotonic() - began, EXIT_HUNG)  # fmt: skip
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
-                os._exit(EXIT_HUNG)
+                try:
+                    faulthandler.dump_traceback(file=_stderr(), all_threads=True)
+                finally:  # no usable stderr must not leave the process hung: the exit is the point
+                    os._exit(EXIT_HUNG)
+
+
+def _stderr():
+    """Where stacks can be written: ``sys.stderr`` if it is a real file, else file descriptor 2 (a worker whose
+    stderr was replaced by a stream with no descriptor, or set to None)."""
+    try:
+        sys.stderr.flush()
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return 2
