@@ -155,6 +155,8 @@ class StreamHub:
                 key = key.decode() if isinstance(key, bytes) else key
                 ids = [_entry_id(entry_id) for entry_id, _ in found]
                 for f in list(self._by_key.get(key, {}).values()):
+                    if f.last < streams[key]:  # it came during this read: the next one starts from its own last
+                        continue
                     new = [entry for entry, entry_id in zip(found, ids) if entry_id > f.last]
                     if new:
                         f.last = ids[-1]

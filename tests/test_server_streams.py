@@ -171,3 +171,33 @@ def test_the_job_id_header_names_a_requests_jobs_and_stays_short(prompts):
     else:
         assert start["headers"]["x-roseinfer-job-id"] == ids[0]
         assert start["headers"]["x-roseinfer-job-count"] == str(prompts)
+
+
+def test_a_follower_that_joins_during_a_read_still_gets_the_streams_start():
+    """The hub reads each stream from its followers' lowest position: one that came while a read from further on
+    was under way used to get only that read's entries, its position past all it never got (a job's ``result()``
+    and ``stream()`` followed at once: the stream then missed its start)."""
+    import fakeredis
+
+    from producer.aio import StreamHub
+
+    async def main() -> tuple[list[int], list[int]]:
+        conn = fakeredis.FakeAsyncRedis()
+        for n in range(3):
+            await conn.xadd("s", {"n": n})
+        hub = StreamHub(conn, wait_ms=200)
+        early = hub.follow("s")
+        await early.entries.get()  # 0-2: the hub now waits for entries past them
+        await asyncio.sleep(0.02)
+        late = hub.follow("s")  # during that wait
+        await conn.xadd("s", {"n": 3})
+        got: list[int] = []
+        while len(got) < 4:  # (in one batch or more)
+            got += [int(fields[b"n"]) for _, fields in await asyncio.wait_for(late.entries.get(), 2)]
+        more = [int(fields[b"n"]) for _, fields in await asyncio.wait_for(early.entries.get(), 2)]
+        hub.leave(early)
+        hub.leave(late)
+        return got, more
+
+    got, more = asyncio.run(main())
+    assert got == [0, 1, 2, 3] and more == [3]
