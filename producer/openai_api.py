@@ -196,13 +196,12 @@ def _check_job(request: _Common, fields: dict[str, Any]) -> None:
     try:
         JobRequest.model_validate(fields)
     except ValidationError as exc:
+        names = {"prompt_token_ids": "prompt"}  # the request's own names of the payload's fields
+        if getattr(request, "max_completion_tokens", None) is not None:
+            names["max_tokens"] = "max_completion_tokens"
         first = exc.errors()[0]
         param = str(first["loc"][0]) if first.get("loc") else None
-        if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
-            param = "max_completion_tokens"
-        if param == "prompt_token_ids":  # the request's own name for it
-            param = "prompt"
-        raise APIError(400, describe_validation_error(exc), param=param) from None
+        raise APIError(400, describe_validation_error(exc, names), param=names.get(param, param)) from None
 
 
 # ----- responses -----------------------------------------------------------------------------------------

@@ -229,16 +229,20 @@ def field_path(loc: tuple | list) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
 
 
-def describe_validation_error(exc: Exception) -> str:
+def describe_validation_error(exc: Exception, names: dict[str, str] | None = None) -> str:
     """One readable line per field: ``max_tokens: Input should be greater than or equal to 1``; a field that may take
-    several types says what each would need (``content: Input should be a valid string or a valid list``)."""
+    several types says what each would need (``content: Input should be a valid string or a valid list``).
+    ``names``: the caller's own names of top-level fields (an HTTP request's ``prompt`` for ``prompt_token_ids``)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
     by_field: dict[str, list[str]] = {}
     for err in errors():
         msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
-        found = by_field.setdefault(field_path(err.get("loc", ())) or "payload", [])
+        loc = tuple(err.get("loc", ()))
+        if loc and names and str(loc[0]) in names:
+            loc = (names[str(loc[0])], *loc[1:])
+        found = by_field.setdefault(field_path(loc) or "payload", [])
         if msg not in found:
             found.append(msg)
     return "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in by_field.items())

@@ -201,3 +201,17 @@ def test_a_follower_that_joins_during_a_read_still_gets_the_streams_start():
 
     got, more = asyncio.run(main())
     assert got == [0, 1, 2, 3] and more == [3]
+
+
+def test_a_bad_field_message_uses_the_requests_names():
+    """Both the error's ``param`` and its message use the request's names (``prompt``, ``max_completion_tokens``),
+    not the job payload's (``prompt_token_ids``, ``max_tokens``)."""
+    from producer.openai_api import APIError, ChatCompletionRequest, parse, parse_completions
+
+    with pytest.raises(APIError) as err:
+        parse_completions({"model": "m", "prompt": [[1], [2, -3]]})
+    assert err.value.param == "prompt" and err.value.body()["error"]["message"].startswith("prompt.1: ")
+    with pytest.raises(APIError) as err:
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      "max_completion_tokens": -1})  # fmt: skip
+    assert err.value.param == "max_completion_tokens" and "max_tokens" not in err.value.body()["error"]["message"]
