@@ -74,6 +74,20 @@ def engine_slow_to_admit() -> FakeEngine:
     return engine
 
 
+def engine_with_a_slow_first_step() -> FakeEngine:
+    """Its first step takes 1.5 s, then returns as any other."""
+    engine = FakeEngine()
+    step = engine.step
+
+    def slow_step(flush=True):
+        if engine.steps == 0:
+            time.sleep(1.5)
+        return step(flush)
+
+    engine.step = slow_step
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -248,6 +262,21 @@ def test_a_step_that_admits_for_longer_than_the_watchdog_allows_is_not_hung():
         ended = [e for e in _drain(pump, 30) if e.finished]
         assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(5)]
         assert pump.failure is None
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_jobs_a_step_ended_while_the_watchdog_took_the_stacks_end_as_they_ended():
+    """The watchdog gives the child a second to print its stacks before the kill: a step that ended in that second
+    (1.5 s against 1 s) ended its jobs, which end so rather than failed."""
+    pump = EngineProcess(engine_with_a_slow_first_step, step_timeout=1.0)
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(1))
+        pump.submit("b", {"prompt": "y"}, _params(1))
+        ended = _ended(pump, 2)
+        assert "hung" in pump.failure
+        assert sorted((e.job_id, e.finish_reason) for e in ended) == [("a", "length"), ("b", "length")]
     finally:
         pump.close()
 

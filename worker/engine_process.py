@@ -341,7 +341,7 @@ class EngineProcess:
             if not self._jobs:
                 self._quiet_since = time.monotonic()  # it owes nothing: the watchdog's clock starts at a submit
             elif self._overdue(time.monotonic()):
-                raise self._hung()
+                raise self._hung_and_read()
             self._send_outbox()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
@@ -431,7 +431,7 @@ class EngineProcess:
         """The child's next message, waiting no longer than the watchdog allows (a cancel waits on a step)."""
         while self._step_timeout and not self._poll(0.5):
             if self._overdue(time.monotonic()):
-                raise self._hung()
+                raise self._hung_and_read()
         return self._recv()
 
     def _poll(self, wait: float) -> bool:
@@ -453,6 +453,13 @@ class EngineProcess:
             time.sleep(1)  # for the stacks to reach the log
         _kill(self._proc)
         return EngineProcessDied(self._failure)
+
+    def _hung_and_read(self) -> EngineProcessDied:
+        """``_hung``, then what the child sent meanwhile (the second its stacks took): a step it finished after all
+        ends its jobs as they ended, not failed. (The send watchdog's thread reads nothing: the step loop does.)"""
+        died = self._hung()
+        self._read_what_is_left()
+        return died
 
     def _watch_sends(self) -> None:
         """A send waits while the child's pipe is full, which a child hung holding the interpreter lock (in C code)
