@@ -54,7 +54,9 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        return self.text
+        """The text handed out: a tail that may still begin a stop string waits (a cumulative output never takes
+        back what it showed, as vLLM's); all of it once the request ended (``finish``)."""
+        return self.text[: self._emitted]
 
     def _context_text(self, end: int) -> str:
         ids = self._ids[:end]
@@ -94,8 +96,10 @@ class IncrementalDetokenizer:
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
         elif finished and self.stop_hit is None and self._read_offset < len(self._ids):
+            # An unfinished last character, as the decoder renders it (U+FFFD): no stop string is looked for in it
+            # (the request already ended otherwise; a match there would cut the text under a "length" reason).
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            self._add_text(self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :])
+            self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
 
     def prime(self, token_ids: list[int]) -> str:
         """Take tokens generated earlier (a resumed request's output so far) as if they had been streamed: their

@@ -503,7 +503,9 @@ class LLMEngine:
                 continue
             delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
             ids = [token]
-            if seq.held_ids:
+            if kind == "final_only":  # its one output: every token this run made, as its text
+                ids = seq.output_token_ids[seq.num_resumed_tokens :]
+            elif seq.held_ids:
                 ids, seq.held_ids = seq.held_ids + ids, []
             seq.streamed = True
             out = self._output(seq, delta, ids, group_may_end=last is None or last[seq.parent_id] == i)
@@ -522,7 +524,8 @@ class LLMEngine:
         if seq.params.output_kind == "delta" and not finished:
             # The request runs on: what is new, and nothing else (no copy of the whole output at every step).
             logprobs = seq.logprobs[len(seq.logprobs) - len(delta_ids) :] if seq.logprobs is not None else None
-            piece = CompletionOutput(seq.index, delta_text, delta_ids, logprobs=logprobs)
+            # A sample of n that ended before the others ends here with its own reason (as vLLM's), the request not.
+            piece = CompletionOutput(seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs)
             return RequestOutput(
                 seq.parent_id, seq.prompt, seq.prompt_token_ids, [piece], False, delta_text, delta_ids, seq.index
             )

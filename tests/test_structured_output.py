@@ -4,6 +4,7 @@ strings, min_tokens and a resumed output; a constraint the library rejects fails
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import jsonschema
 import pytest
@@ -161,3 +162,49 @@ def test_logprobs_are_those_under_the_constraint(llm):
     for step in out.logprobs:
         assert all(math.isfinite(v) for v in step.values()), step
         json.dumps(step, allow_nan=False)
+
+
+def _stream(llm, rid: str, params: SamplingParams) -> list:
+    engine = llm.engine
+    engine.add_request(rid, "Hi", params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_a_cumulative_output_never_takes_back_text_it_showed(llm):
+    """A tail that may still begin a stop string is not shown (vLLM's stop buffer): "Hello world" was shown, then
+    cut to "Hello " when the stop string "world, h" completed."""
+    forced = {"choice": ["Hello world, how are you"]}
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=forced, stop=["world, h"])
+    shown = [o.outputs[0].text for o in _stream(llm, "cumulative", params)]
+    assert all(later.startswith(earlier) for earlier, later in pairwise(shown)), shown
+    assert shown[-1] == "Hello "
+
+
+def test_no_stop_string_is_matched_in_an_unfinished_last_character(llm):
+    """Cut by max_tokens inside an emoji: the character's stand-in (U+FFFD) ends the text, and ". " (matched only
+    across it) cut nothing under a "length" reason."""
+    forced = {"choice": ["Yes. 😀 b"]}
+    params = SamplingParams(max_tokens=3, temperature=0, structured_outputs=forced, stop=[". "])
+    out = llm.generate(["Hi"], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("Yes. \ufffd", "length", None)
+
+
+def test_a_sample_of_n_that_ends_first_has_its_reason_in_its_last_delta(llm):
+    forced = {"choice": ["Yo", "Hello world"]}
+    params = SamplingParams(n=2, max_tokens=30, temperature=0, structured_outputs=forced, output_kind="delta")
+    outs = _stream(llm, "n-delta", params)
+    for index in (0, 1):  # each sample's last delta carries its reason, the request's end or not
+        last = [o for o in outs if o.delta_index == index][-1]
+        assert [c.finish_reason for c in last.outputs if c.index == index] == ["stop"]
+    assert sum(o.finished for o in outs) == 1
+
+
+def test_a_final_only_output_gives_its_whole_delta(llm):
+    forced = {"choice": ["Hello world"]}
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=forced, output_kind="final_only")
+    (out,) = _stream(llm, "final-only", params)
+    assert (out.delta_text, out.delta_token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
+    assert len(out.delta_token_ids) > 1
