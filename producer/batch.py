@@ -446,21 +446,24 @@ def run_batch(
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
+    _check_errors_path(errors_path, input_path, output_path)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
     try:
         summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
-        sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
-        done = sink.done()
-        _check_settings(output_path, options.fingerprint(), bool(done))  # a refused run leaves the last errors
-        with open_lines(errors_path, "w") as err, _signals_interrupt():
-            progress = Progress(summary["total"], 0, 0, log_interval)
-            sink.open(err)
-            try:
-                lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
-                _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
-            finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
-                sink.close()
+        with _only_run_on(output_path):
+            sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
+            done = sink.done()
+            _check_settings(output_path, options.fingerprint(), bool(done))  # a refused run leaves the last errors
+            client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
+            with open_lines(errors_path, "w") as err, _signals_interrupt():
+                progress = Progress(summary["total"], 0, 0, log_interval)
+                sink.open(err)
+                try:
+                    lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+                    _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
+                finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
+                    sink.close()
         progress.finish(summary, output_path, errors_path)
     except KeyboardInterrupt:
         raise BatchInterrupted(summary) from None
@@ -468,6 +471,36 @@ def run_batch(
         if progress is not None:
             progress.close()
     return summary
+
+
+def _check_errors_path(errors_path: Path, input_path: Path, output_path: Path) -> None:
+    """The errors file is rewritten each run: never over the input or the output."""
+    for name, path in (("input", input_path), ("output", output_path)):
+        if errors_path.resolve() == path.resolve():
+            raise ValueError(f"the errors file {errors_path} is the {name}: give --errors another path")
+
+
+@contextmanager
+def _only_run_on(output_path: Path) -> Iterator[None]:
+    """One run at a time on an output (a lock file beside it, held while the run writes): two at once wrote every
+    row twice into a JSONL output, and left a Parquet output corrupt."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    lock_path = output_path.with_name(output_path.name + ".lock")
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"another run is writing {output_path} (it holds {lock_path}); wait for it to end"
+            ) from None
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)  # the lock goes with its run
 
 
 @contextmanager
@@ -618,7 +651,7 @@ def _run(
     job that expired, one submitted by an earlier run)."""
     conn = client.connection
     notify = f"batch-{secrets.token_hex(8)}"
-    in_flight: dict[str, tuple[Line, float]] = {}
+    in_flight: dict[str, tuple[Line, float | None]] = {}  # job id -> its line, when it was first seen running
     reused: set[str] = set()
     more = True
     sweep_every, next_sweep = poll_interval, 0.0
@@ -653,14 +686,15 @@ def _wait_for_endings(conn, key: str, wait: float) -> list[str]:
 def _settle(
     client: Client,
     job_ids: list[str],
-    in_flight: dict[str, tuple[Line, float]],
+    in_flight: dict[str, tuple[Line, float | None]],
     reused: set[str],
     sink: Sink,
     progress: Progress,
     summary: dict[str, Any],
     timeout: float | None,
 ) -> None:
-    """Write the rows of the jobs among ``job_ids`` that ended (and fail those past ``timeout``)."""
+    """Write the rows of the jobs among ``job_ids`` that ended, and fail those running for longer than ``timeout``
+    (from when a look first saw them started: time waiting in the queue, behind other jobs, is not theirs)."""
     if not job_ids:
         return
     with client.connection.pipeline(transaction=False) as pipe:
@@ -672,6 +706,8 @@ def _settle(
     for job_id, status, entries in zip(job_ids, replies[::2], replies[1::2]):
         line, started = in_flight[job_id]
         status = status.decode() if status else "missing"
+        if started is None and status == "started":
+            in_flight[job_id] = (line, now)
         result = result_from_entries(entries)
         if result is not None and result.get("status") == "finished":
             sink.result(line, output_line(line, result), result)
@@ -681,11 +717,11 @@ def _settle(
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
             _fail(sink, line, "job_" + status, reason, summary, progress)
-        elif timeout is not None and now - started > timeout:
+        elif timeout is not None and started is not None and now - started > timeout:
             if not client.job(job_id).cancel():
                 continue  # it ended since its status was read: the next look writes its row
-            reason = f"no result within {timeout} s: the job was canceled (a rerun submits it again)"
-            _fail(sink, line, "job_" + status, reason, summary, progress)
+            reason = f"no result within {timeout} s of its start: the job was canceled (a rerun submits it again)"
+            _fail(sink, line, "timeout", reason, summary, progress)
         else:
             continue
         del in_flight[job_id]
@@ -701,7 +737,7 @@ def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any
 def _submit(
     client: Client,
     lines: Iterator[Line],
-    in_flight: dict[str, tuple[Line, float]],
+    in_flight: dict[str, tuple[Line, float | None]],
     limit: int,
     reused: set[str],
     notify: str | None = None,
@@ -727,7 +763,7 @@ def _submit(
     for line, status, has_result in zip(take, replies[::2], replies[1::2]):
         status = status.decode() if status else None
         if status in _LIVE or (status == "finished" and has_result):
-            in_flight[line.job_id] = (line, time.monotonic())
+            in_flight[line.job_id] = (line, None)
             reused.add(line.job_id)
             continue
         if status is not None:  # failed or canceled last time, or finished with its result expired: run it again
@@ -737,7 +773,7 @@ def _submit(
         extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from
         client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
         for line in fresh:
-            in_flight[line.job_id] = (line, time.monotonic())
+            in_flight[line.job_id] = (line, None)
     return more
 
 

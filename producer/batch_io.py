@@ -386,5 +386,12 @@ def _cut_partial_last_line(path: Path) -> None:
                 break
             end = start
         if end < size:
-            log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, size - end)
-            f.truncate(end)
+            f.seek(end)
+            try:  # a whole last line without its newline (written by hand, or by another tool) is kept
+                json.loads(f.read(size - end))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                log.warning("%s: removing a last line cut short (%d bytes); its request runs again", path, size - end)
+                f.truncate(end)
+            else:
+                f.seek(size)
+                f.write(b"\n")

@@ -406,7 +406,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")
-    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    p.add_argument(
+        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+    )  # fmt: skip
     for name in _JSON_FLAGS:
         about = JobRequest.model_fields[name].description or name
         flag = "--" + name.replace("_", "-")
@@ -423,7 +425,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("result", help="wait for a job's result and print it as JSON")
     p.add_argument("job_id")
-    p.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    p.add_argument(
+        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+    )  # fmt: skip
     add_connection_arguments(p)
     p.set_defaults(func=result)
 

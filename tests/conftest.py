@@ -3,6 +3,7 @@ helpers that run transformers' own greedy generate as the reference."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -119,6 +120,28 @@ def tiny_chat_model(tmp_path_factory, smol_tokenizer) -> str:
     from roseinfer.tiny_models import save_tiny_chat_model
 
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smol_tokenizer)
+
+
+@contextlib.contextmanager
+def stuck_worker(client, after: float = 0.0):
+    """A worker that takes every queued job (after ``after`` seconds) and never ends it: its status says started."""
+    stop = threading.Event()
+
+    def take() -> None:
+        stop.wait(after)
+        conn = client.connection
+        while not stop.wait(0.01):
+            for key in conn.keys("rq:queue:*"):
+                while (job_id := conn.lpop(key)) is not None:
+                    conn.hset(b"rq:job:" + job_id, "status", "started")
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def refuse_lua(conn):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 
 import fakeredis
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, stuck_worker
 
 from producer import Client
 from producer.batch import Progress, default_errors_path, output_line, parse_line, run_batch
@@ -173,8 +174,10 @@ def test_the_errors_file_sits_beside_the_output_with_its_last_suffix_replaced():
 def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path, capsys):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "x"}) + "\n" for i in range(3)))
-    # No worker: the jobs stay queued until the timeout; the log lines come from the timer alone.
-    summary = run_batch(_offline_client(), src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
+    # A worker that never ends its jobs: they run until the timeout; the log lines come from the timer alone.
+    client = _offline_client()
+    with stuck_worker(client):
+        summary = run_batch(client, src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
     assert summary["failed"] == 3 and summary["succeeded"] == 0
     lines = capsys.readouterr().err.splitlines()
     waiting = [line for line in lines if line.startswith("batch: 0/3 rows done")]
@@ -452,17 +455,21 @@ def test_bad_run_defaults_are_one_error_before_any_row(flag, value, tmp_path, mo
 
 
 def test_a_job_past_the_timeout_is_canceled_not_left_to_run(tmp_path):
+    """The timeout counts from the job's start: queued behind others (here 0.6 s, three timeouts) it is not
+    canceled; running past it, it is."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [{"custom_id": f"slow-{i}", "prompt": "x"} for i in range(2)]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    client = _offline_client()  # no worker: the jobs wait in the queue
-    summary = run_batch(client, src, out, timeout=0.2, poll_interval=0.02, log_interval=1e9)
-    assert summary["failures"] == {"job_queued": 2}
+    client = _offline_client()
     ids = [parse_line(i, json.dumps(r)).job_id for i, r in enumerate(rows, 1)]
+    began = time.monotonic()
+    with stuck_worker(client, after=0.6):
+        summary = run_batch(client, src, out, timeout=0.2, poll_interval=0.02, log_interval=1e9)
+    assert time.monotonic() - began > 0.8
+    assert summary["failures"] == {"timeout": 2}
     assert [client.job(job_id).status() for job_id in ids] == ["canceled", "canceled"]
-    assert client.lane(10).count == 0
     errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
-    assert all("no result within 0.2 s: the job was canceled" in e["error"]["message"] for e in errors)
+    assert all("no result within 0.2 s of its start: the job was canceled" in e["error"]["message"] for e in errors)
 
 
 def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
@@ -471,9 +478,71 @@ def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
     out.write_text(json.dumps({"custom_id": "old", "response": {"request_id": "batch-" + "0" * 24}}) + "\n")
-    run_batch(_offline_client(), src, out, timeout=0.01, poll_interval=0.01, options=RowOptions(defaults={"seed": 1}))
+    client = _offline_client()
+    with stuck_worker(client):
+        run_batch(client, src, out, timeout=0.01, poll_interval=0.01, options=RowOptions(defaults={"seed": 1}))
     errors = default_errors_path(out).read_text()
     assert '"custom_id": "a"' in errors
     with pytest.raises(ValueError, match="other settings"):
         run_batch(_offline_client(), src, out, options=RowOptions(defaults={"seed": 2}))
     assert default_errors_path(out).read_text() == errors
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_path):
+    """Two at once wrote every row twice into a JSONL output (and left a Parquet one corrupt)."""
+    import threading
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    client = _offline_client()
+    with stuck_worker(client):
+        options = {"timeout": 1.0, "log_interval": 1e9}
+        first = threading.Thread(target=run_batch, args=(client, src, out), kwargs=options)
+        first.start()
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "out.jsonl.lock").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match="another run is writing"):
+            run_batch(_offline_client(), src, out)
+        first.join()
+    assert not (tmp_path / "out.jsonl.lock").exists()
+    again = _offline_client()
+    with stuck_worker(again):  # free again
+        assert run_batch(again, src, out, timeout=0.01, poll_interval=0.01, log_interval=1e9)["failed"] == 1
+
+
+@pytest.mark.parametrize("same_as", ["in.jsonl", "out.jsonl"])
+def test_an_errors_file_over_the_input_or_the_output_is_refused(tmp_path, same_as):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    out.write_text(json.dumps({"custom_id": "old", "response": {"request_id": "batch-" + "0" * 24}}) + "\n")
+    before = (src.read_text(), out.read_text())
+    with pytest.raises(ValueError, match="give --errors another path"):
+        run_batch(_offline_client(), src, out, errors_path=tmp_path / same_as)
+    assert (src.read_text(), out.read_text()) == before
+
+
+def test_a_run_against_a_dead_redis_keeps_the_last_errors_file(tmp_path):
+    import redis
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    default_errors_path(out).write_text('{"custom_id": "earlier"}\n')
+    dead = Client(connection=redis.Redis(port=1, socket_connect_timeout=0.2), queue="q")
+    with pytest.raises(redis.ConnectionError):
+        run_batch(dead, src, out)
+    assert default_errors_path(out).read_text() == '{"custom_id": "earlier"}\n'
+
+
+def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
+    """Only a line cut short (not JSON) is removed for its row to run again; a whole one gets its newline."""
+    from producer.batch_io import JSONLSink
+
+    out = tmp_path / "out.jsonl"
+    rows = [{"custom_id": c, "response": {"request_id": "batch-" + "0" * 24}} for c in ("a", "b")]
+    out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))
+    assert set(JSONLSink(out).done()) == {"a", "b"}
+    assert out.read_text().endswith("}\n")
+    out.write_text(out.read_text() + '{"custom_id": "c", "resp')
+    assert set(JSONLSink(out).done()) == {"a", "b"} and out.read_text().endswith("}\n")

@@ -13,7 +13,7 @@ import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, stuck_worker
 
 import producer.batch as batch_mod
 from producer import Client
@@ -188,10 +188,11 @@ def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_
     lines = [{"custom_id": "three", "prompt": "p", "n": 3}, {"custom_id": "one", "prompt": "q"}]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     client = Client(connection=fakeredis.FakeRedis())
-    summary = run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9, timeout=0.01)
+    with stuck_worker(client):
+        summary = run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9, timeout=0.01)
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
-    assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "job_queued"}
-    assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time, no worker here
+    assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "timeout"}
+    assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time: never ends
 
 
 def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
@@ -204,12 +205,13 @@ def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
     pq.write_table(pa.table({"qid": ["a", "b", "c"], "question": questions}), source)
     client = Client(connection=fakeredis.FakeRedis())
     options = RowOptions("question", None, "qid", {})
-    summary = run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9, timeout=0.01)
+    with stuck_worker(client):
+        summary = run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9, timeout=0.01)
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     by_line = {e["line"]: e["error"] for e in errors}
-    assert {line: e["code"] for line, e in by_line.items()} == {1: "job_queued", 2: "invalid_request", 3: "job_queued"}
+    assert {line: e["code"] for line, e in by_line.items()} == {1: "timeout", 2: "invalid_request", 3: "timeout"}
     assert by_line[2]["message"] == "column 'question' is not UTF-8: invalid start byte (byte 0xff)"
-    assert summary["total"] == 3  # "a" and "c" ran out of time: no worker here
+    assert summary["total"] == 3  # "a" and "c" ran out of time: their worker never ends them
 
 
 def _write_rows(sink: ParquetSink, first: int, count: int) -> None:

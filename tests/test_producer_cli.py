@@ -368,3 +368,14 @@ def test_cancel_of_a_job_hash_rq_cannot_read_marks_it_canceled(monkeypatch, caps
     assert producer_cli.cancel(_parse("cancel", "hand-1")) == 0
     assert conn.hget("rq:job:hand-1", "status") == b"canceled"
     assert client.job("hand-1").cancel() is False  # ended already
+
+
+@pytest.mark.parametrize("command", [["submit", "hi"], ["result", "some-job"]])
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_negative_wait_timeout_is_refused_before_redis(command, value, capsys):
+    """``--timeout -1`` enqueued the job, then gave up at once (exit 124)."""
+    from worker.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--timeout", value, "--redis-url", "redis://127.0.0.1:1/0"])
+    assert exit_.value.code == 2 and "--timeout: must be at least 0" in capsys.readouterr().err
