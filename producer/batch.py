@@ -378,6 +378,20 @@ def _formats(input_path: Path, input_format: str | None, output_path: Path, outp
     return in_fmt, out_fmt
 
 
+def _check_columns(input_path: Path, input_format: str, options: RowOptions) -> None:
+    """The columns the run reads, in a table's schema (a JSONL file has none to look at): a missing one is one
+    error, not one failed row each."""
+    if options.id_column is not None and not options.plain:
+        raise ValueError("--id-column names the id column of plain rows: give --prompt-column or --messages-column")
+    columns = input_columns(input_path, input_format)
+    if columns is None:
+        return
+    for flag, name in (("--prompt-column", options.prompt_column), ("--messages-column", options.messages_column),
+                       ("--id-column", options.id_column)):  # fmt: skip
+        if name is not None and name not in columns.names:
+            raise ValueError(f"{flag} {name!r}: {input_path} has no such column (it has {', '.join(columns.names)})")
+
+
 def _open_sink(output_path: Path, output_format: str, input_path: Path, input_format: str, options: RowOptions) -> Sink:
     if output_format == "jsonl":
         return JSONLSink(output_path)
@@ -445,6 +459,7 @@ def run_batch(
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
+    _check_columns(input_path, in_fmt, options)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     _check_errors_path(errors_path, input_path, output_path)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
@@ -551,6 +566,7 @@ def dry_run(
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
+    _check_columns(input_path, in_fmt, options)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})

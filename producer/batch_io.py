@@ -155,7 +155,9 @@ def _dataset(path: Path) -> Any:
     ds = load_from_disk(str(path))
     if not isinstance(ds, Dataset):
         raise ValueError(f"{path} holds several splits ({', '.join(ds)}): name one split's folder")
-    return ds.flatten_indices()  # a selected or shuffled dataset: its rows in their order
+    if getattr(ds, "_indices", None) is None:  # its table is its rows, in order: read as it is
+        return ds
+    return ds.flatten_indices()  # a selected or shuffled dataset: its rows in their order (a copy in its cache)
 
 
 def count_rows(path: Path, fmt: str) -> int:

@@ -307,3 +307,41 @@ def _once_a_row_is_done(act):
         real_tick(self)
 
     return tick
+
+
+def test_a_plain_datasets_folder_is_read_without_a_copy_into_it(tmp_path):
+    """Only a selected or shuffled dataset (an indices mapping) needs its rows rewritten in order; a plain one was
+    copied whole into its own folder at every run (a read-only folder would fail)."""
+    datasets = pytest.importorskip("datasets")
+    from producer.batch_io import count_rows, input_columns, read_rows
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"q": [f"question {i}" for i in range(5)]}).save_to_disk(str(folder))
+    before = sorted(p.name for p in folder.iterdir())
+    assert count_rows(folder, "hf") == 5 and input_columns(folder, "hf").names == ["q"]
+    assert [row["q"] for _, row in read_rows(folder, "hf")] == [f"question {i}" for i in range(5)]
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("fmt", "options", "message"),
+    [
+        ("parquet", RowOptions("nope", None, None, {}), "--prompt-column 'nope': .* has no such column"),
+        ("parquet", RowOptions("q", None, "qid", {}), "--id-column 'qid': .* has no such column .it has q, other."),
+        ("jsonl", RowOptions(None, None, "qid", {}), "--id-column names the id column of plain rows"),
+    ],
+)
+def test_a_column_the_input_lacks_is_one_error_before_any_row(tmp_path, fmt, options, message):
+    """It failed every row on its own (3,000 errors saying a prompt must hold text), and --id-column without a
+    prompt column on JSONL was ignored: every row failed with 'qid: unknown field'."""
+    import fakeredis
+
+    source = tmp_path / f"in.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.table({"q": ["a", "b"], "other": [1, 2]}), source)
+    else:
+        source.write_text(json.dumps({"qid": "a", "prompt": "x"}) + "\n")
+    client = Client(connection=fakeredis.FakeRedis())
+    with pytest.raises(ValueError, match=message):
+        run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9)
+    assert client.queue.count == 0 and sorted(p.name for p in tmp_path.iterdir()) == [source.name]
