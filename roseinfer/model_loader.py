@@ -71,6 +71,8 @@ def convert_gguf(gguf: Path, name: str) -> Path:
         return target
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine refuses.
+    check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).model_type)
     log.info("converting %s to safetensors in %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

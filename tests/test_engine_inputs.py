@@ -70,6 +70,31 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_an_unsupported_gguf_is_refused_before_it_is_converted(tmp_path, monkeypatch):
+    """From its metadata: converting it first (minutes and gigabytes for a large one) left a folder in the cache."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    for add, value in [("add_context_length", 64), ("add_embedding_length", 16), ("add_block_count", 1),
+                       ("add_feed_forward_length", 32), ("add_head_count", 2), ("add_head_count_kv", 1),
+                       ("add_layer_norm_rms_eps", 1e-6), ("add_rope_freq_base", 10000.0)]:  # fmt: skip
+        getattr(writer, add)(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'qwen3' is not supported"):
+        LLM(str(path))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
 @pytest.fixture(scope="module")
 def chat_engine(tiny_chat_model):
     """One engine for the tests below: each runs its requests to their end (building one takes a second)."""
