@@ -41,6 +41,11 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's recommended settings (its generation config), as vLLM's: what
+        ``generate`` and ``chat`` use when given none."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def chat(
         self,
         messages: list[dict] | Seq[list[dict]],
@@ -53,7 +58,7 @@ class LLM:
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -59,6 +59,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.eos_token_ids = loaded.eos_token_ids
+        self.sampling_defaults = loaded.sampling_defaults  # the model's recommendation (``model_loader``)
         # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
         self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
         self.model = build_model(loaded.hf_model, self.attn_backend)

@@ -10,8 +10,9 @@ import importlib.util
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +32,20 @@ class LoadedModel:
     tokenizer: object | None
     path: str
     eos_token_ids: list[int]
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # ``sampling_defaults``: for unset fields
+
+
+# What a model's generation config may recommend (as vLLM takes them): its name there -> SamplingParams' name.
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
+
+
+def sampling_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling settings a model's ``generation_config.json`` sets to other than transformers' defaults (its
+    creator's recommendation: Qwen2.5-Instruct's repetition_penalty 1.05, say), by ``SamplingParams`` name. As in
+    vLLM, they are the defaults of requests that leave those fields unset; a field a request sets wins."""
+    given = generation_config.to_diff_dict()
+    return {ours: given[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items() if given.get(theirs) is not None}
 
 
 def default_gguf_path() -> Path:
@@ -122,12 +137,17 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
     tok_path = tokenizer or path
     tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
     eos: list[int] = []
+    defaults: dict[str, Any] = {}
     try:
-        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        generation = GenerationConfig.from_pretrained(path)
+        gen_eos, defaults = generation.eos_token_id, sampling_defaults(generation)
     except OSError:
         gen_eos = config.eos_token_id
+    if defaults:
+        log.warning("the model's generation config recommends %s: the defaults of requests that set none of them",
+                    ", ".join(f"{k}={v}" for k, v in defaults.items()))  # fmt: skip
     for value in (gen_eos, getattr(tok, "eos_token_id", None)):
         for tid in value if isinstance(value, list) else [value]:
             if tid is not None and tid not in eos:
                 eos.append(int(tid))
-    return LoadedModel(hf_model, tok, path, eos)
+    return LoadedModel(hf_model, tok, path, eos, defaults)

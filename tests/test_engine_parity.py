@@ -100,3 +100,27 @@ def test_a_failed_step_leaves_no_unfilled_block_in_the_prefix_cache(tiny_llama, 
     again = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == hf_greedy(tiny_llama, [prompt], 24)[0]
     assert engine.kv.num_used_blocks == 0
+
+
+def test_the_models_generation_config_gives_the_defaults_of_unset_fields(tiny_llama, tmp_path):
+    """As vLLM: a model's recommended settings (its generation_config.json) are ``get_default_sampling_params()``,
+    what ``generate`` uses when given none; transformers' greedy generate applies its repetition_penalty too, and
+    greedy with those defaults matches it token for token. Parameters given explicitly stay as given."""
+    import dataclasses
+    import shutil
+
+    from transformers import GenerationConfig
+
+    path = tmp_path / "recommends"
+    shutil.copytree(tiny_llama, path)
+    GenerationConfig(repetition_penalty=1.3, max_new_tokens=12).save_pretrained(path)
+    llm = LLM(str(path), dtype="float32")
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.repetition_penalty, defaults.max_tokens, defaults.temperature) == (1.3, 12, 1.0)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 40, 41, 40, 41], [100, 3, 100, 3]]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    greedy = dataclasses.replace(defaults, temperature=0.0)
+    outs = llm.generate(requests, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), prompts, 12)
+    plain = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]

@@ -88,6 +88,13 @@ def engine_with_a_slow_first_step() -> FakeEngine:
     return engine
 
 
+def engine_that_recommends() -> FakeEngine:
+    """An engine whose model's generation config recommends settings (``LLMEngine.sampling_defaults``)."""
+    engine = FakeEngine()
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9}
+    return engine
+
+
 def _drain(pump, limit_s: float = 10.0) -> list:
     events, until = [], time.monotonic() + limit_s
     while pump.has_work():
@@ -548,5 +555,15 @@ def test_what_a_dead_child_sent_before_it_went_is_read_first():
         assert ended["short"].finish_reason == "length"
         assert ended["long"].finish_reason == "error" and ended["long"].retryable
         assert "the engine's loop broke" in ended["long"].error
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_the_models_recommended_settings_reach_the_worker_from_an_engine_process():
+    """Jobs are checked in the worker's process, where their unset fields take the model's settings."""
+    pump = EngineProcess(engine_that_recommends)
+    try:
+        assert pump.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
     finally:
         pump.close()

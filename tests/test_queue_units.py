@@ -1303,3 +1303,18 @@ def _running_jobs(redis_url: str, count: int = 1, **fields):
         held.append(InFlight(job, queue, execution, JobRequest.model_validate(payload), stream, 0.0))
         worker.in_flight[job.id] = held[-1]
     return conn, worker, name, held
+
+
+def test_a_jobs_unset_sampling_fields_take_the_models_recommended_defaults():
+    """As vLLM's server: the model's generation config fills what the payload leaves unset; what it sets wins."""
+    from producer.schema import JobRequest
+    from worker.jobs import sampling_params
+
+    defaults = {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 64}
+    unset = sampling_params("j1", JobRequest.model_validate({"prompt": "x"}), defaults)
+    assert (unset.temperature, unset.top_k, unset.repetition_penalty, unset.max_tokens) == (0.7, 20, 1.05, 64)
+    assert unset.seed is not None  # sampled (at the model's temperature): a seed of its own, for its retries
+    payload = {"prompt": "x", "temperature": 0, "max_tokens": 5}
+    given = sampling_params("j2", JobRequest.model_validate(payload), defaults)
+    assert (given.temperature, given.max_tokens, given.top_k, given.seed) == (0.0, 5, 20, None)
+    assert sampling_params("j3", JobRequest.model_validate({"prompt": "x"})).temperature == 1.0  # none: the API's

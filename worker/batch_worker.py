@@ -386,6 +386,12 @@ class BatchWorker(BaseWorker):
         return self._suspended
 
     # ----- jobs in ------------------------------------------------------------------------------------
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's recommended sampling settings, for the fields a job leaves unset (its engine's, also one in
+        a process of its own)."""
+        return getattr(self.engine, "sampling_defaults", None) or {}
+
     def lane_depths(self) -> list[tuple[int, Queue, int | None]]:
         """(priority, queue, jobs waiting in it as the sender last read; None: not read yet) of each lane."""
         depths = self.sender.queued_by_key

@@ -8,8 +8,9 @@ steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' b
 
 Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
 [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
-facts)``, ``("step", events, facts, [step seconds, ...])`` after each engine step, ``("canceled", {job_id:
-[event, ...]}, facts)``, ``("error", text)`` if the child's loop itself fails. The child decides when a step's
+facts, the model's sampling defaults)``, ``("step", events, facts, [step seconds, ...])`` after each engine step,
+``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event, ...]}, facts)``, ``("error", text)`` if
+the child's loop itself fails. The child decides when a step's
 text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with
 its parent, and a full pipe slows the engine down rather than drop anything. A child that holds jobs and sends
 nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints its threads' stacks and
@@ -156,7 +157,7 @@ def _serve(
         log.exception("the engine could not start")
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", _facts(engine)))
+    conn.send(("ready", _facts(engine), dict(getattr(engine, "sampling_defaults", {}))))
     pump.on_admitted = _SaysAlive(conn)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
@@ -244,17 +245,17 @@ class EngineProcess:
         if not self._conn.poll(start_timeout):
             self.close()
             raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
-        self.facts = self._receive_first()
+        self.facts, self.sampling_defaults = self._receive_first()  # (the model's, for jobs' unset fields)
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
         from roseinfer.llm_engine import settle_garbage_collector
 
         settle_garbage_collector()
 
-    def _receive_first(self) -> EngineFacts:
+    def _receive_first(self) -> tuple[EngineFacts, dict[str, Any]]:
         kind, *rest = self._recv()
         if kind == "ready":
-            return rest[0]
+            return rest[0], rest[1]
         self.close()
         raise EngineProcessDied(rest[0] if kind == "error" else f"unexpected first message {kind!r}")
 

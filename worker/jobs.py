@@ -66,12 +66,15 @@ def job_seed(job_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def sampling_params(job_id: str, req: JobRequest):
+def sampling_params(job_id: str, req: JobRequest, defaults: dict[str, Any] | None = None):
+    """The engine's parameters for the job: its payload's, with ``defaults`` (the model's recommended settings,
+    ``LLMEngine.sampling_defaults``) for the fields it does not set, as vLLM's server takes them."""
     from roseinfer.sampling_params import SamplingParams
 
     # Deltas: a step builds no copy of a job's whole output, and the step loop asks for them only when it sends.
     kwargs = {**req.sampling_kwargs(), "output_kind": "delta"}
-    if kwargs["seed"] is None and req.temperature > 0:
+    kwargs.update({k: v for k, v in (defaults or {}).items() if k not in req.model_fields_set})
+    if kwargs["seed"] is None and kwargs["temperature"] > 0:
         kwargs["seed"] = job_seed(job_id)
     try:
         return SamplingParams(**kwargs)
@@ -208,9 +211,10 @@ def generate(**payload: Any) -> dict[str, Any]:
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     stream = publisher.resume(job.connection, [job.id])[job.id]
-    params = sampling_params(job.id, req)
+    engine = _engine()
+    params = sampling_params(job.id, req, engine.sampling_defaults)
     prefix, prefix_logprobs = resume_from(stream, params)
-    pump = Pump(_engine(), tokenize_in_thread=False)
+    pump = Pump(engine, tokenize_in_thread=False)
     pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final = time.time(), None, None
     while final is None:

@@ -294,7 +294,7 @@ class Puller:
             if refused:
                 raise JobRejected(refused)
             request = parse_request(job, self.worker.settings.max_job_bytes)
-            return request, sampling_params(job.id, request), None
+            return request, sampling_params(job.id, request, self.worker.sampling_defaults), None
         except JobRejected as exc:
             return None, None, str(exc)
         except Exception as exc:  # anything else about one job stays with that job
