@@ -454,6 +454,7 @@ def test_bad_run_defaults_are_one_error_before_any_row(flag, value, tmp_path, mo
     assert client.queue.count == 0
 
 
+@pytest.mark.slow  # seconds: waits for timeouts or a refused connection
 def test_a_job_past_the_timeout_is_canceled_not_left_to_run(tmp_path):
     """The timeout counts from the job's start: queued behind others (here 0.6 s, three timeouts) it is not
     canceled; running past it, it is."""
@@ -488,6 +489,7 @@ def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
     assert default_errors_path(out).read_text() == errors
 
 
+@pytest.mark.slow  # seconds: waits for timeouts or a refused connection
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_path):
     """Two at once wrote every row twice into a JSONL output (and left a Parquet one corrupt)."""
     import threading
@@ -523,6 +525,7 @@ def test_an_errors_file_over_the_input_or_the_output_is_refused(tmp_path, same_a
     assert (src.read_text(), out.read_text()) == before
 
 
+@pytest.mark.slow  # seconds: waits for timeouts or a refused connection
 def test_a_run_against_a_dead_redis_keeps_the_last_errors_file(tmp_path):
     import redis
 
