@@ -499,6 +499,8 @@ def _check_errors_path(errors_path: Path, input_path: Path, output_path: Path) -
 def _only_run_on(output_path: Path) -> Iterator[None]:
     """One run at a time on an output (a lock file beside it, held while the run writes): two at once wrote every
     row twice into a JSONL output, and left a Parquet output corrupt."""
+    if not output_path.parent.is_dir():
+        raise ValueError(f"the output's folder {output_path.parent} does not exist")
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
@@ -568,21 +570,24 @@ def dry_run(
     options = options.for_format(in_fmt)
     _check_columns(input_path, in_fmt, options)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
+    _check_errors_path(errors_path, input_path, output_path)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})
-    sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
-    done = sink.done()
-    with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
-        sink.open(err, output=False)
-        progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
-        lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
-        valid = prompt_tokens = longest = 0
-        for line in lines:
-            valid += 1
-            if tokenizer is not None:
-                n = count_prompt_tokens(tokenizer, line.payload)
-                prompt_tokens, longest = prompt_tokens + n, max(longest, n)
-        sink.flush()
+    # Under the run lock too: it reads (and may cut) the output's last line and rewrites the errors file.
+    with _only_run_on(output_path):
+        sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
+        done = sink.done()
+        with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
+            sink.open(err, output=False)
+            progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
+            lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+            valid = prompt_tokens = longest = 0
+            for line in lines:
+                valid += 1
+                if tokenizer is not None:
+                    n = count_prompt_tokens(tokenizer, line.payload)
+                    prompt_tokens, longest = prompt_tokens + n, max(longest, n)
+            sink.flush()
     counts = {k: summary[k] for k in ("total", "skipped", "failed", "failures")}
     if tokenizer is not None:
         counts.update(prompt_tokens=prompt_tokens, max_prompt_tokens=longest)

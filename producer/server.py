@@ -255,7 +255,7 @@ async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) ->
             break
         try:
             got = await events.get(wait)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
             break
         if got is None:
             break
@@ -412,7 +412,8 @@ class MergedEvents:
     async def get(self, timeout: float | None = None) -> tuple[int, dict[str, Any]] | None:
         """The next ``(i, event)``; None once every stream ended; TimeoutError past ``timeout`` seconds."""
         while self._left:
-            i, event, exc = await asyncio.wait_for(self._arrived.get(), timeout)
+            arrived = self._arrived.get()
+            i, event, exc = await (arrived if timeout is None else asyncio.wait_for(arrived, timeout))
             if exc is not None:
                 raise exc
             if event is not None:

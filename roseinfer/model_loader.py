@@ -32,7 +32,7 @@ class LoadedModel:
     tokenizer: object | None
     path: str
     eos_token_ids: list[int]
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # ``sampling_defaults``: for unset fields
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's recommendation (below)
 
 
 # What a model's generation config may recommend (as vLLM takes them): its name there -> SamplingParams' name.
@@ -44,8 +44,20 @@ def sampling_defaults(generation_config: Any) -> dict[str, Any]:
     """The sampling settings a model's ``generation_config.json`` sets to other than transformers' defaults (its
     creator's recommendation: Qwen2.5-Instruct's repetition_penalty 1.05, say), by ``SamplingParams`` name. As in
     vLLM, they are the defaults of requests that leave those fields unset; a field a request sets wins."""
+    from roseinfer.sampling_params import SamplingParams
+
     given = generation_config.to_diff_dict()
-    return {ours: given[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items() if given.get(theirs) is not None}
+    defaults = {}
+    for theirs, ours in _SAMPLING_DEFAULTS.items():
+        if given.get(theirs) is None:
+            continue
+        try:  # one the engine would refuse would fail every job that leaves it unset: left out, once, here
+            SamplingParams(**{ours: given[theirs]})
+        except ValueError as exc:
+            log.warning("the model's generation config recommends %s=%r, left out: %s", theirs, given[theirs], exc)
+            continue
+        defaults[ours] = given[theirs]
+    return defaults
 
 
 def default_gguf_path() -> Path:

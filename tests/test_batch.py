@@ -514,15 +514,46 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_p
         assert run_batch(again, src, out, timeout=0.01, poll_interval=0.01, log_interval=1e9)["failed"] == 1
 
 
+@pytest.mark.parametrize("dry", [False, True])
 @pytest.mark.parametrize("same_as", ["in.jsonl", "out.jsonl"])
-def test_an_errors_file_over_the_input_or_the_output_is_refused(tmp_path, same_as):
+def test_an_errors_file_over_the_input_or_the_output_is_refused(tmp_path, same_as, dry):
+    from producer.batch import dry_run
+
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
     out.write_text(json.dumps({"custom_id": "old", "response": {"request_id": "batch-" + "0" * 24}}) + "\n")
     before = (src.read_text(), out.read_text())
     with pytest.raises(ValueError, match="give --errors another path"):
-        run_batch(_offline_client(), src, out, errors_path=tmp_path / same_as)
+        if dry:
+            dry_run(src, out, errors_path=tmp_path / same_as)
+        else:
+            run_batch(_offline_client(), src, out, errors_path=tmp_path / same_as)
     assert (src.read_text(), out.read_text()) == before
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_an_output_held_by_another_run_is_refused_and_left_as_it_is(tmp_path, dry):
+    """A dry run too: it reads (and may cut) the output's last line and rewrites the errors file."""
+    import fcntl
+
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    out.write_text('{"custom_id": "b", "resp')  # a line the other run is writing
+    default_errors_path(out).write_text("theirs\n")
+    with open(tmp_path / "out.jsonl.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="another run is writing"):
+            dry_run(src, out) if dry else run_batch(_offline_client(), src, out)
+    assert out.read_text() == '{"custom_id": "b", "resp' and default_errors_path(out).read_text() == "theirs\n"
+
+
+def test_an_output_in_a_folder_that_does_not_exist_is_one_clear_error(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"the output.s folder .*nowhere does not exist"):
+        run_batch(_offline_client(), src, tmp_path / "nowhere" / "out.jsonl")
 
 
 @pytest.mark.slow  # seconds: waits for timeouts or a refused connection

@@ -1318,3 +1318,13 @@ def test_a_jobs_unset_sampling_fields_take_the_models_recommended_defaults():
     given = sampling_params("j2", JobRequest.model_validate(payload), defaults)
     assert (given.temperature, given.max_tokens, given.top_k, given.seed) == (0.0, 5, 20, None)
     assert sampling_params("j3", JobRequest.model_validate({"prompt": "x"})).temperature == 1.0  # none: the API's
+
+
+def test_a_recommended_setting_the_engine_refuses_is_left_out_of_the_defaults():
+    """Taken, it would fail every job that leaves that field unset, as if the job were at fault."""
+    from transformers import GenerationConfig
+
+    from roseinfer.model_loader import sampling_defaults
+
+    config = GenerationConfig(do_sample=True, temperature=7.0, repetition_penalty=1.05, top_k=20)
+    assert sampling_defaults(config) == {"top_k": 20, "repetition_penalty": 1.05}
