@@ -343,9 +343,10 @@ class Progress:
         print(text, file=self.stream, flush=True)
 
 
-def default_errors_path(output_path: str | Path) -> Path:
-    """``out.jsonl`` -> ``out.errors.jsonl``: the output's last suffix replaced."""
-    return Path(output_path).with_suffix(".errors.jsonl")
+def default_errors_path(output_path: str | Path, dry: bool = False) -> Path:
+    """``out.jsonl`` -> ``out.errors.jsonl`` (``out.dry-run-errors.jsonl`` for a dry run, which so leaves the last
+    real run's errors in place): the output's last suffix replaced."""
+    return Path(output_path).with_suffix(".dry-run-errors.jsonl" if dry else ".errors.jsonl")
 
 
 Sink = JSONLSink | ParquetSink
@@ -569,7 +570,7 @@ def dry_run(
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
     _check_columns(input_path, in_fmt, options)
-    errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
+    errors_path = Path(errors_path) if errors_path else default_errors_path(output_path, dry=True)
     _check_errors_path(errors_path, input_path, output_path)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})

@@ -336,7 +336,7 @@ def batch(args: argparse.Namespace) -> int:
     from producer.batch import BatchInterrupted, default_errors_path, dry_run, new_run_id, run_batch
 
     run_id = new_run_id() if args.fresh else args.run_id
-    errors = args.errors or default_errors_path(args.output)
+    errors = args.errors or default_errors_path(args.output, dry=args.dry_run)
     try:
         options = batch_options(args)
     except InvalidRequest as exc:
@@ -448,7 +448,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--errors",
         default=None,
         help="bad lines and failed jobs, rewritten each run (default: the output path with its last suffix "
-        "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl)",
+        "replaced by .errors.jsonl: out.jsonl -> out.errors.jsonl; out.dry-run-errors.jsonl for --dry-run, which so "
+        "leaves the last run's errors in place)",
     )
     p.add_argument(
         "--max-in-flight", type=at_least(int, 1), default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once"

@@ -258,11 +258,14 @@ def test_a_dry_run_checks_every_line_and_submits_nothing(tmp_path):
     )
     done = parse_line(6, '{"custom_id": "done", "prompt": "old"}')
     out.write_text(json.dumps({"custom_id": "done", "response": {"request_id": done.job_id}}) + "\n")
+    last_run_errors = '{"custom_id": "gone", "error": {"code": "worker_failed"}}\n'
+    default_errors_path(out).write_text(last_run_errors)
     counts = dry_run(src, out)
     failures = {"invalid_request": 1, "duplicate_custom_id": 1}
     assert counts == {"total": 5, "valid": 2, "skipped": 1, "failed": 2, "failures": failures}
-    errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
+    errors = [json.loads(x) for x in default_errors_path(out, dry=True).read_text().splitlines()]
     assert [(e["line"], e["error"]["code"]) for e in errors] == [(2, "invalid_request"), (5, "duplicate_custom_id")]
+    assert default_errors_path(out).read_text() == last_run_errors  # the real run's failures are kept
 
 
 def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, monkeypatch):
@@ -404,7 +407,7 @@ def test_a_bom_opens_the_file_and_a_line_that_is_not_utf8_is_a_bad_line(tmp_path
     src.write_bytes(b"\xef\xbb\xbf" + good + b'\n{"prompt": "caf\xe9"}\n' + good.replace(b"caf", b"the") + b"\n")
     counts = dry_run(src, out)
     assert (counts["total"], counts["valid"], counts["failed"]) == (3, 2, 1)
-    errors = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
+    errors = [json.loads(x) for x in default_errors_path(out, dry=True).read_text().splitlines()]
     assert [(e["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [(2, None, "invalid_request")]
     assert "not UTF-8" in errors[0]["error"]["message"] and "0xe9" in errors[0]["error"]["message"]
 
