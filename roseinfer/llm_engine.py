@@ -14,7 +14,7 @@ import torch
 
 from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
-from roseinfer.config import EngineConfig
+from roseinfer.config import ConfigError, EngineConfig
 from roseinfer.cpu_allocator import keep_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
@@ -71,7 +71,13 @@ class LLMEngine:
             config.max_model_len or self.model.max_position_embeddings,
             self.model.max_position_embeddings,
         )
-        num_blocks = max(1, self._kv_budget() // block_bytes)
+        budget = self._kv_budget()
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:  # (ConfigError: the commands print it as a bad option, not a traceback)
+            raise ConfigError(
+                f"kv_cache_memory: {budget} bytes hold no KV cache block; one block ({config.block_size} tokens of "
+                f"this model) takes {block_bytes} bytes"
+            )
         if config.kv_cache_memory == "auto" and self.device.type == "cpu":
             # No more than every running request at full length needs: a small model or context is not handed
             # (and made to zero) the whole default GiB.

@@ -281,6 +281,8 @@ def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
     )
     given = LLM(tiny_llama, dtype="float32", max_model_len=60, max_num_seqs=4, kv_cache_memory="8MiB").engine
     assert given.kv.num_blocks == 8 * 2**20 // block_bytes > 4 * 8
+    with pytest.raises(ValueError, match=rf"kv_cache_memory: 100 bytes hold no KV cache block.* takes {block_bytes}"):
+        LLM(tiny_llama, dtype="float32", kv_cache_memory=100)  # it ran on one block, 16 tokens of context
 
 
 def test_a_stop_tokens_text_is_kept_when_the_request_keeps_what_stopped_it(chat_engine):

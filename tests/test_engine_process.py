@@ -344,6 +344,20 @@ def test_an_engine_that_cannot_start_is_one_clear_error():
         EngineProcess(partial(broken_engine))
 
 
+def engine_of_a_bad_option() -> FakeEngine:
+    from roseinfer.config import ConfigError
+
+    raise ConfigError("kv_cache_memory: 100 bytes hold no KV cache block")
+
+
+def test_a_bad_option_found_by_the_engine_process_is_the_same_error_as_in_process():
+    """It was an EngineProcessDied, which the worker's command printed with two tracebacks."""
+    from roseinfer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^kv_cache_memory: 100 bytes hold no KV cache block$"):
+        EngineProcess(partial(engine_of_a_bad_option))
+
+
 def _worker_with_engine_process(step_s: float = 0.0):
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings

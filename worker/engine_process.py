@@ -10,11 +10,11 @@ Messages go over two pipes, one each way (the child reads its own on a thread). 
 [...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
 facts, the model's sampling defaults)``, ``("step", events, facts, [step seconds, ...])`` after each engine step,
 ``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event, ...]}, facts)``, ``("error", text)`` if
-the child's loop itself fails. The child decides when a step's
-text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does in-process), dies with
-its parent, and a full pipe slows the engine down rather than drop anything. A child that holds jobs and sends
-nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints its threads' stacks and
-is killed, and its jobs fail retryably, as if it had died.
+the child's loop itself fails (first of all, ``("error", text, "config")`` for a bad option). The child decides
+when a step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does
+in-process), dies with its parent, and a full pipe slows the engine down rather than drop anything. A child that
+holds jobs and sends nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints its
+threads' stacks and is killed, and its jobs fail retryably, as if it had died.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from roseinfer.config import ConfigError
 from worker.pump import JobEvent, Pump
 
 log = logging.getLogger("roseinfer.worker")
@@ -153,6 +154,9 @@ def _serve(
     try:
         engine = build()
         pump = Pump(engine)
+    except ConfigError as exc:  # a bad option: the parent raises it again, and the command prints it
+        conn.send(("error", str(exc), "config"))
+        return
     except Exception as exc:
         log.exception("the engine could not start")
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
@@ -257,6 +261,8 @@ class EngineProcess:
         if kind == "ready":
             return rest[0], rest[1]
         self.close()
+        if kind == "error" and rest[1:] == ["config"]:
+            raise ConfigError(rest[0])
         raise EngineProcessDied(rest[0] if kind == "error" else f"unexpected first message {kind!r}")
 
     # ----- the Pump's interface -------------------------------------------------------------------

@@ -65,7 +65,11 @@ def check_eviction_policy(connection: Redis, required: bool) -> None:
 
 
 def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
-    worker = build_worker(settings)
+    try:
+        worker = build_worker(settings)
+    except EngineProcessDied as exc:  # its own traceback is in the log above
+        log.error("the worker does not start: %s", exc)
+        return 1
     log.info("worker %s serving queue %r with %s", worker.name, settings.queue, settings.model)
     try:
         worker.work(burst=settings.burst, logging_level=logging_level)
