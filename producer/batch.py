@@ -51,7 +51,7 @@ from producer.openai_api import (
     parse,
     samples,
 )
-from producer.protocol import BULK_PRIORITY, done_key, read_result, result_from_entries, result_key
+from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.schema import JobRequest
 
 log = logging.getLogger("roseinfer.batch")
@@ -93,17 +93,24 @@ def new_run_id() -> str:
     return secrets.token_hex(4)
 
 
-def job_id_for(payload: dict[str, Any], run_id: str | None = None) -> str:
-    """The same line and settings give the same job id; a run id gives new ones.
+def job_id_for(payload: dict[str, Any], run_id: str | None = None, queue: str = DEFAULT_QUEUE) -> str:
+    """The same line and settings give the same job id; a run id gives new ones, and so does another queue (its
+    workers may serve another model: a run on it must not take the jobs of a run on this one for its results).
 
     ``--fresh`` takes new ids rather than deleting the earlier jobs: the worker derives an unseeded sampled job's
     seed from its id, so the same id would replay the same samples, and another run may still follow those jobs.
     """
     # Not the priority: it orders the jobs and changes no output, so a rerun at another one resumes the same rows.
     # (Taken as the default every earlier run wrote: their ids stay as they were.)
-    same_output = {**payload, "priority": BULK_PRIORITY}
+    same_output = {**payload, "priority": BULK_PRIORITY, **_on_queue(queue)}
     digest = hashlib.sha256(json.dumps(same_output, sort_keys=True).encode()).hexdigest()[:24]
     return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
+
+
+def _on_queue(queue: str) -> dict[str, str]:
+    """What the queue adds to a run's job ids and settings: nothing for the default one, so the ids and settings
+    files of runs made before the queue counted stay valid."""
+    return {} if queue == DEFAULT_QUEUE else {"queue": queue}
 
 
 def parse_line(
@@ -112,6 +119,7 @@ def parse_line(
     run_id: str | None = None,
     priority: int = BULK_PRIORITY,
     options: RowOptions | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Line:
     """One input row (a JSONL line's text, or a Parquet row) into a job payload (at ``priority`` unless it says;
     the run's defaults where it names none); BadLine (a ValueError) with a readable reason for a bad one."""
@@ -147,7 +155,7 @@ def parse_line(
     except ValueError as exc:
         raise BadLine(str(exc), custom_id) from None
     row = obj if options.plain else None
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id), row)
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row)
 
 
 def _utf8(text: str | bytes) -> str:
@@ -455,6 +463,7 @@ def run_batch(
     """
     if run_id is not None and not RUN_ID.fullmatch(run_id):
         raise ValueError(f"a run id is 1 to 32 letters and digits, got {run_id!r}")
+    queue = client.queue.name
     options = options or RowOptions()
     check_run_settings(options, priority, max_in_flight)
     input_path, output_path = Path(input_path), Path(output_path)
@@ -470,13 +479,16 @@ def run_batch(
         with _only_run_on(output_path):
             sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
             done = sink.done()
-            _check_settings(output_path, options.fingerprint(), bool(done))  # a refused run leaves the last errors
+            settings = {**options.fingerprint(), **_on_queue(queue)}
+            _check_settings(output_path, settings, bool(done))  # a refused run leaves the last errors
             client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
             with open_lines(errors_path, "w") as err, _signals_interrupt():
                 progress = Progress(summary["total"], 0, 0, log_interval)
                 sink.open(err)
                 try:
-                    lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+                    lines = _read_input(
+                        input_path, in_fmt, options, done, run_id, queue, summary, priority, sink, progress
+                    )
                     _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
                 finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
                     sink.close()
@@ -559,9 +571,11 @@ def dry_run(
     input_format: str | None = None,
     output_format: str | None = None,
     tokenizer: Any = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> dict[str, Any]:
-    """Check every row as ``run_batch`` would, submitting nothing: ``total``, ``valid`` (would run), ``skipped``
-    (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by reason. With a
+    """Check every row as ``run_batch`` would on ``queue``, submitting nothing: ``total``, ``valid`` (would run),
+    ``skipped`` (already in the output), ``failed`` (bad rows, written to the errors file) and ``failures`` by
+    reason. With a
     ``tokenizer`` (a transformers tokenizer: its chat template applied to messages), also ``prompt_tokens`` of the
     rows that would run and the longest one's, ``max_prompt_tokens``."""
     options = options or RowOptions()
@@ -581,7 +595,7 @@ def dry_run(
         with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
             sink.open(err, output=False)
             progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
-            lines = _read_input(input_path, in_fmt, options, done, run_id, summary, priority, sink, progress)
+            lines = _read_input(input_path, in_fmt, options, done, run_id, queue, summary, priority, sink, progress)
             valid = prompt_tokens = longest = 0
             for line in lines:
                 valid += 1
@@ -611,6 +625,7 @@ def _read_input(
     options: RowOptions,
     done: dict[str, int],
     run_id: str | None,
+    queue: str,
     summary: dict[str, Any],
     priority: int,
     sink: Sink,
@@ -622,7 +637,7 @@ def _read_input(
     seen: set[str] = set()
     for number, raw in read_rows(path, fmt):
         try:
-            line = parse_line(number, raw, run_id, priority, options)
+            line = parse_line(number, raw, run_id, priority, options, queue)
         except BadLine as exc:
             _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress)
             continue

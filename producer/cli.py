@@ -349,7 +349,7 @@ def batch(args: argparse.Namespace) -> int:
             tokenizer = _tokenizer(args.count_tokens) if args.count_tokens else None
             counts = dry_run(
                 args.input, args.output, errors_path=errors, run_id=run_id, priority=args.priority, options=options,
-                tokenizer=tokenizer, **formats,
+                tokenizer=tokenizer, queue=target(args)[1], **formats,
             )  # fmt: skip
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)

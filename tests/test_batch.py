@@ -12,7 +12,8 @@ import pytest
 from conftest import ThreadWorker, stuck_worker
 
 from producer import Client
-from producer.batch import Progress, default_errors_path, output_line, parse_line, run_batch
+from producer.batch import Progress, default_errors_path, job_id_for, output_line, parse_line, run_batch
+from producer.protocol import BULK_PRIORITY, lane_name
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,9 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
 @pytest.mark.redis
 def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_again(served, tmp_path):
     _, client = served
-    line = parse_line(1, json.dumps({"custom_id": "again", "prompt": "Resume me", "max_tokens": 3}))
+    line = parse_line(
+        1, json.dumps({"custom_id": "again", "prompt": "Resume me", "max_tokens": 3}), queue=client.queue.name
+    )
     job = client.submit_many([{**line.payload, "job_id": line.job_id}])[0]
     job.result(timeout=60)
     src = tmp_path / "in.jsonl"
@@ -122,6 +125,26 @@ def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_agai
     assert summary["succeeded"] == 1 and summary["reused"] == 1
     row = json.loads(out.read_text())
     assert row["response"]["request_id"] == job.id
+
+
+def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
+    """Job ids did not name the queue: a run on queue b (its workers may serve another model) picked up queue a's
+    job of the same row as its own, and would have written a's output, or deleted a's failed job to submit it."""
+    from producer.batch import _submit
+
+    connection = fakeredis.FakeRedis()
+    on_a, on_b = Client(connection=connection, queue="a"), Client(connection=connection, queue="b")
+    text = json.dumps({"custom_id": "x", "prompt": "same row"})
+    line_a, line_b = parse_line(1, text, queue="a"), parse_line(1, text, queue="b")
+    on_a.submit_many([{**line_a.payload, "job_id": line_a.job_id}])
+    in_flight: dict = {}
+    reused: set[str] = set()
+    _submit(on_b, iter([line_b]), in_flight, 4, reused)
+    assert reused == set() and list(in_flight) == [line_b.job_id] != [line_a.job_id]
+    assert on_b.job(line_b.job_id).status() == "queued" == on_a.job(line_a.job_id).status()
+    assert connection.hget(f"rq:job:{line_b.job_id}", "origin").decode() == lane_name("b", BULK_PRIORITY)
+    # The default queue adds nothing: an output made before the queue counted resumes as it did.
+    assert parse_line(1, text).job_id == job_id_for(line_a.payload) != line_a.job_id
 
 
 def _offline_client() -> Client:
@@ -282,7 +305,7 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     sink = batch_mod.JSONLSink(tmp_path / "out.jsonl")
     sink.open(io.StringIO(), output=False)
     options = batch_mod.RowOptions()
-    lines = batch_mod._read_input(src, "jsonl", options, {}, None, summary, 10, sink, progress)
+    lines = batch_mod._read_input(src, "jsonl", options, {}, None, "lazy", summary, 10, sink, progress)
     in_flight: dict = {}
     assert batch_mod._submit(client, lines, in_flight, 8, set()) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
@@ -465,7 +488,7 @@ def test_a_job_past_the_timeout_is_canceled_not_left_to_run(tmp_path):
     rows = [{"custom_id": f"slow-{i}", "prompt": "x"} for i in range(2)]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     client = _offline_client()
-    ids = [parse_line(i, json.dumps(r)).job_id for i, r in enumerate(rows, 1)]
+    ids = [parse_line(i, json.dumps(r), queue="q").job_id for i, r in enumerate(rows, 1)]
     began = time.monotonic()
     with stuck_worker(client, after=0.6):
         summary = run_batch(client, src, out, timeout=0.2, poll_interval=0.02, log_interval=1e9)
