@@ -513,6 +513,9 @@ def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         run_batch(_offline_client(), src, out, options=RowOptions(defaults={"seed": 2}))
     assert default_errors_path(out).read_text() == errors
+    elsewhere = Client(connection=fakeredis.FakeRedis(), queue="elsewhere")  # maybe another model
+    with pytest.raises(ValueError, match=r"other settings .*\"queue\": \"q\".*this run: .*\"queue\": \"elsewhere\""):
+        run_batch(elsewhere, src, out, options=RowOptions(defaults={"seed": 1}))
 
 
 @pytest.mark.slow  # seconds: waits for timeouts or a refused connection
