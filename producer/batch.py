@@ -132,10 +132,10 @@ def parse_line(
         raise BadLine("a line must be a JSON object")
     if options.plain:
         key = options.id_column
-        custom_id = obj.get(key) if key is not None else f"row-{number}"
-        custom_id = str(custom_id) if isinstance(custom_id, (int, str)) and not isinstance(custom_id, bool) else None
+        given = obj.get(key) if key is not None else f"row-{number}"
+        custom_id = str(given) if isinstance(given, (int, str)) and not isinstance(given, bool) else None
         if key is not None and not custom_id:
-            raise BadLine(f"the id column {key!r} must hold a non-empty string or integer")
+            raise BadLine(f"the id column {key!r} must hold a non-empty string or integer, got {given!r}")
     else:
         custom_id = obj.get("custom_id", f"line-{number}")
         if not isinstance(custom_id, str) or not custom_id:

@@ -345,3 +345,11 @@ def test_a_column_the_input_lacks_is_one_error_before_any_row(tmp_path, fmt, opt
     with pytest.raises(ValueError, match=message):
         run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9)
     assert client.queue.count == 0 and sorted(p.name for p in tmp_path.iterdir()) == [source.name]
+
+
+@pytest.mark.parametrize(("given", "shown"), [(1.5, "1.5"), (None, "None"), (True, "True"), ("", "''")])
+def test_a_bad_id_in_the_id_column_is_named_in_its_error(given, shown):
+    from producer.batch import BadLine
+
+    with pytest.raises(BadLine, match=rf"^the id column 'qid' must hold a non-empty string or integer, got {shown}$"):
+        parse_line(1, {"qid": given, "question": "x"}, options=RowOptions("question", None, "qid", {}))
