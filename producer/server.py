@@ -284,7 +284,7 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
                 raise ConnectionAbortedError
     except TimeoutError:
         _cancel_all_soon(jobs)
-        raise _with_jobs(APIError(504, f"no result within {timeout:g} s", "timeout"), jobs) from None
+        raise _with_jobs(_timed_out(timeout), jobs) from None
     except (JobFailed, JobCanceled) as exc:
         if len(jobs) > 1:
             _cancel_all_soon(jobs)
@@ -318,13 +318,25 @@ def _cancel_all_soon(jobs: list[AsyncGenerationJob]) -> None:
 
 def _job_error(exc: JobFailed | JobCanceled) -> APIError:
     if isinstance(exc, JobCanceled):
-        return APIError(500, "the job was canceled", "server_error")
+        return _not_to_retry(APIError(500, "the job was canceled", "server_error"))
     # Only a job the worker found at fault is the client's (400): a timeout, a failed step, an abandoned job are not.
     if exc.error_type == "invalid_request":
         return APIError(400, exc.reason)
     if exc.error_type == "timeout":
-        return APIError(504, exc.reason, "timeout")
+        return _not_to_retry(APIError(504, exc.reason, "timeout"))
     return APIError(500, exc.reason, "server_error")
+
+
+def _timed_out(timeout: float) -> APIError:
+    """The request outlived ``--timeout`` (its jobs are canceled)."""
+    return _not_to_retry(APIError(504, f"no result within {timeout:g} s", "timeout"))
+
+
+def _not_to_retry(err: APIError) -> APIError:
+    """The official clients retry a status >= 500 twice unless told not to: a request that timed out (or whose job
+    an operator canceled) would be submitted twice more, adding load to a queue already behind."""
+    err.headers["x-should-retry"] = "false"
+    return err
 
 
 async def _sse(
@@ -375,11 +387,13 @@ async def _sse(
             yield _data(chunks.usage(total_usage(finals)))
         yield "data: [DONE]\n\n"
         finished = True
-    except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError) as exc:
+    except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError, RedisError) as exc:
         if isinstance(exc, (JobFailed, JobCanceled)):
             err = _job_error(exc)
         elif isinstance(exc, TimeoutError):  # as the non-streamed answer: the job outlived --timeout
-            err = APIError(504, f"no result within {timeout:g} s", "timeout")
+            err = _timed_out(timeout)
+        elif isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
+            err = APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
         else:
             err = APIError(500, str(exc), "server_error")
         yield _data(err.body())

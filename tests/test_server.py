@@ -341,13 +341,16 @@ def test_health_models_and_api_key(served, redis_url):
 def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_url, slow_steps):
     worker, _, model = served
     impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
-    try:
-        client = openai.OpenAI(base_url=f"{impatient.url}/v1", api_key="x", max_retries=0)
+    sent = []
+    try:  # the client retries as it does by default: a 504 told it not to (a retry submitted the job again)
+        http = httpx.Client(event_hooks={"request": [sent.append]})
+        client = openai.OpenAI(base_url=f"{impatient.url}/v1", api_key="x", http_client=http)
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.with_raw_response.create(
                 model=model, messages=MESSAGES, max_tokens=230, extra_body={"ignore_eos": True}
             )
-        assert info.value.status_code == 504
+        assert info.value.status_code == 504 and len(sent) == 1
+        assert info.value.response.headers["x-should-retry"] == "false"
         job_id = info.value.response.headers["x-roseinfer-job-id"]
     finally:
         impatient.stop()
@@ -608,6 +611,7 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     """The worker says whose fault a failure was (``error_type``): a prompt longer than the model allows is the
     request's (400, as vLLM answers it); a job past its own timeout is a 504; a failure the worker never explained
     (RQ's abandoned job, say) is the server's (500), which the openai client retries."""
+    from producer.client import JobCanceled as Canceled
     from producer.client import JobFailed as Failed
     from producer.server import _job_error
 
@@ -620,7 +624,9 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     assert "too long" in err.value.message or "tokens" in err.value.message
     timed_out = Failed("j", "job exceeded its timeout of 1 s", {"error_type": "timeout"})
     assert (_job_error(timed_out).status, _job_error(timed_out).type) == (504, "timeout")
-    assert _job_error(Failed("j", "AbandonedJobError: the worker died")).status == 500
+    assert _job_error(timed_out).headers == {"x-should-retry": "false"} == _job_error(Canceled("j", "x")).headers
+    died = _job_error(Failed("j", "AbandonedJobError: the worker died"))
+    assert died.status == 500 and died.headers == {}  # the openai client's retry may meet a live worker
 
 
 def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url, slow_steps):
