@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
@@ -28,34 +28,39 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class TextPart(BaseModel):
+class _Shape(BaseModel):
+    """A part of OpenAI's requests: unknown fields refused, and a null taken for a field not given, as OpenAI and
+    vLLM take it (clients send nulls for what they leave unset: ``n=None``, and a response's message dumped back
+    into the conversation carries ``refusal``, ``tool_calls`` ... as nulls)."""
+
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class TextPart(_Shape):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Message(_Shape):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
     name: str | None = None  # taken, not used: the chat template knows roles only
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # (vLLM's)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(_Shape):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Shape):
     """What chat and text completions share: OpenAI's sampling fields and vLLM's extras."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -183,7 +188,7 @@ def parse_completions(body: Any) -> tuple[CompletionRequest, list[dict[str, Any]
     prompts = request.prompts()
     if not prompts or len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
-    if any(not (p.strip() if isinstance(p, str) else p) for p in prompts):
+    if any(not p for p in prompts):  # (" " is a prompt: it has a token)
         raise APIError(400, "a prompt must not be empty", param="prompt")
     jobs = [request.job_fields(prompt) for prompt in prompts]
     for fields in jobs:
@@ -234,7 +239,7 @@ def chat_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
         content.append(
             {
                 "token": _token(token_id),
-                "logprob": lps.get(token_id, float("-inf")),
+                "logprob": lps.get(token_id, -9999.0),  # (finite, as vLLM's: JSON has no -Infinity)
                 "bytes": None,
                 "top_logprobs": [{"token": _token(int(t)), "logprob": lp, "bytes": None} for t, lp in pairs[:top]],
             }
@@ -247,11 +252,13 @@ def completion_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | No
     if steps is None:
         return None
     token_ids = result["token_ids"]
-    return {
-        "tokens": [_token(t) for t in token_ids],
-        "token_logprobs": [{int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)],
-        "top_logprobs": [{_token(int(t)): lp for t, lp in pairs[:top]} for pairs in steps],
-    }
+    chosen = [{int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)]
+    # The top ``logprobs`` and the sampled token among them, as OpenAI's legacy API: up to logprobs + 1 entries.
+    top_logprobs = [
+        {**{_token(int(t)): lp for t, lp in pairs[:top]}, _token(tid): lp}
+        for tid, lp, pairs in zip(token_ids, chosen, steps)
+    ]
+    return {"tokens": [_token(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
 
 
 def finish_reason(reason: str | None) -> str | None:

@@ -57,7 +57,7 @@ class JSONSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object (optional in OpenAI's API)
     description: str | None = None
     strict: bool | None = None  # the output always follows the schema here, strict or not
 
@@ -79,7 +79,8 @@ class ResponseFormat(BaseModel):
     def engine_form(self) -> dict[str, Any] | None:
         if self.type == "json_schema":
             assert self.json_schema is not None
-            return {"json": self.json_schema.schema_}
+            schema = self.json_schema.schema_
+            return {"json": schema} if schema is not None else {"json_object": True}
         return {"json_object": True} if self.type == "json_object" else None
 
 
@@ -160,7 +161,7 @@ class JobRequest(BaseModel):
     def _one_input(self) -> JobRequest:
         if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
             raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
-        if self.prompt is not None and not self.prompt.strip():
+        if self.prompt is not None and not self.prompt:  # (" " is a prompt: it has a token, as OpenAI takes it)
             raise ValueError("the prompt is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")

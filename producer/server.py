@@ -163,10 +163,12 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             live = await workers.live()
         except Exception as exc:
             return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, status_code=503)
-        if not live:
-            reason = f"no live worker on queue {client.queue_name!r}"
+        served = await workers.models()
+        if not live or len(served) > 1:
+            reason = f"no live worker on queue {client.queue_name!r}" if not live else None
+            reason = reason or _mixed_models(client.queue_name, served)
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(live), "models": await workers.models()})
+        return JSONResponse({"status": "ok", "workers": len(live), "models": served})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -197,6 +199,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.model not in served:
             raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
+        if len(served) > 1:
+            raise APIError(503, _mixed_models(client.queue_name, served), "service_unavailable")
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
@@ -297,6 +301,15 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
         raise
     finally:
         waiting.cancel()
+
+
+def _mixed_models(queue: str, served: list[str]) -> str:
+    """Why no request is taken while the workers on the queue serve several models (a rollout, a mistake): a job
+    names no model and runs on whichever worker takes it first, so the answer could come from any of them."""
+    return (
+        f"the workers on queue {queue!r} serve several models ({', '.join(served)}), and a job runs on whichever "
+        "takes it: give each model a queue of its own"
+    )
 
 
 def _with_jobs(err: APIError, jobs: list[AsyncGenerationJob]) -> APIError:

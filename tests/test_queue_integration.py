@@ -289,7 +289,7 @@ def test_bad_payloads_fail_alone_with_a_clear_reason(served, redis_url):
         "unknown": (json.dumps([fn, None, [], {"prompt": "hi", "colour": "red"}]).encode(), "colour: unknown field"),
         "types": (json.dumps([fn, None, [], {"prompt": "hi", "max_tokens": "ten"}]).encode(), "max_tokens"),
         "negative": (json.dumps([fn, None, [], {"prompt": "hi", "max_tokens": -3}]).encode(), "greater than or equal"),
-        "empty": (json.dumps([fn, None, [], {"prompt": "  "}]).encode(), "the prompt is empty"),
+        "empty": (json.dumps([fn, None, [], {"prompt": ""}]).encode(), "the prompt is empty"),
         "toolong": (json.dumps([fn, None, [], {"prompt": "word " * 400}]).encode(), "at most"),
         "otherfn": (json.dumps(["os.system", None, ["rm -rf /"], {}]).encode(), "runs only worker.jobs.generate"),
         "noinput": (json.dumps([fn, None, [], {"max_tokens": 3}]).encode(), "exactly one of"),

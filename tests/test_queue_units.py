@@ -1328,3 +1328,16 @@ def test_a_recommended_setting_the_engine_refuses_is_left_out_of_the_defaults():
 
     config = GenerationConfig(do_sample=True, temperature=7.0, repetition_penalty=1.05, top_k=20)
     assert sampling_defaults(config) == {"top_k": 20, "repetition_penalty": 1.05}
+
+
+def test_a_json_schema_response_format_without_its_schema_asks_for_any_json_object():
+    """``schema`` is optional in OpenAI's API (and vLLM's): its absence was a 400, 'Field required'."""
+    from producer.schema import JobRequest, ResponseFormat
+
+    bare = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "anything"}})
+    assert bare.engine_form() == {"json_object": True}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    given = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert given.engine_form() == {"json": schema}
+    job = JobRequest.model_validate({"prompt": "x", "response_format": bare.model_dump(by_alias=True)})
+    assert job.structured_form() == {"json_object": True}

@@ -177,15 +177,55 @@ def test_text_completion_streamed_and_not(served, oai):
     assert err.value.body["param"] == "top_logprobs"
 
 
+def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
+    """OpenAI's clients send null for what they leave unset, and a response's message dumped back into the
+    conversation carries its unset fields as nulls: each was a 400. A prompt of spaces has tokens: it was refused."""
+    from openai.types.chat import ChatCompletionMessage
+
+    from producer.openai_api import APIError, ChatCompletionRequest, parse, parse_completions
+
+    answer = ChatCompletionMessage(role="assistant", content="The sea is wide.").model_dump()
+    assert answer["refusal"] is None and answer["tool_calls"] is None
+    body = {
+        "model": "m", "messages": [MESSAGES[0], answer, {"role": "user", "content": "More", "name": None}],
+        "n": None, "stream": None, "stream_options": None, "tools": None, "tool_choice": None, "logit_bias": None,
+        "metadata": None, "max_tokens": 3,
+    }  # fmt: skip
+    req, fields = parse(ChatCompletionRequest, body)
+    assert (req.n, req.stream) == (1, False)
+    assert fields["messages"][1] == {"role": "assistant", "content": "The sea is wide."}
+    req, jobs = parse_completions({"model": "m", "prompt": [" ", "\n"], "echo": None, "n": None})
+    assert [job["prompt"] for job in jobs] == [" ", "\n"] and req.n == 1
+    with pytest.raises(APIError, match="unsupported parameter: tools"):  # a real value still is refused
+        parse(ChatCompletionRequest, {**body, "tools": [{"type": "function"}]})
+    with pytest.raises(APIError, match="model: Field required"):
+        parse(ChatCompletionRequest, {**body, "model": None})
+
+
+def test_completion_top_logprobs_hold_the_sampled_token_as_openai_says():
+    """OpenAI's legacy API: the top ``logprobs`` and the sampled token, up to logprobs + 1 entries. A sampled
+    token outside the top was left out."""
+    from producer.openai_api import _token, completion_logprobs
+
+    steps = [[[1, -0.1], [2, -0.5], [5, -3.0]], [[2, -0.2], [1, -0.4]]]  # as the worker sends: top 2, then sampled
+    out = completion_logprobs({"token_ids": [5, 2], "logprobs": steps}, top=2)
+    assert out["token_logprobs"] == [-3.0, -0.2]
+    assert out["top_logprobs"] == [
+        {_token(1): -0.1, _token(2): -0.5, _token(5): -3.0},
+        {_token(2): -0.2, _token(1): -0.4},
+    ]
+
+
 def test_content_as_text_parts_and_logprobs(served, oai):
     _, _, model = served
     parts = [
-        {"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "about the sea"}]}
+        {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "about the sea"}]}
     ]
     a = oai.chat.completions.create(
         model=model, messages=parts, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
     )
-    b = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    joined = [{"role": "user", "content": "Tell me\nabout the sea"}]  # parts join on new lines, as in vLLM
+    b = oai.chat.completions.create(model=model, messages=joined, max_tokens=6, temperature=0)
     assert a.choices[0].message.content == b.choices[0].message.content
     content = a.choices[0].logprobs.content
     assert len(content) == a.usage.completion_tokens
@@ -253,7 +293,7 @@ def test_a_bad_request_is_a_400_naming_the_parameter(served, oai, kwargs, param)
     assert info.value.body["param"] == param and f"{param}." not in info.value.message
 
 
-@pytest.mark.parametrize("prompt", ["", ["  "], [[]], [], [True], [[1, True]], [1, "a"], [[1]] * 257])
+@pytest.mark.parametrize("prompt", ["", [""], [[]], [], [True], [[1, True]], [1, "a"], [[1]] * 257])
 def test_a_bad_completion_prompt_is_a_400_naming_prompt(prompt):
     """Empty prompts, JSON's true as a token id (no token 1), mixed forms, too many prompts."""
     from producer.openai_api import APIError, parse_completions

@@ -58,8 +58,10 @@ class ScriptedClient:
     def __init__(self, scripts: list[list]) -> None:
         self.scripts, self.jobs, self.canceled = scripts, [], []
 
+    models = ("m",)
+
     async def workers(self):
-        return [{"name": "w", "model": "m"}]
+        return [{"name": f"w{i}", "model": model} for i, model in enumerate(self.models)]
 
     async def submit(self, **fields) -> ScriptedJob:
         job = ScriptedJob(fields.get("job_id") or f"job{len(self.jobs)}", self.scripts[len(self.jobs)], self.canceled)
@@ -88,6 +90,7 @@ def post(client: ScriptedClient, body: dict, path: str = "/v1/completions") -> t
                 headers = {k.decode(): v.decode() for k, v in message["headers"]}
                 start.update(status=message["status"], headers=headers, at=time.monotonic())
             elif message.get("body"):
+                start["body"] = start.get("body", b"") + message["body"]
                 sent.extend(line[6:] for line in message["body"].decode().split("\n\n") if line.startswith("data: "))
 
         headers = [(b"content-type", b"application/json")]
@@ -215,3 +218,14 @@ def test_a_bad_field_message_uses_the_requests_names():
         parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                       "max_completion_tokens": -1})  # fmt: skip
     assert err.value.param == "max_completion_tokens" and "max_tokens" not in err.value.body()["error"]["message"]
+
+
+def test_no_request_is_taken_while_the_queues_workers_serve_several_models():
+    """A job names no model: with workers of two models on one queue, a request for one was answered by either
+    (half of them, in a run of eight), each answer labelled with the model asked for."""
+    client = ScriptedClient([[(0.01, event(0, "a", "stop"))]])
+    client.models = ("m", "other")
+    start, _ = post(client, {"model": "m", "prompt": "p"})
+    assert start["status"] == 503 and client.jobs == []
+    error = json.loads(start["body"])["error"]
+    assert "serve several models (m, other)" in error["message"] and error["type"] == "service_unavailable"
