@@ -355,6 +355,8 @@ class LLMEngine:
                 seq.finish_time = now
             delta = seq.detokenizer.finish() if seq.detokenizer is not None else ""
             held, seq.held_ids = seq.held_ids, []  # sampled since its last output (output kind "delta")
+            if seq.params.output_kind == "final_only":  # its one output: every token this run made, as its text
+                held = seq.output_token_ids[seq.num_resumed_tokens :]
             tails.append((seq, delta, held))
         if not tails:
             return [self._output(seqs[-1], "", [])]

@@ -191,6 +191,10 @@ def test_final_only_outputs_are_the_cumulative_ones_at_the_end_and_nothing_befor
             (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in b.outputs
         ], name
     assert len(ended["final_only-n3"].outputs) == 3 and ended["final_only-stop"].outputs[0].finish_reason == "stop"
+    for name in cases:  # its one output's delta is the whole of it, aborted too (an abort gave no delta ids)
+        out = ended[f"final_only-{name}"]
+        if len(out.outputs) == 1:
+            assert (out.delta_text, out.delta_token_ids) == (out.outputs[0].text, out.outputs[0].token_ids), name
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="streaming")
 
