@@ -378,6 +378,26 @@ def test_health_models_and_api_key(served, redis_url):
         locked.stop()
 
 
+@pytest.mark.slow  # seconds: a worker of its own
+def test_a_served_model_name_is_the_models_name_to_clients(redis_url, tiny_chat_model):
+    """Copies of one model at other paths (other machines) are one model under one name, as vLLM's
+    --served-model-name: the server takes no request while its workers' names differ."""
+    worker = ThreadWorker(redis_url, tiny_chat_model, served_model_name="sea-model")
+    server = ServerThread(redis_url, worker.queue)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["sea-model"]
+        out = client.chat.completions.create(model="sea-model", messages=MESSAGES, max_tokens=2)
+        assert out.model == "sea-model" and out.usage.completion_tokens <= 2
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=tiny_chat_model, messages=MESSAGES, max_tokens=2)
+        result = Client(redis_url, queue=worker.queue).submit(prompt="x", max_tokens=1).result(timeout=60)
+        assert result["model"] == "sea-model"
+    finally:
+        server.stop()
+        worker.stop()
+
+
 def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_url, slow_steps):
     worker, _, model = served
     impatient = ServerThread(redis_url, worker.queue, timeout=0.3)

@@ -812,7 +812,7 @@ class BatchWorker(BaseWorker):
 
     def _result(self, job: InFlight, out: Any) -> dict[str, Any]:
         return build_result(
-            job.job, job.request, out, model=self.settings.model, started_at=job.started_at,
+            job.job, job.request, out, model=self.settings.model_name, started_at=job.started_at,
             first_token_at=job.first_token_at, finished_at=job.finished_at,
         )  # fmt: skip
 
@@ -1006,7 +1006,7 @@ class BatchWorker(BaseWorker):
         return {
             "in_flight": len(self.in_flight),
             "queue": self.settings.queue,
-            "model": self.settings.model,
+            "model": self.settings.model_name,
             "redis": self.sender.refusing or "ok",
         }
 

@@ -235,7 +235,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         publisher.add(stream, final.text, [], "error", {}, final.error, error_type=final.error_type)
     else:
         result = build_result(
-            job, req, final.output, model=settings.model, started_at=started_at, first_token_at=first_token_at
+            job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at
         )
         publisher.add(
             stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index,

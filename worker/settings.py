@@ -86,6 +86,11 @@ class QueueSettings(BaseSettings):
     require_noeviction: bool = Field(
         False, description="refuse to start unless Redis's maxmemory-policy is noeviction (else: a loud warning)"
     )
+    # vLLM's --served-model-name: copies of one model at other paths on other machines are one model to clients.
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the model's name in results, `roseinfer status` and the server's "
+        "/v1/models (default: --model)",
+    )  # fmt: skip
     max_job_bytes: int = Field(
         4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
     )
@@ -101,6 +106,11 @@ class QueueSettings(BaseSettings):
     def engine_options(self) -> dict:
         """Keyword arguments for ``roseinfer.LLM(model, **options)``."""
         return {opt.name: getattr(self, opt.name) for opt in engine_options() if opt.name != "model"}
+
+    @property
+    def model_name(self) -> str:
+        """The name clients know the model by."""
+        return self.served_model_name or self.model  # type: ignore[attr-defined]
 
     @property
     def in_flight_limit(self) -> int:
