@@ -92,6 +92,37 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
     assert w.thread.is_alive()
 
 
+def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them_finish(served):
+    """RQ's enqueue takes ``result_ttl=10**17``: the finish script's EXPIRE failed midway for every job ending in the
+    same step. A retry interval RQ cannot add to a date left its job started for good, and every clean-up of its
+    registry raised."""
+    w, client, conn = served
+    cases = {
+        "result_ttl": ({"result_ttl": str(10**17)}, "'result_ttl' holds 100000000000000000"),
+        "failure_ttl": ({"failure_ttl": "-7"}, "'failure_ttl' holds -7"),
+        "timeout": ({"timeout": str(10**17)}, "'timeout' holds"),
+        "retry_intervals": ({"retry_intervals": "5", "retries_left": "1"}, "'retry_intervals' holds 5"),
+        "huge_interval": ({"retry_intervals": json.dumps([10**12]), "retries_left": "1"}, "'retry_intervals' holds"),
+    }
+    good = [client.submit(f"beside {i}", max_tokens=3, temperature=0) for i in range(2)]
+    ids = {}
+    for name, (fields, _) in cases.items():
+        ids[name] = f"bounds-{name.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+        _raw_job(conn, w.queue, ids[name], **fields)
+    good += [client.submit(f"after {i}", max_tokens=3, temperature=0) for i in range(2)]
+    keeping = Client(connection=conn, queue=w.queue, result_ttl=-1)  # -1 is RQ's "for good"
+    forever = keeping.submit("kept for good", max_tokens=3, temperature=0)
+    for job in [*good, forever]:
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 3
+    assert conn.ttl(f"rq:job:{forever.id}") == -1
+    for name, (_, phrase) in cases.items():
+        with pytest.raises(JobFailed) as err:
+            client.job(ids[name]).result(timeout=30)
+        assert "RQ cannot use this job" in err.value.reason and phrase in err.value.reason, (name, err.value.reason)
+        assert conn.hget(f"rq:job:{ids[name]}", "status") == b"failed"
+    assert w.thread.is_alive()
+
+
 def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(served):
     """RQ's dequeue raised on it and stranded every job of the same pull in the intermediate list, queued forever."""
     w, client, conn = served

@@ -36,6 +36,11 @@ _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat
 _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
          "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
 _JSON = ("retry_intervals", "dependency_ids")
+# Times a job gives in seconds, and its callbacks' limits: past ~31 years Redis's EXPIRE or Python's dates overflow
+# (10**17 s made the finish script fail midway, for every job ending in the same step).
+MAX_SECONDS = 10**9
+_SECONDS = ("result_ttl", "failure_ttl", "ttl", "timeout")
+_INTERVALS = ("retry_intervals", "repeat_intervals")
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 # Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
 # back-pressure, not death.
@@ -267,8 +272,35 @@ def _restore(
         except Exception as exc:  # a field RQ cannot parse, an id it refuses
             unreadable.append(Unreadable(job_id, queue, diagnose(raw, job_id, exc)))
             continue
+        beyond = out_of_bounds(job)
+        if beyond:  # RQ reads it, and then fails on it (its retry, its expiry): not built into a running job
+            unreadable.append(Unreadable(job_id, queue, beyond))
+            continue
         pulled.append((job, queue))
     return pulled, unreadable
+
+
+def out_of_bounds(job: Job) -> str | None:
+    """Why RQ's own handling of this job would fail (a time past what Redis or a date can hold, retry intervals that
+    are not a list of seconds), or None. RQ's enqueue takes ``result_ttl=10**17``; its retry of a job whose
+    interval overflows raised and left the job started for good, and every clean-up of its registry raised too."""
+    for name in _SECONDS:
+        value = getattr(job, name, None)
+        if value is not None and not (isinstance(value, int) and -1 <= value <= MAX_SECONDS):
+            return f"RQ cannot use this job: its field {name!r} holds {value!r}; seconds are -1 or 0 to {MAX_SECONDS}"
+    for name in _INTERVALS:
+        value = getattr(job, name, None)
+        if value is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if not isinstance(value, list) or not all(_seconds(x) for x in items):
+            shown = json.dumps(value)[:60]
+            return f"RQ cannot use this job: its field {name!r} holds {shown}; a list of seconds, 0 to {MAX_SECONDS}"
+    return None
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_SECONDS
 
 
 def _inflates_past(data: bytes | None, limit: int | None) -> bool:
