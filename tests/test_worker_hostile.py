@@ -199,6 +199,32 @@ def test_callbacks_named_by_a_job_never_run_unless_allowed(served):
     assert conn.get(f"hook-probe:{allowed}") == b"ran"  # an allow-listed name runs, as RQ users expect
 
 
+def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(served):
+    """RQ's clean-up reads a dead worker's jobs itself (its registries fetch them) and ran their failure callback
+    and webhooks: a fresh worker that allowed neither ran both. Its queues read jobs through the worker's policy."""
+    from rq.registry import StartedJobRegistry
+
+    w, _, conn = served
+    job_id = f"hooked-{uuid.uuid4().hex[:6]}"
+    hooks = [
+        {"url": "http://127.0.0.1:9/hook", "job_status": "failed"},
+        {"url": "http://allowed.invalid/ok", "job_status": "finished"},
+    ]
+    _raw_job(conn, w.queue, job_id, failure_callback_name="hook_probe.record_unlisted",
+             success_callback_name="hook_probe.record", webhooks=json.dumps(hooks), status="started")  # fmt: skip
+    conn.lrem(f"rq:queue:{w.queue}", 0, job_id)  # as a dead worker left it: started, off the queue
+    queue = w.worker.queues[0]
+    registry = StartedJobRegistry(queue.name, connection=conn, job_class=queue.job_class, serializer=JSONSerializer)
+    for job in (queue.fetch_job(job_id), registry.job_class.fetch(job_id, connection=conn, serializer=JSONSerializer)):
+        assert job.failure_callback is None and job.success_callback.__name__ == "record"  # the allowed one stays
+        assert [hook.url for hook in job.webhooks] == ["http://allowed.invalid/ok"]
+        reason = w.worker.hooks.refuse(job)  # and the worker still refuses to run it
+        assert "hook_probe.record_unlisted" in reason and "127.0.0.1:9/hook" in reason
+    plain = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)  # RQ's own class: the hash is untouched
+    assert plain._failure_callback_name == "hook_probe.record_unlisted" and len(plain.webhooks) == 2
+    conn.delete(f"rq:job:{job_id}")
+
+
 class _Recorder(http.server.BaseHTTPRequestHandler):
     hits: ClassVar[list[str]] = []
 

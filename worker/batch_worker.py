@@ -49,7 +49,6 @@ from worker.intake import (
     REDIS_DOWN,
     REDIS_UNAVAILABLE,
     HookPolicy,
-    PulledJob,
     Unreadable,
     quarantine,
     redis_waits,
@@ -105,12 +104,13 @@ class InFlight:
 
 class BatchWorker(BaseWorker):
     def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis, pump: Any = None) -> None:
+        self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         super().__init__(
             settings.queue,
             name=settings.name,
             connection=connection,
             serializer=JSONSerializer,
-            job_class=PulledJob,
+            job_class=self.hooks.job_class(),  # (RQ's maintenance reads jobs through it too)
             maintenance_interval=settings.maintenance_interval,
             job_monitoring_interval=settings.heartbeat_interval,
         )
@@ -121,7 +121,6 @@ class BatchWorker(BaseWorker):
         self.engine = engine
         self.settings = settings
         self.pump = pump if pump is not None else Pump(engine)  # an EngineProcess when the engine runs apart
-        self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.publisher = Publisher(
             settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
         )

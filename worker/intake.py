@@ -17,6 +17,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import ClassVar
 from urllib.parse import urlsplit
 
 import redis
@@ -72,7 +73,13 @@ _resolved_serializer = functools.cache(resolve_serializer)
 class PulledJob(Job):
     """RQ's ``Job``, made and restored as RQ does, less two costs a burst of jobs paid per job: the serializer's
     check (a ``Protocol`` isinstance, ~10 us) made once per serializer, and RQ's own date stamps parsed without
-    ``strptime``. What is not such a stamp goes through RQ's parsing, and fails there as it would."""
+    ``strptime``. What is not such a stamp goes through RQ's parsing, and fails there as it would.
+
+    With a ``hook_policy`` (``HookPolicy.job_class``), what a job names that the policy refuses is taken off it as
+    it is read, whoever reads it: RQ's maintenance builds jobs of its own (a dead worker's job failed by the
+    clean-up ran its refused failure callback and webhook)."""
+
+    hook_policy: ClassVar[HookPolicy | None] = None
 
     def __init__(self, id: str | None = None, connection: redis.Redis | None = None, serializer=None) -> None:
         super().__init__(id, connection)
@@ -91,6 +98,8 @@ class PulledJob(Job):
         super().restore(raw_data)
         for name, value in stamps.items():
             setattr(self, name.decode(), value)
+        if self.hook_policy is not None:
+            self.refused_hooks = self.hook_policy.strip(self)
 
 
 @dataclass
@@ -358,9 +367,24 @@ class HookPolicy:
     callbacks: frozenset[str] = frozenset()
     webhook_hosts: frozenset[str] = frozenset()
 
+    def job_class(self) -> type[PulledJob]:
+        """``PulledJob`` under this policy: the worker's job class, so every job it or RQ's maintenance reads is
+        stripped of what the policy refuses."""
+        return type("PolicedJob", (PulledJob,), {"hook_policy": self})
+
     def refuse(self, job: Job) -> str | None:
         """Why this job may not run here, or None. Whatever is refused is also taken off the job, so RQ's
         failure path cannot call it either."""
+        problems = [*getattr(job, "refused_hooks", []), *self.strip(job)]
+        if not problems:
+            return None
+        return (
+            f"this worker runs no code and calls no address that a job names; refused: {', '.join(problems)} "
+            "(an operator allows exact names with --allow-callback module.function and hosts with --allow-webhook-host)"
+        )
+
+    def strip(self, job: Job) -> list[str]:
+        """Takes off ``job`` the callbacks and webhooks it may not name here; what it took, in words."""
         problems = []
         for kind in ("success", "failure", "stopped"):
             name = getattr(job, f"_{kind}_callback_name", None)
@@ -376,9 +400,4 @@ class HookPolicy:
             else:
                 problems.append(f"webhook to {hook.url!r}")
         job.webhooks = kept
-        if not problems:
-            return None
-        return (
-            f"this worker runs no code and calls no address that a job names; refused: {', '.join(problems)} "
-            "(an operator allows exact names with --allow-callback module.function and hosts with --allow-webhook-host)"
-        )
+        return problems
