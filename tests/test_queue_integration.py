@@ -262,6 +262,28 @@ def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
     assert latest.type == Result.Type.STOPPED and latest.return_value == err.value.result
 
 
+@pytest.mark.slow  # steps of half a second
+def test_rq_stop_job_command_stops_a_job_taken_in_but_not_yet_running(served, redis_url, monkeypatch):
+    """Marked started by the puller, it reaches the engine after the step under way: a stop-job command sent
+    meanwhile (RQ's worker knows its job before its status says started) was ignored, and the job ran to its end."""
+    worker, client = served
+    engine = worker.worker.engine
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **k: (time.sleep(0.5), real_step(*a, **k))[1])
+    running = client.submit("Keep going", max_tokens=40, temperature=0, ignore_eos=True)
+    _first_event(running)
+    job = client.submit("Stop me", max_tokens=5, temperature=0, ignore_eos=True)
+    deadline = time.time() + 30
+    while job.status() != "started" and time.time() < deadline:
+        time.sleep(0.002)
+    assert job.id not in worker.worker.in_flight  # in the window: taken, not yet handed to the engine
+    send_stop_job_command(Redis.from_url(redis_url), job.id, serializer=JSONSerializer)
+    with pytest.raises(JobCanceled):
+        job.result(timeout=30)
+    assert job.status() == "stopped"
+    running.cancel()
+
+
 def _enqueue_raw(conn: Redis, queue: str, job_id: str, data: bytes) -> None:
     """A job written the way any language would (see README), with whatever data we like."""
     now = "2026-11-22T00:00:00.000000Z"

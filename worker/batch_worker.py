@@ -77,6 +77,7 @@ from worker.watchdog import StepWatchdog
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
+STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
 
 class StepFailed(Exception):
@@ -127,7 +128,9 @@ class BatchWorker(BaseWorker):
         self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events
-        self._stop_jobs: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # from the pub/sub thread
+        # (job id, when asked) from the pub/sub thread; those of jobs still on their way in wait for them here.
+        self._stop_jobs: queue_mod.SimpleQueue[tuple[str, float]] = queue_mod.SimpleQueue()
+        self._stops_waiting: list[tuple[str, float]] = []
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
         self._force_stop = False
@@ -200,7 +203,7 @@ class BatchWorker(BaseWorker):
             return
         command = payload.get("command")
         if command in ("stop-job", "stop-execution") and payload.get("job_id"):
-            self._stop_jobs.put(payload["job_id"])
+            self._stop_jobs.put((payload["job_id"], time.monotonic()))
         elif command == "shutdown":
             self.request_stop()
         else:
@@ -296,7 +299,6 @@ class BatchWorker(BaseWorker):
     def _loop_once(self) -> bool:
         """One iteration; False when there was nothing to do."""
         self._apply_reports()
-        self._apply_stop_requests()
         mono = time.monotonic()
         if mono >= self._next_maintenance:  # RQ's own check builds datetimes: too dear for every step
             self._next_maintenance = mono + self.settings.maintenance_interval
@@ -305,6 +307,7 @@ class BatchWorker(BaseWorker):
             except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; maintenance runs again later
                 log.error("maintenance skipped: Redis unavailable (%s)", exc)
         self._apply_arrivals()
+        self._apply_stop_requests()  # after the arrivals: a job just taken can be stopped
         if self.pump.has_work():
             started = time.perf_counter()
             # Running jobs' new text is only wanted when the hand-over after this step sends it: when the hand-over
@@ -914,14 +917,34 @@ class BatchWorker(BaseWorker):
                 self._canceled(self.in_flight[job_id], events, stopped=status == b"stopped", deleted=status is None)
 
     def _apply_stop_requests(self) -> None:
+        """RQ's stop-job commands. A job this worker has marked started but not yet handed to the engine (a step
+        can pass meanwhile) is stopped once it is: the command was ignored, and the job ran to its end."""
+        asked, self._stops_waiting = self._stops_waiting, []
         while not self._stop_jobs.empty():
-            job_id = self._stop_jobs.get()
+            asked.append(self._stop_jobs.get())
+        for job_id, since in asked:
             job = self.in_flight.get(job_id)
+            if job is None and self._on_its_way(job_id, since):
+                self._stops_waiting.append((job_id, since))
+                continue
             events = self.pump.cancel(job_id) if job is not None else []
             if not events:
                 log.info("stop-job %s: not in flight here, ignored", job_id)
                 continue
             self._canceled(job, events, stopped=True)
+
+    def _on_its_way(self, job_id: str, since: float) -> bool:
+        """Whether this worker took ``job_id`` and has yet to hand it to the engine (for a few seconds at most)."""
+        if job_id in self.puller._unapplied:
+            return True
+        if time.monotonic() - since > STOP_WAIT_S:
+            return False
+        # Marked started by this worker's puller, which has not yet handed it over (a few ms).
+        try:
+            name, status = self.connection.hmget(Job.key_for(job_id), "worker_name", "status")
+        except REDIS_UNAVAILABLE:
+            return True  # asked again at the next iteration
+        return name == self.name.encode() and status == JobStatus.STARTED.value.encode()
 
     def _redis_lost_data(self) -> None:
         """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight
