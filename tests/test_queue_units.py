@@ -551,6 +551,20 @@ def test_a_stream_holding_an_event_twice_is_not_resumed_from():
     assert retry.start(can_resume=True) == [] and retry.pending_reset
 
 
+def test_a_stream_entry_the_schema_takes_but_resuming_cannot_read_makes_only_its_job_start_over():
+    """A logprob step of three numbers passes the event schema and failed the resume's reading: the exception
+    failed every job of the pull as abandoned. Now only that job starts over."""
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    for n, step in enumerate([[[1, -0.1]], [[2, -0.2, 9]]]):
+        event = {"n": n, "text": "x", "token_ids": [step[0][0]], "logprobs": [step]}
+        conn.xadd(stream_key("j"), {"event": json.dumps(event)})
+    conn.xadd(stream_key("k"), {"event": json.dumps({"n": 0, "text": "ok", "token_ids": [4]})})
+    streams = pub.resume(conn, ["j", "k"])
+    assert streams["j"].start(can_resume=True) == [] and streams["j"].pending_reset
+    assert streams["k"].start(can_resume=True) == [4]
+
+
 @pytest.mark.redis
 def test_registering_again_after_redis_lost_its_data_survives_the_heartbeat_and_failures(redis_url, caplog):
     """Redis lost its data: the worker registers again. The heartbeat thread may recreate the worker's key (without

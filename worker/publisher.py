@@ -131,11 +131,11 @@ class Publisher:
                 events = [event_from_stream(fields) for _id, fields in found]
                 for event in events:
                     StreamEvent.model_validate(event)
+                s.read(events)  # (a logprob step of three numbers passes the schema and fails here)
             except (ValueError, KeyError, TypeError) as exc:  # written by hand, say: it can't be the output's start
                 log.warning("job %s: its stream holds an entry off the protocol (%s): the job starts over", job_id, exc)
+                streams[job_id] = s = JobStream(job_id)
                 s.next_n, s.whole = len(found), False
-                continue
-            s.read(events)
         return streams
 
     def add(
