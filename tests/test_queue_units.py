@@ -1242,6 +1242,54 @@ def test_a_cancel_that_lands_between_the_pull_and_the_start_is_kept(redis_url):
 
 
 @pytest.mark.redis
+def test_a_start_whose_reply_was_lost_is_sent_again_and_its_jobs_run_here(redis_url, monkeypatch):
+    """The start's writes landed and its reply was lost: the jobs were started by no one who runs them, and failed
+    as abandoned a heartbeat later. The same start (same executions) goes again, and lands once."""
+    import uuid
+
+    import redis
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.protocol import OWNER_FIELD
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.job_start import register
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    jobs = Client(redis_url, queue=name).submit_many([{"prompt": "hello", "max_tokens": 4}] * 2)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    worker.sender.start_script = register(conn)
+    pulled, _ = pull([worker.queues[0]], 2, None, conn, Job, JSONSerializer)
+    real_execute, lost = redis.client.Pipeline.execute, []
+
+    def reply_lost_once(pipe, *args, **kwargs):
+        replies = real_execute(pipe, *args, **kwargs)
+        if not lost:
+            lost.append(1)
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        return replies
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", reply_lost_once)
+    executions, streams = worker.mark_started(pulled, [job.id for job in jobs])
+    monkeypatch.undo()
+    assert lost and set(streams) == {job.id for job in jobs}
+    started = {m.decode() for m in conn.zrange(worker.queues[0].started_job_registry.key, 0, -1)}
+    assert started == {execution.composite_key for execution in executions}  # once each
+    for job, execution in zip(jobs, executions):
+        assert conn.hmget(f"rq:job:{job.id}", "status", OWNER_FIELD) == [b"started", execution.id.encode()]
+    assert conn.llen(worker.queues[0].intermediate_queue_key) == 0
+
+
+@pytest.mark.redis
 def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier_try(redis_url):
     """A running job whose status another client set to stopped: its end records the stop (RQ's failed registry,
     the started registry and the execution left, the hash's TTL), though the status already reads as what that end

@@ -55,8 +55,8 @@ from worker.intake import (
 )
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
+from worker.job_start import queue_start, start_jobs
 from worker.job_start import register as register_start_script
-from worker.job_start import start_jobs
 from worker.jobs import (
     JobRejected,
     JobStopped,
@@ -77,6 +77,7 @@ from worker.watchdog import StepWatchdog
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
+START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long (the jobs' started entries last longer)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
 
@@ -492,11 +493,24 @@ class BatchWorker(BaseWorker):
     def _start_by_script(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
     ) -> tuple[list[Execution], dict[str, JobStream]]:
-        with self.connection.pipeline(transaction=False) as pipe:
-            executions = start_jobs(self.sender.start_script, pipe, pulled, self.name, ttl, OWNER_FIELD)
-            self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            self.publisher.queue_stream_reads(pipe, stream_ids)
-            replies = pipe.execute()
+        executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD)
+        give_up_at, backoff = time.monotonic() + START_RETRY_S, 0.1
+        while True:
+            try:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    queue_start(self.sender.start_script, pipe, args)
+                    self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
+                    self.publisher.queue_stream_reads(pipe, stream_ids)
+                    replies = pipe.execute()
+                break
+            except REDIS_UNAVAILABLE as exc:
+                # The writes may have landed and only the reply been lost: the jobs are then started by nobody who
+                # runs them, failed as abandoned a heartbeat later. The same start again is harmless.
+                if time.monotonic() + backoff > give_up_at:
+                    raise
+                log.warning("starting %d jobs: Redis unavailable (%s); the same start again", len(pulled), exc)
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
         self.executions.update((execution.id, execution) for execution in executions)
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 

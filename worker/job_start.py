@@ -65,17 +65,15 @@ def register(connection: Redis) -> Any:
 
 
 def start_jobs(
-    script: Any,
-    pipe: Any,
     pulled: list[tuple[Job, Queue]],
     worker_name: str,
     ttl: int,
     owner_field: str,
-) -> list[Execution]:
-    """Queue on ``pipe`` the call of ``script`` (``register``'s) that starts every pulled job under a new
-    execution of ``worker_name`` (its id also written as the job's owner), as RQ's own start would; the executions,
-    and the jobs updated as ``prepare_for_execution`` leaves them. By SHA: a pipeline holding a registered script
-    would ask SCRIPT EXISTS first, a round trip more."""
+) -> tuple[list[Execution], list[Any]]:
+    """The start of every pulled job under a new execution of ``worker_name`` (its id also written as the job's
+    owner), as RQ's own start would: the executions, and the arguments of the script (``queue_start``); the jobs
+    updated as ``prepare_for_execution`` leaves them. The same arguments start the same jobs again harmlessly (a
+    reply lost: the writes may have landed)."""
     right_now = now()
     stamp = utcformat(right_now)
     score = current_timestamp() + ttl  # RQ's registry scores: whole seconds
@@ -100,8 +98,13 @@ def start_jobs(
         job.worker_name = worker_name
         job.last_heartbeat = job.started_at = right_now
         job._status = JobStatus.STARTED
+    return executions, args
+
+
+def queue_start(script: Any, pipe: Any, args: list[Any]) -> None:
+    """Queue on ``pipe`` the call of ``script`` (``register``'s) with ``start_jobs``'s arguments. By SHA: a
+    pipeline holding a registered script would ask SCRIPT EXISTS first, a round trip more."""
     pipe.evalsha(script.sha, 0, *args)
-    return executions
 
 
 def execution_ids(n: int) -> list[str]:
