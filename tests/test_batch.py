@@ -232,13 +232,13 @@ def test_a_terminal_gets_the_bar_and_no_log_lines():
 def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     body = {
         "model": "any",
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
         "max_completion_tokens": 7,
         "logprobs": True,
         "top_logprobs": 2,
     }
     line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}))
-    assert line.payload["messages"] == [{"role": "user", "content": "Hi there"}]
+    assert line.payload["messages"] == [{"role": "user", "content": "Hi\nthere"}]  # parts join as in vLLM
     assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
     assert (line.payload["logprobs"], line.payload["top_logprobs"]) == (True, 2)
     result = {
