@@ -30,6 +30,7 @@ from producer.protocol import (
     lanes,
     read_result,
     result_from_entries,
+    result_key,
     stream_key,
 )
 from producer.schema import JobRequest, describe_validation_error
@@ -37,6 +38,7 @@ from producer.wire import JobResult, StreamEvent
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
+_OVER = (b"finished", b"failed", b"canceled", b"stopped")  # a job's statuses once it has ended
 # A finished job's final event goes out in the worker's next write after its result: a reader that finds the job
 # finished and its stream short of that event waits this long for it before calling the stream expired.
 FINAL_EVENT_GRACE_S = 2.0
@@ -92,12 +94,18 @@ class ProtocolError(JobError):
     """What a worker wrote does not follow the protocol (docs/protocol.md, docs/schemas/)."""
 
 
+MAX_JOB_ID = 256  # the protocol's (the worker refuses a longer one)
+
+
 def check_job_id(job_id: Any) -> None:
-    """RQ's rule for a job id (text of letters, digits, ``-`` and ``_``), as an ``InvalidRequest``."""
+    """RQ's rule for a job id (text of letters, digits, ``-`` and ``_``) and the protocol's length, as an
+    ``InvalidRequest``."""
     try:
         validate_job_id(job_id)
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(str(exc)) from None
+    if len(job_id) > MAX_JOB_ID:
+        raise InvalidRequest(f"a job id is at most {MAX_JOB_ID} characters, got {len(job_id)}")
 
 
 def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
@@ -200,8 +208,29 @@ class Client:
         req = validate({"prompt": prompt, "messages": messages, **fields})
         self._check_eviction_policy()
         queue = self.lane(req.priority)
+        if job_id is not None:
+            check_job_id(job_id)
+            self._forget_ended(self.connection, self._ended([job_id]))
         job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         return GenerationJob(self, job.id)
+
+    def _ended(self, job_ids: list[str]) -> list[str]:
+        """Those of ``job_ids`` (given by the caller) whose job ran before and ended."""
+        if not job_ids:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            statuses = pipe.execute()
+        return [job_id for job_id, status in zip(job_ids, statuses) if status in _OVER]
+
+    @staticmethod
+    def _forget_ended(pipe: Any, job_ids: list[str]) -> None:
+        """An id used again for a new job: the old job's hash, token stream and result go first. Its text was
+        streamed to the new job's followers, and its result taken for the new job's while that one was queued.
+        (A job still queued or running is left as RQ leaves it: the worker runs an id pushed twice once.)"""
+        for job_id in job_ids:
+            pipe.delete(Job.key_for(job_id), stream_key(job_id), result_key(job_id))
 
     def lane(self, priority: int) -> Queue:
         """The RQ queue holding this client's jobs of ``priority`` (the queue itself for 0)."""
@@ -214,6 +243,7 @@ class Client:
         """Enqueue many jobs in one pipeline. Each request is a payload dict (may hold ``job_id``); all are
         validated before any is enqueued."""
         hashes: list[tuple[str, Queue, dict[str, Any]]] = []
+        given: list[str] = []  # the ids the caller chose (maybe an ended job's)
         stamp = utcformat(now())  # the jobs are enqueued together, in one transaction
         for i, fields in enumerate(requests):
             fields = dict(fields)
@@ -222,13 +252,16 @@ class Client:
                 req = validate(fields)
                 if job_id is not None:
                     check_job_id(job_id)
+                    given.append(job_id)
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(f"request {i}: {exc}") from None
             job_id = job_id or str(uuid.uuid4())
             lane = self.lane(req.priority)
             hashes.append((job_id, lane, self._job_hash(lane, req, stamp)))
         self._check_eviction_policy()
+        ended = self._ended(given)
         with self.connection.pipeline() as pipe:
+            self._forget_ended(pipe, ended)
             for key in dict.fromkeys(lane.key for _, lane, _ in hashes):
                 pipe.sadd(Queue.redis_queues_keys, key)
             ids_by_lane: dict[str, list[str]] = {}

@@ -16,7 +16,7 @@ from rq.job import Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from producer import Client, JobCanceled, JobFailed
+from producer import Client, InvalidRequest, JobCanceled, JobFailed
 from producer.protocol import result_from_entries, result_key, stream_key
 from worker.jobs import job_seed
 
@@ -247,6 +247,27 @@ def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served):
     while left() and time.time() < deadline:
         time.sleep(0.05)
     assert left() == []
+
+
+def test_an_id_used_again_is_a_new_job_not_the_old_ones_output(served, redis_url):
+    """Submitted again under the id of a job that ended, the new job streamed the old one's text and its result()
+    was the old result, while it still waited in the queue."""
+    _, client = served
+    job_id = f"again-{uuid.uuid4().hex[:8]}"
+    old = client.submit("The first prompt", job_id=job_id, max_tokens=3, temperature=0).result(timeout=60)
+    idle = Client(redis_url, queue=f"nobody-{uuid.uuid4().hex[:8]}")  # no worker: the new job stays queued
+    waiting = idle.submit("Another prompt, longer than the first one", job_id=job_id, max_tokens=3)
+    assert waiting.status() == "queued"
+    with pytest.raises(TimeoutError):
+        waiting.result(timeout=0.5)
+    waiting.cancel()
+    for submit in (client.submit, lambda prompt, **kw: client.submit_many([{"prompt": prompt, **kw}])[0]):
+        new = submit("Another prompt, longer than the first one", job_id=job_id, max_tokens=3, temperature=0)
+        result = new.result(timeout=60)
+        assert result["usage"]["prompt_tokens"] > old["usage"]["prompt_tokens"]
+        assert "".join(new.stream()) == result["text"]
+    with pytest.raises(InvalidRequest, match="at most 256"):
+        client.submit("x", job_id="a" * 257)
 
 
 @pytest.mark.slow
