@@ -219,10 +219,17 @@ class AsyncGenerationJob:
         """As ``GenerationJob.events`` (read through the client's ``StreamHub``)."""
         key = stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
+        backlog = await self.client.connection.xrange(key) if skip_void else []  # whole: as ``GenerationJob.events``
         follower = self.client.hub.follow(key)
+        if backlog:
+            follower.last = _entry_id(backlog[-1][0])
         deadline = None if timeout is None else time.monotonic() + timeout
         expired_at: float | None = None
         try:
+            for event in cursor.take(backlog):
+                yield event
+                if "finish_reason" in event:
+                    return
             while True:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
                 if expired_at is not None:

@@ -151,6 +151,8 @@ class EventCursor:
         self.missing: tuple[int, int] | None = None  # events trimmed before they were read (no reset since)
 
     def take(self, entries: list) -> list[dict[str, Any]]:
+        if not entries:
+            return []
         events = [checked(StreamEvent, event_from_stream(fields), self.job_id) for _id, fields in entries]
         self.last_id = entries[-1][0]
         resets = [i for i, e in enumerate(events) if e.get("reset")] if self.skip_void else []
@@ -439,6 +441,12 @@ class GenerationJob:
         cursor = EventCursor(self.id, skip_void)
         deadline = None if timeout is None else time.monotonic() + timeout
         expired_at: float | None = None
+        # What is there already, read whole: a reset anywhere in it voids all before it (read 1,024 at a time, text
+        # a later read voided had been handed out, and every call again raised StreamRestarted after it).
+        for event in cursor.take(conn.xrange(key)) if skip_void else ():
+            yield event
+            if "finish_reason" in event:
+                return
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:

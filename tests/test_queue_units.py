@@ -259,6 +259,36 @@ def test_a_follower_sees_a_restarted_output_once_and_a_replay_skips_the_void_par
     assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "new text"
 
 
+def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_both_clients():
+    """The restart past the first 1,024 entries: the void text was handed out, then StreamRestarted, and each call
+    again did the same (``roseinfer submit --stream`` looped on it for good)."""
+    import asyncio
+
+    from producer import Client
+    from producer.aio import AsyncGenerationJob, StreamHub
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    pub = Publisher(maxlen=100_000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("x", [7])] * 1100)
+    retry = pub.resume(conn, ["j"])["j"]
+    retry.start(can_resume=False)
+    pub.add(retry, "new", [1])
+    pub.add(retry, " text", [2], "length", {})
+    _send(conn, pub)
+    conn.hset("rq:job:j", "status", "finished")
+    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "new text"
+
+    class Async:  # what AsyncGenerationJob reads through: an async connection and its hub
+        connection = fakeredis.FakeAsyncRedis(server=server)
+        hub = StreamHub(connection)
+
+    async def read() -> str:
+        return "".join([piece async for piece in AsyncGenerationJob(Async(), "j").stream(timeout=5)])
+
+    assert asyncio.run(read()) == "new text"
+
+
 def test_an_expired_stream_starting_again_at_event_0_reads_as_a_reset():
     from producer import Client, StreamRestarted
 
