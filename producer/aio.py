@@ -39,10 +39,15 @@ class AsyncClient:
     """``AsyncClient(redis_url, queue="roseinfer")``: ``await submit(...)``, ``async for piece in job.stream()``,
     ``await job.result()``. Options as ``Client``'s."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, queue: str = DEFAULT_QUEUE, **options: Any) -> None:
+    def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any) -> None:
+        if redis_url is None and options.get("connection") is not None:
+            # Its reads are async, on connections of its own: from the default URL they missed every job.
+            raise TypeError("AsyncClient(connection=...) needs the redis_url of that connection's server too")
+        redis_url = redis_url or DEFAULT_REDIS_URL
         self.connection = connect_async(redis_url)
         # RQ's enqueue and cancel, run on a thread (``connection``: a sync client of the caller's, as Client takes)
         self.sync = Client(redis_url, queue, **options)
+        self._owns_sync_connection = options.get("connection") is None
         self.hub = StreamHub(connect_async(redis_url))  # its blocking reads on a connection of their own
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False
@@ -102,7 +107,8 @@ class AsyncClient:
     async def close(self) -> None:
         await self.connection.aclose()
         await self.hub.connection.aclose()
-        self.sync.connection.close()
+        if self._owns_sync_connection:  # a connection the caller passed is theirs to close
+            self.sync.connection.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

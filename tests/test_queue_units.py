@@ -1433,3 +1433,11 @@ def test_a_json_schema_response_format_without_its_schema_asks_for_any_json_obje
     assert given.engine_form() == {"json": schema}
     job = JobRequest.model_validate({"prompt": "x", "response_format": bare.model_dump(by_alias=True)})
     assert job.structured_form() == {"json_object": True}
+
+
+def test_an_async_client_given_a_connection_without_its_url_is_refused():
+    """Its reads went to the default URL's server: streams failed and result() timed out on the caller's jobs."""
+    from producer.aio import AsyncClient
+
+    with pytest.raises(TypeError, match="needs the redis_url of that connection's server"):
+        AsyncClient(connection=fakeredis.FakeRedis())
