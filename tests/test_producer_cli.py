@@ -379,3 +379,16 @@ def test_a_negative_wait_timeout_is_refused_before_redis(command, value, capsys)
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--timeout", value, "--redis-url", "redis://127.0.0.1:1/0"])
     assert exit_.value.code == 2 and "--timeout: must be at least 0" in capsys.readouterr().err
+
+
+@pytest.mark.redis
+def test_output_piped_to_a_reader_that_leaves_ends_quietly(redis_url):
+    """``roseinfer ... | head``: a BrokenPipeError traceback, exit 1. Now quiet, 141 as a command SIGPIPE ends."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "worker.cli", "status", "--json", "--redis-url", redis_url]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and b"Traceback" not in err

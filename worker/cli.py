@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import typing
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): quietly, as a command killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
+        return 141
     except ValidationError as exc:
         print(f"error: {describe_settings_error(exc)}", file=sys.stderr)
     except SettingsError as exc:  # a ROSEINFER_* variable that does not parse (a list that is not JSON, say)
