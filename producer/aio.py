@@ -278,6 +278,8 @@ class AsyncGenerationJob:
                 yield event["text"]
             if event.get("finish_reason") == "error":
                 raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
+            if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one canceled queued
+                raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

@@ -484,6 +484,8 @@ class GenerationJob:
                 yield event["text"]
             if event.get("finish_reason") == "error":
                 raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
+            if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one canceled queued
+                raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.

@@ -203,6 +203,10 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     assert job.status() == "canceled"
     events = list(job.events(timeout=10))
     assert events[-1]["finish_reason"] == "abort"
+    pieces = []
+    with pytest.raises(JobCanceled):  # as for a job canceled while queued (it ended as if whole)
+        pieces.extend(job.stream(timeout=10))
+    assert "".join(pieces) == partial["text"]
     # What the stream holds is the partial result, token ids included (those sampled since the last event too).
     assert "".join(e["text"] for e in events) == partial["text"]
     assert [t for e in events for t in e["token_ids"]] == partial["token_ids"]
