@@ -148,8 +148,12 @@ def _client(args: argparse.Namespace) -> Client:
 
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The job payload the flags describe, validated by JobRequest: InvalidRequest before Redis is touched."""
-    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
-    request: dict[str, Any] = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
+    if args.prompt is None and not getattr(args, "prompt_token_ids", None):
+        raise InvalidRequest("give a prompt (or - to read it from stdin), or --prompt-token-id ...")
+    request: dict[str, Any] = {}
+    if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
+        prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+        request = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
     for flag in payload_flags():
         value = getattr(args, flag.field)
         if value is None:
@@ -185,6 +189,8 @@ def _report(exc: JobError, print_result: bool = True) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     request = request_from_args(args)
+    if args.stream and request.get("n", 1) > 1:  # it printed sample 0 alone, and exited 0
+        raise InvalidRequest("--stream prints one sample; with --n over 1 use --wait (the result holds every sample)")
     job = _client(args).submit(**request)
     if not args.stream and not args.wait:
         print(job.id)
@@ -402,7 +408,7 @@ def batch(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="enqueue a prompt (chat template applied unless --raw)")
-    p.add_argument("prompt", help="the prompt, or - to read it from stdin")
+    p.add_argument("prompt", nargs="?", help="the prompt, or - to read it from stdin (none with --prompt-token-id)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")

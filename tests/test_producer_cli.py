@@ -121,6 +121,13 @@ def test_submit_flags_become_a_typed_payload(no_redis):
     }
     chat = producer_cli.request_from_args(_parse("submit", "hi", "--logprobs", "3", "--no-ignore-eos"))
     assert chat == {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3, "ignore_eos": False}
+    # Token ids are the prompt (the positional one was required, and always sent beside them: a refused job).
+    ids = producer_cli.request_from_args(_parse("submit", "--prompt-token-id", "5", "--prompt-token-id", "9"))
+    assert ids == {"prompt_token_ids": [5, 9]}
+    with pytest.raises(InvalidRequest, match="give a prompt"):
+        producer_cli.request_from_args(_parse("submit", "--max-tokens", "3"))
+    with pytest.raises(InvalidRequest, match="--stream prints one sample"):  # it printed sample 0 alone
+        producer_cli.submit(_parse("submit", "hi", "--stream", "--n", "3"))
 
 
 @pytest.mark.parametrize(
