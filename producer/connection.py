@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
@@ -111,6 +111,10 @@ def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
 def _connect(url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any]) -> Any:
     s = parse_sentinel_url(url)
     if s is None:
+        parts = urlsplit(url)
+        if parts.scheme in ("redis", "rediss") and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            # redis-py ignores a path it cannot read: the jobs went to database 0
+            raise InvalidRedisURL(f"the database in {_redact(url)} is not a number ({parts.path.strip('/')!r})")
         try:
             return client_class.from_url(url, **kwargs)
         except ValueError as exc:

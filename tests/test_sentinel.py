@@ -47,6 +47,18 @@ def test_a_bad_sentinel_url_says_why_without_its_password(url, phrase):
     assert "secret" not in str(info.value)
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/abc", "rediss://:secret@h:6380/0x1"])
+def test_a_database_that_is_not_a_number_is_refused_not_taken_for_0(url):
+    """redis-py ignores a path it cannot read: ``roseinfer submit`` put its job in database 0, and said nothing."""
+    from producer.connection import connect, connect_async
+
+    for make in (connect, connect_async):
+        with pytest.raises(InvalidRedisURL, match="is not a number") as info:
+            make(url)
+        assert "secret" not in str(info.value)
+    assert connect("redis://127.0.0.1:6379/3").connection_pool.connection_kwargs["db"] == 3
+
+
 class SentinelSetup:
     """A primary and a replica (AOF on, fsync every second) and one sentinel watching them, on free ports."""
 
