@@ -186,3 +186,12 @@ def test_a_bad_queue_url_map_is_one_line_and_exit_2():
     out = subprocess.run([sys.executable, "-m", "worker.cli", "status"], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and out.stderr.strip().startswith("error: ROSEINFER_QUEUE_URLS takes queue=URL")
     assert "Traceback" not in out.stderr
+
+
+def test_a_sentinel_that_does_not_answer_is_one_short_line(capsys):
+    """Its "no master" error names every sentinel client it tried, pools and all: a line of 1.5 KB."""
+    from worker.cli import main
+
+    assert main(["submit", "hi", "--redis-url", "redis+sentinel://127.0.0.1:1/svc"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: cannot reach Redis (No master found for 'svc'); check --redis-url or ROSEINFER_REDIS_URL\n"

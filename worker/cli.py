@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import redis
     from pydantic_settings import SettingsError
+    from redis.sentinel import MasterNotFoundError
 
     from producer.client import InvalidRequest, StreamGap
     from producer.connection import InvalidRedisURL
@@ -205,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL) as exc:
         print(f"error: {exc}", file=sys.stderr)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        print(f"error: cannot reach Redis ({exc}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+        # (a Sentinel's "no master" names every sentinel client it tried, pools and all: a line of 1.5 KB)
+        why = str(exc).split(" : <")[0] if isinstance(exc, MasterNotFoundError) else str(exc)
+        print(f"error: cannot reach Redis ({why}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
     except redis.exceptions.RedisError as exc:  # e.g. a database number the server does not have
         print(f"error: Redis refused ({type(exc).__name__}: {exc}); check --redis-url", file=sys.stderr)
     except StreamGap as exc:  # the stream lost events (a short --stream-maxlen): the result holds them
