@@ -188,6 +188,7 @@ def test_a_bad_queue_url_map_is_one_line_and_exit_2():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # seconds: the client's retries of a refused connection
 def test_a_sentinel_that_does_not_answer_is_one_short_line(capsys):
     """Its "no master" error names every sentinel client it tried, pools and all: a line of 1.5 KB."""
     from worker.cli import main
