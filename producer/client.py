@@ -254,6 +254,8 @@ class Client:
                 req = validate(fields)
                 if job_id is not None:
                     check_job_id(job_id)
+                    if job_id in given:  # two payloads, one job: the first was lost without a word
+                        raise InvalidRequest(f"job id {job_id!r} is given twice")
                     given.append(job_id)
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(f"request {i}: {exc}") from None

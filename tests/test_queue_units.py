@@ -1441,3 +1441,13 @@ def test_an_async_client_given_a_connection_without_its_url_is_refused():
 
     with pytest.raises(TypeError, match="needs the redis_url of that connection's server"):
         AsyncClient(connection=fakeredis.FakeRedis())
+
+
+def test_one_job_id_twice_in_one_submit_many_is_refused():
+    """Two payloads under one id made one job (the second's), and two handles on it."""
+    from producer import Client, InvalidRequest
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    with pytest.raises(InvalidRequest, match="request 1: job id 'a' is given twice"):
+        client.submit_many([{"prompt": "x", "job_id": "a"}, {"prompt": "y", "job_id": "a"}])
+    assert client.connection.llen("rq:queue:q") == 0
