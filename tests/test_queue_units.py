@@ -1239,6 +1239,28 @@ def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_u
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "transaction"])
+def test_a_job_canceled_as_it_finished_ends_finished_in_one_registry(redis_url, way):
+    """The cancel (RQ's: status canceled, the canceled registry) landed as the job's end was written: it ended
+    finished and stayed in the canceled registry too, counted twice by ``rq info``."""
+    from rq.job import Job
+    from rq.registry import CanceledJobRegistry, FinishedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from worker.job_finish import register
+
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    Job.fetch(held.job.id, connection=conn, serializer=JSONSerializer).cancel()
+    assert CanceledJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+    worker.sender.finish_script = register(conn) if way == "script" else None
+    result = {"status": "finished", "text": "ok", "token_ids": [1]}
+    assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
+    assert conn.hget(held.job.key, "status") == b"finished"
+    assert CanceledJobRegistry(name, connection=conn).get_job_ids() == []
+    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+
+
+@pytest.mark.redis
 def test_a_cancel_that_lands_between_the_pull_and_the_start_is_kept(redis_url):
     """The start of a pulled job wrote status started over a cancel that came in since the pull: the job ran to its
     end. The cancel stays, and the worker's watch of its jobs' statuses stops it within a step."""

@@ -33,7 +33,13 @@ from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry, clean_registries
+from rq.registry import (
+    CanceledJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    StartedJobRegistry,
+    clean_registries,
+)
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
@@ -580,6 +586,7 @@ class BatchWorker(BaseWorker):
                 if mine:
                     self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
                     job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
+                    job.queue.canceled_job_registry.remove(job.job)  # canceled as it finished
                     self.publisher.notify(self.connection, job.job.id, job.request.notify)
                 finished.append((job, result))
         for job, result in finished:  # the tokens this attempt made, for its time per token
@@ -627,7 +634,7 @@ class BatchWorker(BaseWorker):
                 elif has_dependents:
                     with_dependents.append((job, result))
                 else:
-                    self._write_success(pipe, job, result, ended, failed_by_rq=status == b"failed")
+                    self._write_success(pipe, job, result, ended, status)
                     self._count_success(pipe, job, ended)
                     written.append((job, result))
             pipe.execute()
@@ -652,7 +659,7 @@ class BatchWorker(BaseWorker):
         self.increment_total_working_time(ended - job.job.started_at, pipe)
 
     def _write_success(
-        self, pipe, job: InFlight, result: dict[str, Any], ended: datetime, failed_by_rq: bool = False
+        self, pipe, job: InFlight, result: dict[str, Any], ended: datetime, status: bytes | None = None
     ) -> None:
         """A finished job's writes: what RQ's ``handle_job_success`` writes, made here without RQ's objects (a
         registry object a write, the result serialized three times, the job's data compressed again: 0.2 ms a
@@ -667,8 +674,10 @@ class BatchWorker(BaseWorker):
         self.publisher.write_result(pipe, j.id, entry, result_ttl, job.request.notify)
         expires = "+inf" if result_ttl == -1 else current_timestamp() + result_ttl
         pipe.zadd(FinishedJobRegistry.key_template.format(j.origin), {j.id: expires})
-        if failed_by_rq:  # abandoned while this worker stalled, and still ours: finished, in one registry
+        if status == b"failed":  # abandoned while this worker stalled, and still ours: finished, in one registry
             pipe.zrem(FailedJobRegistry.key_template.format(j.origin), j.id)
+        if status == b"canceled":  # canceled as it finished: finished, in one registry
+            pipe.zrem(CanceledJobRegistry.key_template.format(j.origin), j.id)
         if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
             for key in (j.key, j.dependencies_key) if j._dependency_ids else (j.key,):
                 pipe.expire(key, result_ttl)
