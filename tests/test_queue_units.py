@@ -1261,6 +1261,27 @@ def test_a_job_canceled_as_it_finished_ends_finished_in_one_registry(redis_url, 
 
 
 @pytest.mark.redis
+def test_a_stop_execution_command_stops_only_the_execution_it_names(redis_url):
+    """RQ's stop-execution names one execution of a job: a stale one (an earlier attempt's) stopped the attempt
+    running now."""
+    from types import SimpleNamespace
+
+    _conn, worker, _name, [held] = _running_jobs(redis_url)
+    canceled: list[str] = []
+    worker.pump = SimpleNamespace(cancel=lambda job_id: canceled.append(job_id) or [])
+
+    def command(**payload) -> None:
+        data = json.dumps({"command": "stop-execution", "job_id": held.job.id, **payload}).encode()
+        worker.handle_payload({"data": data})  # as the pub/sub thread hands it over
+        worker._apply_stop_requests()
+
+    command(execution_id="an-earlier-attempt")
+    assert canceled == []
+    command(execution_id=held.execution.id)
+    assert canceled == [held.job.id]
+
+
+@pytest.mark.redis
 def test_a_cancel_that_lands_between_the_pull_and_the_start_is_kept(redis_url):
     """The start of a pulled job wrote status started over a cancel that came in since the pull: the job ran to its
     end. The cancel stays, and the worker's watch of its jobs' statuses stops it within a step."""

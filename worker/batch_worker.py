@@ -135,9 +135,10 @@ class BatchWorker(BaseWorker):
         self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events
-        # (job id, when asked) from the pub/sub thread; those of jobs still on their way in wait for them here.
-        self._stop_jobs: queue_mod.SimpleQueue[tuple[str, float]] = queue_mod.SimpleQueue()
-        self._stops_waiting: list[tuple[str, float]] = []
+        # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
+        # their way in wait for them here.
+        self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
+        self._stops_waiting: list[tuple[str, str | None, float]] = []
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
         self._force_stop = False
@@ -210,7 +211,8 @@ class BatchWorker(BaseWorker):
             return
         command = payload.get("command")
         if command in ("stop-job", "stop-execution") and payload.get("job_id"):
-            self._stop_jobs.put((payload["job_id"], time.monotonic()))
+            execution = payload.get("execution_id") if command == "stop-execution" else None
+            self._stop_jobs.put((payload["job_id"], execution or None, time.monotonic()))
         elif command == "shutdown":
             self.request_stop()
         else:
@@ -945,10 +947,13 @@ class BatchWorker(BaseWorker):
         asked, self._stops_waiting = self._stops_waiting, []
         while not self._stop_jobs.empty():
             asked.append(self._stop_jobs.get())
-        for job_id, since in asked:
+        for job_id, execution, since in asked:
             job = self.in_flight.get(job_id)
             if job is None and self._on_its_way(job_id, since):
-                self._stops_waiting.append((job_id, since))
+                self._stops_waiting.append((job_id, execution, since))
+                continue
+            if job is not None and execution is not None and job.execution.id != execution:
+                log.info("stop-execution %s of job %s: not the one running here, ignored", execution, job_id)
                 continue
             events = self.pump.cancel(job_id) if job is not None else []
             if not events:
