@@ -443,9 +443,18 @@ def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_wo
 def test_a_job_id_pushed_twice_runs_once_and_the_worker_serves_on(fake_worker):
     """The same id twice on the queue (a producer's push tried again) is one job: it runs once, ends with one last
     event, and the worker (which raised "already in flight" and stopped) serves the next job."""
+    from rq.utils import now, utcformat
+
+    from producer.client import validate
+
     worker, _, client = fake_worker
-    payload = {"prompt": "twice", "max_tokens": 3, "job_id": "pushed-twice"}
-    [job, _] = client.submit_many([payload, payload])  # one transaction: the id twice in one RPUSH
+    lane = client.lane(0)
+    mapping = client._job_hash(lane, validate({"prompt": "twice", "max_tokens": 3}), utcformat(now()))
+    with client.connection.pipeline() as pipe:  # one transaction: the id twice in one RPUSH
+        pipe.hset("rq:job:pushed-twice", mapping=mapping)
+        pipe.rpush(lane.key, "pushed-twice", "pushed-twice")
+        pipe.execute()
+    job = client.job("pushed-twice")
     assert job.result(timeout=10)["usage"]["completion_tokens"] == 3
     events = list(job.events(timeout=5))
     assert [e["n"] for e in events] == list(range(len(events))) and "finish_reason" in events[-1]
