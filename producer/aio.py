@@ -24,9 +24,11 @@ from producer.client import (
     GenerationJob,
     JobCanceled,
     JobFailed,
+    StreamExpired,
     StreamRestarted,
     check_job_id,
     checked,
+    sample_text,
     stream_expired,
     validate,
 )
@@ -267,19 +269,24 @@ class AsyncGenerationJob:
             self.client.hub.leave(follower)
 
     async def stream(self, timeout: float | None = None, index: int = 0) -> AsyncIterator[str]:
-        """As ``GenerationJob.stream``: text pieces (of sample ``index``); ``StreamRestarted`` if the output starts
-        over after some."""
+        """As ``GenerationJob.stream``: text pieces (of sample ``index``), the result's text once the stream expired;
+        ``StreamRestarted`` if the output starts over after some."""
         read_any = False
-        async for event in self.events(timeout, skip_void=True):
-            if event.get("reset") and read_any:
-                raise StreamRestarted(self.id)
-            if event["text"] and event.get("index", 0) == index:
-                read_any = True
-                yield event["text"]
-            if event.get("finish_reason") == "error":
-                raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
-            if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one canceled queued
-                raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+        try:
+            async for event in self.events(timeout, skip_void=True):
+                if event.get("reset") and read_any:
+                    raise StreamRestarted(self.id)
+                if event["text"] and event.get("index", 0) == index:
+                    read_any = True
+                    yield event["text"]
+                if event.get("finish_reason") == "error":
+                    raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
+                if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one queued
+                    raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+        except StreamExpired:
+            if read_any:
+                raise
+            yield sample_text(await self.result(timeout=5.0), index)
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

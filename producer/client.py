@@ -170,9 +170,19 @@ class EventCursor:
         return out
 
 
+class StreamExpired(JobFailed):
+    """Finished, but no final event: the replay stream expired before it was read (``stream()`` then gives the
+    result's text instead)."""
+
+
 def stream_expired(job_id: str) -> JobFailed:
-    """Finished, but no final event: the replay stream expired before it was read."""
-    return JobFailed(job_id, "the job finished but its token stream has expired; use result()")
+    return StreamExpired(job_id, "the job finished but its token stream has expired; use result()")
+
+
+def sample_text(result: dict[str, Any], index: int) -> str:
+    """The text of sample ``index`` of a result (one with n > 1 holds them in ``choices``)."""
+    choices = result.get("choices") or [{"index": 0, "text": result.get("text", "")}]
+    return next((c.get("text", "") for c in choices if c.get("index", 0) == index), "")
 
 
 class Client:
@@ -475,19 +485,25 @@ class GenerationJob:
 
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
-        job with n > 1). Raises ``StreamRestarted`` if the output starts over after text was read (call it again to
-        follow the new one)."""
+        job with n > 1): its stream replayed, then live; once that stream expired (10 minutes after the end, by
+        default), the result's text in one piece. Raises ``StreamRestarted`` if the output starts over after text
+        was read (call it again to follow the new one)."""
         read_any = False
-        for event in self.events(timeout, skip_void=True):
-            if event.get("reset") and read_any:
-                raise StreamRestarted(self.id)
-            if event["text"] and event.get("index", 0) == index:
-                read_any = True
-                yield event["text"]
-            if event.get("finish_reason") == "error":
-                raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
-            if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one canceled queued
-                raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+        try:
+            for event in self.events(timeout, skip_void=True):
+                if event.get("reset") and read_any:
+                    raise StreamRestarted(self.id)
+                if event["text"] and event.get("index", 0) == index:
+                    read_any = True
+                    yield event["text"]
+                if event.get("finish_reason") == "error":
+                    raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
+                if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one queued
+                    raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+        except StreamExpired:
+            if read_any:
+                raise
+            yield sample_text(self.result(timeout=5.0), index)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.

@@ -343,8 +343,14 @@ def test_a_final_event_written_just_after_the_finished_status_still_ends_the_str
     conn.hset("rq:job:k", "status", "finished")  # and nothing in its stream, ever
     started = time.monotonic()
     with pytest.raises(JobFailed, match="token stream has expired"):
-        list(Client(connection=conn).job("k").stream(timeout=10))
+        list(Client(connection=conn).job("k").events(timeout=10))
     assert time.monotonic() - started < 5
+    # stream(): from the first token whenever called, so the result's text once the stream expired (it raised)
+    from producer.protocol import encode_result
+
+    stored = {"id": "k", "status": "finished", "finish_reason": "stop", "text": "Kept", "token_ids": [3]}
+    conn.xadd("rq:results:k", {"type": 1, "return_value": encode_result(stored)})
+    assert list(Client(connection=conn).job("k").stream(timeout=10)) == ["Kept"]
 
 
 def test_the_producer_imports_without_torch_or_transformers():
