@@ -319,9 +319,13 @@ def _tokenizer(name: str) -> Any:
         from transformers import AutoTokenizer
     except ImportError:
         raise ValueError("--count-tokens needs transformers: pip install 'roseinfer[engine]'") from None
+    try:  # the names a worker's --model takes (smollm2-135m-instruct, a .gguf): the folder it loads
+        from roseinfer.model_loader import resolve_model
+    except ImportError:  # no torch here: a folder or a hub id, as given
+        resolve_model = str
     try:
-        return AutoTokenizer.from_pretrained(name)
-    except OSError as exc:
+        return AutoTokenizer.from_pretrained(resolve_model(name))
+    except (OSError, ValueError) as exc:
         raise ValueError(f"--count-tokens {name}: no tokenizer there ({exc})") from None
 
 

@@ -150,6 +150,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ..
             )
 
 
+def set_engine_defaults(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """``parser.set_defaults`` for a command whose defaults differ from the engine's: ``--help`` shows them (it
+    showed the engine's, which the command did not use)."""
+    for action in parser._actions:
+        if action.dest in defaults and action.help and action.help.endswith(f"({action.default})"):
+            action.help = f"{action.help[: -len(f'({action.default})')]}({defaults[action.dest]})"
+    parser.set_defaults(**defaults)
+
+
 class ConfigError(ValueError):
     """An engine option given on the command line that the engine refuses."""
 

@@ -106,3 +106,13 @@ def test_bench_workload_prompts_all_finish(llm):
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [16] * 16
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_count_tokens_takes_the_model_names_a_worker_takes(default_model_path):
+    """``batch --dry-run --count-tokens smollm2-135m-instruct`` found no tokenizer: it took the name for a hub id."""
+    from transformers import AutoTokenizer
+
+    from producer.cli import _tokenizer
+
+    by_name = _tokenizer("smollm2-135m-instruct")
+    assert by_name.encode("Hello there") == AutoTokenizer.from_pretrained(default_model_path).encode("Hello there")

@@ -224,3 +224,15 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert main(["generate", "Hello", "--model", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such model folder or file: /nonexistent/model" in err
+
+
+def test_a_command_with_defaults_of_its_own_shows_them_in_its_help():
+    """``roseinfer bench-redis --help`` said --model defaults to smollm2-135m-instruct; it runs the tiny model."""
+    import argparse
+
+    from worker.bench_redis import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    model = next(a for a in p._actions if a.dest == "model")
+    assert model.default == "tiny" and model.help.endswith("(tiny)") and p.parse_args([]).model == "tiny"

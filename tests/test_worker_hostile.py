@@ -86,6 +86,7 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
             assert f"RQ cannot read this job: its field {name!r}" in reason, (name, reason)
         assert conn.zscore(rejected_key(w.queue), job_id) is not None, name
         assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
+        assert 0 < conn.ttl(f"rq:job:{job_id}") <= conn.ttl(result_key(job_id)), name  # it was kept for good
     with pytest.raises(JobFailed, match="RQ cannot read"):
         client.job(bad_ids["status"]).result(timeout=5)
     assert conn.llen(f"rq:queue:{w.queue}:intermediate") == 0

@@ -25,7 +25,7 @@ from producer import Client
 from producer.protocol import channel_key, result_key
 from roseinfer.bench import add_arguments as add_bench_arguments
 from roseinfer.bench import load_prompts, resolve_model_arg
-from roseinfer.config import engine_config_from_args
+from roseinfer.config import engine_config_from_args, set_engine_defaults
 from worker.bench_queue import _wait_for_worker
 from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis
@@ -143,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-config", action="append", default=[], metavar="NAME=VALUE", type=_setting,
         help="a setting of the private redis-server (CONFIG SET), e.g. stream-node-max-bytes=1024; repeatable",
     )  # fmt: skip
-    p.set_defaults(model="tiny", num_prompts=128, max_tokens=512)
+    set_engine_defaults(p, model="tiny", num_prompts=128, max_tokens=512)
 
 
 def main(args: argparse.Namespace) -> int:

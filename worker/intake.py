@@ -355,6 +355,7 @@ def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
     pipe.lrem(queue.key, 0, job_id)
     if item.raw_id is None:  # the hash exists: RQ found it and could not read it (an id not text: maybe not)
         pipe.hset(Job.key_for(job_id), "status", "failed")
+        pipe.expire(Job.key_for(job_id), ttl)  # with its result (it was kept for good)
     rejected = rejected_key(queue.name)
     pipe.zadd(rejected, {job_id: time.time()})
     pipe.expire(rejected, ttl)
