@@ -46,8 +46,11 @@ class IncrementalDetokenizer:
         self._stream = None
         if self._backend is not None:
             self._stream = DecodeStream(ids=self._ids[:read], skip_special_tokens=self.skip_special_tokens)
-            for token_id in self._ids[read:]:
-                self._stream.step(self._backend, token_id)  # held: an unfinished character
+            try:
+                for token_id in self._ids[read:]:
+                    self._stream.step(self._backend, token_id)  # held: an unfinished character
+            except Exception:  # "Invalid prefix" (see ``push``): by windows
+                self._stream = None
         self.text = ""  # all text decoded so far (cut at a stop string once found)
         self._emitted = 0  # chars of ``text`` already handed out
         self.stop_hit: str | None = None
@@ -81,7 +84,15 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
         if token_id is not None and self.stop_hit is None and self._stream is not None:
             self._ids.append(token_id)
-            piece = self._stream.step(self._backend, token_id)
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:
+                # tokenizers' "Invalid prefix": held bytes that are no UTF-8 became U+FFFD under a byte-fallback
+                # decoder (Llama 2, Mistral, Gemma) and changed the text before them. It raised out of the step,
+                # and at every step after; this request decodes by windows from here (vLLM resets its stream).
+                self._stream = None
+                self._window_step(finished)
+                return
             if piece:
                 self._add_text(piece)
             if piece is not None:
@@ -89,17 +100,21 @@ class IncrementalDetokenizer:
                 self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
         elif token_id is not None and self.stop_hit is None:
             self._ids.append(token_id)
-            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            new_text = self._decode(self._ids[self._prefix_offset :])
-            if len(new_text) > len(prefix_text) and (finished or not new_text.endswith("\ufffd")):
-                self._add_text(new_text[len(prefix_text) :])
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self._ids)
+            self._window_step(finished)
         elif finished and self.stop_hit is None and self._read_offset < len(self._ids):
             # An unfinished last character, as the decoder renders it (U+FFFD): no stop string is looked for in it
             # (the request already ended otherwise; a match there would cut the text under a "length" reason).
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
+
+    def _window_step(self, finished: bool) -> None:
+        """The text the last token added, from a short window of tokens decoded (held while it ends in U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and (finished or not new_text.endswith("\ufffd")):
+            self._add_text(new_text[len(prefix_text) :])
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
 
     def prime(self, token_ids: list[int]) -> str:
         """Take tokens generated earlier (a resumed request's output so far) as if they had been streamed: their

@@ -146,3 +146,31 @@ def test_a_slow_tokenizer_is_told_whether_to_space_special_tokens(decode_path):
     params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
     d = IncrementalDetokenizer(SlowTokenizer(), [1, 2], params)
     assert d.update(3) + d.update(4) + d.finish() == "de" and told == {False}
+
+
+def _byte_fallback_tokenizer():
+    """A Llama 2 / Mistral style tokenizer: Metaspace words, unknown characters as <0xNN> byte tokens, decoded by
+    ByteFallback (bytes that are no UTF-8 become U+FFFD, each)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({"▁wizard": 259, "▁said": 260})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_bytes_that_are_no_utf8_under_a_byte_fallback_decoder_do_not_stop_the_request():
+    """A newline, then the first two bytes of a 4-byte emoji, then a word: the bytes are no UTF-8, the decoder turns
+    all three into U+FFFD, and the text already handed out changes. tokenizers' DecodeStream raised "Invalid
+    prefix" out of the engine's step, at every step after (vLLM's issue 17448)."""
+    tok = _byte_fallback_tokenizer()
+    ids = tok.convert_tokens_to_ids(["<0x0A>", "<0xF0>", "<0x9F>", "▁wizard", "▁said"])
+    d = IncrementalDetokenizer(tok, tok.convert_tokens_to_ids(["<s>", "▁said"]), SamplingParams())
+    text = "".join(d.update(t) for t in ids) + d.finish()
+    assert text.endswith(" wizard said") and text.count("\ufffd") >= 2  # the request goes on, as decode renders it
