@@ -330,3 +330,34 @@ def test_delta_outputs_carry_the_logprobs_of_their_tokens(chat_engine):
             else:
                 pieces += out.outputs[0].logprobs
     assert len(final.logprobs) == 6 and pieces == final.logprobs[: len(pieces)] and len(pieces) >= 5
+
+
+def _model_of(config, path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_the_context_is_cut_to_a_sliding_window_only_where_transformers_slides(tmp_path, tiny_llama):
+    """The engine's attention is full: it stays within a window the model slides over. A Llama config's stray
+    ``sliding_window`` (transformers ignores it) cut the context to it; so did a Qwen2 window no layer uses."""
+    from transformers import AutoConfig, MistralConfig, Qwen2Config
+
+    small = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+    stray = AutoConfig.from_pretrained(tiny_llama)
+    stray.sliding_window, stray.max_position_embeddings = 64, 256
+    window = {"use_sliding_window": True, "sliding_window": 64}
+    cases = {
+        "llama, a stray key": (stray, 256),
+        "mistral": (MistralConfig(**small, sliding_window=64), 64),
+        "qwen2, upper layer slides": (Qwen2Config(**small, **window, max_window_layers=1), 64),
+        "qwen2, no layer slides": (Qwen2Config(**small, **window, max_window_layers=2), 256),
+    }
+    for name, (config, expected) in cases.items():
+        path = _model_of(config, tmp_path / name.replace(" ", "-").replace(",", ""))
+        engine = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_seqs=1).engine
+        assert engine.max_model_len == expected, name

@@ -55,6 +55,16 @@ class LlamaLayer:
         return add_rms_norm(h, self.down(act), *next_norm)
 
 
+def _slides(cfg) -> bool:
+    """Whether transformers runs some layer of this model with a sliding window: as its ``layer_types`` say
+    (Qwen2: from ``use_sliding_window`` and ``max_window_layers``), else Mistral's ``sliding_window``. A Llama
+    config's stray ``sliding_window`` (transformers ignores it) cut the context to it."""
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types and bool(getattr(cfg, "sliding_window", None))
+    return cfg.model_type == "mistral" and bool(getattr(cfg, "sliding_window", None))
+
+
 class Llama:
     def __init__(self, hf_model: torch.nn.Module, attn: AttentionBackend) -> None:
         cfg = hf_model.config
@@ -65,8 +75,7 @@ class Llama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            # Attention here is always full: stay within the window, where both agree.
+        if _slides(cfg):  # attention here is always full: stay within the window, where both agree
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         self.embed = inner.embed_tokens.weight.detach()
         self.layers = [
