@@ -181,7 +181,8 @@ def _report(exc: JobError, print_result: bool = True) -> int:
     the reason on stderr."""
     if exc.result is not None and print_result:
         print(json.dumps(exc.result, ensure_ascii=False))
-        print(f"error: {exc} (what it had generated is on stdout)", file=sys.stderr)
+        what = "what it had generated" if exc.result.get("text") else "what the worker stored"
+        print(f"error: {exc} ({what} is on stdout)", file=sys.stderr)
     else:
         print(f"error: {exc}", file=sys.stderr)
     return 1

@@ -181,6 +181,9 @@ def test_result_of_a_failed_job_prints_what_the_worker_stored(monkeypatch, capsy
     out, err = capsys.readouterr()
     assert json.loads(out) == stored
     assert err.strip().splitlines() == ["error: job j1: boom (what it had generated is on stdout)"]
+    client.connection.xadd(result_key("j1"), {"type": 2, "return_value": encode_result({**stored, "text": None})})
+    assert producer_cli.result(_parse("result", "j1")) == 1  # nothing generated: nothing said to be
+    assert capsys.readouterr().err.strip() == "error: job j1: boom (what the worker stored is on stdout)"
 
 
 @pytest.mark.redis
