@@ -196,6 +196,9 @@ def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[st
     prompt = row.get(options.prompt_column)  # type: ignore[arg-type]
     if not isinstance(prompt, str):
         raise ValueError(f"the prompt column {options.prompt_column!r} must hold text, got {type(prompt).__name__}")
+    if options.chat:  # an instruct model's chat template around it (a raw prompt only continues the text)
+        system = [{"role": "system", "content": options.system}] if options.system else []
+        return "/v1/chat/completions", {"messages": [*system, {"role": "user", "content": prompt}]}
     return "/v1/completions", {"prompt": prompt}
 
 

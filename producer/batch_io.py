@@ -78,6 +78,8 @@ class RowOptions:
     messages_column: str | None = None  # the column holding chat messages
     id_column: str | None = None  # the column holding each row's id (default: its row number)
     defaults: dict[str, Any] = field(default_factory=dict)  # payload fields for rows that name none
+    chat: bool = False  # the prompt column as the user's message (the chat template applied), not a raw prompt
+    system: str | None = None  # with ``chat``: a system message before it
 
     @property
     def plain(self) -> bool:
@@ -86,13 +88,16 @@ class RowOptions:
     def for_format(self, fmt: str) -> RowOptions:
         """A table (Parquet, a datasets folder) is always plain rows: prompts in the ``prompt`` column unless told."""
         if fmt in ("parquet", "hf") and not self.plain:
-            return RowOptions("prompt", None, self.id_column, self.defaults)
+            return RowOptions("prompt", None, self.id_column, self.defaults, self.chat, self.system)
+        if self.chat and self.prompt_column is None:
+            raise ValueError("--chat sends a prompt column as the user's message: name it with --prompt-column")
         return self
 
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs' rows different jobs: kept beside the output, a rerun with others is refused."""
         columns = {"prompt_column": self.prompt_column, "messages_column": self.messages_column}
-        return {**columns, "id_column": self.id_column, "defaults": self.defaults}
+        chat = {"chat": True, "system": self.system} if self.chat else {}  # (absent as before when not asked)
+        return {**columns, "id_column": self.id_column, "defaults": self.defaults, **chat}
 
 
 # ----- input ---------------------------------------------------------------------------------------------

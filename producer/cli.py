@@ -284,6 +284,8 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--output-format", args.output_format, None),
         ("--prompt-column", args.prompt_column, None),
         ("--messages-column", args.messages_column, None),
+        ("--chat", args.chat or None, None),
+        ("--system", args.system, None),
         ("--id-column", args.id_column, None),
         ("--max-tokens", args.max_tokens, None),
         ("--temperature", args.temperature, None),
@@ -295,7 +297,9 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--queue", args.queue, None),
     )
     for flag, value, default in options:
-        if value is not None and value != default:
+        if value is True:  # a switch
+            argv.append(flag)
+        elif value is not None and value != default:
             argv += [flag, str(value)]
     return shlex.join(argv)
 
@@ -340,7 +344,11 @@ def batch_options(args: argparse.Namespace):
             defaults[name] = getattr(args, name)
     if args.response_format is not None:
         defaults["response_format"] = _response_format(args.response_format)
-    return RowOptions(args.prompt_column, args.messages_column, args.id_column, defaults)
+    if args.system is not None and not args.chat:
+        raise InvalidRequest("--system goes with --chat (a raw prompt has no system message)")
+    if args.chat and args.messages_column is not None:
+        raise InvalidRequest("--chat makes the prompt column a chat; a messages column is one already")
+    return RowOptions(args.prompt_column, args.messages_column, args.id_column, defaults, args.chat, args.system)
 
 
 def batch(args: argparse.Namespace) -> int:
@@ -512,6 +520,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "kept in a Parquet output",
     )
     rows.add_argument("--messages-column", default=None, help="plain rows: the column holding chat messages")
+    rows.add_argument(
+        "--chat",
+        action="store_true",
+        help="plain rows: send the prompt column as the user's message, the model's chat template applied (default: "
+        "a raw prompt, which an instruct model only continues)",
+    )
+    rows.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before each")
     rows.add_argument("--id-column", default=None, help="plain rows: the column holding each row's id (default: row-N)")
     defaults = p.add_argument_group("defaults for rows that set none")
     defaults.add_argument("--max-tokens", type=int, default=None)

@@ -353,3 +353,23 @@ def test_a_bad_id_in_the_id_column_is_named_in_its_error(given, shown):
 
     with pytest.raises(BadLine, match=rf"^the id column 'qid' must hold a non-empty string or integer, got {shown}$"):
         parse_line(1, {"qid": given, "question": "x"}, options=RowOptions("question", None, "qid", {}))
+
+
+def test_chat_rows_send_the_prompt_column_as_the_users_message():
+    """A raw prompt is what an instruct model continues: ``--chat`` (and ``--system``) apply its chat template."""
+    options = RowOptions("question", None, "qid", {}, chat=True, system="Label the question.")
+    line = parse_line(1, {"qid": "a", "question": "Who was Napoleon?"}, options=options)
+    assert (
+        line.payload["messages"]
+        == [
+            {"role": "system", "content": "Label the question."},
+            {"role": "user", "content": "Who was Napoleon?"},
+        ]
+        and "prompt" not in line.payload
+        and line.url == "/v1/chat/completions"
+    )
+    plain = RowOptions("question", None, "qid", {})
+    assert parse_line(1, {"qid": "a", "question": "Who?"}, options=plain).payload["prompt"] == "Who?"
+    assert "chat" not in plain.fingerprint() and options.fingerprint()["system"] == "Label the question."
+    with pytest.raises(ValueError, match="--chat sends a prompt column"):
+        RowOptions(None, None, None, {}, chat=True).for_format("jsonl")

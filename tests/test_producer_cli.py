@@ -402,3 +402,12 @@ def test_output_piped_to_a_reader_that_leaves_ends_quietly(redis_url):
     proc.stdout.close()  # the reader is gone before the first line
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and b"Traceback" not in err
+
+
+def test_batch_chat_flags_are_checked_and_kept_in_the_resume_command():
+    args = _parse("batch", "in.parquet", "-o", "out.parquet", "--chat", "--system", "Be brief.")
+    options = producer_cli.batch_options(args)
+    assert (options.chat, options.system) == (True, "Be brief.")
+    assert "--chat --system 'Be brief.'" in producer_cli.resume_command(args, None)
+    with pytest.raises(InvalidRequest, match="--system goes with --chat"):
+        producer_cli.batch_options(_parse("batch", "in.parquet", "-o", "out.parquet", "--system", "x"))
