@@ -144,6 +144,14 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
             f"local Hugging Face cache, or {DEFAULT_MODEL})"
         ) from None
     check_supported(config.model_type)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:  # its layers hold packed weights the engine would read as floats: wrong text, no error
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        method = method or getattr(quantization, "quant_method", None) or type(quantization).__name__
+        raise ConfigError(
+            f"cannot load model {model!r}: a quantized checkpoint ({method}) is not supported; use its float "
+            "checkpoint, or a .gguf file (dequantized as it loads)"
+        )
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf_model.to(device).eval()
     tok_path = tokenizer or path

@@ -361,3 +361,19 @@ def test_the_context_is_cut_to_a_sliding_window_only_where_transformers_slides(t
         path = _model_of(config, tmp_path / name.replace(" ", "-").replace(",", ""))
         engine = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_seqs=1).engine
         assert engine.max_model_len == expected, name
+
+
+def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama):
+    """Its layers hold packed weights the engine would have read as floats (the loader checked the type alone)."""
+    import json
+    import shutil
+
+    from roseinfer.config import ConfigError
+
+    path = tmp_path / "quantized"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"a quantized checkpoint \(gptq\) is not supported"):
+        LLM(str(path), dtype="float32")
