@@ -17,7 +17,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from producer import Client, InvalidRequest, JobCanceled, JobFailed
-from producer.protocol import result_from_entries, result_key, stream_key
+from producer.protocol import OWNER_FIELD, result_from_entries, result_key, stream_key
 from worker.jobs import job_seed
 
 
@@ -262,6 +262,8 @@ def test_an_id_used_again_is_a_new_job_not_the_old_ones_output(served, redis_url
     idle = Client(redis_url, queue=f"nobody-{uuid.uuid4().hex[:8]}")  # no worker: the new job stays queued
     waiting = idle.submit("Another prompt, longer than the first one", job_id=job_id, max_tokens=3)
     assert waiting.status() == "queued"
+    # The old attempt's owner stays: a run of the old job still going somewhere cannot write its end over this one.
+    assert client.connection.hget(f"rq:job:{job_id}", OWNER_FIELD) is not None
     with pytest.raises(TimeoutError):
         waiting.result(timeout=0.5)
     waiting.cancel()
