@@ -108,8 +108,7 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None, queue: str = 
 
 
 def _on_queue(queue: str) -> dict[str, str]:
-    """What the queue adds to a run's job ids and settings: nothing for the default one, so the ids and settings
-    files of runs made before the queue counted stay valid."""
+    """What the queue adds to a run's job ids: nothing for the default one, whose ids stay as they were."""
     return {} if queue == DEFAULT_QUEUE else {"queue": queue}
 
 
@@ -368,6 +367,16 @@ def settings_path(output_path: Path) -> Path:
     return output_path.with_name(output_path.name + ".batch.json")
 
 
+def _begun_before_queues(output_path: Path) -> bool:
+    """Whether a run began this output before job ids and settings named their queue (its settings file names
+    none): its job ids name no queue, so a resume finds that run's jobs and rows, and any queue may go on with it."""
+    try:
+        before = json.loads(settings_path(output_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(before, dict) and "id_column" in before and "queue" not in before
+
+
 def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bool) -> None:
     path = settings_path(output_path)
     if has_rows and path.exists():
@@ -482,7 +491,9 @@ def run_batch(
         with _only_run_on(output_path):
             sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
             done = sink.done()
-            settings = {**options.fingerprint(), **_on_queue(queue)}
+            legacy = _begun_before_queues(output_path)
+            settings = options.fingerprint() if legacy else {**options.fingerprint(), "queue": queue}
+            queue = DEFAULT_QUEUE if legacy else queue  # (the queue its job ids name)
             _check_settings(output_path, settings, bool(done))  # a refused run leaves the last errors
             client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
             with open_lines(errors_path, "w") as err, _signals_interrupt():
@@ -598,6 +609,7 @@ def dry_run(
         with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
             sink.open(err, output=False)
             progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
+            queue = DEFAULT_QUEUE if _begun_before_queues(output_path) else queue  # (as ``run_batch``'s ids)
             lines = _read_input(input_path, in_fmt, options, done, run_id, queue, summary, priority, sink, progress)
             valid = prompt_tokens = longest = 0
             for line in lines:

@@ -147,6 +147,25 @@ def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
     assert parse_line(1, text).job_id == job_id_for(line_a.payload) != line_a.job_id
 
 
+def test_an_output_begun_before_ids_named_their_queue_resumes_with_its_own_ids(tmp_path):
+    """Its settings file names no queue: a resume on its (non-default) queue was refused for other settings, and
+    would have made new ids for every row. An output begun now on the default queue names it, and is refused
+    for a rerun on another queue like any other."""
+    from producer.batch import settings_path
+    from producer.batch_io import RowOptions
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    text = json.dumps({"custom_id": "a", "prompt": "x"})
+    src.write_text(text + "\n")
+    before_upgrade = parse_line(1, text).job_id  # the ids then named no queue
+    out.write_text(json.dumps({"custom_id": "a", "response": {"request_id": before_upgrade}}) + "\n")
+    settings_path(out).write_text(json.dumps(RowOptions().fingerprint()))
+    assert run_batch(_offline_client(), src, out)["skipped"] == 1  # the row made then is this row
+    settings_path(out).write_text(json.dumps({**RowOptions().fingerprint(), "queue": "roseinfer"}))
+    with pytest.raises(ValueError, match="other settings"):
+        run_batch(_offline_client(), src, out)
+
+
 def _offline_client() -> Client:
     """A client on fakeredis with no worker: jobs are queued and never run."""
     return Client(connection=fakeredis.FakeRedis(), queue="q")
