@@ -55,6 +55,7 @@ class Workers:
         self.client, self.ttl = client, ttl
         self._at, self._rows = 0.0, []
         self._reading: asyncio.Future | None = None
+        self._warned_at = -60.0
 
     async def live(self) -> list[dict[str, Any]]:
         if time.monotonic() - self._at > self.ttl:
@@ -71,6 +72,12 @@ class Workers:
 
     async def models(self) -> list[str]:
         return sorted({row["model"] for row in await self.live() if row.get("model")})
+
+    def warn(self, message: str) -> None:
+        """``message`` logged as a warning, once a minute at most."""
+        if time.monotonic() - self._warned_at >= 60:
+            self._warned_at = time.monotonic()
+            log.warning("%s", message)
 
 
 class ServerMetrics:
@@ -164,11 +171,11 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         except Exception as exc:
             return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, status_code=503)
         served = await workers.models()
-        if not live or len(served) > 1:
-            reason = f"no live worker on queue {client.queue_name!r}" if not live else None
-            reason = reason or _mixed_models(client.queue_name, served)
+        if not live:
+            reason = f"no live worker on queue {client.queue_name!r}"
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(live), "models": served})
+        body = {"status": "ok", "workers": len(live), "models": served}
+        return JSONResponse({**body, "warning": _mixed_models(client.queue_name, served)} if len(served) > 1 else body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -199,8 +206,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.model not in served:
             raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
-        if len(served) > 1:
-            raise APIError(503, _mixed_models(client.queue_name, served), "service_unavailable")
+        if len(served) > 1:  # served still (a rollout, one model at several paths), and said
+            workers.warn(_mixed_models(client.queue_name, served))
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
@@ -304,11 +311,11 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
 
 
 def _mixed_models(queue: str, served: list[str]) -> str:
-    """Why no request is taken while the workers on the queue serve several models (a rollout, a mistake): a job
-    names no model and runs on whichever worker takes it first, so the answer could come from any of them."""
+    """The workers on the queue name several models (a rollout, a mistake, one model at several paths): a job names
+    no model and runs on whichever worker takes it first, so the answer may come from any of them."""
     return (
         f"the workers on queue {queue!r} serve several models ({', '.join(served)}), and a job runs on whichever "
-        "takes it: give each model a queue of its own"
+        "takes it: give each model a queue of its own, and one model at several paths one --served-model-name"
     )
 
 
