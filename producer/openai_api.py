@@ -28,6 +28,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# A null that says something: ``max_tokens: null`` is no limit but the context (a completion's default is 16).
+_NULL_MEANS_NO_LIMIT = ("max_tokens",)
+
+
 class _Shape(BaseModel):
     """A part of OpenAI's requests: unknown fields refused, and a null taken for a field not given, as OpenAI and
     vLLM take it (clients send nulls for what they leave unset: ``n=None``, and a response's message dumped back
@@ -38,7 +42,9 @@ class _Shape(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_not_given(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in _NULL_MEANS_NO_LIMIT}
 
 
 class TextPart(_Shape):

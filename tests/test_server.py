@@ -195,7 +195,9 @@ def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
     assert (req.n, req.stream) == (1, False)
     assert fields["messages"][1] == {"role": "assistant", "content": "The sea is wide."}
     req, jobs = parse_completions({"model": "m", "prompt": [" ", "\n"], "echo": None, "n": None})
-    assert [job["prompt"] for job in jobs] == [" ", "\n"] and req.n == 1
+    assert [job["prompt"] for job in jobs] == [" ", "\n"] and req.n == 1 and jobs[0]["max_tokens"] == 16
+    _, [job] = parse_completions({"model": "m", "prompt": "x", "max_tokens": None})
+    assert "max_tokens" not in job  # null: to the context (as vLLM), not the legacy default of 16
     with pytest.raises(APIError, match="unsupported parameter: tools"):  # a real value still is refused
         parse(ChatCompletionRequest, {**body, "tools": [{"type": "function"}]})
     with pytest.raises(APIError, match="model: Field required"):
