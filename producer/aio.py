@@ -19,6 +19,7 @@ from producer.client import (
     _ENDED,
     DEFAULT_REDIS_URL,
     FINAL_EVENT_GRACE_S,
+    REPLAY_PAGE,
     Client,
     EventCursor,
     GenerationJob,
@@ -227,14 +228,19 @@ class AsyncGenerationJob:
         """As ``GenerationJob.events`` (read through the client's ``StreamHub``)."""
         key = stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
-        backlog = await self.client.connection.xrange(key) if skip_void else []  # whole: as ``GenerationJob.events``
+        held: list[dict[str, Any]] = []  # the backlog read to its end first, as ``GenerationJob.events`` reads it
+        while skip_void:
+            page = await self.client.connection.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            held = cursor.hold(page, held)
+            if len(page) < REPLAY_PAGE:
+                break
         follower = self.client.hub.follow(key)
-        if backlog:
-            follower.last = _entry_id(backlog[-1][0])
+        if cursor.last_id not in ("0-0", b"0-0"):
+            follower.last = _entry_id(cursor.last_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         expired_at: float | None = None
         try:
-            for event in cursor.take(backlog):
+            for event in held:
                 yield event
                 if "finish_reason" in event:
                     return

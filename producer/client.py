@@ -140,6 +140,9 @@ def validate(fields: dict[str, Any]) -> JobRequest:
         raise InvalidRequest(f"invalid job: {describe_validation_error(exc)}") from None
 
 
+REPLAY_PAGE = 1024  # stream entries a read of the backlog takes (one XRANGE of 100,000 held Redis 40 ms)
+
+
 class EventCursor:
     """Where a reader of a job's stream is, and the events each batch of entries it reads holds (checked against
     the protocol; with ``skip_void``, those a later reset in the batch makes void are left out)."""
@@ -149,6 +152,19 @@ class EventCursor:
         self.last_id: bytes | str = "0-0"
         self.next_n = 0
         self.missing: tuple[int, int] | None = None  # events trimmed before they were read (no reset since)
+
+    def next_entry(self) -> str:
+        """The id of the first stream entry this reader has not read (XRANGE's start)."""
+        if self.last_id in ("0-0", b"0-0"):
+            return "-"
+        ms, _, seq = (self.last_id.decode() if isinstance(self.last_id, bytes) else self.last_id).partition("-")
+        return f"{ms}-{int(seq) + 1}"
+
+    def hold(self, page: list, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``held`` (events read, not yet handed out) with the events of ``page`` (a read of the backlog): a reset in
+        it voids what was held."""
+        events = self.take(page)
+        return events if events and events[0].get("reset") else held + events
 
     def take(self, entries: list) -> list[dict[str, Any]]:
         if not entries:
@@ -455,9 +471,15 @@ class GenerationJob:
         cursor = EventCursor(self.id, skip_void)
         deadline = None if timeout is None else time.monotonic() + timeout
         expired_at: float | None = None
-        # What is there already, read whole: a reset anywhere in it voids all before it (read 1,024 at a time, text
-        # a later read voided had been handed out, and every call again raised StreamRestarted after it).
-        for event in cursor.take(conn.xrange(key)) if skip_void else ():
+        # What is there already, read to its end before any goes out: a reset anywhere in it voids all before it
+        # (handed out as read, text a later read voided had gone out, and every call again raised StreamRestarted).
+        held: list[dict[str, Any]] = []
+        while skip_void:
+            page = conn.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            held = cursor.hold(page, held)
+            if len(page) < REPLAY_PAGE:
+                break
+        for event in held:
             yield event
             if "finish_reason" in event:
                 return

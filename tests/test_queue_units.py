@@ -289,6 +289,26 @@ def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_b
     assert asyncio.run(read()) == "new text"
 
 
+@pytest.mark.parametrize("page", [3, 4, 1024])
+def test_a_replay_read_in_pages_hands_out_what_follows_the_last_reset_only(page, monkeypatch):
+    """The backlog is read a page at a time (one XRANGE of 100,000 entries held Redis 40 ms): a reset in any page
+    voids what the pages before held, and the new output's events after it, over later pages, all come out."""
+    import producer.client as client_module
+    from producer import Client
+
+    monkeypatch.setattr(client_module, "REPLAY_PAGE", page)
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("old", [7])] * 6)
+    retry = pub.resume(conn, ["j"])["j"]
+    retry.start(can_resume=False)
+    for i in range(7):
+        pub.add(retry, f" n{i}", [i], *(("length", {}) if i == 6 else ()))
+        _send(conn, pub)
+    conn.hset("rq:job:j", "status", "finished")
+    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "".join(f" n{i}" for i in range(7))
+
+
 def test_an_expired_stream_starting_again_at_event_0_reads_as_a_reset():
     from producer import Client, StreamRestarted
 
