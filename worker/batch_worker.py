@@ -502,7 +502,8 @@ class BatchWorker(BaseWorker):
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
     ) -> tuple[list[Execution], dict[str, JobStream]]:
         executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD)
-        give_up_at, backoff = time.monotonic() + START_RETRY_S, 0.1
+        # Within half the started entries' life: a start landing later would find them taken for abandoned.
+        give_up_at, backoff = time.monotonic() + min(START_RETRY_S, ttl / 2), 0.1
         while True:
             try:
                 with self.connection.pipeline(transaction=False) as pipe:
