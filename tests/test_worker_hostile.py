@@ -223,6 +223,11 @@ def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(
         assert "hook_probe.record_unlisted" in reason and "127.0.0.1:9/hook" in reason
     plain = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)  # RQ's own class: the hash is untouched
     assert plain._failure_callback_name == "hook_probe.record_unlisted" and len(plain.webhooks) == 2
+    # RQ's clean-up itself, as the worker's maintenance runs it, over the job its dead worker left expired.
+    conn.zadd(registry.key, {f"{job_id}:gone-execution": 1})
+    registry.cleanup()
+    assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"  # failed as abandoned
+    assert not conn.exists(f"hook-probe:{job_id}")  # its refused failure callback did not run
     conn.delete(f"rq:job:{job_id}")
 
 
