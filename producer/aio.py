@@ -26,9 +26,10 @@ from producer.client import (
     JobCanceled,
     JobFailed,
     StreamExpired,
-    StreamRestarted,
     check_job_id,
     checked,
+    piece_of,
+    raise_at_a_bad_end,
     sample_text,
     stream_expired,
     validate,
@@ -280,15 +281,11 @@ class AsyncGenerationJob:
         read_any = False
         try:
             async for event in self.events(timeout, skip_void=True):
-                if event.get("reset") and read_any:
-                    raise StreamRestarted(self.id)
-                if event["text"] and event.get("index", 0) == index:
+                piece = piece_of(self.id, event, index, read_any)
+                if piece:
                     read_any = True
-                    yield event["text"]
-                if event.get("finish_reason") == "error":
-                    raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
-                if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one queued
-                    raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+                    yield piece
+                raise_at_a_bad_end(self.id, event)
         except StreamExpired:
             if read_any:
                 raise

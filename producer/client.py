@@ -195,6 +195,22 @@ def stream_expired(job_id: str) -> JobFailed:
     return StreamExpired(job_id, "the job finished but its token stream has expired; use result()")
 
 
+def piece_of(job_id: str, event: dict[str, Any], index: int, read_any: bool) -> str:
+    """The text ``event`` adds to sample ``index``; ``StreamRestarted`` for a reset after text was read."""
+    if event.get("reset") and read_any:
+        raise StreamRestarted(job_id)
+    return event["text"] if event.get("index", 0) == index else ""
+
+
+def raise_at_a_bad_end(job_id: str, event: dict[str, Any]) -> None:
+    """After its text: a last event of a failed job raises ``JobFailed``; of one canceled (or stopped) while it ran,
+    ``JobCanceled``, as for one canceled while queued."""
+    if event.get("finish_reason") == "error":
+        raise JobFailed(job_id, event.get("error", "failed"), error_type=event.get("error_type"))
+    if event.get("finish_reason") == "abort":
+        raise JobCanceled(job_id, "the job was canceled; the text above is what it made first")
+
+
 def sample_text(result: dict[str, Any], index: int) -> str:
     """The text of sample ``index`` of a result (one with n > 1 holds them in ``choices``)."""
     choices = result.get("choices") or [{"index": 0, "text": result.get("text", "")}]
@@ -515,15 +531,11 @@ class GenerationJob:
         read_any = False
         try:
             for event in self.events(timeout, skip_void=True):
-                if event.get("reset") and read_any:
-                    raise StreamRestarted(self.id)
-                if event["text"] and event.get("index", 0) == index:
+                piece = piece_of(self.id, event, index, read_any)
+                if piece:
                     read_any = True
-                    yield event["text"]
-                if event.get("finish_reason") == "error":
-                    raise JobFailed(self.id, event.get("error", "failed"), error_type=event.get("error_type"))
-                if event.get("finish_reason") == "abort":  # canceled (or stopped) while running, as one queued
-                    raise JobCanceled(self.id, "the job was canceled; the text above is what it made first")
+                    yield piece
+                raise_at_a_bad_end(self.id, event)
         except StreamExpired:
             if read_any:
                 raise
