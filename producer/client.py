@@ -38,7 +38,7 @@ from producer.wire import JobResult, StreamEvent
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
-_OVER = (b"finished", b"failed", b"canceled", b"stopped")  # a job's statuses once it has ended
+_OVER = tuple(status.encode() for status in ("finished", *_ENDED))  # a job's statuses once it has ended
 # A finished job's final event goes out in the worker's next write after its result: a reader that finds the job
 # finished and its stream short of that event waits this long for it before calling the stream expired.
 FINAL_EVENT_GRACE_S = 2.0

@@ -83,7 +83,7 @@ from worker.watchdog import StepWatchdog
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
-START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long (the jobs' started entries last longer)
+START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
 
@@ -964,7 +964,7 @@ class BatchWorker(BaseWorker):
 
     def _on_its_way(self, job_id: str, since: float) -> bool:
         """Whether this worker took ``job_id`` and has yet to hand it to the engine (for a few seconds at most)."""
-        if job_id in self.puller._unapplied:
+        if self.puller.handing_over(job_id):
             return True
         if time.monotonic() - since > STOP_WAIT_S:
             return False

@@ -37,8 +37,8 @@ _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat
 _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
          "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
 _JSON = ("retry_intervals", "dependency_ids")
-# Times a job gives in seconds, and its callbacks' limits: past ~31 years Redis's EXPIRE or Python's dates overflow
-# (10**17 s made the finish script fail midway, for every job ending in the same step).
+# Times a job gives in seconds: past ~31 years Redis's EXPIRE or Python's dates overflow (10**17 s made the finish
+# script fail midway, for every job ending in the same step).
 MAX_SECONDS = 10**9
 _SECONDS = ("result_ttl", "failure_ttl", "ttl", "timeout")
 _INTERVALS = ("retry_intervals", "repeat_intervals")
@@ -301,8 +301,7 @@ def out_of_bounds(job: Job) -> str | None:
         value = getattr(job, name, None)
         if value is None:
             continue
-        items = value if isinstance(value, list) else [value]
-        if not isinstance(value, list) or not all(_seconds(x) for x in items):
+        if not isinstance(value, list) or not all(_seconds(x) for x in value):
             shown = json.dumps(value)[:60]
             return f"RQ cannot use this job: its field {name!r} holds {shown}; a list of seconds, 0 to {MAX_SECONDS}"
     return None
@@ -376,7 +375,8 @@ class HookPolicy:
     def refuse(self, job: Job) -> str | None:
         """Why this job may not run here, or None. Whatever is refused is also taken off the job, so RQ's
         failure path cannot call it either."""
-        problems = [*getattr(job, "refused_hooks", []), *self.strip(job)]
+        refused = getattr(job, "refused_hooks", None)  # taken off as the job was read (``PulledJob.restore``)
+        problems = refused if refused is not None else self.strip(job)
         if not problems:
             return None
         return (

@@ -138,6 +138,10 @@ class Puller:
         self._arrived.wait(timeout)
         self._arrived.clear()
 
+    def handing_over(self, job_id: str) -> bool:
+        """Whether ``job_id`` was taken and started here and waits for the step loop to take it in."""
+        return job_id in self._unapplied
+
     @property
     def quiet(self) -> bool:
         """No pull under way and nothing handed over untaken."""
