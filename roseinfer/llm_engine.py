@@ -21,7 +21,7 @@ from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from roseinfer.sampler import Sampler, advance_generator
+from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.sequence import Sequence
@@ -284,8 +284,7 @@ class LLMEngine:
             generator = None
             seed = params.sample_seed(index)
             if seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed % 2**64)  # CUDA's Philox takes all 64 bits; the CPU's MT19937 its low 32
+                generator = seeded_generator(seed, self.device)
                 if not params.greedy:
                     advance_generator(generator, len(prefix), self.model.vocab_size)
             seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"

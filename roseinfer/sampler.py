@@ -7,6 +7,7 @@ then give the same tokens whatever else shares the batch.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,17 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: {token id: logprob} for the sampled token and the top-N, or None when not asked for.
     logprobs: list[dict[int, float] | None]
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A request's own generator. CUDA's Philox takes all 64 bits of a seed, the CPU's MT19937 only its low 32: there
+    a seed outside [0, 2**32) is hashed down first, so seeds that differ only in their high bits still differ."""
+    generator = torch.Generator(device=device)
+    seed %= 2**64
+    if generator.device.type == "cpu" and seed >= 2**32:
+        seed = int.from_bytes(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=4).digest(), "little")
+    generator.manual_seed(seed)
+    return generator
 
 
 def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:

@@ -1,6 +1,6 @@
 import torch
 
-from roseinfer.sampler import Sampler, apply_filters
+from roseinfer.sampler import Sampler, apply_filters, seeded_generator
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.sequence import Sequence
 
@@ -54,6 +54,20 @@ def test_seeded_sampling_ignores_the_rest_of_the_batch():
     batch[3] = s
     assert [together(logits, batch).token_ids[3] for _ in range(20)] == solo
     assert len(set(solo)) > 1  # draws, not one token every time
+
+
+def test_seeds_that_differ_only_in_their_high_bits_draw_differently_on_cpu():
+    """MT19937 keeps a seed's low 32 bits: 1, 1 + 2**32 and -2**64 + 1 drew the same noise."""
+
+    def draws(seed):
+        return torch.empty(8).exponential_(generator=seeded_generator(seed, torch.device("cpu"))).tolist()
+
+    seeds = [1, 1 + 2**32, 1 + 2**40, 1 - 2**63, -1, 2**32 - 1]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    assert draws(1 + 2**32) == draws(1 + 2**32)  # still a seed: the same one draws the same
+    reference = torch.Generator()
+    reference.manual_seed(7)  # a seed below 2**32 draws what torch.manual_seed gives it, as before
+    assert draws(7) == torch.empty(8).exponential_(generator=reference).tolist()
 
 
 def test_penalties_change_the_choice():
