@@ -274,9 +274,12 @@ class Client:
         to the new job's followers, and its result taken for the new job's while that one was queued. Its hash
         stays, rewritten by the enqueue: the field naming the attempt that owns the job fences off a run of the old
         job still going somewhere (canceled, or taken for dead), which would write its end over the new job.
-        (A job still queued or running is left as RQ leaves it: the worker runs an id pushed twice once.)"""
+        Its expiry goes too (an enqueue without ``ttl`` sets none): the old job's ``result_ttl`` would delete the
+        new one while it waits. (A job still queued or running is left as RQ leaves it: the worker runs an id pushed
+        twice once.)"""
         for job_id in job_ids:
             pipe.delete(stream_key(job_id), result_key(job_id))
+            pipe.persist(Job.key_for(job_id))
 
     def lane(self, priority: int) -> Queue:
         """The RQ queue holding this client's jobs of ``priority`` (the queue itself for 0)."""

@@ -264,9 +264,14 @@ def test_an_id_used_again_is_a_new_job_not_the_old_ones_output(served, redis_url
     assert waiting.status() == "queued"
     # The old attempt's owner stays: a run of the old job still going somewhere cannot write its end over this one.
     assert client.connection.hget(f"rq:job:{job_id}", OWNER_FIELD) is not None
+    # Nor its expiry: the old job's result_ttl deleted the new job's hash while it waited, and the job with it.
+    assert client.connection.ttl(f"rq:job:{job_id}") == -1
     with pytest.raises(TimeoutError):
         waiting.result(timeout=0.5)
     waiting.cancel()
+    client.connection.expire(f"rq:job:{job_id}", 600)  # as a result_ttl would
+    idle.submit_many([{"prompt": "A third prompt", "job_id": job_id, "max_tokens": 3}])[0].cancel()
+    assert client.connection.ttl(f"rq:job:{job_id}") == -1
     for submit in (client.submit, lambda prompt, **kw: client.submit_many([{"prompt": prompt, **kw}])[0]):
         new = submit("Another prompt, longer than the first one", job_id=job_id, max_tokens=3, temperature=0)
         result = new.result(timeout=60)
