@@ -10,9 +10,10 @@ import uuid
 import pytest
 from conftest import ThreadWorker, requeue_as_resumed, tpot_histogram
 from redis import Redis
-from rq import Queue
+from rq import Queue, RateLimit
 from rq.command import send_stop_job_command
 from rq.job import Job
+from rq.rate_limit import RateLimitRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
@@ -492,3 +493,39 @@ def test_a_full_worker_does_not_pull_from_lanes_it_saw_empty(redis_url, tiny_cha
     assert all(r["usage"]["completion_tokens"] == 200 for r in results)
     # Full of bulk jobs with more waiting, it looks at the empty interactive lane only before the sender read it.
     assert pulls.count(worker.queue) <= 3, pulls.count(worker.queue)
+
+
+def test_a_rate_limited_job_frees_its_slot_as_it_ends(served, redis_url, monkeypatch):
+    """RQ 3's RateLimit: a job that ended through the worker kept its slot until RQ's maintenance (~15 s), so the
+    next job of its limit waited for it, as the last one waited behind a cancel."""
+    worker, client = served
+    engine = worker.worker.engine
+    real_step = engine.step  # steps of 20 ms: a job of 200 tokens still runs when it is checked
+    monkeypatch.setattr(engine, "step", lambda *a, **k: (time.sleep(0.02), real_step(*a, **k))[1])
+    key = f"rl-{uuid.uuid4().hex[:8]}"
+    queue = Queue(client.queue.name, connection=client.connection, serializer=JSONSerializer)
+    first, second, third = (
+        queue.enqueue("worker.jobs.generate", prompt=f"limited {i}", max_tokens=3 if i == 0 else 200,
+                      temperature=0, ignore_eos=True, rate_limit=RateLimit(key, 1))
+        for i in range(3)
+    )  # fmt: skip
+    assert [j.get_status().value for j in (second, third)] == ["rate_limited", "rate_limited"]
+    registry = RateLimitRegistry(key, client.connection)
+
+    def holding_after(ended: str) -> list[str]:
+        deadline = time.time() + 5  # the slot is freed just after the job's end is written, not ~15 s later
+        while time.time() < deadline and ended in registry.get_allowed_job_ids():
+            time.sleep(0.05)
+        return registry.get_allowed_job_ids()
+
+    client.job(first.id).result(timeout=30)
+    waiting = {second.id, third.id}  # promoted in the order RQ keeps (enqueued within a clock tick: either)
+    ended = first.id
+    while waiting:
+        [running] = holding_after(ended)
+        assert running in waiting
+        waiting.discard(running)
+        _first_event(client.job(running))
+        client.job(running).cancel()
+        ended = running
+    assert holding_after(ended) == []

@@ -33,6 +33,7 @@ from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.rate_limit import RateLimitRegistry
 from rq.registry import (
     CanceledJobRegistry,
     FailedJobRegistry,
@@ -570,7 +571,7 @@ class BatchWorker(BaseWorker):
         for job, out in done:
             result = self._result(job, out)
             j = job.job
-            special = j._success_callback_name or j.webhooks or j.repeats_left or getattr(j, "rate_limit", None)
+            special = j._success_callback_name or j.webhooks or j.repeats_left or j.has_rate_limit  # RQ frees its slot
             (through_rq if special or j.get_result_ttl(self.default_result_ttl) == 0 else plain).append((job, result))
         finished: list[tuple[InFlight, dict[str, Any]]] = []
         while plain:
@@ -737,6 +738,8 @@ class BatchWorker(BaseWorker):
                     entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
                     self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
                 pipe.execute()
+            if not stopped:  # (a stop went through RQ's failure path, which freed it)
+                self._free_slot(job.job)
             log.info("job %s %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
@@ -815,9 +818,19 @@ class BatchWorker(BaseWorker):
                 queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
                 pipe.expire(job.key, self.settings.result_ttl)
                 pipe.execute()
+            self._free_slot(job)
             self.metrics.job_ended("canceled", None)
 
         self._tasks.append(end)
+
+    def _free_slot(self, job: Job) -> None:
+        """A canceled job's RQ rate-limit slot, freed as RQ's own ends free one: the next job of its limit runs now,
+        not at RQ's maintenance (RQ's cancel frees only a slot no execution holds)."""
+        if job.has_rate_limit:
+            try:
+                RateLimitRegistry.from_job(job).release_and_enqueue(job.id)
+            except redis.RedisError:  # RQ's maintenance frees it later
+                log.exception("the rate-limit slot of job %s was not freed", job.id)
 
     def _reject_unreadable(self, item: Unreadable, stream: JobStream | None) -> None:
         """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream
