@@ -1431,6 +1431,45 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
     assert conn.hget(running.job.key, "last_heartbeat")
 
 
+@pytest.mark.redis
+def test_due_jobs_go_back_to_their_queue_within_a_second_not_a_heartbeat(redis_url):
+    """RQ's scheduler looks for due jobs every second; the worker looked at each heartbeat (10 s by default), so a
+    job ``enqueue_in`` 1 s (or a retry with an interval) ran up to 10 s late."""
+    import uuid
+    from datetime import timedelta
+
+    from redis import Redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.batch_worker import BatchWorker
+    from worker.heartbeat import Heartbeat
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(redis_url=redis_url, queue=name, model="fake", heartbeat_interval=10)
+    worker = BatchWorker(Engine(), settings, conn)
+    worker.register_birth()
+    worker.sender._load_scripts()
+    heartbeat = Heartbeat(worker)
+    heartbeat.start()
+    try:
+        time.sleep(0.2)  # the first beat and look are behind it: the job falls due between looks
+        queue = Queue(name, connection=conn, serializer=JSONSerializer)
+        job = queue.enqueue_in(timedelta(seconds=1), "worker.jobs.generate", prompt="later", max_tokens=2)
+        deadline = time.monotonic() + 5
+        while job.id not in queue.job_ids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.id in queue.job_ids
+    finally:
+        heartbeat.stop()
+        worker.register_death()
+
+
 def _running_jobs(redis_url: str, count: int = 1, **fields):
     """A worker of a new queue (no engine: its ends and registries are under test) that pulled and started ``count``
     jobs of ``fields``, each in flight: (connection, worker, queue name, the jobs in flight)."""

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("roseinfer.worker")
 
 
+# How often due jobs are looked for: RQ's scheduler's default interval (a job due in 2 s ran 10 s late, at the
+# next heartbeat). A look is a lock refresh and a ZRANGEBYSCORE per queue.
+DUE_JOBS_EVERY_S = 1  # an int: RQ adds 60 for its lock TTL, which Redis wants whole
+
+
 class DueRetries:
     def __init__(self, worker: BatchWorker) -> None:
         self.worker = worker
@@ -39,7 +44,7 @@ class DueRetries:
         if self._scheduler is None or names != self._names:
             self._release()
             self._scheduler = RQScheduler(
-                names, connection=w.connection, serializer=w.serializer, interval=w.settings.heartbeat_interval
+                names, connection=w.connection, serializer=w.serializer, interval=DUE_JOBS_EVERY_S
             )
             self._names = names
         if self._scheduler.acquire_locks():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from rq.utils import now, utcformat
 
-from worker.due_retries import DueRetries
+from worker.due_retries import DUE_JOBS_EVERY_S, DueRetries
 from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, load_script
 
 if TYPE_CHECKING:
@@ -53,20 +53,23 @@ class Heartbeat:
 
     def _run(self) -> None:
         interval = self.worker.settings.heartbeat_interval
+        next_beat = time.monotonic()
         while not self._stop.is_set():
-            try:
-                self.beat()
-            except REDIS_UNAVAILABLE as exc:
-                log.warning("heartbeat: Redis unavailable (%s)", exc)
-            except Exception:
-                log.exception("heartbeat failed")
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + interval
+                try:
+                    self.beat()
+                except REDIS_UNAVAILABLE as exc:
+                    log.warning("heartbeat: Redis unavailable (%s)", exc)
+                except Exception:
+                    log.exception("heartbeat failed")
             try:
                 self.due_retries.enqueue()
             except REDIS_UNAVAILABLE as exc:
                 log.debug("due retries: Redis unavailable (%s)", exc)
             except Exception:
                 log.exception("moving due retries back to their queues failed")
-            self._stop.wait(interval)
+            self._stop.wait(max(0.0, min(DUE_JOBS_EVERY_S, next_beat - time.monotonic())))
 
     def beat(self) -> None:
         """Worker, executions and jobs kept alive in one pipeline, with the statistics."""
