@@ -190,6 +190,24 @@ def test_a_stock_rq_worker_runs_the_same_jobs_one_at_a_time_and_resumes_them(red
     assert "".join(trimmed.stream(timeout=5)) == res["text"] == full["text"]
 
 
+def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_chat_model, queue_name):
+    """A prompt past the context, or a payload the schema refuses: RQ ran it again for each retry left (loading the
+    model each time), where the batch worker fails it at once."""
+    from rq import Queue, Retry
+    from rq.serializers import JSONSerializer
+
+    conn = Redis.from_url(redis_url)
+    queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    too_long = queue.enqueue("worker.jobs.generate", prompt="word " * 400, max_tokens=4, retry=Retry(max=2))
+    invalid = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=-4, retry=Retry(max=2))
+    _stock_worker(redis_url, queue_name, tiny_chat_model)
+    for job in (too_long, invalid):
+        assert job.get_status(refresh=True) == "failed"
+        ends = [json.loads(f[b"event"]) for _, f in conn.xrange(f"roseinfer:stream:{job.id}")]
+        assert [e.get("finish_reason") for e in ends] == ["error"]  # one attempt
+        assert ends[0]["error_type"] == "invalid_request"
+
+
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):
     from test_worker_hostile import MALFORMED, _raw_job
 

@@ -68,6 +68,7 @@ from worker.jobs import (
     JobRejected,
     JobStopped,
     JobTimedOut,
+    StepFailed,
     build_result,
     canceled_result,
     failure_result,
@@ -86,10 +87,6 @@ NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a 
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
-
-
-class StepFailed(Exception):
-    """An engine step raised: the jobs it ran fail (and are retried where their policy allows)."""
 
 
 @dataclass

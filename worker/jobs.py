@@ -27,6 +27,10 @@ class JobRejected(Exception):
     """The job can never run (bad payload, prompt too long, ...): it fails at once and is not retried."""
 
 
+class StepFailed(Exception):
+    """An engine step raised: the jobs it ran fail (and are retried where their policy allows)."""
+
+
 class JobStopped(Exception):
     """The job was stopped on request while it ran."""
 
@@ -200,10 +204,6 @@ def generate(**payload: Any) -> dict[str, Any]:
     job = get_current_job()
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
-    try:
-        req = JobRequest.model_validate(payload)
-    except ValidationError as exc:
-        raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
     settings = WorkerSettings()
     publisher = Publisher(
         settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
@@ -211,6 +211,16 @@ def generate(**payload: Any) -> dict[str, Any]:
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     stream = publisher.resume(job.connection, [job.id])[job.id]
+    try:
+        req = JobRequest.model_validate(payload)
+    except ValidationError as exc:
+        error = f"invalid job payload: {describe_validation_error(exc)}"
+        publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")  # as the batch worker's
+        with job.connection.pipeline(transaction=False) as pipe:
+            publisher.flush(pipe)
+            pipe.execute()
+        job.retries_left = None  # RQ reads it as it fails the job: one that can never run is not tried again
+        raise JobRejected(error) from None
     engine = _engine()
     params = sampling_params(job.id, req, engine.sampling_defaults)
     prefix, prefix_logprobs = resume_from(stream, params)
@@ -246,5 +256,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         publisher.notify(pipe, job.id, req.notify)
         pipe.execute()
     if final.finish_reason == "error":
-        raise JobRejected(final.error)
+        if not (final.retryable or final.timed_out):  # refused by the engine (a prompt too long): it would be again
+            job.retries_left = None
+        raise (StepFailed if final.retryable else JobTimedOut if final.timed_out else JobRejected)(final.error)
     return result  # RQ stores it once this returns: a stock worker writes the result after the last event
