@@ -529,3 +529,32 @@ def test_a_rate_limited_job_frees_its_slot_as_it_ends(served, redis_url, monkeyp
         client.job(running).cancel()
         ended = running
     assert holding_after(ended) == []
+
+
+@pytest.mark.slow  # waits out the puller's look once a second
+def test_rq_suspend_holds_new_jobs_and_shows_the_worker_suspended(served):
+    """`rq suspend`: the worker takes no new job and, its jobs done, shows itself suspended in `rq info` (it showed
+    idle), as RQ's worker does; `rq resume` lets the queue run again."""
+    from rq.suspension import resume, suspend
+    from rq.worker import Worker
+
+    worker, client = served
+    conn = client.connection
+
+    def state_becomes(expected: str) -> str:
+        deadline = time.time() + 5
+        state = None
+        while time.time() < deadline and (state := Worker.find_by_key(worker.worker.key, conn).get_state()) != expected:
+            time.sleep(0.05)
+        return state
+
+    suspend(conn)
+    try:
+        assert state_becomes("suspended") == "suspended"
+        job = client.submit("Wait for the resume", max_tokens=3, temperature=0)
+        time.sleep(1.5)  # the puller looks once a second
+        assert job.status() == "queued"
+    finally:
+        resume(conn)
+    assert job.result(timeout=30)["usage"]["completion_tokens"] == 3
+    assert state_becomes("idle") == "idle"

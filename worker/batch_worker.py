@@ -1020,7 +1020,8 @@ class BatchWorker(BaseWorker):
 
     # ----- the rest --------------------------------------------------------------------------------------
     def _set_busy(self, busy: bool) -> None:
-        state = WorkerStatus.BUSY if busy else WorkerStatus.IDLE
+        # Suspended (`rq suspend`) once its jobs are done, as RQ's worker shows itself in `rq info`.
+        state = WorkerStatus.BUSY if busy else WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.IDLE
         if self._state != state:
             self.set_state(state)
 
