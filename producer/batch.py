@@ -481,9 +481,9 @@ def run_batch(
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
-    _check_columns(input_path, in_fmt, options)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
-    _check_errors_path(errors_path, input_path, output_path)
+    _check_paths(errors_path, input_path, output_path)
+    _check_columns(input_path, in_fmt, options)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
     try:
@@ -515,8 +515,17 @@ def run_batch(
     return summary
 
 
-def _check_errors_path(errors_path: Path, input_path: Path, output_path: Path) -> None:
-    """The errors file is rewritten each run: never over the input or the output."""
+def _check_paths(errors_path: Path, input_path: Path, output_path: Path) -> None:
+    """The input is read twice (its rows counted first), so it is a file, not a pipe (the count would use it up
+    and the run would find no row); the output is appended to, and the errors file rewritten each run: neither is
+    the input, nor one the other."""
+    if input_path.exists() and not (input_path.is_file() or input_path.is_dir()):  # (a folder: a saved dataset)
+        raise ValueError(
+            f"the input {input_path} is not a regular file (a pipe?): it is read twice, to count its rows first; "
+            "save it to a file"
+        )
+    if output_path.resolve() == input_path.resolve():
+        raise ValueError(f"the output {output_path} is the input: give -o another path")
     for name, path in (("input", input_path), ("output", output_path)):
         if errors_path.resolve() == path.resolve():
             raise ValueError(f"the errors file {errors_path} is the {name}: give --errors another path")
@@ -597,9 +606,9 @@ def dry_run(
     input_path, output_path = Path(input_path), Path(output_path)
     in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
     options = options.for_format(in_fmt)
-    _check_columns(input_path, in_fmt, options)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path, dry=True)
-    _check_errors_path(errors_path, input_path, output_path)
+    _check_paths(errors_path, input_path, output_path)
+    _check_columns(input_path, in_fmt, options)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})
     # Under the run lock too: it reads (and may cut) the output's last line and rewrites the errors file.
@@ -709,7 +718,12 @@ def _run(
     sweep_every, next_sweep = poll_interval, 0.0
     try:
         while more or in_flight:
+            picked_up = len(reused)
             more = _submit(client, lines, in_flight, max_in_flight, reused, notify)
+            if len(reused) > picked_up:  # an earlier run's jobs: they announce their ends to it, so look now
+                sweep_every, next_sweep = poll_interval, 0.0
+            if not in_flight:
+                continue  # (the input used up: nothing to wait for)
             if time.monotonic() >= next_sweep:
                 ended = list(in_flight)
                 sweep_every = min(sweep_every * 2, 5.0)

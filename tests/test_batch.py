@@ -127,6 +127,27 @@ def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_agai
     assert row["response"]["request_id"] == job.id
 
 
+@pytest.mark.redis
+def test_rows_whose_jobs_ended_already_are_written_at_once_not_at_the_next_sweep(served, tmp_path, monkeypatch):
+    """An earlier run's jobs announce their ends to it, not to this run: rows picked up from them were written only
+    by the sweep, every 5 s, ~max_in_flight rows at a time (2,000 rows took 22 s, generating them 3 s)."""
+    import producer.batch as batch_mod
+
+    _, client = served
+    rows = [json.dumps({"custom_id": f"done-{i}", "prompt": f"Done {i}", "max_tokens": 2}) for i in range(12)]
+    lines = [parse_line(i + 1, row, queue=client.queue.name) for i, row in enumerate(rows)]
+    for job in client.submit_many([{**line.payload, "job_id": line.job_id} for line in lines]):
+        job.result(timeout=60)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    waits = []
+    real_wait = batch_mod._wait_for_endings
+    monkeypatch.setattr(batch_mod, "_wait_for_endings", lambda *a: waits.append(a) or real_wait(*a))
+    summary = run_batch(client, src, out, max_in_flight=4, poll_interval=0.05)
+    assert summary["succeeded"] == summary["reused"] == 12
+    assert waits == []  # each pick-up was looked at once, then and there
+
+
 def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
     """Job ids did not name the queue: a run on queue b (its workers may serve another model) picked up queue a's
     job of the same row as its own, and would have written a's output, or deleted a's failed job to submit it."""
@@ -577,6 +598,29 @@ def test_an_errors_file_over_the_input_or_the_output_is_refused(tmp_path, same_a
         else:
             run_batch(_offline_client(), src, out, errors_path=tmp_path / same_as)
     assert (src.read_text(), out.read_text()) == before
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_piped_input_or_an_output_over_the_input_is_refused(tmp_path, dry):
+    """A pipe was used up by the row count: the run found no row and exited 0. An output over the input had the
+    results appended to the input."""
+    import os
+
+    from producer.batch import dry_run
+
+    def run(src, out):
+        return dry_run(src, out) if dry else run_batch(_offline_client(), src, out)
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="is the input"):
+        run(src, tmp_path / "." / "in.jsonl")
+    assert src.read_text().count("\n") == 1
+    fifo = tmp_path / "piped.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        run(fifo, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 @pytest.mark.parametrize("dry", [False, True])
