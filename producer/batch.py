@@ -66,9 +66,9 @@ RUN_ID = re.compile(r"[A-Za-z0-9]{1,32}")
 class BadLine(ValueError):
     """A line refused before any job is submitted; ``custom_id`` is the line's when it had a usable one."""
 
-    def __init__(self, reason: str, custom_id: str | None = None) -> None:
+    def __init__(self, reason: str, custom_id: str | None = None, row: dict[str, Any] | None = None) -> None:
         super().__init__(reason)
-        self.custom_id = custom_id
+        self.custom_id, self.row = custom_id, row  # (a plain row's columns: a Parquet output keeps its failed rows)
 
 
 class BatchInterrupted(KeyboardInterrupt):
@@ -152,7 +152,7 @@ def parse_line(
         payload.setdefault("priority", priority)
         validate(payload)  # InvalidRequest is a ValueError
     except ValueError as exc:
-        raise BadLine(str(exc), custom_id) from None
+        raise BadLine(str(exc), custom_id, obj if options.plain else None) from None
     row = obj if options.plain else None
     return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row)
 
@@ -377,7 +377,16 @@ def _begun_before_queues(output_path: Path) -> bool:
     return isinstance(before, dict) and "id_column" in before and "queue" not in before
 
 
-def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bool) -> None:
+def _settings_on(output_path: Path, options: RowOptions, queue: str) -> tuple[dict[str, Any], str]:
+    """The run's settings as its output keeps them, and the queue its job ids name (an output begun before ids
+    named their queue keeps its ids, on any queue)."""
+    if _begun_before_queues(output_path):
+        return options.fingerprint(), DEFAULT_QUEUE
+    return {**options.fingerprint(), "queue": queue}, queue
+
+
+def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bool, write: bool = True) -> None:
+    """Other settings than those the output's rows were made with are refused; this run's are kept (``write``)."""
     path = settings_path(output_path)
     if has_rows and path.exists():
         try:
@@ -389,7 +398,8 @@ def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bo
                 f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
                 f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
             )
-    path.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
+    if write:
+        path.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
 
 
 def _formats(input_path: Path, input_format: str | None, output_path: Path, output_format: str | None):
@@ -491,9 +501,7 @@ def run_batch(
         with _only_run_on(output_path):
             sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
             done = sink.done()
-            legacy = _begun_before_queues(output_path)
-            settings = options.fingerprint() if legacy else {**options.fingerprint(), "queue": queue}
-            queue = DEFAULT_QUEUE if legacy else queue  # (the queue its job ids name)
+            settings, queue = _settings_on(output_path, options, queue)
             _check_settings(output_path, settings, bool(done))  # a refused run leaves the last errors
             client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
             with open_lines(errors_path, "w") as err, _signals_interrupt():
@@ -615,10 +623,11 @@ def dry_run(
     with _only_run_on(output_path):
         sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
         done = sink.done()
+        settings, queue = _settings_on(output_path, options, queue)
+        _check_settings(output_path, settings, bool(done), write=False)  # the refusal the run would meet
         with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
             sink.open(err, output=False)
             progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
-            queue = DEFAULT_QUEUE if _begun_before_queues(output_path) else queue  # (as ``run_batch``'s ids)
             lines = _read_input(input_path, in_fmt, options, done, run_id, queue, summary, priority, sink, progress)
             valid = prompt_tokens = longest = 0
             for line in lines:
@@ -663,7 +672,9 @@ def _read_input(
         try:
             line = parse_line(number, raw, run_id, priority, options, queue)
         except BadLine as exc:
-            _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress)
+            known = exc.custom_id is not None and exc.custom_id not in seen  # a row of its own in a Parquet output
+            failed = Line(number, exc.custom_id, "", {}, "", exc.row) if known else None
+            _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress, failed)
             continue
         if line.custom_id in seen:
             error = error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above")
@@ -672,7 +683,7 @@ def _read_input(
         seen.add(line.custom_id)
         refused = sink.refuse(line.payload)
         if refused:
-            _bad(sink, error_line(number, line.custom_id, "invalid_request", refused), summary, progress)
+            _bad(sink, error_line(number, line.custom_id, "invalid_request", refused), summary, progress, line)
             continue
         digest = done.get(line.custom_id)
         if digest is None:
@@ -685,8 +696,11 @@ def _read_input(
             _bad(sink, error_line(number, line.custom_id, "changed_request", message), summary, progress)
 
 
-def _bad(sink: Sink, error: dict[str, Any], summary: dict[str, Any], progress: Progress) -> None:
-    sink.error(error)
+def _bad(
+    sink: Sink, error: dict[str, Any], summary: dict[str, Any], progress: Progress, line: Line | None = None
+) -> None:
+    """A row refused before it ran: in the errors, and given its ``line``, in a Parquet output as a failed row."""
+    sink.error(error, line)
     _count_failure(summary, error["error"]["code"])
     progress.skip(failed=True)
 

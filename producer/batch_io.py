@@ -261,8 +261,8 @@ class ParquetSink:
         clash = [name for name in ADDED_COLUMNS if name in base.names]
         if clash:
             raise ValueError(f"the input already has the columns {clash} that the output adds; rename them")
-        output = pa.list_(pa.string()) if n > 1 else pa.string()
-        added = [("output", output), ("finish_reason", pa.string()), ("prompt_tokens", pa.int64())]
+        per_sample = pa.list_(pa.string()) if n > 1 else pa.string()  # with --n above 1, a list: one per sample
+        added = [("output", per_sample), ("finish_reason", per_sample), ("prompt_tokens", pa.int64())]
         added += [("completion_tokens", pa.int64()), ("error", pa.string()), ("job_id", pa.string())]
         self.schema = base
         for name, kind in added:
@@ -315,13 +315,14 @@ class ParquetSink:
                     self._add(row)
 
     def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
-        texts = [c["text"] for c in (result.get("choices") or [result])]
+        samples = result.get("choices") or [result]
+        texts, reasons = [c["text"] for c in samples], [c.get("finish_reason") for c in samples]
         usage = result.get("usage") or {}
         self._add(
             {
                 **self._input_row(line),
                 "output": texts if self.n > 1 else texts[0],
-                "finish_reason": result.get("finish_reason"),
+                "finish_reason": reasons if self.n > 1 else reasons[0],
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),
                 "error": None,
@@ -333,7 +334,7 @@ class ParquetSink:
         _write_error(self.errors, error)
         if line is not None:
             message = f"{error['error']['code']}: {error['error']['message']}"
-            self._add({**self._input_row(line), "error": message, "job_id": line.job_id})
+            self._add({**self._input_row(line), "error": message, "job_id": line.job_id or None})
 
     def _input_row(self, line: Any) -> dict[str, Any]:
         row = dict(line.row) if self._keeps_input and line.row is not None else {}
@@ -341,6 +342,8 @@ class ParquetSink:
 
     def _add(self, row: dict[str, Any]) -> None:
         """A row of the output; a row group is written each ``_BATCH_ROWS`` rows (see ``flush``)."""
+        if self._writer is None:
+            return  # a dry run: no output
         self._rows.append(row)
         if len(self._rows) >= _BATCH_ROWS:
             self._write_rows()
@@ -348,8 +351,9 @@ class ParquetSink:
     def _write_rows(self) -> None:
         if self._rows and self._writer is not None:
             pa, _ = _pyarrow()
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self.schema))  # one row group
-            self._rows = []
+            # Taken first: a Ctrl-C between the write and the reset wrote the row group again at close.
+            rows, self._rows = self._rows, []
+            self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))  # one row group
 
     def flush(self) -> None:
         """The errors file only. Rows wait for a whole row group: a run killed outright leaves a ``.partial``

@@ -517,7 +517,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--prompt-column",
         default=None,
         help="plain rows: the column holding the prompt (a Parquet input's default: prompt); other columns are data, "
-        "kept in a Parquet output",
+        "kept in a Parquet output of a Parquet or dataset input (a JSONL input's rows keep only their id)",
     )
     rows.add_argument("--messages-column", default=None, help="plain rows: the column holding chat messages")
     rows.add_argument(

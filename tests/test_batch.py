@@ -553,6 +553,13 @@ def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         run_batch(_offline_client(), src, out, options=RowOptions(defaults={"seed": 2}))
     assert default_errors_path(out).read_text() == errors
+    from producer.batch import dry_run, settings_path
+
+    kept = settings_path(out).read_text()
+    with pytest.raises(ValueError, match="other settings"):  # a dry run says what the run would meet
+        dry_run(src, out, options=RowOptions(defaults={"seed": 2}), queue="q")
+    assert settings_path(out).read_text() == kept and dry_run(src, out, options=RowOptions(defaults={"seed": 1}),
+                                                              queue="q")["valid"] == 1  # fmt: skip
     elsewhere = Client(connection=fakeredis.FakeRedis(), queue="elsewhere")  # maybe another model
     with pytest.raises(ValueError, match=r"other settings .*\"queue\": \"q\".*this run: .*\"queue\": \"elsewhere\""):
         run_batch(elsewhere, src, out, options=RowOptions(defaults={"seed": 1}))

@@ -79,7 +79,7 @@ def test_parquet_in_parquet_out_keeps_columns_with_a_schema_and_n_samples(served
     assert sorted(r["qid"] for r in rows) == sorted(ids)
     for r in rows:
         assert r["difficulty"] == int(r["qid"][1:]) % 3 and r["tags"][0] == "a" and r["error"] is None
-        assert len(r["output"]) == 2 and r["finish_reason"] == "stop" and r["prompt_tokens"] > 0
+        assert len(r["output"]) == 2 and r["finish_reason"] == ["stop", "stop"] and r["prompt_tokens"] > 0
         for text in r["output"]:
             jsonschema.validate(json.loads(text), SCHEMA)
     # The same run again: every row is done already; with other settings it is refused, not mixed.
@@ -137,8 +137,10 @@ def test_plain_jsonl_rows_with_columns_and_a_bad_row_into_parquet(served, tmp_pa
     assert (summary["succeeded"], summary["failed"], summary["failures"]) == (5, 1, {"invalid_request": 1})
     table = pq.read_table(out)
     assert table.column_names[0] == "id" and "extra" not in table.column_names  # JSONL rows have no schema
-    assert sorted(table.column("id").to_pylist()) == ["0", "1", "2", "3", "4"]
-    assert all(len(t) > 0 for t in table.column("output").to_pylist())
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(rows) == ["0", "1", "2", "3", "4", "5"]  # the bad row too, failed
+    assert rows.pop("5")["error"].startswith("invalid_request: ")
+    assert all(len(r["output"]) > 0 and r["error"] is None for r in rows.values())
 
 
 def test_the_columns_an_output_adds_must_not_be_in_the_input(tmp_path):
@@ -193,6 +195,26 @@ def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "timeout"}
     assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time: never ends
+    rows = {r["custom_id"]: r["error"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert rows["three"].startswith("invalid_request: ") and rows["one"].startswith("timeout: ")
+
+
+def test_a_row_refused_before_it_ran_is_a_failed_row_of_the_parquet_output(tmp_path):
+    """The same table out as in: a row refused before any job (no prompt, a bad value) was missing from it, where
+    a row whose job failed was there with its error."""
+    import fakeredis
+
+    source = tmp_path / "in.parquet"
+    table = {"qid": ["a", "b", "c"], "question": ["fine", None, "also fine"], "label": [1, 2, 3]}
+    pq.write_table(pa.table(table), source)
+    client = Client(connection=fakeredis.FakeRedis())
+    options = RowOptions("question", None, "qid", {})
+    with stuck_worker(client):
+        run_batch(client, source, tmp_path / "out.parquet", options=options, log_interval=1e9, timeout=0.01)
+    rows = {r["qid"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert sorted(rows) == ["a", "b", "c"]
+    assert rows["b"]["label"] == 2 and rows["b"]["job_id"] is None and rows["b"]["output"] is None
+    assert rows["b"]["error"].startswith("invalid_request: ")
 
 
 def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
