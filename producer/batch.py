@@ -796,7 +796,9 @@ def _settle(
             progress.update(result["usage"]["completion_tokens"])
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
-            _fail(sink, line, "job_" + status, reason, summary, progress)
+            # The worker found the row at fault (a prompt too long): the row's error, as one refused here.
+            code = "invalid_request" if (result or {}).get("error_type") == "invalid_request" else "job_" + status
+            _fail(sink, line, code, reason, summary, progress)
         elif timeout is not None and started is not None and now - started > timeout:
             if not client.job(job_id).cancel():
                 continue  # it ended since its status was read: the next look writes its row
