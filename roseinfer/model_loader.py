@@ -126,6 +126,10 @@ def convert_gguf(gguf: Path, name: str) -> Path:
     return target
 
 
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def has_tokenizer(path: str) -> bool:
     folder = Path(path)
     return not folder.is_dir() or any((folder / f).is_file() for f in _TOKENIZER_FILES)
@@ -137,8 +141,8 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
     try:
         path = resolve_model(model)
         config = AutoConfig.from_pretrained(path)
-    except OSError as exc:  # no such file, folder or hub id: transformers' 50-line traceback says no more
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (OSError, ValueError) as exc:  # no such file, folder or hub id (transformers' 50-line traceback says
+        reason = _first_line(exc)  # no more), or a file that is no model
         raise ConfigError(
             f"cannot load model {model!r}: {reason} (a model is a transformers folder, a .gguf file, a hub id in the "
             f"local Hugging Face cache, or {DEFAULT_MODEL})"
@@ -152,10 +156,17 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
             f"cannot load model {model!r}: a quantized checkpoint ({method}) is not supported; use its float "
             "checkpoint, or a .gguf file (dequantized as it loads)"
         )
+    tok_path = tokenizer or path
+    try:  # before the weights: a tokenizer that is not there fails at once
+        if tok_path.startswith(("/", "./", "../", "~")):
+            tok_path = str(Path(tok_path).expanduser())
+            if not Path(tok_path).exists():
+                raise FileNotFoundError(f"no such tokenizer folder or file: {tok_path}")
+        tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load tokenizer {tok_path!r}: {_first_line(exc)}") from None
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf_model.to(device).eval()
-    tok_path = tokenizer or path
-    tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
     eos: list[int] = []
     defaults: dict[str, Any] = {}
     try:

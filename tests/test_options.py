@@ -226,6 +226,20 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert err.count("\n") == 1 and "no such model folder or file: /nonexistent/model" in err
 
 
+def test_a_file_that_is_no_model_or_a_tokenizer_that_is_not_there_is_one_line(tiny_chat_model, tmp_path, capsys):
+    """Both were a traceback and exit 1, where every other configuration error is one line and exit 2."""
+    from worker.cli import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model")
+    assert main(["generate", "Hello", "--model", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a model folder nor a .gguf file" in err
+    assert main(["generate", "Hello", "--model", tiny_chat_model, "--tokenizer", str(tmp_path / "no-tok")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot load tokenizer" in err
+
+
 def test_a_command_with_defaults_of_its_own_shows_them_in_its_help():
     """``roseinfer bench-redis --help`` said --model defaults to smollm2-135m-instruct; it runs the tiny model."""
     import argparse
