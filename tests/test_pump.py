@@ -573,7 +573,7 @@ engine = FakeEngine()
 add = engine.add_request
 engine.add_request = lambda *args, **kwargs: (time.sleep(0.4), add(*args, **kwargs))[1]  # 0.4 s an admission
 url, queue = sys.argv[1], sys.argv[2]
-settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2)
+settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2, name=queue)
 Client(url, queue=queue).submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(5)])
 BatchWorker(engine, settings, Redis.from_url(url)).work(burst=True, logging_level="WARNING")
 """
@@ -611,7 +611,7 @@ engine = FakeEngine()
 real_step = engine.step
 engine.step = lambda flush=True: time.sleep(3600) if engine.steps == 1 else real_step(flush)  # the 2nd hangs
 url, queue = sys.argv[1], sys.argv[2]
-settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2)
+settings = WorkerSettings(redis_url=url, queue=queue, model="fake", engine_step_timeout=1, idle_wait=0.2, name=queue)
 Client(url, queue=queue).submit("hangs", max_tokens=5)
 BatchWorker(engine, settings, Redis.from_url(url)).work(logging_level="WARNING")
 """
@@ -640,6 +640,10 @@ def test_a_hung_step_of_an_engine_in_the_workers_process_ends_the_process(redis_
     assert "an engine step has run for" in done.stderr and "in <lambda>" in done.stderr  # where it hung
     assert time.monotonic() - began < 30
     assert len(Client(redis_url, queue=queue).queue.started_job_registry.get_job_ids()) == 1  # for RQ to recover
+    # Its death is registered: its supervisor's restart under the same --name is not refused for 8 minutes.
+    from worker.batch_worker import name_in_use
+
+    assert name_in_use(Client(redis_url).connection, queue) is None
 
 
 @pytest.mark.slow

@@ -390,3 +390,43 @@ def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
     ends = re.findall(r"--- job \S+: (length|stop), (\d+) tokens, ttft", proc.stdout)
     assert len(ends) == 2 and all(int(n) <= 6 for _, n in ends) and "streaming live" in proc.stdout
     assert "2 finished, 0 failed" in proc.stderr
+
+
+def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):
+    """A metrics port in use: the worker had taken jobs off the queue (its puller runs first), then crashed with a
+    traceback, leaving them in RQ's intermediate list a minute and its registration for 8. A name in use: a
+    traceback after the model loaded. A wrong password: a wait for Redis, for good."""
+    import socket
+    from urllib.parse import urlsplit
+
+    client = Client(redis_url, queue=queue_name)
+    jobs = client.submit_many([{"prompt": f"Wait {i}", "max_tokens": 2} for i in range(2)])
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--metrics-port", str(port), "--name", queue_name)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip().splitlines()[-1] == f"error: --metrics-port {port}: Address already in use"
+    conn = client.connection
+    assert conn.lrange(f"rq:queue:{queue_name}", 0, -1) != [] and all(job.status() == "queued" for job in jobs)
+    assert conn.llen(f"rq:queue:{queue_name}:intermediate") == 0 and not conn.exists(f"rq:worker:{queue_name}")
+
+    conn.hset(f"rq:worker:{queue_name}", "birth", "2026-11-25T00:00:00Z")  # another worker of that name, alive
+    conn.expire(f"rq:worker:{queue_name}", 60)
+    proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--name", queue_name)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Loading weights" not in err  # said before the model loads
+    assert f"error: a worker named {queue_name!r} is registered on this Redis already" in err.strip().splitlines()[-1]
+
+    user = f"u-{queue_name}"  # (a Redis without passwords takes any: a user that has one)
+    conn.execute_command("ACL", "SETUSER", user, "on", ">right", "~*", "&*", "+@all")
+    try:
+        url = urlsplit(redis_url)
+        wrong = url._replace(netloc=f"{user}:wrong@{url.hostname}:{url.port}").geturl()
+        proc = _start_worker(wrong, queue_name, tiny_chat_model)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        conn.execute_command("ACL", "DELUSER", user)
+    assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: cannot reach Redis (invalid")

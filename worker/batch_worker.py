@@ -50,6 +50,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, encode_result, lane_name, lanes
 from producer.schema import JobRequest
+from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
 from worker.intake import (
@@ -87,6 +88,17 @@ NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a 
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
+
+
+def name_in_use(connection: redis.Redis, name: str) -> str | None:
+    """Why a worker cannot register in RQ as ``name`` (one of that name is, and has not registered its death), or
+    None. A worker that died without a word (killed) holds its name until its registration lapses."""
+    key = f"{BaseWorker.redis_worker_namespace_prefix}{name}"
+    if not connection.exists(key) or connection.hexists(key, "death"):
+        return None
+    ttl = connection.ttl(key)
+    lapses = f" (it lapses in {ttl} s if that worker is gone)" if ttl > 0 else ""
+    return f"a worker named {name!r} is registered on this Redis already{lapses}: give this one another --name"
 
 
 @dataclass
@@ -145,7 +157,11 @@ class BatchWorker(BaseWorker):
         self._next_hand_over = 0.0
         self._step_s = 0.0  # how long the last engine step took
         # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
-        self._watchdog = StepWatchdog(settings.engine_step_timeout if isinstance(self.pump, Pump) else 0)
+        # Its death registered on the way out: a supervisor's restart under a fixed --name is not refused for the
+        # registration's TTL (its jobs are still recovered as a dead worker's: their heartbeats stop).
+        self._watchdog = StepWatchdog(
+            settings.engine_step_timeout if isinstance(self.pump, Pump) else 0, last_words=self.register_death
+        )
         if isinstance(self.pump, Pump):
             self.pump.on_admitted = self._watchdog.began
         self._next_maintenance = 0.0
@@ -280,7 +296,19 @@ class BatchWorker(BaseWorker):
         return worked
 
     def _start(self, burst: bool, logging_level: str | None) -> None:
-        self.bootstrap(logging_level)
+        if self.settings.metrics_port:  # first: a port taken stops the worker before it takes any job
+            try:
+                self.metrics.serve(self.settings.metrics_port)
+            except OSError as exc:
+                raise ConfigError(f"--metrics-port {self.settings.metrics_port}: {exc.strerror or exc}") from None
+            log.info("metrics on :%d/metrics", self.settings.metrics_port)
+        try:
+            self.bootstrap(logging_level)
+        except ValueError as exc:  # RQ's "There exists an active worker named ..."
+            taken = name_in_use(self.connection, self.name)
+            if taken is None:
+                raise
+            raise ConfigError(taken) from exc
         self._install_signal_handlers()
         self.sender.worker_key = self.key
         self.sender.status_list = f"roseinfer:statuses:{self.name}"
@@ -291,9 +319,6 @@ class BatchWorker(BaseWorker):
             self.sender.lease_key = LEASE_KEY.format(worker=self.name)
         self.puller.burst = burst
         self.puller.start()
-        if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
-            log.info("metrics on :%d/metrics", self.settings.metrics_port)
         self._heartbeat.start()
         self._watchdog.start()
 

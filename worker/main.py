@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from functools import partial
 
+import redis
 from redis import Redis
 
 from producer.client import eviction_warning
 from producer.connection import connect
+from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
 from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
@@ -28,6 +31,8 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
             if next_log:
                 log.warning("Redis at %s answers", address)
             return
+        except redis.exceptions.AuthenticationError:
+            raise  # a wrong password is no Redis starting up: one error, not a wait for good
         except REDIS_DOWN as exc:
             if time.monotonic() >= next_log:
                 log.warning("waiting for Redis at %s (%s); retrying with backoff", address, exc)
@@ -37,9 +42,14 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
 
 
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):
-    from worker.batch_worker import BatchWorker
+    from worker.batch_worker import BatchWorker, name_in_use
 
     connection = connection or connect(settings.redis_url)
+    if settings.name:  # a name in use, said before the model loads (where Redis answers already)
+        with contextlib.suppress(*REDIS_DOWN):
+            taken = name_in_use(connection, settings.name)
+            if taken:
+                raise ConfigError(taken)
     if settings.engine_process:
         build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
         engine = pump = EngineProcess(

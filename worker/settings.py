@@ -29,7 +29,7 @@ class QueueSettings(BaseSettings):
         "redis://127.0.0.1:6379/0", description="the Redis to serve (redis://, rediss://, unix://, redis+sentinel://)"
     )
     queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the RQ queue to pull jobs from")
-    name: str | None = Field(None, description="worker name in RQ (default: host and pid)")
+    name: str | None = Field(None, description="worker name in RQ (default: a random one, as RQ gives; a name in use is refused)")
     max_in_flight: int | None = Field(
         None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
     )

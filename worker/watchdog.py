@@ -13,17 +13,20 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("roseinfer.worker")
 
 EXIT_HUNG = 70  # EX_SOFTWARE: the engine hung
+LAST_WORDS_S = 2.0
 
 
 class StepWatchdog:
     """``began()`` before a step and ``ended()`` after it; a step longer than ``timeout`` s ends the process."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, last_words: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
+        self.last_words = last_words  # run before the exit, for at most LAST_WORDS_S (Redis may be what hangs)
         self._began: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="roseinfer-step-watchdog", daemon=True)
@@ -50,6 +53,10 @@ class StepWatchdog:
                              time.monotonic() - began, EXIT_HUNG)  # fmt: skip
                 try:
                     faulthandler.dump_traceback(file=_stderr(), all_threads=True)
+                    if self.last_words is not None:
+                        said = threading.Thread(target=self.last_words, name="roseinfer-last-words", daemon=True)
+                        said.start()
+                        said.join(LAST_WORDS_S)
                 finally:  # no usable stderr must not leave the process hung: the exit is the point
                     os._exit(EXIT_HUNG)
 
