@@ -94,6 +94,11 @@ def test_engine_flags_round_trip_through_the_worker_settings():
         ({"block_size": "0"}, "block_size must be a positive integer"),
         ({"device": "tpu"}, "device"),
         ({"heartbeat_interval": "0"}, "heartbeat_interval"),
+        # Past what Redis's EXPIRE takes: every event write of every job failed (stream), canceled jobs kept
+        # their hashes for good (result); a heartbeat's wait past threading.TIMEOUT_MAX stopped the heartbeats.
+        ({"stream_ttl": str(10**17)}, "stream_ttl"),
+        ({"result_ttl": str(10**17)}, "result_ttl"),
+        ({"heartbeat_interval": str(10**10)}, "heartbeat_interval"),
     ],
 )
 def test_bad_settings_are_refused_by_the_engine_rules_before_anything_loads(settings, phrase):

@@ -14,6 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_QUEUE
 from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
+from worker.intake import MAX_SECONDS
+
+DAY = 24 * 3600  # the longest interval: a thread's wait past threading.TIMEOUT_MAX raises
 
 ENV_PREFIX = "ROSEINFER_"
 # Read by the producer commands and the tests rather than by the worker's settings.
@@ -29,25 +32,38 @@ class QueueSettings(BaseSettings):
         "redis://127.0.0.1:6379/0", description="the Redis to serve (redis://, rediss://, unix://, redis+sentinel://)"
     )
     queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the RQ queue to pull jobs from")
-    name: str | None = Field(None, description="worker name in RQ (default: a random one, as RQ gives; a name in use is refused)")
+    name: str | None = Field(
+        None, description="worker name in RQ (default: a random one, as RQ gives; a name in use is refused)"
+    )
     max_in_flight: int | None = Field(
         None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
     )
-    stream_ttl: int = Field(24 * 3600, ge=1, description="seconds a running job's replay stream lives")
+    # At most what RQ and Redis's EXPIRE take (past it, every write that sets a TTL failed, events with it).
+    stream_ttl: int = Field(24 * 3600, ge=1, le=MAX_SECONDS, description="seconds a running job's replay stream lives")
     stream_ttl_after_end: int = Field(
-        600, ge=1, description="seconds a job's replay stream lives after its last event (its result keeps its own)"
+        600,
+        ge=1,
+        le=MAX_SECONDS,
+        description="seconds a job's replay stream lives after its last event (its result keeps its own)",
     )
     result_ttl: int = Field(
         24 * 3600,
         ge=1,
+        le=MAX_SECONDS,
         description="seconds a result is kept: a job's without result_ttl, a canceled or rejected job's",
     )
     stream_maxlen: int = Field(100_000, ge=16, description="events kept per replay stream")
     # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace + maintenance_interval
     # (about 55 s with these), run by any surviving worker.
-    heartbeat_interval: int = Field(10, ge=1, description="seconds between heartbeats of the worker and its jobs")
-    heartbeat_grace: int = Field(30, ge=1, description="seconds a missed heartbeat is forgiven before jobs return")
-    maintenance_interval: int = Field(15, ge=1, description="seconds between RQ registry clean-ups (dead workers)")
+    heartbeat_interval: int = Field(
+        10, ge=1, le=DAY, description="seconds between heartbeats of the worker and its jobs"
+    )
+    heartbeat_grace: int = Field(
+        30, ge=1, le=DAY, description="seconds a missed heartbeat is forgiven before jobs return"
+    )
+    maintenance_interval: int = Field(
+        15, ge=1, le=DAY, description="seconds between RQ registry clean-ups (dead workers)"
+    )
     # Short, so signals and maintenance stay prompt.
     idle_wait: float = Field(
         1.0, gt=0, le=60, description="seconds to block on an empty queue when nothing runs (under 1 needs Redis 6)"
