@@ -192,6 +192,7 @@ def _first_event(job, timeout=30.0):
 
 def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     worker, client = served
+    counted = worker.worker.tokens
     job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
     others = [client.submit(f"Other job {i}", max_tokens=8, temperature=0) for i in range(3)]
     _first_event(job)
@@ -223,6 +224,8 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     while worker.worker.in_flight and time.time() < deadline:
         time.sleep(0.05)
     assert worker.worker.engine.kv.num_free_blocks == worker.worker.engine.kv.num_blocks
+    # Every token streamed is counted (roseinfer_generated_tokens_total), the canceled job's last piece too.
+    assert worker.worker.tokens - counted == len(partial["token_ids"]) + 3 * 8
 
 
 def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served):

@@ -560,7 +560,8 @@ class BatchWorker(BaseWorker):
                 job.first_token_at = wall
             if event.finish_reason is not None:
                 job.finished_at = wall
-            self.tokens += len(event.token_ids)
+            if event.finish_reason != "abort":  # (``_canceled`` counts a cancel's, whoever ends the job)
+                self.tokens += len(event.token_ids)
             if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
                 job.stream.restart()
                 job.resumed_tokens = 0
@@ -725,6 +726,7 @@ class BatchWorker(BaseWorker):
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept, but for a job
         deleted (RQ's ``job.delete()``): nothing of it is left in Redis but its stream's last event."""
         del self.in_flight[job.job.id]
+        self.tokens += sum(len(e.token_ids) for e in events)
         *pieces, event = events
         for piece in pieces:  # a job of n samples: each sample's text not sent yet
             self.publisher.add(
