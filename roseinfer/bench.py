@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args
+from roseinfer.config import TINY_MODEL, ConfigError, add_engine_arguments, engine_config_from_args
 
 # The standard workload (64 short chat instructions), shipped inside the package so every checkout has it.
 DEFAULT_WORKLOAD = Path(__file__).with_name("data") / "prompts64.json"
@@ -59,9 +58,6 @@ def median_run(runs: list, rate=lambda r: r.tokens_per_s):
     return sorted(runs, key=rate)[len(runs) // 2]
 
 
-TINY_MODEL = "tiny"
-
-
 def resolve_model_arg(args: argparse.Namespace) -> None:
     """``--model tiny``: a tiny random Llama with a small tokenizer (built in a second, no download), whose steps
     take milliseconds as a GPU's do, so a benchmark times the machinery around the model. ``--model random:SHAPE``
@@ -71,9 +67,9 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 
         args.model = save_random_model(args.model.split(":", 1)[1], args.dtype)
     if args.model == TINY_MODEL:
-        from roseinfer.tiny_models import save_tiny_chat_model
+        from roseinfer.model_loader import resolve_model
 
-        args.model = save_tiny_chat_model(tempfile.mkdtemp(prefix="roseinfer-tiny-"), max_position_embeddings=2048)
+        args.model = resolve_model(TINY_MODEL)  # (a folder: its workers get the same path)
 
 
 def build_llm(args: argparse.Namespace):

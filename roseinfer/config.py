@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# A tiny random Llama with a small tokenizer (built once, in a second, no download): steps of milliseconds, as a
+# GPU's, for trying the queue's machinery or timing it (``--model tiny`` for every command).
+TINY_MODEL = "tiny"
 # Environment variables the engine reads itself (EngineConfig fields come from flags or the worker's settings).
 ENGINE_ENV_VARS = (
     "ROSEINFER_CACHE_DIR",

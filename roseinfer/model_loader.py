@@ -10,13 +10,14 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from roseinfer.config import DEFAULT_MODEL, ConfigError, cache_dir
+from roseinfer.config import DEFAULT_MODEL, TINY_MODEL, ConfigError, cache_dir
 from roseinfer.models import check_supported
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ def resolve_model(model: str) -> str:
     """A local folder that transformers can load without gguf, or a hub id."""
     if model.lower() == DEFAULT_MODEL:
         return str(convert_gguf(default_gguf_path(), name=DEFAULT_MODEL))
+    if model.lower() == TINY_MODEL:
+        from roseinfer.tiny_models import save_tiny_chat_model
+
+        # Seeded: the same weights on every machine, so a fleet of workers serves one model.
+        return str(save_in_cache(TINY_MODEL, lambda tmp: save_tiny_chat_model(tmp, max_position_embeddings=2048)))
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -111,11 +117,19 @@ def convert_gguf(gguf: Path, name: str) -> Path:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.tie_weights()
-    # Written beside the target and renamed, so concurrent workers never see half a folder.
+    return save_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
+    """The model folder ``name`` of the cache, written by ``save`` (into a folder of its own) unless it is there:
+    beside the target, then renamed, so concurrent workers never see half a folder."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        fresh.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save(tmp)
         try:
             tmp.rename(target)
         except OSError:

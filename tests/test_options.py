@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -255,3 +256,20 @@ def test_a_command_with_defaults_of_its_own_shows_them_in_its_help():
     add_arguments(p)
     model = next(a for a in p._actions if a.dest == "model")
     assert model.default == "tiny" and model.help.endswith("(tiny)") and p.parse_args([]).model == "tiny"
+
+
+def test_the_tiny_model_is_a_model_name_for_every_command(tmp_path, monkeypatch, capsys):
+    """``--model tiny`` worked for the benchmarks only: a worker took it for a hub id and waited on the network. It
+    is built once into the cache, the same on every machine (seeded), so a fleet's workers serve one model."""
+    from roseinfer.model_loader import resolve_model
+    from worker.cli import main
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    path = resolve_model("tiny")
+    built = (Path(path) / "model.safetensors").read_bytes()
+    assert resolve_model("tiny") == path and (Path(path) / "model.safetensors").read_bytes() == built
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(elsewhere))  # another machine
+    assert (Path(resolve_model("tiny")) / "model.safetensors").read_bytes() == built
+    assert main(["generate", "Hello", "--model", "tiny", "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["completion_tokens"] == 3
