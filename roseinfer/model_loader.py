@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from roseinfer.config import DEFAULT_MODEL, TINY_MODEL, ConfigError, cache_dir
-from roseinfer.models import check_supported
+from roseinfer.models import UnsupportedModelError, check_supported
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,8 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
     try:
         path = resolve_model(model)
         config = AutoConfig.from_pretrained(path)
+    except UnsupportedModelError:
+        raise  # (a ValueError that says it all)
     except (OSError, ValueError) as exc:  # no such file, folder or hub id (transformers' 50-line traceback says
         reason = _first_line(exc)  # no more), or a file that is no model
         raise ConfigError(

@@ -522,6 +522,7 @@ def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
 
     from redis import Redis
 
+    from roseinfer.config import ConfigError
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
@@ -532,7 +533,7 @@ def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
     try:
         pump = EngineProcess(partial(fake_engine))
         second = BatchWorker(pump, settings, conn, pump=pump)
-        with pytest.raises(ValueError, match="exists"):
+        with pytest.raises(ConfigError, match="registered on this Redis already"):
             second.work()
         assert pump.failure is not None  # closed: its child is gone
     finally:
