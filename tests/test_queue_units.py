@@ -1470,6 +1470,32 @@ def test_due_jobs_go_back_to_their_queue_within_a_second_not_a_heartbeat(redis_u
         worker.register_death()
 
 
+@pytest.mark.redis
+def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
+    """A stall of Redis outlived the jobs' registry entries (absolute scores) but not the lease (a TTL, extended
+    when the stall ended): RQ requeued the jobs, and the events of both attempts went out unchecked."""
+    from producer.protocol import LEASE_KEY, OWNER_FIELD
+    from worker.heartbeat import Heartbeat
+
+    conn, worker, _, [first, second] = _running_jobs(redis_url, count=2)
+    worker.sender._load_scripts()
+    lease = worker.sender.lease_key = LEASE_KEY.format(worker=worker.name)
+    heartbeat = Heartbeat(worker)
+    heartbeat.beat()  # beats both jobs (their registry entries: 40 s), then sets the lease: 10 s + half the grace
+    assert 24_000 < conn.pttl(lease) <= 25_000
+    entry = {first.execution.composite_key: time.time() + 12}  # 12 s left: its heartbeats did not reach Redis
+    conn.zadd(first.job.started_job_registry.key, entry)
+    heartbeat.beat()  # (the jobs were beaten a moment ago: not again)
+    assert not conn.exists(lease)  # it would outlive the entry less half the grace (15 s)
+    conn.zadd(first.job.started_job_registry.key, {first.execution.composite_key: time.time() + 20})
+    heartbeat.beat()
+    assert 0 < conn.pttl(lease) <= 5_000
+    conn.zadd(first.job.started_job_registry.key, {first.execution.composite_key: time.time() + 40})
+    conn.hset(second.job.key, OWNER_FIELD, "another-attempt")  # requeued and taken elsewhere
+    heartbeat.beat()
+    assert not conn.exists(lease)
+
+
 def _running_jobs(redis_url: str, count: int = 1, **fields):
     """A worker of a new queue (no engine: its ends and registries are under test) that pulled and started ``count``
     jobs of ``fields``, each in flight: (connection, worker, queue name, the jobs in flight)."""

@@ -37,6 +37,7 @@ class Heartbeat:
         self._rate = (time.monotonic(), 0)  # (when, tokens) at the last beat, for tokens/s
         self.due_retries = DueRetries(worker)
         self._beat_jobs: Any = None  # ``_BEAT_JOBS``, loaded at the first beat where Redis runs Lua
+        self._leased = True  # whether the last beat kept the lease (a loss is logged once)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="roseinfer-heartbeat", daemon=True)
@@ -80,22 +81,24 @@ class Heartbeat:
         rate = (w.tokens - tokens) / max(mono - when, 1e-6)
         self._rate = (mono, w.tokens)
         jobs = list(w.in_flight.values())  # a snapshot: the main thread adds and removes jobs meanwhile
-        # A job whose heartbeat is younger than grace - interval outlives its TTL (interval + grace) until the next
-        # beat without one: a job started a moment ago costs no writes (six a job a beat).
-        fresh = mono - (w.settings.heartbeat_grace - w.settings.heartbeat_interval)
+        # A job beaten less than half the grace ago keeps its registry entry (TTL interval + grace) past the next
+        # beat plus the lease's margin, so the lease lasts until then: a job started a moment ago costs no writes
+        # (six a job a beat).
+        fresh = mono - w.settings.heartbeat_grace / 2
         stale = [job for job in jobs if job.beat_at <= fresh]
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
         try:
-            replies = self._beat(stale, ttl, rate, mono)
+            replies = self._beat(stale, jobs, ttl, rate, mono)
         except redis.exceptions.NoScriptError:  # Redis restarted and forgot it
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
-            replies = self._beat(stale, ttl, rate, mono)
-        lease = w.sender.lease_key
-        if lease and not replies[-1]:
-            self.renew_lease(jobs)
+            replies = self._beat(stale, jobs, ttl, rate, mono)
+        if w.sender.lease_key:
+            if self._leased and not replies[-1]:
+                log.warning("lease not kept: a job held here belongs to another attempt now, or its heartbeat lapsed")
+            self._leased = bool(replies[-1])
 
-    def _beat(self, stale: list, ttl: int, rate: float, mono: float) -> list:
+    def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float) -> list:
         w = self.worker
         with w.connection.pipeline(transaction=False) as pipe:
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
@@ -113,22 +116,19 @@ class Heartbeat:
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
             # The statistics lapse with the heartbeat: a dead worker drops out of `roseinfer status`.
             pipe.expire(key, ttl)
-            lease = w.sender.lease_key
-            if lease:  # extended only while it exists: a lapse may have let RQ requeue a job held here
-                pipe.pexpire(lease, self.lease_ms())
+            if w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
+                self._lease(jobs, pipe)
             return pipe.execute()
 
-    def lease_ms(self) -> int:
-        """Shorter than the jobs' heartbeat TTL by half the grace: the lease lapses before RQ may requeue any job
-        held here, whatever the skew between this host's clock and the one whose maintenance requeues jobs (up to
-        that half)."""
-        settings = self.worker.settings
-        return int((settings.heartbeat_interval + settings.heartbeat_grace / 2) * 1000)
-
-    def renew_lease(self, jobs: list) -> None:
-        """The lease again, in one script, if every job held here is still this worker's; if not, the sender's
-        per-event checks find the lost ones (and the next beat tries again once they are dropped)."""
-        keys = [job.job.key for job in jobs] + [self.worker.sender.lease_key]
-        owners = [job.execution.id for job in jobs]
-        if not self.worker.sender.renew_script(keys=keys, args=[*owners, self.lease_ms()]):
-            log.warning("lease not renewed: a job held here belongs to another attempt now")
+    def _lease(self, jobs: list, pipe: Any) -> None:
+        """The lease until the next beat and then half the grace; never later than half the grace before any job's
+        registry entry lapses (RQ may requeue it then, whatever the skew, up to that half, between Redis's clock
+        and the one of the host whose maintenance requeues it). Set only while every job held is still this
+        worker's; else the sender's per-event checks find the lost ones, and the next beat tries again."""
+        settings, sender = self.worker.settings, self.worker.sender
+        keys, args = [sender.lease_key], [(settings.heartbeat_interval + settings.heartbeat_grace / 2) * 1000]
+        args.append(settings.heartbeat_grace / 2 * 1000)
+        for job in jobs:
+            keys += [job.job.key, job.job.started_job_registry.key]
+            args += [job.execution.id, job.execution.composite_key]
+        sender.lease_script(keys=keys, args=[int(x) if isinstance(x, float) else x for x in args], client=pipe)

@@ -71,14 +71,25 @@ for i = 1, #KEYS, 2 do
 end
 return lost
 """
-# The lease again after it lapsed (``LEASE_KEY``): KEYS: the jobs held, then the lease; ARGV: each job's owner here,
-# then the lease's milliseconds. Set only if every job is still this worker's; 1 if set.
-_RENEW = """
-for i = 1, #KEYS - 1 do
+# The lease (``LEASE_KEY``), set at each heartbeat in one script. KEYS: the lease, then per job held its hash and
+# its started registry; ARGV: the lease's longest milliseconds, the margin before a registry entry lapses, then per
+# job its owner here and its registry member. Set only while every job is still this worker's (a lapse may have let
+# RQ requeue one), and never past any job's registry entry less the margin, by Redis's clock: a stall of Redis
+# outlived the entries (their scores are absolute, the lease's TTL was not) and RQ requeued jobs whose events then
+# went out unchecked, from two attempts. 1 if set; 0: the lease is gone, and every event is checked.
+_LEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ms, margin, a = tonumber(ARGV[1]), tonumber(ARGV[2]), 3
+for i = 2, #KEYS, 2 do
   local job = redis.call('HMGET', KEYS[i], 'roseinfer_owner', 'status')
-  if job[1] and (job[1] ~= ARGV[i] or job[2] == 'queued') then return 0 end
+  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued') then ms = 0 break end
+  local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
+  if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now) end
+  a = a + 2
 end
-redis.call('SET', KEYS[#KEYS], 1, 'PX', ARGV[#ARGV])
+if ms <= 0 then redis.call('DEL', KEYS[1]) return 0 end
+redis.call('SET', KEYS[1], 1, 'PX', ms)
 return 1
 """
 
@@ -149,7 +160,7 @@ class Sender:
         self.status_interval = status_interval
         self._next_status_read = 0.0
         self._emit = None  # the event script, where the server runs Lua (the embedded fakeredis too)
-        self.renew_script = None
+        self.lease_script = None
         self.finish_script = None  # ends finished jobs as RQ would (``job_finish``)
         self.move_script = None  # takes jobs off a queue until it is empty (``intake.MOVE_SCRIPT``)
         self.start_script = None  # starts pulled jobs as RQ would (``job_start``)
@@ -178,7 +189,7 @@ class Sender:
             return
         # Loaded now and called by their SHA (``load_script``). Redis losing its scripts (a restart) reloads them.
         self._emit = load_script(self.connection, _EMIT)
-        self.renew_script = self.connection.register_script(_RENEW)
+        self.lease_script = self.connection.register_script(_LEASE)
         self.finish_script = job_finish.register(self.connection)
         self.move_script = load_script(self.connection, MOVE_SCRIPT)
         self.start_script = job_start.register(self.connection)
