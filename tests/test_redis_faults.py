@@ -127,3 +127,40 @@ def test_a_second_stop_signal_stops_a_worker_whose_redis_is_gone(own_redis, tiny
             proc.kill()
             proc.communicate()
     assert "second stop signal" in err and re.search(r"worker \S+ stopped", err), err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
+    """A Redis that holds its connections open but answers nothing (a dead host, a partition, a paused VM; here a
+    SIGSTOP) hung every command for the kernel's ~15 minutes without a word, and two SIGTERMs did not stop the
+    worker. Its commands time out, it says Redis is unavailable, and a cold stop ends it within seconds."""
+    import signal
+
+    from worker.cli import worker_command
+
+    url, redis_proc = start_private_redis()
+    if redis_proc is None:
+        pytest.skip("could not start redis-server")
+    cmd = worker_command(url, "mute", tiny_chat_model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = Client(url, queue="mute")
+        jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
+        deadline = time.time() + 60
+        while not all(job.status() == "started" for job in jobs):
+            assert time.time() < deadline and proc.poll() is None, "the worker never started the jobs"
+            time.sleep(0.05)
+        redis_proc.send_signal(signal.SIGSTOP)  # connections stay open; nothing answers
+        time.sleep(8)  # past the worker's socket timeout (idle wait + 5 s)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)  # before: still waiting on its first reply
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        redis_proc.send_signal(signal.SIGCONT)
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+    assert "Redis unavailable" in err and re.search(r"worker \S+ stopped", err), err[-3000:]

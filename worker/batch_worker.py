@@ -15,6 +15,7 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 from __future__ import annotations
 
 import logging
+import math
 import queue as queue_mod
 import signal
 import sys
@@ -123,6 +124,7 @@ class InFlight:
 class BatchWorker(BaseWorker):
     def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis, pump: Any = None) -> None:
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
+        self.settings = settings  # (read by ``connection_timeout`` as RQ's __init__ sets the connection up)
         super().__init__(
             settings.queue,
             name=settings.name,
@@ -190,6 +192,13 @@ class BatchWorker(BaseWorker):
             super()._set_ip_address(connection)
         except (ValueError, redis.exceptions.ResponseError):  # servers without a parseable CLIENT INFO
             self.ip_address = "unknown"
+
+    @property
+    def connection_timeout(self) -> int:
+        """The socket timeout RQ gives the worker's connection (unless it has a longer one): the longest blocking
+        pull and a few seconds. RQ's own (its dequeue wait, 405 s, and 10) made a Redis that stops answering (a
+        dead host, a partition, a paused VM) hang every command for 7 minutes without a word, cold stops too."""
+        return math.ceil(self.settings.idle_wait) + 5
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # RQ adds a fixed 60 s; a shorter grace makes a dead worker's jobs come back sooner.

@@ -41,10 +41,16 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
             backoff = min(backoff * 2, max_backoff)
 
 
+def worker_connection(settings: WorkerSettings) -> Redis:
+    """The worker's Redis client: a Redis that stops answering fails a command, as one that is down does (its
+    socket timeout is the worker's ``connection_timeout``; a URL's own options win)."""
+    return connect(settings.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+
+
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     from worker.batch_worker import BatchWorker, name_in_use
 
-    connection = connection or connect(settings.redis_url)
+    connection = connection or worker_connection(settings)
     if settings.name:  # a name in use, said before the model loads (where Redis answers already)
         with contextlib.suppress(*REDIS_DOWN):
             taken = name_in_use(connection, settings.name)
