@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 from redis import Redis
 from rq import Queue, Retry
@@ -215,6 +216,32 @@ def sample_text(result: dict[str, Any], index: int) -> str:
     """The text of sample ``index`` of a result (one with n > 1 holds them in ``choices``)."""
     choices = result.get("choices") or [{"index": 0, "text": result.get("text", "")}]
     return next((c.get("text", "") for c in choices if c.get("index", 0) == index), "")
+
+
+REDIS_GONE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises
+
+
+class Outage:
+    """A follower's patience with a Redis that went away (a restart, a Sentinel failover): it tries again with
+    backoff, for up to ``REDIS_PATIENCE_S`` at a time and never past the caller's deadline, then raises the error.
+    Without it every stream and wait died with the restart, the jobs going on."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline, self.since, self.backoff = deadline, None, 0.1
+
+    def wait(self, exc: Exception) -> None:
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        end = self.since + REDIS_PATIENCE_S
+        end = end if self.deadline is None else min(end, self.deadline)
+        if now >= end:
+            raise exc
+        time.sleep(min(self.backoff, end - now))
+        self.backoff = min(self.backoff * 2, 2.0)
+
+    def over(self) -> None:
+        self.since, self.backoff = None, 0.1
 
 
 class Client:
@@ -502,11 +529,20 @@ class GenerationJob:
             yield event
             if "finish_reason" in event:
                 return
+        outage = Outage(deadline)
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
-            reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
+            try:
+                reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
+                status = None if reply else self.status()
+                if (status in _ENDED or status == "missing") and conn.xread({key: cursor.last_id}, count=1):
+                    continue  # the last events landed just now
+            except REDIS_GONE as exc:
+                outage.wait(exc)  # a restart, a failover: read on from the same place once it answers
+                continue
+            outage.over()
             for _key, entries in reply or []:
                 for event in cursor.take(entries):
                     yield event
@@ -514,10 +550,7 @@ class GenerationJob:
                         return
             if reply:
                 continue
-            status = self.status()
             if status in _ENDED or status == "missing":
-                if conn.xread({key: cursor.last_id}, count=1):
-                    continue  # the last events landed just now
                 self._raise_ended(status)
             if status == "finished":
                 expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S
@@ -550,14 +583,23 @@ class GenerationJob:
         again at least once a second, since a job can end without a final event (RQ failed it, it was deleted)."""
         conn = self.client.connection
         deadline = None if timeout is None else time.monotonic() + timeout
+        outage = Outage(deadline)
         grace: float | None = None
         pubsub = None
         try:
             while True:
-                with conn.pipeline(transaction=False) as pipe:  # the status first (``read_result`` says why)
-                    pipe.hget(Job.key_for(self.id), "status")
-                    read_result(pipe, self.id)
-                    status, entries = pipe.execute()
+                try:
+                    with conn.pipeline(transaction=False) as pipe:  # the status first (``read_result`` says why)
+                        pipe.hget(Job.key_for(self.id), "status")
+                        read_result(pipe, self.id)
+                        status, entries = pipe.execute()
+                except REDIS_GONE as exc:
+                    if pubsub is not None:  # its connection went too: subscribed again once Redis answers
+                        pubsub.close()
+                        pubsub = None
+                    outage.wait(exc)
+                    continue
+                outage.over()
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
@@ -574,11 +616,15 @@ class GenerationJob:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
-                if pubsub is None:  # subscribed, then a look again: an end in between is not missed
-                    pubsub = conn.pubsub(ignore_subscribe_messages=True)
-                    pubsub.subscribe(channel_key(self.id))
-                    continue
-                _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
+                try:
+                    if pubsub is None:  # subscribed, then a look again: an end in between is not missed
+                        pubsub = conn.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(channel_key(self.id))
+                        continue
+                    _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
+                except REDIS_GONE:
+                    pubsub.close()  # the next look meets the outage, and subscribes again after it
+                    pubsub = None
         finally:
             if pubsub is not None:
                 pubsub.close()

@@ -14,7 +14,7 @@ import pytest
 from conftest import ThreadWorker
 from redis import Redis
 
-from producer import Client
+from producer import Client, JobFailed
 from worker.local_redis import start_private_redis
 from worker.main import UnsafeRedis, check_eviction_policy
 
@@ -164,3 +164,55 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
         redis_proc.terminate()
         redis_proc.wait(timeout=10)
     assert "Redis unavailable" in err and re.search(r"worker \S+ stopped", err), err[-3000:]
+
+
+def test_a_follower_rides_out_a_redis_restart():
+    """A Redis restart (or a failover) ended every stream and wait with a ConnectionError ("check --redis-url"),
+    though the jobs went on: the follower waits for Redis and reads on from where it was."""
+    import json
+    import threading
+
+    from producer.protocol import stream_key
+
+    url, first = start_private_redis()
+    if first is None:
+        pytest.skip("could not start redis-server")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    conn = Redis.from_url(url)
+    job = Client(url, queue="rides").job("rides-1")
+    conn.hset("rq:job:rides-1", "status", "started")
+    conn.xadd(stream_key("rides-1"), {"event": json.dumps({"n": 0, "text": "Hello", "token_ids": [1]})})
+    got, errors, waited, restarted = [], [], [], None
+    follower = threading.Thread(target=lambda: _follow(job, got, errors), daemon=True)
+    follower.start()
+    waiter = threading.Thread(target=lambda: _follow(job, waited, waited, result=True), daemon=True)
+    waiter.start()
+    try:
+        deadline = time.time() + 10
+        while not got and time.time() < deadline:
+            time.sleep(0.05)
+        first.terminate()  # Redis goes away, and comes back empty (no AOF), as the worker writes what it holds again
+        first.wait(timeout=10)
+        time.sleep(1)
+        _, restarted = start_private_redis(port=port)
+        conn.hset("rq:job:rides-1", "status", "finished")
+        last = {"n": 1, "text": " world", "token_ids": [2], "finish_reason": "stop", "usage": {}}
+        conn.xadd(stream_key("rides-1"), {"event": json.dumps(last)})
+        follower.join(timeout=30)
+        waiter.join(timeout=30)
+    finally:
+        for proc in (first, restarted):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)
+    assert errors == [] and [e["text"] for e in got] == ["Hello", " world"]
+    # The wait for the result rode it out too: it saw the job end (finished, its result not written by hand here).
+    [outcome] = waited
+    assert isinstance(outcome, JobFailed) and "result" in str(outcome), outcome
+
+
+def _follow(job, got: list, errors: list, result: bool = False) -> None:
+    try:
+        got.extend([job.result(timeout=30)] if result else job.events(timeout=30))
+    except Exception as exc:  # (asserted)
+        errors.append(exc)
