@@ -1496,6 +1496,29 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     assert not conn.exists(lease)
 
 
+@pytest.mark.redis
+def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finished(redis_url):
+    """The result took sample 0's end for the job's: canceled after sample 0 stopped, the job's result said
+    ``finished`` / ``stop`` (its stream said abort, RQ said canceled) and ``job.result()`` returned it as a success."""
+    from producer import JobCanceled
+    from producer.client import Client
+    from roseinfer.outputs import CompletionOutput, RequestOutput
+    from worker.pump import JobEvent
+
+    conn, worker, name, [held] = _running_jobs(redis_url, n=2, temperature=1.0, seed=1)
+    samples = [CompletionOutput(0, "A", [5], "stop", "\n"), CompletionOutput(1, "B C", [6, 7], "abort")]
+    out = RequestOutput(held.job.id, None, [1, 2], samples, True)
+    conn.hset(held.job.key, "status", "canceled")  # as RQ's cancel leaves it
+    worker._canceled(held, [JobEvent(held.job.id, "C", [7], "abort", out, index=1)])
+    for end in worker._tasks:
+        end()
+    with pytest.raises(JobCanceled) as err:
+        Client(redis_url, queue=name).job(held.job.id).result(timeout=5)
+    result = err.value.result
+    assert (result["status"], result["finish_reason"], result["stop_reason"]) == ("canceled", "abort", None)
+    assert [c["finish_reason"] for c in result["choices"]] == ["stop", "abort"]  # each sample keeps its own
+
+
 def _running_jobs(redis_url: str, count: int = 1, **fields):
     """A worker of a new queue (no engine: its ends and registries are under test) that pulled and started ``count``
     jobs of ``fields``, each in flight: (connection, worker, queue name, the jobs in flight)."""

@@ -747,7 +747,7 @@ class BatchWorker(BaseWorker):
             self.publisher.add(
                 job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index, logprobs=event.logprobs
             )
-            result = self._result(job, out)
+            result = self._result(job, out, canceled=True)
         else:  # it ends as every canceled job does, with a last event and a result, of nothing made
             self.publisher.add(job.stream, "", [], "abort", dict(NO_USAGE))
             result = canceled_result(job.job.id, job.request, str(reason))
@@ -884,10 +884,10 @@ class BatchWorker(BaseWorker):
 
         self._tasks.append(end)
 
-    def _result(self, job: InFlight, out: Any) -> dict[str, Any]:
+    def _result(self, job: InFlight, out: Any, canceled: bool = False) -> dict[str, Any]:
         return build_result(
             job.job, job.request, out, model=self.settings.model_name, started_at=job.started_at,
-            first_token_at=job.first_token_at, finished_at=job.finished_at,
+            first_token_at=job.first_token_at, finished_at=job.finished_at, canceled=canceled,
         )  # fmt: skip
 
     def _write_failure(

@@ -109,22 +109,26 @@ def build_result(
     started_at: float,
     first_token_at: float | None,
     finished_at: float | None = None,
+    canceled: bool = False,
 ) -> dict[str, Any]:
     """The job's result: the return value of its entry in RQ's result stream (``job.return_value()``).
-    ``finished_at``: when its last event came out of the engine (default: now)."""
+    ``finished_at``: when its last event came out of the engine (default: now). ``canceled``: the job was canceled
+    or stopped, whatever its samples' ends (with n > 1 sample 0 may have ended before: its own stays in
+    ``choices``)."""
     c = out.outputs[0]
+    canceled = canceled or c.finish_reason == "abort"
     finished_at = finished_at or time.time()
     enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
     result: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "id": job.id,
         "custom_id": req.custom_id,
-        "status": "canceled" if c.finish_reason == "abort" else "finished",
+        "status": "canceled" if canceled else "finished",
         "model": model,
         "text": c.text,
         "token_ids": list(c.token_ids),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
+        "finish_reason": "abort" if canceled else c.finish_reason,
+        "stop_reason": None if canceled else c.stop_reason,
         "usage": usage(out),
         "timings": {  # to the microsecond, as RQ's own stamps: the digits past it cost Redis bytes for a day
             "enqueued_at": round(enqueued_at, 6),
