@@ -1519,6 +1519,39 @@ def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finis
     assert [c["finish_reason"] for c in result["choices"]] == ["stop", "abort"]  # each sample keeps its own
 
 
+@pytest.mark.redis
+def test_a_job_a_pull_left_in_the_intermediate_list_goes_back_to_its_queue_not_to_failed(redis_url):
+    """A pull whose reply was lost (a timeout) leaves its jobs in RQ's intermediate list, started by no one: RQ's
+    clean-up failed them a minute later ("stuck in intermediate queue"), a retry spent or the job lost."""
+    import uuid
+    from datetime import timedelta
+
+    from redis import Redis
+    from rq.utils import now
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    client = Client(redis_url, queue=name)
+    stranded, waiting = client.submit("lost in a pull", max_tokens=2), client.submit("next", max_tokens=2)
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    queue = worker.queues[0]
+    conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")  # the move ran; its reply was lost
+    worker.clean_registries()  # first seen
+    assert queue.intermediate_queue.get_job_ids() == [stranded.id]
+    first_seen = queue.intermediate_queue.get_first_seen_key(stranded.id)
+    conn.set(first_seen, (now() - timedelta(minutes=2)).timestamp())
+    worker.clean_registries()
+    assert queue.intermediate_queue.get_job_ids() == [] and queue.get_job_ids() == [stranded.id, waiting.id]
+    assert stranded.status() == "queued" and stranded.rq_job.retries_left == 2  # never ran: nothing spent
+
+
 def _running_jobs(redis_url: str, count: int = 1, **fields):
     """A worker of a new queue (no engine: its ends and registries are under test) that pulled and started ``count``
     jobs of ``fields``, each in flight: (connection, worker, queue name, the jobs in flight)."""

@@ -250,7 +250,7 @@ class BatchWorker(BaseWorker):
             try:
                 clean_registries(queue, self._exc_handlers)
                 worker_registration.clean_worker_registry(queue)
-                queue.intermediate_queue.cleanup(self, queue)
+                self._requeue_stranded(queue)
             except REDIS_DOWN:
                 raise
             except Exception:
@@ -258,6 +258,24 @@ class BatchWorker(BaseWorker):
             finally:
                 queue.release_maintenance_lock()
         self.last_cleaned_at = now()
+
+    def _requeue_stranded(self, queue: Queue) -> None:
+        """RQ's clean-up of the intermediate list, but a job no worker started within a minute of its move there (a
+        pull whose reply a timeout lost, a worker killed between the move and the start) goes back to the front of
+        its queue: it never ran. RQ's fails it ("stuck in intermediate queue"), a retry spent or the job lost."""
+        stranded = queue.intermediate_queue
+        for job_id in stranded.get_job_ids():
+            if job_id in queue.started_job_registry:
+                continue
+            if not self.connection.exists(Job.key_for(job_id)):
+                stranded.remove(job_id)  # (deleted meanwhile)
+            elif not stranded.set_first_seen(job_id) and stranded.should_be_cleaned_up(job_id):
+                with self.connection.pipeline() as pipe:  # MULTI: in one list or the other, never both or none
+                    pipe.lrem(stranded.key, 1, job_id)
+                    pipe.lpush(queue.key, job_id)
+                    pipe.execute()
+                log.warning("job %s was left by a pull in RQ's intermediate list: back at the front of its queue",
+                            job_id)  # fmt: skip
 
     # ----- the loop ----------------------------------------------------------------------------------
     def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
