@@ -1435,31 +1435,21 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
 def test_due_jobs_go_back_to_their_queue_within_a_second_not_a_heartbeat(redis_url):
     """RQ's scheduler looks for due jobs every second; the worker looked at each heartbeat (10 s by default), so a
     job ``enqueue_in`` 1 s (or a retry with an interval) ran up to 10 s late."""
-    import uuid
     from datetime import timedelta
 
-    from redis import Redis
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker.batch_worker import BatchWorker
     from worker.heartbeat import Heartbeat
-    from worker.settings import WorkerSettings
 
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    settings = WorkerSettings(redis_url=redis_url, queue=name, model="fake", heartbeat_interval=10)
-    worker = BatchWorker(Engine(), settings, conn)
+    conn, worker, client = _worker_of_a_new_queue(redis_url, heartbeat_interval=10)
     worker.register_birth()
     worker.sender._load_scripts()
     heartbeat = Heartbeat(worker)
     heartbeat.start()
     try:
         time.sleep(0.2)  # the first beat and look are behind it: the job falls due between looks
-        queue = Queue(name, connection=conn, serializer=JSONSerializer)
+        queue = Queue(client.queue.name, connection=conn, serializer=JSONSerializer)
         job = queue.enqueue_in(timedelta(seconds=1), "worker.jobs.generate", prompt="later", max_tokens=2)
         deadline = time.monotonic() + 5
         while job.id not in queue.job_ids and time.monotonic() < deadline:
@@ -1523,11 +1513,28 @@ def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finis
 def test_a_job_a_pull_left_in_the_intermediate_list_goes_back_to_its_queue_not_to_failed(redis_url):
     """A pull whose reply was lost (a timeout) leaves its jobs in RQ's intermediate list, started by no one: RQ's
     clean-up failed them a minute later ("stuck in intermediate queue"), a retry spent or the job lost."""
-    import uuid
     from datetime import timedelta
 
-    from redis import Redis
     from rq.utils import now
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    stranded, waiting = client.submit("lost in a pull", max_tokens=2), client.submit("next", max_tokens=2)
+    queue = worker.queues[0]
+    conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")  # the move ran; its reply was lost
+    worker.clean_registries()  # first seen
+    assert queue.intermediate_queue.get_job_ids() == [stranded.id]
+    first_seen = queue.intermediate_queue.get_first_seen_key(stranded.id)
+    conn.set(first_seen, (now() - timedelta(minutes=2)).timestamp())
+    worker.clean_registries()
+    assert queue.intermediate_queue.get_job_ids() == [] and queue.get_job_ids() == [stranded.id, waiting.id]
+    assert stranded.status() == "queued" and stranded.rq_job.retries_left == 2  # never ran: nothing spent
+
+
+def _worker_of_a_new_queue(redis_url: str, **settings):
+    """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
+    import uuid
+
+    from redis import Redis
 
     from producer import Client
     from worker.batch_worker import BatchWorker
@@ -1538,18 +1545,8 @@ def test_a_job_a_pull_left_in_the_intermediate_list_goes_back_to_its_queue_not_t
 
     conn = Redis.from_url(redis_url)
     name = f"q-{uuid.uuid4().hex[:8]}"
-    client = Client(redis_url, queue=name)
-    stranded, waiting = client.submit("lost in a pull", max_tokens=2), client.submit("next", max_tokens=2)
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    queue = worker.queues[0]
-    conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")  # the move ran; its reply was lost
-    worker.clean_registries()  # first seen
-    assert queue.intermediate_queue.get_job_ids() == [stranded.id]
-    first_seen = queue.intermediate_queue.get_first_seen_key(stranded.id)
-    conn.set(first_seen, (now() - timedelta(minutes=2)).timestamp())
-    worker.clean_registries()
-    assert queue.intermediate_queue.get_job_ids() == [] and queue.get_job_ids() == [stranded.id, waiting.id]
-    assert stranded.status() == "queued" and stranded.rq_job.retries_left == 2  # never ran: nothing spent
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake", **settings), conn)
+    return conn, worker, Client(redis_url, queue=name)
 
 
 def _running_jobs(redis_url: str, count: int = 1, **fields):

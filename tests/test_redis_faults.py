@@ -98,24 +98,32 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
 
 
 @pytest.mark.slow
+def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
+    """A worker process whose four jobs have started (and stream)."""
+    from worker.cli import worker_command
+
+    cmd = worker_command(url, queue, model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = Client(url, queue=queue)
+    jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
+    deadline = time.time() + 60
+    while not all(job.status() == "started" for job in jobs):
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(f"the worker never started the jobs: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    return proc
+
+
 def test_a_second_stop_signal_stops_a_worker_whose_redis_is_gone(own_redis, tiny_chat_model):
     """A cold stop does not wait for Redis: with Redis gone and jobs streaming, the step loop filled the sender's
     queue and blocked there, so two SIGTERMs never stopped the worker. It exits within seconds; RQ's clean-up
     requeues its jobs once its heartbeat lapses."""
     import signal
 
-    from worker.cli import worker_command
-
     url, conn = own_redis
-    cmd = worker_command(url, "gone", tiny_chat_model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = _worker_streaming(url, "gone", tiny_chat_model)
     try:
-        client = Client(url, queue="gone")
-        jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
-        deadline = time.time() + 60
-        while not all(job.status() == "started" for job in jobs):
-            assert time.time() < deadline and proc.poll() is None, "the worker never started the jobs"
-            time.sleep(0.05)
         conn.shutdown(nosave=True)  # Redis goes away while the jobs stream
         time.sleep(4)  # the sender waits on Redis; the steps' writes pile up behind it
         proc.send_signal(signal.SIGTERM)
@@ -136,20 +144,12 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
     worker. Its commands time out, it says Redis is unavailable, and a cold stop ends it within seconds."""
     import signal
 
-    from worker.cli import worker_command
-
     url, redis_proc = start_private_redis()
     if redis_proc is None:
         pytest.skip("could not start redis-server")
-    cmd = worker_command(url, "mute", tiny_chat_model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = None
     try:
-        client = Client(url, queue="mute")
-        jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
-        deadline = time.time() + 60
-        while not all(job.status() == "started" for job in jobs):
-            assert time.time() < deadline and proc.poll() is None, "the worker never started the jobs"
-            time.sleep(0.05)
+        proc = _worker_streaming(url, "mute", tiny_chat_model)
         redis_proc.send_signal(signal.SIGSTOP)  # connections stay open; nothing answers
         time.sleep(8)  # past the worker's socket timeout (idle wait + 5 s)
         proc.send_signal(signal.SIGTERM)
@@ -157,7 +157,7 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)  # before: still waiting on its first reply
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.communicate()
         redis_proc.send_signal(signal.SIGCONT)
