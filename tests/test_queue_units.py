@@ -1484,6 +1484,14 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     conn.hset(second.job.key, OWNER_FIELD, "another-attempt")  # requeued and taken elsewhere
     heartbeat.beat()
     assert not conn.exists(lease)
+    # A job last beaten just under half the grace ago is beaten again: its entry (whole seconds, rounded down) ended
+    # the lease just before the next beat, and every event was checked one by one for ~0.6 s of every 10.
+    conn.hset(second.job.key, OWNER_FIELD, second.execution.id)
+    for held in (first, second):
+        held.beat_at = time.monotonic() - 14.9
+        conn.zadd(held.job.started_job_registry.key, {held.execution.composite_key: int(time.time() - 14.9) + 40})
+    heartbeat.beat()
+    assert conn.pttl(lease) > 11_000  # past the next beat (10 s), with room to spare
 
 
 @pytest.mark.redis

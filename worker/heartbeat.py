@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("roseinfer.worker")
 
+# Registry scores are whole seconds (rounded down) and a beat comes a little late: a job whose entry would end the
+# lease within this of the next beat is beaten again, or the lease lapsed for ~0.6 s of every 10 (every event then
+# checked one by one).
+LEASE_SLACK_S = 3.0
+
 # KEYS: job hashes; ARGV: the heartbeat's stamp. RQ's job heartbeat (an HSET), only where the hash exists: a job
 # deleted (RQ's job.delete()) just before a beat came back as a hash of one field and no TTL, for good.
 _BEAT_JOBS = """
@@ -81,10 +86,10 @@ class Heartbeat:
         rate = (w.tokens - tokens) / max(mono - when, 1e-6)
         self._rate = (mono, w.tokens)
         jobs = list(w.in_flight.values())  # a snapshot: the main thread adds and removes jobs meanwhile
-        # A job beaten less than half the grace ago keeps its registry entry (TTL interval + grace) past the next
-        # beat plus the lease's margin, so the lease lasts until then: a job started a moment ago costs no writes
-        # (six a job a beat).
-        fresh = mono - w.settings.heartbeat_grace / 2
+        # A job beaten less than half the grace ago (less LEASE_SLACK_S) keeps its registry entry (TTL interval +
+        # grace) past the next beat plus the lease's margin, so the lease lasts until then: a job started a moment
+        # ago costs no writes (six a job a beat).
+        fresh = mono - max(0.0, w.settings.heartbeat_grace / 2 - LEASE_SLACK_S)
         stale = [job for job in jobs if job.beat_at <= fresh]
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
