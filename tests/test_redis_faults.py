@@ -155,7 +155,9 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)  # before: still waiting on its first reply
+        # Before: still waiting on its first reply (RQ's socket timeout, 415 s); then ~46 s, one command's timeout
+        # after another on the way out. Now its patience (5 s), a command's timeout, and 3 s for the way out.
+        _, err = proc.communicate(timeout=30)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -87,6 +87,7 @@ from worker.watchdog import StepWatchdog
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
+LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
@@ -309,18 +310,28 @@ class BatchWorker(BaseWorker):
                     backoff = min(backoff * 2, 30.0)
         finally:
             self._watchdog.stop()
-            self.puller.stop()
-            self.sender.stop()
+            if self._force_stop:  # a cold stop does not wait for Redis: what it has not done by then, RQ's clean-up
+                leaving = threading.Thread(target=self._leave, name="roseinfer-leaving", daemon=True)  # does
+                leaving.start()
+                leaving.join(max(LEAVE_PATIENCE_S, (self.sender.give_up_at or 0) - time.monotonic()))
+                if leaving.is_alive():
+                    log.error("Redis does not answer: the worker leaves without unregistering (it lapses with its "
+                              "heartbeat, as a killed worker's)")  # fmt: skip
+            else:
+                self._leave()
             self.pump.close()
-            self._heartbeat.stop()
-            try:
-                self.teardown()
-            except REDIS_UNAVAILABLE as exc:
-                log.error(
-                    "could not unregister (Redis unavailable: %s); the registration lapses with its heartbeat", exc
-                )
         log.info("worker %s stopped", self.name)
         return worked
+
+    def _leave(self) -> None:
+        """The threads stopped, what is unsent sent, the registration removed."""
+        self.puller.stop()
+        self.sender.stop()
+        self._heartbeat.stop()
+        try:
+            self.teardown()
+        except REDIS_UNAVAILABLE as exc:
+            log.error("could not unregister (Redis unavailable: %s); the registration lapses with its heartbeat", exc)
 
     def _start(self, burst: bool, logging_level: str | None) -> None:
         if self.settings.metrics_port:  # first: a port taken stops the worker before it takes any job
@@ -1106,7 +1117,9 @@ class BatchWorker(BaseWorker):
         self._apply_arrivals()  # taken already: they go back with the rest
         self.pump.cancel_many(list(self.in_flight))
         self._hand_over(force=True)
-        self.sender.drain(30.0)  # the events already produced land first
+        # The events already produced land first (a cold stop waits for them no longer than its patience).
+        give_up_at = self.sender.give_up_at
+        self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         handed = 0
         for job_id, job in reversed(list(self.in_flight.items())):  # each to the front: the first taken ends up first
             with self.connection.pipeline() as pipe:
