@@ -674,6 +674,8 @@ def _read_input(
         except BadLine as exc:
             known = exc.custom_id is not None and exc.custom_id not in seen  # a row of its own in a Parquet output
             failed = Line(number, exc.custom_id, "", {}, "", exc.row) if known else None
+            if known:
+                seen.add(exc.custom_id)  # its id is taken: a later row of the same id is a duplicate, not a 2nd row
             _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress, failed)
             continue
         if line.custom_id in seen:

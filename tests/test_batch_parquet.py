@@ -205,14 +205,16 @@ def test_a_row_refused_before_it_ran_is_a_failed_row_of_the_parquet_output(tmp_p
     import fakeredis
 
     source = tmp_path / "in.parquet"
-    table = {"qid": ["a", "b", "c"], "question": ["fine", None, "also fine"], "label": [1, 2, 3]}
+    table = {"qid": ["a", "b", "c", "b"], "question": ["fine", None, "also fine", "b again"], "label": [1, 2, 3, 4]}
     pq.write_table(pa.table(table), source)
     client = Client(connection=fakeredis.FakeRedis())
     options = RowOptions("question", None, "qid", {})
     with stuck_worker(client):
-        run_batch(client, source, tmp_path / "out.parquet", options=options, log_interval=1e9, timeout=0.01)
-    rows = {r["qid"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
-    assert sorted(rows) == ["a", "b", "c"]
+        summary = run_batch(client, source, tmp_path / "out.parquet", options=options, log_interval=1e9, timeout=0.01)
+    listed = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    rows = {r["qid"]: r for r in listed}
+    assert sorted(rows) == ["a", "b", "c"] and len(listed) == 3  # one row an id: the second "b" is a duplicate
+    assert summary["failures"]["duplicate_custom_id"] == 1
     assert rows["b"]["label"] == 2 and rows["b"]["job_id"] is None and rows["b"]["output"] is None
     assert rows["b"]["error"].startswith("invalid_request: ")
 
