@@ -15,7 +15,6 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 from __future__ import annotations
 
 import logging
-import math
 import queue as queue_mod
 import signal
 import sys
@@ -196,10 +195,8 @@ class BatchWorker(BaseWorker):
 
     @property
     def connection_timeout(self) -> int:
-        """The socket timeout RQ gives the worker's connection (unless it has a longer one): the longest blocking
-        pull and a few seconds. RQ's own (its dequeue wait, 405 s, and 10) made a Redis that stops answering (a
-        dead host, a partition, a paused VM) hang every command for 7 minutes without a word, cold stops too."""
-        return math.ceil(self.settings.idle_wait) + 5
+        """The socket timeout RQ gives the worker's connection unless it has a longer one (the worker's own)."""
+        return self.settings.socket_timeout
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         # RQ adds a fixed 60 s; a shorter grace makes a dead worker's jobs come back sooner.

@@ -146,7 +146,7 @@ def build_result(
         result["metadata"] = req.metadata
     if len(out.outputs) == 1:
         return result  # one sample: the result's own fields are it (stored once: Redis keeps every byte a day)
-    # Every sample, sample 0 first (its text, token ids and finish reason are also the result's own).
+    # Every sample, sample 0 first (its text and token ids are also the result's own; its end too, unless canceled).
     result["choices"] = [
         {
             "index": s.index,

@@ -42,9 +42,11 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
 
 
 def worker_connection(settings: WorkerSettings) -> Redis:
-    """The worker's Redis client: a Redis that stops answering fails a command, as one that is down does (its
-    socket timeout is the worker's ``connection_timeout``; a URL's own options win)."""
-    return connect(settings.redis_url, socket_connect_timeout=5, socket_keepalive=True)
+    """The worker's Redis client: a Redis that stops answering fails a command, as one that is down does (a URL's
+    own options win). Set here, for the connections opened before the worker is built too."""
+    return connect(
+        settings.redis_url, socket_timeout=settings.socket_timeout, socket_connect_timeout=5, socket_keepalive=True
+    )
 
 
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):

@@ -7,6 +7,7 @@ The engine's options are not declared here: ``WorkerSettings`` takes every field
 from __future__ import annotations
 
 import difflib
+import math
 import os
 
 from pydantic import Field, create_model, model_validator
@@ -122,6 +123,12 @@ class QueueSettings(BaseSettings):
     def engine_options(self) -> dict:
         """Keyword arguments for ``roseinfer.LLM(model, **options)``."""
         return {opt.name: getattr(self, opt.name) for opt in engine_options() if opt.name != "model"}
+
+    @property
+    def socket_timeout(self) -> int:
+        """The worker's Redis socket timeout: its longest blocking pull and 5 s. (RQ's own, its dequeue wait and 10,
+        415 s, made a Redis that stops answering hang every command for 7 minutes without a word.)"""
+        return math.ceil(self.idle_wait) + 5
 
     @property
     def model_name(self) -> str:
