@@ -416,9 +416,11 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
 
 
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
-def test_heartbeats_skip_a_job_until_its_start_is_grace_minus_interval_old(redis_url, tiny_chat_model, monkeypatch):
-    # Beats every second, 4 s of grace: the start's heartbeat (TTL 5 s) stands for the first 3 s of a job.
-    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1, heartbeat_grace=4)
+def test_heartbeats_skip_a_job_until_its_start_is_nearly_half_the_grace_old(redis_url, tiny_chat_model, monkeypatch):
+    # Beats every second, 10 s of grace: the start's heartbeat (TTL 11 s) stands for the first 2 s of a job (half
+    # the grace, less LEASE_SLACK_S: the lease, which ends half the grace before any job's entry, lasts till the
+    # next beat).
+    w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1, heartbeat_grace=10)
     try:
         client, conn = Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
         real_step = w.worker.engine.step
@@ -431,7 +433,7 @@ def test_heartbeats_skip_a_job_until_its_start_is_grace_minus_interval_old(redis
         job = client.submit("beat", max_tokens=70, temperature=0, ignore_eos=True)
         next(iter(job.events(timeout=30)))
         started = conn.hget(f"rq:job:{job.id}", "last_heartbeat")
-        time.sleep(1.5)  # a beat or two came meanwhile: none for this job yet
+        time.sleep(1.0)  # a beat came meanwhile: none for this job yet
         assert conn.hget(f"rq:job:{job.id}", "last_heartbeat") == started
         deadline = time.time() + 6
         while conn.hget(f"rq:job:{job.id}", "last_heartbeat") == started and time.time() < deadline:
