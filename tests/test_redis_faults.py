@@ -115,6 +115,7 @@ def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # a worker process, and seconds of waiting
 def test_a_second_stop_signal_stops_a_worker_whose_redis_is_gone(own_redis, tiny_chat_model):
     """A cold stop does not wait for Redis: with Redis gone and jobs streaming, the step loop filled the sender's
     queue and blocked there, so two SIGTERMs never stopped the worker. It exits within seconds; RQ's clean-up
