@@ -10,7 +10,6 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import redis
 from pydantic import ValidationError
 from redis import Redis
 from rq import Queue, Retry
@@ -20,7 +19,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import Worker
 
-from producer.connection import connect
+from producer.connection import REDIS_DOWN, connect
 from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
@@ -218,7 +217,6 @@ def sample_text(result: dict[str, Any], index: int) -> str:
     return next((c.get("text", "") for c in choices if c.get("index", 0) == index), "")
 
 
-REDIS_GONE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises
 
 
@@ -539,7 +537,7 @@ class GenerationJob:
                 status = None if reply else self.status()
                 if (status in _ENDED or status == "missing") and conn.xread({key: cursor.last_id}, count=1):
                     continue  # the last events landed just now
-            except REDIS_GONE as exc:
+            except REDIS_DOWN as exc:
                 outage.wait(exc)  # a restart, a failover: read on from the same place once it answers
                 continue
             outage.over()
@@ -593,7 +591,7 @@ class GenerationJob:
                         pipe.hget(Job.key_for(self.id), "status")
                         read_result(pipe, self.id)
                         status, entries = pipe.execute()
-                except REDIS_GONE as exc:
+                except REDIS_DOWN as exc:
                     if pubsub is not None:  # its connection went too: subscribed again once Redis answers
                         pubsub.close()
                         pubsub = None
@@ -622,7 +620,7 @@ class GenerationJob:
                         pubsub.subscribe(channel_key(self.id))
                         continue
                     _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
-                except REDIS_GONE:
+                except REDIS_DOWN:
                     pubsub.close()  # the next look meets the outage, and subscribes again after it
                     pubsub = None
         finally:

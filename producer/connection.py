@@ -11,6 +11,11 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Redis down, unreachable, or not answering within the socket timeout: what waiting (not the request) may mend.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS to the primary
 

@@ -1536,6 +1536,7 @@ def test_a_job_a_pull_left_in_the_intermediate_list_goes_back_to_its_queue_not_t
     worker.clean_registries()
     assert queue.intermediate_queue.get_job_ids() == [] and queue.get_job_ids() == [stranded.id, waiting.id]
     assert stranded.status() == "queued" and stranded.rq_job.retries_left == 2  # never ran: nothing spent
+    assert not conn.exists(first_seen)  # moved and started again in milliseconds: not taken for stranded at once
 
 
 def _worker_of_a_new_queue(redis_url: str, **settings):

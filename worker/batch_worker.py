@@ -271,6 +271,8 @@ class BatchWorker(BaseWorker):
                 with self.connection.pipeline() as pipe:  # MULTI: in one list or the other, never both or none
                     pipe.lrem(stranded.key, 1, job_id)
                     pipe.lpush(queue.key, job_id)
+                    # Seen afresh if a pull leaves it there again (its next move and start take milliseconds).
+                    pipe.delete(stranded.get_first_seen_key(job_id))
                     pipe.execute()
                 log.warning("job %s was left by a pull in RQ's intermediate list: back at the front of its queue",
                             job_id)  # fmt: skip

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from redis.sentinel import MasterNotFoundError
 
     from producer.client import InvalidRequest, StreamGap
-    from producer.connection import InvalidRedisURL
+    from producer.connection import REDIS_DOWN, InvalidRedisURL
     from roseinfer.config import ConfigError
     from worker.main import UnsafeRedis
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
     except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL) as exc:
         print(f"error: {exc}", file=sys.stderr)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except REDIS_DOWN as exc:
         # (a Sentinel's "no master" names every sentinel client it tried, pools and all: a line of 1.5 KB)
         why = str(exc).split(" : <")[0] if isinstance(exc, MasterNotFoundError) else str(exc)
         print(f"error: cannot reach Redis ({why}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)

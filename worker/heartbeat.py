@@ -131,9 +131,9 @@ class Heartbeat:
         and the one of the host whose maintenance requeues it). Set only while every job held is still this
         worker's; else the sender's per-event checks find the lost ones, and the next beat tries again."""
         settings, sender = self.worker.settings, self.worker.sender
-        keys, args = [sender.lease_key], [(settings.heartbeat_interval + settings.heartbeat_grace / 2) * 1000]
-        args.append(settings.heartbeat_grace / 2 * 1000)
+        margin_ms = settings.heartbeat_grace * 500
+        keys, args = [sender.lease_key], [settings.heartbeat_interval * 1000 + margin_ms, margin_ms]
         for job in jobs:
             keys += [job.job.key, job.job.started_job_registry.key]
             args += [job.execution.id, job.execution.composite_key]
-        sender.lease_script(keys=keys, args=[int(x) if isinstance(x, float) else x for x in args], client=pipe)
+        sender.lease_script(keys=keys, args=args, client=pipe)

@@ -26,6 +26,7 @@ from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.utils import parse_timeout, str_to_date
 
+from producer.connection import REDIS_DOWN
 from producer.protocol import rejected_key
 
 log = logging.getLogger("roseinfer.worker")
@@ -42,7 +43,6 @@ _JSON = ("retry_intervals", "dependency_ids")
 MAX_SECONDS = 10**9
 _SECONDS = ("result_ttl", "failure_ttl", "ttl", "timeout")
 _INTERVALS = ("retry_intervals", "repeat_intervals")
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 # Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
 # back-pressure, not death.
 REDIS_REFUSING = (
