@@ -5,6 +5,9 @@ One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to ``max_num_se
 persistent input buffers. A step fills the buffers of the smallest bucket that holds its batch (two copies from
 pinned host memory: the per-token ints and the block tables) and replays; the padding rows have no context and
 store nothing. Prefill and mixed steps run eagerly.
+
+Built with ``capture=False``, the same buffers and buckets run each step eagerly instead of replaying: how a machine
+without CUDA (the test suite on CPU, under Triton's interpreter) exercises everything here but the capture itself.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        capture: bool = True,
     ) -> None:
         self.model, self.attn_backend, self.kv_caches = model, attn_backend, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
         # Rows: input ids, positions, slots, context lengths. One pinned host copy, one device copy per step.
-        self.ints_host = torch.zeros(4, self.max_batch, dtype=torch.long, pin_memory=True)
+        pin = device.type == "cuda"  # pinning needs a CUDA device
+        self.ints_host = torch.zeros(4, self.max_batch, dtype=torch.long, pin_memory=pin)
         self.ints = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
-        self.tables_host = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self.tables_host = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._ints_np, self._tables_np = self.ints_host.numpy(), self.tables_host.numpy()
         # Per row: (owner, entries written) of the table in tables_host; a steady batch copies one entry a block.
@@ -52,7 +57,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()  # replays per batch size, for tests and stats
         self.out: torch.Tensor | None = None
-        self._capture()
+        if capture:
+            self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
         ids, pos, slots, ctx = self.ints[0, :bs], self.ints[1, :bs], self.ints[2, :bs], self.ints[3, :bs]
@@ -118,6 +124,8 @@ class DecodeGraphs:
         # The previous step's sampling synchronised with the device, so these buffers are free to refill.
         self.ints.copy_(self.ints_host, non_blocking=True)
         self.tables[:bs].copy_(self.tables_host[:bs], non_blocking=True)
-        self.graphs[bs].replay()
         self.replays[bs] += 1
+        if not self.graphs:  # built without capture: the same step, run eagerly over the same buffers
+            return self._forward(bs)[:n]
+        self.graphs[bs].replay()
         return self.out[:n]

@@ -172,17 +172,12 @@ def test_elementwise_ops_round_as_pytorch_does(dtype):
     assert torch.allclose(tk.silu_mul(gate_up).float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.slow
-def test_the_engine_on_the_triton_backend_matches_transformers(tiny_llama, monkeypatch):
-    """The whole step (K/V store, decode and chunked-prefill attention, fused elementwise ops) on the Triton
-    kernels, on CPU through the interpreter where there is no GPU: the same greedy tokens as transformers."""
-    import random
-
-    from conftest import hf_greedy
-
+@pytest.fixture
+def triton_engine(monkeypatch):
+    """The engine's kernels and attention on Triton: the GPU's own where there is one, else the same kernels in the
+    interpreter on CPU."""
     import roseinfer.attention as attention
     import roseinfer.kernels as kernels
-    from roseinfer import LLM, SamplingParams
 
     if not CUDA:
         monkeypatch.setenv("ROSEINFER_CPU_KERNELS", "0")
@@ -190,9 +185,84 @@ def test_the_engine_on_the_triton_backend_matches_transformers(tiny_llama, monke
         monkeypatch.setattr(kernels, "_lib", None)
         monkeypatch.setattr(kernels, "triton_kernels_for", lambda device: tk)
         monkeypatch.setattr(attention, "triton_kernels_for", lambda device: tk)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+
+
+def _prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_the_engine_on_the_triton_backend_matches_transformers(tiny_llama, triton_engine):
+    """The whole step (K/V store, decode and chunked-prefill attention, fused elementwise ops) on the Triton
+    kernels, on CPU through the interpreter where there is no GPU: the same greedy tokens as transformers."""
+    from conftest import hf_greedy
+
+    from roseinfer import LLM, SamplingParams
+
+    prompts = _prompts(5, seed=1)
     llm = LLM(tiny_llama, dtype="float32", device=DEVICE, max_num_batched_tokens=24)
     assert llm.engine.attn_backend.name == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, temperature=0))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 10, device=DEVICE)
+
+
+def _graph_buffers_run_eagerly(llm):
+    """The engine's decode steps through the CUDA-graph runner's persistent buffers and buckets, each run eagerly
+    (no capture): what a GPU replays, checked on any machine."""
+    from roseinfer.cuda_graphs import DecodeGraphs
+
+    engine, runner = llm.engine, llm.engine.runner
+    if runner.graphs is None:
+        max_blocks = -(-engine.max_model_len // engine.config.block_size)
+        runner.graphs = DecodeGraphs(
+            runner.model,
+            runner.attn_backend,
+            runner.kv_caches,
+            engine.config.max_num_seqs,
+            max_blocks,
+            runner.device,
+            capture=CUDA,
+        )
+    return runner.graphs
+
+
+@pytest.mark.slow
+def test_decode_through_the_graph_buffers_matches_transformers_at_every_bucket(tiny_llama, triton_engine):
+    """Every bucket size, full and padded (padding rows store nothing and see nothing), and rows whose tables are
+    copied one new block at a time while their owner stays: greedy tokens equal transformers'."""
+    from conftest import hf_greedy
+
+    from roseinfer import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, dtype="float32", device=DEVICE, max_num_seqs=12, block_size=4)
+    graphs = _graph_buffers_run_eagerly(llm)
+    assert graphs.sizes == [1, 2, 4, 8, 12]
+    prompts = _prompts(12, seed=2, lo=3, hi=20)
+    ref = hf_greedy(tiny_llama, prompts, 10, device=DEVICE)  # 10 tokens cross blocks of 4: tables grow mid-run
+    params = SamplingParams(max_tokens=10, temperature=0)
+    for n in [1, 3, 11]:
+        graphs.replays.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params)
+        assert [o.outputs[0].token_ids for o in outs] == ref[:n], f"{n} requests"
+        assert graphs.replays[graphs.bucket(n)] > 0, f"{n} requests never ran bucket {graphs.bucket(n)}"
+
+
+@pytest.mark.slow
+def test_preempted_requests_decode_through_the_graph_buffers_with_rebuilt_tables(tiny_llama, triton_engine):
+    """A preempted request comes back with new blocks: its row's table is copied whole again (its owner changed),
+    never patched onto the old one."""
+    from conftest import hf_greedy
+
+    from roseinfer import LLM, SamplingParams
+
+    prompts = _prompts(6, seed=5, lo=20, hi=30)
+    kv_memory = 12 * 2 * 2 * 16 * 2 * 16 * 4  # 12 blocks of 16 tokens of the tiny model: too few for all six
+    llm = LLM(tiny_llama, dtype="float32", device=DEVICE, kv_cache_memory=kv_memory, block_size=16, max_num_seqs=8)
+    graphs = _graph_buffers_run_eagerly(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=28, temperature=0))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(graphs.replays.values()) > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28, device=DEVICE)
