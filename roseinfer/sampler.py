@@ -8,6 +8,7 @@ then give the same tokens whatever else shares the batch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,19 +45,45 @@ def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: in
         row.exponential_(generator=generator)
 
 
-class PendingSample:
-    """A step's tokens on their way to the host: ``result()`` waits for them. Greedy rows on a GPU come back
-    through one non-blocking copy, so the host is free until then; anything else is sampled at once."""
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without waiting for the device: on a GPU through pinned memory and a
+    non-blocking copy (a plain copy there waits for every kernel queued before it, the whole forward)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
-    def __init__(self, done: SamplerOutput | None = None, host: torch.Tensor | None = None, event=None) -> None:
-        self._done, self._host, self._event = done, host, event
+
+def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, as ``to_device`` copies a list."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class PendingSample:
+    """A step's tokens (and logprobs) on their way to the host: ``result()`` waits for them. On a GPU everything a
+    step samples comes back through non-blocking copies to pinned memory behind one event, so the host is free
+    until then and waits once; on a CPU it is there already."""
+
+    def __init__(
+        self,
+        done: SamplerOutput | None = None,
+        host: list[torch.Tensor] | None = None,
+        event=None,
+        finish: Callable[[list[list]], SamplerOutput] | None = None,
+    ) -> None:
+        self._done, self._host, self._event, self._finish = done, host, event, finish
 
     def result(self) -> SamplerOutput:
         if self._done is None:
-            self._event.synchronize()
-            tokens = self._host.tolist()
-            self._done = SamplerOutput(tokens, [None] * len(tokens))
+            if self._event is not None:
+                self._event.synchronize()
+            self._done = self._finish([t.tolist() for t in self._host])
         return self._done
+
+
+def _tokens_only(lists: list[list]) -> SamplerOutput:
+    return SamplerOutput(lists[0], [None] * len(lists[0]))
 
 
 class Sampler:
@@ -65,31 +92,20 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self._pinned: torch.Tensor | None = None  # the host side of start()'s copies, grown as needed
-
-    def start(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> PendingSample:
-        """Sample without waiting where that is possible (greedy rows on a GPU), else as ``__call__``."""
-        plain = masks is None and all(
-            s.params.greedy and not s.params.uses_penalties and s.params.min_tokens == 0 and s.params.logprobs is None
-            for s in seqs
-        )
-        if not plain or logits.device.type != "cuda":
-            return PendingSample(self(logits, seqs, masks))
-        tokens = logits.float().argmax(dim=-1)
-        if self._pinned is None or self._pinned.shape[0] < len(seqs):
-            self._pinned = torch.empty(max(len(seqs), 256), dtype=torch.long, pin_memory=True)
-        host = self._pinned[: len(seqs)]
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return PendingSample(host=host, event=event)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SamplerOutput:
+        return self.start(logits, seqs, masks).result()
+
+    def start(self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> PendingSample:
+        """Queue the step's sampling on the device and return at once: nothing here waits for the device (no
+        blocking copy, no value read back, no shape that depends on one), so the host's one wait is ``result()``."""
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         plain = all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params)
         if not any(want_logprobs) and plain and masks is None:
-            return SamplerOutput(argmax_rows(logits), [None] * len(seqs))
+            if logits.device.type != "cuda":
+                return PendingSample(SamplerOutput(argmax_rows(logits), [None] * len(seqs)))
+            return self._fetch([logits.float().argmax(dim=-1)], _tokens_only)
         logits = logits.float()
 
         raw_logprobs = None
@@ -105,34 +121,70 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.long, logits.device)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, params))
+        if raw_logprobs is None:
+            return self._fetch([tokens], _tokens_only)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        copies, finish = self._logprobs(raw_logprobs, tokens, params, rows)
+        return self._fetch([tokens, *copies], finish)
+
+    def _fetch(self, tensors: list[torch.Tensor], finish: Callable[[list[list]], SamplerOutput]) -> PendingSample:
+        """The step's results copied to the host behind one event (on a GPU), turned into a ``SamplerOutput`` by
+        ``finish`` once there."""
+        if self.device.type != "cuda":
+            return PendingSample(host=tensors, finish=finish)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingSample(host=host, event=event, finish=finish)
 
     # ----- logits processors -----------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Repetition penalty over each row's prompt and output, frequency and presence penalties over its output,
+        as vLLM: the penalised rows at once, from one upload of their token histories."""
         rows = [i for i, s in enumerate(seqs) if s.params.uses_penalties]
         if not rows:
             return
-        vocab = logits.shape[1]
-        for i in rows:  # one request's token history; cost is its length, only for penalised rows
+        vocab, device = logits.shape[1], logits.device
+        seen_rows: list[int] = []  # (row, token) pairs: every token a row has seen, and each output token
+        seen_ids: list[int] = []
+        out_rows: list[int] = []
+        out_ids: list[int] = []
+        for j, i in enumerate(rows):  # cost is the penalised rows' history, as before
             seq, p = seqs[i], seqs[i].params
-            row = logits[i]
             if p.repetition_penalty != 1:
-                seen = torch.tensor(seq.token_ids, device=logits.device).clamp_(0, vocab - 1).unique()
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                seen_rows += [j] * seq.num_tokens
+                seen_ids += seq.token_ids
             if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
-                out = torch.tensor(seq.output_token_ids, device=logits.device).clamp_(0, vocab - 1)
-                counts = torch.zeros(vocab, device=logits.device).index_add_(
-                    0, out, torch.ones(len(out), device=logits.device)
-                )
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+                out = seq.output_token_ids
+                out_rows += [j] * len(out)
+                out_ids += out
+        chosen = [seqs[i].params for i in rows]
+        idx = to_device(rows, torch.long, device)
+        sub = logits[idx]
+        if seen_ids:
+            pairs = to_device([seen_rows, seen_ids], torch.long, device)
+            seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
+            seen[pairs[0], pairs[1].clamp_(0, vocab - 1)] = True
+            penalty = to_device([p.repetition_penalty for p in chosen], torch.float32, device)[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        if out_ids:
+            pairs = to_device([out_rows, out_ids], torch.long, device)
+            counts = torch.zeros(sub.shape, dtype=sub.dtype, device=device)
+            counts.index_put_((pairs[0], pairs[1].clamp_(0, vocab - 1)), torch.ones((), device=device), accumulate=True)
+            frequency = to_device([p.frequency_penalty for p in chosen], torch.float32, device)[:, None]
+            presence = to_device([p.presence_penalty for p in chosen], torch.float32, device)[:, None]
+            sub -= frequency * counts + presence * (counts > 0).float()
+        logits[idx] = sub
 
     def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Before min_tokens are out, EOS and stop tokens cannot be chosen."""
         vocab = logits.shape[1]
+        rows: list[int] = []
+        ids: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.params
             if seq.num_output_tokens < p.min_tokens:
@@ -141,43 +193,48 @@ class Sampler:
                     banned += self.eos_token_ids
                 # Ids past the vocabulary (a config's EOS, a job's stop id) can never be sampled: nothing to ban.
                 banned = [t for t in banned if t < vocab]
-                if banned:
-                    logits[i, banned] = float("-inf")
+                rows += [i] * len(banned)
+                ids += banned
+        if ids:
+            pairs = to_device([rows, ids], torch.long, logits.device)
+            logits[pairs[0], pairs[1]] = float("-inf")
 
-    @staticmethod
-    def _masked(logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
+    def _masked(self, logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
         """A copy of ``logits`` with what each constrained row's structured output forbids at -inf."""
         out = logits.clone()
-        allowed = masks.allowed(logits.shape[1]).to(logits.device)
-        rows = torch.tensor(masks.rows, device=logits.device)
+        allowed = _upload(masks.allowed(logits.shape[1]), logits.device)
+        rows = to_device(masks.rows, torch.long, logits.device)
         out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
         return out
 
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, unconstrained: torch.Tensor, masks: GrammarMasks) -> None:
+    def _apply_grammar(self, logits: torch.Tensor, unconstrained: torch.Tensor, masks: GrammarMasks) -> None:
         """Tokens a row's structured output does not allow cannot be chosen. When min_tokens banned all it allows
         (the constraint is complete, only EOS may follow), the constraint wins: the row keeps what it allows."""
-        allowed = masks.allowed(logits.shape[1]).to(logits.device)
+        allowed = _upload(masks.allowed(logits.shape[1]), logits.device)
         whole = len(masks.rows) == logits.shape[0]  # every row constrained: no gather, no scatter
-        rows = slice(None) if whole else torch.tensor(masks.rows, device=logits.device)
+        rows = slice(None) if whole else to_device(masks.rows, torch.long, logits.device)
         sub = logits if whole else logits[rows]
         sub.masked_fill_(~allowed, float("-inf"))
-        empty = torch.isneginf(sub).all(dim=-1)
-        if empty.any():
-            sub[empty] = unconstrained[rows][empty].masked_fill(~allowed[empty], float("-inf"))
+        # A row left with nothing takes what its mask allows of its unpenalised logits; chosen on the device (an
+        # ``if`` on it would wait for the device).
+        empty = torch.isneginf(sub).all(dim=-1, keepdim=True)
+        fallback = unconstrained[rows].masked_fill(~allowed, float("-inf"))
+        sub.copy_(torch.where(empty, fallback, sub))
         if not whole:
             logits[rows] = sub
 
     # ----- sampling --------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        device = logits.device
+        temps = to_device([p.temperature for p in params], torch.float32, device)
         logits = logits / temps[:, None]
         rows = [i for i, p in enumerate(params) if p.uses_filters]  # the others keep their whole distribution
         if rows:
             chosen = [params[i] for i in rows]
-            logits[rows] = apply_filters(
-                logits[rows],
+            idx = to_device(rows, torch.long, device)
+            logits[idx] = apply_filters(
+                logits[idx],
                 top_k=[p.top_k if p.top_k > 0 else 0 for p in chosen],
                 top_p=[p.top_p for p in chosen],
                 min_p=[p.min_p for p in chosen],
@@ -186,34 +243,39 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator
-            )
+            noise[to_device(unseeded, torch.long, device)] = torch.empty(
+                len(unseeded), probs.shape[1], device=device
+            ).exponential_(generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(params)
-        if raw is None:
-            return out
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        idx = torch.tensor(rows, device=raw.device)
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, params: list, rows: list[int]
+    ) -> tuple[list[torch.Tensor], Callable[[list[list]], SamplerOutput]]:
+        """The device tensors the requested logprobs are read from, and how to make the step's output of them
+        (with the tokens, the first list) once they are on the host."""
+        idx = to_device(rows, torch.long, raw.device)
         sub = raw[idx]
-        chosen = sub.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+        picked = tokens[idx]
+        chosen = sub.gather(1, picked[:, None]).squeeze(1)
         k = max(params[i].logprobs for i in rows)
         top_vals, top_ids = sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long())
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        tok_list = tokens[idx].tolist()
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
-            entry = {t: v for t, v in zip(top_ids[j][:n], top_vals[j][:n]) if v != float("-inf")}
-            entry[tok_list[j]] = max(chosen[j], -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
-            out[i] = entry
-        return out
+
+        def finish(lists: list[list]) -> SamplerOutput:
+            token_list, chosen_l, vals_l, ids_l = lists
+            out: list[dict[int, float] | None] = [None] * len(params)
+            for j, i in enumerate(rows):
+                n = params[i].logprobs
+                # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
+                entry = {t: v for t, v in zip(ids_l[j][:n], vals_l[j][:n]) if v != float("-inf")}
+                entry[token_list[i]] = max(chosen_l[j], -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
+                out[i] = entry
+            return SamplerOutput(token_list, out)
+
+        return [chosen, top_vals, top_ids], finish
 
 
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -224,20 +286,20 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
     ranks = torch.arange(vocab, device=device)[None, :]
-    k = torch.tensor(top_k, device=device)
+    k = to_device(top_k, torch.long, device)
     k = torch.where(k > 0, k, vocab).clamp(max=vocab)
     # Every token tied with the k-th stays (as vLLM's top-k): which of equal tokens to drop is no one's to say.
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     remove = (ranks >= k[:, None]) & (sorted_logits < kth)
     # min-p in log space (p_i < min_p * p_max): no softmax needed, and min_p 0 (log -inf) drops nothing.
-    remove |= sorted_logits - sorted_logits[:, :1] < torch.tensor(min_p, device=device).log()[:, None]
+    remove |= sorted_logits - sorted_logits[:, :1] < to_device(min_p, torch.float32, device).log()[:, None]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
     # (top_p 1 keeps all: in float32 the running sum reaches 1.0 before the vocabulary ends.)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=device)[:, None]
+    p = to_device(top_p, torch.float32, device)[:, None]
     remove |= (mass_before >= p) & (p < 1)
     remove[:, 0] = False
     filtered = sorted_logits.masked_fill(remove, float("-inf"))

@@ -132,6 +132,31 @@ def test_eager_and_graph_decode_agree_and_sampling_runs_on_the_gpu(models):
     assert runs[0] == runs[1]
 
 
+def test_sampling_is_queued_on_the_gpu_without_waiting_for_it():
+    """Temperature, filters, penalties, seeds, min_tokens, logprobs and a structured output's mask: ``start`` makes
+    no host sync (CUDA's sync debug mode raises on one), so the host's one wait a step is ``result()``."""
+    from test_sampler import _mixed_batch
+
+    from roseinfer.sampler import Sampler, seeded_generator
+
+    seqs, masks = _mixed_batch(40)
+    for s in seqs:
+        if s.params.seed is not None:
+            s.generator = seeded_generator(s.params.seed, torch.device("cuda"))
+    logits = torch.randn(6, 40, device="cuda") * 3
+    sampler = Sampler([0], 5, torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = sampler.start(logits, seqs, masks)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = pending.result()
+    on_cpu = Sampler([0], 5, torch.device("cpu"))(logits.cpu(), *_mixed_batch(40))
+    assert got.token_ids[4] == 5 and got.token_ids[0] == on_cpu.token_ids[0]  # the greedy rows agree
+    assert got.logprobs[4].keys() == on_cpu.logprobs[4].keys()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_decodes_through_graphs_as_transformers_does(models, dtype):
     path = models["llama"]

@@ -97,3 +97,67 @@ def test_top_p_one_keeps_the_whole_vocabulary():
     logits = torch.randn(4, 49152) * 8
     kept = apply_filters(logits, top_k=[0] * 4, top_p=[1.0] * 4, min_p=[0.0] * 4)
     assert torch.isfinite(kept).all()
+
+
+def _mixed_batch(vocab: int) -> tuple[list[Sequence], object]:
+    """Every kind of row the sampler has: greedy, temperature, filters, penalties, seeds, min_tokens, logprobs, and
+    a structured output's mask on two rows."""
+    import numpy as np
+
+    from roseinfer.structured_output import GrammarMasks
+
+    rows = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, seed=9),
+        SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[5], logprobs=3),
+        SamplingParams(temperature=1.2, logprobs=0),
+    ]
+    seqs = [seq(p, tokens=(1, 2, 3, 2, 7)) for p in rows]
+    for s in seqs:
+        s.token_ids += [4, 2]  # two output tokens each
+    bits = np.zeros((2, -(-vocab // 32) * 32), dtype=np.uint8)
+    bits[0, [0, 6, 11]] = 1
+    bits[1, [5]] = 1  # row 4: only its stop token, which min_tokens bans: the constraint wins
+    masks = GrammarMasks([1, 4], torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy()))
+    return seqs, masks
+
+
+def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
+    """On a GPU a value read back (``tolist``, ``item``, an ``if`` on a tensor), a list as an index (a blocking
+    copy) or a shape decided by values (``nonzero``, a boolean mask) waits for the whole forward queued before it:
+    ``start`` must do none of them, so a sampled step overlaps the host's work as a greedy one does. On CPU the same
+    code runs, so these are caught here too."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
+    seqs, masks = _mixed_batch(40)
+    expected = Sampler([0], 5, torch.device("cpu"))(logits, *_mixed_batch(40))
+
+    def refuse(name):
+        def read_back(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} inside Sampler.start")
+
+        return read_back
+
+    def checked(inner):
+        def index(self, key, *rest):
+            keys = key if isinstance(key, tuple) else (key,)
+            for k in keys:
+                assert not isinstance(k, list), "a list as an index: a blocking host-to-device copy"
+                assert not (isinstance(k, torch.Tensor) and k.dtype == torch.bool), "a boolean mask as an index"
+            return inner(self, key, *rest)
+
+        return index
+
+    sampler = Sampler([0], 5, torch.device("cpu"))
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "unique", "cpu"):
+            m.setattr(torch.Tensor, name, refuse(name))
+        m.setattr(torch.Tensor, "__getitem__", checked(torch.Tensor.__getitem__))
+        m.setattr(torch.Tensor, "__setitem__", checked(torch.Tensor.__setitem__))
+        pending = sampler.start(logits, seqs, masks)
+    got = pending.result()
+    assert got == expected
+    assert got.token_ids[4] == 5  # the structured output's one token, though min_tokens bans it
+    assert set(got.logprobs[4]) >= {5} and len(got.logprobs[4]) <= 4
+    assert got.logprobs[0] is None and set(got.logprobs[5]) == {got.token_ids[5]}
