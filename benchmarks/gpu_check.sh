@@ -1,12 +1,12 @@
 #!/bin/bash
 # On a lent GPU machine: the CUDA tests, `roseinfer bench --device cuda` on the issue's workloads, and the queue
-# through a redis-server. Usage: bash benchmarks/gpu_check.sh [all|queue|tests|smol|1b|queue-profile] ...
+# through a redis-server. Usage: bash benchmarks/gpu_check.sh [all|queue|tests|smol|1b|timeline|queue-profile] ...
 # (several parts in one call run in the order given); logs under $OUT (or ./out). Made beforehand on this machine by
 # `bash benchmarks/gpu_prepare.sh`, and carried: .gpu-pack, .gpu-model.
 #
 # A session's device time is short (15 minutes, the machine's start included), so the whole call keeps within
 # GPU_CHECK_BUDGET seconds (default 500, under the tool's 600 s limit): `all` runs the parts in the order of what is
-# still unmeasured (the queue, then parity, then the engine's rows), each with a cap of its own, and a part that
+# still unmeasured (the queue, then parity, then the engine's rows, then the queue's timeline), each with a cap of its own, and a part that
 # would not fit in what is left is skipped, saying so, rather than cut off with nothing written.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -14,7 +14,7 @@ budget=${GPU_CHECK_BUDGET:-500}
 start=$SECONDS
 source .gpu-pack/activate.sh
 export PYTHONPATH=$PYTHONPATH:$PWD PYTHONUNBUFFERED=1
-parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b)
+parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b timeline)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 roseinfer=(python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))")
 # within NEED CAP: the seconds this part may take (CAP, or what is left of the budget), or nothing when fewer than
@@ -48,13 +48,17 @@ for part in "${parts[@]}"; do
         --skip-hf
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 256 --max-tokens 256 --max-num-seqs 256 \
         --skip-hf ;;
+    timeline)  # where a 256-job burst's time goes inside the worker: its pulls, reads, steps and sends, timed
+      t=$(within 60 120) && timeout "$t" python3 benchmarks/worker_timeline.py --device cuda --model random:smollm2-135m \
+        --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 --max-num-seqs 256 2>&1 \
+        | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$out/timeline.log" ;;
     queue-profile)  # the queue under py-spy (carried in .gpu-pack): every thread of the bench and of its worker
       t=$(within 90 300) && timeout "$t" py-spy record --subprocesses --threads --nonblocking --format raw \
         -o "$out/queue-profile.txt" -- "${roseinfer[@]}" bench-queue --device cuda --model random:smollm2-135m \
         --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 \
         --num-prompts 256 --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 \
         --arrival-interval 0.1 --skip-hf 2>&1 | grep -v -E "Loading weights|Writing model" | tail -12 ;;
-    *) echo "unknown part: $part (all, queue, tests, smol, 1b, queue-profile)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (all, queue, tests, smol, 1b, timeline, queue-profile)" >&2; exit 2 ;;
   esac
 done
 echo "== done at $((SECONDS - start))s of ${budget}s" | tee -a "$out/parts.log"

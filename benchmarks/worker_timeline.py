@@ -8,6 +8,9 @@ first submit: when the pulls and reads ran, the first steps, when the last job w
 median and sum. It is the tool that showed where the tiny model's through-Redis time went (README, "Queue benchmark").
 
     python3 benchmarks/worker_timeline.py --model tiny --jobs 256 --tokens 128 --max-num-seqs 256
+
+On a GPU: ``--device cuda --model random:smollm2-135m --tokenizer FOLDER --dtype bfloat16`` (``gpu_check.sh
+timeline``).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder, for a random:SHAPE model's chat prompts")
+    p.add_argument("--worker-flag", action="append", default=[], help="one more worker flag (--engine-process)")
     p.add_argument("--serve", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the child: OUT, then worker argv
     args = p.parse_args()
     if args.serve:
@@ -124,7 +130,8 @@ def main() -> int:
         raise SystemExit("no redis-server could be started")
     out = Path(tempfile.mkdtemp(prefix="roseinfer-timeline-")) / "spans.json"
     worker_argv = ["worker", "--redis-url", url, "--queue", "timeline", "--model", args.model]
-    worker_argv += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
+    worker_argv += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype, "--device", args.device]
+    worker_argv += (["--tokenizer", args.tokenizer] if args.tokenizer else []) + args.worker_flag
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(out), *worker_argv],
         stdout=subprocess.DEVNULL,
