@@ -286,7 +286,7 @@ class LLMEngine:
             if seed is not None:
                 generator = seeded_generator(seed, self.device)
                 if not params.greedy:
-                    advance_generator(generator, len(prefix), self.model.vocab_size)
+                    advance_generator(generator, len(prefix))
             seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
             seq = Sequence(
                 seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority

@@ -1,8 +1,9 @@
 """Turns a batch of logits into next tokens, vectorised over the batch.
 
-Greedy rows take the argmax. Random rows are sampled with the exponential race (argmax of p / q with
-q ~ Exp(1)), which lets a seeded request draw its noise from its own generator: the same seed and prompt
-then give the same tokens whatever else shares the batch.
+Greedy rows take the argmax. Random rows are sampled by inverting their distribution's running sum at one uniform
+draw each, from the request's own generator when it has a seed: the same seed and prompt then give the same tokens
+whatever else shares the batch, and a resumed request replays one draw per token. (An exponential race, argmax of
+p / q with q ~ Exp(1), draws a whole vocabulary of noise per token: on a CPU that alone cost more than the rest.)
 """
 
 from __future__ import annotations
@@ -36,13 +37,20 @@ def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
-    """Move a request's generator past ``num_draws`` samples, as ``Sampler`` draws them (one ``exponential_`` of
-    a float32 vocabulary-sized row per sampled token): a resumed seeded request then draws what an uninterrupted
-    run would draw next."""
-    row = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-    for _ in range(num_draws):
-        row.exponential_(generator=generator)
+def draw_uniform(generator: torch.Generator, n: int = 1) -> torch.Tensor:
+    """``n`` float64 draws in [0, 1) from ``generator``, on its device: what ``Sampler`` takes per sampled token."""
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=generator.device)
+
+
+def advance_generator(generator: torch.Generator, num_draws: int) -> None:
+    """Move a request's generator past ``num_draws`` samples, as ``Sampler`` draws them (one ``draw_uniform`` per
+    sampled token): a resumed seeded request then draws what an uninterrupted run would draw next."""
+    if generator.device.type == "cpu":  # MT19937 draws serially: n at once are the same as n one by one
+        if num_draws:
+            draw_uniform(generator, num_draws)
+        return
+    for _ in range(num_draws):  # Philox advances per call, not per number
+        draw_uniform(generator)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -239,17 +247,14 @@ class Sampler:
                 top_p=[p.top_p for p in chosen],
                 min_p=[p.min_p for p in chosen],
             )
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+        u = torch.empty(len(seqs), dtype=torch.float64, device=device)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[to_device(unseeded, torch.long, device)] = torch.empty(
-                len(unseeded), probs.shape[1], device=device
-            ).exponential_(generator=self.generator)
+            u[to_device(unseeded, torch.long, device)] = draw_uniform(self.generator, len(unseeded))
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
-        return (probs / noise).argmax(dim=-1)
+                u[i : i + 1] = draw_uniform(seq.generator)
+        return sample_inverse_cdf(logits, u)
 
     @staticmethod
     def _logprobs(
@@ -278,10 +283,71 @@ class Sampler:
         return [chosen, top_vals, top_ids], finish
 
 
+def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the distribution's running sum first passes ``u`` (float64 in [0, 1)) of its
+    total: a draw from softmax(logits), -inf never drawn. The running sum is in float64, so a token's share of the
+    [0, 1) line is its probability to ~1e-16, however far down the vocabulary it sits."""
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.double().cumsum_(dim=-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # A draw that rounds to the very top lands past the last token that can be drawn: it is that token.
+    last = probs.shape[1] - 1 - (probs > 0).flip(-1).byte().argmax(dim=-1)
+    return torch.minimum(picked, last)
+
+
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Mask to -inf what top-k, top-p (nucleus) and min-p leave out, per row. 0 / 1.0 / 0.0 disable each. As vLLM
     V1: min-p and top-k first (they commute: min-p compares each probability with the largest), then top-p over
     what they kept, renormalized."""
+    if logits.device.type != "cpu":  # a GPU sorts a batch of vocabularies in microseconds, and must not wait here
+        return _filters_over_sorted_vocabulary(logits, top_k, top_p, min_p)
+    out = torch.empty_like(logits)
+    rows = list(range(logits.shape[0]))
+    for width in (256, 4096, None):  # the rows a narrower look did not settle look again, wider
+        sub = logits if len(rows) == logits.shape[0] else logits[rows]
+        args = ([top_k[i] for i in rows], [top_p[i] for i in rows], [min_p[i] for i in rows])
+        if width is None or width >= logits.shape[1]:
+            out[rows] = _filters_over_sorted_vocabulary(sub, *args)
+            return out
+        filtered, settled = _filters_over_candidates(sub, *args, width)
+        done = [j for j, ok in enumerate(settled) if ok]
+        out[[rows[j] for j in done]] = filtered[done]
+        rows = [rows[j] for j, ok in enumerate(settled) if not ok]
+        if not rows:
+            return out
+    return out
+
+
+def _filters_over_candidates(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], width: int
+) -> tuple[torch.Tensor, list[bool]]:
+    """``apply_filters`` from each row's ``width`` largest logits, and per row whether that settled it: not where it
+    keeps its last candidate (it may keep more), or asks top-k for ``width`` or more. On a CPU a whole vocabulary's
+    sort cost ~5 ms a row, 20 times a top-256. A token past the candidates is never larger than the last of them,
+    and every filter drops by value or by rank, so a row that drops its last candidate drops everything after it."""
+    device = logits.device
+    vals, ids = logits.topk(width, dim=-1)
+    top = vals[:, :1]
+    # top-k and min-p keep by value: at least the k-th largest, and within log(min_p) of the largest.
+    k = to_device([min(x, width) for x in top_k], torch.long, device)
+    kth = torch.where(k[:, None] > 0, vals.gather(1, (k - 1).clamp(min=0)[:, None]), float("-inf"))
+    log_min_p = to_device(min_p, torch.float32, device).log()[:, None]
+    floor_kept = (logits >= kth) & (logits - top >= log_min_p)  # over the whole row: top-p renormalizes over it
+    mass = torch.where(floor_kept, torch.exp(logits - top), 0.0).sum(dim=-1, keepdim=True)
+    kept = (vals >= kth) & (vals - top >= log_min_p)
+    kept[:, 0] = True
+    probs = torch.where(kept, torch.exp(vals - top), 0.0) / mass
+    p = to_device(top_p, torch.float32, device)[:, None]
+    kept &= ~((probs.cumsum(dim=-1) - probs >= p) & (p < 1))
+    kept[:, 0] = True
+    settled = [not last and k < width for last, k in zip(kept[:, -1].tolist(), top_k)]
+    filtered = vals.masked_fill(~kept, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, filtered), settled
+
+
+def _filters_over_sorted_vocabulary(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]

@@ -1,5 +1,6 @@
 import torch
 
+import roseinfer.sampler as sampler_module
 from roseinfer.sampler import Sampler, apply_filters, seeded_generator
 from roseinfer.sampling_params import SamplingParams
 from roseinfer.sequence import Sequence
@@ -151,6 +152,8 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
 
     sampler = Sampler([0], 5, torch.device("cpu"))
     with monkeypatch.context() as m:
+        # The GPU's filters: a CPU looks at each row's top candidates first, reading back which rows they settled.
+        m.setattr(sampler_module, "apply_filters", sampler_module._filters_over_sorted_vocabulary)
         for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "unique", "cpu"):
             m.setattr(torch.Tensor, name, refuse(name))
         m.setattr(torch.Tensor, "__getitem__", checked(torch.Tensor.__getitem__))
@@ -161,3 +164,69 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
     assert got.token_ids[4] == 5  # the structured output's one token, though min_tokens bans it
     assert set(got.logprobs[4]) >= {5} and len(got.logprobs[4]) <= 4
     assert got.logprobs[0] is None and set(got.logprobs[5]) == {got.token_ids[5]}
+
+
+def test_filters_from_the_top_candidates_equal_the_whole_sorted_vocabulary():
+    """On CPU the filters look at each row's largest logits only, falling back to a whole sort where a row keeps
+    a token past them: the kept tokens and their values are those of the sort, on peaked and flat rows, ties, every
+    filter alone and together."""
+    from roseinfer.sampler import _filters_over_candidates, _filters_over_sorted_vocabulary
+
+    gen = torch.Generator().manual_seed(0)
+    fallbacks = 0
+    for case in range(60):
+        vocab = [300, 5000, 49152][case % 3]
+        rows = 8
+        scale = [0.5, 3.0, 12.0][case % 4 % 3]  # flat to peaked
+        logits = torch.randn(rows, vocab, generator=gen) * scale
+        if case % 5 == 0:
+            logits = logits.round()  # many exact ties
+        if case % 7 == 0:
+            logits[0, 100:] = float("-inf")  # a row already masked by a structured output
+        r = torch.randint(0, 4, (3, rows), generator=gen).tolist()
+        top_k = [[0, 1, 7, 200][i] for i in r[0]]
+        top_p = [[1.0, 0.5, 0.9, 0.99][i] for i in r[1]]
+        min_p = [[0.0, 0.01, 0.1, 0.0][i] for i in r[2]]
+        expected = _filters_over_sorted_vocabulary(logits, top_k, top_p, min_p)
+        got, settled = _filters_over_candidates(logits, top_k, top_p, min_p, 256)
+        fallbacks += settled.count(False)
+        rows = [i for i, ok in enumerate(settled) if ok]
+        got, expected, logits = got[rows], expected[rows], logits[rows]
+        assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])  # kept values unchanged
+        if case % 5 == 0:  # which of two tied tokens top-p keeps is the order's: the kept values must agree
+            assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values), case
+        else:
+            assert torch.equal(torch.isfinite(got), torch.isfinite(expected)), case
+    assert fallbacks < 60 * 8 // 3  # most rows settle from their candidates; the rest go on to a wider look
+    # The whole path, with the rows the first look left over: the same as a sort of every row.
+    logits = torch.randn(64, 49152, generator=gen) * 2
+    top_k, top_p, min_p = [0, 5, 300, 0] * 16, [0.95, 1.0, 0.9, 0.999] * 16, [0.0, 0.0, 0.05, 0.0] * 16
+    expected = _filters_over_sorted_vocabulary(logits, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(apply_filters(logits, top_k, top_p, min_p)), torch.isfinite(expected))
+
+
+def test_draws_follow_the_distribution_and_never_take_a_masked_token():
+    """20,000 draws of one row against its probabilities, one token at -inf among them; and a draw at the very top
+    of [0, 1) lands on the last token that can be drawn, not on a masked one after it."""
+    from roseinfer.sampler import sample_inverse_cdf
+
+    logits = torch.tensor([[2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")]])
+    probs = torch.softmax(logits, dim=-1)[0]
+    u = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    drawn = sample_inverse_cdf(logits.expand(20000, -1), u)
+    freq = torch.bincount(drawn, minlength=6).double() / 20000
+    assert freq[2] == 0 and freq[5] == 0
+    assert torch.allclose(freq, probs.double(), atol=0.01), (freq, probs)
+    top = torch.tensor([1 - 2**-53], dtype=torch.float64)
+    assert sample_inverse_cdf(logits, top).tolist() == [4]
+    assert sample_inverse_cdf(logits, torch.zeros(1, dtype=torch.float64)).tolist() == [0]
+
+
+def test_a_seeded_rows_draws_are_one_a_token_and_advance_replays_them():
+    from roseinfer.sampler import advance_generator, draw_uniform
+
+    straight = seeded_generator(11, torch.device("cpu"))
+    run = [draw_uniform(straight).item() for _ in range(7)]
+    resumed = seeded_generator(11, torch.device("cpu"))
+    advance_generator(resumed, 4)
+    assert [draw_uniform(resumed).item() for _ in range(3)] == run[4:]
