@@ -24,13 +24,14 @@ FN = "worker.jobs.generate"
 NOW = "2026-11-22T00:00:00.000000Z"
 
 
-def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, **fields) -> None:
-    """A job written the way another language would: a hash and an RPUSH."""
+def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, *, push: bool = True, **fields) -> None:
+    """A job written the way another language would: a hash and an RPUSH (``push=False``: the hash alone)."""
     data = json.dumps([FN, None, [], payload or {"prompt": "hi", "max_tokens": 3, "temperature": 0}])
     mapping = {"data": data, "origin": queue, "status": "queued", "created_at": NOW, "enqueued_at": NOW, **fields}
     conn.hset(f"rq:job:{job_id}", mapping=mapping)
     conn.sadd("rq:queues", f"rq:queue:{queue}")
-    conn.rpush(f"rq:queue:{queue}", job_id)
+    if push:
+        conn.rpush(f"rq:queue:{queue}", job_id)
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +213,9 @@ def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(
         {"url": "http://allowed.invalid/ok", "job_status": "finished"},
     ]
     _raw_job(conn, w.queue, job_id, failure_callback_name="hook_probe.record_unlisted",
-             success_callback_name="hook_probe.record", webhooks=json.dumps(hooks), status="started")  # fmt: skip
-    conn.lrem(f"rq:queue:{w.queue}", 0, job_id)  # as a dead worker left it: started, off the queue
+             success_callback_name="hook_probe.record", webhooks=json.dumps(hooks), status="started",
+             push=False)  # fmt: skip
+    # As a dead worker left it: started, off the queue (never pushed: the live worker would have taken it first).
     queue = w.worker.queues[0]
     registry = StartedJobRegistry(queue.name, connection=conn, job_class=queue.job_class, serializer=JSONSerializer)
     for job in (queue.fetch_job(job_id), registry.job_class.fetch(job_id, connection=conn, serializer=JSONSerializer)):
