@@ -173,16 +173,19 @@ class Sampler:
         chosen = [seqs[i].params for i in rows]
         idx = to_device(rows, torch.long, device)
         sub = logits[idx]
+        # Flat (row * vocab + token) indexes, filled by index_fill_ / scatter_add_: kernels that never wait for the
+        # device, as indexing with two index tensors can.
         if seen_ids:
             pairs = to_device([seen_rows, seen_ids], torch.long, device)
-            seen = torch.zeros(sub.shape, dtype=torch.bool, device=device)
-            seen[pairs[0], pairs[1].clamp_(0, vocab - 1)] = True
+            flat = pairs[0] * vocab + pairs[1].clamp_(0, vocab - 1)
+            seen = torch.zeros(sub.numel(), dtype=torch.bool, device=device).index_fill_(0, flat, True).view_as(sub)
             penalty = to_device([p.repetition_penalty for p in chosen], torch.float32, device)[:, None]
             sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
         if out_ids:
             pairs = to_device([out_rows, out_ids], torch.long, device)
-            counts = torch.zeros(sub.shape, dtype=sub.dtype, device=device)
-            counts.index_put_((pairs[0], pairs[1].clamp_(0, vocab - 1)), torch.ones((), device=device), accumulate=True)
+            flat = pairs[0] * vocab + pairs[1].clamp_(0, vocab - 1)
+            ones = torch.ones(flat.shape, dtype=sub.dtype, device=device)
+            counts = torch.zeros(sub.numel(), dtype=sub.dtype, device=device).scatter_add_(0, flat, ones).view_as(sub)
             frequency = to_device([p.frequency_penalty for p in chosen], torch.float32, device)[:, None]
             presence = to_device([p.presence_penalty for p in chosen], torch.float32, device)[:, None]
             sub -= frequency * counts + presence * (counts > 0).float()
