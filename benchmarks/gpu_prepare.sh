@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 pack=.gpu-pack
 rm -rf "$pack" && mkdir -p "$pack/whl" "$pack/redis"
 names="redis rq pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv croniter hiredis
-fakeredis typing_extensions py-spy prometheus-client"  # prometheus-client: the worker imports it
+fakeredis typing_extensions py-spy prometheus-client llguidance"  # prometheus-client: the worker imports it;
+# llguidance: structured outputs
 specs=$(python3 - $names <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -24,7 +25,7 @@ for name in sys.argv[1:]:
 PY
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$pack/whl" $specs
 server=$(readlink -f "$(command -v redis-server)")
 cp "$server" "$pack/redis/redis-server"

@@ -174,9 +174,10 @@ def main(args: argparse.Namespace) -> int:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
+        path = llm.engine.model_path  # the folder the engine loaded: a model name or a GGUF resolved
         del llm
         torch.cuda.empty_cache()
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
         model = model.to(args.device).eval()
         eager = run_hf(model, prompts, args.max_tokens, args.hf_batch_size, False, "transformers eager, padded")
         results.append(eager)

@@ -67,8 +67,8 @@ class EngineConfig:
     block_size: int = option(8, "tokens per KV cache block (prefix caching shares whole blocks)")
     kv_cache_memory: int | str = option(
         "auto",
-        "memory for the KV cache, e.g. 4GiB; auto: on CPU 1 GiB, or less where max_num_seqs requests at "
-        "max_model_len need less; half the free GPU memory on CUDA",
+        "memory for the KV cache, e.g. 4GiB; auto: 1 GiB on CPU, half the free GPU memory on CUDA, or less "
+        "where max_num_seqs requests at max_model_len need less",
     )
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     enforce_eager: bool = option(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs")

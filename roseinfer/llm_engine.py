@@ -47,7 +47,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cuda" and self.device.index is not None:
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        if self._cuda_index is not None:
             # Triton launches, graph capture and CUDA events use the current device, not the tensors'.
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":  # before the weights are allocated
@@ -78,9 +79,10 @@ class LLMEngine:
                 f"kv_cache_memory: {budget} bytes hold no KV cache block; one block ({config.block_size} tokens of "
                 f"this model) takes {block_bytes} bytes"
             )
-        if config.kv_cache_memory == "auto" and self.device.type == "cpu":
+        if config.kv_cache_memory == "auto":
             # No more than every running request at full length needs: a small model or context is not handed
-            # (and made to zero) the whole default GiB.
+            # (and made to zero) the whole default GiB, nor half a GPU (a tiny model's 75 GB were 37M blocks, each
+            # a Python object: 15 s to build).
             num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
         if num_blocks * config.block_size < self.max_model_len:
             log.warning(
@@ -417,6 +419,8 @@ class LLMEngine:
         what they add waits for a step with ``flush`` (or their end), so a caller that sends text out every few
         steps builds an output per request only then."""
         self._flush = flush
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)  # the current device is per thread: a worker steps from its own
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._emit_pending()
