@@ -102,16 +102,45 @@ def load_prompts(args) -> list[list[dict]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def run_roseinfer(llm, convs, max_tokens: int) -> RunResult:
-    return run_prompts(llm, [llm.engine.apply_chat_template(c) for c in convs], max_tokens)
+def sampling_of(args: argparse.Namespace) -> dict:
+    """The workload's sampling settings (``--temperature``, ``--top-p``): greedy by default. Bad ones are a
+    ``ConfigError``, as a bad engine option is."""
+    from roseinfer.config import ConfigError
+    from roseinfer.sampling_params import SamplingParams
+
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as exc:
+        raise ConfigError(f"--temperature/--top-p: {exc}") from None
+    return sampling
 
 
-def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
-    """Every prompt (token ids) added at once, greedy, EOS ignored; the engine stepped until all end."""
+def describe_sampling(sampling: dict) -> str:
+    if not sampling.get("temperature"):
+        return "greedy"
+    return f"temperature {sampling['temperature']}, top_p {sampling.get('top_p', 1.0)}"
+
+
+def hf_sampling(sampling: dict) -> dict:
+    """The same settings as transformers' ``generate`` arguments."""
+    if not sampling.get("temperature"):
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0), "top_k": 0}
+
+
+def run_roseinfer(llm, convs, max_tokens: int, sampling: dict | None = None) -> RunResult:
+    return run_prompts(llm, [llm.engine.apply_chat_template(c) for c in convs], max_tokens, sampling)
+
+
+def run_prompts(llm, prompts: list[list[int]], max_tokens: int, sampling: dict | None = None) -> RunResult:
+    """Every prompt (token ids) added at once, EOS ignored, greedy unless ``sampling`` (SamplingParams' fields) says
+    otherwise; the engine stepped until all end."""
     from roseinfer import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="final_only")
+    sampling = sampling or {"temperature": 0.0}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only", **sampling)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(f"bench-{i}", ids, params)
@@ -130,7 +159,9 @@ def run_prompts(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
     return result
 
 
-def run_hf(model_path: str, dtype: str, convs, max_tokens: int, batch_size: int, tokenizer) -> RunResult:
+def run_hf(
+    model_path: str, dtype: str, convs, max_tokens: int, batch_size: int, tokenizer, sampling: dict | None = None
+) -> RunResult:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -165,8 +196,8 @@ def run_hf(model_path: str, dtype: str, convs, max_tokens: int, batch_size: int,
                 **batch,
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,
-                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                **hf_sampling(sampling or {}),
                 streamer=streamer,
             )
         t1 = time.perf_counter()
@@ -196,6 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature, sample from this nucleus")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument(
         "--hf-single",
@@ -224,6 +257,7 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer.cpu_features import describe
 
     engine_config_from_args(args)  # a bad option fails here, before torch loads
+    sampling = sampling_of(args)  # so does a bad --temperature or --top-p
     convs = load_prompts(args)
     print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
     resolve_model_arg(args)
@@ -231,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     print(
         f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
-        f"{len(convs)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored"
+        f"{len(convs)} prompts x {args.max_tokens} new tokens, {describe_sampling(sampling)}, EOS ignored"
     )
     llm.chat(convs[:4], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     tok, path = llm.get_tokenizer(), llm.engine.model_path
@@ -240,10 +274,10 @@ def main(args: argparse.Namespace) -> int:
     ours, padded = [], []
     for rep in range(args.repeats):
         llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks, or an earlier run's
-        ours.append(run_roseinfer(llm, convs, args.max_tokens))
+        ours.append(run_roseinfer(llm, convs, args.max_tokens, sampling))
         line = f"roseinfer: {ours[-1].tokens_per_s:.1f} tok/s"
         if not args.skip_hf:
-            padded.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok))
+            padded.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok, sampling))
             ratio = ours[-1].tokens_per_s / padded[-1].tokens_per_s
             line += f"; {padded[-1].system}: {padded[-1].tokens_per_s:.1f} tok/s ({ratio:.2f}x)"
         print(f"run {rep + 1}/{args.repeats}: {line}", flush=True)
@@ -251,7 +285,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.skip_hf:
         n_single = len(convs) if args.hf_single is None else args.hf_single
         if n_single:
-            results.append(run_hf(path, args.dtype, convs[:n_single], args.max_tokens, 1, tok))
+            results.append(run_hf(path, args.dtype, convs[:n_single], args.max_tokens, 1, tok, sampling))
     if args.repeats > 1:
         print(f"\nmedian of {args.repeats} runs each:")
     print_table(results, args.dtype)
@@ -259,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     if args.profile:
         from roseinfer.step_profile import profile_decode
 
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampling)
         profile = profile_decode(llm.engine, [{"messages": c} for c in convs], params)
         print("\ndecode step profile:", json.dumps(profile))
     if args.json:
@@ -269,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "model": args.model,
             "max_tokens": args.max_tokens,
+            "sampling": sampling,
             "results": [r.summary() for r in results],
             "runs": {"roseinfer": [r.summary() for r in ours], "padded": [r.summary() for r in padded]},
         }

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import torch
 
-from roseinfer.bench import RunResult, build_llm, median_run, print_table, run_prompts
+from roseinfer.bench import (
+    RunResult,
+    build_llm,
+    describe_sampling,
+    hf_sampling,
+    median_run,
+    print_table,
+    run_prompts,
+    sampling_of,
+)
 
 LENGTHS = Path(__file__).with_name("data") / "prompts64_lengths.json"  # the standard chat prompts, tokenized
 
@@ -28,10 +37,10 @@ def token_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
 
 
-def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> RunResult:
+def run_engine(llm, prompts: list[list[int]], max_tokens: int, sampling: dict | None = None) -> RunResult:
     llm.engine.kv.reset_prefix_cache()  # no help from an earlier run's blocks
     torch.cuda.synchronize()
-    return run_prompts(llm, prompts, max_tokens)
+    return run_prompts(llm, prompts, max_tokens, sampling)
 
 
 def _hf_batch(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +54,12 @@ def _hf_batch(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, torc
     return ids.to(device), mask.to(device)
 
 
-def run_hf(model, prompts, max_tokens: int, batch_size: int, static: bool, label: str) -> RunResult:
+def run_hf(
+    model, prompts, max_tokens: int, batch_size: int, static: bool, label: str, sampling: dict | None = None
+) -> RunResult:
     """transformers ``generate`` over left-padded batches; ``static``: a static cache, which transformers compiles
     (CUDA graphs) for its decode steps. The first batch's size is generated once first, untimed, as warm-up."""
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, **hf_sampling(sampling or {}))
     if static:
         kwargs["cache_implementation"] = "static"
     device = str(model.device)
@@ -137,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer.model_loader import has_tokenizer
 
     engine_config_from_args(args)  # a bad option fails here, before CUDA starts
+    sampling = sampling_of(args)
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     resolve_model_arg(args)
     t = time.perf_counter()
@@ -149,11 +161,11 @@ def main(args: argparse.Namespace) -> int:
         prompts = [llm.engine.apply_chat_template(c) for c in load_prompts(args)]
     else:
         prompts = token_prompts(args.num_prompts, vocab)
-    print(f"{len(prompts)} prompts x {args.max_tokens} new tokens, greedy, EOS ignored")
+    print(f"{len(prompts)} prompts x {args.max_tokens} new tokens, {describe_sampling(sampling)}, EOS ignored")
     run_engine(llm, prompts[:8], 8)  # warm-up: kernels compiled, graphs already captured
     ours = []
     for rep in range(args.repeats):
-        ours.append(run_engine(llm, prompts, args.max_tokens))
+        ours.append(run_engine(llm, prompts, args.max_tokens, sampling))
         print(f"run {rep + 1}/{args.repeats}: roseinfer {ours[-1].tokens_per_s:.0f} tok/s", flush=True)
     results = [median_run(ours)]
     replay = graph_replay_ms(llm, len(prompts))
@@ -179,11 +191,15 @@ def main(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
         model = model.to(args.device).eval()
-        eager = run_hf(model, prompts, args.max_tokens, args.hf_batch_size, False, "transformers eager, padded")
+        eager = run_hf(
+            model, prompts, args.max_tokens, args.hf_batch_size, False, "transformers eager, padded", sampling
+        )
         results.append(eager)
         print(f"transformers eager, batches of {args.hf_batch_size}: {eager.tokens_per_s:.0f} tok/s", flush=True)
         if not args.skip_hf_compiled:
-            compiled = run_hf(model, prompts, args.max_tokens, len(prompts), True, "transformers static+compiled")
+            compiled = run_hf(
+                model, prompts, args.max_tokens, len(prompts), True, "transformers static+compiled", sampling
+            )
             results.append(compiled)
             print(f"transformers static cache, compiled, one batch: {compiled.tokens_per_s:.0f} tok/s", flush=True)
     print_table(results, args.dtype)
@@ -193,6 +209,7 @@ def main(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "model": args.model,
             "max_tokens": args.max_tokens,
+            "sampling": sampling,
             "results": [r.summary() for r in results],
             "runs": [r.summary() for r in ours],
             "weight_floor_ms": None if floor is None else round(floor * 1e3, 3),

@@ -246,6 +246,23 @@ def test_a_file_that_is_no_model_or_a_tokenizer_that_is_not_there_is_one_line(ti
     assert err.count("\n") == 1 and "cannot load tokenizer" in err
 
 
+def test_bench_samples_as_asked_and_refuses_a_bad_temperature_in_one_line(tiny_chat_model, tmp_path, capsys):
+    """``roseinfer bench --temperature T --top-p P`` times a sampled workload (greedy was all it measured, and on a
+    CPU sampling had cost more than the model); a bad value is one line and exit 2, before anything loads."""
+    from worker.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", tiny_chat_model, "--skip-hf", "--num-prompts", "4", "--max-tokens", "4"]
+    assert main([*argv, "--temperature", "0.8", "--top-p", "0.9", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    assert figures["results"][0]["generated_tokens"] == 16
+    assert "temperature 0.8, top_p 0.9" in capsys.readouterr().out
+    assert main([*argv, "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "temperature must be a number in [0, 2]" in err
+
+
 def test_a_command_with_defaults_of_its_own_shows_them_in_its_help():
     """``roseinfer bench-redis --help`` said --model defaults to smollm2-135m-instruct; it runs the tiny model."""
     import argparse
