@@ -288,8 +288,8 @@ class Sampler:
 
 def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the token where the distribution's running sum first passes ``u`` (float64 in [0, 1)) of its
-    total: a draw from softmax(logits), -inf never drawn. The running sum is in float64, so a token's share of the
-    [0, 1) line is its probability to ~1e-16, however far down the vocabulary it sits."""
+    total: a draw from softmax(logits), -inf never drawn. The probabilities are summed in float64, so a token deep
+    in the vocabulary keeps its share of [0, 1) (a float32 sum there moves in steps of ~6e-8)."""
     probs = torch.softmax(logits, dim=-1)
     cdf = probs.double().cumsum_(dim=-1)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
@@ -325,9 +325,9 @@ def _filters_over_candidates(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], width: int
 ) -> tuple[torch.Tensor, list[bool]]:
     """``apply_filters`` from each row's ``width`` largest logits, and per row whether that settled it: not where it
-    keeps its last candidate (it may keep more), or asks top-k for ``width`` or more. On a CPU a whole vocabulary's
-    sort cost ~5 ms a row, 20 times a top-256. A token past the candidates is never larger than the last of them,
-    and every filter drops by value or by rank, so a row that drops its last candidate drops everything after it."""
+    keeps its last candidate (it may keep more), or asks top-k for ``width`` or more. On a CPU a 49k vocabulary's
+    sort cost ~3.6 ms a row, some 15 times its top 256. A token past the candidates is never larger than the last
+    of them, and every filter drops by value or by rank, so a row that drops its last candidate drops all after it."""
     device = logits.device
     vals, ids = logits.topk(width, dim=-1)
     top = vals[:, :1]
