@@ -290,12 +290,11 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the token where the distribution's running sum first passes ``u`` (float64 in [0, 1)) of its
     total: a draw from softmax(logits), -inf never drawn. The probabilities are summed in float64, so a token deep
     in the vocabulary keeps its share of [0, 1) (a float32 sum there moves in steps of ~6e-8)."""
-    probs = torch.softmax(logits, dim=-1)
-    cdf = probs.double().cumsum_(dim=-1)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    # A draw that rounds to the very top lands past the last token that can be drawn: it is that token.
-    last = probs.shape[1] - 1 - (probs > 0).flip(-1).byte().argmax(dim=-1)
-    return torch.minimum(picked, last)
+    cdf = torch.softmax(logits, dim=-1).double().cumsum_(dim=-1)
+    total = cdf[:, -1]
+    # Kept below the total: a draw that rounds up to it would land past the last token that can be drawn.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
 
 
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
