@@ -146,10 +146,12 @@ class StructuredOutputManager:
         return PendingMasks(self._pool.submit(self._fill, rows, matchers))
 
     def _fill(self, rows: list[int], matchers: list[Any]) -> GrammarMasks:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
-
-        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)
-        fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], bitmask)
+        # llguidance.torch's two helpers, inline: importing that module compiles a kernel with torch.compile, which
+        # loads inductor (~2.5 s on a slow CPU) inside the step of a worker's first constrained request.
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        pairs = [(m, k) for k, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
         return GrammarMasks(rows, bitmask)
 
     @staticmethod

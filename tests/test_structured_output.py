@@ -208,3 +208,22 @@ def test_a_final_only_output_gives_its_whole_delta(llm):
     (out,) = _stream(llm, "final-only", params)
     assert (out.delta_text, out.delta_token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
     assert len(out.delta_token_ids) > 1
+
+
+@pytest.mark.slow
+def test_a_constrained_request_loads_no_compiler(tiny_chat_model):
+    """llguidance.torch compiles a kernel when imported (torch.compile loads inductor's compiler, seconds): that
+    import sat inside the step of a worker's first constrained request, stalling every running request with it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from roseinfer import LLM, SamplingParams;"
+        f"llm = LLM({tiny_chat_model!r}, dtype='float32');"
+        "p = SamplingParams(temperature=0, max_tokens=20, structured_outputs={'choice': ['yes', 'no']});"
+        "out = llm.generate(['x'], p, use_tqdm=False)[0].outputs[0];"
+        "print(out.text, out.finish_reason, 'torch._inductor.compile_fx' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    text, reason, compiler = out.stdout.split()
+    assert text in ("yes", "no") and reason == "stop" and compiler == "False", out.stdout
