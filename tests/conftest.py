@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import uuid
 
@@ -18,6 +19,18 @@ if os.environ.get("TRITON_INTERPRET") is None:
     # Without a GPU the Triton kernels run in Triton's interpreter: decided before any test module imports them.
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+# The fast lanes README.md names. A file marked slow as a whole is not even imported there: test_server's HTTP
+# stack alone takes seconds to import.
+FAST_LANES = ("not slow", "not slow and not redis")
+
+
+def pytest_ignore_collect(collection_path, config) -> bool | None:
+    fast = config.getoption("markexpr") in FAST_LANES and collection_path.suffix == ".py"
+    if fast and re.search(r"^pytestmark = pytest\.mark\.slow\b", collection_path.read_text(), re.MULTILINE):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -154,7 +154,10 @@ def test_a_row_the_worker_refuses_is_the_rows_fault_not_a_failed_job(served, tmp
     invalid_request): the row's error, counted with the rows refused before they ran, not as ``job_failed``."""
     _, client = served
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    rows = [{"custom_id": "long", "prompt": "word " * 400, "max_tokens": 2}, {"custom_id": "ok", "prompt": "hi"}]
+    rows = [
+        {"custom_id": "long", "prompt": "word " * 400, "max_tokens": 2},
+        {"custom_id": "ok", "prompt": "hi", "max_tokens": 2},
+    ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = run_batch(client, src, out, poll_interval=0.05)
     assert summary["failures"] == {"invalid_request": 1} and summary["succeeded"] == 1
@@ -254,7 +257,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     # A worker that never ends its jobs: they run until the timeout; the log lines come from the timer alone.
     client = _offline_client()
     with stuck_worker(client):
-        summary = run_batch(client, src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
+        summary = run_batch(client, src, out, timeout=0.5, poll_interval=0.02, log_interval=0.1)
     assert summary["failed"] == 3 and summary["succeeded"] == 0
     lines = capsys.readouterr().err.splitlines()
     waiting = [line for line in lines if line.startswith("batch: 0/3 rows done")]
@@ -263,7 +266,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     assert lines[-1].startswith("batch: 3 rows in ") and "0 succeeded, 3 failed" in lines[-1]
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["r0", "r1", "r2"]
-    assert all("no result within 1.0 s" in e["error"]["message"] for e in errors)
+    assert all("no result within 0.5 s" in e["error"]["message"] for e in errors)
 
 
 class _Terminal(io.StringIO):

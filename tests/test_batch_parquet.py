@@ -191,7 +191,9 @@ def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     client = Client(connection=fakeredis.FakeRedis())
     with stuck_worker(client):
-        summary = run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9, timeout=0.01)
+        summary = run_batch(
+            client, source, tmp_path / "out.parquet", log_interval=1e9, timeout=0.01, poll_interval=0.01
+        )
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"three": "invalid_request", "one": "timeout"}
     assert "n=3" in errors[0]["error"]["message"] and summary["total"] == 2  # "one" ran out of time: never ends
@@ -210,7 +212,15 @@ def test_a_row_refused_before_it_ran_is_a_failed_row_of_the_parquet_output(tmp_p
     client = Client(connection=fakeredis.FakeRedis())
     options = RowOptions("question", None, "qid", {})
     with stuck_worker(client):
-        summary = run_batch(client, source, tmp_path / "out.parquet", options=options, log_interval=1e9, timeout=0.01)
+        summary = run_batch(
+            client,
+            source,
+            tmp_path / "out.parquet",
+            options=options,
+            log_interval=1e9,
+            timeout=0.01,
+            poll_interval=0.01,
+        )
     listed = pq.read_table(tmp_path / "out.parquet").to_pylist()
     rows = {r["qid"]: r for r in listed}
     assert sorted(rows) == ["a", "b", "c"] and len(listed) == 3  # one row an id: the second "b" is a duplicate
@@ -230,7 +240,9 @@ def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
     client = Client(connection=fakeredis.FakeRedis())
     options = RowOptions("question", None, "qid", {})
     with stuck_worker(client):
-        summary = run_batch(client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9, timeout=0.01)
+        summary = run_batch(
+            client, source, tmp_path / "out.jsonl", options=options, log_interval=1e9, timeout=0.01, poll_interval=0.01
+        )
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     by_line = {e["line"]: e["error"] for e in errors}
     assert {line: e["code"] for line, e in by_line.items()} == {1: "timeout", 2: "invalid_request", 3: "timeout"}

@@ -27,20 +27,23 @@ def _modules(package: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("package", ["roseinfer"])
-def test_the_engine_imports_nothing_of_the_queue(package):
-    loaded = _loaded_after("; ".join(f"import {m}" for m in _modules(package)) + "; from roseinfer import LLM")
-    assert not loaded & {"worker", "producer", "redis", "rq", "fakeredis"}, loaded & {"worker", "producer", "redis"}
-    # The engine's command line (bench, generate) builds its parser without them too.
+@pytest.mark.slow  # an interpreter importing torch; test_no_module_names_a_package_across_its_border is the quick look
+def test_the_engine_imports_nothing_of_the_queue():
+    # Every engine module, and the engine's command line (bench, generate) building its parser: one interpreter.
+    imports = "; ".join(f"import {m}" for m in _modules("roseinfer"))
     code = (
-        "import argparse, sys; from roseinfer import cli; p = argparse.ArgumentParser(); s = p.add_subparsers();"
-        "cli.add_parsers(s); print(s.choices['bench'].format_help());"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'worker', 'producer', 'redis', 'rq'}))"
+        f"import argparse, json, sys; {imports}; from roseinfer import LLM, cli; p = argparse.ArgumentParser();"
+        "s = p.add_subparsers(); cli.add_parsers(s);"
+        "print(json.dumps([s.choices['bench'].format_help(), sorted(sys.modules)]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert "--max-num-seqs" in out.stdout and out.stdout.rstrip().endswith("[]"), out.stdout[-300:]
+    bench_help, modules = json.loads(out.stdout)
+    loaded = {name.split(".")[0] for name in modules}
+    assert not loaded & {"worker", "producer", "redis", "rq", "fakeredis"}, loaded & {"worker", "producer", "redis"}
+    assert "--max-num-seqs" in bench_help
 
 
+@pytest.mark.slow
 def test_the_producer_imports_neither_engine_nor_worker_nor_torch():
     loaded = _loaded_after("; ".join(f"import {m}" for m in _modules("producer")))
     assert not loaded & {"roseinfer", "worker", "torch", "transformers"}, loaded
@@ -48,9 +51,23 @@ def test_the_producer_imports_neither_engine_nor_worker_nor_torch():
 
 def _imports_of(path: Path, module: str) -> set[str]:
     """Every roseinfer module ``module`` imports, at the top or inside a function."""
+    return {name for name in _named_imports(path, module) if name.split(".")[0] == "roseinfer"}
+
+
+def _named_imports(path: Path, module: str, optional: bool = True) -> set[str]:
+    """Every module ``module`` names in an import (relative ones made absolute), at the top or inside a function;
+    with ``optional=False``, not those tried under ``except ImportError`` (a feature that works without them)."""
     found: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    tried: set[int] = set()
+    if not optional:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(_catches_import_error(h.type) for h in node.handlers):
+                tried |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+    for node in ast.walk(tree):
+        if id(node) in tried:
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -60,7 +77,31 @@ def _imports_of(path: Path, module: str) -> set[str]:
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
-    return {name for name in found if name.split(".")[0] == "roseinfer"}
+    return found
+
+
+def _catches_import_error(handler_type: ast.expr | None) -> bool:
+    names = handler_type.elts if isinstance(handler_type, ast.Tuple) else [handler_type]
+    return any(isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError") for n in names)
+
+
+BORDERS = {
+    "roseinfer": {"worker", "producer", "redis", "rq", "fakeredis"},
+    "producer": {"roseinfer", "worker", "torch", "transformers"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(BORDERS))
+def test_no_module_names_a_package_across_its_border(package):
+    """The source's own imports, read without running them: what they pull in on import is the slow tests' look."""
+    crossing = {}
+    for module in _modules(package):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+        names = {name.split(".")[0] for name in _named_imports(path, module, optional=False)} & BORDERS[package]
+        if names:
+            crossing[module] = sorted(names)
+    assert crossing == {}
 
 
 def test_the_engine_has_no_import_cycle():

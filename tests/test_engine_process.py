@@ -112,6 +112,7 @@ def _by_job(events) -> dict[str, tuple[str, str | None, str | None]]:
     return out
 
 
+@pytest.mark.slow
 def test_jobs_end_in_the_engine_process_as_they_do_in_process():
     jobs = [("a", "hello", 4), ("b", "too long", 2), ("c", "engine bug", 2), ("d", "break the tokenizer", 2)]
     jobs += [("e", "x", 7)]
@@ -134,6 +135,7 @@ def test_jobs_end_in_the_engine_process_as_they_do_in_process():
     assert remote._proc.exitcode == 0  # stopped when asked, not killed
 
 
+@pytest.mark.slow
 def test_a_cancel_keeps_the_text_the_child_made_before_it():
     """Pieces the child sent before the cancel reached it, not yet taken by the worker, end with the job: the
     stream still adds up to the partial result, as in-process."""
@@ -163,6 +165,7 @@ def test_a_cancel_keeps_the_text_the_child_made_before_it():
         pump.close()
 
 
+@pytest.mark.slow
 def test_the_engine_process_ignores_the_signals_meant_for_its_worker():
     """A Ctrl-C or systemd's SIGTERM reaches the whole process group: the worker drains, its engine goes on."""
     pump = EngineProcess(partial(fake_engine))
@@ -175,6 +178,7 @@ def test_the_engine_process_ignores_the_signals_meant_for_its_worker():
         pump.close()
 
 
+@pytest.mark.slow
 def test_an_engine_process_that_dies_while_idle_is_seen_at_once():
     """The parent looked at the pipe only while jobs ran: an idle worker went on pulling jobs for a dead child,
     and each failed (a retry spent) before the worker stopped."""
@@ -190,6 +194,7 @@ def test_an_engine_process_that_dies_while_idle_is_seen_at_once():
         pump.close()
 
 
+@pytest.mark.slow
 def test_an_error_of_the_childs_loop_fails_every_job_at_once():
     """An error outside a step (here a cancel's): the child sends it and exits, which may take a while (a real
     engine's teardown). Every other job still in it fails at the next step, retryably, not once its end is seen."""
@@ -208,6 +213,7 @@ def test_an_error_of_the_childs_loop_fails_every_job_at_once():
         pump.close()
 
 
+@pytest.mark.slow
 def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
     pump = EngineProcess(partial(fake_engine, 0.01))
     try:
@@ -339,6 +345,7 @@ def test_a_long_idle_spell_before_a_job_is_not_taken_for_a_hang():
         pump.close()
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_is_one_clear_error():
     with pytest.raises(EngineProcessDied, match="could not start: OSError: no such model file"):
         EngineProcess(partial(broken_engine))
@@ -350,6 +357,7 @@ def engine_of_a_bad_option() -> FakeEngine:
     raise ConfigError("kv_cache_memory: 100 bytes hold no KV cache block")
 
 
+@pytest.mark.slow
 def test_a_bad_option_found_by_the_engine_process_is_the_same_error_as_in_process():
     """It was an EngineProcessDied, which the worker's command printed with two tracebacks."""
     from roseinfer.config import ConfigError
@@ -407,6 +415,7 @@ def test_the_rq_worker_serves_through_an_engine_process():
     assert not thread.is_alive() and not crashed and engine._proc.exitcode == 0
 
 
+@pytest.mark.slow
 def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops():
     _worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
     job = client.submit("long", max_tokens=100_000)
@@ -497,6 +506,7 @@ def test_the_workers_side_of_an_engine_process_leaves_what_it_loaded_out_of_coll
     assert tracked < loaded / 10  # and no longer walked by the collector
 
 
+@pytest.mark.slow
 def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
     """The child ended the job while its cancel was on the way: the answer names no such job, and the job's last
     event, read while waiting for it, is still work to hand out (else a quiet worker never steps again to take it,
@@ -514,6 +524,7 @@ def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
         pump.close()
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
     """A worker that fails before its loop (a name another live worker has) closed nothing: its engine process,
@@ -555,6 +566,7 @@ def engine_that_ends_a_job_then_breaks() -> FakeEngine:
     return engine
 
 
+@pytest.mark.slow
 def test_what_a_dead_child_sent_before_it_went_is_read_first():
     """The child's last messages (a step that ended a job, its error) are read before its jobs fail: the job that
     ended ends so (no retry spent), and the reason is the child's own, not its exit code."""

@@ -62,11 +62,13 @@ def test_every_engine_option_is_a_bench_and_worker_flag():
             assert opt.flag in flags, (command, opt.flag)
 
 
-def test_worker_help_gives_description_default_and_variable_of_every_flag():
-    out = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "worker", "--help"], capture_output=True, text=True, check=True
-    ).stdout
-    text = " ".join(out.split())
+def test_worker_help_gives_description_default_and_variable_of_every_flag(capsys):
+    from worker.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
     for name, info in WorkerSettings.model_fields.items():
         assert f"env ROSEINFER_{name.upper()}" in text, name
         assert " ".join(info.description.split()) in text, name
@@ -138,14 +140,17 @@ def test_every_roseinfer_variable_the_code_reads_is_known():
         (["worker"], {"ROSEINFER_ALLOW_CALLBACK": "a.b"}, "error: ROSEINFER_ALLOW_CALLBACK does not parse"),
     ],
 )
-def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase):
+def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase, monkeypatch, capsys):
+    from worker.cli import main
+
     # A Redis URL nothing answers on: a configuration error must come first, not a connection attempt.
-    env = {**os.environ, "ROSEINFER_REDIS_URL": "redis://127.0.0.1:1/0", **env}
-    out = subprocess.run([sys.executable, "-m", "worker.cli", *argv], capture_output=True, text=True, env=env)
-    assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(phrase), out.stderr
-    assert "Traceback" not in out.stderr and "Redis" not in out.stderr
+    for name, value in {"ROSEINFER_REDIS_URL": "redis://127.0.0.1:1/0", **env}.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(phrase), err
+    assert "Traceback" not in err and "Redis" not in err
 
 
 def test_version_and_the_unknown_variable_warning_on_the_command_line():

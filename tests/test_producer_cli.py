@@ -391,6 +391,7 @@ def test_a_negative_wait_timeout_is_refused_before_redis(command, value, capsys)
     assert exit_.value.code == 2 and "--timeout: must be at least 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 def test_output_piped_to_a_reader_that_leaves_ends_quietly(redis_url):
     """``roseinfer ... | head``: a BrokenPipeError traceback, exit 1. Now quiet, 141 as a command SIGPIPE ends."""

@@ -258,7 +258,7 @@ def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fa
 @pytest.mark.parametrize(
     "step_ms",
     [
-        pytest.param(30, marks=pytest.mark.worker_settings(event_interval_ms=20)),
+        pytest.param(30, marks=[pytest.mark.worker_settings(event_interval_ms=20), pytest.mark.slow]),
         # (an interval far past the steps: a loaded machine's slower steps still share events)
         pytest.param(2, marks=pytest.mark.worker_settings(event_interval_ms=200)),
     ],
@@ -326,6 +326,7 @@ def test_a_worker_whose_last_results_are_sent_looks_for_jobs_at_once(fake_worker
         assert client.submit(prompt, max_tokens=3).result(timeout=10)["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_an_idle_worker_on_a_redis_that_does_not_block_does_not_spin(fake_worker):
     """fakeredis answers an empty BLMOVE at once, timeout or not: the idle puller took that for a blocked wait and
     pulled again straight away, a core's worth of round trips (this suite's fake workers, ``serve --embedded``)."""
@@ -339,7 +340,9 @@ def test_an_idle_worker_on_a_redis_that_does_not_block_does_not_spin(fake_worker
 
 
 @pytest.mark.worker_settings(max_in_flight=300, max_num_seqs=300)
-@pytest.mark.parametrize("busy", [False, True], ids=["idle worker", "busy worker"])
+@pytest.mark.parametrize(
+    "busy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["idle worker", "busy worker"]
+)
 def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake_worker, busy):
     """150 jobs queued at once: an idle worker hands them to the engine in one pull (one prefill starts them all);
     one whose engine is stepping hands them over a slice at a time (the engine starts on the first while the rest

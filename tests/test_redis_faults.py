@@ -169,6 +169,7 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
     assert "Redis unavailable" in err and re.search(r"worker \S+ stopped", err), err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_follower_rides_out_a_redis_restart():
     """A Redis restart (or a failover) ended every stream and wait with a ConnectionError ("check --redis-url"),
     though the jobs went on: the follower waits for Redis and reads on from where it was."""

@@ -178,6 +178,7 @@ def test_each_queue_can_live_on_its_own_redis(monkeypatch):
         queue_urls("chat:redis://a")
 
 
+@pytest.mark.slow
 def test_a_bad_queue_url_map_is_one_line_and_exit_2():
     import os
     import sys
