@@ -251,6 +251,7 @@ def test_the_errors_file_sits_beside_the_output_with_its_last_suffix_replaced():
     assert default_errors_path("out") == Path("out.errors.jsonl")
 
 
+@pytest.mark.slow
 def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path, capsys):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "x"}) + "\n" for i in range(3)))

@@ -48,6 +48,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_the_heap_cushion_is_faulted_in_once_so_a_larger_step_later_takes_no_page_faults():
     def probe(nbytes: int, tuning: str = "1") -> tuple[str, int]:

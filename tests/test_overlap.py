@@ -70,6 +70,7 @@ def test_an_abort_while_outputs_wait_ends_the_request_at_once(tiny_chat_model):
     assert later[-1].finished and len(later[-1].outputs[0].token_ids) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["delta", "cumulative"])
 def test_an_abort_takes_in_the_token_whose_output_waits(tiny_chat_model, kind):
     """On a GPU a step's tokens give their outputs at the next step: an abort in between ends the request with
@@ -87,6 +88,7 @@ def test_an_abort_takes_in_the_token_whose_output_waits(tiny_chat_model, kind):
     assert not engine.step() and not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_an_abort_of_samples_that_ended_at_the_last_step_gives_one_final_output(tiny_chat_model):
     engine = LLM(tiny_chat_model, dtype="float32").engine
     engine._overlap = True
@@ -100,6 +102,7 @@ def test_an_abort_of_samples_that_ended_at_the_last_step_gives_one_final_output(
     assert [(c.index, c.finish_reason, len(c.token_ids)) for c in final.outputs] == [(0, "length", 3), (1, "length", 3)]
 
 
+@pytest.mark.slow
 def test_an_abort_of_a_request_whose_final_output_waits_gives_that_output(tiny_chat_model):
     """It ended at the last step (its length) and, on a GPU, its final output comes with the next step: an abort in
     between gives it then, whole and with its own finish reason, and the next step gives nothing more of it."""
@@ -138,6 +141,7 @@ def test_a_step_that_fails_still_gives_the_final_outputs_the_step_before_made(ti
     assert not pump.has_work()
 
 
+@pytest.mark.slow
 def test_a_request_id_whose_final_output_waits_is_still_in_use(tiny_chat_model):
     """On a GPU a request's last output comes a step after its last token: the id is not free until then, or that
     output would go out under the new request's id."""

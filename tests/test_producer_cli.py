@@ -276,6 +276,7 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
         assert all(r["response"]["request_id"].startswith(f"batch-{run_id}-") for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 def test_a_rerun_into_a_new_output_says_it_reused_results_and_fresh_generates_again(
     served, redis_url, tmp_path, capsys

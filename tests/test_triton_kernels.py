@@ -101,6 +101,7 @@ def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, 
         assert torch.allclose(out[i].cpu().double(), ref[0], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token():
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, d, bs = 6, 2, 32, 8
