@@ -82,13 +82,19 @@ def test_sigkill_loses_no_job_and_retries_resume_their_streams(redis_url, defaul
             time.sleep(0.05)  # until some jobs have streamed tokens
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
-        assert any(job.status() == "started" for job in jobs)
+        held = {job.id: client.connection.hget(f"rq:job:{job.id}", "worker_name") for job in jobs}
+        held = {job_id: name for job_id, name in held.items() if client.job(job_id).status() == "started"}
+        assert held
         streamed = {job.id: len(list(_events_so_far(client, job))) for job in jobs}
         killed_at = time.time()
         second = _start_worker(redis_url, queue_name, model, "--max-num-seqs", "3", *bf16)
         try:
-            results = [job.result(timeout=120) for job in jobs]
-            recovery = time.time() - killed_at
+            # Recovery is the dead worker's jobs taken from it (a new worker's load and a heartbeat's grace), not
+            # the time their 150 tokens take on this CPU: a slow one ran the whole work past a minute.
+            while any(_still_held(client, job_id, name) for job_id, name in held.items()):
+                assert time.time() - killed_at < 60, "the dead worker's jobs were not taken back within a minute"
+                time.sleep(0.1)
+            results = [job.result(timeout=180) for job in jobs]
         finally:
             second.terminate()
             second.wait(timeout=60)
@@ -102,7 +108,11 @@ def test_sigkill_loses_no_job_and_retries_resume_their_streams(redis_url, defaul
         assert [e["n"] for e in events] == list(range(len(events)))
         assert [t for e in events for t in e["token_ids"]] == res["token_ids"]
         assert "".join(e["text"] for e in events) == res["text"]
-    assert recovery < 60, recovery
+
+
+def _still_held(client: Client, job_id: str, worker_name: bytes) -> bool:
+    status, name = client.connection.hmget(f"rq:job:{job_id}", "status", "worker_name")
+    return status == b"started" and name == worker_name
 
 
 def _events_so_far(client: Client, job) -> list:
