@@ -258,7 +258,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     # A worker that never ends its jobs: they run until the timeout; the log lines come from the timer alone.
     client = _offline_client()
     with stuck_worker(client):
-        summary = run_batch(client, src, out, timeout=0.5, poll_interval=0.02, log_interval=0.1)
+        summary = run_batch(client, src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
     assert summary["failed"] == 3 and summary["succeeded"] == 0
     lines = capsys.readouterr().err.splitlines()
     waiting = [line for line in lines if line.startswith("batch: 0/3 rows done")]
@@ -267,7 +267,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     assert lines[-1].startswith("batch: 3 rows in ") and "0 succeeded, 3 failed" in lines[-1]
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["r0", "r1", "r2"]
-    assert all("no result within 0.5 s" in e["error"]["message"] for e in errors)
+    assert all("no result within 1.0 s" in e["error"]["message"] for e in errors)
 
 
 class _Terminal(io.StringIO):
