@@ -20,11 +20,12 @@ def _loaded_after(imports: str) -> set[str]:
     return {name.split(".")[0] for name in json.loads(out.stdout)}
 
 
-def _modules(package: str) -> list[str]:
-    return [
-        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def _modules(package: str) -> dict[str, Path]:
+    """Every module of ``package`` by its dotted name, with its source file."""
+    return {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
         for path in sorted((ROOT / package).rglob("*.py"))
-    ]
+    }
 
 
 @pytest.mark.slow  # an interpreter importing torch; test_no_module_names_a_package_across_its_border is the quick look
@@ -95,9 +96,7 @@ BORDERS = {
 def test_no_module_names_a_package_across_its_border(package):
     """The source's own imports, read without running them: what they pull in on import is the slow tests' look."""
     crossing = {}
-    for module in _modules(package):
-        path = ROOT / (module.replace(".", "/") + ".py")
-        path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+    for module, path in _modules(package).items():
         names = {name.split(".")[0] for name in _named_imports(path, module, optional=False)} & BORDERS[package]
         if names:
             crossing[module] = sorted(names)
@@ -105,10 +104,7 @@ def test_no_module_names_a_package_across_its_border(package):
 
 
 def test_the_engine_has_no_import_cycle():
-    modules = {m: ROOT / (m.replace(".", "/") + ".py") for m in _modules("roseinfer")}
-    for m in list(modules):
-        if not modules[m].exists():
-            modules[m] = ROOT / m.replace(".", "/") / "__init__.py"
+    modules = _modules("roseinfer")
     graph = {m: {i for i in _imports_of(path, m) if i in modules and i != m} for m, path in modules.items()}
     # The package's __init__ is every submodule's parent, not a dependency: edges into it would make every
     # lazy re-export look like a cycle.
