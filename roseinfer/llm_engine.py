@@ -63,7 +63,8 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults  # the model's recommendation (``model_loader``)
         # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
         self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
-        self.model = build_model(loaded.hf_model, self.attn_backend)
+        self.model = build_model(loaded.config, loaded.weights, self.attn_backend)
+        del loaded  # the checkpoint's files, and any tensor only it held
 
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from roseinfer.checkpoint import Checkpoint, weight_files
 from roseinfer.config import DEFAULT_MODEL, TINY_MODEL, ConfigError, cache_dir
 from roseinfer.models import UnsupportedModelError, check_supported
 
@@ -29,7 +30,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedModel:
-    hf_model: torch.nn.Module
+    config: Any  # transformers' config of the model
+    weights: Checkpoint
     tokenizer: object | None
     path: str
     eos_token_ids: list[int]
@@ -72,7 +74,8 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """A local folder that transformers can load without gguf, or a hub id."""
+    """The local folder of a model: its config, tokenizer and weights (a GGUF file converted, a hub id downloaded
+    or found in the local Hugging Face cache)."""
     if model.lower() == DEFAULT_MODEL:
         return str(convert_gguf(default_gguf_path(), name=DEFAULT_MODEL))
     if model.lower() == TINY_MODEL:
@@ -95,7 +98,24 @@ def resolve_model(model: str) -> str:
         raise ValueError(f"{path} is neither a model folder nor a .gguf file")
     if model.startswith(("/", "./", "../", "~")):  # a path, not a hub id: say so rather than what the hub says
         raise FileNotFoundError(f"no such model folder or file: {path}")
-    return model  # a hub id: transformers finds it in the local HF cache or on the hub
+    return download_from_hub(model)
+
+
+# What the engine reads of a hub repository: not its other formats' copies of the weights (ONNX, GGUF, ...).
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def download_from_hub(repo_id: str) -> str:
+    """The folder of a hub model in the local Hugging Face cache, downloaded there unless it is (offline with
+    ``HF_HUB_OFFLINE=1``)."""
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+    try:
+        weight_files(Path(folder))
+    except FileNotFoundError:  # an older repository: its weights only as PyTorch files
+        folder = snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "pytorch_model*.bin"])
+    return folder
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:
@@ -150,7 +170,7 @@ def has_tokenizer(path: str) -> bool:
 
 
 def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
         path = resolve_model(model)
@@ -181,8 +201,10 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
         tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load tokenizer {tok_path!r}: {_first_line(exc)}") from None
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    hf_model.to(device).eval()
+    try:
+        weights = Checkpoint(path, DTYPES[dtype], device)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load model {model!r}: {_first_line(exc)}") from None
     eos: list[int] = []
     defaults: dict[str, Any] = {}
     try:
@@ -197,4 +219,4 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
         for tid in value if isinstance(value, list) else [value]:
             if tid is not None and tid not in eos:
                 eos.append(int(tid))
-    return LoadedModel(hf_model, tok, path, eos, defaults)
+    return LoadedModel(config, weights, tok, path, eos, defaults)

@@ -1,4 +1,4 @@
-"""The engine's own forward passes, built from a loaded Hugging Face model's weights."""
+"""The engine's own forward passes, built from a checkpoint's weights and its transformers config."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata
+from roseinfer.checkpoint import Checkpoint
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
@@ -42,15 +43,15 @@ def check_supported(model_type: str) -> None:
         )
 
 
-def build_model(hf_model: torch.nn.Module, attn: AttentionBackend) -> CausalLM:
-    """Wrap the weights of a loaded transformers model in the engine's forward for its architecture, its
-    attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is given)."""
-    model_type = hf_model.config.model_type
-    check_supported(model_type)
-    if model_type == "gpt2":
+def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM:
+    """The engine's forward for a model's architecture (its transformers ``config``) over its checkpoint's
+    ``weights``, its attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is
+    given)."""
+    check_supported(config.model_type)
+    if config.model_type == "gpt2":
         from roseinfer.models.gpt2 import GPT2
 
-        return GPT2(hf_model, attn)
+        return GPT2(config, weights, attn)
     from roseinfer.models.llama import Llama
 
-    return Llama(hf_model, attn)
+    return Llama(config, weights, attn)

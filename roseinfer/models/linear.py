@@ -10,6 +10,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from roseinfer.checkpoint import Checkpoint
+
 log = logging.getLogger(__name__)
 _warned_no_bf16 = False
 
@@ -111,12 +113,16 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def fused(cls, *linears: torch.nn.Module) -> Linear:
+    def from_checkpoint(cls, weights: Checkpoint, name: str) -> Linear:
+        """The layer ``name`` of a checkpoint: its ``.weight`` and, where it has one, its ``.bias``."""
+        return cls(weights.get(f"{name}.weight"), weights.optional(f"{name}.bias"))
+
+    @classmethod
+    def fused(cls, weights: Checkpoint, names: list[str]) -> Linear:
         """One layer for projections that read the same input (q/k/v, gate/up): one matmul, not several."""
-        weight = torch.cat([m.weight.detach() for m in linears])
-        if all(m.bias is None for m in linears):
+        parts = [weights.get(f"{name}.weight") for name in names]
+        biases = [weights.optional(f"{name}.bias") for name in names]
+        weight = torch.cat(parts)
+        if all(bias is None for bias in biases):
             return cls(weight)
-        bias = torch.cat(
-            [m.bias.detach() if m.bias is not None else weight.new_zeros(m.weight.shape[0]) for m in linears]
-        )
-        return cls(weight, bias)
+        return cls(weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(parts, biases)]))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata
+from roseinfer.checkpoint import Checkpoint
 from roseinfer.kernels import add_rms_norm, rope_, silu_mul
 from roseinfer.models.linear import Linear
 
@@ -15,27 +17,27 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class LlamaLayer:
     def __init__(
         self,
-        layer: torch.nn.Module,
+        weights: Checkpoint,
+        prefix: str,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        hidden_act: str,
+        cfg,
         attn_backend: AttentionBackend,
     ) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn_backend
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
-        self.qkv = Linear.fused(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o_proj = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = Linear.fused(mlp.gate_proj, mlp.up_proj)
-        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias)
-        self.ln1 = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
-        self.ln2 = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+        self.qkv = Linear.fused(weights, [f"{prefix}.self_attn.{p}_proj" for p in "qkv"])
+        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj")
+        self.gate_up = Linear.fused(weights, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"])
+        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj")
+        self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
+        self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
         # None: SiLU, fused with the gating product.
-        self.act = None if hidden_act == "silu" else mlp.act_fn
-        self.scale = attn.scaling
+        self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
+        self.scale = head_dim**-0.5  # (transformers' Llama, Mistral and Qwen2 attention)
 
     def forward(self, h, x, rope_tables, meta, k_cache, v_cache, next_norm) -> torch.Tensor:
         """x = this layer's normed input; h, the residual stream, is updated in place. Returns the input
@@ -65,10 +67,25 @@ def _slides(cfg) -> bool:
     return cfg.model_type == "mistral" and bool(getattr(cfg, "sliding_window", None))
 
 
+def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies and the cos/sin scale of a model's config, as transformers' rotary
+    embedding computes them (its own functions for the scaled types)."""
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4 kept rope_theta and rope_scaling apart
+    if params is None:
+        params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; use one of {_STATIC_ROPE_TYPES}")
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg)
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
 class Llama:
-    def __init__(self, hf_model: torch.nn.Module, attn: AttentionBackend) -> None:
-        cfg = hf_model.config
-        inner = hf_model.model
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         self.num_layers = cfg.num_hidden_layers
         num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -77,22 +94,21 @@ class Llama:
         self.max_position_embeddings = cfg.max_position_embeddings
         if _slides(cfg):  # attention here is always full: stay within the window, where both agree
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
-        self.embed = inner.embed_tokens.weight.detach()
+        inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
+        self.embed = weights.get("model.embed_tokens.weight")
         self.layers = [
-            LlamaLayer(layer, num_heads, self.num_kv_heads, self.head_dim, cfg.hidden_act, attn)
-            for layer in inner.layers
+            LlamaLayer(weights, f"model.layers.{i}", num_heads, self.num_kv_heads, self.head_dim, cfg, attn)
+            for i in range(self.num_layers)
         ]
-        self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
-        self.lm_head = Linear(hf_model.lm_head.weight)
-        rotary = inner.rotary_emb
-        if getattr(rotary, "rope_type", "default") not in _STATIC_ROPE_TYPES:
-            raise ValueError(f"rope type {rotary.rope_type!r} is not supported; use one of {_STATIC_ROPE_TYPES}")
+        self.norm = (weights.get("model.norm.weight"), cfg.rms_norm_eps)
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        self.lm_head = Linear(self.embed) if tied else Linear.from_checkpoint(weights, "lm_head")
         # The same float32 products as transformers' rotary embedding, tabulated once for all positions.
         pos = torch.arange(self.max_position_embeddings, dtype=torch.float32, device=self.embed.device)
-        freqs = torch.outer(pos, rotary.inv_freq.float().to(pos.device))
+        freqs = torch.outer(pos, inv_freq.float().to(pos.device))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * rotary.attention_scaling).to(self.embed.dtype)
-        self.sin = (emb.sin() * rotary.attention_scaling).to(self.embed.dtype)
+        self.cos = (emb.cos() * attention_scaling).to(self.embed.dtype)
+        self.sin = (emb.sin() * attention_scaling).to(self.embed.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)

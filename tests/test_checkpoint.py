@@ -1,0 +1,162 @@
+"""The engine reads a checkpoint's tensors itself, never building transformers' model: each family and rotary type
+still matches transformers' greedy output, in every file layout, and a checkpoint that lacks a tensor is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+from safetensors.torch import load_file, save_file
+
+from roseinfer import LLM, SamplingParams
+from roseinfer.config import ConfigError
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+PROMPTS = [[5, 17, 200, 3, 99], list(range(40, 80)), [7] * 12]
+_SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "initializer_range": 0.3, "eos_token_id": None, "bos_token_id": None}  # fmt: skip
+
+
+def _config(family: str, **extra):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    return classes[family](**_SMALL, **extra)
+
+
+def _save(config, path: Path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _engine_greedy(path: str, **options) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", **options)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+FAMILIES = {
+    "qwen2 (q/k/v biases)": ("qwen2", {}),
+    "llama3 rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "yarn rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64}}),
+    "linear rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama, every bias, tied head": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
+                                               "hidden_act": "gelu_pytorch_tanh"}),
+    "mistral": ("mistral", {}),
+}  # fmt: skip
+FAST = ("qwen2 (q/k/v biases)", "llama3 rope")
+
+
+@pytest.mark.parametrize(
+    "case", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in FAMILIES]
+)
+def test_each_family_matches_transformers(case, tmp_path):
+    family, extra = FAMILIES[case]
+    path = _save(_config(family, **extra), tmp_path / "model")
+    assert _engine_greedy(path) == hf_greedy(path, PROMPTS, 16)
+
+
+def test_the_rotary_tables_are_transformers_own(tmp_path):
+    """Of every rotary type the engine takes, the cos/sin it tabulates are those transformers' rotary embedding
+    computes, to the bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from roseinfer.models.llama import rope_frequencies
+
+    for case in ("llama3 rope", "yarn rope", "linear rope", "mistral"):
+        config = _config(FAMILIES[case][0], **FAMILIES[case][1])
+        hf = LlamaRotaryEmbedding(config)
+        inv_freq, scaling = rope_frequencies(config)
+        assert torch.equal(inv_freq, hf.inv_freq), case
+        assert scaling == hf.attention_scaling, case
+
+
+def _tiny_outputs(tiny_llama) -> list[list[int]]:
+    return _engine_greedy(tiny_llama)
+
+
+def test_sharded_and_pytorch_checkpoints_load_the_same_weights(tiny_llama, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    expected = _tiny_outputs(tiny_llama)
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(sharded, max_shard_size="40KB")
+    assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert _engine_greedy(str(sharded)) == expected
+
+    pytorch = tmp_path / "pytorch"
+    shutil.copytree(tiny_llama, pytorch)
+    torch.save(load_file(pytorch / "model.safetensors"), pytorch / "pytorch_model.bin")
+    (pytorch / "model.safetensors").unlink()
+    assert _engine_greedy(str(pytorch)) == expected
+
+
+def test_gpt2_names_without_the_transformer_prefix_load(tiny_gpt2, tmp_path):
+    """The hub's original GPT-2 checkpoints name their tensors ``h.0.attn...``; saved by transformers today,
+    ``transformer.h.0.attn...``."""
+    import shutil
+
+    bare = tmp_path / "gpt2-bare"
+    shutil.copytree(tiny_gpt2, bare)
+    tensors = load_file(bare / "model.safetensors")
+    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, bare / "model.safetensors")
+    assert _engine_greedy(str(bare)) == _engine_greedy(tiny_gpt2)
+
+
+def test_a_checkpoint_that_lacks_a_tensor_is_refused(tiny_llama, tmp_path):
+    """transformers fills a missing weight with random numbers and warns; the engine refuses to serve them."""
+    import shutil
+
+    path = tmp_path / "incomplete"
+    shutil.copytree(tiny_llama, path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"no tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"):
+        LLM(str(path), dtype="float32")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"holds no weights: no model\.safetensors, pytorch_model\.bin"):
+        LLM(str(path), dtype="float32")
+
+
+def test_a_hub_id_loads_from_the_local_hub_cache(tiny_llama, tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub.constants
+
+    repo = tmp_path / "cache" / "models--acme--tiny"
+    shutil.copytree(tiny_llama, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    llm = LLM("acme/tiny", dtype="float32")
+    assert llm.engine.model_path == str(repo / "snapshots" / "0123abcd")
+    with pytest.raises(ConfigError, match="cannot load model 'acme/absent'"):
+        LLM("acme/absent", dtype="float32")
+
+
+@pytest.mark.slow
+def test_an_engine_starts_without_transformers_modeling_code(tiny_llama):
+    """Importing a transformers model class (torch._dynamo, torch.distributed, scipy) took seconds of every
+    worker's start: the engine builds its layers from the checkpoint alone."""
+    code = (
+        "import re, sys; from roseinfer import LLM; LLM(sys.argv[1], dtype='float32'); "
+        r"print(sorted(m for m in sys.modules if re.match(r'transformers\.models\.(?!auto\.)\w+\.modeling_', m)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, tiny_llama], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
