@@ -8,7 +8,9 @@ start) and holds a second copy of every weight the engine fuses while it loads.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,8 +21,9 @@ _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class MissingWeightError(ConfigError):
-    """A tensor the model's config calls for that its checkpoint lacks: refused, never left random."""
+class CheckpointError(ConfigError):
+    """A checkpoint the engine cannot serve: no weights, a file it cannot read, or a tensor its config calls for
+    that it lacks (refused, never left random as transformers leaves it)."""
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -28,27 +31,34 @@ def weight_files(folder: Path) -> dict[str, Path]:
     for index_name in _INDEXES:
         index = folder / index_name
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: folder / file for name, file in weight_map.items()}
+            weight_map = _read(index, lambda path=index: json.loads(path.read_text())["weight_map"])
+            files = {name: folder / file for name, file in weight_map.items()}
+            for path in set(files.values()) - {p for p in files.values() if p.is_file()}:
+                raise CheckpointError(f"{folder / index_name} names {path.name}, which is not there")
+            return files
     for file_name in _SINGLE_FILES:
         path = folder / file_name
         if path.is_file():
-            return {name: path for name in _names_in(path)}
+            names = _open(path).keys()  # (a safetensors handle has keys() alone)
+            return {name: path for name in names}
     raise FileNotFoundError(
         f"{folder} holds no weights: no {', '.join(_SINGLE_FILES)} nor a sharded index ({', '.join(_INDEXES)})"
     )
 
 
-def _names_in(path: Path) -> list[str]:
+def _read(path: Path, read: Any) -> Any:
+    try:
+        return read()
+    except Exception as exc:  # safetensors' and torch's own errors, a truncated download, a bad index
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _open(path: Path) -> Any:
+    """A file's tensors by name, read on access: safetensors mapped, a PyTorch file unpickled as data only."""
     if path.suffix == ".safetensors":
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    return list(_torch_file(path))
-
-
-def _torch_file(path: Path) -> dict[str, torch.Tensor]:
-    # weights_only: a checkpoint is data, never code to run; mmap: only the tensors asked for are read.
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return _read(path, lambda: safe_open(path, framework="pt"))
+    # weights_only: a checkpoint is data, never code to run; mmap (zip files, torch >= 1.6): only what is asked for.
+    return _read(path, lambda: torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)))
 
 
 class Checkpoint:
@@ -59,22 +69,22 @@ class Checkpoint:
         self.dtype = dtype
         self.device = torch.device(device)
         self._files = weight_files(self.folder)
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._files:
-            raise MissingWeightError(
-                f"cannot load model {str(self.folder)!r}: its checkpoint has no tensor {name!r}, which its config "
-                "calls for (a checkpoint of another architecture, or an incomplete download)"
+            raise CheckpointError(
+                f"its checkpoint has no tensor {name!r}, which its config calls for (a checkpoint of another "
+                "architecture, or an incomplete download)"
             )
         path = self._files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt") if path.suffix == ".safetensors" else _torch_file(path)
+            self._open[path] = _open(path)
         source = self._open[path]
-        tensor = source[name] if isinstance(source, dict) else source.get_tensor(name)
+        tensor = _read(path, lambda: source[name] if isinstance(source, dict) else source.get_tensor(name))
         return tensor.to(device=self.device, dtype=self.dtype)
 
     def optional(self, name: str) -> torch.Tensor | None:

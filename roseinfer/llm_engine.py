@@ -14,6 +14,7 @@ import torch
 
 from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
+from roseinfer.checkpoint import CheckpointError
 from roseinfer.config import ConfigError, EngineConfig
 from roseinfer.cpu_allocator import keep_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
@@ -63,7 +64,10 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults  # the model's recommendation (``model_loader``)
         # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
         self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
-        self.model = build_model(loaded.config, loaded.weights, self.attn_backend)
+        try:
+            self.model = build_model(loaded.config, loaded.weights, self.attn_backend)
+        except CheckpointError as exc:
+            raise ConfigError(f"cannot load model {config.model!r}: {exc}") from None
         del loaded  # the checkpoint's files, and any tensor only it held
 
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(

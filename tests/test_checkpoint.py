@@ -117,8 +117,9 @@ def test_gpt2_names_without_the_transformer_prefix_load(tiny_gpt2, tmp_path):
     assert _engine_greedy(str(bare)) == _engine_greedy(tiny_gpt2)
 
 
-def test_a_checkpoint_that_lacks_a_tensor_is_refused(tiny_llama, tmp_path):
-    """transformers fills a missing weight with random numbers and warns; the engine refuses to serve them."""
+def test_a_checkpoint_that_lacks_a_tensor_or_cannot_be_read_is_refused(tiny_llama, tmp_path):
+    """transformers fills a missing weight with random numbers and warns; the engine refuses to serve them. A file
+    it cannot read is a ConfigError naming it, not a traceback from safetensors or torch."""
     import shutil
 
     path = tmp_path / "incomplete"
@@ -128,8 +129,21 @@ def test_a_checkpoint_that_lacks_a_tensor_is_refused(tiny_llama, tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ConfigError, match=r"no tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"):
         LLM(str(path), dtype="float32")
+
+    (path / "model.safetensors").write_bytes(b"not a checkpoint" * 8)  # a truncated or mangled download
+    with pytest.raises(ConfigError, match=r"cannot load model .*: cannot read .*model\.safetensors: SafetensorError"):
+        LLM(str(path), dtype="float32")
     (path / "model.safetensors").unlink()
+    (path / "pytorch_model.bin").write_bytes(b"not a checkpoint" * 8)
+    with pytest.raises(ConfigError, match=r"cannot read .*pytorch_model\.bin"):
+        LLM(str(path), dtype="float32")
+    (path / "pytorch_model.bin").unlink()
     with pytest.raises(ConfigError, match=r"holds no weights: no model\.safetensors, pytorch_model\.bin"):
+        LLM(str(path), dtype="float32")
+
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"names model-00001-of-00002\.safetensors, which is not there"):
         LLM(str(path), dtype="float32")
 
 
