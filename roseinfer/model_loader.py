@@ -5,12 +5,14 @@ GGUF files are dequantized once into a safetensors folder in the cache, so later
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,10 +120,40 @@ def download_from_hub(repo_id: str) -> str:
     return folder
 
 
+@contextlib.contextmanager
+def _gguf_work_once() -> Iterator[None]:
+    """transformers parses a GGUF file afresh for its config, its tokenizer and its weights (four parses of ~6 s
+    each for SmolLM2 on a small CPU: its 49,152 vocabulary strings read field by field), and builds gguf's tensor
+    name map again for every submodule of the model (~8 s). Within this block the parses share one reader of each
+    file and the maps one map per architecture: both only read. transformers imports both from the package at each
+    call, so they are swapped there."""
+    import gguf
+
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(original_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
+
+
 def convert_gguf(gguf: Path, name: str) -> Path:
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
+    with _gguf_work_once():
+        return _convert_gguf(gguf, name, target)
+
+
+def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine refuses.
