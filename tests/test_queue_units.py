@@ -1450,6 +1450,28 @@ def test_due_jobs_go_back_to_their_queue_within_a_second_not_a_heartbeat(redis_u
         worker.register_death()
 
 
+def test_the_due_jobs_scheduler_logs_at_the_workers_rq_level(redis_url, monkeypatch):
+    """RQ's scheduler class sets its logger to INFO unless told otherwise: `roseinfer demo` (RQ at WARNING) printed
+    its "Acquired scheduler lock" lines on stdout, into the tokens it streamed there."""
+    import logging
+
+    from worker.due_retries import DueRetries
+
+    _, worker, _ = _worker_of_a_new_queue(redis_url)
+    worker.register_birth()
+    worker.sender._load_scripts()
+    scheduler_log = logging.getLogger("rq.scheduler")
+    monkeypatch.setattr(scheduler_log, "level", scheduler_log.level)  # restored after the test
+    monkeypatch.setattr(worker.log, "level", logging.WARNING)
+    due = DueRetries(worker)
+    try:
+        due.enqueue()
+        assert scheduler_log.level == logging.WARNING
+    finally:
+        due._release()
+        worker.register_death()
+
+
 @pytest.mark.redis
 def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     """A stall of Redis outlived the jobs' registry entries (absolute scores) but not the lease (a TTL, extended

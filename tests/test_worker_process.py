@@ -400,6 +400,10 @@ def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
     ends = re.findall(r"--- job \S+: (length|stop), (\d+) tokens, ttft", proc.stdout)
     assert len(ends) == 2 and all(int(n) <= 6 for _, n in ends) and "streaming live" in proc.stdout
     assert "2 finished, 0 failed" in proc.stderr
+    # The producer's view: the worker's per-job lines broke into the tokens; `-v` brings them back.
+    assert "roseinfer.worker" not in proc.stderr
+    verbose = subprocess.run([*cmd[:3], "-v", *cmd[3:]], capture_output=True, text=True, timeout=120, env=env)
+    assert verbose.returncode == 0 and "roseinfer.worker" in verbose.stderr
 
 
 def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):

@@ -90,6 +90,10 @@ def worker(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from worker.demo import run_demo
 
+    if not args.verbose:  # the tokens stream on stdout: the worker's per-job lines (stderr) broke into them
+        for name in ("rq", "roseinfer.worker"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
     return run_demo(args.prompt, model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 

@@ -44,7 +44,11 @@ class DueRetries:
         if self._scheduler is None or names != self._names:
             self._release()
             self._scheduler = RQScheduler(
-                names, connection=w.connection, serializer=w.serializer, interval=DUE_JOBS_EVERY_S
+                names,
+                connection=w.connection,
+                serializer=w.serializer,
+                interval=DUE_JOBS_EVERY_S,
+                logging_level=w.log.getEffectiveLevel(),  # the worker's RQ log level, as RQ's own worker passes it
             )
             self._names = names
         if self._scheduler.acquire_locks():
