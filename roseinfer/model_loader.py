@@ -162,12 +162,14 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same config takes its weights.
+    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same config takes its weights (built on
+    # the meta device: its random initialisation took seconds, for weights replaced at once).
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_dict)
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), assign=True)
     fresh.tie_weights()
     return save_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
