@@ -17,8 +17,11 @@ from safetensors import safe_open
 
 from roseinfer.config import ConfigError
 
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+# (index of a sharded checkpoint, its single file), in the order they are looked for: safetensors first.
+WEIGHT_FORMATS = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
 
 
 class CheckpointError(ConfigError):
@@ -28,22 +31,26 @@ class CheckpointError(ConfigError):
 
 def weight_files(folder: Path) -> dict[str, Path]:
     """Each tensor's name -> the file that holds it: from the folder's index when it is sharded."""
-    for index_name in _INDEXES:
+    for index_name, file_name in WEIGHT_FORMATS:
         index = folder / index_name
         if index.is_file():
-            weight_map = _read(index, lambda path=index: json.loads(path.read_text())["weight_map"])
-            files = {name: folder / file for name, file in weight_map.items()}
+            files = {name: folder / file for name, file in sharded_files(index).items()}
             for path in set(files.values()) - {p for p in files.values() if p.is_file()}:
-                raise CheckpointError(f"{folder / index_name} names {path.name}, which is not there")
+                raise CheckpointError(f"{index} names {path.name}, which is not there")
             return files
-    for file_name in _SINGLE_FILES:
         path = folder / file_name
         if path.is_file():
             names = _open(path).keys()  # (a safetensors handle has keys() alone)
             return {name: path for name in names}
+    indexes, files = zip(*WEIGHT_FORMATS)
     raise FileNotFoundError(
-        f"{folder} holds no weights: no {', '.join(_SINGLE_FILES)} nor a sharded index ({', '.join(_INDEXES)})"
+        f"{folder} holds no weights: no {', '.join(files)} nor a sharded index ({', '.join(indexes)})"
     )
+
+
+def sharded_files(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index: each tensor's name -> the name of the file that holds it."""
+    return _read(index, lambda: dict(json.loads(index.read_text())["weight_map"]))
 
 
 def _read(path: Path, read: Any) -> Any:

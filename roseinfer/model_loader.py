@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from roseinfer.checkpoint import Checkpoint, weight_files
+from roseinfer.checkpoint import WEIGHT_FORMATS, Checkpoint, sharded_files
 from roseinfer.config import DEFAULT_MODEL, TINY_MODEL, ConfigError, cache_dir
 from roseinfer.models import UnsupportedModelError, check_supported
 
@@ -103,21 +103,25 @@ def resolve_model(model: str) -> str:
     return download_from_hub(model)
 
 
-# What the engine reads of a hub repository: not its other formats' copies of the weights (ONNX, GGUF, ...).
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+# What the engine reads of a hub repository besides its weights.
+_HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
 def download_from_hub(repo_id: str) -> str:
     """The folder of a hub model in the local Hugging Face cache, downloaded there unless it is (offline with
-    ``HF_HUB_OFFLINE=1``)."""
+    ``HF_HUB_OFFLINE=1``). Of its weights, only the files the engine reads: a repository that holds a second copy
+    (Mistral's consolidated.safetensors beside its shards, PyTorch files beside safetensors) is not downloaded
+    twice."""
     from huggingface_hub import snapshot_download
 
-    folder = snapshot_download(repo_id, allow_patterns=_HUB_FILES)
-    try:
-        weight_files(Path(folder))
-    except FileNotFoundError:  # an older repository: its weights only as PyTorch files
-        folder = snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "pytorch_model*.bin"])
-    return folder
+    folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))  # the indexes of sharded weights among them
+    for index_name, file_name in WEIGHT_FORMATS:
+        index = folder / index_name
+        wanted = sorted(set(sharded_files(index).values())) if index.is_file() else [file_name]
+        folder = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, *wanted]))
+        if all((folder / name).is_file() for name in wanted):
+            break
+    return str(folder)  # (without weights, the checkpoint says so)
 
 
 @contextlib.contextmanager

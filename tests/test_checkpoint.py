@@ -164,6 +164,36 @@ def test_a_hub_id_loads_from_the_local_hub_cache(tiny_llama, tmp_path, monkeypat
         LLM("acme/absent", dtype="float32")
 
 
+def test_a_hub_download_takes_only_the_weight_files_the_engine_reads(tiny_llama, tmp_path, monkeypatch):
+    """A repository may hold its weights twice (Mistral's consolidated.safetensors beside its shards, PyTorch files
+    beside safetensors): the download takes the shards its index names, once."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+    from transformers import AutoModelForCausalLM
+
+    remote = tmp_path / "remote"
+    AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(remote, max_shard_size="40KB")
+    shards = json.loads((remote / "model.safetensors.index.json").read_text())["weight_map"].values()
+    shutil.copy(remote / sorted(shards)[0], remote / "consolidated.safetensors")
+    (remote / "pytorch_model.bin").write_bytes(b"a second copy")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        assert repo_id == "acme/tiny"
+        for file in remote.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, snapshot / file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert _engine_greedy("acme/tiny") == _tiny_outputs(tiny_llama)
+    taken = {file.name for file in snapshot.iterdir()}
+    assert set(shards) <= taken and not {"consolidated.safetensors", "pytorch_model.bin"} & taken
+
+
 @pytest.mark.slow
 def test_an_engine_starts_without_transformers_modeling_code(tiny_llama):
     """Importing a transformers model class (torch._dynamo, torch.distributed, scipy) took seconds of every
