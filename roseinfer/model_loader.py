@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,9 @@ def download_from_hub(repo_id: str) -> str:
     return str(folder)  # (without weights, the checkpoint says so)
 
 
+_CONVERSION = threading.Lock()
+
+
 @contextlib.contextmanager
 def _gguf_work_once() -> Iterator[None]:
     """transformers parses a GGUF file afresh for its config, its tokenizer and its weights (four parses of ~6 s
@@ -151,10 +155,11 @@ def _gguf_work_once() -> Iterator[None]:
 
 def convert_gguf(gguf: Path, name: str) -> Path:
     target = cache_dir() / name
-    if (target / "config.json").is_file():
-        return target
-    with _gguf_work_once():
-        return _convert_gguf(gguf, name, target)
+    with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
+        if (target / "config.json").is_file():  # (converted while this thread waited, too)
+            return target
+        with _gguf_work_once():
+            return _convert_gguf(gguf, name, target)
 
 
 def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
