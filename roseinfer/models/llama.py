@@ -79,7 +79,7 @@ def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](cfg)
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg, None)  # device None: the CPU (transformers 4 requires it)
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
