@@ -29,8 +29,9 @@ class CheckpointError(ConfigError):
     that it lacks (refused, never left random as transformers leaves it)."""
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """Each tensor's name -> the file that holds it: from the folder's index when it is sharded."""
+def weight_files(folder: Path, opened: dict[Path, Any]) -> dict[str, Path]:
+    """Each tensor's name -> the file that holds it: from the folder's index when it is sharded. A single file is
+    opened to list its names; ``opened`` (by path) keeps it open for the tensors' reads."""
     for index_name, file_name in WEIGHT_FORMATS:
         index = folder / index_name
         if index.is_file():
@@ -40,7 +41,8 @@ def weight_files(folder: Path) -> dict[str, Path]:
             return files
         path = folder / file_name
         if path.is_file():
-            names = _open(path).keys()  # (a safetensors handle has keys() alone)
+            opened[path] = _open(path)
+            names = opened[path].keys()  # (a safetensors handle has keys() alone)
             return {name: path for name in names}
     indexes, files = zip(*WEIGHT_FORMATS)
     raise FileNotFoundError(
@@ -75,13 +77,15 @@ class Checkpoint:
         self.folder = Path(folder)
         self.dtype = dtype
         self.device = torch.device(device)
-        self._files = weight_files(self.folder)
         self._open: dict[Path, Any] = {}
+        self._files = weight_files(self.folder, self._open)
 
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor ``name``, of the ``shape`` the config calls for: a mismatch (another model's config beside
+        these weights) is refused here, not found by the first step of every request."""
         if name not in self._files:
             raise CheckpointError(
                 f"its checkpoint has no tensor {name!r}, which its config calls for (a checkpoint of another "
@@ -92,8 +96,12 @@ class Checkpoint:
             self._open[path] = _open(path)
         source = self._open[path]
         tensor = _read(path, lambda: source[name] if isinstance(source, dict) else source.get_tensor(name))
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"its checkpoint's {name!r} has shape {list(tensor.shape)}, where its config calls for {list(shape)}"
+            )
         return tensor.to(device=self.device, dtype=self.dtype)
 
-    def optional(self, name: str) -> torch.Tensor | None:
+    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """A tensor the checkpoint may leave out (a bias its config has none of)."""
-        return self.get(name) if name in self else None
+        return self.get(name, shape) if name in self else None

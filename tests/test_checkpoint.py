@@ -4,6 +4,7 @@ still matches transformers' greedy output, in every file layout, and a checkpoin
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,16 +83,10 @@ def test_the_rotary_tables_are_transformers_own(tmp_path):
         assert scaling == hf.attention_scaling, case
 
 
-def _tiny_outputs(tiny_llama) -> list[list[int]]:
-    return _engine_greedy(tiny_llama)
-
-
 def test_sharded_and_pytorch_checkpoints_load_the_same_weights(tiny_llama, tmp_path):
-    import shutil
-
     from transformers import AutoModelForCausalLM
 
-    expected = _tiny_outputs(tiny_llama)
+    expected = _engine_greedy(tiny_llama)
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(sharded, max_shard_size="40KB")
     assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
@@ -108,8 +103,6 @@ def test_sharded_and_pytorch_checkpoints_load_the_same_weights(tiny_llama, tmp_p
 def test_gpt2_names_without_the_transformer_prefix_load(tiny_gpt2, tmp_path):
     """The hub's original GPT-2 checkpoints name their tensors ``h.0.attn...``; saved by transformers today,
     ``transformer.h.0.attn...``."""
-    import shutil
-
     bare = tmp_path / "gpt2-bare"
     shutil.copytree(tiny_gpt2, bare)
     tensors = load_file(bare / "model.safetensors")
@@ -118,10 +111,9 @@ def test_gpt2_names_without_the_transformer_prefix_load(tiny_gpt2, tmp_path):
 
 
 def test_a_checkpoint_that_lacks_a_tensor_or_cannot_be_read_is_refused(tiny_llama, tmp_path):
-    """transformers fills a missing weight with random numbers and warns; the engine refuses to serve them. A file
-    it cannot read is a ConfigError naming it, not a traceback from safetensors or torch."""
-    import shutil
-
+    """transformers fills a missing weight with random numbers and warns; the engine refuses to serve them. A tensor
+    of another shape than the config's (weights beside another model's config) is refused at load, not found by
+    every request's first step. A file it cannot read is a ConfigError naming it, not a traceback."""
     path = tmp_path / "incomplete"
     shutil.copytree(tiny_llama, path)
     tensors = load_file(path / "model.safetensors")
@@ -129,6 +121,14 @@ def test_a_checkpoint_that_lacks_a_tensor_or_cannot_be_read_is_refused(tiny_llam
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ConfigError, match=r"no tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"):
         LLM(str(path), dtype="float32")
+
+    save_file(load_file(tiny_llama + "/model.safetensors"), path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))  # another model's config
+    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[128, 64\], where "
+                       r"its config calls for \[96, 64\]"):  # fmt: skip
+        LLM(str(path), dtype="float32")
+    (path / "config.json").write_text(json.dumps(config))
 
     (path / "model.safetensors").write_bytes(b"not a checkpoint" * 8)  # a truncated or mangled download
     with pytest.raises(ConfigError, match=r"cannot load model .*: cannot read .*model\.safetensors: SafetensorError"):
@@ -148,8 +148,6 @@ def test_a_checkpoint_that_lacks_a_tensor_or_cannot_be_read_is_refused(tiny_llam
 
 
 def test_a_hub_id_loads_from_the_local_hub_cache(tiny_llama, tmp_path, monkeypatch):
-    import shutil
-
     import huggingface_hub.constants
 
     repo = tmp_path / "cache" / "models--acme--tiny"
@@ -168,7 +166,6 @@ def test_a_hub_download_takes_only_the_weight_files_the_engine_reads(tiny_llama,
     """A repository may hold its weights twice (Mistral's consolidated.safetensors beside its shards, PyTorch files
     beside safetensors): the download takes the shards its index names, once."""
     import fnmatch
-    import shutil
 
     import huggingface_hub
     from transformers import AutoModelForCausalLM
@@ -189,7 +186,7 @@ def test_a_hub_download_takes_only_the_weight_files_the_engine_reads(tiny_llama,
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert _engine_greedy("acme/tiny") == _tiny_outputs(tiny_llama)
+    assert _engine_greedy("acme/tiny") == _engine_greedy(tiny_llama)
     taken = {file.name for file in snapshot.iterdir()}
     assert set(shards) <= taken and not {"consolidated.safetensors", "pytorch_model.bin"} & taken
 

@@ -11,13 +11,15 @@ from roseinfer.checkpoint import Checkpoint
 from roseinfer.models.linear import Linear
 
 
-def _conv1d(weights: Checkpoint, name: str) -> Linear:
+def _conv1d(weights: Checkpoint, name: str, in_features: int, out_features: int) -> Linear:
     # transformers' Conv1D stores [in, out]; Linear wants [out, in].
-    return Linear(weights.get(f"{name}.weight").t().contiguous(), weights.get(f"{name}.bias"))
+    weight = weights.get(f"{name}.weight", (in_features, out_features))
+    return Linear(weight.t().contiguous(), weights.get(f"{name}.bias", (out_features,)))
 
 
-def _layer_norm(weights: Checkpoint, name: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    return weights.get(f"{name}.weight"), weights.get(f"{name}.bias"), eps
+def _layer_norm(weights: Checkpoint, name: str, cfg) -> tuple[torch.Tensor, torch.Tensor, float]:
+    width = (cfg.n_embd,)
+    return weights.get(f"{name}.weight", width), weights.get(f"{name}.bias", width), cfg.layer_norm_epsilon
 
 
 class GPT2Block:
@@ -26,12 +28,13 @@ class GPT2Block:
     ) -> None:
         self.num_heads, self.head_dim, self.scale = cfg.n_head, head_dim, scale
         self.attn = attn
-        self.ln1 = _layer_norm(weights, f"{prefix}.ln_1", cfg.layer_norm_epsilon)
-        self.ln2 = _layer_norm(weights, f"{prefix}.ln_2", cfg.layer_norm_epsilon)
-        self.c_attn = _conv1d(weights, f"{prefix}.attn.c_attn")
-        self.c_proj = _conv1d(weights, f"{prefix}.attn.c_proj")
-        self.c_fc = _conv1d(weights, f"{prefix}.mlp.c_fc")
-        self.mlp_proj = _conv1d(weights, f"{prefix}.mlp.c_proj")
+        width, inner = cfg.n_embd, cfg.n_inner or 4 * cfg.n_embd
+        self.ln1 = _layer_norm(weights, f"{prefix}.ln_1", cfg)
+        self.ln2 = _layer_norm(weights, f"{prefix}.ln_2", cfg)
+        self.c_attn = _conv1d(weights, f"{prefix}.attn.c_attn", width, 3 * width)
+        self.c_proj = _conv1d(weights, f"{prefix}.attn.c_proj", width, width)
+        self.c_fc = _conv1d(weights, f"{prefix}.mlp.c_fc", width, inner)
+        self.mlp_proj = _conv1d(weights, f"{prefix}.mlp.c_proj", inner, width)
         self.act = ACT2FN[cfg.activation_function]
 
     def forward(self, h, meta, k_cache, v_cache) -> torch.Tensor:
@@ -54,8 +57,8 @@ class GPT2:
         self.head_dim = cfg.n_embd // cfg.n_head
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.n_positions
-        self.wte = weights.get(f"{root}wte.weight")
-        self.wpe = weights.get(f"{root}wpe.weight")
+        self.wte = weights.get(f"{root}wte.weight", (cfg.vocab_size, cfg.n_embd))
+        self.wpe = weights.get(f"{root}wpe.weight", (cfg.n_positions, cfg.n_embd))
         base_scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         self.blocks = [
             GPT2Block(
@@ -68,9 +71,11 @@ class GPT2:
             )
             for i in range(self.num_layers)
         ]
-        self.ln_f = _layer_norm(weights, f"{root}ln_f", cfg.layer_norm_epsilon)
-        tied = getattr(cfg, "tie_word_embeddings", True)
-        self.lm_head = Linear(self.wte) if tied else Linear.from_checkpoint(weights, "lm_head")
+        self.ln_f = _layer_norm(weights, f"{root}ln_f", cfg)
+        if getattr(cfg, "tie_word_embeddings", True):
+            self.lm_head = Linear(self.wte)
+        else:
+            self.lm_head = Linear.from_checkpoint(weights, "lm_head", cfg.vocab_size, cfg.n_embd)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.wte) + F.embedding(positions, self.wpe)

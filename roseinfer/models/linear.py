@@ -113,16 +113,17 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def from_checkpoint(cls, weights: Checkpoint, name: str) -> Linear:
+    def from_checkpoint(cls, weights: Checkpoint, name: str, out_features: int, in_features: int) -> Linear:
         """The layer ``name`` of a checkpoint: its ``.weight`` and, where it has one, its ``.bias``."""
-        return cls(weights.get(f"{name}.weight"), weights.optional(f"{name}.bias"))
+        return cls.fused(weights, [name], [out_features], in_features)
 
     @classmethod
-    def fused(cls, weights: Checkpoint, names: list[str]) -> Linear:
+    def fused(cls, weights: Checkpoint, names: list[str], out_features: list[int], in_features: int) -> Linear:
         """One layer for projections that read the same input (q/k/v, gate/up): one matmul, not several."""
-        parts = [weights.get(f"{name}.weight") for name in names]
-        biases = [weights.optional(f"{name}.bias") for name in names]
-        weight = torch.cat(parts)
+        parts = [weights.get(f"{name}.weight", (n, in_features)) for name, n in zip(names, out_features)]
+        biases = [weights.optional(f"{name}.bias", (n,)) for name, n in zip(names, out_features)]
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)
         if all(bias is None for bias in biases):
             return cls(weight)
-        return cls(weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(parts, biases)]))
+        bias = torch.cat([b if b is not None else weight.new_zeros(n) for b, n in zip(biases, out_features)])
+        return cls(weight, bias)

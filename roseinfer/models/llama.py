@@ -29,12 +29,15 @@ class LlamaLayer:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
-        self.qkv = Linear.fused(weights, [f"{prefix}.self_attn.{p}_proj" for p in "qkv"])
-        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj")
-        self.gate_up = Linear.fused(weights, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"])
-        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj")
-        self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps)
-        self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps)
+        hidden, q_size, kv_size = cfg.hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+        qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
+        self.qkv = Linear.fused(weights, qkv, [q_size, kv_size, kv_size], hidden)
+        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
+        gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
+        self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
+        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
+        self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
+        self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         # None: SiLU, fused with the gating product.
         self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
         self.scale = head_dim**-0.5  # (transformers' Llama, Mistral and Qwen2 attention)
@@ -95,14 +98,16 @@ class Llama:
         if _slides(cfg):  # attention here is always full: stay within the window, where both agree
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
-        self.embed = weights.get("model.embed_tokens.weight")
+        self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers = [
             LlamaLayer(weights, f"model.layers.{i}", num_heads, self.num_kv_heads, self.head_dim, cfg, attn)
             for i in range(self.num_layers)
         ]
-        self.norm = (weights.get("model.norm.weight"), cfg.rms_norm_eps)
-        tied = getattr(cfg, "tie_word_embeddings", False)
-        self.lm_head = Linear(self.embed) if tied else Linear.from_checkpoint(weights, "lm_head")
+        self.norm = (weights.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = Linear.from_checkpoint(weights, "lm_head", cfg.vocab_size, cfg.hidden_size)
         # The same float32 products as transformers' rotary embedding, tabulated once for all positions.
         pos = torch.arange(self.max_position_embeddings, dtype=torch.float32, device=self.embed.device)
         freqs = torch.outer(pos, inv_freq.float().to(pos.device))
