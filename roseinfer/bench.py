@@ -58,14 +58,22 @@ def median_run(runs: list, rate=lambda r: r.tokens_per_s):
     return sorted(runs, key=rate)[len(runs) // 2]
 
 
-def resolve_model_arg(args: argparse.Namespace) -> None:
+def resolve_model_arg(args: argparse.Namespace, chat: bool = True) -> None:
     """``--model tiny``: a tiny random Llama with a small tokenizer (built in a second, no download), whose steps
     take milliseconds as a GPU's do, so a benchmark times the machinery around the model. ``--model random:SHAPE``
-    (smollm2-135m, llama-1b): a random-weight model of that shape (pair it with ``--tokenizer`` for chat)."""
+    (smollm2-135m, llama-1b): a random-weight model of that shape, with no tokenizer: a benchmark that sends chat
+    prompts (``chat``) needs ``--tokenizer`` beside it."""
     if args.model.startswith("random:"):
-        from roseinfer.tiny_models import save_random_model
+        from roseinfer.tiny_models import RANDOM_SHAPES, save_random_model
 
-        args.model = save_random_model(args.model.split(":", 1)[1], args.dtype)
+        shape = args.model.split(":", 1)[1]
+        if shape not in RANDOM_SHAPES:
+            raise ConfigError(f"--model {args.model}: no such shape; known: {', '.join(RANDOM_SHAPES)}")
+        if chat and not args.tokenizer:  # (refused before seconds of random weights)
+            raise ConfigError(
+                f"--model {args.model} has no tokenizer, and this benchmark sends chat prompts: pass --tokenizer FOLDER"
+            )
+        args.model = save_random_model(shape, args.dtype)
     if args.model == TINY_MODEL:
         from roseinfer.model_loader import resolve_model
 

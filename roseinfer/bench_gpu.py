@@ -107,7 +107,8 @@ def weight_bytes(llm) -> int:
 
 def _tensors(obj, depth: int = 0):
     if isinstance(obj, torch.Tensor):
-        yield obj
+        if obj.layout == torch.strided:  # not a CPU layer's packed copy of its weight (oneDNN's opaque layout)
+            yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors(x, depth + 1)
@@ -150,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
     engine_config_from_args(args)  # a bad option fails here, before CUDA starts
     sampling = sampling_of(args)
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    resolve_model_arg(args)
+    resolve_model_arg(args, chat=False)  # without a tokenizer: random token ids
     t = time.perf_counter()
     llm = build_llm(args)
     vocab = llm.engine.model.vocab_size
