@@ -73,7 +73,11 @@ def resolve_model_arg(args: argparse.Namespace, chat: bool = True) -> None:
             raise ConfigError(
                 f"--model {args.model} has no tokenizer, and this benchmark sends chat prompts: pass --tokenizer FOLDER"
             )
-        args.model = save_random_model(shape, args.dtype)
+        from roseinfer.model_loader import save_in_cache
+
+        # Built once into the model cache (seeded): a 1B shape took seconds and 2.5 GB of /tmp at every run.
+        name = f"random-{shape}-{args.dtype}"
+        args.model = str(save_in_cache(name, lambda tmp: save_random_model(shape, args.dtype, tmp)))
     if args.model == TINY_MODEL:
         from roseinfer.model_loader import resolve_model
 

@@ -105,17 +105,14 @@ RANDOM_SHAPES = {
 }
 
 
-def save_random_model(shape: str, dtype: str, path: str | None = None) -> str:
-    """A random-weight Llama of a named shape (``RANDOM_SHAPES``), saved in ``dtype``; EOS never produced (no eos
-    id). Speed does not depend on the weights: benchmarks of real shapes need no download."""
-    import tempfile
-
+def save_random_model(shape: str, dtype: str, path: str | Path) -> str:
+    """A random-weight Llama of a named shape (``RANDOM_SHAPES``), saved in ``dtype`` into ``path``; EOS never
+    produced (no eos id). Speed does not depend on the weights: benchmarks of real shapes need no download."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
-    path = path or tempfile.mkdtemp(prefix=f"roseinfer-{shape}-")
     config = LlamaConfig(
         **RANDOM_SHAPES[shape], max_position_embeddings=8192, eos_token_id=None, bos_token_id=None, dtype=dtype
     )
@@ -123,4 +120,4 @@ def save_random_model(shape: str, dtype: str, path: str | None = None) -> str:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(path)
-    return path
+    return str(path)

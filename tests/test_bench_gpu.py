@@ -87,3 +87,23 @@ def _hf_parameters(path: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path).parameters()  # (tied weights: one parameter)
+
+
+def test_a_random_shape_is_built_once_into_the_model_cache(tmp_path, monkeypatch):
+    """Every run wrote a new copy into /tmp and left it there (the 1B shape: 2.5 GB and seconds each time)."""
+    import argparse
+
+    from roseinfer.bench import resolve_model_arg
+    from roseinfer.tiny_models import RANDOM_SHAPES
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    monkeypatch.setitem(RANDOM_SHAPES, "test-tiny", shape)
+    paths = []
+    for _ in range(2):
+        args = argparse.Namespace(model="random:test-tiny", dtype="bfloat16", tokenizer=None)
+        resolve_model_arg(args, chat=False)
+        paths.append(args.model)
+    assert paths[0] == paths[1] == str(tmp_path / "random-test-tiny-bfloat16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["random-test-tiny-bfloat16"]  # (no half-written folder)
+    assert json.loads((tmp_path / paths[0] / "config.json").read_text())["hidden_size"] == 32
