@@ -14,6 +14,8 @@ budget=${GPU_CHECK_BUDGET:-500}
 start=$SECONDS
 source .gpu-pack/activate.sh
 export PYTHONPATH=$PYTHONPATH:$PWD PYTHONUNBUFFERED=1
+# The random models (built once per shape and dtype) and compiled kernels: a place sure to be writable there.
+export ROSEINFER_CACHE_DIR=${ROSEINFER_CACHE_DIR:-/tmp/roseinfer-cache}
 parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b timeline)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 roseinfer=(python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))")
