@@ -266,7 +266,7 @@ async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) ->
             break
         try:
             got = await events.get(wait)
-        except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
+        except NothingYet:  # (a stream's own TimeoutError, its job past --timeout, is the request's 504)
             break
         if got is None:
             break
@@ -425,6 +425,10 @@ async def _sse(
             _cancel_all_soon(jobs)
 
 
+class NothingYet(Exception):
+    """``MergedEvents.get``'s own wait ran out: not a stream's TimeoutError, which is its job past ``--timeout``."""
+
+
 class MergedEvents:
     """``(i, event)`` of each stream i as its events come, each read by a task of its own (a wait for the next one
     can time out without losing any); a stream's error once it comes."""
@@ -444,10 +448,13 @@ class MergedEvents:
         self._arrived.put_nowait((i, None, None))
 
     async def get(self, timeout: float | None = None) -> tuple[int, dict[str, Any]] | None:
-        """The next ``(i, event)``; None once every stream ended; TimeoutError past ``timeout`` seconds."""
+        """The next ``(i, event)``; None once every stream ended; ``NothingYet`` past ``timeout`` seconds."""
         while self._left:
             arrived = self._arrived.get()
-            i, event, exc = await (arrived if timeout is None else asyncio.wait_for(arrived, timeout))
+            try:
+                i, event, exc = await (arrived if timeout is None else asyncio.wait_for(arrived, timeout))
+            except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
+                raise NothingYet from None
             if exc is not None:
                 raise exc
             if event is not None:

@@ -423,6 +423,33 @@ def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_ur
     assert job.status() == "canceled"
 
 
+def test_a_stream_with_no_event_within_the_server_timeout_is_a_504_and_is_canceled(served, redis_url, monkeypatch):
+    """The job's TimeoutError was taken for the end of the first events' grace: the server sent a 200 and its role
+    chunk, then waited forever, and the job ran on."""
+    worker, _, model = served
+    engine = worker.worker.engine
+    real_step = engine.step
+
+    def step(*args, **kwargs):  # no first token within the 0.3 s timeout
+        time.sleep(0.6)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+    impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
+    try:
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "stream": True, "ignore_eos": True}
+        response = httpx.post(f"{impatient.url}/v1/chat/completions", json=body, timeout=20)
+    finally:
+        impatient.stop()
+    assert response.status_code == 504 and response.headers["x-should-retry"] == "false"
+    assert "no result within 0.3 s" in response.json()["error"]["message"]
+    job = Client(redis_url, queue=worker.queue).job(response.headers["x-roseinfer-job-id"])
+    deadline = time.time() + 10
+    while job.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "canceled"
+
+
 def test_no_live_worker_is_a_503(redis_url):
     lonely = ServerThread(redis_url, "queue-without-workers")
     try:
