@@ -79,7 +79,7 @@ class AsyncClient:
     async def _flush(self) -> None:
         try:
             while self._pending:
-                batch, self._pending = self._pending, []
+                batch, self._pending = _one_per_id(self._pending)
                 try:
                     jobs = await asyncio.to_thread(self.sync.submit_many, [request for request, _ in batch])
                 except Exception as exc:  # Redis down, say: every caller of this batch hears it
@@ -324,3 +324,14 @@ class AsyncGenerationJob:
 
 
 __all__ = ["AsyncClient", "AsyncGenerationJob", "JobCanceled", "JobFailed"]
+
+
+def _one_per_id(pending: list[tuple[dict[str, Any], Any]]) -> tuple[list, list]:
+    """The submissions to send together, and those to send after them: a second use of a job id waits for the next
+    batch, as a second ``Client.submit`` would come after the first (in one batch it failed every submission)."""
+    now, later, ids = [], [], set()
+    for item in pending:
+        job_id = item[0].get("job_id")
+        (later if job_id is not None and job_id in ids else now).append(item)
+        ids.add(job_id)
+    return now, later

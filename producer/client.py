@@ -317,7 +317,7 @@ class Client:
         """Enqueue many jobs in one pipeline. Each request is a payload dict (may hold ``job_id``); all are
         validated before any is enqueued."""
         hashes: list[tuple[str, Queue, dict[str, Any]]] = []
-        given: list[str] = []  # the ids the caller chose (maybe an ended job's)
+        given: dict[str, None] = {}  # the ids the caller chose (maybe an ended job's); a dict: 100k ids, no scan
         stamp = utcformat(now())  # the jobs are enqueued together, in one transaction
         for i, fields in enumerate(requests):
             fields = dict(fields)
@@ -328,14 +328,14 @@ class Client:
                     check_job_id(job_id)
                     if job_id in given:  # two payloads, one job: the first was lost without a word
                         raise InvalidRequest(f"job id {job_id!r} is given twice")
-                    given.append(job_id)
+                    given[job_id] = None
             except (ValueError, TypeError) as exc:
                 raise InvalidRequest(f"request {i}: {exc}") from None
             job_id = job_id or str(uuid.uuid4())
             lane = self.lane(req.priority)
             hashes.append((job_id, lane, self._job_hash(lane, req, stamp)))
         self._check_eviction_policy()
-        ended = self._ended(given)
+        ended = self._ended(list(given))
         with self.connection.pipeline() as pipe:
             self._forget_ended(pipe, ended)
             for key in dict.fromkeys(lane.key for _, lane, _ in hashes):

@@ -696,6 +696,25 @@ def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redi
     assert Client(redis_url, queue=queue_name).queue.job_ids == [first.id, good.id] and good.id == "good-id"
 
 
+def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobody(redis_url):
+    """Sent in one batch they failed every submission with it ("request 2: job id 'same' is given twice"), the one
+    that named no id too; as with two ``Client.submit`` calls, the second comes after the first."""
+    queue_name = f"same-id-{uuid.uuid4().hex[:6]}"
+
+    async def main():
+        async with AsyncClient(redis_url, queue_name) as client:
+            calls = [client.submit("p0", max_tokens=4), client.submit("p1", max_tokens=4, job_id="same")]
+            calls.append(client.submit("p2", max_tokens=4, job_id="same"))
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    first, one, two = asyncio.run(main())
+    assert not any(isinstance(x, Exception) for x in (first, one, two)), (first, one, two)
+    assert one.id == two.id == "same"
+    queue = Client(redis_url, queue=queue_name).queue
+    assert queue.job_ids[:2] == [first.id, "same"]
+    assert queue.fetch_job("same").kwargs["prompt"] == "p2"  # the later submission's, as RQ keeps
+
+
 def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis_url):
     """The worker says whose fault a failure was (``error_type``): a prompt longer than the model allows is the
     request's (400, as vLLM answers it); a job past its own timeout is a 504; a failure the worker never explained
