@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import types
@@ -314,7 +315,8 @@ def _response_format(path: str) -> dict[str, Any]:
         raise InvalidRequest(f"--response-format {path}: not a JSON object")
     if value.get("type") in ("text", "json_object", "json_schema"):
         return value
-    return {"type": "json_schema", "json_schema": {"name": Path(path).stem[:64] or "schema", "schema": value}}
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem)[:64]  # (the API's pattern for a schema's name)
+    return {"type": "json_schema", "json_schema": {"name": name or "schema", "schema": value}}
 
 
 def _tokenizer(name: str) -> Any:

@@ -413,3 +413,14 @@ def test_batch_chat_flags_are_checked_and_kept_in_the_resume_command():
     assert "--chat --system 'Be brief.'" in producer_cli.resume_command(args, None)
     with pytest.raises(InvalidRequest, match="--system goes with --chat"):
         producer_cli.batch_options(_parse("batch", "in.parquet", "-o", "out.parquet", "--system", "x"))
+
+
+def test_a_bare_schema_file_names_its_schema_after_the_file_in_the_apis_letters(tmp_path):
+    """``person.schema.json`` was refused: the name came straight from the file name, whose dot the API's pattern
+    for a schema's name does not allow."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    for file, name in (("person.schema.json", "person_schema"), ("my pérson.json", "my_p_rson")):
+        (tmp_path / file).write_text(json.dumps(schema))
+        fmt = producer_cli._response_format(str(tmp_path / file))
+        assert fmt["json_schema"] == {"name": name, "schema": schema}
+        assert JobRequest.model_validate({"prompt": "p", "response_format": fmt}).response_format is not None
