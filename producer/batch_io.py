@@ -246,6 +246,15 @@ class JSONLSink:
             self._out = None
 
 
+def _as_parquet_reads(schema: Any) -> Any:
+    """``schema`` as Parquet gives it back: a dataset's ``timestamp[s]`` is stored as ``timestamp[ms]``, its
+    ``date64`` as ``date32``."""
+    pa, pq = _pyarrow()
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    return pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema_arrow
+
+
 class ParquetSink:
     """The input's columns with the run's added ones (``ADDED_COLUMNS``), a row per job as it ends. Failed rows
     are written with their ``error`` (and to the errors file) and run again on a rerun."""
@@ -267,6 +276,7 @@ class ParquetSink:
         self.schema = base
         for name, kind in added:
             self.schema = self.schema.append(pa.field(name, kind))
+        self._stored = _as_parquet_reads(self.schema)  # what a rerun finds in the file this run writes
         self.id_column, self.n = id_column, n
         self._keeps_input = columns is not None  # a Parquet input's columns are carried over
         self._rows: list[dict[str, Any]] = []
@@ -297,7 +307,7 @@ class ParquetSink:
             f = pq.ParquetFile(self.path)
         except Exception as exc:  # pyarrow raises its own error types for a file that is not Parquet
             raise ValueError(f"{self.path} exists and is not a Parquet file ({exc}); move it away") from None
-        if not self.schema.equals(f.schema_arrow, check_metadata=False):
+        if not self._stored.equals(f.schema_arrow, check_metadata=False):
             raise ValueError(f"{self.path} has other columns than this run writes: write to a new output")
         yield from f.iter_batches(batch_size=_BATCH_ROWS)
 

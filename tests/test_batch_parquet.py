@@ -409,3 +409,31 @@ def test_chat_rows_send_the_prompt_column_as_the_users_message():
     assert "chat" not in plain.fingerprint() and options.fingerprint()["system"] == "Label the question."
     with pytest.raises(ValueError, match="--chat sends a prompt column"):
         RowOptions(None, None, None, {}, chat=True).for_format("jsonl")
+
+
+def test_a_datasets_folder_with_times_and_dates_reruns_into_its_parquet_output(tmp_path):
+    """Parquet stores a dataset's timestamp[s], date64 and time32[s] columns as timestamp[ms], date32 and
+    time32[ms]: a rerun compared the file with the dataset's own types and refused to carry over or retry any row."""
+    import datetime
+
+    import fakeredis
+
+    datasets = pytest.importorskip("datasets")
+    table = pa.table(
+        {
+            "prompt": ["a", "b"],
+            "when": pa.array([datetime.datetime(2026, 1, 1, 12), None], pa.timestamp("s")),
+            "day": pa.array([datetime.date(2026, 1, 2), None], pa.date64()),
+            "at": pa.array([datetime.time(9, 30), None], pa.time32("s")),
+        }
+    )
+    folder, out = tmp_path / "ds", tmp_path / "out.parquet"
+    datasets.Dataset(table).save_to_disk(str(folder))
+    client = Client(connection=fakeredis.FakeRedis())
+    for run in range(2):  # no worker: every row times out, and the rerun tries them again
+        with stuck_worker(client):
+            summary = run_batch(client, folder, out, log_interval=1e9, timeout=0.01, poll_interval=0.01)
+        assert summary["total"] == 2 and summary["failures"] == {"timeout": 2}, run
+    rows = pq.read_table(out).to_pylist()
+    assert [r["when"] for r in rows] == [datetime.datetime(2026, 1, 1, 12), None]
+    assert [r["day"] for r in rows] == [datetime.date(2026, 1, 2), None]
