@@ -18,7 +18,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer import Client, JobFailed
-from producer.protocol import read_result, rejected_key, result_from_entries, result_key
+from producer.protocol import BULK_PRIORITY, read_result, rejected_key, result_from_entries, result_key
 
 FN = "worker.jobs.generate"
 NOW = "2026-11-22T00:00:00.000000Z"
@@ -201,22 +201,24 @@ def test_callbacks_named_by_a_job_never_run_unless_allowed(served):
     assert conn.get(f"hook-probe:{allowed}") == b"ran"  # an allow-listed name runs, as RQ users expect
 
 
-def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(served):
+@pytest.mark.parametrize("lane", [0, BULK_PRIORITY])
+def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(served, lane):
     """RQ's clean-up reads a dead worker's jobs itself (its registries fetch them) and ran their failure callback
-    and webhooks: a fresh worker that allowed neither ran both. Its queues read jobs through the worker's policy."""
+    and webhooks: a fresh worker that allowed neither ran both. Its queues read jobs through the worker's policy:
+    every lane's (the bulk lane, ``roseinfer batch``'s, read them through RQ's plain class)."""
     from rq.registry import StartedJobRegistry
 
     w, _, conn = served
     job_id = f"hooked-{uuid.uuid4().hex[:6]}"
+    queue = dict(w.worker._lanes)[lane]
     hooks = [
         {"url": "http://127.0.0.1:9/hook", "job_status": "failed"},
         {"url": "http://allowed.invalid/ok", "job_status": "finished"},
     ]
-    _raw_job(conn, w.queue, job_id, failure_callback_name="hook_probe.record_unlisted",
+    _raw_job(conn, queue.name, job_id, failure_callback_name="hook_probe.record_unlisted",
              success_callback_name="hook_probe.record", webhooks=json.dumps(hooks), status="started",
              push=False)  # fmt: skip
     # As a dead worker left it: started, off the queue (never pushed: the live worker would have taken it first).
-    queue = w.worker.queues[0]
     registry = StartedJobRegistry(queue.name, connection=conn, job_class=queue.job_class, serializer=JSONSerializer)
     for job in (queue.fetch_job(job_id), registry.job_class.fetch(job_id, connection=conn, serializer=JSONSerializer)):
         assert job.failure_callback is None and job.success_callback.__name__ == "record"  # the allowed one stays

@@ -429,9 +429,10 @@ class BatchWorker(BaseWorker):
     def _set_lanes(self, found: list[tuple[int, str]]) -> None:
         by_name = {q.name: q for q in self.queues}
         queues = [
-            by_name.get(name) or Queue(name, connection=self.connection, serializer=self.serializer)
+            by_name.get(name)
+            or Queue(name, connection=self.connection, serializer=self.serializer, job_class=self.job_class)
             for _, name in found
-        ]  # fmt: skip
+        ]  # (the policy's job class: RQ's maintenance reads every lane's jobs through it)
         self._lanes = [(p, q) for (p, _), q in zip(found, queues)]
         self.queues = self._ordered_queues = queues
         self.sender.queue_keys = [q.key for q in queues]
