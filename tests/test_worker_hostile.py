@@ -379,6 +379,24 @@ def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
     assert w.thread.is_alive()
 
 
+def test_an_rq_group_key_of_another_type_is_logged_by_maintenance_not_fatal(served, caplog):
+    """RQ's clean-up of job groups raised WRONGTYPE on it, and the worker stopped (each restart stopped again)."""
+    w, client, conn = served
+    group = f"bad-{uuid.uuid4().hex[:6]}"
+    conn.sadd("rq:groups", group)
+    conn.set(f"rq:group:{group}", "not a set")
+    try:
+        deadline = time.time() + 10
+        while "job groups failed" not in caplog.text and time.time() < deadline:
+            time.sleep(0.1)
+        assert "job groups failed" in caplog.text  # the served worker's maintenance runs every second
+        assert client.submit("after a bad group", max_tokens=3).result(timeout=30)["status"] == "finished"
+        assert w.thread.is_alive()
+    finally:
+        conn.srem("rq:groups", group)
+        conn.delete(f"rq:group:{group}")
+
+
 @pytest.mark.slow  # keeps the fast lane under a minute
 def test_a_job_requeued_while_it_runs_here_is_neither_failed_nor_run_twice(served):
     w, client, conn = served

@@ -31,6 +31,7 @@ from rq import worker_registration
 from rq.command import parse_payload
 from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
+from rq.group import Group
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.rate_limit import RateLimitRegistry
@@ -256,6 +257,19 @@ class BatchWorker(BaseWorker):
             finally:
                 queue.release_maintenance_lock()
         self.last_cleaned_at = now()
+
+    def clean_group_registries(self) -> None:
+        """RQ's clean-up of its job groups (one lock for every worker), which raises on a group key it cannot read (a
+        key of another type): here an error is logged, never fatal. It stopped every worker on that Redis."""
+        lock_timeout = max(int(self.maintenance_interval) - 1, 1)
+        if not Group.acquire_maintenance_lock(self.connection, lock_timeout):
+            return
+        try:
+            Group.clean_registries(connection=self.connection)
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            log.exception("maintenance of RQ's job groups failed (a group key RQ cannot read?); carrying on")
 
     def _requeue_stranded(self, queue: Queue) -> None:
         """RQ's clean-up of the intermediate list, but a job no worker started within a minute of its move there (a
