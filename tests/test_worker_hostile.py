@@ -429,9 +429,18 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
 
         monkeypatch.setattr(engine, "step", stalling_step)
         job = client.submit("stall", max_tokens=20, temperature=0, ignore_eos=True)
+        deadline = time.time() + 30
+        while not stalled["done"] and time.time() < deadline:
+            time.sleep(0.05)
+        # Taken and started by the puller during the stall: it waits for the step loop, beaten meanwhile (it was
+        # not, and RQ's clean-up took it for abandoned: a retry spent, or with none left, failed).
+        late = client.submit("during the stall", max_tokens=5, temperature=0, ignore_eos=True)
+        retries = late.rq_job.retries_left
         result = job.result(timeout=60)
         assert stalled["done"] and result["status"] == "finished"
         assert job.rq_job.get_status() == "finished"
+        assert late.result(timeout=60)["status"] == "finished" and late.rq_job.get_status() == "finished"
+        assert retries == 2 and late.rq_job.retries_left == 2  # (the client's default: two retries)
         assert Redis.from_url(redis_url).llen(f"rq:queue:{w.queue}") == 0
     finally:
         w.stop()

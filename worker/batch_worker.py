@@ -535,7 +535,7 @@ class BatchWorker(BaseWorker):
                     job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
                     prefix_logprobs=a.prefix_logprobs,
                 )  # fmt: skip
-                held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.started_mono)
+                held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.beat_at)
                 held.resumed_tokens = len(a.prefix or ())
                 self.in_flight[job.id] = held
                 started.append(job.id)

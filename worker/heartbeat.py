@@ -85,7 +85,11 @@ class Heartbeat:
         when, tokens = self._rate
         rate = (w.tokens - tokens) / max(mono - when, 1e-6)
         self._rate = (mono, w.tokens)
-        jobs = list(w.in_flight.values())  # a snapshot: the main thread adds and removes jobs meanwhile
+        # A snapshot (the main thread adds and removes jobs meanwhile), with the jobs the puller started that the step
+        # loop has not taken in: inside a long step they waited unbeaten, and RQ took them for abandoned.
+        held = {job.job.id: job for job in w.puller.unapplied()}
+        held.update(w.in_flight)
+        jobs = list(held.values())
         # A job beaten less than half the grace ago (less LEASE_SLACK_S) keeps its registry entry (TTL interval +
         # grace) past the next beat plus the lease's margin, so the lease lasts until then: a job started a moment
         # ago costs no writes (six a job a beat).

@@ -56,9 +56,10 @@ class Arrival:
     error: str | None = None
     prompt: Any = None  # the request's prompt as the engine takes it
     tokenized: Any = None  # its prompt's tokenizing, started by the pump's ``tokenize_ahead`` (None: not started)
-    # When its start (and the registry's expiry) was written, by this host's monotonic clock: its first heartbeat
-    # is due from then, not from when the step loop takes it in (after a step that may outlast the expiry).
-    started_mono: float = 0.0
+    # When its heartbeat was last written, by this host's monotonic clock: at its start (with the registry's
+    # expiry), then by the heartbeats, which beat it until the step loop takes it in (after a step that may outlast
+    # the expiry) and then as a job in flight.
+    beat_at: float = 0.0
 
 
 @dataclass
@@ -93,7 +94,8 @@ class Puller:
         # Jobs handed over and not yet taken by the step loop: each counter written by one thread only.
         self._handed = 0
         self._taken = 0
-        self._unapplied: set[str] = set()  # ids of jobs handed over to start, not yet in flight (the step loop's)
+        # Jobs handed over to start, not yet in flight (the step loop's), by id: the heartbeat beats them too.
+        self._unapplied: dict[str, Arrival] = {}
         self._wake = threading.Event()  # room freed or jobs seen waiting: pull now
         self._arrived = threading.Event()
         self._stop = threading.Event()
@@ -131,12 +133,18 @@ class Puller:
 
     def applied(self, arrivals: list) -> None:
         self._taken += sum(1 for a in arrivals if not isinstance(a, Rejected))
-        self._unapplied.difference_update(a.job.id for a in arrivals if isinstance(a, Arrival))
+        for a in arrivals:
+            if isinstance(a, Arrival):
+                self._unapplied.pop(a.job.id, None)
 
     def wait(self, timeout: float) -> None:
         """Until something arrives, or ``timeout`` (the step loop when it has nothing to run)."""
         self._arrived.wait(timeout)
         self._arrived.clear()
+
+    def unapplied(self) -> list[Arrival]:
+        """The jobs started here that the step loop has not taken in yet (it may be inside a long step)."""
+        return list(self._unapplied.values())
 
     def handing_over(self, job_id: str) -> bool:
         """Whether ``job_id`` was taken and started here and waits for the step loop to take it in."""
@@ -226,7 +234,7 @@ class Puller:
         if not arrivals:
             return False
         self._handed += sum(1 for a in arrivals if not isinstance(a, Rejected))
-        self._unapplied.update(a.job.id for a in arrivals if isinstance(a, Arrival))
+        self._unapplied.update((a.job.id, a) for a in arrivals if isinstance(a, Arrival))
         self._arrivals.put(arrivals)
         self._arrived.set()
         return True
@@ -264,7 +272,7 @@ class Puller:
         for (job, q), execution, (request, params, error) in zip(fresh, executions, checked):
             stream = streams[job.id]
             stream.owner = execution.id
-            arrival = Arrival(job, q, execution, stream, request, params, error=error, started_mono=started_mono)
+            arrival = Arrival(job, q, execution, stream, request, params, error=error, beat_at=started_mono)
             if error is None:
                 arrival.prompt, arrival.tokenized = next(prompt_of), next(ahead, None)
                 arrival.prefix, arrival.prefix_logprobs = resume_from(stream, params)
@@ -288,7 +296,7 @@ class Puller:
 
     def read_again(self, job: Job, q: Queue) -> list:
         """The arrival of a copy whose running job ended meanwhile (on the step loop): it runs like any other."""
-        self._unapplied.discard(job.id)
+        self._unapplied.pop(job.id, None)
         return self.read([(job, q)])
 
     def _check(self, job: Job) -> tuple[JobRequest | None, Any, str | None]:
