@@ -505,7 +505,8 @@ class LLMEngine:
                 # A stopping token's own text stays out of the output (``_shown``).
                 detok.push(_shown(seq, token, by_token))
                 hit = detok.stop_hit
-                if hit is not None and not by_token:  # a stop string wins over the length or a complete output
+                if hit is not None:  # a stop string wins over the length, a complete output or a stop token whose
+                    # shown text holds it (the text is cut there: as vLLM's, the string is the reason)
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
                         seq.finish_time = time.perf_counter()
@@ -558,7 +559,7 @@ class LLMEngine:
                         seq.output_token_ids,
                         seq.finish_reason,
                         seq.stop_reason,
-                        seq.logprobs,
+                        _copy(seq.logprobs),  # (the sequence's own list grows on: an output kept must not)
                     )
                 ],
                 finished=seq.is_finished,
@@ -585,7 +586,7 @@ class LLMEngine:
                     token_ids=s.output_token_ids,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    logprobs=s.logprobs,
+                    logprobs=_copy(s.logprobs),
                 )
                 for s in samples
             ],
@@ -601,6 +602,10 @@ class LLMEngine:
                 sum(s.num_preemptions for s in samples),
             ),
         )
+
+
+def _copy(logprobs: list | None) -> list | None:
+    return None if logprobs is None else list(logprobs)
 
 
 def _shown(seq: Sequence, token: int, by_token: bool) -> int | None:

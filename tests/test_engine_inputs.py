@@ -308,6 +308,39 @@ def test_a_stop_tokens_text_is_kept_when_the_request_keeps_what_stopped_it(chat_
         assert out.text == engine.tokenizer.decode(free.token_ids[: 3 if keep else 2], skip_special_tokens=True)
 
 
+def test_a_stop_string_in_the_kept_text_of_a_stop_token_is_the_stop_reason(chat_engine):
+    """With ``include_stop_str_in_output`` a stop token's text is shown, and a stop string inside it cuts the text
+    there: the reason is then that string, as vLLM says (it said the token, for text cut at the string)."""
+    engine = chat_engine
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("free", "Say something", greedy)
+    free = _run_to_end(engine)["free"].outputs[0]
+    before = engine.tokenizer.decode(free.token_ids[:2], skip_special_tokens=True)
+    stop_id, its_text = free.token_ids[2], engine.tokenizer.decode(free.token_ids[2:3], skip_special_tokens=True)
+    # The shortest start of the token's text that first occurs inside that token's text.
+    whole, token_text = before + its_text, its_text.strip()
+    string = next(token_text[:k] for k in range(1, len(token_text) + 1) if whole.find(token_text[:k]) >= len(before))
+    params = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop_id], stop=[string],
+        include_stop_str_in_output=True,
+    )  # fmt: skip
+    engine.add_request("both", "Say something", params)
+    out = _run_to_end(engine)["both"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == string and out.text.endswith(string)
+
+
+def test_an_output_given_earlier_keeps_its_logprobs_as_they_were(chat_engine):
+    """Cumulative outputs handed out the sequence's own logprobs list, which grew on after they were given: an
+    output kept from the first step had one token and every later step's logprobs."""
+    engine = chat_engine
+    engine.add_request("c", "Say something", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1))
+    kept = []
+    while engine.has_unfinished_requests():
+        kept += [out.outputs[0] for out in engine.step()]
+    assert [len(o.token_ids) for o in kept] == [1, 2, 3, 4]
+    assert [len(o.logprobs) for o in kept] == [1, 2, 3, 4]
+
+
 def _run_to_end(engine) -> dict:
     ended = {}
     while engine.has_unfinished_requests():
