@@ -10,3 +10,8 @@ def record(job, connection, *args) -> None:
 def record_unlisted(job, connection, *args) -> None:
     """The same, under a name no test worker allows."""
     connection.set(f"hook-probe:{job.id}", "ran")
+
+
+def boom(job, connection, *args) -> None:
+    """A callback that raises, as an operator's may."""
+    raise RuntimeError("boom from the success callback")

@@ -38,7 +38,7 @@ def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, 
 def served(redis_url, tiny_chat_model):
     w = ThreadWorker(
         redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
-        allow_callback=["hook_probe.record"], allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
+        allow_callback=["hook_probe.record", "hook_probe.boom"], allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
     )  # fmt: skip
     yield w, Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
     w.stop()
@@ -199,6 +199,26 @@ def test_callbacks_named_by_a_job_never_run_unless_allowed(served):
     while not conn.exists(f"hook-probe:{allowed}") and time.time() < deadline:
         time.sleep(0.05)
     assert conn.get(f"hook-probe:{allowed}") == b"ran"  # an allow-listed name runs, as RQ users expect
+
+
+def test_a_success_callback_that_raises_fails_its_job_alone(served):
+    """As RQ fails a job whose success callback raises (with that error); the jobs that ended in the same step end
+    as theirs say. The error stopped the whole ending, so they stayed started until RQ took them for abandoned."""
+    w, client, conn = served
+    tag = uuid.uuid4().hex[:6]
+    boom, fine = f"cb-boom-{tag}", f"cb-fine-{tag}"
+    payload = {"prompt": "twins", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    _raw_job(conn, w.queue, boom, payload, success_callback_name="hook_probe.boom", push=False)
+    _raw_job(conn, w.queue, fine, payload, success_callback_name="hook_probe.record", push=False)
+    conn.rpush(f"rq:queue:{w.queue}", boom, fine)  # taken together, ended in one step
+    with pytest.raises(JobFailed) as err:
+        client.job(boom).result(timeout=30)
+    assert "boom from the success callback" in err.value.reason
+    assert Job.fetch(boom, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+    assert client.job(fine).result(timeout=30)["status"] == "finished"
+    assert Job.fetch(fine, connection=conn, serializer=JSONSerializer).get_status() == "finished"
+    assert conn.get(f"hook-probe:{fine}") == b"ran"
+    assert w.thread.is_alive()
 
 
 @pytest.mark.parametrize("lane", [0, BULK_PRIORITY])

@@ -663,7 +663,13 @@ class BatchWorker(BaseWorker):
                     self._lost_at_end(job)
                     continue
                 if mine:
-                    self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+                    try:
+                        self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+                    except REDIS_DOWN:
+                        raise
+                    except Exception as exc:  # its success callback raised (or outlived its timeout)
+                        self._success_callback_failed(job, exc)
+                        continue  # the jobs ended beside it go on: it stalled every one after it
                     job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
                     job.queue.canceled_job_registry.remove(job.job)  # canceled as it finished
                     self.publisher.notify(self.connection, job.job.id, job.request.notify)
@@ -672,6 +678,18 @@ class BatchWorker(BaseWorker):
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
+
+    def _success_callback_failed(self, job: InFlight, exc: Exception) -> None:
+        """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
+        this worker. Its followers had its last event already; its result is the failure."""
+        log.error("job %s: its success callback failed (%s): the job fails, as RQ fails it", job.job.id, exc)
+        self._record_failure(job.job, job.queue, job.execution, exc)
+        failed = job.job.get_status(refresh=False) == JobStatus.FAILED
+        if failed:
+            error = f"the job's success callback failed: {exc}"
+            result = failure_result(job.job.id, job.request, error, error_type="server_error")
+            self._write_failure(job.job, result, exc, job.request.notify, job.execution)
+        self.metrics.job_ended("failed" if failed else "retried", None)
 
     def _succeed_plain(
         self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime | None = None
