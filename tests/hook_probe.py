@@ -15,3 +15,8 @@ def record_unlisted(job, connection, *args) -> None:
 def boom(job, connection, *args) -> None:
     """A callback that raises, as an operator's may."""
     raise RuntimeError("boom from the success callback")
+
+
+def record_failure(job, connection, *args) -> None:
+    """A mark of its own, for a test that tells a job's failure callback from its other ones."""
+    connection.set(f"hook-probe-failure:{job.id}", "ran")

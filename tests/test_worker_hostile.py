@@ -17,7 +17,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from producer import Client, JobFailed
+from producer import Client, JobCanceled, JobFailed
 from producer.protocol import BULK_PRIORITY, read_result, rejected_key, result_from_entries, result_key
 
 FN = "worker.jobs.generate"
@@ -38,7 +38,8 @@ def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, 
 def served(redis_url, tiny_chat_model):
     w = ThreadWorker(
         redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
-        allow_callback=["hook_probe.record", "hook_probe.boom"], allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
+        allow_callback=["hook_probe.record", "hook_probe.boom", "hook_probe.record_failure"],
+        allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
     )  # fmt: skip
     yield w, Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
     w.stop()
@@ -219,6 +220,24 @@ def test_a_success_callback_that_raises_fails_its_job_alone(served):
     assert Job.fetch(fine, connection=conn, serializer=JSONSerializer).get_status() == "finished"
     assert conn.get(f"hook-probe:{fine}") == b"ran"
     assert w.thread.is_alive()
+
+
+def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_callback(served):
+    """As RQ's worker ends a job it stopped (``_handle_stopped_job``): it ran the failure callback instead."""
+    from rq.command import send_stop_job_command
+
+    w, client, conn = served
+    job_id = f"cb-stop-{uuid.uuid4().hex[:6]}"
+    payload = {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    _raw_job(conn, w.queue, job_id, payload, stopped_callback_name="hook_probe.record",
+             failure_callback_name="hook_probe.record_failure")  # fmt: skip
+    next(iter(client.job(job_id).events(timeout=30)))
+    send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+    with pytest.raises(JobCanceled):
+        client.job(job_id).result(timeout=30)
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "stopped"
+    assert conn.get(f"hook-probe:{job_id}") == b"ran"
+    assert not conn.exists(f"hook-probe-failure:{job_id}")
 
 
 @pytest.mark.parametrize("lane", [0, BULK_PRIORITY])

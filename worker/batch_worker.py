@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 from rq import worker_registration
+from rq.callbacks import execute_stopped_callback
 from rq.command import parse_payload
 from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
@@ -819,8 +820,7 @@ class BatchWorker(BaseWorker):
                 self._lost_at_end(job)
                 return
             if stopped and mine:
-                self._stopped_job_id = job.job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
-                self._record_failure(job.job, job.queue, job.execution, reason)
+                self._record_stop(job.job, job.queue, job.execution, str(reason))
             with self.connection.pipeline() as pipe:
                 if not stopped:
                     self.cleanup_execution(job.job, pipe, job.execution)
@@ -968,8 +968,23 @@ class BatchWorker(BaseWorker):
             raise error
         except Exception:
             self._finalize_failure(job, queue, execution, sys.exc_info())
-        # RQ logs an error of its last write and goes on: read it back, so the sender tries this end again. (Started
-        # by another worker since, a retry of it: it landed.)
+        self._check_end_landed(job, execution)
+
+    def _record_stop(self, job: Job, queue: Queue, execution: Execution, reason: str) -> None:
+        """RQ's end of a job its stop-job command stopped (``_handle_stopped_job``): the job's stopped callback (an
+        error of it logged), never its failure callback; then STOPPED, in the failed registry, never retried."""
+        job.ended_at = now()
+        try:
+            execute_stopped_callback(job, self.death_penalty_class)
+        except Exception:
+            log.exception("job %s: its stopped callback raised", job.id)
+        self._stopped_job_id = job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
+        self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
+        self._check_end_landed(job, execution)
+
+    def _check_end_landed(self, job: Job, execution: Execution) -> None:
+        """RQ logs an error of its last write and goes on: read it back, so the sender tries this end again. (Started
+        by another worker since, a retry of it: it landed.)"""
         owner, status = self.connection.hmget(job.key, OWNER_FIELD, "status")
         if status == JobStatus.STARTED.value.encode() and owner in (None, execution.id.encode()):
             raise redis.exceptions.ConnectionError(f"RQ's record of the failure of job {job.id} did not land")
