@@ -240,6 +240,31 @@ def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_cal
     assert not conn.exists(f"hook-probe-failure:{job_id}")
 
 
+def test_keys_a_job_writes_that_hold_another_type_fail_nothing_beside_them(served, caplog):
+    """A token stream, result stream or completion list written by hand with another type: the start's stream read,
+    the events script and the ends script failed on it, and with it every job pulled, sent or ended together."""
+    w, client, conn = served
+    tag = uuid.uuid4().hex[:6]
+    ids = [f"wrongtype-{kind}-{tag}" for kind in ("stream", "result", "notify", "fine")]
+    conn.set(f"roseinfer:stream:{ids[0]}", "not a stream")
+    conn.set(f"rq:results:{ids[1]}", "not a stream")
+    conn.set(f"roseinfer:done:list-{tag}", "not a list")
+    for job_id in ids:
+        payload = {"prompt": "twins", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        payload["notify"] = f"list-{tag}" if "notify" in job_id else f"fine-{tag}"
+        _raw_job(conn, w.queue, job_id, payload, push=False)
+    conn.rpush(f"rq:queue:{w.queue}", *ids)  # taken, started, run and ended together
+    for job_id in ids:
+        assert client.job(job_id).result(timeout=30)["usage"]["completion_tokens"] == 3, job_id
+        assert "".join(client.job(job_id).stream(timeout=10)) == client.job(job_id).result(timeout=1)["text"]
+    assert sorted(conn.lrange(f"roseinfer:done:fine-{tag}", 0, -1)) == sorted(
+        i.encode() for i in ids if "notify" not in i
+    )
+    assert conn.get(f"roseinfer:done:list-{tag}") == b"not a list"  # a key not the job's own is left as it was
+    assert f"job {ids[0]}: its token or result stream key held another type" in caplog.text
+    assert w.thread.is_alive()
+
+
 @pytest.mark.parametrize("lane", [0, BULK_PRIORITY])
 def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(served, lane):
     """RQ's clean-up reads a dead worker's jobs itself (its registries fetch them) and ran their failure callback

@@ -596,6 +596,9 @@ class BatchWorker(BaseWorker):
                 log.warning("starting %d jobs: Redis unavailable (%s); the same start again", len(pulled), exc)
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
+        for job_id in dict.fromkeys(replies[0]):
+            log.warning("job %s: its token or result stream key held another type (written by hand?): deleted",
+                        job_id.decode())  # fmt: skip
         self.executions.update((execution.id, execution) for execution in executions)
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
@@ -673,7 +676,10 @@ class BatchWorker(BaseWorker):
                         continue  # the jobs ended beside it go on: it stalled every one after it
                     job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
                     job.queue.canceled_job_registry.remove(job.job)  # canceled as it finished
-                    self.publisher.notify(self.connection, job.job.id, job.request.notify)
+                    try:
+                        self.publisher.notify(self.connection, job.job.id, job.request.notify)
+                    except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
+                        log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
                 finished.append((job, result))
         for job, result in finished:  # the tokens this attempt made, for its time per token
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)

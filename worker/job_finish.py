@@ -67,8 +67,8 @@ for a = 9, #ARGV, 19 do
       'execution_ended_at', ended)
     if ttl == -1 then redis.call('PERSIST', result) else redis.call('EXPIRE', result, ttl) end
     local notify = ARGV[a + 16]
-    if notify ~= '' then
-      redis.call('RPUSH', notify, id)
+    -- pcall: a completion list the job names that holds another type fails its push alone, not the batch's ends
+    if notify ~= '' and type(redis.pcall('RPUSH', notify, id)) == 'number' then
       redis.call('EXPIRE', notify, done_ttl)
     end
     add(finished, ARGV[a + 11], ARGV[a + 12], id)

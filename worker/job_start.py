@@ -19,19 +19,29 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
+from producer.protocol import result_key, stream_key
 from worker.intake import load_script
 
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
 # names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
-# registry and intermediate list. A job canceled since it was pulled keeps that status. Returns nothing.
+# registry, intermediate list, token stream and result stream. A job canceled since it was pulled keeps that
+# status. A token or result stream key holding another type (written by hand) is deleted: every write to it would
+# fail, and with it a whole batch's events or ends. Returns the ids of the jobs whose keys were deleted.
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local started, members = {}, {}
-for a = 9, #ARGV, 7 do
+local started, members, repaired = {}, {}, {}
+for a = 9, #ARGV, 9 do
   local job, id, exec_id, exec_key = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local registry, wip, intermediate = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  for k = a + 7, a + 8 do
+    local kind = redis.call('TYPE', ARGV[k])['ok']
+    if kind ~= 'none' and kind ~= 'stream' then
+      redis.call('DEL', ARGV[k])
+      repaired[#repaired + 1] = id
+    end
+  end
   redis.call('HSET', exec_key, 'id', exec_id, 'job_id', id, 'created_at', ts, 'last_heartbeat', ts,
     'worker_name', name)
   redis.call('EXPIRE', exec_key, ttl)
@@ -56,6 +66,7 @@ for wip, list in pairs(started) do
 end
 for i = 1, #members, 4000 do redis.call('SADD', executions, unpack(members, i, math.min(i + 3999, #members))) end
 if #members > 0 then redis.call('EXPIRE', executions, ttl + 60) end
+return repaired
 """
 
 
@@ -93,7 +104,7 @@ def start_jobs(
             wip = started_keys[queue.name] = queue.started_job_registry.key
         args += [
             job.key, job.id, execution.id, execution.key, ExecutionRegistry.key_template.format(job.id), wip,
-            queue.intermediate_queue_key,
+            queue.intermediate_queue_key, stream_key(job.id), result_key(job.id),
         ]  # fmt: skip
         job.worker_name = worker_name
         job.last_heartbeat = job.started_at = right_now
