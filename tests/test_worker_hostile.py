@@ -461,6 +461,38 @@ def test_an_rq_group_key_of_another_type_is_logged_by_maintenance_not_fatal(serv
         conn.delete(f"rq:group:{group}")
 
 
+def test_a_redis_error_while_arrivals_go_in_leaves_them_for_the_next_iteration(served, monkeypatch):
+    """A copy of a running job pushed again, and a new job, taken in one pull; Redis fails as the running copy's
+    records are written. The arrivals after it were dropped (started, never run: abandoned a grace later), and the
+    puller counted them against its room for good."""
+    import redis as redis_mod
+
+    w, client, conn = served
+    running = client.submit("long one", max_tokens=60, temperature=0, ignore_eos=True)
+    next(iter(running.events(timeout=30)))
+    fresh_id = f"fresh-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, fresh_id, retries_left="2", push=False)
+    fresh = client.job(fresh_id)
+    real, failed = w.worker._keep_running_copy, []
+
+    def flaky(job, queue):
+        if not failed:
+            failed.append(job.id)
+            raise redis_mod.exceptions.ConnectionError("injected: Redis away for a moment")
+        return real(job, queue)
+
+    monkeypatch.setattr(w.worker, "_keep_running_copy", flaky)
+    conn.rpush(f"rq:queue:{w.queue}", running.id, fresh_id)  # both ids in one push: one pull
+    assert fresh.result(timeout=30)["status"] == "finished" and fresh.rq_job.retries_left == 2
+    assert running.result(timeout=60)["usage"]["completion_tokens"] == 60 and failed == [running.id]
+    assert running.rq_job.get_status() == "finished"
+    deadline = time.time() + 5
+    while w.worker.puller._handed != w.worker.puller._taken and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.worker.puller._handed == w.worker.puller._taken  # nothing left counted against the room
+    assert w.thread.is_alive()
+
+
 @pytest.mark.slow  # keeps the fast lane under a minute
 def test_a_job_requeued_while_it_runs_here_is_neither_failed_nor_run_twice(served):
     w, client, conn = served

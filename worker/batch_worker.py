@@ -152,6 +152,8 @@ class BatchWorker(BaseWorker):
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
+        # Arrivals a Redis error left unapplied (a stack, with whether each came from the puller): applied first next.
+        self._arrivals_left: list[tuple[Any, bool]] = []
         self._stops_waiting: list[tuple[str, str | None, float]] = []
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
@@ -376,7 +378,7 @@ class BatchWorker(BaseWorker):
 
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
-        if self.in_flight or self.sender.busy or not self.puller.quiet:
+        if self.in_flight or self._arrivals_left or self.sender.busy or not self.puller.quiet:
             return False
         return self._stop_requested or (burst and self.puller.dry and not self.sender.queued)
 
@@ -512,37 +514,51 @@ class BatchWorker(BaseWorker):
 
     def _apply_arrivals(self) -> None:
         """What the puller took off the queues, into the engine (or failed, for jobs that can never run)."""
-        arrivals = self.puller.take()
         wall = time.time()
         started: list[str] = []
-        todo = list(reversed(arrivals))
-        while todo:
-            a = todo.pop()
-            if isinstance(a, Rejected):
-                self._reject_unreadable(a.item, a.stream)
-            elif isinstance(a, NeverRan):
-                self._never_ran(a.job, a.queue, a.stream)
-            elif isinstance(a, RunningCopy):
-                if a.job.id in self.in_flight:
-                    self._keep_running_copy(a.job, a.queue)
-                else:  # it ended here meanwhile (its end is fenced off): this copy runs like any other job
-                    todo += reversed(self.puller.read_again(a.job, a.queue))
-            elif a.error is not None:
-                self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
-            else:
-                job, req = a.job, a.request
-                timeout = job.timeout if job.timeout and job.timeout > 0 else None
-                self.pump.submit(
-                    job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
-                    prefix_logprobs=a.prefix_logprobs,
-                )  # fmt: skip
-                held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.beat_at)
-                held.resumed_tokens = len(a.prefix or ())
-                self.in_flight[job.id] = held
-                started.append(job.id)
-        if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256
-            log.info("%s started (%d in flight)", _jobs_named(started), len(self.in_flight))
-        self.puller.applied(arrivals)
+        todo = [(a, True) for a in reversed(self.puller.take())] + self._arrivals_left
+        self._arrivals_left, applied = [], []
+        try:
+            while todo:
+                a, from_puller = todo.pop()
+                try:
+                    todo += self._apply_arrival(a, wall, started)
+                except BaseException:  # Redis away, say (a running copy's records): this one and the rest next time
+                    todo.append((a, from_puller))
+                    self._arrivals_left = todo
+                    raise
+                if from_puller:
+                    applied.append(a)
+        finally:
+            if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256
+                log.info("%s started (%d in flight)", _jobs_named(started), len(self.in_flight))
+            self.puller.applied(applied)  # (those left stay the puller's: beaten, and counted against the room)
+
+    def _apply_arrival(self, a: Any, wall: float, started: list[str]) -> list[tuple[Any, bool]]:
+        """One arrival into the engine (or ended); the arrivals it turned into, if any, to apply next."""
+        if isinstance(a, Rejected):
+            self._reject_unreadable(a.item, a.stream)
+        elif isinstance(a, NeverRan):
+            self._never_ran(a.job, a.queue, a.stream)
+        elif isinstance(a, RunningCopy):
+            if a.job.id in self.in_flight:
+                self._keep_running_copy(a.job, a.queue)
+            else:  # it ended here meanwhile (its end is fenced off): this copy runs like any other job
+                return [(b, False) for b in reversed(self.puller.read_again(a.job, a.queue))]
+        elif a.error is not None:
+            self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
+        else:
+            job, req = a.job, a.request
+            timeout = job.timeout if job.timeout and job.timeout > 0 else None
+            self.pump.submit(
+                job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
+                prefix_logprobs=a.prefix_logprobs,
+            )  # fmt: skip
+            held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.beat_at)
+            held.resumed_tokens = len(a.prefix or ())
+            self.in_flight[job.id] = held
+            started.append(job.id)
+        return []
 
     def mark_started(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str] = ()
