@@ -114,6 +114,27 @@ def test_a_retried_job_resumes_from_what_was_streamed():
     assert 0 < conn.ttl(stream_key("j")) <= 60
 
 
+def test_a_job_run_again_after_its_end_gives_its_stream_the_running_ttl_again():
+    """A failed job requeued (``rq requeue``) starts its stream over after the end event, which left the stream
+    minutes to live (``stream_ttl_after_end``): its next attempt wrote on without a TTL of its own, and the stream
+    could expire while the job ran."""
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=3600, result_ttl=60, stream_ttl_after_end=5)
+    first = pub.resume(conn, ["j"])["j"]
+    first.start(can_resume=True)
+    pub.add(first, "old", [7], "error", {}, "failed")
+    _send(conn, pub)
+    assert 0 < conn.ttl(stream_key("j")) <= 5
+    again = pub.resume(conn, ["j"])["j"]
+    assert again.start(can_resume=True) == [] and again.pending_reset  # (it ended: it starts over)
+    pub.add(again, "new", [8])
+    _send(conn, pub)
+    assert conn.ttl(stream_key("j")) > 3000
+    pub.add(again, "er", [9])
+    _send(conn, pub)
+    assert [e["n"] for e in _events(conn)] == [0, 1, 2]
+
+
 def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():
     conn = fakeredis.FakeRedis()
     pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)

@@ -55,6 +55,8 @@ class JobStream:
     pending: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = field(default_factory=dict)
     pending_end: tuple[str, dict[str, int] | None, str | None, str | None] | None = None
     pending_reset: bool = False
+    # This attempt set the stream's TTL (with its first event): an earlier attempt's end left minutes of it.
+    ttl_renewed: bool = False
 
     def read(self, events: list[dict[str, Any]]) -> None:
         """Take in what an earlier attempt left in the stream."""
@@ -199,7 +201,8 @@ class Publisher:
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
                 event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps)
-                ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if s.next_n == 0 else 0
+                ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if not s.ttl_renewed else 0
+                s.ttl_renewed = True
                 (finals if reason is not None else events).append((s.job_id, event, ttl, s.owner))
                 s.next_n += 1
                 s.ended = reason is not None
