@@ -443,6 +443,7 @@ def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
     assert w.thread.is_alive()
 
 
+@pytest.mark.slow  # waits for a maintenance pass
 def test_an_rq_group_key_of_another_type_is_logged_by_maintenance_not_fatal(served, caplog):
     """RQ's clean-up of job groups raised WRONGTYPE on it, and the worker stopped (each restart stopped again)."""
     w, client, conn = served
