@@ -680,18 +680,23 @@ def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(re
     assert gone not in kept
 
 
+def _three_async_submits(redis_url: str, queue_name: str, second_id: str, third_id: str) -> list:
+    """Three AsyncClient submits batched together (p0 with no id, p1 and p2 with these): their jobs or errors."""
+
+    async def main():
+        async with AsyncClient(redis_url, queue_name) as client:
+            calls = [client.submit("p0", max_tokens=4), client.submit("p1", max_tokens=4, job_id=second_id)]
+            calls.append(client.submit("p2", max_tokens=4, job_id=third_id))
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    return asyncio.run(main())
+
+
 def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redis_url):
     from producer.client import InvalidRequest
 
     queue_name = f"bad-id-{uuid.uuid4().hex[:6]}"
-
-    async def main():
-        async with AsyncClient(redis_url, queue_name) as client:
-            calls = [client.submit("p0", max_tokens=4), client.submit("p1", max_tokens=4, job_id="bad id!")]
-            calls.append(client.submit("p2", max_tokens=4, job_id="good-id"))
-            return await asyncio.gather(*calls, return_exceptions=True)
-
-    first, bad, good = asyncio.run(main())
+    first, bad, good = _three_async_submits(redis_url, queue_name, "bad id!", "good-id")
     assert isinstance(bad, InvalidRequest) and "Job ID" in str(bad)
     assert Client(redis_url, queue=queue_name).queue.job_ids == [first.id, good.id] and good.id == "good-id"
 
@@ -700,14 +705,7 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobo
     """Sent in one batch they failed every submission with it ("request 2: job id 'same' is given twice"), the one
     that named no id too; as with two ``Client.submit`` calls, the second comes after the first."""
     queue_name = f"same-id-{uuid.uuid4().hex[:6]}"
-
-    async def main():
-        async with AsyncClient(redis_url, queue_name) as client:
-            calls = [client.submit("p0", max_tokens=4), client.submit("p1", max_tokens=4, job_id="same")]
-            calls.append(client.submit("p2", max_tokens=4, job_id="same"))
-            return await asyncio.gather(*calls, return_exceptions=True)
-
-    first, one, two = asyncio.run(main())
+    first, one, two = _three_async_submits(redis_url, queue_name, "same", "same")
     assert not any(isinstance(x, Exception) for x in (first, one, two)), (first, one, two)
     assert one.id == two.id == "same"
     queue = Client(redis_url, queue=queue_name).queue
