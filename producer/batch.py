@@ -146,8 +146,12 @@ def parse_line(
             message = f"not valid Unicode: a lone surrogate {surrogate!r} (a \\u escape of half a UTF-16 pair)"
             raise BadLine(message, custom_id if _lone_surrogate(custom_id) is None else None)
     try:
-        url, payload = _row_payload(obj, options) if options.plain else _payload(obj)
+        if options.plain:
+            (url, payload), api_defaults = _row_payload(obj, options), {}
+        else:
+            url, payload, api_defaults = _payload(obj)
         _apply_defaults(payload, options.defaults)
+        payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
         payload.setdefault("priority", priority)
         validate(payload)  # InvalidRequest is a ValueError
@@ -211,11 +215,12 @@ def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
         payload[name] = defaults[name]
 
 
-def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line."""
+def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, and the fields
+    an OpenAI line leaves to the API's defaults, which yield to the run's."""
     if "body" not in obj:
         payload = {k: v for k, v in obj.items() if k != "custom_id"}
-        return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload
+        return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload, {}
     extra = set(obj) - {"custom_id", "method", "url", "body"}
     if extra:
         raise ValueError(f"unknown fields {sorted(extra)}")
@@ -238,10 +243,14 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     own = {k: body[k] for k in ("priority", "metadata") if k in body}
     request = {k: v for k, v in body.items() if k not in own}
     try:
-        _, payload = parse(REQUESTS[url], {"model": "batch", **request})
+        parsed, payload = parse(REQUESTS[url], {"model": "batch", **request})
     except APIError as exc:
         raise ValueError(exc.message) from None
-    return url, {**payload, **own}
+    # What the body leaves to the API's defaults (n 1; a completion's max_tokens 16) yields to the run's (--n,
+    # --max-tokens): set aside, taken only where the run gives none.
+    given = parsed.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in parsed.model_fields_set else set())
+    api_defaults = {k: payload.pop(k) for k in ("n", "max_tokens") if k in payload and k not in given}
+    return url, {**payload, **own}, api_defaults
 
 
 def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:

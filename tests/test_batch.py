@@ -697,3 +697,28 @@ def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
     assert out.read_text().endswith("}\n")
     out.write_text(out.read_text() + '{"custom_id": "c", "resp')
     assert set(JSONLSink(out).done()) == {"a", "b"} and out.read_text().endswith("}\n")
+
+
+def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_unset():
+    """--n and --max-tokens apply to every row that sets none, OpenAI batch lines too: their parsing had already
+    filled in the API's defaults (n 1; max_tokens 16 for /v1/completions), which then won, so --n did nothing there.
+    What a line sets wins; where the run gives no default, the API's stands."""
+    from producer.batch_io import RowOptions
+
+    def body_line(url: str, **body) -> str:
+        return json.dumps({"custom_id": "x", "method": "POST", "url": url, "body": {"model": "m", **body}})
+
+    run = RowOptions(defaults={"n": 3, "max_tokens": 40})
+    chat, text = "/v1/chat/completions", "/v1/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    for url, body in ((chat, {"messages": messages}), (text, {"prompt": "hi"})):
+        payload = parse_line(1, body_line(url, **body), options=run).payload
+        assert (payload["n"], payload["max_tokens"]) == (3, 40), url
+        payload = parse_line(1, body_line(url, **body, n=2, max_tokens=5)).payload
+        assert (payload["n"], payload["max_tokens"]) == (2, 5), url
+    assert (
+        parse_line(1, body_line(chat, messages=messages, max_completion_tokens=7), options=run).payload["max_tokens"]
+        == 7
+    )
+    payload = parse_line(1, body_line(text, prompt="hi")).payload  # no run defaults: the API's
+    assert payload.get("n", 1) == 1 and payload["max_tokens"] == 16
