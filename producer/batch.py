@@ -394,21 +394,40 @@ def _settings_on(output_path: Path, options: RowOptions, queue: str) -> tuple[di
     return {**options.fingerprint(), "queue": queue}, queue
 
 
-def _check_settings(output_path: Path, fingerprint: dict[str, Any], has_rows: bool, write: bool = True) -> None:
-    """Other settings than those the output's rows were made with are refused; this run's are kept (``write``)."""
+def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
+    """``run_id``, else the one the output's settings file keeps: a ``--fresh`` run's, which a rerun resumes (one
+    killed, by kill -9 or the OOM killer, never printed it; its Parquet rows come back only from its jobs)."""
+    if run_id is not None:
+        return run_id
+    try:
+        before = json.loads(settings_path(output_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    stored = before.get("run_id") if isinstance(before, dict) else None
+    return stored if isinstance(stored, str) and RUN_ID.fullmatch(stored) else None
+
+
+def _check_settings(
+    output_path: Path, fingerprint: dict[str, Any], has_rows: bool, write: bool = True, run_id: str | None = None
+) -> None:
+    """Other settings than those the output's rows were made with are refused; this run's are kept (``write``),
+    with its run id (which is not a setting: a rerun may name another, ``--fresh``)."""
     path = settings_path(output_path)
     if has_rows and path.exists():
         try:
             before = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             before = None
+        if isinstance(before, dict):
+            before.pop("run_id", None)
         if before is not None and before != fingerprint:
             raise ValueError(
                 f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
                 f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
             )
     if write:
-        path.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
+        kept = {**fingerprint, "run_id": run_id} if run_id is not None else fingerprint
+        path.write_text(json.dumps(kept, sort_keys=True) + "\n")
 
 
 def _formats(input_path: Path, input_format: str | None, output_path: Path, output_format: str | None):
@@ -511,7 +530,8 @@ def run_batch(
             sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
             done = sink.done()
             settings, queue = _settings_on(output_path, options, queue)
-            _check_settings(output_path, settings, bool(done))  # a refused run leaves the last errors
+            run_id = _run_id_of(output_path, run_id)
+            _check_settings(output_path, settings, bool(done), run_id=run_id)  # a refused run leaves the last errors
             client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
             with open_lines(errors_path, "w") as err, _signals_interrupt():
                 progress = Progress(summary["total"], 0, 0, log_interval)
@@ -633,6 +653,7 @@ def dry_run(
         sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
         done = sink.done()
         settings, queue = _settings_on(output_path, options, queue)
+        run_id = _run_id_of(output_path, run_id)
         _check_settings(output_path, settings, bool(done), write=False)  # the refusal the run would meet
         with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
             sink.open(err, output=False)

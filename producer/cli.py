@@ -383,6 +383,8 @@ def batch(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )  # fmt: skip
         return 1 if counts["failed"] else 0
+    if args.fresh:  # (said now: a run killed outright says nothing more; the output keeps the id for a rerun)
+        print(f"a fresh run: its jobs' ids name run {run_id}; a rerun without --fresh resumes it", file=sys.stderr)
     try:
         summary = run_batch(
             _client(args),

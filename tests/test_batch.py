@@ -722,3 +722,20 @@ def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_u
     )
     payload = parse_line(1, body_line(text, prompt="hi")).payload  # no run defaults: the API's
     assert payload.get("n", 1) == 1 and payload["max_tokens"] == 16
+
+
+def test_a_rerun_resumes_the_run_id_of_a_fresh_run_the_output_keeps(tmp_path):
+    """A --fresh run killed outright (kill -9, the OOM killer) never printed its run id, and a rerun gave its rows
+    other job ids: a Parquet output, whose rows of a killed run come back only from their jobs, lost them all. The
+    output's settings file keeps the id; a rerun that names none resumes it, and --fresh still starts anew."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": f"p{i}"}) + "\n" for i in range(2)))
+    client = Client(connection=fakeredis.FakeRedis())
+    ids = []
+    for run_id in ("fresh1", None, "other2"):
+        with stuck_worker(client):  # nothing runs: each row times out, and the next run submits it again
+            run_batch(client, src, out, log_interval=1e9, timeout=0.01, poll_interval=0.01, run_id=run_id)
+        ids.append({key.decode().split("-")[1] for key in client.connection.keys("rq:job:batch-*")})
+        client.connection.flushall()
+    assert ids == [{"fresh1"}, {"fresh1"}, {"other2"}]
+    assert json.loads(out.with_name("out.jsonl.batch.json").read_text())["run_id"] == "other2"
