@@ -12,8 +12,27 @@ MAX_LOGPROBS = 20
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_N = 64
+# Levels of objects and lists in a JSON value of the payload (a schema, metadata). Python's own recursion limit
+# is near 1,000 levels in pickle, json and copies: a job nested deeper crashed a worker that sends it to its engine
+# process, and every worker its retries reached. Real schemas stay far below.
+MAX_JSON_DEPTH = 100
 NonNegInt = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+def json_depth(value: Any) -> int:
+    """Levels of dicts and lists in ``value`` (0 for a scalar), counted without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:  # (no need to go further)
+            return deepest
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class ChatMessage(BaseModel):
@@ -171,6 +190,10 @@ class JobRequest(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give structured_outputs or response_format, not both")
+        schema = (self.structured_form() or {}).get("json")
+        for name, value in (("structured output schema", schema), ("metadata", self.metadata)):
+            if json_depth(value) > MAX_JSON_DEPTH:
+                raise ValueError(f"the {name} nests objects and lists deeper than {MAX_JSON_DEPTH} levels")
         return self
 
     def structured_form(self) -> dict[str, Any] | None:

@@ -136,6 +136,25 @@ def test_jobs_end_in_the_engine_process_as_they_do_in_process():
 
 
 @pytest.mark.slow
+def test_a_job_that_cannot_be_sent_to_the_engine_process_fails_alone():
+    """Pickled past Python's recursion limit (a schema nested hundreds deep, before the payload bounded it), a job
+    raised out of the worker's loop: the worker exited, and the jobs sent with it never reached the engine."""
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"x": deep}
+    remote = EngineProcess(partial(fake_engine))
+    try:
+        remote.submit("before", {"prompt": "hello"}, _params(3))
+        remote.submit("deep", {"prompt": "hello", "schema": deep}, _params(3))
+        remote.submit("after", {"prompt": "hello"}, _params(2))
+        got = _by_job(_drain(remote))
+    finally:
+        remote.close()
+    assert got["before"][:2] == ("t1t2t3", "length") and got["after"][:2] == ("t1t2", "length")
+    assert got["deep"][1] == "error" and "cannot be sent to the engine process" in got["deep"][2]
+
+
+@pytest.mark.slow
 def test_a_cancel_keeps_the_text_the_child_made_before_it():
     """Pieces the child sent before the cancel reached it, not yet taken by the worker, end with the job: the
     stream still adds up to the partial result, as in-process."""

@@ -16,6 +16,17 @@ from worker.jobs import job_seed
 from worker.publisher import Publisher
 
 
+def _nested(levels: int) -> dict:
+    value: dict = {}
+    for _ in range(levels - 1):
+        value = {"x": value}
+    return value
+
+
+def test_a_schema_as_deep_as_the_bound_is_taken():
+    assert JobRequest.model_validate({"prompt": "hi", "structured_outputs": {"json": _nested(100)}})
+
+
 @pytest.mark.parametrize(
     ("fields", "phrase"),
     [
@@ -35,6 +46,8 @@ from worker.publisher import Publisher
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of"),
         ({"messages": [{"role": "robot", "content": "b"}]}, "role"),
         ({"messages": []}, "messages must not be empty"),
+        ({"prompt": "hi", "structured_outputs": {"json": _nested(101)}}, "schema nests .* deeper than 100"),
+        ({"prompt": "hi", "metadata": _nested(101)}, "metadata nests .* deeper than 100"),
     ],
 )
 def test_bad_payloads_are_refused(fields, phrase):

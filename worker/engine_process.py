@@ -413,9 +413,26 @@ class EngineProcess:
 
     # ----- the pipe -------------------------------------------------------------------------------
     def _send_outbox(self) -> None:
-        if self._outbox:
-            jobs, self._outbox = self._outbox, []
+        if not self._outbox:
+            return
+        jobs, self._outbox = self._outbox, []
+        try:
             self._send(("jobs", jobs))
+        except EngineProcessDied:
+            raise
+        except Exception:  # one that cannot be pickled (nested past the recursion limit): nothing was written
+            for job in jobs:  # one at a time: that one fails alone
+                try:
+                    self._send(("jobs", [job]))
+                except EngineProcessDied:
+                    raise
+                except Exception as exc:
+                    self._jobs.discard(job[0])
+                    log.error("job %s cannot be sent to the engine process: %r", job[0], exc)
+                    error = f"the job cannot be sent to the engine process: {exc!r}"
+                    self._events.append(
+                        JobEvent(job[0], finish_reason="error", error=error, error_type="invalid_request")
+                    )
 
     def _send(self, message: tuple) -> None:
         self._sending_since = time.monotonic()
