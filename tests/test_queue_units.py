@@ -1693,3 +1693,25 @@ def test_one_job_id_twice_in_one_submit_many_is_refused():
     with pytest.raises(InvalidRequest, match="request 1: job id 'a' is given twice"):
         client.submit_many([{"prompt": "x", "job_id": "a"}, {"prompt": "y", "job_id": "a"}])
     assert client.connection.llen("rq:queue:q") == 0
+
+
+@pytest.mark.parametrize(
+    ("message", "waits"),
+    [
+        ("BUSY Redis is busy running a script.", True),
+        ("Command # 3 (EVALSHA abc 0) of pipeline caused error: BUSY Redis is busy running a script.", True),
+        ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", True),
+        ("Error running script (call to f_abc): @user_script:1: @user_script: 1: -OOM command not allowed", True),
+        ("Error running script (call to f_abc): @user_script:3: -READONLY You can't write against a read only", True),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", False),
+        ("ERR unknown command 'FOO'", False),
+    ],
+)
+def test_redis_refusing_for_now_is_waited_for_and_other_errors_are_not(message, waits):
+    """A failed snapshot (MISCONF: a full disk) and Redis 6.2's refusals inside a script were taken for errors of the
+    writes: the sender dropped events and ends, and the step loop's next write stopped the worker."""
+    import redis
+
+    from worker.intake import redis_waits
+
+    assert redis_waits(redis.exceptions.ResponseError(message)) is waits

@@ -53,14 +53,23 @@ REDIS_REFUSING = (
 REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 
 
+# Error codes of a Redis that will take writes again: another client's script past ``busy-reply-threshold`` (BUSY
+# to every command until it ends), a failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF: a full disk),
+# and the refusals above as a script's error wraps them (Redis 6.2: "Error running script ...: -OOM ...").
+_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING")
+
+
 def redis_waits(exc: Exception) -> bool:
     """Whether ``exc`` says Redis cannot take this now but will (a write is then waited for, nothing dropped):
-    unavailable, or running another client's script past its ``busy-reply-threshold`` (BUSY to every command
-    until that ends or is killed; redis-py names it no error class of its own)."""
+    unavailable, or refusing for now with an error redis-py names no class of its own (``_WAIT_CODES``)."""
     if isinstance(exc, REDIS_UNAVAILABLE):
         return True
-    text = str(exc) if isinstance(exc, redis.exceptions.ResponseError) else ""
-    return text.startswith("BUSY ") or "caused error: BUSY " in text  # a pipeline's names its command first
+    if not isinstance(exc, redis.exceptions.ResponseError):
+        return False
+    text = str(exc)  # a pipeline's names its command first ("... caused error: BUSY ...")
+    return any(
+        text.startswith(f"{code} ") or f"caused error: {code} " in text or f"-{code} " in text for code in _WAIT_CODES
+    )
 
 
 # RQ's own stamps (``utcformat``): read by ``datetime.fromisoformat``, a tenth of what RQ's ``strptime`` costs.
