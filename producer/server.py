@@ -191,6 +191,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         return await _complete(request, CompletionRequest)
 
     async def _complete(request: Request, kind: type) -> Any:
+        wait = _answer_within(request, timeout)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -219,7 +220,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
             events = MergedEvents([each.events(timeout, skip_void=True) for each in jobs])
             try:  # the jobs' first events before the headers: a refused one is the request's status
-                early = await _unless_gone(request, jobs, _first_events(jobs, events), timeout)
+                first = asyncio.wait_for(_first_events(jobs, events), wait)  # (before the headers: the client waits)
+                early = await _unless_gone(request, jobs, first, wait)
             except ConnectionAbortedError:  # (its jobs canceled already)
                 events.close()
                 return Response(status_code=499, headers=ids)
@@ -229,7 +231,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             stream = _sse(jobs, chunks, include_usage, timeout, metrics.streams, early, events)
             return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
         try:
-            results = await _results_unless_gone(request, jobs, timeout)
+            results = await _results_unless_gone(request, jobs, wait)
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
             return Response(status_code=499, headers=ids)
         if chat:
@@ -239,6 +241,19 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         return JSONResponse(body, headers=ids)
 
     return app
+
+
+def _answer_within(request: Request, timeout: float) -> float:
+    """Seconds the server waits for an answer's first byte: ``--timeout``, or less where the client says it stops
+    reading sooner (the official clients send ``x-stainless-read-timeout``, 600 s by default, ``--timeout``'s own).
+    The 504 must reach it first: a client that gave up on its own retried, submitting the job again each time."""
+    try:
+        read = float(request.headers.get("x-stainless-read-timeout", "inf"))
+    except ValueError:
+        return timeout
+    if not 0 < read < float("inf"):
+        return timeout
+    return min(timeout, read - max(0.05 * read, min(1.0, 0.2 * read)))  # (the answer's own way back, and skew)
 
 
 async def _results_unless_gone(

@@ -450,6 +450,30 @@ def test_a_stream_with_no_event_within_the_server_timeout_is_a_504_and_is_cancel
     assert job.status() == "canceled"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_stops_reading_sooner_than_the_server_waits_gets_the_504_once(served, redis_url, stream):
+    """The official client sends how long it reads (x-stainless-read-timeout; 600 s by default, as --timeout is):
+    it gave up first, never saw the 504 that says not to retry, and retried: the job was submitted three times."""
+    worker, server, model = served
+    engine = worker.worker.engine
+    real_step = engine.step
+    sent = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "step", lambda *a, **k: (time.sleep(2.5), real_step(*a, **k))[1])  # past the client's 2 s
+        http = httpx.Client(event_hooks={"request": [sent.append]})
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", http_client=http, timeout=2.0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=230, stream=stream, extra_body={"ignore_eos": True}
+            )
+    assert info.value.status_code == 504 and len(sent) == 1  # (the server's own --timeout: 600 s)
+    job = Client(redis_url, queue=worker.queue).job(info.value.response.headers["x-roseinfer-job-id"])
+    deadline = time.time() + 10
+    while job.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "canceled"
+
+
 def test_no_live_worker_is_a_503(redis_url):
     lonely = ServerThread(redis_url, "queue-without-workers")
     try:
