@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
@@ -72,15 +73,24 @@ class LLM:
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(request_id, prompt, p)
                 order[request_id] = i
-        except Exception:
-            for request_id in order:
-                self.engine.abort_request(request_id)
+        except BaseException:
+            self._abort(order)
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
-        with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+        pending = set(order)
+        try:
+            with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while pending and self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in pending:
+                            pending.discard(out.request_id)
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        finally:  # Ctrl-C, an error: this call's requests leave the engine (the next call ran them all to the end)
+            self._abort(pending)
         return [r for r in results if r is not None]
+
+    def _abort(self, request_ids) -> None:
+        for request_id in request_ids:
+            with contextlib.suppress(Exception):  # (cleanup: the error under way is the one to see)
+                self.engine.abort_request(request_id)

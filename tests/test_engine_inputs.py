@@ -410,3 +410,26 @@ def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"a quantized checkpoint \(gptq\) is not supported"):
         LLM(str(path), dtype="float32")
+
+
+def test_a_generate_stopped_by_ctrl_c_leaves_nothing_in_the_engine(tiny_chat_model, monkeypatch):
+    """Its requests stayed: the next call ran all of them to their end before it returned (in a notebook, minutes
+    for 10k prompts), their KV blocks held until then."""
+    llm = LLM(tiny_chat_model, dtype="float32")
+    engine = llm.engine
+    free = engine.kv.num_free_blocks
+    real_step, steps = engine.step, []
+
+    def interrupted(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([f"prompt {i}" for i in range(4)], long, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == free
+    [out] = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3 and len(steps) < 10  # its own steps only
