@@ -580,13 +580,24 @@ def _only_run_on(output_path: Path) -> Iterator[None]:
         yield
         return
     lock_path = output_path.with_name(output_path.name + ".lock")
-    with open(lock_path, "a") as lock:
+    while True:
+        lock = open(lock_path, "a")  # noqa: SIM115 (closed below, or when the run ends)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            lock.close()
             raise ValueError(
                 f"another run is writing {output_path} (it holds {lock_path}); wait for it to end"
             ) from None
+        # The file locked must still be the one at the path: a run that ended removed it after this one opened it,
+        # and a third run would lock a new file beside this one's lock of the removed one.
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    with lock:
         try:
             yield
         finally:

@@ -739,3 +739,29 @@ def test_a_rerun_resumes_the_run_id_of_a_fresh_run_the_output_keeps(tmp_path):
         client.connection.flushall()
     assert ids == [{"fresh1"}, {"fresh1"}, {"other2"}]
     assert json.loads(out.with_name("out.jsonl.batch.json").read_text())["run_id"] == "other2"
+
+
+def test_the_run_lock_is_taken_on_the_file_at_its_path_not_one_removed_meanwhile(tmp_path, monkeypatch):
+    """A run that ends removes its lock file; a second run that had opened it just before locked the removed file,
+    and a third run then locked a new one: two runs wrote one output. The lock is taken again on the file there."""
+    import fcntl
+
+    import producer.batch as batch_mod
+
+    out = tmp_path / "out.jsonl"
+    lock_path = tmp_path / "out.jsonl.lock"
+    lock_path.touch()
+    stale = open(lock_path, "a")  # noqa: SIM115 (opened by the second run just before the first run removed it)
+    lock_path.unlink()
+    opened = []
+
+    def open_(path, mode="r", *args, **kwargs):
+        opened.append(path)
+        return stale if len(opened) == 1 else open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(batch_mod, "open", open_, raising=False)
+    with batch_mod._only_run_on(out):
+        assert len(opened) == 2 and stale.closed  # the removed file given up, the one at the path locked
+        with open(lock_path, "a") as third, pytest.raises(BlockingIOError):
+            fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not lock_path.exists()
