@@ -311,13 +311,18 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream)
 
-    def update(self, tokens: int, failed: bool = False) -> None:
+    def update(self, tokens: int, failed: bool = False, made_before: bool = False) -> None:
+        """A row whose job ended; ``made_before``: its job had ended before this run (its result taken, not made:
+        out of the rates, which it made absurd after a resume, and the ETA with them)."""
+        if made_before:
+            self.skip()
+            return
         self.done += 1
         self.failed += failed
         self.tokens += tokens
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.0f} tok/s")
+            self.bar.set_postfix_str(f"{self.tokens / self._elapsed():.0f} tok/s", refresh=False)  # (drawn at its pace)
 
     def skip(self, failed: bool = False) -> None:
         """A row settled without a job (already in the output, or a bad line): done, but not in the rates."""
@@ -770,7 +775,7 @@ def _run(
     conn = client.connection
     notify = f"batch-{secrets.token_hex(8)}"
     in_flight: dict[str, tuple[Line, float | None]] = {}  # job id -> its line, when it was first seen running
-    reused: set[str] = set()
+    reused: dict[str, bool] = {}  # job id -> whether it had ended before this run
     more = True
     sweep_every, next_sweep = poll_interval, 0.0
     try:
@@ -810,7 +815,7 @@ def _settle(
     client: Client,
     job_ids: list[str],
     in_flight: dict[str, tuple[Line, float | None]],
-    reused: set[str],
+    reused: dict[str, bool],
     sink: Sink,
     progress: Progress,
     summary: dict[str, Any],
@@ -836,7 +841,7 @@ def _settle(
             sink.result(line, output_line(line, result), result)
             summary["succeeded"] += 1
             summary["reused"] += job_id in reused
-            progress.update(result["usage"]["completion_tokens"])
+            progress.update(result["usage"]["completion_tokens"], made_before=reused.get(job_id, False))
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
             # The worker found the row at fault (a prompt too long): the row's error, as one refused here.
@@ -864,7 +869,7 @@ def _submit(
     lines: Iterator[Line],
     in_flight: dict[str, tuple[Line, float | None]],
     limit: int,
-    reused: set[str],
+    reused: dict[str, bool],
     notify: str | None = None,
 ) -> bool:
     """Top up to ``limit`` jobs in flight from ``lines``; a line whose job exists from an earlier run is picked
@@ -889,7 +894,7 @@ def _submit(
         status = status.decode() if status else None
         if status in _LIVE or (status == "finished" and has_result):
             in_flight[line.job_id] = (line, None)
-            reused.add(line.job_id)
+            reused[line.job_id] = status == "finished"
             continue
         if status is not None:  # failed or canceled last time, or finished with its result expired: run it again
             client.connection.delete(f"rq:job:{line.job_id}", result_key(line.job_id))

@@ -365,7 +365,7 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     options = batch_mod.RowOptions()
     lines = batch_mod._read_input(src, "jsonl", options, {}, None, "lazy", summary, 10, sink, progress)
     in_flight: dict = {}
-    assert batch_mod._submit(client, lines, in_flight, 8, set()) is True
+    assert batch_mod._submit(client, lines, in_flight, 8, {}) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
     assert client.status()["lanes"]["10"] == 8
 
@@ -765,3 +765,13 @@ def test_the_run_lock_is_taken_on_the_file_at_its_path_not_one_removed_meanwhile
         with open(lock_path, "a") as third, pytest.raises(BlockingIOError):
             fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
     assert not lock_path.exists()
+
+
+def test_rows_whose_jobs_ended_before_the_run_are_done_but_not_in_its_rates():
+    """A resume took thousands of finished jobs' results in seconds, and counted them as made: the rows/s and
+    tokens/s of the summary were absurd, and the ETA far too short."""
+    progress = Progress(total=10, already=0, log_interval=1e9, stream=io.StringIO())
+    progress.update(500, made_before=True)
+    progress.update(500, made_before=True)
+    progress.update(7)
+    assert (progress.done, progress.already, progress.tokens) == (3, 2, 7)
