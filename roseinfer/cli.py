@@ -18,7 +18,9 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    # (a file written on Windows: its line ends and byte order mark are not the prompt's)
+    lines = [line.rstrip("\r\n").lstrip("\ufeff") for line in sys.stdin] if not args.prompt else []
+    prompts = args.prompt or [line for line in lines if line.strip()]
     llm = LLM.from_config(config)
     convs = [[{"role": "user", "content": p}] for p in prompts]
     for out in llm.chat(convs, params, use_tqdm=len(convs) > 1):

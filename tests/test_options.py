@@ -237,6 +237,22 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert err.count("\n") == 1 and "no such model folder or file: /nonexistent/model" in err
 
 
+@pytest.mark.slow  # two engines
+def test_generate_reads_prompts_from_stdin_without_their_line_ends_or_byte_order_mark(
+    tiny_chat_model, capsys, monkeypatch
+):
+    """A file written on Windows gave prompts ending in "\r", the first one starting with a BOM."""
+    import io
+
+    from worker.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffHello\r\n\r\nHello\r\n"))
+    assert main(["generate", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 0
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", "Hello", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert first == second == json.loads(capsys.readouterr().out)  # the same prompt: "Hello"
+
+
 def test_a_file_that_is_no_model_or_a_tokenizer_that_is_not_there_is_one_line(tiny_chat_model, tmp_path, capsys):
     """Both were a traceback and exit 1, where every other configuration error is one line and exit 2."""
     from worker.cli import main
