@@ -117,6 +117,18 @@ def test_unknown_roseinfer_variables_are_named_with_a_suggestion():
     assert unknown_env_vars({"ROSEINFER_CPU_KERNELS": "0", "ROSEINFER_CACHE_DIR": "/tmp"}) == []
 
 
+def test_a_roseinfer_variable_not_in_capitals_is_named_as_the_worker_reads_it(monkeypatch):
+    """The worker's settings read ROSEINFER_Max_Num_Seqs (pydantic takes names in any case), yet the warning said it
+    was ignored; the producer commands read capitals only, so a lower-case queue split a worker from its producers."""
+    monkeypatch.setenv("ROSEINFER_Max_Num_Seqs", "3")
+    assert WorkerSettings(model="m").max_num_seqs == 3
+    [warning] = unknown_env_vars({"ROSEINFER_Max_Num_Seqs": "3", "roseinfer_queue": "q"})[1:]
+    assert (
+        "roseinfer_queue is read by the worker as ROSEINFER_QUEUE" in warning and "write it ROSEINFER_QUEUE" in warning
+    )
+    assert "write it ROSEINFER_MAX_NUM_SEQS" in unknown_env_vars({"ROSEINFER_Max_Num_Seqs": "3"})[0]
+
+
 def test_every_roseinfer_variable_the_code_reads_is_known():
     """A variable read somewhere but missing from the known list made every command warn that it is ignored."""
     import re

@@ -157,8 +157,15 @@ def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
     known = known_env_vars()
     warnings = []
     for name in sorted(environ if environ is not None else os.environ):
-        if name.startswith(ENV_PREFIX) and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+        if not name.upper().startswith(ENV_PREFIX) or name in known:
+            continue
+        if name.upper() in known:  # pydantic's settings read names in any case; os.environ.get does not
+            warnings.append(
+                f"warning: {name} is read by the worker as {name.upper()}, but not by every command (the producer's "
+                f"read capitals): write it {name.upper()}"
+            )
+        else:
+            close = difflib.get_close_matches(name.upper(), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             warnings.append(f"warning: {name} is not a roseinfer setting and is ignored{hint}")
     return warnings
