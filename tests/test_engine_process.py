@@ -74,6 +74,19 @@ def engine_slow_to_admit() -> FakeEngine:
     return engine
 
 
+def engine_slow_to_tokenize() -> FakeEngine:
+    """Its prompts take 3 s to tokenize, all together (a burst of long prompts on one thread)."""
+    engine = FakeEngine()
+    tokenize_many = engine.tokenize_many
+
+    def slow(prompts, tokenizer=None):
+        time.sleep(3.0)
+        return tokenize_many(prompts, tokenizer)
+
+    engine.tokenize_many = slow
+    return engine
+
+
 def engine_with_a_slow_first_step() -> FakeEngine:
     """Its first step takes 1.5 s, then returns as any other."""
     engine = FakeEngine()
@@ -280,6 +293,21 @@ def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
         assert all(e.retryable and e.error_type == "server_error" and "hung" in e.error for e in ended)
         assert "no step for 2 s (hung) and was killed" in pump.failure and not pump.has_work()
         assert time.monotonic() - began < 15 and pump._proc.exitcode == -signal.SIGKILL
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
+def test_a_child_tokenizing_for_longer_than_the_watchdog_allows_is_not_hung():
+    """Tokenizing is not a step (in process the watchdog never sees it): the child, running none meanwhile, said
+    nothing, and was killed as hung with every job failed."""
+    pump = EngineProcess(engine_slow_to_tokenize, step_timeout=1.0)
+    try:
+        for i in range(3):
+            pump.submit(f"j{i}", {"prompt": "x"}, _params(2))
+        ended = [e for e in _drain(pump, 30) if e.finished]
+        assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(3)]
+        assert pump.failure is None
     finally:
         pump.close()
 

@@ -165,7 +165,7 @@ def _serve(
     pump.on_admitted = _SaysAlive(conn)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
-    next_flush, step_s = 0.0, 0.0
+    next_flush, step_s, said_alive = 0.0, 0.0, time.monotonic()
     try:
         while True:
             busy = engine.has_unfinished_requests()
@@ -190,6 +190,11 @@ def _serve(
             step_s = time.monotonic() - began
             if events or busy:
                 conn.send(("step", events, _facts(engine), pump.take_step_times()))
+            elif time.monotonic() - said_alive >= 0.25:  # only tokenizing (not a step, as in process): not hung
+                conn.send(("alive",))
+            else:
+                continue
+            said_alive = time.monotonic()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
         return
     except Exception as exc:
