@@ -398,6 +398,29 @@ def test_an_engine_that_cannot_start_is_one_clear_error():
         EngineProcess(partial(broken_engine))
 
 
+def engine_that_dies_while_it_loads() -> FakeEngine:
+    time.sleep(1.5)  # (past the start's first look)
+    os._exit(3)  # killed, as by the OOM killer: no word sent
+
+
+@pytest.mark.slow
+def test_an_engine_process_is_waited_for_while_it_loads_and_its_death_is_seen_at_once():
+    """The start waits as long as the child lives (it had a fixed cap of 600 s, which a large model's first load or
+    download may pass; in process there is none): the wait must still see a death at once, and outlast its first
+    look at the pipe."""
+    began = time.monotonic()
+    with pytest.raises(EngineProcessDied, match="exit code 3"):
+        EngineProcess(engine_that_dies_while_it_loads)
+    assert time.monotonic() - began < 10
+    slow = EngineProcess(partial(engine_slow_to_start, 2.5))  # longer than the start's first look: still waited for
+    slow.close()
+
+
+def engine_slow_to_start(seconds: float) -> FakeEngine:
+    time.sleep(seconds)
+    return FakeEngine()
+
+
 def engine_of_a_bad_option() -> FakeEngine:
     from roseinfer.config import ConfigError
 

@@ -219,7 +219,7 @@ class EngineProcess:
         build: Callable[[], Any],
         event_interval_ms: int = 20,
         max_events_per_s: int = 2000,
-        start_timeout: float = 600.0,
+        start_timeout: float | None = None,
         step_timeout: float = 300.0,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that holds threads (and torch's pools)
@@ -251,9 +251,13 @@ class EngineProcess:
         self._closed = threading.Event()
         if step_timeout:
             threading.Thread(target=self._watch_sends, name="roseinfer-engine-watchdog", daemon=True).start()
-        if not self._conn.poll(start_timeout):
-            self.close()
-            raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
+        # As long as it lives, unless ``start_timeout`` says otherwise: loading (or first downloading) a large
+        # model takes what it takes, as in process; a child that dies says so at once.
+        until = None if start_timeout is None else time.monotonic() + start_timeout
+        while not self._conn.poll(1.0) and self._proc.is_alive():
+            if until is not None and time.monotonic() > until:
+                self.close()
+                raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
         self.facts, self.sampling_defaults = self._receive_first()  # (the model's, for jobs' unset fields)
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
