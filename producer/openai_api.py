@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
-IGNORED = ("user", "service_tier", "store", "parallel_tool_calls")
+IGNORED = ("user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
 
 
 class APIError(Exception):
@@ -93,6 +93,9 @@ class _Common(_Shape):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's form (extra_body)
     user: str | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's tags of a request: the job's metadata, echoed in its result
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None

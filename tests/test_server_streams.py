@@ -230,3 +230,14 @@ def test_a_request_while_the_queues_workers_name_several_models_is_served_and_sa
         start, _ = post(client, {"model": "m", "prompt": "p"})
     assert start["status"] == 200 and len(client.jobs) == 1
     assert [r.message for r in caplog.records if "serve several models (m, other)" in r.message]
+
+
+def test_openais_metadata_tags_the_job_and_its_cache_and_safety_ids_are_taken_and_ignored():
+    """``metadata`` (a request's tags, in OpenAI's API and taken by vLLM) was a 400 "unsupported parameter", where
+    ``user`` and ``store`` were taken: it is the job's metadata now, echoed in its result."""
+    from producer.openai_api import ChatCompletionRequest, parse
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"team": "search"}}
+    _, fields = parse(ChatCompletionRequest, {**body, "prompt_cache_key": "k1", "safety_identifier": "u1"})
+    assert fields["metadata"] == {"team": "search"} and "prompt_cache_key" not in fields
+    assert "safety_identifier" not in fields
