@@ -225,8 +225,11 @@ class AsyncGenerationJob:
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._sync.cancel)
 
-    async def events(self, timeout: float | None = None, skip_void: bool = False) -> AsyncIterator[dict[str, Any]]:
-        """As ``GenerationJob.events`` (read through the client's ``StreamHub``)."""
+    async def events(
+        self, timeout: float | None = None, skip_void: bool = False, idle: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
+        """As ``GenerationJob.events`` (read through the client's ``StreamHub``); ``idle``: ``timeout`` counts from
+        the last event, not from the start (a stream that goes on is not cut, as a client's read timeout)."""
         key = stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
         held: list[dict[str, Any]] = []  # the backlog read to its end first, as ``GenerationJob.events`` reads it
@@ -245,6 +248,8 @@ class AsyncGenerationJob:
                 yield event
                 if "finish_reason" in event:
                     return
+            if idle and timeout is not None and held:
+                deadline = time.monotonic() + timeout
             while True:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
                 if expired_at is not None:
@@ -260,6 +265,8 @@ class AsyncGenerationJob:
                         yield event
                         if "finish_reason" in event:
                             return
+                    if idle and timeout is not None:
+                        deadline = time.monotonic() + timeout
                     continue
                 status = await self.status()
                 if status in _ENDED or status == "missing":
@@ -271,7 +278,8 @@ class AsyncGenerationJob:
                     if time.monotonic() >= expired_at:
                         raise stream_expired(self.id)
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+                    what = "no event" if idle else "no end of stream"
+                    raise TimeoutError(f"job {self.id}: {what} within {timeout} s")
         finally:
             self.client.hub.leave(follower)
 

@@ -218,7 +218,9 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
-            events = MergedEvents([each.events(timeout, skip_void=True) for each in jobs])
+            # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
+            # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
+            events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
             try:  # the jobs' first events before the headers: a refused one is the request's status
                 first = asyncio.wait_for(_first_events(jobs, events), wait)  # (before the headers: the client waits)
                 early = await _unless_gone(request, jobs, first, wait)
@@ -425,8 +427,8 @@ async def _sse(
     except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError, RedisError) as exc:
         if isinstance(exc, (JobFailed, JobCanceled)):
             err = _job_error(exc)
-        elif isinstance(exc, TimeoutError):  # as the non-streamed answer: the job outlived --timeout
-            err = _timed_out(timeout)
+        elif isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
+            err = _not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
         elif isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
             err = APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
         else:

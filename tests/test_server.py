@@ -829,19 +829,37 @@ def test_request_metrics_are_labelled_by_endpoint_not_by_any_path_a_client_sends
     assert "other" in endpoints and not any(e.startswith("/made-up") for e in endpoints)
 
 
-def test_a_stream_past_the_server_timeout_ends_with_a_timeout_error_and_cancels_its_job(served, redis_url, slow_steps):
+def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_error_and_cancels_its_job(
+    served, redis_url, monkeypatch
+):
+    """--timeout counts from a stream's last token, as a client's read timeout does (OpenAI and vLLM cut no stream
+    that goes on): one whose tokens keep coming runs past it to its end; one that goes quiet ends in a timeout."""
     worker, _, model = served
-    impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
+    engine = worker.worker.engine
+    real_step, steps = engine.step, []
+
+    def step(*args, **kwargs):  # 20 ms a step; after 40 steps, 1 s a step
+        steps.append(1)
+        time.sleep(0.02 if len(steps) <= 40 else 1.0)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+    impatient = ServerThread(redis_url, worker.queue, timeout=0.5)
     try:
-        body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{impatient.url}/v1/chat/completions", json=body, timeout=30) as response:
+        body = {"model": model, "messages": MESSAGES, "stream": True, "ignore_eos": True}
+        url = f"{impatient.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json={**body, "max_tokens": 30}, timeout=30) as response:
+            steady = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        with httpx.stream("POST", url, json={**body, "max_tokens": 230}, timeout=30) as response:
             job_id = response.headers["x-roseinfer-job-id"]
             chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     finally:
         impatient.stop()
+    assert json.loads(steady[-2])["choices"][0]["finish_reason"] == "length"  # ~0.6 s of tokens: not cut
     assert chunks[-1] == "[DONE]"
     error = json.loads(chunks[-2])["error"]
-    assert error["type"] == "timeout" and "no result within 0.3 s" in error["message"]
+    assert error["type"] == "timeout" and "no new token within 0.5 s" in error["message"]
+    assert any(json.loads(c)["choices"][0]["delta"].get("content") for c in chunks[:-2])  # text came first
     job = Client(redis_url, queue=worker.queue).job(job_id)
     deadline = time.time() + 10
     while job.status() != "canceled" and time.time() < deadline:

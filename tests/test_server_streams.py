@@ -36,7 +36,7 @@ class ScriptedJob:
 
         self._sync = _Sync
 
-    async def events(self, timeout=None, skip_void=False):
+    async def events(self, timeout=None, skip_void=False, idle=False):
         for delay, item in self.script:
             await asyncio.sleep(delay)
             if isinstance(item, Exception):
