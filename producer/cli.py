@@ -153,7 +153,7 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequest("give a prompt (or - to read it from stdin), or --prompt-token-id ...")
     request: dict[str, Any] = {}
     if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
-        prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+        prompt = args.prompt if args.prompt != "-" else sys.stdin.read().removeprefix("\ufeff")  # (a BOM is no text)
         request = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
     for flag in payload_flags():
         value = getattr(args, flag.field)
@@ -198,6 +198,7 @@ def submit(args: argparse.Namespace) -> int:
         print(job.id)
         return 0
     print(f"job {job.id}", file=sys.stderr)
+    restarted = False
     try:
         while args.stream:
             try:
@@ -206,12 +207,17 @@ def submit(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
             except StreamRestarted:
                 print("\n[the job restarted from the beginning; what is above is void]", file=sys.stderr)
+                restarted = True
                 continue
             sys.stdout.write("\n")
             break
         result = job.result(timeout=args.timeout)
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out
+    if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
+        print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
+              f"answer; `roseinfer result {job.id}` prints the answer alone", file=sys.stderr)  # fmt: skip
+        return 1
     if args.stream:
         u, ttft = result["usage"], (result.get("timings") or {}).get("ttft_s")
         print(

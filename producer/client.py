@@ -223,12 +223,15 @@ REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this
 class Outage:
     """A follower's patience with a Redis that went away (a restart, a Sentinel failover): it tries again with
     backoff, for up to ``REDIS_PATIENCE_S`` at a time and never past the caller's deadline, then raises the error.
-    Without it every stream and wait died with the restart, the jobs going on."""
+    Without it every stream and wait died with the restart, the jobs going on. A Redis the client never reached
+    (a wrong URL) is no outage: its error is raised at once (a typo waited 30 s)."""
 
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline, self.since, self.backoff = deadline, None, 0.1
+    def __init__(self, deadline: float | None, client: Client) -> None:
+        self.deadline, self.since, self.backoff, self.client = deadline, None, 0.1, client
 
     def wait(self, exc: Exception) -> None:
+        if not self.client.reached:
+            raise exc
         now = time.monotonic()
         self.since = self.since if self.since is not None else now
         end = self.since + REDIS_PATIENCE_S
@@ -240,6 +243,7 @@ class Outage:
 
     def over(self) -> None:
         self.since, self.backoff = None, 0.1
+        self.client.reached = True
 
 
 class Client:
@@ -264,6 +268,7 @@ class Client:
         self._lanes: dict[int, Queue] = {0: self.queue}
         self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl
         self._policy_checked = False
+        self.reached = False  # Redis answered this client once: a later error is an outage to wait out
 
     def submit(
         self,
@@ -281,17 +286,19 @@ class Client:
             check_job_id(job_id)
             self._forget_ended(self.connection, self._ended([job_id]))
         job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
+        self.reached = True
         return GenerationJob(self, job.id)
 
     def _ended(self, job_ids: list[str]) -> list[str]:
-        """Those of ``job_ids`` (given by the caller) whose job ran before and ended."""
+        """Those of ``job_ids`` (given by the caller) whose job ran before and ended, or whose hash is gone (its
+        ``result_ttl`` of 0 or under the stream's life, RQ's ``delete()``): what is left of it is an old job's."""
         if not job_ids:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hget(Job.key_for(job_id), "status")
             statuses = pipe.execute()
-        return [job_id for job_id, status in zip(job_ids, statuses) if status in _OVER]
+        return [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in _OVER]
 
     @staticmethod
     def _forget_ended(pipe: Any, job_ids: list[str]) -> None:
@@ -349,6 +356,7 @@ class Client:
             for key, ids in ids_by_lane.items():
                 pipe.rpush(key, *ids)
             pipe.execute()
+        self.reached = True
         return [GenerationJob(self, job_id) for job_id, _, _ in hashes]
 
     def _job_hash(self, lane: Queue, req: JobRequest, stamp: str) -> dict[str, Any]:
@@ -518,8 +526,14 @@ class GenerationJob:
         # What is there already, read to its end before any goes out: a reset anywhere in it voids all before it
         # (handed out as read, text a later read voided had gone out, and every call again raised StreamRestarted).
         held: list[dict[str, Any]] = []
+        outage = Outage(deadline, self.client)
         while skip_void:
-            page = conn.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            try:
+                page = conn.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            except REDIS_DOWN as exc:  # (as the reads below: ``stream`` gave up at once)
+                outage.wait(exc)
+                continue
+            outage.over()
             held = cursor.hold(page, held)
             if len(page) < REPLAY_PAGE:
                 break
@@ -527,7 +541,6 @@ class GenerationJob:
             yield event
             if "finish_reason" in event:
                 return
-        outage = Outage(deadline)
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
@@ -581,7 +594,7 @@ class GenerationJob:
         again at least once a second, since a job can end without a final event (RQ failed it, it was deleted)."""
         conn = self.client.connection
         deadline = None if timeout is None else time.monotonic() + timeout
-        outage = Outage(deadline)
+        outage = Outage(deadline, self.client)
         grace: float | None = None
         pubsub = None
         try:

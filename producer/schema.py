@@ -182,6 +182,14 @@ class JobRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
         if self.prompt is not None and not self.prompt:  # (" " is a prompt: it has a token, as OpenAI takes it)
             raise ValueError("the prompt is empty")
+        for text in [self.prompt] if self.prompt is not None else [m.content for m in self.messages or ()]:
+            try:  # (bytes that were not UTF-8, read with surrogateescape, or a \u escape of half a UTF-16 pair)
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"the prompt is not valid Unicode: a lone surrogate {exc.object[exc.start]!r} at character "
+                    f"{exc.start} (text that was not UTF-8?)"
+                ) from None
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:

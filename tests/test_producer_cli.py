@@ -368,6 +368,43 @@ def test_a_streamed_result_without_a_first_token_time_still_prints_its_summary(m
     assert "ttft -]" in capsys.readouterr().err
 
 
+def test_a_streamed_output_that_restarts_says_stdout_holds_void_text_and_exits_1(monkeypatch, capsys):
+    """Its void text was already on stdout (a file, a pipe) and the new answer was appended to it, exit 0."""
+    from producer.client import StreamRestarted
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+
+    class Job:
+        id, calls = "j1", 0
+
+        def stream(self, timeout=None):
+            Job.calls += 1
+            yield "VOID " if Job.calls == 1 else "New answer"
+            if Job.calls == 1:
+                raise StreamRestarted(self.id)
+
+        def result(self, timeout=None):
+            usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+            return {"finish_reason": "stop", "usage": usage, "timings": {"ttft_s": 0.1}, "text": "New answer"}
+
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
+    assert producer_cli.submit(_parse("submit", "hi", "--stream")) == 1
+    out, err = capsys.readouterr()
+    assert out == "VOID New answer\n" and "stdout holds void text" in err and "roseinfer result j1" in err
+
+
+def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monkeypatch):
+    """Bytes that were not UTF-8 (read with surrogateescape) were enqueued, and the job failed late on the worker's
+    tokenizer with an unclear error; a file's byte order mark went into the prompt."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffHello"))
+    assert producer_cli.request_from_args(_parse("submit", "-", "--raw"))["prompt"] == "Hello"
+    with pytest.raises(InvalidRequest, match="not valid Unicode: a lone surrogate"):
+        producer_cli.request_from_args(_parse("submit", "caf\udce9"))
+
+
 def test_cancel_of_a_job_hash_rq_cannot_read_marks_it_canceled(monkeypatch, capsys):
     """A job written by hand in another language, with a stamp RQ cannot parse: ``roseinfer cancel`` marks it
     canceled as any language would (the worker honours the status), not a traceback with the job left queued."""

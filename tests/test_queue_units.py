@@ -1715,3 +1715,51 @@ def test_redis_refusing_for_now_is_waited_for_and_other_errors_are_not(message, 
     from worker.intake import redis_waits
 
     assert redis_waits(redis.exceptions.ResponseError(message)) is waits
+
+
+def test_an_id_used_again_after_its_hash_is_gone_does_not_stream_the_old_jobs_text():
+    """The old job's hash gone (result_ttl 0, or under the stream's ten minutes; RQ's delete()) and its stream left:
+    the new job's stream replayed the old events, final one included, while the new job was still queued."""
+    from producer import Client
+
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    _stream_with(conn, pub, [("OLD ", [1])])
+    old = pub.resume(conn, ["j"])["j"]
+    pub.add(old, "TEXT", [2], "stop", {})
+    _send(conn, pub)
+    assert conn.exists(stream_key("j")) and not conn.exists("rq:job:j")
+    job = Client(connection=conn, result_ttl=0).submit("new prompt", job_id="j")
+    assert job.status() == "queued" and not conn.exists(stream_key("j"))
+    with pytest.raises(TimeoutError):
+        list(job.stream(timeout=0.3))  # nothing yet: the new job has not run
+
+
+def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_waited_for(monkeypatch):
+    """``roseinfer result ID`` with a wrong URL waited 30 s (the patience with a Redis restarting) before it said so;
+    ``stream()`` gave up at once on a Redis that went away (its first read was not waited out)."""
+    import threading
+    import time
+
+    import redis
+
+    import producer.client as client_mod
+    from producer import Client
+
+    never = Client("redis://127.0.0.1:1/0").job("x")
+    began = time.monotonic()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        never.result(timeout=None)
+    assert time.monotonic() - began < 5
+    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 10.0)
+    server = fakeredis.FakeServer()
+    client = Client(connection=fakeredis.FakeRedis(server=server))
+    job = client.submit("hello", job_id="w")
+    conn = fakeredis.FakeRedis(server=server)
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    s = pub.resume(conn, ["w"])["w"]
+    pub.add(s, "back", [1], "stop", {})
+    _send(conn, pub)
+    server.connected = False  # Redis restarting: back in half a second
+    threading.Timer(0.5, lambda: setattr(server, "connected", True)).start()
+    assert "".join(job.stream(timeout=10)) == "back"
