@@ -1289,6 +1289,52 @@ def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_u
 
 @pytest.mark.redis
 @pytest.mark.parametrize("way", ["script", "transaction"])
+def test_a_job_rq_put_off_for_a_retry_while_it_ran_here_ends_finished_and_is_not_run_again(redis_url, way):
+    """RQ's clean-up took the job for abandoned and, with a retry interval, scheduled its retry: it still ran here
+    and finished, but stayed in the scheduled registry, and the retry falling due put the finished job back on its
+    queue, to run again."""
+    from rq.registry import FinishedJobRegistry, ScheduledJobRegistry
+
+    from worker.job_finish import register
+
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    conn.hset(held.job.key, "status", "scheduled")  # what RQ's retry of an abandoned job with an interval writes
+    conn.zadd(ScheduledJobRegistry(name, connection=conn).key, {held.job.id: 9e9})
+    worker.sender.finish_script = register(conn) if way == "script" else None
+    result = {"status": "finished", "text": "ok", "token_ids": [1]}
+    assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
+    assert conn.hget(held.job.key, "status") == b"finished"
+    assert ScheduledJobRegistry(name, connection=conn).get_job_ids() == []
+    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+
+
+@pytest.mark.redis
+def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_enqueues_the_dependent(redis_url):
+    """Its end goes through RQ's success path (it has a dependent), which read the job still failed and left the
+    dependent deferred for good, though the job then ended finished."""
+    from types import SimpleNamespace
+
+    from rq import Queue
+    from rq.registry import DeferredJobRegistry, FailedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    child = queue.enqueue("worker.jobs.generate", prompt="child", max_tokens=2, depends_on=held.job.id)
+    conn.hset(held.job.key, "status", "failed")  # what RQ's handling of an abandoned job writes
+    conn.zadd(FailedJobRegistry(name, connection=conn).key, {held.job.id: 9e9})
+    worker.publisher.notify = lambda *a: None
+    worker._result = lambda job, out: {"status": "finished", "text": "ok", "token_ids": [1], "timings": {}}
+    worker.metrics = SimpleNamespace(job_ended=lambda *a: None)
+    worker._succeed([(held, None)])
+    assert conn.hget(held.job.key, "status") == b"finished"
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
+    assert DeferredJobRegistry(name, connection=conn).get_job_ids() == []
+    assert child.id in queue.get_job_ids()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "transaction"])
 def test_a_job_canceled_as_it_finished_ends_finished_in_one_registry(redis_url, way):
     """The cancel (RQ's: status canceled, the canceled registry) landed as the job's end was written: it ended
     finished and stayed in the canceled registry too, counted twice by ``rq info``."""

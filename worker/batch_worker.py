@@ -40,6 +40,7 @@ from rq.registry import (
     CanceledJobRegistry,
     FailedJobRegistry,
     FinishedJobRegistry,
+    ScheduledJobRegistry,
     StartedJobRegistry,
     clean_registries,
 )
@@ -683,6 +684,7 @@ class BatchWorker(BaseWorker):
                     self._lost_at_end(job)
                     continue
                 if mine:
+                    self._reclaim(job)
                     try:
                         self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
                     except REDIS_DOWN:
@@ -690,8 +692,6 @@ class BatchWorker(BaseWorker):
                     except Exception as exc:  # its success callback raised (or outlived its timeout)
                         self._success_callback_failed(job, exc)
                         continue  # the jobs ended beside it go on: it stalled every one after it
-                    job.queue.failed_job_registry.remove(job.job)  # RQ failed it while this worker stalled
-                    job.queue.canceled_job_registry.remove(job.job)  # canceled as it finished
                     try:
                         self.publisher.notify(self.connection, job.job.id, job.request.notify)
                     except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
@@ -701,6 +701,18 @@ class BatchWorker(BaseWorker):
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
+
+    def _reclaim(self, job: InFlight) -> None:
+        """A job this attempt still owns that RQ failed, put off for a retry or that was canceled while it ran here
+        (a stall past its heartbeat; a cancel as it ended): started again and out of those registries before RQ's
+        success path reads it. That path read it failed and left its dependents deferred for good, and a retry put
+        off ran it again after it finished."""
+        with self.connection.pipeline() as pipe:
+            pipe.hset(job.job.key, "status", JobStatus.STARTED.value)
+            for registry in (job.queue.failed_job_registry, job.queue.canceled_job_registry,
+                             job.queue.scheduled_job_registry):  # fmt: skip
+                registry.remove(job.job.id, pipeline=pipe)
+            pipe.execute()
 
     def _success_callback_failed(self, job: InFlight, exc: Exception) -> None:
         """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
@@ -798,6 +810,8 @@ class BatchWorker(BaseWorker):
             pipe.zrem(FailedJobRegistry.key_template.format(j.origin), j.id)
         if status == b"canceled":  # canceled as it finished: finished, in one registry
             pipe.zrem(CanceledJobRegistry.key_template.format(j.origin), j.id)
+        if status == b"scheduled":  # put off for a retry while this worker stalled: its retry would run it again
+            pipe.zrem(ScheduledJobRegistry.key_template.format(j.origin), j.id)
         if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
             for key in (j.key, j.dependencies_key) if j._dependency_ids else (j.key,):
                 pipe.expire(key, result_ttl)

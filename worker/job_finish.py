@@ -17,7 +17,13 @@ from typing import Any
 from redis import Redis
 from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
-from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.registry import (
+    CanceledJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
 from rq.results import Result
 from rq.utils import current_timestamp, utcformat
 
@@ -29,12 +35,13 @@ from worker.intake import load_script
 # completion lists; then per job (``_PER_JOB`` each): its hash, id, execution id (its owner), dependents key,
 # result stream, return value, execution start, result TTL (-1: for good), dependencies key ('': none), execution
 # hash, execution registry, finished registry and score, started registry, execution's composite key, seconds
-# worked, completion list ('': none), failed registry, canceled registry. A job RQ failed meanwhile (abandoned:
-# this worker stalled past its heartbeat) and still ours finishes, and leaves the failed registry (RQ's own success
-# path left it in both); so does a job canceled as it finished, the canceled registry. Returns the (0-based) jobs
-# skipped: those another attempt owns now (a job hash that is gone does not fence: Redis may have lost its data),
-# and those that got dependents. A job this attempt finished already (the same call tried again after its reply was
-# lost) is left as it is.
+# worked, completion list ('': none), failed registry, canceled registry, scheduled registry. A job RQ failed
+# meanwhile (abandoned: this worker stalled past its heartbeat) and still ours finishes, and leaves the failed
+# registry (RQ's own success path left it in both); so does a job canceled as it finished, the canceled registry,
+# and one RQ put off for a retry with an interval, the scheduled registry (whose retry then ran it again). Returns
+# the (0-based) jobs skipped: those another attempt owns now (a job hash that is gone does not fence: Redis may have
+# lost its data), and those that got dependents. A job this attempt finished already (the same call tried again
+# after its reply was lost) is left as it is.
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -48,7 +55,7 @@ end
 local function run_chunked(cmd, key, list)
   for i = 1, #list, 4000 do redis.call(cmd, key, unpack(list, i, math.min(i + 3999, #list))) end
 end
-for a = 9, #ARGV, 19 do
+for a = 9, #ARGV, 20 do
   local job, id, exec_id, dependents, result = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local ttl = tonumber(ARGV[a + 7])
   local now = redis.call('HMGET', job, field, 'status')
@@ -62,6 +69,7 @@ for a = 9, #ARGV, 19 do
     redis.call('HSET', job, 'last_heartbeat', stamp, 'status', 'finished', 'ended_at', stamp)
     if now[2] == 'failed' then redis.call('ZREM', ARGV[a + 17], id) end
     if now[2] == 'canceled' then redis.call('ZREM', ARGV[a + 18], id) end
+    if now[2] == 'scheduled' then redis.call('ZREM', ARGV[a + 19], id) end
     redis.call('XADD', result, 'MAXLEN', '~', '10', '*', 'type', kind, 'worker_name', name,
       'return_value', ARGV[a + 5], 'execution_id', exec_id, 'execution_started_at', ARGV[a + 6],
       'execution_ended_at', ended)
@@ -94,7 +102,7 @@ if count > 0 then
 end
 return {lost, held}
 """
-_PER_JOB = 19
+_PER_JOB = 20
 
 
 def register(connection: Redis) -> Any:
@@ -132,6 +140,7 @@ def finish_jobs(
             StartedJobRegistry.key_template.format(job.origin), execution.composite_key,
             repr((ended - job.started_at).total_seconds()), done_key(notify) if notify else "",
             FailedJobRegistry.key_template.format(job.origin), CanceledJobRegistry.key_template.format(job.origin),
+            ScheduledJobRegistry.key_template.format(job.origin),
         ]  # fmt: skip
     lost, held = connection.evalsha(script.sha, 0, *args)
     lost, held = [int(i) for i in lost], [int(i) for i in held]
