@@ -296,6 +296,8 @@ def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
     assert job.status() == "stopped"
     latest = job.rq_job.latest_result()  # after RQ's own record of the stop: the partial result
     assert latest.type == Result.Type.STOPPED and latest.return_value == err.value.result
+    # Kept as long as RQ keeps the stopped job in its failed registry (failure_ttl: a year), not a day.
+    assert Redis.from_url(redis_url).ttl(f"rq:results:{job.id}") > 30 * 24 * 3600
 
 
 @pytest.mark.slow  # steps of half a second

@@ -866,7 +866,10 @@ class BatchWorker(BaseWorker):
                     pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
                 if not deleted:  # the partial result, after RQ's own record of a stop (the latest entry is it)
                     entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
-                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
+                    ttl = self.settings.result_ttl
+                    if stopped:  # RQ's failed job, kept its failure_ttl (a year by default): its record too
+                        ttl = job.job.failure_ttl if job.job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+                    self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
                 pipe.execute()
             if not stopped:  # (a stop went through RQ's failure path, which freed it)
                 self._free_slot(job.job)
