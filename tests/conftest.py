@@ -182,9 +182,9 @@ def requeue_as_resumed(client, payload: dict, events: list[dict]):
     from producer import Client
 
     job_id = f"resumed-{uuid.uuid4().hex[:8]}"
-    for event in events:
-        client.connection.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(event)})
     parked = Client(connection=client.connection, queue=f"parked-{job_id}").submit(**payload, job_id=job_id)
+    for event in events:  # (after the submit: an id's stream left by no job is an old job's, which a submit clears)
+        client.connection.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(event)})
     job = parked.rq_job
     job.started_at = now()
     job.save()
