@@ -301,12 +301,16 @@ def test_a_hung_engine_process_is_killed_and_its_jobs_fail_retryably():
 def test_a_child_tokenizing_for_longer_than_the_watchdog_allows_is_not_hung():
     """Tokenizing is not a step (in process the watchdog never sees it): the child, running none meanwhile, said
     nothing, and was killed as hung with every job failed."""
-    pump = EngineProcess(engine_slow_to_tokenize, step_timeout=1.0)
+    _every_job_ends_under_a_watchdog_of_1_s(engine_slow_to_tokenize, 3)
+
+
+def _every_job_ends_under_a_watchdog_of_1_s(build, jobs: int) -> None:
+    pump = EngineProcess(build, step_timeout=1.0)
     try:
-        for i in range(3):
+        for i in range(jobs):
             pump.submit(f"j{i}", {"prompt": "x"}, _params(2))
         ended = [e for e in _drain(pump, 30) if e.finished]
-        assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(3)]
+        assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(jobs)]
         assert pump.failure is None
     finally:
         pump.close()
@@ -315,15 +319,7 @@ def test_a_child_tokenizing_for_longer_than_the_watchdog_allows_is_not_hung():
 @pytest.mark.slow
 def test_a_step_that_admits_for_longer_than_the_watchdog_allows_is_not_hung():
     """Admissions are progress: five of 0.4 s in one step (2 s) against a watchdog of 1 s, and every job ends."""
-    pump = EngineProcess(engine_slow_to_admit, step_timeout=1.0)
-    try:
-        for i in range(5):
-            pump.submit(f"j{i}", {"prompt": "x"}, _params(2))
-        ended = [e for e in _drain(pump, 30) if e.finished]
-        assert sorted((e.job_id, e.finish_reason) for e in ended) == [(f"j{i}", "length") for i in range(5)]
-        assert pump.failure is None
-    finally:
-        pump.close()
+    _every_job_ends_under_a_watchdog_of_1_s(engine_slow_to_admit, 5)
 
 
 @pytest.mark.slow

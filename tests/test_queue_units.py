@@ -1268,43 +1268,25 @@ def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_
 
 @pytest.mark.redis
 @pytest.mark.parametrize("way", ["script", "transaction"])
-def test_a_job_rq_failed_while_it_ran_here_ends_finished_in_one_registry(redis_url, way):
-    """This worker stalled past its heartbeat, RQ's clean-up failed the job (abandoned, no retry left), and it
-    still ran here and finished: it ends finished, out of the failed registry (RQ's own success path leaves it
-    in both, counted as failed and finished)."""
-    from rq.registry import FailedJobRegistry, FinishedJobRegistry
+@pytest.mark.parametrize("status", ["failed", "scheduled"])
+def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_registry(redis_url, way, status):
+    """This worker stalled past its heartbeat, and RQ's clean-up failed the job (abandoned, no retry left) or, with
+    a retry interval, scheduled its retry; it still ran here and finished. It ends finished, out of the failed
+    registry (RQ's own success path leaves it in both, counted as failed and finished) or the scheduled one (where
+    the retry falling due put the finished job back on its queue, to run again)."""
+    from rq.registry import FailedJobRegistry, FinishedJobRegistry, ScheduledJobRegistry
 
     from worker.job_finish import register
 
     conn, worker, name, [held] = _running_jobs(redis_url)
-    conn.hset(held.job.key, "status", "failed")  # what RQ's handling of an abandoned job writes
-    conn.zadd(FailedJobRegistry(name, connection=conn).key, {held.job.id: 9e9})
+    registry = (FailedJobRegistry if status == "failed" else ScheduledJobRegistry)(name, connection=conn)
+    conn.hset(held.job.key, "status", status)  # what RQ's handling of an abandoned job writes
+    conn.zadd(registry.key, {held.job.id: 9e9})
     worker.sender.finish_script = register(conn) if way == "script" else None
     result = {"status": "finished", "text": "ok", "token_ids": [1]}
     assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
     assert conn.hget(held.job.key, "status") == b"finished"
-    assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
-    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
-
-
-@pytest.mark.redis
-@pytest.mark.parametrize("way", ["script", "transaction"])
-def test_a_job_rq_put_off_for_a_retry_while_it_ran_here_ends_finished_and_is_not_run_again(redis_url, way):
-    """RQ's clean-up took the job for abandoned and, with a retry interval, scheduled its retry: it still ran here
-    and finished, but stayed in the scheduled registry, and the retry falling due put the finished job back on its
-    queue, to run again."""
-    from rq.registry import FinishedJobRegistry, ScheduledJobRegistry
-
-    from worker.job_finish import register
-
-    conn, worker, name, [held] = _running_jobs(redis_url)
-    conn.hset(held.job.key, "status", "scheduled")  # what RQ's retry of an abandoned job with an interval writes
-    conn.zadd(ScheduledJobRegistry(name, connection=conn).key, {held.job.id: 9e9})
-    worker.sender.finish_script = register(conn) if way == "script" else None
-    result = {"status": "finished", "text": "ok", "token_ids": [1]}
-    assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
-    assert conn.hget(held.job.key, "status") == b"finished"
-    assert ScheduledJobRegistry(name, connection=conn).get_job_ids() == []
+    assert registry.get_job_ids() == []
     assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
 
 
