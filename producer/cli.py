@@ -214,6 +214,10 @@ def submit(args: argparse.Namespace) -> int:
         result = job.result(timeout=args.timeout)
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out
+    except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
+        print(f"\ninterrupted: job {job.id} goes on in the workers; `roseinfer cancel {job.id}` stops it",
+              file=sys.stderr)  # fmt: skip
+        return 130
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `roseinfer result {job.id}` prints the answer alone", file=sys.stderr)  # fmt: skip

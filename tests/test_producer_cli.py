@@ -394,6 +394,23 @@ def test_a_streamed_output_that_restarts_says_stdout_holds_void_text_and_exits_1
     assert out == "VOID New answer\n" and "stdout holds void text" in err and "roseinfer result j1" in err
 
 
+def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(monkeypatch, capsys):
+    """It said "interrupted" alone: whether the job went on, and how to stop it, was left to guess."""
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+
+    class Job:
+        id = "j7"
+
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
+    assert producer_cli.submit(_parse("submit", "hi", "--wait")) == 130
+    err = capsys.readouterr().err
+    assert "job j7 goes on in the workers" in err and "roseinfer cancel j7" in err
+
+
 def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monkeypatch):
     """Bytes that were not UTF-8 (read with surrogateescape) were enqueued, and the job failed late on the worker's
     tokenizer with an unclear error; a file's byte order mark went into the prompt."""
