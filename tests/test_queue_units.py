@@ -1791,3 +1791,22 @@ def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_wai
     server.connected = False  # Redis restarting: back in half a second
     threading.Timer(0.5, lambda: setattr(server, "connected", True)).start()
     assert "".join(job.stream(timeout=10)) == "back"
+
+
+@pytest.mark.redis
+def test_maintenance_takes_ids_whose_job_is_gone_out_of_the_canceled_registry(redis_url):
+    """A canceled job's hash expires (after --result-ttl), and RQ cleans no canceled registry: ids of jobs long gone
+    piled up there for good, counted by ``rq info``. Those whose hash is still there stay, whatever their score (RQ's
+    own cancel scores its entry "now")."""
+    from rq.registry import CanceledJobRegistry
+
+    conn, worker, _client = _worker_of_a_new_queue(redis_url)
+    key = CanceledJobRegistry(worker.queues[0].name, connection=conn).key
+    kept = f"kept-{worker.queues[0].name}"
+    conn.hset(f"rq:job:{kept}", "status", "canceled")
+    conn.zadd(key, {"gone-1": 1, "gone-2": 9e12, kept: 1})
+    try:
+        worker.clean_registries()
+        assert [m.decode() for m in conn.zrange(key, 0, -1)] == [kept]
+    finally:
+        conn.delete(f"rq:job:{kept}", key)

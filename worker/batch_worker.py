@@ -155,6 +155,7 @@ class BatchWorker(BaseWorker):
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
         # Arrivals a Redis error left unapplied (a stack, with whether each came from the puller): applied first next.
         self._arrivals_left: list[tuple[Any, bool]] = []
+        self._canceled_scan: dict[str, int] = {}  # per queue, where the walk of its canceled registry goes on
         self._stops_waiting: list[tuple[str, str | None, float]] = []
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
@@ -254,6 +255,7 @@ class BatchWorker(BaseWorker):
                 clean_registries(queue, self._exc_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._requeue_stranded(queue)
+                self._prune_canceled(queue)
             except REDIS_DOWN:
                 raise
             except Exception:
@@ -261,6 +263,23 @@ class BatchWorker(BaseWorker):
             finally:
                 queue.release_maintenance_lock()
         self.last_cleaned_at = now()
+
+    def _prune_canceled(self, queue: Queue) -> None:
+        """A step of a walk over the queue's canceled registry, taking out the ids whose job hash is gone (a canceled
+        job's hash expires, RQ's own never cleans that registry): they piled up there, counted by ``rq info``, for
+        good. A ZSCAN cursor (no entry missed, whatever its score), 500 entries a maintenance pass."""
+        key = queue.canceled_job_registry.key
+        cursor, entries = self.connection.zscan(key, self._canceled_scan.get(queue.name, 0), count=500)
+        self._canceled_scan[queue.name] = cursor
+        ids = [member for member, _score in entries]
+        if not ids:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.exists(queue.job_class.redis_job_namespace_prefix.encode() + job_id)
+            gone = [job_id for job_id, there in zip(ids, pipe.execute()) if not there]
+        if gone:
+            self.connection.zrem(key, *gone)
 
     def clean_group_registries(self) -> None:
         """RQ's clean-up of its job groups (one lock for every worker), which raises on a group key it cannot read (a
