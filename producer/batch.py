@@ -381,13 +381,18 @@ def settings_path(output_path: Path) -> Path:
     return output_path.with_name(output_path.name + ".batch.json")
 
 
+def _stored_settings(output_path: Path) -> Any:
+    """What the output's settings file holds (parsed), or None where there is none to read."""
+    try:
+        return json.loads(settings_path(output_path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _begun_before_queues(output_path: Path) -> bool:
     """Whether a run began this output before job ids and settings named their queue (its settings file names
     none): its job ids name no queue, so a resume finds that run's jobs and rows, and any queue may go on with it."""
-    try:
-        before = json.loads(settings_path(output_path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
+    before = _stored_settings(output_path)
     return isinstance(before, dict) and "id_column" in before and "queue" not in before
 
 
@@ -404,10 +409,7 @@ def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
     killed, by kill -9 or the OOM killer, never printed it; its Parquet rows come back only from its jobs)."""
     if run_id is not None:
         return run_id
-    try:
-        before = json.loads(settings_path(output_path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    before = _stored_settings(output_path)
     stored = before.get("run_id") if isinstance(before, dict) else None
     return stored if isinstance(stored, str) and RUN_ID.fullmatch(stored) else None
 
@@ -417,22 +419,17 @@ def _check_settings(
 ) -> None:
     """Other settings than those the output's rows were made with are refused; this run's are kept (``write``),
     with its run id (which is not a setting: a rerun may name another, ``--fresh``)."""
-    path = settings_path(output_path)
-    if has_rows and path.exists():
-        try:
-            before = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            before = None
-        if isinstance(before, dict):
-            before.pop("run_id", None)
-        if before is not None and before != fingerprint:
-            raise ValueError(
-                f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
-                f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
-            )
+    before = _stored_settings(output_path) if has_rows else None
+    if isinstance(before, dict):
+        before.pop("run_id", None)
+    if before is not None and before != fingerprint:
+        raise ValueError(
+            f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
+            f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
+        )
     if write:
         kept = {**fingerprint, "run_id": run_id} if run_id is not None else fingerprint
-        path.write_text(json.dumps(kept, sort_keys=True) + "\n")
+        settings_path(output_path).write_text(json.dumps(kept, sort_keys=True) + "\n")
 
 
 def _formats(input_path: Path, input_format: str | None, output_path: Path, output_format: str | None):
