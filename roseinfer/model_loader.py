@@ -170,6 +170,7 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
     log.info("converting %s to safetensors in %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _check_end_token(gguf, tokenizer)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a fresh model of the same config takes its weights (built on
     # the meta device: its random initialisation took seconds, for weights replaced at once).
@@ -181,6 +182,26 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
     fresh.load_state_dict(loaded.state_dict(), assign=True)
     fresh.tie_weights()
     return save_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
+    """The converted tokenizer ends text where the file says (before anything is written to the cache): transformers
+    before 5.18 made SmolLM2's ``<|im_start|>`` its end token, so every structured output was refused at its end and
+    every chat turn's end went unseen."""
+    import gguf
+
+    field = gguf.GGUFReader(gguf_path).fields.get("tokenizer.ggml.eos_token_id")
+    if field is None or not field.data:
+        return
+    expected = int(field.parts[field.data[0]][0])
+    if tokenizer.eos_token_id != expected:
+        import transformers
+
+        raise ConfigError(
+            f"transformers {transformers.__version__} reads the tokenizer of {gguf_path.name} with end token "
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) where the file names id {expected}: install "
+            "transformers>=5.18 and load it again"
+        )
 
 
 def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:

@@ -276,3 +276,27 @@ def test_a_gguf_is_converted_with_one_parse_and_matches_transformers(tmp_path, m
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
         )
         assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_a_gguf_whose_tokenizer_transformers_reads_with_another_end_token_is_refused(tmp_path, monkeypatch):
+    """transformers before 5.18 read SmolLM2's GGUF tokenizer with ``<|im_start|>`` as its end token: the
+    conversion compares the end token with the file's and refuses, naming the fix, before the cache holds a model
+    whose structured outputs and chat turns never end right."""
+    import transformers
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-llama.gguf"
+    _write_tiny_llama_gguf(path)
+    read = transformers.AutoTokenizer.from_pretrained
+
+    def misread(*args, **kwargs):
+        tokenizer = read(*args, **kwargs)
+        assert tokenizer.eos_token == "<|end|>"  # what the file names, read right by this transformers
+        tokenizer.eos_token = "a"
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", misread)
+    refused = r"end token 'a' \(id 0\) where the file names id 28: install transformers>=5\.18"
+    with pytest.raises(ConfigError, match=refused):
+        LLM(str(path), dtype="float32")
+    assert not any((tmp_path / "cache").glob("*/config.json"))
