@@ -186,8 +186,8 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
 
 def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
     """The converted tokenizer ends text where the file says (before anything is written to the cache): transformers
-    before 5.18 made SmolLM2's ``<|im_start|>`` its end token, so every structured output was refused at its end and
-    every chat turn's end went unseen."""
+    before 5.18 made SmolLM2's ``<|im_start|>`` its end token, and with that tokenizer every structured output ended
+    aborted (llguidance refused a token it produced)."""
     import gguf
 
     field = gguf.GGUFReader(gguf_path).fields.get("tokenizer.ggml.eos_token_id")

@@ -281,7 +281,7 @@ def test_a_gguf_is_converted_with_one_parse_and_matches_transformers(tmp_path, m
 def test_a_gguf_whose_tokenizer_transformers_reads_with_another_end_token_is_refused(tmp_path, monkeypatch):
     """transformers before 5.18 read SmolLM2's GGUF tokenizer with ``<|im_start|>`` as its end token: the
     conversion compares the end token with the file's and refuses, naming the fix, before the cache holds a model
-    whose structured outputs and chat turns never end right."""
+    whose structured outputs end aborted."""
     import transformers
 
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
