@@ -18,10 +18,11 @@ if not CUDA:
 
     _patch_tensor = interpreter._patch_lang_tensor
 
-    def _patch_lang_tensor(tensor, scope):
+    def _patch_lang_tensor(tensor, *scope):
         """NumPy 2.4 refuses int() of a one-element 1-D array, which the interpreter calls for a loop bound read
-        from memory (``range(0, tl.load(p))``); .item() reads it as the compiled kernel does."""
-        _patch_tensor(tensor, scope)
+        from memory (``range(0, tl.load(p))``); .item() reads it as the compiled kernel does. (Triton 3.2 passes
+        no scope.)"""
+        _patch_tensor(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.item())
 
     interpreter._patch_lang_tensor = _patch_lang_tensor
