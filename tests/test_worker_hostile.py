@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 import time
 import uuid
@@ -238,6 +239,22 @@ def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_cal
     assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "stopped"
     assert conn.get(f"hook-probe:{job_id}") == b"ran"
     assert not conn.exists(f"hook-probe-failure:{job_id}")
+
+
+def test_a_job_refused_for_what_it_holds_is_logged_in_one_line_without_a_traceback(served, caplog):
+    """A bad job is its producer's mistake: one warning naming the job and why. RQ's log of a failed job carried a
+    traceback of the worker's own code, for every prompt too long and every payload that does not parse."""
+    w, client, conn = served
+    too_long = client.submit("word " * 400, max_tokens=4)  # refused by the engine (256 positions)
+    unknown = f"unknown-field-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, unknown, {"prompt": "hi", "max_tokens": 3, "bogus": 1})  # refused as it is taken
+    for job_id, why in ((too_long.id, "allows at most"), (unknown, "bogus")):
+        with pytest.raises(JobFailed):
+            client.job(job_id).result(timeout=30)
+        said = [r for r in caplog.records if job_id in r.getMessage() and r.levelno >= logging.WARNING]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert said[0].levelno == logging.WARNING and not said[0].exc_info
+        assert "Traceback" not in said[0].getMessage() and why in said[0].getMessage()
 
 
 def test_keys_a_job_writes_that_hold_another_type_fail_nothing_beside_them(served, caplog):

@@ -34,6 +34,7 @@ from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.executions import Execution, ExecutionRegistry
 from rq.group import Group
 from rq.job import Job, JobStatus
+from rq.job_lifecycle import call_exception_handlers
 from rq.queue import Queue
 from rq.rate_limit import RateLimitRegistry
 from rq.registry import (
@@ -941,7 +942,6 @@ class BatchWorker(BaseWorker):
         self, job: Job, queue: Queue, execution: Execution, req: JobRequest | None, stream: JobStream, error: str
     ) -> None:
         """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
-        log.warning("job %s rejected: %s", job.id, error)
         self.publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")
 
         def end() -> None:
@@ -1020,6 +1020,18 @@ class BatchWorker(BaseWorker):
         entry = result_entry(result, Result.Type.FAILED, self.name, error=exc, execution=execution, ended=now())
         ttl = job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
         self.publisher.write_result(self.connection, job.id, entry, ttl, notify)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """RQ logs every failed job with a traceback. A failure this worker names itself (a job refused for what
+        it holds, a timeout, a failed step) is one line: its traceback would show only where it was recorded, three
+        lines a job for every prompt too long. The exception handlers still get it, as from RQ."""
+        error = exc_info[1]
+        if not isinstance(error, (JobRejected, JobTimedOut, StepFailed)):
+            super().handle_exception(job, *exc_info)
+            return
+        level = logging.ERROR if isinstance(error, StepFailed) else logging.WARNING  # the worker's fault, or the job's
+        log.log(level, "job %s failed: %s", job.id, error)
+        call_exception_handlers(self._exc_handlers, job, *exc_info)
 
     def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
         try:
