@@ -893,7 +893,7 @@ class BatchWorker(BaseWorker):
                 pipe.execute()
             if not stopped:  # (a stop went through RQ's failure path, which freed it)
                 self._free_slot(job.job)
-            log.info("job %s %s", job.job.id, reason)
+            log.info("job %s: %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
         self._tasks.append(end)
