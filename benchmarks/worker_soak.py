@@ -46,7 +46,7 @@ def payload(i: int, rnd: random.Random) -> tuple[str, dict[str, Any]]:
         fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": _SCHEMA}}
         return "json", {"messages": [{"role": "user", "content": "json"}], "max_tokens": 24, "response_format": fmt}
     if k < 0.87:
-        return "too long", {"prompt": "word " * 3000, "max_tokens": tokens}
+        return "too long", {"prompt": "word " * 9000, "max_tokens": tokens}  # past SmolLM2-135M's 8,192 too
     if k < 0.92:
         return "seeded", {"prompt": f"seeded {i}", "seed": i, "temperature": 0.7, "min_tokens": 1, "max_tokens": tokens}
     ids = [5, 6, 7, 8, i % 100 + 1]
