@@ -107,6 +107,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--worker-flag", action="append", default=[], help="passed on to the worker (repeat)")
     args = p.parse_args()
+    if args.waves < 1 or args.jobs_per_wave < 1:
+        p.error("--waves and --jobs-per-wave take 1 or more")
 
     from producer import Client
     from worker.local_redis import start_private_redis
