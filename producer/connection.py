@@ -106,14 +106,28 @@ def connect(url: str, **kwargs: Any) -> Redis:
     return _connect(url, Redis, Sentinel, kwargs)
 
 
+# An asyncio client's connections: each command in flight holds one, so a server's burst of requests needs as many
+# as it has commands out at once. redis-py 8's pool refused the 101st at once ("Too many connections": a 503 from
+# the server at 100 concurrent requests); this one opens up to ASYNC_MAX_CONNECTIONS and then makes a command wait
+# for a free one, ASYNC_POOL_WAIT_S at most.
+ASYNC_MAX_CONNECTIONS = 256
+ASYNC_POOL_WAIT_S = 30.0
+
+
 def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
     """The ``redis.asyncio`` client for ``url``."""
+    from redis.asyncio import BlockingConnectionPool
     from redis.asyncio.sentinel import Sentinel
 
-    return _connect(url, AsyncRedis, Sentinel, kwargs)
+    if parse_sentinel_url(url) is not None:  # redis-py has no waiting pool for a Sentinel primary: redis-py 7's bound
+        return _connect(url, AsyncRedis, Sentinel, {"max_connections": 2**31, **kwargs})
+    pool = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S, **kwargs}
+    return _connect(url, AsyncRedis, Sentinel, pool, BlockingConnectionPool)
 
 
-def _connect(url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any]) -> Any:
+def _connect(
+    url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any], pool_class: type | None = None
+) -> Any:
     s = parse_sentinel_url(url)
     if s is None:
         parts = urlsplit(url)
@@ -121,8 +135,12 @@ def _connect(url: str, client_class: type, sentinel_class: type, kwargs: dict[st
             # redis-py ignores a path it cannot read: the jobs went to database 0
             raise InvalidRedisURL(f"the database in {_redact(url)} is not a number ({parts.path.strip('/')!r})")
         try:
-            return client_class.from_url(url, **kwargs)
+            if pool_class is None:
+                return client_class.from_url(url, **kwargs)
+            client = client_class(connection_pool=pool_class.from_url(url, **kwargs))
         except ValueError as exc:
             raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
+        client.auto_close_connection_pool = True  # closed with the client, as the pool from_url makes is
+        return client
     sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
     return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)

@@ -1713,6 +1713,24 @@ def test_an_async_client_given_a_connection_without_its_url_is_refused():
         AsyncClient(connection=fakeredis.FakeRedis())
 
 
+def test_an_async_client_takes_a_burst_of_commands_past_redis_pys_pool_size(redis_url):
+    """A server's burst of requests puts a command per request in flight at once: redis-py 8's pool refused the
+    101st ("Too many connections", each such request a 503 saying Redis was unavailable). Past the client's
+    connections, a command waits for one."""
+    import asyncio
+
+    from producer.aio import AsyncClient
+
+    async def burst() -> list:
+        client = AsyncClient(redis_url, queue="burst")
+        try:  # twice the client's own bound (256 connections)
+            return await asyncio.gather(*(client.job(f"none-{i}").status() for i in range(512)), return_exceptions=True)
+        finally:
+            await client.close()
+
+    assert asyncio.run(burst()) == ["missing"] * 512
+
+
 def test_one_job_id_twice_in_one_submit_many_is_refused():
     """Two payloads under one id made one job (the second's), and two handles on it."""
     from producer import Client, InvalidRequest
