@@ -99,11 +99,17 @@ def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:
     return kwargs
 
 
+# A blocking client's connections: one per thread with a command in flight (a follower's blocked read holds it up to a
+# second, a ``result`` wait its subscription), so the threads sharing it bound them. redis-py 8's pool refused the
+# 101st at once ("Too many connections", taken for Redis being down); this is redis-py 7's bound.
+SYNC_MAX_CONNECTIONS = 2**31
+
+
 def connect(url: str, **kwargs: Any) -> Redis:
     """A Redis client for ``url`` (any of the forms above)."""
     from redis.sentinel import Sentinel
 
-    return _connect(url, Redis, Sentinel, kwargs)
+    return _connect(url, Redis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **kwargs})
 
 
 # An asyncio client's connections: each command in flight holds one, so a server's burst of requests needs as many
@@ -120,7 +126,7 @@ def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
     from redis.asyncio.sentinel import Sentinel
 
     if parse_sentinel_url(url) is not None:  # redis-py has no waiting pool for a Sentinel primary: redis-py 7's bound
-        return _connect(url, AsyncRedis, Sentinel, {"max_connections": 2**31, **kwargs})
+        return _connect(url, AsyncRedis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **kwargs})
     pool = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S, **kwargs}
     return _connect(url, AsyncRedis, Sentinel, pool, BlockingConnectionPool)
 

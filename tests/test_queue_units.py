@@ -1731,6 +1731,34 @@ def test_an_async_client_takes_a_burst_of_commands_past_redis_pys_pool_size(redi
     assert asyncio.run(burst()) == ["missing"] * 512
 
 
+def test_a_client_shared_by_more_than_a_hundred_threads_follows_every_job(redis_url):
+    """A service's thread pool sharing one Client holds a connection per blocked read: redis-py 8's pool refused the
+    101st ("Too many connections"), which the follower took for Redis being down. Threads bound the connections."""
+    import threading
+
+    from producer import Client
+
+    client = Client(redis_url, queue="threads-past-100")  # no worker: every job stays queued
+    jobs = client.submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(150)])
+    outcomes: list = [None] * len(jobs)
+    start = threading.Barrier(len(jobs))
+
+    def follow(i: int) -> None:
+        start.wait()
+        try:
+            list(jobs[i].events(timeout=2.0))  # each XREAD blocks a second on a connection of its own
+        except Exception as exc:  # the outcome is what is compared
+            outcomes[i] = type(exc).__name__
+
+    threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert outcomes == ["TimeoutError"] * len(jobs)
+    client.connection.close()
+
+
 def test_one_job_id_twice_in_one_submit_many_is_refused():
     """Two payloads under one id made one job (the second's), and two handles on it."""
     from producer import Client, InvalidRequest
