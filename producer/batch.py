@@ -280,8 +280,18 @@ def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def error_line(number: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    return {"custom_id": custom_id, "line": number, "response": None, "error": {"code": code, "message": message}}
+def error_line(
+    number: int, custom_id: str | None, code: str, message: str, job_id: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's per-line object of a batch's error file (plus the input ``line``): ``id`` names the job that failed,
+    as the output names the one that finished; null for a row refused before it became a job."""
+    return {
+        "id": f"batch_req_{job_id}" if job_id else None,
+        "custom_id": custom_id,
+        "line": number,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def duration(seconds: float) -> str:
@@ -856,7 +866,7 @@ def _settle(
 
 
 def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any], progress: Progress) -> None:
-    sink.error(error_line(line.number, line.custom_id, code, reason), line)
+    sink.error(error_line(line.number, line.custom_id, code, reason, line.job_id), line)
     _count_failure(summary, code)
     progress.update(0, failed=True)
 

@@ -241,7 +241,7 @@ def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
         (9, "chat-prompt"),
         (10, "line-10"),
     ]
-    assert all(e["error"]["code"] == "invalid_request" for e in errors)
+    assert all(e["error"]["code"] == "invalid_request" and e["id"] is None for e in errors)  # none became a job
     assert "temperature" in errors[5]["error"]["message"] and "colour: unknown field" in errors[4]["error"]["message"]
 
 
@@ -268,6 +268,9 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [e["custom_id"] for e in errors] == ["r0", "r1", "r2"]
     assert all("no result within 1.0 s" in e["error"]["message"] for e in errors)
+    # OpenAI's id names the job that failed, as an output line names the one that finished
+    assert all(e["id"].startswith("batch_req_") for e in errors)
+    assert {client.job(e["id"].removeprefix("batch_req_")).status() for e in errors} == {"canceled"}
 
 
 class _Terminal(io.StringIO):
