@@ -28,6 +28,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Number fields: strict mode refuses 1 for them, and JSON writers send 1.0 that way.
+_FLOATS = frozenset(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"))
 # A null that says something: ``max_tokens: null`` is no limit but the context (a completion's default is 16).
 _NULL_MEANS_NO_LIMIT = ("max_tokens",)
 
@@ -35,16 +37,22 @@ _NULL_MEANS_NO_LIMIT = ("max_tokens",)
 class _Shape(BaseModel):
     """A part of OpenAI's requests: unknown fields refused, and a null taken for a field not given, as OpenAI and
     vLLM take it (clients send nulls for what they leave unset: ``n=None``, and a response's message dumped back
-    into the conversation carries ``refusal``, ``tool_calls`` ... as nulls)."""
+    into the conversation carries ``refusal``, ``tool_calls`` ... as nulls). Types are strict, as OpenAI's and the
+    job's: JSON's ``true`` is no count (``logprobs: false`` on a completion asked for logprobs), ``"5"`` and
+    ``5.0`` no integer; an integer is a number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_not_given(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {k: v for k, v in data.items() if v is not None or k in _NULL_MEANS_NO_LIMIT}
+        return {
+            k: float(v) if k in _FLOATS and type(v) is int else v
+            for k, v in data.items()
+            if v is not None or k in _NULL_MEANS_NO_LIMIT
+        }
 
 
 class TextPart(_Shape):

@@ -285,6 +285,9 @@ def test_concurrent_streams_each_get_their_own_text(served, oai):
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"stop": 5}, "stop"),  # a field of several types: its path, not pydantic's tag of each ("stop.str")
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"max_tokens": True}, "max_tokens"),  # JSON's true is no count (it was a 1-token limit)
+        ({"n": True}, "n"),
+        ({"extra_body": {"top_k": "5"}}, "top_k"),
     ],
 )
 def test_a_bad_request_is_a_400_naming_the_parameter(served, oai, kwargs, param):
@@ -303,6 +306,23 @@ def test_a_bad_completion_prompt_is_a_400_naming_prompt(prompt):
     with pytest.raises(APIError) as err:
         parse_completions({"model": "m", "prompt": prompt})
     assert (err.value.status, err.value.param) == (400, "prompt")
+
+
+@pytest.mark.parametrize("field", [{"logprobs": False}, {"logprobs": True}, {"max_tokens": 8.0}, {"echo": 1}])
+def test_a_completion_field_of_the_wrong_type_is_a_400_not_converted(field):
+    """``logprobs: false`` was read as 0, which asked for logprobs; OpenAI refuses a field of the wrong type."""
+    from producer.openai_api import APIError, parse_completions
+
+    with pytest.raises(APIError) as err:
+        parse_completions({"model": "m", "prompt": "x", **field})
+    assert (err.value.status, err.value.param) == (400, next(iter(field)))
+
+
+def test_an_integer_is_a_number_for_a_float_field():
+    from producer.openai_api import ChatCompletionRequest, parse
+
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, "temperature": 1, "top_p": 1})
+    assert (fields["temperature"], fields["top_p"]) == (1.0, 1.0)
 
 
 def test_priority_through_extra_body_picks_the_lane(served, oai, redis_url):
@@ -325,6 +345,9 @@ def test_unknown_model_and_bad_json(served, oai):
         oai.chat.completions.create(model="no-such-model", messages=MESSAGES)
     reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=10)
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    # nested past the JSON parser's depth: was a plain-text 500 (which the openai client retries)
+    reply = httpx.post(f"{server.url}/v1/chat/completions", content=b"[" * 100_000, timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url, slow_steps):
