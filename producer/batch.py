@@ -177,6 +177,8 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadLine(f"not JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested past the parser's depth: it stopped the whole run
+        raise BadLine("nested too deeply to read") from None
 
 
 def _lone_surrogate(value: Any) -> str | None:

@@ -196,6 +196,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # arrays nested past the parser's depth: JSON, but no request
+            raise APIError(400, "the request body is nested too deeply") from None
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
         else:
@@ -310,7 +312,7 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
                 return waiting.result()
             if await request.is_disconnected():
                 raise ConnectionAbortedError
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # (wait_for's is not the builtin before Python 3.11)
         _cancel_all_soon(jobs)
         raise _with_jobs(_timed_out(timeout), jobs) from None
     except (JobFailed, JobCanceled) as exc:

@@ -209,6 +209,17 @@ def _offline_client() -> Client:
     return Client(connection=fakeredis.FakeRedis(), queue="q")
 
 
+def test_a_line_nested_past_the_json_parsers_depth_is_a_bad_line_not_the_end_of_the_run(tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    deep = '{"custom_id": "deep", "prompt": "x", "metadata": ' + "[" * 100_000
+    src.write_text(deep + "\n" + json.dumps({"custom_id": "bad", "prompt": "x", "n": 0}) + "\n")
+    summary = run_batch(_offline_client(), src, out, poll_interval=0.01)
+    assert summary["failures"] == {"invalid_request": 2}
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["custom_id"]) for e in errors] == [(1, None), (2, "bad")]
+    assert "nested too deeply" in errors[0]["error"]["message"]
+
+
 def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
     lines = [
         "{not json",

@@ -96,6 +96,21 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
     assert w.thread.is_alive()
 
 
+def test_a_payload_nested_past_the_json_parsers_depth_fails_alone(served):
+    """JSON that Python's parser stops reading (arrays 5,000 deep, under the size bound): that job fails, saying so;
+    the worker serves on."""
+    w, client, conn = served
+    job_id = f"deep-{uuid.uuid4().hex[:6]}"
+    deep = f'["{FN}", null, [], {{"prompt": "hi", "metadata": ' + "[" * 5_000
+    _raw_job(conn, w.queue, job_id, data=deep)
+    good = client.submit("after", max_tokens=4, temperature=0)
+    assert good.result(timeout=60)["usage"]["completion_tokens"] == 4
+    with pytest.raises(JobFailed) as failed:
+        client.job(job_id).result(timeout=30)
+    assert "nested too deeply" in str(failed.value)  # (was: "not a JSON list, was it pickled?")
+    assert w.thread.is_alive()
+
+
 def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them_finish(served):
     """RQ's enqueue takes ``result_ttl=10**17``: the finish script's EXPIRE failed midway for every job ending in the
     same step. A retry interval RQ cannot add to a date left its job started for good, and every clean-up of its

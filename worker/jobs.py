@@ -49,6 +49,8 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
         func_name = job.func_name
         args, kwargs = job.args, job.kwargs
     except Exception as exc:  # DeserializationError, or a payload of the wrong shape
+        if _raised_from(exc, RecursionError):  # JSON, but nested past what the parser reads
+            raise JobRejected("the job's data is JSON nested too deeply to read") from exc
         raise JobRejected(
             "the job's data is not a JSON [function, null, args, kwargs] list (was it enqueued with "
             "the pickle serializer? roseinfer jobs use rq's JSONSerializer)"
@@ -63,6 +65,17 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
         return JobRequest.model_validate(kwargs)
     except ValidationError as exc:
         raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
+
+
+def _raised_from(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is a ``kind``, or was raised from or while handling one (RQ wraps what its serializer raised)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def job_seed(job_id: str) -> int:
