@@ -265,6 +265,8 @@ class AsyncGenerationJob:
                         yield event
                         if "finish_reason" in event:
                             return
+                        if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
+                            raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
                     if idle and timeout is not None:
                         deadline = time.monotonic() + timeout
                     continue

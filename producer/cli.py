@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import sys
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,10 +200,15 @@ def submit(args: argparse.Namespace) -> int:
         return 0
     print(f"job {job.id}", file=sys.stderr)
     restarted = False
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout  # the stream and the result's wait
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
     try:
         while args.stream:
             try:
-                for piece in job.stream(timeout=args.timeout):
+                for piece in job.stream(timeout=left()):
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             except StreamRestarted:
@@ -211,7 +217,7 @@ def submit(args: argparse.Namespace) -> int:
                 continue
             sys.stdout.write("\n")
             break
-        result = job.result(timeout=args.timeout)
+        result = job.result(timeout=left())
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too

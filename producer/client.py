@@ -559,6 +559,8 @@ class GenerationJob:
                     yield event
                     if "finish_reason" in event:
                         return
+                    if deadline is not None and time.monotonic() >= deadline:  # tokens still coming: not the end
+                        raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
             if reply:
                 continue
             if status in _ENDED or status == "missing":

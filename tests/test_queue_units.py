@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+import uuid
 
 import fakeredis
 import pytest
@@ -369,6 +370,75 @@ def test_a_stream_trimmed_before_it_was_read_says_so_rather_than_give_part_of_th
         conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(n, f"t{n} ", [n], *end))})
     with pytest.raises(StreamGap, match="events 0-4"):
         list(Client(connection=conn).job("j").stream(timeout=5))
+
+
+def _tokens_forever(conn, job_id: str, stop) -> None:
+    """A job whose tokens keep coming, every 2 ms, until ``stop`` is set (5 s at most)."""
+    n, end = 0, time.monotonic() + 5
+    while not stop.is_set() and time.monotonic() < end:
+        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(n, "x", [n]))})
+        n += 1
+        time.sleep(0.002)
+
+
+def test_a_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
+    """The deadline was looked at only after a quiet read: ``stream(timeout=0.5)`` of a job whose tokens came faster
+    than its reader took them read on for as long as the job ran (``roseinfer submit --stream --timeout 5`` of a
+    minute-long job on a GPU).
+    (A real Redis: fakeredis's blocking read does not wake for a new entry, so every read there was a quiet one.)"""
+    import threading
+
+    from redis import Redis
+
+    from producer import Client
+
+    conn, job_id = Redis.from_url(redis_url), f"tokens-{uuid.uuid4().hex[:6]}"
+    conn.hset(f"rq:job:{job_id}", "status", "started")
+    stop = threading.Event()
+    threading.Thread(target=_tokens_forever, args=(conn, job_id, stop), daemon=True).start()
+    started, pieces = time.monotonic(), []
+    try:
+        with pytest.raises(TimeoutError, match=r"no end of stream within 0\.5 s"):
+            for piece in Client(redis_url).job(job_id).stream(timeout=0.5):
+                pieces.append(piece)
+                time.sleep(0.005)  # a reader slower than the tokens: each read finds some
+    finally:
+        stop.set()
+    assert pieces and time.monotonic() - started < 2.0
+    conn.delete(f"rq:job:{job_id}", stream_key(job_id))
+
+
+def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
+    import asyncio
+    import threading
+
+    from redis import Redis
+
+    from producer.aio import AsyncClient
+
+    conn, job_id = Redis.from_url(redis_url), f"tokens-{uuid.uuid4().hex[:6]}"
+    conn.hset(f"rq:job:{job_id}", "status", "started")
+    stop = threading.Event()
+    threading.Thread(target=_tokens_forever, args=(conn, job_id, stop), daemon=True).start()
+
+    async def follow() -> list:
+        client, pieces = AsyncClient(redis_url), []
+        try:
+            with pytest.raises(TimeoutError, match=r"no end of stream within 0\.5 s"):
+                async for piece in client.job(job_id).stream(timeout=0.5):
+                    pieces.append(piece)
+                    await asyncio.sleep(0.005)
+            return pieces
+        finally:
+            await client.close()
+
+    started = time.monotonic()
+    try:
+        assert asyncio.run(follow())
+    finally:
+        stop.set()
+    assert time.monotonic() - started < 2.0
+    conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
 @pytest.mark.slow  # seconds of waiting: the full suite's, not the fast lane's
