@@ -320,7 +320,8 @@ class AsyncGenerationJob:
                     return checked(JobResult, result, self.id)
                 if status in _ENDED or status == "finished" or (status == "missing" and result is None):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
-                    return await asyncio.to_thread(self._sync.result, 5.0)
+                    left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+                    return await asyncio.to_thread(self._sync.result, left)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")

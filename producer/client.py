@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 import warnings
@@ -621,7 +622,8 @@ class GenerationJob:
                     raise JobFailed(self.id, _NOT_KEPT)
                 if status in _ENDED or (status == "missing" and result is None):
                     if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
-                        grace = grace or time.monotonic() + 2.0  # the worker writes the partial result within a step
+                        # the worker writes the partial result within a step (within the caller's timeout, though)
+                        grace = grace or min(time.monotonic() + 2.0, math.inf if deadline is None else deadline)
                         if time.monotonic() < grace:
                             time.sleep(0.02)
                             continue

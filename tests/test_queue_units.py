@@ -408,6 +408,19 @@ def test_a_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
+def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_callers_timeout():
+    """A canceled job that ran: ``result`` waits up to 2 s for the partial result the worker writes, which took
+    those 2 s whatever the caller's timeout (0.1 s here)."""
+    from producer import Client, JobCanceled
+
+    conn = fakeredis.FakeRedis()
+    conn.hset("rq:job:j", mapping={"status": "canceled", "started_at": "2026-11-29T00:00:00.000000Z"})
+    started = time.monotonic()
+    with pytest.raises(JobCanceled):
+        Client(connection=conn).job("j").result(timeout=0.1)
+    assert time.monotonic() - started < 0.5
+
+
 def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     import asyncio
     import threading
