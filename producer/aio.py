@@ -8,6 +8,7 @@ thread (``asyncio.to_thread``), so a job is enqueued exactly as ``Client`` enque
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -274,6 +275,12 @@ class AsyncGenerationJob:
                 if status in _ENDED or status == "missing":
                     if await self.client.connection.xread({key: cursor.last_id}, count=1):
                         continue  # the last events landed just now: the hub brings them
+                    if status in ("canceled", "stopped") and (
+                        expired_at or await self.client.connection.hget(Job.key_for(self.id), "started_at")
+                    ):  # its abort event (the last text, the usage) lands a step after the status: waited for
+                        expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
+                        if time.monotonic() < expired_at:
+                            continue
                     await asyncio.to_thread(self._sync._raise_ended, status)
                 if status == "finished":
                     expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S

@@ -565,6 +565,11 @@ class GenerationJob:
             if reply:
                 continue
             if status in _ENDED or status == "missing":
+                if status in ("canceled", "stopped") and (expired_at or self._was_running()):
+                    # its abort event (the last text, the usage) lands a step after the status: waited for
+                    expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
+                    if time.monotonic() < expired_at:
+                        continue
                 self._raise_ended(status)
             if status == "finished":
                 expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S

@@ -421,6 +421,64 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     assert time.monotonic() - started < 0.5
 
 
+def _cancel_then_abort(conn, job_id: str, delay: float) -> None:
+    """What a worker does to a running job canceled: the status first (the canceller's), the abort event later."""
+    conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Once ", [5]))})
+    conn.hset(f"rq:job:{job_id}", mapping={"status": "canceled", "started_at": "2026-11-29T00:00:00.000000Z"})
+    time.sleep(delay)
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(1, "upon", [6], "abort", usage))})
+
+
+@pytest.mark.slow  # a second of waiting for the abort event
+def test_a_follower_of_a_job_canceled_while_it_ran_gets_its_abort_event():
+    """The status says canceled a step before the worker's abort event (the last text, the usage) lands: a follower
+    that looked in between raised JobCanceled without it, as ``result`` waits for the partial result."""
+    import threading
+
+    from producer import Client, JobCanceled
+
+    conn = fakeredis.FakeRedis()
+    conn.hset("rq:job:j", "status", "started")
+    events = Client(connection=conn).job("j").events(timeout=10)
+    threading.Thread(target=_cancel_then_abort, args=(conn, "j", 1.2), daemon=True).start()
+    got = list(events)
+    assert [e["text"] for e in got] == ["Once ", "upon"] and got[-1]["usage"]["completion_tokens"] == 2
+    conn.hset("rq:job:q", mapping={"status": "canceled"})  # canceled before it ran: no event will come
+    started = time.monotonic()
+    with pytest.raises(JobCanceled):
+        list(Client(connection=conn).job("q").events(timeout=10))
+    assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.slow  # a second of waiting for the abort event
+def test_an_async_follower_of_a_job_canceled_while_it_ran_gets_its_abort_event(redis_url):
+    import asyncio
+    import threading
+
+    from redis import Redis
+
+    from producer.aio import AsyncClient
+
+    conn, job_id = Redis.from_url(redis_url), f"aborted-{uuid.uuid4().hex[:6]}"
+    conn.hset(f"rq:job:{job_id}", "status", "started")
+
+    async def follow() -> list:
+        client = AsyncClient(redis_url)
+        try:
+            got, events = [], client.job(job_id).events(timeout=10)
+            threading.Thread(target=_cancel_then_abort, args=(conn, job_id, 1.2), daemon=True).start()
+            async for event in events:
+                got.append(event)
+            return got
+        finally:
+            await client.close()
+
+    got = asyncio.run(follow())
+    assert [e["text"] for e in got] == ["Once ", "upon"] and got[-1]["finish_reason"] == "abort"
+    conn.delete(f"rq:job:{job_id}", stream_key(job_id))
+
+
 def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     import asyncio
     import threading
