@@ -275,9 +275,9 @@ class AsyncGenerationJob:
                 if status in _ENDED or status == "missing":
                     if await self.client.connection.xread({key: cursor.last_id}, count=1):
                         continue  # the last events landed just now: the hub brings them
-                    if status in ("canceled", "stopped") and (
+                    if status in ("canceled", "stopped", "failed") and (
                         expired_at or await self.client.connection.hget(Job.key_for(self.id), "started_at")
-                    ):  # its abort event (the last text, the usage) lands a step after the status: waited for
+                    ):  # its final event (an abort's last text and usage, a failure's error) lands after the status
                         expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
                         if time.monotonic() < expired_at:
                             continue

@@ -212,6 +212,16 @@ def raise_at_a_bad_end(job_id: str, event: dict[str, Any]) -> None:
         raise JobCanceled(job_id, "the job was canceled; the text above is what it made first")
 
 
+def _failed_just_now(status: str, entries: list[Any]) -> bool:
+    """A failure whose latest result entry is RQ's own record, written in the last seconds: the worker writes the
+    job's result (its error, what it made) a round trip after it."""
+    if status != "failed" or not entries:
+        return False
+    entry_id = entries[0][0]
+    millis = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return time.time() - millis / 1000 < FINAL_EVENT_GRACE_S
+
+
 def sample_text(result: dict[str, Any], index: int) -> str:
     """The text of sample ``index`` of a result (one with n > 1 holds them in ``choices``)."""
     choices = result.get("choices") or [{"index": 0, "text": result.get("text", "")}]
@@ -565,8 +575,8 @@ class GenerationJob:
             if reply:
                 continue
             if status in _ENDED or status == "missing":
-                if status in ("canceled", "stopped") and (expired_at or self._was_running()):
-                    # its abort event (the last text, the usage) lands a step after the status: waited for
+                if status in ("canceled", "stopped", "failed") and (expired_at or self._was_running()):
+                    # its final event (an abort's last text and usage, a failure's error) lands after the status
                     expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
                     if time.monotonic() < expired_at:
                         continue
@@ -626,8 +636,9 @@ class GenerationJob:
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
                     raise JobFailed(self.id, _NOT_KEPT)
                 if status in _ENDED or (status == "missing" and result is None):
-                    if result is None and status in ("canceled", "stopped") and (grace or self._was_running()):
-                        # the worker writes the partial result within a step (within the caller's timeout, though)
+                    if result is None and (grace or _failed_just_now(status, entries) or self._ran(status)):
+                        # the worker writes the result (a canceled job's partial one, a failed job's error) a step
+                        # or a round trip after the status: waited for, within the caller's timeout
                         grace = grace or min(time.monotonic() + 2.0, math.inf if deadline is None else deadline)
                         if time.monotonic() < grace:
                             time.sleep(0.02)
@@ -651,6 +662,10 @@ class GenerationJob:
 
     def _was_running(self) -> bool:
         return bool(self.client.connection.hget(Job.key_for(self.id), "started_at"))
+
+    def _ran(self, status: str) -> bool:
+        """Canceled or stopped after it started: the worker writes its partial result within a step."""
+        return status in ("canceled", "stopped") and self._was_running()
 
     def _raise_ended(self, status: str, result: dict[str, Any] | None = None) -> None:
         if status == "missing":

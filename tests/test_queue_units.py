@@ -421,6 +421,45 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     assert time.monotonic() - started < 0.5
 
 
+def test_a_result_read_between_rqs_failure_record_and_the_workers_result_waits_for_the_result():
+    """The worker records a failure as RQ does (status failed, RQ's entry without a result), then writes the job's
+    result (its error, its error_type, what it made) a round trip later: ``result`` read in between raised
+    JobFailed without it (``roseinfer result`` printed nothing). An old failure of RQ's alone still raises at once."""
+    import base64
+    import threading
+    import zlib
+
+    from producer import Client, JobFailed
+    from producer.protocol import encode_result
+
+    def rq_failure(job_id: str, exc: str, at_ms: int) -> None:  # RQ's own record: no return_value
+        exc_string = base64.b64encode(zlib.compress(exc.encode())).decode()
+        conn.xadd(f"rq:results:{job_id}", {"type": 2, "exc_string": exc_string}, id=f"{at_ms}-0")
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn)
+    j, k = client.submit("a", max_tokens=2).id, client.submit("b", max_tokens=2).id
+    conn.hset(f"rq:job:{j}", "status", "failed")
+    rq_failure(j, "worker.jobs.JobRejected: prompt too long", int(time.time() * 1000))
+    stored = {"id": j, "status": "failed", "error": "prompt too long", "error_type": "invalid_request", "text": ""}
+
+    def write_result() -> None:
+        time.sleep(0.3)
+        conn.xadd(f"rq:results:{j}", {"type": 2, "return_value": encode_result(stored)})
+
+    threading.Thread(target=write_result, daemon=True).start()
+    with pytest.raises(JobFailed) as failed:
+        client.job(j).result(timeout=10)
+    assert failed.value.result == stored and failed.value.error_type == "invalid_request"
+
+    conn.hset(f"rq:job:{k}", "status", "failed")  # failed by RQ alone (abandoned), a minute ago
+    rq_failure(k, "abandoned", int(time.time() * 1000) - 60_000)
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match="abandoned"):
+        client.job(k).result(timeout=10)
+    assert time.monotonic() - started < 0.5
+
+
 def _cancel_then_abort(conn, job_id: str, delay: float) -> None:
     """What a worker does to a running job canceled: the status first (the canceller's), the abort event later."""
     conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Once ", [5]))})
