@@ -11,7 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
-IGNORED = ("user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier")
+IGNORED = (
+    "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+    "logit_bias", "tools", "tool_choice",  # (these only where they ask for nothing: ``_Common.sampling``)
+)  # fmt: skip
 
 
 class APIError(Exception):
@@ -64,6 +67,7 @@ class Message(_Shape):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
     name: str | None = None  # taken, not used: the chat template knows roles only
+    tool_call_id: str | None = None  # a tool message's (OpenAI requires it there): taken, not used, as ``name``
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # (vLLM's)
@@ -71,6 +75,7 @@ class Message(_Shape):
 
 class StreamOptions(_Shape):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding of chunks against side channels: none here
 
 
 class _Common(_Shape):
@@ -107,10 +112,21 @@ class _Common(_Shape):
     service_tier: str | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
+    # Taken where they ask for nothing (clients send them empty); a real use is a 400: there are no tools here, and
+    # no logit bias.
+    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
         skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
         return {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
 

@@ -198,7 +198,7 @@ def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
     assert [job["prompt"] for job in jobs] == [" ", "\n"] and req.n == 1 and jobs[0]["max_tokens"] == 16
     _, [job] = parse_completions({"model": "m", "prompt": "x", "max_tokens": None})
     assert "max_tokens" not in job  # null: to the context (as vLLM), not the legacy default of 16
-    with pytest.raises(APIError, match="unsupported parameter: tools"):  # a real value still is refused
+    with pytest.raises(APIError, match="are not supported"):  # a real value still is refused
         parse(ChatCompletionRequest, {**body, "tools": [{"type": "function"}]})
     with pytest.raises(APIError, match="model: Field required"):
         parse(ChatCompletionRequest, {**body, "model": None})
@@ -315,6 +315,35 @@ def test_a_completion_field_of_the_wrong_type_is_a_400_not_converted(field):
 
     with pytest.raises(APIError) as err:
         parse_completions({"model": "m", "prompt": "x", **field})
+    assert (err.value.status, err.value.param) == (400, next(iter(field)))
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"logit_bias": {}},
+        {"tools": []},
+        {"tool_choice": "none"},
+        {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+        {"messages": [*MESSAGES, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]},
+    ],
+)
+def test_fields_that_ask_for_nothing_are_taken(field):
+    """Clients send these empty (or a tool message with the id OpenAI requires on it): each was a 400."""
+    from producer.openai_api import ChatCompletionRequest, parse
+
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, **field})
+    assert not {"logit_bias", "tools", "tool_choice", "stream_options"} & set(fields)
+
+
+@pytest.mark.parametrize(
+    "field", [{"logit_bias": {"50256": -100}}, {"tools": [{"type": "function"}]}, {"tool_choice": "required"}]
+)
+def test_fields_that_ask_for_what_is_not_here_are_a_400(field):
+    from producer.openai_api import APIError, ChatCompletionRequest, parse
+
+    with pytest.raises(APIError) as err:
+        parse(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, **field})
     assert (err.value.status, err.value.param) == (400, next(iter(field)))
 
 
