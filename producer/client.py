@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis import Redis
+from redis.exceptions import WatchError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, validate_job_id
@@ -511,10 +512,7 @@ class GenerationJob:
         """Cancel the job, queued or running (a running job stops within one engine step). False if it had
         already ended."""
         try:
-            job = self.rq_job
-            if job.get_status(refresh=False) in ("finished", "failed", "canceled", "stopped"):
-                return False
-            job.cancel()
+            return self._cancel_unless_ended(self.rq_job)
         except (NoSuchJobError, InvalidJobOperation):
             return False
         except ValueError:  # a hash RQ cannot read (written by hand, a stamp it cannot parse): as any language cancels
@@ -524,6 +522,27 @@ class GenerationJob:
                 return False
             self.client.connection.hset(key, "status", "canceled")  # the worker skips it, or stops it within a step
         return True
+
+    def _cancel_unless_ended(self, job: Job) -> bool:
+        """RQ's cancel, in one transaction with the look at the status: a job that finished between the two was
+        made canceled (its result there, ``cancel`` saying True)."""
+        with self.client.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(job.key)
+                    status = pipe.hget(job.key, "status")
+                    if status is None or status.decode() in ("finished", "failed", "canceled", "stopped"):
+                        return False
+                    if getattr(job, "has_rate_limit", False):  # (RQ cancels such a job only in its own transaction)
+                        pipe.unwatch()
+                        job.cancel()
+                        return True
+                    pipe.multi()
+                    job.cancel(pipeline=pipe)
+                    pipe.execute()
+                    return True
+                except WatchError:  # the job changed meanwhile (it started, it ended): look again
+                    continue
 
     def events(self, timeout: float | None = None, skip_void: bool = False) -> Iterator[dict[str, Any]]:
         """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last.

@@ -421,6 +421,27 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     assert time.monotonic() - started < 0.5
 
 
+def test_a_cancel_that_meets_the_job_finishing_leaves_it_finished_and_says_so(monkeypatch):
+    """``cancel`` looked at the status, then had RQ cancel: a job that finished between the two became canceled
+    (moved to the canceled registry, its result there) and ``cancel`` said True."""
+    from rq.job import Job
+
+    from producer import Client
+
+    conn = fakeredis.FakeRedis()
+    job = Client(connection=conn).submit("a", max_tokens=2)
+    rq_cancel = Job.cancel
+
+    def finishing_meanwhile(self, *args, **kwargs):  # the worker's end lands between the look and the cancel
+        conn.hset(f"rq:job:{self.id}", "status", "finished")
+        monkeypatch.setattr(Job, "cancel", rq_cancel)
+        return rq_cancel(self, *args, **kwargs)
+
+    monkeypatch.setattr(Job, "cancel", finishing_meanwhile)
+    assert job.cancel() is False
+    assert job.status() == "finished" and not conn.zrange("rq:canceled:roseinfer", 0, -1)
+
+
 def test_a_result_read_between_rqs_failure_record_and_the_workers_result_waits_for_the_result():
     """The worker records a failure as RQ does (status failed, RQ's entry without a result), then writes the job's
     result (its error, its error_type, what it made) a round trip later: ``result`` read in between raised
