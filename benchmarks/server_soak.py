@@ -95,17 +95,18 @@ def main() -> int:
     if args.waves < 1 or args.concurrency < 1:
         p.error("--waves and --concurrency take 1 or more")
 
+    from worker.cli import worker_command
     from worker.local_redis import free_port, start_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
         sys.exit("needs redis-server on PATH")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    common = ["--redis-url", url, "--queue", "server-soak"]
     port = free_port()
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
-    worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", *common, "--model", args.model], **quiet)
-    server = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", *common, "--port", str(port)], **quiet)
+    worker = subprocess.Popen(worker_command(url, "server-soak", args.model), **quiet)
+    serve = [sys.executable, "-m", "worker.cli", "serve", "--redis-url", url, "--queue", "server-soak"]
+    server = subprocess.Popen([*serve, "--port", str(port)], **quiet)
     try:
         return asyncio.run(_waves(args, port, server))
     finally:

@@ -111,15 +111,15 @@ def main() -> int:
         p.error("--waves and --jobs-per-wave take 1 or more")
 
     from producer import Client
+    from worker.cli import worker_command
     from worker.local_redis import start_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
         sys.exit("needs redis-server on PATH")
     client = Client(url, queue=QUEUE, result_ttl=60)  # Redis holds the last minute's jobs, not the whole run's
-    cmd = [sys.executable, "-m", "worker.cli", "worker", "--redis-url", url, "--queue", QUEUE, "--model", args.model,
-           "--max-num-seqs", str(args.max_num_seqs), "--result-ttl", "60", "--stream-ttl-after-end", "60",
-           *args.worker_flag]  # fmt: skip
+    cmd = worker_command(url, QUEUE, args.model, "--max-num-seqs", str(args.max_num_seqs), "--result-ttl", "60",
+                         "--stream-ttl-after-end", "60", *args.worker_flag)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log_path = Path(tempfile.mkdtemp(prefix="roseinfer-soak-")) / "worker.log"
     with log_path.open("wb") as log:
