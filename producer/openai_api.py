@@ -66,8 +66,8 @@ class TextPart(_Shape):
 class Message(_Shape):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart]
-    name: str | None = None  # taken, not used: the chat template knows roles only
-    tool_call_id: str | None = None  # a tool message's (OpenAI requires it there): taken, not used, as ``name``
+    name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
+    tool_call_id: str | None = None  # a tool message's (OpenAI requires it there): taken, not used
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # (vLLM's)
@@ -149,7 +149,9 @@ class ChatCompletionRequest(_Common):
             fields["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        fields["messages"] = [{"role": m.role, "content": m.text()} for m in self.messages]
+        fields["messages"] = [
+            {"role": m.role, "content": m.text(), **({} if m.name is None else {"name": m.name})} for m in self.messages
+        ]
         return fields
 
 

@@ -40,6 +40,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    name: str | None = Field(None, description="the speaker's name, given to the chat template (which may not use it)")
+
+    def texts(self) -> list[str]:
+        return [self.content] if self.name is None else [self.content, self.name]
 
 
 class StructuredOutputs(BaseModel):
@@ -182,7 +186,8 @@ class JobRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
         if self.prompt is not None and not self.prompt:  # (" " is a prompt: it has a token, as OpenAI takes it)
             raise ValueError("the prompt is empty")
-        for text in [self.prompt] if self.prompt is not None else [m.content for m in self.messages or ()]:
+        texts = [self.prompt] if self.prompt is not None else [t for m in self.messages or () for t in m.texts()]
+        for text in texts:
             try:  # (bytes that were not UTF-8, read with surrogateescape, or a \u escape of half a UTF-16 pair)
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
@@ -221,7 +226,7 @@ class JobRequest(BaseModel):
     def engine_prompt(self) -> dict[str, Any]:
         """The prompt in the form ``LLMEngine.add_request`` takes."""
         if self.messages is not None:
-            return {"messages": [m.model_dump() for m in self.messages]}
+            return {"messages": [m.model_dump(exclude_none=True) for m in self.messages]}
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": list(self.prompt_token_ids)}
         return {"prompt": self.prompt}

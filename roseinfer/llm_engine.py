@@ -230,6 +230,8 @@ class LLMEngine:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+            if not isinstance(m.get("name", ""), str):
+                raise ValueError(f"a message's 'name' must be a string, got {m['name']!r}")
 
     def apply_chat_template(self, messages: list[dict], tokenizer=None) -> list[int]:
         tokenizer = tokenizer or self.tokenizer

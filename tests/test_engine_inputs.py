@@ -141,6 +141,30 @@ def test_tokenize_many_is_tokenize_of_each_prompt_in_one_batch(chat_engine):
         assert found == (None, strict(text, add_special_tokens=False)["input_ids"])
 
 
+def test_a_messages_name_reaches_the_chat_template_from_a_job_and_from_the_server(chat_engine):
+    """vLLM gives a message's ``name`` to the chat template: a template that shows names shows it, from a job's
+    payload and from an OpenAI request alike; a message without one has no ``name`` key (``is defined`` false)."""
+    from producer.openai_api import ChatCompletionRequest, parse
+    from producer.schema import JobRequest
+
+    named = copy.deepcopy(chat_engine.tokenizer)
+    named.chat_template = (
+        "{% for m in messages %}{{ m.role }}{% if m.name is defined %} ({{ m.name }}){% endif %}: {{ m.content }}\n"
+        "{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "hello"}]
+    expected = named("user (ann): hi\nassistant: hello\n", add_special_tokens=False)["input_ids"]
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": messages})
+    for prompt in (JobRequest.model_validate({"messages": messages}).engine_prompt(), {"messages": fields["messages"]}):
+        assert prompt["messages"] == messages
+        assert chat_engine.tokenize(prompt, named)[1] == expected
+        assert chat_engine.tokenize_many([prompt], named) == [(None, expected)]
+    with pytest.raises(ValueError, match="'name' must be a string"):
+        chat_engine.tokenize({"messages": [{"role": "user", "content": "hi", "name": 5}]}, named)
+    with pytest.raises(ValueError, match="lone surrogate"):  # refused at submission, as such a content is
+        JobRequest.model_validate({"messages": [{"role": "user", "content": "hi", "name": "ann\udce9"}]})
+
+
 HOLD = [c + "\x00\x01" for c in "abcdefghijklmnopqrstuvwxyz.,)"]
 
 
