@@ -13,7 +13,7 @@ from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, descr
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-    "logit_bias", "tools", "tool_choice",  # (these only where they ask for nothing: ``_Common.sampling``)
+    "tools", "tool_choice",  # (these only where they ask for nothing: ``_Common.sampling``)
 )  # fmt: skip
 
 
@@ -112,22 +112,20 @@ class _Common(_Shape):
     service_tier: str | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
-    # Taken where they ask for nothing (clients send them empty); a real use is a 400: there are no tools here, and
-    # no logit bias.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # checked as the job's (token ids as keys, values in [-100, 100])
+    # Taken where they ask for nothing (clients send them empty); a real use is a 400: there are no tools here.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
         skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
+        skip |= set() if self.logit_bias else {"logit_bias"}  # {}: no bias
         return {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
 
 

@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_N = 64
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 # Levels of objects and lists in a JSON value of the payload (a schema, metadata). Python's own recursion limit
 # is near 1,000 levels in pickle, json and copies: a job nested deeper crashed a worker that sends it to its engine
 # process, and every worker its retries reached. Real schemas stay far below.
@@ -152,6 +154,11 @@ class JobRequest(BaseModel):
         description="when the job ends, its id is pushed onto the list roseinfer:done:<notify> (waiters block on it)",
     )  # fmt: skip
     n: int = Field(1, ge=1, le=MAX_N, description="samples of the prompt (computed once), each in the result's choices")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="token id (a decimal string) -> a number in [-100, 100] added to its logit before sampling "
+        f"(OpenAI's); at most {MAX_LOGIT_BIAS_TOKENS} tokens",
+    )
     structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
     response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
@@ -164,6 +171,28 @@ class JobRequest(BaseModel):
     def _int_is_a_float(cls, value: Any) -> Any:
         # strict mode refuses 1 for a float field; JSON writers often send it that way.
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_as_keys(cls, value: Any) -> Any:
+        # JSON's keys are strings; a Python caller's are the token ids themselves.
+        if isinstance(value, dict):
+            return {str(k) if type(k) is int else k: v for k, v in value.items()}
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias names {len(value)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
+                raise ValueError(f"logit_bias keys are token ids (0 to {MAX_TOKEN_ID}), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values are numbers in [-100, 100], got {bias!r} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -253,6 +282,7 @@ class JobRequest(BaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "structured_outputs": self.structured_form(),
             "n": self.n,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         }
 
 

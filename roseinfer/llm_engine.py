@@ -270,6 +270,11 @@ class LLMEngine:
         prefix = self._checked_prefix(output_prefix or [], len(token_ids), params, prefix_logprobs)
         if prefix and params.n > 1:
             raise ValueError("a request with n > 1 cannot resume from an output prefix: its samples start over")
+        past = [t for t in params.logit_bias or () if t >= self.model.vocab_size]
+        if past:
+            raise ValueError(
+                f"logit_bias names token ids past the model's vocabulary [0, {self.model.vocab_size}): {past[:5]}"
+            )
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if (

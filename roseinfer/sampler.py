@@ -109,7 +109,7 @@ class Sampler:
         blocking copy, no value read back, no shape that depends on one), so the host's one wait is ``result()``."""
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
-        plain = all(p.greedy and not p.uses_penalties and p.min_tokens == 0 for p in params)
+        plain = all(p.greedy and not p.uses_penalties and p.min_tokens == 0 and not p.logit_bias for p in params)
         if not any(want_logprobs) and plain and masks is None:
             if logits.device.type != "cuda":
                 return PendingSample(SamplerOutput(argmax_rows(logits), [None] * len(seqs)))
@@ -120,7 +120,8 @@ class Sampler:
         if any(want_logprobs):  # the model's, under the structured output's mask (vLLM masks before its sampler)
             raw_logprobs = torch.log_softmax(logits if masks is None else self._masked(logits, masks), dim=-1)
         unconstrained = logits
-        logits = logits.clone()
+        logits = logits.clone(memory_format=torch.contiguous_format)  # (one flat view for the logit bias)
+        self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         self._block_early_stop(logits, seqs)
         if masks is not None:
@@ -150,6 +151,30 @@ class Sampler:
         return PendingSample(host=host, event=event, finish=finish)
 
     # ----- logits processors -----------------------------------------------------------------------
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Each row's ``logit_bias`` added to its tokens' logits, all rows in one kernel (before the penalties, as
+        vLLM orders them). A request's ids and biases go to the device once, not at every step."""
+        device = logits.device
+        rows: list[int] = []
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, seq in enumerate(seqs):
+            if bias := seq.params.logit_bias:
+                if seq.logit_bias is None:
+                    seq.logit_bias = (
+                        to_device(list(bias), torch.long, device),
+                        to_device(list(bias.values()), torch.float32, device),
+                    )
+                rows.append(i)
+                parts.append(seq.logit_bias)
+        if not rows:
+            return
+        counts = [len(ids) for ids, _ in parts]
+        row_of = torch.repeat_interleave(
+            to_device(rows, torch.long, device), to_device(counts, torch.long, device), output_size=sum(counts)
+        )  # (output_size given: no wait for the device to learn it)
+        flat = row_of * logits.shape[1] + torch.cat([ids for ids, _ in parts])
+        logits.view(-1).index_add_(0, flat, torch.cat([biases for _, biases in parts]))  # (a kernel that never waits)
+
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Repetition penalty over each row's prompt and output, frequency and presence penalties over its output,
         as vLLM: the penalised rows at once, from one upload of their token histories."""

@@ -15,6 +15,8 @@ GREEDY_BELOW = 1e-5
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as OpenAI-shaped APIs (vLLM) take it
 MAX_TOKEN_ID = 2**31 - 1  # beyond any vocabulary; ids past the model's own are refused or ignored by the engine
 MAX_N = 64  # samples per request: each holds its own KV blocks past the shared prompt
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound either way, as the OpenAI API's
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: each is host work at every step
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
@@ -83,6 +85,9 @@ class SamplingParams:
     # usual) never does, as in vLLM.
     spaces_between_special_tokens: bool = True
     n: int = 1
+    # Token id -> a number in [-100, 100] added to its logit before the penalties and the sampling (OpenAI's
+    # logit_bias, applied as vLLM does); logprobs stay the model's.
+    logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     # What ``LLMEngine.step`` returns for the request, as vLLM's RequestOutputKind: an output at every step with
     # everything so far ("cumulative"); outputs holding only what is new since the request's last one ("delta":
@@ -148,6 +153,16 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
                 fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+                fail(f"logit_bias names {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken")
+            for tid, bias in self.logit_bias.items():
+                if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
+                    fail(f"logit_bias keys must be token ids, integers in [0, {MAX_TOKEN_ID}], got {tid!r}")
+                if not is_num(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # (NaN fails both)
+                    fail(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tid}")
         for name in (
             "ignore_eos",
             "include_stop_str_in_output",

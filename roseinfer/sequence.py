@@ -70,6 +70,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # params.logit_bias as (token ids, biases) on the sampler's device: made at the first step that needs it.
+        self.logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
         # Output kind "delta": whether an output went out yet, and the tokens sampled since the last one.
         self.streamed = False
         self.held_ids: list[int] = []

@@ -84,15 +84,22 @@ def smol_tokenizer(default_model_path):
 
 
 def hf_greedy(
-    model_path: str, prompts: list[list[int]], max_new_tokens: int, dtype: str = "float32", device: str = "cpu"
+    model_path: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    logit_biases: list[dict[int, float] | None] | None = None,
 ) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (no padding), new tokens only."""
+    """transformers' greedy generate, one prompt at a time (no padding), new tokens only; ``logit_biases``: each
+    prompt's, as transformers' ``sequence_bias`` of one-token sequences."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     out = []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
+        bias = logit_biases[i] if logit_biases else None
         with torch.inference_mode():
             gen = model.generate(
                 torch.tensor([ids], device=device),
@@ -100,6 +107,7 @@ def hf_greedy(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **({"sequence_bias": {(t,): b for t, b in bias.items()}} if bias else {}),
             )
         out.append(gen[0, len(ids) :].tolist())
     return out

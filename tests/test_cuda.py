@@ -133,8 +133,9 @@ def test_eager_and_graph_decode_agree_and_sampling_runs_on_the_gpu(models):
 
 
 def test_sampling_is_queued_on_the_gpu_without_waiting_for_it():
-    """Temperature, filters, penalties, seeds, min_tokens, logprobs and a structured output's mask: ``start`` makes
-    no host sync (CUDA's sync debug mode raises on one), so the host's one wait a step is ``result()``."""
+    """Temperature, filters, a logit bias, penalties, seeds, min_tokens, logprobs and a structured output's mask:
+    ``start`` makes no host sync (CUDA's sync debug mode raises on one), so the host's one wait a step is
+    ``result()``."""
     from test_sampler import _mixed_batch
 
     from roseinfer.sampler import Sampler, seeded_generator

@@ -45,6 +45,23 @@ def test_mixed_batch_matches_transformers(model, kernels, request):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
+    """Rows with and without a logit_bias in one batch: each equals transformers' greedy generate with that bias
+    (its ``sequence_bias`` of one-token sequences), and the biases change what comes out."""
+    rng = random.Random(3)
+    prompts = _prompts(6, seed=4, hi=40)
+    biases = [None if i % 3 == 0 else {rng.randrange(256): rng.uniform(-20, 20) for _ in range(8)} for i in range(6)]
+    biases[5] = {t: 100.0 if j == 0 else -100.0 for j, t in enumerate(rng.sample(range(256), 4))}  # the extremes
+    llm = LLM(tiny_llama, dtype="float32")
+    params = [SamplingParams(max_tokens=16, temperature=0, logit_bias=b) for b in biases]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == hf_greedy(tiny_llama, prompts, 16, logit_biases=biases)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    changed = [g != o.outputs[0].token_ids[:16] for g, o in zip(got, plain)]
+    assert changed[5] and sum(changed) >= 3 and not changed[0] and not changed[3]
+
+
 @pytest.mark.parametrize(
     "block_size", [pytest.param(16, marks=pytest.mark.slow), 8, pytest.param(4, marks=pytest.mark.slow)]
 )

@@ -220,6 +220,18 @@ def test_payload_and_sampling_params_accept_and_refuse_the_same_values(name):
         assert payload_ok == engine_ok, (name, value, payload_ok, engine_ok)
 
 
+def test_payload_and_sampling_params_bound_logit_bias_alike():
+    """The payload's string keys are the engine's token ids: both take and refuse the same biases."""
+    probes = [{}, {"0": 100}, {"0": -100}, {"0": 100.5}, {"0": -101}, {"5": float("nan")}, {"5": float("inf")}]
+    probes += [{"2147483647": 1}, {"2147483648": 1}, {str(i): 1 for i in range(1024)}, {str(i): 1 for i in range(1025)}]
+    for value in probes:
+        payload_ok = _accepts(lambda v: JobRequest.model_validate({"prompt": "x", "logit_bias": v}), value)
+        engine_ok = _accepts(lambda v: SamplingParams(logit_bias={int(k): b for k, b in v.items()}), value)
+        assert payload_ok == engine_ok, (value if len(value) < 3 else len(value), payload_ok)
+    kwargs = JobRequest.model_validate({"prompt": "x", "logit_bias": {"7": 1, 9: -2}}).sampling_kwargs()
+    assert kwargs["logit_bias"] == {7: 1.0, 9: -2.0}  # a Python caller's int keys are taken too
+
+
 def _accepts(build, value) -> bool:
     try:
         build(value)

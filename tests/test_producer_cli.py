@@ -106,6 +106,8 @@ def test_submit_flags_become_a_typed_payload(no_redis):
         "c-1",
         "--metadata",
         '{"k": 1}',
+        "--logit-bias",
+        '{"42": -100}',
     )
     assert producer_cli.request_from_args(args) == {
         "prompt": "hello",
@@ -118,6 +120,7 @@ def test_submit_flags_become_a_typed_payload(no_redis):
         "ignore_eos": True,
         "custom_id": "c-1",
         "metadata": {"k": 1},
+        "logit_bias": {"42": -100},
     }
     chat = producer_cli.request_from_args(_parse("submit", "hi", "--logprobs", "3", "--no-ignore-eos"))
     assert chat == {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3, "ignore_eos": False}
@@ -140,6 +143,7 @@ def test_submit_flags_become_a_typed_payload(no_redis):
         ("--logprobs", "many", "logprobs: 'many' is not true or false or an integer"),
         ("--stop-token-id", "-1", "stop_token_ids.0"),
         ("--metadata", "{oops", "metadata: not JSON"),
+        ("--logit-bias", '{"42": 200}', "logit_bias: Value error, logit_bias values are numbers in [-100, 100]"),
     ],
 )
 def test_a_bad_flag_value_is_one_line_before_redis_is_asked(no_redis, flag, value, phrase):

@@ -83,6 +83,24 @@ def test_penalties_change_the_choice():
     assert sampler(logits, [s]).token_ids == [1]
 
 
+def test_logit_bias_moves_its_rows_tokens_before_the_penalties_and_leaves_logprobs_the_models():
+    """OpenAI's logit_bias: +100 makes a token the choice, -100 bans it from draws too; other rows are untouched;
+    the bias comes before the repetition penalty (vLLM's order); logprobs are the model's (vLLM's raw logprobs)."""
+    logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]] * 3)
+    sampler = Sampler([9], 0, torch.device("cpu"))
+    up = SamplingParams(temperature=0, logit_bias={3: 100}, logprobs=1)
+    down = SamplingParams(temperature=0, logit_bias={0: -0.2})
+    out = sampler(logits, [seq(up), seq(down), seq(SamplingParams(temperature=0))])
+    assert out.token_ids == [3, 1, 0]
+    assert out.logprobs[0][3] == torch.log_softmax(logits[0], dim=-1)[3].item()
+    # Biased to 6.0, then divided by the penalty (token 0 was seen): 4.0 < 4.9. Penalised first, 0 would win.
+    both = SamplingParams(temperature=0, logit_bias={0: 1.0}, repetition_penalty=1.5)
+    assert sampler(logits[:1], [seq(both, tokens=(0,))]).token_ids == [1]
+    ban = SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})
+    draws = {sampler(logits[:1], [seq(ban)]).token_ids[0] for _ in range(200)}
+    assert draws == {2, 3}
+
+
 def test_min_tokens_blocks_eos_and_stop_tokens():
     logits = torch.tensor([[9.0, 0.0, 8.0, 1.0]])
     s = seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]))
@@ -101,8 +119,8 @@ def test_top_p_one_keeps_the_whole_vocabulary():
 
 
 def _mixed_batch(vocab: int) -> tuple[list[Sequence], object]:
-    """Every kind of row the sampler has: greedy, temperature, filters, penalties, seeds, min_tokens, logprobs, and
-    a structured output's mask on two rows."""
+    """Every kind of row the sampler has: greedy, temperature, filters, a logit bias, penalties, seeds, min_tokens,
+    logprobs, and a structured output's mask on two rows."""
     import numpy as np
 
     from roseinfer.structured_output import GrammarMasks
@@ -110,7 +128,7 @@ def _mixed_batch(vocab: int) -> tuple[list[Sequence], object]:
     rows = [
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3),
-        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0, min_p=0.1, logit_bias={7: 2.5, 8: -100}),
         SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, seed=9),
         SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[5], logprobs=3),
         SamplingParams(temperature=1.2, logprobs=0),

@@ -367,6 +367,8 @@ def test_values_past_their_bounds_fail_alone_with_the_field_named(served):
         "seed": ({"prompt": "hi", "seed": 2**64}, "seed"),
         "stopid": ({"prompt": "hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
         "huge": ({"prompt": "x" * (100 * 1024)}, "bytes"),
+        "bias": ({"prompt": "hi", "logit_bias": {"5": 1000}}, "logit_bias"),
+        "biasid": ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),  # past the model's vocabulary
     }
     ids = {}
     for name, (payload, _) in cases.items():
