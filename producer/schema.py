@@ -140,6 +140,9 @@ class JobRequest(BaseModel):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
     logprobs: bool | int | None = Field(None, description="log probabilities of the top N tokens per step")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="N, with logprobs=true (chat form)")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="each prompt token's logprob and the top N alternatives (vLLM's)"
+    )
     ignore_eos: bool = Field(False, description="keep generating past EOS")
     include_stop_str_in_output: bool = Field(False, description="keep the stop string that ended the output")
     skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
@@ -276,6 +279,7 @@ class JobRequest(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "seed": self.seed,
             "logprobs": self.num_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,

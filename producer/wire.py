@@ -97,6 +97,13 @@ class JobResult(BaseModel):
     usage: Usage | None = None
     timings: Timings | None = None
     logprobs: list[list[list[float]]] | None = Field(None, description="per token: [[token_id, logprob], ...]")
+    prompt: str | None = Field(
+        None, description="the prompt's text (a chat's as its template made it), with prompt_logprobs"
+    )
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt's token ids, with prompt_logprobs")
+    prompt_logprobs: list[list[list[float]] | None] | None = Field(
+        None, description="per prompt token, null for the first: [[token_id, logprob], ...], the token's own last"
+    )
     choices: list[Choice] | None = Field(None, description="a job with n > 1: every sample, sample 0 first")
     metadata: dict[str, Any] | None = None
     error: str | None = None

@@ -119,7 +119,7 @@ class KVCacheManager:
         """Leading blocks of ``seq`` already in the cache, left out of the stats (a look ahead, not an admission).
         At least one token is always left to compute, because the last prompt token must run through the model
         to give the next token's logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:  # (those need every prompt token's logits)
             return PrefixHit([], 0)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []

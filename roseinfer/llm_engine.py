@@ -260,6 +260,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
         text, token_ids = self.tokenize(prompt)
+        if text is None and params.prompt_logprobs is not None and self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids)  # the text those logprobs score (as vLLM gives it)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -306,6 +308,8 @@ class LLMEngine:
                 seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
             )
             seq.grammar, seq.parent_id, seq.index = grammar, request_id, index
+            if index:
+                seq.prompt_logprobs = None  # the first sample computes the prompt: the others share its blocks
             if prefix and seq.logprobs is not None and prefix_logprobs is not None:
                 seq.logprobs = [dict(step) for step in prefix_logprobs]
             seq.leader = seqs[0] if seqs else None
@@ -552,7 +556,15 @@ class LLMEngine:
             # A sample of n that ended before the others ends here with its own reason (as vLLM's), the request not.
             piece = CompletionOutput(seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs)
             return RequestOutput(
-                seq.parent_id, seq.prompt, seq.prompt_token_ids, [piece], False, delta_text, delta_ids, seq.index
+                seq.parent_id,
+                seq.prompt,
+                seq.prompt_token_ids,
+                [piece],
+                False,
+                delta_text,
+                delta_ids,
+                seq.index,
+                prompt_logprobs=(seq.leader or seq).prompt_logprobs,
             )
         if seq.parent_id == seq.request_id:  # one sample: the common case, built without the group's bookkeeping
             return RequestOutput(
@@ -576,6 +588,7 @@ class LLMEngine:
                 metrics=RequestMetrics(
                     seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_cached_tokens, seq.num_preemptions
                 ),
+                prompt_logprobs=seq.prompt_logprobs,  # (complete before the first token: shared, not copied)
             )
         samples = group if group is not None and finished else [seq]
         if finished and group is not None:
@@ -608,6 +621,7 @@ class LLMEngine:
                 sum(s.num_cached_tokens for s in samples),
                 sum(s.num_preemptions for s in samples),
             ),
+            prompt_logprobs=lead.prompt_logprobs,
         )
 
 

@@ -6,8 +6,9 @@ import torch
 
 from roseinfer.attention import AttentionBackend
 from roseinfer.models import CausalLM
-from roseinfer.sampler import PendingSample, Sampler, SamplerOutput
+from roseinfer.sampler import PROMPT_LOGPROBS_ROWS, PendingSample, Sampler, SamplerOutput
 from roseinfer.scheduler import SchedulerOutput
+from roseinfer.sequence import Sequence
 from roseinfer.structured_output import PendingMasks
 
 
@@ -57,9 +58,18 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs = []
+        prompt_rows: list[int] = []  # rows whose logits give a prompt token's logprob (prompt_logprobs)
+        prompt_owners: list[tuple[Sequence, int, int]] = []  # (request, index of its first such token, count)
         # Packed in the scheduler's order: its decodes first, then its prefills, as the backends expect.
         for item in sched.scheduled:
             start, end, table = item.start, item.start + item.num_tokens, item.block_ids
+            if item.seq.needs_prompt_logprobs:
+                # Position p gives the logprob of prompt token p + 1; those already had (a recompute) are skipped.
+                first = max(start, len(item.seq.prompt_logprobs) - 1)
+                last = min(end, item.seq.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows += range(len(input_ids) + first - start, len(input_ids) + last - start)
+                    prompt_owners.append((item.seq, first + 1, last - first))
             input_ids += item.seq.token_ids[start:end]
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -73,11 +83,35 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device) if 0 < len(sample_rows) < len(input_ids) else None
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), pos, meta, self.kv_caches)
         if not sample_seqs:
-            return PendingSample(SamplerOutput([], []))
-        if rows is not None:
-            hidden = hidden[rows]
-        logits = self.model.compute_logits(hidden)
-        return self.sampler.start(logits, sample_seqs, masks.get() if masks is not None else None)
+            pending = PendingSample(SamplerOutput([], []))
+        else:
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            pending = self.sampler.start(logits, sample_seqs, masks.get() if masks is not None else None)
+        if prompt_rows:  # (after the step's sampling is queued)
+            pending.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows, prompt_owners)
+        return pending
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[int], owners: list[tuple[Sequence, int, int]]
+    ) -> list[tuple[Sequence, int, list[dict[int, float]]]]:
+        """The prompt tokens' logprobs of ``rows`` (packed positions), a slice of rows at a time, per owner."""
+        targets: list[int] = []
+        nums: list[int] = []
+        for seq, first, count in owners:
+            targets += seq.token_ids[first : first + count]
+            nums += [seq.params.prompt_logprobs] * count
+        entries: list[dict[int, float]] = []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            idx = torch.tensor(rows[i : i + PROMPT_LOGPROBS_ROWS], device=self.device)
+            logits = self.model.compute_logits(hidden[idx])
+            entries += self.sampler.prompt_logprobs(
+                logits, targets[i : i + PROMPT_LOGPROBS_ROWS], nums[i : i + PROMPT_LOGPROBS_ROWS]
+            )
+        out, k = [], 0
+        for seq, first, count in owners:
+            out.append((seq, first, entries[k : k + count]))
+            k += count
+        return out
 
     def _execute_graph(self, sched: SchedulerOutput, masks: PendingMasks | None) -> PendingSample:
         """A decode-only step through the captured graph of its batch size; every request samples."""

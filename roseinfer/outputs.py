@@ -44,3 +44,6 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_index: int = 0
     metrics: RequestMetrics | None = None
+    # As vLLM's: per prompt token, None for the first, then its logprob and the top alternatives; None when the
+    # request did not ask for them (prompt_logprobs).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

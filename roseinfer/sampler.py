@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,12 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: {token id: logprob} for the sampled token and the top-N, or None when not asked for.
     logprobs: list[dict[int, float] | None]
+    # (request, index in its prompt of the first entry, entries): prompt tokens' logprobs this step computed.
+    prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] = field(default_factory=list)
+
+
+# Prompt positions whose logits are made at once for prompt_logprobs: a whole chunk's would be tokens x vocabulary.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -81,12 +87,14 @@ class PendingSample:
         finish: Callable[[list[list]], SamplerOutput] | None = None,
     ) -> None:
         self._done, self._host, self._event, self._finish = done, host, event, finish
+        self.prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] = []  # given to the result
 
     def result(self) -> SamplerOutput:
         if self._done is None:
             if self._event is not None:
                 self._event.synchronize()
             self._done = self._finish([t.tolist() for t in self._host])
+        self._done.prompt_logprobs = self.prompt_logprobs
         return self._done
 
 
@@ -137,6 +145,21 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         copies, finish = self._logprobs(raw_logprobs, tokens, params, rows)
         return self._fetch([tokens, *copies], finish)
+
+    def prompt_logprobs(self, logits: torch.Tensor, targets: list[int], nums: list[int]) -> list[dict[int, float]]:
+        """Per row of ``logits`` (a prompt position's), the logprob of the prompt token that follows it and the
+        top ``nums[row]`` alternatives, as a sampled token's logprobs are given (the model's distribution). Waits
+        for the device: only steps that compute such prompts pay it."""
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        chosen = raw.gather(1, to_device(targets, torch.long, raw.device)[:, None]).squeeze(1).tolist()
+        k = max(nums)
+        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        out = []
+        for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist()):
+            entry = dict(zip(ids[:n], vals[:n]))
+            entry[target] = max(value, -9999.0)  # finite, as a sampled token's
+            out.append(entry)
+        return out
 
     def _fetch(self, tensors: list[torch.Tensor], finish: Callable[[list[list]], SamplerOutput]) -> PendingSample:
         """The step's results copied to the host behind one event (on a GPU), turned into a ``SamplerOutput`` by

@@ -80,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob and the top-N of the distribution it was drawn from, as vLLM's
+    # prompt_logprobs (for scoring a text). Such a request computes its whole prompt: no prefix cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # A slow (Python) tokenizer's decode puts spaces between special tokens unless told not to; a fast one (the
     # usual) never does, as in vLLM.
@@ -150,6 +153,9 @@ class SamplingParams:
             fail(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        prompt = self.prompt_logprobs
+        if prompt is not None and (not is_int(prompt) or not 0 <= prompt <= MAX_LOGPROBS):
+            fail(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {prompt!r}")
         for tid in self.stop_token_ids:
             if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
                 fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")

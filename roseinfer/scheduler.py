@@ -273,6 +273,10 @@ class Scheduler:
         num_samples = sum(item.samples for item in out.scheduled)
         if num_samples != len(sampled.token_ids):  # checked first: a bad output changes no request
             raise ValueError(f"{len(sampled.token_ids)} sampled tokens for {num_samples} requests that sample")
+        for seq, first, entries in sampled.prompt_logprobs:
+            have = seq.prompt_logprobs
+            if have is not None and 0 <= len(have) - first < len(entries):  # (a recompute's are there already)
+                have.extend(entries[len(have) - first :])
         new_tokens: list[tuple[Sequence, int]] = []
         i = 0
         for item in out.scheduled:

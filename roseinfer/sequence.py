@@ -70,6 +70,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Per prompt token, as vLLM's prompt_logprobs: None for the first (nothing comes before it), then each
+        # one's logprob and the top alternatives; filled as its prefill runs. None when not asked for.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         # params.logit_bias as (token ids, biases) on the sampler's device: made at the first step that needs it.
         self.logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
         # Output kind "delta": whether an output went out yet, and the tokens sampled since the last one.
@@ -78,6 +83,11 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens' logprobs are still to come: the prefill computes them, so it takes no cache hit."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,54 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
     assert changed[5] and sum(changed) >= 3 and not changed[0] and not changed[3]
 
 
+def _hf_prompt_logprobs(model_path: str, prompt: list[int], top: int) -> list[tuple[float, set[int]] | None]:
+    """transformers' log-softmax at each prompt position: (the next prompt token's logprob, the top ``top`` ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return [None] + [
+        (lp[i, prompt[i + 1]].item(), set(lp[i].topk(top).indices.tolist())) for i in range(len(prompt) - 1)
+    ]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"max_num_batched_tokens": 24, "block_size": 8},
+        {"kv_cache_memory": 8 * 2 * 2 * 16 * 2 * 16 * 4, "block_size": 16},
+    ],
+    ids=["chunked-prefill-and-prefix-cache", "preemption"],
+)
+def test_prompt_logprobs_match_transformers(tiny_llama, engine):
+    """vLLM's prompt_logprobs: each prompt token's logprob under the model and the top-N beside it, as transformers
+    computes them, through chunked prefills, a shared prefix in the cache (a request that needs them computes its
+    whole prompt), and preemption (a recompute adds none twice). Requests without them are unchanged."""
+    shared = _prompts(1, seed=7, lo=40, hi=40)[0]
+    prompts = _prompts(5, seed=8, lo=3, hi=40, prefix=shared)
+    tops = [0, 2, 5, None, 3]
+    llm = LLM(tiny_llama, dtype="float32", **engine)
+    params = [SamplingParams(max_tokens=28, temperature=0, prompt_logprobs=k) for k in tops]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28)
+    for prompt, top, out in zip(prompts, tops, outs):
+        if top is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for i, (got, (value, best)) in enumerate(
+            zip(out.prompt_logprobs[1:], _hf_prompt_logprobs(tiny_llama, prompt, top)[1:])
+        ):
+            assert got[prompt[i + 1]] == pytest.approx(value, abs=1e-4)
+            assert set(got) == best | {prompt[i + 1]}
+    if "kv_cache_memory" in engine:
+        assert llm.engine.scheduler.num_preemptions > 0
+    else:
+        assert llm.engine.kv.prefix_hit_tokens > 0  # the request without them hit the shared prefix
+
+
 @pytest.mark.parametrize(
     "block_size", [pytest.param(16, marks=pytest.mark.slow), 8, pytest.param(4, marks=pytest.mark.slow)]
 )

@@ -119,6 +119,26 @@ def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served,
 
 
 @pytest.mark.slow
+def test_a_jobs_prompt_logprobs_are_in_its_result_as_the_engine_gives_them(served, tiny_chat_model):
+    """vLLM's prompt_logprobs, for scoring a text: the result holds the prompt's token ids and, per token after
+    the first, its logprob and the top N (the token's own last), as the engine in-process computes them."""
+    from roseinfer import LLM, SamplingParams
+
+    _, client = served
+    job = client.submit(prompt="The quick brown fox jumps", max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    result = job.result(timeout=60)
+    out = LLM(tiny_chat_model).generate(
+        [result["prompt_token_ids"]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    assert result["prompt_token_ids"] == out.prompt_token_ids and len(result["prompt_logprobs"]) > 3
+    assert result["prompt_logprobs"][0] is None
+    for token, got, want in zip(out.prompt_token_ids[1:], result["prompt_logprobs"][1:], out.prompt_logprobs[1:]):
+        assert got[-1][0] == token or token in [t for t, _ in got[:2]]
+        assert dict(got) == pytest.approx(want, abs=1e-5)
+    plain = client.submit(prompt="The quick brown fox jumps", max_tokens=2, temperature=0.0).result(timeout=60)
+    assert "prompt_logprobs" not in plain and plain["token_ids"] == result["token_ids"]
+
+
 def test_a_job_asking_for_logprobs_resumes_from_its_stream(served):
     """Its events carry their tokens' logprobs, so a retry resumes after what was streamed (it started over, its
     followers told to drop what they had) and ends as the uninterrupted job, logprobs and all."""

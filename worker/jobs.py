@@ -155,6 +155,10 @@ def build_result(
     }
     if c.logprobs is not None:
         result["logprobs"] = encode_logprobs(c.logprobs)
+    if out.prompt_logprobs is not None:  # (the first token's is None: nothing comes before it)
+        result["prompt"] = out.prompt
+        result["prompt_token_ids"] = list(out.prompt_token_ids)
+        result["prompt_logprobs"] = [None, *encode_logprobs(out.prompt_logprobs[1:])]
     if req.metadata is not None:
         result["metadata"] = req.metadata
     if len(out.outputs) == 1:
