@@ -270,7 +270,7 @@ def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
                 choice["logprobs"] = chat_logprobs(sample, top)
     else:
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
-        choices = completion_choices(result, top)
+        choices = completion_choices(result, top, echo=True)  # (a result with the prompt's logprobs: echo asked)
     for choice, sample in zip(choices, samples(result)):
         choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
     body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})

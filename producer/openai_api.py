@@ -181,7 +181,10 @@ class CompletionRequest(_Common):
                 raise APIError(400, "give one prompt here (not a list of them)", param="prompt")
             prompt = prompts[0]
         if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            if self.stream:
+                raise APIError(400, "echo is taken without stream here", param="echo")
+            # The prompt's text and its tokens' logprobs come back in the job's result: the response begins with them.
+            fields["prompt_logprobs"] = self.logprobs or 0
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         fields.pop("echo", None)
@@ -284,14 +287,29 @@ def completion_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | No
     steps = result.get("logprobs")
     if steps is None:
         return None
-    token_ids = result["token_ids"]
-    chosen = [{int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)]
+    return _legacy_logprobs(result["token_ids"], steps, top)
+
+
+def _legacy_logprobs(token_ids: list[int], steps: list[list | None], top: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of ``token_ids``: a step of None (an echoed prompt's first token) stays None."""
+    chosen = [
+        None if pairs is None else {int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)
+    ]
     # The top ``logprobs`` and the sampled token among them, as OpenAI's legacy API: up to logprobs + 1 entries.
     top_logprobs = [
-        {**{_token(int(t)): lp for t, lp in pairs[:top]}, _token(tid): lp}
+        None if pairs is None else {**{_token(int(t)): lp for t, lp in pairs[:top]}, _token(tid): lp}
         for tid, lp, pairs in zip(token_ids, chosen, steps)
     ]
     return {"tokens": [_token(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
+
+
+def _echoed(result: dict[str, Any], sample: dict[str, Any], top: int | None) -> dict[str, Any]:
+    """``sample``'s choice with its prompt before it (``echo``), the prompt tokens' logprobs before its own."""
+    logprobs = None
+    if top is not None:
+        ids = result["prompt_token_ids"] + sample.get("token_ids", [])
+        logprobs = _legacy_logprobs(ids, result["prompt_logprobs"] + (sample.get("logprobs") or []), top)
+    return {"text": (result.get("prompt") or "") + sample.get("text", ""), "logprobs": logprobs}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -317,13 +335,14 @@ def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) 
     ]
 
 
-def completion_choices(result: dict[str, Any], top: int | None) -> list[dict[str, Any]]:
+def completion_choices(result: dict[str, Any], top: int | None, echo: bool = False) -> list[dict[str, Any]]:
     return [
         {
             "index": s["index"],
             "text": s.get("text", ""),
             "finish_reason": finish_reason(s.get("finish_reason")),
             "logprobs": completion_logprobs(s, top) if top is not None else None,
+            **(_echoed(result, s, top) if echo and "prompt_logprobs" in result else {}),
         }
         for s in samples(result)
     ]
@@ -348,7 +367,7 @@ def completion_response(
     choices = [
         {**choice, "index": i * request.n + choice["index"]}
         for i, result in enumerate(results)
-        for choice in completion_choices(result, request.logprobs)
+        for choice in completion_choices(result, request.logprobs, request.echo)
     ]
     return {
         "id": f"cmpl-{job_id}",

@@ -338,6 +338,14 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     assert choices[0] == choice and choices[1]["logprobs"]["content"][0]["token"] == "token_id:7"
     plain = parse_line(2, json.dumps({"prompt": "x", "priority": 0}))
     assert plain.payload["priority"] == 0
+    # An echoed completion: its prompt's text and logprobs first, as the server gives them.
+    body = {"model": "any", "prompt": "Hi", "max_tokens": 2, "echo": True, "logprobs": 1}
+    line = parse_line(3, json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": body}))
+    assert line.payload["prompt_logprobs"] == 1
+    echoed = {**result, "prompt": "Hi", "prompt_token_ids": [3, 4], "prompt_logprobs": [None, [[4, -0.7]]]}
+    choice = output_line(line, echoed)["response"]["body"]["choices"][0]
+    assert choice["text"] == "Hiok" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in (3, 4, 5, 6)]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.7, -0.1, -0.3]
     assert parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}})).payload["n"] == 3
     with pytest.raises(ValueError, match="n: Input should be less than or equal to 64"):
         parse_line(4, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 65}}))

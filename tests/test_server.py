@@ -705,6 +705,32 @@ def test_logit_bias_through_the_server_is_the_jobs_and_a_token_past_the_vocabula
     assert "past the model's vocabulary" in err.value.message
 
 
+def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(served, oai, redis_url):
+    """``echo`` (lm-evaluation-harness scores a text with it: ``echo``, ``logprobs`` and token ids): the text and
+    the logprobs begin with the prompt's, the first token's logprob null, as the job's ``prompt_logprobs`` give
+    them; the completion after them is the plain request's. Streamed, it is a 400."""
+    worker, _, model = served
+    ids = direct(redis_url, worker.queue, prompt="The sea is", max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    prompt = ids["prompt_token_ids"]
+    plain = oai.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    for given in ("The sea is", prompt):
+        out = oai.completions.create(model=model, prompt=given, max_tokens=3, temperature=0, echo=True, logprobs=1)
+        choice = out.choices[0]
+        assert choice.text == "The sea is" + plain.choices[0].text
+        lp = choice.logprobs
+        assert lp.tokens == [f"token_id:{t}" for t in prompt] + plain.choices[0].logprobs.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        scored = [dict(s)[t] for t, s in zip(prompt[1:], ids["prompt_logprobs"][1:])]
+        assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(scored, abs=1e-5)
+        assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])  # the top 1, and the token where it is not
+        assert lp.token_logprobs[len(prompt) :] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    text_only = oai.completions.create(model=model, prompt="The sea is", max_tokens=3, temperature=0, echo=True)
+    assert text_only.choices[0].text == "The sea is" + plain.choices[0].text and text_only.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt="The sea is", max_tokens=3, echo=True, stream=True)
+    assert err.value.body["param"] == "echo"
+
+
 def test_a_schema_the_library_rejects_is_a_failed_job_and_a_bad_response_format_a_400(served, oai, redis_url):
     worker, _, model = served
     with pytest.raises(openai.BadRequestError) as err:
