@@ -392,6 +392,7 @@ async def _sse(
     the usage of them all at the end. A job's error ends the stream and cancels the others."""
     finished, finals = False, []  # the jobs' final events, for the usage of them all
     sent: set[int] = set()  # the jobs some of whose text went out
+    ended: set[int] = set()  # the choices whose finish went out (a sample of n > 1 ends before its job)
     open_streams.inc()
     try:
         for index in range(len(jobs) * chunks.n):
@@ -414,10 +415,14 @@ async def _sse(
             if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
                 end = None if chunks.n > 1 else reason
                 yield _data(chunks.piece(event["text"], end, index=index, event=event))
+            if event.get("sample_finish_reason") and reason is None and index not in ended:  # as OpenAI, at once
+                ended.add(index)
+                yield _data(chunks.piece("", event["sample_finish_reason"], index=index))
             if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
                 result = await job.result(timeout)
                 for choice in result.get("choices") or []:
-                    yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
+                    if base + choice["index"] not in ended:
+                        yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
             if reason is not None:
                 finals.append(event)
                 if len(finals) == len(jobs):

@@ -50,6 +50,9 @@ class StreamEvent(BaseModel):
         None, description="true: the output starts over here; drop the text and token ids of every earlier event"
     )
     index: int | None = Field(None, ge=0, description="the sample the piece belongs to (a job with n > 1); absent: 0")
+    sample_finish_reason: FinishReason | None = Field(
+        None, description="a job with n > 1: sample ``index`` ended with this piece (its own reason); the job goes on"
+    )
     logprobs: list[list[list[float]]] | None = Field(
         None, description="a job asking for logprobs: per token id of this event, [[token_id, logprob], ...]"
     )

@@ -770,6 +770,36 @@ def test_n_samples_through_the_queue_the_stream_and_the_server(served, oai, redi
     assert ends == {c.index: c.finish_reason for c in chat.choices}
 
 
+def test_a_sample_that_ends_before_the_others_ends_at_once_in_its_events_and_the_stream(
+    served, oai, redis_url, slow_steps
+):
+    """OpenAI streams a choice's finish_reason when that choice ends. A sample of n ending first had its end only
+    with the job's: now its last event says so (``sample_finish_reason``) and the stream ends its choice there."""
+    worker, _, model = served
+    fields = {"prompt": "The sea", "max_tokens": 16, "temperature": 1.0, "seed": 2, "n": 3, "stop": ["z"]}
+    job = Client(redis_url, queue=worker.queue).submit(**fields)
+    result = job.result(timeout=60)
+    lengths = [len(c["token_ids"]) for c in result["choices"]]
+    early = lengths.index(min(lengths))
+    assert lengths.count(min(lengths)) == 1 and min(lengths) < max(lengths)  # one sample ends first
+    events = list(job.events(timeout=10))
+    ended: dict[int, str] = {}
+    for event in events:
+        assert event.get("index", 0) not in ended  # nothing of a sample after its end
+        if "sample_finish_reason" in event:
+            ended[event.get("index", 0)] = event["sample_finish_reason"]
+    assert next(iter(ended)) == early and len(ended) == 2  # every sample but the one whose end is the job's
+    assert all(result["choices"][i]["finish_reason"] == reason for i, reason in ended.items())
+    order = [
+        (c.index, c.finish_reason, c.text)
+        for chunk in oai.completions.create(model=model, stream=True, **fields)
+        for c in chunk.choices
+    ]
+    finish_at = {i: k for k, (i, reason, _) in enumerate(order) if reason}
+    assert finish_at[early] < max(k for k, (_, _, text) in enumerate(order) if text)  # before the others' last text
+    assert {i: order[k][1] for i, k in finish_at.items()} == {c["index"]: c["finish_reason"] for c in result["choices"]}
+
+
 def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(redis_url):
     """Three submits batched together; one caller is cancelled (its client left) while the batch is enqueued. The
     other two get their jobs; the cancelled caller's job, which no one can follow, is canceled."""

@@ -660,8 +660,9 @@ class BatchWorker(BaseWorker):
                 job.resumed_tokens = 0
             if event.finish_reason is None:
                 self.publisher.add(
-                    job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs
-                )
+                    job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs,
+                    sample_end=event.sample_end,
+                )  # fmt: skip
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output

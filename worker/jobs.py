@@ -256,7 +256,10 @@ def generate(**payload: Any) -> dict[str, Any]:
             if event.finished:
                 final = event
             else:
-                publisher.add(stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs)
+                publisher.add(
+                    stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs,
+                    sample_end=event.sample_end,
+                )  # fmt: skip
         if final is None:
             with job.connection.pipeline(transaction=False) as pipe:
                 publisher.flush(pipe)

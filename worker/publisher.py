@@ -55,6 +55,8 @@ class JobStream:
     pending: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = field(default_factory=dict)
     pending_end: tuple[str, dict[str, int] | None, str | None, str | None] | None = None
     pending_reset: bool = False
+    # sample index -> its own finish reason: a sample of n > 1 that ended while the others go on
+    pending_sample_ends: dict[int, str] = field(default_factory=dict)
     # This attempt set the stream's TTL (with its first event): an earlier attempt's end left minutes of it.
     ttl_renewed: bool = False
 
@@ -151,10 +153,13 @@ class Publisher:
         index: int = 0,
         error_type: str | None = None,
         logprobs: list[dict[int, float]] | None = None,
+        sample_end: str | None = None,
     ) -> None:
         """``text`` and ``token_ids`` (and their ``logprobs``) of sample ``index`` to stream; ``finish_reason`` ends
-        the job."""
-        if s.ended or (finish_reason is None and not text and not token_ids and not s.pending_reset):
+        the job; ``sample_end`` ends sample ``index`` alone (n > 1: its own finish reason, the others go on)."""
+        if s.ended or (
+            finish_reason is None and sample_end is None and not text and not token_ids and not s.pending_reset
+        ):
             return
         pending = s.pending.get(index)
         if pending is None:  # (setdefault would build the empty lists at every token)
@@ -167,6 +172,8 @@ class Publisher:
             lps += logprobs
         if finish_reason is not None:
             s.pending_end = (finish_reason, usage, error, error_type)
+        if sample_end is not None:
+            s.pending_sample_ends[index] = sample_end
         if s.next_n == 0 or s.pending_reset or finish_reason is not None:
             self._urgent[s.job_id] = s
         self._dirty[s.job_id] = s
@@ -175,7 +182,7 @@ class Publisher:
         """Drop what ``s`` has pending: its job is another attempt's now."""
         self._dirty.pop(s.job_id, None)
         self._urgent.pop(s.job_id, None)
-        s.pending, s.pending_end, s.pending_reset = {}, None, False
+        s.pending, s.pending_end, s.pending_reset, s.pending_sample_ends = {}, None, False, {}
 
     def expedite(self, s: JobStream) -> None:
         """What ``s`` has pending goes out with the next hand-over, however soon."""
@@ -201,12 +208,14 @@ class Publisher:
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
                 event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps)
+                if index in s.pending_sample_ends and reason is None:  # (the job's own end says it all)
+                    event["sample_finish_reason"] = s.pending_sample_ends[index]
                 ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if not s.ttl_renewed else 0
                 s.ttl_renewed = True
                 (finals if reason is not None else events).append((s.job_id, event, ttl, s.owner))
                 s.next_n += 1
                 s.ended = reason is not None
-            s.pending, s.pending_end, s.pending_reset = {}, None, False
+            s.pending, s.pending_end, s.pending_reset, s.pending_sample_ends = {}, None, False, {}
         if urgent_only:
             for job_id in self._urgent:
                 del self._dirty[job_id]

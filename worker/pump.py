@@ -37,6 +37,7 @@ class JobEvent:
     index: int = 0  # the sample the text and token ids belong to (jobs with n > 1)
     error_type: str | None = None  # an error's fault: invalid_request (the job itself), timeout or server_error
     logprobs: list[dict[int, float]] | None = None  # one per token id, for a job that asked for them
+    sample_end: str | None = None  # n > 1: sample ``index`` ended here (its own reason) while the others go on
 
     @property
     def finished(self) -> bool:
@@ -283,6 +284,7 @@ class Pump:
                     out if out.finished else None,
                     index=out.delta_index,
                     logprobs=delta_logprobs(out),
+                    sample_end=None if out.finished else out.outputs[0].finish_reason,
                 )
             )
         return events
