@@ -62,12 +62,10 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
     assert changed[5] and sum(changed) >= 3 and not changed[0] and not changed[3]
 
 
-def _hf_prompt_logprobs(model_path: str, prompt: list[int], top: int) -> list[tuple[float, set[int]] | None]:
+def _hf_prompt_logprobs(model, prompt: list[int], top: int) -> list[tuple[float, set[int]] | None]:
     """transformers' log-softmax at each prompt position: (the next prompt token's logprob, the top ``top`` ids)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.inference_mode():
         lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     return [None] + [
@@ -79,7 +77,7 @@ def _hf_prompt_logprobs(model_path: str, prompt: list[int], top: int) -> list[tu
     "engine",
     [
         {"max_num_batched_tokens": 24, "block_size": 8},
-        {"kv_cache_memory": 8 * 2 * 2 * 16 * 2 * 16 * 4, "block_size": 16},
+        pytest.param({"kv_cache_memory": 8 * 2 * 2 * 16 * 2 * 16 * 4, "block_size": 16}, marks=pytest.mark.slow),
     ],
     ids=["chunked-prefill-and-prefix-cache", "preemption"],
 )
@@ -90,17 +88,21 @@ def test_prompt_logprobs_match_transformers(tiny_llama, engine):
     shared = _prompts(1, seed=7, lo=40, hi=40)[0]
     prompts = _prompts(5, seed=8, lo=3, hi=40, prefix=shared)
     tops = [0, 2, 5, None, 3]
+    import torch
+    from transformers import AutoModelForCausalLM
+
     llm = LLM(tiny_llama, dtype="float32", **engine)
     params = [SamplingParams(max_tokens=28, temperature=0, prompt_logprobs=k) for k in tops]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for prompt, top, out in zip(prompts, tops, outs):
         if top is None:
             assert out.prompt_logprobs is None
             continue
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
         for i, (got, (value, best)) in enumerate(
-            zip(out.prompt_logprobs[1:], _hf_prompt_logprobs(tiny_llama, prompt, top)[1:])
+            zip(out.prompt_logprobs[1:], _hf_prompt_logprobs(hf, prompt, top)[1:])
         ):
             assert got[prompt[i + 1]] == pytest.approx(value, abs=1e-4)
             assert set(got) == best | {prompt[i + 1]}

@@ -165,6 +165,7 @@ def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, en
     assert "Traceback" not in err and "Redis" not in err
 
 
+@pytest.mark.slow  # a Python process: the fast lane starts one of those (tests/test_engine_process.py)
 def test_version_and_the_unknown_variable_warning_on_the_command_line():
     env = {**os.environ, "ROSEINFER_QUEU": "typo"}
     out = subprocess.run([sys.executable, "-m", "worker.cli", "--version"], capture_output=True, text=True, env=env)

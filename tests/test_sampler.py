@@ -192,7 +192,7 @@ def test_filters_from_the_top_candidates_equal_the_whole_sorted_vocabulary():
 
     gen = torch.Generator().manual_seed(0)
     fallbacks = 0
-    for case in range(60):
+    for case in range(42):
         vocab = [300, 5000, 49152][case % 3]
         rows = 8
         scale = [0.5, 3.0, 12.0][case % 4 % 3]  # flat to peaked
@@ -215,7 +215,7 @@ def test_filters_from_the_top_candidates_equal_the_whole_sorted_vocabulary():
             assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values), case
         else:
             assert torch.equal(torch.isfinite(got), torch.isfinite(expected)), case
-    assert fallbacks < 60 * 8 // 3  # most rows settle from their candidates; the rest go on to a wider look
+    assert fallbacks < 42 * 8 // 3  # most rows settle from their candidates; the rest go on to a wider look
     # The whole path, with the rows the first look left over: the same as a sort of every row.
     logits = torch.randn(64, 49152, generator=gen) * 2
     top_k, top_p, min_p = [0, 5, 300, 0] * 16, [0.95, 1.0, 0.9, 0.999] * 16, [0.0, 0.0, 0.05, 0.0] * 16
