@@ -248,6 +248,8 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
         parsed, payload = parse(REQUESTS[url], {"model": "batch", **request})
     except APIError as exc:
         raise ValueError(exc.message) from None
+    if getattr(parsed, "echo", False):  # the output line is made from the result: it needs the prompt in it
+        payload.setdefault("prompt_logprobs", 0)
     # What the body leaves to the API's defaults (n 1; a completion's max_tokens 16) yields to the run's (--n,
     # --max-tokens): set aside, taken only where the run gives none.
     given = parsed.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in parsed.model_fields_set else set())

@@ -180,9 +180,9 @@ class CompletionRequest(_Common):
             if len(prompts) != 1:
                 raise APIError(400, "give one prompt here (not a list of them)", param="prompt")
             prompt = prompts[0]
-        if self.echo:
+        if self.echo and (self.logprobs is not None or isinstance(prompt, list)):
             if self.stream:
-                raise APIError(400, "echo is taken without stream here", param="echo")
+                raise APIError(400, "a streamed echo takes a text prompt, without logprobs", param="echo")
             # The prompt's text and its tokens' logprobs come back in the job's result: the response begins with them.
             fields["prompt_logprobs"] = self.logprobs or 0
         if self.suffix:
@@ -303,13 +303,15 @@ def _legacy_logprobs(token_ids: list[int], steps: list[list | None], top: int) -
     return {"tokens": [_token(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
 
 
-def _echoed(result: dict[str, Any], sample: dict[str, Any], top: int | None) -> dict[str, Any]:
-    """``sample``'s choice with its prompt before it (``echo``), the prompt tokens' logprobs before its own."""
+def _echoed(result: dict[str, Any], sample: dict[str, Any], top: int | None, prompt: str | None) -> dict[str, Any]:
+    """``sample``'s choice with its prompt before it (``echo``: the request's text, else the result's), the prompt
+    tokens' logprobs before its own."""
     logprobs = None
     if top is not None:
         ids = result["prompt_token_ids"] + sample.get("token_ids", [])
         logprobs = _legacy_logprobs(ids, result["prompt_logprobs"] + (sample.get("logprobs") or []), top)
-    return {"text": (result.get("prompt") or "") + sample.get("text", ""), "logprobs": logprobs}
+    text = prompt if prompt is not None else result.get("prompt") or ""
+    return {"text": text + sample.get("text", ""), "logprobs": logprobs}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -335,14 +337,19 @@ def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) 
     ]
 
 
-def completion_choices(result: dict[str, Any], top: int | None, echo: bool = False) -> list[dict[str, Any]]:
+def completion_choices(
+    result: dict[str, Any], top: int | None, echo: bool = False, prompt: str | list[int] | None = None
+) -> list[dict[str, Any]]:
+    """The choices of a completion's job; ``echo``: each begins with ``prompt``, the request's (a text), or the
+    result's prompt and its logprobs (a job asked for ``prompt_logprobs``)."""
+    text = prompt if isinstance(prompt, str) and top is None else None
     return [
         {
             "index": s["index"],
             "text": s.get("text", ""),
             "finish_reason": finish_reason(s.get("finish_reason")),
             "logprobs": completion_logprobs(s, top) if top is not None else None,
-            **(_echoed(result, s, top) if echo and "prompt_logprobs" in result else {}),
+            **(_echoed(result, s, top, text) if echo and (text is not None or "prompt_logprobs" in result) else {}),
         }
         for s in samples(result)
     ]
@@ -364,10 +371,11 @@ def completion_response(
 ) -> dict[str, Any]:
     """The response to the jobs of a request's prompts, in order: prompt i's samples are choices i * n to
     i * n + n - 1, as OpenAI numbers them, and the usage is theirs together."""
+    prompts = request.prompts()
     choices = [
         {**choice, "index": i * request.n + choice["index"]}
         for i, result in enumerate(results)
-        for choice in completion_choices(result, request.logprobs, request.echo)
+        for choice in completion_choices(result, request.logprobs, request.echo, prompts[i])
     ]
     return {
         "id": f"cmpl-{job_id}",
@@ -383,8 +391,17 @@ class ChunkWriter:
     """The chunks of one streamed response, in OpenAI's shape (chat or text). ``logprobs``: the alternatives to show
     per token, from the events' logprobs (None: the request asked for none)."""
 
-    def __init__(self, job_id: str, model: str, chat: bool, n: int = 1, logprobs: int | None = None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        chat: bool,
+        n: int = 1,
+        logprobs: int | None = None,
+        echo: list[str] | None = None,
+    ) -> None:
         self.chat, self.n, self.logprobs = chat, n, logprobs
+        self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
         self.head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",

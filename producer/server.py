@@ -219,7 +219,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs)
+            echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
+            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs, echo)
             # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
             # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
             events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
@@ -396,7 +397,7 @@ async def _sse(
     open_streams.inc()
     try:
         for index in range(len(jobs) * chunks.n):
-            yield _data(chunks.piece("", first=True, index=index))
+            yield _data(chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index))
         async for i, event in events.after(early):
             job, base = jobs[i], i * chunks.n
             if event.get("reset") and i in sent:

@@ -708,7 +708,7 @@ def test_logit_bias_through_the_server_is_the_jobs_and_a_token_past_the_vocabula
 def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(served, oai, redis_url):
     """``echo`` (lm-evaluation-harness scores a text with it: ``echo``, ``logprobs`` and token ids): the text and
     the logprobs begin with the prompt's, the first token's logprob null, as the job's ``prompt_logprobs`` give
-    them; the completion after them is the plain request's. Streamed, it is a 400."""
+    them; the completion after them is the plain request's."""
     worker, _, model = served
     ids = direct(redis_url, worker.queue, prompt="The sea is", max_tokens=1, temperature=0.0, prompt_logprobs=0)
     prompt = ids["prompt_token_ids"]
@@ -726,8 +726,21 @@ def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(se
         assert lp.token_logprobs[len(prompt) :] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
     text_only = oai.completions.create(model=model, prompt="The sea is", max_tokens=3, temperature=0, echo=True)
     assert text_only.choices[0].text == "The sea is" + plain.choices[0].text and text_only.choices[0].logprobs is None
+    # The job computes the prompt's logprobs only where they (or the text of its token ids) are wanted.
+    from producer.openai_api import parse_completions
+
+    asks = {"model": "m", "prompt": "x", "echo": True}
+    assert [("prompt_logprobs" in job, job.get("prompt_logprobs")) for job in parse_completions(asks)[1]] == [
+        (False, None)
+    ]
+    assert parse_completions({**asks, "logprobs": 2})[1][0]["prompt_logprobs"] == 2
+    assert parse_completions({**asks, "prompt": [5, 6]})[1][0]["prompt_logprobs"] == 0
+    # Streamed, a text prompt is the first piece of each choice; one that needs the job's logprobs is a 400.
+    fields = {"model": model, "prompt": "The sea is", "max_tokens": 3, "temperature": 0, "echo": True, "stream": True}
+    pieces = [c.choices[0].text for c in oai.completions.create(**fields)]
+    assert pieces[0] == "The sea is" and "".join(pieces) == text_only.choices[0].text
     with pytest.raises(openai.BadRequestError) as err:
-        oai.completions.create(model=model, prompt="The sea is", max_tokens=3, echo=True, stream=True)
+        oai.completions.create(**fields, logprobs=1)
     assert err.value.body["param"] == "echo"
 
 
