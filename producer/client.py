@@ -658,7 +658,9 @@ class GenerationJob:
                     if result is None and (grace or _failed_just_now(status, entries) or self._ran(status)):
                         # the worker writes the result (a canceled job's partial one, a failed job's error) a step
                         # or a round trip after the status: waited for, within the caller's timeout
-                        grace = grace or min(time.monotonic() + 2.0, math.inf if deadline is None else deadline)
+                        grace = grace or min(
+                            time.monotonic() + FINAL_EVENT_GRACE_S, math.inf if deadline is None else deadline
+                        )
                         if time.monotonic() < grace:
                             time.sleep(0.02)
                             continue

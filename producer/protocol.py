@@ -143,10 +143,13 @@ def make_event(
     index: int = 0,
     error_type: str | None = None,
     logprobs: list[dict[int, float]] | None = None,
+    sample_finish_reason: str | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
     belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``);
-    ``logprobs``: one entry per token id, for a job that asked for them."""
+    ``logprobs``: one entry per token id, for a job that asked for them; ``sample_finish_reason``: sample ``index``
+    ended with this piece while the job goes on (left out on the job's last event, whose ``finish_reason`` ends
+    it)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
     if logprobs:
         event["logprobs"] = encode_logprobs(logprobs)
@@ -157,6 +160,8 @@ def make_event(
     if finish_reason is not None:
         event["finish_reason"] = finish_reason
         event["usage"] = usage or {}
+    elif sample_finish_reason is not None:
+        event["sample_finish_reason"] = sample_finish_reason
     if error is not None:
         event["error"] = error
     if error_type is not None:

@@ -154,12 +154,10 @@ class Sampler:
         chosen = raw.gather(1, to_device(targets, torch.long, raw.device)[:, None]).squeeze(1).tolist()
         k = max(nums)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        out = []
-        for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist()):
-            entry = dict(zip(ids[:n], vals[:n]))
-            entry[target] = max(value, -9999.0)  # finite, as a sampled token's
-            out.append(entry)
-        return out
+        return [
+            _logprob_entry(ids[:n], vals[:n], target, value)
+            for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist())
+        ]
 
     def _fetch(self, tensors: list[torch.Tensor], finish: Callable[[list[list]], SamplerOutput]) -> PendingSample:
         """The step's results copied to the host behind one event (on a GPU), turned into a ``SamplerOutput`` by
@@ -325,13 +323,18 @@ class Sampler:
             out: list[dict[int, float] | None] = [None] * len(params)
             for j, i in enumerate(rows):
                 n = params[i].logprobs
-                # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
-                entry = {t: v for t, v in zip(ids_l[j][:n], vals_l[j][:n]) if v != float("-inf")}
-                entry[token_list[i]] = max(chosen_l[j], -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
-                out[i] = entry
+                out[i] = _logprob_entry(ids_l[j][:n], vals_l[j][:n], token_list[i], chosen_l[j])
             return SamplerOutput(token_list, out)
 
         return [chosen, top_vals, top_ids], finish
+
+
+def _logprob_entry(top_ids: list[int], top_vals: list[float], token: int, value: float) -> dict[int, float]:
+    """{token id: logprob}: the top alternatives, then ``token`` (the sampled or the prompt's) where it is not one."""
+    # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
+    entry = {t: v for t, v in zip(top_ids, top_vals) if v != float("-inf")}
+    entry[token] = max(value, -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
+    return entry
 
 
 def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -207,9 +207,10 @@ class Publisher:
                 reason, usage, error, error_type = (s.pending_end if last else None) or (None, None, None, None)
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
-                event = make_event(s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps)
-                if index in s.pending_sample_ends and reason is None:  # (the job's own end says it all)
-                    event["sample_finish_reason"] = s.pending_sample_ends[index]
+                ended = s.pending_sample_ends.get(index)
+                event = make_event(
+                    s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps, ended
+                )
                 ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if not s.ttl_renewed else 0
                 s.ttl_renewed = True
                 (finals if reason is not None else events).append((s.job_id, event, ttl, s.owner))
