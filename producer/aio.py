@@ -8,6 +8,7 @@ thread (``asyncio.to_thread``), so a job is enqueued exactly as ``Client`` enque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from producer.client import (
     StreamExpired,
     check_job_id,
     checked,
+    ends_sample,
     piece_of,
     raise_at_a_bad_end,
     sample_text,
@@ -297,12 +299,15 @@ class AsyncGenerationJob:
         ``StreamRestarted`` if the output starts over after some."""
         read_any = False
         try:
-            async for event in self.events(timeout, skip_void=True):
-                piece = piece_of(self.id, event, index, read_any)
-                if piece:
-                    read_any = True
-                    yield piece
-                raise_at_a_bad_end(self.id, event)
+            async with contextlib.aclosing(self.events(timeout, skip_void=True)) as events:
+                async for event in events:
+                    piece = piece_of(self.id, event, index, read_any)
+                    if piece:
+                        read_any = True
+                        yield piece
+                    raise_at_a_bad_end(self.id, event)
+                    if ends_sample(event, index):
+                        return
         except StreamExpired:
             if read_any:
                 raise

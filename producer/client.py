@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -202,6 +203,11 @@ def piece_of(job_id: str, event: dict[str, Any], index: int, read_any: bool) -> 
     if event.get("reset") and read_any:
         raise StreamRestarted(job_id)
     return event["text"] if event.get("index", 0) == index else ""
+
+
+def ends_sample(event: dict[str, Any], index: int) -> bool:
+    """``event`` is the last of sample ``index`` while others go on (n > 1): nothing more of it follows."""
+    return "sample_finish_reason" in event and event.get("index", 0) == index
 
 
 def raise_at_a_bad_end(job_id: str, event: dict[str, Any]) -> None:
@@ -610,16 +616,19 @@ class GenerationJob:
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
         job with n > 1): its stream replayed, then live; once that stream expired (10 minutes after the end, by
-        default), the result's text in one piece. Raises ``StreamRestarted`` if the output starts over after text
+        default), the result's text in one piece. Sample ``index`` ends at its own last piece, not the job's. Raises ``StreamRestarted`` if the output starts over after text
         was read (call it again to follow the new one)."""
         read_any = False
         try:
-            for event in self.events(timeout, skip_void=True):
-                piece = piece_of(self.id, event, index, read_any)
-                if piece:
-                    read_any = True
-                    yield piece
-                raise_at_a_bad_end(self.id, event)
+            with contextlib.closing(self.events(timeout, skip_void=True)) as events:
+                for event in events:
+                    piece = piece_of(self.id, event, index, read_any)
+                    if piece:
+                        read_any = True
+                        yield piece
+                    raise_at_a_bad_end(self.id, event)
+                    if ends_sample(event, index):  # its sample is whole: the others' tokens are not waited for
+                        return
         except StreamExpired:
             if read_any:
                 raise

@@ -791,6 +791,22 @@ def test_a_sample_that_ends_before_the_others_ends_at_once_in_its_events_and_the
     worker, _, model = served
     fields = {"prompt": "The sea", "max_tokens": 16, "temperature": 1.0, "seed": 2, "n": 3, "stop": ["z"]}
     job = Client(redis_url, queue=worker.queue).submit(**fields)
+    followed: dict[tuple[str, int], tuple[str, str]] = {}  # (client, sample): its text, the job's status at its end
+
+    def follow(i: int) -> None:
+        followed["sync", i] = ("".join(job.stream(timeout=60, index=i)), job.status())
+
+    async def follow_async(i: int) -> None:
+        async with AsyncClient(redis_url, worker.queue) as client:
+            ajob = client.job(job.id)
+            followed["async", i] = ("".join([p async for p in ajob.stream(timeout=60, index=i)]), await ajob.status())
+
+    threads = [threading.Thread(target=follow, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=lambda: asyncio.run(_gather(follow_async(i) for i in range(3)))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     result = job.result(timeout=60)
     lengths = [len(c["token_ids"]) for c in result["choices"]]
     early = lengths.index(min(lengths))
@@ -803,6 +819,11 @@ def test_a_sample_that_ends_before_the_others_ends_at_once_in_its_events_and_the
             ended[event.get("index", 0)] = event["sample_finish_reason"]
     assert next(iter(ended)) == early and len(ended) == 2  # every sample but the one whose end is the job's
     assert all(result["choices"][i]["finish_reason"] == reason for i, reason in ended.items())
+    [last] = {0, 1, 2} - ended.keys()  # the sample whose end is the job's
+    assert len(followed) == 6
+    for (_, i), (text, status) in followed.items():  # stream(index=) returns at its sample's end, not the job's
+        assert text == result["choices"][i]["text"]
+        assert status == {early: "started", last: "finished"}.get(i, status)
     order = [
         (c.index, c.finish_reason, c.text)
         for chunk in oai.completions.create(model=model, stream=True, **fields)
@@ -811,6 +832,10 @@ def test_a_sample_that_ends_before_the_others_ends_at_once_in_its_events_and_the
     finish_at = {i: k for k, (i, reason, _) in enumerate(order) if reason}
     assert finish_at[early] < max(k for k, (_, _, text) in enumerate(order) if text)  # before the others' last text
     assert {i: order[k][1] for i, k in finish_at.items()} == {c["index"]: c["finish_reason"] for c in result["choices"]}
+
+
+async def _gather(calls) -> None:
+    await asyncio.gather(*calls)
 
 
 def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(redis_url):
