@@ -615,9 +615,9 @@ class GenerationJob:
 
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
-        job with n > 1): its stream replayed, then live; once that stream expired (10 minutes after the end, by
-        default), the result's text in one piece. Sample ``index`` ends at its own last piece, not the job's. Raises ``StreamRestarted`` if the output starts over after text
-        was read (call it again to follow the new one)."""
+        job with n > 1, ending at that sample's last piece): its stream replayed, then live; once that stream expired
+        (10 minutes after the end, by default), the result's text in one piece. Raises ``StreamRestarted`` if the
+        output starts over after text was read (call it again to follow the new one)."""
         read_any = False
         try:
             with contextlib.closing(self.events(timeout, skip_void=True)) as events:
