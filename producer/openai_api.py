@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from producer.protocol import usage_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
@@ -75,6 +76,7 @@ class Message(_Shape):
 
 class StreamOptions(_Shape):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks against side channels: none here
 
 
@@ -126,7 +128,16 @@ class _Common(_Shape):
             raise APIError(400, "tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
         skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
         skip |= set() if self.logit_bias else {"logit_bias"}  # {}: no bias
-        return {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
+        fields = {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
+        if self.continuous_usage:  # the job's events carry the prompt's length, which the chunks' usage needs
+            fields["stream_options"] = {"continuous_usage_stats": True}
+        return fields
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only with include_usage."""
+        opts = self.stream_options
+        return opts is not None and opts.include_usage and opts.continuous_usage_stats
 
 
 class ChatCompletionRequest(_Common):
@@ -399,9 +410,13 @@ class ChunkWriter:
         n: int = 1,
         logprobs: int | None = None,
         echo: list[str] | None = None,
+        continuous_usage: bool = False,
     ) -> None:
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
+        # continuous_usage_stats: job -> its prompt's tokens (from its events' usage), choice -> its tokens so far
+        self.prompt_tokens: dict[int, int] | None = {} if continuous_usage else None
+        self.made: dict[int, int] = {}
         self.head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -423,7 +438,27 @@ class ChunkWriter:
         else:
             logprobs = completion_logprobs(shown, self.logprobs or 0) if shown else None
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
-        return {**self.head, "choices": [choice]}
+        chunk = {**self.head, "choices": [choice]}
+        if self.prompt_tokens is not None and (prompt := self.prompt_tokens.get(index // self.n)) is not None:
+            chunk["usage"] = usage_of(prompt, self.made.get(index, 0))
+        return chunk
+
+    def note_prompt(self, job: int, event: dict[str, Any]) -> None:
+        """Job ``job``'s prompt length, from an event that carries the usage (continuous_usage_stats)."""
+        if self.prompt_tokens is not None and "prompt_tokens" in (event.get("usage") or {}):
+            self.prompt_tokens[job] = event["usage"]["prompt_tokens"]
+
+    def count(self, job: int, event: dict[str, Any]) -> None:
+        """An event of job ``job`` read: the tokens of its choice (all of them start over at a reset)."""
+        if self.prompt_tokens is None:
+            return
+        self.note_prompt(job, event)
+        base = job * self.n
+        if event.get("reset"):
+            for index in range(base, base + self.n):
+                self.made.pop(index, None)
+        index = base + event.get("index", 0)
+        self.made[index] = self.made.get(index, 0) + len(event["token_ids"])
 
     def usage(self, values: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [], "usage": usage({"usage": values})}

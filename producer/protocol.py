@@ -132,6 +132,15 @@ def encode_logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
     return [[[tid, lp] for tid, lp in step.items()] for step in steps]
 
 
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """A job's ``usage``: its prompt counts once, however many samples share it."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 def make_event(
     n: int,
     text: str,
@@ -149,7 +158,7 @@ def make_event(
     belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``);
     ``logprobs``: one entry per token id, for a job that asked for them; ``sample_finish_reason``: sample ``index``
     ended with this piece while the job goes on (left out on the job's last event, whose ``finish_reason`` ends
-    it)."""
+    it); ``usage`` without ``finish_reason``: the usage so far (a job asking for it on every event)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
     if logprobs:
         event["logprobs"] = encode_logprobs(logprobs)
@@ -160,8 +169,11 @@ def make_event(
     if finish_reason is not None:
         event["finish_reason"] = finish_reason
         event["usage"] = usage or {}
-    elif sample_finish_reason is not None:
-        event["sample_finish_reason"] = sample_finish_reason
+    else:
+        if usage is not None:  # a job asking for it on every event: the usage so far
+            event["usage"] = usage
+        if sample_finish_reason is not None:
+            event["sample_finish_reason"] = sample_finish_reason
     if error is not None:
         event["error"] = error
     if error_type is not None:

@@ -109,6 +109,17 @@ class ResponseFormat(BaseModel):
         return {"json_object": True} if self.type == "json_object" else None
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options`` for a job's events (the last one always carries the usage)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = Field(False, description="usage on the last event: always there; taken for OpenAI's shape")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: every event carries the usage so far (prompt tokens, tokens generated until then)"
+    )
+
+
 class JobRequest(BaseModel):
     """One generation job. Field names follow the OpenAI API; unknown fields are refused.
 
@@ -164,6 +175,7 @@ class JobRequest(BaseModel):
     )
     structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
     response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")
+    stream_options: StreamOptions | None = Field(None, description="what the job's events carry (OpenAI's)")
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
     metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
 
@@ -254,6 +266,10 @@ class JobRequest(BaseModel):
         if self.logprobs is True:
             return self.top_logprobs or 0
         return self.logprobs
+
+    @property
+    def usage_each_event(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def engine_prompt(self) -> dict[str, Any]:
         """The prompt in the form ``LLMEngine.add_request`` takes."""

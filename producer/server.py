@@ -220,7 +220,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
-            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs, echo)
+            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs, echo, req.continuous_usage)
             # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
             # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
             events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
@@ -396,6 +396,8 @@ async def _sse(
     ended: set[int] = set()  # the choices whose finish went out (a sample of n > 1 ends before its job)
     open_streams.inc()
     try:
+        for i, event in early:
+            chunks.note_prompt(i, event)
         for index in range(len(jobs) * chunks.n):
             yield _data(chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index))
         async for i, event in events.after(early):
@@ -407,6 +409,7 @@ async def _sse(
                 raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
             if event["text"] or event.get("logprobs"):
                 sent.add(i)
+            chunks.count(i, event)
             index = base + event.get("index", 0)
             if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
                 if event["text"]:

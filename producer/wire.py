@@ -43,7 +43,11 @@ class StreamEvent(BaseModel):
     text: str = Field(description="the new piece of text: one or more tokens' worth")
     token_ids: list[int] = Field(description="the token ids the piece came from")
     finish_reason: FinishReason | None = Field(None, description="on the last event only")
-    usage: Usage | None = Field(None, description="on the last event only")
+    usage: Usage | None = Field(
+        None,
+        description="on the last event; on every event of a job asking stream_options.continuous_usage_stats (the "
+        "prompt's tokens and the tokens generated until then, all samples)",
+    )
     error: str | None = Field(None, description="on a last event with finish_reason 'error'")
     error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
     reset: bool | None = Field(

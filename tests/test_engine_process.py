@@ -458,9 +458,13 @@ def _worker_with_engine_process(step_s: float = 0.0):
 def test_the_rq_worker_serves_through_an_engine_process():
     worker, engine, client, thread, crashed = _worker_with_engine_process()
     try:
-        good = client.submit("fine", max_tokens=4)
-        assert good.result(timeout=20)["usage"]["completion_tokens"] == 4
-        assert "".join(good.stream(timeout=5)) == "t1t2t3t4"
+        good = client.submit("fine", max_tokens=4, stream_options={"continuous_usage_stats": True})
+        usage = good.result(timeout=20)["usage"]
+        assert usage["completion_tokens"] == 4 and "".join(good.stream(timeout=5)) == "t1t2t3t4"
+        events = list(good.events(timeout=5))  # the prompt's length crossed from the engine's process
+        assert events[-1]["usage"] == usage and all(
+            e["usage"]["prompt_tokens"] == usage["prompt_tokens"] for e in events
+        )
         with pytest.raises(JobFailed, match="allows at most 100"):
             client.submit("too long", max_tokens=4).result(timeout=20)
         many = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3 + i % 5} for i in range(40)])

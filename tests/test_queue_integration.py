@@ -206,6 +206,41 @@ def test_stream_events_carry_order_and_the_last_one_usage(served, redis_url):
     assert not conn.exists(f"roseinfer:result:{job.id}")  # the result is stored once, in RQ's result stream
 
 
+def _usage_so_far(events: list[dict], before: int = 0) -> list[dict]:
+    """The usage each event should carry: the prompt's tokens and the output's up to it (``before`` streamed
+    earlier)."""
+    prompt, made, out = events[-1]["usage"]["prompt_tokens"], before, []
+    for e in events:
+        made += len(e["token_ids"])
+        out.append({"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made})
+    return out
+
+
+def test_a_job_asking_for_continuous_usage_has_it_on_every_event_resumed_or_not(served):
+    """vLLM's stream_options.continuous_usage_stats, on a job: each event carries the usage so far, every sample's
+    tokens with n > 1, and a resumed attempt counts what the earlier one streamed. Other jobs' running events have
+    none."""
+    _, client = served
+    payload = {"prompt": "Count with me", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    plain = list(client.submit(**payload).events(timeout=60))
+    assert len(plain) >= 2 and all("usage" not in e for e in plain[:-1])
+    payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    first = client.submit(**payload)
+    events = list(first.events(timeout=60))
+    assert [e["usage"] for e in events] == _usage_so_far(events)
+    assert events[-1]["usage"] == first.result(timeout=10)["usage"] and events[-1]["usage"]["prompt_tokens"] > 0
+    resumed = requeue_as_resumed(client, payload, events[:1])
+    replay = list(resumed.events(timeout=60))
+    assert replay[0] == events[0] and not any(e.get("reset") for e in replay)
+    assert [e["usage"] for e in replay] == _usage_so_far(replay)
+    samples = client.submit(**payload, n=2, seed=1)
+    events = list(samples.events(timeout=60))
+    assert {e.get("index", 0) for e in events} == {0, 1}
+    assert [e["usage"] for e in events] == _usage_so_far(events) and events[-1]["usage"]["completion_tokens"] == 20
+    with pytest.raises(ValueError, match="stream_options"):
+        client.submit(**payload | {"stream_options": {"continuous_usage": True}})
+
+
 def _first_event(job, timeout=30.0):
     return next(iter(job.events(timeout=timeout)))
 

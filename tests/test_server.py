@@ -139,6 +139,34 @@ def test_a_completion_of_several_prompts_numbers_their_choices_as_openai(served,
         oai.completions.create(model=model, prompt=["fine", "sea " * 3000], max_tokens=6, stream=True)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, oai, redis_url):
+    """vLLM's stream_options.continuous_usage_stats (a 400 before): with include_usage, every chunk carries its
+    prompt's tokens and its choice's tokens so far, the last one the usage of all; without, nothing (vLLM's rule)."""
+    worker, _, model = served
+    prompts = ["The sea is", "Once upon a time"]
+    prompt_tokens = [direct(redis_url, worker.queue, prompt=p, max_tokens=1)["usage"]["prompt_tokens"] for p in prompts]
+    fields = {"model": model, "max_tokens": 6, "temperature": 0, "n": 2, "extra_body": {"ignore_eos": True}}
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(oai.completions.create(prompt=prompts, stream=True, stream_options=continuous, **fields))
+    made: dict[int, list[int]] = {i: [] for i in range(4)}
+    for chunk in chunks[:-1]:
+        [c] = chunk.choices
+        u = chunk.usage
+        assert (u.prompt_tokens, u.total_tokens) == (prompt_tokens[c.index // 2], u.prompt_tokens + u.completion_tokens)
+        made[c.index].append(u.completion_tokens)
+    assert all(counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6 for counts in made.values())
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        sum(prompt_tokens),
+        24,
+    )
+    chat = list(
+        oai.chat.completions.create(
+            messages=MESSAGES, stream=True, stream_options={"continuous_usage_stats": True}, **fields
+        )
+    )
+    assert len(chat) > 2 and all(c.usage is None for c in chat)
+
+
 def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
     _, _, model = served
     whole = oai.chat.completions.create(

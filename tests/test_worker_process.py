@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -180,13 +181,18 @@ def _stock_worker(redis_url: str, queue_name: str, model: str) -> None:
 def test_a_stock_rq_worker_runs_the_same_jobs_one_at_a_time_and_resumes_them(redis_url, tiny_chat_model, queue_name):
     client = Client(redis_url, queue=queue_name)
     params = {"max_tokens": 12, "temperature": 0.8, "seed": 3, "ignore_eos": True}
-    jobs = client.submit_many([{"prompt": f"Stock {i}", **params} for i in range(2)])
+    continuous = {"stream_options": {"continuous_usage_stats": True}}
+    jobs = client.submit_many([{"prompt": f"Stock {i}", **params, **(continuous if i else {})} for i in range(2)])
     _stock_worker(redis_url, queue_name, tiny_chat_model)
     for job in jobs:
         res = job.result(timeout=5)
         assert res["usage"]["completion_tokens"] == 12
         assert job.rq_job.return_value() == res
         assert "".join(job.stream(timeout=5)) == res["text"]
+    plain, each = list(jobs[0].events(timeout=5)), list(jobs[1].events(timeout=5))  # the usage so far: asked for
+    assert not any("usage" in e for e in plain[:-1]) and len(each) > 1
+    made = itertools.accumulate(len(e["token_ids"]) for e in each)
+    assert [e["usage"]["completion_tokens"] for e in each] == list(made) and each[-1]["usage"] == res["usage"]
 
     # The same job again, as if an earlier attempt had streamed three events and died: the stock worker resumes
     # from them (float32: the whole output equals the uninterrupted run). Another one whose stream was trimmed

@@ -52,7 +52,16 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import current_timestamp, now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.protocol import BULK_PRIORITY, LEASE_KEY, OWNER_FIELD, STATS_KEY, encode_result, lane_name, lanes
+from producer.protocol import (
+    BULK_PRIORITY,
+    LEASE_KEY,
+    OWNER_FIELD,
+    STATS_KEY,
+    encode_result,
+    lane_name,
+    lanes,
+    usage_of,
+)
 from producer.schema import JobRequest
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcessDied
@@ -88,7 +97,7 @@ from worker.settings import WorkerSettings
 from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
-NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a job that ended before it ran
+NO_USAGE = usage_of(0, 0)  # a job that ended before it ran
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
@@ -575,6 +584,7 @@ class BatchWorker(BaseWorker):
                 job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
                 prefix_logprobs=a.prefix_logprobs,
             )  # fmt: skip
+            a.stream.usage_each_event = req.usage_each_event
             held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.beat_at)
             held.resumed_tokens = len(a.prefix or ())
             self.in_flight[job.id] = held
@@ -661,7 +671,7 @@ class BatchWorker(BaseWorker):
             if event.finish_reason is None:
                 self.publisher.add(
                     job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs,
-                    sample_end=event.sample_end,
+                    sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
                 )  # fmt: skip
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]

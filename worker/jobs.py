@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from rq.job import Job
 
-from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION, encode_logprobs
+from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION, encode_logprobs, usage_of
 from producer.schema import JobRequest, describe_validation_error
 
 if TYPE_CHECKING:
@@ -108,9 +108,8 @@ def resume_from(stream: JobStream, params: Any) -> tuple[list[int], list[dict[in
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
-    """The prompt counts once, however many samples share it."""
-    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    """An ended job's (each sample's tokens together)."""
+    return usage_of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
 def build_result(
@@ -242,6 +241,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             pipe.execute()
         job.retries_left = None  # RQ reads it as it fails the job: one that can never run is not tried again
         raise JobRejected(error) from None
+    stream.usage_each_event = req.usage_each_event
     engine = _engine()
     params = sampling_params(job.id, req, engine.sampling_defaults)
     prefix, prefix_logprobs = resume_from(stream, params)
@@ -258,7 +258,7 @@ def generate(**payload: Any) -> dict[str, Any]:
             else:
                 publisher.add(
                     stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs,
-                    sample_end=event.sample_end,
+                    sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
                 )  # fmt: skip
         if final is None:
             with job.connection.pipeline(transaction=False) as pipe:

@@ -27,6 +27,7 @@ from producer.protocol import (
     make_event,
     result_key,
     stream_key,
+    usage_of,
 )
 from producer.wire import StreamEvent
 
@@ -59,6 +60,11 @@ class JobStream:
     pending_sample_ends: dict[int, str] = field(default_factory=dict)
     # This attempt set the stream's TTL (with its first event): an earlier attempt's end left minutes of it.
     ttl_renewed: bool = False
+    # A job asking for the usage on every event (stream_options.continuous_usage_stats): the prompt's length once the
+    # engine said it, and the tokens the output holds up to the events taken (a resumed attempt's prefix included).
+    usage_each_event: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
 
     def read(self, events: list[dict[str, Any]]) -> None:
         """Take in what an earlier attempt left in the stream."""
@@ -73,6 +79,7 @@ class JobStream:
         in_order = all(b["n"] == a["n"] + 1 for a, b in itertools.pairwise(since))
         self.whole = (bool(resets) or events[0]["n"] == 0) and in_order and not self.ended
         self.resume_ids = [t for e in since for t in e["token_ids"]]
+        self.completion_tokens = len(self.resume_ids)
         self.resume_text = "".join(e["text"] for e in since)
         steps = [step for e in since for step in e.get("logprobs") or ()]
         aligned = len(steps) == len(self.resume_ids)
@@ -93,6 +100,7 @@ class JobStream:
         """The job starts over: its next event tells followers to drop what they have."""
         self.pending_reset, self.ended = True, False
         self.resume_ids, self.resume_text, self.resume_logprobs = [], "", None
+        self.completion_tokens = 0
 
 
 # (job id, event, the stream's TTL to set with it in seconds (0: none), the attempt that must own the job ("": any))
@@ -154,9 +162,13 @@ class Publisher:
         error_type: str | None = None,
         logprobs: list[dict[int, float]] | None = None,
         sample_end: str | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """``text`` and ``token_ids`` (and their ``logprobs``) of sample ``index`` to stream; ``finish_reason`` ends
-        the job; ``sample_end`` ends sample ``index`` alone (n > 1: its own finish reason, the others go on)."""
+        the job; ``sample_end`` ends sample ``index`` alone (n > 1: its own finish reason, the others go on);
+        ``prompt_tokens``: the prompt's length, for a job asking for the usage on every event."""
+        if prompt_tokens is not None:
+            s.prompt_tokens = prompt_tokens
         if s.ended or (
             finish_reason is None and sample_end is None and not text and not token_ids and not s.pending_reset
         ):
@@ -208,6 +220,9 @@ class Publisher:
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
                 ended = s.pending_sample_ends.get(index)
+                s.completion_tokens += len(ids)
+                if reason is None and s.usage_each_event and s.prompt_tokens is not None:
+                    usage = usage_of(s.prompt_tokens, s.completion_tokens)
                 event = make_event(
                     s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps, ended
                 )

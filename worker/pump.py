@@ -38,6 +38,7 @@ class JobEvent:
     error_type: str | None = None  # an error's fault: invalid_request (the job itself), timeout or server_error
     logprobs: list[dict[int, float]] | None = None  # one per token id, for a job that asked for them
     sample_end: str | None = None  # n > 1: sample ``index`` ended here (its own reason) while the others go on
+    prompt_tokens: int | None = None  # the prompt's length, on a step's events (for usage on every event)
 
     @property
     def finished(self) -> bool:
@@ -285,6 +286,7 @@ class Pump:
                     index=out.delta_index,
                     logprobs=delta_logprobs(out),
                     sample_end=None if out.finished else out.outputs[0].finish_reason,
+                    prompt_tokens=len(out.prompt_token_ids),
                 )
             )
         return events
