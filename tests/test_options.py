@@ -36,6 +36,7 @@ PAYLOAD_ONLY = {
     "priority",
     "notify",
     "response_format",
+    "stream_options",  # what the events carry: the worker's, not the engine's
 }
 
 
