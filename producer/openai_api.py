@@ -410,9 +410,11 @@ class ChunkWriter:
         n: int = 1,
         logprobs: int | None = None,
         echo: list[str] | None = None,
+        include_usage: bool = False,
         continuous_usage: bool = False,
     ) -> None:
         self.chat, self.n, self.logprobs = chat, n, logprobs
+        self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
         # continuous_usage_stats: job -> its prompt's tokens (from its events' usage), choice -> its tokens so far
         self.prompt_tokens: dict[int, int] | None = {} if continuous_usage else None
@@ -441,6 +443,8 @@ class ChunkWriter:
         chunk = {**self.head, "choices": [choice]}
         if self.prompt_tokens is not None and (prompt := self.prompt_tokens.get(index // self.n)) is not None:
             chunk["usage"] = usage_of(prompt, self.made.get(index, 0))
+        elif self.include_usage:
+            chunk["usage"] = None
         return chunk
 
     def note_prompt(self, job: int, event: dict[str, Any]) -> None:

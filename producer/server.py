@@ -220,7 +220,9 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
-            chunks = ChunkWriter(job.id, req.model, chat, req.n, req.num_logprobs, echo, req.continuous_usage)
+            chunks = ChunkWriter(
+                job.id, req.model, chat, req.n, req.num_logprobs, echo, include_usage, req.continuous_usage
+            )
             # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
             # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
             events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
@@ -233,7 +235,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             except BaseException:  # (its jobs canceled already where they should be)
                 events.close()
                 raise
-            stream = _sse(jobs, chunks, include_usage, timeout, metrics.streams, early, events)
+            stream = _sse(jobs, chunks, timeout, metrics.streams, early, events)
             return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
         try:
             results = await _results_unless_gone(request, jobs, wait)
@@ -382,7 +384,6 @@ def _not_to_retry(err: APIError) -> APIError:
 async def _sse(
     jobs: list[AsyncGenerationJob],
     chunks: ChunkWriter,
-    include_usage: bool,
     timeout: float,
     open_streams: Gauge,
     early: list[tuple[int, dict[str, Any]]],
@@ -431,7 +432,7 @@ async def _sse(
                 finals.append(event)
                 if len(finals) == len(jobs):
                     break
-        if include_usage:
+        if chunks.include_usage:
             yield _data(chunks.usage(total_usage(finals)))
         yield "data: [DONE]\n\n"
         finished = True
