@@ -369,6 +369,13 @@ class Progress:
             f"{(self.done - self.already) / elapsed:.2f} rows/s, {self.tokens / elapsed:.1f} tokens/s"
         )
 
+    def note(self, text: str) -> None:
+        """A line of its own (above the bar on a terminal)."""
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self._print(text)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -789,6 +796,7 @@ def _run(
     reused: dict[str, bool] = {}  # job id -> whether it had ended before this run
     more = True
     sweep_every, next_sweep = poll_interval, 0.0
+    workers = WorkerWatch(client, progress)
     try:
         while more or in_flight:
             picked_up = len(reused)
@@ -806,8 +814,30 @@ def _run(
             ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write tried again)
             _settle(client, ended, in_flight, reused, sink, progress, summary, timeout)
             progress.tick()
+            workers.check()
     finally:
         conn.delete(done_key(notify))
+
+
+WORKER_CHECK_S = 10.0  # how often a run waiting on its jobs looks for a live worker on the queue
+
+
+class WorkerWatch:
+    """Says once when no live worker serves the queue (the run's jobs wait there: a progress line of 0 rows/s told
+    nothing of why), and again if the workers come and go."""
+
+    def __init__(self, client: Client, progress: Progress) -> None:
+        self.client, self.progress = client, progress
+        self.next_check, self.warned = 0.0, False
+
+    def check(self) -> None:
+        if time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + WORKER_CHECK_S
+        warning = self.client.no_worker_warning()
+        if warning is not None and not self.warned:
+            self.progress.note(warning)
+        self.warned = warning is not None
 
 
 def _wait_for_endings(conn, key: str, wait: float) -> list[str]:

@@ -199,6 +199,8 @@ def submit(args: argparse.Namespace) -> int:
         print(job.id)
         return 0
     print(f"job {job.id}", file=sys.stderr)
+    if (warning := job.client.no_worker_warning()) is not None:  # a wait that could last for good: said why
+        print(warning, file=sys.stderr)
     restarted = False
     deadline = None if args.timeout is None else time.monotonic() + args.timeout  # the stream and the result's wait
 

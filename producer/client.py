@@ -459,6 +459,16 @@ class Client:
             )
         return rows
 
+    def no_worker_warning(self) -> str | None:
+        """A warning when no live worker serves the queue (its jobs wait there), else None."""
+        if self.workers():
+            return None
+        name = self.queue.name
+        return (
+            f"warning: no live worker serves queue {name!r} (yet): its jobs wait there until one starts "
+            f"(roseinfer worker --queue {name}; roseinfer status lists the workers)"
+        )
+
     def _payload(self, req: JobRequest) -> dict[str, Any]:
         return req.model_dump(exclude_defaults=True, by_alias=True)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shlex
 
@@ -347,10 +348,29 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["result", job.id, "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no result within 0.3 s" in err and job.status() == "queued"
+    # A wait on a queue no worker serves says so (it waited in silence, for good without --timeout).
+    assert main(["submit", "x", "--wait", "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
+    err = capsys.readouterr().err
+    assert f"no live worker serves queue {queue!r}" in err and err.count("\n") == 3
     bad_db = redis_url.rsplit("/", 1)[0] + "/999"
     assert main(["status", "--redis-url", bad_db]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DB index is out of range" in err
+
+
+def test_a_batch_waiting_on_a_queue_no_worker_serves_says_so_once_a_time(monkeypatch):
+    from producer.batch import Progress, WorkerWatch
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    out = io.StringIO()
+    watch = WorkerWatch(client, Progress(3, 0, stream=out))
+    said = []
+    for live in ([], [], [{"name": "w"}], [], []):  # no worker, still none, one came, it went, still gone
+        monkeypatch.setattr(client, "workers", lambda live=live: live)
+        watch.next_check = 0.0
+        watch.check()
+        said.append(out.getvalue().count("no live worker serves queue 'q'"))
+    assert said == [1, 1, 1, 2, 2]
 
 
 def test_a_streamed_result_without_a_first_token_time_still_prints_its_summary(monkeypatch, capsys):
