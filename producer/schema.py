@@ -192,7 +192,10 @@ class JobRequest(BaseModel):
     def _token_ids_as_keys(cls, value: Any) -> Any:
         # JSON's keys are strings; a Python caller's are the token ids themselves.
         if isinstance(value, dict):
-            return {str(k) if type(k) is int else k: v for k, v in value.items()}
+            keyed = {str(k) if type(k) is int else k: v for k, v in value.items()}
+            if len(keyed) < len(value):  # {5: 1, "5": 2}: one would have been dropped without a word
+                raise ValueError("logit_bias names a token twice, as an integer and as a string")
+            return keyed
         return value
 
     @field_validator("logit_bias")
@@ -202,11 +205,14 @@ class JobRequest(BaseModel):
             return None
         if len(value) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias names {len(value)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are taken")
+        seen: dict[int, str] = {}
         for key, bias in value.items():
             if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise ValueError(f"logit_bias keys are token ids (0 to {MAX_TOKEN_ID}), got {key!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values are numbers in [-100, 100], got {bias!r} for token {key}")
+            if (other := seen.setdefault(int(key), key)) != key:  # "5" and "05": which bias was meant?
+                raise ValueError(f"logit_bias keys {other!r} and {key!r} name the same token, {int(key)}")
         return value
 
     @field_validator("stop")

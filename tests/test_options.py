@@ -232,6 +232,9 @@ def test_payload_and_sampling_params_bound_logit_bias_alike():
         assert payload_ok == engine_ok, (value if len(value) < 3 else len(value), payload_ok)
     kwargs = JobRequest.model_validate({"prompt": "x", "logit_bias": {"7": 1, 9: -2}}).sampling_kwargs()
     assert kwargs["logit_bias"] == {7: 1.0, 9: -2.0}  # a Python caller's int keys are taken too
+    for twice in ({"5": 1, "05": -1}, {5: 1, "5": -1}):  # one token, two biases: refused, not the last one taken
+        with pytest.raises(ValueError, match=r"same token, 5|names a token twice"):
+            JobRequest.model_validate({"prompt": "x", "logit_bias": twice})
 
 
 def _accepts(build, value) -> bool:
