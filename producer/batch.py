@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,7 @@ from producer.openai_api import (
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.schema import JobRequest
+from producer.token_names import BY_ID, TokenNames, load_names
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -257,22 +258,25 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
     return url, {**payload, **own}, api_defaults
 
 
-def output_line(line: Line, result: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI batch output line for a finished job."""
+def output_line(line: Line, result: dict[str, Any], names: Callable[[str], TokenNames] | None = None) -> dict[str, Any]:
+    """The OpenAI batch output line for a finished job; ``names``: the token names of a model, for logprobs (by id
+    without)."""
     created = int(result["timings"]["finished_at"])
     asked = line.payload.get("logprobs")
-    top = None
-    if asked is not None and asked is not False:  # OpenAI's shape, tokens named by id
+    top, token_names = None, BY_ID
+    if asked is not None and asked is not False:  # OpenAI's shape
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
+        token_names = names(result["model"]) if names is not None else BY_ID
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
         choices = chat_choices(result, None)
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
-                choice["logprobs"] = chat_logprobs(sample, top)
+                choice["logprobs"] = chat_logprobs(sample, top, token_names)
     else:
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
-        choices = completion_choices(result, top, echo=True)  # (a result with the prompt's logprobs: echo asked)
+        # (a result with the prompt's logprobs: echo asked)
+        choices = completion_choices(result, top, echo=True, names=token_names)
     for choice, sample in zip(choices, samples(result)):
         choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
     body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})
@@ -796,7 +800,7 @@ def _run(
     reused: dict[str, bool] = {}  # job id -> whether it had ended before this run
     more = True
     sweep_every, next_sweep = poll_interval, 0.0
-    workers = WorkerWatch(client, progress)
+    workers, names = WorkerWatch(client, progress), ModelTokenNames(client)
     try:
         while more or in_flight:
             picked_up = len(reused)
@@ -812,11 +816,27 @@ def _run(
             else:
                 ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
             ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write tried again)
-            _settle(client, ended, in_flight, reused, sink, progress, summary, timeout)
+            _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names)
             progress.tick()
             workers.check()
     finally:
         conn.delete(done_key(notify))
+
+
+class ModelTokenNames:
+    """A run's token names per model (``TokenizerCache.names`` for a synchronous reader): the tokenizer a live worker
+    serving the model wrote to Redis, looked up once a run; by id where there is none."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._by_model: dict[str, TokenNames] = {}
+
+    def __call__(self, model: str) -> TokenNames:
+        if model not in self._by_model:
+            rows = self.client.workers()
+            digest = next((r["tokenizer"] for r in rows if r.get("model") == model and r.get("tokenizer")), None)
+            self._by_model[model] = load_names(self.client.connection, digest)
+        return self._by_model[model]
 
 
 WORKER_CHECK_S = 10.0  # how often a run waiting on its jobs looks for a live worker on the queue
@@ -861,6 +881,7 @@ def _settle(
     progress: Progress,
     summary: dict[str, Any],
     timeout: float | None,
+    names: ModelTokenNames | None = None,
 ) -> None:
     """Write the rows of the jobs among ``job_ids`` that ended, and fail those running for longer than ``timeout``
     (from when a look first saw them started: time waiting in the queue, behind other jobs, is not theirs)."""
@@ -879,7 +900,7 @@ def _settle(
             in_flight[job_id] = (line, now)
         result = result_from_entries(entries)
         if result is not None and result.get("status") == "finished":
-            sink.result(line, output_line(line, result), result)
+            sink.result(line, output_line(line, result, names), result)
             summary["succeeded"] += 1
             summary["reused"] += job_id in reused
             progress.update(result["usage"]["completion_tokens"], made_before=reused.get(job_id, False))

@@ -194,12 +194,13 @@ def submit(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     if args.stream and request.get("n", 1) > 1:  # it printed sample 0 alone, and exited 0
         raise InvalidRequest("--stream prints one sample; with --n over 1 use --wait (the result holds every sample)")
-    job = _client(args).submit(**request)
+    client = _client(args)
+    job = client.submit(**request)
     if not args.stream and not args.wait:
         print(job.id)
         return 0
     print(f"job {job.id}", file=sys.stderr)
-    if (warning := job.client.no_worker_warning()) is not None:  # a wait that could last for good: said why
+    if (warning := client.no_worker_warning()) is not None:  # a wait that could last for good: said why
         print(warning, file=sys.stderr)
     restarted = False
     deadline = None if args.timeout is None else time.monotonic() + args.timeout  # the stream and the result's wait

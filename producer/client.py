@@ -455,6 +455,7 @@ class Client:
                     "in_flight": int(st.get("in_flight", 0)),
                     "tokens_per_s": float(st.get("tokens_per_s", 0.0)),
                     "redis": st.get("redis", "ok"),  # or why Redis refuses the worker's writes right now
+                    "tokenizer": st.get("tokenizer") or None,  # the digest of the tokenizer it wrote to Redis
                 }
             )
         return rows

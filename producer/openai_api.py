@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 from producer.protocol import usage_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
+from producer.token_names import BY_ID, TokenNames
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
@@ -257,11 +258,6 @@ def _check_job(request: _Common, fields: dict[str, Any]) -> None:
 
 
 # ----- responses -----------------------------------------------------------------------------------------
-def _token(token_id: int) -> str:
-    # The server holds no tokenizer: tokens are named by id, as vLLM's return_tokens_as_token_ids does.
-    return f"token_id:{token_id}"
-
-
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
@@ -276,7 +272,7 @@ def total_usage(results: list[dict[str, Any]]) -> dict[str, int]:
     return {k: sum(u[k] for u in each) for k in USAGE_KEYS}
 
 
-def chat_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
+def chat_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -> dict[str, Any] | None:
     steps = result.get("logprobs")
     if steps is None:
         return None
@@ -285,42 +281,48 @@ def chat_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
         lps = {int(t): lp for t, lp in pairs}
         content.append(
             {
-                "token": _token(token_id),
+                "token": names(token_id),
                 "logprob": lps.get(token_id, -9999.0),  # (finite, as vLLM's: JSON has no -Infinity)
-                "bytes": None,
-                "top_logprobs": [{"token": _token(int(t)), "logprob": lp, "bytes": None} for t, lp in pairs[:top]],
+                "bytes": names.bytes(token_id),
+                "top_logprobs": [
+                    {"token": names(int(t)), "logprob": lp, "bytes": names.bytes(int(t))} for t, lp in pairs[:top]
+                ],
             }
         )
     return {"content": content}
 
 
-def completion_logprobs(result: dict[str, Any], top: int) -> dict[str, Any] | None:
+def completion_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -> dict[str, Any] | None:
     steps = result.get("logprobs")
     if steps is None:
         return None
-    return _legacy_logprobs(result["token_ids"], steps, top)
+    return _legacy_logprobs(result["token_ids"], steps, top, names)
 
 
-def _legacy_logprobs(token_ids: list[int], steps: list[list | None], top: int) -> dict[str, Any]:
+def _legacy_logprobs(
+    token_ids: list[int], steps: list[list | None], top: int, names: TokenNames = BY_ID
+) -> dict[str, Any]:
     """OpenAI's legacy logprobs of ``token_ids``: a step of None (an echoed prompt's first token) stays None."""
     chosen = [
         None if pairs is None else {int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)
     ]
     # The top ``logprobs`` and the sampled token among them, as OpenAI's legacy API: up to logprobs + 1 entries.
     top_logprobs = [
-        None if pairs is None else {**{_token(int(t)): lp for t, lp in pairs[:top]}, _token(tid): lp}
+        None if pairs is None else {**{names(int(t)): lp for t, lp in pairs[:top]}, names(tid): lp}
         for tid, lp, pairs in zip(token_ids, chosen, steps)
     ]
-    return {"tokens": [_token(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
+    return {"tokens": [names(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
 
 
-def _echoed(result: dict[str, Any], sample: dict[str, Any], top: int | None, prompt: str | None) -> dict[str, Any]:
+def _echoed(
+    result: dict[str, Any], sample: dict[str, Any], top: int | None, prompt: str | None, names: TokenNames = BY_ID
+) -> dict[str, Any]:
     """``sample``'s choice with its prompt before it (``echo``: the request's text, else the result's), the prompt
     tokens' logprobs before its own."""
     logprobs = None
     if top is not None:
         ids = result["prompt_token_ids"] + sample.get("token_ids", [])
-        logprobs = _legacy_logprobs(ids, result["prompt_logprobs"] + (sample.get("logprobs") or []), top)
+        logprobs = _legacy_logprobs(ids, result["prompt_logprobs"] + (sample.get("logprobs") or []), top, names)
     text = prompt if prompt is not None else result.get("prompt") or ""
     return {"text": text + sample.get("text", ""), "logprobs": logprobs}
 
@@ -334,7 +336,9 @@ def samples(result: dict[str, Any]) -> list[dict[str, Any]]:
     return result.get("choices") or [{"index": 0, **result}]
 
 
-def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) -> list[dict[str, Any]]:
+def chat_choices(
+    result: dict[str, Any], request: ChatCompletionRequest | None, names: TokenNames = BY_ID
+) -> list[dict[str, Any]]:
     top = request.num_logprobs if request is not None else None
     want = top is not None
     return [
@@ -342,14 +346,18 @@ def chat_choices(result: dict[str, Any], request: ChatCompletionRequest | None) 
             "index": s["index"],
             "message": {"role": "assistant", "content": s.get("text", "")},
             "finish_reason": finish_reason(s.get("finish_reason")),
-            "logprobs": chat_logprobs(s, top or 0) if want else None,
+            "logprobs": chat_logprobs(s, top or 0, names) if want else None,
         }
         for s in samples(result)
     ]
 
 
 def completion_choices(
-    result: dict[str, Any], top: int | None, echo: bool = False, prompt: str | list[int] | None = None
+    result: dict[str, Any],
+    top: int | None,
+    echo: bool = False,
+    prompt: str | list[int] | None = None,
+    names: TokenNames = BY_ID,
 ) -> list[dict[str, Any]]:
     """The choices of a completion's job; ``echo``: each begins with ``prompt``, the request's (a text), or the
     result's prompt and its logprobs (a job asked for ``prompt_logprobs``)."""
@@ -359,26 +367,32 @@ def completion_choices(
             "index": s["index"],
             "text": s.get("text", ""),
             "finish_reason": finish_reason(s.get("finish_reason")),
-            "logprobs": completion_logprobs(s, top) if top is not None else None,
-            **(_echoed(result, s, top, text) if echo and (text is not None or "prompt_logprobs" in result) else {}),
+            "logprobs": completion_logprobs(s, top, names) if top is not None else None,
+            **(
+                _echoed(result, s, top, text, names)
+                if echo and (text is not None or "prompt_logprobs" in result)
+                else {}
+            ),
         }
         for s in samples(result)
     ]
 
 
-def chat_response(job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any]) -> dict[str, Any]:
+def chat_response(
+    job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any], names: TokenNames = BY_ID
+) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": chat_choices(result, request),
+        "choices": chat_choices(result, request, names),
         "usage": usage(result),
     }
 
 
 def completion_response(
-    job_id: str, model: str, request: CompletionRequest, results: list[dict[str, Any]]
+    job_id: str, model: str, request: CompletionRequest, results: list[dict[str, Any]], names: TokenNames = BY_ID
 ) -> dict[str, Any]:
     """The response to the jobs of a request's prompts, in order: prompt i's samples are choices i * n to
     i * n + n - 1, as OpenAI numbers them, and the usage is theirs together."""
@@ -386,7 +400,7 @@ def completion_response(
     choices = [
         {**choice, "index": i * request.n + choice["index"]}
         for i, result in enumerate(results)
-        for choice in completion_choices(result, request.logprobs, request.echo, prompts[i])
+        for choice in completion_choices(result, request.logprobs, request.echo, prompts[i], names)
     ]
     return {
         "id": f"cmpl-{job_id}",
@@ -412,7 +426,9 @@ class ChunkWriter:
         echo: list[str] | None = None,
         include_usage: bool = False,
         continuous_usage: bool = False,
+        names: TokenNames = BY_ID,
     ) -> None:
+        self.names = names
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
@@ -435,10 +451,10 @@ class ChunkWriter:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reason is not None and not text:
                 delta = {}
-            logprobs = chat_logprobs(shown, self.logprobs or 0) if shown else None
+            logprobs = chat_logprobs(shown, self.logprobs or 0, self.names) if shown else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         else:
-            logprobs = completion_logprobs(shown, self.logprobs or 0) if shown else None
+            logprobs = completion_logprobs(shown, self.logprobs or 0, self.names) if shown else None
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         chunk = {**self.head, "choices": [choice]}
         if self.prompt_tokens is not None and (prompt := self.prompt_tokens.get(index // self.n)) is not None:

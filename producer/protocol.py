@@ -19,6 +19,7 @@ whose earlier output could not be resumed), and its own text is the new output's
 
 from __future__ import annotations
 
+import hashlib
 import json
 from base64 import b64decode, b64encode
 from typing import Any
@@ -40,6 +41,13 @@ OWNER_FIELD = "roseinfer_owner"
 LEASE_KEY = "roseinfer:lease:{worker}"
 # Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
 STATS_KEY = "roseinfer:stats:{worker}"
+# A worker's tokenizer (its tokenizer.json), by the digest its statistics name: the server names logprobs' tokens
+# with it. Written once per tokenizer, kept (a few MB per model served).
+TOKENIZER_KEY = "roseinfer:tokenizer:{digest}"
+
+
+def tokenizer_digest(tokenizer_json: str) -> str:
+    return hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]
 
 
 # Priority lanes: a job of priority p (lower runs first, as in vLLM) goes into the RQ queue lane_name(queue, p); the

@@ -39,6 +39,7 @@ from producer.openai_api import (
     parse_completions,
     total_usage,
 )
+from producer.token_names import BY_ID, TokenizerCache
 
 log = logging.getLogger("roseinfer.server")
 
@@ -72,6 +73,12 @@ class Workers:
 
     async def models(self) -> list[str]:
         return sorted({row["model"] for row in await self.live() if row.get("model")})
+
+    async def tokenizer_of(self, model: str) -> str | None:
+        """The digest of the tokenizer a live worker serving ``model`` wrote to Redis, if any did."""
+        return next(
+            (row["tokenizer"] for row in await self.live() if row.get("model") == model and row.get("tokenizer")), None
+        )
 
     def warn(self, message: str) -> None:
         """``message`` logged as a warning, once a minute at most."""
@@ -131,6 +138,7 @@ class AuthAndCount:
 def create_app(client: AsyncClient, api_key: str | None = None, timeout: float = 600.0) -> FastAPI:
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
+    tokenizers = TokenizerCache(client)
     metrics = ServerMetrics()
     app.state.metrics = metrics
 
@@ -217,11 +225,12 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
         job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
+        names = BY_ID if req.num_logprobs is None else await tokenizers.names(await workers.tokenizer_of(req.model))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
             chunks = ChunkWriter(
-                job.id, req.model, chat, req.n, req.num_logprobs, echo, include_usage, req.continuous_usage
+                job.id, req.model, chat, req.n, req.num_logprobs, echo, include_usage, req.continuous_usage, names
             )
             # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
             # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
@@ -242,9 +251,9 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
             return Response(status_code=499, headers=ids)
         if chat:
-            body = chat_response(job.id, req.model, req, results[0])
+            body = chat_response(job.id, req.model, req, results[0], names)
         else:
-            body = completion_response(job.id, req.model, req, results)
+            body = completion_response(job.id, req.model, req, results, names)
         return JSONResponse(body, headers=ids)
 
     return app

@@ -158,6 +158,11 @@ class LLMEngine:
         return 1 << 30
 
     # ----- requests ------------------------------------------------------------------------------
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer as a ``tokenizers`` JSON document (a fast tokenizer's), for readers without the model."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+
     def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
         or {"messages": [...]} (chat template applied). {"prompt_token_ids": ..., "prompt": text} is a prompt

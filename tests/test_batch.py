@@ -111,6 +111,25 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
 
 
 @pytest.mark.redis
+def test_batch_logprobs_name_tokens_by_their_text(served, tmp_path, tiny_chat_model):
+    """As the server's: with the tokenizer the worker wrote to Redis (they went by id: ``token_id:N``)."""
+    from tokenizers import Tokenizer
+
+    _, client = served
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 1}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "lp", "body": body}) + "\n")
+    assert run_batch(client, src, out, poll_interval=0.05)["succeeded"] == 1
+    row = json.loads(out.read_text())
+    ids = client.job(row["response"]["request_id"]).result(timeout=10)["token_ids"]
+    tokenizer = Tokenizer.from_file(str(Path(tiny_chat_model) / "tokenizer.json"))
+    steps = row["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [(s["token"], s["bytes"]) for s in steps] == [
+        (t, list(t.encode())) for t in (tokenizer.decode([i], skip_special_tokens=False) for i in ids)
+    ]
+
+
+@pytest.mark.redis
 def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_again(served, tmp_path):
     _, client = served
     line = parse_line(

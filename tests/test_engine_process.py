@@ -105,6 +105,7 @@ def engine_that_recommends() -> FakeEngine:
     """An engine whose model's generation config recommends settings (``LLMEngine.sampling_defaults``)."""
     engine = FakeEngine()
     engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9}
+    engine.tokenizer_json = lambda: '{"model": "its tokenizer"}'
     return engine
 
 
@@ -658,9 +659,11 @@ def test_what_a_dead_child_sent_before_it_went_is_read_first():
 
 @pytest.mark.slow
 def test_the_models_recommended_settings_reach_the_worker_from_an_engine_process():
-    """Jobs are checked in the worker's process, where their unset fields take the model's settings."""
+    """Jobs are checked in the worker's process, where their unset fields take the model's settings; the worker
+    writes the model's tokenizer to Redis from there too."""
     pump = EngineProcess(engine_that_recommends)
     try:
         assert pump.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
+        assert pump.tokenizer_json() == '{"model": "its tokenizer"}'
     finally:
         pump.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -2057,3 +2058,36 @@ def test_maintenance_takes_ids_whose_job_is_gone_out_of_the_canceled_registry(re
         assert [m.decode() for m in conn.zrange(key, 0, -1)] == [kept]
     finally:
         conn.delete(f"rq:job:{kept}", key)
+
+
+def test_the_servers_tokenizers_come_from_redis_once_and_tokens_go_by_id_without_one(monkeypatch):
+    """The server names logprobs' tokens with the tokenizer a worker wrote to Redis (by the digest in its
+    statistics); none named, none there, or one that does not parse: by id, and looked for again a minute later."""
+    from types import SimpleNamespace
+
+    from producer.protocol import TOKENIZER_KEY, tokenizer_digest
+    from producer.token_names import BY_ID, TokenizerCache
+    from roseinfer.tiny_models import build_tiny_tokenizer
+
+    text = build_tiny_tokenizer().backend_tokenizer.to_str()
+    digest = tokenizer_digest(text)
+
+    async def main():
+        conn = fakeredis.aioredis.FakeRedis()
+        cache = TokenizerCache(SimpleNamespace(connection=conn))
+        assert await cache.names(None) is BY_ID and BY_ID(7) == "token_id:7" and BY_ID.bytes(7) is None
+        assert await cache.names(digest) is BY_ID  # not written yet
+        await conn.set(TOKENIZER_KEY.format(digest=digest), text)
+        assert await cache.names(digest) is BY_ID  # a minute before it is looked for again
+        monkeypatch.setattr(TokenizerCache, "RETRY_S", 0.0)
+        names = await cache.names(digest)
+        assert names is not BY_ID and await cache.names(digest) is names  # read once
+        await conn.set(TOKENIZER_KEY.format(digest="broken"), "{not json")
+        assert await cache.names("broken") is BY_ID
+        return names
+
+    names = asyncio.run(main())
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer("hello world")["input_ids"]
+    assert [names(t) for t in ids] == [tokenizer.decode([t]) for t in ids]
+    assert names.bytes(ids[0]) == list(names(ids[0]).encode())

@@ -236,7 +236,8 @@ def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
 def test_completion_top_logprobs_hold_the_sampled_token_as_openai_says():
     """OpenAI's legacy API: the top ``logprobs`` and the sampled token, up to logprobs + 1 entries. A sampled
     token outside the top was left out."""
-    from producer.openai_api import _token, completion_logprobs
+    from producer.openai_api import completion_logprobs
+    from producer.token_names import BY_ID as _token
 
     steps = [[[1, -0.1], [2, -0.5], [5, -3.0]], [[2, -0.2], [1, -0.4]]]  # as the worker sends: top 2, then sampled
     out = completion_logprobs({"token_ids": [5, 2], "logprobs": steps}, top=2)
@@ -247,8 +248,14 @@ def test_completion_top_logprobs_hold_the_sampled_token_as_openai_says():
     ]
 
 
-def test_content_as_text_parts_and_logprobs(served, oai):
-    _, _, model = served
+def _model_tokenizer(model: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+
+
+def test_content_as_text_parts_and_logprobs(served, oai, redis_url):
+    worker, _, model = served
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "about the sea"}]}
     ]
@@ -261,7 +268,12 @@ def test_content_as_text_parts_and_logprobs(served, oai):
     content = a.choices[0].logprobs.content
     assert len(content) == a.usage.completion_tokens
     assert all(len(step.top_logprobs) == 2 and step.logprob <= 0 for step in content)
-    assert content[0].token.startswith("token_id:")
+    # Tokens by their text, with the tokenizer the worker wrote to Redis (they went by id: the server has no model).
+    ids = direct(redis_url, worker.queue, messages=joined, max_tokens=6, temperature=0.0)["token_ids"]
+    texts = [_model_tokenizer(model).decode([t], skip_special_tokens=False) for t in ids]
+    assert [(step.token, step.bytes) for step in content] == [(t, list(t.encode())) for t in texts]
+    top = content[0].top_logprobs[0]
+    assert top.bytes == list(top.token.encode()) and not top.token.startswith("token_id:")
 
 
 def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
@@ -747,7 +759,8 @@ def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(se
         choice = out.choices[0]
         assert choice.text == "The sea is" + plain.choices[0].text
         lp = choice.logprobs
-        assert lp.tokens == [f"token_id:{t}" for t in prompt] + plain.choices[0].logprobs.tokens
+        named = [_model_tokenizer(model).decode([t], skip_special_tokens=False) for t in prompt]
+        assert lp.tokens == named + plain.choices[0].logprobs.tokens and "".join(named) == "The sea is"
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         scored = [dict(s)[t] for t, s in zip(prompt[1:], ids["prompt_logprobs"][1:])]
         assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(scored, abs=1e-5)

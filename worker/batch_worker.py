@@ -57,9 +57,11 @@ from producer.protocol import (
     LEASE_KEY,
     OWNER_FIELD,
     STATS_KEY,
+    TOKENIZER_KEY,
     encode_result,
     lane_name,
     lanes,
+    tokenizer_digest,
     usage_of,
 )
 from producer.schema import JobRequest
@@ -173,6 +175,7 @@ class BatchWorker(BaseWorker):
         self._next_suspension_check = 0.0
         self._suspended = False
         self._next_hand_over = 0.0
+        self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
         self._step_s = 0.0  # how long the last engine step took
         # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
         # Its death registered on the way out: a supervisor's restart under a fixed --name is not refused for the
@@ -394,6 +397,7 @@ class BatchWorker(BaseWorker):
                 raise
             raise ConfigError(taken) from exc
         self._install_signal_handlers()
+        self._publish_tokenizer()
         self.sender.worker_key = self.key
         self.sender.status_list = f"roseinfer:statuses:{self.name}"
         self.sender.queue_keys = [queue.key for queue in self.queues]
@@ -405,6 +409,22 @@ class BatchWorker(BaseWorker):
         self.puller.start()
         self._heartbeat.start()
         self._watchdog.start()
+
+    def _publish_tokenizer(self) -> None:
+        """The engine's tokenizer into Redis once (its digest in this worker's statistics), for the server to name
+        logprobs' tokens by; a worker that cannot write it serves all the same."""
+        text = getattr(self.engine, "tokenizer_json", lambda: None)()
+        if not text:
+            return
+        digest = tokenizer_digest(text)
+        key = TOKENIZER_KEY.format(digest=digest)
+        try:
+            if not self.connection.exists(key):
+                self.connection.set(key, text)
+        except redis.exceptions.RedisError as exc:
+            log.warning("the tokenizer could not be written to Redis (%s): logprobs' tokens go by their ids", exc)
+            return
+        self.tokenizer_digest = digest
 
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
@@ -1265,6 +1285,7 @@ class BatchWorker(BaseWorker):
             "queue": self.settings.queue,
             "model": self.settings.model_name,
             "redis": self.sender.refusing or "ok",
+            "tokenizer": self.tokenizer_digest,  # ("": none in Redis)
         }
 
     def stats_key(self) -> str:

@@ -6,15 +6,15 @@ launch, and on a fast engine with short jobs that cost a third of its speed (vLL
 front end for the same reason). With ``--engine-process`` the ``Pump`` and the engine run in a child process that
 steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' bookkeeping.
 
-Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs",
-[...])`` (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready",
-facts, the model's sampling defaults)``, ``("step", events, facts, [step seconds, ...])`` after each engine step,
-``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event, ...]}, facts)``, ``("error", text)`` if
-the child's loop itself fails (first of all, ``("error", text, "config")`` for a bad option). The child decides
-when a step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker`` does
-in-process), dies with its parent, and a full pipe slows the engine down rather than drop anything. A child that
-holds jobs and sends nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints its
-threads' stacks and is killed, and its jobs fail retryably, as if it had died.
+Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs", [...])``
+(submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready", facts, the
+model's sampling defaults, its tokenizer's JSON or None)``, ``("step", events, facts, [step seconds, ...])`` after
+each engine step, ``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event, ...]}, facts)``,
+``("error", text)`` if the child's loop itself fails (first of all, ``("error", text, "config")`` for a bad option).
+The child decides when a step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker``
+does in-process), dies with its parent, and a full pipe slows the engine down rather than drop anything. A child
+that holds jobs and sends nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints
+its threads' stacks and is killed, and its jobs fail retryably, as if it had died.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def _serve(
         log.exception("the engine could not start")
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", _facts(engine), dict(getattr(engine, "sampling_defaults", {}))))
+    tokenizer = getattr(engine, "tokenizer_json", lambda: None)()
+    conn.send(("ready", _facts(engine), dict(getattr(engine, "sampling_defaults", {})), tokenizer))
     pump.on_admitted = _SaysAlive(conn)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
@@ -258,21 +259,26 @@ class EngineProcess:
             if until is not None and time.monotonic() > until:
                 self.close()
                 raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
-        self.facts, self.sampling_defaults = self._receive_first()  # (the model's, for jobs' unset fields)
+        # (the model's sampling defaults, for jobs' unset fields; its tokenizer's JSON, for ``tokenizer_json``)
+        self.facts, self.sampling_defaults, self._tokenizer_json = self._receive_first()
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
         from roseinfer.llm_engine import settle_garbage_collector
 
         settle_garbage_collector()
 
-    def _receive_first(self) -> tuple[EngineFacts, dict[str, Any]]:
+    def _receive_first(self) -> tuple[EngineFacts, dict[str, Any], str | None]:
         kind, *rest = self._recv()
         if kind == "ready":
-            return rest[0], rest[1]
+            return rest[0], rest[1], rest[2]
         self.close()
         if kind == "error" and rest[1:] == ["config"]:
             raise ConfigError(rest[0])
         raise EngineProcessDied(rest[0] if kind == "error" else f"unexpected first message {kind!r}")
+
+    def tokenizer_json(self) -> str | None:
+        """The engine's ``LLMEngine.tokenizer_json``, as it said when ready."""
+        return self._tokenizer_json
 
     # ----- the Pump's interface -------------------------------------------------------------------
     def __len__(self) -> int:

@@ -1,0 +1,105 @@
+"""Tokens named by their text in OpenAI-shaped logprobs. The server loads no model: a worker writes its tokenizer to
+Redis (``TOKENIZER_KEY``, named by the digest in its statistics) and the server reads it once. Where there is none
+(a worker that wrote none, ``tokenizers`` not installed), a token goes by its id, ``token_id:N`` (vLLM's form for
+``return_tokens_as_token_ids``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from redis import Redis
+
+from producer.protocol import TOKENIZER_KEY
+
+if TYPE_CHECKING:
+    from producer.aio import AsyncClient
+
+log = logging.getLogger("roseinfer.server")
+
+
+class TokenNames:
+    """A token's text (as vLLM's ``decoded_token``: decoded alone, special tokens kept) and its UTF-8 bytes; by id
+    without a tokenizer, bytes then None."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def bytes(self, token_id: int) -> list[int] | None:
+        return None if self.tokenizer is None else list(self(token_id).encode())
+
+
+BY_ID = TokenNames()
+
+
+class TokenizerCache:
+    """The workers' tokenizers by digest, each read from Redis and parsed once (a few MB of JSON: ~0.1 s, off the
+    event loop). A digest whose tokenizer cannot be had names tokens by id, and is tried again a minute later."""
+
+    RETRY_S = 60.0
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client  # (its connection is read at the first load: a test's scripted client has none)
+        self._names: dict[str, TokenNames] = {}
+        self._failed_at: dict[str, float] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    async def names(self, digest: str | None) -> TokenNames:
+        if not digest:
+            return BY_ID
+        names = self._names.get(digest)
+        if names is not None:
+            return names
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._failed_at.get(digest, -self.RETRY_S) < self.RETRY_S:
+            return BY_ID
+        if digest not in self._loading:  # one read for every request that asks meanwhile
+            self._loading[digest] = asyncio.ensure_future(self._load(digest))
+        try:
+            return await asyncio.shield(self._loading[digest])
+        finally:
+            self._loading.pop(digest, None)
+
+    async def _load(self, digest: str) -> TokenNames:
+        try:
+            text = await self.client.connection.get(TOKENIZER_KEY.format(digest=digest))
+            names = await asyncio.to_thread(_parse, digest, text)
+        except Exception as exc:  # (ImportError too: a server installed without tokenizers)
+            _unavailable(digest, exc)
+            self._failed_at[digest] = asyncio.get_running_loop().time()
+            return BY_ID
+        self._names[digest] = names
+        return names
+
+
+def load_names(connection: Redis, digest: str | None) -> TokenNames:
+    """``TokenizerCache.names`` for a synchronous reader, uncached (``roseinfer batch``: once a run and model)."""
+    if not digest:
+        return BY_ID
+    try:
+        return _parse(digest, connection.get(TOKENIZER_KEY.format(digest=digest)))
+    except Exception as exc:
+        _unavailable(digest, exc)
+        return BY_ID
+
+
+def _parse(digest: str, text: bytes | str | None) -> TokenNames:
+    from tokenizers import Tokenizer
+
+    if text is None:
+        raise LookupError(f"no {TOKENIZER_KEY.format(digest=digest)} in Redis")
+    return TokenNames(Tokenizer.from_str(text.decode() if isinstance(text, bytes) else text))
+
+
+def _unavailable(digest: str, exc: Exception) -> None:
+    log.warning("tokenizer %s unavailable (%s: %s): logprobs name tokens by id", digest, type(exc).__name__, exc)
