@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Literal
 
@@ -292,17 +293,21 @@ def chat_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -
     return {"content": content}
 
 
-def completion_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -> dict[str, Any] | None:
+def completion_logprobs(
+    result: dict[str, Any], top: int, names: TokenNames = BY_ID, offset: int = 0
+) -> dict[str, Any] | None:
+    """``offset``: where the tokens' text begins in the choice's (a stream's text sent before them)."""
     steps = result.get("logprobs")
     if steps is None:
         return None
-    return _legacy_logprobs(result["token_ids"], steps, top, names)
+    return _legacy_logprobs(result["token_ids"], steps, top, names, offset)
 
 
 def _legacy_logprobs(
-    token_ids: list[int], steps: list[list | None], top: int, names: TokenNames = BY_ID
+    token_ids: list[int], steps: list[list | None], top: int, names: TokenNames = BY_ID, offset: int = 0
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs of ``token_ids``: a step of None (an echoed prompt's first token) stays None."""
+    """OpenAI's legacy logprobs of ``token_ids``: a step of None (an echoed prompt's first token) stays None. With
+    the tokens' texts, ``text_offset`` too: each token's place in the choice's text, from ``offset`` (vLLM's)."""
     chosen = [
         None if pairs is None else {int(t): lp for t, lp in pairs}.get(tid) for tid, pairs in zip(token_ids, steps)
     ]
@@ -311,7 +316,11 @@ def _legacy_logprobs(
         None if pairs is None else {**{names(int(t)): lp for t, lp in pairs[:top]}, names(tid): lp}
         for tid, lp, pairs in zip(token_ids, chosen, steps)
     ]
-    return {"tokens": [names(t) for t in token_ids], "token_logprobs": chosen, "top_logprobs": top_logprobs}
+    tokens = [names(t) for t in token_ids]
+    out = {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top_logprobs}
+    if names.tokenizer is not None:  # ("token_id:N" has no place in the text)
+        out["text_offset"] = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[: len(tokens)]
+    return out
 
 
 def _echoed(
@@ -429,6 +438,7 @@ class ChunkWriter:
         names: TokenNames = BY_ID,
     ) -> None:
         self.names = names
+        self.sent: dict[int, int] = {}  # choice -> the length of its text sent (a completion's text_offset)
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
@@ -454,7 +464,9 @@ class ChunkWriter:
             logprobs = chat_logprobs(shown, self.logprobs or 0, self.names) if shown else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         else:
-            logprobs = completion_logprobs(shown, self.logprobs or 0, self.names) if shown else None
+            offset = self.sent.get(index, 0)
+            logprobs = completion_logprobs(shown, self.logprobs or 0, self.names, offset) if shown else None
+            self.sent[index] = offset + len(text)
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         chunk = {**self.head, "choices": [choice]}
         if self.prompt_tokens is not None and (prompt := self.prompt_tokens.get(index // self.n)) is not None:

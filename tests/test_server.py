@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import threading
 import time
@@ -292,6 +293,9 @@ def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
         c.choices[0].logprobs for c in oai.completions.create(prompt="The sea is", logprobs=2, stream=True, **ask)
     ]
     assert [t for p in pieces if p for t in p.tokens] == text.tokens and len(text.tokens) == 12
+    # text_offset (left out while tokens went by id): each token's place in the choice's text, streamed or not
+    offsets = list(itertools.accumulate((len(t) for t in text.tokens[:-1]), initial=0))
+    assert [o for p in pieces if p for o in p.text_offset] == text.text_offset == offsets
     assert [v for p in pieces if p for v in p.token_logprobs] == text.token_logprobs
     assert [v for p in pieces if p for v in p.top_logprobs] == text.top_logprobs
     plain = oai.chat.completions.create(messages=MESSAGES, stream=True, **ask)
@@ -761,6 +765,7 @@ def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(se
         lp = choice.logprobs
         named = [_model_tokenizer(model).decode([t], skip_special_tokens=False) for t in prompt]
         assert lp.tokens == named + plain.choices[0].logprobs.tokens and "".join(named) == "The sea is"
+        assert lp.text_offset[len(prompt)] == len("The sea is") and lp.text_offset[0] == 0
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         scored = [dict(s)[t] for t, s in zip(prompt[1:], ids["prompt_logprobs"][1:])]
         assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(scored, abs=1e-5)
