@@ -49,6 +49,7 @@ from producer.openai_api import (
     chat_logprobs,
     completion_choices,
     parse,
+    prompt_logprobs,
     samples,
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
@@ -88,6 +89,8 @@ class Line:
     payload: dict[str, Any]
     job_id: str
     row: dict[str, Any] | None = None  # a plain row's columns (a Parquet output keeps them)
+    prompt_logprobs: int | None = None  # what the line asked for (vLLM's), shown in its output line
+    echo: bool = False  # a completion's echo: its output begins with the prompt (and its logprobs)
 
 
 def new_run_id() -> str:
@@ -159,7 +162,10 @@ def parse_line(
     except ValueError as exc:
         raise BadLine(str(exc), custom_id, obj if options.plain else None) from None
     row = obj if options.plain else None
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row)
+    # As the line asked: an echo puts prompt_logprobs in the payload too, for the prompt it shows its own way.
+    asked = {} if options.plain else obj.get("body", obj)
+    shown, echo = asked.get("prompt_logprobs"), bool(asked.get("echo"))
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo)
 
 
 def _utf8(text: str | bytes) -> str:
@@ -263,10 +269,11 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     without)."""
     created = int(result["timings"]["finished_at"])
     asked = line.payload.get("logprobs")
-    top, token_names = None, BY_ID
+    top = None
     if asked is not None and asked is not False:  # OpenAI's shape
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
-        token_names = names(result["model"]) if names is not None else BY_ID
+    named = top is not None or line.prompt_logprobs is not None
+    token_names = names(result["model"]) if named and names is not None else BY_ID
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
         choices = chat_choices(result, None)
@@ -275,10 +282,13 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)
     else:
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
-        # (a result with the prompt's logprobs: echo asked)
-        choices = completion_choices(result, top, echo=True, names=token_names)
+        choices = completion_choices(result, top, echo=line.echo, names=token_names)
     for choice, sample in zip(choices, samples(result)):
         choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
+    if line.prompt_logprobs is not None:  # where vLLM's responses hold them
+        shown = prompt_logprobs(result, line.prompt_logprobs, token_names)
+        for choice in [body] if line.url == "/v1/chat/completions" else choices:
+            choice["prompt_logprobs"] = shown
     body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})
     return {
         "id": f"batch_req_{result['id']}",

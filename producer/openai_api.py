@@ -117,6 +117,7 @@ class _Common(_Shape):
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     logit_bias: dict[str, float] | None = None  # checked as the job's (token ids as keys, values in [-100, 100])
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top N, in the response (not streamed)
     # Taken where they ask for nothing (clients send them empty); a real use is a 400: there are no tools here.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -124,6 +125,8 @@ class _Common(_Shape):
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # (a job's come in its result, not its events)
+            raise APIError(400, "prompt_logprobs are not streamed: ask without stream", param="prompt_logprobs")
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -197,7 +200,7 @@ class CompletionRequest(_Common):
             if self.stream:
                 raise APIError(400, "a streamed echo takes a text prompt, without logprobs", param="echo")
             # The prompt's text and its tokens' logprobs come back in the job's result: the response begins with them.
-            fields["prompt_logprobs"] = self.logprobs or 0
+            fields["prompt_logprobs"] = max(self.logprobs or 0, self.prompt_logprobs or 0)
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         fields.pop("echo", None)
@@ -387,10 +390,30 @@ def completion_choices(
     ]
 
 
+def prompt_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a job's result: per prompt token (None for the first), its logprob and the top
+    ``top`` alternatives, each ``{"logprob", "rank", "decoded_token"}`` by token id. A token outside the top has no
+    rank here (the engine ranks only the top)."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, pairs in zip(result["prompt_token_ids"], result["prompt_logprobs"]):
+        if pairs is None:
+            out.append(None)
+            continue
+        entry = {
+            str(int(t)): {"logprob": lp, "rank": rank, "decoded_token": names(int(t))}
+            for rank, (t, lp) in enumerate(pairs[:top], 1)
+        }
+        if str(token_id) not in entry:
+            lp = next(lp for t, lp in pairs if int(t) == token_id)
+            entry[str(token_id)] = {"logprob": lp, "rank": None, "decoded_token": names(token_id)}
+        out.append(entry)
+    return out
+
+
 def chat_response(
     job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any], names: TokenNames = BY_ID
 ) -> dict[str, Any]:
-    return {
+    body = {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -398,6 +421,9 @@ def chat_response(
         "choices": chat_choices(result, request, names),
         "usage": usage(result),
     }
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(result, request.prompt_logprobs, names)
+    return body
 
 
 def completion_response(
@@ -411,6 +437,10 @@ def completion_response(
         for i, result in enumerate(results)
         for choice in completion_choices(result, request.logprobs, request.echo, prompts[i], names)
     ]
+    if request.prompt_logprobs is not None:  # (vLLM's place for them: each choice of the prompt's)
+        for choice in choices:
+            result = results[choice["index"] // request.n]
+            choice["prompt_logprobs"] = prompt_logprobs(result, request.prompt_logprobs, names)
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",

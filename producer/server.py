@@ -225,7 +225,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
         job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
-        names = BY_ID if req.num_logprobs is None else await tokenizers.names(await workers.tokenizer_of(req.model))
+        named = req.num_logprobs is not None or req.prompt_logprobs is not None  # (tokens named: only then)
+        names = await tokenizers.names(await workers.tokenizer_of(req.model)) if named else BY_ID
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)

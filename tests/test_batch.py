@@ -365,6 +365,23 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     choice = output_line(line, echoed)["response"]["body"]["choices"][0]
     assert choice["text"] == "Hiok" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in (3, 4, 5, 6)]
     assert choice["logprobs"]["token_logprobs"] == [None, -0.7, -0.1, -0.3]
+    assert "prompt_logprobs" not in choice  # the echo's, not asked for
+    # vLLM's prompt_logprobs where a line asks for them: chat's at the top, a completion's in each choice; a
+    # completion without echo does not begin with its prompt (one whose result held prompt logprobs did).
+    scored = {**result, "prompt_token_ids": [3, 4], "prompt_logprobs": [None, [[9, -0.2], [4, -0.7]]]}
+    want = [None, {"9": {"logprob": -0.2, "rank": 1, "decoded_token": "token_id:9"}}]
+    want[1]["4"] = {"logprob": -0.7, "rank": None, "decoded_token": "token_id:4"}
+    for url, key, obj in (
+        ("/v1/chat/completions", "messages", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", "prompt", {"prompt": "Hi"}),
+    ):
+        line = parse_line(5, json.dumps({"url": url, "body": {**obj, "prompt_logprobs": 1}}))
+        body = output_line(line, scored)["response"]["body"]
+        shown = body if key == "messages" else body["choices"][0]
+        assert shown["prompt_logprobs"] == want
+        assert body["choices"][0].get("text", body["choices"][0].get("message", {}).get("content")) == "ok"
+    plain = output_line(parse_line(6, json.dumps({"prompt": "Hi", "prompt_logprobs": 1})), scored)
+    assert plain["response"]["body"]["choices"][0]["text"] == "ok"
     assert parse_line(3, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 3}})).payload["n"] == 3
     with pytest.raises(ValueError, match="n: Input should be less than or equal to 64"):
         parse_line(4, json.dumps({"url": "/v1/completions", "body": {"prompt": "x", "n": 65}}))

@@ -277,6 +277,37 @@ def test_content_as_text_parts_and_logprobs(served, oai, redis_url):
     assert top.bytes == list(top.token.encode()) and not top.token.startswith("token_id:")
 
 
+def test_prompt_logprobs_come_back_in_vllms_shape(served, oai, redis_url):
+    """vLLM's prompt_logprobs (extra_body; the job's field, a 400 here before): chat has them at the top level,
+    each completion choice its prompt's, per prompt token {token id: {logprob, rank, decoded_token}}."""
+    worker, _, model = served
+    job = direct(redis_url, worker.queue, messages=MESSAGES, max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    ask = {"model": model, "max_tokens": 2, "temperature": 0, "extra_body": {"prompt_logprobs": 2}}
+    chat = oai.chat.completions.create(messages=MESSAGES, **ask).model_extra["prompt_logprobs"]
+    ids, tokenizer = job["prompt_token_ids"], _model_tokenizer(model)
+    assert len(chat) == len(ids) > 2 and chat[0] is None
+    for token_id, entry, pairs in zip(ids[1:], chat[1:], job["prompt_logprobs"][1:]):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(dict(map(tuple, pairs))[token_id], abs=1e-5)
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None) == [1, 2]  # the top 2, ranked
+        assert len(entry) == 2 + (entry[str(token_id)]["rank"] is None)  # and the prompt's token where not in them
+        named = {t: tokenizer.decode([int(t)], skip_special_tokens=False) for t in entry}
+        assert {t: e["decoded_token"] for t, e in entry.items()} == named
+    text = oai.completions.create(prompt=ids, n=2, **ask)
+
+    def shape(plp):
+        return [e and {t: (v["rank"], v["decoded_token"]) for t, v in e.items()} for e in plp]
+
+    for choice in text.choices:  # the same prompt as token ids: the same entries (values within float noise)
+        got = choice.model_extra["prompt_logprobs"]
+        assert shape(got) == shape(chat)
+        flat = [v["logprob"] for e in got[1:] for v in e.values()]
+        assert flat == pytest.approx([v["logprob"] for e in chat[1:] for v in e.values()], abs=1e-4)
+    for bad in ({"stream": True}, {"extra_body": {"prompt_logprobs": 21}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(messages=MESSAGES, **{**ask, **bad})
+        assert err.value.body["param"] == "prompt_logprobs"
+
+
 def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
     """Each chunk carries its tokens' logprobs (chat: ``content`` entries; text: token lists), and together they are
     the non-streamed answer's: the same tokens, values and alternatives."""
