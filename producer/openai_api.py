@@ -209,7 +209,24 @@ class CompletionRequest(_Common):
         return fields
 
 
-def _request(model: type[_Common], body: Any) -> Any:
+class TokenizeRequest(_Shape):
+    """vLLM's ``/tokenize``: a prompt's token ids by the model's tokenizer (a chat's messages are the worker's to
+    render: its chat template is not in the tokenizer)."""
+
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Shape):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str
+    tokens: list[StrictInt]
+
+
+def parse_request(model: type[_Shape], body: Any) -> Any:
     """The request, or an ``APIError`` naming the parameter at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -225,7 +242,7 @@ def _request(model: type[_Common], body: Any) -> Any:
 
 def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
     """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault."""
-    request = _request(model, body)
+    request = parse_request(model, body)
     fields = request.job_fields()
     _check_job(request, fields)
     return request, fields
@@ -236,7 +253,7 @@ MAX_PROMPTS = 256  # prompts of one /v1/completions request: a job each
 
 def parse_completions(body: Any) -> tuple[CompletionRequest, list[dict[str, Any]]]:
     """A /v1/completions request and the payload of each of its prompts (OpenAI's list forms: a job a prompt)."""
-    request: CompletionRequest = _request(CompletionRequest, body)
+    request: CompletionRequest = parse_request(CompletionRequest, body)
     prompts = request.prompts()
     if not prompts or len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"give 1 to {MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")

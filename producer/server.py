@@ -3,7 +3,8 @@ becomes a job submitted through ``AsyncClient``, and its events come back as ser
 one response). A client that goes away cancels its job.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (the models live workers
-serve), ``GET /health`` (200 when Redis answers and a worker is alive, 503 with the reason otherwise).
+serve), ``GET /health`` (200 when Redis answers and a worker is alive, 503 with the reason otherwise), and vLLM's
+``POST /tokenize`` and ``/detokenize`` (with the tokenizer a worker wrote to Redis).
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from producer.openai_api import (
     ChatCompletionRequest,
     ChunkWriter,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_response,
     completion_response,
     parse,
     parse_completions,
+    parse_request,
     total_usage,
 )
 from producer.token_names import BY_ID, TokenizerCache
@@ -74,6 +78,13 @@ class Workers:
     async def models(self) -> list[str]:
         return sorted({row["model"] for row in await self.live() if row.get("model")})
 
+    async def max_model_len(self, model: str) -> int | None:
+        """The context length of ``model``: the shortest its live workers give (a request must fit any of them)."""
+        lens = [
+            row["max_model_len"] for row in await self.live() if row.get("model") == model and row.get("max_model_len")
+        ]
+        return min(lens) if lens else None
+
     async def tokenizer_of(self, model: str) -> str | None:
         """The digest of the tokenizer a live worker serving ``model`` wrote to Redis, if any did."""
         return next(
@@ -100,7 +111,9 @@ class ServerMetrics:
         self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
 
 
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
+)
 
 
 class AuthAndCount:
@@ -187,8 +200,52 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "roseinfer"} for m in await workers.models()]
+        data = []
+        for m in await workers.models():
+            data.append({"id": m, "object": "model", "created": 0, "owned_by": "roseinfer"})
+            if (length := await workers.max_model_len(m)) is not None:  # (vLLM's field: clients size prompts by it)
+                data[-1]["max_model_len"] = length
         return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await _body(request)
+        if isinstance(body, dict) and "messages" in body:  # (vLLM's chat form: its template is the worker's)
+            raise APIError(400, "tokenize takes a prompt here, not messages", param="messages")
+        req = parse_request(TokenizeRequest, body)
+        tokenizer = await _tokenizer(req.model)
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+        strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": await workers.max_model_len(req.model), "tokens": ids,
+                "token_strs": strs}  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(DetokenizeRequest, await _body(request))
+        tokenizer = await _tokenizer(req.model)
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise APIError(400, f"token ids past the model's vocabulary of {vocab}: {bad[:8]}", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def _tokenizer(model: str) -> Any:
+        """The tokenizer of ``model`` a live worker wrote to Redis; 404 for a model not served, 503 without one."""
+        await _served(model)
+        names = await tokenizers.names(await workers.tokenizer_of(model))
+        if names.tokenizer is None:
+            raise APIError(503, f"no live worker of {model!r} has its tokenizer in Redis", "service_unavailable")
+        return names.tokenizer
+
+    async def _served(model: str) -> None:
+        """``model`` among the models the queue's live workers serve: else 503 (none alive) or 404."""
+        served = await workers.models()
+        if not served:
+            raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
+        if model not in served:
+            raise APIError(404, f"model {model!r} is not served here (served: {served})", param="model",
+                           code="model_not_found")  # fmt: skip
+        if len(served) > 1:  # served still (a rollout, one model at several paths), and said
+            workers.warn(_mixed_models(client.queue_name, served))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -200,25 +257,13 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
 
     async def _complete(request: Request, kind: type) -> Any:
         wait = _answer_within(request, timeout)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        except RecursionError:  # arrays nested past the parser's depth: JSON, but no request
-            raise APIError(400, "the request body is nested too deeply") from None
+        body = await _body(request)
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
         else:
             req, fields = parse(kind, body)
             jobs_fields = [fields]
-        served = await workers.models()
-        if not served:
-            raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
-        if req.model not in served:
-            raise APIError(404, f"model {req.model!r} is not served here (served: {served})", param="model",
-                           code="model_not_found")  # fmt: skip
-        if len(served) > 1:  # served still (a rollout, one model at several paths), and said
-            workers.warn(_mixed_models(client.queue_name, served))
+        await _served(req.model)
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
@@ -382,6 +427,16 @@ def _job_error(exc: JobFailed | JobCanceled) -> APIError:
 def _timed_out(timeout: float) -> APIError:
     """The request outlived ``--timeout`` (its jobs are canceled)."""
     return _not_to_retry(APIError(504, f"no result within {timeout:g} s", "timeout"))
+
+
+async def _body(request: Request) -> Any:
+    """The request's JSON, or a 400 saying why not."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # arrays nested past the parser's depth: JSON, but no request
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def _not_to_retry(err: APIError) -> APIError:

@@ -106,6 +106,7 @@ def engine_that_recommends() -> FakeEngine:
     engine = FakeEngine()
     engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9}
     engine.tokenizer_json = lambda: '{"model": "its tokenizer"}'
+    engine.max_model_len = 4096
     return engine
 
 
@@ -660,10 +661,10 @@ def test_what_a_dead_child_sent_before_it_went_is_read_first():
 @pytest.mark.slow
 def test_the_models_recommended_settings_reach_the_worker_from_an_engine_process():
     """Jobs are checked in the worker's process, where their unset fields take the model's settings; the worker
-    writes the model's tokenizer to Redis from there too."""
+    writes the model's tokenizer to Redis and names its context length from there too."""
     pump = EngineProcess(engine_that_recommends)
     try:
         assert pump.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
-        assert pump.tokenizer_json() == '{"model": "its tokenizer"}'
+        assert pump.tokenizer_json() == '{"model": "its tokenizer"}' and pump.max_model_len == 4096
     finally:
         pump.close()

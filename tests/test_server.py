@@ -308,6 +308,32 @@ def test_prompt_logprobs_come_back_in_vllms_shape(served, oai, redis_url):
         assert err.value.body["param"] == "prompt_logprobs"
 
 
+def test_tokenize_and_detokenize_as_vllm_with_the_workers_tokenizer(served, redis_url):
+    """vLLM's /tokenize and /detokenize (404s before), by the tokenizer the worker wrote to Redis: a prompt's ids are
+    the ones its job computes; /v1/models gives the context length, as vLLM's does."""
+    worker, server, model = served
+    http = httpx.Client(base_url=server.url, timeout=30)
+    prompt = "The sea is wide, \u00e9t\u00e9 <|im_end|>"
+    job = direct(redis_url, worker.queue, prompt=prompt, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    out = http.post("/tokenize", json={"model": model, "prompt": prompt, "return_token_strs": True}).json()
+    length = worker.worker.engine.max_model_len
+    assert out["tokens"] == job["prompt_token_ids"] and (out["count"], out["max_model_len"]) == (
+        len(job["prompt_token_ids"]),
+        length,
+    )
+    assert out["token_strs"] == [_model_tokenizer(model).id_to_token(t) for t in out["tokens"]]
+    assert http.post("/detokenize", json={"model": model, "tokens": out["tokens"]}).json() == {"prompt": prompt}
+    assert [m["max_model_len"] for m in http.get("/v1/models").json()["data"]] == [length]
+    for path, body, status, param in [
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": model, "messages": [{"role": "user", "content": "x"}]}, 400, "messages"),
+        ("/detokenize", {"model": model, "tokens": [1, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"model": model, "tokens": [True]}, 400, "tokens.0"),
+    ]:
+        reply = http.post(path, json=body)
+        assert (reply.status_code, reply.json()["error"]["param"]) == (status, param), (path, body, reply.text)
+
+
 def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
     """Each chunk carries its tokens' logprobs (chat: ``content`` entries; text: token lists), and together they are
     the non-streamed answer's: the same tokens, values and alternatives."""

@@ -1286,6 +1286,7 @@ class BatchWorker(BaseWorker):
             "model": self.settings.model_name,
             "redis": self.sender.refusing or "ok",
             "tokenizer": self.tokenizer_digest,  # ("": none in Redis)
+            "max_model_len": getattr(self.engine, "max_model_len", None) or "",
         }
 
     def stats_key(self) -> str:

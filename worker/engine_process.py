@@ -8,13 +8,13 @@ steps without waiting for the parent; the parent keeps Redis, RQ and the jobs' b
 
 Messages go over two pipes, one each way (the child reads its own on a thread). Parent to child: ``("jobs", [...])``
 (submits, batched), ``("cancel", [job_id, ...], reason)``, ``("stop",)``. Child to parent: ``("ready", facts, the
-model's sampling defaults, its tokenizer's JSON or None)``, ``("step", events, facts, [step seconds, ...])`` after
-each engine step, ``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event, ...]}, facts)``,
-``("error", text)`` if the child's loop itself fails (first of all, ``("error", text, "config")`` for a bad option).
-The child decides when a step's text is handed out (``event_interval_ms`` / ``max_events_per_s``, as ``BatchWorker``
-does in-process), dies with its parent, and a full pipe slows the engine down rather than drop anything. A child
-that holds jobs and sends nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel or lock): it prints
-its threads' stacks and is killed, and its jobs fail retryably, as if it had died.
+model's description: its sampling defaults, context length and tokenizer's JSON)``, ``("step", events, facts, [step
+seconds, ...])`` after each engine step, ``("alive",)`` while a step admits jobs, ``("canceled", {job_id: [event,
+...]}, facts)``, ``("error", text)`` if the child's loop itself fails (first of all, ``("error", text, "config")``
+for a bad option). The child decides when a step's text is handed out (``event_interval_ms`` / ``max_events_per_s``,
+as ``BatchWorker`` does in-process), dies with its parent, and a full pipe slows the engine down rather than drop
+anything. A child that holds jobs and sends nothing for ``step_timeout`` seconds is taken for hung (a stuck kernel
+or lock): it prints its threads' stacks and is killed, and its jobs fail retryably, as if it had died.
 """
 
 from __future__ import annotations
@@ -161,8 +161,12 @@ def _serve(
         log.exception("the engine could not start")
         conn.send(("error", f"the engine could not start: {type(exc).__name__}: {exc}"))
         return
-    tokenizer = getattr(engine, "tokenizer_json", lambda: None)()
-    conn.send(("ready", _facts(engine), dict(getattr(engine, "sampling_defaults", {})), tokenizer))
+    about = {
+        "sampling_defaults": dict(getattr(engine, "sampling_defaults", {})),
+        "max_model_len": getattr(engine, "max_model_len", None),
+        "tokenizer_json": getattr(engine, "tokenizer_json", lambda: None)(),
+    }
+    conn.send(("ready", _facts(engine), about))
     pump.on_admitted = _SaysAlive(conn)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_commands, args=(commands, inbox), name="roseinfer-commands", daemon=True).start()
@@ -259,18 +263,20 @@ class EngineProcess:
             if until is not None and time.monotonic() > until:
                 self.close()
                 raise EngineProcessDied(f"the engine process did not start within {start_timeout:.0f} s")
-        # (the model's sampling defaults, for jobs' unset fields; its tokenizer's JSON, for ``tokenizer_json``)
-        self.facts, self.sampling_defaults, self._tokenizer_json = self._receive_first()
+        self.facts, about = self._receive_first()
+        self.sampling_defaults = about["sampling_defaults"]  # (the model's, for jobs' unset fields)
+        self.max_model_len: int | None = about["max_model_len"]
+        self._tokenizer_json: str | None = about["tokenizer_json"]
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
         from roseinfer.llm_engine import settle_garbage_collector
 
         settle_garbage_collector()
 
-    def _receive_first(self) -> tuple[EngineFacts, dict[str, Any], str | None]:
+    def _receive_first(self) -> tuple[EngineFacts, dict[str, Any]]:
         kind, *rest = self._recv()
         if kind == "ready":
-            return rest[0], rest[1], rest[2]
+            return rest[0], rest[1]
         self.close()
         if kind == "error" and rest[1:] == ["config"]:
             raise ConfigError(rest[0])
