@@ -214,7 +214,8 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             raise APIError(400, "tokenize takes a prompt here, not messages", param="messages")
         req = parse_request(TokenizeRequest, body)
         tokenizer = await _tokenizer(req.model)
-        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens).ids
+        # (off the event loop: a long prompt's encoding would hold every other request)
+        ids = (await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)).ids
         strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": await workers.max_model_len(req.model), "tokens": ids,
                 "token_strs": strs}  # fmt: skip
@@ -226,7 +227,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         if bad := [t for t in req.tokens if not 0 <= t < vocab]:
             raise APIError(400, f"token ids past the model's vocabulary of {vocab}: {bad[:8]}", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     async def _tokenizer(model: str) -> Any:
         """The tokenizer of ``model`` a live worker wrote to Redis; 404 for a model not served, 503 without one."""
