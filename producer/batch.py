@@ -54,7 +54,7 @@ from producer.openai_api import (
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.schema import JobRequest
-from producer.token_names import BY_ID, TokenNames, load_names
+from producer.token_names import BY_ID, TokenNames, digest_of, load_names
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -843,8 +843,7 @@ class ModelTokenNames:
 
     def __call__(self, model: str) -> TokenNames:
         if model not in self._by_model:
-            rows = self.client.workers()
-            digest = next((r["tokenizer"] for r in rows if r.get("model") == model and r.get("tokenizer")), None)
+            digest = digest_of(self.client.workers(), model)
             self._by_model[model] = load_names(self.client.connection, digest)
         return self._by_model[model]
 

@@ -43,7 +43,7 @@ from producer.openai_api import (
     parse_request,
     total_usage,
 )
-from producer.token_names import BY_ID, TokenizerCache
+from producer.token_names import BY_ID, TokenizerCache, digest_of
 
 log = logging.getLogger("roseinfer.server")
 
@@ -87,9 +87,7 @@ class Workers:
 
     async def tokenizer_of(self, model: str) -> str | None:
         """The digest of the tokenizer a live worker serving ``model`` wrote to Redis, if any did."""
-        return next(
-            (row["tokenizer"] for row in await self.live() if row.get("model") == model and row.get("tokenizer")), None
-        )
+        return digest_of(await self.live(), model)
 
     def warn(self, message: str) -> None:
         """``message`` logged as a warning, once a minute at most."""

@@ -42,6 +42,11 @@ class TokenNames:
 BY_ID = TokenNames()
 
 
+def digest_of(workers: list[dict[str, Any]], model: str) -> str | None:
+    """The digest of the tokenizer a live worker serving ``model`` wrote to Redis (rows of ``Client.workers``)."""
+    return next((w["tokenizer"] for w in workers if w.get("model") == model and w.get("tokenizer")), None)
+
+
 class TokenizerCache:
     """The workers' tokenizers by digest, each read from Redis and parsed once (a few MB of JSON: ~0.1 s, off the
     event loop). A digest whose tokenizer cannot be had names tokens by id, and is tried again a minute later."""
