@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_TOOLS = 128  # OpenAI's
 # Levels of objects and lists in a JSON value of the payload (a schema, metadata). Python's own recursion limit
 # is near 1,000 levels in pickle, json and copies: a job nested deeper crashed a worker that sends it to its engine
 # process, and every worker its retries reached. Real schemas stay far below.
@@ -37,15 +39,84 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str = Field(description="the call's arguments: a JSON object's text (empty: none)")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        if value.strip() and not isinstance(_json_or_none(value), dict):
+            raise ValueError("a tool call's arguments are a JSON object's text")
+        return value
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's ``tool_calls``), given to the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_form(self) -> dict[str, Any]:
+        """As chat templates read it (and vLLM gives it them): the arguments as an object, not its text."""
+        arguments = _json_or_none(self.function.arguments) if self.function.arguments.strip() else {}
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = Field(None, description="the speaker's name, given to the chat template (which may not use it)")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls of tools, for the chat template")
+    tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+
+    @model_validator(mode="after")
+    def _calls_of_an_assistant(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     def texts(self) -> list[str]:
-        return [self.content] if self.name is None else [self.content, self.name]
+        calls = [t for call in self.tool_calls or () for t in (call.function.name, call.function.arguments)]
+        return [self.content, *([] if self.name is None else [self.name]), *calls]
+
+    def template_form(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True, exclude={"tool_calls"})
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.template_form() for call in self.tool_calls]
+        return out
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="its arguments' JSON schema (none: it takes none)")
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may be told of (OpenAI's ``tools``): given to the chat template, which may show it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 class StructuredOutputs(BaseModel):
@@ -135,6 +206,9 @@ class JobRequest(BaseModel):
         None, description="the prompt as token ids of the worker's model (no chat template)"
     )
     messages: list[ChatMessage] | None = Field(None, description="chat messages (the model's chat template applied)")
+    tools: list[ToolSpec] | None = Field(
+        None, max_length=MAX_TOOLS, description="tools for the chat template to show the model (with messages)"
+    )
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
     min_tokens: NonNegInt = Field(0, description="tokens before EOS, a stop token or a stop string may end the output")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
@@ -249,12 +323,15 @@ class JobRequest(BaseModel):
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are shown by the chat template: give messages with them")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give structured_outputs or response_format, not both")
         schema = (self.structured_form() or {}).get("json")
-        for name, value in (("structured output schema", schema), ("metadata", self.metadata)):
+        tools = [tool.function.parameters for tool in self.tools or ()]
+        for name, value in (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools)):
             if json_depth(value) > MAX_JSON_DEPTH:
                 raise ValueError(f"the {name} nests objects and lists deeper than {MAX_JSON_DEPTH} levels")
         return self
@@ -264,6 +341,9 @@ class JobRequest(BaseModel):
         if self.structured_outputs is not None:
             return self.structured_outputs.engine_form()
         return self.response_format.engine_form() if self.response_format is not None else None
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -280,7 +360,8 @@ class JobRequest(BaseModel):
     def engine_prompt(self) -> dict[str, Any]:
         """The prompt in the form ``LLMEngine.add_request`` takes."""
         if self.messages is not None:
-            return {"messages": [m.model_dump(exclude_none=True) for m in self.messages]}
+            messages = [m.template_form() for m in self.messages]
+            return {"messages": messages} if self.tools is None else {"messages": messages, "tools": self.tool_specs()}
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": list(self.prompt_token_ids)}
         return {"prompt": self.prompt}
@@ -314,7 +395,7 @@ class JobRequest(BaseModel):
 
 # Where a value may take one of several types, pydantic names the one it tried in the error's location
 # (``content.str``, ``content.list[TextPart]``): not part of the field's path.
-_UNION_MEMBER = re.compile(r"(str|int|float|bool|bytes|dict|list|tuple)(\[.*\])?|[A-Z]\w*(\[.*\])?")
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|bytes|dict|list|tuple)(\[.*\])?|literal\[.*\]|[A-Z]\w*(\[.*\])?")
 
 
 def field_path(loc: tuple | list) -> str:

@@ -52,10 +52,13 @@ class LLM:
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; the chat template is applied to each."""
+        """One conversation (a list of messages) or several; the chat template is applied to each, given ``tools``
+        (OpenAI's function definitions) where there are some, as vLLM's ``LLM.chat``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([{"messages": list(c)} for c in conversations], sampling_params, use_tqdm)
+        extra = {} if tools is None else {"tools": tools}
+        return self._run([{"messages": list(c), **extra} for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -165,6 +165,44 @@ def test_a_messages_name_reaches_the_chat_template_from_a_job_and_from_the_serve
         JobRequest.model_validate({"messages": [{"role": "user", "content": "hi", "name": "ann\udce9"}]})
 
 
+def test_tools_and_tool_calls_reach_a_chat_template_that_shows_them(chat_engine):
+    """A template that shows tools (as Qwen's and Hermes' do) gets a job's tools, its assistant's calls with their
+    arguments as objects, and the tool's answer, from a job's payload and from an OpenAI request alike; in a batch
+    beside chats without tools, each renders as alone."""
+    from producer.openai_api import ChatCompletionRequest, parse
+    from producer.schema import JobRequest
+
+    shows = copy.deepcopy(chat_engine.tokenizer)
+    shows.chat_template = (
+        "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id is defined %} (to {{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "Rain", "tool_call_id": "c1"},
+    ]
+    text = "tools: get_weather\nuser: Weather?\nassistant: [get_weather city=Oslo]\ntool: Rain (to c1)\n"
+    expected = shows(text, add_special_tokens=False)["input_ids"]
+    _, fields = parse(
+        ChatCompletionRequest, {"model": "m", "messages": messages, "tools": tools, "tool_choice": "none"}
+    )
+    plain = {"messages": [{"role": "user", "content": "Weather?"}]}
+    payload = {"messages": [messages[0], {**messages[1], "content": ""}, messages[2]], "tools": tools}
+    for job in (fields, payload):
+        prompt = JobRequest.model_validate(job).engine_prompt()
+        assert chat_engine.tokenize(prompt, shows)[1] == expected
+        got = chat_engine.tokenize_many([plain, prompt, plain], shows)
+        assert got[1] == (None, expected)
+        assert got[0] == got[2] == chat_engine.tokenize(plain, shows)
+    with pytest.raises(ValueError, match="'messages' with 'tools'"):
+        chat_engine.tokenize({"prompt": "x", "tools": tools})
+
+
 HOLD = [c + "\x00\x01" for c in "abcdefghijklmnopqrstuvwxyz.,)"]
 
 

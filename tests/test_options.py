@@ -29,6 +29,7 @@ ENGINE_ONLY = {
 PAYLOAD_ONLY = {
     "prompt",
     "messages",
+    "tools",
     "prompt_token_ids",
     "custom_id",
     "metadata",
