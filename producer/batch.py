@@ -55,6 +55,7 @@ from producer.openai_api import (
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.schema import JobRequest
 from producer.token_names import BY_ID, TokenNames, digest_of, load_names
+from producer.tool_calls import ToolChoice
 
 log = logging.getLogger("roseinfer.batch")
 
@@ -91,6 +92,7 @@ class Line:
     row: dict[str, Any] | None = None  # a plain row's columns (a Parquet output keeps them)
     prompt_logprobs: int | None = None  # what the line asked for (vLLM's), shown in its output line
     echo: bool = False  # a completion's echo: its output begins with the prompt (and its logprobs)
+    tools: ToolChoice | None = None  # a chat's tool calls (by structured output): its output's tool_calls
 
 
 def new_run_id() -> str:
@@ -165,7 +167,11 @@ def parse_line(
     # As the line asked: an echo puts prompt_logprobs in the payload too, for the prompt it shows its own way.
     asked = {} if options.plain else obj.get("body", obj)
     shown, echo = asked.get("prompt_logprobs"), bool(asked.get("echo"))
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo)
+    tools = None  # (an OpenAI line's: a job payload's own tools ask for no calls)
+    if not options.plain and "body" in obj and url == "/v1/chat/completions":  # (the server's reading took it)
+        parallel = asked.get("parallel_tool_calls") is not False
+        tools = ToolChoice.of(asked.get("tools"), asked.get("tool_choice"), parallel)
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo, tools)
 
 
 def _utf8(text: str | bytes) -> str:
@@ -276,7 +282,7 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     token_names = names(result["model"]) if named and names is not None else BY_ID
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
-        choices = chat_choices(result, None)
+        choices = chat_choices(result, None, tools=line.tools)
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)
@@ -723,8 +729,11 @@ def dry_run(
 def count_prompt_tokens(tokenizer: Any, payload: dict[str, Any]) -> int:
     """The prompt's tokens as the worker makes them: the chat template applied to messages, a plain prompt as is."""
     if "messages" in payload:
-        chat = tokenizer.apply_chat_template(payload["messages"], add_generation_prompt=True, return_dict=False)
-        return len(chat)
+        chat = JobRequest.model_validate(payload).engine_prompt()  # (the template's forms: tool calls' arguments)
+        ids = tokenizer.apply_chat_template(
+            chat["messages"], tools=chat.get("tools"), add_generation_prompt=True, return_dict=False
+        )
+        return len(ids)
     if "prompt_token_ids" in payload:
         return len(payload["prompt_token_ids"])
     return len(tokenizer.encode(payload["prompt"]))

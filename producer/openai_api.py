@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 from producer.protocol import usage_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
+from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
-    "tools", "tool_choice",  # (these only where they ask for nothing: ``_Common.sampling``)
+    "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
 )  # fmt: skip
 
 
@@ -66,14 +67,63 @@ class TextPart(_Shape):
     text: str
 
 
+class FunctionCall(_Shape):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Shape):
+    """A call an assistant made earlier in the conversation (a response's ``tool_calls``, sent back)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Shape):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # none: an assistant's message of tool calls alone
     name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
-    tool_call_id: str | None = None  # a tool message's (OpenAI requires it there): taken, not used
+    tool_calls: list[ToolCall] | None = None  # an assistant's: given to the chat template
+    tool_call_id: str | None = None  # a tool message's: the call it answers, given to the chat template
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's message of tool_calls may leave it out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""  # (vLLM's, for a template that reads content as a string)
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # (vLLM's)
+
+    def job_form(self) -> dict[str, Any]:
+        """The message as a job's payload carries it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out.update(self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True))
+        return out
+
+
+class FunctionDefinition(_Shape):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # (OpenAI's rule)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None  # the arguments always follow the schema here, strict or not
+
+
+class Tool(_Shape):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Shape):
+    name: str
+
+
+class NamedToolChoice(_Shape):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Shape):
@@ -118,25 +168,30 @@ class _Common(_Shape):
     parallel_tool_calls: bool | None = None
     logit_bias: dict[str, float] | None = None  # checked as the job's (token ids as keys, values in [-100, 100])
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top N, in the response (not streamed)
-    # Taken where they ask for nothing (clients send them empty); a real use is a 400: there are no tools here.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # A chat's function calling, by structured output (``producer/tool_calls.py``); a completion takes them empty.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # (a job's come in its result, not its events)
             raise APIError(400, "prompt_logprobs are not streamed: ask without stream", param="prompt_logprobs")
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice must be 'none' or 'auto' (there are no tools)", param="tool_choice")
         skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
         skip |= set() if self.logit_bias else {"logit_bias"}  # {}: no bias
         fields = {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
         if self.continuous_usage:  # the job's events carry the prompt's length, which the chunks' usage needs
             fields["stream_options"] = {"continuous_usage_stats": True}
         return fields
+
+    def tool_plan(self) -> ToolChoice | None:
+        """What ``tools`` and ``tool_choice`` ask for: calls made by structured output, or none."""
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        try:
+            return ToolChoice.of(tools, choice, parallel=self.parallel_tool_calls is not False)
+        except ToolChoiceError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
 
     @property
     def continuous_usage(self) -> bool:
@@ -163,9 +218,17 @@ class ChatCompletionRequest(_Common):
             fields["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        fields["messages"] = [
-            {"role": m.role, "content": m.text(), **({} if m.name is None else {"name": m.name})} for m in self.messages
-        ]
+        fields["messages"] = [m.job_form() for m in self.messages]
+        if self.tools:  # shown by the chat template (even with tool_choice "none", as vLLM does)
+            fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if (plan := self.tool_plan()) is not None:
+            if self.response_format is not None or self.structured_outputs is not None:
+                given = "response_format" if self.response_format is not None else "structured_outputs"
+                raise APIError(400, f"tool_choice constrains the output already: give it or {given}", param=given)
+            try:
+                fields["structured_outputs"] = {"json": plan.schema()}
+            except ToolChoiceError as exc:
+                raise APIError(400, str(exc), param=exc.param) from None
         return fields
 
 
@@ -203,6 +266,8 @@ class CompletionRequest(_Common):
             fields["prompt_logprobs"] = max(self.logprobs or 0, self.prompt_logprobs or 0)
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tools (function calling) are for /v1/chat/completions", param="tools")
         fields.pop("echo", None)
         fields.pop("suffix", None)
         fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
@@ -366,19 +431,31 @@ def samples(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def chat_choices(
-    result: dict[str, Any], request: ChatCompletionRequest | None, names: TokenNames = BY_ID
+    result: dict[str, Any],
+    request: ChatCompletionRequest | None,
+    names: TokenNames = BY_ID,
+    tools: ToolChoice | None = None,
 ) -> list[dict[str, Any]]:
+    """``tools``: the calls the output holds (by default the request's plan), read back into ``tool_calls``."""
     top = request.num_logprobs if request is not None else None
     want = top is not None
+    tools = tools or (request.tool_plan() if request is not None else None)
     return [
         {
             "index": s["index"],
-            "message": {"role": "assistant", "content": s.get("text", "")},
+            "message": _message(s.get("text", ""), tools),
             "finish_reason": finish_reason(s.get("finish_reason")),
             "logprobs": chat_logprobs(s, top or 0, names) if want else None,
         }
         for s in samples(result)
     ]
+
+
+def _message(text: str, tools: ToolChoice | None) -> dict[str, Any]:
+    if tools is None:
+        return {"role": "assistant", "content": text}
+    calls = tools.calls(text)  # (none where the only call was cut short: the finish reason says "length")
+    return {"role": "assistant", "content": None, **({"tool_calls": calls} if calls else {})}  # (OpenAI's null)
 
 
 def completion_choices(
@@ -483,8 +560,11 @@ class ChunkWriter:
         include_usage: bool = False,
         continuous_usage: bool = False,
         names: TokenNames = BY_ID,
+        tools: ToolChoice | None = None,
     ) -> None:
         self.names = names
+        self.tools = tools  # a chat's tool calls, made by structured output: its text goes out as their deltas
+        self.calls: dict[int, CallStream] = {}  # choice -> its tool calls read so far
         self.sent: dict[int, int] = {}  # choice -> the length of its text sent (a completion's text_offset)
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
@@ -501,13 +581,19 @@ class ChunkWriter:
 
     def piece(
         self, text: str, reason: str | None = None, first: bool = False, index: int = 0, event: dict | None = None
-    ) -> dict[str, Any]:
-        """A chunk of ``text``; with ``event``, the logprobs of its tokens too (where the request asked for them)."""
+    ) -> dict[str, Any] | None:
+        """A chunk of ``text``; with ``event``, the logprobs of its tokens too (where the request asked for them).
+        None: nothing to send (text that completes no tool call yet)."""
         shown = event if self.logprobs is not None and event and event.get("logprobs") else None
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            if reason is not None and not text:
-                delta = {}
+            if self.tools is not None:
+                delta = self._calls_delta(text, first, index)
+                if not delta and reason is None and shown is None and not first:
+                    return None
+            else:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                if reason is not None and not text:
+                    delta = {}
             logprobs = chat_logprobs(shown, self.logprobs or 0, self.names) if shown else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         else:
@@ -521,6 +607,15 @@ class ChunkWriter:
         elif self.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def _calls_delta(self, text: str, first: bool, index: int) -> dict[str, Any]:
+        assert self.tools is not None
+        if first:
+            self.calls[index] = stream = self.tools.stream()
+            opening = stream.opening()
+            return {"role": "assistant", "content": None, **({"tool_calls": opening} if opening else {})}
+        deltas = self.calls[index].feed(text)
+        return {"tool_calls": deltas} if deltas else {}
 
     def note_prompt(self, job: int, event: dict[str, Any]) -> None:
         """Job ``job``'s prompt length, from an event that carries the usage (continuous_usage_stats)."""

@@ -275,7 +275,16 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
             chunks = ChunkWriter(
-                job.id, req.model, chat, req.n, req.num_logprobs, echo, include_usage, req.continuous_usage, names
+                job.id,
+                req.model,
+                chat,
+                req.n,
+                req.num_logprobs,
+                echo,
+                include_usage,
+                req.continuous_usage,
+                names,
+                tools=req.tool_plan() if chat else None,
             )
             # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
             # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
@@ -477,13 +486,14 @@ async def _sse(
             chunks.count(i, event)
             index = base + event.get("index", 0)
             if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
-                if event["text"]:
-                    yield _data(chunks.piece(event["text"], index=index, event=event))
+                if event["text"] and (chunk := chunks.piece(event["text"], index=index, event=event)):
+                    yield _data(chunk)
                 raise JobCanceled(job.id, "the job was canceled")
             shows_logprobs = chunks.logprobs is not None and event.get("logprobs")  # tokens whose text waits
             if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
                 end = None if chunks.n > 1 else reason
-                yield _data(chunks.piece(event["text"], end, index=index, event=event))
+                if (chunk := chunks.piece(event["text"], end, index=index, event=event)) is not None:
+                    yield _data(chunk)
             if event.get("sample_finish_reason") and reason is None and index not in ended:  # as OpenAI, at once
                 ended.add(index)
                 yield _data(chunks.piece("", event["sample_finish_reason"], index=index))

@@ -228,7 +228,7 @@ def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
     assert [job["prompt"] for job in jobs] == [" ", "\n"] and req.n == 1 and jobs[0]["max_tokens"] == 16
     _, [job] = parse_completions({"model": "m", "prompt": "x", "max_tokens": None})
     assert "max_tokens" not in job  # null: to the context (as vLLM), not the legacy default of 16
-    with pytest.raises(APIError, match="are not supported"):  # a real value still is refused
+    with pytest.raises(APIError, match=r"tools\.0\.function: Field required"):  # a real value is still read
         parse(ChatCompletionRequest, {**body, "tools": [{"type": "function"}]})
     with pytest.raises(APIError, match="model: Field required"):
         parse(ChatCompletionRequest, {**body, "model": None})
@@ -440,13 +440,13 @@ def test_fields_that_ask_for_nothing_are_taken(field):
     assert not {"logit_bias", "tools", "tool_choice", "stream_options"} & set(fields)
 
 
-@pytest.mark.parametrize("field", [{"tools": [{"type": "function"}]}, {"tool_choice": "required"}])
+@pytest.mark.parametrize("field", [{"suffix": "x"}, {"tool_choice": "required"}])
 def test_fields_that_ask_for_what_is_not_here_are_a_400(field):
-    from producer.openai_api import APIError, ChatCompletionRequest, parse
+    from producer.openai_api import APIError, CompletionRequest, parse
 
     with pytest.raises(APIError) as err:
-        parse(ChatCompletionRequest, {"model": "m", "messages": MESSAGES, **field})
-    assert (err.value.status, err.value.param) == (400, next(iter(field)))
+        parse(CompletionRequest, {"model": "m", "prompt": "x", **field})
+    assert err.value.status == 400 and err.value.param in ("suffix", "tools")
 
 
 def test_an_integer_is_a_number_for_a_float_field():
@@ -1130,3 +1130,97 @@ def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_er
     while job.status() != "canceled" and time.time() < deadline:
         time.sleep(0.05)
     assert job.status() == "canceled"
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], set]:
+    """The tool calls of a streamed chat's one choice, put together as the official client's users do; its finish
+    reasons."""
+    calls: dict[int, dict] = {}
+    reasons = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert choice.delta.content in (None, "")
+            reasons.add(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
+                call["arguments"] += delta.function.arguments or ""
+    return calls, reasons - {None}
+
+
+def test_a_named_function_call_is_its_schemas_job_streamed_and_not(served, oai, redis_url):
+    """tool_choice naming a function: the job is the one constrained to its parameters (the tools told to the
+    template), its text the call's arguments; streamed, the call comes first and its arguments piece by piece."""
+    import jsonschema
+
+    worker, _, model = served
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = {
+        "model": model,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": named,
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    out = oai.chat.completions.create(**ask)
+    [choice] = out.choices
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    job = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0.0}
+    expected = direct(redis_url, worker.queue, **job, structured_outputs={"json": WEATHER})
+    assert call.function.arguments == expected["text"]
+    assert out.usage.completion_tokens == expected["usage"]["completion_tokens"]
+    calls, reasons = _streamed_calls(oai.chat.completions.create(**ask, stream=True))
+    assert list(calls) == [0] and reasons == {"stop"}
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+
+
+def test_required_tool_calls_are_read_from_the_output_streamed_and_not_and_go_back_into_the_conversation(
+    served, oai, redis_url
+):
+    worker, _, model = served
+    ask = {"model": model, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    out = oai.chat.completions.create(**ask, max_tokens=120)
+    [choice] = out.choices
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "now") for c in calls)
+    job = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "temperature": 0.0}
+    from producer.tool_calls import ToolChoice
+
+    expected = direct(
+        redis_url, worker.queue, **job, structured_outputs={"json": ToolChoice.of(TOOLS, "required").schema()}
+    )
+    array = json.loads(expected["text"])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (c["name"], c["parameters"]) for c in array
+    ]
+    streamed, reasons = _streamed_calls(oai.chat.completions.create(**ask, max_tokens=120, stream=True))
+    assert reasons == {"stop"} and list(streamed) == list(range(len(calls)))
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+    # parallel_tool_calls false: one call
+    one = oai.chat.completions.create(**ask, max_tokens=120, parallel_tool_calls=False)
+    assert len(one.choices[0].message.tool_calls) == 1
+    # The answer goes back into the conversation with the tools' results, as an agent's loop sends it.
+    results = [{"role": "tool", "content": "12:00", "tool_call_id": c.id} for c in calls]
+    follow = [*MESSAGES, choice.message.model_dump(exclude_none=True), *results]
+    again = oai.chat.completions.create(model=model, messages=follow, tools=TOOLS, tool_choice="none", max_tokens=5)
+    assert again.choices[0].message.tool_calls is None and again.usage.prompt_tokens > out.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="needs a parser"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=5)

@@ -107,3 +107,53 @@ def test_every_kind_through_roseinfer_batch(served, tmp_path):
         elif not (kind == "json_object" and choice["finish_reason"] == "length"):
             assert choice["finish_reason"] == "stop", (kind, choice["text"])
             KINDS[kind][1](choice["text"])
+
+
+def test_tool_calls_through_roseinfer_batch(served, tmp_path):
+    """OpenAI batch lines that ask for tool calls get them in their output lines, as the server answers; a line
+    whose tool_choice cannot be done ("auto") is that line's error alone."""
+    from producer.batch import run_batch
+    from producer.tool_calls import ToolChoice
+
+    _, client = served
+    tools = [
+        {"type": "function", "function": {"name": "pet", "parameters": SCHEMA}},
+        {"type": "function", "function": {"name": "none_left"}},
+    ]
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": f"Pets {tmp_path.name}"}],
+        "max_tokens": 80,
+        "temperature": 0,
+    }
+    named = {"type": "function", "function": {"name": "pet"}}
+    bodies = {
+        "named": {"tool_choice": named},
+        "required": {"tool_choice": "required", "parallel_tool_calls": False},
+        "auto": {},
+    }
+    lines = [
+        {"custom_id": kind, "url": "/v1/chat/completions", "body": {**chat, "tools": tools, **asked}}
+        for kind, asked in bodies.items()
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_batch(client, src, out, poll_interval=0.05)
+    assert (summary["succeeded"], summary["failed"]) == (2, 1)
+    [error] = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["custom_id"] == "auto" and '"auto" tool choice needs a parser' in error["error"]["message"]
+    rows = {row["custom_id"]: row["response"]["body"] for row in map(json.loads, out.read_text().splitlines())}
+    for kind, body in rows.items():
+        [choice] = body["choices"]
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+        constraint = ToolChoice.of(tools, named if kind == "named" else "required", parallel=False).schema()
+        job = {**{k: chat[k] for k in ("messages", "max_tokens")}, "tools": tools}
+        text = client.submit(**job, temperature=0.0, structured_outputs={"json": constraint}).result(timeout=60)["text"]
+        calls = choice["message"]["tool_calls"]
+        if kind == "named":
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("pet", text)]
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+                (c["name"], c["parameters"]) for c in json.loads(text)
+            ]

@@ -1,0 +1,216 @@
+"""Function calling by structured output: what tools and tool_choice ask of a job, and the output read back into
+OpenAI's tool_calls, whole and streamed (the server's and batch's end to end are in test_server.py)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from producer.openai_api import APIError, ChatCompletionRequest, CompletionRequest, chat_choices, parse
+from producer.schema import JobRequest
+from producer.tool_calls import NO_PARAMETERS, ToolChoice, ToolChoiceError
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/unit"}},
+    "required": ["city", "unit"],
+    "$defs": {"unit": {"type": "string", "enum": ["c", "f"]}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},  # no parameters: it takes none
+]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _request(**fields) -> dict:
+    return {"model": "m", "messages": MESSAGES, "tools": TOOLS, **fields}
+
+
+def test_required_is_an_array_of_calls_of_the_tools_each_with_its_own_parameters():
+    schema = ToolChoice.of(TOOLS, "required").schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}, {"name": "now", "parameters": {}}]
+    jsonschema.validate(good, schema)
+    bad = [
+        [],  # no call
+        [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "kelvin"}}],  # a $ref kept pointing
+        [{"name": "now", "parameters": {"city": "Paris"}}],  # a function without parameters takes none
+        [{"name": "sudo", "parameters": {}}],  # not a tool
+        [{"name": "now", "parameters": {}, "also": 1}],
+    ]
+    for calls in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(calls, schema)
+    assert "$defs" in WEATHER  # (the tool's own schema is left as it was)
+    one = ToolChoice.of(TOOLS, "required", parallel=False).schema()
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(good, one)
+    jsonschema.validate(good[:1], one)
+
+
+def test_a_named_function_is_its_parameters_and_one_without_is_an_empty_object():
+    assert ToolChoice.of(TOOLS, NAMED).schema() == WEATHER
+    assert ToolChoice.of(TOOLS, {"type": "function", "function": {"name": "now"}}).schema() == NO_PARAMETERS
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "message"),
+    [
+        (TOOLS, None, '"auto" tool choice needs a parser'),  # OpenAI's default with tools is "auto"
+        (TOOLS, "auto", '"auto" tool choice needs a parser'),
+        ([], "required", 'tool_choice "required" needs tools'),
+        (None, NAMED, "needs tools"),
+        (TOOLS[1:], NAMED, "'get_weather', which is not among the tools"),
+        ([TOOLS[1], TOOLS[1]], "required", "two tools are named 'now'"),
+    ],
+)
+def test_what_cannot_be_done_is_refused_with_its_reason(tools, choice, message):
+    with pytest.raises(ToolChoiceError, match=message):
+        ToolChoice.of(tools, choice)
+
+
+def test_two_tools_defining_one_name_differently_are_refused():
+    other = {"type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "$defs": {"unit": {"type": "integer"}}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "other", "parameters": other}}]
+    with pytest.raises(ToolChoiceError, match=r"define \$defs/unit twice"):
+        ToolChoice.of(tools, "required").schema()
+    same = {**other, "$defs": WEATHER["$defs"]}
+    tools[1]["function"]["parameters"] = same
+    assert ToolChoice.of(tools, "required").schema()["$defs"] == WEATHER["$defs"]
+
+
+def test_none_asks_for_no_call():
+    assert ToolChoice.of(TOOLS, "none") is None and ToolChoice.of(None, None) is None
+
+
+OUTPUT = (
+    '[ {"name": "get_weather", "parameters": {"city": "Par}is \\"[{\\\\", "unit": "c"}},\n'
+    ' {"parameters": {}, "name": "now"} ]'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, len(OUTPUT)])
+def test_required_calls_streamed_in_any_pieces_are_the_calls_of_the_whole_output(size):
+    plan = ToolChoice.of(TOOLS, "required")
+    whole = plan.calls(OUTPUT)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
+        ("get_weather", {"city": 'Par}is "[{\\', "unit": "c"}),
+        ("now", {}),
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in whole)
+    assert len({c["id"] for c in whole}) == 2
+    stream = plan.stream()
+    assert stream.opening() == []
+    deltas = [d for i in range(0, len(OUTPUT), size) for d in stream.feed(OUTPUT[i : i + size])]
+    assert [d["index"] for d in deltas] == [0, 1]
+    assert [d["function"] for d in deltas] == [c["function"] for c in whole]
+
+
+def test_a_call_cut_short_is_left_out_and_a_named_functions_arguments_are_the_output_as_it_came():
+    cut = OUTPUT[: OUTPUT.index('"name": "now"')]
+    assert [c["function"]["name"] for c in ToolChoice.of(TOOLS, "required").calls(cut)] == ["get_weather"]
+    plan = ToolChoice.of(TOOLS, NAMED)
+    text = '{"city": "Paris", "unit": "c"}'
+    [call] = plan.calls(text)
+    assert call["function"] == {"name": "get_weather", "arguments": text}
+    stream = plan.stream()
+    [opening] = stream.opening()
+    assert opening["index"] == 0 and opening["function"] == {"name": "get_weather", "arguments": ""}
+    pieces = [d["function"]["arguments"] for i in range(0, len(text), 4) for d in stream.feed(text[i : i + 4])]
+    assert "".join(pieces) == text and stream.feed("") == []
+
+
+def test_a_chat_request_with_tool_choice_is_a_job_constrained_to_its_calls_and_told_of_the_tools():
+    req, fields = parse(ChatCompletionRequest, _request(tool_choice="required", parallel_tool_calls=False))
+    assert fields["tools"] == TOOLS
+    assert fields["structured_outputs"] == {"json": ToolChoice.of(TOOLS, "required", parallel=False).schema()}
+    assert "tool_choice" not in fields and "parallel_tool_calls" not in fields
+    job = JobRequest.model_validate(fields)
+    assert job.engine_prompt() == {"messages": MESSAGES, "tools": TOOLS}
+    result = {"text": '[{"name": "now", "parameters": {}}]', "finish_reason": "stop"}
+    [choice] = chat_choices(result, req)
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    # tool_choice "none": the template is told of the tools all the same (vLLM's), and nothing constrains the output
+    req, fields = parse(ChatCompletionRequest, _request(tool_choice="none"))
+    assert fields["tools"] == TOOLS and "structured_outputs" not in fields
+    assert chat_choices({"text": "Sunny."}, req)[0]["message"] == {"role": "assistant", "content": "Sunny."}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({}, "tool_choice", '"auto" tool choice needs a parser'),
+        ({"tool_choice": {"type": "function", "function": {"name": "rm"}}}, "tool_choice", "not among the tools"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "always"}, "tool_choice", "Input should be"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools.0.function", "Field required"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools.0.function.name",
+         "should match pattern"),
+        ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format", "constrains the"),
+        ({"tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "constrains the"),
+    ],
+)  # fmt: skip
+def test_a_bad_tool_request_is_a_400_naming_its_parameter(fields, param, message):
+    with pytest.raises(APIError, match=message) as err:
+        parse(ChatCompletionRequest, _request(**fields))
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_a_completion_takes_no_tools():
+    for fields in ({"tools": TOOLS, "tool_choice": "none"}, {"tool_choice": "required"}):
+        with pytest.raises(APIError, match="for /v1/chat/completions") as err:
+            parse(CompletionRequest, {"model": "m", "prompt": "x", **fields})
+        assert err.value.param == "tools"
+    parse(CompletionRequest, {"model": "m", "prompt": "x", "tools": [], "tool_choice": "auto"})  # (sent empty)
+
+
+def test_a_conversation_with_tool_calls_goes_back_to_the_template_with_their_arguments_as_objects():
+    """A response's message dumped back (content null, its tool_calls), then the tool's answer: the job carries
+    both, and the template gets the arguments as an object, as vLLM and Hugging Face's templates take them."""
+    from openai.types.chat import ChatCompletionMessage
+
+    call = {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "now", "arguments": ""}}
+    call2 = {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    answer = ChatCompletionMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call, call2]})
+    messages = [*MESSAGES, answer.model_dump(), {"role": "tool", "content": "12:00", "tool_call_id": "chatcmpl-tool-1"}]
+    _, fields = parse(ChatCompletionRequest, _request(messages=messages, tool_choice="none"))
+    assert fields["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [call, call2]}
+    assert fields["messages"][2] == {"role": "tool", "content": "12:00", "tool_call_id": "chatcmpl-tool-1"}
+    prompt = JobRequest.model_validate(fields).engine_prompt()
+    assert [c["function"]["arguments"] for c in prompt["messages"][1]["tool_calls"]] == [{}, {"city": "Oslo"}]
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "assistant", "content": None}, "content is required"),
+        ({"role": "user", "content": None}, "content is required"),
+        ({"role": "user", "content": "hi", "tool_calls": [{"id": "1", "type": "function",
+          "function": {"name": "now", "arguments": "{}"}}]}, "only an assistant message carries tool_calls"),
+        ({"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+          "function": {"name": "now", "arguments": "{city"}}]}, "arguments are a JSON object's text"),
+        ({"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+          "function": {"name": "now", "arguments": "[1]"}}]}, "arguments are a JSON object's text"),
+    ],
+)  # fmt: skip
+def test_a_bad_message_is_a_400(message, error):
+    with pytest.raises(APIError, match=error) as err:
+        parse(ChatCompletionRequest, _request(messages=[*MESSAGES, message], tool_choice="none"))
+    assert err.value.status == 400 and err.value.param.startswith("messages")
+
+
+def test_a_jobs_tools_need_messages_and_are_bounded():
+    with pytest.raises(ValueError, match="give messages with them"):
+        JobRequest.model_validate({"prompt": "x", "tools": TOOLS})
+    with pytest.raises(ValueError, match="at most 128"):
+        JobRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[1:] * 129})
+    deep: dict = {}
+    for _ in range(120):
+        deep = {"type": "object", "properties": {"x": deep}}
+    with pytest.raises(ValueError, match="nests objects and lists deeper"):
+        JobRequest.model_validate({"messages": MESSAGES, "tools": [{"function": {"name": "f", "parameters": deep}}]})
