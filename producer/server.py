@@ -198,12 +198,19 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = []
-        for m in await workers.models():
-            data.append({"id": m, "object": "model", "created": 0, "owned_by": "roseinfer"})
-            if (length := await workers.max_model_len(m)) is not None:  # (vLLM's field: clients size prompts by it)
-                data[-1]["max_model_len"] = length
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [await _model_card(m) for m in await workers.models()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve (``client.models.retrieve``): 404 for a model no live worker serves, 503 with none."""
+        await _served(model)
+        return await _model_card(model)
+
+    async def _model_card(model: str) -> dict[str, Any]:
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "roseinfer"}
+        if (length := await workers.max_model_len(model)) is not None:  # (vLLM's field: clients size prompts by it)
+            card["max_model_len"] = length
+        return card
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -521,8 +521,12 @@ def test_health_models_and_api_key(served, redis_url):
     worker, server, model = served
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["workers"] == 1
-    models = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").models.list()
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    models = oai.models.list()
     assert [m.id for m in models.data] == [model]
+    assert oai.models.retrieve(model) == models.data[0]  # (OpenAI's retrieve; an id here may be a path)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        oai.models.retrieve("gpt-4o")
 
     locked = ServerThread(redis_url, worker.queue, api_key="sesame")
     try:
