@@ -41,7 +41,7 @@ _FLOATS = frozenset(("temperature", "top_p", "min_p", "presence_penalty", "frequ
 _NULL_MEANS_NO_LIMIT = ("max_tokens",)
 
 
-class _Shape(BaseModel):
+class APIShape(BaseModel):
     """A part of OpenAI's requests: unknown fields refused, and a null taken for a field not given, as OpenAI and
     vLLM take it (clients send nulls for what they leave unset: ``n=None``, and a response's message dumped back
     into the conversation carries ``refusal``, ``tool_calls`` ... as nulls). Types are strict, as OpenAI's and the
@@ -62,17 +62,17 @@ class _Shape(BaseModel):
         }
 
 
-class TextPart(_Shape):
+class TextPart(APIShape):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Shape):
+class FunctionCall(APIShape):
     name: str
     arguments: str
 
 
-class ToolCall(_Shape):
+class ToolCall(APIShape):
     """A call an assistant made earlier in the conversation (a response's ``tool_calls``, sent back)."""
 
     id: str
@@ -80,7 +80,7 @@ class ToolCall(_Shape):
     function: FunctionCall
 
 
-class Message(_Shape):
+class Message(APIShape):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None  # none: an assistant's message of tool calls alone
     name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
@@ -105,34 +105,34 @@ class Message(_Shape):
         return out
 
 
-class FunctionDefinition(_Shape):
+class FunctionDefinition(APIShape):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # (OpenAI's rule)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
     strict: bool | None = None  # the arguments always follow the schema here, strict or not
 
 
-class Tool(_Shape):
+class Tool(APIShape):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Shape):
+class FunctionName(APIShape):
     name: str
 
 
-class NamedToolChoice(_Shape):
+class NamedToolChoice(APIShape):
     type: Literal["function"]
     function: FunctionName
 
 
-class StreamOptions(_Shape):
+class StreamOptions(APIShape):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
     include_obfuscation: bool | None = None  # OpenAI's padding of chunks against side channels: none here
 
 
-class _Common(_Shape):
+class _Common(APIShape):
     """What chat and text completions share: OpenAI's sampling fields and vLLM's extras."""
 
     model: str
@@ -274,7 +274,7 @@ class CompletionRequest(_Common):
         return fields
 
 
-class TokenizeRequest(_Shape):
+class TokenizeRequest(APIShape):
     """vLLM's ``/tokenize``: a prompt's token ids by the model's tokenizer (a chat's messages are the worker's to
     render: its chat template is not in the tokenizer)."""
 
@@ -284,14 +284,14 @@ class TokenizeRequest(_Shape):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Shape):
+class DetokenizeRequest(APIShape):
     """vLLM's ``/detokenize``: token ids back to text."""
 
     model: str
     tokens: list[StrictInt]
 
 
-def parse_request(model: type[_Shape], body: Any) -> Any:
+def parse_request(model: type[APIShape], body: Any) -> Any:
     """The request, or an ``APIError`` naming the parameter at fault."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

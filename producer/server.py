@@ -43,6 +43,7 @@ from producer.openai_api import (
     parse_request,
     total_usage,
 )
+from producer.responses_api import ResponseWriter, parse_responses
 from producer.token_names import BY_ID, TokenizerCache, digest_of
 
 log = logging.getLogger("roseinfer.server")
@@ -293,18 +294,10 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
                 names,
                 tools=req.tool_plan() if chat else None,
             )
-            # --timeout from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are not;
-            # a client's read timeout counts between chunks too). The first events wait ``wait`` at most.
-            events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
-            try:  # the jobs' first events before the headers: a refused one is the request's status
-                first = asyncio.wait_for(_first_events(jobs, events), wait)  # (before the headers: the client waits)
-                early = await _unless_gone(request, jobs, first, wait)
+            try:
+                early, events = await _start_stream(request, jobs, wait)
             except ConnectionAbortedError:  # (its jobs canceled already)
-                events.close()
                 return Response(status_code=499, headers=ids)
-            except BaseException:  # (its jobs canceled already where they should be)
-                events.close()
-                raise
             stream = _sse(jobs, chunks, timeout, metrics.streams, early, events)
             return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
         try:
@@ -316,6 +309,39 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         else:
             body = completion_response(job.id, req.model, req, results, names)
         return JSONResponse(body, headers=ids)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        """OpenAI's Responses API: the chat job its request means, answered as a response or its events."""
+        wait = _answer_within(request, timeout)
+        req, chat, fields = parse_responses(await _body(request))
+        await _served(req.model)
+        job = await client.submit(**fields)
+        ids = _job_headers([job])
+        writer = ResponseWriter(job.id, req.model, req, chat.tool_plan())
+        try:
+            if req.stream:
+                early, events = await _start_stream(request, [job], wait)
+                stream = _response_sse(job, writer, timeout, metrics.streams, early, events)
+                return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
+            [result] = await _results_unless_gone(request, [job], wait)
+        except ConnectionAbortedError:  # (its job canceled already)
+            return Response(status_code=499, headers=ids)
+        return JSONResponse(writer.whole(result), headers=ids)
+
+    async def _start_stream(
+        request: Request, jobs: list[AsyncGenerationJob], wait: float
+    ) -> tuple[list[tuple[int, dict[str, Any]]], MergedEvents]:
+        """The jobs' events, those before the headers read: a job refused among them is the request's status.
+        ``--timeout`` counts from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are
+        not; a client's read timeout counts between chunks too). The first events wait ``wait`` at most."""
+        events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
+        try:
+            first = asyncio.wait_for(_first_events(jobs, events), wait)  # (before the headers: the client waits)
+            return await _unless_gone(request, jobs, first, wait), events
+        except BaseException:  # (its jobs canceled already where they should be)
+            events.close()
+            raise
 
     return app
 
@@ -517,22 +543,71 @@ async def _sse(
             yield _data(chunks.usage(total_usage(finals)))
         yield "data: [DONE]\n\n"
         finished = True
-    except (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError, RedisError) as exc:
-        if isinstance(exc, (JobFailed, JobCanceled)):
-            err = _job_error(exc)
-        elif isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
-            err = _not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
-        elif isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
-            err = APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
-        else:
-            err = APIError(500, str(exc), "server_error")
-        yield _data(err.body())
+    except STREAM_ERRORS as exc:
+        yield _data(_stream_error(exc, timeout).body())
         yield "data: [DONE]\n\n"
     finally:
         open_streams.dec()
         events.close()
         if not finished:
             _cancel_all_soon(jobs)
+
+
+STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError, RedisError)
+
+
+def _stream_error(exc: Exception, timeout: float) -> APIError:
+    """What ends a stream once its headers went out, as the error it sends."""
+    if isinstance(exc, (JobFailed, JobCanceled)):
+        return _job_error(exc)
+    if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
+        return _not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
+    if isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
+        return APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
+    return APIError(500, str(exc), "server_error")
+
+
+async def _response_sse(
+    job: AsyncGenerationJob,
+    writer: ResponseWriter,
+    timeout: float,
+    open_streams: Gauge,
+    early: list[tuple[int, dict[str, Any]]],
+    events: MergedEvents,
+) -> AsyncIterator[str]:
+    """A response's typed events from its job's: created, the text (or calls) as it comes, completed; an error
+    event where the job fails, and its cancel where the client goes away."""
+    finished = False
+    open_streams.inc()
+    try:
+        for event in writer.opening():
+            yield _typed(event)
+        async for _, event in events.after(early):
+            if event.get("reset") and writer.text:
+                raise StreamRestarted(job.id)  # text already sent cannot be taken back
+            reason = event.get("finish_reason")
+            if reason == "error":
+                raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+            for out in writer.piece(event["text"]):
+                yield _typed(out)
+            if reason == "abort":  # canceled: an error, as without streaming
+                raise JobCanceled(job.id, "the job was canceled")
+            if reason is not None:
+                for out in writer.closing(reason, event.get("usage") or {}):
+                    yield _typed(out)
+                break
+        finished = True
+    except STREAM_ERRORS as exc:
+        yield _typed(writer.error(_stream_error(exc, timeout)))
+    finally:
+        open_streams.dec()
+        events.close()
+        if not finished:
+            _cancel_soon(job)
+
+
+def _typed(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 class NothingYet(Exception):

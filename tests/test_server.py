@@ -481,10 +481,16 @@ def test_unknown_model_and_bad_json(served, oai):
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url, slow_steps):
+@pytest.mark.parametrize("path", ["chat/completions", "responses"])
+def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url, slow_steps, path):
     worker, server, model = served
-    body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as reply:
+    asked = (
+        {"messages": MESSAGES, "max_tokens": 230, "ignore_eos": True}
+        if path != "responses"
+        else {"input": "Hi", "max_output_tokens": 230}
+    )
+    body = {"model": model, **asked, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=30) as reply:
         job_id = reply.headers["x-roseinfer-job-id"]
         lines = (line for line in reply.iter_lines() if line.startswith("data: {"))
         next(lines), next(lines), next(lines)  # the role chunk, then text: the job runs; then the client goes
@@ -1228,3 +1234,48 @@ def test_required_tool_calls_are_read_from_the_output_streamed_and_not_and_go_ba
     assert again.choices[0].message.tool_calls is None and again.usage.prompt_tokens > out.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="needs a parser"):
         oai.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=5)
+
+
+def test_the_responses_api_is_the_chat_job_streamed_and_not(served, oai, redis_url):
+    """OpenAI's Responses API through the official client: the same job as a chat's (instructions a system
+    message), its text whole and as typed events (the client's own stream helper reads them), incomplete where
+    max_output_tokens cut it, tool calls as function_call items that go back as input."""
+    worker, _, model = served
+    ask = {"model": model, "instructions": "Be brief.", "input": "Tell me about the sea", "temperature": 0}
+    out = oai.responses.create(**ask, max_output_tokens=12)
+    chat = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    expected = direct(redis_url, worker.queue, messages=chat, max_tokens=12, temperature=0.0)
+    assert out.id.startswith("resp_") and out.output_text == expected["text"]
+    assert out.usage.output_tokens == expected["usage"]["completion_tokens"]
+    assert out.usage.input_tokens == expected["usage"]["prompt_tokens"]
+    assert expected["finish_reason"] == "length"  # (12 tokens of a random model)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    events = list(oai.responses.create(**ask, max_output_tokens=12, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{out.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output_text == out.output_text
+    # The client's stream helper wants response.completed: an output that ends by itself (a random model's does
+    # where a schema ends it).
+    fmt = {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER}}
+    with oai.responses.stream(**ask, max_output_tokens=60, text=fmt) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and json.loads(final.output_text)["unit"] in ("c", "f")
+    # Tool calls: "required" as function_call items, whole and streamed alike; they go back with their outputs.
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    calls = {"input": "Weather?", "tools": tools, "tool_choice": "required", "parallel_tool_calls": False}
+    out = oai.responses.create(model=model, **calls, temperature=0, max_output_tokens=60)
+    [call] = out.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("chatcmpl-tool-")
+    streamed = list(oai.responses.create(model=model, **calls, temperature=0, max_output_tokens=60, stream=True))
+    [item] = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert (item.name, item.arguments) == (call.name, call.arguments)
+    back = [{"role": "user", "content": "Weather?"}, call, {"type": "function_call_output", "call_id": call.call_id,
+                                                            "output": "Rain"}]  # fmt: skip
+    again = oai.responses.create(model=model, input=back, tools=tools, tool_choice="none", max_output_tokens=4)
+    assert again.usage.input_tokens > out.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="not stored here"):
+        oai.responses.create(model=model, input="Hi", previous_response_id=out.id)
+    for stream in (False, True):  # a job the worker refuses (a prompt past the context) is the request's 400
+        with pytest.raises(openai.BadRequestError, match="at most 255 prompt tokens"):
+            oai.responses.create(model=model, input="sea " * 400, stream=stream)

@@ -1,0 +1,367 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat completions' job: a request is read into the chat
+request it means (``input`` and ``instructions`` as messages, ``text.format`` as ``response_format``, function tools
+as tools), so every check and the job itself are the chat's; the answer comes back as a response object, or as its
+stream of typed events. Nothing is stored: a conversation goes on by sending it whole (no
+``previous_response_id``). No HTTP here."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from producer.openai_api import APIError, APIShape, ChatCompletionRequest, parse, parse_request
+from producer.tool_calls import CallStream, ToolChoice
+
+# The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
+# item's: instructions come first, calls of one answer share a message).
+_RENAMES = [
+    (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmessages(\.\d+)?"), "input"),
+    (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+    (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+]
+
+
+class InputText(APIShape):
+    type: Literal["input_text", "output_text"]  # (an earlier answer's part, sent back)
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(APIShape):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None  # (an earlier answer's item, sent back)
+    status: str | None = None
+    phase: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class FunctionCallItem(APIShape):
+    """A call an earlier answer made, sent back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(APIShape):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(APIShape):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(APIShape):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(APIShape):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(APIShape):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # (a reasoning model's; taken, as nothing here reads it)
+
+
+class ResponsesRequest(APIShape):
+    model: str
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    # Taken and changing nothing (nothing is stored here; the context is never cut but by max_output_tokens)
+    store: bool | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    # Asking for what is not here: a 400 (``chat_body``)
+    previous_response_id: str | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    # vLLM's extras (the openai client sends them through extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    priority: int | None = None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completions request this one means."""
+        if self.previous_response_id is not None:
+            raise APIError(400, "responses are not stored here: send the conversation as input",
+                           param="previous_response_id")  # fmt: skip
+        if self.background:
+            raise APIError(400, "background responses are not supported: stream, or wait", param="background")
+        if self.reasoning:
+            raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
+        if self.include:
+            raise APIError(400, f"include is not supported here: {self.include}", param="include")
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        fields = ("temperature", "top_p", "parallel_tool_calls", "metadata", "user", "top_k", "min_p",
+                  "repetition_penalty", "seed", "priority")  # fmt: skip
+        body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
+        if self.max_output_tokens is not None:
+            body["max_tokens"] = self.max_output_tokens
+        if self.tools:
+            functions = [t.model_dump(exclude={"type"}, exclude_none=True) for t in self.tools]
+            body["tools"] = [{"type": "function", "function": f} for f in functions]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.text is not None and self.text.format is not None and self.text.format.type != "text":
+            fmt = self.text.format
+            if fmt.type == "json_schema":
+                schema = fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True)
+                body["response_format"] = {"type": "json_schema", "json_schema": schema}
+            else:
+                body["response_format"] = {"type": "json_object"}
+        return body
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:  # (parallel calls)
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                output = item.output if isinstance(item.output, str) else "\n".join(p.text for p in item.output)
+                messages.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
+        return messages
+
+
+def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest, dict[str, Any]]:
+    """The request, the chat request it means and its job's payload; an ``APIError`` named in the Responses API's
+    terms."""
+    request: ResponsesRequest = parse_request(ResponsesRequest, body)
+    try:
+        chat, fields = parse(ChatCompletionRequest, request.chat_body())
+    except APIError as exc:
+        exc.message, exc.param = _renamed(exc.message), _renamed(exc.param)
+        raise
+    return request, chat, fields
+
+
+def _renamed(text: str | None) -> str | None:
+    for pattern, name in _RENAMES:
+        text = pattern.sub(name, text) if text is not None else None
+    return text
+
+
+def _usage(values: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = int(values.get("prompt_tokens", 0)), int(values.get("completion_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _function_call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """A chat tool call as the Responses API's output item."""
+    fn = call["function"]
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"], "status": status}  # fmt: skip
+
+
+class ResponseWriter:
+    """One response's object, whole or as the stream of its typed events, from its job's text."""
+
+    def __init__(self, job_id: str, model: str, request: ResponsesRequest, tools: ToolChoice | None) -> None:
+        self.request, self.tools = request, tools
+        self.head = {"id": f"resp_{job_id}", "object": "response", "created_at": int(time.time()), "model": model}
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # the output items, as they come
+        self.text = ""
+        self.calls: CallStream | None = None
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 reason: str | None = None) -> dict[str, Any]:  # fmt: skip
+        req = self.request
+        incomplete = status == "incomplete"
+        fmt = req.text.format.model_dump(exclude_none=True, by_alias=True) if req.text and req.text.format else None
+        return {
+            **self.head,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,  # (nothing is kept: a later previous_response_id could not find it)
+            "temperature": req.temperature,
+            "text": {"format": fmt or {"type": "text"}},
+            "tool_choice": _shown_choice(req.tool_choice, bool(req.tools)),
+            "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": _usage(usage) if usage is not None else None,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def whole(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The response to a job's result."""
+        status = "incomplete" if result.get("finish_reason") == "length" else "completed"
+        text = result.get("text", "")
+        if self.tools is not None:
+            output = [_function_call(call, status) for call in self.tools.calls(text)]
+        else:
+            message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
+                       "content": [_text_part(text)]}  # fmt: skip
+            output = [message]
+        return self.response(status, output, result.get("usage") or {})
+
+    # ----- streamed --------------------------------------------------------------------------------------------
+    def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": type_, "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The events before any text: the response created and in progress; a message's item and part opened (or
+        a named function's call)."""
+        started = self.response("in_progress", [])
+        events = [self._event("response.created", response=started), self._event("response.in_progress",
+                                                                                 response=started)]  # fmt: skip
+        if self.tools is None:
+            item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
+                    "content": []}  # fmt: skip
+            events += self._add(item)
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=0,
+                                      content_index=0, part=_text_part("")))  # fmt: skip
+            return events
+        self.calls = self.tools.stream()
+        for call in self.calls.opening():  # (a named function's: its arguments come as the text)
+            events += self._add(_function_call(call, "in_progress"))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        return [self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+
+    def piece(self, text: str) -> list[dict[str, Any]]:
+        """The events of the job's next text."""
+        if not text:
+            return []
+        self.text += text
+        if self.calls is None:
+            item = self.items[0]
+            return [self._event("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0,
+                                delta=text, logprobs=[])]  # fmt: skip
+        events = []
+        for delta in self.calls.feed(text):
+            if "id" in delta:  # a "required" call, whole: added, its arguments, done
+                events += self._add(_function_call(delta, "in_progress"))
+                events += self._arguments(len(self.items) - 1, delta["function"]["arguments"])
+            else:  # the named function's arguments, piece by piece
+                events += self._arguments(0, delta["function"]["arguments"], done=False)
+        return events
+
+    def _arguments(self, index: int, arguments: str, done: bool = True) -> list[dict[str, Any]]:
+        item = self.items[index]
+        events = [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=arguments)]  # fmt: skip
+        if done:
+            events += self._call_done(index, arguments)
+        return events
+
+    def _call_done(self, index: int, arguments: str, status: str = "completed") -> list[dict[str, Any]]:
+        item = self.items[index]
+        item.update(arguments=arguments, status=status)
+        return [
+            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        name=item["name"], arguments=arguments),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]  # fmt: skip
+
+    def closing(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events after the last text: the items done, then the response completed (or incomplete)."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events = []
+        if self.calls is None:
+            item = self.items[0]
+            part = _text_part(self.text)
+            item.update(status=status, content=[part])
+            events += [
+                self._event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+                            text=self.text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=0, item=dict(item)),
+            ]  # fmt: skip
+        elif self.calls.name is not None:  # the named function's call ends with the text
+            events += self._call_done(0, self.text, status)  # (cut short: "incomplete")
+        final = self.response(status, self.items, usage)
+        return [*events, self._event(f"response.{status}", response=final)]
+
+    def error(self, err: APIError) -> dict[str, Any]:
+        return self._event("error", code=err.code or err.type, message=err.message, param=err.param)
+
+
+def _shown_choice(choice: str | NamedFunction | None, has_tools: bool) -> Any:
+    if isinstance(choice, NamedFunction):
+        return choice.model_dump()
+    return choice or ("auto" if has_tools else "none")

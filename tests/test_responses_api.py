@@ -1,0 +1,105 @@
+"""OpenAI's Responses API read into the chat job it means (the server's end to end is in test_server.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer.openai_api import APIError
+from producer.responses_api import ResponseWriter, parse_responses
+from producer.tool_calls import ToolChoice
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather now", "parameters": WEATHER}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+
+
+def test_input_and_instructions_are_the_chats_messages_and_its_settings_the_jobs():
+    req, chat, job = parse_responses(
+        {"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0,
+         "text": {"format": {"type": "json_schema", "name": "pet", "schema": WEATHER, "strict": True}},
+         "metadata": {"k": "v"}, "store": True, "truncation": "disabled", "top_k": 3}
+    )  # fmt: skip
+    assert job["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert (job["max_tokens"], job["temperature"], job["metadata"], job["top_k"]) == (9, 0.0, {"k": "v"}, 3)
+    schema = {"name": "pet", "schema": WEATHER, "strict": True}
+    assert job["response_format"] == {"type": "json_schema", "json_schema": schema}
+    assert not req.stream and chat.tool_plan() is None
+    _, _, job = parse_responses({"model": "m", "input": "Hi", "text": {"format": {"type": "json_object"}}})
+    assert job["response_format"] == {"type": "json_object"}
+
+
+def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_chats():
+    """An earlier answer's output items sent back as input (as the official client's users do), parallel calls
+    one assistant message, each output a tool message answering its call."""
+    calls = [
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+    ]  # fmt: skip
+    part = {"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}
+    said = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": [part]}
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "?"}]},
+        said, *calls,
+        {"type": "function_call_output", "call_id": "call_1", "output": "Rain"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "Sun"},
+    ]  # fmt: skip
+    _, _, job = parse_responses({"model": "m", "input": items, "tools": TOOLS, "tool_choice": "none"})
+    assert job["tools"] == CHAT_TOOLS and "structured_outputs" not in job
+    assert job["messages"] == [
+        {"role": "user", "content": "Weather\n?"},
+        {"role": "assistant", "content": "Let me look."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
+        {"role": "tool", "content": "Rain", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "Sun", "tool_call_id": "call_2"},
+    ]  # fmt: skip
+
+
+def test_tool_choice_is_the_chats():
+    named = {"type": "function", "name": "get_weather"}
+    _, chat, job = parse_responses({"model": "m", "input": "Hi", "tools": TOOLS, "tool_choice": named})
+    assert chat.tool_plan() == ToolChoice.of(CHAT_TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert job["structured_outputs"] == {"json": WEATHER}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored here"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
+        ({"background": True}, "background", "background"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "include"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"input": []}, "input", "at least 1"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input"),
+        ({"tools": TOOLS}, "tool_choice", '"auto" tool choice needs a parser'),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "rm"}}, "tool_choice", "not among the tools"),
+        ({"tools": [{**TOOLS[0], "name": "a b"}], "tool_choice": "none"}, "tools.0.name", "pattern"),
+        ({"temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "unsupported parameter"),
+    ],
+)
+def test_what_cannot_be_done_is_a_400_in_the_responses_apis_terms(fields, param, message):
+    with pytest.raises(APIError, match=message) as err:
+        parse_responses({"model": "m", "input": "Hi", **fields})
+    assert err.value.status == 400 and (err.value.param or "").startswith(param), err.value.param
+
+
+def test_a_responses_events_are_numbered_and_end_with_the_whole_response():
+    req, chat, _ = parse_responses({"model": "m", "input": "Hi", "stream": True})
+    writer = ResponseWriter("job1", "m", req, chat.tool_plan())
+    events = [*writer.opening(), *writer.piece("Hel"), *writer.piece(""), *writer.piece("lo")]
+    events += writer.closing("length", {"prompt_tokens": 3, "completion_tokens": 2})
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete",
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    assert final["id"] == "resp_job1" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["content"][0]["text"] == "Hello" and final["usage"]["total_tokens"] == 5
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
