@@ -53,13 +53,14 @@ from producer.openai_api import (
     samples,
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
+from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
 from producer.schema import JobRequest
 from producer.token_names import BY_ID, TokenNames, digest_of, load_names
 from producer.tool_calls import ToolChoice
 
 log = logging.getLogger("roseinfer.batch")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 # Statuses of an earlier run's job that will still give (or gave) a result: followed, not submitted again.
 _LIVE = ("queued", "started", "scheduled", "deferred")
@@ -93,6 +94,7 @@ class Line:
     prompt_logprobs: int | None = None  # what the line asked for (vLLM's), shown in its output line
     echo: bool = False  # a completion's echo: its output begins with the prompt (and its logprobs)
     tools: ToolChoice | None = None  # a chat's tool calls (by structured output): its output's tool_calls
+    responses: ResponsesRequest | None = None  # a /v1/responses line's request: its output is a response object
 
 
 def new_run_id() -> str:
@@ -151,11 +153,12 @@ def parse_line(
         if surrogate is not None:
             message = f"not valid Unicode: a lone surrogate {surrogate!r} (a \\u escape of half a UTF-16 pair)"
             raise BadLine(message, custom_id if _lone_surrogate(custom_id) is None else None)
+    asked_as: tuple[Any, Any] = (None, None)  # an OpenAI line's request and its job's, as the server reads them
     try:
         if options.plain:
             (url, payload), api_defaults = _row_payload(obj, options), {}
         else:
-            url, payload, api_defaults = _payload(obj)
+            url, payload, api_defaults, asked_as = _payload(obj)
         _apply_defaults(payload, options.defaults)
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
@@ -167,11 +170,11 @@ def parse_line(
     # As the line asked: an echo puts prompt_logprobs in the payload too, for the prompt it shows its own way.
     asked = {} if options.plain else obj.get("body", obj)
     shown, echo = asked.get("prompt_logprobs"), bool(asked.get("echo"))
-    tools = None  # (an OpenAI line's: a job payload's own tools ask for no calls)
-    if not options.plain and "body" in obj and url == "/v1/chat/completions":  # (the server's reading took it)
-        parallel = asked.get("parallel_tool_calls") is not False
-        tools = ToolChoice.of(asked.get("tools"), asked.get("tool_choice"), parallel)
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo, tools)
+    request, chat = asked_as
+    responses = request if isinstance(request, ResponsesRequest) else None
+    tools = chat.tool_plan() if isinstance(chat, ChatCompletionRequest) else None  # (a plain line's tools: no calls)
+    job_id = job_id_for(payload, run_id, queue)
+    return Line(number, custom_id, url, payload, job_id, row, shown, echo, tools, responses)
 
 
 def _utf8(text: str | bytes) -> str:
@@ -230,12 +233,13 @@ def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
         payload[name] = defaults[name]
 
 
-def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, and the fields
-    an OpenAI line leaves to the API's defaults, which yield to the run's."""
+def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], tuple[Any, Any]]:
+    """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, the fields
+    an OpenAI line leaves to the API's defaults, which yield to the run's, and its request and the chat or
+    completion request of its job as the server reads them (a /v1/responses line's chat; None for a plain line)."""
     if "body" not in obj:
         payload = {k: v for k, v in obj.items() if k != "custom_id"}
-        return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload, {}
+        return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload, {}, (None, None)
     extra = set(obj) - {"custom_id", "method", "url", "body"}
     if extra:
         raise ValueError(f"unknown fields {sorted(extra)}")
@@ -258,7 +262,11 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
     own = {k: body[k] for k in ("priority", "metadata") if k in body}
     request = {k: v for k, v in body.items() if k not in own}
     try:
-        parsed, payload = parse(REQUESTS[url], {"model": "batch", **request})
+        if url == "/v1/responses":
+            asked, parsed, payload = parse_responses({"model": "batch", **request})
+        else:
+            parsed, payload = parse(REQUESTS[url], {"model": "batch", **request})
+            asked = parsed
     except APIError as exc:
         raise ValueError(exc.message) from None
     if getattr(parsed, "echo", False):  # the output line is made from the result: it needs the prompt in it
@@ -267,13 +275,16 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
     # --max-tokens): set aside, taken only where the run gives none.
     given = parsed.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in parsed.model_fields_set else set())
     api_defaults = {k: payload.pop(k) for k in ("n", "max_tokens") if k in payload and k not in given}
-    return url, {**payload, **own}, api_defaults
+    return url, {**payload, **own}, api_defaults, (asked, parsed)
 
 
 def output_line(line: Line, result: dict[str, Any], names: Callable[[str], TokenNames] | None = None) -> dict[str, Any]:
     """The OpenAI batch output line for a finished job; ``names``: the token names of a model, for logprobs (by id
     without)."""
     created = int(result["timings"]["finished_at"])
+    if line.responses is not None:
+        body = ResponseWriter(result["id"], result["model"], line.responses, line.tools).whole(result)
+        return _output_line(line, result, {**body, "created_at": created})
     asked = line.payload.get("logprobs")
     top = None
     if asked is not None and asked is not False:  # OpenAI's shape
@@ -296,6 +307,10 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
         for choice in [body] if line.url == "/v1/chat/completions" else choices:
             choice["prompt_logprobs"] = shown
     body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})
+    return _output_line(line, result, body)
+
+
+def _output_line(line: Line, result: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": f"batch_req_{result['id']}",
         "custom_id": line.custom_id,

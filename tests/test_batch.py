@@ -833,3 +833,35 @@ def test_rows_whose_jobs_ended_before_the_run_are_done_but_not_in_its_rates():
     progress.update(500, made_before=True)
     progress.update(7)
     assert (progress.done, progress.already, progress.tokens) == (3, 2, 7)
+
+
+def test_responses_lines_run_as_the_server_reads_them_and_answer_with_a_response(served, tmp_path):
+    """OpenAI's batch API takes /v1/responses lines: the same job as the chat it means (the server's reading),
+    answered with a response object; the run's defaults fill what the line leaves unset, as for a chat's."""
+    _, client = served
+    from producer.batch_io import RowOptions
+
+    body = {"model": "m", "instructions": "Be brief.", "input": "Tell me about the sea", "temperature": 0}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea"}]
+    chat = {"model": "m", "temperature": 0, "max_tokens": 6, "messages": messages}
+    lines = [
+        {"custom_id": "r", "url": "/v1/responses", "body": {**body, "max_output_tokens": 6}},
+        {"custom_id": "c", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "bad", "url": "/v1/responses", "body": {**body, "previous_response_id": "resp_1"}},
+        {"custom_id": "defaults", "url": "/v1/responses", "body": body},
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_batch(client, src, out, poll_interval=0.05, options=RowOptions(defaults={"max_tokens": 3}))
+    assert (summary["succeeded"], summary["failed"]) == (3, 1)
+    rows = {row["custom_id"]: row["response"]["body"] for row in map(json.loads, out.read_text().splitlines())}
+    response, chat = rows["r"], rows["c"]
+    assert response["object"] == "response" and response["id"].startswith("resp_")
+    assert response["instructions"] == "Be brief." and response["max_output_tokens"] == 6
+    [message] = response["output"]
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert response["status"] == "incomplete" and chat["choices"][0]["finish_reason"] == "length"
+    assert response["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] == 6
+    assert rows["defaults"]["usage"]["output_tokens"] == 3  # the run's --max-tokens: the line left it unset
+    [error] = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
+    assert error["custom_id"] == "bad" and "not stored here" in error["error"]["message"]
