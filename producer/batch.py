@@ -744,11 +744,9 @@ def dry_run(
 def count_prompt_tokens(tokenizer: Any, payload: dict[str, Any]) -> int:
     """The prompt's tokens as the worker makes them: the chat template applied to messages, a plain prompt as is."""
     if "messages" in payload:
-        chat = JobRequest.model_validate(payload).engine_prompt()  # (the template's forms: tool calls' arguments)
-        ids = tokenizer.apply_chat_template(
-            chat["messages"], tools=chat.get("tools"), add_generation_prompt=True, return_dict=False
-        )
-        return len(ids)
+        job = JobRequest.model_validate(payload)
+        messages = job.engine_prompt()["messages"]  # (the template's forms: tool calls' arguments)
+        return len(tokenizer.apply_chat_template(messages, return_dict=False, **job.template_args()))
     if "prompt_token_ids" in payload:
         return len(payload["prompt_token_ids"])
     return len(tokenizer.encode(payload["prompt"]))

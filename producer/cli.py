@@ -21,7 +21,15 @@ from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.schema import JobRequest
 
 # Payload fields that take a JSON value on the command line (a flag of their own each).
-_JSON_FLAGS = ("metadata", "structured_outputs", "response_format", "logit_bias", "stream_options", "tools")
+_JSON_FLAGS = (
+    "metadata",
+    "structured_outputs",
+    "response_format",
+    "logit_bias",
+    "stream_options",
+    "tools",
+    "chat_template_kwargs",
+)
 # Payload fields that get no derived flag: the prompt is the positional argument, the others take JSON.
 _NOT_FLAGS = ("prompt", "messages", *_JSON_FLAGS)
 _SCALARS = (bool, int, float, str)

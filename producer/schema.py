@@ -16,6 +16,13 @@ MAX_N = 64
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_TOOLS = 128  # OpenAI's
+# The chat template call's own arguments: chat_template_kwargs may not set them (a "chat_template" there would run a
+# template of the job's choosing; the engine checks against the call's signature too).
+TEMPLATE_ARGUMENTS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+))  # fmt: skip
 # Levels of objects and lists in a JSON value of the payload (a schema, metadata). Python's own recursion limit
 # is near 1,000 levels in pickle, json and copies: a job nested deeper crashed a worker that sends it to its engine
 # process, and every worker its retries reached. Real schemas stay far below.
@@ -209,6 +216,15 @@ class JobRequest(BaseModel):
     tools: list[ToolSpec] | None = Field(
         None, max_length=MAX_TOOLS, description="tools for the chat template to show the model (with messages)"
     )
+    add_generation_prompt: bool = Field(
+        True, description="with messages: open the assistant's turn after them (default: unless continuing the last)"
+    )
+    continue_final_message: bool = Field(
+        False, description="with messages: leave the last message open and continue its text (vLLM's)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="with messages: the chat template's own options (e.g. enable_thinking), as vLLM takes them"
+    )
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
     min_tokens: NonNegInt = Field(0, description="tokens before EOS, a stop token or a stop string may end the output")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
@@ -323,15 +339,25 @@ class JobRequest(BaseModel):
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
-        if self.tools is not None and self.messages is None:
-            raise ValueError("tools are shown by the chat template: give messages with them")
+        if self.messages is None:
+            chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+            if given := sorted(chat_only & self.model_fields_set):
+                raise ValueError(f"{', '.join(given)}: for the chat template, so with messages (not a plain prompt)")
+        both = self.continue_final_message and self.add_generation_prompt
+        if both and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message goes on with the last message, add_generation_prompt opens a new "
+                             "one: not both")  # fmt: skip
+        if reserved := sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: those are the job's to say")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give structured_outputs or response_format, not both")
         schema = (self.structured_form() or {}).get("json")
         tools = [tool.function.parameters for tool in self.tools or ()]
-        for name, value in (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools)):
+        checked = (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools),
+                   ("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip
+        for name, value in checked:
             if json_depth(value) > MAX_JSON_DEPTH:
                 raise ValueError(f"the {name} nests objects and lists deeper than {MAX_JSON_DEPTH} levels")
         return self
@@ -341,6 +367,15 @@ class JobRequest(BaseModel):
         if self.structured_outputs is not None:
             return self.structured_outputs.engine_form()
         return self.response_format.engine_form() if self.response_format is not None else None
+
+    def template_args(self) -> dict[str, Any]:
+        """The chat template call's arguments but the messages, as the engine makes them of ``engine_prompt``."""
+        return {
+            **(self.chat_template_kwargs or {}),
+            "tools": self.tool_specs() if self.tools is not None else None,
+            "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def tool_specs(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
@@ -360,8 +395,16 @@ class JobRequest(BaseModel):
     def engine_prompt(self) -> dict[str, Any]:
         """The prompt in the form ``LLMEngine.add_request`` takes."""
         if self.messages is not None:
-            messages = [m.template_form() for m in self.messages]
-            return {"messages": messages} if self.tools is None else {"messages": messages, "tools": self.tool_specs()}
+            chat: dict[str, Any] = {"messages": [m.template_form() for m in self.messages]}
+            if self.tools is not None:
+                chat["tools"] = self.tool_specs()
+            if self.continue_final_message:  # (the engine's default then: no generation prompt)
+                chat["continue_final_message"] = True
+            elif not self.add_generation_prompt:
+                chat["add_generation_prompt"] = False
+            if self.chat_template_kwargs:
+                chat["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+            return chat
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": list(self.prompt_token_ids)}
         return {"prompt": self.prompt}

@@ -53,11 +53,22 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         tools: list[dict] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; the chat template is applied to each, given ``tools``
-        (OpenAI's function definitions) where there are some, as vLLM's ``LLM.chat``."""
+        """One conversation (a list of messages) or several; the chat template is applied to each, as vLLM's
+        ``LLM.chat``: given ``tools`` (OpenAI's function definitions) and the template's own options
+        (``chat_template_kwargs``); the assistant's turn opened after the messages (``add_generation_prompt``, by
+        default unless ``continue_final_message`` leaves the last one open to go on with)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        extra = {} if tools is None else {"tools": tools}
+        options = {
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message or None,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        extra = {k: v for k, v in options.items() if v is not None}
         return self._run([{"messages": list(c), **extra} for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:

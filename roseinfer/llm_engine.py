@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import inspect
 import logging
 import sys
 import time
@@ -31,6 +32,8 @@ from roseinfer.structured_output import StructuredOutputManager
 log = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict
+# A chat prompt's keys: its messages, and the chat template's options beside them (vLLM's chat request's names).
+CHAT_KEYS = frozenset(("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"))
 
 
 @dataclass
@@ -165,24 +168,26 @@ class LLMEngine:
 
     def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
-        or {"messages": [...]} (chat template applied; with "tools": [...], the template is given them too).
+        or {"messages": [...]} (chat template applied; beside them the template's options, as vLLM's chat takes them:
+        "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs").
         {"prompt_token_ids": ..., "prompt": text} is a prompt
         tokenized already (as vLLM's TokensPrompt): the ids are used, the text kept for the output. ``tokenizer``
         replaces the engine's own (a thread that tokenizes beside the step loop brings its own copy)."""
         tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "messages", "tools"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", *CHAT_KEYS}
             tokenized = set(prompt) == {"prompt", "prompt_token_ids"}
             if unknown or (len(prompt) != 1 and not tokenized and not _is_chat(prompt)):
                 raise ValueError(
                     "a prompt dict takes exactly one of 'prompt', 'prompt_token_ids', 'messages' (or "
-                    f"'prompt_token_ids' with the 'prompt' they came from, 'messages' with 'tools'); got keys "
-                    f"{sorted(prompt)}"
+                    f"'prompt_token_ids' with the 'prompt' they came from, 'messages' with the template's options "
+                    f"{sorted(CHAT_KEYS - {'messages'})}); got keys {sorted(prompt)}"
                 )
             if tokenized:
                 return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
             if "messages" in prompt:
-                return None, self.apply_chat_template(prompt["messages"], tokenizer, prompt.get("tools"))
+                options = {k: v for k, v in prompt.items() if k != "messages"}
+                return None, self.apply_chat_template(prompt["messages"], tokenizer, **options)
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
             if tokenizer is None:
@@ -211,7 +216,7 @@ class LLMEngine:
                 if tokenizer is not None and isinstance(prompt, str) and prompt:
                     batches[True].append((i, prompt, prompt))
                 elif tokenizer is not None and isinstance(prompt, dict) and _is_chat(prompt):
-                    self._check_chat(prompt["messages"], tokenizer, prompt.get("tools"))
+                    self._check_chat(tokenizer, **prompt)
                     chats.append((i, prompt))
                 else:
                     results[i] = self.tokenize(prompt, tokenizer)
@@ -229,7 +234,15 @@ class LLMEngine:
                     results[i] = (kept, list(ids))
         return results
 
-    def _check_chat(self, messages: list[dict], tokenizer, tools: list[dict] | None = None) -> None:
+    def _check_chat(
+        self,
+        tokenizer,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> None:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a plain prompt instead of messages")
         if not isinstance(messages, list) or not messages:
@@ -243,15 +256,41 @@ class LLMEngine:
                 raise ValueError(f"a message's 'tool_calls' must be a list, got {m['tool_calls']!r}")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools must be a list of dicts, got {tools!r}")
+        if not isinstance(continue_final_message, bool) or not isinstance(add_generation_prompt, (bool, type(None))):
+            raise ValueError("add_generation_prompt and continue_final_message are true or false")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message goes on with the last message, add_generation_prompt opens a new "
+                             "one: not both")  # fmt: skip
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+                raise ValueError(f"chat_template_kwargs must be a dict of names, got {chat_template_kwargs!r}")
+            # The call's own arguments are the request's to say: a "chat_template" would run a template of its choosing.
+            own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+            if taken := sorted(own & set(chat_template_kwargs)):
+                raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: those are the request's")
 
-    def apply_chat_template(self, messages: list[dict], tokenizer=None, tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tokenizer=None,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """The chat's prompt tokens by the model's template, as vLLM's chat renders it: the assistant's turn opened
+        after the messages (``add_generation_prompt``, by default unless ``continue_final_message`` leaves the last
+        message open to go on with), ``tools`` and the template's own options (``chat_template_kwargs``) given."""
         tokenizer = tokenizer or self.tokenizer
-        self._check_chat(messages, tokenizer, tools)
-        return list(
-            tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
+        chat = {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        self._check_chat(tokenizer, **chat)
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat)))
 
     def add_request(
         self,
@@ -652,15 +691,27 @@ def _shown(seq: Sequence, token: int, by_token: bool) -> int | None:
 
 
 def _is_chat(prompt: dict) -> bool:
-    return set(prompt) in ({"messages"}, {"messages", "tools"})
+    return "messages" in prompt and set(prompt) <= CHAT_KEYS
+
+
+def _template_args(chat: dict) -> dict:
+    """The chat template call's arguments of a chat ``{"messages", <options>}`` (but for its messages)."""
+    continuing = bool(chat.get("continue_final_message"))
+    opened = chat.get("add_generation_prompt")
+    return {
+        **(chat.get("chat_template_kwargs") or {}),
+        "tools": chat.get("tools"),
+        "add_generation_prompt": not continuing if opened is None else opened,
+        "continue_final_message": continuing,
+    }
 
 
 def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
-    """Each chat's (``{"messages", "tools"?}``) prompt text by the chat template: those without tools in one call (a
-    quarter less time than one call each), or, when the template refuses one of them, one call each, so that only
-    that one gets its exception; those with tools one call each (a call takes one list of tools)."""
+    """Each chat's (``{"messages", <options>}``) prompt text by the chat template: those of messages alone in one
+    call (a quarter less time than one call each), or, when the template refuses one of them, one call each, so that
+    only that one gets its exception; those with options one call each (a call takes one set of them)."""
     texts: list[str | Exception | None] = [None] * len(chats)
-    plain = [i for i, chat in enumerate(chats) if chat.get("tools") is None]
+    plain = [i for i, chat in enumerate(chats) if set(chat) == {"messages"}]
     if plain:
         try:
             rendered = tokenizer.apply_chat_template(
@@ -674,9 +725,7 @@ def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
         if texts[i] is not None:
             continue
         try:
-            texts[i] = tokenizer.apply_chat_template(
-                chat["messages"], tools=chat.get("tools"), add_generation_prompt=True, tokenize=False
-            )
+            texts[i] = tokenizer.apply_chat_template(chat["messages"], tokenize=False, **_template_args(chat))
         except Exception as exc:
             texts[i] = exc
     return texts  # type: ignore[return-value]

@@ -199,8 +199,50 @@ def test_tools_and_tool_calls_reach_a_chat_template_that_shows_them(chat_engine)
         got = chat_engine.tokenize_many([plain, prompt, plain], shows)
         assert got[1] == (None, expected)
         assert got[0] == got[2] == chat_engine.tokenize(plain, shows)
-    with pytest.raises(ValueError, match="'messages' with 'tools'"):
+    with pytest.raises(ValueError, match="'messages' with the template's options"):
         chat_engine.tokenize({"prompt": "x", "tools": tools})
+
+
+def test_the_chat_templates_options_from_a_job_and_from_the_server_are_the_templates_own(chat_engine):
+    """vLLM's chat options: the last message continued (no new turn opened, its end left open), no generation
+    prompt, and the template's own variables (``chat_template_kwargs``); from a job's payload, from an OpenAI
+    request and given to the engine, each renders as the tokenizer's own call does, alone or in a batch."""
+    from producer.openai_api import ChatCompletionRequest, parse
+    from producer.schema import JobRequest
+
+    tokenizer = copy.deepcopy(chat_engine.tokenizer)
+    tokenizer.chat_template = "{% if brief %}Be brief. {% endif %}" + tokenizer.chat_template
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    cases = [
+        ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}),
+        ({"continue_final_message": True, "add_generation_prompt": False}, {"continue_final_message": True}),
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        ({"chat_template_kwargs": {"brief": True}}, {"brief": True, "add_generation_prompt": True}),
+        ({}, {"add_generation_prompt": True}),
+    ]
+    plain = {"messages": messages[:1]}
+    seen = set()
+    for options, call in cases:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **call)
+        expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+        seen.add(tuple(expected))
+        _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": messages, **options})
+        for prompt in (JobRequest.model_validate(fields).engine_prompt(), {"messages": messages, **options}):
+            assert chat_engine.tokenize(prompt, tokenizer)[1] == expected, options
+            assert chat_engine.tokenize_many([plain, prompt], tokenizer)[1] == (None, expected), options
+    assert len(seen) == 4  # (each option renders its own prompt: the first two are one)
+    with pytest.raises(ValueError, match="not both"):
+        chat_engine.tokenize({"messages": messages, "continue_final_message": True, "add_generation_prompt": True})
+    with pytest.raises(ValueError, match="not both"):
+        JobRequest.model_validate({"messages": messages, "continue_final_message": True, "add_generation_prompt": True})
+    # The call's own arguments are not the template's variables: a template of the request's choosing never runs.
+    evil = {"chat_template": "{{ raise_exception('ran') }}"}
+    with pytest.raises(ValueError, match="may not set chat_template"):
+        chat_engine.tokenize({"messages": messages, "chat_template_kwargs": evil})
+    with pytest.raises(ValueError, match="may not set chat_template"):
+        JobRequest.model_validate({"messages": messages, "chat_template_kwargs": evil})
+    with pytest.raises(ValueError, match="continue_final_message: for the chat template, so with messages"):
+        JobRequest.model_validate({"prompt": "x", "continue_final_message": True})
 
 
 HOLD = [c + "\x00\x01" for c in "abcdefghijklmnopqrstuvwxyz.,)"]

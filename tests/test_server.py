@@ -1279,3 +1279,28 @@ def test_the_responses_api_is_the_chat_job_streamed_and_not(served, oai, redis_u
     for stream in (False, True):  # a job the worker refuses (a prompt past the context) is the request's 400
         with pytest.raises(openai.BadRequestError, match="at most 255 prompt tokens"):
             oai.responses.create(model=model, input="sea " * 400, stream=stream)
+
+
+def test_a_final_message_continued_through_the_server_is_the_jobs(served, oai, redis_url):
+    """vLLM's continue_final_message (extra_body): the answer goes on from the assistant's words given, the job's
+    prompt being the template's with that message left open."""
+    from transformers import AutoTokenizer
+
+    worker, _, model = served
+    messages = [{"role": "user", "content": "Tell me about the sea"}, {"role": "assistant", "content": "The sea is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    out = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    expected = direct(redis_url, worker.queue, messages=messages, max_tokens=8, temperature=0.0,
+                      continue_final_message=True)  # fmt: skip
+    assert out.choices[0].message.content == expected["text"]
+    ids = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, continue_final_message=True, return_dict=False
+    )
+    assert out.usage.prompt_tokens == len(ids)
+    opened = oai.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+    assert opened.usage.prompt_tokens > out.usage.prompt_tokens  # (a new turn: its end and the next one's start)
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        oai.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, extra_body={"continue_final_message": True,
+                                                                       "add_generation_prompt": True}
+        )  # fmt: skip

@@ -205,7 +205,7 @@ def test_a_bad_message_is_a_400(message, error):
 
 
 def test_a_jobs_tools_need_messages_and_are_bounded():
-    with pytest.raises(ValueError, match="give messages with them"):
+    with pytest.raises(ValueError, match="tools: for the chat template, so with messages"):
         JobRequest.model_validate({"prompt": "x", "tools": TOOLS})
     with pytest.raises(ValueError, match="at most 128"):
         JobRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[1:] * 129})
