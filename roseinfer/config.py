@@ -59,6 +59,7 @@ class EngineConfig:
     dtype: str = option("float32", "numeric type of weights, activations and KV cache", DTYPES)
     device: str = option("cpu", "cpu, cuda or cuda:N")
     tokenizer: str | None = option(None, "tokenizer folder or hub id, when not the model's own")
+    chat_template: str | None = option(None, "a chat template in place of the model's own: a Jinja file, or its text")
     max_num_seqs: int = option(128, "most requests in the running batch at once")
     max_num_batched_tokens: int = option(2048, "token budget of one step (decodes plus prefill chunks)")
     max_model_len: int | None = option(None, "context length (prompt plus output); default: the model's")

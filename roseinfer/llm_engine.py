@@ -60,7 +60,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = DTYPES[config.dtype]
-        loaded = load_model(config.model, config.dtype, config.device, config.tokenizer)
+        loaded = load_model(config.model, config.dtype, config.device, config.tokenizer, config.chat_template)
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.eos_token_ids = loaded.eos_token_ids

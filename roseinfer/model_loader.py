@@ -228,12 +228,32 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def use_chat_template(tokenizer: Any, template: str) -> None:
+    """The tokenizer's chat template replaced by ``template`` (a Jinja file, or the template's text: vLLM's rule, a
+    value with braces or a new line is the text), checked by rendering a one-message chat, so a bad one fails the
+    start, not every chat job."""
+    if tokenizer is None:
+        raise ConfigError("a chat template needs a tokenizer, and this model has none")
+    if not any(c in template for c in "{}\n"):
+        try:
+            template = Path(template).expanduser().read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the chat template file {template!r}: {exc.strerror}") from None
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # (Jinja's syntax and runtime errors alike)
+        raise ConfigError(f"the chat template does not render a one-message chat: {_first_line(exc)}") from None
+
+
 def has_tokenizer(path: str) -> bool:
     folder = Path(path)
     return not folder.is_dir() or any((folder / f).is_file() for f in _TOKENIZER_FILES)
 
 
-def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None) -> LoadedModel:
+def load_model(
+    model: str, dtype: str, device: str, tokenizer: str | None = None, chat_template: str | None = None
+) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
@@ -265,6 +285,8 @@ def load_model(model: str, dtype: str, device: str, tokenizer: str | None = None
         tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load tokenizer {tok_path!r}: {_first_line(exc)}") from None
+    if chat_template is not None:
+        use_chat_template(tok, chat_template)
     try:
         weights = Checkpoint(path, DTYPES[dtype], device)
     except (OSError, ValueError) as exc:

@@ -245,6 +245,29 @@ def test_the_chat_templates_options_from_a_job_and_from_the_server_are_the_templ
         JobRequest.model_validate({"prompt": "x", "continue_final_message": True})
 
 
+def test_an_operators_chat_template_replaces_the_models_and_a_bad_one_fails_the_start(tiny_chat_model, tmp_path):
+    """vLLM's --chat-template: a Jinja file or the template's text, in place of the model's own; one that cannot be
+    read or does not render fails the engine's start with the reason, not each chat job later."""
+    from roseinfer.config import ConfigError
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    (tmp_path / "chat.jinja").write_text(template)
+    chat = {"messages": [{"role": "user", "content": "Hi there"}]}
+    for given in (str(tmp_path / "chat.jinja"), template):
+        engine = LLM(tiny_chat_model, dtype="float32", chat_template=given).engine
+        expected = engine.tokenizer("[user] Hi there\n[assistant]", add_special_tokens=False)["input_ids"]
+        assert engine.tokenize(chat)[1] == expected
+        assert engine.tokenize_many([chat]) == [(None, expected)]
+    bad = [
+        (str(tmp_path / "missing.jinja"), "cannot read the chat template file"),
+        ("{% for m in messages %}", "does not render a one-message chat"),
+        ("{{ raise_exception('no chats here') }}", "no chats here"),
+    ]
+    for given, reason in bad:
+        with pytest.raises(ConfigError, match=reason):
+            LLM(tiny_chat_model, dtype="float32", chat_template=given)
+
+
 HOLD = [c + "\x00\x01" for c in "abcdefghijklmnopqrstuvwxyz.,)"]
 
 
