@@ -7,7 +7,7 @@ import itertools
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, model_validator
 
 from producer.protocol import usage_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
@@ -171,6 +171,7 @@ class _Common(APIShape):
     # A chat's function calling, by structured output (``producer/tool_calls.py``); a completion takes them empty.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    _tool_parser: str | None = PrivateAttr(None)  # the server's: the model's own tool-call format "auto" reads
 
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
@@ -185,11 +186,12 @@ class _Common(APIShape):
         return fields
 
     def tool_plan(self) -> ToolChoice | None:
-        """What ``tools`` and ``tool_choice`` ask for: calls made by structured output, or none."""
+        """What ``tools`` and ``tool_choice`` ask for: calls made by structured output, calls in the model's own
+        format (read by the server's tool-call parser), or none."""
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         try:
-            return ToolChoice.of(tools, choice, parallel=self.parallel_tool_calls is not False)
+            return ToolChoice.of(tools, choice, self.parallel_tool_calls is not False, self._tool_parser)
         except ToolChoiceError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
 
@@ -225,7 +227,10 @@ class ChatCompletionRequest(_Common):
         fields["messages"] = [m.job_form() for m in self.messages]
         if self.tools:  # shown by the chat template (even with tool_choice "none", as vLLM does)
             fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        if (plan := self.tool_plan()) is not None:
+        if (plan := self.tool_plan()) is not None and plan.auto:
+            # The model's call markers may be special tokens, which the text would leave out (vLLM's hermes parser).
+            fields.setdefault("skip_special_tokens", False)
+        elif plan is not None:
             if self.response_format is not None or self.structured_outputs is not None:
                 given = "response_format" if self.response_format is not None else "structured_outputs"
                 raise APIError(400, f"tool_choice constrains the output already: give it or {given}", param=given)
@@ -309,9 +314,11 @@ def parse_request(model: type[APIShape], body: Any) -> Any:
         raise APIError(400, describe_validation_error(exc), param=param) from None
 
 
-def parse(model: type[_Common], body: Any) -> tuple[_Common, dict[str, Any]]:
-    """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault."""
+def parse(model: type[_Common], body: Any, tool_parser: str | None = None) -> tuple[_Common, dict[str, Any]]:
+    """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault. ``tool_parser``:
+    the model's own tool-call format, which "auto" reads (``producer/tool_calls.py``)."""
     request = parse_request(model, body)
+    request._tool_parser = tool_parser
     fields = request.job_fields()
     _check_job(request, fields)
     return request, fields
@@ -444,22 +451,32 @@ def chat_choices(
     top = request.num_logprobs if request is not None else None
     want = top is not None
     tools = tools or (request.tool_plan() if request is not None else None)
-    return [
-        {
-            "index": s["index"],
-            "message": _message(s.get("text", ""), tools),
-            "finish_reason": finish_reason(s.get("finish_reason")),
-            "logprobs": chat_logprobs(s, top or 0, names) if want else None,
-        }
-        for s in samples(result)
-    ]
+    choices = []
+    for s in samples(result):
+        message = _message(s.get("text", ""), tools)
+        reason = finish_reason(s.get("finish_reason"))
+        choices.append(
+            {
+                "index": s["index"],
+                "message": message,
+                "finish_reason": _calls_finish(reason, tools, bool(message.get("tool_calls"))),
+                "logprobs": chat_logprobs(s, top or 0, names) if want else None,
+            }
+        )
+    return choices
 
 
 def _message(text: str, tools: ToolChoice | None) -> dict[str, Any]:
     if tools is None:
         return {"role": "assistant", "content": text}
-    calls = tools.calls(text)  # (none where the only call was cut short: the finish reason says "length")
-    return {"role": "assistant", "content": None, **({"tool_calls": calls} if calls else {})}  # (OpenAI's null)
+    # (no calls where the only one was cut short: the finish reason says "length"; OpenAI's null content)
+    content, calls = tools.read(text)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def _calls_finish(reason: str | None, tools: ToolChoice | None, called: bool) -> str | None:
+    """The model chose to call tools ("auto"): OpenAI's and vLLM's "tool_calls"; a forced call ends "stop"."""
+    return "tool_calls" if reason == "stop" and called and tools is not None and tools.auto else reason
 
 
 def completion_choices(
@@ -591,9 +608,10 @@ class ChunkWriter:
         shown = event if self.logprobs is not None and event and event.get("logprobs") else None
         if self.chat:
             if self.tools is not None:
-                delta = self._calls_delta(text, first, index)
+                delta = self._calls_delta(text, first, index, ended=reason is not None)
                 if not delta and reason is None and shown is None and not first:
                     return None
+                reason = _calls_finish(reason, self.tools, bool(self.calls[index].made))
             else:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 if reason is not None and not text:
@@ -612,14 +630,19 @@ class ChunkWriter:
             chunk["usage"] = None
         return chunk
 
-    def _calls_delta(self, text: str, first: bool, index: int) -> dict[str, Any]:
+    def _calls_delta(self, text: str, first: bool, index: int, ended: bool) -> dict[str, Any]:
         assert self.tools is not None
         if first:
             self.calls[index] = stream = self.tools.stream()
             opening = stream.opening()
-            return {"role": "assistant", "content": None, **({"tool_calls": opening} if opening else {})}
-        deltas = self.calls[index].feed(text)
-        return {"tool_calls": deltas} if deltas else {}
+            content = "" if self.tools.auto else None  # ("auto" may answer in text)
+            return {"role": "assistant", "content": content, **({"tool_calls": opening} if opening else {})}
+        stream = self.calls[index]
+        content, deltas = stream.feed(text)
+        if ended:
+            rest, last = stream.finish()
+            content, deltas = content + rest, deltas + last
+        return {**({"content": content} if content else {}), **({"tool_calls": deltas} if deltas else {})}
 
     def note_prompt(self, job: int, event: dict[str, Any]) -> None:
         """Job ``job``'s prompt length, from an event that carries the usage (continuous_usage_stats)."""

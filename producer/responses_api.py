@@ -180,12 +180,14 @@ class ResponsesRequest(APIShape):
         return messages
 
 
-def parse_responses(body: Any) -> tuple[ResponsesRequest, ChatCompletionRequest, dict[str, Any]]:
+def parse_responses(
+    body: Any, tool_parser: str | None = None
+) -> tuple[ResponsesRequest, ChatCompletionRequest, dict[str, Any]]:
     """The request, the chat request it means and its job's payload; an ``APIError`` named in the Responses API's
-    terms."""
+    terms. ``tool_parser``: as ``parse``'s."""
     request: ResponsesRequest = parse_request(ResponsesRequest, body)
     try:
-        chat, fields = parse(ChatCompletionRequest, request.chat_body())
+        chat, fields = parse(ChatCompletionRequest, request.chat_body(), tool_parser)
     except APIError as exc:
         exc.message, exc.param = _renamed(exc.message), _renamed(exc.param)
         raise
@@ -232,8 +234,10 @@ class ResponseWriter:
         self.head = {"id": f"resp_{job_id}", "object": "response", "created_at": int(time.time()), "model": model}
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items, as they come
-        self.text = ""
+        self.text = ""  # the job's text so far
         self.calls: CallStream | None = None
+        self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
+        self.shown = ""  # its text so far
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  reason: str | None = None) -> dict[str, Any]:  # fmt: skip
@@ -266,13 +270,12 @@ class ResponseWriter:
     def whole(self, result: dict[str, Any]) -> dict[str, Any]:
         """The response to a job's result."""
         status = "incomplete" if result.get("finish_reason") == "length" else "completed"
-        text = result.get("text", "")
-        if self.tools is not None:
-            output = [_function_call(call, status) for call in self.tools.calls(text)]
-        else:
+        content, calls = self.tools.read(result.get("text", "")) if self.tools else (result.get("text", ""), [])
+        output = [_function_call(call, status) for call in calls]
+        if content is not None and (content or not output):
             message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-                       "content": [_text_part(text)]}  # fmt: skip
-            output = [message]
+                       "content": [_text_part(content)]}  # fmt: skip
+            output.insert(0, message)
         return self.response(status, output, result.get("usage") or {})
 
     # ----- streamed --------------------------------------------------------------------------------------------
@@ -281,21 +284,22 @@ class ResponseWriter:
         return {"type": type_, "sequence_number": self.sequence - 1, **fields}
 
     def opening(self) -> list[dict[str, Any]]:
-        """The events before any text: the response created and in progress; a message's item and part opened (or
-        a named function's call)."""
+        """The events before any text: the response created and in progress; a message's item and part opened (a
+        text answer, or "auto", which may answer in text), or a named function's call."""
         started = self.response("in_progress", [])
         events = [self._event("response.created", response=started), self._event("response.in_progress",
                                                                                  response=started)]  # fmt: skip
-        if self.tools is None:
+        if self.tools is None or self.tools.auto:
             item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
                     "content": []}  # fmt: skip
             events += self._add(item)
             events.append(self._event("response.content_part.added", item_id=item["id"], output_index=0,
                                       content_index=0, part=_text_part("")))  # fmt: skip
-            return events
-        self.calls = self.tools.stream()
-        for call in self.calls.opening():  # (a named function's: its arguments come as the text)
-            events += self._add(_function_call(call, "in_progress"))
+            self.message = item
+        if self.tools is not None:
+            self.calls = self.tools.stream()
+            for call in self.calls.opening():  # (a named function's: its arguments come as the text)
+                events += self._add(_function_call(call, "in_progress"))
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -307,13 +311,17 @@ class ResponseWriter:
         if not text:
             return []
         self.text += text
-        if self.calls is None:
-            item = self.items[0]
-            return [self._event("response.output_text.delta", item_id=item["id"], output_index=0, content_index=0,
-                                delta=text, logprobs=[])]  # fmt: skip
+        return self._out(*(self.calls.feed(text) if self.calls is not None else (text, [])))
+
+    def _out(self, content: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The events of text and tool call deltas let out."""
         events = []
-        for delta in self.calls.feed(text):
-            if "id" in delta:  # a "required" call, whole: added, its arguments, done
+        if content and self.message is not None:
+            self.shown += content
+            events.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
+                                      content_index=0, delta=content, logprobs=[]))  # fmt: skip
+        for delta in deltas:
+            if "id" in delta:  # a call whole ("required", "auto"): added, its arguments, done
                 events += self._add(_function_call(delta, "in_progress"))
                 events += self._arguments(len(self.items) - 1, delta["function"]["arguments"])
             else:  # the named function's arguments, piece by piece
@@ -338,21 +346,22 @@ class ResponseWriter:
         ]  # fmt: skip
 
     def closing(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events after the last text: the items done, then the response completed (or incomplete)."""
+        """The events after the last text: what the output's end lets out, the items done, then the response
+        completed (or incomplete)."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        events = []
-        if self.calls is None:
-            item = self.items[0]
-            part = _text_part(self.text)
+        events = self._out(*self.calls.finish()) if self.calls is not None else []
+        if self.message is not None:
+            item = self.message
+            part = _text_part(self.shown)
             item.update(status=status, content=[part])
             events += [
                 self._event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
-                            text=self.text, logprobs=[]),
+                            text=self.shown, logprobs=[]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=0, item=dict(item)),
             ]  # fmt: skip
-        elif self.calls.name is not None:  # the named function's call ends with the text
+        elif self.calls is not None and self.calls.name is not None:  # the named function's call ends with the text
             events += self._call_done(0, self.text, status)  # (cut short: "incomplete")
         final = self.response(status, self.items, usage)
         return [*events, self._event(f"response.{status}", response=final)]

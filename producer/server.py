@@ -45,6 +45,7 @@ from producer.openai_api import (
 )
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.token_names import BY_ID, TokenizerCache, digest_of
+from producer.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("roseinfer.server")
 
@@ -147,7 +148,13 @@ class AuthAndCount:
         await self.app(scope, receive, counted)
 
 
-def create_app(client: AsyncClient, api_key: str | None = None, timeout: float = 600.0) -> FastAPI:
+def create_app(
+    client: AsyncClient, api_key: str | None = None, timeout: float = 600.0, tool_call_parser: str | None = None
+) -> FastAPI:
+    """``tool_call_parser``: the served model's own tool-call format, for ``tool_choice: "auto"`` (vLLM's
+    ``--tool-call-parser``; ``producer/tool_calls.py``)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
     tokenizers = TokenizerCache(client)
@@ -268,7 +275,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
         else:
-            req, fields = parse(kind, body)
+            req, fields = parse(kind, body, tool_call_parser)
             jobs_fields = [fields]
         await _served(req.model)
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
@@ -314,7 +321,7 @@ def create_app(client: AsyncClient, api_key: str | None = None, timeout: float =
     async def responses(request: Request) -> Any:
         """OpenAI's Responses API: the chat job its request means, answered as a response or its events."""
         wait = _answer_within(request, timeout)
-        req, chat, fields = parse_responses(await _body(request))
+        req, chat, fields = parse_responses(await _body(request), tool_call_parser)
         await _served(req.model)
         job = await client.submit(**fields)
         ids = _job_headers([job])
@@ -679,10 +686,11 @@ def run_server(
     api_key: str | None = None,
     timeout: float = 600.0,
     client: AsyncClient | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     import uvicorn
 
-    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout)
+    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser)
     # What is loaded lives as long as the server: a full collection walking it paused every request ~25 ms.
     gc.collect()
     gc.freeze()

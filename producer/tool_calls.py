@@ -1,12 +1,15 @@
-"""OpenAI's function calling by structured output, as vLLM does it without a model's own tool-call parser:
-``tool_choice: "required"`` constrains the output to a JSON array of calls of the request's tools, a named
-function to a JSON object of its arguments; the text is read back into ``tool_calls``. ``"auto"`` (the model's
-own choice between text and calls) needs a parser of the model's format, which is not here. No HTTP, no Redis."""
+"""OpenAI's function calling, as vLLM does it: ``tool_choice: "required"`` constrains the output to a JSON array of
+calls of the request's tools, a named function to a JSON object of its arguments (structured output: any model);
+the text is read back into ``tool_calls``. ``"auto"`` (the model's own choice between text and calls) reads the
+calls out of the model's own format, where the operator names it (``roseinfer serve --tool-call-parser``):
+``hermes``, the ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of Hermes, Qwen 2.5 and the
+templates written for them. No HTTP, no Redis."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,6 +18,9 @@ from typing import Any
 # OpenAI's: a function without parameters takes none (its arguments are "{}").
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps what its "#/$defs/..." references name
+TOOL_CALL_PARSERS = ("hermes",)  # the models' own formats "auto" reads
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)  # (the last may be left open at the end)
 
 
 class ToolChoiceError(ValueError):
@@ -37,14 +43,19 @@ class ToolChoice:
     parameters: dict[str, dict[str, Any]]  # each tool's name -> its parameters' JSON schema
     name: str | None = None
     parallel: bool = True  # "required": several calls may come (OpenAI's parallel_tool_calls); False: one
+    parser: str | None = None  # "auto": the model's own format its calls are read in
 
     @classmethod
     def of(
-        cls, tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool = True
+        cls,
+        tools: list[dict[str, Any]] | None,
+        choice: str | dict[str, Any] | None,
+        parallel: bool = True,
+        parser: str | None = None,
     ) -> ToolChoice | None:
         """The plan of a request's ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` each) and
         ``tool_choice``; None where no call is asked for ("none", or no tools and no choice). Refuses "auto" with
-        tools (vLLM's rule without a tool-call parser), a choice without tools, a name not among them."""
+        tools but no ``parser`` (vLLM's rule), a choice without tools, a name not among them."""
         tools = tools or []
         names = [tool["function"]["name"] for tool in tools]
         if len(set(names)) < len(names):
@@ -56,13 +67,15 @@ class ToolChoice:
             return None
         if not tools:
             raise ToolChoiceError(f"tool_choice {_shown(choice)} needs tools")
-        if choice == "auto":
-            raise ToolChoiceError(
-                '"auto" tool choice needs a parser of the model\'s own tool-call format, which this server has not: '
-                'ask for "required" (one or more calls) or a named function, both made by structured output, '
-                'or "none"'
-            )
         parameters = {tool["function"]["name"]: tool["function"].get("parameters") or NO_PARAMETERS for tool in tools}
+        if choice == "auto":
+            if parser is None:
+                raise ToolChoiceError(
+                    '"auto" tool choice needs a parser of the model\'s own tool-call format, and none was named '
+                    '(roseinfer serve --tool-call-parser): ask for "required" (one or more calls) or a named '
+                    'function, both made by structured output, or "none"'
+                )
+            return cls(parameters, parser=parser)
         if choice == "required":
             return cls(parameters, parallel=parallel)
         name = choice["function"]["name"]  # (a named choice's shape is the request model's to check)
@@ -70,9 +83,16 @@ class ToolChoice:
             raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not among the tools")
         return cls(parameters, name)
 
-    def schema(self) -> dict[str, Any]:
+    @property
+    def auto(self) -> bool:
+        return self.parser is not None
+
+    def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output follows: the named function's parameters, or an array of one or more calls
-        ``{"name", "parameters"}`` (each tool's ``$defs`` brought to the root, where its references point)."""
+        ``{"name", "parameters"}`` (each tool's ``$defs`` brought to the root, where its references point); none
+        for "auto", where the model writes calls in its own format, or text."""
+        if self.auto:
+            return None
         if self.name is not None:
             return self.parameters[self.name]
         defs: dict[str, Any] = {}
@@ -96,34 +116,76 @@ class ToolChoice:
         items = {"type": "object", "anyOf": calls}
         return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": items, **defs}
 
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The tool calls in a whole output: the named function's with the text as its arguments (even cut short:
-        the finish reason says so), or each complete call of the array (one cut short is not among them)."""
+    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole output's text (None: none) and tool calls: the named function's with the text as its arguments
+        (even cut short: the finish reason says so), each complete call of the array (one cut short is not among
+        them), or "auto"'s calls in the model's format and the text before them (an output with a call that does
+        not read is all text, as vLLM's)."""
+        if self.auto:
+            return _hermes(text)
         if self.name is not None:
-            return [_call(self.name, text)]
-        stream = self.stream()
-        return [_call(delta["function"]["name"], delta["function"]["arguments"]) for delta in stream.feed(text)]
+            return None, [_call(self.name, text)]
+        _, deltas = self.stream().feed(text)
+        return None, [_call(delta["function"]["name"], delta["function"]["arguments"]) for delta in deltas]
+
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        return self.read(text)[1]
 
     def stream(self) -> CallStream:
-        return CallStream(self.name)
+        return CallStream(self.name, self.auto)
 
 
 def _call(name: str, arguments: str, id_: str | None = None) -> dict[str, Any]:
     return {"id": id_ or call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    start = text.find(_OPEN)
+    if start < 0:
+        return text, []
+    calls = [_hermes_call(body) for body in _BLOCK.findall(text, start)]
+    if any(call is None for call in calls):
+        return text, []
+    return text[:start] if text[:start].strip() else None, calls  # type: ignore[return-value]
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    """A call of Hermes' format, ``{"name": ..., "arguments": {...}}``, as OpenAI's; None where it does not read."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return _call(call["name"], arguments)
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` may begin ``marker`` (held until the next piece says)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 @dataclass
 class CallStream:
-    """One choice's output, piece by piece, as OpenAI's streamed ``tool_calls`` deltas. A named function: its call
-    first (``opening``), then each piece as its arguments' next part. "required": each call whole, once its JSON
-    object closes (a JSON array read as it comes: strings, escapes and nesting followed)."""
+    """One choice's output, piece by piece, as OpenAI's streamed text and ``tool_calls`` deltas. A named function:
+    its call first (``opening``), then each piece as its arguments' next part. "required": each call whole, once its
+    JSON object closes (a JSON array read as it comes: strings, escapes and nesting followed). "auto": the text as it
+    comes (but for what may begin a call's marker), each call whole once its block closes."""
 
     name: str | None
+    auto: bool = False
     made: int = 0  # calls sent
     _text: list[str] = field(default_factory=list)  # the object being read, "required"
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
+    _held: str = ""  # "auto": text not yet let out
+    _in_call: bool = False
 
     def opening(self) -> list[dict[str, Any]]:
         """The deltas before any output: a named function's call, its arguments to come."""
@@ -132,11 +194,14 @@ class CallStream:
         self.made = 1
         return [{"index": 0, **_call(self.name, "")}]
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The text and the tool call deltas the next piece of output lets out."""
         if not text:
-            return []
+            return "", []
+        if self.auto:
+            return self._feed_auto(text)
         if self.name is not None:
-            return [{"index": 0, "function": {"arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}]
         deltas = []
         for done in self._objects(text):
             try:
@@ -147,7 +212,42 @@ class CallStream:
                 arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
                 deltas.append({"index": self.made, **_call(call["name"], arguments)})
                 self.made += 1
-        return deltas
+        return "", deltas
+
+    def _feed_auto(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._held += text
+        content, deltas = "", []
+        while True:
+            if not self._in_call:
+                start = self._held.find(_OPEN)
+                end = len(self._held) - _held_back(self._held, _OPEN) if start < 0 else start
+                out, self._held = self._held[:end], self._held[end:]
+                if not self.made or out.strip():  # (between calls, white space is the format's)
+                    content += out
+                if start < 0:
+                    return content, deltas
+                self._held, self._in_call = self._held[len(_OPEN) :], True
+            close = self._held.find(_CLOSE)
+            if close < 0:
+                return content, deltas
+            body, self._held, self._in_call = self._held[:close], self._held[close + len(_CLOSE) :], False
+            content, deltas = self._add_call(body, content, deltas)
+
+    def _add_call(self, body: str, content: str, deltas: list) -> tuple[str, list[dict[str, Any]]]:
+        call = _hermes_call(body)
+        if call is None:  # (text already out cannot be taken back: the block goes out as text)
+            return content + _OPEN + body + _CLOSE, deltas
+        self.made += 1
+        return content, [*deltas, {"index": self.made - 1, **call}]
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What the output's end lets out: "auto"'s text held back, a call its block left open."""
+        held, self._held = self._held, ""
+        if not self.auto or not self._in_call:
+            return held, []
+        self._in_call = False
+        content, deltas = self._add_call(held, "", [])
+        return (content.removesuffix(_CLOSE), deltas) if content else ("", deltas)
 
     def _objects(self, text: str) -> Iterable[str]:
         """The text of each object of the array that closes in ``text``."""

@@ -48,8 +48,10 @@ class ScriptedJob:
         await asyncio.sleep(3600)  # (a job that never ends: canceled or timed out)
 
     async def result(self, timeout=None):
-        reason = self.script[-1][1]["finish_reason"]
-        return {"status": "finished", "choices": [{"index": 0, "finish_reason": reason, "text": ""}]}
+        final = self.script[-1][1]
+        text = "".join(item["text"] for _, item in self.script if isinstance(item, dict))
+        choices = [{"index": 0, "finish_reason": final["finish_reason"], "text": text}]
+        return {"status": "finished", "text": text, "usage": final.get("usage"), "choices": choices}
 
 
 class ScriptedClient:
@@ -69,7 +71,7 @@ class ScriptedClient:
         return job
 
 
-def post(client: ScriptedClient, body: dict, path: str = "/v1/completions") -> tuple[dict, list]:
+def post(client: ScriptedClient, body: dict, path: str = "/v1/completions", **app_options) -> tuple[dict, list]:
     """Run one request through the app as ASGI: its response start (status, headers, when) and its body's events."""
     sent: list = []
     start: dict = {}
@@ -91,13 +93,14 @@ def post(client: ScriptedClient, body: dict, path: str = "/v1/completions") -> t
                 start.update(status=message["status"], headers=headers, at=time.monotonic())
             elif message.get("body"):
                 start["body"] = start.get("body", b"") + message["body"]
-                sent.extend(line[6:] for line in message["body"].decode().split("\n\n") if line.startswith("data: "))
+                lines = message["body"].decode().split("\n")  # (a typed event's "event:" line comes first)
+                sent.extend(line[6:] for line in lines if line.startswith("data: "))
 
         headers = [(b"content-type", b"application/json")]
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
                  "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
                  "headers": headers, "client": ("t", 1), "server": ("t", 80)}  # fmt: skip
-        await create_app(client)(scope, receive, send)
+        await create_app(client, **app_options)(scope, receive, send)
         await asyncio.sleep(0.05)  # the cancels run on threads
 
     asyncio.run(main())
@@ -241,3 +244,53 @@ def test_openais_metadata_tags_the_job_and_its_cache_and_safety_ids_are_taken_an
     _, fields = parse(ChatCompletionRequest, {**body, "prompt_cache_key": "k1", "safety_identifier": "u1"})
     assert fields["metadata"] == {"team": "search"} and "prompt_cache_key" not in fields
     assert "safety_identifier" not in fields
+
+
+HERMES_PIECES = [
+    "Let me",
+    " look. <tool",
+    '_call>\n{"name": "get_weather", "arguments": {"city": ',
+    '"Oslo"}}\n</tool_call>',
+]
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _hermes_script() -> list:
+    *pieces, last = HERMES_PIECES
+    return [(0.01, event(i, piece)) for i, piece in enumerate(pieces)] + [(0.01, event(3, last, "stop"))]
+
+
+def test_auto_tool_calls_in_the_models_own_format_come_back_as_openais_streamed_and_not():
+    """With --tool-call-parser hermes, "auto" (the default where there are tools) reads the model's <tool_call>
+    blocks: the text before them is the content, each block a call, and the finish "tool_calls"; streamed, no piece
+    of a marker leaks out as text, though it came split between events."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": WEATHER_TOOLS}
+    start, _ = post(ScriptedClient([_hermes_script()]), body, "/v1/chat/completions")
+    assert start["status"] == 400 and b"--tool-call-parser" in start["body"]  # (no parser: vLLM's 400)
+    start, _ = post(ScriptedClient([_hermes_script()]), body, "/v1/chat/completions", tool_call_parser="hermes")
+    [choice] = json.loads(start["body"])["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look. "
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    client = ScriptedClient([_hermes_script()])
+    start, chunks = post(client, {**body, "stream": True}, "/v1/chat/completions", tool_call_parser="hermes")
+    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]"]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me look. "
+    [streamed] = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert streamed["index"] == 0 and streamed["function"] == call["function"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1] == "[DONE]"
+
+
+def test_auto_tool_calls_through_the_responses_api_are_function_call_items():
+    body = {"model": "m", "input": "Weather?", "tools": [{"type": "function", "name": "get_weather"}]}
+    start, _ = post(ScriptedClient([_hermes_script()]), body, "/v1/responses", tool_call_parser="hermes")
+    output = json.loads(start["body"])["output"]
+    assert [item["type"] for item in output] == ["message", "function_call"]
+    assert output[0]["content"][0]["text"] == "Let me look. " and output[1]["arguments"] == '{"city": "Oslo"}'
+    client = ScriptedClient([_hermes_script()])
+    _, events = post(client, {**body, "stream": True}, "/v1/responses", tool_call_parser="hermes")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    [done] = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["output_index"] == 1]
+    assert text == "Let me look. " and (done["name"], done["arguments"]) == ("get_weather", '{"city": "Oslo"}')
+    assert events[-1]["type"] == "response.completed"
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]

@@ -105,7 +105,8 @@ def test_required_calls_streamed_in_any_pieces_are_the_calls_of_the_whole_output
     assert len({c["id"] for c in whole}) == 2
     stream = plan.stream()
     assert stream.opening() == []
-    deltas = [d for i in range(0, len(OUTPUT), size) for d in stream.feed(OUTPUT[i : i + size])]
+    deltas = [d for i in range(0, len(OUTPUT), size) for d in stream.feed(OUTPUT[i : i + size])[1]]
+    assert stream.finish() == ("", [])
     assert [d["index"] for d in deltas] == [0, 1]
     assert [d["function"] for d in deltas] == [c["function"] for c in whole]
 
@@ -120,8 +121,8 @@ def test_a_call_cut_short_is_left_out_and_a_named_functions_arguments_are_the_ou
     stream = plan.stream()
     [opening] = stream.opening()
     assert opening["index"] == 0 and opening["function"] == {"name": "get_weather", "arguments": ""}
-    pieces = [d["function"]["arguments"] for i in range(0, len(text), 4) for d in stream.feed(text[i : i + 4])]
-    assert "".join(pieces) == text and stream.feed("") == []
+    pieces = [d["function"]["arguments"] for i in range(0, len(text), 4) for d in stream.feed(text[i : i + 4])[1]]
+    assert "".join(pieces) == text and stream.feed("") == ("", [])
 
 
 def test_a_chat_request_with_tool_choice_is_a_job_constrained_to_its_calls_and_told_of_the_tools():
@@ -214,3 +215,60 @@ def test_a_jobs_tools_need_messages_and_are_bounded():
         deep = {"type": "object", "properties": {"x": deep}}
     with pytest.raises(ValueError, match="nests objects and lists deeper"):
         JobRequest.model_validate({"messages": MESSAGES, "tools": [{"function": {"name": "f", "parameters": deep}}]})
+
+
+HERMES = (
+    'Let me look that up. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_auto_reads_the_models_own_calls_where_the_server_names_its_format():
+    plan = ToolChoice.of(TOOLS, "auto", parser="hermes")
+    assert plan.auto and plan.schema() is None and ToolChoice.of(TOOLS, None, parser="hermes") == plan
+    content, calls = plan.read(HERMES)
+    assert content == "Let me look that up. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}),
+        ("now", {}),
+    ]
+    assert plan.read("Just text, a < b.") == ("Just text, a < b.", [])
+    left_open = '<tool_call>{"name": "now", "arguments": {}}'  # (the model ended before closing its block)
+    assert [c["function"]["name"] for c in plan.read(left_open)[1]] == ["now"] and plan.read(left_open)[0] is None
+    broken = 'Sure. <tool_call>{"name": "now", "arguments": </tool_call>'  # (vLLM's: all of it is text then)
+    assert plan.read(broken) == (broken, [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, len(HERMES)])
+def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(size):
+    plan = ToolChoice.of(TOOLS, "auto", parser="hermes")
+    for text in (HERMES, "Just text, a < b <tool", HERMES[: HERMES.rindex("</tool_call>")]):
+        stream = plan.stream()
+        content, deltas = "", []
+        for i in range(0, len(text), size):
+            more, calls = stream.feed(text[i : i + size])
+            assert "<tool_call>" not in more  # a marker never leaks out as text, even split between pieces
+            content, deltas = content + more, deltas + calls
+        more, calls = stream.finish()
+        content, deltas = content + more, deltas + calls
+        whole_content, whole_calls = plan.read(text)
+        assert content == (whole_content or "")
+        assert [d["index"] for d in deltas] == list(range(len(whole_calls)))
+        assert [d["function"] for d in deltas] == [c["function"] for c in whole_calls]
+
+
+def test_auto_jobs_are_not_constrained_and_keep_the_models_markers():
+    for body in ({}, {"tool_choice": "auto"}):
+        req, fields = parse(ChatCompletionRequest, _request(**body), tool_parser="hermes")
+        assert "structured_outputs" not in fields and fields["skip_special_tokens"] is False
+        assert fields["tools"] == TOOLS
+    _, fields = parse(ChatCompletionRequest, _request(skip_special_tokens=True), tool_parser="hermes")
+    assert fields["skip_special_tokens"] is True  # (the request's own word stands)
+    [choice] = chat_choices({"text": HERMES, "finish_reason": "stop"}, req)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look that up. "
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "now"]
+    [choice] = chat_choices({"text": "Sunny.", "finish_reason": "stop"}, req)
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop",
+                      "logprobs": None}  # fmt: skip
+    with pytest.raises(APIError, match="--tool-call-parser"):
+        parse(ChatCompletionRequest, _request(tool_choice="auto"))

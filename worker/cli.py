@@ -16,6 +16,7 @@ from importlib import metadata
 
 from pydantic import ValidationError
 
+from producer.tool_calls import TOOL_CALL_PARSERS
 from roseinfer.config import EngineConfig, engine_options
 from worker.settings import ENV_PREFIX, WorkerSettings, unknown_env_vars
 
@@ -102,7 +103,10 @@ def serve(args: argparse.Namespace) -> int:
     from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
 
     if not args.embedded:
-        return run_server(*target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout)
+        return run_server(
+            *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
+            tool_call_parser=args.tool_call_parser,
+        )  # fmt: skip
     from worker.embedded import serve_embedded
 
     return serve_embedded(args)
@@ -125,6 +129,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="a bearer token every /v1 request must carry")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
+    p.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help='the model\'s own tool-call format, read for tool_choice "auto" (vLLM\'s; hermes: <tool_call> blocks of '
+        "Hermes, Qwen 2.5, and templates written for them); without it, \"auto\" with tools is a 400",
+    )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",
         help="also start a private Redis and a worker in this process: one command, nothing else to install",

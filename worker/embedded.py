@@ -36,7 +36,10 @@ def serve_embedded(args: argparse.Namespace) -> int:
     # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        return run_server(url, queue, args.host, args.port, args.api_key, args.timeout, client=client)
+        return run_server(
+            url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
+            tool_call_parser=args.tool_call_parser,
+        )  # fmt: skip
     finally:
         worker.request_stop()
         thread.join(timeout=30)
