@@ -282,15 +282,15 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     """The OpenAI batch output line for a finished job; ``names``: the token names of a model, for logprobs (by id
     without)."""
     created = int(result["timings"]["finished_at"])
-    if line.responses is not None:
-        body = ResponseWriter(result["id"], result["model"], line.responses, line.tools).whole(result)
-        return _output_line(line, result, {**body, "created_at": created})
     asked = line.payload.get("logprobs")
     top = None
     if asked is not None and asked is not False:  # OpenAI's shape
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
     named = top is not None or line.prompt_logprobs is not None
     token_names = names(result["model"]) if named and names is not None else BY_ID
+    if line.responses is not None:
+        writer = ResponseWriter(result["id"], result["model"], line.responses, line.tools, top, token_names)
+        return _output_line(line, result, {**writer.whole(result), "created_at": created})
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
         choices = chat_choices(result, None, tools=line.tools)

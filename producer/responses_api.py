@@ -13,11 +13,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from producer.openai_api import APIError, APIShape, ChatCompletionRequest, parse, parse_request
+from producer.openai_api import APIError, APIShape, ChatCompletionRequest, chat_logprobs, parse, parse_request, samples
+from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
 
 # The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
 # item's: instructions come first, calls of one answer share a message).
+LOGPROBS = "message.output_text.logprobs"  # what include names for the output text's logprobs
 _RENAMES = [
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
     (re.compile(r"\bmessages(\.\d+)?"), "input"),
@@ -110,7 +112,8 @@ class ResponsesRequest(APIShape):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # (of what OpenAI's takes, the output text's logprobs alone are here)
+    top_logprobs: int | None = None
     # Asking for what is not here: a 400 (``chat_body``)
     previous_response_id: str | None = None
     background: bool | None = None
@@ -131,8 +134,8 @@ class ResponsesRequest(APIShape):
             raise APIError(400, "background responses are not supported: stream, or wait", param="background")
         if self.reasoning:
             raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
-        if self.include:
-            raise APIError(400, f"include is not supported here: {self.include}", param="include")
+        if other := [kind for kind in self.include or () if kind != LOGPROBS]:
+            raise APIError(400, f"include takes {LOGPROBS!r} here, not {other}", param="include")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -141,6 +144,8 @@ class ResponsesRequest(APIShape):
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
+        if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
             functions = [t.model_dump(exclude={"type"}, exclude_none=True) for t in self.tools]
             body["tools"] = [{"type": "function", "function": f} for f in functions]
@@ -215,8 +220,8 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _function_call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -229,8 +234,20 @@ def _function_call(call: dict[str, Any], status: str = "completed") -> dict[str,
 class ResponseWriter:
     """One response's object, whole or as the stream of its typed events, from its job's text."""
 
-    def __init__(self, job_id: str, model: str, request: ResponsesRequest, tools: ToolChoice | None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        model: str,
+        request: ResponsesRequest,
+        tools: ToolChoice | None,
+        top_logprobs: int | None = None,
+        names: TokenNames = BY_ID,
+    ) -> None:
+        """``top_logprobs``: the alternatives shown per token of a text answer (None: no logprobs asked)."""
         self.request, self.tools = request, tools
+        self.top, self.names = (top_logprobs, names) if tools is None else (None, names)  # (a text answer's)
+        self.logprobs: list[dict[str, Any]] = []  # the text's tokens' so far
+        self.unsent: list[dict[str, Any]] = []  # those of tokens whose text has not gone out yet
         self.head = {"id": f"resp_{job_id}", "object": "response", "created_at": int(time.time()), "model": model}
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items, as they come
@@ -273,8 +290,9 @@ class ResponseWriter:
         content, calls = self.tools.read(result.get("text", "")) if self.tools else (result.get("text", ""), [])
         output = [_function_call(call, status) for call in calls]
         if content is not None and (content or not output):
+            part = _text_part(content, self._logprobs(samples(result)[0]))
             message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-                       "content": [_text_part(content)]}  # fmt: skip
+                       "content": [part]}  # fmt: skip
             output.insert(0, message)
         return self.response(status, output, result.get("usage") or {})
 
@@ -306,8 +324,15 @@ class ResponseWriter:
         self.items.append(item)
         return [self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
 
-    def piece(self, text: str) -> list[dict[str, Any]]:
-        """The events of the job's next text."""
+    def _logprobs(self, tokens: dict[str, Any]) -> list[dict[str, Any]]:
+        """OpenAI's logprobs of ``tokens`` (a result's or an event's), where they were asked for."""
+        if self.top is None or not tokens.get("logprobs"):
+            return []
+        return (chat_logprobs(tokens, self.top, self.names) or {}).get("content", [])
+
+    def piece(self, text: str, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The events of the job's next text; ``event``: the job's event it came in (its tokens' logprobs)."""
+        self.unsent += self._logprobs(event or {})
         if not text:
             return []
         self.text += text
@@ -318,8 +343,10 @@ class ResponseWriter:
         events = []
         if content and self.message is not None:
             self.shown += content
+            logprobs, self.unsent = self.unsent, []
+            self.logprobs += logprobs
             events.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
-                                      content_index=0, delta=content, logprobs=[]))  # fmt: skip
+                                      content_index=0, delta=content, logprobs=logprobs))  # fmt: skip
         for delta in deltas:
             if "id" in delta:  # a call whole ("required", "auto"): added, its arguments, done
                 events += self._add(_function_call(delta, "in_progress"))
@@ -352,11 +379,12 @@ class ResponseWriter:
         events = self._out(*self.calls.finish()) if self.calls is not None else []
         if self.message is not None:
             item = self.message
-            part = _text_part(self.shown)
+            self.logprobs += self.unsent  # (tokens that added no text: the end's)
+            part = _text_part(self.shown, self.logprobs)
             item.update(status=status, content=[part])
             events += [
                 self._event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
-                            text=self.shown, logprobs=[]),
+                            text=self.shown, logprobs=self.logprobs),
                 self._event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=0, item=dict(item)),

@@ -44,7 +44,7 @@ from producer.openai_api import (
     total_usage,
 )
 from producer.responses_api import ResponseWriter, parse_responses
-from producer.token_names import BY_ID, TokenizerCache, digest_of
+from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("roseinfer.server")
@@ -284,8 +284,7 @@ def create_app(
         jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
         job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
-        named = req.num_logprobs is not None or req.prompt_logprobs is not None  # (tokens named: only then)
-        names = await tokenizers.names(await workers.tokenizer_of(req.model)) if named else BY_ID
+        names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
@@ -325,7 +324,8 @@ def create_app(
         await _served(req.model)
         job = await client.submit(**fields)
         ids = _job_headers([job])
-        writer = ResponseWriter(job.id, req.model, req, chat.tool_plan())
+        names = await _token_names(req.model, chat.num_logprobs is not None)
+        writer = ResponseWriter(job.id, req.model, req, chat.tool_plan(), chat.num_logprobs, names)
         try:
             if req.stream:
                 early, events = await _start_stream(request, [job], wait)
@@ -335,6 +335,10 @@ def create_app(
         except ConnectionAbortedError:  # (its job canceled already)
             return Response(status_code=499, headers=ids)
         return JSONResponse(writer.whole(result), headers=ids)
+
+    async def _token_names(model: str, wanted: bool) -> TokenNames:
+        """The tokens of ``model`` by their text where a response shows tokens (no lookup otherwise: by id)."""
+        return await tokenizers.names(await workers.tokenizer_of(model)) if wanted else BY_ID
 
     async def _start_stream(
         request: Request, jobs: list[AsyncGenerationJob], wait: float
@@ -595,7 +599,7 @@ async def _response_sse(
             reason = event.get("finish_reason")
             if reason == "error":
                 raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
-            for out in writer.piece(event["text"]):
+            for out in writer.piece(event["text"], event):
                 yield _typed(out)
             if reason == "abort":  # canceled: an error, as without streaming
                 raise JobCanceled(job.id, "the job was canceled")

@@ -849,11 +849,13 @@ def test_responses_lines_run_as_the_server_reads_them_and_answer_with_a_response
         {"custom_id": "c", "url": "/v1/chat/completions", "body": chat},
         {"custom_id": "bad", "url": "/v1/responses", "body": {**body, "previous_response_id": "resp_1"}},
         {"custom_id": "defaults", "url": "/v1/responses", "body": body},
-    ]
+        {"custom_id": "lp", "url": "/v1/responses", "body": {**body, "max_output_tokens": 6, "top_logprobs": 2,
+                                                             "include": ["message.output_text.logprobs"]}},
+    ]  # fmt: skip
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     summary = run_batch(client, src, out, poll_interval=0.05, options=RowOptions(defaults={"max_tokens": 3}))
-    assert (summary["succeeded"], summary["failed"]) == (3, 1)
+    assert (summary["succeeded"], summary["failed"]) == (4, 1)
     rows = {row["custom_id"]: row["response"]["body"] for row in map(json.loads, out.read_text().splitlines())}
     response, chat = rows["r"], rows["c"]
     assert response["object"] == "response" and response["id"].startswith("resp_")
@@ -863,5 +865,10 @@ def test_responses_lines_run_as_the_server_reads_them_and_answer_with_a_response
     assert response["status"] == "incomplete" and chat["choices"][0]["finish_reason"] == "length"
     assert response["usage"]["output_tokens"] == chat["usage"]["completion_tokens"] == 6
     assert rows["defaults"]["usage"]["output_tokens"] == 3  # the run's --max-tokens: the line left it unset
+    part = rows["lp"]["output"][0]["content"][0]
+    assert (
+        part["text"] == message["content"][0]["text"] and "".join(t["token"] for t in part["logprobs"]) == part["text"]
+    )
+    assert [len(t["top_logprobs"]) for t in part["logprobs"]] == [2] * 6
     [error] = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
     assert error["custom_id"] == "bad" and "not stored here" in error["error"]["message"]

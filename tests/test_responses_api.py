@@ -58,6 +58,16 @@ def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_c
     ]  # fmt: skip
 
 
+def test_the_output_texts_logprobs_are_the_chats():
+    for asked in ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, {"top_logprobs": 3}):
+        _, chat, job = parse_responses({"model": "m", "input": "Hi", **asked})
+        assert (job["logprobs"], job["top_logprobs"], chat.num_logprobs) == (True, 3, 3)
+    _, chat, job = parse_responses({"model": "m", "input": "Hi", "include": ["message.output_text.logprobs"]})
+    assert chat.num_logprobs == 0 and job["logprobs"] is True
+    _, chat, job = parse_responses({"model": "m", "input": "Hi"})
+    assert chat.num_logprobs is None and "logprobs" not in job
+
+
 def test_tool_choice_is_the_chats():
     named = {"type": "function", "name": "get_weather"}
     _, chat, job = parse_responses({"model": "m", "input": "Hi", "tools": TOOLS, "tool_choice": named})
@@ -71,7 +81,8 @@ def test_tool_choice_is_the_chats():
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored here"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
         ({"background": True}, "background", "background"),
-        ({"include": ["message.output_text.logprobs"]}, "include", "include"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "include takes 'message.output_text.logprobs'"),
+        ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"input": []}, "input", "at least 1"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input"),

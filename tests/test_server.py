@@ -1276,6 +1276,16 @@ def test_the_responses_api_is_the_chat_job_streamed_and_not(served, oai, redis_u
     assert again.usage.input_tokens > out.usage.input_tokens
     with pytest.raises(openai.BadRequestError, match="not stored here"):
         oai.responses.create(model=model, input="Hi", previous_response_id=out.id)
+    # The output text's logprobs (include), as the chat's of the same job; streamed, each delta's tokens'.
+    lp = {"model": model, "input": "Tell me about the sea", "max_output_tokens": 6, "temperature": 0, "top_logprobs": 2,
+          "include": ["message.output_text.logprobs"]}  # fmt: skip
+    whole = oai.responses.create(**lp).output[0].content[0]
+    chat_lp = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0].logprobs.content  # fmt: skip
+    assert [t.model_dump() for t in whole.logprobs] == [t.model_dump() for t in chat_lp] and len(chat_lp) == 6
+    assert "".join(t.token for t in whole.logprobs) == whole.text
+    deltas = [e for e in oai.responses.create(**lp, stream=True) if e.type == "response.output_text.delta"]
+    assert [t.model_dump() for e in deltas for t in e.logprobs] == [t.model_dump() for t in whole.logprobs]
     for stream in (False, True):  # a job the worker refuses (a prompt past the context) is the request's 400
         with pytest.raises(openai.BadRequestError, match="at most 255 prompt tokens"):
             oai.responses.create(model=model, input="sea " * 400, stream=stream)
