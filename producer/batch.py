@@ -158,7 +158,7 @@ def parse_line(
         if options.plain:
             (url, payload), api_defaults = _row_payload(obj, options), {}
         else:
-            url, payload, api_defaults, asked_as = _payload(obj)
+            url, payload, api_defaults, asked_as = _payload(obj, options.tool_call_parser)
         _apply_defaults(payload, options.defaults)
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
@@ -233,7 +233,9 @@ def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
         payload[name] = defaults[name]
 
 
-def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], tuple[Any, Any]]:
+def _payload(
+    obj: dict[str, Any], tool_parser: str | None = None
+) -> tuple[str, dict[str, Any], dict[str, Any], tuple[Any, Any]]:
     """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, the fields
     an OpenAI line leaves to the API's defaults, which yield to the run's, and its request and the chat or
     completion request of its job as the server reads them (a /v1/responses line's chat; None for a plain line)."""
@@ -263,9 +265,9 @@ def _payload(obj: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any], 
     request = {k: v for k, v in body.items() if k not in own}
     try:
         if url == "/v1/responses":
-            asked, parsed, payload = parse_responses({"model": "batch", **request})
+            asked, parsed, payload = parse_responses({"model": "batch", **request}, tool_parser)
         else:
-            parsed, payload = parse(REQUESTS[url], {"model": "batch", **request})
+            parsed, payload = parse(REQUESTS[url], {"model": "batch", **request}, tool_parser)
             asked = parsed
     except APIError as exc:
         raise ValueError(exc.message) from None
@@ -301,7 +303,8 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
         choices = completion_choices(result, top, echo=line.echo, names=token_names)
     for choice, sample in zip(choices, samples(result)):
-        choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
+        if choice["finish_reason"] != "tool_calls":  # ("auto" called tools: OpenAI's reason, as the server's)
+            choice["finish_reason"] = sample["finish_reason"]  # as the job ended (OpenAI's batch keeps them)
     if line.prompt_logprobs is not None:  # where vLLM's responses hold them
         shown = prompt_logprobs(result, line.prompt_logprobs, token_names)
         for choice in [body] if line.url == "/v1/chat/completions" else choices:

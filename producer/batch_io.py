@@ -10,6 +10,7 @@ copies the rows of the last one in record batches and goes on after them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +81,7 @@ class RowOptions:
     defaults: dict[str, Any] = field(default_factory=dict)  # payload fields for rows that name none
     chat: bool = False  # the prompt column as the user's message (the chat template applied), not a raw prompt
     system: str | None = None  # with ``chat``: a system message before it
+    tool_call_parser: str | None = None  # the model's own tool-call format, for OpenAI lines' tool_choice "auto"
 
     @property
     def plain(self) -> bool:
@@ -88,7 +90,7 @@ class RowOptions:
     def for_format(self, fmt: str) -> RowOptions:
         """A table (Parquet, a datasets folder) is always plain rows: prompts in the ``prompt`` column unless told."""
         if fmt in ("parquet", "hf") and not self.plain:
-            return RowOptions("prompt", None, self.id_column, self.defaults, self.chat, self.system)
+            return dataclasses.replace(self, prompt_column="prompt")
         if self.chat and self.prompt_column is None:
             raise ValueError("--chat sends a prompt column as the user's message: name it with --prompt-column")
         return self
@@ -97,7 +99,8 @@ class RowOptions:
         """What makes two runs' rows different jobs: kept beside the output, a rerun with others is refused."""
         columns = {"prompt_column": self.prompt_column, "messages_column": self.messages_column}
         chat = {"chat": True, "system": self.system} if self.chat else {}  # (absent as before when not asked)
-        return {**columns, "id_column": self.id_column, "defaults": self.defaults, **chat}
+        parser = {"tool_call_parser": self.tool_call_parser} if self.tool_call_parser else {}
+        return {**columns, "id_column": self.id_column, "defaults": self.defaults, **chat, **parser}
 
 
 # ----- input ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError,
 from producer.connection import QUEUE_URLS_ENV, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.schema import JobRequest
+from producer.tool_calls import TOOL_CALL_PARSERS
 
 # Payload fields that take a JSON value on the command line (a flag of their own each).
 _JSON_FLAGS = (
@@ -320,6 +321,7 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--seed", args.seed, None),
         ("--n", args.n, None),
         ("--response-format", args.response_format, None),
+        ("--tool-call-parser", args.tool_call_parser, None),
         ("--priority", args.priority, BULK_PRIORITY),
         ("--redis-url", args.redis_url, None),
         ("--queue", args.queue, None),
@@ -377,7 +379,10 @@ def batch_options(args: argparse.Namespace):
         raise InvalidRequest("--system goes with --chat (a raw prompt has no system message)")
     if args.chat and args.messages_column is not None:
         raise InvalidRequest("--chat makes the prompt column a chat; a messages column is one already")
-    return RowOptions(args.prompt_column, args.messages_column, args.id_column, defaults, args.chat, args.system)
+    return RowOptions(
+        args.prompt_column, args.messages_column, args.id_column, defaults, args.chat, args.system,
+        args.tool_call_parser,
+    )  # fmt: skip
 
 
 def batch(args: argparse.Namespace) -> int:
@@ -570,6 +575,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="FILE.json",
         help="constrain every row's output: OpenAI's response_format object, or a bare JSON schema",
     )
+    p.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+        help='OpenAI lines\' tool_choice "auto": the model\'s own tool-call format to read calls in (as serve\'s)',
+    )  # fmt: skip
     again = p.add_mutually_exclusive_group()
     again.add_argument(
         "--fresh",

@@ -72,8 +72,8 @@ class ToolChoice:
             if parser is None:
                 raise ToolChoiceError(
                     '"auto" tool choice needs a parser of the model\'s own tool-call format, and none was named '
-                    '(roseinfer serve --tool-call-parser): ask for "required" (one or more calls) or a named '
-                    'function, both made by structured output, or "none"'
+                    '(--tool-call-parser of roseinfer serve or batch): ask for "required" (one or more calls) or a '
+                    'named function, both made by structured output, or "none"'
                 )
             return cls(parameters, parser=parser)
         if choice == "required":

@@ -872,3 +872,28 @@ def test_responses_lines_run_as_the_server_reads_them_and_answer_with_a_response
     assert [len(t["top_logprobs"]) for t in part["logprobs"]] == [2] * 6
     [error] = map(json.loads, (tmp_path / "out.errors.jsonl").read_text().splitlines())
     assert error["custom_id"] == "bad" and "not stored here" in error["error"]["message"]
+
+
+def test_an_openai_line_asking_auto_reads_calls_in_the_format_the_run_names():
+    """--tool-call-parser for batch, as serve's: without it an "auto" line with tools is that line's error; with it
+    the line's job is unconstrained and its output's <tool_call> blocks come back as tool_calls."""
+    from producer.batch import BadLine
+    from producer.batch_io import RowOptions
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": tools}
+    text = json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": body})
+    with pytest.raises(BadLine, match="--tool-call-parser"):
+        parse_line(1, text)
+    line = parse_line(1, text, options=RowOptions(tool_call_parser="hermes"))
+    assert "structured_outputs" not in line.payload and line.payload["skip_special_tokens"] is False
+    result = {
+        "id": "j", "model": "m", "finish_reason": "stop", "timings": {"finished_at": 1.0},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12},
+        "text": 'On it. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+    }  # fmt: skip
+    [choice] = output_line(line, result)["response"]["body"]["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it. "
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert RowOptions(tool_call_parser="hermes").fingerprint() != RowOptions().fingerprint()
+    assert "tool_call_parser" not in RowOptions().fingerprint()  # (outputs of earlier runs keep theirs)
