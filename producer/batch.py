@@ -296,6 +296,10 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
         choices = chat_choices(result, None, tools=line.tools)
+        last = line.payload["messages"][-1]
+        if line.echo and line.tools is None and last["role"] == "assistant":  # (vLLM's chat echo)
+            for choice in choices:
+                choice["message"]["content"] = last["content"] + choice["message"]["content"]
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)

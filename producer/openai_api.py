@@ -211,6 +211,13 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's: the answer begins with the last message's text where it is the assistant's
+
+    @property
+    def echoed(self) -> str:
+        """The text the answer begins with (``echo``): the last message's, where it is the assistant's own."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @property
     def num_logprobs(self) -> int | None:
@@ -220,6 +227,7 @@ class ChatCompletionRequest(_Common):
     def job_fields(self) -> dict[str, Any]:
         fields = self.sampling()
         fields.pop("max_completion_tokens", None)
+        fields.pop("echo", None)  # (the response's doing)
         if self.max_completion_tokens is not None:
             fields["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back
@@ -451,9 +459,10 @@ def chat_choices(
     top = request.num_logprobs if request is not None else None
     want = top is not None
     tools = tools or (request.tool_plan() if request is not None else None)
+    echoed = request.echoed if request is not None and tools is None else ""
     choices = []
     for s in samples(result):
-        message = _message(s.get("text", ""), tools)
+        message = _message(echoed + s.get("text", ""), tools)
         reason = finish_reason(s.get("finish_reason"))
         choices.append(
             {

@@ -897,3 +897,14 @@ def test_an_openai_line_asking_auto_reads_calls_in_the_format_the_run_names():
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert RowOptions(tool_call_parser="hermes").fingerprint() != RowOptions().fingerprint()
     assert "tool_call_parser" not in RowOptions().fingerprint()  # (outputs of earlier runs keep theirs)
+
+
+def test_a_chat_lines_echo_begins_its_output_with_the_assistants_words():
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    body = {"model": "m", "messages": messages, "continue_final_message": True, "echo": True}
+    line = parse_line(1, json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": body}))
+    assert "echo" not in line.payload and line.payload["continue_final_message"] is True
+    result = {"id": "j", "model": "m", "text": " blue.", "finish_reason": "stop", "timings": {"finished_at": 1.0},
+              "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}  # fmt: skip
+    [choice] = output_line(line, result)["response"]["body"]["choices"]
+    assert choice["message"]["content"] == "The color is blue."

@@ -1314,3 +1314,26 @@ def test_a_final_message_continued_through_the_server_is_the_jobs(served, oai, r
             model=model, messages=messages, max_tokens=1, extra_body={"continue_final_message": True,
                                                                        "add_generation_prompt": True}
         )  # fmt: skip
+
+
+def test_a_chats_echo_begins_the_answer_with_the_assistants_own_words_streamed_and_not(served, oai, redis_url):
+    """vLLM's chat echo, with continue_final_message: the answer is the whole message, the given words first."""
+    worker, _, model = served
+    messages = [{"role": "user", "content": "Tell me about the sea"}, {"role": "assistant", "content": "The sea is"}]
+    extra = {"continue_final_message": True, "echo": True}
+    out = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, extra_body=extra)
+    expected = direct(redis_url, worker.queue, messages=messages, max_tokens=6, temperature=0.0,
+                      continue_final_message=True)  # fmt: skip
+    assert out.choices[0].message.content == "The sea is" + expected["text"]
+    assert out.usage.completion_tokens == expected["usage"]["completion_tokens"]  # (the echo is no output token)
+    stream = oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0, extra_body=extra, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == out.choices[0].message.content
+    plain = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0, extra_body=extra)
+    assert (
+        plain.choices[0].message.content
+        == direct(
+            redis_url, worker.queue, messages=MESSAGES, max_tokens=3, temperature=0.0, continue_final_message=True
+        )["text"]
+    )  # (the last message is the user's: nothing to echo)
