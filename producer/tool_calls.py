@@ -140,13 +140,17 @@ def _call(name: str, arguments: str, id_: str | None = None) -> dict[str, Any]:
 
 
 def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    start = text.find(_OPEN)
-    if start < 0:
+    """The text outside the call blocks (a stretch of white space alone around them is the format's) and the
+    calls; all text where a block does not read."""
+    blocks = list(_BLOCK.finditer(text))
+    if not blocks:
         return text, []
-    calls = [_hermes_call(body) for body in _BLOCK.findall(text, start)]
+    calls = [_hermes_call(block.group(1)) for block in blocks]
     if any(call is None for call in calls):
         return text, []
-    return text[:start] if text[:start].strip() else None, calls  # type: ignore[return-value]
+    bounds = [0, *(i for block in blocks for i in block.span()), len(text)]
+    stretches = [text[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2)]
+    return "".join(s for s in stretches if s.strip()) or None, calls  # type: ignore[return-value]
 
 
 def _hermes_call(body: str) -> dict[str, Any] | None:
@@ -186,6 +190,7 @@ class CallStream:
     _escaped: bool = False
     _held: str = ""  # "auto": text not yet let out
     _in_call: bool = False
+    _said: bool = False  # "auto": some text went out
 
     def opening(self) -> list[dict[str, Any]]:
         """The deltas before any output: a named function's call, its arguments to come."""
@@ -222,8 +227,12 @@ class CallStream:
                 start = self._held.find(_OPEN)
                 end = len(self._held) - _held_back(self._held, _OPEN) if start < 0 else start
                 out, self._held = self._held[:end], self._held[end:]
-                if not self.made or out.strip():  # (between calls, white space is the format's)
+                if not self._said and not out.strip() and start < 0:  # (white space alone: held until text says)
+                    self._held = out + self._held
+                    return content, deltas
+                if self._said or out.strip():  # (a stretch of white space alone around calls is the format's)
                     content += out
+                    self._said = True
                 if start < 0:
                     return content, deltas
                 self._held, self._in_call = self._held[len(_OPEN) :], True
@@ -232,6 +241,7 @@ class CallStream:
                 return content, deltas
             body, self._held, self._in_call = self._held[:close], self._held[close + len(_CLOSE) :], False
             content, deltas = self._add_call(body, content, deltas)
+            self._said = False  # (a new stretch of text begins)
 
     def _add_call(self, body: str, content: str, deltas: list) -> tuple[str, list[dict[str, Any]]]:
         call = _hermes_call(body)
@@ -244,7 +254,7 @@ class CallStream:
         """What the output's end lets out: "auto"'s text held back, a call its block left open."""
         held, self._held = self._held, ""
         if not self.auto or not self._in_call:
-            return held, []
+            return ("" if self.made and not self._said and not held.strip() else held), []
         self._in_call = False
         content, deltas = self._add_call(held, "", [])
         return (content.removesuffix(_CLOSE), deltas) if content else ("", deltas)

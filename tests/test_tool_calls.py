@@ -242,7 +242,9 @@ def test_auto_reads_the_models_own_calls_where_the_server_names_its_format():
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(HERMES)])
 def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(size):
     plan = ToolChoice.of(TOOLS, "auto", parser="hermes")
-    for text in (HERMES, "Just text, a < b <tool", HERMES[: HERMES.rindex("</tool_call>")]):
+    cases = [HERMES, "Just text, a < b <tool", HERMES[: HERMES.rindex("</tool_call>")], "\n " + HERMES[21:] + "\n",
+             "  \n", HERMES + " More words."]  # fmt: skip
+    for text in cases:
         stream = plan.stream()
         content, deltas = "", []
         for i in range(0, len(text), size):
