@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from base64 import b64decode, b64encode
+from importlib import metadata
 from typing import Any
 
 # Carried by every event and result as "v". 2: stream entries hold the event's JSON in one field; results and job
@@ -221,3 +222,11 @@ def event_from_stream(fields: dict[Any, Any]) -> dict[str, Any]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def installed_version() -> str:
+    """roseinfer's version as installed (the CLI's --version, the server's /version)."""
+    try:
+        return metadata.version("roseinfer")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"

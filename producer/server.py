@@ -43,6 +43,7 @@ from producer.openai_api import (
     parse_request,
     total_usage,
 )
+from producer.protocol import installed_version
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -203,6 +204,11 @@ def create_app(
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         body = {"status": "ok", "workers": len(live), "models": served}
         return JSONResponse({**body, "warning": _mixed_models(client.queue_name, served)} if len(served) > 1 else body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's: the server's version (what clients and probes log)."""
+        return {"version": installed_version()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

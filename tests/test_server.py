@@ -527,6 +527,9 @@ def test_health_models_and_api_key(served, redis_url):
     worker, server, model = served
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["workers"] == 1
+    from importlib import metadata
+
+    assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": metadata.version("roseinfer")}
     oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     models = oai.models.list()
     assert [m.id for m in models.data] == [model]

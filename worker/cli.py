@@ -12,10 +12,10 @@ import os
 import re
 import sys
 import typing
-from importlib import metadata
 
 from pydantic import ValidationError
 
+from producer.protocol import installed_version
 from producer.tool_calls import TOOL_CALL_PARSERS
 from roseinfer.config import EngineConfig, engine_options
 from worker.settings import ENV_PREFIX, WorkerSettings, unknown_env_vars
@@ -163,19 +163,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=module.main)
 
 
-def version() -> str:
-    try:
-        return metadata.version("roseinfer")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from producer import cli as producer_cli
     from roseinfer import cli as engine_cli
 
     parser = argparse.ArgumentParser(prog="roseinfer", description="roseinfer: a job-queue batch inference worker")
-    parser.add_argument("--version", action="version", version=f"roseinfer {version()}")
+    parser.add_argument("--version", action="version", version=f"roseinfer {installed_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine_cli.add_parsers(sub)
