@@ -37,8 +37,9 @@ def call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """What ``tool_choice`` asks of a request's ``tools``: the arguments of the named function, or (``name``
-    None: "required") one or more calls of any of them."""
+    """What ``tool_choice`` asks of a request's ``tools``: the arguments of the named function, one or more calls
+    of any of them ("required"), or ("auto", with the ``parser`` of the model's format) text or calls as the model
+    chooses."""
 
     parameters: dict[str, dict[str, Any]]  # each tool's name -> its parameters' JSON schema
     name: str | None = None
@@ -119,7 +120,7 @@ class ToolChoice:
     def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """A whole output's text (None: none) and tool calls: the named function's with the text as its arguments
         (even cut short: the finish reason says so), each complete call of the array (one cut short is not among
-        them), or "auto"'s calls in the model's format and the text before them (an output with a call that does
+        them), or "auto"'s calls in the model's format and the text around them (an output with a call that does
         not read is all text, as vLLM's)."""
         if self.auto:
             return _hermes(text)
@@ -127,9 +128,6 @@ class ToolChoice:
             return None, [_call(self.name, text)]
         _, deltas = self.stream().feed(text)
         return None, [_call(delta["function"]["name"], delta["function"]["arguments"]) for delta in deltas]
-
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        return self.read(text)[1]
 
     def stream(self) -> CallStream:
         return CallStream(self.name, self.auto)
@@ -190,7 +188,7 @@ class CallStream:
     _escaped: bool = False
     _held: str = ""  # "auto": text not yet let out
     _in_call: bool = False
-    _said: bool = False  # "auto": some text went out
+    _said: bool = False  # "auto": text of this stretch (before, between or after calls) went out
 
     def opening(self) -> list[dict[str, Any]]:
         """The deltas before any output: a named function's call, its arguments to come."""

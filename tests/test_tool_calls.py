@@ -96,7 +96,7 @@ OUTPUT = (
 @pytest.mark.parametrize("size", [1, 2, 7, len(OUTPUT)])
 def test_required_calls_streamed_in_any_pieces_are_the_calls_of_the_whole_output(size):
     plan = ToolChoice.of(TOOLS, "required")
-    whole = plan.calls(OUTPUT)
+    whole = plan.read(OUTPUT)[1]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
         ("get_weather", {"city": 'Par}is "[{\\', "unit": "c"}),
         ("now", {}),
@@ -113,10 +113,10 @@ def test_required_calls_streamed_in_any_pieces_are_the_calls_of_the_whole_output
 
 def test_a_call_cut_short_is_left_out_and_a_named_functions_arguments_are_the_output_as_it_came():
     cut = OUTPUT[: OUTPUT.index('"name": "now"')]
-    assert [c["function"]["name"] for c in ToolChoice.of(TOOLS, "required").calls(cut)] == ["get_weather"]
+    assert [c["function"]["name"] for c in ToolChoice.of(TOOLS, "required").read(cut)[1]] == ["get_weather"]
     plan = ToolChoice.of(TOOLS, NAMED)
     text = '{"city": "Paris", "unit": "c"}'
-    [call] = plan.calls(text)
+    [call] = plan.read(text)[1]
     assert call["function"] == {"name": "get_weather", "arguments": text}
     stream = plan.stream()
     [opening] = stream.opening()
