@@ -17,9 +17,9 @@ from producer.openai_api import APIError, APIShape, ChatCompletionRequest, chat_
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
 
-# The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
-# item's: instructions come first, calls of one answer share a message).
 LOGPROBS = "message.output_text.logprobs"  # what include names for the output text's logprobs
+# The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
+# item's: instructions come first, an answer's text and calls share a message).
 _RENAMES = [
     (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
     (re.compile(r"\bmessages(\.\d+)?"), "input"),
@@ -175,8 +175,8 @@ class ResponsesRequest(APIShape):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:  # (parallel calls)
-                    last["tool_calls"].append(call)
+                if last is not None and last["role"] == "assistant":  # (one answer: its text, its parallel calls)
+                    last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:

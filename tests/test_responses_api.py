@@ -29,8 +29,8 @@ def test_input_and_instructions_are_the_chats_messages_and_its_settings_the_jobs
 
 
 def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_chats():
-    """An earlier answer's output items sent back as input (as the official client's users do), parallel calls
-    one assistant message, each output a tool message answering its call."""
+    """An earlier answer's output items sent back as input (as the official client's users do): its text and its
+    parallel calls one assistant message, each output a tool message answering its call."""
     calls = [
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
          "arguments": '{"city": "Oslo"}', "status": "completed"},
@@ -48,8 +48,7 @@ def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_c
     assert job["tools"] == CHAT_TOOLS and "structured_outputs" not in job
     assert job["messages"] == [
         {"role": "user", "content": "Weather\n?"},
-        {"role": "assistant", "content": "Let me look."},
-        {"role": "assistant", "content": "", "tool_calls": [
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
         ]},
