@@ -43,7 +43,7 @@ class ToolChoice:
 
     parameters: dict[str, dict[str, Any]]  # each tool's name -> its parameters' JSON schema
     name: str | None = None
-    parallel: bool = True  # "required": several calls may come (OpenAI's parallel_tool_calls); False: one
+    parallel: bool = True  # several calls may come (OpenAI's parallel_tool_calls); False: one
     parser: str | None = None  # "auto": the model's own format its calls are read in
 
     @classmethod
@@ -76,7 +76,7 @@ class ToolChoice:
                     '(--tool-call-parser of roseinfer serve or batch): ask for "required" (one or more calls) or a '
                     'named function, both made by structured output, or "none"'
                 )
-            return cls(parameters, parser=parser)
+            return cls(parameters, parallel=parallel, parser=parser)
         if choice == "required":
             return cls(parameters, parallel=parallel)
         name = choice["function"]["name"]  # (a named choice's shape is the request model's to check)
@@ -123,14 +123,15 @@ class ToolChoice:
         them), or "auto"'s calls in the model's format and the text around them (an output with a call that does
         not read is all text, as vLLM's)."""
         if self.auto:
-            return _hermes(text)
+            content, calls = _hermes(text)
+            return content, calls if self.parallel else calls[:1]  # (parallel_tool_calls false: the first)
         if self.name is not None:
             return None, [_call(self.name, text)]
         _, deltas = self.stream().feed(text)
         return None, [_call(delta["function"]["name"], delta["function"]["arguments"]) for delta in deltas]
 
     def stream(self) -> CallStream:
-        return CallStream(self.name, self.auto)
+        return CallStream(self.name, self.auto, most=None if self.parallel or not self.auto else 1)
 
 
 def _call(name: str, arguments: str, id_: str | None = None) -> dict[str, Any]:
@@ -181,6 +182,7 @@ class CallStream:
 
     name: str | None
     auto: bool = False
+    most: int | None = None  # "auto" with parallel_tool_calls false: calls past the first are left out
     made: int = 0  # calls sent
     _text: list[str] = field(default_factory=list)  # the object being read, "required"
     _depth: int = 0
@@ -245,6 +247,8 @@ class CallStream:
         call = _hermes_call(body)
         if call is None:  # (text already out cannot be taken back: the block goes out as text)
             return content + _OPEN + body + _CLOSE, deltas
+        if self.most is not None and self.made >= self.most:
+            return content, deltas
         self.made += 1
         return content, [*deltas, {"index": self.made - 1, **call}]
 

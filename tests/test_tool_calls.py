@@ -259,6 +259,15 @@ def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(size):
         assert [d["function"] for d in deltas] == [c["function"] for c in whole_calls]
 
 
+def test_auto_without_parallel_calls_keeps_the_first_call_whole_and_streamed():
+    plan = ToolChoice.of(TOOLS, "auto", parallel=False, parser="hermes")
+    content, [call] = plan.read(HERMES)
+    assert content == "Let me look that up. " and call["function"]["name"] == "get_weather"
+    stream = plan.stream()
+    deltas = [d for c in HERMES for d in stream.feed(c)[1]] + stream.finish()[1]
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_weather")]
+
+
 def test_auto_jobs_are_not_constrained_and_keep_the_models_markers():
     for body in ({}, {"tool_choice": "auto"}):
         req, fields = parse(ChatCompletionRequest, _request(**body), tool_parser="hermes")
