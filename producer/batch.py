@@ -54,7 +54,7 @@ from producer.openai_api import (
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
-from producer.schema import JobRequest
+from producer.schema import JobRequest, lone_surrogate
 from producer.token_names import BY_ID, TokenNames, digest_of, load_names
 from producer.tool_calls import ToolChoice
 
@@ -149,10 +149,10 @@ def parse_line(
             raise BadLine("custom_id must be a non-empty string")
     # Bytes decoded as UTF-8 hold a surrogate only through a \u escape: most lines are spared the check.
     if line_text is not None and (isinstance(text, str) or "\\u" in line_text):
-        surrogate = _lone_surrogate(obj)
+        surrogate = lone_surrogate(obj)
         if surrogate is not None:
             message = f"not valid Unicode: a lone surrogate {surrogate!r} (a \\u escape of half a UTF-16 pair)"
-            raise BadLine(message, custom_id if _lone_surrogate(custom_id) is None else None)
+            raise BadLine(message, custom_id if lone_surrogate(custom_id) is None else None)
     asked_as: tuple[Any, Any] = (None, None)  # an OpenAI line's request and its job's, as the server reads them
     try:
         if options.plain:
@@ -195,16 +195,6 @@ def _json(text: str) -> Any:
         raise BadLine(f"not JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested past the parser's depth: it stopped the whole run
         raise BadLine("nested too deeply to read") from None
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """The first lone surrogate in ``value``'s strings (keys too), or None: such text has no UTF-8 form, so neither
-    a job nor an output or error line could hold it."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.object[exc.start]
-    return None
 
 
 def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[str, Any]]:

@@ -90,9 +90,10 @@ class ChatMessage(BaseModel):
             raise ValueError("only an assistant message carries tool_calls")
         return self
 
-    def texts(self) -> list[str]:
-        calls = [t for call in self.tool_calls or () for t in (call.function.name, call.function.arguments)]
-        return [self.content, *([] if self.name is None else [self.name]), *calls]
+    def strings(self) -> list[Any]:
+        """What of it the chat template reads as text."""
+        calls = [call.model_dump() for call in self.tool_calls] if self.tool_calls else []
+        return [self.content, self.name, self.tool_call_id, *calls]
 
     def template_form(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True, exclude={"tool_calls"})
@@ -117,6 +118,24 @@ class ToolSpec(BaseModel):
 
     type: Literal["function"] = "function"
     function: FunctionSpec
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in ``value``'s strings (keys too), or None: such text has no UTF-8 form, so no
+    tokenizer, job or output line could hold it."""
+    todo = [value]
+    while todo:  # (without recursion: a value may nest deeply)
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return exc.object[exc.start]
+        elif isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            todo += item
+    return None
 
 
 def _json_or_none(text: str) -> Any:
@@ -326,15 +345,17 @@ class JobRequest(BaseModel):
             raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
         if self.prompt is not None and not self.prompt:  # (" " is a prompt: it has a token, as OpenAI takes it)
             raise ValueError("the prompt is empty")
-        texts = [self.prompt] if self.prompt is not None else [t for m in self.messages or () for t in m.texts()]
-        for text in texts:
-            try:  # (bytes that were not UTF-8, read with surrogateescape, or a \u escape of half a UTF-16 pair)
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
+        # Every string the tokenizer or the chat template reads: one it cannot encode failed the whole tokenize batch
+        # (bytes that were not UTF-8, read with surrogateescape, or a \u escape of half a UTF-16 pair).
+        read = (("text", self.prompt), ("messages", [m.strings() for m in self.messages or ()]),
+                ("tools", self.tools and self.tool_specs()),
+                ("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip
+        for where, value in read:
+            if value and (surrogate := lone_surrogate(value)) is not None:
                 raise ValueError(
-                    f"the prompt is not valid Unicode: a lone surrogate {exc.object[exc.start]!r} at character "
-                    f"{exc.start} (text that was not UTF-8?)"
-                ) from None
+                    f"the prompt is not valid Unicode: a lone surrogate {surrogate!r} in its {where} (text that was "
+                    "not UTF-8?)"
+                )
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:

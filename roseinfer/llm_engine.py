@@ -228,10 +228,14 @@ class LLMEngine:
             else:
                 batches[False].append((i, text, None))  # as apply_chat_template encodes its text
         for special, items in batches.items():
-            if items:
-                encoded = _encode_batch(tokenizer, [text for _, text, _ in items], special)
-                for (i, _, kept), ids in zip(items, encoded):
-                    results[i] = (kept, list(ids))
+            if not items:
+                continue
+            try:
+                encoded: list = _encode_batch(tokenizer, [text for _, text, _ in items], special)
+            except Exception:  # one text the tokenizer refuses (a lone surrogate): each alone, its fault its own
+                encoded = [_encode_alone(tokenizer, text, special) for _, text, _ in items]
+            for (i, _, kept), ids in zip(items, encoded):
+                results[i] = ids if isinstance(ids, Exception) else (kept, list(ids))
         return results
 
     def _check_chat(
@@ -740,6 +744,13 @@ def _encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list
     if encode is None or backend.truncation is not None or backend.padding is not None:
         return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+
+
+def _encode_alone(tokenizer, text: str, add_special_tokens: bool) -> list[int] | Exception:
+    try:
+        return _encode_batch(tokenizer, [text], add_special_tokens)[0]
+    except Exception as exc:
+        return ValueError(f"the tokenizer cannot encode this prompt: {exc}")
 
 
 def settle_garbage_collector() -> None:

@@ -245,6 +245,34 @@ def test_the_chat_templates_options_from_a_job_and_from_the_server_are_the_templ
         JobRequest.model_validate({"prompt": "x", "continue_final_message": True})
 
 
+def test_text_no_tokenizer_can_encode_fails_its_own_prompt_not_the_batch_and_is_refused_at_submission(chat_engine):
+    """A lone surrogate (text that was not UTF-8) in any string a chat template shows: the job is refused where it
+    is submitted, naming where; and given to the engine anyway, only its prompt fails, not the others tokenized in
+    the same batch."""
+    from producer.schema import JobRequest
+
+    shows = copy.deepcopy(chat_engine.tokenizer)
+    shows.chat_template = "{% for t in tools or [] %}{{ t.function.description }}{% endfor %}" + shows.chat_template
+    tool = {"type": "function", "function": {"name": "f", "description": "a\udce9"}}
+    user = {"role": "user", "content": "hi"}
+    plain = {"messages": [user]}
+    bad = {"messages": [user], "tools": [tool]}
+    got = chat_engine.tokenize_many([plain, bad, "Once upon a time", "a\udce9", plain], shows)
+    assert isinstance(got[1], ValueError) and isinstance(got[3], ValueError) and "cannot encode" in str(got[3])
+    assert got[0] == got[4] == chat_engine.tokenize(plain, shows) and got[2] == chat_engine.tokenize("Once upon a time")
+    call = {"id": "c\udce9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    refused = [
+        ({"messages": [user], "tools": [tool]}, "in its tools"),
+        ({"messages": [user], "chat_template_kwargs": {"who": "\udce9"}}, "in its chat_template_kwargs"),
+        ({"messages": [user, {"role": "assistant", "content": "", "tool_calls": [call]}]}, "in its messages"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "\udce9"}]}, "in its messages"),
+        ({"prompt": "a\udce9"}, "in its text"),
+    ]
+    for payload, where in refused:
+        with pytest.raises(ValueError, match=f"not valid Unicode: a lone surrogate .* {where}"):
+            JobRequest.model_validate(payload)
+
+
 def test_an_operators_chat_template_replaces_the_models_and_a_bad_one_fails_the_start(tiny_chat_model, tmp_path):
     """vLLM's --chat-template: a Jinja file or the template's text, in place of the model's own; one that cannot be
     read or does not render fails the engine's start with the reason, not each chat job later."""
