@@ -93,8 +93,12 @@ class Line:
     row: dict[str, Any] | None = None  # a plain row's columns (a Parquet output keeps them)
     prompt_logprobs: int | None = None  # what the line asked for (vLLM's), shown in its output line
     echo: bool = False  # a completion's echo: its output begins with the prompt (and its logprobs)
-    tools: ToolChoice | None = None  # a chat's tool calls (by structured output): its output's tool_calls
+    chat: ChatCompletionRequest | None = None  # the chat request an OpenAI line means: its tool calls, its echo
     responses: ResponsesRequest | None = None  # a /v1/responses line's request: its output is a response object
+
+    @property
+    def tools(self) -> ToolChoice | None:
+        return self.chat.tool_plan() if self.chat is not None else None  # (a plain line's tools ask for no calls)
 
 
 def new_run_id() -> str:
@@ -172,9 +176,8 @@ def parse_line(
     shown, echo = asked.get("prompt_logprobs"), bool(asked.get("echo"))
     request, chat = asked_as
     responses = request if isinstance(request, ResponsesRequest) else None
-    tools = chat.tool_plan() if isinstance(chat, ChatCompletionRequest) else None  # (a plain line's tools: no calls)
-    job_id = job_id_for(payload, run_id, queue)
-    return Line(number, custom_id, url, payload, job_id, row, shown, echo, tools, responses)
+    chat = chat if isinstance(chat, ChatCompletionRequest) else None
+    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo, chat, responses)
 
 
 def _utf8(text: str | bytes) -> str:
@@ -280,16 +283,13 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
     named = top is not None or line.prompt_logprobs is not None
     token_names = names(result["model"]) if named and names is not None else BY_ID
+    tools = line.tools
     if line.responses is not None:
-        writer = ResponseWriter(result["id"], result["model"], line.responses, line.tools, top, token_names)
+        writer = ResponseWriter(result["id"], result["model"], line.responses, tools, top, token_names)
         return _output_line(line, result, {**writer.whole(result), "created_at": created})
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
-        choices = chat_choices(result, None, tools=line.tools)
-        last = line.payload["messages"][-1]
-        if line.echo and line.tools is None and last["role"] == "assistant":  # (vLLM's chat echo)
-            for choice in choices:
-                choice["message"]["content"] = last["content"] + choice["message"]["content"]
+        choices = chat_choices(result, None, tools=tools, echoed=line.chat.echoed if line.chat is not None else "")
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)

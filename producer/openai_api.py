@@ -215,9 +215,10 @@ class ChatCompletionRequest(_Common):
 
     @property
     def echoed(self) -> str:
-        """The text the answer begins with (``echo``): the last message's, where it is the assistant's own."""
+        """The text the answer begins with (``echo``): the last message's, where it is the assistant's own (and the
+        answer is text, not tool calls)."""
         last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
+        return last.text() if self.echo and last.role == "assistant" and self.tool_plan() is None else ""
 
     @property
     def num_logprobs(self) -> int | None:
@@ -454,12 +455,14 @@ def chat_choices(
     request: ChatCompletionRequest | None,
     names: TokenNames = BY_ID,
     tools: ToolChoice | None = None,
+    echoed: str | None = None,
 ) -> list[dict[str, Any]]:
-    """``tools``: the calls the output holds (by default the request's plan), read back into ``tool_calls``."""
+    """``tools``: the calls the output holds, read back into ``tool_calls``; ``echoed``: the text each answer
+    begins with (both by default the request's)."""
     top = request.num_logprobs if request is not None else None
     want = top is not None
     tools = tools or (request.tool_plan() if request is not None else None)
-    echoed = request.echoed if request is not None and tools is None else ""
+    echoed = echoed if echoed is not None else request.echoed if request is not None else ""
     choices = []
     for s in samples(result):
         message = _message(echoed + s.get("text", ""), tools)

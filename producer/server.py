@@ -294,7 +294,7 @@ def create_app(
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
-            if chat and req.echoed and req.tool_plan() is None:  # (vLLM's chat echo: the first chunk's text)
+            if chat and req.echoed:  # (vLLM's chat echo: the first chunk's text)
                 echo = [req.echoed]
             chunks = ChunkWriter(
                 job.id,
