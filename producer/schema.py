@@ -141,7 +141,7 @@ def lone_surrogate(value: Any) -> str | None:
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth: no arguments a template could take)
         return None
 
 

@@ -156,7 +156,7 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
     """A call of Hermes' format, ``{"name": ..., "arguments": {...}}``, as OpenAI's; None where it does not read."""
     try:
         call = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's output nested past the parser's depth reads as text too)
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
@@ -211,7 +211,7 @@ class CallStream:
         for done in self._objects(text):
             try:
                 call = json.loads(done)
-            except ValueError:  # (the output follows the schema: only a broken worker writes this)
+            except (ValueError, RecursionError):  # (the output follows the schema: only a broken worker writes this)
                 continue
             if isinstance(call, dict) and isinstance(call.get("name"), str):
                 arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)

@@ -197,6 +197,8 @@ def test_a_conversation_with_tool_calls_goes_back_to_the_template_with_their_arg
           "function": {"name": "now", "arguments": "{city"}}]}, "arguments are a JSON object's text"),
         ({"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
           "function": {"name": "now", "arguments": "[1]"}}]}, "arguments are a JSON object's text"),
+        ({"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+          "function": {"name": "now", "arguments": "[" * 100_000}}]}, "arguments are a JSON object's text"),
     ],
 )  # fmt: skip
 def test_a_bad_message_is_a_400(message, error):
@@ -237,6 +239,10 @@ def test_auto_reads_the_models_own_calls_where_the_server_names_its_format():
     assert [c["function"]["name"] for c in plan.read(left_open)[1]] == ["now"] and plan.read(left_open)[0] is None
     broken = 'Sure. <tool_call>{"name": "now", "arguments": </tool_call>'  # (vLLM's: all of it is text then)
     assert plan.read(broken) == (broken, [])
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"  # (past the JSON parser's depth: text too, no crash)
+    assert plan.read(deep) == (deep, [])
+    stream = plan.stream()
+    assert stream.feed(deep) == (deep, [])
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(HERMES)])
