@@ -13,6 +13,7 @@ from producer.protocol import usage_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
+from producer.tool_formats import FormatStream
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
@@ -597,7 +598,7 @@ class ChunkWriter:
     ) -> None:
         self.names = names
         self.tools = tools  # a chat's tool calls, made by structured output: its text goes out as their deltas
-        self.calls: dict[int, CallStream] = {}  # choice -> its tool calls read so far
+        self.calls: dict[int, CallStream | FormatStream] = {}  # choice -> its tool calls read so far
         self.sent: dict[int, int] = {}  # choice -> the length of its text sent (a completion's text_offset)
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null

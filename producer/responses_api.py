@@ -16,6 +16,7 @@ from pydantic import Field
 from producer.openai_api import APIError, APIShape, ChatCompletionRequest, chat_logprobs, parse, parse_request, samples
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
+from producer.tool_formats import FormatStream
 
 LOGPROBS = "message.output_text.logprobs"  # what include names for the output text's logprobs
 # The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
@@ -252,7 +253,7 @@ class ResponseWriter:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items, as they come
         self.text = ""  # the job's text so far
-        self.calls: CallStream | None = None
+        self.calls: CallStream | FormatStream | None = None
         self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
         self.shown = ""  # its text so far
 

@@ -281,6 +281,35 @@ def test_auto_tool_calls_in_the_models_own_format_come_back_as_openais_streamed_
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1] == "[DONE]"
 
 
+OTHER_FORMATS = {  # each format's output in pieces: text before the call, the call split between events
+    "llama3_json": ["<|python", '_tag|>{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}'],
+    "mistral": ["Let me look. [TOOL", '_CALLS][{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}]'],
+    "pythonic": ["[get_weather(", "city='Oslo'", ")]"],
+}
+
+
+@pytest.mark.parametrize("parser", list(OTHER_FORMATS))
+def test_auto_tool_calls_in_llama_mistral_and_pythonic_formats(parser):
+    """The other formats' calls, through the server as the official client reads them: the same call whole and
+    streamed, the text before it the content, nothing of a marker in the text."""
+    pieces = OTHER_FORMATS[parser]
+    script = [(0.01, event(i, piece, "stop" if i == len(pieces) - 1 else None)) for i, piece in enumerate(pieces)]
+    content = "Let me look. " if parser == "mistral" else None
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": WEATHER_TOOLS}
+    start, _ = post(ScriptedClient([list(script)]), body, "/v1/chat/completions", tool_call_parser=parser)
+    [choice] = json.loads(start["body"])["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == content
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    _, chunks = post(ScriptedClient([list(script)]), {**body, "stream": True}, "/v1/chat/completions",
+                     tool_call_parser=parser)  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]"]
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    [streamed] = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert streamed["index"] == 0 and streamed["function"] == call["function"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_auto_tool_calls_through_the_responses_api_are_function_call_items():
     body = {"model": "m", "input": "Weather?", "tools": [{"type": "function", "name": "get_weather"}]}
     start, _ = post(ScriptedClient([_hermes_script()]), body, "/v1/responses", tool_call_parser="hermes")

@@ -245,21 +245,105 @@ def test_auto_reads_the_models_own_calls_where_the_server_names_its_format():
     assert stream.feed(deep) == (deep, [])
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, len(HERMES)])
-def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(size):
-    plan = ToolChoice.of(TOOLS, "auto", parser="hermes")
-    cases = [HERMES, "Just text, a < b <tool", HERMES[: HERMES.rindex("</tool_call>")], "\n " + HERMES[21:] + "\n",
-             "  \n", HERMES + " More words."]  # fmt: skip
-    for text in cases:
+# Each format's outputs: (text, its content, its calls as (name, arguments)); a content of the text itself: no calls.
+_OSLO = ("get_weather", {"city": "Oslo", "unit": "c"})
+OUTPUTS = {
+    "hermes": [
+        (HERMES, "Let me look that up. ", [_OSLO, ("now", {})]),
+        ("Just text, a < b <tool", "Just text, a < b <tool", []),
+        (HERMES[: HERMES.rindex("</tool_call>")], "Let me look that up. ", [_OSLO, ("now", {})]),
+        ("\n " + HERMES[21:] + "\n", None, [_OSLO, ("now", {})]),
+        ("  \n", "  \n", []),
+        (HERMES + " More words.", "Let me look that up.  More words.", [_OSLO, ("now", {})]),
+    ],
+    "llama3_json": [
+        (
+            '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}; {"name": "now", "parameters": {}}',
+            None,
+            [_OSLO, ("now", {})],
+        ),
+        (' <|python_tag|>{"name": "now", "arguments": {}}', None, [("now", {})]),
+        ('Sure. <|python_tag|>{"name": "now", "parameters": {}}', "Sure. ", [("now", {})]),
+        ('{"name": "now"}', None, [("now", {})]),
+        ('{"answer": 42}', '{"answer": 42}', []),  # (JSON, but no call: the answer's text)
+        ('{"name": "now", "parameters": {}} and then', '{"name": "now", "parameters": {}} and then', []),
+        ("Sets are written {1, 2}.", "Sets are written {1, 2}.", []),
+        ('{1, 2} <|python_tag|>{"name": "now", "parameters": {}}', "{1, 2} ", [("now", {})]),
+        ('{"name": "now", "parameters": {}', '{"name": "now", "parameters": {}', []),  # (cut short)
+    ],
+    "mistral": [
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}, '
+            '{"name": "now", "arguments": {}}]',
+            None,
+            [_OSLO, ("now", {})],
+        ),
+        ('Let me check. [TOOL_CALLS][{"name": "now", "arguments": {}}]', "Let me check. ", [("now", {})]),
+        (
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "c"}[TOOL_CALLS]now[ARGS]{}',
+            None,
+            [_OSLO, ("now", {})],
+        ),
+        ("[TOOL_CALLS]now{}", None, [("now", {})]),
+        ('[TOOL_CALLS][{"name": "now", "arguments": ', '[TOOL_CALLS][{"name": "now", "arguments": ', []),
+        ("A [TOOL plain [answer].", "A [TOOL plain [answer].", []),
+    ],
+    "pythonic": [
+        ("[get_weather(city=\"Oslo\", unit='c'), now()]", None, [_OSLO, ("now", {})]),
+        (
+            "  [f(a=[1, -2.5, {'k': None}], b=True, c=(1,))]",
+            None,
+            [("f", {"a": [1, -2.5, {"k": None}], "b": True, "c": [1]})],
+        ),
+        ('[print(open("/etc/passwd").read())]', '[print(open("/etc/passwd").read())]', []),  # (positional)
+        ("[f(a=g())]", "[f(a=g())]", []),  # (a call is no value: nothing is ever run)
+        ("[f(x=__import__('os'))]", "[f(x=__import__('os'))]", []),
+        ("[f(**{'a': 1})]", "[f(**{'a': 1})]", []),
+        ("[Note] the answer is 4.", "[Note] the answer is 4.", []),
+        ("[f(a=1)] and more", "[f(a=1)] and more", []),
+        ("[os.system(a='ls')]", "[os.system(a='ls')]", []),
+        ("[]", "[]", []),
+    ],
+}
+_CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
+
+
+def _read(calls: list) -> list:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), _CASES)
+def test_auto_reads_each_formats_calls_and_the_text_around_them(parser, text, content, calls):
+    plan = ToolChoice.of(TOOLS, "auto", parser=parser)
+    got_content, got_calls = plan.read(text)
+    assert (got_content, _read(got_calls)) == (content, calls)
+    assert all(c["type"] == "function" and c["id"] for c in got_calls)
+
+
+def test_mistrals_call_ids_are_the_nine_letters_and_digits_its_templates_take():
+    plan = ToolChoice.of(TOOLS, "auto", parser="mistral")
+    _, calls = plan.read('[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]')
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]
+    _, calls = ToolChoice.of(TOOLS, "auto", parser="hermes").read(HERMES)
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in calls)  # (the others': vLLM's form)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("parser", list(OUTPUTS))
+def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(parser, size):
+    plan = ToolChoice.of(TOOLS, "auto", parser=parser)
+    markers = ["<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+    for text, _, _ in OUTPUTS[parser]:
         stream = plan.stream()
         content, deltas = "", []
+        whole_content, whole_calls = plan.read(text)
         for i in range(0, len(text), size):
             more, calls = stream.feed(text[i : i + size])
-            assert "<tool_call>" not in more  # a marker never leaks out as text, even split between pieces
+            if whole_calls:  # a marker never leaks out as text, even split between pieces
+                assert not any(m in content + more for m in markers)
             content, deltas = content + more, deltas + calls
         more, calls = stream.finish()
         content, deltas = content + more, deltas + calls
-        whole_content, whole_calls = plan.read(text)
         assert content == (whole_content or "")
         assert [d["index"] for d in deltas] == list(range(len(whole_calls)))
         assert [d["function"] for d in deltas] == [c["function"] for c in whole_calls]

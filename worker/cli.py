@@ -131,8 +131,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
     p.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-        help='the model\'s own tool-call format, read for tool_choice "auto" (vLLM\'s; hermes: <tool_call> blocks of '
-        "Hermes, Qwen 2.5, and templates written for them); without it, \"auto\" with tools is a 400",
+        help='the model\'s own tool-call format, read for tool_choice "auto" (vLLM\'s names; hermes: <tool_call> '
+        "blocks of Hermes and Qwen; llama3_json: Llama 3.1-3.3's JSON calls; mistral: [TOOL_CALLS]; pythonic: "
+        "[f(a=1)], Llama 3.2 and 4); without it, \"auto\" with tools is a 400",
     )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",
