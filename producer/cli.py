@@ -123,7 +123,9 @@ def payload_flags() -> list[PayloadFlag]:
         detail += _bounds(field.annotation, field.metadata)
         if repeatable:
             detail.append("repeatable")
-        help_text = f"{field.description or name} ({'; '.join(detail)}; default: {default})"
+        if "default:" not in (field.description or ""):  # (a description may say its default in words)
+            detail.append(f"default: {default}")
+        help_text = f"{field.description or name}" + (f" ({'; '.join(detail)})" if detail else "")
         flags.append(PayloadFlag(name, names, tuple(kinds), repeatable, help_text.replace("%", "%%")))
     return flags
 

@@ -65,7 +65,9 @@ def test_every_scalar_payload_field_has_a_submit_flag_with_its_description_and_d
     temperature = JobRequest.model_fields["temperature"].description or "temperature"
     assert f"--temperature FLOAT {temperature} (a number; >= 0.0; <= 2.0; default: 1.0)" in text
     assert "--temperature FLOAT" in text and "--max-tokens INT" in text and "--logprobs BOOL|INT" in text
-    assert "--ignore-eos, --no-ignore-eos" in text
+    assert "--ignore-eos, --no-ignore-eos keep generating past EOS (default: false)" in text
+    assert "(;" not in text and "()" not in text  # (a switch has no value to describe, only its default)
+    assert "default: until EOS or the context (an integer; >= 1)" in text  # (said once, in words)
     assert "$ROSEINFER_REDIS_URL" in text and "$ROSEINFER_QUEUE" in text
 
 
