@@ -162,7 +162,7 @@ def parse_line(
         if options.plain:
             (url, payload), api_defaults = _row_payload(obj, options), {}
         else:
-            url, payload, api_defaults, asked_as = _payload(obj, options.tool_call_parser)
+            url, payload, api_defaults, asked_as = _payload(obj, options.tool_call_parser, options.reasoning_parser)
         _apply_defaults(payload, options.defaults)
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
@@ -227,7 +227,7 @@ def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
 
 
 def _payload(
-    obj: dict[str, Any], tool_parser: str | None = None
+    obj: dict[str, Any], tool_parser: str | None = None, reasoning_parser: str | None = None
 ) -> tuple[str, dict[str, Any], dict[str, Any], tuple[Any, Any]]:
     """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, the fields
     an OpenAI line leaves to the API's defaults, which yield to the run's, and its request and the chat or
@@ -258,9 +258,9 @@ def _payload(
     request = {k: v for k, v in body.items() if k not in own}
     try:
         if url == "/v1/responses":
-            asked, parsed, payload = parse_responses({"model": "batch", **request}, tool_parser)
+            asked, parsed, payload = parse_responses({"model": "batch", **request}, tool_parser, reasoning_parser)
         else:
-            parsed, payload = parse(REQUESTS[url], {"model": "batch", **request}, tool_parser)
+            parsed, payload = parse(REQUESTS[url], {"model": "batch", **request}, tool_parser, reasoning_parser)
             asked = parsed
     except APIError as exc:
         raise ValueError(exc.message) from None
@@ -289,7 +289,9 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
         return _output_line(line, result, {**writer.whole(result), "created_at": created})
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
-        choices = chat_choices(result, None, tools=tools, echoed=line.chat.echoed if line.chat is not None else "")
+        chat = line.chat
+        echoed, reasoning = (chat.echoed, chat.reasoning_plan()) if chat is not None else ("", None)
+        choices = chat_choices(result, None, tools=tools, echoed=echoed, reasoning=reasoning)
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)

@@ -82,6 +82,7 @@ class RowOptions:
     chat: bool = False  # the prompt column as the user's message (the chat template applied), not a raw prompt
     system: str | None = None  # with ``chat``: a system message before it
     tool_call_parser: str | None = None  # the model's own tool-call format, for OpenAI lines' tool_choice "auto"
+    reasoning_parser: str | None = None  # how OpenAI chat lines' thinking is told from their answers
 
     @property
     def plain(self) -> bool:
@@ -100,6 +101,7 @@ class RowOptions:
         columns = {"prompt_column": self.prompt_column, "messages_column": self.messages_column}
         chat = {"chat": True, "system": self.system} if self.chat else {}  # (absent as before when not asked)
         parser = {"tool_call_parser": self.tool_call_parser} if self.tool_call_parser else {}
+        parser |= {"reasoning_parser": self.reasoning_parser} if self.reasoning_parser else {}
         return {**columns, "id_column": self.id_column, "defaults": self.defaults, **chat, **parser}
 
 

@@ -18,6 +18,7 @@ from producer.batch_io import at_least
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
 from producer.connection import QUEUE_URLS_ENV, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
+from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest
 from producer.tool_calls import TOOL_CALL_PARSERS
 
@@ -324,6 +325,7 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--n", args.n, None),
         ("--response-format", args.response_format, None),
         ("--tool-call-parser", args.tool_call_parser, None),
+        ("--reasoning-parser", args.reasoning_parser, None),
         ("--priority", args.priority, BULK_PRIORITY),
         ("--redis-url", args.redis_url, None),
         ("--queue", args.queue, None),
@@ -383,7 +385,7 @@ def batch_options(args: argparse.Namespace):
         raise InvalidRequest("--chat makes the prompt column a chat; a messages column is one already")
     return RowOptions(
         args.prompt_column, args.messages_column, args.id_column, defaults, args.chat, args.system,
-        args.tool_call_parser,
+        args.tool_call_parser, args.reasoning_parser,
     )  # fmt: skip
 
 
@@ -580,6 +582,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
         help='OpenAI lines\' tool_choice "auto": the model\'s own tool-call format to read calls in (as serve\'s)',
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="OpenAI chat lines' thinking told from their answers, as serve's (their messages' reasoning)",
     )  # fmt: skip
     again = p.add_mutually_exclusive_group()
     again.add_argument(

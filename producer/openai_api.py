@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, model_validator
 
 from producer.protocol import usage_of
+from producer.reasoning import FORMATS as REASONING_FORMATS
+from producer.reasoning import ReasoningFormat, ReasoningStream
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
@@ -87,12 +89,21 @@ class Message(APIShape):
     name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
     tool_calls: list[ToolCall] | None = None  # an assistant's: given to the chat template
     tool_call_id: str | None = None  # a tool message's: the call it answers, given to the chat template
+    # an assistant's thinking, sent back (vLLM's field, and its older name): given to the chat template
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_or_calls(self) -> Message:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant's message of tool_calls may leave it out)")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thinking is not None)):
+            raise ValueError("content is required (only an assistant's message of tool_calls or reasoning may omit it)")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content (its older name) differ: give one")
         return self
+
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         if self.content is None:
@@ -103,6 +114,8 @@ class Message(APIShape):
         """The message as a job's payload carries it."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         out.update(self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True))
+        if self.thinking is not None:
+            out["reasoning"] = self.thinking
         return out
 
 
@@ -173,6 +186,7 @@ class _Common(APIShape):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     _tool_parser: str | None = PrivateAttr(None)  # the server's: the model's own tool-call format "auto" reads
+    _reasoning_parser: str | None = PrivateAttr(None)  # the server's: how the model's thinking is told from its answer
 
     def sampling(self) -> dict[str, Any]:
         if self.stream_options is not None and not self.stream:
@@ -195,6 +209,17 @@ class _Common(APIShape):
             return ToolChoice.of(tools, choice, self.parallel_tool_calls is not False, self._tool_parser)
         except ToolChoiceError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+
+    def reasoning_plan(self) -> ReasoningFormat | None:
+        """How the output's thinking is told from its answer: the server's parser, where the output is the model's
+        own (a constrained one, a forced tool call or a schema's JSON from its first token, has no thinking)."""
+        if self._reasoning_parser is None or self.structured_outputs is not None:
+            return None
+        if self.response_format is not None and self.response_format.type != "text":
+            return None
+        if (plan := self.tool_plan()) is not None and not plan.auto:
+            return None
+        return REASONING_FORMATS[self._reasoning_parser]
 
     @property
     def continuous_usage(self) -> bool:
@@ -324,11 +349,14 @@ def parse_request(model: type[APIShape], body: Any) -> Any:
         raise APIError(400, describe_validation_error(exc), param=param) from None
 
 
-def parse(model: type[_Common], body: Any, tool_parser: str | None = None) -> tuple[_Common, dict[str, Any]]:
+def parse(
+    model: type[_Common], body: Any, tool_parser: str | None = None, reasoning_parser: str | None = None
+) -> tuple[_Common, dict[str, Any]]:
     """The request and the job's payload fields, or an ``APIError`` naming the parameter at fault. ``tool_parser``:
-    the model's own tool-call format, which "auto" reads (``producer/tool_calls.py``)."""
+    the model's own tool-call format, which "auto" reads (``producer/tool_formats.py``); ``reasoning_parser``: how
+    its thinking is told from its answer (``producer/reasoning.py``)."""
     request = parse_request(model, body)
-    request._tool_parser = tool_parser
+    request._tool_parser, request._reasoning_parser = tool_parser, reasoning_parser
     fields = request.job_fields()
     _check_job(request, fields)
     return request, fields
@@ -457,16 +485,18 @@ def chat_choices(
     names: TokenNames = BY_ID,
     tools: ToolChoice | None = None,
     echoed: str | None = None,
+    reasoning: ReasoningFormat | None = None,
 ) -> list[dict[str, Any]]:
     """``tools``: the calls the output holds, read back into ``tool_calls``; ``echoed``: the text each answer
-    begins with (both by default the request's)."""
+    begins with; ``reasoning``: how its thinking is told from its answer (all by default the request's)."""
     top = request.num_logprobs if request is not None else None
     want = top is not None
     tools = tools or (request.tool_plan() if request is not None else None)
     echoed = echoed if echoed is not None else request.echoed if request is not None else ""
+    reasoning = reasoning or (request.reasoning_plan() if request is not None else None)
     choices = []
     for s in samples(result):
-        message = _message(echoed + s.get("text", ""), tools)
+        message = _message(s.get("text", ""), tools, reasoning, echoed)
         reason = finish_reason(s.get("finish_reason"))
         choices.append(
             {
@@ -479,12 +509,24 @@ def chat_choices(
     return choices
 
 
-def _message(text: str, tools: ToolChoice | None) -> dict[str, Any]:
+def _message(text: str, tools: ToolChoice | None, reasoning: ReasoningFormat | None, echoed: str) -> dict[str, Any]:
+    thinking = None
+    if reasoning is not None:  # (an output that is thinking alone has no answer: a null content)
+        thinking, answer = reasoning.split(text)
+        if answer is None and not echoed:
+            return {"role": "assistant", "content": None, **_thought(thinking)}
+        text = answer or ""
+    text = echoed + text
     if tools is None:
-        return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text, **_thought(thinking)}
     # (no calls where the only one was cut short: the finish reason says "length"; OpenAI's null content)
     content, calls = tools.read(text)
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+    return {"role": "assistant", "content": content, **_thought(thinking), **({"tool_calls": calls} if calls else {})}
+
+
+def _thought(thinking: str | None) -> dict[str, str]:
+    """A message's or a delta's thinking: vLLM's field, and its older name, which clients still read."""
+    return {} if thinking is None else {"reasoning": thinking, "reasoning_content": thinking}
 
 
 def _calls_finish(reason: str | None, tools: ToolChoice | None, called: bool) -> str | None:
@@ -595,10 +637,13 @@ class ChunkWriter:
         continuous_usage: bool = False,
         names: TokenNames = BY_ID,
         tools: ToolChoice | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
         self.names = names
         self.tools = tools  # a chat's tool calls, made by structured output: its text goes out as their deltas
         self.calls: dict[int, CallStream | FormatStream] = {}  # choice -> its tool calls read so far
+        self.reasoning = reasoning  # how a chat's thinking is told from its answer
+        self.thoughts: dict[int, ReasoningStream] = {}  # choice -> its thinking and answer read so far
         self.sent: dict[int, int] = {}  # choice -> the length of its text sent (a completion's text_offset)
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
@@ -620,15 +665,17 @@ class ChunkWriter:
         None: nothing to send (text that completes no tool call yet)."""
         shown = event if self.logprobs is not None and event and event.get("logprobs") else None
         if self.chat:
+            thinking, text = self._split(text, first, index, ended=reason is not None)
             if self.tools is not None:
                 delta = self._calls_delta(text, first, index, ended=reason is not None)
-                if not delta and reason is None and shown is None and not first:
-                    return None
                 reason = _calls_finish(reason, self.tools, bool(self.calls[index].made))
             else:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
-                if reason is not None and not text:
+                if (reason is not None or self.reasoning is not None) and not text and not first:
                     delta = {}
+            delta.update(_thought(thinking or None))
+            if not delta and reason is None and shown is None and not first:
+                return None  # (text held: a piece of a marker, or what reads no call yet)
             logprobs = chat_logprobs(shown, self.logprobs or 0, self.names) if shown else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
         else:
@@ -642,6 +689,20 @@ class ChunkWriter:
         elif self.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def _split(self, text: str, first: bool, index: int, ended: bool) -> tuple[str, str]:
+        """The thinking and the answer of a piece of a choice's text (the first piece, an echo, is answer)."""
+        if self.reasoning is None:
+            return "", text
+        if first:
+            self.thoughts[index] = self.reasoning.stream()
+            return "", text
+        stream = self.thoughts[index]
+        thinking, answer = stream.feed(text)
+        if ended:
+            more_thinking, more_answer = stream.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        return thinking, answer
 
     def _calls_delta(self, text: str, first: bool, index: int, ended: bool) -> dict[str, Any]:
         assert self.tools is not None

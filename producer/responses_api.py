@@ -187,13 +187,13 @@ class ResponsesRequest(APIShape):
 
 
 def parse_responses(
-    body: Any, tool_parser: str | None = None
+    body: Any, tool_parser: str | None = None, reasoning_parser: str | None = None
 ) -> tuple[ResponsesRequest, ChatCompletionRequest, dict[str, Any]]:
     """The request, the chat request it means and its job's payload; an ``APIError`` named in the Responses API's
     terms. ``tool_parser``: as ``parse``'s."""
     request: ResponsesRequest = parse_request(ResponsesRequest, body)
     try:
-        chat, fields = parse(ChatCompletionRequest, request.chat_body(), tool_parser)
+        chat, fields = parse(ChatCompletionRequest, request.chat_body(), tool_parser, reasoning_parser)
     except APIError as exc:
         exc.message, exc.param = _renamed(exc.message), _renamed(exc.param)
         raise

@@ -83,22 +83,30 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, description="the speaker's name, given to the chat template (which may not use it)")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls of tools, for the chat template")
     tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
+    reasoning: str | None = Field(
+        None,
+        description="an assistant's thinking before its answer, for templates that show it (as reasoning_content, "
+        "its older name, too)",
+    )
 
     @model_validator(mode="after")
     def _calls_of_an_assistant(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only an assistant message carries tool_calls")
+        for name in ("tool_calls", "reasoning"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"only an assistant message carries {name}")
         return self
 
     def strings(self) -> list[Any]:
         """What of it the chat template reads as text."""
         calls = [call.model_dump() for call in self.tool_calls] if self.tool_calls else []
-        return [self.content, self.name, self.tool_call_id, *calls]
+        return [self.content, self.name, self.tool_call_id, self.reasoning, *calls]
 
     def template_form(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True, exclude={"tool_calls"})
         if self.tool_calls is not None:
             out["tool_calls"] = [call.template_form() for call in self.tool_calls]
+        if self.reasoning is not None:  # (Qwen3's and DeepSeek's templates read reasoning_content; vLLM gives both)
+            out["reasoning_content"] = self.reasoning
         return out
 
 

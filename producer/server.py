@@ -44,6 +44,7 @@ from producer.openai_api import (
     total_usage,
 )
 from producer.protocol import installed_version
+from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -150,12 +151,19 @@ class AuthAndCount:
 
 
 def create_app(
-    client: AsyncClient, api_key: str | None = None, timeout: float = 600.0, tool_call_parser: str | None = None
+    client: AsyncClient,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """``tool_call_parser``: the served model's own tool-call format, for ``tool_choice: "auto"`` (vLLM's
-    ``--tool-call-parser``; ``producer/tool_calls.py``)."""
+    ``--tool-call-parser``; ``producer/tool_formats.py``); ``reasoning_parser``: how its thinking is told from its
+    answer (vLLM's ``--reasoning-parser``; ``producer/reasoning.py``)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
     tokenizers = TokenizerCache(client)
@@ -281,7 +289,7 @@ def create_app(
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
         else:
-            req, fields = parse(kind, body, tool_call_parser)
+            req, fields = parse(kind, body, tool_call_parser, reasoning_parser)
             jobs_fields = [fields]
         await _served(req.model)
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
@@ -307,6 +315,7 @@ def create_app(
                 req.continuous_usage,
                 names,
                 tools=req.tool_plan() if chat else None,
+                reasoning=req.reasoning_plan() if chat else None,
             )
             try:
                 early, events = await _start_stream(request, jobs, wait)
@@ -699,10 +708,11 @@ def run_server(
     timeout: float = 600.0,
     client: AsyncClient | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     import uvicorn
 
-    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser)
+    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser)
     # What is loaded lives as long as the server: a full collection walking it paused every request ~25 ms.
     gc.collect()
     gc.freeze()

@@ -226,7 +226,7 @@ FORMATS = {
 }
 
 
-def _held_back(text: str, markers: tuple[str, ...]) -> int:
+def held_back(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of ``text`` may begin one of ``markers`` (held until the next piece says)."""
     for n in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
         if any(m.startswith(text[-n:]) for m in markers):
@@ -268,7 +268,7 @@ class FormatStream:
                         continue
                 found = [(i, m) for m in fmt.markers if (i := self._held.find(m)) >= 0]
                 start, marker = min(found) if found else (-1, "")
-                end = len(self._held) - _held_back(self._held, fmt.markers) if start < 0 else start
+                end = len(self._held) - held_back(self._held, fmt.markers) if start < 0 else start
                 out, self._held = self._held[:end], self._held[end:]
                 if not self._said and not out.strip() and start < 0:  # (white space alone: held)
                     self._held = out + self._held

@@ -899,6 +899,23 @@ def test_an_openai_line_asking_auto_reads_calls_in_the_format_the_run_names():
     assert "tool_call_parser" not in RowOptions().fingerprint()  # (outputs of earlier runs keep theirs)
 
 
+def test_a_chat_lines_thinking_is_its_messages_reasoning_where_the_run_names_a_reasoning_parser():
+    from producer.batch_io import RowOptions
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
+    text = json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": body})
+    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    result = {"id": "j", "model": "m", "text": "<think>Two and two.</think>4", "finish_reason": "stop",
+              "timings": {"finished_at": 1.0}, "usage": usage}  # fmt: skip
+    line = parse_line(1, text, options=RowOptions(reasoning_parser="deepseek_r1"))
+    [choice] = output_line(line, result)["response"]["body"]["choices"]
+    assert (choice["message"]["reasoning"], choice["message"]["content"]) == ("Two and two.", "4")
+    [choice] = output_line(parse_line(1, text), result)["response"]["body"]["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "<think>Two and two.</think>4"}
+    assert RowOptions(reasoning_parser="qwen3").fingerprint() != RowOptions().fingerprint()
+    assert "reasoning_parser" not in RowOptions().fingerprint()  # (outputs of earlier runs keep theirs)
+
+
 def test_a_chat_lines_echo_begins_its_output_with_the_assistants_words():
     messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
     body = {"model": "m", "messages": messages, "continue_final_message": True, "echo": True}

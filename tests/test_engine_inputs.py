@@ -203,6 +203,26 @@ def test_tools_and_tool_calls_reach_a_chat_template_that_shows_them(chat_engine)
         chat_engine.tokenize({"prompt": "x", "tools": tools})
 
 
+def test_an_assistants_thinking_sent_back_reaches_a_template_that_shows_it(chat_engine):
+    """Qwen3's template shows an earlier answer's reasoning_content inside <think>: a request's ``reasoning`` (or
+    its older name) renders there, through the job's payload."""
+    from producer.openai_api import ChatCompletionRequest, parse
+    from producer.schema import JobRequest
+
+    shows = copy.deepcopy(chat_engine.tokenizer)
+    shows.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+        "{% endif %}{{ m.content }}{{ '\\n' }}{% endfor %}"
+    )
+    expected = shows("user: 2+2?\nassistant: <think>Two and two.</think>4\n", add_special_tokens=False)["input_ids"]
+    for name in ("reasoning", "reasoning_content"):
+        answer = {"role": "assistant", "content": "4", name: "Two and two."}
+        body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}, answer]}
+        _, fields = parse(ChatCompletionRequest, body)
+        prompt = JobRequest.model_validate({**fields, "add_generation_prompt": False}).engine_prompt()
+        assert chat_engine.tokenize(prompt, shows)[1] == expected
+
+
 def test_the_chat_templates_options_from_a_job_and_from_the_server_are_the_templates_own(chat_engine):
     """vLLM's chat options: the last message continued (no new turn opened, its end left open), no generation
     prompt, and the template's own variables (``chat_template_kwargs``); from a job's payload, from an OpenAI

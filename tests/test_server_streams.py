@@ -310,6 +310,41 @@ def test_auto_tool_calls_in_llama_mistral_and_pythonic_formats(parser):
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+QWEN3_PIECES = ["<thi", "nk>\nWeather needs a", " lookup.\n</th", "ink>\n\n<tool_call>", '{"name": "get_weather", ',
+                '"arguments": {"city": "Oslo"}}</tool_call>']  # fmt: skip
+
+
+def test_thinking_comes_as_reasoning_beside_the_answer_and_its_calls_streamed_and_not():
+    """--reasoning-parser: a Qwen3 answer's <think> block is the message's reasoning (and reasoning_content), whole
+    and in the deltas, no piece of a marker in either; the answer after it is read for tool calls as before."""
+    script = [(0.01, event(i, p, "stop" if i == len(QWEN3_PIECES) - 1 else None)) for i, p in enumerate(QWEN3_PIECES)]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": WEATHER_TOOLS}
+    options = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+    start, _ = post(ScriptedClient([list(script)]), body, "/v1/chat/completions", **options)
+    [choice] = json.loads(start["body"])["choices"]
+    message = choice["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "\nWeather needs a lookup.\n"
+    assert message["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    _, chunks = post(ScriptedClient([list(script)]), {**body, "stream": True}, "/v1/chat/completions", **options)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]"]
+    thinking = [d["reasoning"] for d in deltas if "reasoning" in d]
+    assert "".join(thinking) == message["reasoning"] and len(thinking) > 1  # (as it came, not at the end)
+    assert all(d["reasoning_content"] == d["reasoning"] for d in deltas if "reasoning" in d)
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    [streamed] = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert streamed["function"] == message["tool_calls"][0]["function"]
+    plain = [(0.01, event(0, "It is")), (0.01, event(1, " sunny.", "stop"))]  # (qwen3 without thinking: all answer)
+    _, chunks = post(ScriptedClient([plain]), {**body, "tools": None, "stream": True}, "/v1/chat/completions",
+                     reasoning_parser="qwen3")  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for c in chunks if c != "[DONE]"]
+    assert "".join(d.get("content") or "" for d in deltas) == "It is sunny." and not any(
+        "reasoning" in d for d in deltas
+    )
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        post(ScriptedClient([plain]), body, "/v1/chat/completions", reasoning_parser="r2")
+
+
 def test_auto_tool_calls_through_the_responses_api_are_function_call_items():
     body = {"model": "m", "input": "Weather?", "tools": [{"type": "function", "name": "get_weather"}]}
     start, _ = post(ScriptedClient([_hermes_script()]), body, "/v1/responses", tool_call_parser="hermes")

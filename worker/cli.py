@@ -16,6 +16,7 @@ import typing
 from pydantic import ValidationError
 
 from producer.protocol import installed_version
+from producer.reasoning import REASONING_PARSERS
 from producer.tool_calls import TOOL_CALL_PARSERS
 from roseinfer.config import EngineConfig, engine_options
 from worker.settings import ENV_PREFIX, WorkerSettings, unknown_env_vars
@@ -105,7 +106,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.embedded:
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
-            tool_call_parser=args.tool_call_parser,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     from worker.embedded import serve_embedded
 
@@ -134,6 +135,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help='the model\'s own tool-call format, read for tool_choice "auto" (vLLM\'s names; hermes: <tool_call> '
         "blocks of Hermes and Qwen; llama3_json: Llama 3.1-3.3's JSON calls; mistral: [TOOL_CALLS]; pythonic: "
         "[f(a=1)], Llama 3.2 and 4); without it, \"auto\" with tools is a 400",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS, default=None,
+        help="tell a reasoning model's thinking from its answer: a chat message's reasoning (vLLM's names; "
+        "deepseek_r1: all before </think>; qwen3: a <think> block the output begins with)",
     )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",

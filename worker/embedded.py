@@ -38,7 +38,7 @@ def serve_embedded(args: argparse.Namespace) -> int:
     try:
         return run_server(
             url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
-            tool_call_parser=args.tool_call_parser,
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     finally:
         worker.request_stop()

@@ -1,0 +1,84 @@
+"""A reasoning model's thinking, told from its answer (``--reasoning-parser``, named as vLLM's parsers of the same
+formats); the chat's ``reasoning`` field holds it (and ``reasoning_content``, its older name, which clients still
+read):
+
+- ``deepseek_r1``: everything before ``</think>`` (a ``<think>`` it begins with left out) is the reasoning, the
+  rest the answer; an output without ``</think>`` is reasoning alone (cut short while thinking). DeepSeek-R1 and its
+  distillations, and templates that open ``<think>`` in the prompt (Qwen3's thinking-only models, QwQ);
+- ``qwen3``: an output that begins with ``<think>`` reasons up to ``</think>``; one that does not is all answer
+  (Qwen3 with ``enable_thinking`` false, whose template closes the thinking in the prompt).
+
+Streamed, text goes to the reasoning or the answer as it comes, never a piece of a marker. No HTTP, no Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from producer.tool_formats import held_back
+
+_START, _END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    opened: bool  # the output reasons from its start (the template opened <think>), not only after one
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A whole output's reasoning and answer (None: none)."""
+        if not text:  # (no output at all: an empty answer, not an empty thought)
+            return None, text
+        body = text.lstrip()
+        began = body.startswith(_START)
+        if began:
+            text = body[len(_START) :]
+        elif not self.opened:
+            return None, text
+        reasoning, end, answer = text.partition(_END)
+        return reasoning, (answer or None) if end else None
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+
+FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", opened=True), ReasoningFormat("qwen3", opened=False))}
+REASONING_PARSERS = tuple(FORMATS)
+
+
+@dataclass
+class ReasoningStream:
+    """One choice's output, piece by piece, as its reasoning and its answer."""
+
+    format: ReasoningFormat
+    _held: str = ""
+    _state: str = "start"  # start (what it begins with is not known yet), reasoning, answer
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and the answer text the next piece of output lets out."""
+        self._held += text
+        if self._state == "start":
+            body = self._held.lstrip()
+            if _START.startswith(body):  # (white space, or what may begin <think>: held)
+                return "", ""
+            if body.startswith(_START):
+                self._held, self._state = body[len(_START) :], "reasoning"
+            else:
+                self._state = "reasoning" if self.format.opened else "answer"
+        if self._state == "answer":
+            answer, self._held = self._held, ""
+            return "", answer
+        reasoning, end, answer = self._held.partition(_END)
+        if end:
+            self._held, self._state = "", "answer"
+            return reasoning, answer
+        keep = held_back(self._held, (_END,))
+        reasoning, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return reasoning, ""
+
+    def finish(self) -> tuple[str, str]:
+        """What the output's end lets out: text held back."""
+        held, self._held = self._held, ""
+        if self._state == "start":  # (the output was white space, or a piece of <think>)
+            reasoning, answer = self.format.split(held)
+            return reasoning or "", answer or ""
+        return (held, "") if self._state == "reasoning" else ("", held)

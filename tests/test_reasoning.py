@@ -1,0 +1,122 @@
+"""A reasoning model's thinking told from its answer (--reasoning-parser): whole and streamed alike, in chat
+answers beside tool calls, and sent back in a conversation (the server's streams are in test_server_streams.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from producer.openai_api import APIError, ChatCompletionRequest, chat_choices, parse
+from producer.reasoning import FORMATS
+from producer.schema import JobRequest
+
+THOUGHT = "<think>\nThe user wants 2+2. That is 4.\n</think>\n\nIt is 4."
+# Each format's outputs: (text, its reasoning, its answer).
+OUTPUTS = {
+    "deepseek_r1": [
+        (THOUGHT, "\nThe user wants 2+2. That is 4.\n", "\n\nIt is 4."),
+        ("The template opened it. 4.</think>It is 4.", "The template opened it. 4.", "It is 4."),
+        ("<think>Still thinking when the length ran out", "Still thinking when the length ran out", None),
+        ("No markers at all", "No markers at all", None),  # (thinking cut short: no answer yet)
+        ("  <think></think>Fast.", "", "Fast."),
+        ("<thi", "<thi", None),
+        ("", None, ""),
+    ],
+    "qwen3": [
+        (THOUGHT, "\nThe user wants 2+2. That is 4.\n", "\n\nIt is 4."),
+        ("It is 4.", None, "It is 4."),  # (enable_thinking false: no <think> in the output)
+        ("  It is 4. A </think> later is text", None, "  It is 4. A </think> later is text"),
+        ("<think>Still thinking", "Still thinking", None),
+        ("<thi", None, "<thi"),
+        (" \n", None, " \n"),
+        ("<think>a</think>", "a", None),
+    ],
+}
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "answer"), [(p, *c) for p, cs in OUTPUTS.items() for c in cs])
+def test_each_format_tells_the_thinking_from_the_answer(parser, text, reasoning, answer):
+    assert FORMATS[parser].split(text) == (reasoning, answer)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])
+@pytest.mark.parametrize("parser", list(OUTPUTS))
+def test_streamed_in_any_pieces_is_the_whole_outputs_thinking_and_answer(parser, size):
+    fmt = FORMATS[parser]
+    for text, _, _ in OUTPUTS[parser]:
+        stream = fmt.stream()
+        reasoning, answer = "", ""
+        for i in range(0, len(text), size):
+            more_reasoning, more_answer = stream.feed(text[i : i + size])
+            assert "</think>" not in more_reasoning and "<think>" not in more_reasoning  # (no marker leaks)
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        more_reasoning, more_answer = stream.finish()
+        whole = fmt.split(text)
+        assert (reasoning + more_reasoning, answer + more_answer) == (whole[0] or "", whole[1] or "")
+
+
+def _chat(parser: str | None = "qwen3", tool_parser: str | None = None, **body):
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}], **body}
+    return parse(ChatCompletionRequest, body, tool_parser, parser)[0]
+
+
+def test_a_chat_answer_has_its_thinking_in_reasoning_and_its_older_name_and_only_with_a_parser():
+    [choice] = chat_choices({"text": THOUGHT, "finish_reason": "stop"}, _chat())
+    message = choice["message"]
+    assert message["content"] == "\n\nIt is 4." and message["reasoning"] == "\nThe user wants 2+2. That is 4.\n"
+    assert message["reasoning_content"] == message["reasoning"]  # (the name clients of older servers read)
+    [choice] = chat_choices({"text": THOUGHT, "finish_reason": "stop"}, _chat(None))
+    assert choice["message"] == {"role": "assistant", "content": THOUGHT}
+    [choice] = chat_choices({"text": "It is 4.", "finish_reason": "stop"}, _chat())
+    assert choice["message"] == {"role": "assistant", "content": "It is 4."}  # (no thinking: no field)
+    [choice] = chat_choices({"text": "<think>Hmm, 2 and", "finish_reason": "length"}, _chat())
+    assert choice["message"]["content"] is None and choice["message"]["reasoning"] == "Hmm, 2 and"
+
+
+def test_thinking_then_a_tool_call_reads_both():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    text = '<think>I should add.</think>\n\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
+    [choice] = chat_choices({"text": text, "finish_reason": "stop"}, _chat("qwen3", "hermes", tools=tools))
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "I should add."
+    assert choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 2}
+
+
+def test_a_constrained_output_has_no_thinking_to_tell():
+    """An output constrained from its first token (a schema, a forced call) is no model's free text: read whole."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    assert _chat("deepseek_r1").reasoning_plan() is FORMATS["deepseek_r1"]
+    assert _chat("deepseek_r1", response_format={"type": "text"}).reasoning_plan() is not None
+    assert _chat("deepseek_r1", response_format={"type": "json_object"}).reasoning_plan() is None
+    assert _chat("deepseek_r1", structured_outputs={"choice": ["a", "b"]}).reasoning_plan() is None
+    assert _chat("deepseek_r1", tools=tools, tool_choice="required").reasoning_plan() is None
+    assert _chat("deepseek_r1", "hermes", tools=tools).reasoning_plan() is not None  # ("auto": the model's text)
+    [choice] = chat_choices({"text": '{"a": 1}', "finish_reason": "stop"},
+                            _chat("deepseek_r1", response_format={"type": "json_object"}))  # fmt: skip
+    assert choice["message"] == {"role": "assistant", "content": '{"a": 1}'}
+
+
+def test_thinking_sent_back_reaches_the_template_under_both_names():
+    """An assistant's earlier thinking, sent back as vLLM's ``reasoning`` or its older ``reasoning_content`` (what
+    the official client dumps of an answer has both), is the job's ``reasoning`` and the template's
+    ``reasoning_content`` (Qwen3's and DeepSeek's templates read it) and ``reasoning``."""
+    answer = {"role": "assistant", "content": "It is 4.", "reasoning": "2+2", "reasoning_content": "2+2"}
+    for sent in (answer, {**answer, "reasoning": None}, {**answer, "reasoning_content": None}):
+        messages = [{"role": "user", "content": "2+2?"}, sent, {"role": "user", "content": "And 3+3?"}]
+        _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": messages})
+        assert fields["messages"][1] == {"role": "assistant", "content": "It is 4.", "reasoning": "2+2"}
+        [_, shown, _] = JobRequest.model_validate(fields).engine_prompt()["messages"]
+        assert shown["reasoning"] == shown["reasoning_content"] == "2+2"
+    thinking_alone = {"role": "assistant", "content": None, "reasoning": "2+2"}
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": [thinking_alone]})
+    assert fields["messages"][0] == {"role": "assistant", "content": "", "reasoning": "2+2"}
+    for bad, match in (
+        ({**answer, "reasoning_content": "other"}, "differ"),
+        ({"role": "user", "content": "hi", "reasoning": "x"}, "only an assistant message carries reasoning"),
+        ({"role": "user", "content": None, "reasoning": "x"}, "content is required"),
+    ):
+        with pytest.raises(APIError, match=match):
+            parse(ChatCompletionRequest, {"model": "m", "messages": [bad]})
+    with pytest.raises(ValueError, match="lone surrogate"):  # (the template reads it: checked as the content is)
+        JobRequest.model_validate({"messages": [{"role": "assistant", "content": "a", "reasoning": "\udce9"}]})
