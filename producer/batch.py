@@ -285,7 +285,8 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     token_names = names(result["model"]) if named and names is not None else BY_ID
     tools = line.tools
     if line.responses is not None:
-        writer = ResponseWriter(result["id"], result["model"], line.responses, tools, top, token_names)
+        reasoning = line.chat.reasoning_plan() if line.chat is not None else None
+        writer = ResponseWriter(result["id"], result["model"], line.responses, tools, top, token_names, reasoning)
         return _output_line(line, result, {**writer.whole(result), "created_at": created})
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}

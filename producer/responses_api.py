@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from producer.openai_api import APIError, APIShape, ChatCompletionRequest, chat_logprobs, parse, parse_request, samples
+from producer.reasoning import ReasoningFormat, ReasoningStream
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
 from producer.tool_formats import FormatStream
@@ -59,6 +60,25 @@ class FunctionCallItem(APIShape):
     status: str | None = None
 
 
+class ReasoningText(APIShape):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(APIShape):
+    """An earlier answer's thinking, sent back (its summary is none here; an encrypted one cannot be read)."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[Any] | None = None
+    encrypted_content: None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or ())
+
+
 class FunctionCallOutput(APIShape):
     type: Literal["function_call_output"]
     call_id: str
@@ -95,7 +115,7 @@ class TextConfig(APIShape):
 
 class ResponsesRequest(APIShape):
     model: str
-    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput]
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -126,15 +146,18 @@ class ResponsesRequest(APIShape):
     seed: int | None = None
     priority: int | None = None
 
-    def chat_body(self) -> dict[str, Any]:
-        """The chat completions request this one means."""
+    def chat_body(self, reasons: bool = False) -> dict[str, Any]:
+        """The chat completions request this one means; ``reasons``: the server tells the model's thinking from its
+        answer (a reasoning parser), so ``reasoning`` may be asked for."""
         if self.previous_response_id is not None:
             raise APIError(400, "responses are not stored here: send the conversation as input",
                            param="previous_response_id")  # fmt: skip
         if self.background:
             raise APIError(400, "background responses are not supported: stream, or wait", param="background")
-        if self.reasoning:
+        if self.reasoning and not reasons:
             raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
+        if self.reasoning and set(self.reasoning) - {"effort", "summary", "generate_summary"}:
+            raise APIError(400, "reasoning takes effort and summary", param="reasoning")
         if other := [kind for kind in self.include or () if kind != LOGPROBS]:
             raise APIError(400, f"include takes {LOGPROBS!r} here, not {other}", param="include")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
@@ -145,6 +168,8 @@ class ResponsesRequest(APIShape):
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
+        if self.reasoning and self.reasoning.get("effort") is not None:  # (the template's, as vLLM gives it)
+            body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
         if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
@@ -170,7 +195,13 @@ class ResponsesRequest(APIShape):
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         for item in self.input:
-            if isinstance(item, InputMessage):
+            last = messages[-1] if messages else None
+            thought = last is not None and "reasoning" in last and last["content"] is None and "tool_calls" not in last
+            if isinstance(item, ReasoningItem):
+                messages.append({"role": "assistant", "content": None, "reasoning": item.text()})
+            elif isinstance(item, InputMessage) and item.role == "assistant" and thought:
+                last["content"] = item.text()  # type: ignore[index]  # (one answer: its thinking, then its text)
+            elif isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
@@ -193,7 +224,8 @@ def parse_responses(
     terms. ``tool_parser``: as ``parse``'s."""
     request: ResponsesRequest = parse_request(ResponsesRequest, body)
     try:
-        chat, fields = parse(ChatCompletionRequest, request.chat_body(), tool_parser, reasoning_parser)
+        body = request.chat_body(reasons=reasoning_parser is not None)
+        chat, fields = parse(ChatCompletionRequest, body, tool_parser, reasoning_parser)
     except APIError as exc:
         exc.message, exc.param = _renamed(exc.message), _renamed(exc.param)
         raise
@@ -225,6 +257,11 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
 def _function_call(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     """A chat tool call as the Responses API's output item."""
     fn = call["function"]
@@ -243,9 +280,14 @@ class ResponseWriter:
         tools: ToolChoice | None,
         top_logprobs: int | None = None,
         names: TokenNames = BY_ID,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
-        """``top_logprobs``: the alternatives shown per token of a text answer (None: no logprobs asked)."""
-        self.request, self.tools = request, tools
+        """``top_logprobs``: the alternatives shown per token of a text answer (None: no logprobs asked);
+        ``reasoning``: how the model's thinking is told from its answer (a reasoning item before the answer's)."""
+        self.request, self.tools, self.reasoning = request, tools, reasoning
+        self.thoughts: ReasoningStream | None = None
+        self.thought: dict[str, Any] | None = None  # the reasoning item, while its text comes
+        self.thinking = ""
         self.top, self.names = (top_logprobs, names) if tools is None else (None, names)  # (a text answer's)
         self.logprobs: list[dict[str, Any]] = []  # the text's tokens' so far
         self.unsent: list[dict[str, Any]] = []  # those of tokens whose text has not gone out yet
@@ -255,6 +297,7 @@ class ResponseWriter:
         self.text = ""  # the job's text so far
         self.calls: CallStream | FormatStream | None = None
         self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
+        self.message_index = 0
         self.shown = ""  # its text so far
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
@@ -272,7 +315,7 @@ class ResponseWriter:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": None,
+            "reasoning": req.reasoning,
             "store": False,  # (nothing is kept: a later previous_response_id could not find it)
             "temperature": req.temperature,
             "text": {"format": fmt or {"type": "text"}},
@@ -288,13 +331,16 @@ class ResponseWriter:
     def whole(self, result: dict[str, Any]) -> dict[str, Any]:
         """The response to a job's result."""
         status = "incomplete" if result.get("finish_reason") == "length" else "completed"
-        content, calls = self.tools.read(result.get("text", "")) if self.tools else (result.get("text", ""), [])
+        thinking, text = self.reasoning.split(result.get("text", "")) if self.reasoning else (None, result.get("text"))
+        content, calls = self.tools.read(text or "") if self.tools and text is not None else (text, [])
         output = [_function_call(call, status) for call in calls]
         if content is not None and (content or not output):
             part = _text_part(content, self._logprobs(samples(result)[0]))
             message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
                        "content": [part]}  # fmt: skip
             output.insert(0, message)
+        if thinking is not None:
+            output.insert(0, _reasoning_item(thinking, status if text is None else "completed"))
         return self.response(status, output, result.get("usage") or {})
 
     # ----- streamed --------------------------------------------------------------------------------------------
@@ -308,18 +354,53 @@ class ResponseWriter:
         started = self.response("in_progress", [])
         events = [self._event("response.created", response=started), self._event("response.in_progress",
                                                                                  response=started)]  # fmt: skip
-        if self.tools is None or self.tools.auto:
-            item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
-                    "content": []}  # fmt: skip
-            events += self._add(item)
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=0,
-                                      content_index=0, part=_text_part("")))  # fmt: skip
-            self.message = item
+        if self.reasoning is not None:  # (its items open as their text comes: the thinking's first)
+            self.thoughts = self.reasoning.stream()
+        elif self.tools is None or self.tools.auto:
+            events += self._open_message()
         if self.tools is not None:
             self.calls = self.tools.stream()
             for call in self.calls.opening():  # (a named function's: its arguments come as the text)
                 events += self._add(_function_call(call, "in_progress"))
         return events
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        item = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
+        events = self._add(item)
+        self.message, self.message_index = item, len(self.items) - 1
+        events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self.message_index,
+                                  content_index=0, part=_text_part("")))  # fmt: skip
+        return events
+
+    def _think(self, text: str) -> list[dict[str, Any]]:
+        """The events of the next piece of thinking (its item opened with the first)."""
+        events = []
+        if self.thought is None:
+            self.thought = {"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": "in_progress",
+                            "content": []}  # fmt: skip
+            events += self._add(self.thought)
+            events.append(self._event("response.content_part.added", item_id=self.thought["id"],
+                                      output_index=len(self.items) - 1, content_index=0,
+                                      part={"type": "reasoning_text", "text": ""}))  # fmt: skip
+        self.thinking += text
+        index = self.items.index(self.thought)
+        return events + [self._event("response.reasoning_text.delta", item_id=self.thought["id"], output_index=index,
+                                     content_index=0, delta=text)]  # fmt: skip
+
+    def _thought_done(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The thinking's item done, once the answer begins (or the output ends)."""
+        item, self.thoughts = self.thought, None
+        if item is None:
+            return []
+        part, index = {"type": "reasoning_text", "text": self.thinking}, self.items.index(item)
+        item.update(status=status, content=[part])
+        return [
+            self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=self.thinking),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part=part),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]  # fmt: skip
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.items.append(item)
@@ -336,18 +417,28 @@ class ResponseWriter:
         self.unsent += self._logprobs(event or {})
         if not text:
             return []
+        events = []
+        if self.thoughts is not None:
+            thinking, text = self.thoughts.feed(text)
+            events += self._think(thinking) if thinking else []
+            events += self._thought_done() if text else []
+        if not text:
+            return events
         self.text += text
-        return self._out(*(self.calls.feed(text) if self.calls is not None else (text, [])))
+        return events + self._out(*(self.calls.feed(text) if self.calls is not None else (text, [])))
 
     def _out(self, content: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The events of text and tool call deltas let out."""
         events = []
+        if content and self.message is None and self.reasoning is not None:  # (the answer's first text)
+            events += self._open_message()
         if content and self.message is not None:
             self.shown += content
             logprobs, self.unsent = self.unsent, []
             self.logprobs += logprobs
-            events.append(self._event("response.output_text.delta", item_id=self.message["id"], output_index=0,
-                                      content_index=0, delta=content, logprobs=logprobs))  # fmt: skip
+            events.append(self._event("response.output_text.delta", item_id=self.message["id"],
+                                      output_index=self.message_index, content_index=0, delta=content,
+                                      logprobs=logprobs))  # fmt: skip
         for delta in deltas:
             if "id" in delta:  # a call whole ("required", "auto"): added, its arguments, done
                 events += self._add(_function_call(delta, "in_progress"))
@@ -377,20 +468,29 @@ class ResponseWriter:
         """The events after the last text: what the output's end lets out, the items done, then the response
         completed (or incomplete)."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        events = self._out(*self.calls.finish()) if self.calls is not None else []
+        events = []
+        if self.thoughts is not None:  # (the output ended thinking, or before it said whether it would)
+            thinking, text = self.thoughts.finish()
+            events += self._think(thinking) if thinking else []
+            events += self._thought_done(status if not text else "completed")
+            events += self._out(*(self.calls.feed(text) if self.calls is not None else (text, []))) if text else []
+        events += self._out(*self.calls.finish()) if self.calls is not None else []
+        if self.message is None and self.reasoning is not None and self.thought is None and not self.items:
+            events += self._open_message()  # (an answer of no text at all: an empty message, as whole)
         if self.message is not None:
             item = self.message
             self.logprobs += self.unsent  # (tokens that added no text: the end's)
             part = _text_part(self.shown, self.logprobs)
             item.update(status=status, content=[part])
+            index = self.message_index
             events += [
-                self._event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+                self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=self.shown, logprobs=self.logprobs),
-                self._event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+                self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part),
-                self._event("response.output_item.done", output_index=0, item=dict(item)),
+                self._event("response.output_item.done", output_index=index, item=dict(item)),
             ]  # fmt: skip
-        elif self.calls is not None and self.calls.name is not None:  # the named function's call ends with the text
+        elif isinstance(self.calls, CallStream) and self.calls.name is not None:  # (a named call ends with the text)
             events += self._call_done(0, self.text, status)  # (cut short: "incomplete")
         final = self.response(status, self.items, usage)
         return [*events, self._event(f"response.{status}", response=final)]

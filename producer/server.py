@@ -337,12 +337,13 @@ def create_app(
     async def responses(request: Request) -> Any:
         """OpenAI's Responses API: the chat job its request means, answered as a response or its events."""
         wait = _answer_within(request, timeout)
-        req, chat, fields = parse_responses(await _body(request), tool_call_parser)
+        req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
         job = await client.submit(**fields)
         ids = _job_headers([job])
         names = await _token_names(req.model, chat.num_logprobs is not None)
-        writer = ResponseWriter(job.id, req.model, req, chat.tool_plan(), chat.num_logprobs, names)
+        plans = chat.tool_plan(), chat.num_logprobs, names, chat.reasoning_plan()
+        writer = ResponseWriter(job.id, req.model, req, *plans)
         try:
             if req.stream:
                 early, events = await _start_stream(request, [job], wait)

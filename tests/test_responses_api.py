@@ -113,3 +113,75 @@ def test_a_responses_events_are_numbered_and_end_with_the_whole_response():
     assert final["id"] == "resp_job1" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["content"][0]["text"] == "Hello" and final["usage"]["total_tokens"] == 5
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+
+
+REASONED = [  # (output, finish reason, the output items' types): Qwen3's thinking, then text or a call
+    ("<think>Two and two.</think>\n\nIt is 4.", "stop", ["reasoning", "message"]),
+    (
+        '<think>Look it up.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+        "stop",
+        ["reasoning", "function_call"],
+    ),
+    ("<think>Still thinking when", "length", ["reasoning"]),
+    ("It is 4.", "stop", ["message"]),  # (no thinking: no reasoning item)
+    ("", "stop", ["message"]),
+]
+
+
+def _shown(output: list[dict]) -> list[tuple]:
+    """Each output item's type, status and text (its arguments for a call); its id left out."""
+    texts = {"reasoning": lambda i: i["content"][0]["text"], "message": lambda i: i["content"][0]["text"],
+             "function_call": lambda i: (i["name"], i["arguments"])}  # fmt: skip
+    return [(i["type"], i["status"], texts[i["type"]](i)) for i in output]
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize(("text", "reason", "types"), REASONED)
+def test_a_models_thinking_is_a_reasoning_item_before_its_answer_whole_and_streamed(text, reason, types, size):
+    """--reasoning-parser: the thinking is a reasoning item (its text a reasoning_text part) before the answer's
+    message or calls; streamed, its text comes in reasoning_text deltas first, and the response the events end with
+    is the whole one's."""
+    body = {"model": "m", "input": "2+2?", "tools": TOOLS, "stream": True}
+    req, chat, _ = parse_responses(body, "hermes", "qwen3")
+    usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
+        {"text": text, "finish_reason": reason, "usage": usage}
+    )
+    assert [item["type"] for item in whole["output"]] == types
+    if types[0] == "reasoning":
+        assert whole["output"][0]["content"][0] == {"type": "reasoning_text", "text": text[7:].partition("</think>")[0]}
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    events = writer.opening()
+    for i in range(0, len(text), size):
+        events += writer.piece(text[i : i + size])
+    events += writer.closing(reason, usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert _shown(events[-1]["response"]["output"]) == _shown(whole["output"])
+    deltas = [e for e in events if e["type"] == "response.reasoning_text.delta"]
+    if types[0] == "reasoning":
+        assert "".join(e["delta"] for e in deltas) == whole["output"][0]["content"][0]["text"]
+        assert all(e["output_index"] == 0 for e in deltas)
+        done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == list(range(len(types)))  # (the thinking's item is done before the answer's)
+    else:
+        assert not deltas
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == types
+
+
+def test_thinking_sent_back_and_asked_for():
+    """An earlier answer's reasoning item sent back is its assistant message's reasoning; ``reasoning.effort`` is
+    the template's ``reasoning_effort`` where the server reads thinking (without a parser, a 400 as before)."""
+    items = [
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Two."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    _, _, fields = parse_responses({"model": "m", "input": items, "reasoning": {"effort": "low"}}, None, "qwen3")
+    assert fields["messages"][1] == {"role": "assistant", "content": "4", "reasoning": "Two."}
+    assert fields["chat_template_kwargs"] == {"reasoning_effort": "low"}
+    with pytest.raises(APIError, match="does not reason"):
+        parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "low"}})
+    with pytest.raises(APIError, match="reasoning takes effort and summary"):
+        parse_responses({"model": "m", "input": "Hi", "reasoning": {"budget": 5}}, None, "qwen3")

@@ -341,6 +341,15 @@ def test_thinking_comes_as_reasoning_beside_the_answer_and_its_calls_streamed_an
     assert "".join(d.get("content") or "" for d in deltas) == "It is sunny." and not any(
         "reasoning" in d for d in deltas
     )
+    response_body = {"model": "m", "input": "Weather?", "tools": [{"type": "function", "name": "get_weather"}]}
+    start, _ = post(ScriptedClient([list(script)]), response_body, "/v1/responses", **options)
+    output = json.loads(start["body"])["output"]
+    assert [i["type"] for i in output] == ["reasoning", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": message["reasoning"]}]
+    answered = {"type": "function_call_output", "call_id": output[1]["call_id"], "output": "Rain"}
+    again = {**response_body, "input": [{"role": "user", "content": "Weather?"}, *output, answered]}
+    start, _ = post(ScriptedClient([plain]), again, "/v1/responses", **options)  # (the output sent back is taken)
+    assert json.loads(start["body"])["output"][0]["content"][0]["text"] == "It is sunny."
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         post(ScriptedClient([plain]), body, "/v1/chat/completions", reasoning_parser="r2")
 
