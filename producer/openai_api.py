@@ -262,8 +262,9 @@ class ChatCompletionRequest(_Common):
         fields["messages"] = [m.job_form() for m in self.messages]
         if self.tools:  # shown by the chat template (even with tool_choice "none", as vLLM does)
             fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        if (plan := self.tool_plan()) is not None and plan.auto:
-            # The model's call markers may be special tokens, which the text would leave out (vLLM's hermes parser).
+        thinking = self.reasoning_plan()
+        if ((plan := self.tool_plan()) is not None and plan.auto) or (thinking is not None and thinking.special):
+            # The model's markers may be special tokens, which the text would leave out (vLLM's hermes and mistral).
             fields.setdefault("skip_special_tokens", False)
         elif plan is not None:
             if self.response_format is not None or self.structured_outputs is not None:

@@ -6,7 +6,9 @@ read):
   rest the answer; an output without ``</think>`` is reasoning alone (cut short while thinking). DeepSeek-R1 and its
   distillations, and templates that open ``<think>`` in the prompt (Qwen3's thinking-only models, QwQ);
 - ``qwen3``: an output that begins with ``<think>`` reasons up to ``</think>``; one that does not is all answer
-  (Qwen3 with ``enable_thinking`` false, whose template closes the thinking in the prompt).
+  (Qwen3 with ``enable_thinking`` false, whose template closes the thinking in the prompt);
+- ``mistral``: as ``qwen3``, with ``[THINK]`` and ``[/THINK]`` (Magistral, which thinks where its system prompt
+  asks it to).
 
 Streamed, text goes to the reasoning or the answer as it comes, never a piece of a marker. No HTTP, no Redis."""
 
@@ -16,32 +18,40 @@ from dataclasses import dataclass
 
 from producer.tool_formats import held_back
 
-_START, _END = "<think>", "</think>"
-
 
 @dataclass(frozen=True)
 class ReasoningFormat:
     name: str
     opened: bool  # the output reasons from its start (the template opened <think>), not only after one
+    start: str = "<think>"
+    end: str = "</think>"
+    special: bool = False  # the markers are special tokens, which a job's text leaves out unless told to keep them
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output's reasoning and answer (None: none)."""
         if not text:  # (no output at all: an empty answer, not an empty thought)
             return None, text
         body = text.lstrip()
-        began = body.startswith(_START)
+        began = body.startswith(self.start)
         if began:
-            text = body[len(_START) :]
+            text = body[len(self.start) :]
         elif not self.opened:
             return None, text
-        reasoning, end, answer = text.partition(_END)
+        reasoning, end, answer = text.partition(self.end)
         return reasoning, (answer or None) if end else None
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
 
-FORMATS = {f.name: f for f in (ReasoningFormat("deepseek_r1", opened=True), ReasoningFormat("qwen3", opened=False))}
+FORMATS = {
+    f.name: f
+    for f in (
+        ReasoningFormat("deepseek_r1", opened=True),
+        ReasoningFormat("qwen3", opened=False),
+        ReasoningFormat("mistral", opened=False, start="[THINK]", end="[/THINK]", special=True),
+    )
+}
 REASONING_PARSERS = tuple(FORMATS)
 
 
@@ -56,22 +66,23 @@ class ReasoningStream:
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the answer text the next piece of output lets out."""
         self._held += text
+        fmt = self.format
         if self._state == "start":
             body = self._held.lstrip()
-            if _START.startswith(body):  # (white space, or what may begin <think>: held)
+            if fmt.start.startswith(body):  # (white space, or what may begin <think>: held)
                 return "", ""
-            if body.startswith(_START):
-                self._held, self._state = body[len(_START) :], "reasoning"
+            if body.startswith(fmt.start):
+                self._held, self._state = body[len(fmt.start) :], "reasoning"
             else:
-                self._state = "reasoning" if self.format.opened else "answer"
+                self._state = "reasoning" if fmt.opened else "answer"
         if self._state == "answer":
             answer, self._held = self._held, ""
             return "", answer
-        reasoning, end, answer = self._held.partition(_END)
+        reasoning, end, answer = self._held.partition(fmt.end)
         if end:
             self._held, self._state = "", "answer"
             return reasoning, answer
-        keep = held_back(self._held, (_END,))
+        keep = held_back(self._held, (fmt.end,))
         reasoning, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return reasoning, ""
 

@@ -32,6 +32,12 @@ OUTPUTS = {
         (" \n", None, " \n"),
         ("<think>a</think>", "a", None),
     ],
+    "mistral": [
+        ("[THINK]Two and two.[/THINK]It is 4.", "Two and two.", "It is 4."),
+        ("It is 4. <think>x</think>", None, "It is 4. <think>x</think>"),  # (not its markers)
+        ("[THINK]Still", "Still", None),
+        ("[THI", None, "[THI"),
+    ],
 }
 
 
@@ -49,7 +55,7 @@ def test_streamed_in_any_pieces_is_the_whole_outputs_thinking_and_answer(parser,
         reasoning, answer = "", ""
         for i in range(0, len(text), size):
             more_reasoning, more_answer = stream.feed(text[i : i + size])
-            assert "</think>" not in more_reasoning and "<think>" not in more_reasoning  # (no marker leaks)
+            assert fmt.end not in more_reasoning and fmt.start not in more_reasoning  # (no marker leaks)
             reasoning, answer = reasoning + more_reasoning, answer + more_answer
         more_reasoning, more_answer = stream.finish()
         whole = fmt.split(text)
@@ -81,6 +87,16 @@ def test_thinking_then_a_tool_call_reads_both():
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "I should add."
     assert choice["message"]["content"] is None
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": 2, "b": 2}
+
+
+def test_a_job_keeps_the_markers_where_they_are_special_tokens():
+    """Magistral's [THINK] is a special token: its job keeps special tokens in its text (as vLLM's mistral parser
+    asks), unless the request says otherwise; <think> is plain text to Qwen3's and DeepSeek's tokenizers."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
+    assert parse(ChatCompletionRequest, body, None, "mistral")[1]["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in parse(ChatCompletionRequest, body, None, "qwen3")[1]
+    asked = {**body, "skip_special_tokens": True}
+    assert parse(ChatCompletionRequest, asked, None, "mistral")[1]["skip_special_tokens"] is True
 
 
 def test_a_constrained_output_has_no_thinking_to_tell():

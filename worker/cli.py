@@ -139,7 +139,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
         help="tell a reasoning model's thinking from its answer: a chat message's reasoning (vLLM's names; "
-        "deepseek_r1: all before </think>; qwen3: a <think> block the output begins with)",
+        "deepseek_r1: all before </think>; qwen3: a <think> block the output begins with; mistral: [THINK] so)",
     )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",
