@@ -42,10 +42,20 @@ def function_call(name: str, arguments: str, id_: str | None = None) -> Call:
 
 
 def _json_arguments(value: Any) -> str | None:
-    """A call's arguments as OpenAI's string: an object's JSON, a string as it is; None for anything else."""
+    """A call's arguments as OpenAI's string: an object's JSON, a string as it is; None for anything else (an
+    object holding NaN or an infinity, which JSON has no word for, too)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    try:
+        return _dumps(value)
+    except ValueError:
+        return None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _json(text: str) -> Any:
@@ -108,17 +118,17 @@ def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
 def _mistral_v11_calls(body: str) -> list[tuple[str, str]] | None:
     calls = []
     for part in body.split("[TOOL_CALLS]"):
-        name, brace, arguments = part.partition("{")
+        name, brace, rest = part.partition("{")
         name = name.removesuffix("[ARGS]").strip()
         if not brace or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             return None
         try:
-            obj = _json(brace + arguments)
+            obj = _json(brace + rest)
         except ValueError:
             return None
-        if not isinstance(obj, dict):
+        if not isinstance(obj, dict) or (arguments := _json_arguments(obj)) is None:
             return None
-        calls.append((name, json.dumps(obj, ensure_ascii=False)))
+        calls.append((name, arguments))
     return calls
 
 
@@ -135,7 +145,7 @@ def _pythonic_calls(body: str) -> list[tuple[str, str]] | None:
             if any(kw.arg is None for kw in node.keywords):  # (**kwargs)
                 return None
             arguments = {kw.arg: _literal(kw.value) for kw in node.keywords}
-            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+            calls.append((node.func.id, _dumps(arguments)))
         return calls
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None

@@ -254,6 +254,11 @@ OUTPUTS = {
         (HERMES[: HERMES.rindex("</tool_call>")], "Let me look that up. ", [_OSLO, ("now", {})]),
         ("\n " + HERMES[21:] + "\n", None, [_OSLO, ("now", {})]),
         ("  \n", "  \n", []),
+        (
+            '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',  # (JSON has no NaN: not a call)
+            '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',
+            [],
+        ),
         (HERMES + " More words.", "Let me look that up.  More words.", [_OSLO, ("now", {})]),
     ],
     "llama3_json": [
@@ -303,6 +308,7 @@ OUTPUTS = {
         ("[f(a=1)] and more", "[f(a=1)] and more", []),
         ("[os.system(a='ls')]", "[os.system(a='ls')]", []),
         ("[]", "[]", []),
+        ("[f(a=1e999)]", "[f(a=1e999)]", []),  # (an infinity, which JSON has no word for)
     ],
 }
 _CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
