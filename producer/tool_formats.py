@@ -256,6 +256,8 @@ class FormatStream:
     _marker: str | None = None  # the open block's marker ("" for a leading one); None: no block is open
     _said: bool = False  # text of this stretch (before, between or after blocks) went out
     _began: bool = False  # anything but white space came (a leading character begins a block no more)
+    _gap: str = ""  # the white space alone before the open block: the format's if it reads, text if not
+    _failed: bool = False  # a block did not read: the output is text from there on (as whole, all of it)
 
     def opening(self) -> list[Call]:
         """The deltas before any output: none (the model chooses)."""
@@ -267,6 +269,9 @@ class FormatStream:
         content, deltas = "", []
         fmt = self.format
         while True:
+            if self._failed:
+                content, self._held = content + self._held, ""
+                return content, deltas
             if self._marker is None:
                 if not self._began:
                     body = self._held.lstrip()
@@ -274,7 +279,7 @@ class FormatStream:
                         return content, deltas
                     self._began = True
                     if body[0] in fmt.leading:
-                        self._held, self._marker = body, ""
+                        self._gap, self._held, self._marker = self._held[: len(self._held) - len(body)], body, ""
                         continue
                 found = [(i, m) for m in fmt.markers if (i := self._held.find(m)) >= 0]
                 start, marker = min(found) if found else (-1, "")
@@ -288,9 +293,11 @@ class FormatStream:
                     self._said = True
                 if start < 0:
                     return content, deltas
+                self._gap = "" if self._said else out
                 self._held, self._marker = self._held[len(marker) :], marker
             if self._marker == "" and fmt.start is not None and not fmt.start.match(self._held):
-                self._marker, self._said = None, True  # (no call begins so: text, the rest of it as it comes)
+                # (no call begins so: text, the rest of it as it comes)
+                self._marker, self._said, self._held, self._gap = None, True, self._gap + self._held, ""
                 continue
             if fmt.close is None or (close := self._held.find(fmt.close)) < 0:
                 return content, deltas  # (the block goes on: to its close, or to the output's end)
@@ -299,10 +306,11 @@ class FormatStream:
             self._said = False  # (a new stretch of text begins)
 
     def _add(self, body: str, closed: bool, content: str, deltas: list[Call]) -> tuple[str, list[Call]]:
-        marker, self._marker = self._marker or "", None
+        marker, self._marker, gap, self._gap = self._marker or "", None, self._gap, ""
         read = self.format.read_block(body)
-        if read is None:  # (text already out cannot be taken back: the block goes out as text)
-            return content + marker + body + ((self.format.close or "") if closed else ""), deltas
+        if read is None:  # (calls already out cannot be taken back: the block and all after it go out as text)
+            self._failed = True
+            return content + gap + marker + body + ((self.format.close or "") if closed else ""), deltas
         for name, arguments in read:
             if self.most is None or self.made < self.most:
                 deltas = [*deltas, {"index": self.made, **function_call(name, arguments, self.format.make_id())}]

@@ -4,6 +4,7 @@ answers beside tool calls, and sent back in a conversation (the server's streams
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -136,3 +137,16 @@ def test_thinking_sent_back_reaches_the_template_under_both_names():
             parse(ChatCompletionRequest, {"model": "m", "messages": [bad]})
     with pytest.raises(ValueError, match="lone surrogate"):  # (the template reads it: checked as the content is)
         JobRequest.model_validate({"messages": [{"role": "assistant", "content": "a", "reasoning": "\udce9"}]})
+
+
+@pytest.mark.parametrize("parser", list(OUTPUTS))
+def test_any_output_streamed_in_any_pieces_splits_as_the_whole_one(parser):
+    """Random outputs of markers, pieces of markers, text and white space (seeded), streamed in random pieces."""
+    atoms = ["<think>", "</think>", "[THINK]", "[/THINK]", "<thi", "nk>", "</", "[", "]", " ", "\n", "x", "It is 4."]
+    rng, fmt = random.Random(3), FORMATS[parser]
+    for _ in range(2000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 8)))
+        stream, size = fmt.stream(), rng.randint(1, 5)
+        pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+        whole = fmt.split(text)
+        assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (whole[0] or "", whole[1] or "")

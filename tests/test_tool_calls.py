@@ -4,6 +4,7 @@ OpenAI's tool_calls, whole and streamed (the server's and batch's end to end are
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -254,6 +255,12 @@ OUTPUTS = {
         (HERMES[: HERMES.rindex("</tool_call>")], "Let me look that up. ", [_OSLO, ("now", {})]),
         ("\n " + HERMES[21:] + "\n", None, [_OSLO, ("now", {})]),
         ("  \n", "  \n", []),
+        ('\n<tool_call>{"name": </tool_call>', '\n<tool_call>{"name": </tool_call>', []),  # (its space is text too)
+        (
+            '<tool_call>{bad</tool_call> <tool_call>{"name": "now"}</tool_call>',  # (after a bad block: all text)
+            '<tool_call>{bad</tool_call> <tool_call>{"name": "now"}</tool_call>',
+            [],
+        ),
         (
             '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',  # (JSON has no NaN: not a call)
             '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',
@@ -273,6 +280,7 @@ OUTPUTS = {
         ('{"answer": 42}', '{"answer": 42}', []),  # (JSON, but no call: the answer's text)
         ('{"name": "now", "parameters": {}} and then', '{"name": "now", "parameters": {}} and then', []),
         ("Sets are written {1, 2}.", "Sets are written {1, 2}.", []),
+        (" {: ]", " {: ]", []),
         ('{1, 2} <|python_tag|>{"name": "now", "parameters": {}}', "{1, 2} ", [("now", {})]),
         ('{"name": "now", "parameters": {}', '{"name": "now", "parameters": {}', []),  # (cut short)
     ],
@@ -309,6 +317,7 @@ OUTPUTS = {
         ("[os.system(a='ls')]", "[os.system(a='ls')]", []),
         ("[]", "[]", []),
         ("[f(a=1e999)]", "[f(a=1e999)]", []),  # (an infinity, which JSON has no word for)
+        ("\n ['", "\n ['", []),
     ],
 }
 _CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
@@ -353,6 +362,32 @@ def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(parser,
         assert content == (whole_content or "")
         assert [d["index"] for d in deltas] == list(range(len(whole_calls)))
         assert [d["function"] for d in deltas] == [c["function"] for c in whole_calls]
+
+
+_ATOMS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "{", "}", "[", "]", "(", ")",
+          '"name"', ": ", '"now"', '"arguments"', '"parameters"', "{}", ", ", "; ", " ", "\n", "x", "now(", "a=1",
+          '{"name": "now", "arguments": {}}', "[now()]", "'", '"']  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", list(OUTPUTS))
+def test_any_output_streamed_in_any_pieces_reads_as_the_whole_one(parser):
+    """Random outputs made of the formats' markers and pieces of calls (seeded), streamed in random pieces: each
+    gives the whole output's text and calls, but where a call went out before a block that does not read (calls
+    sent cannot be taken back; the whole output is then text)."""
+    rng = random.Random(7)
+    plan = ToolChoice.of(TOOLS, "auto", parser=parser)
+    checked = 0
+    for _ in range(2000):
+        text = "".join(rng.choice(_ATOMS) for _ in range(rng.randint(0, 10)))
+        stream, size = plan.stream(), rng.randint(1, 6)
+        pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+        content, calls = "".join(p[0] for p in pieces), [d["function"] for p in pieces for d in p[1]]
+        whole_content, whole_calls = plan.read(text)
+        if calls and not whole_calls:  # (a call sent, then a block that does not read)
+            continue
+        assert (content, calls) == (whole_content or "", [c["function"] for c in whole_calls]), text
+        checked += 1
+    assert checked > 1900
 
 
 def test_auto_without_parallel_calls_keeps_the_first_call_whole_and_streamed():
