@@ -238,6 +238,8 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None  # vLLM's: the answer begins with the last message's text where it is the assistant's
+    # OpenAI's, for reasoning models: the chat template's reasoning_effort (vLLM's way; a template may not read it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @property
     def echoed(self) -> str:
@@ -255,6 +257,8 @@ class ChatCompletionRequest(_Common):
         fields = self.sampling()
         fields.pop("max_completion_tokens", None)
         fields.pop("echo", None)  # (the response's doing)
+        if (effort := fields.pop("reasoning_effort", None)) is not None:  # (the request's own kwargs say it first)
+            fields["chat_template_kwargs"] = {"reasoning_effort": effort, **(self.chat_template_kwargs or {})}
         if self.max_completion_tokens is not None:
             fields["max_tokens"] = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's rule: none would come back

@@ -27,6 +27,7 @@ _RENAMES = [
     (re.compile(r"\bmessages(\.\d+)?"), "input"),
     (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
     (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
 ]
 
 
@@ -168,8 +169,8 @@ class ResponsesRequest(APIShape):
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
-        if self.reasoning and self.reasoning.get("effort") is not None:  # (the template's, as vLLM gives it)
-            body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
+        if self.reasoning and self.reasoning.get("effort") is not None:  # (the template's, as the chat's)
+            body["reasoning_effort"] = self.reasoning["effort"]
         if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:

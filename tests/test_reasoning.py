@@ -150,3 +150,13 @@ def test_any_output_streamed_in_any_pieces_splits_as_the_whole_one(parser):
         pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)] + [stream.finish()]
         whole = fmt.split(text)
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == (whole[0] or "", whole[1] or "")
+
+
+def test_reasoning_effort_is_the_templates_as_vllm_gives_it():
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}], "reasoning_effort": "low"}
+    assert parse(ChatCompletionRequest, body)[1]["chat_template_kwargs"] == {"reasoning_effort": "low"}
+    both = {**body, "chat_template_kwargs": {"reasoning_effort": "high", "enable_thinking": True}}
+    assert parse(ChatCompletionRequest, both)[1]["chat_template_kwargs"] == {"reasoning_effort": "high",
+                                                                             "enable_thinking": True}  # fmt: skip
+    with pytest.raises(APIError, match="reasoning_effort"):
+        parse(ChatCompletionRequest, {**body, "reasoning_effort": "extreme"})

@@ -183,5 +183,8 @@ def test_thinking_sent_back_and_asked_for():
     assert fields["chat_template_kwargs"] == {"reasoning_effort": "low"}
     with pytest.raises(APIError, match="does not reason"):
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "low"}})
+    with pytest.raises(APIError) as err:
+        parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "extreme"}}, None, "qwen3")
+    assert err.value.param == "reasoning.effort"
     with pytest.raises(APIError, match="reasoning takes effort and summary"):
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"budget": 5}}, None, "qwen3")
