@@ -12,7 +12,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from producer.batch_io import at_least
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
@@ -102,8 +102,10 @@ def payload_flags() -> list[PayloadFlag]:
         if name in _NOT_FLAGS:
             continue
         kinds: list[type] = []
-        repeatable, expressible = False, True
+        repeatable, expressible, choices = False, True, ()
         for m in _members(field.annotation):
+            if get_origin(m) is Literal and all(isinstance(a, str) for a in get_args(m)):
+                m, choices = str, get_args(m)  # (a word of a few: the payload's check names them if wrong)
             if get_origin(m) is list:
                 repeatable = True
                 items = _members(get_args(m)[0])
@@ -121,6 +123,7 @@ def payload_flags() -> list[PayloadFlag]:
         names += ("--" + name.replace("_", "-"),)
         default = "none" if field.default is None else json.dumps(field.default)
         detail = [] if kinds == [bool] else [" or ".join(_TYPE_WORDS[k] for k in kinds)]  # a switch: no value
+        detail = [f"one of {', '.join(choices)}"] if choices else detail
         detail += _bounds(field.annotation, field.metadata)
         if repeatable:
             detail.append("repeatable")

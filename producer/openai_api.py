@@ -18,6 +18,7 @@ from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
 from producer.tool_formats import FormatStream
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
+THINKING_CONSTRAINTS = ("json", "json_object", "choice")  # the constraints a thought may come before
 IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
     "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
@@ -211,15 +212,23 @@ class _Common(APIShape):
             raise APIError(400, str(exc), param=exc.param) from None
 
     def reasoning_plan(self) -> ReasoningFormat | None:
-        """How the output's thinking is told from its answer: the server's parser, where the output is the model's
-        own (a constrained one, a forced tool call or a schema's JSON from its first token, has no thinking)."""
-        if self._reasoning_parser is None or self.structured_outputs is not None:
+        """How the output's thinking is told from its answer: the server's parser. A constrained output thinks
+        before its constraint (the job's ``thinking``) where the constraint is JSON or a choice and the markers are
+        text; under any other it has no thinking (it is constrained from its first token)."""
+        if self._reasoning_parser is None:
             return None
+        fmt, kind = REASONING_FORMATS[self._reasoning_parser], self.constraint()
+        return fmt if kind is None or (kind in THINKING_CONSTRAINTS and not fmt.special) else None
+
+    def constraint(self) -> str | None:
+        """What kind of constraint the output is under (json, json_object, regex, choice, grammar), if any: the
+        request's own, or a forced tool call's (JSON)."""
+        if self.structured_outputs is not None:
+            return next(iter(self.structured_outputs.engine_form()))
         if self.response_format is not None and self.response_format.type != "text":
-            return None
-        if (plan := self.tool_plan()) is not None and not plan.auto:
-            return None
-        return REASONING_FORMATS[self._reasoning_parser]
+            return "json"
+        plan = self.tool_plan()
+        return "json" if plan is not None and not plan.auto else None
 
     @property
     def continuous_usage(self) -> bool:
@@ -266,11 +275,7 @@ class ChatCompletionRequest(_Common):
         fields["messages"] = [m.job_form() for m in self.messages]
         if self.tools:  # shown by the chat template (even with tool_choice "none", as vLLM does)
             fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        thinking = self.reasoning_plan()
-        if ((plan := self.tool_plan()) is not None and plan.auto) or (thinking is not None and thinking.special):
-            # The model's markers may be special tokens, which the text would leave out (vLLM's hermes and mistral).
-            fields.setdefault("skip_special_tokens", False)
-        elif plan is not None:
+        if (plan := self.tool_plan()) is not None and not plan.auto:
             if self.response_format is not None or self.structured_outputs is not None:
                 given = "response_format" if self.response_format is not None else "structured_outputs"
                 raise APIError(400, f"tool_choice constrains the output already: give it or {given}", param=given)
@@ -278,6 +283,12 @@ class ChatCompletionRequest(_Common):
                 fields["structured_outputs"] = {"json": plan.schema()}
             except ToolChoiceError as exc:
                 raise APIError(400, str(exc), param=exc.param) from None
+        thinking = self.reasoning_plan()
+        if (plan is not None and plan.auto) or (thinking is not None and thinking.special):
+            # The model's markers may be special tokens, which the text would leave out (vLLM's hermes and mistral).
+            fields.setdefault("skip_special_tokens", False)
+        if thinking is not None and self.constraint() is not None:  # (it thinks, then follows the constraint)
+            fields["thinking"] = "first" if thinking.opened else "optional"
         return fields
 
 

@@ -292,6 +292,11 @@ class JobRequest(BaseModel):
     )
     structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
     response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")
+    thinking: Literal["first", "optional"] | None = Field(
+        None,
+        description="a reasoning model thinks before the constrained output: first (up to </think>, as DeepSeek-R1) "
+        "or optional (in a <think> block it may begin with, as Qwen3); for a schema, any object or a choice",
+    )
     stream_options: StreamOptions | None = Field(None, description="what the job's events carry (OpenAI's)")
     custom_id: str | None = Field(None, max_length=512, description="your id for the job, echoed in the result")
     metadata: dict[str, Any] | None = Field(None, description="any JSON object, echoed in the result")
@@ -382,6 +387,9 @@ class JobRequest(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give structured_outputs or response_format, not both")
+        if self.thinking is not None and not {"json", "json_object", "choice"} & set(self.structured_form() or ()):
+            raise ValueError("thinking says where a constraint begins: give a JSON schema, any JSON object or a choice "
+                             "(structured_outputs or response_format)")  # fmt: skip
         schema = (self.structured_form() or {}).get("json")
         tools = [tool.function.parameters for tool in self.tools or ()]
         checked = (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools),
@@ -393,9 +401,9 @@ class JobRequest(BaseModel):
 
     def structured_form(self) -> dict[str, Any] | None:
         """The output's constraint, from either field, as ``roseinfer.StructuredOutputsParams`` takes it."""
-        if self.structured_outputs is not None:
-            return self.structured_outputs.engine_form()
-        return self.response_format.engine_form() if self.response_format is not None else None
+        form = self.structured_outputs.engine_form() if self.structured_outputs is not None else None
+        form = form or (self.response_format.engine_form() if self.response_format is not None else None)
+        return {**form, "thinking": self.thinking} if form is not None and self.thinking is not None else form
 
     def template_args(self) -> dict[str, Any]:
         """The chat template call's arguments but the messages, as the engine makes them of ``engine_prompt``."""

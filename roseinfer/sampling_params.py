@@ -24,13 +24,17 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 class StructuredOutputsParams:
     """Constrain the output, as vLLM's ``StructuredOutputsParams``: exactly one of a JSON schema (``json``, a dict or
     its JSON text), any JSON object (``json_object=True``), a regex, a list of strings to choose from (``choice``)
-    or a Lark grammar (``grammar``; GBNF is converted)."""
+    or a Lark grammar (``grammar``; GBNF is converted). ``thinking``: a reasoning model's output thinks before the
+    constrained part, as vLLM's reasoning parsers let it: ``"first"`` up to ``</think>`` (a ``<think>`` it begins
+    with included: DeepSeek-R1, a template that opens ``<think>``), ``"optional"`` in a ``<think>...</think>`` block
+    it may begin with (Qwen3); the constrained text follows it at once. For a schema, any object or a choice."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -54,6 +58,10 @@ class StructuredOutputsParams:
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             fail("choice must be a non-empty list of non-empty strings")
+        if self.thinking not in (None, "first", "optional"):
+            fail(f"thinking must be 'first' or 'optional', got {self.thinking!r}")
+        if self.thinking is not None and (self.regex is not None or self.grammar is not None):
+            fail("thinking goes with a JSON schema, any JSON object or a choice (a grammar or regex says its own)")
 
 
 @dataclass

@@ -57,8 +57,33 @@ class PendingMasks:
         return self._future.result() if isinstance(self._future, Future) else self._future
 
 
+# A reasoning model's thinking before the constrained part (``thinking``), in llguidance's Lark: free text that
+# stops at </think> (a lazy lexeme), the constraint right after it (so the answer is the constrained text alone);
+# "first" thinks from the start, "optional" in a block it may begin with.
+_THINKING = {
+    "first": "start: thought answer",
+    "optional": 'start: ("<think>" thought)? answer',
+}
+_THOUGHT = 'thought: body\nbody[stop="</think>"]: /(.|\\n)*/'
+
+
 def grammar_text(so: StructuredOutputsParams) -> str:
     """The llguidance grammar for one request's constraint."""
+    import llguidance
+
+    if so.thinking is None:
+        return _plain_grammar(so)
+    if so.choice is not None:
+        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)  # (Lark's strings are JSON's)
+    else:
+        schema = {"type": "object"} if so.json_object else json.loads(so.json) if isinstance(so.json, str) else so.json
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema is an object")
+        answer = "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
+    return llguidance.grammar_from("lark", f"{_THINKING[so.thinking]}\n{_THOUGHT}\nanswer: {answer}\n")
+
+
+def _plain_grammar(so: StructuredOutputsParams) -> str:
     import llguidance
     from llguidance import LLMatcher
 

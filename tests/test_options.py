@@ -40,6 +40,7 @@ PAYLOAD_ONLY = {
     "priority",
     "notify",
     "response_format",
+    "thinking",  # where the constraint begins: a part of the engine's structured_outputs
     "stream_options",  # what the events carry: the worker's, not the engine's
 }
 

@@ -100,18 +100,48 @@ def test_a_job_keeps_the_markers_where_they_are_special_tokens():
     assert parse(ChatCompletionRequest, asked, None, "mistral")[1]["skip_special_tokens"] is True
 
 
-def test_a_constrained_output_has_no_thinking_to_tell():
-    """An output constrained from its first token (a schema, a forced call) is no model's free text: read whole."""
+ASKED = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+def test_a_constrained_output_thinks_first_where_its_constraint_is_json_or_a_choice():
+    """With a parser, a JSON schema, any object, a choice or a forced tool call lets the model think first: the job
+    asks for it (``thinking``: "first" for deepseek_r1, "optional" for qwen3), and the answer is read after it. A
+    regex or a grammar, or markers that are special tokens (mistral), constrain from the first token: no thinking."""
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    assert _chat("deepseek_r1").reasoning_plan() is FORMATS["deepseek_r1"]
-    assert _chat("deepseek_r1", response_format={"type": "text"}).reasoning_plan() is not None
-    assert _chat("deepseek_r1", response_format={"type": "json_object"}).reasoning_plan() is None
-    assert _chat("deepseek_r1", structured_outputs={"choice": ["a", "b"]}).reasoning_plan() is None
-    assert _chat("deepseek_r1", tools=tools, tool_choice="required").reasoning_plan() is None
-    assert _chat("deepseek_r1", "hermes", tools=tools).reasoning_plan() is not None  # ("auto": the model's text)
-    [choice] = chat_choices({"text": '{"a": 1}', "finish_reason": "stop"},
-                            _chat("deepseek_r1", response_format={"type": "json_object"}))  # fmt: skip
-    assert choice["message"] == {"role": "assistant", "content": '{"a": 1}'}
+    thinks = [
+        ({"response_format": {"type": "json_object"}}, "json"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+        ({"tools": tools, "tool_choice": "required"}, "json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+         "json"),
+    ]  # fmt: skip
+    for body, kind in thinks:
+        for parser, thinking in (("deepseek_r1", "first"), ("qwen3", "optional")):
+            request, fields = parse(ChatCompletionRequest, {**ASKED, **body}, None, parser)
+            assert request.constraint() == kind and request.reasoning_plan() is FORMATS[parser]
+            assert fields["thinking"] == thinking
+            assert JobRequest.model_validate(fields).structured_form()["thinking"] == thinking  # (the engine's)
+    for body, parser in (
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "deepseek_r1"),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, "qwen3"),
+        ({"response_format": {"type": "json_object"}}, "mistral"),
+        ({"response_format": {"type": "json_object"}}, None),
+    ):
+        request, fields = parse(ChatCompletionRequest, {**ASKED, **body}, None, parser)
+        assert request.reasoning_plan() is None and "thinking" not in fields
+    assert _chat("deepseek_r1", response_format={"type": "text"}).constraint() is None
+    request = _chat("deepseek_r1", response_format={"type": "json_object"})
+    [choice] = chat_choices({"text": '<think>An object.</think>{"a": 1}', "finish_reason": "stop"}, request)
+    assert choice["message"] == {"role": "assistant", "content": '{"a": 1}', "reasoning": "An object.",
+                                 "reasoning_content": "An object."}  # fmt: skip
+    named = _chat("qwen3", tools=tools, tool_choice={"type": "function", "function": {"name": "add"}})
+    [choice] = chat_choices({"text": '<think>Add them.</think>{"a": 2}', "finish_reason": "stop"}, named)
+    assert choice["message"]["reasoning"] == "Add them." and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
+    with pytest.raises(ValueError, match="thinking says where a constraint begins"):
+        JobRequest.model_validate({"prompt": "x", "thinking": "first"})
+    with pytest.raises(ValueError, match="thinking says where a constraint begins"):
+        JobRequest.model_validate({"prompt": "x", "thinking": "first", "structured_outputs": {"regex": "a"}})
 
 
 def test_thinking_sent_back_reaches_the_template_under_both_names():

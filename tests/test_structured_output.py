@@ -227,3 +227,44 @@ def test_a_constrained_request_loads_no_compiler(tiny_chat_model):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     text, reason, compiler = out.stdout.split()
     assert text in ("yes", "no") and reason == "stop" and compiler == "False", out.stdout
+
+
+@pytest.mark.parametrize(
+    ("thinking", "so", "text", "reads", "done"),
+    [
+        ("first", {"json": SCHEMA}, 'Hmm { not yet</think>{"label": "cat", "score": 1, "ok": true}', True, True),
+        ("first", {"json": SCHEMA}, "Hmm</think>\n", False, False),  # (the constraint at once: the answer is its text)
+        ("first", {"json": SCHEMA}, '<think>Hmm.</think>{"label": "dog", "score": 2, "ok": false}', True, True),
+        ("first", {"json": SCHEMA}, '{"label": "cat", "score": 1, "ok": true}', True, False),  # (still thinking)
+        ("first", {"json": SCHEMA}, 'Hmm</think>{"label":"cat"', False, False),  # (the schema's spacing holds)
+        ("optional", {"json_object": True}, '{"a": 1}', True, True),
+        ("optional", {"json_object": True}, '<think>a { b</think>{"a": 1}', True, True),
+        ("optional", {"json_object": True}, "Sure: {", False, False),  # (no thinking block: the object at once)
+        ("optional", {"choice": ["yes", 'no "way"']}, '<think>Hm.</think>no "way"', True, True),
+        ("first", {"choice": ["yes", "no"]}, "yes", True, False),
+    ],
+)
+def test_a_reasoning_models_thinking_comes_before_its_constraint(llm, thinking, so, text, reads, done):
+    """``thinking``: free text up to </think> ("first") or in a <think> block the output may begin with
+    ("optional"), then the constraint at once, as without it."""
+    manager = llm.engine.structured
+    matcher = manager.matcher_for(StructuredOutputsParams(**so, thinking=thinking), [])
+    assert bool(matcher.consume_tokens(llm.get_tokenizer().encode(text))) is reads
+    assert bool(reads and matcher.is_stopped()) is done
+
+
+def test_thinking_then_the_constraint_through_the_engine(llm):
+    """A thought given as the output so far (a resumed one): the engine goes on under the schema and ends there."""
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA, "thinking": "first"})
+    thought = llm.get_tokenizer().encode("<think>A cat, I think.</think>")
+    llm.engine.add_request("thought", PROMPTS[0], params, output_prefix=thought)
+    final = None
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            final = out
+    text = final.outputs[0].text
+    assert final.outputs[0].finish_reason == "stop" and text.startswith("<think>A cat, I think.</think>{")
+    jsonschema.validate(json.loads(text.partition("</think>")[2]), SCHEMA)
+    for bad in ({"regex": "a+", "thinking": "first"}, {"json": SCHEMA, "thinking": "later"}):
+        with pytest.raises(ValueError, match="thinking"):
+            StructuredOutputsParams(**bad)
