@@ -53,6 +53,8 @@ from producer.openai_api import (
     samples,
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
+from producer.reasoning import FORMATS as REASONING_FORMATS
+from producer.reasoning import ReasoningFormat, plan_for, thinking_of
 from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
 from producer.schema import JobRequest, lone_surrogate
 from producer.token_names import BY_ID, TokenNames, digest_of, load_names
@@ -95,6 +97,7 @@ class Line:
     echo: bool = False  # a completion's echo: its output begins with the prompt (and its logprobs)
     chat: ChatCompletionRequest | None = None  # the chat request an OpenAI line means: its tool calls, its echo
     responses: ResponsesRequest | None = None  # a /v1/responses line's request: its output is a response object
+    reasoning: ReasoningFormat | None = None  # how a chat's thinking is told from its answer (--reasoning-parser)
 
     @property
     def tools(self) -> ToolChoice | None:
@@ -167,7 +170,8 @@ def parse_line(
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
         payload.setdefault("priority", priority)
-        validate(payload)  # InvalidRequest is a ValueError
+        job = validate(payload)  # InvalidRequest is a ValueError
+        reasoning = _row_reasoning(payload, job, options) if options.plain and job.messages else None
     except ValueError as exc:
         raise BadLine(str(exc), custom_id, obj if options.plain else None) from None
     row = obj if options.plain else None
@@ -177,7 +181,25 @@ def parse_line(
     request, chat = asked_as
     responses = request if isinstance(request, ResponsesRequest) else None
     chat = chat if isinstance(chat, ChatCompletionRequest) else None
-    return Line(number, custom_id, url, payload, job_id_for(payload, run_id, queue), row, shown, echo, chat, responses)
+    reasoning = chat.reasoning_plan() if chat is not None else reasoning
+    job_id = job_id_for(payload, run_id, queue)
+    return Line(number, custom_id, url, payload, job_id, row, shown, echo, chat, responses, reasoning)
+
+
+def _row_reasoning(payload: dict[str, Any], job: JobRequest, options: RowOptions) -> ReasoningFormat | None:
+    """A plain chat row's reasoning format (the run's --reasoning-parser), as the server's for a chat: its job
+    thinks before a constraint that lets it, and keeps special tokens where the markers are some."""
+    if options.reasoning_parser is None:
+        return None
+    form = job.structured_form() or {}
+    fmt = plan_for(REASONING_FORMATS[options.reasoning_parser], next((k for k in form if k != "thinking"), None))
+    if fmt is not None and form:
+        payload.setdefault("thinking", thinking_of(fmt))
+    if fmt is not None and fmt.special:
+        payload.setdefault("skip_special_tokens", False)
+    if fmt is not None and (form or fmt.special):
+        validate(payload)
+    return fmt
 
 
 def _utf8(text: str | bytes) -> str:
@@ -285,14 +307,12 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     token_names = names(result["model"]) if named and names is not None else BY_ID
     tools = line.tools
     if line.responses is not None:
-        reasoning = line.chat.reasoning_plan() if line.chat is not None else None
-        writer = ResponseWriter(result["id"], result["model"], line.responses, tools, top, token_names, reasoning)
+        writer = ResponseWriter(result["id"], result["model"], line.responses, tools, top, token_names, line.reasoning)
         return _output_line(line, result, {**writer.whole(result), "created_at": created})
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
-        chat = line.chat
-        echoed, reasoning = (chat.echoed, chat.reasoning_plan()) if chat is not None else ("", None)
-        choices = chat_choices(result, None, tools=tools, echoed=echoed, reasoning=reasoning)
+        echoed = line.chat.echoed if line.chat is not None else ""
+        choices = chat_choices(result, None, tools=tools, echoed=echoed, reasoning=line.reasoning)
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)
@@ -520,7 +540,8 @@ def _open_sink(output_path: Path, output_format: str, input_path: Path, input_fo
             f"the input has a {id_column!r} column, where the output writes each row's id (row-N by default): "
             f"pass --id-column {id_column} to name the rows by it, or rename it"
         )
-    return ParquetSink(output_path, columns, id_column, int(options.defaults.get("n", 1)))
+    reasoning = options.reasoning_parser is not None  # (a reasoning column beside the output)
+    return ParquetSink(output_path, columns, id_column, int(options.defaults.get("n", 1)), reasoning)
 
 
 def check_run_settings(options: RowOptions, priority: int, max_in_flight: int = 1) -> None:

@@ -264,7 +264,9 @@ class ParquetSink:
     """The input's columns with the run's added ones (``ADDED_COLUMNS``), a row per job as it ends. Failed rows
     are written with their ``error`` (and to the errors file) and run again on a rerun."""
 
-    def __init__(self, path: Path, columns: Any, id_column: str, n: int) -> None:
+    def __init__(self, path: Path, columns: Any, id_column: str, n: int, reasoning: bool = False) -> None:
+        """``reasoning``: the run tells a chat's thinking from its answer (--reasoning-parser): a ``reasoning``
+        column beside ``output``, which holds the answer alone."""
         pa, _ = _pyarrow()
         self.path = path
         self.errors: TextIO | None = None
@@ -272,17 +274,18 @@ class ParquetSink:
         base = columns if columns is not None else pa.schema([])
         if id_column not in base.names:  # rows named by number (row-N), or JSONL rows: the id gets a column
             base = base.append(pa.field(id_column, pa.string()))
-        clash = [name for name in ADDED_COLUMNS if name in base.names]
+        clash = [name for name in (*ADDED_COLUMNS, *(["reasoning"] if reasoning else [])) if name in base.names]
         if clash:
             raise ValueError(f"the input already has the columns {clash} that the output adds; rename them")
         per_sample = pa.list_(pa.string()) if n > 1 else pa.string()  # with --n above 1, a list: one per sample
-        added = [("output", per_sample), ("finish_reason", per_sample), ("prompt_tokens", pa.int64())]
+        added = [("output", per_sample), *([("reasoning", per_sample)] if reasoning else [])]
+        added += [("finish_reason", per_sample), ("prompt_tokens", pa.int64())]
         added += [("completion_tokens", pa.int64()), ("error", pa.string()), ("job_id", pa.string())]
         self.schema = base
         for name, kind in added:
             self.schema = self.schema.append(pa.field(name, kind))
         self._stored = _as_parquet_reads(self.schema)  # what a rerun finds in the file this run writes
-        self.id_column, self.n = id_column, n
+        self.id_column, self.n, self.reasoning = id_column, n, reasoning
         self._keeps_input = columns is not None  # a Parquet input's columns are carried over
         self._rows: list[dict[str, Any]] = []
         self._writer: Any = None
@@ -332,11 +335,16 @@ class ParquetSink:
     def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
         samples = result.get("choices") or [result]
         texts, reasons = [c["text"] for c in samples], [c.get("finish_reason") for c in samples]
+        thoughts: list[str | None] = [None] * len(texts)
+        if line.reasoning is not None:  # (the answer alone in output: null while the output was thinking, cut short)
+            thoughts, texts = map(list, zip(*(line.reasoning.split(text) for text in texts)))  # type: ignore[assignment]
         usage = result.get("usage") or {}
+        thinking = {"reasoning": thoughts if self.n > 1 else thoughts[0]} if self.reasoning else {}
         self._add(
             {
                 **self._input_row(line),
                 "output": texts if self.n > 1 else texts[0],
+                **thinking,
                 "finish_reason": reasons if self.n > 1 else reasons[0],
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),

@@ -588,7 +588,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
-        help="OpenAI chat lines' thinking told from their answers, as serve's (their messages' reasoning)",
+        help="a reasoning model's thinking told from its answer, as serve's: chat lines' messages' reasoning, and "
+        "a Parquet output's reasoning column (chat rows: --chat or --messages-column)",
     )  # fmt: skip
     again = p.add_mutually_exclusive_group()
     again.add_argument(

@@ -11,14 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, Valid
 
 from producer.protocol import usage_of
 from producer.reasoning import FORMATS as REASONING_FORMATS
-from producer.reasoning import ReasoningFormat, ReasoningStream
+from producer.reasoning import ReasoningFormat, ReasoningStream, plan_for, thinking_of
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
 from producer.tool_formats import FormatStream
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
-THINKING_CONSTRAINTS = ("json", "json_object", "choice")  # the constraints a thought may come before
 IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
     "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
@@ -212,13 +211,13 @@ class _Common(APIShape):
             raise APIError(400, str(exc), param=exc.param) from None
 
     def reasoning_plan(self) -> ReasoningFormat | None:
-        """How the output's thinking is told from its answer: the server's parser. A constrained output thinks
-        before its constraint (the job's ``thinking``) where the constraint is JSON or a choice and the markers are
-        text; under any other it has no thinking (it is constrained from its first token)."""
-        if self._reasoning_parser is None:
+        """How the output's thinking is told from its answer: the server's parser, where the output's constraint
+        lets it think (``producer.reasoning.plan_for``); none where the template is told not to think (Qwen3's and
+        GLM's ``enable_thinking``, DeepSeek V3.1's ``thinking``: false), which closes the thinking in the prompt."""
+        kwargs = getattr(self, "chat_template_kwargs", None) or {}
+        if self._reasoning_parser is None or False in (kwargs.get("enable_thinking"), kwargs.get("thinking")):
             return None
-        fmt, kind = REASONING_FORMATS[self._reasoning_parser], self.constraint()
-        return fmt if kind is None or (kind in THINKING_CONSTRAINTS and not fmt.special) else None
+        return plan_for(REASONING_FORMATS[self._reasoning_parser], self.constraint())
 
     def constraint(self) -> str | None:
         """What kind of constraint the output is under (json, json_object, regex, choice, grammar), if any: the
@@ -288,7 +287,7 @@ class ChatCompletionRequest(_Common):
             # The model's markers may be special tokens, which the text would leave out (vLLM's hermes and mistral).
             fields.setdefault("skip_special_tokens", False)
         if thinking is not None and self.constraint() is not None:  # (it thinks, then follows the constraint)
-            fields["thinking"] = "first" if thinking.opened else "optional"
+            fields["thinking"] = thinking_of(thinking)
         return fields
 
 

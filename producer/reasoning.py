@@ -44,6 +44,24 @@ class ReasoningFormat:
         return ReasoningStream(self)
 
 
+THINKING_CONSTRAINTS = ("json", "json_object", "choice")  # the constraints a thought may come before
+
+
+def plan_for(fmt: ReasoningFormat | None, constraint: str | None) -> ReasoningFormat | None:
+    """The format that tells an output's thinking from its answer, under ``constraint`` (its kind: json,
+    json_object, regex, choice, grammar; None: none). A constrained output thinks before its constraint (the job's
+    ``thinking``) where the constraint is JSON or a choice and the markers are text; under any other it is
+    constrained from its first token, and has no thinking."""
+    if fmt is None or constraint is None:
+        return fmt
+    return fmt if constraint in THINKING_CONSTRAINTS and not fmt.special else None
+
+
+def thinking_of(fmt: ReasoningFormat) -> str:
+    """The job's ``thinking`` for a constrained output of this format."""
+    return "first" if fmt.opened else "optional"
+
+
 FORMATS = {
     f.name: f
     for f in (

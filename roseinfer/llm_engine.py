@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import inspect
@@ -24,7 +25,7 @@ from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
-from roseinfer.sampling_params import SamplingParams
+from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.scheduler import Scheduler
 from roseinfer.sequence import Sequence
 from roseinfer.structured_output import StructuredOutputManager
@@ -344,6 +345,8 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError("priority must be an integer")
         so = params.structured_outputs
+        if so is not None and so.thinking is not None and self.tokenizer is not None:
+            so = _thinking_after(so, self.tokenizer.decode(token_ids[-16:]))
         seqs = []
         for index in range(params.n):
             # Compiled before anything else is built: a constraint the library rejects fails here, with its reason.
@@ -778,3 +781,13 @@ def _unfreeze_at_exit() -> None:
             gc.unfreeze()
 
     atexit.register(unfreeze)
+
+
+def _thinking_after(so: StructuredOutputsParams, prompt_tail: str) -> StructuredOutputsParams:
+    """A constraint with ``thinking``, as the prompt leaves it: a prompt that ends in ``</think>`` thought already
+    (a template that closed the thinking, as Qwen3's with enable_thinking false): the constraint from the first
+    token; one that ends in ``<think>`` opened it (DeepSeek-R1's, QwQ's): thinking first."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith("</think>"):
+        return dataclasses.replace(so, thinking=None)
+    return dataclasses.replace(so, thinking="first") if tail.endswith("<think>") else so

@@ -437,3 +437,44 @@ def test_a_datasets_folder_with_times_and_dates_reruns_into_its_parquet_output(t
     rows = pq.read_table(out).to_pylist()
     assert [r["when"] for r in rows] == [datetime.datetime(2026, 1, 1, 12), None]
     assert [r["day"] for r in rows] == [datetime.date(2026, 1, 2), None]
+
+
+def test_chat_rows_thinking_is_a_reasoning_column_and_their_constraint_waits_for_it(tmp_path):
+    """--reasoning-parser for plain chat rows (a dataset of reasoning traces): the Parquet output's ``output`` holds
+    the answer and a ``reasoning`` column the thinking (null where there was none; --n samples a list each); a
+    run's --response-format lets the model think first (the job's ``thinking``), as the server's chat does. A
+    plain completion row is no chat: nothing is told apart."""
+    options = RowOptions("question", None, "qid", {"response_format": {"type": "json_object"}}, chat=True,
+                         reasoning_parser="deepseek_r1")  # fmt: skip
+    line = parse_line(1, {"qid": "a", "question": "Sky?"}, options=options)
+    assert line.payload["thinking"] == "first" and line.reasoning is not None
+    plain = parse_line(2, {"qid": "b", "question": "Sky?"}, options=RowOptions("question", reasoning_parser="qwen3"))
+    assert plain.reasoning is None and "thinking" not in plain.payload
+    usage = {"prompt_tokens": 1, "completion_tokens": 5}
+    for n, text, want in ((1, '<think>Blue, I think.</think>{"sky": "blue"}', ("Blue, I think.", '{"sky": "blue"}')),
+                          (2, "Still thinking", (["Still thinking", "Still thinking"], [None, None]))):  # fmt: skip
+        path = tmp_path / f"out{n}.parquet"
+        sink = ParquetSink(path, None, "qid", n, reasoning=True)
+        with open(tmp_path / "errors.jsonl", "w") as errors:
+            sink.open(errors)
+            samples = [{"index": i, "text": text, "finish_reason": "length"} for i in range(n)]
+            sink.result(line, {}, {"id": line.job_id, "text": text, "choices": samples if n > 1 else None,
+                                   "finish_reason": "stop", "usage": usage})  # fmt: skip
+            sink.close()
+        [row] = pq.read_table(path).to_pylist()
+        assert (row["reasoning"], row["output"]) == want
+    assert "reasoning" not in pq.read_schema(_sink_file(tmp_path)).names
+    out = batch_mod.output_line(line, {"id": "j", "model": "m", "text": '<think>Hm.</think>{"a": 1}', "usage": usage,
+                                       "finish_reason": "stop", "timings": {"finished_at": 1.0}})  # fmt: skip
+    message = out["response"]["body"]["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("Hm.", '{"a": 1}')  # (a JSONL output of the same rows)
+
+
+def _sink_file(tmp_path) -> str:
+    """A Parquet output of a run without --reasoning-parser: no reasoning column."""
+    path = tmp_path / "plain.parquet"
+    sink = ParquetSink(path, None, "qid", 1)
+    with open(tmp_path / "errors2.jsonl", "w") as errors:
+        sink.open(errors)
+        sink.close()
+    return str(path)

@@ -190,3 +190,35 @@ def test_reasoning_effort_is_the_templates_as_vllm_gives_it():
                                                                              "enable_thinking": True}  # fmt: skip
     with pytest.raises(APIError, match="reasoning_effort"):
         parse(ChatCompletionRequest, {**body, "reasoning_effort": "extreme"})
+
+
+def test_a_template_told_not_to_think_has_no_thinking_to_tell():
+    """Qwen3 with ``enable_thinking: false`` (DeepSeek V3.1's ``thinking: false``): the template closes the
+    thinking in the prompt, so the answer is all content and a constraint holds from the first token."""
+    for kwargs in ({"enable_thinking": False}, {"thinking": False}):
+        body = {**ASKED, "chat_template_kwargs": kwargs, "response_format": {"type": "json_object"}}
+        request, fields = parse(ChatCompletionRequest, body, None, "deepseek_r1")
+        assert request.reasoning_plan() is None and "thinking" not in fields
+        [choice] = chat_choices({"text": '{"a": 1}', "finish_reason": "stop"}, request)
+        assert choice["message"] == {"role": "assistant", "content": '{"a": 1}'}
+    request, _ = parse(
+        ChatCompletionRequest, {**ASKED, "chat_template_kwargs": {"enable_thinking": True}}, None, "qwen3"
+    )
+    assert request.reasoning_plan() is FORMATS["qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("tail", "asked", "used"),
+    [
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "first", None),  # (closed in the prompt)
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "optional", None),
+        ("<|Assistant|><think>\n", "optional", "first"),  # (opened in the prompt: it thinks first)
+        ("<|im_start|>assistant\n", "optional", "optional"),
+        ("<|im_start|>assistant\n", "first", "first"),
+    ],
+)
+def test_the_engine_reads_where_the_prompt_left_the_thinking(tail, asked, used):
+    from roseinfer.llm_engine import _thinking_after
+    from roseinfer.sampling_params import StructuredOutputsParams
+
+    assert _thinking_after(StructuredOutputsParams(json_object=True, thinking=asked), tail).thinking == used

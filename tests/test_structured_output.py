@@ -268,3 +268,12 @@ def test_thinking_then_the_constraint_through_the_engine(llm):
     for bad in ({"regex": "a+", "thinking": "first"}, {"json": SCHEMA, "thinking": "later"}):
         with pytest.raises(ValueError, match="thinking"):
             StructuredOutputsParams(**bad)
+
+
+def test_a_prompt_that_closed_the_thinking_is_constrained_from_the_first_token(llm):
+    """A template that closed the thinking in the prompt (Qwen3's with enable_thinking false): "first" would wait
+    for a second </think>; the engine reads the prompt's end and holds the output to the schema at once."""
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA, "thinking": "first"})
+    [out] = llm.generate([PROMPTS[0] + "\n<think>\n\n</think>\n\n"], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
