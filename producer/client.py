@@ -456,6 +456,7 @@ class Client:
                     "tokens_per_s": float(st.get("tokens_per_s", 0.0)),
                     "redis": st.get("redis", "ok"),  # or why Redis refuses the worker's writes right now
                     "tokenizer": st.get("tokenizer") or None,  # the digest of the tokenizer it wrote to Redis
+                    "template": st.get("template") or None,  # and of its chat template
                     "max_model_len": int(st["max_model_len"]) if st.get("max_model_len", "").isdigit() else None,
                 }
             )

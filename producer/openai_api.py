@@ -334,13 +334,34 @@ class CompletionRequest(_Common):
 
 
 class TokenizeRequest(APIShape):
-    """vLLM's ``/tokenize``: a prompt's token ids by the model's tokenizer (a chat's messages are the worker's to
-    render: its chat template is not in the tokenizer)."""
+    """vLLM's ``/tokenize``: a prompt's token ids by the model's tokenizer, or a chat's (``messages``, with the chat
+    template's options) as its job's would be."""
 
     model: str
-    prompt: str
-    add_special_tokens: bool = True
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # (vLLM's defaults: true for a prompt, false for a chat)
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_chat(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages")
+        chat_only = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+        if self.prompt is not None and (given := [k for k in chat_only if getattr(self, k) is not None]):
+            raise ValueError(f"{', '.join(given)} go with messages")
+        return self
+
+    def chat_job(self) -> JobRequest:
+        """The chat's job, checked as a chat request's (an ``APIError`` naming the field at fault)."""
+        options = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+        body = {"model": self.model, **{k: v for k in options if (v := getattr(self, k)) is not None}}
+        _, fields = parse(ChatCompletionRequest, body)
+        return JobRequest.model_validate(fields)
 
 
 class DetokenizeRequest(APIShape):

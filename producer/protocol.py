@@ -45,6 +45,9 @@ STATS_KEY = "roseinfer:stats:{worker}"
 # A worker's tokenizer (its tokenizer.json), by the digest its statistics name: the server names logprobs' tokens
 # with it. Written once per tokenizer, kept (a few MB per model served).
 TOKENIZER_KEY = "roseinfer:tokenizer:{digest}"
+# A worker's chat template and the special tokens it reads (``LLMEngine.chat_template_doc``), by its digest in the
+# worker's statistics: the server renders a chat's prompt with it (``/tokenize`` of messages). Kept, as the tokenizer.
+TEMPLATE_KEY = "roseinfer:template:{digest}"
 
 
 def tokenizer_digest(tokenizer_json: str) -> str:

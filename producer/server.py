@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
+from producer.chat_render import ChatRenderer, ChatRenderers, chat_digests
 from producer.client import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
 from producer.openai_api import (
     APIError,
@@ -167,6 +168,7 @@ def create_app(
     app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
     workers = Workers(client)
     tokenizers = TokenizerCache(client)
+    renderers = ChatRenderers(client)
     metrics = ServerMetrics()
     app.state.metrics = metrics
 
@@ -236,13 +238,18 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await _body(request)
-        if isinstance(body, dict) and "messages" in body:  # (vLLM's chat form: its template is the worker's)
-            raise APIError(400, "tokenize takes a prompt here, not messages", param="messages")
-        req = parse_request(TokenizeRequest, body)
+        req = parse_request(TokenizeRequest, await _body(request))
         tokenizer = await _tokenizer(req.model)
-        # (off the event loop: a long prompt's encoding would hold every other request)
-        ids = (await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)).ids
+        if req.messages is not None:  # vLLM's chat form: rendered by the worker's chat template, as its job's
+            job = req.chat_job()
+            renderer = await _renderer(req.model)
+            try:
+                ids = await asyncio.to_thread(renderer.tokenize, job, bool(req.add_special_tokens))
+            except Exception as exc:  # the template's own refusal (roles out of order ...), as the job would fail
+                raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        else:  # (off the event loop: a long prompt's encoding would hold every other request)
+            special = req.add_special_tokens is not False
+            ids = (await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=special)).ids
         strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": await workers.max_model_len(req.model), "tokens": ids,
                 "token_strs": strs}  # fmt: skip
@@ -255,6 +262,20 @@ def create_app(
         if bad := [t for t in req.tokens if not 0 <= t < vocab]:
             raise APIError(400, f"token ids past the model's vocabulary of {vocab}: {bad[:8]}", param="tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)}
+
+    async def _renderer(model: str) -> ChatRenderer:
+        """The chat renderer of ``model``'s workers: 503 where none wrote its chat template to Redis (or a model
+        without one), 501 where the server cannot render it (no transformers)."""
+        digests = chat_digests(await workers.live(), model)
+        if digests is None:
+            raise APIError(503, f"no live worker of {model!r} has its chat template in Redis", "service_unavailable")
+        try:
+            return await renderers.get(*digests)
+        except ImportError as exc:
+            message = f"tokenizing messages needs transformers beside the server: {exc}"
+            raise APIError(501, message, "not_implemented") from None
+        except LookupError as exc:
+            raise APIError(503, str(exc), "service_unavailable") from None
 
     async def _tokenizer(model: str) -> Any:
         """The tokenizer of ``model`` a live worker wrote to Redis; 404 for a model not served, 503 without one."""

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import json
 import logging
 import sys
 import time
@@ -166,6 +167,16 @@ class LLMEngine:
         """The tokenizer as a ``tokenizers`` JSON document (a fast tokenizer's), for readers without the model."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         return backend.to_str() if backend is not None else None
+
+    def chat_template_doc(self) -> str | None:
+        """The chat template this engine renders chats with (the operator's, where given) and the special tokens it
+        reads (``bos_token`` ...), as JSON, for readers without the model (the server's ``/tokenize`` of messages);
+        None for a model without one."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not template:
+            return None
+        special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        return json.dumps({"chat_template": template, "special_tokens": special}, sort_keys=True)
 
     def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}

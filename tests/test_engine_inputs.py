@@ -1,6 +1,7 @@
 """Bad requests are refused at submission with a clear error; the engine keeps serving the others."""
 
 import copy
+import json
 
 import pytest
 
@@ -608,3 +609,32 @@ def test_a_generate_stopped_by_ctrl_c_leaves_nothing_in_the_engine(tiny_chat_mod
     assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == free
     [out] = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3 and len(steps) < 10  # its own steps only
+
+
+def test_the_servers_chat_rendering_is_the_engines(chat_engine, tiny_chat_model):
+    """/tokenize of messages: the worker's tokenizer and chat template as it publishes them, rendered on the server
+    by transformers' own call, give the ids the engine computes for the same chat job, with every option."""
+    from producer.chat_render import ChatRenderer
+    from producer.openai_api import TokenizeRequest
+    from producer.schema import JobRequest
+
+    renderer = ChatRenderer(chat_engine.tokenizer_json(), chat_engine.chat_template_doc())
+    chats = [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \u00e9t\u00e9"}]},
+        {"messages": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color"}],
+         "continue_final_message": True},
+        {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False},
+        {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "Two."},
+                      {"role": "user", "content": "3+3?"}]},
+    ]  # fmt: skip
+    for chat in chats:
+        job = TokenizeRequest.model_validate({"model": "m", **chat}).chat_job()
+        assert renderer.tokenize(job) == chat_engine.tokenize(job.engine_prompt())[1], chat
+    given = "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"  # (the special tokens it reads come too)
+    operators = LLM(tiny_chat_model, dtype="float32", chat_template=given)
+    doc = operators.engine.chat_template_doc()
+    assert json.loads(doc)["chat_template"] == given  # (what the worker renders with: the operator's)
+    ids = ChatRenderer(operators.engine.tokenizer_json(), doc).tokenize(JobRequest.model_validate(chats[0]))
+    assert ids == operators.engine.tokenize(chats[0])[1]

@@ -106,6 +106,7 @@ def engine_that_recommends() -> FakeEngine:
     engine = FakeEngine()
     engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.9}
     engine.tokenizer_json = lambda: '{"model": "its tokenizer"}'
+    engine.chat_template_doc = lambda: '{"chat_template": "its template"}'
     engine.max_model_len = 4096
     return engine
 
@@ -661,10 +662,11 @@ def test_what_a_dead_child_sent_before_it_went_is_read_first():
 @pytest.mark.slow
 def test_the_models_recommended_settings_reach_the_worker_from_an_engine_process():
     """Jobs are checked in the worker's process, where their unset fields take the model's settings; the worker
-    writes the model's tokenizer to Redis and names its context length from there too."""
+    writes the model's tokenizer and chat template to Redis and names its context length from there too."""
     pump = EngineProcess(engine_that_recommends)
     try:
         assert pump.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
         assert pump.tokenizer_json() == '{"model": "its tokenizer"}' and pump.max_model_len == 4096
+        assert pump.chat_template_doc() == '{"chat_template": "its template"}'
     finally:
         pump.close()

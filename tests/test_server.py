@@ -324,9 +324,21 @@ def test_tokenize_and_detokenize_as_vllm_with_the_workers_tokenizer(served, redi
     assert out["token_strs"] == [_model_tokenizer(model).id_to_token(t) for t in out["tokens"]]
     assert http.post("/detokenize", json={"model": model, "tokens": out["tokens"]}).json() == {"prompt": prompt}
     assert [m["max_model_len"] for m in http.get("/v1/models").json()["data"]] == [length]
+    # A chat (vLLM's form): the worker's chat template, rendered on the server, gives its job's prompt ids.
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+    job = direct(redis_url, worker.queue, messages=chat, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    out = http.post("/tokenize", json={"model": model, "messages": chat}).json()
+    assert out["tokens"] == job["prompt_token_ids"] and out["count"] == len(out["tokens"])
+    continued = [*chat, {"role": "assistant", "content": "The sea"}]
+    job = direct(redis_url, worker.queue, messages=continued, continue_final_message=True, max_tokens=1,
+                 temperature=0.0, prompt_logprobs=0)  # fmt: skip
+    body = {"model": model, "messages": continued, "continue_final_message": True}
+    assert http.post("/tokenize", json=body).json()["tokens"] == job["prompt_token_ids"]
     for path, body, status, param in [
         ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
-        ("/tokenize", {"model": model, "messages": [{"role": "user", "content": "x"}]}, 400, "messages"),
+        ("/tokenize", {"model": model, "prompt": "x", "messages": chat}, 400, None),
+        ("/tokenize", {"model": model, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/tokenize", {"model": model, "messages": chat, "chat_template_kwargs": {"chat_template": "x"}}, 400, None),
         ("/detokenize", {"model": model, "tokens": [1, 10**6]}, 400, "tokens"),
         ("/detokenize", {"model": model, "tokens": [True]}, 400, "tokens.0"),
     ]:

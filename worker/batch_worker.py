@@ -57,6 +57,7 @@ from producer.protocol import (
     LEASE_KEY,
     OWNER_FIELD,
     STATS_KEY,
+    TEMPLATE_KEY,
     TOKENIZER_KEY,
     encode_result,
     lane_name,
@@ -176,6 +177,7 @@ class BatchWorker(BaseWorker):
         self._suspended = False
         self._next_hand_over = 0.0
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
+        self.template_digest = ""  # of its chat template (TEMPLATE_KEY)
         self._step_s = 0.0  # how long the last engine step took
         # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
         # Its death registered on the way out: a supervisor's restart under a fixed --name is not refused for the
@@ -411,20 +413,22 @@ class BatchWorker(BaseWorker):
         self._watchdog.start()
 
     def _publish_tokenizer(self) -> None:
-        """The engine's tokenizer into Redis once (its digest in this worker's statistics), for the server to name
-        logprobs' tokens by; a worker that cannot write it serves all the same."""
-        text = getattr(self.engine, "tokenizer_json", lambda: None)()
-        if not text:
-            return
-        digest = tokenizer_digest(text)
-        key = TOKENIZER_KEY.format(digest=digest)
-        try:
-            if not self.connection.exists(key):
-                self.connection.set(key, text)
-        except redis.exceptions.RedisError as exc:
-            log.warning("the tokenizer could not be written to Redis (%s): logprobs' tokens go by their ids", exc)
-            return
-        self.tokenizer_digest = digest
+        """The engine's tokenizer and chat template into Redis once (their digests in this worker's statistics), for
+        the server to name logprobs' tokens by and to tokenize chats; a worker that cannot write them serves all the
+        same."""
+        for attr, key, method in (("tokenizer_digest", TOKENIZER_KEY, "tokenizer_json"),
+                                  ("template_digest", TEMPLATE_KEY, "chat_template_doc")):  # fmt: skip
+            text = getattr(self.engine, method, lambda: None)()
+            if not text:
+                continue
+            digest = tokenizer_digest(text)
+            try:
+                if not self.connection.exists(key.format(digest=digest)):
+                    self.connection.set(key.format(digest=digest), text)
+            except redis.exceptions.RedisError as exc:
+                log.warning("%s could not be written to Redis (%s): the server goes without it", key, exc)
+                return
+            setattr(self, attr, digest)
 
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
@@ -1286,6 +1290,7 @@ class BatchWorker(BaseWorker):
             "model": self.settings.model_name,
             "redis": self.sender.refusing or "ok",
             "tokenizer": self.tokenizer_digest,  # ("": none in Redis)
+            "template": self.template_digest,
             "max_model_len": getattr(self.engine, "max_model_len", None) or "",
         }
 

@@ -165,6 +165,7 @@ def _serve(
         "sampling_defaults": dict(getattr(engine, "sampling_defaults", {})),
         "max_model_len": getattr(engine, "max_model_len", None),
         "tokenizer_json": getattr(engine, "tokenizer_json", lambda: None)(),
+        "chat_template_doc": getattr(engine, "chat_template_doc", lambda: None)(),
     }
     conn.send(("ready", _facts(engine), about))
     pump.on_admitted = _SaysAlive(conn)
@@ -267,6 +268,7 @@ class EngineProcess:
         self.sampling_defaults = about["sampling_defaults"]  # (the model's, for jobs' unset fields)
         self.max_model_len: int | None = about["max_model_len"]
         self._tokenizer_json: str | None = about["tokenizer_json"]
+        self._chat_template_doc: str | None = about["chat_template_doc"]
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
         from roseinfer.llm_engine import settle_garbage_collector
@@ -285,6 +287,10 @@ class EngineProcess:
     def tokenizer_json(self) -> str | None:
         """The engine's ``LLMEngine.tokenizer_json``, as it said when ready."""
         return self._tokenizer_json
+
+    def chat_template_doc(self) -> str | None:
+        """The engine's ``LLMEngine.chat_template_doc``, as it said when ready."""
+        return self._chat_template_doc
 
     # ----- the Pump's interface -------------------------------------------------------------------
     def __len__(self) -> int:
