@@ -312,7 +312,8 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     if line.url == "/v1/chat/completions":
         body = {"id": f"chatcmpl-{result['id']}", "object": "chat.completion"}
         echoed = line.chat.echoed if line.chat is not None else ""
-        choices = chat_choices(result, None, tools=tools, echoed=echoed, reasoning=line.reasoning)
+        shown = line.chat is None or line.chat.include_reasoning is not False
+        choices = chat_choices(result, None, tools=tools, echoed=echoed, reasoning=line.reasoning, shown=shown)
         if top is not None:
             for choice, sample in zip(choices, samples(result)):
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)

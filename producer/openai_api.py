@@ -248,6 +248,7 @@ class ChatCompletionRequest(_Common):
     echo: bool | None = None  # vLLM's: the answer begins with the last message's text where it is the assistant's
     # OpenAI's, for reasoning models: the chat template's reasoning_effort (vLLM's way; a template may not read it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool | None = None  # vLLM's: false leaves the thinking out of the answer (still told apart)
 
     @property
     def echoed(self) -> str:
@@ -265,6 +266,7 @@ class ChatCompletionRequest(_Common):
         fields = self.sampling()
         fields.pop("max_completion_tokens", None)
         fields.pop("echo", None)  # (the response's doing)
+        fields.pop("include_reasoning", None)  # (the response's too)
         if (effort := fields.pop("reasoning_effort", None)) is not None:  # (the request's own kwargs say it first)
             fields["chat_template_kwargs"] = {"reasoning_effort": effort, **(self.chat_template_kwargs or {})}
         if self.max_completion_tokens is not None:
@@ -522,17 +524,23 @@ def chat_choices(
     tools: ToolChoice | None = None,
     echoed: str | None = None,
     reasoning: ReasoningFormat | None = None,
+    shown: bool | None = None,
 ) -> list[dict[str, Any]]:
     """``tools``: the calls the output holds, read back into ``tool_calls``; ``echoed``: the text each answer
-    begins with; ``reasoning``: how its thinking is told from its answer (all by default the request's)."""
+    begins with; ``reasoning``: how its thinking is told from its answer; ``shown``: whether the thinking is in
+    the message (vLLM's include_reasoning) (all by default the request's)."""
     top = request.num_logprobs if request is not None else None
     want = top is not None
     tools = tools or (request.tool_plan() if request is not None else None)
     echoed = echoed if echoed is not None else request.echoed if request is not None else ""
     reasoning = reasoning or (request.reasoning_plan() if request is not None else None)
+    if shown is None:
+        shown = request is None or request.include_reasoning is not False
     choices = []
     for s in samples(result):
         message = _message(s.get("text", ""), tools, reasoning, echoed)
+        if not shown:
+            message.pop("reasoning", None), message.pop("reasoning_content", None)
         reason = finish_reason(s.get("finish_reason"))
         choices.append(
             {
@@ -674,8 +682,10 @@ class ChunkWriter:
         names: TokenNames = BY_ID,
         tools: ToolChoice | None = None,
         reasoning: ReasoningFormat | None = None,
+        include_reasoning: bool = True,
     ) -> None:
         self.names = names
+        self.include_reasoning = include_reasoning  # false: the thinking is told apart, and left out
         self.tools = tools  # a chat's tool calls, made by structured output: its text goes out as their deltas
         self.calls: dict[int, CallStream | FormatStream] = {}  # choice -> its tool calls read so far
         self.reasoning = reasoning  # how a chat's thinking is told from its answer
@@ -709,7 +719,7 @@ class ChunkWriter:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
                 if (reason is not None or self.reasoning is not None) and not text and not first:
                     delta = {}
-            delta.update(_thought(thinking or None))
+            delta.update(_thought(thinking or None) if self.include_reasoning else {})
             if not delta and reason is None and shown is None and not first:
                 return None  # (text held: a piece of a marker, or what reads no call yet)
             logprobs = chat_logprobs(shown, self.logprobs or 0, self.names) if shown else None

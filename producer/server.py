@@ -337,6 +337,7 @@ def create_app(
                 names,
                 tools=req.tool_plan() if chat else None,
                 reasoning=req.reasoning_plan() if chat else None,
+                include_reasoning=not chat or req.include_reasoning is not False,
             )
             try:
                 early, events = await _start_stream(request, jobs, wait)

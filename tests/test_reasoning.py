@@ -222,3 +222,18 @@ def test_the_engine_reads_where_the_prompt_left_the_thinking(tail, asked, used):
     from roseinfer.sampling_params import StructuredOutputsParams
 
     assert _thinking_after(StructuredOutputsParams(json_object=True, thinking=asked), tail).thinking == used
+
+
+def test_include_reasoning_false_leaves_the_thinking_out_but_still_tells_it_apart():
+    """vLLM's ``include_reasoning``: false gives the answer alone, whole and streamed (and in batch lines)."""
+    from producer.openai_api import ChunkWriter
+
+    request = _chat(include_reasoning=False)
+    assert "include_reasoning" not in parse(ChatCompletionRequest, {**ASKED, "include_reasoning": False})[1]
+    [choice] = chat_choices({"text": THOUGHT, "finish_reason": "stop"}, request)
+    assert choice["message"] == {"role": "assistant", "content": "\n\nIt is 4."}
+    writer = ChunkWriter("j", "m", chat=True, reasoning=request.reasoning_plan(), include_reasoning=False)
+    chunks = [writer.piece("", first=True), *(writer.piece(c) for c in THOUGHT[:-1]), writer.piece(THOUGHT[-1], "stop")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nIt is 4."
+    assert not any("reasoning" in d for d in deltas)
