@@ -54,7 +54,7 @@ from producer.openai_api import (
 )
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
 from producer.reasoning import FORMATS as REASONING_FORMATS
-from producer.reasoning import ReasoningFormat, plan_for, thinking_of
+from producer.reasoning import ReasoningFormat, job_fields_of, plan_for
 from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
 from producer.schema import JobRequest, lone_surrogate
 from producer.token_names import BY_ID, TokenNames, digest_of, load_names
@@ -193,11 +193,8 @@ def _row_reasoning(payload: dict[str, Any], job: JobRequest, options: RowOptions
         return None
     form = job.structured_form() or {}
     fmt = plan_for(REASONING_FORMATS[options.reasoning_parser], next((k for k in form if k != "thinking"), None))
-    if fmt is not None and form:
-        payload.setdefault("thinking", thinking_of(fmt))
-    if fmt is not None and fmt.special:
-        payload.setdefault("skip_special_tokens", False)
-    if fmt is not None and (form or fmt.special):
+    if added := {k: v for k, v in job_fields_of(fmt, bool(form)).items() if k not in payload}:
+        payload.update(added)
         validate(payload)
     return fmt
 

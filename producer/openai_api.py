@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, Valid
 
 from producer.protocol import usage_of
 from producer.reasoning import FORMATS as REASONING_FORMATS
-from producer.reasoning import ReasoningFormat, ReasoningStream, plan_for, thinking_of
+from producer.reasoning import ReasoningFormat, ReasoningStream, job_fields_of, plan_for
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
@@ -284,12 +284,10 @@ class ChatCompletionRequest(_Common):
                 fields["structured_outputs"] = {"json": plan.schema()}
             except ToolChoiceError as exc:
                 raise APIError(400, str(exc), param=exc.param) from None
-        thinking = self.reasoning_plan()
-        if (plan is not None and plan.auto) or (thinking is not None and thinking.special):
-            # The model's markers may be special tokens, which the text would leave out (vLLM's hermes and mistral).
+        if plan is not None and plan.auto:  # (the model's call markers may be special tokens: vLLM's hermes parser)
             fields.setdefault("skip_special_tokens", False)
-        if thinking is not None and self.constraint() is not None:  # (it thinks, then follows the constraint)
-            fields["thinking"] = thinking_of(thinking)
+        for name, value in job_fields_of(self.reasoning_plan(), self.constraint() is not None).items():
+            fields.setdefault(name, value)
         return fields
 
 
@@ -538,9 +536,7 @@ def chat_choices(
         shown = request is None or request.include_reasoning is not False
     choices = []
     for s in samples(result):
-        message = _message(s.get("text", ""), tools, reasoning, echoed)
-        if not shown:
-            message.pop("reasoning", None), message.pop("reasoning_content", None)
+        message = _message(s.get("text", ""), tools, reasoning, echoed, shown)
         reason = finish_reason(s.get("finish_reason"))
         choices.append(
             {
@@ -553,10 +549,14 @@ def chat_choices(
     return choices
 
 
-def _message(text: str, tools: ToolChoice | None, reasoning: ReasoningFormat | None, echoed: str) -> dict[str, Any]:
+def _message(
+    text: str, tools: ToolChoice | None, reasoning: ReasoningFormat | None, echoed: str, shown: bool = True
+) -> dict[str, Any]:
+    """``shown``: the thinking is in the message (told apart from the answer all the same)."""
     thinking = None
     if reasoning is not None:  # (an output that is thinking alone has no answer: a null content)
         thinking, answer = reasoning.split(text)
+        thinking = thinking if shown else None
         if answer is None and not echoed:
             return {"role": "assistant", "content": None, **_thought(thinking)}
         text = answer or ""

@@ -57,9 +57,14 @@ def plan_for(fmt: ReasoningFormat | None, constraint: str | None) -> ReasoningFo
     return fmt if constraint in THINKING_CONSTRAINTS and not fmt.special else None
 
 
-def thinking_of(fmt: ReasoningFormat) -> str:
-    """The job's ``thinking`` for a constrained output of this format."""
-    return "first" if fmt.opened else "optional"
+def job_fields_of(fmt: ReasoningFormat | None, constrained: bool) -> dict[str, object]:
+    """What a job read by ``fmt`` asks of the worker (the server's chats and batch's rows alike): ``thinking``
+    before its constraint ("first" where the output reasons from its start), and its special tokens kept where the
+    markers are some (vLLM's mistral parser)."""
+    if fmt is None:
+        return {}
+    fields: dict[str, object] = {"thinking": "first" if fmt.opened else "optional"} if constrained else {}
+    return {**fields, "skip_special_tokens": False} if fmt.special else fields
 
 
 FORMATS = {
