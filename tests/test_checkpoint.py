@@ -25,9 +25,10 @@ _SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _config(family: str, **extra):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "smollm3": SmolLM3Config}  # fmt: skip
     return classes[family](**_SMALL, **extra)
 
 
@@ -35,7 +36,12 @@ def _save(config, path: Path) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts norms at one and biases at zero: a swapped one would go unseen
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.uniform_(0.5, 1.5) if "norm" in name else param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -47,6 +53,7 @@ def _engine_greedy(path: str, **options) -> list[list[int]]:
 
 FAMILIES = {
     "qwen2 (q/k/v biases)": ("qwen2", {}),
+    "qwen3 (q/k norms, wide heads)": ("qwen3", {"head_dim": 32}),
     "llama3 rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "yarn rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -55,8 +62,9 @@ FAMILIES = {
     "llama, every bias, tied head": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                                "hidden_act": "gelu_pytorch_tanh"}),
     "mistral": ("mistral", {}),
+    "smollm3 (a layer without rotation)": ("smollm3", {"no_rope_layer_interval": 2, "pad_token_id": None}),
 }  # fmt: skip
-FAST = ("qwen2 (q/k/v biases)", "llama3 rope")
+FAST = ("qwen2 (q/k/v biases)", "qwen3 (q/k norms, wide heads)", "llama3 rope")
 
 
 @pytest.mark.parametrize(

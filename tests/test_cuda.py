@@ -32,9 +32,9 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    qwen2 = Qwen2Config(
+    small = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -46,6 +46,8 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
         eos_token_id=None,
         bos_token_id=None,
     )
+    qwen2 = Qwen2Config(**small)
+    qwen3 = Qwen3Config(**small, head_dim=32)  # q/k norms, heads wider than hidden / heads
     # SmolLM2-135M's shape: 30 layers, 9 query heads on 3 K/V heads, head dim 64, tied embeddings.
     smol = LlamaConfig(
         **RANDOM_SHAPES["smollm2-135m"],
@@ -57,12 +59,13 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
     return {
         "llama": tiny_llama,
         "qwen2": _save(tmp_path_factory, "qwen2", qwen2),
+        "qwen3": _save(tmp_path_factory, "qwen3", qwen3),
         "gpt2": tiny_gpt2,
         "smollm2-shape": _save(tmp_path_factory, "smol", smol),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "smollm2-shape"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gpt2", "smollm2-shape"])
 def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, name):
     path = models[name]
     vocab = 49152 if name == "smollm2-shape" else 256

@@ -67,7 +67,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     BertConfig(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
     ).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, gpt2"):
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3, smollm3, gpt2"):
         LLM(str(tmp_path))
 
 
@@ -77,8 +77,8 @@ def test_an_unsupported_gguf_is_refused_before_it_is_converted(tmp_path, monkeyp
     import numpy as np
 
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    path = tmp_path / "tiny-stablelm.gguf"
+    writer = gguf.GGUFWriter(str(path), "stablelm")
     for add, value in [("add_context_length", 64), ("add_embedding_length", 16), ("add_block_count", 1),
                        ("add_feed_forward_length", 32), ("add_head_count", 2), ("add_head_count_kv", 1),
                        ("add_layer_norm_rms_eps", 1e-6), ("add_rope_freq_base", 10000.0)]:  # fmt: skip
@@ -91,7 +91,7 @@ def test_an_unsupported_gguf_is_refused_before_it_is_converted(tmp_path, monkeyp
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="'qwen3' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="'stablelm' is not supported"):
         LLM(str(path))
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 

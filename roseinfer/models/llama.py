@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM): RMSNorm, rotary positions, grouped K/V heads, SwiGLU."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3): RMSNorm, rotary positions, grouped K/V heads,
+SwiGLU."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class LlamaLayer:
         head_dim: int,
         cfg,
         attn_backend: AttentionBackend,
+        rotary: bool = True,
     ) -> None:
         self.attn = attn_backend
+        self.rotary = rotary
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
@@ -38,6 +41,9 @@ class LlamaLayer:
         self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
         self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
+        self.qk_norm = (
+            _qk_norm(weights, prefix, num_heads, num_kv_heads, head_dim, cfg) if cfg.model_type == "qwen3" else None
+        )
         # None: SiLU, fused with the gating product.
         self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
         self.scale = head_dim**-0.5  # (transformers' Llama, Mistral and Qwen2 attention)
@@ -47,7 +53,10 @@ class LlamaLayer:
         of the next layer, normed by ``next_norm`` (its weight and eps)."""
         t = h.shape[0]
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
-        rope_(qk, *rope_tables, meta.positions)  # q and k heads rotated together
+        if self.qk_norm is not None:
+            rms_norm_heads_(qk, *self.qk_norm)
+        if self.rotary:
+            rope_(qk, *rope_tables, meta.positions)  # q and k heads rotated together
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x = add_rms_norm(h, self.o_proj(o.view(t, -1)), *self.ln2)
@@ -58,6 +67,22 @@ class LlamaLayer:
             gate, up = gate_up.chunk(2, dim=-1)
             act = self.act(gate) * up
         return add_rms_norm(h, self.down(act), *next_norm)
+
+
+def _qk_norm(weights: Checkpoint, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int, cfg):
+    """Qwen3's RMSNorms over each q and k head, before the rotation: one weight row a head, q's then k's, so both
+    norms are one op on the heads as the fused projection lays them out."""
+    q = weights.get(f"{prefix}.self_attn.q_norm.weight", (head_dim,))
+    k = weights.get(f"{prefix}.self_attn.k_norm.weight", (head_dim,))
+    return torch.cat([q.expand(num_heads, head_dim), k.expand(num_kv_heads, head_dim)]), cfg.rms_norm_eps
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place on x: [T, heads, D] (rows may be strided), each head normed over D and scaled by its row of
+    ``weight`` [heads, D], as transformers' RMSNorm computes it."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    x.copy_(weight * y.to(x.dtype))
 
 
 def _slides(cfg) -> bool:
@@ -99,8 +124,19 @@ class Llama:
             self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
+        rotary = getattr(cfg, "no_rope_layers", None) if cfg.model_type == "smollm3" else None
         self.layers = [
-            LlamaLayer(weights, f"model.layers.{i}", num_heads, self.num_kv_heads, self.head_dim, cfg, attn)
+            LlamaLayer(
+                weights,
+                f"model.layers.{i}",
+                num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                cfg,
+                attn,
+                rotary=True if rotary is None else bool(rotary[i]),
+            )
             for i in range(self.num_layers)
         ]
         self.norm = (weights.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
