@@ -76,6 +76,39 @@ def test_each_family_matches_transformers(case, tmp_path):
     assert _engine_greedy(path) == hf_greedy(path, PROMPTS, 16)
 
 
+WINDOWED = {
+    "mistral, every layer": ("mistral", {"sliding_window": 6}),
+    "qwen2, the upper layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3, heads of 64": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
+                                     "head_dim": 64}),
+}  # fmt: skip
+
+
+WINDOWED_FAST = ("qwen3, heads of 64", "c")
+
+
+@pytest.mark.parametrize(
+    ("case", "kernels"),
+    [pytest.param(case, kernels, marks=() if (case, kernels) == WINDOWED_FAST else pytest.mark.slow)
+     for case in WINDOWED for kernels in ("c", "torch")],
+)  # fmt: skip
+def test_sliding_window_layers_match_transformers_past_the_window(case, kernels, tmp_path, monkeypatch):
+    """Prompts and outputs far longer than a window of 6 keys, which starts inside a KV block of 8 and moves
+    across blocks; long prompts prefilled in chunks of 16, so a window also reaches back into earlier chunks."""
+    import roseinfer.kernels
+
+    if kernels == "torch":
+        monkeypatch.setenv("ROSEINFER_CPU_KERNELS", "0")
+        monkeypatch.setattr(roseinfer.kernels, "_tried", False)
+        monkeypatch.setattr(roseinfer.kernels, "_lib", None)
+    family, extra = WINDOWED[case]
+    path = _save(_config(family, **extra), tmp_path / "model")
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16)
+    assert llm.engine.attn_backend.name == ("cpu-kernels" if kernels == "c" else "torch")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 16)
+
+
 def test_the_rotary_tables_are_transformers_own(tmp_path):
     """Of every rotary type the engine takes, the cos/sin it tabulates are those transformers' rotary embedding
     computes, to the bit."""

@@ -50,10 +50,12 @@ def test_add_rms_norm_matches_pytorch_bit_for_bit(dtype, with_delta):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64),
                                                                       (10, 2, 128), (6, 3, 48)])  # fmt: skip
-def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("window", [0, 11])
+def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_heads, head_dim, window):
     """The C kernel's decode and prefill rows against attention in float64, for every way a group of query heads
     is split over the kernel's shared value reads (1 to 5 heads a KV head), head sizes of 64 and beyond, and the
-    generic loop (48); the sequences' blocks scattered over the cache."""
+    generic loop (48); the sequences' blocks scattered over the cache. Window 11: a sliding-window layer, whose
+    first key falls inside a block."""
     from roseinfer.attention import CpuKernelAttentionBackend
     from roseinfer.scheduler import ScheduledRequest
 
@@ -84,12 +86,14 @@ def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_head
     q = torch.randn(len(rows), num_heads, head_dim, generator=g).to(dtype)
     k = torch.stack([keys[n][p] for n, p in rows])
     v = torch.stack([values[n][p] for n, p in rows])
-    out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(requests, 2, positions, slots), 0.125)
+    meta = backend.build_metadata(requests, 2, positions, slots)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
 
     group = num_heads // num_kv_heads
     for i, (name, p) in enumerate(rows):
-        kk = keys[name][: p + 1].double().repeat_interleave(group, dim=1)
-        vv = values[name][: p + 1].double().repeat_interleave(group, dim=1)
+        lo = max(0, p + 1 - window) if window else 0
+        kk = keys[name][lo : p + 1].double().repeat_interleave(group, dim=1)
+        vv = values[name][lo : p + 1].double().repeat_interleave(group, dim=1)
         weights = (torch.einsum("hd,khd->hk", q[i].double(), kk) * 0.125).softmax(-1)
         expected = torch.einsum("hk,khd->hd", weights, vv)
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}

@@ -550,9 +550,10 @@ def _model_of(config, path) -> str:
     return str(path)
 
 
-def test_the_context_is_cut_to_a_sliding_window_only_where_transformers_slides(tmp_path, tiny_llama):
-    """The engine's attention is full: it stays within a window the model slides over. A Llama config's stray
-    ``sliding_window`` (transformers ignores it) cut the context to it; so did a Qwen2 window no layer uses."""
+def test_a_sliding_window_slides_only_where_transformers_slides_and_never_cuts_the_context(tmp_path, tiny_llama):
+    """The layers transformers runs with a sliding window attend over it (the context was cut to the window,
+    when attention was always full); a Llama config's stray ``sliding_window`` is ignored, as transformers
+    ignores it, and so is a Qwen2 window no layer uses."""
     from transformers import AutoConfig, MistralConfig, Qwen2Config
 
     small = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -561,15 +562,16 @@ def test_the_context_is_cut_to_a_sliding_window_only_where_transformers_slides(t
     stray.sliding_window, stray.max_position_embeddings = 64, 256
     window = {"use_sliding_window": True, "sliding_window": 64}
     cases = {
-        "llama, a stray key": (stray, 256),
-        "mistral": (MistralConfig(**small, sliding_window=64), 64),
-        "qwen2, upper layer slides": (Qwen2Config(**small, **window, max_window_layers=1), 64),
-        "qwen2, no layer slides": (Qwen2Config(**small, **window, max_window_layers=2), 256),
+        "llama, a stray key": (stray, [0, 0]),
+        "mistral": (MistralConfig(**small, sliding_window=64), [64, 64]),
+        "qwen2, upper layer slides": (Qwen2Config(**small, **window, max_window_layers=1), [0, 64]),
+        "qwen2, no layer slides": (Qwen2Config(**small, **window, max_window_layers=2), [0, 0]),
     }
-    for name, (config, expected) in cases.items():
+    for name, (config, windows) in cases.items():
         path = _model_of(config, tmp_path / name.replace(" ", "-").replace(",", ""))
         engine = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_seqs=1).engine
-        assert engine.max_model_len == expected, name
+        assert engine.max_model_len == 256, name
+        assert [layer.window for layer in engine.runner.model.layers] == windows, name
 
 
 def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama):

@@ -85,9 +85,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) into the caches at the step's slots, then attend. q: [T, H, D]; returns
-        [T, H, D]."""
+        [T, H, D]. ``window`` > 0: each query sees only the last ``window`` keys up to its own (a sliding-window
+        layer: key j is seen from position i when i - window < j <= i, as transformers masks it)."""
 
 
 def pad_block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

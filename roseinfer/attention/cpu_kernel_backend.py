@@ -62,6 +62,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: CpuKernelAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         if not kernels_fit(q, k, v):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -88,6 +89,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             head_dim,
             block_size,
             scale,
+            window,
             int(q.dtype == torch.bfloat16),
         )
         return out

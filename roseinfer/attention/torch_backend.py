@@ -7,7 +7,7 @@ batch through SDPA, with a causal mask offset by what each request had already c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,26 @@ class TorchAttentionMetadata(AttentionMetadata):
     prefill_mask: torch.Tensor | None  # [Bp, 1, max_q, nb * block_size] bool: keys each query sees
     prefill_rows: torch.Tensor | None  # [num_prefill_tokens] row of each prefill token in [Bp * max_q]
     prefill_max_q: int
+    decode_context_lens: torch.Tensor | None = None  # [Bd]: keys each decode sees
+    prefill_positions: torch.Tensor | None = None  # [Bp, max_q]: each query row's position (padding: the last)
+    windowed: dict[int, tuple] = field(default_factory=dict)  # a sliding window's masks, built once a step
+
+    def masks(self, window: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(decode bias, prefill mask) of a layer that sees the last ``window`` keys (0: all of them)."""
+        if window <= 0:
+            return self.decode_bias, self.prefill_mask
+        if window not in self.windowed:
+            bias = mask = None
+            if self.decode_bias is not None:
+                keys = torch.arange(self.decode_bias.shape[-1], device=self.decode_bias.device)
+                old = keys[None, :] < self.decode_context_lens[:, None] - window
+                bias = self.decode_bias.masked_fill(old[:, None, None], float("-inf"))
+            if self.prefill_mask is not None:
+                keys = torch.arange(self.prefill_mask.shape[-1], device=self.prefill_mask.device)
+                recent = keys[None, None, :] > self.prefill_positions[:, :, None] - window
+                mask = self.prefill_mask & recent[:, None]
+            self.windowed[window] = bias, mask
+        return self.windowed[window]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -46,7 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
         device = positions.device
         decodes, prefills = scheduled[:num_decodes], scheduled[num_decodes:]
 
-        decode_tables = decode_bias = None
+        decode_tables = decode_bias = ctx = None
         if decodes:
             decode_tables = pad_block_tables([r.block_ids for r in decodes], device)
             ctx = torch.tensor([r.start + 1 for r in decodes], device=device)
@@ -54,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
             hidden = keys[None, :] >= ctx[:, None]
             decode_bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, None]
 
-        prefill_tables = prefill_mask = prefill_rows = None
+        prefill_tables = prefill_mask = prefill_rows = last_key = None
         max_q = 0
         if prefills:
             prefill_tables = pad_block_tables([r.block_ids for r in prefills], device)
@@ -80,6 +100,8 @@ class TorchAttentionBackend(AttentionBackend):
             prefill_mask=prefill_mask,
             prefill_rows=prefill_rows,
             prefill_max_q=max_q,
+            decode_context_lens=ctx,
+            prefill_positions=last_key,
         )
 
     def forward(
@@ -91,16 +113,18 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         nd = meta.num_decodes
+        decode_bias, prefill_mask = meta.masks(window)
         if meta.num_prefill_tokens == 0:
-            return _decode(q, k_cache, v_cache, meta, scale)
+            return _decode(q, k_cache, v_cache, meta.decode_block_tables, decode_bias, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, decode_bias, scale)
         bp = meta.prefill_block_tables.shape[0]
         padded = q.new_zeros(bp * meta.prefill_max_q, q.shape[1], q.shape[2])
         padded[meta.prefill_rows] = q[nd:]
@@ -109,7 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
             padded,
             _gather(k_cache, meta.prefill_block_tables).transpose(1, 2),
             _gather(v_cache, meta.prefill_block_tables).transpose(1, 2),
-            attn_mask=meta.prefill_mask,
+            attn_mask=prefill_mask,
             scale=scale,
             enable_gqa=q.shape[1] != num_kv_heads,
         )
@@ -124,14 +148,19 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """One query per request: two small batched matmuls beat SDPA's kernels, built for long queries."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, meta.decode_block_tables).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)  # [B, Hkv, L, D]
+    k = _gather(k_cache, block_tables).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v = _gather(v_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     # Query heads that share a K/V head sit next to each other: [B, Hkv, group, D].
     scores = torch.matmul(q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k)
-    probs = torch.softmax(scores.float() * scale + meta.decode_bias, dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(b, num_heads, head_dim)

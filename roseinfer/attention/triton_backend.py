@@ -116,16 +116,26 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.num_prefill_tokens == 0:
-            return tk.paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            return tk.paged_decode(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window=window
+            )
         q = q.contiguous()
         out = torch.empty_like(q)
         if nd:
             tk.paged_decode(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd]
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                out=out[:nd],
+                window=window,
             )
         tk.paged_prefill(
             q,
@@ -138,5 +148,6 @@ class TritonAttentionBackend(AttentionBackend):
             meta.prefill_max_q,
             scale,
             out,
+            window,
         )
         return out

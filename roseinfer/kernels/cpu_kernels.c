@@ -137,13 +137,14 @@ static block_scores_fn block_scorer(int64_t block_size, int64_t heads) {
     return NULL;
 }
 
-// acc[g] = sum over keys j < ctx of p[g][j] * V[j] for G query heads (probabilities p_step apart) of one KV head,
+// acc[g] = sum over keys lo <= j < ctx of p[g][j] * V[j] for G query heads (probabilities p_step apart) of one KV head,
 // 64 dims at a time: each V row is loaded once for the G heads, and the G * 8 vector sums stay in registers (each
 // output still sums the keys in order). V cache [blocks, Hkv, block_size, D], D % 64 == 0. The next block's rows
 // are prefetched while a block is summed: the rows of a sequence are scattered over blocks, and the loads waited
 // on memory. One function per G so every loop is unrolled.
 #define WEIGHTED_VALUES64(G)                                                                              \
-    static void weighted_values64_##G(const float* restrict p, int64_t p_step, int64_t ctx, const int64_t* table, \
+    static void weighted_values64_##G(const float* restrict p, int64_t p_step, int64_t lo, int64_t ctx,          \
+                                      const int64_t* table,                                               \
                                       const char* v_cache, int64_t num_kv_heads, int64_t kh, int64_t block_size, \
                                       int64_t head_dim, int bf16, float* restrict acc) {                   \
         const int64_t esz = bf16 ? 2 : 4;                                                                 \
@@ -151,7 +152,7 @@ static block_scores_fn block_scorer(int64_t block_size, int64_t heads) {
             vf a[G][64 / VW];                                                                             \
             _Pragma("GCC unroll 3") for (int g = 0; g < G; g++)                                           \
                 _Pragma("GCC unroll 8") for (int v = 0; v < 64 / VW; v++) a[g][v] = (vf){0};              \
-            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {                                            \
+            for (int64_t j0 = lo - lo % block_size; j0 < ctx; j0 += block_size) {                        \
                 const int64_t blk = table[j0 / block_size];                                               \
                 const char* base = v_cache + (((blk * num_kv_heads + kh) * block_size) * head_dim + d0) * esz; \
                 const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;                          \
@@ -160,7 +161,7 @@ static block_scores_fn block_scorer(int64_t block_size, int64_t heads) {
                         (((table[j0 / block_size + 1] * num_kv_heads + kh) * block_size) * head_dim + d0) * esz; \
                     for (int64_t b = 0; b < block_size * head_dim * esz; b += 64) __builtin_prefetch(next + b); \
                 }                                                                                         \
-                for (int64_t jj = 0; jj < n; jj++) {                                                      \
+                for (int64_t jj = j0 < lo ? lo - j0 : 0; jj < n; jj++) {                                  \
                     const char* r = base + jj * head_dim * esz;                                           \
                     vf x[64 / VW];                                                                        \
                     _Pragma("GCC unroll 8") for (int v = 0; v < 64 / VW; v++) x[v] = loadv(r + v * VW * esz, bf16); \
@@ -179,7 +180,8 @@ WEIGHTED_VALUES64(3)
 
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
-// sequence up to its own position. q, k, v are row views with token strides (they come out of one fused
+// sequence up to its own position (within the last ``window`` keys, where window > 0: a sliding-window layer).
+// q, k, v are row views with token strides (they come out of one fused
 // QKV projection); out is [T, H, D] contiguous. The caches are laid out per KV head (this kernel alone reads
 // and writes them; the PyTorch path, chosen once per engine, has its own layout): K [blocks, Hkv, D, block_size],
 // so the scores of a whole block come from vector products over its keys with no horizontal sums; V [blocks,
@@ -188,7 +190,7 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                      void* k_cache, void* v_cache, const int64_t* slot_mapping, const int64_t* positions,
                      const int64_t* seq_of_token, const int64_t* block_tables, int64_t table_width,
                      void* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, float scale, int bf16) {
+                     int64_t block_size, float scale, int64_t window, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t group = num_heads / num_kv_heads;
@@ -222,11 +224,12 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
         for (int64_t work = 0; work < num_tokens * num_kv_heads; work++) {
             const int64_t t = work / num_kv_heads, kh = work % num_kv_heads;
             const int64_t ctx = positions[t] + 1;
+            const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;  // the first key it sees
             const int64_t* table = block_tables + seq_of_token[t] * table_width;
             for (int64_t g = 0; g < group; g++)
                 load_row((const char*)q + (t * q_stride + (kh * group + g) * head_dim) * esz, bf16, head_dim,
                          qf + g * head_dim);
-            for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+            for (int64_t j0 = lo - lo % block_size; j0 < ctx; j0 += block_size) {  // (keys before lo: unread)
                 const int64_t first = (table[j0 / block_size] * row + kh * head_dim) * block_size;
                 const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
                 if (j0 + block_size < ctx) {  // the next block's keys, while this one is scored
@@ -265,15 +268,15 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                 float* sg = scores + g * max_ctx;
                 float m = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : m)
-                for (int64_t j = 0; j < ctx; j++) m = sg[j] > m ? sg[j] : m;
+                for (int64_t j = lo; j < ctx; j++) m = sg[j] > m ? sg[j] : m;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < ctx; j++) {
+                for (int64_t j = lo; j < ctx; j++) {
                     sg[j] = softmax_exp(sg[j] - m);
                     sum += sg[j];
                 }
                 const float inv = 1.f / sum;
 #pragma omp simd
-                for (int64_t j = 0; j < ctx; j++) sg[j] *= inv;
+                for (int64_t j = lo; j < ctx; j++) sg[j] *= inv;
             }
             if (head_dim % 64 == 0) {
                 for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 heads of the group share each V row
@@ -281,21 +284,21 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                     const float* pg = scores + g0 * max_ctx;
                     float* ag = acc + g0 * head_dim;
                     if (heads == 3)
-                        weighted_values64_3(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                        weighted_values64_3(pg, max_ctx, lo, ctx, table, (const char*)v_cache, num_kv_heads, kh,
                                             block_size, head_dim, bf16, ag);
                     else if (heads == 2)
-                        weighted_values64_2(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                        weighted_values64_2(pg, max_ctx, lo, ctx, table, (const char*)v_cache, num_kv_heads, kh,
                                             block_size, head_dim, bf16, ag);
                     else
-                        weighted_values64_1(pg, max_ctx, ctx, table, (const char*)v_cache, num_kv_heads, kh,
+                        weighted_values64_1(pg, max_ctx, lo, ctx, table, (const char*)v_cache, num_kv_heads, kh,
                                             block_size, head_dim, bf16, ag);
                 }
             } else {  // the generic loop, for head sizes that are not a multiple of 64
                 memset(acc, 0, sizeof(float) * group * head_dim);
-                for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+                for (int64_t j0 = lo - lo % block_size; j0 < ctx; j0 += block_size) {
                     const char* base = (const char*)v_cache + ((table[j0 / block_size] * num_kv_heads + kh) * block_size) * head_dim * esz;
                     const int64_t n = ctx - j0 < block_size ? ctx - j0 : block_size;
-                    for (int64_t jj = 0; jj < n; jj++) {
+                    for (int64_t jj = j0 < lo ? lo - j0 : 0; jj < n; jj++) {
                         const float* vp = (const float*)(base + jj * head_dim * esz);
                         if (bf16) {
                             const uint16_t* vb = (const uint16_t*)(base + jj * head_dim * esz);

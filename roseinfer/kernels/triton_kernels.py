@@ -52,19 +52,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ----- attention over the block table ----------------------------------------------------------------------------
 @triton.jit
 def _attend(
-    q, pos, table_ptr, end, kvh, k_cache_ptr, v_cache_ptr, scale,
-    ROWS: tl.constexpr, CAUSAL: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    q, pos, table_ptr, lo, end, kvh, k_cache_ptr, v_cache_ptr, scale,
+    ROWS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Softmax attention of ``q`` ([ROWS, HEAD_DIM_P]) over keys 0..end-1 of K/V head ``kvh``, read through the
-    block table at ``table_ptr`` in tiles of BLOCK_N (online softmax); CAUSAL: row i sees keys <= pos[i]. A row
-    that sees no key gets zeros."""
+    """Softmax attention of ``q`` ([ROWS, HEAD_DIM_P]) over keys lo..end-1 of K/V head ``kvh``, read through the
+    block table at ``table_ptr`` in tiles of BLOCK_N (online softmax); CAUSAL: row i sees keys <= pos[i]; WINDOW
+    > 0: only the last WINDOW of them (without CAUSAL: keys >= end - WINDOW). A row that sees no key gets
+    zeros."""
     d = tl.arange(0, HEAD_DIM_P)
     d_mask = d < HEAD_DIM
     m_i = tl.zeros([ROWS], tl.float32) - float("inf")
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < end
         block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
@@ -75,10 +77,16 @@ def _attend(
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (n[None, :] > pos[:, None] - WINDOW)
+        elif WINDOW > 0:
+            visible = visible & (n[None, :] >= end - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # A row that has seen no key yet (its window starts past this tile) would take exp(-inf + inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -93,7 +101,7 @@ def _paged_decode_kernel(
     q_stride, out_stride, table_stride, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (request, K/V head): the GROUP query heads that share the head read its keys once.
     b = tl.program_id(0)
@@ -108,10 +116,11 @@ def _paged_decode_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    lo = tl.maximum(ctx - WINDOW, 0) if WINDOW > 0 else 0
     # A padding row (no context) gets zeros.
     out = _attend(
-        q, 0, tables_ptr + b * table_stride, ctx, kvh, k_cache_ptr, v_cache_ptr, scale,
-        GROUP_P, False, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+        q, 0, tables_ptr + b * table_stride, lo, ctx, kvh, k_cache_ptr, v_cache_ptr, scale,
+        GROUP_P, False, WINDOW, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
     )  # fmt: skip
     tl.store(
         out_ptr + b * out_stride + (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
@@ -128,9 +137,11 @@ def paged_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [B, H, D] (rows may be strided, heads contiguous); caches [blocks, bs, Hkv, D]; block_tables [B, width]
-    int32; context_lens [B] (0: padding row). Returns [B, H, D] (``out``, heads contiguous, when given)."""
+    int32; context_lens [B] (0: padding row); window > 0: each sees its last ``window`` keys. Returns [B, H, D]
+    (``out``, heads contiguous, when given)."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -142,7 +153,7 @@ def paged_decode(
         q.stride(0), out.stride(0), block_tables.stride(0), scale,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_P=max(16, _pow2(group)),
         HEAD_DIM=d, HEAD_DIM_P=max(16, _pow2(d)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64,
-        PRECISION=_dot_precision(q.dtype),
+        WINDOW=window, PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return out
 
@@ -154,7 +165,7 @@ def _paged_prefill_kernel(
     q_stride, table_stride, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (request, tile of BLOCK_M queries, query head); keys come through the block table.
     r = tl.program_id(0)
@@ -174,9 +185,10 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     pos = ctx_start + m  # each query's position: it sees the keys at positions <= its own
     end = ctx_start + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the tile's last query sees keys up to here
+    lo = tl.maximum(ctx_start + tile * BLOCK_M - WINDOW + 1, 0) if WINDOW > 0 else 0  # the tile's first key
     out = _attend(
-        q, pos, tables_ptr + r * table_stride, end, kvh, k_cache_ptr, v_cache_ptr, scale,
-        BLOCK_M, True, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+        q, pos, tables_ptr + r * table_stride, lo, end, kvh, k_cache_ptr, v_cache_ptr, scale,
+        BLOCK_M, True, WINDOW, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
     )  # fmt: skip
     tl.store(
         out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
@@ -194,9 +206,11 @@ def paged_prefill(
     max_q: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """Attention of packed prefill chunks into ``out`` ([T, H, D], rows at ``q_starts``). Request r's chunk is
-    q[q_starts[r] : q_starts[r] + q_lens[r]], its queries at positions ctx_starts[r] onwards."""
+    q[q_starts[r] : q_starts[r] + q_lens[r]], its queries at positions ctx_starts[r] onwards; window > 0: each
+    sees its last ``window`` keys."""
     _t, h, d = q.shape
     hkv = k_cache.shape[2]
     q = q.contiguous()
@@ -206,7 +220,7 @@ def paged_prefill(
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_starts,
         q.stride(0), block_tables.stride(0), scale,
         NUM_KV_HEADS=hkv, GROUP=h // hkv, HEAD_DIM=d, HEAD_DIM_P=max(16, _pow2(d)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, PRECISION=_dot_precision(q.dtype),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, WINDOW=window, PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
 
 

@@ -26,9 +26,11 @@ class LlamaLayer:
         cfg,
         attn_backend: AttentionBackend,
         rotary: bool = True,
+        window: int = 0,
     ) -> None:
         self.attn = attn_backend
         self.rotary = rotary
+        self.window = window  # > 0: a sliding-window layer's last keys
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
@@ -58,7 +60,7 @@ class LlamaLayer:
         if self.rotary:
             rope_(qk, *rope_tables, meta.positions)  # q and k heads rotated together
         q, k = qk.split(self.q_k_split, dim=1)
-        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         x = add_rms_norm(h, self.o_proj(o.view(t, -1)), *self.ln2)
         gate_up = self.gate_up(x)
         if self.act is None:
@@ -85,14 +87,15 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     x.copy_(weight * y.to(x.dtype))
 
 
-def _slides(cfg) -> bool:
-    """Whether transformers runs some layer of this model with a sliding window: as its ``layer_types`` say
-    (Qwen2: from ``use_sliding_window`` and ``max_window_layers``), else Mistral's ``sliding_window``. A Llama
-    config's stray ``sliding_window`` (transformers ignores it) cut the context to it."""
+def sliding_windows(cfg) -> list[int]:
+    """Each layer's sliding window (0: full attention) where transformers slides: as the config's ``layer_types``
+    say (Qwen2 and 3: from ``use_sliding_window`` and ``max_window_layers``), else every layer of a Mistral with
+    a ``sliding_window``. A Llama config's stray ``sliding_window`` is ignored, as transformers ignores it."""
+    window = getattr(cfg, "sliding_window", None) or 0
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
-        return "sliding_attention" in layer_types and bool(getattr(cfg, "sliding_window", None))
-    return cfg.model_type == "mistral" and bool(getattr(cfg, "sliding_window", None))
+        return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+    return [window if cfg.model_type == "mistral" else 0] * cfg.num_hidden_layers
 
 
 def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
@@ -120,12 +123,11 @@ class Llama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
-        if _slides(cfg):  # attention here is always full: stay within the window, where both agree
-            self.max_position_embeddings = min(self.max_position_embeddings, cfg.sliding_window)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
         rotary = getattr(cfg, "no_rope_layers", None) if cfg.model_type == "smollm3" else None
+        windows = sliding_windows(cfg)
         self.layers = [
             LlamaLayer(
                 weights,
@@ -136,6 +138,7 @@ class Llama:
                 cfg,
                 attn,
                 rotary=True if rotary is None else bool(rotary[i]),
+                window=windows[i],
             )
             for i in range(self.num_layers)
         ]
