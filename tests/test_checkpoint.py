@@ -25,11 +25,11 @@ _SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _config(family: str, **extra):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "smollm3": SmolLM3Config}  # fmt: skip
-    return classes[family](**_SMALL, **extra)
+               "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig}  # fmt: skip
+    return classes[family](**{**_SMALL, **extra})
 
 
 def _save(config, path: Path) -> str:
@@ -63,6 +63,13 @@ FAMILIES = {
                                                "hidden_act": "gelu_pytorch_tanh"}),
     "mistral": ("mistral", {}),
     "smollm3 (a layer without rotation)": ("smollm3", {"no_rope_layer_interval": 2, "pad_token_id": None}),
+    # Two sliding layers (window 6, rotary base 10,000) then a full one (base 1,000,000, linear scaling).
+    "gemma3": ("gemma3", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+                          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1000000.0}},
+                          "pad_token_id": None}),
 }  # fmt: skip
 FAST = ("qwen2 (q/k/v biases)", "qwen3 (q/k norms, wide heads)", "llama3 rope")
 
@@ -71,9 +78,26 @@ FAST = ("qwen2 (q/k/v biases)", "qwen3 (q/k norms, wide heads)", "llama3 rope")
     "case", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in FAMILIES]
 )
 def test_each_family_matches_transformers(case, tmp_path):
+    """Greedy tokens, and every prompt token's logprob: a random tiny model's next token may hang on its last
+    token's embedding alone, where a wrong rotary base or attention scale leaves the greedy tokens as they were."""
     family, extra = FAMILIES[case]
     path = _save(_config(family, **extra), tmp_path / "model")
     assert _engine_greedy(path) == hf_greedy(path, PROMPTS, 16)
+    assert _prompt_logprobs_gap(path, PROMPTS[1]) < 1e-4
+
+
+def _prompt_logprobs_gap(path: str, prompt: list[int]) -> float:
+    """The largest difference between the engine's and transformers' logprob of each prompt token (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16)  # prefilled in chunks
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ours = [next(iter(d.values())) for d in out[0].prompt_logprobs[1:]]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    theirs = [lp[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    return max(abs(a - b) for a, b in zip(ours, theirs))
 
 
 WINDOWED = {

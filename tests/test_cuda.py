@@ -32,7 +32,7 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     small = dict(
         vocab_size=256,
@@ -49,6 +49,10 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
     qwen2 = Qwen2Config(**small)
     qwen3 = Qwen3Config(**small, head_dim=32)  # q/k norms, heads wider than hidden / heads
     mistral = MistralConfig(**small, sliding_window=6)  # every layer slides, in the graphs' decode kernel too
+    gemma3 = Gemma3TextConfig(
+        **{**small, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 6, "pad_token_id": None},
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
     # SmolLM2-135M's shape: 30 layers, 9 query heads on 3 K/V heads, head dim 64, tied embeddings.
     smol = LlamaConfig(
         **RANDOM_SHAPES["smollm2-135m"],
@@ -62,12 +66,13 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
         "qwen2": _save(tmp_path_factory, "qwen2", qwen2),
         "qwen3": _save(tmp_path_factory, "qwen3", qwen3),
         "mistral-window": _save(tmp_path_factory, "mistral", mistral),
+        "gemma3": _save(tmp_path_factory, "gemma3", gemma3),
         "gpt2": tiny_gpt2,
         "smollm2-shape": _save(tmp_path_factory, "smol", smol),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral-window", "gpt2", "smollm2-shape"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3", "gpt2", "smollm2-shape"])
 def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, name):
     path = models[name]
     vocab = 49152 if name == "smollm2-shape" else 256

@@ -10,7 +10,7 @@ from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma3_text", "gpt2")
 
 
 class CausalLM(Protocol):
@@ -39,7 +39,7 @@ def check_supported(model_type: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; roseinfer runs {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(the Llama family includes SmolLM)"
+            "(the Llama family includes SmolLM; gemma3_text is Gemma 3's text-only checkpoints, 270M and 1B)"
         )
 
 
@@ -52,6 +52,10 @@ def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM
         from roseinfer.models.gpt2 import GPT2
 
         return GPT2(config, weights, attn)
+    if config.model_type == "gemma3_text":
+        from roseinfer.models.gemma3 import Gemma3
+
+        return Gemma3(config, weights, attn)
     from roseinfer.models.llama import Llama
 
     return Llama(config, weights, attn)

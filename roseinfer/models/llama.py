@@ -98,21 +98,36 @@ def sliding_windows(cfg) -> list[int]:
     return [window if cfg.model_type == "mistral" else 0] * cfg.num_hidden_layers
 
 
-def rope_frequencies(cfg) -> tuple[torch.Tensor, float]:
+def rope_frequencies(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the cos/sin scale of a model's config, as transformers' rotary
-    embedding computes them (its own functions for the scaled types)."""
+    embedding computes them (its own functions for the scaled types). ``layer_type``: of a config whose
+    ``rope_parameters`` differ by layer type (Gemma 3's sliding and full layers)."""
     params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4 kept rope_theta and rope_scaling apart
     if params is None:
         params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; use one of {_STATIC_ROPE_TYPES}")
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](cfg, None)  # device None: the CPU (transformers 4 requires it)
+        by_type = {} if layer_type is None else {"layer_type": layer_type}
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg, None, **by_type)  # device None: the CPU (transformers 4 needs it)
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def rope_tables(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_positions, head_dim] in ``dtype``: the same float32 products as transformers' rotary
+    embedding, tabulated once for all positions."""
+    pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq.float().to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
 class Llama:
@@ -147,12 +162,9 @@ class Llama:
             self.lm_head = Linear(self.embed)
         else:
             self.lm_head = Linear.from_checkpoint(weights, "lm_head", cfg.vocab_size, cfg.hidden_size)
-        # The same float32 products as transformers' rotary embedding, tabulated once for all positions.
-        pos = torch.arange(self.max_position_embeddings, dtype=torch.float32, device=self.embed.device)
-        freqs = torch.outer(pos, inv_freq.float().to(pos.device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * attention_scaling).to(self.embed.dtype)
-        self.sin = (emb.sin() * attention_scaling).to(self.embed.dtype)
+        self.cos, self.sin = rope_tables(
+            inv_freq, attention_scaling, self.max_position_embeddings, self.embed.dtype, self.embed.device
+        )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)

@@ -1,0 +1,129 @@
+"""Gemma 3 (text): the Llama family's layer with four norms a layer (each scaling by 1 + its weight, in float32),
+q/k norms, a scaled embedding, GeGLU, and sliding-window layers with their own rotary base between full ones."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from roseinfer.attention import AttentionBackend, AttentionMetadata
+from roseinfer.checkpoint import Checkpoint
+from roseinfer.kernels import add_rms_norm, rope_
+from roseinfer.models.linear import Linear
+from roseinfer.models.llama import rope_frequencies, rope_tables, sliding_windows
+
+Norm = tuple[torch.Tensor, float]  # (1 + weight in float32, eps)
+
+
+def gemma_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight_plus_one: torch.Tensor, eps: float):
+    """``h += delta`` in place (when given), then rmsnorm(h) * (1 + w) in float32, rounded to h's dtype: Gemma
+    rounds after the product, where Llama rounds before it. At float32 both orders are one product, so the fused
+    kernel gives transformers' numbers."""
+    if h.dtype == torch.float32:
+        return add_rms_norm(h, delta, weight_plus_one, eps)
+    if delta is not None:
+        h.add_(delta)
+    x = h.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(h.dtype)
+
+
+def gemma_norm_heads_(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> None:
+    """In place on x: [T, heads, D] (rows may be strided), Gemma's norm over each head; weight: [heads, D]."""
+    y = x.float()
+    x.copy_(y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one)
+
+
+def _norm(weights: Checkpoint, name: str, size: int, eps: float) -> Norm:
+    return 1.0 + weights.get(name, (size,)).float(), eps
+
+
+class Gemma3Layer:
+    def __init__(
+        self,
+        weights: Checkpoint,
+        prefix: str,
+        cfg,
+        attn_backend: AttentionBackend,
+        window: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        self.attn, self.window, self.rope = attn_backend, window, rope
+        num_heads, num_kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.head_dim = head_dim
+        self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
+        self.q_k_split = [num_heads, num_kv_heads]
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv = Linear.fused(
+            weights, [f"{prefix}.self_attn.{p}_proj" for p in "qkv"], [q_size, kv_size, kv_size], hidden
+        )
+        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
+        gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
+        self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
+        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
+        self.act = ACT2FN[cfg.hidden_activation]
+        self.ln1 = _norm(weights, f"{prefix}.input_layernorm.weight", hidden, eps)
+        self.post_attn = _norm(weights, f"{prefix}.post_attention_layernorm.weight", hidden, eps)
+        self.pre_ff = _norm(weights, f"{prefix}.pre_feedforward_layernorm.weight", hidden, eps)
+        self.post_ff = _norm(weights, f"{prefix}.post_feedforward_layernorm.weight", hidden, eps)
+        q_norm, _ = _norm(weights, f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
+        k_norm, _ = _norm(weights, f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
+        self.qk_norm = torch.cat([q_norm.expand(num_heads, head_dim), k_norm.expand(num_kv_heads, head_dim)]), eps
+        self.scale = cfg.query_pre_attn_scalar**-0.5
+
+    def forward(self, h, x, meta: AttentionMetadata, k_cache, v_cache, next_norm: Norm) -> torch.Tensor:
+        """x = this layer's normed input; h, the residual stream, is updated in place. Returns the input of the
+        next layer, normed by ``next_norm``."""
+        t = h.shape[0]
+        qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
+        gemma_norm_heads_(qk, *self.qk_norm)
+        rope_(qk, *self.rope, meta.positions)
+        q, k = qk.split(self.q_k_split, dim=1)
+        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+        x = gemma_rms_norm(h, gemma_rms_norm(self.o_proj(o.view(t, -1)), None, *self.post_attn), *self.pre_ff)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        delta = gemma_rms_norm(self.down(self.act(gate) * up), None, *self.post_ff)
+        return gemma_rms_norm(h, delta, *next_norm)
+
+
+class Gemma3:
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
+        for key, refused in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False)):
+            if getattr(cfg, key, refused) not in (refused, None):
+                raise ValueError(f"a Gemma 3 config with {key}={getattr(cfg, key)!r} is not supported")
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.max_position_embeddings = cfg.max_position_embeddings
+        frequencies = {kind: rope_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
+        self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        # transformers' scale is a float32 tensor cast to the weights' dtype.
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(self.embed.device, self.embed.dtype)
+        tables = {
+            kind: rope_tables(*f, self.max_position_embeddings, self.embed.dtype, self.embed.device)
+            for kind, f in frequencies.items()
+        }
+        windows = sliding_windows(cfg)
+        self.layers = [
+            Gemma3Layer(weights, f"model.layers.{i}", cfg, attn, windows[i], tables[cfg.layer_types[i]])
+            for i in range(self.num_layers)
+        ]
+        self.norm = _norm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(self.embed)  # tied: Gemma has no lm_head of its own
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed) * self.embed_scale
+        x = gemma_rms_norm(h, None, *self.layers[0].ln1)
+        norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
+        for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
+            x = layer.forward(h, x, meta, k_cache, v_cache, next_norm)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
