@@ -268,20 +268,26 @@ def test_an_engine_starts_without_transformers_modeling_code(tiny_llama):
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def _write_tiny_llama_gguf(path: Path) -> None:
-    """A 2-layer random Llama as llama.cpp writes one: its names, its metadata, a byte-level BPE vocabulary."""
+def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
+    """A 2-layer random Llama (or Qwen3, Gemma 3: their q/k norms; Gemma's post-norms and tied output) as
+    llama.cpp writes one: its names, its metadata, a byte-level BPE vocabulary."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(0)
     tokens = [chr(c) for c in range(ord("a"), ord("a") + 26)] + ["ab", "abc", "<|end|>"]
     hidden, ffn, heads, kv_heads, vocab = 32, 64, 4, 2, len(tokens)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    # transformers reads no head size from a Qwen3 GGUF: it takes Qwen3's own, 128.
+    head_dim = {"llama": hidden // heads, "qwen3": 128, "gemma3": 16}[arch]
+    writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [("add_context_length", 128), ("add_embedding_length", hidden), ("add_block_count", 2),
                        ("add_feed_forward_length", ffn), ("add_head_count", heads), ("add_head_count_kv", kv_heads),
                        ("add_layer_norm_rms_eps", 1e-5), ("add_rope_freq_base", 10000.0),
-                       ("add_vocab_size", vocab)]:  # fmt: skip
+                       ("add_vocab_size", vocab), ("add_key_length", head_dim),
+                       ("add_value_length", head_dim)]:  # fmt: skip
         getattr(writer, add)(value)
+    if arch == "gemma3":
+        writer.add_sliding_window(6)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_merges(["a b", "ab c"])
@@ -290,22 +296,55 @@ def _write_tiny_llama_gguf(path: Path) -> None:
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.3).astype(np.float32)
 
-    kv = kv_heads * hidden // heads
-    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
-              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+              "attn_output": (hidden, q), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
               "ffn_down": (hidden, ffn)}  # fmt: skip
+    norms = {"attn_norm": hidden, "ffn_norm": hidden}
+    if arch != "llama":
+        norms |= {"attn_q_norm": head_dim, "attn_k_norm": head_dim}
+    if arch == "gemma3":
+        norms |= {"post_attention_norm": hidden, "post_ffw_norm": hidden}
     writer.add_tensor("token_embd.weight", weight(vocab, hidden))
     for i in range(2):
         for name, shape in shapes.items():
             writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + weight(hidden))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + weight(hidden))
+        for name, size in norms.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", 1 + weight(size))
     writer.add_tensor("output_norm.weight", 1 + weight(hidden))
-    writer.add_tensor("output.weight", weight(vocab, hidden))
+    if arch != "gemma3":
+        writer.add_tensor("output.weight", weight(vocab, hidden))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gguf_greedy_matches_transformers(llm: LLM, path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[1, 2, 3], [5, 5, 7, 20, 1], list(range(26))]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+        assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_qwen3_or_gemma3_gguf_matches_transformers(arch, tmp_path, monkeypatch):
+    """Their GGUF files, as llama.cpp names their tensors, converted through transformers like the default model's."""
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_tiny_llama_gguf(path, arch)
+    llm = LLM(str(path), dtype="float32")
+    assert type(llm.engine.runner.model).__name__ == {"qwen3": "Llama", "gemma3": "Gemma3"}[arch]
+    _gguf_greedy_matches_transformers(llm, path)
 
 
 @pytest.mark.slow
@@ -314,7 +353,6 @@ def test_a_gguf_is_converted_with_one_parse_and_matches_transformers(tmp_path, m
     model's first load here, 23 s now). The conversion parses once, restores gguf's functions, and the engine on
     the converted folder matches transformers' greedy output on the GGUF file itself."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny-llama.gguf"
@@ -331,16 +369,7 @@ def test_a_gguf_is_converted_with_one_parse_and_matches_transformers(tmp_path, m
     llm = LLM(str(path), dtype="float32")
     assert len(parses) == 1
     assert gguf.GGUFReader is CountedReader and gguf.get_tensor_name_map is name_map
-    prompts = [[1, 2, 3], [5, 5, 7, 20, 1], list(range(26))]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
-    for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([prompt])
-        expected = reference.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0
-        )
-        assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+    _gguf_greedy_matches_transformers(llm, path)
 
 
 def test_a_gguf_whose_tokenizer_transformers_reads_with_another_end_token_is_refused(tmp_path, monkeypatch):
