@@ -25,10 +25,18 @@ _SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _config(family: str, **extra):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig}  # fmt: skip
+               "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -63,6 +71,12 @@ FAMILIES = {
                                                "hidden_act": "gelu_pytorch_tanh"}),
     "mistral": ("mistral", {}),
     "smollm3 (a layer without rotation)": ("smollm3", {"no_rope_layer_interval": 2, "pad_token_id": None}),
+    # Phi-4-mini's: three quarters of each head rotated, LongRoPE (its short factors, within 64 positions).
+    "phi3 (fused weights, partial rotation, longrope)": ("phi3", {
+        "pad_token_id": None, "original_max_position_embeddings": 64, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
     # Two sliding layers (window 6, rotary base 10,000) then a full one (base 1,000,000, linear scaling).
     "gemma3": ("gemma3", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
@@ -103,6 +117,7 @@ def _prompt_logprobs_gap(path: str, prompt: list[int]) -> float:
 WINDOWED = {
     "mistral, every layer": ("mistral", {"sliding_window": 6}),
     "qwen2, the upper layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "phi3": ("phi3", {"sliding_window": 6, "pad_token_id": None}),
     "qwen3, heads of 64": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
                                      "head_dim": 64}),
 }  # fmt: skip

@@ -67,7 +67,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     BertConfig(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
     ).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3, smollm3, gemma3_text, gpt2"):
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3, smollm3, phi3, gemma3_text, gpt2"):
         LLM(str(tmp_path))
 
 
@@ -572,6 +572,24 @@ def test_a_sliding_window_slides_only_where_transformers_slides_and_never_cuts_t
         engine = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_seqs=1).engine
         assert engine.max_model_len == 256, name
         assert [layer.window for layer in engine.runner.model.layers] == windows, name
+
+
+def test_a_longrope_model_serves_contexts_within_its_original_length(tmp_path, tiny_llama):
+    """transformers switches a sequence to LongRoPE's long factors past the original length by recomputing its
+    whole cache, which a paged cache cannot do: the engine holds contexts to the original length, where both use
+    the short factors, and says so at submission."""
+    from transformers import Phi3Config
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}  # fmt: skip
+    config = Phi3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        pad_token_id=None, eos_token_id=None, original_max_position_embeddings=64,
+                        rope_parameters=rope)  # fmt: skip
+    llm = LLM(_model_of(config, tmp_path / "phi"), dtype="float32", tokenizer=tiny_llama)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="63 prompt tokens"):
+        llm.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4), use_tqdm=False)
 
 
 def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama):

@@ -9,7 +9,7 @@ import torch
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma3_text", "gpt2")
 
 

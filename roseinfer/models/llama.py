@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3): RMSNorm, rotary positions, grouped K/V heads,
-SwiGLU."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3 and 4): RMSNorm, rotary positions, grouped
+K/V heads, SwiGLU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from roseinfer.checkpoint import Checkpoint
 from roseinfer.kernels import add_rms_norm, rope_, silu_mul
 from roseinfer.models.linear import Linear
 
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class LlamaLayer:
@@ -27,19 +27,27 @@ class LlamaLayer:
         attn_backend: AttentionBackend,
         rotary: bool = True,
         window: int = 0,
+        rotary_dim: int | None = None,
     ) -> None:
         self.attn = attn_backend
         self.rotary = rotary
+        self.rotary_dim = rotary_dim or head_dim  # the dims the rotation turns: fewer in a partial one
         self.window = window  # > 0: a sliding-window layer's last keys
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
         hidden, q_size, kv_size = cfg.hidden_size, num_heads * head_dim, num_kv_heads * head_dim
-        qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
-        self.qkv = Linear.fused(weights, qkv, [q_size, kv_size, kv_size], hidden)
+        if cfg.model_type == "phi3":  # its checkpoints hold q/k/v and gate/up fused already
+            self.qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
+            self.gate_up = Linear.from_checkpoint(
+                weights, f"{prefix}.mlp.gate_up_proj", 2 * cfg.intermediate_size, hidden
+            )
+        else:
+            qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
+            self.qkv = Linear.fused(weights, qkv, [q_size, kv_size, kv_size], hidden)
+            gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
+            self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
         self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
-        gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
-        self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
         self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
         self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
@@ -57,8 +65,8 @@ class LlamaLayer:
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
         if self.qk_norm is not None:
             rms_norm_heads_(qk, *self.qk_norm)
-        if self.rotary:
-            rope_(qk, *rope_tables, meta.positions)  # q and k heads rotated together
+        if self.rotary:  # q and k heads rotated together; a partial rotation (Phi-4-mini) turns their first dims
+            rope_(qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim], *rope_tables, meta.positions)
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         x = add_rms_norm(h, self.o_proj(o.view(t, -1)), *self.ln2)
@@ -95,18 +103,23 @@ def sliding_windows(cfg) -> list[int]:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
-    return [window if cfg.model_type == "mistral" else 0] * cfg.num_hidden_layers
+    return [window if cfg.model_type in ("mistral", "phi3") else 0] * cfg.num_hidden_layers
+
+
+def rope_parameters(cfg, layer_type: str | None = None) -> dict:
+    """A config's rotary settings; ``layer_type``: of a config whose ``rope_parameters`` differ by layer type
+    (Gemma 3's sliding and full layers)."""
+    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4 kept rope_theta and rope_scaling apart
+    if params is None:
+        params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
+    return params if layer_type is None else params[layer_type]
 
 
 def rope_frequencies(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the cos/sin scale of a model's config, as transformers' rotary
-    embedding computes them (its own functions for the scaled types). ``layer_type``: of a config whose
-    ``rope_parameters`` differ by layer type (Gemma 3's sliding and full layers)."""
-    params = getattr(cfg, "rope_parameters", None)  # transformers 5; 4 kept rope_theta and rope_scaling apart
-    if params is None:
-        params = {"rope_theta": cfg.rope_theta, **(getattr(cfg, "rope_scaling", None) or {})}
-    if layer_type is not None:
-        params = params[layer_type]
+    embedding computes them (its own functions for the scaled types; LongRoPE's short factors, those of contexts
+    within its original length)."""
+    params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; use one of {_STATIC_ROPE_TYPES}")
@@ -115,7 +128,8 @@ def rope_frequencies(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, 
 
         by_type = {} if layer_type is None else {"layer_type": layer_type}
         return ROPE_INIT_FUNCTIONS[rope_type](cfg, None, **by_type)  # device None: the CPU (transformers 4 needs it)
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
@@ -138,6 +152,12 @@ class Llama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
+        params = rope_parameters(cfg)
+        if params.get("rope_type") == "longrope":
+            # transformers recomputes a sequence's whole cache with the long factors once it passes the original
+            # length; a paged cache cannot, so contexts stay within it, where both use the short factors.
+            original = params.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+            self.max_position_embeddings = min(self.max_position_embeddings, original)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
@@ -154,6 +174,7 @@ class Llama:
                 attn,
                 rotary=True if rotary is None else bool(rotary[i]),
                 window=windows[i],
+                rotary_dim=2 * inv_freq.numel(),
             )
             for i in range(self.num_layers)
         ]
