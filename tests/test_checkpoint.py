@@ -26,6 +26,7 @@ _SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 def _config(family: str, **extra):
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -36,7 +37,8 @@ def _config(family: str, **extra):
     )
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config}  # fmt: skip
+               "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
+               "gemma2": Gemma2Config}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -77,6 +79,9 @@ FAMILIES = {
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "original_max_position_embeddings": 64, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1],
             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
+    # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.
+    "gemma2": ("gemma2", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": None}),
     # Two sliding layers (window 6, rotary base 10,000) then a full one (base 1,000,000, linear scaling).
     "gemma3": ("gemma3", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
@@ -118,6 +123,7 @@ WINDOWED = {
     "mistral, every layer": ("mistral", {"sliding_window": 6}),
     "qwen2, the upper layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
     "phi3": ("phi3", {"sliding_window": 6, "pad_token_id": None}),
+    "gemma2, capped scores": FAMILIES["gemma2"],
     "qwen3, heads of 64": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
                                      "head_dim": 64}),
 }  # fmt: skip
@@ -358,7 +364,7 @@ def test_a_qwen3_or_gemma3_gguf_matches_transformers(arch, tmp_path, monkeypatch
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_tiny_llama_gguf(path, arch)
     llm = LLM(str(path), dtype="float32")
-    assert type(llm.engine.runner.model).__name__ == {"qwen3": "Llama", "gemma3": "Gemma3"}[arch]
+    assert type(llm.engine.runner.model).__name__ == {"qwen3": "Llama", "gemma3": "Gemma"}[arch]
     _gguf_greedy_matches_transformers(llm, path)
 
 

@@ -50,12 +50,12 @@ def test_add_rms_norm_matches_pytorch_bit_for_bit(dtype, with_delta):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(2, 2, 64), (4, 2, 64), (9, 3, 64), (8, 2, 64),
                                                                       (10, 2, 128), (6, 3, 48)])  # fmt: skip
-@pytest.mark.parametrize("window", [0, 11])
-def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_heads, head_dim, window):
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (11, 0.0), (11, 1.5)])
+def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_heads, head_dim, window, softcap):
     """The C kernel's decode and prefill rows against attention in float64, for every way a group of query heads
     is split over the kernel's shared value reads (1 to 5 heads a KV head), head sizes of 64 and beyond, and the
     generic loop (48); the sequences' blocks scattered over the cache. Window 11: a sliding-window layer, whose
-    first key falls inside a block."""
+    first key falls inside a block; softcap 1.5: Gemma 2's capped scores."""
     from roseinfer.attention import CpuKernelAttentionBackend
     from roseinfer.scheduler import ScheduledRequest
 
@@ -87,14 +87,15 @@ def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_head
     k = torch.stack([keys[n][p] for n, p in rows])
     v = torch.stack([values[n][p] for n, p in rows])
     meta = backend.build_metadata(requests, 2, positions, slots)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window, softcap)
 
     group = num_heads // num_kv_heads
     for i, (name, p) in enumerate(rows):
         lo = max(0, p + 1 - window) if window else 0
         kk = keys[name][lo : p + 1].double().repeat_interleave(group, dim=1)
         vv = values[name][lo : p + 1].double().repeat_interleave(group, dim=1)
-        weights = (torch.einsum("hd,khd->hk", q[i].double(), kk) * 0.125).softmax(-1)
+        scores = torch.einsum("hd,khd->hk", q[i].double(), kk) * 0.125
+        weights = (torch.tanh(scores / softcap) * softcap if softcap else scores).softmax(-1)
         expected = torch.einsum("hk,khd->hd", weights, vv)
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(out[i].double(), expected, **tolerance)

@@ -32,7 +32,7 @@ def _save(tmp_path_factory, name: str, config) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     small = dict(
         vocab_size=256,
@@ -61,18 +61,25 @@ def models(tmp_path_factory, tiny_llama, tiny_gpt2) -> dict[str, str]:
         eos_token_id=None,
         bos_token_id=None,
     )
+    gemma2 = Gemma2Config(  # capped scores in the graphs' decode kernel and the prefill kernel
+        **{**small, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 6, "pad_token_id": None},
+        attn_logit_softcapping=2.0,
+    )
     return {
         "llama": tiny_llama,
         "qwen2": _save(tmp_path_factory, "qwen2", qwen2),
         "qwen3": _save(tmp_path_factory, "qwen3", qwen3),
         "mistral-window": _save(tmp_path_factory, "mistral", mistral),
         "gemma3": _save(tmp_path_factory, "gemma3", gemma3),
+        "gemma2": _save(tmp_path_factory, "gemma2", gemma2),
         "gpt2": tiny_gpt2,
         "smollm2-shape": _save(tmp_path_factory, "smol", smol),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral-window", "gemma3", "gpt2", "smollm2-shape"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "gpt2", "smollm2-shape"]
+)
 def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, name):
     path = models[name]
     vocab = 49152 if name == "smollm2-shape" else 256

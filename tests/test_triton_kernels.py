@@ -30,13 +30,16 @@ if not CUDA:
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _ref_attention(q, keys, values, scale, first_pos, window=0):
+def _ref_attention(q, keys, values, scale, first_pos, window=0, softcap=0.0):
     """float64 causal attention of queries at positions first_pos.. over keys 0.. (window > 0: the last ``window``
-    keys up to each query's own); GQA by repeating K/V heads."""
+    keys up to each query's own; softcap > 0: scores capped at softcap * tanh(s / softcap)); GQA by repeating K/V
+    heads."""
     group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     pos = torch.arange(q.shape[0])[:, None] + first_pos
     keys_at = torch.arange(k.shape[0])[None, :]
     s = s.masked_fill(keys_at > pos, float("-inf"))
@@ -59,8 +62,9 @@ def _caches(num_blocks, block_size, hkv, d, gen):
         pytest.param(8, 8, 32, 4, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("window", [0, 20])  # 20: a sliding-window layer (rows of 37 and 130 keys see 20)
-def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, head_dim, block_size, window):
+# window 20: a sliding-window layer (rows of 37 and 130 keys see 20); softcap 2: Gemma 2's capped scores.
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (20, 0.0), (20, 2.0)])
+def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, head_dim, block_size, window, softcap):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
     k_cache, v_cache = _caches(64, block_size, kv_heads, head_dim, gen)
     ctx_lens = [1, 5, 37, 130, 0]  # the last row is padding: no context, writes zeros
@@ -97,6 +101,7 @@ def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, 
         scale,
         out=out,
         window=window,
+        softcap=softcap,
     )
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     for i, c in enumerate(ctx_lens):
@@ -104,13 +109,13 @@ def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, 
             assert torch.equal(out[i], torch.zeros_like(out[i]))
             continue
         idx = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(c)])
-        ref = _ref_attention(q[i : i + 1].cpu(), flat_k[idx].cpu(), flat_v[idx].cpu(), scale, c - 1, window)
+        ref = _ref_attention(q[i : i + 1].cpu(), flat_k[idx].cpu(), flat_v[idx].cpu(), scale, c - 1, window, softcap)
         assert torch.allclose(out[i].cpu().double(), ref[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window", [0, 9])
-def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token(window):
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (9, 0.0), (9, 2.0)])
+def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token(window, softcap):
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, d, bs = 6, 2, 32, 8
     k_cache, v_cache = _caches(48, bs, kv_heads, d, gen)
@@ -140,11 +145,12 @@ def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token(window
         0.125,
         out,
         window,
+        softcap,
     )
     flat_k, flat_v = k_cache.view(-1, kv_heads, d).cpu(), v_cache.view(-1, kv_heads, d).cpu()
     for (s, n), t, q0 in zip(chunks, tables, starts):
         idx = torch.tensor([t[p // bs] * bs + p % bs for p in range(s + n)])
-        ref = _ref_attention(q[q0 : q0 + n].cpu(), flat_k[idx], flat_v[idx], 0.125, s, window)
+        ref = _ref_attention(q[q0 : q0 + n].cpu(), flat_k[idx], flat_v[idx], 0.125, s, window, softcap)
         assert torch.allclose(out[q0 : q0 + n].cpu().double(), ref, atol=1e-5, rtol=1e-4)
 
 

@@ -86,10 +86,12 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Write k, v ([T, Hkv, D]) into the caches at the step's slots, then attend. q: [T, H, D]; returns
         [T, H, D]. ``window`` > 0: each query sees only the last ``window`` keys up to its own (a sliding-window
-        layer: key j is seen from position i when i - window < j <= i, as transformers masks it)."""
+        layer: key j is seen from position i when i - window < j <= i, as transformers masks it). ``softcap`` >
+        0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
 
 
 def pad_block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

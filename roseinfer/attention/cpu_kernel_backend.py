@@ -63,6 +63,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         meta: CpuKernelAttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         if not kernels_fit(q, k, v):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -90,6 +91,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
             block_size,
             scale,
             window,
+            softcap,
             int(q.dtype == torch.bfloat16),
         )
         return out

@@ -114,6 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -121,22 +122,22 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         decode_bias, prefill_mask = meta.masks(window)
         if meta.num_prefill_tokens == 0:
-            return _decode(q, k_cache, v_cache, meta.decode_block_tables, decode_bias, scale)
+            return _decode(q, k_cache, v_cache, meta.decode_block_tables, decode_bias, scale, softcap)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, decode_bias, scale)
+            out[:nd] = _decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, decode_bias, scale, softcap)
         bp = meta.prefill_block_tables.shape[0]
         padded = q.new_zeros(bp * meta.prefill_max_q, q.shape[1], q.shape[2])
         padded[meta.prefill_rows] = q[nd:]
         padded = padded.view(bp, meta.prefill_max_q, q.shape[1], q.shape[2]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            padded,
-            _gather(k_cache, meta.prefill_block_tables).transpose(1, 2),
-            _gather(v_cache, meta.prefill_block_tables).transpose(1, 2),
-            attn_mask=prefill_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != num_kv_heads,
-        )
+        keys = _gather(k_cache, meta.prefill_block_tables).transpose(1, 2)
+        values = _gather(v_cache, meta.prefill_block_tables).transpose(1, 2)
+        if softcap:
+            o = _capped_attention(padded, keys, values, prefill_mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(
+                padded, keys, values, attn_mask=prefill_mask, scale=scale, enable_gqa=q.shape[1] != num_kv_heads
+            )
         out[nd:] = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])[meta.prefill_rows]
         return out
 
@@ -154,6 +155,7 @@ def _decode(
     block_tables: torch.Tensor,
     bias: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per request: two small batched matmuls beat SDPA's kernels, built for long queries."""
     b, num_heads, head_dim = q.shape
@@ -162,5 +164,20 @@ def _decode(
     v = _gather(v_cache, block_tables).transpose(1, 2)  # [B, Hkv, L, D]
     # Query heads that share a K/V head sit next to each other: [B, Hkv, group, D].
     scores = torch.matmul(q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k)
-    probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(q.dtype)
+    scores = scores.float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(b, num_heads, head_dim)
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """SDPA's attention with each scaled score capped at softcap * tanh(s / softcap), which SDPA cannot do: q
+    [B, H, Lq, D], k and v [B, Hkv, Lk, D], mask [B, 1, Lq, Lk] (True: seen)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)).float() * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)

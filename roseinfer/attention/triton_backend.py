@@ -117,12 +117,20 @@ class TritonAttentionBackend(AttentionBackend):
         meta: TritonAttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.num_prefill_tokens == 0:
             return tk.paged_decode(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window=window
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                window=window,
+                softcap=softcap,
             )
         q = q.contiguous()
         out = torch.empty_like(q)
@@ -136,6 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 out=out[:nd],
                 window=window,
+                softcap=softcap,
             )
         tk.paged_prefill(
             q,
@@ -149,5 +158,6 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             out,
             window,
+            softcap,
         )
         return out

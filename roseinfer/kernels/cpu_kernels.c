@@ -180,7 +180,8 @@ WEIGHTED_VALUES64(3)
 
 // ---------------------------------------------------------------------------------------------------
 // Writes each token's K and V into its cache slot, then lets every query token attend to all keys of its
-// sequence up to its own position (within the last ``window`` keys, where window > 0: a sliding-window layer).
+// sequence up to its own position (within the last ``window`` keys, where window > 0: a sliding-window layer;
+// scores capped at softcap * tanh(score / softcap) where softcap > 0, as Gemma 2 does).
 // q, k, v are row views with token strides (they come out of one fused
 // QKV projection); out is [T, H, D] contiguous. The caches are laid out per KV head (this kernel alone reads
 // and writes them; the PyTorch path, chosen once per engine, has its own layout): K [blocks, Hkv, D, block_size],
@@ -190,7 +191,7 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
                      void* k_cache, void* v_cache, const int64_t* slot_mapping, const int64_t* positions,
                      const int64_t* seq_of_token, const int64_t* block_tables, int64_t table_width,
                      void* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, float scale, int64_t window, int bf16) {
+                     int64_t block_size, float scale, int64_t window, float softcap, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t group = num_heads / num_kv_heads;
@@ -267,6 +268,8 @@ void paged_attention(const void* q, int64_t q_stride, const void* k, const void*
             for (int64_t g = 0; g < group; g++) {
                 float* sg = scores + g * max_ctx;
                 float m = -INFINITY, sum = 0.f;
+                if (softcap > 0.f)
+                    for (int64_t j = lo; j < ctx; j++) sg[j] = tanhf(sg[j] / softcap) * softcap;
 #pragma omp simd reduction(max : m)
                 for (int64_t j = lo; j < ctx; j++) m = sg[j] > m ? sg[j] : m;
 #pragma omp simd reduction(+ : sum)

@@ -53,14 +53,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _attend(
     q, pos, table_ptr, lo, end, kvh, k_cache_ptr, v_cache_ptr, scale,
-    ROWS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    ROWS: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Softmax attention of ``q`` ([ROWS, HEAD_DIM_P]) over keys lo..end-1 of K/V head ``kvh``, read through the
     block table at ``table_ptr`` in tiles of BLOCK_N (online softmax); CAUSAL: row i sees keys <= pos[i]; WINDOW
-    > 0: only the last WINDOW of them (without CAUSAL: keys >= end - WINDOW). A row that sees no key gets
-    zeros."""
+    > 0: only the last WINDOW of them (without CAUSAL: keys >= end - WINDOW); SOFTCAP > 0: scores capped at
+    SOFTCAP * tanh(s / SOFTCAP). A row that sees no key gets zeros."""
     d = tl.arange(0, HEAD_DIM_P)
     d_mask = d < HEAD_DIM
     m_i = tl.zeros([ROWS], tl.float32) - float("inf")
@@ -74,6 +74,8 @@ def _attend(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates without overflow
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= pos[:, None])
@@ -101,7 +103,7 @@ def _paged_decode_kernel(
     q_stride, out_stride, table_stride, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (request, K/V head): the GROUP query heads that share the head read its keys once.
     b = tl.program_id(0)
@@ -120,7 +122,7 @@ def _paged_decode_kernel(
     # A padding row (no context) gets zeros.
     out = _attend(
         q, 0, tables_ptr + b * table_stride, lo, ctx, kvh, k_cache_ptr, v_cache_ptr, scale,
-        GROUP_P, False, WINDOW, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+        GROUP_P, False, WINDOW, SOFTCAP, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
     )  # fmt: skip
     tl.store(
         out_ptr + b * out_stride + (kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
@@ -138,9 +140,11 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q: [B, H, D] (rows may be strided, heads contiguous); caches [blocks, bs, Hkv, D]; block_tables [B, width]
-    int32; context_lens [B] (0: padding row); window > 0: each sees its last ``window`` keys. Returns [B, H, D]
+    int32; context_lens [B] (0: padding row); window > 0: each sees its last ``window`` keys; softcap > 0:
+    scores capped at softcap * tanh(s / softcap). Returns [B, H, D]
     (``out``, heads contiguous, when given)."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
@@ -153,7 +157,7 @@ def paged_decode(
         q.stride(0), out.stride(0), block_tables.stride(0), scale,
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_P=max(16, _pow2(group)),
         HEAD_DIM=d, HEAD_DIM_P=max(16, _pow2(d)), BLOCK_SIZE=k_cache.shape[1], BLOCK_N=64,
-        WINDOW=window, PRECISION=_dot_precision(q.dtype),
+        WINDOW=window, SOFTCAP=softcap, PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return out
 
@@ -165,7 +169,8 @@ def _paged_prefill_kernel(
     q_stride, table_stride, scale,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program per (request, tile of BLOCK_M queries, query head); keys come through the block table.
     r = tl.program_id(0)
@@ -188,7 +193,7 @@ def _paged_prefill_kernel(
     lo = tl.maximum(ctx_start + tile * BLOCK_M - WINDOW + 1, 0) if WINDOW > 0 else 0  # the tile's first key
     out = _attend(
         q, pos, tables_ptr + r * table_stride, lo, end, kvh, k_cache_ptr, v_cache_ptr, scale,
-        BLOCK_M, True, WINDOW, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
+        BLOCK_M, True, WINDOW, SOFTCAP, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_N, PRECISION,
     )  # fmt: skip
     tl.store(
         out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
@@ -207,10 +212,11 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Attention of packed prefill chunks into ``out`` ([T, H, D], rows at ``q_starts``). Request r's chunk is
     q[q_starts[r] : q_starts[r] + q_lens[r]], its queries at positions ctx_starts[r] onwards; window > 0: each
-    sees its last ``window`` keys."""
+    sees its last ``window`` keys; softcap > 0: scores capped as in ``paged_decode``."""
     _t, h, d = q.shape
     hkv = k_cache.shape[2]
     q = q.contiguous()
@@ -220,7 +226,8 @@ def paged_prefill(
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_starts,
         q.stride(0), block_tables.stride(0), scale,
         NUM_KV_HEADS=hkv, GROUP=h // hkv, HEAD_DIM=d, HEAD_DIM_P=max(16, _pow2(d)),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, WINDOW=window, PRECISION=_dot_precision(q.dtype),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, WINDOW=window, SOFTCAP=softcap,
+        PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma3_text", "gpt2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma2", "gemma3_text", "gpt2")
 
 
 class CausalLM(Protocol):
@@ -52,10 +52,10 @@ def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM
         from roseinfer.models.gpt2 import GPT2
 
         return GPT2(config, weights, attn)
-    if config.model_type == "gemma3_text":
-        from roseinfer.models.gemma3 import Gemma3
+    if config.model_type in ("gemma2", "gemma3_text"):
+        from roseinfer.models.gemma import Gemma
 
-        return Gemma3(config, weights, attn)
+        return Gemma(config, weights, attn)
     from roseinfer.models.llama import Llama
 
     return Llama(config, weights, attn)

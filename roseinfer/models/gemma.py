@@ -1,5 +1,6 @@
-"""Gemma 3 (text): the Llama family's layer with four norms a layer (each scaling by 1 + its weight, in float32),
-q/k norms, a scaled embedding, GeGLU, and sliding-window layers with their own rotary base between full ones."""
+"""Gemma 2 and 3 (text): the Llama family's layer with four norms a layer (each scaling by 1 + its weight, in
+float32), a scaled embedding, GeGLU, and sliding-window layers between full ones; Gemma 2 caps its attention scores
+and logits with tanh, Gemma 3 norms q and k and gives its sliding layers their own rotary base."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _norm(weights: Checkpoint, name: str, size: int, eps: float) -> Norm:
     return 1.0 + weights.get(name, (size,)).float(), eps
 
 
-class Gemma3Layer:
+class GemmaLayer:
     def __init__(
         self,
         weights: Checkpoint,
@@ -67,37 +68,42 @@ class Gemma3Layer:
         self.post_attn = _norm(weights, f"{prefix}.post_attention_layernorm.weight", hidden, eps)
         self.pre_ff = _norm(weights, f"{prefix}.pre_feedforward_layernorm.weight", hidden, eps)
         self.post_ff = _norm(weights, f"{prefix}.post_feedforward_layernorm.weight", hidden, eps)
-        q_norm, _ = _norm(weights, f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
-        k_norm, _ = _norm(weights, f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
-        self.qk_norm = torch.cat([q_norm.expand(num_heads, head_dim), k_norm.expand(num_kv_heads, head_dim)]), eps
+        self.qk_norm = None
+        if cfg.model_type == "gemma3_text":
+            q_norm, _ = _norm(weights, f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
+            k_norm, _ = _norm(weights, f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
+            self.qk_norm = torch.cat([q_norm.expand(num_heads, head_dim), k_norm.expand(num_kv_heads, head_dim)]), eps
         self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None) or 0.0
 
     def forward(self, h, x, meta: AttentionMetadata, k_cache, v_cache, next_norm: Norm) -> torch.Tensor:
         """x = this layer's normed input; h, the residual stream, is updated in place. Returns the input of the
         next layer, normed by ``next_norm``."""
         t = h.shape[0]
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
-        gemma_norm_heads_(qk, *self.qk_norm)
+        if self.qk_norm is not None:
+            gemma_norm_heads_(qk, *self.qk_norm)
         rope_(qk, *self.rope, meta.positions)
         q, k = qk.split(self.q_k_split, dim=1)
-        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+        o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         x = gemma_rms_norm(h, gemma_rms_norm(self.o_proj(o.view(t, -1)), None, *self.post_attn), *self.pre_ff)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         delta = gemma_rms_norm(self.down(self.act(gate) * up), None, *self.post_ff)
         return gemma_rms_norm(h, delta, *next_norm)
 
 
-class Gemma3:
+class Gemma:
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
-        for key, refused in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False)):
-            if getattr(cfg, key, refused) not in (refused, None):
-                raise ValueError(f"a Gemma 3 config with {key}={getattr(cfg, key)!r} is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder, not a causal LM
+            raise ValueError("a Gemma config with use_bidirectional_attention is not supported")
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
-        frequencies = {kind: rope_frequencies(cfg, kind) for kind in sorted(set(cfg.layer_types))}
+        # Gemma 3's rotary settings differ by layer type; Gemma 2's are one for all.
+        by_type = all(kind in cfg.rope_parameters for kind in cfg.layer_types)
+        frequencies = {kind: rope_frequencies(cfg, kind if by_type else None) for kind in set(cfg.layer_types)}
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # transformers' scale is a float32 tensor cast to the weights' dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(self.embed.device, self.embed.dtype)
@@ -107,7 +113,7 @@ class Gemma3:
         }
         windows = sliding_windows(cfg)
         self.layers = [
-            Gemma3Layer(weights, f"model.layers.{i}", cfg, attn, windows[i], tables[cfg.layer_types[i]])
+            GemmaLayer(weights, f"model.layers.{i}", cfg, attn, windows[i], tables[cfg.layer_types[i]])
             for i in range(self.num_layers)
         ]
         self.norm = _norm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
