@@ -79,13 +79,26 @@ class Checkpoint:
         self.device = torch.device(device)
         self._open: dict[Path, Any] = {}
         self._files = weight_files(self.folder, self._open)
+        self._model_prefix = "model."
+
+    def read_text_part(self, prefixes: tuple[str, ...]) -> None:
+        """Reads ``model.*`` names under the first of ``prefixes`` the checkpoint holds: the text model of a
+        vision-language checkpoint, whose other tensors (the vision tower) are never read."""
+        found = next((p for p in prefixes if any(n.startswith(p) for n in self._files)), None)
+        if found is None:
+            raise CheckpointError(f"its checkpoint has no text model's tensors (none under {' or '.join(prefixes)})")
+        self._model_prefix = found
+
+    def _stored(self, name: str) -> str:
+        return self._model_prefix + name[len("model.") :] if name.startswith("model.") else name
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return self._stored(name) in self._files
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor ``name``, of the ``shape`` the config calls for: a mismatch (another model's config beside
         these weights) is refused here, not found by the first step of every request."""
+        name = self._stored(name)
         if name not in self._files:
             raise CheckpointError(
                 f"its checkpoint has no tensor {name!r}, which its config calls for (a checkpoint of another "

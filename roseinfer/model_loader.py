@@ -22,7 +22,7 @@ import torch
 
 from roseinfer.checkpoint import WEIGHT_FORMATS, Checkpoint, sharded_files
 from roseinfer.config import DEFAULT_MODEL, TINY_MODEL, ConfigError, cache_dir
-from roseinfer.models import UnsupportedModelError, check_supported
+from roseinfer.models import TEXT_PARTS, UnsupportedModelError, check_supported
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +276,9 @@ def load_model(
             f"cannot load model {model!r}: a quantized checkpoint ({method}) is not supported; use its float "
             "checkpoint, or a .gguf file (dequantized as it loads)"
         )
+    text_part = TEXT_PARTS.get(config.model_type)
+    if text_part is not None:  # a vision-language checkpoint: its text model, for text prompts
+        config = config.text_config
     tok_path = tokenizer or path
     try:  # before the weights: a tokenizer that is not there fails at once
         if tok_path.startswith(("/", "./", "../", "~")):
@@ -289,6 +292,8 @@ def load_model(
         use_chat_template(tok, chat_template)
     try:
         weights = Checkpoint(path, DTYPES[dtype], device)
+        if text_part is not None:
+            weights.read_text_part(text_part)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model {model!r}: {_first_line(exc)}") from None
     eos: list[int] = []

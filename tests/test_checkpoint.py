@@ -105,6 +105,20 @@ def test_each_family_matches_transformers(case, tmp_path):
     assert _prompt_logprobs_gap(path, PROMPTS[1]) < 1e-4
 
 
+def test_a_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3's 4B and larger checkpoints hold a vision tower beside the text model (``language_model.model.*``):
+    the engine serves the text model for text prompts, as transformers' model of the whole answers them."""
+    from transformers import Gemma3Config
+
+    text = FAMILIES["gemma3"][1]
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = Gemma3Config(text_config={**_SMALL, **text}, vision_config=vision, mm_tokens_per_image=1)
+    path = _save(config, tmp_path / "model")
+    assert _engine_greedy(path) == hf_greedy(path, PROMPTS, 16)
+    assert _prompt_logprobs_gap(path, PROMPTS[1]) < 1e-4
+
+
 def _prompt_logprobs_gap(path: str, prompt: list[int]) -> float:
     """The largest difference between the engine's and transformers' logprob of each prompt token (float32)."""
     from transformers import AutoModelForCausalLM

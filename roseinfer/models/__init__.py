@@ -10,7 +10,10 @@ from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma2", "gemma3_text", "gpt2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma2", "gemma3_text", "gemma3", "gpt2")
+# Vision-language checkpoints whose text model the engine serves on its own (text prompts only): where their text
+# model's ``model.*`` tensors sit, as the hub's files name them or as newer transformers saves them.
+TEXT_PARTS = {"gemma3": ("language_model.model.", "model.language_model.")}
 
 
 class CausalLM(Protocol):
@@ -39,7 +42,7 @@ def check_supported(model_type: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; roseinfer runs {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(the Llama family includes SmolLM; gemma3_text is Gemma 3's text-only checkpoints, 270M and 1B)"
+            "(the Llama family includes SmolLM; gemma3 is Gemma 3's text model, served without its vision tower)"
         )
 
 
