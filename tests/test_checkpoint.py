@@ -105,6 +105,7 @@ def test_each_family_matches_transformers(case, tmp_path):
     assert _prompt_logprobs_gap(path, PROMPTS[1]) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path):
     """Gemma 3's 4B and larger checkpoints hold a vision tower beside the text model (``language_model.model.*``):
     the engine serves the text model for text prompts, as transformers' model of the whole answers them."""
