@@ -28,6 +28,7 @@ def _config(family: str, **extra):
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         Phi3Config,
@@ -38,7 +39,7 @@ def _config(family: str, **extra):
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
-               "gemma2": Gemma2Config}  # fmt: skip
+               "gemma2": Gemma2Config, "granite": GraniteConfig}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -79,6 +80,9 @@ FAMILIES = {
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "original_max_position_embeddings": 64, "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1],
             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
+    # Each of its four multipliers away from one.
+    "granite (multipliers)": ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.1,
+                                          "residual_multiplier": 0.5, "logits_scaling": 4.0, "pad_token_id": None}),
     # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.
     "gemma2": ("gemma2", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": None}),

@@ -68,7 +68,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
     ).save_pretrained(tmp_path)
     with pytest.raises(
-        UnsupportedModelError, match="llama, mistral, qwen2, qwen3, smollm3, phi3, gemma2, gemma3_text, gemma3, gpt2"
+        UnsupportedModelError,
+        match="llama, mistral, qwen2, qwen3, smollm3, phi3, granite, gemma2, gemma3_text, gemma3, gpt2",
     ):
         LLM(str(tmp_path))
 

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3 and 4): RMSNorm, rotary positions, grouped
-K/V heads, SwiGLU."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3 and 4, Granite): RMSNorm, rotary positions,
+grouped K/V heads, SwiGLU."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ class LlamaLayer:
         # None: SiLU, fused with the gating product.
         self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
         self.scale = head_dim**-0.5  # (transformers' Llama, Mistral and Qwen2 attention)
+        # Granite scales attention, each layer's output into the residual stream, the embedding and the logits.
+        self.residual_multiplier = 1.0
+        if cfg.model_type == "granite":
+            self.scale, self.residual_multiplier = cfg.attention_multiplier, cfg.residual_multiplier
 
     def forward(self, h, x, rope_tables, meta, k_cache, v_cache, next_norm) -> torch.Tensor:
         """x = this layer's normed input; h, the residual stream, is updated in place. Returns the input
@@ -69,14 +73,17 @@ class LlamaLayer:
             rope_(qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim], *rope_tables, meta.positions)
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
-        x = add_rms_norm(h, self.o_proj(o.view(t, -1)), *self.ln2)
+        x = add_rms_norm(h, self._scaled(self.o_proj(o.view(t, -1))), *self.ln2)
         gate_up = self.gate_up(x)
         if self.act is None:
             act = silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = self.act(gate) * up
-        return add_rms_norm(h, self.down(act), *next_norm)
+        return add_rms_norm(h, self._scaled(self.down(act)), *next_norm)
+
+    def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
 
 
 def _qk_norm(weights: Checkpoint, prefix: str, num_heads: int, num_kv_heads: int, head_dim: int, cfg):
@@ -179,6 +186,9 @@ class Llama:
             for i in range(self.num_layers)
         ]
         self.norm = (weights.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
+        granite = cfg.model_type == "granite"
+        self.embedding_multiplier = cfg.embedding_multiplier if granite else 1.0
+        self.logits_scaling = cfg.logits_scaling if granite else 1.0
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head = Linear(self.embed)
         else:
@@ -189,6 +199,8 @@ class Llama:
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
+        if self.embedding_multiplier != 1.0:
+            h = h * self.embedding_multiplier
         x = add_rms_norm(h, None, *self.layers[0].ln1)
         norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
         for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
@@ -196,4 +208,5 @@ class Llama:
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
