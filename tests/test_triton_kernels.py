@@ -225,6 +225,23 @@ def test_the_engine_on_the_triton_backend_matches_transformers(tiny_llama, trito
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 10, device=DEVICE)
 
 
+@pytest.mark.slow
+def test_gemma2_on_the_triton_backend_matches_transformers(triton_engine, tmp_path):
+    """Sliding-window layers between full ones and capped attention scores through the Triton kernels, prompts in
+    chunks of 16: the same greedy tokens as transformers."""
+    from conftest import hf_greedy
+    from test_checkpoint import FAMILIES, PROMPTS, _config, _save
+
+    from roseinfer import LLM, SamplingParams
+
+    family, extra = FAMILIES["gemma2"]
+    path = _save(_config(family, **extra), tmp_path / "gemma2")
+    llm = LLM(path, dtype="float32", device=DEVICE, max_num_batched_tokens=16)
+    assert llm.engine.attn_backend.name == "triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=12, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 12, device=DEVICE)
+
+
 def _graph_buffers_run_eagerly(llm):
     """The engine's decode steps through the CUDA-graph runner's persistent buffers and buckets, each run eagerly
     (no capture): what a GPU replays, checked on any machine."""
