@@ -309,8 +309,8 @@ def test_an_engine_starts_without_transformers_modeling_code(tiny_llama):
 
 
 def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
-    """A 2-layer random Llama (or Qwen3, Gemma 3: their q/k norms; Gemma's post-norms and tied output) as
-    llama.cpp writes one: its names, its metadata, a byte-level BPE vocabulary."""
+    """A 2-layer random Llama (or Qwen3, Phi-3, Gemma 2 or 3: q/k norms, Phi's fused tensors, Gemma's post-norms
+    and tied output) as llama.cpp writes one: its names, its metadata, a byte-level BPE vocabulary."""
     import gguf
     import numpy as np
 
@@ -318,7 +318,7 @@ def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
     tokens = [chr(c) for c in range(ord("a"), ord("a") + 26)] + ["ab", "abc", "<|end|>"]
     hidden, ffn, heads, kv_heads, vocab = 32, 64, 4, 2, len(tokens)
     # transformers reads no head size from a Qwen3 GGUF: it takes Qwen3's own, 128.
-    head_dim = {"llama": hidden // heads, "qwen3": 128, "gemma3": 16}[arch]
+    head_dim = {"qwen3": 128, "gemma3": 16}.get(arch, hidden // heads)
     writer = gguf.GGUFWriter(str(path), arch)
     for add, value in [("add_context_length", 128), ("add_embedding_length", hidden), ("add_block_count", 2),
                        ("add_feed_forward_length", ffn), ("add_head_count", heads), ("add_head_count_kv", kv_heads),
@@ -326,12 +326,13 @@ def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
                        ("add_vocab_size", vocab), ("add_key_length", head_dim),
                        ("add_value_length", head_dim)]:  # fmt: skip
         getattr(writer, add)(value)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(6)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_merges(["a b", "ab c"])
     writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 1)  # (transformers' Phi-3 config would take 32,000, past this vocabulary)
 
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.3).astype(np.float32)
@@ -340,10 +341,13 @@ def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
     shapes = {"attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
               "attn_output": (hidden, q), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
               "ffn_down": (hidden, ffn)}  # fmt: skip
+    if arch == "phi3":  # q/k/v in one tensor, gate and up in another
+        shapes = {"attn_qkv": (q + 2 * kv, hidden), "attn_output": (hidden, q), "ffn_up": (2 * ffn, hidden),
+                  "ffn_down": (hidden, ffn)}  # fmt: skip
     norms = {"attn_norm": hidden, "ffn_norm": hidden}
-    if arch != "llama":
+    if arch in ("qwen3", "gemma3"):
         norms |= {"attn_q_norm": head_dim, "attn_k_norm": head_dim}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         norms |= {"post_attention_norm": hidden, "post_ffw_norm": hidden}
     writer.add_tensor("token_embd.weight", weight(vocab, hidden))
     for i in range(2):
@@ -352,7 +356,7 @@ def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
         for name, size in norms.items():
             writer.add_tensor(f"blk.{i}.{name}.weight", 1 + weight(size))
     writer.add_tensor("output_norm.weight", 1 + weight(hidden))
-    if arch != "gemma3":
+    if arch not in ("gemma2", "gemma3"):
         writer.add_tensor("output.weight", weight(vocab, hidden))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -376,14 +380,15 @@ def _gguf_greedy_matches_transformers(llm: LLM, path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_a_qwen3_or_gemma3_gguf_matches_transformers(arch, tmp_path, monkeypatch):
-    """Their GGUF files, as llama.cpp names their tensors, converted through transformers like the default model's."""
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2", "gemma3"])
+def test_a_gguf_of_another_family_matches_transformers(arch, tmp_path, monkeypatch):
+    """Qwen3, Phi-3, Gemma 2 and 3 GGUF files, as llama.cpp names their tensors, converted through transformers like
+    the default model's."""
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_tiny_llama_gguf(path, arch)
     llm = LLM(str(path), dtype="float32")
-    assert type(llm.engine.runner.model).__name__ == {"qwen3": "Llama", "gemma3": "Gemma"}[arch]
+    assert type(llm.engine.runner.model).__name__ == ("Gemma" if arch.startswith("gemma") else "Llama")
     _gguf_greedy_matches_transformers(llm, path)
 
 
