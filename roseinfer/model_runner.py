@@ -34,7 +34,8 @@ class ModelRunner:
         )
         # Decode-only steps of up to cuda_graph_max_seqs requests replay captured graphs (0: every step eager).
         self.graphs = None
-        if cuda_graph_max_seqs and device.type == "cuda" and attn_backend.supports_cuda_graphs:
+        graphs_fit = attn_backend.supports_cuda_graphs and getattr(model, "cuda_graphs_safe", True)
+        if cuda_graph_max_seqs and device.type == "cuda" and graphs_fit:
             from roseinfer.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(

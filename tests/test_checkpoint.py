@@ -31,15 +31,18 @@ def _config(family: str, **extra):
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
-               "gemma2": Gemma2Config, "granite": GraniteConfig}  # fmt: skip
+               "gemma2": Gemma2Config, "granite": GraniteConfig, "mixtral": MixtralConfig,
+               "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -83,6 +86,12 @@ FAMILIES = {
     # Each of its four multipliers away from one.
     "granite (multipliers)": ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.1,
                                           "residual_multiplier": 0.5, "logits_scaling": 4.0, "pad_token_id": None}),
+    # Four experts, two a token, renormalized; Qwen3-MoE's upper layer with experts, its lower one dense.
+    "mixtral (experts)": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+                                      "pad_token_id": None}),
+    "qwen3_moe (experts, a dense layer)": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                         "moe_intermediate_size": 48, "decoder_sparse_step": 2,
+                                                         "norm_topk_prob": False, "pad_token_id": None}),
     # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.
     "gemma2": ("gemma2", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": None}),

@@ -92,6 +92,23 @@ def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, nam
     assert sum(graphs.replays.values()) > 0
 
 
+def test_a_mixture_of_experts_decodes_eagerly_and_matches_transformers(tmp_path_factory):
+    """Which experts a step runs depends on its tokens, which no captured graph can replay: its steps run eagerly."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    path = _save(tmp_path_factory, "qwen3-moe", config)
+    prompts = _prompts(12, seed=1, vocab=256)
+    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=16)
+    assert llm.engine.runner.graphs is None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 24, device="cuda")
+
+
 def test_graph_replay_at_every_bucket_size(models):
     path = models["llama"]
     llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=40)

@@ -9,7 +9,7 @@ import torch
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "mixtral", "qwen3_moe")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma2", "gemma3_text", "gemma3", "gpt2")
 # Vision-language checkpoints whose text model the engine serves on its own (text prompts only): where their text
 # model's ``model.*`` tensors sit, as the hub's files name them or as newer transformers saves them.
@@ -22,6 +22,8 @@ class CausalLM(Protocol):
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
+    # False where a step's work depends on its tokens (a mixture of experts): its decode steps run eagerly.
+    cuda_graphs_safe: bool
 
     def forward(
         self,

@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3 and 4, Granite): RMSNorm, rotary positions,
-grouped K/V heads, SwiGLU."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2 and 3, Phi-3 and 4, Granite; Mixtral and Qwen3-MoE with
+their experts): RMSNorm, rotary positions, grouped K/V heads, SwiGLU."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 from roseinfer.kernels import add_rms_norm, rope_, silu_mul
 from roseinfer.models.linear import Linear
+from roseinfer.models.moe import SparseMoe, is_sparse_layer
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -28,6 +29,7 @@ class LlamaLayer:
         rotary: bool = True,
         window: int = 0,
         rotary_dim: int | None = None,
+        index: int = 0,
     ) -> None:
         self.attn = attn_backend
         self.rotary = rotary
@@ -37,6 +39,9 @@ class LlamaLayer:
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
         hidden, q_size, kv_size = cfg.hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+        # None: SiLU, fused with the gating product.
+        self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
+        self.moe = SparseMoe(weights, prefix, cfg, self._glu) if is_sparse_layer(cfg, index) else None
         if cfg.model_type == "phi3":  # its checkpoints hold q/k/v and gate/up fused already
             self.qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
             self.gate_up = Linear.from_checkpoint(
@@ -45,17 +50,16 @@ class LlamaLayer:
         else:
             qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
             self.qkv = Linear.fused(weights, qkv, [q_size, kv_size, kv_size], hidden)
-            gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
-            self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
+            if self.moe is None:
+                gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
+                self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
         self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
-        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
+        if self.moe is None:
+            self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
         self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
-        self.qk_norm = (
-            _qk_norm(weights, prefix, num_heads, num_kv_heads, head_dim, cfg) if cfg.model_type == "qwen3" else None
-        )
-        # None: SiLU, fused with the gating product.
-        self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
+        qk_norms = cfg.model_type in ("qwen3", "qwen3_moe")
+        self.qk_norm = _qk_norm(weights, prefix, num_heads, num_kv_heads, head_dim, cfg) if qk_norms else None
         self.scale = head_dim**-0.5  # (transformers' Llama, Mistral and Qwen2 attention)
         # Granite scales attention, each layer's output into the residual stream, the embedding and the logits.
         self.residual_multiplier = 1.0
@@ -74,13 +78,15 @@ class LlamaLayer:
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         x = add_rms_norm(h, self._scaled(self.o_proj(o.view(t, -1))), *self.ln2)
-        gate_up = self.gate_up(x)
+        delta = self.moe(x) if self.moe is not None else self.down(self._glu(self.gate_up(x)))
+        return add_rms_norm(h, self._scaled(delta), *next_norm)
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of rows [gate | up]."""
         if self.act is None:
-            act = silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = self.act(gate) * up
-        return add_rms_norm(h, self._scaled(self.down(act)), *next_norm)
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
         return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
@@ -110,7 +116,7 @@ def sliding_windows(cfg) -> list[int]:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
-    return [window if cfg.model_type in ("mistral", "phi3") else 0] * cfg.num_hidden_layers
+    return [window if cfg.model_type in ("mistral", "mixtral", "phi3") else 0] * cfg.num_hidden_layers
 
 
 def rope_parameters(cfg, layer_type: str | None = None) -> dict:
@@ -182,10 +188,13 @@ class Llama:
                 rotary=True if rotary is None else bool(rotary[i]),
                 window=windows[i],
                 rotary_dim=2 * inv_freq.numel(),
+                index=i,
             )
             for i in range(self.num_layers)
         ]
         self.norm = (weights.get("model.norm.weight", (cfg.hidden_size,)), cfg.rms_norm_eps)
+        # The experts a step runs depend on its tokens: no fixed graph can replay them.
+        self.cuda_graphs_safe = all(layer.moe is None for layer in self.layers)
         granite = cfg.model_type == "granite"
         self.embedding_multiplier = cfg.embedding_multiplier if granite else 1.0
         self.logits_scaling = cfg.logits_scaling if granite else 1.0
