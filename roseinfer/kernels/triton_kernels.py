@@ -74,8 +74,8 @@ def _attend(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates without overflow
-            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1); past 2x = 80 that is 1.0 in float32, and exp stays finite
+            s = SOFTCAP * (1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * s / SOFTCAP, 80.0)) + 1.0))
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= pos[:, None])
