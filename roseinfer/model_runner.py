@@ -34,7 +34,7 @@ class ModelRunner:
         )
         # Decode-only steps of up to cuda_graph_max_seqs requests replay captured graphs (0: every step eager).
         self.graphs = None
-        graphs_fit = attn_backend.supports_cuda_graphs and getattr(model, "cuda_graphs_safe", True)
+        graphs_fit = attn_backend.supports_cuda_graphs and model.cuda_graphs_safe
         if cuda_graph_max_seqs and device.type == "cuda" and graphs_fit:
             from roseinfer.cuda_graphs import DecodeGraphs
 

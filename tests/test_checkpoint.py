@@ -32,6 +32,7 @@ def _config(family: str, **extra):
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
@@ -42,7 +43,7 @@ def _config(family: str, **extra):
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
                "gemma2": Gemma2Config, "granite": GraniteConfig, "mixtral": MixtralConfig,
-               "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
+               "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -92,6 +93,8 @@ FAMILIES = {
     "qwen3_moe (experts, a dense layer)": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                                          "moe_intermediate_size": 48, "decoder_sparse_step": 2,
                                                          "norm_topk_prob": False, "pad_token_id": None}),
+    # Norms after attention and the MLP, q and k normed over their whole projections.
+    "olmo2": ("olmo2", {"pad_token_id": None}),
     # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.
     "gemma2": ("gemma2", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": None}),

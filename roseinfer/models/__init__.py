@@ -10,7 +10,7 @@ from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "mixtral", "qwen3_moe")
-SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gemma2", "gemma3_text", "gemma3", "gpt2")
+SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "olmo2", "gemma2", "gemma3_text", "gemma3", "gpt2")
 # Vision-language checkpoints whose text model the engine serves on its own (text prompts only): where their text
 # model's ``model.*`` tensors sit, as the hub's files name them or as newer transformers saves them.
 TEXT_PARTS = {"gemma3": ("language_model.model.", "model.language_model.")}
@@ -57,6 +57,10 @@ def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM
         from roseinfer.models.gpt2 import GPT2
 
         return GPT2(config, weights, attn)
+    if config.model_type == "olmo2":
+        from roseinfer.models.olmo2 import Olmo2
+
+        return Olmo2(config, weights, attn)
     if config.model_type in ("gemma2", "gemma3_text"):
         from roseinfer.models.gemma import Gemma
 

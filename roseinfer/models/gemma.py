@@ -17,16 +17,16 @@ from roseinfer.models.llama import rope_frequencies, rope_tables, sliding_window
 Norm = tuple[torch.Tensor, float]  # (1 + weight in float32, eps)
 
 
-def gemma_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight_plus_one: torch.Tensor, eps: float):
-    """``h += delta`` in place (when given), then rmsnorm(h) * (1 + w) in float32, rounded to h's dtype: Gemma
-    rounds after the product, where Llama rounds before it. At float32 both orders are one product, so the fused
-    kernel gives transformers' numbers."""
+def gemma_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``h += delta`` in place (when given), then rmsnorm(h) * weight in float32 (Gemma's 1 + w, OLMo 2's w), rounded
+    to h's dtype: these models round after the product, where Llama rounds before it. At float32 both orders are one
+    product, so the fused kernel gives transformers' numbers."""
     if h.dtype == torch.float32:
-        return add_rms_norm(h, delta, weight_plus_one, eps)
+        return add_rms_norm(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)
     x = h.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(h.dtype)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(h.dtype)
 
 
 def gemma_norm_heads_(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> None:
@@ -93,6 +93,8 @@ class GemmaLayer:
 
 
 class Gemma:
+    cuda_graphs_safe = True
+
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder, not a causal LM
             raise ValueError("a Gemma config with use_bidirectional_attention is not supported")

@@ -49,6 +49,8 @@ class GPT2Block:
 
 
 class GPT2:
+    cuda_graphs_safe = True
+
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         # Saved by GPT2LMHeadModel, the names start "transformer."; the hub's original checkpoint has none.
         root = "transformer." if "transformer.wte.weight" in weights else ""
