@@ -650,16 +650,22 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_p
     src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
     client = _offline_client()
     with stuck_worker(client):
-        options = {"timeout": 1.0, "log_interval": 1e9}
-        first = threading.Thread(target=run_batch, args=(client, src, out), kwargs=options)
+        # The first run lasts until its job is canceled below: with a timeout of its own it could end, and free the
+        # output, before a loaded machine started the second run, which then waited on the stuck worker for good.
+        options = {"timeout": None, "poll_interval": 0.01, "log_interval": 1e9}
+        first = threading.Thread(target=run_batch, args=(client, src, out), kwargs=options, daemon=True)
         first.start()
         deadline = time.monotonic() + 10
         while not (tmp_path / "out.jsonl.lock").exists():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(ValueError, match="another run is writing"):
-            run_batch(_offline_client(), src, out)
-        first.join()
+            run_batch(_offline_client(), src, out, timeout=5.0)  # (a run not refused ends, and fails this test)
+        assert first.is_alive()
+        for key in client.connection.keys("rq:job:*"):
+            client.job(key.decode().removeprefix("rq:job:")).cancel()
+        first.join(timeout=30)
+        assert not first.is_alive()
     assert not (tmp_path / "out.jsonl.lock").exists()
     again = _offline_client()
     with stuck_worker(again):  # free again
