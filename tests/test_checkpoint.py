@@ -150,6 +150,17 @@ def _prompt_logprobs_gap(path: str, prompt: list[int]) -> float:
     return max(abs(a - b) for a, b in zip(ours, theirs))
 
 
+def test_which_qwen3_moe_layers_have_experts():
+    """transformers' rule: none without experts; else every ``decoder_sparse_step``-th but the dense-only ones."""
+    from transformers import Qwen3MoeConfig
+
+    from roseinfer.models.moe import is_sparse_layer
+
+    layers = {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert [is_sparse_layer(Qwen3MoeConfig(**layers), i) for i in range(4)] == [False, True, False, False]
+    assert not any(is_sparse_layer(Qwen3MoeConfig(**layers, num_experts=0), i) for i in range(4))
+
+
 WINDOWED = {
     "mistral, every layer": ("mistral", {"sliding_window": 6}),
     "qwen2, the upper layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),

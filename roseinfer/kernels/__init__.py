@@ -34,31 +34,11 @@ _triton = None
 _triton_tried = False
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# q, q_stride, k, v, kv_stride, k_cache, v_cache, slots, positions, seq_of_token, tables, width, out, tokens, heads,
+# kv_heads, head_dim, block_size, scale, window, softcap, bf16
+_PAGED_ATTENTION = [_P, _I, _P, _P, _I, *[_P] * 6, _I, _P, *[_I] * 5, _F, _I, _F, ctypes.c_int]
 _SIGNATURES = {
-    "paged_attention": [
-        _P,
-        _I,
-        _P,
-        _P,
-        _I,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I,
-        _P,
-        _I,
-        _I,
-        _I,
-        _I,
-        _I,
-        _F,
-        _I,
-        _F,
-        ctypes.c_int,
-    ],
+    "paged_attention": _PAGED_ATTENTION,
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
     "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
@@ -141,6 +121,15 @@ def _bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
+    """``weight * rmsnorm(x)`` over the last dim, in float32, in PyTorch ops. ``round_first``: Llama's order, the
+    normed rows rounded to x's dtype before the product; else Gemma's and OLMo 2's, the product in float32 (a float32
+    ``weight``) rounded after it."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype) if round_first else (y * weight).to(x.dtype)
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``h += delta`` in place (when given), then ``weight * rmsnorm(h)`` as transformers computes it."""
     lib = cpu_kernels_for(h.device, h.dtype)
@@ -149,9 +138,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if lib is None or not h.is_contiguous() or (delta is not None and not delta.is_contiguous()):
         if delta is not None:
             h.add_(delta)
-        x = h.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x.to(h.dtype)
+        return rms_norm(h, weight, eps)
     out = torch.empty_like(h)
     lib.add_rms_norm(
         h.data_ptr(),

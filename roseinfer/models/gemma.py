@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
-from roseinfer.kernels import add_rms_norm, rope_
+from roseinfer.kernels import add_rms_norm, rms_norm, rope_
 from roseinfer.models.linear import Linear
-from roseinfer.models.llama import rope_frequencies, rope_tables, sliding_windows
+from roseinfer.models.llama import (
+    activation,
+    attention_projections,
+    glu,
+    mlp_projections,
+    rope_frequencies,
+    rope_tables,
+    sliding_windows,
+)
 
 Norm = tuple[torch.Tensor, float]  # (1 + weight in float32, eps)
 
@@ -25,14 +32,7 @@ def gemma_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
         return add_rms_norm(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)
-    x = h.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(h.dtype)
-
-
-def gemma_norm_heads_(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> None:
-    """In place on x: [T, heads, D] (rows may be strided), Gemma's norm over each head; weight: [heads, D]."""
-    y = x.float()
-    x.copy_(y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one)
+    return rms_norm(h, weight, eps, round_first=False)
 
 
 def _norm(weights: Checkpoint, name: str, size: int, eps: float) -> Norm:
@@ -55,15 +55,11 @@ class GemmaLayer:
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv = Linear.fused(
-            weights, [f"{prefix}.self_attn.{p}_proj" for p in "qkv"], [q_size, kv_size, kv_size], hidden
+        self.qkv, self.o_proj = attention_projections(
+            weights, prefix, cfg, num_heads * head_dim, num_kv_heads * head_dim
         )
-        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
-        gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
-        self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
-        self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
-        self.act = ACT2FN[cfg.hidden_activation]
+        self.gate_up, self.down = mlp_projections(weights, prefix, cfg)
+        self.act = activation(cfg.hidden_activation)
         self.ln1 = _norm(weights, f"{prefix}.input_layernorm.weight", hidden, eps)
         self.post_attn = _norm(weights, f"{prefix}.post_attention_layernorm.weight", hidden, eps)
         self.pre_ff = _norm(weights, f"{prefix}.pre_feedforward_layernorm.weight", hidden, eps)
@@ -81,14 +77,13 @@ class GemmaLayer:
         next layer, normed by ``next_norm``."""
         t = h.shape[0]
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
-        if self.qk_norm is not None:
-            gemma_norm_heads_(qk, *self.qk_norm)
+        if self.qk_norm is not None:  # (1 + w) per head, in float32
+            qk.copy_(rms_norm(qk, self.qk_norm[0], self.qk_norm[1], round_first=False))
         rope_(qk, *self.rope, meta.positions)
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         x = gemma_rms_norm(h, gemma_rms_norm(self.o_proj(o.view(t, -1)), None, *self.post_attn), *self.pre_ff)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        delta = gemma_rms_norm(self.down(self.act(gate) * up), None, *self.post_ff)
+        delta = gemma_rms_norm(self.down(glu(self.gate_up(x), self.act)), None, *self.post_ff)
         return gemma_rms_norm(h, delta, *next_norm)
 
 

@@ -3,13 +3,16 @@ their experts): RMSNorm, rotary positions, grouped K/V heads, SwiGLU."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
-from roseinfer.kernels import add_rms_norm, rope_, silu_mul
+from roseinfer.kernels import add_rms_norm, rms_norm, rope_, silu_mul
 from roseinfer.models.linear import Linear
 from roseinfer.models.moe import SparseMoe, is_sparse_layer
 
@@ -38,24 +41,14 @@ class LlamaLayer:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qk_v_split = [num_heads + num_kv_heads, num_kv_heads]
         self.q_k_split = [num_heads, num_kv_heads]
-        hidden, q_size, kv_size = cfg.hidden_size, num_heads * head_dim, num_kv_heads * head_dim
-        # None: SiLU, fused with the gating product.
-        self.act = None if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
-        self.moe = SparseMoe(weights, prefix, cfg, self._glu) if is_sparse_layer(cfg, index) else None
-        if cfg.model_type == "phi3":  # its checkpoints hold q/k/v and gate/up fused already
-            self.qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
-            self.gate_up = Linear.from_checkpoint(
-                weights, f"{prefix}.mlp.gate_up_proj", 2 * cfg.intermediate_size, hidden
-            )
-        else:
-            qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
-            self.qkv = Linear.fused(weights, qkv, [q_size, kv_size, kv_size], hidden)
-            if self.moe is None:
-                gate_up = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
-                self.gate_up = Linear.fused(weights, gate_up, [cfg.intermediate_size] * 2, hidden)
-        self.o_proj = Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
+        hidden = cfg.hidden_size
+        self.qkv, self.o_proj = attention_projections(
+            weights, prefix, cfg, num_heads * head_dim, num_kv_heads * head_dim
+        )
+        self.glu = functools.partial(glu, act=activation(cfg.hidden_act))
+        self.moe = SparseMoe(weights, prefix, cfg, self.glu) if is_sparse_layer(cfg, index) else None
         if self.moe is None:
-            self.down = Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, cfg.intermediate_size)
+            self.gate_up, self.down = mlp_projections(weights, prefix, cfg)
         self.ln1 = (weights.get(f"{prefix}.input_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         self.ln2 = (weights.get(f"{prefix}.post_attention_layernorm.weight", (hidden,)), cfg.rms_norm_eps)
         qk_norms = cfg.model_type in ("qwen3", "qwen3_moe")
@@ -78,15 +71,8 @@ class LlamaLayer:
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         x = add_rms_norm(h, self._scaled(self.o_proj(o.view(t, -1))), *self.ln2)
-        delta = self.moe(x) if self.moe is not None else self.down(self._glu(self.gate_up(x)))
+        delta = self.moe(x) if self.moe is not None else self.down(self.glu(self.gate_up(x)))
         return add_rms_norm(h, self._scaled(delta), *next_norm)
-
-    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """act(gate) * up of rows [gate | up]."""
-        if self.act is None:
-            return silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate) * up
 
     def _scaled(self, delta: torch.Tensor) -> torch.Tensor:
         return delta if self.residual_multiplier == 1.0 else delta * self.residual_multiplier
@@ -100,12 +86,51 @@ def _qk_norm(weights: Checkpoint, prefix: str, num_heads: int, num_kv_heads: int
     return torch.cat([q.expand(num_heads, head_dim), k.expand(num_kv_heads, head_dim)]), cfg.rms_norm_eps
 
 
+def attention_projections(weights: Checkpoint, prefix: str, cfg, q_size: int, kv_size: int) -> tuple[Linear, Linear]:
+    """A layer's q/k/v projections as one layer, and its output projection; Phi-3's checkpoints hold q/k/v fused."""
+    hidden = cfg.hidden_size
+    if cfg.model_type == "phi3":
+        qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
+    else:
+        names = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
+        qkv = Linear.fused(weights, names, [q_size, kv_size, kv_size], hidden)
+    return qkv, Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
+
+
+def mlp_projections(weights: Checkpoint, prefix: str, cfg) -> tuple[Linear, Linear]:
+    """A dense MLP's gate and up projections as one layer, and its down projection; Phi-3's hold gate/up fused."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    if cfg.model_type == "phi3":
+        gate_up = Linear.from_checkpoint(weights, f"{prefix}.mlp.gate_up_proj", 2 * inter, hidden)
+    else:
+        gate_up = Linear.fused(weights, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], [inter] * 2, hidden)
+    return gate_up, Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, inter)
+
+
+def output_layer(weights: Checkpoint, cfg, embed: torch.Tensor) -> Linear:
+    """The logits' layer: the embedding itself where the config ties them."""
+    if getattr(cfg, "tie_word_embeddings", False):
+        return Linear(embed)
+    return Linear.from_checkpoint(weights, "lm_head", cfg.vocab_size, cfg.hidden_size)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """transformers' activation of that name; None for SiLU, which ``glu`` fuses with the gating product."""
+    return None if name == "silu" else ACT2FN[name]
+
+
+def glu(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """act(gate) * up of rows [gate | up] (``act`` None: SiLU)."""
+    if act is None:
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place on x: [T, heads, D] (rows may be strided), each head normed over D and scaled by its row of
     ``weight`` [heads, D], as transformers' RMSNorm computes it."""
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    x.copy_(weight * y.to(x.dtype))
+    x.copy_(rms_norm(x, weight, eps))
 
 
 def sliding_windows(cfg) -> list[int]:
@@ -169,8 +194,12 @@ class Llama:
         if params.get("rope_type") == "longrope":
             # transformers recomputes a sequence's whole cache with the long factors once it passes the original
             # length; a paged cache cannot, so contexts stay within it, where both use the short factors.
-            original = params.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
-            self.max_position_embeddings = min(self.max_position_embeddings, original)
+            # (Neither key: transformers takes max_position_embeddings as the original length, the whole context.)
+            original = params.get("original_max_position_embeddings") or getattr(
+                cfg, "original_max_position_embeddings", 0
+            )
+            if original:
+                self.max_position_embeddings = min(self.max_position_embeddings, original)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
@@ -198,10 +227,7 @@ class Llama:
         granite = cfg.model_type == "granite"
         self.embedding_multiplier = cfg.embedding_multiplier if granite else 1.0
         self.logits_scaling = cfg.logits_scaling if granite else 1.0
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head = Linear(self.embed)
-        else:
-            self.lm_head = Linear.from_checkpoint(weights, "lm_head", cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = output_layer(weights, cfg, self.embed)
         self.cos, self.sin = rope_tables(
             inv_freq, attention_scaling, self.max_position_embeddings, self.embed.dtype, self.embed.device
         )

@@ -23,7 +23,8 @@ def is_sparse_layer(cfg, index: int) -> bool:
     if cfg.model_type == "mixtral":
         return True
     if cfg.model_type == "qwen3_moe":
-        return index not in (cfg.mlp_only_layers or []) and (index + 1) % cfg.decoder_sparse_step == 0
+        sparse_step = (index + 1) % cfg.decoder_sparse_step == 0
+        return cfg.num_experts > 0 and index not in (cfg.mlp_only_layers or []) and sparse_step
     return False
 
 
