@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 import roseinfer.sampler as sampler_module
@@ -150,7 +151,9 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
     code runs, so these are caught here too."""
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
     seqs, masks = _mixed_batch(40)
+    monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
     expected = Sampler([0], 5, torch.device("cpu"))(logits, *_mixed_batch(40))
+    monkeypatch.undo()
 
     def refuse(name):
         def read_back(self, *args, **kwargs):
@@ -170,7 +173,8 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
 
     sampler = Sampler([0], 5, torch.device("cpu"))
     with monkeypatch.context() as m:
-        # The GPU's filters: a CPU looks at each row's top candidates first, reading back which rows they settled.
+        # The GPU's path: a CPU samples in its C kernel, and its PyTorch filters read back which rows settled.
+        m.setattr(sampler_module, "can_sample_rows", lambda logits: False)
         m.setattr(sampler_module, "apply_filters", sampler_module._filters_over_sorted_vocabulary)
         for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "unique", "cpu"):
             m.setattr(torch.Tensor, name, refuse(name))
@@ -248,3 +252,91 @@ def test_a_seeded_rows_draws_are_one_a_token_and_advance_replays_them():
     resumed = seeded_generator(11, torch.device("cpu"))
     advance_generator(resumed, 4)
     assert [draw_uniform(resumed).item() for _ in range(3)] == run[4:]
+
+
+def _reference_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[set[int], set[int]]:
+    """The filters in float64 over the row sorted by value (equal values in id order): the ids kept, and the ids a
+    rounding could decide either way (top-p's running mass within 1e-6 of its target)."""
+    v, order = row.double().sort(descending=True, stable=True)
+    keep = torch.ones(len(v), dtype=torch.bool)
+    if 0 < top_k < len(v):
+        keep &= v >= v[top_k - 1]
+    if min_p > 0:  # float32, as the kernel and PyTorch compare
+        keep &= (row[order] - row[order[0]]) >= torch.tensor(min_p).log()
+    keep[0] = True
+    unsure = torch.zeros(len(v), dtype=torch.bool)
+    if top_p < 1:
+        weights = torch.where(keep, torch.exp(v - v[0]), 0.0)
+        before = weights.cumsum(0) - weights
+        target = top_p * weights.sum()
+        unsure = keep & ((before - target).abs() <= 1e-6 * weights.sum())
+        keep &= before < target
+        keep[0] = True
+    return set(order[keep].tolist()), set(order[unsure].tolist())
+
+
+def test_kernel_filters_keep_what_a_float64_walk_keeps():
+    """The CPU kernel's filters (a radix select, no sort) against a float64 walk down the sorted row: peaked and
+    flat rows, exact ties (ties at the k-th value all stay; top-p takes equal values in id order), -0 beside +0,
+    rows masked to -inf, each filter alone and together."""
+    from roseinfer.kernels import can_sample_rows, filter_rows
+
+    if not can_sample_rows(torch.zeros(1, 2)):
+        pytest.skip("no C compiler: the CPU samples with PyTorch ops")
+    gen = torch.Generator().manual_seed(0)
+    for case in range(30):
+        vocab = [300, 5000, 49152][case % 3]
+        logits = torch.randn(6, vocab, generator=gen) * [0.5, 3.0, 12.0][case % 4 % 3]
+        if case % 5 == 0:
+            logits = logits.round()  # ties, and -0.0 among the 0.0s
+        if case % 7 == 0:
+            logits[0, 100:] = float("-inf")
+        r = torch.randint(0, 4, (3, 6), generator=gen).tolist()
+        top_k = [[0, 1, 7, 200][i] for i in r[0]]
+        top_p = [[1.0, 0.5, 0.9, 0.99][i] for i in r[1]]
+        min_p = [[0.0, 0.01, 0.1, 0.0][i] for i in r[2]]
+        out = filter_rows(logits, top_k, top_p, min_p)
+        for row, got, k, p, mp in zip(logits, out, top_k, top_p, min_p):
+            kept, unsure = _reference_filter(row, k, p, mp)
+            got_kept = set(torch.isfinite(got).nonzero().flatten().tolist())
+            finite = set(torch.isfinite(row).nonzero().flatten().tolist())
+            assert got_kept ^ (kept & finite) <= unsure, (case, k, p, mp)
+            assert torch.equal(got[torch.isfinite(got)], row[torch.isfinite(got)])
+
+
+def test_kernel_draws_invert_the_running_sum_and_never_take_a_masked_token():
+    """The CPU kernel's draw at u lands where the filtered distribution's float64 running sum passes u (to within
+    1e-6 of a boundary), reads bfloat16 logits as their float32 values, and never takes a -inf or filtered token;
+    a draw at the very top of [0, 1) takes the last token that can be drawn."""
+    from roseinfer.kernels import can_sample_rows, sample_rows
+
+    if not can_sample_rows(torch.zeros(1, 2)):
+        pytest.skip("no C compiler: the CPU samples with PyTorch ops")
+    gen = torch.Generator().manual_seed(3)
+    rows = 120
+    logits = (torch.randn(rows, 3000, generator=gen) * 2).bfloat16().float()
+    logits[:, 2000:2100] = float("-inf")
+    temperature = [[0.7, 1.0, 1.3][i % 3] for i in range(rows)]
+    top_k = [[0, 0, 40, 0, 500][i % 5] for i in range(rows)]
+    top_p = [[1.0, 0.9, 1.0, 0.5][i % 4] for i in range(rows)]
+    min_p = [[0.0, 0.0, 0.0, 0.0, 0.0, 0.02][i % 6] for i in range(rows)]
+    u = torch.rand(rows, dtype=torch.float64, generator=gen)
+    u[:3] = torch.tensor([0.0, 1 - 2**-53, 0.5], dtype=torch.float64)
+    got = sample_rows(logits, temperature, top_k, top_p, min_p, u)
+    assert torch.equal(sample_rows(logits.bfloat16(), temperature, top_k, top_p, min_p, u), got)
+    last_drawable = None
+    for r in range(rows):
+        x = logits[r] / temperature[r]
+        kept, unsure = _reference_filter(x, top_k[r], top_p[r], min_p[r])
+        ids = sorted(i for i in kept if torch.isfinite(x[i]))
+        weights = torch.zeros(len(x), dtype=torch.float64)
+        weights[ids] = torch.exp(x[ids].double() - x.max().double())
+        cdf = weights.cumsum(0) / weights.sum()
+        token = got[r].item()
+        assert token in kept or token in unsure, r
+        assert torch.isfinite(x[token]), r
+        low = cdf[token - 1].item() if token else 0.0
+        assert low - 1e-6 <= u[r].item() <= cdf[token].item() + 1e-6, (r, token)
+        last_drawable = ids[-1] if r == 1 else last_drawable
+    assert got[0].item() == min(_reference_filter(logits[0] / 0.7, 0, 1.0, 0.0)[0])
+    assert got[1].item() == last_drawable

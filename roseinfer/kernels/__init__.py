@@ -42,6 +42,10 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
     "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
+    # logits, rows, vocabulary, row stride, bf16, temperature, top_k, top_p, min_p, u, out
+    "sample_rows": [_P, _I, _I, _I, ctypes.c_int, *[_P] * 6],
+    # x, rows, vocabulary, row stride, top_k, top_p, min_p, out
+    "filter_rows": [_P, _I, _I, _I, *[_P] * 4],
 }
 
 
@@ -200,3 +204,50 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     rows, n = logits.shape
     lib.argmax_rows(logits.data_ptr(), rows, n, logits.stride(0), _bf16(logits), out.data_ptr())
     return out.tolist()
+
+
+def can_sample_rows(logits: torch.Tensor) -> bool:
+    """Whether ``sample_rows`` runs on these logits (else PyTorch's ops sample them)."""
+    return cpu_kernels_for(logits.device, logits.dtype) is not None and logits.dim() == 2 and logits.stride(1) == 1
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: list[float],
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's token (int64): its argmax where its temperature is 0, else the draw at ``u`` (float64 in [0, 1))
+    from softmax(row / temperature) as top-k, min-p and top-p leave it (0, 0.0, 1.0: off). The token is where the
+    kept probabilities' running sum passes u of their total, as ``sampler.sample_inverse_cdf`` draws it. Only where
+    ``can_sample_rows``."""
+    lib = cpu_kernels_for(logits.device, logits.dtype)
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    args = [
+        torch.tensor(temperature, dtype=torch.float32),
+        torch.tensor([max(k, 0) for k in top_k], dtype=torch.int64),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(min_p, dtype=torch.float32),
+        u.to(torch.float64).contiguous(),
+    ]
+    lib.sample_rows(
+        logits.data_ptr(), rows, n, logits.stride(0), _bf16(logits), *[a.data_ptr() for a in args], out.data_ptr()
+    )
+    return out
+
+
+def filter_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """``sampler.apply_filters`` in the C kernel (float32 rows on CPU): what ``sample_rows`` keeps of each row."""
+    lib = cpu_kernels_for(logits.device, torch.float32)
+    x = logits.float().contiguous()
+    out = torch.empty_like(x)
+    args = [
+        torch.tensor([max(k, 0) for k in top_k], dtype=torch.int64),
+        torch.tensor(top_p, dtype=torch.float32),
+        torch.tensor(min_p, dtype=torch.float32),
+    ]
+    lib.filter_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), *[a.data_ptr() for a in args], out.data_ptr())
+    return out

@@ -429,48 +429,353 @@ static inline float logit_at(const void* row, int64_t i, int bf16) {
     return bf16 ? bf2f(((const uint16_t*)row)[i]) : ((const float*)row)[i];
 }
 
-void argmax_rows(const void* x, int64_t rows, int64_t n, int64_t row_stride, int bf16, int64_t* out) {
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const char* row = (const char*)x + r * row_stride * (bf16 ? 2 : 4);
-        float m = -INFINITY;
-        int nan = 0;
-        if (bf16) {
-            const uint16_t* v = (const uint16_t*)row;
+static int64_t argmax_row(const char* row, int64_t n, int bf16) {
+    float m = -INFINITY;
+    int nan = 0;
+    if (bf16) {
+        const uint16_t* v = (const uint16_t*)row;
 #pragma omp simd reduction(max : m) reduction(| : nan)
-            for (int64_t i = 0; i < n; i++) {
-                const float f = bf2f(v[i]);
-                m = f > m ? f : m;
-                nan |= f != f;
-            }
-        } else {
-            const float* v = (const float*)row;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-            for (int64_t i = 0; i < n; i++) {
-                m = v[i] > m ? v[i] : m;
-                nan |= v[i] != v[i];
-            }
+        for (int64_t i = 0; i < n; i++) {
+            const float f = bf2f(v[i]);
+            m = f > m ? f : m;
+            nan |= f != f;
         }
-        int64_t found = 0;
-        for (int64_t i0 = 0; i0 < n; i0 += 256) {
-            const int64_t end = i0 + 256 < n ? i0 + 256 : n;
-            int hit = 0;
+    } else {
+        const float* v = (const float*)row;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            m = v[i] > m ? v[i] : m;
+            nan |= v[i] != v[i];
+        }
+    }
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+        const int64_t end = i0 + 256 < n ? i0 + 256 : n;
+        int hit = 0;
 #pragma omp simd reduction(| : hit)
+        for (int64_t i = i0; i < end; i++) {
+            const float f = logit_at(row, i, bf16);
+            hit |= nan ? f != f : f == m;
+        }
+        if (hit) {
             for (int64_t i = i0; i < end; i++) {
                 const float f = logit_at(row, i, bf16);
-                hit |= nan ? f != f : f == m;
-            }
-            if (hit) {
-                for (int64_t i = i0; i < end; i++) {
-                    const float f = logit_at(row, i, bf16);
-                    if (nan ? f != f : f == m) {
-                        found = i;
-                        break;
-                    }
-                }
-                break;
+                if (nan ? f != f : f == m) return i;
             }
         }
-        out[r] = found;
+    }
+    return 0;
+}
+
+void argmax_rows(const void* x, int64_t rows, int64_t n, int64_t row_stride, int bf16, int64_t* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const char*)x + r * row_stride * (bf16 ? 2 : 4), n, bf16);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Random sampling, a row at a time: its logits over the temperature, the filters (top-k and min-p, then top-p over
+// what they kept, as vLLM V1), and one draw where the kept weights' running sum passes u of their total. PyTorch
+// made some ten passes over each row's vocabulary and a float64 copy of it; here the row is read once and its
+// weights a few times while they sit in cache. The filters find where they stop by a radix select on the values'
+// bits, not by sorting the vocabulary.
+
+// A float's bits as an unsigned key ordered as the float is, -0 and +0 one key as they are one value (no NaN
+// comes here).
+static inline uint32_t order_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u << 1) == 0 ? 0 : u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+typedef struct {  // one thread's scratch for rows of n values
+    float* x;         // the row over its temperature
+    float* e;         // its weights exp(x - max), 0 where filtered out
+    int32_t* cand;    // candidate token ids
+    float* blocks;    // sums of DRAW_BLOCK weights
+    int64_t* counts;  // per radix digit: values and weight
+    double* masses;
+} row_space;
+
+#define DRAW_BLOCK 64
+#define DIGITS 4096
+
+static void row_space_init(row_space* ws, int64_t n) {
+    ws->x = (float*)malloc(sizeof(float) * n);
+    ws->e = (float*)malloc(sizeof(float) * n);
+    ws->cand = (int32_t*)malloc(sizeof(int32_t) * n);
+    ws->blocks = (float*)malloc(sizeof(float) * (n / DRAW_BLOCK + 1));
+    ws->counts = (int64_t*)malloc(sizeof(int64_t) * DIGITS);
+    ws->masses = (double*)malloc(sizeof(double) * DIGITS);
+}
+
+static void row_space_free(row_space* ws) {
+    free(ws->x);
+    free(ws->e);
+    free(ws->cand);
+    free(ws->blocks);
+    free(ws->counts);
+    free(ws->masses);
+}
+
+// The ids of the values at least thr, in order (branch-free: which pass is anyone's guess).
+static int64_t collect(const float* v, int64_t n, float thr, int32_t* ids) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        ids[m] = (int32_t)i;
+        m += v[i] >= thr;
+    }
+    return m;
+}
+
+static int64_t count_at_least(const float* v, int64_t n, float thr) {
+    int64_t m = 0;
+#pragma omp simd reduction(+ : m)
+    for (int64_t i = 0; i < n; i++) m += v[i] >= thr;
+    return m;
+}
+
+// Where a walk down the candidates cand[0..n) in descending order (equal values in id order) stops, as the last
+// element it keeps (*value, *id): by count (k > 0), the first k; by mass (k == 0), each element whose predecessors'
+// weights sum below target. The candidates are narrowed to the digit that holds it, 12 bits of the key at a time,
+// with the count and weight above that digit carried along; the few left are sorted. dense: the candidates are
+// all of 0..n-1, read straight (cand only takes the narrowed ones).
+static void walk_stop(const float* x, const float* e, int32_t* cand, int64_t n, int dense, int64_t k, double target,
+                      row_space* ws, float* value, int32_t* id) {
+    static const int shifts[3] = {20, 8, 0};
+    static const uint32_t masks[3] = {0xfff, 0xfff, 0xff};
+    int64_t count_above = 0;
+    double mass_above = 0.0;
+    for (int level = 0; level < 3 && n > 16; level++) {
+        const int shift = shifts[level];
+        const uint32_t mask = masks[level];
+        memset(ws->counts, 0, sizeof(int64_t) * (mask + 1));
+        memset(ws->masses, 0, sizeof(double) * (mask + 1));
+        if (dense) {
+            for (int64_t j = 0; j < n; j++) ws->counts[(order_key(x[j]) >> shift) & mask]++;
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                const uint32_t d = (order_key(x[cand[j]]) >> shift) & mask;
+                ws->counts[d]++;
+                if (k == 0) ws->masses[d] += e[cand[j]];
+            }
+        }
+        int64_t stop = -1, lowest = -1;
+        for (int64_t d = mask; d >= 0; d--) {
+            if (ws->counts[d] == 0) continue;
+            lowest = d;
+            if (k > 0 ? count_above + ws->counts[d] >= k : mass_above + ws->masses[d] >= target) {
+                stop = d;
+                break;
+            }
+            count_above += ws->counts[d];
+            mass_above += ws->masses[d];
+        }
+        if (stop < 0) {  // the target never reached (rounding): the walk keeps all, to the lowest digit's last
+            stop = lowest;
+            count_above -= ws->counts[lowest];
+            mass_above -= ws->masses[lowest];
+        }
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int32_t c = dense ? (int32_t)j : cand[j];
+            cand[m] = c;
+            m += ((order_key(x[c]) >> shift) & mask) == (uint32_t)stop;
+        }
+        n = m;
+        dense = 0;
+    }
+    if (dense)
+        for (int64_t j = 0; j < n; j++) cand[j] = (int32_t)j;
+    // At most 16 left, or more of one value, already in id order (each narrowing keeps the order).
+    if (n <= 16) {
+        for (int64_t j = 1; j < n; j++) {
+            const int32_t c = cand[j];
+            int64_t i = j - 1;
+            while (i >= 0 && (x[cand[i]] < x[c] || (x[cand[i]] == x[c] && cand[i] > c))) {
+                cand[i + 1] = cand[i];
+                i--;
+            }
+            cand[i + 1] = c;
+        }
+    }
+    int64_t last = 0;
+    if (k > 0) {
+        last = k - count_above - 1;
+        last = last < 0 ? 0 : (last >= n ? n - 1 : last);
+    } else {
+        double run = mass_above;
+        for (int64_t j = 0; j < n && (j == 0 || run < target); j++) {
+            last = j;
+            run += e[cand[j]];
+        }
+    }
+    *value = x[cand[last]];
+    *id = cand[last];
+}
+
+typedef struct {  // what a row's filters keep: at least top-k's k-th value, within log(min_p) of the largest,
+    float kth, log_min_p, top;  // and with top-p, no later than its last element (pv, pid) in descending order
+    float pv;
+    int32_t pid;
+    int top_p;
+} row_filter;
+
+static inline int in_floor(const row_filter* f, float x) { return x >= f->kth && x - f->top >= f->log_min_p; }
+
+static inline int filter_keeps(const row_filter* f, float x, int64_t i) {
+    return in_floor(f, x) && (!f->top_p || x > f->pv || (x == f->pv && i <= f->pid));
+}
+
+// The filters of row x[0..n) (its largest value top): fills f, and ws->e with the weights of what they keep
+// (exp(x - top), 0 below e^-87: float32's softmax has nothing of them either).
+static void filter_row(const float* x, int64_t n, float top, int64_t top_k, float top_p, float min_p, row_space* ws,
+                       row_filter* f) {
+    f->top = top;
+    f->kth = -INFINITY;
+    f->log_min_p = min_p > 0.f ? logf(min_p) : -INFINITY;
+    f->top_p = 0;
+    if (top_k > 0 && top_k < n) {
+        // The k-th largest lies among the values within some width of the largest once k of them do (a count is
+        // one vector pass): the walk then reads those, not the vocabulary.
+        float width = 4.f;
+        while (width <= 2048.f && count_at_least(x, n, top - width) < top_k) width *= 1.5f;
+        int32_t id;
+        if (width <= 2048.f)
+            walk_stop(x, NULL, ws->cand, collect(x, n, top - width, ws->cand), 0, top_k, 0.0, ws, &f->kth, &id);
+        else
+            walk_stop(x, NULL, ws->cand, n, 1, top_k, 0.0, ws, &f->kth, &id);
+    }
+    float* e = ws->e;
+    const float kth = f->kth, lmp = f->log_min_p;
+    double mass = 0.0;
+    for (int64_t b = 0; b < n; b += DRAW_BLOCK) {
+        const int64_t hi = b + DRAW_BLOCK < n ? b + DRAW_BLOCK : n;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = b; i < hi; i++) {
+            const float d = x[i] - top;
+            e[i] = (x[i] >= kth && d >= lmp && d > -87.f) ? softmax_exp(d) : 0.f;
+            s += e[i];
+        }
+        mass += s;
+    }
+    if (top_p < 1.f) {
+        // What weighs under tau, at most n * tau, is under half of what top-p drops: the walk reads the rest only.
+        float tau = (float)(0.5 * (1.0 - (double)top_p) * mass / (double)n);
+        tau = tau > 1e-45f ? tau : 1e-45f;
+        const int64_t m = collect(e, n, tau, ws->cand);
+        walk_stop(x, e, ws->cand, m, 0, 0, (double)top_p * mass, ws, &f->pv, &f->pid);
+        f->top_p = 1;
+        const float pv = f->pv;
+        const int32_t pid = f->pid;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            if (!(x[i] > pv || (x[i] == pv && i <= pid))) e[i] = 0.f;
+    }
+}
+
+// The token where the running sum of e passes u of its total (u in [0, 1)): blocks of DRAW_BLOCK weights are summed
+// first, the block found, then the token in it. Never a token of weight 0.
+static int64_t draw_row(const float* e, int64_t n, double u, float* blocks) {
+    const int64_t nb = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t lo = b * DRAW_BLOCK, hi = lo + DRAW_BLOCK < n ? lo + DRAW_BLOCK : n;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = lo; i < hi; i++) s += e[i];
+        blocks[b] = s;
+        total += s;
+    }
+    double target = u * total;
+    if (target >= total) target = nextafter(total, 0.0);  // a draw that rounds up to the total
+    double c = 0.0;
+    int64_t b = 0;
+    for (; b < nb - 1; b++) {
+        const double next = c + blocks[b];
+        if (next > target) break;
+        c = next;
+    }
+    const int64_t lo = b * DRAW_BLOCK, hi = lo + DRAW_BLOCK < n ? lo + DRAW_BLOCK : n;
+    int64_t last = -1;
+    for (int64_t i = lo; i < hi; i++) {
+        if (e[i] > 0.f) {
+            last = i;
+            c += e[i];
+            if (c > target) return i;
+        }
+    }
+    if (last >= 0) return last;  // the block's float sum passed the target, its float64 running sum did not
+    for (int64_t i = n - 1; i >= 0; i--)
+        if (e[i] > 0.f) return i;
+    return 0;
+}
+
+static int64_t sample_row(const char* row, int64_t n, int bf16, float temperature, int64_t top_k, float top_p,
+                          float min_p, double u, row_space* ws) {
+    if (!(temperature > 0.f)) return argmax_row(row, n, bf16);
+    float* x = ws->x;
+    float top = -INFINITY;
+    int nan = 0;
+    if (bf16) {
+        const uint16_t* v = (const uint16_t*)row;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = bf2f(v[i]) / temperature;  // a division, as transformers' temperature warper
+            top = x[i] > top ? x[i] : top;
+            nan |= x[i] != x[i];
+        }
+    } else {
+        const float* v = (const float*)row;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = v[i] / temperature;
+            top = x[i] > top ? x[i] : top;
+            nan |= x[i] != x[i];
+        }
+    }
+    if (nan || top == -INFINITY || top == INFINITY) return argmax_row(row, n, bf16);  // no distribution to draw from
+    row_filter f;
+    filter_row(x, n, top, top_k, top_p, min_p, ws, &f);
+    return draw_row(ws->e, n, u, ws->blocks);
+}
+
+// Each row's token: the argmax where its temperature is 0, else a draw at u[r] from its filtered distribution
+// (top_k 0, top_p 1, min_p 0: off).
+void sample_rows(const void* logits, int64_t rows, int64_t n, int64_t row_stride, int bf16, const float* temperature,
+                 const int64_t* top_k, const float* top_p, const float* min_p, const double* u, int64_t* out) {
+#pragma omp parallel
+    {
+        row_space ws;
+        row_space_init(&ws, n);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++)
+            out[r] = sample_row((const char*)logits + r * row_stride * (bf16 ? 2 : 4), n, bf16, temperature[r],
+                                top_k[r], top_p[r], min_p[r], u[r], &ws);
+        row_space_free(&ws);
+    }
+}
+
+// The filters alone, on float32 rows whose temperature is applied: out = x where they keep it, else -inf.
+void filter_rows(const float* x, int64_t rows, int64_t n, int64_t row_stride, const int64_t* top_k,
+                 const float* top_p, const float* min_p, float* out) {
+#pragma omp parallel
+    {
+        row_space ws;
+        row_space_init(&ws, n);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            const float* v = x + r * row_stride;
+            float top = -INFINITY;
+            for (int64_t i = 0; i < n; i++) top = v[i] > top ? v[i] : top;
+            row_filter f;
+            if (top == -INFINITY || top == INFINITY) {
+                memcpy(out + r * n, v, sizeof(float) * n);
+                continue;
+            }
+            filter_row(v, n, top, top_k[r], top_p[r], min_p[r], &ws, &f);
+            for (int64_t i = 0; i < n; i++) out[r * n + i] = filter_keeps(&f, v[i], i) ? v[i] : -INFINITY;
+        }
+        row_space_free(&ws);
     }
 }
