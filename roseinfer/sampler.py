@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roseinfer.kernels import argmax_rows, can_sample_rows, sample_rows
+from roseinfer.kernels import RowProcessors, argmax_rows, can_sample_rows, sample_rows
 from roseinfer.sequence import Sequence
 from roseinfer.structured_output import GrammarMasks
 
@@ -120,14 +120,15 @@ class Sampler:
         blocking copy, no value read back, no shape that depends on one), so the host's one wait is ``result()``."""
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
-        processed = masks is not None or any(p.uses_penalties or p.min_tokens or p.logit_bias for p in params)
-        if not any(want_logprobs) and not processed:
-            if all(p.greedy for p in params):
+        processed = any(p.uses_penalties or p.min_tokens or p.logit_bias for p in params)
+        if not any(want_logprobs) and masks is None:
+            if not processed and all(p.greedy for p in params):
                 if logits.device.type != "cuda":
                     return PendingSample(SamplerOutput(argmax_rows(logits), [None] * len(seqs)))
                 return self._fetch([logits.float().argmax(dim=-1)], _tokens_only)
             if can_sample_rows(logits):  # straight from the model's logits: no float32 copy of the batch
-                return self._fetch([self._sample_rows(logits, seqs)], _tokens_only)
+                processors = self._row_processors(seqs, logits.shape[1]) if processed else None
+                return self._fetch([self._sample_rows(logits, seqs, processors)], _tokens_only)
         logits = logits.float()
 
         raw_logprobs = None
@@ -248,22 +249,40 @@ class Sampler:
 
     def _block_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Before min_tokens are out, EOS and stop tokens cannot be chosen."""
-        vocab = logits.shape[1]
         rows: list[int] = []
         ids: list[int] = []
         for i, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    banned += self.eos_token_ids
-                # Ids past the vocabulary (a config's EOS, a job's stop id) can never be sampled: nothing to ban.
-                banned = [t for t in banned if t < vocab]
-                rows += [i] * len(banned)
-                ids += banned
+            banned = self._banned(seq, logits.shape[1])
+            rows += [i] * len(banned)
+            ids += banned
         if ids:
             pairs = to_device([rows, ids], torch.long, logits.device)
             logits[pairs[0], pairs[1]] = float("-inf")
+
+    def _banned(self, seq: Sequence, vocab: int) -> list[int]:
+        """The tokens a row cannot choose yet: EOS and its stop tokens until min_tokens are out."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
+        # Ids past the vocabulary (a config's EOS, a job's stop id) can never be sampled: nothing to ban.
+        return [t for t in banned if t < vocab]
+
+    def _row_processors(self, seqs: list[Sequence], vocab: int) -> RowProcessors:
+        """The logit bias, penalties and min_tokens bans of each row, for the CPU kernel to apply as
+        ``_apply_logit_bias``, ``_apply_penalties`` and ``_block_early_stop`` do."""
+        params = [s.params for s in seqs]
+        return RowProcessors(
+            bias=[p.logit_bias or {} for p in params],
+            history=[s.token_ids if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
+            repetition=[p.repetition_penalty for p in params],
+            output=[
+                s.output_token_ids if p.frequency_penalty or p.presence_penalty else [] for s, p in zip(seqs, params)
+            ],
+            frequency=[p.frequency_penalty for p in params],
+            presence=[p.presence_penalty for p in params],
+            banned=[self._banned(s, vocab) for s in seqs],
+        )
 
     def _masked(self, logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
         """A copy of ``logits`` with what each constrained row's structured output forbids at -inf."""
@@ -320,7 +339,9 @@ class Sampler:
                 u[i : i + 1] = draw_uniform(seq.generator)
         return u
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence], processors: RowProcessors | None = None
+    ) -> torch.Tensor:
         """Every row's token in the CPU kernel: greedy rows' argmax, and the random rows' draws from the same
         uniform numbers as ``_sample`` takes (a seeded request draws the same sequence of them either way)."""
         params = [s.params for s in seqs]
@@ -335,6 +356,7 @@ class Sampler:
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
             u=u,
+            processors=processors,
         )
 
     @staticmethod

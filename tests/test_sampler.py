@@ -340,3 +340,63 @@ def test_kernel_draws_invert_the_running_sum_and_never_take_a_masked_token():
         last_drawable = ids[-1] if r == 1 else last_drawable
     assert got[0].item() == min(_reference_filter(logits[0] / 0.7, 0, 1.0, 0.0)[0])
     assert got[1].item() == last_drawable
+
+
+def test_kernel_applies_bias_penalties_and_bans_as_the_pytorch_processors():
+    """Greedy rows through the CPU kernel's processors (logit bias, repetition, frequency and presence penalties,
+    min_tokens' bans, each alone and together, repeated tokens in the histories) choose what PyTorch's processors
+    make the argmax, on bfloat16 and float32 logits."""
+    from roseinfer.kernels import can_sample_rows
+
+    if not can_sample_rows(torch.zeros(1, 2)):
+        pytest.skip("no C compiler: the CPU samples with PyTorch ops")
+    gen = torch.Generator().manual_seed(5)
+    vocab, rows = 60, 48
+    seqs = []
+    for i in range(rows):
+        kind = i % 6
+        p = SamplingParams(
+            temperature=0,
+            logit_bias={int(t): float(b) for t, b in zip(torch.randint(0, vocab, (3,), generator=gen), [4, -3, 2.5])}
+            if kind in (0, 5)
+            else None,
+            repetition_penalty=[1.0, 1.8, 1.0, 1.0, 1.3, 1.5][kind],
+            frequency_penalty=[0.0, 0.0, 1.5, 0.0, 0.7, 0.4][kind],
+            presence_penalty=[0.0, 0.0, 0.0, 2.0, 0.5, 0.3][kind],
+            min_tokens=[0, 0, 0, 9, 0, 9][kind],
+            stop_token_ids=[int(torch.randint(0, vocab, (1,), generator=gen))],
+            max_tokens=20,
+        )
+        history = torch.randint(0, vocab // 3, (12,), generator=gen).tolist()  # repeats among few tokens
+        s = seq(p, tokens=history[:5])
+        s.token_ids += history[5:]
+        seqs.append(s)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(rows, vocab, generator=gen) * 2).to(dtype)
+        kernel = Sampler([7], 0, torch.device("cpu"))(logits, seqs).token_ids
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(sampler_module, "can_sample_rows", lambda logits: False)
+            expected = Sampler([7], 0, torch.device("cpu"))(logits, seqs).token_ids
+        plain = logits.float().argmax(dim=-1).tolist()
+        assert kernel == expected, dtype
+        assert sum(a != b for a, b in zip(kernel, plain)) >= rows // 6  # the processors did change choices
+    # Sharper: each row's most repeated output token t (a logit of either sign) against a token c that nothing
+    # touches, set 1e-3 below or above what PyTorch's processors make of t: the argmax tells whether the kernel
+    # made the same of t, to 1e-3.
+    reference = Sampler([7], 0, torch.device("cpu"))
+    logits = torch.full((rows, vocab), -20.0)
+    picks = []
+    for i, s in enumerate(seqs):
+        banned = set(reference._banned(s, vocab))
+        outs = [t for t in s.output_token_ids if t not in banned] or [t for t in s.token_ids if t not in banned]
+        t = max(outs, key=outs.count)
+        c = next(c for c in range(vocab // 3, vocab) if c not in banned and c not in (s.params.logit_bias or {}))
+        logits[i, t] = (1.0 if i % 4 < 2 else -1.0) * (0.5 + torch.rand(1, generator=gen).item() * 2.5)
+        picks.append((t, c))
+    processed = logits.clone()
+    reference._apply_logit_bias(processed, seqs)
+    reference._apply_penalties(processed, seqs)
+    for i, (t, c) in enumerate(picks):
+        logits[i, c] = processed[i, t] + (1e-3 if i % 2 else -1e-3)
+    got = Sampler([7], 0, torch.device("cpu"))(logits, seqs).token_ids
+    assert got == [c if i % 2 else t for i, (t, c) in enumerate(picks)]

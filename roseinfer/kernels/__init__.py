@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,8 +43,8 @@ _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "rope": [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int],
     "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
-    # logits, rows, vocabulary, row stride, bf16, temperature, top_k, top_p, min_p, u, out
-    "sample_rows": [_P, _I, _I, _I, ctypes.c_int, *[_P] * 6],
+    # logits, rows, vocabulary, row stride, bf16, temperature, top_k, top_p, min_p, u, processors, out
+    "sample_rows": [_P, _I, _I, _I, ctypes.c_int, *[_P] * 7],
     # x, rows, vocabulary, row stride, top_k, top_p, min_p, out
     "filter_rows": [_P, _I, _I, _I, *[_P] * 4],
 }
@@ -211,6 +212,49 @@ def can_sample_rows(logits: torch.Tensor) -> bool:
     return cpu_kernels_for(logits.device, logits.dtype) is not None and logits.dim() == 2 and logits.stride(1) == 1
 
 
+@dataclass
+class RowProcessors:
+    """What each row's sampling parameters do to its logits before the temperature (``Sampler``'s processors, in
+    their order): a list per row of each kind; an empty list does nothing."""
+
+    bias: list[dict[int, float]]  # logit_bias
+    history: list[list[int]]  # prompt and output tokens, where the repetition penalty is not 1
+    repetition: list[float]
+    output: list[list[int]]  # output tokens, where a frequency or presence penalty is set
+    frequency: list[float]
+    presence: list[float]
+    banned: list[list[int]]  # tokens at -inf (min_tokens not reached)
+
+
+class _Processors(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "bias_ids",
+            "bias",
+            "bias_off",
+            "history",
+            "history_off",
+            "repetition",
+            "output",
+            "output_off",
+            "frequency",
+            "presence",
+            "banned",
+            "banned_off",
+        )
+    ]
+
+
+def _spans(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists as one flat int64 array and the offsets of each list in it."""
+    flat = [t for values in lists for t in values]
+    offsets = [0]
+    for values in lists:
+        offsets.append(offsets[-1] + len(values))
+    return torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperature: list[float],
@@ -218,11 +262,12 @@ def sample_rows(
     top_p: list[float],
     min_p: list[float],
     u: torch.Tensor,
+    processors: RowProcessors | None = None,
 ) -> torch.Tensor:
     """Each row's token (int64): its argmax where its temperature is 0, else the draw at ``u`` (float64 in [0, 1))
-    from softmax(row / temperature) as top-k, min-p and top-p leave it (0, 0.0, 1.0: off). The token is where the
-    kept probabilities' running sum passes u of their total, as ``sampler.sample_inverse_cdf`` draws it. Only where
-    ``can_sample_rows``."""
+    from softmax(row / temperature) as top-k, min-p and top-p leave it (0, 0.0, 1.0: off), from the row as
+    ``processors`` make it where given. The token is where the kept probabilities' running sum passes u of their
+    total, as ``sampler.sample_inverse_cdf`` draws it. Only where ``can_sample_rows``."""
     lib = cpu_kernels_for(logits.device, logits.dtype)
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
@@ -233,8 +278,29 @@ def sample_rows(
         torch.tensor(min_p, dtype=torch.float32),
         u.to(torch.float64).contiguous(),
     ]
+    held, pr = [], None  # (the arrays the structure points into live until the call returns)
+    if processors is not None:
+        bias_ids, bias_off = _spans([list(b) for b in processors.bias])
+        history, history_off = _spans(processors.history)
+        output, output_off = _spans(processors.output)
+        banned, banned_off = _spans(processors.banned)
+        held = [
+            bias_ids,
+            torch.tensor([v for b in processors.bias for v in b.values()], dtype=torch.float32),
+            bias_off,
+            history,
+            history_off,
+            torch.tensor(processors.repetition, dtype=torch.float32),
+            output,
+            output_off,
+            torch.tensor(processors.frequency, dtype=torch.float32),
+            torch.tensor(processors.presence, dtype=torch.float32),
+            banned,
+            banned_off,
+        ]
+        pr = ctypes.byref(_Processors(*[t.data_ptr() for t in held]))
     lib.sample_rows(
-        logits.data_ptr(), rows, n, logits.stride(0), _bf16(logits), *[a.data_ptr() for a in args], out.data_ptr()
+        logits.data_ptr(), rows, n, logits.stride(0), _bf16(logits), *[a.data_ptr() for a in args], pr, out.data_ptr()
     )
     return out
 

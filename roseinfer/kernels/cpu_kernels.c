@@ -494,6 +494,7 @@ typedef struct {  // one thread's scratch for rows of n values
     float* blocks;    // sums of DRAW_BLOCK weights
     int64_t* counts;  // per radix digit: values and weight
     double* masses;
+    int32_t* seen;    // per token: times in the row's output (or 1: in its history), cleared after each row
 } row_space;
 
 #define DRAW_BLOCK 64
@@ -506,6 +507,7 @@ static void row_space_init(row_space* ws, int64_t n) {
     ws->blocks = (float*)malloc(sizeof(float) * (n / DRAW_BLOCK + 1));
     ws->counts = (int64_t*)malloc(sizeof(int64_t) * DIGITS);
     ws->masses = (double*)malloc(sizeof(double) * DIGITS);
+    ws->seen = (int32_t*)calloc((size_t)n, sizeof(int32_t));
 }
 
 static void row_space_free(row_space* ws) {
@@ -515,6 +517,51 @@ static void row_space_free(row_space* ws) {
     free(ws->blocks);
     free(ws->counts);
     free(ws->masses);
+    free(ws->seen);
+}
+
+// What a request's sampling parameters do to its row before the temperature, in vLLM's order: the logit bias
+// added, the repetition penalty over the tokens of its prompt and output (a positive logit divided by it, a
+// negative one multiplied), the frequency and presence penalties over its output, then min_tokens' banned tokens
+// at -inf. Per row r, each list is the span [off[r], off[r + 1]) of its flat array; float32 ops, as PyTorch's.
+typedef struct {
+    const int64_t* bias_ids;
+    const float* bias;
+    const int64_t* bias_off;
+    const int64_t* history;  // prompt and output tokens, for the repetition penalty (empty: none)
+    const int64_t* history_off;
+    const float* repetition;
+    const int64_t* output;  // output tokens, for the frequency and presence penalties (empty: none)
+    const int64_t* output_off;
+    const float* frequency;
+    const float* presence;
+    const int64_t* banned;
+    const int64_t* banned_off;
+} processors;
+
+static void apply_processors(float* x, int64_t n, const processors* pr, int64_t r, int32_t* seen) {
+    for (int64_t j = pr->bias_off[r]; j < pr->bias_off[r + 1]; j++)
+        if (pr->bias_ids[j] >= 0 && pr->bias_ids[j] < n) x[pr->bias_ids[j]] += pr->bias[j];
+    const float rep = pr->repetition[r];
+    for (int64_t j = pr->history_off[r]; j < pr->history_off[r + 1]; j++) {
+        const int64_t t = pr->history[j];
+        if (t < 0 || t >= n || seen[t]) continue;  // each token once
+        seen[t] = 1;
+        x[t] = x[t] > 0.f ? x[t] / rep : x[t] * rep;
+    }
+    for (int64_t j = pr->history_off[r]; j < pr->history_off[r + 1]; j++)
+        if (pr->history[j] >= 0 && pr->history[j] < n) seen[pr->history[j]] = 0;
+    for (int64_t j = pr->output_off[r]; j < pr->output_off[r + 1]; j++)
+        if (pr->output[j] >= 0 && pr->output[j] < n) seen[pr->output[j]]++;
+    const float freq = pr->frequency[r], presence = pr->presence[r];
+    for (int64_t j = pr->output_off[r]; j < pr->output_off[r + 1]; j++) {
+        const int64_t t = pr->output[j];
+        if (t < 0 || t >= n || !seen[t]) continue;
+        x[t] -= freq * (float)seen[t] + presence * 1.f;
+        seen[t] = 0;
+    }
+    for (int64_t j = pr->banned_off[r]; j < pr->banned_off[r + 1]; j++)
+        if (pr->banned[j] >= 0 && pr->banned[j] < n) x[pr->banned[j]] = -INFINITY;
 }
 
 // The ids of the values at least thr, in order (branch-free: which pass is anyone's guess).
@@ -712,7 +759,14 @@ static int64_t draw_row(const float* e, int64_t n, double u, float* blocks) {
 }
 
 static int64_t sample_row(const char* row, int64_t n, int bf16, float temperature, int64_t top_k, float top_p,
-                          float min_p, double u, row_space* ws) {
+                          float min_p, double u, const processors* pr, int64_t r, row_space* ws) {
+    if (pr != NULL) {  // processed first, then greedy or sampled from the processed row
+        load_row(row, bf16, n, ws->x);
+        apply_processors(ws->x, n, pr, r, ws->seen);
+        if (!(temperature > 0.f)) return argmax_row((const char*)ws->x, n, 0);
+        row = (const char*)ws->x;
+        bf16 = 0;
+    }
     if (!(temperature > 0.f)) return argmax_row(row, n, bf16);
     float* x = ws->x;
     float top = -INFINITY;
@@ -741,9 +795,10 @@ static int64_t sample_row(const char* row, int64_t n, int bf16, float temperatur
 }
 
 // Each row's token: the argmax where its temperature is 0, else a draw at u[r] from its filtered distribution
-// (top_k 0, top_p 1, min_p 0: off).
+// (top_k 0, top_p 1, min_p 0: off); with processors (else NULL), from the row they make.
 void sample_rows(const void* logits, int64_t rows, int64_t n, int64_t row_stride, int bf16, const float* temperature,
-                 const int64_t* top_k, const float* top_p, const float* min_p, const double* u, int64_t* out) {
+                 const int64_t* top_k, const float* top_p, const float* min_p, const double* u, const processors* pr,
+                 int64_t* out) {
 #pragma omp parallel
     {
         row_space ws;
@@ -751,7 +806,7 @@ void sample_rows(const void* logits, int64_t rows, int64_t n, int64_t row_stride
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++)
             out[r] = sample_row((const char*)logits + r * row_stride * (bf16 ? 2 : 4), n, bf16, temperature[r],
-                                top_k[r], top_p[r], min_p[r], u[r], &ws);
+                                top_k[r], top_p[r], min_p[r], u[r], pr, r, &ws);
         row_space_free(&ws);
     }
 }
