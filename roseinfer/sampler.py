@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from roseinfer.kernels import RowProcessors, argmax_rows, can_sample_rows, sample_rows
+from roseinfer.kernels import RowProcessors, argmax_rows, can_sample_rows, logprob_rows, sample_rows
 from roseinfer.sequence import Sequence
 from roseinfer.structured_output import GrammarMasks
 
@@ -121,14 +121,17 @@ class Sampler:
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         processed = any(p.uses_penalties or p.min_tokens or p.logit_bias for p in params)
-        if not any(want_logprobs) and masks is None:
-            if not processed and all(p.greedy for p in params):
+        if masks is None:
+            if not processed and not any(want_logprobs) and all(p.greedy for p in params):
                 if logits.device.type != "cuda":
                     return PendingSample(SamplerOutput(argmax_rows(logits), [None] * len(seqs)))
                 return self._fetch([logits.float().argmax(dim=-1)], _tokens_only)
             if can_sample_rows(logits):  # straight from the model's logits: no float32 copy of the batch
                 processors = self._row_processors(seqs, logits.shape[1]) if processed else None
-                return self._fetch([self._sample_rows(logits, seqs, processors)], _tokens_only)
+                tokens = self._sample_rows(logits, seqs, processors)
+                if not any(want_logprobs):
+                    return self._fetch([tokens], _tokens_only)
+                return PendingSample(self._kernel_logprobs(logits, tokens, params))
         logits = logits.float()
 
         raw_logprobs = None
@@ -358,6 +361,18 @@ class Sampler:
             u=u,
             processors=processors,
         )
+
+    @staticmethod
+    def _kernel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list) -> SamplerOutput:
+        """The step's output with the requested logprobs of the model's logits, from the CPU kernel."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        nums = [params[i].logprobs for i in rows]
+        chosen, top_vals, top_ids = logprob_rows(logits[rows], tokens[rows], nums)
+        token_list = tokens.tolist()
+        out: list[dict[int, float] | None] = [None] * len(params)
+        for j, (i, n, vals, ids) in enumerate(zip(rows, nums, top_vals.tolist(), top_ids.tolist())):
+            out[i] = _logprob_entry(ids[:n], vals[:n], token_list[i], chosen[j].item())
+        return SamplerOutput(token_list, out)
 
     @staticmethod
     def _logprobs(

@@ -400,3 +400,33 @@ def test_kernel_applies_bias_penalties_and_bans_as_the_pytorch_processors():
         logits[i, c] = processed[i, t] + (1e-3 if i % 2 else -1e-3)
     got = Sampler([7], 0, torch.device("cpu"))(logits, seqs).token_ids
     assert got == [c if i % 2 else t for i, (t, c) in enumerate(picks)]
+
+
+def test_kernel_logprobs_are_the_log_softmax_and_its_largest_entries():
+    """The CPU kernel's logprobs against PyTorch's log_softmax and topk: the chosen token's and each row's N largest
+    (ids in order, equal values in id order), bfloat16 and float32 logits; and through the sampler, a sampled
+    batch's logprobs are those of the model's logits, not of the processed ones it drew from."""
+    from roseinfer.kernels import can_sample_rows, logprob_rows
+
+    if not can_sample_rows(torch.zeros(1, 2)):
+        pytest.skip("no C compiler: the CPU samples with PyTorch ops")
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(12, 5000, generator=gen) * [1.0, 4.0, 15.0][0 if dtype == torch.float32 else 1]).to(dtype)
+        logits[3] = logits[3].float().round().to(dtype)  # ties
+        tokens = torch.randint(0, 5000, (12,), generator=gen)
+        num = [0, 1, 5, 20, 3, 7, 2, 20, 1, 0, 9, 4]
+        chosen, vals, ids = logprob_rows(logits, tokens, num)
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        assert torch.allclose(chosen, ref.gather(1, tokens[:, None]).squeeze(1), atol=2e-5, rtol=0)
+        for r, k in enumerate(num):
+            order = sorted(range(5000), key=lambda i: (-ref[r, i].item(), i))[:k]
+            assert ids[r, :k].tolist() == order, (dtype, r)
+            assert torch.allclose(vals[r, :k], ref[r, order], atol=2e-5, rtol=0)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    params = SamplingParams(temperature=0.5, logprobs=4, repetition_penalty=1.5, logit_bias={7: 5.0})
+    out = Sampler([0], 1, torch.device("cpu"))(logits, [seq(params, tokens=(7, 8, 9)) for _ in range(4)])
+    ref = torch.log_softmax(logits, dim=-1)
+    for r, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert set(entry) == set(ref[r].topk(4).indices.tolist()) | {token}
+        assert all(abs(v - ref[r, t].item()) < 2e-5 for t, v in entry.items())

@@ -45,6 +45,8 @@ _SIGNATURES = {
     "argmax_rows": [_P, _I, _I, _I, ctypes.c_int, _P],
     # logits, rows, vocabulary, row stride, bf16, temperature, top_k, top_p, min_p, u, processors, out
     "sample_rows": [_P, _I, _I, _I, ctypes.c_int, *[_P] * 7],
+    # logits, rows, vocabulary, row stride, bf16, tokens, num, max_num, chosen, top_vals, top_ids
+    "logprob_rows": [_P, _I, _I, _I, ctypes.c_int, _P, _P, _I, _P, _P, _P],
     # x, rows, vocabulary, row stride, top_k, top_p, min_p, out
     "filter_rows": [_P, _I, _I, _I, *[_P] * 4],
 }
@@ -317,3 +319,33 @@ def filter_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_
     ]
     lib.filter_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), *[a.data_ptr() for a in args], out.data_ptr())
     return out
+
+
+def logprob_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, num: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of the model's logits: the log-softmax at ``tokens[row]``, and the ``num[row]`` largest entries of
+    the log-softmax and their ids ([rows, max(num)], descending; a row's entries past its num unset). Only where
+    ``can_sample_rows``."""
+    lib = cpu_kernels_for(logits.device, logits.dtype)
+    rows, n = logits.shape
+    k = max(num, default=0)
+    chosen = torch.empty(rows, dtype=torch.float32)
+    top_vals = torch.empty(rows, k, dtype=torch.float32)
+    top_ids = torch.empty(rows, k, dtype=torch.int64)
+    tokens = tokens.to(torch.int64).contiguous()
+    counts = torch.tensor(num, dtype=torch.int64)
+    lib.logprob_rows(
+        logits.data_ptr(),
+        rows,
+        n,
+        logits.stride(0),
+        _bf16(logits),
+        tokens.data_ptr(),
+        counts.data_ptr(),
+        k,
+        chosen.data_ptr(),
+        top_vals.data_ptr(),
+        top_ids.data_ptr(),
+    )
+    return chosen, top_vals, top_ids

@@ -834,3 +834,62 @@ void filter_rows(const float* x, int64_t rows, int64_t n, int64_t row_stride, co
         row_space_free(&ws);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Logprobs from the model's logits (no temperature, no processors, as vLLM gives them): each row's log-softmax at
+// its token, and its num[r] largest entries (at most max_num; values descending, equal values in id order). The
+// row's normalizer is one pass; the largest are found among the values within some width of the maximum.
+void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_stride, int bf16, const int64_t* tokens,
+                  const int64_t* num, int64_t max_num, float* chosen, float* top_vals, int64_t* top_ids) {
+#pragma omp parallel
+    {
+        float* x = (float*)malloc(sizeof(float) * n);
+        int32_t* cand = (int32_t*)malloc(sizeof(int32_t) * n);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row((const char*)logits + r * row_stride * (bf16 ? 2 : 4), bf16, n, x);
+            float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+            for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+            double sum = 0.0;
+            for (int64_t b = 0; b < n; b += DRAW_BLOCK) {
+                const int64_t hi = b + DRAW_BLOCK < n ? b + DRAW_BLOCK : n;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t i = b; i < hi; i++) {
+                    const float d = x[i] - top;
+                    s += d > -87.f ? softmax_exp(d) : 0.f;
+                }
+                sum += s;
+            }
+            const float log_sum = (float)log(sum);  // a NaN or infinite maximum gives NaN, as PyTorch's would
+            const int64_t t = tokens[r];
+            chosen[r] = t >= 0 && t < n ? (x[t] - top) - log_sum : NAN;
+            const int64_t k = num[r] < n ? num[r] : n;
+            if (k <= 0) continue;
+            int64_t m = n;
+            for (float width = 4.f; width <= 4096.f; width *= 2.f) {
+                if (count_at_least(x, n, top - width) >= k) {
+                    m = collect(x, n, top - width, cand);
+                    break;
+                }
+            }
+            if (m == n)
+                for (int64_t i = 0; i < n; i++) cand[i] = (int32_t)i;
+            for (int64_t j = 0; j < k; j++) {  // the k largest by selection: k is at most a few dozen
+                int64_t best = j;
+                for (int64_t c = j + 1; c < m; c++) {
+                    const float a = x[cand[c]], b = x[cand[best]];
+                    if (a > b || (a == b && cand[c] < cand[best]) || (b != b && a == a)) best = c;
+                }
+                const int32_t id = cand[best];
+                cand[best] = cand[j];
+                cand[j] = id;
+                top_vals[r * max_num + j] = (x[id] - top) - log_sum;
+                top_ids[r * max_num + j] = id;
+            }
+        }
+        free(x);
+        free(cand);
+    }
+}
