@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from roseinfer.sequence import Sequence
 
 ROOT_HASH = bytes(32)  # the parent of a request's first block
+LONG_ROPE_ROOT = hashlib.sha256(b"long rope").digest()  # the same, for a request rotated by LongRoPE's long factors
 
 
 def chain_hash(parent: bytes, token_ids: TokenIds[int]) -> bytes:
@@ -97,7 +98,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else (LONG_ROPE_ROOT if seq.long_rope else ROOT_HASH)
             hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -45,10 +45,11 @@ class DecodeGraphs:
         self.model, self.attn_backend, self.kv_caches = model, attn_backend, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
-        # Rows: input ids, positions, slots, context lengths. One pinned host copy, one device copy per step.
+        # Rows: input ids, positions, slots, context lengths, rotary rows (a LongRoPE model's; else positions
+        # again). One pinned host copy, one device copy per step.
         pin = device.type == "cuda"  # pinning needs a CUDA device
-        self.ints_host = torch.zeros(4, self.max_batch, dtype=torch.long, pin_memory=pin)
-        self.ints = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
+        self.ints_host = torch.zeros(5, self.max_batch, dtype=torch.long, pin_memory=pin)
+        self.ints = torch.zeros(5, self.max_batch, dtype=torch.long, device=device)
         self.tables_host = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.tables = torch.zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._ints_np, self._tables_np = self.ints_host.numpy(), self.tables_host.numpy()
@@ -61,9 +62,9 @@ class DecodeGraphs:
             self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
-        ids, pos, slots, ctx = self.ints[0, :bs], self.ints[1, :bs], self.ints[2, :bs], self.ints[3, :bs]
+        ids, pos, slots, ctx, rotary = (self.ints[i, :bs] for i in range(5))
         meta = self.attn_backend.decode_metadata(pos, slots, self.tables[:bs], ctx)
-        return self.model.forward(ids, pos, meta, self.kv_caches)
+        return self.model.forward(ids, rotary, meta, self.kv_caches)
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -99,10 +100,12 @@ class DecodeGraphs:
         slots: list[int],
         block_tables: list[list[int]],
         owners: list[object],
+        rope_rows: list[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of n decodes (one token each; context = position + 1). ``owners``: what
         each row's table belongs to (its request's state, a new object when the table is rebuilt, as after a
-        preemption); a row whose owner is unchanged has only the blocks appended since copied."""
+        preemption); a row whose owner is unchanged has only the blocks appended since copied. ``rope_rows``:
+        each token's rotary row where it is not its position (LongRoPE)."""
         n = len(input_ids)
         bs = self.bucket(n)
         ints = self._ints_np
@@ -111,7 +114,9 @@ class DecodeGraphs:
         ints[2, :n] = slots
         ints[3, :n] = positions
         ints[3, :n] += 1
+        ints[4, :n] = positions if rope_rows is None else rope_rows
         ints[0:2, n:bs] = 0
+        ints[4, n:bs] = 0
         ints[2, n:bs] = -1  # padding rows store nothing
         ints[3, n:bs] = 0  # and see nothing
         tables, rows = self._tables_np, self._rows

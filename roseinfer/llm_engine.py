@@ -102,7 +102,9 @@ class LLMEngine:
             )
             self.max_model_len = num_blocks * config.block_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.model.long_rope_from
+        )
         sampler = Sampler(self.eos_token_ids, config.seed, self.device)
         self.runner = ModelRunner(
             self.model,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from roseinfer.attention import AttentionBackend
-from roseinfer.models import CausalLM
+from roseinfer.models import CausalLM, rope_row_offset
 from roseinfer.sampler import PROMPT_LOGPROBS_ROWS, PendingSample, Sampler, SamplerOutput
 from roseinfer.scheduler import SchedulerOutput
 from roseinfer.sequence import Sequence
@@ -61,6 +61,7 @@ class ModelRunner:
         sample_seqs = []
         prompt_rows: list[int] = []  # rows whose logits give a prompt token's logprob (prompt_logprobs)
         prompt_owners: list[tuple[Sequence, int, int]] = []  # (request, index of its first such token, count)
+        rotary_rows: list[int] = []  # each token's rotary row, where it is not its position (LongRoPE)
         # Packed in the scheduler's order: its decodes first, then its prefills, as the backends expect.
         for item in sched.scheduled:
             start, end, table = item.start, item.start + item.num_tokens, item.block_ids
@@ -73,6 +74,9 @@ class ModelRunner:
                     prompt_owners.append((item.seq, first + 1, last - first))
             input_ids += item.seq.token_ids[start:end]
             positions += range(start, end)
+            if self.model.long_rope_from:
+                offset = rope_row_offset(item.seq.long_rope, self.model.long_rope_from)
+                rotary_rows += range(start + offset, end + offset)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
@@ -81,12 +85,13 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(sched.scheduled, sched.num_decodes, pos, slots)
         # Copied before the forward is queued: a blocking copy after it waits for the whole forward on a GPU, and
         # the host's work on the last step's outputs would no longer run beside it.
-        rows = torch.tensor(sample_rows, device=self.device) if 0 < len(sample_rows) < len(input_ids) else None
-        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), pos, meta, self.kv_caches)
+        picked = torch.tensor(sample_rows, device=self.device) if 0 < len(sample_rows) < len(input_ids) else None
+        rotary = torch.tensor(rotary_rows, device=self.device) if rotary_rows else pos
+        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), rotary, meta, self.kv_caches)
         if not sample_seqs:
             pending = PendingSample(SamplerOutput([], []))
         else:
-            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+            logits = self.model.compute_logits(hidden if picked is None else hidden[picked])
             pending = self.sampler.start(logits, sample_seqs, masks.get() if masks is not None else None)
         if prompt_rows:  # (after the step's sampling is queued)
             pending.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows, prompt_owners)
@@ -127,6 +132,9 @@ class ModelRunner:
             seqs.append(seq)
             # A preempted request's table is rebuilt from scratch: its owner changes with its preemption count.
             owners.append((seq, seq.num_preemptions))
-        hidden = self.graphs.run(input_ids, positions, slots, tables, owners)
+        rows = None
+        if self.model.long_rope_from:
+            rows = [p + rope_row_offset(s.long_rope, self.model.long_rope_from) for p, s in zip(positions, seqs)]
+        hidden = self.graphs.run(input_ids, positions, slots, tables, owners, rows)
         logits = self.model.compute_logits(hidden)
         return self.sampler.start(logits, seqs, masks.get() if masks is not None else None)

@@ -48,12 +48,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, long_rope_from: int = 0
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A LongRoPE model's original length (0: none): a request longer than it rotates by the long factors.
+        self.long_rope_from = long_rope_from
         self._waiting: list[Sequence] = []  # by (priority, arrival)
         self._arrivals = 0
         self._running: list[Sequence] = []
@@ -118,6 +122,8 @@ class Scheduler:
         prefills: list[ScheduledRequest] = []
         preempted: list[Sequence] = []
         taken: set[str] = set()  # request ids scheduled this step
+        if self.long_rope_from:
+            self._recompute_past_original_length()
         preempted += self._make_room()
         num_made_room = len(preempted)
 
@@ -145,6 +151,7 @@ class Scheduler:
         tight = len(preempted) > num_made_room
         while not tight and self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
+            self._choose_rope(seq)
             if seq.leader is not None and not self._leader_holds_prompt(seq.leader):
                 break  # a later sample of a request: it waits to share its first sample's prompt blocks
             hit = self.kv.lookup_computed_blocks(seq)
@@ -157,6 +164,21 @@ class Scheduler:
 
         return SchedulerOutput(decodes + prefills, len(decodes), self.max_num_batched_tokens - budget, preempted)
 
+    def _choose_rope(self, seq: Sequence) -> None:
+        """A request longer than a LongRoPE model's original length rotates by the long factors (its blocks hash
+        from another root): set before its blocks are looked up."""
+        if self.long_rope_from and not seq.long_rope and seq.num_tokens > self.long_rope_from:
+            seq.long_rope = True
+            seq.block_hashes = []
+
+    def _recompute_past_original_length(self) -> None:
+        """A running request that just passed a LongRoPE model's original length holds K/V rotated by the short
+        factors: it is preempted, to be recomputed with the long ones, as transformers recomputes its cache then
+        (once a request; counted as a preemption, which it is)."""
+        for seq in [s for s in self._running if not s.long_rope and s.num_tokens > self.long_rope_from]:
+            self._preempt(seq)
+            self._choose_rope(seq)
+
     def _make_room(self) -> list[Sequence]:
         """Preempt running requests that come after the first waiting one by priority while it lacks a slot or
         the blocks of its first chunk: it is admitted in their place."""
@@ -165,6 +187,7 @@ class Scheduler:
             head, last = self._waiting[0], max(self._running, key=_order)
             if _order(last) < _order(head):
                 break
+            self._choose_rope(head)
             if len(self._running) < self.max_num_seqs and self._head_fits(head):
                 break
             self._preempt(last)

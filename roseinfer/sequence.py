@@ -66,6 +66,9 @@ class Sequence:
         # Chained hashes of the full blocks of token_ids: a cache of their content, filled lazily by the KV
         # cache manager (tokens are only appended, so they stay valid across preemptions).
         self.block_hashes: list[bytes] = []
+        # Longer than a LongRoPE model's original length (set by the scheduler): every token rotates by the long
+        # factors, so its blocks' K differ from a shorter request's with the same tokens (they hash from another root).
+        self.long_rope = False
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -83,6 +83,29 @@ def smol_tokenizer(default_model_path):
     return AutoTokenizer.from_pretrained(default_model_path)
 
 
+@pytest.fixture(scope="session")
+def tiny_longrope(tmp_path_factory) -> str:
+    """A tiny Phi-3 with LongRoPE (an original length of 64 in a context of 256), its q and k projections scaled up
+    so attention is peaked: a random model's is flat, and which factors rotate it would hardly show."""
+    import torch
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.0, 1.5, 2.0], "long_factor": [1.0, 3.0, 9.0, 20.0]}  # fmt: skip
+    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                        pad_token_id=None, eos_token_id=None, original_max_position_embeddings=64,
+                        rope_parameters=rope)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight[: 2 * 64] *= 25  # q's and k's rows of the fused projection
+    path = str(tmp_path_factory.mktemp("tiny-longrope"))
+    model.save_pretrained(path)
+    return path
+
+
 def hf_greedy(
     model_path: str,
     prompts: list[list[int]],

@@ -575,22 +575,42 @@ def test_a_sliding_window_slides_only_where_transformers_slides_and_never_cuts_t
         assert [layer.window for layer in engine.runner.model.layers] == windows, name
 
 
-def test_a_longrope_model_serves_contexts_within_its_original_length(tmp_path, tiny_llama):
-    """transformers switches a sequence to LongRoPE's long factors past the original length by recomputing its
-    whole cache, which a paged cache cannot do: the engine holds contexts to the original length, where both use
-    the short factors, and says so at submission."""
-    from transformers import Phi3Config
+def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tiny_longrope, tiny_llama):
+    """transformers rotates a sequence longer than LongRoPE's original length by the long factors, and recomputes
+    its cache when one grows past it. The engine served only the original length; now its whole context, greedy
+    tokens as transformers' ``generate``: prompts within the original length decoded past it (recomputed once),
+    prompts past it (in prefill chunks, beside other requests' decodes), on the C kernels and the PyTorch path. A
+    long request's blocks (rotated by the long factors) are never a shorter prompt's prefix-cache hit."""
+    import torch
+    from conftest import hf_greedy
 
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
-            "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}  # fmt: skip
-    config = Phi3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        pad_token_id=None, eos_token_id=None, original_max_position_embeddings=64,
-                        rope_parameters=rope)  # fmt: skip
-    llm = LLM(_model_of(config, tmp_path / "phi"), dtype="float32", tokenizer=tiny_llama)
-    assert llm.engine.max_model_len == 64
-    with pytest.raises(ValueError, match="63 prompt tokens"):
-        llm.generate([{"prompt_token_ids": [5] * 64}], SamplingParams(max_tokens=4), use_tqdm=False)
+    import roseinfer.kernels as kernels
+
+    gen = torch.Generator().manual_seed(1)
+    cases = [(40, 50), (100, 20), (64, 10), (65, 10)]  # (prompt length, new tokens)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n, _ in cases]
+    expected = [hf_greedy(tiny_longrope, [p], new)[0] for p, (_, new) in zip(prompts, cases)]
+    assert all(len(set(e)) > 3 for e in expected)  # (no token repeated throughout: the rotations show)
+    for c_kernels in (True, False):
+        with pytest.MonkeyPatch.context() as m:
+            if not c_kernels:
+                m.setattr(kernels, "_lib", None)
+                m.setattr(kernels, "_tried", True)
+            llm = LLM(tiny_longrope, dtype="float32", tokenizer=tiny_llama, max_num_batched_tokens=48)
+            assert llm.engine.max_model_len == 256
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True) for _, new in cases],
+                use_tqdm=False,
+            )
+            assert [o.outputs[0].token_ids for o in outs] == expected, c_kernels
+            assert [o.metrics.num_preemptions for o in outs] == [1, 0, 1, 0]  # the recomputes, once each
+            # The 100-token prompt's first 48 and 80 tokens: a prompt within the original length (short factors)
+            # finds none of its blocks; one past it finds them.
+            again = llm.generate(
+                [{"prompt_token_ids": prompts[1][:n]} for n in (48, 80)], SamplingParams(max_tokens=1), use_tqdm=False
+            )
+            assert again[0].metrics.num_cached_tokens == 0 and again[1].metrics.num_cached_tokens >= 64
 
 
 def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama):

@@ -284,6 +284,23 @@ def test_decode_through_the_graph_buffers_matches_transformers_at_every_bucket(t
 
 
 @pytest.mark.slow
+def test_a_longrope_model_decodes_through_the_graph_buffers_by_its_rotary_rows(tiny_longrope, triton_engine):
+    """A LongRoPE model's decodes take each token's rotary row (short factors, or long past the original length)
+    from the graph buffers' own row: greedy tokens as transformers', before and after the recompute at 64."""
+    from conftest import hf_greedy
+
+    from roseinfer import LLM, SamplingParams
+
+    prompts = _prompts(3, seed=7, lo=50, hi=62) + _prompts(1, seed=8, lo=70, hi=80)
+    ref = hf_greedy(tiny_longrope, prompts, 16, device=DEVICE)
+    llm = LLM(tiny_longrope, dtype="float32", device=DEVICE, max_num_seqs=4, block_size=16)
+    graphs = _graph_buffers_run_eagerly(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(graphs.replays.values()) > 0
+
+
+@pytest.mark.slow
 def test_preempted_requests_decode_through_the_graph_buffers_with_rebuilt_tables(tiny_llama, triton_engine):
     """A preempted request comes back with new blocks: its row's table is copied whole again (its owner changed),
     never patched onto the old one."""

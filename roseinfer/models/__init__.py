@@ -24,16 +24,26 @@ class CausalLM(Protocol):
     max_position_embeddings: int
     # False where a step's work depends on its tokens (a mixture of experts): its decode steps run eagerly.
     cuda_graphs_safe: bool
+    # > 0 (LongRoPE's original length): a request longer than this rotates by the long factors (the scheduler
+    # recomputes one that grows past it): ``forward`` then takes each token's row of its rotary tables
+    # (``rope_row_offset``), not its position.
+    long_rope_from: int
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor,  # each token's position (its rotary row, where long_rope_from > 0)
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def rope_row_offset(seq_long_rope: bool, long_rope_from: int) -> int:
+    """What to add to a request's positions to index LongRoPE tables that hold the short factors' ``long_rope_from``
+    rows before the long factors' rows: 0, or past the short rows for a request rotated by the long factors."""
+    return long_rope_from if seq_long_rope else 0
 
 
 class UnsupportedModelError(ValueError):

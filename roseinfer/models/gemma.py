@@ -89,6 +89,7 @@ class GemmaLayer:
 
 class Gemma:
     cuda_graphs_safe = True
+    long_rope_from = 0
 
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder, not a causal LM

@@ -50,6 +50,7 @@ class GPT2Block:
 
 class GPT2:
     cuda_graphs_safe = True
+    long_rope_from = 0
 
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         # Saved by GPT2LMHeadModel, the names start "transformer."; the hub's original checkpoint has none.

@@ -59,15 +59,16 @@ class LlamaLayer:
         if cfg.model_type == "granite":
             self.scale, self.residual_multiplier = cfg.attention_multiplier, cfg.residual_multiplier
 
-    def forward(self, h, x, rope_tables, meta, k_cache, v_cache, next_norm) -> torch.Tensor:
-        """x = this layer's normed input; h, the residual stream, is updated in place. Returns the input
-        of the next layer, normed by ``next_norm`` (its weight and eps)."""
+    def forward(self, h, x, rope, meta, k_cache, v_cache, next_norm) -> torch.Tensor:
+        """x = this layer's normed input; h, the residual stream, is updated in place; rope: the rotary cos and
+        sin tables and each token's row of them. Returns the input of the next layer, normed by ``next_norm`` (its
+        weight and eps)."""
         t = h.shape[0]
         qk, v = self.qkv(x).view(t, -1, self.head_dim).split(self.qk_v_split, dim=1)
         if self.qk_norm is not None:
             rms_norm_heads_(qk, *self.qk_norm)
         if self.rotary:  # q and k heads rotated together; a partial rotation (Phi-4-mini) turns their first dims
-            rope_(qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim], *rope_tables, meta.positions)
+            rope_(qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim], *rope)
         q, k = qk.split(self.q_k_split, dim=1)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
         x = add_rms_norm(h, self._scaled(self.o_proj(o.view(t, -1))), *self.ln2)
@@ -153,10 +154,10 @@ def rope_parameters(cfg, layer_type: str | None = None) -> dict:
     return params if layer_type is None else params[layer_type]
 
 
-def rope_frequencies(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(cfg, layer_type: str | None = None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the cos/sin scale of a model's config, as transformers' rotary
-    embedding computes them (its own functions for the scaled types; LongRoPE's short factors, those of contexts
-    within its original length)."""
+    embedding computes them (its own functions for the scaled types; LongRoPE's short factors, or its long ones
+    for a ``seq_len`` past its original length)."""
     params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
@@ -164,8 +165,10 @@ def rope_frequencies(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, 
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        by_type = {} if layer_type is None else {"layer_type": layer_type}
-        return ROPE_INIT_FUNCTIONS[rope_type](cfg, None, **by_type)  # device None: the CPU (transformers 4 needs it)
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        if seq_len is not None:
+            kwargs["seq_len"] = seq_len
+        return ROPE_INIT_FUNCTIONS[rope_type](cfg, None, **kwargs)  # device None: the CPU (transformers 4 needs it)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
@@ -191,15 +194,17 @@ class Llama:
         self.vocab_size = cfg.vocab_size
         self.max_position_embeddings = cfg.max_position_embeddings
         params = rope_parameters(cfg)
+        self.long_rope_from = 0
         if params.get("rope_type") == "longrope":
-            # transformers recomputes a sequence's whole cache with the long factors once it passes the original
-            # length; a paged cache cannot, so contexts stay within it, where both use the short factors.
-            # (Neither key: transformers takes max_position_embeddings as the original length, the whole context.)
+            # transformers rotates a sequence longer than the original length by the long factors, recomputing its
+            # cache when it grows past it; the scheduler does the same. The tables hold the short factors' rows,
+            # then the long ones'; the runner picks each token's (``rope_row_offset``). (Neither key: the original
+            # length is the whole context.)
             original = params.get("original_max_position_embeddings") or getattr(
                 cfg, "original_max_position_embeddings", 0
             )
-            if original:
-                self.max_position_embeddings = min(self.max_position_embeddings, original)
+            if original and original < self.max_position_embeddings:
+                self.long_rope_from = original
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
@@ -229,8 +234,16 @@ class Llama:
         self.logits_scaling = cfg.logits_scaling if granite else 1.0
         self.lm_head = output_layer(weights, cfg, self.embed)
         self.cos, self.sin = rope_tables(
-            inv_freq, attention_scaling, self.max_position_embeddings, self.embed.dtype, self.embed.device
+            inv_freq, attention_scaling, self.long_rope_from or self.max_position_embeddings, *self.embed_place
         )
+        if self.long_rope_from:
+            long_freq, long_scaling = rope_frequencies(cfg, seq_len=self.long_rope_from + 1)
+            long_cos, long_sin = rope_tables(long_freq, long_scaling, self.max_position_embeddings, *self.embed_place)
+            self.cos, self.sin = torch.cat([self.cos, long_cos]), torch.cat([self.sin, long_sin])
+
+    @property
+    def embed_place(self) -> tuple[torch.dtype, torch.device]:
+        return self.embed.dtype, self.embed.device
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
@@ -239,7 +252,7 @@ class Llama:
         x = add_rms_norm(h, None, *self.layers[0].ln1)
         norms = [layer.ln1 for layer in self.layers[1:]] + [self.norm]
         for layer, (k_cache, v_cache), next_norm in zip(self.layers, kv_caches, norms):
-            x = layer.forward(h, x, (self.cos, self.sin), meta, k_cache, v_cache, next_norm)
+            x = layer.forward(h, x, (self.cos, self.sin, positions), meta, k_cache, v_cache, next_norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

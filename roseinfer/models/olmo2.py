@@ -60,6 +60,7 @@ class Olmo2Layer:
 
 class Olmo2:
     cuda_graphs_safe = True
+    long_rope_from = 0
 
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         self.num_layers = cfg.num_hidden_layers
