@@ -233,14 +233,20 @@ def print_table(results: list[RunResult], dtype: str) -> None:
         print(f"{r.system + ' (' + dtype + ')':<36} {s['tokens_per_s']:>8} {ttft:>17} {tpot:>17} {ratio:>13}")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    """The engine's options and the workload's: what every benchmark of the engine takes."""
     add_engine_arguments(p)
     p.add_argument("--prompts", help="JSON list of prompt strings (default: the 64 shipped in roseinfer/data)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature, sample from this nucleus")
+    if sampling:
+        p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+        p.add_argument("--top-p", type=float, default=1.0, help="with --temperature, sample from this nucleus")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument(
         "--hf-single",

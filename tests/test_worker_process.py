@@ -390,7 +390,10 @@ def test_an_engine_process_gives_the_in_process_tokens_and_dies_with_its_worker(
             proc.wait(timeout=30)
 
 
-def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(redis_url, tiny_chat_model, tmp_path):
+def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(
+    redis_url, tiny_chat_model, tmp_path, capsys
+):
+    """Also sampled: --temperature and --top-p were taken and ignored (every system ran greedy, and said so)."""
     import argparse
 
     from worker import bench_queue
@@ -400,12 +403,18 @@ def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(
     figures = tmp_path / "queue.json"
     args = parser.parse_args(
         ["--model", tiny_chat_model, "--num-prompts", "4", "--max-tokens", "4", "--max-num-seqs", "8", "--repeats", "2",
-         "--arrivals", "0", "--stock-jobs", "0", "--redis-url", redis_url, "--json", str(figures)]
+         "--arrivals", "0", "--stock-jobs", "0", "--redis-url", redis_url, "--json", str(figures),
+         "--temperature", "0.8", "--top-p", "0.9"]
     )  # fmt: skip
     assert bench_queue.main(args) == 0  # (the last pair's arrival phase raised on an empty list)
-    runs = json.loads(figures.read_text())["runs"]["redis"]
+    out = json.loads(figures.read_text())
+    runs = out["runs"]["redis"]
     assert [(r["requests"], r["generated_tokens"]) for r in runs] == [(4, 16), (4, 16)]
     assert not any("arrivals" in r for r in runs)
+    assert out["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    assert "4 new tokens, float32, temperature 0.8, top_p 0.9, EOS ignored" in capsys.readouterr().out
+    jobs = bench_queue._chat_jobs([[{"role": "user", "content": "Hi"}]], 4, out["sampling"])
+    assert jobs[0]["temperature"] == 0.8 and jobs[0]["top_p"] == 0.9
     with pytest.raises(SystemExit, match="--arrivals must be 0 or more"):
         bench_queue.main(parser.parse_args(["--model", tiny_chat_model, "--arrivals", "-1"]))
 

@@ -23,8 +23,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from roseinfer.bench import add_arguments as add_bench_arguments
-from roseinfer.bench import build_llm, load_prompts, median_run, percentile, resolve_model_arg, run_roseinfer
+from roseinfer.bench import (
+    add_workload_arguments,
+    build_llm,
+    describe_sampling,
+    hf_sampling,
+    load_prompts,
+    median_run,
+    percentile,
+    resolve_model_arg,
+    run_roseinfer,
+    sampling_of,
+)
 from roseinfer.config import engine_config_from_args
 from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis
@@ -44,7 +54,7 @@ def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 
     raise SystemExit("the worker did not start")
 
 
-def run_streamed(llm, convs, max_tokens: int) -> dict[str, Any]:
+def run_streamed(llm, convs, max_tokens: int, sampling: dict | None = None) -> dict[str, Any]:
     """Every job at once through the worker's ``Pump`` over ``llm``'s engine, no Redis: delta text made when a
     hand-over is due, as ``BatchWorker`` flushes (``event_interval_ms``, longer with many jobs in flight), so the
     engine does the worker's streaming work. Prompts are tokenized before the clock starts, as in ``run_roseinfer``."""
@@ -57,7 +67,7 @@ def run_streamed(llm, convs, max_tokens: int) -> dict[str, Any]:
     events_per_s = defaults["max_events_per_s"].default
     engine = llm.engine
     prompts = [{"prompt_token_ids": engine.apply_chat_template(c)} for c in convs]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="delta", **(sampling or GREEDY))
     pump = Pump(engine, tokenize_in_thread=False)
     texts: dict[str, list[str]] = {}
     tokens = 0
@@ -90,8 +100,11 @@ def _row(system: str, requests: int, tokens: int, seconds: float) -> dict[str, A
     }
 
 
-def _chat_jobs(convs: list[list[dict]], max_tokens: int) -> list[dict[str, Any]]:
-    return [{"messages": c, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for c in convs]
+GREEDY = {"temperature": 0.0}
+
+
+def _chat_jobs(convs: list[list[dict]], max_tokens: int, sampling: dict | None = None) -> list[dict[str, Any]]:
+    return [{"messages": c, "max_tokens": max_tokens, "ignore_eos": True, **(sampling or GREEDY)} for c in convs]
 
 
 WARM_UP_TOKENS = 8
@@ -139,7 +152,7 @@ def run_through_redis(args: argparse.Namespace, client, convs, arrivals: bool) -
     full batch decodes."""
     # Throughput: every job submitted at once, as the in-process run adds every request at once.
     start = time.time()
-    jobs = client.submit_many(_chat_jobs(convs, args.max_tokens))
+    jobs = client.submit_many(_chat_jobs(convs, args.max_tokens, sampling_of(args)))
     results = [job.result(timeout=600) for job in jobs]
     seconds = max(r["timings"]["finished_at"] for r in results) - start
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
@@ -154,11 +167,11 @@ def run_through_redis(args: argparse.Namespace, client, convs, arrivals: bool) -
 
 def _arrival_ttft(args: argparse.Namespace, client, convs) -> dict[str, Any]:
     """A full batch decoding, and jobs arriving one by one meanwhile: their TTFT."""
-    background = client.submit_many(_chat_jobs(convs, args.max_tokens))
+    background = client.submit_many(_chat_jobs(convs, args.max_tokens, sampling_of(args)))
     next(iter(background[0].events(timeout=300)))
     arrivals = []
     for conv in convs[: args.arrivals]:
-        arrivals.append(client.submit(messages=conv, max_tokens=16, temperature=0.0, ignore_eos=True))
+        arrivals.append(client.submit(messages=conv, max_tokens=16, ignore_eos=True, **sampling_of(args)))
         time.sleep(args.arrival_interval)
     ttft = [job.result(timeout=600)["timings"]["ttft_s"] for job in arrivals]
     for job in background:
@@ -173,7 +186,9 @@ def _arrival_ttft(args: argparse.Namespace, client, convs) -> dict[str, Any]:
 _HF: dict[str, Any] = {}
 
 
-def hf_job(messages: list[dict], max_tokens: int, model_path: str, dtype: str) -> dict[str, Any]:
+def hf_job(
+    messages: list[dict], max_tokens: int, model_path: str, dtype: str, sampling: dict | None = None
+) -> dict[str, Any]:
     """The stock-RQ baseline's job: transformers ``generate`` for one prompt (model kept between jobs)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -192,8 +207,8 @@ def hf_job(messages: list[dict], max_tokens: int, model_path: str, dtype: str) -
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             max_new_tokens=max_tokens,
             min_new_tokens=max_tokens,
-            do_sample=False,
             pad_token_id=tok.eos_token_id,
+            **hf_sampling(sampling or GREEDY),
         )
     new = out[0, len(ids) :].tolist()
     return {"text": tok.decode(new, skip_special_tokens=True), "completion_tokens": len(new)}
@@ -206,7 +221,7 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 
     conn = Redis.from_url(url)
     queue = Queue("bench-stock", connection=conn, serializer=JSONSerializer)
-    kwargs = {"model_path": model_path, "dtype": args.dtype}
+    kwargs = {"model_path": model_path, "dtype": args.dtype, "sampling": sampling_of(args)}
     queue.enqueue("worker.bench_queue.hf_job", messages=convs[0], max_tokens=1, **kwargs)  # loads the model
     jobs = [
         queue.enqueue("worker.bench_queue.hf_job", messages=c, max_tokens=args.max_tokens, job_timeout=3600, **kwargs)
@@ -241,8 +256,9 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_bench_arguments(p)
-    p.set_defaults(repeats=3)  # in-process and through-Redis runs, interleaved; medians compared
+    add_workload_arguments(p)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each system; medians compared")
+    p.add_argument("--json", metavar="PATH", help="write the figures here")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
     p.add_argument("--arrival-interval", type=float, default=0.25)
@@ -262,6 +278,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--warm-up-jobs must be 0 or more, got {args.warm_up_jobs}")
     if args.arrivals < 0:
         raise SystemExit(f"--arrivals must be 0 or more, got {args.arrivals}")
+    sampling = sampling_of(args)  # a bad --temperature or --top-p fails here, before the model loads
     convs = load_prompts(args)
     if args.warm_up_jobs is None:
         args.warm_up_jobs = len(convs)
@@ -283,11 +300,11 @@ def main(args: argparse.Namespace) -> int:
             # The worker boots first: the three runs of a pair then follow each other within a second or two.
             with fresh_worker(args, url, convs, f"bench-roseinfer-{rep}") as client:
                 _fresh_cache_then_warm_up(llm, convs, args.warm_up_jobs)
-                row = run_roseinfer(llm, convs, args.max_tokens).summary()
+                row = run_roseinfer(llm, convs, args.max_tokens, sampling).summary()
                 row["system"] = "roseinfer engine in-process"
                 engine_rows.append(row)
                 _fresh_cache_then_warm_up(llm, convs, args.warm_up_jobs)
-                streamed_rows.append(run_streamed(llm, convs, args.max_tokens))
+                streamed_rows.append(run_streamed(llm, convs, args.max_tokens, sampling))
                 last = rep == args.repeats - 1 and args.arrivals > 0
                 redis_rows.append(run_through_redis(args, client, convs, arrivals=last))
             print(
@@ -306,7 +323,10 @@ def main(args: argparse.Namespace) -> int:
         median_run(rows, lambda r: r["tokens_per_s"]) for rows in (engine_rows, streamed_rows, redis_rows)
     )
     share = queued["tokens_per_s"] / engine["tokens_per_s"]
-    print(f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, greedy, EOS ignored")
+    print(
+        f"\n{len(convs)} prompts x {args.max_tokens} new tokens, {args.dtype}, {describe_sampling(sampling)}, "
+        "EOS ignored"
+    )
     print(f"{'system (median of ' + str(args.repeats) + ' runs)':<44} {'tok/s':>8}")
     for row in (engine, streamed, queued, stock):
         if row:
@@ -335,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
             "redis": queued,
             "stock_rq": stock,
             "share_of_engine": round(share, 4),
+            "sampling": sampling,
             "runs": {"engine": engine_rows, "streamed": streamed_rows, "redis": redis_rows},
         }
         Path(args.json).write_text(json.dumps(figures, indent=2))

@@ -23,8 +23,7 @@ from redis.exceptions import ResponseError
 
 from producer import Client
 from producer.protocol import channel_key, result_key
-from roseinfer.bench import add_arguments as add_bench_arguments
-from roseinfer.bench import load_prompts, resolve_model_arg
+from roseinfer.bench import add_workload_arguments, load_prompts, resolve_model_arg
 from roseinfer.config import engine_config_from_args, set_engine_defaults
 from worker.bench_queue import _wait_for_worker
 from worker.cli import engine_flags, worker_command
@@ -133,7 +132,7 @@ def _setting(text: str) -> tuple[str, str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_bench_arguments(p)
+    add_workload_arguments(p, sampling=False)
     p.add_argument(
         "--follow", choices=("one", "all"), default="one",
         help="the one subscriber follows one job's channel (a client), or every job's with a pattern (a dashboard: "
