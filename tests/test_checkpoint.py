@@ -35,6 +35,7 @@ def _config(family: str, **extra):
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
         SmolLM3Config,
@@ -43,7 +44,7 @@ def _config(family: str, **extra):
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "smollm3": SmolLM3Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
                "gemma2": Gemma2Config, "granite": GraniteConfig, "mixtral": MixtralConfig,
-               "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config}  # fmt: skip
+               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config}  # fmt: skip
     return classes[family](**{**_SMALL, **extra})
 
 
@@ -93,6 +94,10 @@ FAMILIES = {
     "qwen3_moe (experts, a dense layer)": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
                                                          "moe_intermediate_size": 48, "decoder_sparse_step": 2,
                                                          "norm_topk_prob": False, "pad_token_id": None}),
+    # Experts beside a shared expert every token runs, weighed by its sigmoid gate; q/k/v biases; a dense layer.
+    "qwen2_moe (experts, a shared expert, a dense layer)": ("qwen2_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 40,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": False, "pad_token_id": None}),
     # Norms after attention and the MLP, q and k normed over their whole projections.
     "olmo2": ("olmo2", {"pad_token_id": None}),
     # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.

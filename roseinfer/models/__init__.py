@@ -9,7 +9,7 @@ import torch
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "mixtral", "qwen3_moe")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "olmo2", "gemma2", "gemma3_text", "gemma3", "gpt2")
 # Vision-language checkpoints whose text model the engine serves on its own (text prompts only): where their text
 # model's ``model.*`` tensors sit, as the hub's files name them or as newer transformers saves them.

@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE): a router picks each token's top k experts, whose SwiGLU outputs
-are summed with the router's weights, expert by expert in ascending order as transformers adds them."""
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top k experts, whose SwiGLU
+outputs are summed with the router's weights, expert by expert in ascending order as transformers adds them; Qwen2-MoE
+adds a shared expert every token runs, weighed by a sigmoid gate of its own."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from roseinfer.models.linear import Linear
 # model type -> (the block's name under a layer, the experts' gate, up and down names, the weights' count key)
 _LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts"),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts"),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts"),
 }
 MOE_MODEL_TYPES = tuple(_LAYOUTS)
 
 
 def is_sparse_layer(cfg, index: int) -> bool:
-    """Whether layer ``index`` of a model has experts (Qwen3-MoE may keep dense MLPs in some layers)."""
+    """Whether layer ``index`` of a model has experts (Qwen2- and Qwen3-MoE may keep dense MLPs in some layers)."""
     if cfg.model_type == "mixtral":
         return True
-    if cfg.model_type == "qwen3_moe":
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         sparse_step = (index + 1) % cfg.decoder_sparse_step == 0
         return cfg.num_experts > 0 and index not in (cfg.mlp_only_layers or []) and sparse_step
     return False
@@ -46,10 +48,19 @@ class SparseMoe:
             for e in range(self.num_experts)
         ]
         self.act = act  # of [gate | up] rows
-        # Mixtral renormalizes the top k's probabilities and weighs in float32; Qwen3-MoE renormalizes where its
-        # config says, and weighs in the model's dtype.
+        # Mixtral renormalizes the top k's probabilities and weighs in float32; Qwen's renormalize where their
+        # configs say, and weigh in the model's dtype.
         self.normalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
-        self.weigh_in_dtype = cfg.model_type == "qwen3_moe"
+        self.weigh_in_dtype = cfg.model_type != "mixtral"
+        self.shared = None  # Qwen2-MoE's shared expert: (its gate/up and down layers, its gate's layer)
+        shared_inter = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
+        if shared_inter:
+            names = [f"{prefix}.shared_expert.{gate}", f"{prefix}.shared_expert.{up}"]
+            self.shared = (
+                Linear.fused(weights, names, [shared_inter] * 2, hidden),
+                Linear.from_checkpoint(weights, f"{prefix}.shared_expert.{down}", hidden, shared_inter),
+                Linear.from_checkpoint(weights, f"{prefix}.shared_expert_gate", 1, hidden),
+            )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
@@ -64,4 +75,7 @@ class SparseMoe:
             gate_up, down = self.experts[e]
             y = down(self.act(gate_up(x[tokens])))
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
+        if self.shared is not None:
+            gate_up, down, gate = self.shared
+            out = out + torch.sigmoid(gate(x)) * down(self.act(gate_up(x)))
         return out
