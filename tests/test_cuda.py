@@ -92,6 +92,18 @@ def test_greedy_matches_transformers_on_the_gpu_through_graph_replay(models, nam
     assert sum(graphs.replays.values()) > 0
 
 
+def test_a_longrope_model_matches_transformers_through_graph_replay_past_its_original_length(tiny_longrope):
+    """Prompts within the original length (64) decoded past it, recomputed there, and prompts past it: the graphs
+    take each token's rotary row from their own buffer."""
+    prompts = _prompts(6, seed=3, vocab=256, lo=40, hi=60) + _prompts(2, seed=4, vocab=256, lo=70, hi=90)
+    llm = LLM(tiny_longrope, dtype="float32", device="cuda", max_num_seqs=16)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_longrope, prompts, 32, device="cuda")
+    assert sum(graphs.replays.values()) > 0
+
+
 def test_a_mixture_of_experts_decodes_eagerly_and_matches_transformers(tmp_path_factory):
     """Which experts a step runs depends on its tokens, which no captured graph can replay: its steps run eagerly."""
     from transformers import Qwen3MoeConfig
