@@ -673,6 +673,24 @@ static inline int filter_keeps(const row_filter* f, float x, int64_t i) {
     return in_floor(f, x) && (!f->top_p || x > f->pv || (x == f->pv && i <= f->pid));
 }
 
+// e = exp(x - top) where x is at least kth and x - top at least lmp, else 0 (and below e^-87: float32's softmax
+// has nothing of those either); returns the sum of e, in float64 over blocks of DRAW_BLOCK.
+static double kept_weights(const float* x, int64_t n, float top, float kth, float lmp, float* e) {
+    double mass = 0.0;
+    for (int64_t b = 0; b < n; b += DRAW_BLOCK) {
+        const int64_t hi = b + DRAW_BLOCK < n ? b + DRAW_BLOCK : n;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = b; i < hi; i++) {
+            const float d = x[i] - top;
+            e[i] = (x[i] >= kth && d >= lmp && d > -87.f) ? softmax_exp(d) : 0.f;
+            s += e[i];
+        }
+        mass += s;
+    }
+    return mass;
+}
+
 // The filters of row x[0..n) (its largest value top): fills f, and ws->e with the weights of what they keep
 // (exp(x - top), 0 below e^-87: float32's softmax has nothing of them either).
 static void filter_row(const float* x, int64_t n, float top, int64_t top_k, float top_p, float min_p, row_space* ws,
@@ -693,19 +711,7 @@ static void filter_row(const float* x, int64_t n, float top, int64_t top_k, floa
             walk_stop(x, NULL, ws->cand, n, 1, top_k, 0.0, ws, &f->kth, &id);
     }
     float* e = ws->e;
-    const float kth = f->kth, lmp = f->log_min_p;
-    double mass = 0.0;
-    for (int64_t b = 0; b < n; b += DRAW_BLOCK) {
-        const int64_t hi = b + DRAW_BLOCK < n ? b + DRAW_BLOCK : n;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = b; i < hi; i++) {
-            const float d = x[i] - top;
-            e[i] = (x[i] >= kth && d >= lmp && d > -87.f) ? softmax_exp(d) : 0.f;
-            s += e[i];
-        }
-        mass += s;
-    }
+    const double mass = kept_weights(x, n, top, f->kth, f->log_min_p, e);
     if (top_p < 1.f) {
         // What weighs under tau, at most n * tau, is under half of what top-p drops: the walk reads the rest only.
         float tau = (float)(0.5 * (1.0 - (double)top_p) * mass / (double)n);
@@ -844,6 +850,7 @@ void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_strid
 #pragma omp parallel
     {
         float* x = (float*)malloc(sizeof(float) * n);
+        float* e = (float*)malloc(sizeof(float) * n);
         int32_t* cand = (int32_t*)malloc(sizeof(int32_t) * n);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
@@ -851,17 +858,7 @@ void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_strid
             float top = -INFINITY;
 #pragma omp simd reduction(max : top)
             for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
-            double sum = 0.0;
-            for (int64_t b = 0; b < n; b += DRAW_BLOCK) {
-                const int64_t hi = b + DRAW_BLOCK < n ? b + DRAW_BLOCK : n;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t i = b; i < hi; i++) {
-                    const float d = x[i] - top;
-                    s += d > -87.f ? softmax_exp(d) : 0.f;
-                }
-                sum += s;
-            }
+            const double sum = kept_weights(x, n, top, -INFINITY, -INFINITY, e);
             const float log_sum = (float)log(sum);  // a NaN or infinite maximum gives NaN, as PyTorch's would
             const int64_t t = tokens[r];
             chosen[r] = t >= 0 && t < n ? (x[t] - top) - log_sum : NAN;
@@ -890,6 +887,7 @@ void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_strid
             }
         }
         free(x);
+        free(e);
         free(cand);
     }
 }
