@@ -86,7 +86,9 @@ def smol_tokenizer(default_model_path):
 @pytest.fixture(scope="session")
 def tiny_longrope(tmp_path_factory) -> str:
     """A tiny Phi-3 with LongRoPE (an original length of 64 in a context of 256), its q and k projections scaled up
-    so attention is peaked: a random model's is flat, and which factors rotate it would hardly show."""
+    so attention is peaked: a random model's is flat, and which factors rotate it would hardly show. Its reference
+    is ``hf_greedy(..., use_cache=False)``: each step a forward over the whole sequence, the long factors once it
+    passes 64, which transformers 5.24's cached generate equals (it recomputes its cache there); 5.18's does not."""
     import torch
     from transformers import AutoModelForCausalLM, Phi3Config
 
@@ -113,9 +115,11 @@ def hf_greedy(
     dtype: str = "float32",
     device: str = "cpu",
     logit_biases: list[dict[int, float] | None] | None = None,
+    use_cache: bool = True,
 ) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), new tokens only; ``logit_biases``: each
-    prompt's, as transformers' ``sequence_bias`` of one-token sequences."""
+    prompt's, as transformers' ``sequence_bias`` of one-token sequences; ``use_cache=False``: each step one forward
+    over the whole sequence."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -130,6 +134,7 @@ def hf_greedy(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                use_cache=use_cache,
                 **({"sequence_bias": {(t,): b for t, b in bias.items()}} if bias else {}),
             )
         out.append(gen[0, len(ids) :].tolist())
