@@ -277,7 +277,7 @@ class Sampler:
         params = [s.params for s in seqs]
         return RowProcessors(
             bias=[p.logit_bias or {} for p in params],
-            history=[s.token_ids if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
+            history=[self._history(s) if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
             repetition=[p.repetition_penalty for p in params],
             output=[
                 s.output_token_ids if p.frequency_penalty or p.presence_penalty else [] for s, p in zip(seqs, params)
@@ -286,6 +286,13 @@ class Sampler:
             presence=[p.presence_penalty for p in params],
             banned=[self._banned(s, vocab) for s in seqs],
         )
+
+    @staticmethod
+    def _history(seq: Sequence) -> torch.Tensor:
+        """Every token ``seq`` has seen (its prompt, then its output), for the repetition penalty."""
+        if seq.prompt_ids is None:
+            seq.prompt_ids = torch.tensor(seq.prompt_token_ids, dtype=torch.int64)
+        return torch.cat((seq.prompt_ids, torch.tensor(seq.output_token_ids, dtype=torch.int64)))
 
     def _masked(self, logits: torch.Tensor, masks: GrammarMasks) -> torch.Tensor:
         """A copy of ``logits`` with what each constrained row's structured output forbids at -inf."""

@@ -80,6 +80,9 @@ class Sequence:
             self.prompt_logprobs = [None]
         # params.logit_bias as (token ids, biases) on the sampler's device: made at the first step that needs it.
         self.logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The prompt as an int64 CPU tensor, for the CPU sampling kernel's repetition penalty: made once, not
+        # flattened from a list at every step (a long prompt's were most of the step's sampling time).
+        self.prompt_ids: torch.Tensor | None = None
         # Output kind "delta": whether an output went out yet, and the tokens sampled since the last one.
         self.streamed = False
         self.held_ids: list[int] = []

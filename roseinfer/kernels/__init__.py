@@ -220,7 +220,7 @@ class RowProcessors:
     their order): a list per row of each kind; an empty list does nothing."""
 
     bias: list[dict[int, float]]  # logit_bias
-    history: list[list[int]]  # prompt and output tokens, where the repetition penalty is not 1
+    history: list[list[int] | torch.Tensor]  # prompt and output tokens, where the repetition penalty is not 1
     repetition: list[float]
     output: list[list[int]]  # output tokens, where a frequency or presence penalty is set
     frequency: list[float]
@@ -248,13 +248,16 @@ class _Processors(ctypes.Structure):
     ]
 
 
-def _spans(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists as one flat int64 array and the offsets of each list in it."""
-    flat = [t for values in lists for t in values]
+def _spans(lists: list[list[int]] | list[list[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists (or int64 tensors) as one flat int64 array and the offsets of each in it."""
     offsets = [0]
     for values in lists:
         offsets.append(offsets[-1] + len(values))
-    return torch.tensor(flat, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+    if any(isinstance(values, torch.Tensor) for values in lists):
+        flat = torch.cat([torch.as_tensor(values, dtype=torch.int64) for values in lists])
+    else:
+        flat = torch.tensor([t for values in lists for t in values], dtype=torch.int64)
+    return flat, torch.tensor(offsets, dtype=torch.int64)
 
 
 def sample_rows(
