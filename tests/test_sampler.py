@@ -430,3 +430,51 @@ def test_kernel_logprobs_are_the_log_softmax_and_its_largest_entries():
     for r, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert set(entry) == set(ref[r].topk(4).indices.tolist()) | {token}
         assert all(abs(v - ref[r, t].item()) < 2e-5 for t, v in entry.items())
+
+
+def test_kernel_draws_stay_valid_on_odd_rows():
+    """Random rows and settings at their edges (a vocabulary of 1 to 5,000, ties, rows partly or wholly at -inf,
+    temperatures from 1e-4 to 5, top_k past the vocabulary, top_p 1e-6, min_p 1, biases of +-100, negative
+    penalties): every token is in the vocabulary, a sampled row never draws a -inf logit where it has a finite one,
+    and min_tokens' bans hold."""
+    import random
+
+    from roseinfer.kernels import RowProcessors, can_sample_rows, sample_rows
+
+    if not can_sample_rows(torch.zeros(1, 2)):
+        pytest.skip("no C compiler: the CPU samples with PyTorch ops")
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for _ in range(120):
+        rows, n = rng.randint(1, 12), rng.choice([1, 2, 7, 64, 65, 300, 5000])
+        x = torch.randn(rows, n, generator=gen) * rng.choice([0.01, 1.0, 30.0])
+        if rng.random() < 0.3:
+            x = x.round()
+        if rng.random() < 0.3:
+            x[:, rng.randrange(n) :] = float("-inf")
+        if rng.random() < 0.1:
+            x[0] = float("-inf")
+        temperature = [rng.choice([0.0, 1e-4, 0.5, 1.0, 5.0]) for _ in range(rows)]
+        top_k = [rng.choice([0, -1, 1, 3, n, n + 5]) for _ in range(rows)]
+        top_p = [rng.choice([1.0, 0.999, 0.5, 1e-6]) for _ in range(rows)]
+        min_p = [rng.choice([0.0, 0.5, 1.0]) for _ in range(rows)]
+        banned = [[rng.randrange(n)] for _ in range(rows)]
+        processors = RowProcessors(
+            bias=[{rng.randrange(n): rng.uniform(-100, 100)} for _ in range(rows)],
+            history=[[rng.randrange(n) for _ in range(rng.randint(0, 5))] for _ in range(rows)],
+            repetition=[rng.choice([1.0, 2.0]) for _ in range(rows)],
+            output=[[rng.randrange(n) for _ in range(rng.randint(0, 5))] for _ in range(rows)],
+            frequency=[rng.uniform(-2, 2) for _ in range(rows)],
+            presence=[rng.uniform(-2, 2) for _ in range(rows)],
+            banned=banned,
+        )
+        u = torch.rand(rows, dtype=torch.float64, generator=gen)
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        plain = sample_rows(x.to(dtype), temperature, top_k, top_p, min_p, u).tolist()
+        processed = sample_rows(x.to(dtype), temperature, top_k, top_p, min_p, u, processors).tolist()
+        for r in range(rows):
+            assert 0 <= plain[r] < n and 0 <= processed[r] < n
+            finite = torch.isfinite(x[r].to(dtype))
+            if temperature[r] > 0 and finite.any():
+                assert finite[plain[r]], (r, plain[r])
+            if temperature[r] > 0 and finite.sum() > 1:  # (a ban leaves it a finite logit to draw)
+                assert processed[r] not in banned[r], (r, processed[r])
