@@ -374,7 +374,10 @@ class Sampler:
         """The step's output with the requested logprobs of the model's logits, from the CPU kernel."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         nums = [params[i].logprobs for i in rows]
-        chosen, top_vals, top_ids = logprob_rows(logits[rows], tokens[rows], nums)
+        every = len(rows) == len(params)  # (the usual case: no copy of the batch's logits)
+        chosen, top_vals, top_ids = logprob_rows(
+            logits if every else logits[rows], tokens if every else tokens[rows], nums
+        )
         token_list = tokens.tolist()
         out: list[dict[int, float] | None] = [None] * len(params)
         for j, (i, n, vals, ids) in enumerate(zip(rows, nums, top_vals.tolist(), top_ids.tolist())):
