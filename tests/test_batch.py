@@ -662,7 +662,13 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_p
         with pytest.raises(ValueError, match="another run is writing"):
             run_batch(_offline_client(), src, out, timeout=5.0)  # (a run not refused ends, and fails this test)
         assert first.is_alive()
-        for key in client.connection.keys("rq:job:*"):
+        # The first run takes the lock before it submits: on a loaded machine its job may not be there yet, and a
+        # cancel that found none left it waiting on the stuck worker for good.
+        deadline = time.monotonic() + 30
+        while not (keys := client.connection.keys("rq:job:*")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for key in keys:
             client.job(key.decode().removeprefix("rq:job:")).cancel()
         first.join(timeout=30)
         assert not first.is_alive()
