@@ -687,6 +687,32 @@ def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow  # a second or two of waiting
+def test_a_hand_written_job_without_a_timeout_gets_rqs_default_and_minus_one_runs_unlimited(served, monkeypatch):
+    """As RQ's worker reads ``timeout``: none (or 0) is the queue's default, 180 s (made 1 s here); -1 is no limit.
+    A job hash written by hand without one ran unlimited here."""
+    from rq import Queue
+
+    w, client, conn = served
+    real_step = w.worker.engine.step
+
+    def slow_step(flush=True):  # 120 tokens take ~2.4 s: past the default made 1 s
+        time.sleep(0.02)
+        return real_step(flush=flush)
+
+    monkeypatch.setattr(w.worker.engine, "step", slow_step)
+    monkeypatch.setattr(Queue, "DEFAULT_TIMEOUT", 1)
+    payload = {"prompt": "slow", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    ids = {name: f"{name}-{uuid.uuid4().hex[:6]}" for name in ("none", "zero", "unlimited")}
+    _raw_job(conn, w.queue, ids["none"], payload)
+    _raw_job(conn, w.queue, ids["zero"], payload, timeout="0")
+    _raw_job(conn, w.queue, ids["unlimited"], payload, timeout="-1")
+    for name in ("none", "zero"):
+        with pytest.raises(JobFailed, match="exceeded its timeout of 1 s"):
+            client.job(ids[name]).result(timeout=60)
+    assert client.job(ids["unlimited"]).result(timeout=60)["usage"]["completion_tokens"] == 120
+
+
 @pytest.mark.slow  # seconds of waiting: the full suite's, not the fast lane's
 def test_redis_busy_with_another_clients_long_script_is_waited_out(served, redis_url):
     """Another client's Lua script runs past Redis's busy-reply-threshold: Redis answers BUSY to everyone until it

@@ -89,6 +89,7 @@ from worker.jobs import (
     build_result,
     canceled_result,
     failure_result,
+    run_limit,
     usage,
 )
 from worker.metrics import WorkerMetrics
@@ -603,7 +604,7 @@ class BatchWorker(BaseWorker):
             self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
         else:
             job, req = a.job, a.request
-            timeout = job.timeout if job.timeout and job.timeout > 0 else None
+            timeout = run_limit(job, self.queue_class.DEFAULT_TIMEOUT)
             self.pump.submit(
                 job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
                 prefix_logprobs=a.prefix_logprobs,
@@ -943,7 +944,7 @@ class BatchWorker(BaseWorker):
         if event.retryable:
             error: Exception = StepFailed(event.error)
         elif event.timed_out:
-            error = JobTimedOut(f"job exceeded its timeout of {job.job.timeout} s")
+            error = JobTimedOut(f"job exceeded its timeout of {run_limit(job.job, self.queue_class.DEFAULT_TIMEOUT)} s")
         else:
             error = JobRejected(event.error)
         # Whose fault: a job the engine refused is the job's own unless the event says otherwise.

@@ -40,6 +40,13 @@ class JobTimedOut(Exception):
     message globally.)"""
 
 
+def run_limit(job: Job, default: int) -> int | None:
+    """The seconds the job may run, as RQ's worker reads them: no timeout (or 0) is the queue's default, one below
+    zero runs unlimited (None)."""
+    limit = job.timeout or default
+    return limit if limit > 0 else None
+
+
 def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     """The job's payload, checked; JobRejected with a readable reason otherwise. ``max_bytes`` bounds the stored
     data before it is parsed, so a 10 MB prompt is refused before anything tokenizes it."""
