@@ -253,6 +253,11 @@ class JobRequest(BaseModel):
         None, description="with messages: the chat template's own options (e.g. enable_thinking), as vLLM takes them"
     )
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
+    context_overflow: Literal["cut", "error"] = Field(
+        "cut",
+        description="a max_tokens past what the context leaves after the prompt: cut generates up to the context "
+        "(finish_reason length); error fails the job (what the OpenAI server asks, answered 400 as OpenAI and vLLM do)",
+    )
     min_tokens: NonNegInt = Field(0, description="tokens before EOS, a stop token or a stop string may end the output")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of this mass")
@@ -450,6 +455,7 @@ class JobRequest(BaseModel):
         """Keyword arguments for ``roseinfer.SamplingParams``."""
         return {
             "max_tokens": self.max_tokens,
+            "context_overflow": self.context_overflow,
             "min_tokens": self.min_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -39,6 +39,7 @@ from producer.openai_api import (
     TokenizeRequest,
     chat_response,
     completion_response,
+    fit_to_context,
     parse,
     parse_completions,
     parse_request,
@@ -316,7 +317,7 @@ def create_app(
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
-        jobs = list(await asyncio.gather(*(client.submit(**fields) for fields in jobs_fields)))  # one batch
+        jobs = list(await asyncio.gather(*(client.submit(**fit_to_context(f)) for f in jobs_fields)))  # one batch
         job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
         names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
@@ -361,7 +362,7 @@ def create_app(
         wait = _answer_within(request, timeout)
         req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
-        job = await client.submit(**fields)
+        job = await client.submit(**fit_to_context(fields))
         ids = _job_headers([job])
         names = await _token_names(req.model, chat.num_logprobs is not None)
         plans = chat.tool_plan(), chat.num_logprobs, names, chat.reasoning_plan()

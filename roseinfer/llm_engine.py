@@ -339,6 +339,15 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but this model allows at most "
                 f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
+        if (
+            params.context_overflow == "error"
+            and params.max_tokens is not None
+            and len(token_ids) + params.max_tokens > self.max_model_len
+        ):  # (vLLM's server's words)
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{len(token_ids)} input tokens plus {params.max_tokens} 'max_tokens'. Please reduce one or the other."
+            )
         prefix = self._checked_prefix(output_prefix or [], len(token_ids), params, prefix_logprobs)
         if prefix and params.n > 1:
             raise ValueError("a request with n > 1 cannot resume from an output prefix: its samples start over")

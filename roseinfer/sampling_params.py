@@ -106,6 +106,9 @@ class SamplingParams:
     # for a later step; its first and final outputs never wait, and the final one holds everything); or only its
     # final one ("final_only": no per-step output objects to build).
     output_kind: str = "cumulative"
+    # A max_tokens past what the context leaves after the prompt: "cut" generates up to the context (finish_reason
+    # length, as vLLM's offline LLM); "error" refuses the request, as OpenAI's and vLLM's servers answer 400.
+    context_overflow: str = "cut"
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,8 @@ class SamplingParams:
             fail(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             fail(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if self.context_overflow not in ("cut", "error"):
+            fail(f"context_overflow must be 'cut' or 'error', got {self.context_overflow!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

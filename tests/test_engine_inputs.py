@@ -49,6 +49,22 @@ def test_generation_stops_at_the_context_length(llm):
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
 
 
+def test_a_max_tokens_past_the_context_is_cut_or_refused_as_the_request_asks(llm):
+    """``context_overflow="cut"`` (the default, vLLM's offline LLM) generates up to the context; "error" refuses
+    the request with vLLM's server's words, and a request that fits runs either way."""
+    prompt = list(range(1, 60))  # 59 tokens of 64: 5 left
+    cut = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert cut.outputs[0].finish_reason == "length" and len(cut.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens.*59 input tokens plus 6 'max_tokens'"):
+        llm.engine.add_request("past", prompt, SamplingParams(max_tokens=6, context_overflow="error"))
+    assert not llm.engine.has_unfinished_requests()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, context_overflow="error")
+    fits = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert fits.outputs[0].token_ids == cut.outputs[0].token_ids
+    with pytest.raises(ValueError, match="context_overflow must be 'cut' or 'error'"):
+        SamplingParams(context_overflow="truncate")
+
+
 def test_bad_engine_options():
     for kwargs, msg in [
         ({"dtype": "int8"}, "dtype"),

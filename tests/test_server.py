@@ -65,7 +65,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
 
 @pytest.fixture
 def slow_steps(served, monkeypatch):
-    """Engine steps of at least 20 ms: a job of 230 tokens runs for seconds on any machine, so a test that cancels
+    """Engine steps of at least 20 ms: a job of 200 tokens runs for seconds on any machine, so a test that cancels
     it or outlasts a short timeout never meets a job that already ended."""
     engine = served[0].worker.engine
     real_step = engine.step
@@ -497,9 +497,9 @@ def test_unknown_model_and_bad_json(served, oai):
 def test_a_client_that_disconnects_mid_stream_cancels_its_job(served, redis_url, slow_steps, path):
     worker, server, model = served
     asked = (
-        {"messages": MESSAGES, "max_tokens": 230, "ignore_eos": True}
+        {"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True}
         if path != "responses"
-        else {"input": "Hi", "max_output_tokens": 230}
+        else {"input": "Hi", "max_output_tokens": 200}
     )
     body = {"model": model, **asked, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=30) as reply:
@@ -588,7 +588,7 @@ def test_a_job_past_the_server_timeout_is_a_504_and_is_canceled(served, redis_ur
         client = openai.OpenAI(base_url=f"{impatient.url}/v1", api_key="x", http_client=http)
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.with_raw_response.create(
-                model=model, messages=MESSAGES, max_tokens=230, extra_body={"ignore_eos": True}
+                model=model, messages=MESSAGES, max_tokens=200, extra_body={"ignore_eos": True}
             )
         assert info.value.status_code == 504 and len(sent) == 1
         assert info.value.response.headers["x-should-retry"] == "false"
@@ -616,7 +616,7 @@ def test_a_stream_with_no_event_within_the_server_timeout_is_a_504_and_is_cancel
     monkeypatch.setattr(engine, "step", step)
     impatient = ServerThread(redis_url, worker.queue, timeout=0.3)
     try:
-        body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "stream": True, "ignore_eos": True}
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 200, "stream": True, "ignore_eos": True}
         response = httpx.post(f"{impatient.url}/v1/chat/completions", json=body, timeout=20)
     finally:
         impatient.stop()
@@ -643,7 +643,7 @@ def test_a_client_that_stops_reading_sooner_than_the_server_waits_gets_the_504_o
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", http_client=http, timeout=2.0)
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(
-                model=model, messages=MESSAGES, max_tokens=230, stream=stream, extra_body={"ignore_eos": True}
+                model=model, messages=MESSAGES, max_tokens=200, stream=stream, extra_body={"ignore_eos": True}
             )
     assert info.value.status_code == 504 and len(sent) == 1  # (the server's own --timeout: 600 s)
     job = Client(redis_url, queue=worker.queue).job(info.value.response.headers["x-roseinfer-job-id"])
@@ -1027,6 +1027,32 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobo
     assert queue.fetch_job("same").kwargs["prompt"] == "p2"  # the later submission's, as RQ keeps
 
 
+def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
+    """As OpenAI's and vLLM's servers: a prompt plus an explicit max_tokens (max_completion_tokens, max_output_tokens,
+    or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps vLLM's offline
+    behaviour: cut at the context (finish_reason length)."""
+    worker, _, model = served
+    length = worker.worker.engine.max_model_len
+    prompt_ids = [10 + i % 100 for i in range(length - 3)]  # room for 3 tokens
+    for kwargs in ({"max_tokens": 4}, {"max_tokens": 4, "stream": True}, {}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(model=model, prompt=prompt_ids, temperature=0, **kwargs)
+        wanted = kwargs.get("max_tokens", 16)
+        assert f"{len(prompt_ids)} input tokens plus {wanted} 'max_tokens'" in err.value.message
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens"):
+        oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=length)
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens"):
+        oai.responses.create(model=model, input="Hi", max_output_tokens=length)
+    fits = oai.completions.create(model=model, prompt=prompt_ids, max_tokens=3, temperature=0, extra_body={
+        "ignore_eos": True})  # fmt: skip
+    assert fits.usage.completion_tokens == 3
+    queued = Client(redis_url, queue=worker.queue).submit(
+        prompt_token_ids=prompt_ids, max_tokens=16, temperature=0, ignore_eos=True
+    )
+    result = queued.result(timeout=60)
+    assert result["finish_reason"] == "length" and result["usage"]["completion_tokens"] == 3
+
+
 def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis_url):
     """The worker says whose fault a failure was (``error_type``): a prompt longer than the model allows is the
     request's (400, as vLLM answers it); a job past its own timeout is a 504; a failure the worker never explained
@@ -1053,7 +1079,7 @@ def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(se
     """A job canceled mid-stream (``roseinfer cancel``, RQ's cancel) ended like a finished answer, with
     ``finish_reason: stop``; without streaming the same job is an error. Now the stream ends with an error too."""
     worker, server, model = served
-    body = {"model": model, "messages": MESSAGES, "max_tokens": 230, "ignore_eos": True, "stream": True}
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as reply:
         Client(redis_url, queue=worker.queue).job(reply.headers["x-roseinfer-job-id"]).cancel()
         chunks = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
@@ -1140,7 +1166,7 @@ def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_er
         url = f"{impatient.url}/v1/chat/completions"
         with httpx.stream("POST", url, json={**body, "max_tokens": 30}, timeout=30) as response:
             steady = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-        with httpx.stream("POST", url, json={**body, "max_tokens": 230}, timeout=30) as response:
+        with httpx.stream("POST", url, json={**body, "max_tokens": 200}, timeout=30) as response:
             job_id = response.headers["x-roseinfer-job-id"]
             chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     finally:
