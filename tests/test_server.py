@@ -1029,8 +1029,8 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobo
 
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
     """As OpenAI's and vLLM's servers: a prompt plus an explicit max_tokens (max_completion_tokens, max_output_tokens,
-    or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps vLLM's offline
-    behaviour: cut at the context (finish_reason length)."""
+    or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps
+    vLLM's offline behaviour: cut at the context (finish_reason length)."""
     worker, _, model = served
     length = worker.worker.engine.max_model_len
     prompt_ids = [10 + i % 100 for i in range(length - 3)]  # room for 3 tokens
