@@ -2,6 +2,9 @@
 
 Blocks are reference counted. A block whose count drops to zero goes to the back of an LRU free queue but
 keeps its hash, so a later request with the same prefix can take it back until it is handed out again.
+Where every layer slides, the blocks of a running request that fell out of the window are freed as it goes on
+(vLLM's sliding-window manager): its table keeps its length, those entries naming a block of the pool (the first
+it kept when they were freed), whose keys there no kernel reads (they start at the window) and the PyTorch path masks.
 It reads a request's tokens and ``num_computed_tokens`` but never changes them: a prefix hit is reported
 as a number of tokens, and the scheduler records it.
 """
@@ -46,12 +49,15 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # > 0: every layer reads only the last this many keys
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks, least recently used first; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -60,6 +66,8 @@ class KVCacheManager:
         self._block_tables: dict[str, list[int]] = {}
         # request id -> how many leading blocks of its table are registered in the prefix cache.
         self._num_registered_blocks: dict[str, int] = {}
+        # request id -> how many leading blocks of its table fell out of the sliding window and were freed.
+        self._num_dropped_blocks: dict[str, int] = {}
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
 
@@ -187,6 +195,26 @@ class KVCacheManager:
             self._register_full_blocks(seq, table, total)
         return True
 
+    def free_outside_window(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq`` that its next tokens no longer read: those wholly before the window of its
+        first uncomputed position. A freed block keeps its hash (a later request may still hit it); its table entry
+        names the first block kept (any block would do: a masked key)."""
+        if not self.sliding_window:
+            return
+        table = self._block_tables.get(seq.request_id)
+        first_read = seq.num_computed_tokens - self.sliding_window + 1  # the first key position still read
+        keep_from = max(first_read, 0) // self.block_size
+        dropped = self._num_dropped_blocks.get(seq.request_id, 0)
+        if table is None or keep_from <= dropped or keep_from >= len(table):
+            return
+        for i in range(dropped, keep_from):
+            block = self.blocks[table[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[table[i]] = None
+            table[i] = table[keep_from]
+        self._num_dropped_blocks[seq.request_id] = keep_from
+
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
@@ -203,9 +231,10 @@ class KVCacheManager:
         shared prefixes."""
         table = self._block_tables.pop(request_id, None)
         self._num_registered_blocks.pop(request_id, None)
+        dropped = self._num_dropped_blocks.pop(request_id, 0)
         if table is None:
             return
-        for block_id in reversed(table):
+        for block_id in reversed(table[dropped:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

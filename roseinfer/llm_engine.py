@@ -23,7 +23,7 @@ from roseinfer.cpu_allocator import keep_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
-from roseinfer.models import build_model
+from roseinfer.models import build_model, kv_window
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -101,7 +101,7 @@ class LLMEngine:
                 self.max_model_len,
             )
             self.max_model_len = num_blocks * config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window(self.model))
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.model.long_rope_from
         )

@@ -124,6 +124,9 @@ class Scheduler:
         taken: set[str] = set()  # request ids scheduled this step
         if self.long_rope_from:
             self._recompute_past_original_length()
+        if self.kv.sliding_window:  # K/V that fell out of the window: their blocks go back to the pool first
+            for seq in self._running:
+                self.kv.free_outside_window(seq)
         preempted += self._make_room()
         num_made_room = len(preempted)
 

@@ -87,3 +87,32 @@ def test_a_block_key_is_sha256_of_its_whole_prefix():
     assert kv.allocate_slots(a, 9)
     assert kv.lookup_computed_blocks(seq([9, 2, 3, 4, 5, 6, 7, 8, 0], "b")).num_tokens == 0
     assert kv.lookup_computed_blocks(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], "c")).num_tokens == 8
+
+
+def test_blocks_out_of_the_sliding_window_are_freed_keep_their_hash_and_are_not_freed_twice():
+    kv = KVCacheManager(num_blocks=8, block_size=4, sliding_window=5)
+    a = seq(list(range(14)), "a")
+    assert kv.allocate_slots(a, 14)
+    table = list(kv.get_block_ids("a"))
+    a.num_computed_tokens = 9  # the next token, at 9, reads keys 5..9: block 0 is out of the window
+    kv.free_outside_window(a)
+    assert kv.num_used_blocks == 3 and kv.get_block_ids("a") == [table[1], *table[1:]]
+    a.num_computed_tokens = 14  # keys 10.. : blocks 0 and 1 out
+    kv.free_outside_window(a)
+    kv.free_outside_window(a)  # (nothing more)
+    assert kv.num_used_blocks == 2 and kv.get_block_ids("a") == [table[1], table[2], *table[2:]]
+    b = seq(list(range(8)) + [70, 71], "b")
+    hit = kv.get_computed_blocks(b)  # the freed blocks still hold a's first 8 tokens: a later prompt takes them
+    assert hit.block_ids == table[:2] and kv.allocate_slots(b, 2, hit)
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_used_blocks == 0 and all(block.ref_count == 0 for block in kv.blocks)
+
+
+def test_without_a_sliding_window_nothing_is_freed_early():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = seq(list(range(14)), "a")
+    assert kv.allocate_slots(a, 14)
+    a.num_computed_tokens = 14
+    kv.free_outside_window(a)
+    assert kv.num_used_blocks == 4

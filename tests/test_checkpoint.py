@@ -201,6 +201,45 @@ def test_sliding_window_layers_match_transformers_past_the_window(case, kernels,
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 16)
 
 
+def _peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """The outputs of ``prompts`` run at once, and the most KV blocks in use after any step."""
+    engine, outs, peak = llm.engine, {}, 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        peak = max(peak, engine.kv.num_used_blocks)
+    return [outs[str(i)] for i in range(len(prompts))], peak
+
+
+def test_blocks_out_of_every_layers_window_are_freed_as_requests_go_on(tmp_path):
+    """Where every layer slides (Mistral, a window of 6 in blocks of 8), a request holds only the blocks its window
+    and its step's tokens reach: four requests of 60 tokens run at once in a pool of 12 blocks without a
+    preemption, token for token as transformers. Kept whole, they preempt one another in the same pool."""
+    path = _save(_config("mistral", sliding_window=6), tmp_path / "model")
+    prompts = [list(range(10 + i, 30 + i)) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory="48KiB", max_num_batched_tokens=16)
+    assert (llm.engine.kv.num_blocks, llm.engine.kv.sliding_window) == (12, 6)
+    outputs, peak = _peak_blocks(llm, prompts, params)
+    assert outputs == hf_greedy(path, prompts, 40)
+    assert llm.engine.scheduler.num_preemptions == 0 and peak <= 12
+    assert llm.engine.kv.num_used_blocks == 0  # every block back, the dropped ones counted once
+    whole = LLM(path, dtype="float32", kv_cache_memory="48KiB", max_num_batched_tokens=16)
+    whole.engine.kv.sliding_window = 0
+    assert _peak_blocks(whole, prompts, params)[0] == outputs and whole.engine.scheduler.num_preemptions > 0
+
+
+def test_a_model_with_full_layers_frees_nothing_out_of_its_windows(tmp_path):
+    """Gemma 2's full layers read every key, and Qwen2's lower layers too: no block is freed."""
+    from roseinfer.models import kv_window
+
+    for case in ("gemma2, capped scores", "qwen2, the upper layer"):
+        family, extra = WINDOWED[case]
+        llm = LLM(_save(_config(family, **extra), tmp_path / case), dtype="float32")
+        assert kv_window(llm.engine.model) == 0 == llm.engine.kv.sliding_window, case
+
+
 def test_the_rotary_tables_are_transformers_own(tmp_path):
     """Of every rotary type the engine takes, the cos/sin it tabulates are those transformers' rotary embedding
     computes, to the bit."""

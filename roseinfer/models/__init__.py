@@ -46,6 +46,13 @@ def rope_row_offset(seq_long_rope: bool, long_rope_from: int) -> int:
     return long_rope_from if seq_long_rope else 0
 
 
+def kv_window(model: CausalLM) -> int:
+    """The keys every layer still reads: the widest window where every layer slides (Mistral v0.1, Phi-3), so K/V
+    that fell out of it can be freed; 0 where any layer attends over the whole context (Gemma 2's full layers)."""
+    windows = [getattr(layer, "window", 0) for layer in getattr(model, "layers", ())]
+    return max(windows) if windows and all(windows) else 0
+
+
 class UnsupportedModelError(ValueError):
     pass
 
