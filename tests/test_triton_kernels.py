@@ -242,6 +242,25 @@ def test_gemma2_on_the_triton_backend_matches_transformers(triton_engine, tmp_pa
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, 12, device=DEVICE)
 
 
+@pytest.mark.slow
+def test_blocks_freed_out_of_every_layers_window_on_the_triton_backend(triton_engine, tmp_path):
+    """Mistral (every layer slides: a window of 6 in blocks of 8) in a pool of 12 blocks the requests outgrow: the
+    kernels start at the window while the tables name freed blocks before it; the same greedy tokens as
+    transformers, and no request preempted."""
+    from conftest import hf_greedy
+    from test_checkpoint import PROMPTS, WINDOWED, _config, _peak_blocks, _save
+
+    from roseinfer import LLM, SamplingParams
+
+    family, extra = WINDOWED["mistral, every layer"]
+    path = _save(_config(family, **extra), tmp_path / "mistral")
+    llm = LLM(path, dtype="float32", device=DEVICE, max_num_batched_tokens=16, kv_cache_memory="48KiB")
+    assert llm.engine.attn_backend.name == "triton" and llm.engine.kv.num_blocks == 12
+    outputs, peak = _peak_blocks(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert outputs == hf_greedy(path, PROMPTS, 24, device=DEVICE)
+    assert llm.engine.scheduler.num_preemptions == 0 and peak <= 12
+
+
 def _graph_buffers_run_eagerly(llm):
     """The engine's decode steps through the CUDA-graph runner's persistent buffers and buckets, each run eagerly
     (no capture): what a GPU replays, checked on any machine."""
