@@ -50,18 +50,29 @@ _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expi
 
 class JobError(Exception):
     """A job ended without a result. ``result`` holds what the worker recorded, if anything; ``error_type`` whose
-    fault a failure was, as the worker said (``invalid_request``, ``timeout``, ``server_error``; None: not said)."""
+    fault a failure was, as the worker said (``invalid_request``, ``timeout``, ``server_error``; None: not said);
+    ``error_code`` what it was where a client can act on it (``context_length_exceeded``; None: not said)."""
 
     def __init__(
-        self, job_id: str, reason: str, result: dict[str, Any] | None = None, error_type: str | None = None
+        self,
+        job_id: str,
+        reason: str,
+        result: dict[str, Any] | None = None,
+        error_type: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         super().__init__(f"job {job_id}: {reason}")
         self.job_id, self.reason, self.result = job_id, reason, result
         self.error_type = error_type or (result or {}).get("error_type")
+        self.error_code = error_code or (result or {}).get("error_code")
 
 
 class JobFailed(JobError):
-    pass
+    @classmethod
+    def of_event(cls, job_id: str, event: dict[str, Any]) -> JobFailed:
+        """The failure a job's last event (``finish_reason: error``) says."""
+        reason, fault, code = event.get("error", "failed"), event.get("error_type"), event.get("error_code")
+        return cls(job_id, reason, error_type=fault, error_code=code)
 
 
 class JobCanceled(JobError):
@@ -214,7 +225,7 @@ def raise_at_a_bad_end(job_id: str, event: dict[str, Any]) -> None:
     """After its text: a last event of a failed job raises ``JobFailed``; of one canceled (or stopped) while it ran,
     ``JobCanceled``, as for one canceled while queued."""
     if event.get("finish_reason") == "error":
-        raise JobFailed(job_id, event.get("error", "failed"), error_type=event.get("error_type"))
+        raise JobFailed.of_event(job_id, event)
     if event.get("finish_reason") == "abort":
         raise JobCanceled(job_id, "the job was canceled; the text above is what it made first")
 

@@ -165,9 +165,11 @@ def make_event(
     error_type: str | None = None,
     logprobs: list[dict[int, float]] | None = None,
     sample_finish_reason: str | None = None,
+    error_code: str | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
-    belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``);
+    belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``),
+    ``error_code`` what it is where a client can act on it (``context_length_exceeded``);
     ``logprobs``: one entry per token id, for a job that asked for them; ``sample_finish_reason``: sample ``index``
     ended with this piece while the job goes on (left out on the job's last event, whose ``finish_reason`` ends
     it); ``usage`` without ``finish_reason``: the usage so far (a job asking for it on every event)."""
@@ -190,6 +192,8 @@ def make_event(
         event["error"] = error
     if error_type is not None:
         event["error_type"] = error_type
+    if error_code is not None:
+        event["error_code"] = error_code
     return event
 
 

@@ -56,6 +56,8 @@ log = logging.getLogger("roseinfer.server")
 # A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
 # but once one came, no longer than this: a job queued behind a full worker streams when it starts.
 FIRST_EVENTS_GRACE_S = 1.0
+# The request field a context_length_exceeded error names, by endpoint.
+_PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
 MAX_IDS_IN_HEADER = 32  # more: the first id and the count (256 ids, ~9.5 KB, passed a proxy's header buffer)
 
 
@@ -174,7 +176,9 @@ def create_app(
     app.state.metrics = metrics
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if exc.code == "context_length_exceeded" and exc.param is None:  # the field to shorten, as OpenAI names it
+            exc.param = _PROMPT_FIELDS.get(request.url.path)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -443,7 +447,7 @@ async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) ->
         i, event = got
         reason = event.get("finish_reason")
         if reason == "error":
-            raise JobFailed(jobs[i].id, event.get("error", "failed"), error_type=event.get("error_type"))
+            raise JobFailed.of_event(jobs[i].id, event)
         if reason == "abort" and not event["text"]:
             raise JobCanceled(jobs[i].id, "the job was canceled")
         early.append(got)
@@ -511,7 +515,7 @@ def _job_error(exc: JobFailed | JobCanceled) -> APIError:
         return _not_to_retry(APIError(500, "the job was canceled", "server_error"))
     # Only a job the worker found at fault is the client's (400): a timeout, a failed step, an abandoned job are not.
     if exc.error_type == "invalid_request":
-        return APIError(400, exc.reason)
+        return APIError(400, exc.reason, code=exc.error_code)
     if exc.error_type == "timeout":
         return _not_to_retry(APIError(504, exc.reason, "timeout"))
     return APIError(500, exc.reason, "server_error")
@@ -565,7 +569,7 @@ async def _sse(
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":
-                raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+                raise JobFailed.of_event(job.id, event)
             if event["text"] or event.get("logprobs"):
                 sent.add(i)
             chunks.count(i, event)
@@ -639,7 +643,7 @@ async def _response_sse(
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":
-                raise JobFailed(job.id, event.get("error", "failed"), error_type=event.get("error_type"))
+                raise JobFailed.of_event(job.id, event)
             for out in writer.piece(event["text"], event):
                 yield _typed(out)
             if reason == "abort":  # canceled: an error, as without streaming

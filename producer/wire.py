@@ -24,6 +24,13 @@ ERROR_TYPE_DOC = (
 )
 
 
+ErrorCode = Literal["context_length_exceeded"]
+ERROR_CODE_DOC = (
+    "with some errors: what it was, for a client to act on. context_length_exceeded: the prompt (or the prompt plus "
+    "max_tokens, for a job with context_overflow 'error') is past the model's context; OpenAI's code for it"
+)
+
+
 class Usage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +57,7 @@ class StreamEvent(BaseModel):
     )
     error: str | None = Field(None, description="on a last event with finish_reason 'error'")
     error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
+    error_code: ErrorCode | None = Field(None, description=ERROR_CODE_DOC)
     reset: bool | None = Field(
         None, description="true: the output starts over here; drop the text and token ids of every earlier event"
     )
@@ -115,6 +123,7 @@ class JobResult(BaseModel):
     metadata: dict[str, Any] | None = None
     error: str | None = None
     error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
+    error_code: ErrorCode | None = Field(None, description=ERROR_CODE_DOC)
 
 
 def schemas() -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "LLM",
     "CompletionOutput",
+    "ContextLengthExceeded",
     "EngineConfig",
     "LLMEngine",
     "RequestOutput",
@@ -28,8 +29,8 @@ def __getattr__(name: str):
         from roseinfer.llm import LLM
 
         return LLM
-    if name == "LLMEngine":
-        from roseinfer.llm_engine import LLMEngine
+    if name in ("LLMEngine", "ContextLengthExceeded"):
+        from roseinfer import llm_engine
 
-        return LLMEngine
+        return getattr(llm_engine, name)
     raise AttributeError(name)

@@ -38,6 +38,13 @@ PromptInput = str | list[int] | dict
 CHAT_KEYS = frozenset(("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"))
 
 
+class ContextLengthExceeded(ValueError):
+    """A request that does not fit the model's context: its prompt, or (asked to be refused, not cut) its prompt
+    plus ``max_tokens``. ``code`` is OpenAI's for it, which clients read to shorten a conversation and retry."""
+
+    code = "context_length_exceeded"
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -335,7 +342,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(token_ids)} tokens, but this model allows at most "
                 f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
@@ -344,7 +351,7 @@ class LLMEngine:
             and params.max_tokens is not None
             and len(token_ids) + params.max_tokens > self.max_model_len
         ):  # (vLLM's server's words)
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
                 f"{len(token_ids)} input tokens plus {params.max_tokens} 'max_tokens'. Please reduce one or the other."
             )

@@ -468,8 +468,9 @@ def test_the_rq_worker_serves_through_an_engine_process():
         assert events[-1]["usage"] == usage and all(
             e["usage"]["prompt_tokens"] == usage["prompt_tokens"] for e in events
         )
-        with pytest.raises(JobFailed, match="allows at most 100"):
+        with pytest.raises(JobFailed, match="allows at most 100") as refused:
             client.submit("too long", max_tokens=4).result(timeout=20)
+        assert refused.value.error_code == "context_length_exceeded"  # (crossed from the engine's process)
         many = client.submit_many([{"prompt": f"job {i}", "max_tokens": 3 + i % 5} for i in range(40)])
         assert [j.result(timeout=20)["usage"]["completion_tokens"] for j in many] == [3 + i % 5 for i in range(40)]
         engine_slow = worker.pump  # a canceled job stops with its partial text, as in-process

@@ -13,6 +13,7 @@ import pytest
 from conftest import refuse_lua
 
 from producer import Client, JobFailed
+from roseinfer.llm_engine import ContextLengthExceeded
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from worker.puller import DID_NOT_BLOCK_S
 from worker.pump import Pump
@@ -45,7 +46,7 @@ class FakeEngine:
 
     def add_request(self, request_id, prompt, params=None, priority=0) -> None:
         if "too long" in prompt.get("prompt", ""):
-            raise ValueError("the prompt has 9999 tokens, but this model allows at most 100")
+            raise ContextLengthExceeded("the prompt has 9999 tokens, but this model allows at most 100")
         if "engine bug" in prompt.get("prompt", ""):
             raise KeyError("engine bug at admission")
         self.requests[request_id] = {"left": params.max_tokens, "made": 0, "held": 0}
@@ -132,6 +133,7 @@ def test_a_job_that_breaks_the_tokenizer_or_the_engine_fails_alone():
     assert events["good"].finish_reason == "length"
     assert events["tok"].finish_reason == "error" and "tokenizer bug" in events["tok"].error
     assert events["long"].error == "the prompt has 9999 tokens, but this model allows at most 100"
+    assert events["long"].error_code == "context_length_exceeded" and events["tok"].error_code is None
     assert "KeyError" in events["bug"].error and not events["bug"].retryable
     pump.close()
 

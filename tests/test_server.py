@@ -1030,7 +1030,8 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobo
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
     """As OpenAI's and vLLM's servers: a prompt plus an explicit max_tokens (max_completion_tokens, max_output_tokens,
     or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps
-    vLLM's offline behaviour: cut at the context (finish_reason length)."""
+    vLLM's offline behaviour: cut at the context (finish_reason length). The error has OpenAI's code and names the
+    field to shorten, which clients read to trim a conversation and retry."""
     worker, _, model = served
     length = worker.worker.engine.max_model_len
     prompt_ids = [10 + i % 100 for i in range(length - 3)]  # room for 3 tokens
@@ -1039,10 +1040,13 @@ def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_q
             oai.completions.create(model=model, prompt=prompt_ids, temperature=0, **kwargs)
         wanted = kwargs.get("max_tokens", 16)
         assert f"{len(prompt_ids)} input tokens plus {wanted} 'max_tokens'" in err.value.message
-    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens"):
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "prompt")
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
         oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=length)
-    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens"):
+    assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
         oai.responses.create(model=model, input="Hi", max_output_tokens=length)
+    assert (err.value.code, err.value.param) == ("context_length_exceeded", "input")
     fits = oai.completions.create(model=model, prompt=prompt_ids, max_tokens=3, temperature=0, extra_body={
         "ignore_eos": True})  # fmt: skip
     assert fits.usage.completion_tokens == 3
@@ -1064,15 +1068,17 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     _, _, model = served
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], max_tokens=2)
-    assert "too long" in err.value.message or "tokens" in err.value.message
+    assert "this model allows at most" in err.value.message
+    assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
     with pytest.raises(openai.BadRequestError) as err:  # streamed too: the status comes before any chunk
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], stream=True)
-    assert "too long" in err.value.message or "tokens" in err.value.message
+    assert "this model allows at most" in err.value.message and err.value.code == "context_length_exceeded"
     timed_out = Failed("j", "job exceeded its timeout of 1 s", {"error_type": "timeout"})
     assert (_job_error(timed_out).status, _job_error(timed_out).type) == (504, "timeout")
     assert _job_error(timed_out).headers == {"x-should-retry": "false"} == _job_error(Canceled("j", "x")).headers
     died = _job_error(Failed("j", "AbandonedJobError: the worker died"))
     assert died.status == 500 and died.headers == {}  # the openai client's retry may meet a live worker
+    assert died.code is None and _job_error(Failed("j", "bad", {"error_type": "invalid_request"})).code is None
 
 
 def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url, slow_steps):

@@ -263,9 +263,11 @@ def test_a_job_refused_for_what_it_holds_is_logged_in_one_line_without_a_traceba
     too_long = client.submit("word " * 400, max_tokens=4)  # refused by the engine (256 positions)
     unknown = f"unknown-field-{uuid.uuid4().hex[:6]}"
     _raw_job(conn, w.queue, unknown, {"prompt": "hi", "max_tokens": 3, "bogus": 1})  # refused as it is taken
-    for job_id, why in ((too_long.id, "allows at most"), (unknown, "bogus")):
-        with pytest.raises(JobFailed):
+    for job_id, why, code in ((too_long.id, "allows at most", "context_length_exceeded"), (unknown, "bogus", None)):
+        with pytest.raises(JobFailed) as failed:
             client.job(job_id).result(timeout=30)
+        assert failed.value.error_code == code and failed.value.result.get("error_code") == code  # OpenAI's code
+        assert list(client.job(job_id).events(timeout=10))[-1].get("error_code") == code
         said = [r for r in caplog.records if job_id in r.getMessage() and r.levelno >= logging.WARNING]
         assert len(said) == 1, [r.getMessage() for r in said]
         assert said[0].levelno == logging.WARNING and not said[0].exc_info

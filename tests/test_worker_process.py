@@ -236,6 +236,7 @@ def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_c
         ends = [json.loads(f[b"event"]) for _, f in conn.xrange(f"roseinfer:stream:{job.id}")]
         assert [e.get("finish_reason") for e in ends] == ["error"]  # one attempt
         assert ends[0]["error_type"] == "invalid_request"
+        assert ends[0].get("error_code") == ("context_length_exceeded" if job is too_long else None)
 
 
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):

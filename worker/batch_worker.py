@@ -953,7 +953,7 @@ class BatchWorker(BaseWorker):
             end_usage = usage(event.output) if event.output else {}
             self.publisher.add(
                 job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type,
-                logprobs=event.logprobs,
+                logprobs=event.logprobs, error_code=event.error_code,
             )  # fmt: skip
         else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
             self.publisher.expedite(job.stream)
@@ -968,7 +968,9 @@ class BatchWorker(BaseWorker):
             if mine:
                 self._record_failure(job.job, job.queue, job.execution, error)
             if not retrying:
-                result = failure_result(job.job.id, job.request, str(error), error_type=error_type)
+                result = failure_result(
+                    job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
+                )
                 self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 

@@ -185,7 +185,12 @@ def build_result(
 
 
 def failure_result(
-    job_id: str, req: JobRequest | None, error: str, status: str = "failed", error_type: str | None = None
+    job_id: str,
+    req: JobRequest | None,
+    error: str,
+    status: str = "failed",
+    error_type: str | None = None,
+    error_code: str | None = None,
 ) -> dict[str, Any]:
     result = {
         "v": PROTOCOL_VERSION,
@@ -197,6 +202,8 @@ def failure_result(
     }
     if error_type is not None:
         result["error_type"] = error_type
+    if error_code is not None:
+        result["error_code"] = error_code
     return result
 
 
@@ -273,7 +280,9 @@ def generate(**payload: Any) -> dict[str, Any]:
                 pipe.execute()
     if final.finish_reason == "error":
         result = None  # RQ records the failure it raises
-        publisher.add(stream, final.text, [], "error", {}, final.error, error_type=final.error_type)
+        publisher.add(
+            stream, final.text, [], "error", {}, final.error, error_type=final.error_type, error_code=final.error_code
+        )
     else:
         result = build_result(
             job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at

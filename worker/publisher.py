@@ -54,7 +54,7 @@ class JobStream:
     # the final event's fields once the job ended.
     # sample index -> its texts, token ids and their logprobs (a job that asked for them) not sent yet
     pending: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = field(default_factory=dict)
-    pending_end: tuple[str, dict[str, int] | None, str | None, str | None] | None = None
+    pending_end: tuple[str, dict[str, int] | None, str | None, str | None, str | None] | None = None
     pending_reset: bool = False
     # sample index -> its own finish reason: a sample of n > 1 that ended while the others go on
     pending_sample_ends: dict[int, str] = field(default_factory=dict)
@@ -163,6 +163,7 @@ class Publisher:
         logprobs: list[dict[int, float]] | None = None,
         sample_end: str | None = None,
         prompt_tokens: int | None = None,
+        error_code: str | None = None,
     ) -> None:
         """``text`` and ``token_ids`` (and their ``logprobs``) of sample ``index`` to stream; ``finish_reason`` ends
         the job; ``sample_end`` ends sample ``index`` alone (n > 1: its own finish reason, the others go on);
@@ -183,7 +184,7 @@ class Publisher:
         if logprobs:
             lps += logprobs
         if finish_reason is not None:
-            s.pending_end = (finish_reason, usage, error, error_type)
+            s.pending_end = (finish_reason, usage, error, error_type, error_code)
         if sample_end is not None:
             s.pending_sample_ends[index] = sample_end
         if s.next_n == 0 or s.pending_reset or finish_reason is not None:
@@ -216,7 +217,7 @@ class Publisher:
             pieces = list(s.pending.items()) or [(0, ([], [], []))]
             for k, (index, (texts, ids, lps)) in enumerate(pieces):
                 last = k == len(pieces) - 1
-                reason, usage, error, error_type = (s.pending_end if last else None) or (None, None, None, None)
+                reason, usage, error, error_type, code = (s.pending_end if last else None) or (None,) * 5
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
                 ended = s.pending_sample_ends.get(index)
@@ -224,7 +225,7 @@ class Publisher:
                 if reason is None and s.usage_each_event and s.prompt_tokens is not None:
                     usage = usage_of(s.prompt_tokens, s.completion_tokens)
                 event = make_event(
-                    s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps, ended
+                    s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps, ended, code
                 )
                 ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if not s.ttl_renewed else 0
                 s.ttl_renewed = True

@@ -36,6 +36,7 @@ class JobEvent:
     restarted: bool = False  # the engine could not resume the job's output: it starts over (streams say so)
     index: int = 0  # the sample the text and token ids belong to (jobs with n > 1)
     error_type: str | None = None  # an error's fault: invalid_request (the job itself), timeout or server_error
+    error_code: str | None = None  # what the error is, for clients to act on: context_length_exceeded
     logprobs: list[dict[int, float]] | None = None  # one per token id, for a job that asked for them
     sample_end: str | None = None  # n > 1: sample ``index`` ended here (its own reason) while the others go on
     prompt_tokens: int | None = None  # the prompt's length, on a step's events (for usage on every event)
@@ -52,6 +53,12 @@ def delta_logprobs(out: Any) -> list[dict[int, float]] | None:
         if c.index == out.delta_index:
             return c.logprobs[len(c.logprobs) - num :] if c.logprobs is not None and num else None
     return None
+
+
+def _code_of(exc: Exception) -> str | None:
+    """The error code an engine's refusal names (``ContextLengthExceeded.code``), if any."""
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) else None
 
 
 @dataclass
@@ -244,7 +251,12 @@ class Pump:
                     self.on_admitted()
             except (ValueError, TypeError) as exc:  # the engine's own words about this prompt
                 del self._jobs[job_id]
-                events.append(JobEvent(job_id, finish_reason="error", error=str(exc), error_type="invalid_request"))
+                events.append(
+                    JobEvent(
+                        job_id, finish_reason="error", error=str(exc), error_type="invalid_request",
+                        error_code=_code_of(exc),
+                    )
+                )  # fmt: skip
             except Exception as exc:  # an engine or tokenizer bug on this one job: it fails, the rest go on
                 log.exception("job %s: the engine could not take it", job_id)
                 del self._jobs[job_id]
