@@ -37,7 +37,7 @@ from producer.protocol import (
     stream_key,
 )
 from producer.schema import JobRequest, describe_validation_error
-from producer.wire import JobResult, StreamEvent
+from producer.wire import JobResult, StreamEvent, read_check
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ENDED = ("failed", "canceled", "stopped")
@@ -123,9 +123,10 @@ def check_job_id(job_id: Any) -> None:
 
 
 def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
-    """``value`` if it follows the protocol's schema (the same models the schemas are generated from)."""
+    """``value`` if it follows the protocol's schema (the same models the schemas are generated from), fields it
+    does not know aside (``read_check``)."""
     try:
-        model.model_validate(value)
+        read_check(model, value)
     except ValidationError as exc:
         raise ProtocolError(job_id, f"{model.__name__} off the protocol: {describe_validation_error(exc)}") from None
     return value

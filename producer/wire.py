@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer.protocol import PROTOCOL_VERSION
 from producer.schema import JobRequest
@@ -124,6 +124,18 @@ class JobResult(BaseModel):
     error: str | None = None
     error_type: ErrorType | None = Field(None, description=ERROR_TYPE_DOC)
     error_code: ErrorCode | None = Field(None, description=ERROR_CODE_DOC)
+
+
+def read_check(model: type[BaseModel], value: dict[str, Any]) -> None:
+    """Raise ``ValidationError`` where ``value`` breaks ``model``'s schema, fields it does not know aside: a newer
+    worker adds fields within a protocol version (``error_code`` came so), and clients and workers deployed before
+    it go on reading its events and results, as OpenAI's clients read responses with new fields. The schemas'
+    ``additionalProperties: false`` says what this version writes."""
+    try:
+        model.model_validate(value)
+    except ValidationError as exc:
+        if not all(error["type"] == "extra_forbidden" for error in exc.errors()):
+            raise
 
 
 def schemas() -> dict[str, dict[str, Any]]:

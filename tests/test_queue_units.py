@@ -2091,3 +2091,33 @@ def test_the_servers_tokenizers_come_from_redis_once_and_tokens_go_by_id_without
     ids = tokenizer("hello world")["input_ids"]
     assert [names(t) for t in ids] == [tokenizer.decode([t]) for t in ids]
     assert names.bytes(ids[0]) == list(names(ids[0]).encode())
+
+
+def test_events_and_results_with_fields_a_newer_worker_adds_are_read_and_resumed_from():
+    """A newer worker adds fields within a protocol version (``error_code``, say). A client and a worker deployed
+    before it went on to call its jobs off the protocol (``ProtocolError``; a retried job started over): they read
+    them now, as OpenAI's clients read responses with fields they do not know. A known field of the wrong type is
+    still off the protocol."""
+    from producer import Client
+    from producer.client import ProtocolError
+    from producer.protocol import encode_result, result_key
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn)
+    job = client.submit("a", max_tokens=2)
+    newer = [{**make_event(0, "Hel", [1, 2]), "novel": {"x": 1}}, make_event(1, "lo", [3], "stop", {"total_tokens": 3})]
+    conn.xadd(stream_key(job.id), {STREAM_FIELD: json.dumps(newer[0])})
+    s = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60).resume(conn, [job.id])[job.id]
+    assert (s.next_n, s.whole) == (1, True)  # a retry resumes from it: not a start over
+    conn.xadd(stream_key(job.id), {STREAM_FIELD: json.dumps(newer[1])})
+    result = {"v": 3, "id": job.id, "status": "finished", "finish_reason": "stop", "text": "Hello", "novel": 1,
+              "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4, "cached_tokens": 0}}  # fmt: skip
+    conn.xadd(result_key(job.id), {"type": 1, "return_value": encode_result(result)})
+    conn.hset(f"rq:job:{job.id}", "status", "finished")
+    assert "".join(job.stream(timeout=5)) == "Hello" and job.result(timeout=5)["text"] == "Hello"
+
+    other = client.submit("b", max_tokens=2)
+    conn.xadd(result_key(other.id), {"type": 1, "return_value": encode_result({**result, "id": other.id, "text": 5})})
+    conn.hset(f"rq:job:{other.id}", "status", "finished")
+    with pytest.raises(ProtocolError, match="text"):
+        other.result(timeout=5)

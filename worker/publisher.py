@@ -29,7 +29,7 @@ from producer.protocol import (
     stream_key,
     usage_of,
 )
-from producer.wire import StreamEvent
+from producer.wire import StreamEvent, read_check
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -142,7 +142,7 @@ class Publisher:
             try:
                 events = [event_from_stream(fields) for _id, fields in found]
                 for event in events:
-                    StreamEvent.model_validate(event)
+                    read_check(StreamEvent, event)
                 s.read(events)  # (a logprob step of three numbers passes the schema and fails here)
             except (ValueError, KeyError, TypeError) as exc:  # written by hand, say: it can't be the output's start
                 log.warning("job %s: its stream holds an entry off the protocol (%s): the job starts over", job_id, exc)
