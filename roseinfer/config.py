@@ -28,6 +28,7 @@ ENGINE_ENV_VARS = (
     "ROSEINFER_BF16_GEMM",
 )
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -75,6 +76,12 @@ class EngineConfig:
     enforce_eager: bool = option(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     seed: int = option(0, "seed of the shared generator (requests with their own seed use theirs)")
     num_threads: int | None = option(None, "threads for the math (torch.set_num_threads); default: every core")
+    quantization: str | None = option(
+        None,
+        "int8: the dense layers multiply in int8 on CPU (weights per row, inputs per token, SmoothQuant factors "
+        "calibrated at load), faster where the CPU has VNNI or AMX, a little less accurate; default: none",
+        QUANTIZATIONS,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -91,6 +98,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, or none; got {self.quantization!r}"
+            )
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ValueError("quantization int8 runs on CPU (VNNI or AMX int8 dot products); on a GPU use bfloat16")
         if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if not _is_int(self.seed) or self.seed < 0:

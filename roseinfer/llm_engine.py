@@ -25,6 +25,7 @@ from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model, kv_window
 from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from roseinfer.scheduler import Scheduler
@@ -133,6 +134,8 @@ class LLMEngine:
         self.undelivered: list[RequestOutput] = []  # see ``take_undelivered``
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
+        if config.quantization == "int8":
+            self._quantize_int8()
         if self.device.type == "cuda":
             self._warm_up()
         settle_garbage_collector()
@@ -157,11 +160,32 @@ class LLMEngine:
         self.add_request("__warm-up-1", [1] * min(5, n), params)
         while self.has_unfinished_requests():
             self.step()
+        self._forget_startup_requests()
+        torch.cuda.synchronize(self.device)
+
+    def _quantize_int8(self) -> None:
+        """The dense layers to int8, their SmoothQuant factors from the inputs they see on the calibration texts
+        (prefill and a few decode steps each)."""
+        started = time.perf_counter()
+        layers = dense_layers(self.model)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        limit = max(1, self.max_model_len - params.max_tokens - 1)
+        with input_maxima(layers) as maxima:
+            for i, ids in enumerate(calibration_prompts(self)):
+                self.add_request(f"__calibration-{i}", {"prompt_token_ids": ids[:limit]}, params)
+            while self.has_unfinished_requests():
+                self.step()
+        quantize(layers, maxima)
+        self._forget_startup_requests()  # their cached blocks were computed by the float layers
+        log.info("%d dense layers multiply in int8 (calibrated in %.1f s)", len(layers), time.perf_counter() - started)
+
+    def _forget_startup_requests(self) -> None:
+        """Forget the requests the engine ran for itself (warm-up, calibration): their blocks, counts and outputs."""
         self.kv.reset_prefix_cache()
         self.kv.prefix_query_tokens = self.kv.prefix_hit_tokens = 0
         self.scheduler.num_preemptions = 0
         self.stats = EngineStats()
-        torch.cuda.synchronize(self.device)
+        self.undelivered.clear()
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":

@@ -55,3 +55,83 @@ def test_bfloat16_engine_agrees_with_transformers_on_either_gemm(tiny_llama, bf1
     ref = hf_greedy(tiny_llama, prompts, 12, dtype="bfloat16")
     # bfloat16 roundings differ between fused and unfused ops: the first tokens come before any can compound.
     assert [o.outputs[0].token_ids[:4] for o in outs] == [r[:4] for r in ref]
+
+
+def _int8_reference(layer: linear.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What an int8 layer computes, from its stored int8 weight and scales, in float64."""
+    xs = x.double() * (1 if layer._smooth is None else layer._smooth.double())
+    per_row = xs.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    xq = (xs * (127 / per_row)).round().clamp(-127, 127)
+    y = (xq @ layer._qweight.double().T) * (per_row / 127) * layer._qscale.double()
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_an_int8_layer_sums_its_rounded_operands_exactly_and_stays_near_the_float_product(dtype, smoothed):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    x = torch.randn(7, 64)
+    x[:, 3] *= 40  # an outlier channel, as LLMs' activations have
+    x[2] = 0  # a row of zeros: scaled, not divided by zero
+    layer = linear.Linear(w.to(dtype), b.to(dtype))
+    layer.quantize_int8(x.abs().amax(dim=0) if smoothed else None)
+    assert layer.weight is None and layer._qweight.dtype == torch.int8  # the float weight is let go
+    y = layer(x.to(dtype))
+    assert y.dtype == dtype and y.shape == (7, 96) and torch.isfinite(y).all()
+    ref = _int8_reference(layer, x.to(dtype).float())
+    assert ((y.double() - ref).abs() <= (1e-5 if dtype == torch.float32 else 2**-8) * ref.abs() + 1e-4).all()
+    exact = x.to(dtype).double() @ w.to(dtype).double().T + b.to(dtype).double()
+    assert torch.allclose(y[2].double(), b.to(dtype).double(), atol=1e-6)
+    error = (y.double() - exact).norm() / exact.norm()
+    assert error < (0.02 if smoothed else 0.05), error
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weight_and_cuts_the_rounding_error():
+    """SmoothQuant's factors keep the product: x / s @ (w * s).T == x @ w.T, and rounding the smoothed operands
+    loses less than rounding the raw ones when one input channel dwarfs the others."""
+    torch.manual_seed(1)
+    w = torch.randn(128, 256)
+    x = torch.randn(32, 256)
+    x[:, :4] *= 60
+    errors = []
+    for smooth in (None, x.abs().amax(dim=0)):
+        layer = linear.Linear(w.clone())
+        layer.quantize_int8(smooth)
+        errors.append(((layer(x) - x @ w.T).norm() / (x @ w.T).norm()).item())
+    assert errors[1] < 0.5 * errors[0], errors
+    layer = linear.Linear(w.clone())
+    layer.quantize_int8(x.abs().amax(dim=0))
+    restored = layer._qweight.float() * layer._qscale[:, None] * layer._smooth
+    assert ((restored - w).abs() <= 0.5 * layer._qscale[:, None] * layer._smooth + 1e-6).all()  # half a step
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gpt2"])
+def test_an_int8_engine_scores_text_as_the_float_engine_does_and_forgets_its_calibration(model, request):
+    from roseinfer.quantization import dense_layers
+
+    path = request.getfixturevalue(model)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": [5, 17, 99, 3, 42, 8, 250, 1, 7, 64, 12, 90]}
+    float_llm = LLM(path, dtype="float32")
+    int8_llm = LLM(path, dtype="float32", quantization="int8")
+    engine = int8_llm.engine
+    layers = dense_layers(engine.model)
+    assert len(layers) == 4 * engine.model.num_layers and all(layer._qweight is not None for layer in layers)
+    assert engine.model.lm_head._qweight is None and engine.model.lm_head.weight is not None  # the logits: float
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished_requests()  # the calibration is gone
+    assert engine.kv.prefix_query_tokens == 0 and engine.stats.num_steps == 0
+    ref, got = (llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:] for llm in (float_llm, int8_llm))
+    ids = prompt["prompt_token_ids"][1:]
+    diffs = [abs(r[t] - g[t]) for r, g, t in zip(ref, got, ids)]
+    # The same text scored alike (these random models' logits are large: their logprobs run to -14).
+    assert 0 < sum(diffs) < 0.03 * sum(abs(r[t]) for r, t in zip(ref, ids)), diffs
+
+
+def test_int8_is_a_cpu_option():
+    from roseinfer import EngineConfig
+
+    with pytest.raises(ValueError, match="runs on CPU"):
+        EngineConfig(device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be one of int8"):
+        EngineConfig(quantization="int4")

@@ -88,6 +88,10 @@ class Linear:
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         self.out_dtype: torch.dtype | None = None  # set when the GEMM runs in float32 for a bfloat16 layer
+        # int8 weights (one scale per output row) once ``quantize_int8`` ran: the GEMM is int8, its sums int32
+        self._qweight: torch.Tensor | None = None
+        self._qscale: torch.Tensor | None = None
+        self._smooth: torch.Tensor | None = None  # 1 / SmoothQuant's factor per input channel
         self._packed = _pack(self.weight)
         if _can_pack(self.weight) and self.weight.dtype == torch.bfloat16:
             if self._packed is None:
@@ -102,10 +106,42 @@ class Linear:
         self.bias = None if self.bias is None else self.bias.float()
         self._packed = _pack(self.weight)
 
+    def quantize_int8(self, input_max: torch.Tensor | None = None, alpha: float = 0.5) -> None:
+        """Multiply in int8 from now on (``quantization="int8"``): the weight rounded once to int8 with one scale
+        per output row, each call's input rows to int8 with one scale per row (symmetric both), their products
+        summed exactly in int32 (``torch._int_mm``: VNNI or AMX dot products) and scaled back, as SGLang's
+        ``int8dq`` and vLLM's W8A8 with dynamic per-token scales. ``input_max``: each input channel's largest
+        magnitude seen (calibration); SmoothQuant's factors then move part of the inputs' outlier channels into
+        the weight (``alpha`` of it), which rounds them with less error than a row's scale set by one outlier."""
+        weight = self.weight.float()
+        self._smooth = None
+        if input_max is not None:
+            weight_max = weight.abs().amax(dim=0).clamp(min=1e-5)
+            factor = (input_max.float().clamp(min=1e-5).pow(alpha) / weight_max.pow(1 - alpha)).clamp_(min=1e-5)
+            weight = weight * factor  # the same product: (x / factor) @ (weight * factor).T
+            self._smooth = 1.0 / factor
+        scale = weight.abs().amax(dim=1).clamp_(min=1e-12) / 127
+        self._qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self._qscale = scale
+        self.out_dtype = self.out_dtype or self.weight.dtype  # (a bfloat16 layer already run in float32 stays one)
+        self.bias = None if self.bias is None else self.bias.float()
+        self.weight = self._packed = None  # its memory goes back: a quarter of float32's stays, as int8
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._qweight is not None:
+            return self._int8_matmul(x)
         if self.out_dtype is not None:
             return self._matmul(x.float()).to(self.out_dtype)
         return self._matmul(x)
+
+    def _int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float() if self._smooth is None else x.float() * self._smooth
+        per_row = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        xq = (x * (127 / per_row)).round_().clamp_(-127, 127).to(torch.int8)
+        y = torch.mul(torch._int_mm(xq, self._qweight.t()), per_row / 127).mul_(self._qscale)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(self.out_dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
