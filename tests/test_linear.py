@@ -135,3 +135,24 @@ def test_int8_is_a_cpu_option():
         EngineConfig(device="cuda", quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of int8"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_the_c_kernels_of_an_int8_layer_give_the_bytes_of_their_pytorch_twins(dtype, bias, smoothed, monkeypatch):
+    """Bit for bit, so a worker without a C compiler writes what one with it writes. Rows enough to meet values
+    one rounding away from a half (bfloat16 inputs meet them in ~1 row of 50)."""
+    from roseinfer import kernels
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(2)
+    x = torch.randn(2000, 200) * torch.linspace(0.1, 30, 200)  # channels of many sizes
+    x[4] = 0
+    layer = linear.Linear(torch.randn(72, 200).to(dtype), torch.randn(72).to(dtype) if bias else None)
+    layer.quantize_int8(x.abs().amax(dim=0) if smoothed else None)
+    inputs = (x.to(dtype), torch.cat([x, x], dim=1).to(dtype)[:, :200])  # strided rows too
+    with_c = [layer(inp) for inp in inputs]
+    monkeypatch.setattr(kernels, "_lib", None)  # (as the ``no_kernels`` fixture)
+    assert all(torch.equal(c, layer(inp)) for c, inp in zip(with_c, inputs))

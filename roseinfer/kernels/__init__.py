@@ -49,6 +49,10 @@ _SIGNATURES = {
     "logprob_rows": [_P, _I, _I, _I, ctypes.c_int, _P, _P, _I, _P, _P, _P],
     # x, rows, vocabulary, row stride, top_k, top_p, min_p, out
     "filter_rows": [_P, _I, _I, _I, *[_P] * 4],
+    # x, rows, n, row stride, bf16, smooth, out, row_scale
+    "quantize_rows": [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P],
+    # acc, rows, n, row_scale, col_scale, bias, out, bf16
+    "dequantize_rows": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int],
 }
 
 
@@ -196,6 +200,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return tk.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantize_rows(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 layer's input rows [T, n] (times ``smooth`` where given) as int8, each scaled so its largest
+    magnitude is 127 and rounded half to even, and the scales back ([T, 1], float32)."""
+    lib = cpu_kernels_for(x.device, x.dtype)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1:
+        x = x.float() if smooth is None else x.float() * smooth
+        per_row = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        # (each op one IEEE rounding, as the C code's: ``127 / t`` is a reciprocal and a product in PyTorch)
+        xq = (x * per_row.reciprocal().mul_(127)).round_().clamp_(-127, 127).to(torch.int8)
+        return xq, per_row * (1 / 127)
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=torch.int8)
+    scale = torch.empty(rows, 1, dtype=torch.float32)
+    smooth_ptr = None if smooth is None else smooth.data_ptr()
+    lib.quantize_rows(x.data_ptr(), rows, n, x.stride(0), _bf16(x), smooth_ptr, out.data_ptr(), scale.data_ptr())
+    return out, scale
+
+
+def dequantize_rows(
+    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """An int8 layer's int32 sums [T, n] as ``dtype``: ``acc * row_scale * col_scale (+ bias)``."""
+    lib = cpu_kernels_for(acc.device, dtype)
+    if lib is None or not acc.is_contiguous():
+        y = torch.mul(acc, row_scale).mul_(col_scale)
+        if bias is not None:
+            y += bias
+        return y.to(dtype)
+    out = torch.empty(acc.shape, dtype=dtype)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    rows, n = acc.shape
+    lib.dequantize_rows(
+        acc.data_ptr(), rows, n, row_scale.data_ptr(), col_scale.data_ptr(), bias_ptr, out.data_ptr(), _bf16(out)
+    )
+    return out
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

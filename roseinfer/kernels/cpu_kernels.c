@@ -891,3 +891,63 @@ void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_strid
         free(cand);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// An int8 layer's input (``Linear.quantize_int8``): each row of x, times smooth where given (SmoothQuant's
+// 1 / factor per channel), scaled so its largest magnitude is 127 and rounded half to even, as torch.round;
+// row_scale[r] = that magnitude / 127. The same float32 steps as the PyTorch twin, so both give the same bytes.
+void quantize_rows(const void* x, int64_t rows, int64_t n, int64_t row_stride, int bf16, const float* smooth,
+                   int8_t* out, float* row_scale) {
+#pragma omp parallel
+    {
+        float* t = (float*)malloc(sizeof(float) * n);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row((const char*)x + r * row_stride * (bf16 ? 2 : 4), bf16, n, t);
+            if (smooth) {
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) t[i] *= smooth[i];
+            }
+            float m = 0.f;
+#pragma omp simd reduction(max : m)
+            for (int64_t i = 0; i < n; i++) m = m > fabsf(t[i]) ? m : fabsf(t[i]);
+            m = m > 1e-12f ? m : 1e-12f;
+            const float k = 127.f * (1.f / m);  // the twin's ops: a reciprocal, then a product
+            int8_t* o = out + r * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) {
+                float v = t[i] * k;
+                v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+                o[i] = (int8_t)(int32_t)((v + 12582912.f) - 12582912.f);  // 1.5 * 2^23: rounds half to even
+            }
+            row_scale[r] = m * (1.f / 127.f);
+        }
+        free(t);
+    }
+}
+
+// The int32 sums of an int8 layer back to floats: out = acc * row_scale[r] * col_scale[c] (+ bias[c]), rounded
+// to out's dtype, in the PyTorch twin's order.
+void dequantize_rows(const int32_t* acc, int64_t rows, int64_t n, const float* row_scale, const float* col_scale,
+                     const float* bias, void* out, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t* a = acc + r * n;
+        const float rs = row_scale[r];
+        if (bf16) {
+            uint16_t* o = (uint16_t*)out + r * n;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) {
+                float y = (float)a[c] * rs * col_scale[c];
+                o[c] = f2bf(bias ? y + bias[c] : y);
+            }
+        } else {
+            float* o = (float*)out + r * n;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) {
+                float y = (float)a[c] * rs * col_scale[c];
+                o[c] = bias ? y + bias[c] : y;
+            }
+        }
+    }
+}

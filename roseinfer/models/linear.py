@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from roseinfer.checkpoint import Checkpoint
+from roseinfer.kernels import dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
 _warned_no_bf16 = False
@@ -135,13 +136,8 @@ class Linear:
         return self._matmul(x)
 
     def _int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float() if self._smooth is None else x.float() * self._smooth
-        per_row = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-        xq = (x * (127 / per_row)).round_().clamp_(-127, 127).to(torch.int8)
-        y = torch.mul(torch._int_mm(xq, self._qweight.t()), per_row / 127).mul_(self._qscale)
-        if self.bias is not None:
-            y += self.bias
-        return y.to(self.out_dtype)
+        xq, row_scale = quantize_rows(x, self._smooth)
+        return dequantize_rows(torch._int_mm(xq, self._qweight.t()), row_scale, self._qscale, self.bias, self.out_dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
