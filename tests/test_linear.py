@@ -128,6 +128,17 @@ def test_an_int8_engine_scores_text_as_the_float_engine_does_and_forgets_its_cal
     assert 0 < sum(diffs) < 0.03 * sum(abs(r[t]) for r, t in zip(ref, ids)), diffs
 
 
+def test_int8_on_a_cpu_whose_int8_gemm_does_not_pay_says_so(tiny_llama, monkeypatch, caplog):
+    import logging
+
+    from roseinfer import llm_engine
+
+    monkeypatch.setattr(llm_engine, "int8_gemm_speedup", lambda: 0.6)
+    with caplog.at_level(logging.WARNING, logger="roseinfer.llm_engine"):
+        LLM(tiny_llama, quantization="int8")
+    assert any("int8 GEMM runs 0.60x its float32 one" in r.getMessage() for r in caplog.records)
+
+
 def test_int8_is_a_cpu_option():
     from roseinfer import EngineConfig
 
