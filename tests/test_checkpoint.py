@@ -155,6 +155,53 @@ def _prompt_logprobs_gap(path: str, prompt: list[int]) -> float:
     return max(abs(a - b) for a, b in zip(ours, theirs))
 
 
+INT8_FAST = ("qwen2 (q/k/v biases)", "qwen2_moe (experts, a shared expert, a dense layer)")
+
+
+@pytest.mark.parametrize(
+    "case", [name if name in INT8_FAST else pytest.param(name, marks=pytest.mark.slow) for name in FAMILIES]
+)
+def test_each_family_runs_in_int8_and_scores_text_near_its_float_model(case, tmp_path):
+    """``quantization="int8"`` on every family: each dense layer (experts, shared experts, fused and biased
+    projections) multiplies in int8, the output layer and the routers in float, and the prompt's tokens score near
+    the float model's scores (these random models' logits are large: a relative gap)."""
+    from roseinfer.models.linear import Linear
+    from roseinfer.quantization import dense_layers
+
+    family, extra = FAMILIES[case]
+    path = _save(_config(family, **extra), tmp_path / "model")
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scores = []
+    for quantization in (None, "int8"):
+        llm = LLM(path, dtype="float32", quantization=quantization)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        scores.append([next(iter(d.values())) for d in out.prompt_logprobs[1:]])
+    model = llm.engine.model
+    layers = dense_layers(model)
+    assert layers and all(layer._qweight is not None for layer in layers)
+    floats = [v for v in _objects(model) if isinstance(v, Linear) and v._qweight is None]
+    assert model.lm_head in floats and all(v is model.lm_head or v.out_features <= 4 for v in floats)  # routers
+    gap = sum(abs(a - b) for a, b in zip(*scores)) / sum(abs(a) for a in scores[0])
+    assert 0 < gap < 0.05, gap
+
+
+def _objects(model) -> list:
+    """Every object the model holds, through its own objects, lists and tuples."""
+    found, todo, seen = [], [model], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        found.append(obj)
+        if isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("roseinfer.models"):
+            todo.extend(vars(obj).values())
+    return found
+
+
 def test_which_qwen3_moe_layers_have_experts():
     """transformers' rule: none without experts; else every ``decoder_sparse_step``-th but the dense-only ones."""
     from transformers import Qwen3MoeConfig
