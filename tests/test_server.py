@@ -731,6 +731,8 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
         got = samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
     finally:
         worker.stop()
+    with pytest.raises(httpx.ConnectError):  # a stopped worker's metrics are gone, and its port free again
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
     assert got[("roseinfer_jobs_total", (("status", "finished"),))] == 3
     assert got[("roseinfer_generated_tokens_total", ())] == 15
     assert got[("roseinfer_ttft_seconds_count", ())] == 3

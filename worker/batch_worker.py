@@ -336,6 +336,7 @@ class BatchWorker(BaseWorker):
             self._start(burst, logging_level)
         except BaseException:  # (a name in use, a metrics port taken): an engine process must not outlive it
             self.pump.close()
+            self.metrics.close()
             raise
         worked = False
         backoff = 0.5
@@ -372,6 +373,7 @@ class BatchWorker(BaseWorker):
             else:
                 self._leave()
             self.pump.close()
+            self.metrics.close()
         log.info("worker %s stopped", self.name)
         return worked
 

@@ -5,7 +5,7 @@ when scraped. Every worker has a registry of its own, so several in one process 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +22,7 @@ _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._server: Any = None  # the /metrics server, once ``serve`` started it
         r = self.registry
         self.jobs = Counter("roseinfer_jobs", "jobs ended here, by final status", ["status"], registry=r)
         self.ttft = Histogram("roseinfer_ttft_seconds", "enqueue to first token", buckets=_LATENCY, registry=r)
@@ -40,7 +41,14 @@ class WorkerMetrics:
         self.registry.register(_WorkerState(worker))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop serving, and free the port (a worker started again in this process takes it again)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     def job_ended(self, status: str, timings: dict | None, completion_tokens: int = 0) -> None:
         self.jobs.labels(status).inc()
