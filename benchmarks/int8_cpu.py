@@ -1,6 +1,7 @@
-"""``quantization="int8"`` against the float model it comes from, on the standard workload (the 64 chat prompts
-of ``roseinfer/data/prompts64.json``, 64 new tokens each, greedy, EOS ignored): tokens/s in interleaved pairs, and
-what the int8 layers cost in accuracy beside what bfloat16 costs. Accuracy is read against the float32 model:
+"""``quantization="int8"``, alone and with ``int8_output_layer``, against the float model it comes from, on the
+standard workload (the 64 chat prompts of ``roseinfer/data/prompts64.json``, 64 new tokens each, greedy, EOS
+ignored): tokens/s in interleaved runs, and what the int8 layers cost in accuracy beside what bfloat16 costs.
+Accuracy is read against the float32 model:
 
 - greedy outputs token-identical to float32's, and the median token where they first differ;
 - the float32 model's mean log-probability of each system's outputs (teacher-forced, ``prompt_logprobs``): how
@@ -67,7 +68,11 @@ def main() -> None:
     print(f"cpu: {describe()}; torch threads: {torch.get_num_threads()}")
     messages = [[{"role": "user", "content": text}] for text in json.loads(PROMPTS.read_text())]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    systems = {args.dtype: LLM(dtype=args.dtype), f"{args.dtype} + int8": LLM(dtype=args.dtype, quantization="int8")}
+    systems = {
+        args.dtype: LLM(dtype=args.dtype),
+        f"{args.dtype} + int8": LLM(dtype=args.dtype, quantization="int8"),
+        "+ int8 output layer": LLM(dtype=args.dtype, quantization="int8", int8_output_layer=True),
+    }
     reference = systems.get("float32") or LLM(dtype="float32")
     for llm in systems.values():
         llm.chat(messages[:4], params, use_tqdm=False)  # warm
@@ -89,8 +94,8 @@ def main() -> None:
         same, first = agreement(outputs["float32"], outputs[name])
         score = mean_logprob(reference, prompt_ids, outputs[name])
         print(f"{name:<22} {rate:>15} {f'{same}/{len(messages)}':>18} {first:>20} {score:>18.3f}")
-    base, quick = (statistics.median(rates[name]) for name in systems)
-    print(f"\nint8 is {quick / base:.2f}x the {args.dtype} model's tokens/s")
+    base, alone, whole = (statistics.median(rates[name]) for name in systems)
+    print(f"\nint8: {alone / base:.2f}x the {args.dtype} model's tokens/s; with its output layer: {whole / base:.2f}x")
 
 
 if __name__ == "__main__":

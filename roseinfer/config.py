@@ -82,6 +82,9 @@ class EngineConfig:
         "calibrated at load), faster where the CPU has VNNI or AMX, a little less accurate; default: none",
         QUANTIZATIONS,
     )
+    int8_output_layer: bool = option(
+        False, "with quantization int8, the output layer multiplies in int8 too: faster again, a little less accurate"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -102,13 +105,15 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, or none; got {self.quantization!r}"
             )
+        if self.int8_output_layer and self.quantization != "int8":
+            raise ValueError("int8_output_layer needs quantization int8")
         if self.quantization == "int8" and self.device != "cpu":
             raise ValueError("quantization int8 runs on CPU (VNNI or AMX int8 dot products); on a GPU use bfloat16")
         if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "int8_output_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.kv_cache_memory != "auto":

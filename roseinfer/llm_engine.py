@@ -174,7 +174,7 @@ class LLMEngine:
                 "products?); int8 loses accuracy here and gains little or no speed",
                 speedup,
             )
-        layers = dense_layers(self.model)
+        layers = dense_layers(self.model, self.config.int8_output_layer)
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         limit = max(1, self.max_model_len - params.max_tokens - 1)
         with input_maxima(layers) as maxima:

@@ -1,5 +1,6 @@
 """``quantization="int8"``: the dense layers multiply in int8 on CPU, their SmoothQuant factors calibrated once at
-load on a few built-in texts (the output layer, and a mixture-of-experts router, stay in float)."""
+load on a few built-in texts (a mixture-of-experts router stays in float; the output layer too, unless
+``int8_output_layer``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 
 from roseinfer.models.linear import Linear
 
-# Layers left in float: the logits (sampling reads them whole) and the routers (a flipped expert choice costs more
-# than their tiny GEMMs save).
-KEPT_IN_FLOAT = frozenset(("lm_head", "router", "shared_expert_gate"))
+# Layers left in float: the routers (a flipped expert choice costs more than their tiny GEMMs save), and unless
+# asked otherwise the output layer (the logits sampling reads: it costs a little more accuracy than another layer).
+KEPT_IN_FLOAT = frozenset(("router", "shared_expert_gate"))
+OUTPUT_LAYER = "lm_head"
 # Texts of several kinds (prose, code, a list, a letter, a question), apart from the benchmark's prompts.
 CALIBRATION_TEXTS = (
     "The printing press spread across Europe within fifty years of Gutenberg's first Bible, and with it came "
@@ -30,8 +32,10 @@ CALIBRATION_TEXTS = (
 ALPHA = 0.5  # SmoothQuant's migration strength: half of each input channel's range moves into the weight
 
 
-def dense_layers(model: Any) -> list[Linear]:
-    """Every ``Linear`` of ``model`` but those ``KEPT_IN_FLOAT``, each once, in the order the model holds them."""
+def dense_layers(model: Any, with_output_layer: bool = False) -> list[Linear]:
+    """Every ``Linear`` of ``model`` but those ``KEPT_IN_FLOAT`` (and its output layer, unless
+    ``with_output_layer``), each once, in the order the model holds them."""
+    kept = KEPT_IN_FLOAT if with_output_layer else KEPT_IN_FLOAT | {OUTPUT_LAYER}
     found: list[Linear] = []
     seen: set[int] = set()
 
@@ -46,7 +50,7 @@ def dense_layers(model: Any) -> list[Linear]:
                 walk(item)
         elif type(obj).__module__.startswith("roseinfer.models"):
             for name, value in vars(obj).items():
-                if name not in KEPT_IN_FLOAT:
+                if name not in kept:
                     walk(value)
 
     walk(model)
