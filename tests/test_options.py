@@ -102,6 +102,9 @@ def test_engine_flags_round_trip_through_the_worker_settings():
         ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
         ({"block_size": "0"}, "block_size must be a positive integer"),
         ({"device": "tpu"}, "device"),
+        ({"quantization": "int4"}, "quantization must be one of int8"),
+        ({"quantization": "int8", "device": "cuda"}, "int8 runs on CPU"),
+        ({"int8_output_layer": "true"}, "int8_output_layer needs quantization int8"),
         ({"heartbeat_interval": "0"}, "heartbeat_interval"),
         # Past what Redis's EXPIRE takes: every event write of every job failed (stream), canceled jobs kept
         # their hashes for good (result); a heartbeat's wait past threading.TIMEOUT_MAX stopped the heartbeats.

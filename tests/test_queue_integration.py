@@ -618,3 +618,18 @@ def test_rq_suspend_holds_new_jobs_and_shows_the_worker_suspended(served):
         resume(conn)
     assert job.result(timeout=30)["usage"]["completion_tokens"] == 3
     assert state_becomes("idle") == "idle"
+
+
+def test_an_int8_worker_serves_jobs_whose_stream_is_their_result(redis_url, tiny_chat_model):
+    """``ROSEINFER_QUANTIZATION=int8`` (a worker setting like every engine option): the worker calibrates and
+    quantizes at start, then serves as any other; a job's streamed text is its result's."""
+    worker = ThreadWorker(redis_url, tiny_chat_model, quantization="int8", int8_output_layer=True)
+    try:
+        assert worker.worker.engine.model.lm_head._qweight is not None
+        client = Client(redis_url, queue=worker.queue)
+        jobs = client.submit_many([{"prompt": f"int8 {i}", "max_tokens": 6, "ignore_eos": True} for i in range(4)])
+        for job in jobs:
+            result = job.result(timeout=60)
+            assert result["usage"]["completion_tokens"] == 6 and "".join(job.stream(timeout=10)) == result["text"]
+    finally:
+        worker.stop()
