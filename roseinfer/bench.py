@@ -160,7 +160,7 @@ def run_prompts(llm, prompts: list[list[int]], max_tokens: int, sampling: dict |
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     seconds = time.perf_counter() - start
-    result = RunResult("roseinfer", len(prompts), 0, seconds)
+    result = RunResult(system_name(engine.config), len(prompts), 0, seconds)
     for out in finished:
         n = len(out.outputs[0].token_ids)
         m = out.metrics
@@ -220,6 +220,13 @@ def run_hf(
             result.tpot_s.append((t1 - streamer.first) / max(1, new - 1))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def system_name(config) -> str:
+    """``roseinfer``, with its quantization where it has one (its figures are not the float model's)."""
+    if config.quantization is None:
+        return "roseinfer"
+    return f"roseinfer {config.quantization}" + (" + output layer" if config.int8_output_layer else "")
 
 
 def print_table(results: list[RunResult], dtype: str) -> None:
@@ -293,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
     for rep in range(args.repeats):
         llm.engine.kv.reset_prefix_cache()  # no help from the warm-up's blocks, or an earlier run's
         ours.append(run_roseinfer(llm, convs, args.max_tokens, sampling))
-        line = f"roseinfer: {ours[-1].tokens_per_s:.1f} tok/s"
+        line = f"{ours[-1].system}: {ours[-1].tokens_per_s:.1f} tok/s"
         if not args.skip_hf:
             padded.append(run_hf(path, args.dtype, convs, args.max_tokens, args.hf_batch_size, tok, sampling))
             ratio = ours[-1].tokens_per_s / padded[-1].tokens_per_s
@@ -319,6 +326,7 @@ def main(args: argparse.Namespace) -> int:
             "cpu": describe(),
             "profile": profile,
             "dtype": args.dtype,
+            "quantization": llm.engine.config.quantization,
             "model": args.model,
             "max_tokens": args.max_tokens,
             "sampling": sampling,
