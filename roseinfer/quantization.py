@@ -86,7 +86,10 @@ def calibration_prompts(engine: Any) -> list[list[int]]:
         gen = torch.Generator().manual_seed(0)
         return [torch.randint(0, engine.model.vocab_size, (48,), generator=gen).tolist() for _ in CALIBRATION_TEXTS]
     if getattr(tok, "chat_template", None):
-        return [engine.tokenize({"messages": [{"role": "user", "content": text}]})[1] for text in CALIBRATION_TEXTS]
+        try:
+            return [engine.tokenize({"messages": [{"role": "user", "content": t}]})[1] for t in CALIBRATION_TEXTS]
+        except Exception:  # a template that wants more than one user turn (a system prompt, say): the plain text
+            pass
     return [tok.encode(text) for text in CALIBRATION_TEXTS]
 
 

@@ -175,3 +175,22 @@ def test_the_c_kernels_of_an_int8_layer_give_the_bytes_of_their_pytorch_twins(dt
     with_c = [layer(inp) for inp in inputs]
     monkeypatch.setattr(kernels, "_lib", None)  # (as the ``no_kernels`` fixture)
     assert all(torch.equal(c, layer(inp)) for c, inp in zip(with_c, inputs))
+
+
+def test_calibration_prompts_fit_every_model_a_template_that_refuses_a_lone_turn_too():
+    from types import SimpleNamespace
+
+    from roseinfer.quantization import CALIBRATION_TEXTS, calibration_prompts
+
+    class Refusing:  # a chat template that wants a system turn first
+        tokenizer = SimpleNamespace(chat_template="...", encode=lambda text: [len(text) % 7, 1])
+        model = SimpleNamespace(vocab_size=50)
+
+        def tokenize(self, prompt):
+            raise ValueError("Conversation roles must alternate system/user/...")
+
+    got = calibration_prompts(Refusing())
+    assert got == [[len(text) % 7, 1] for text in CALIBRATION_TEXTS]  # the plain texts
+    bare = SimpleNamespace(tokenizer=None, model=SimpleNamespace(vocab_size=50))  # a random model without one
+    ids = calibration_prompts(bare)
+    assert len(ids) == len(CALIBRATION_TEXTS) and all(0 <= t < 50 for p in ids for t in p)
