@@ -291,9 +291,10 @@ def status(args: argparse.Namespace) -> int:
     print(f"{len(st['workers'])} workers, {st['tokens_per_s']:.1f} tokens/s")
     for w in st["workers"]:
         redis_state = "" if w.get("redis", "ok") == "ok" else f"  Redis refuses writes: {w['redis']}"
+        numerics = ", ".join(x for x in (w.get("dtype"), w.get("quantization")) if x)
         print(
-            f"  {w['name']}  {w['state']:<8} {w['model']}  {w['in_flight']} in flight  {w['tokens_per_s']:.1f} tok/s"
-            + redis_state
+            f"  {w['name']}  {w['state']:<8} {w['model']}{f' ({numerics})' if numerics else ''}  {w['in_flight']} in "
+            f"flight  {w['tokens_per_s']:.1f} tok/s{redis_state}"
         )
     return 0
 

@@ -470,6 +470,8 @@ class Client:
                     "tokenizer": st.get("tokenizer") or None,  # the digest of the tokenizer it wrote to Redis
                     "template": st.get("template") or None,  # and of its chat template
                     "max_model_len": int(st["max_model_len"]) if st.get("max_model_len", "").isdigit() else None,
+                    "dtype": st.get("dtype") or None,
+                    "quantization": st.get("quantization") or None,  # int8, int8+output_layer
                 }
             )
         return rows

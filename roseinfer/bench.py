@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roseinfer.config import TINY_MODEL, ConfigError, add_engine_arguments, engine_config_from_args
+from roseinfer.config import TINY_MODEL, ConfigError, add_engine_arguments, engine_config_from_args, quantization_name
 
 # The standard workload (64 short chat instructions), shipped inside the package so every checkout has it.
 DEFAULT_WORKLOAD = Path(__file__).with_name("data") / "prompts64.json"
@@ -224,9 +224,8 @@ def run_hf(
 
 def system_name(config) -> str:
     """``roseinfer``, with its quantization where it has one (its figures are not the float model's)."""
-    if config.quantization is None:
-        return "roseinfer"
-    return f"roseinfer {config.quantization}" + (" + output layer" if config.int8_output_layer else "")
+    quantization = quantization_name(config)
+    return f"roseinfer {quantization}" if quantization else "roseinfer"
 
 
 def print_table(results: list[RunResult], dtype: str) -> None:

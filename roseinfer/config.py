@@ -125,6 +125,14 @@ class EngineConfig:
                 raise ValueError("kv_cache_memory must be positive")
 
 
+def quantization_name(config: Any) -> str:
+    """``int8``, ``int8+output_layer``, or "" for a float engine (of an ``EngineConfig``, or the worker's settings,
+    which hold its fields): what a worker's status and a benchmark show."""
+    if config.quantization is None:
+        return ""
+    return config.quantization + ("+output_layer" if config.int8_output_layer else "")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -175,6 +175,19 @@ def test_status_lists_the_lanes_once_there_are_several(monkeypatch, capsys):
     assert "lanes: priority 0: 1, priority 10: 2" in capsys.readouterr().out
 
 
+def test_status_shows_each_workers_numerics(monkeypatch, capsys):
+    """A fleet mixing float and int8 workers (whose text differs a little): each worker's line says which it is."""
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    row = {"name": "w1", "state": "busy", "model": "smol", "in_flight": 3, "tokens_per_s": 12.0}
+    workers = [{**row, "dtype": "bfloat16", "quantization": "int8"}, {**row, "name": "w2", "dtype": None}]
+    monkeypatch.setattr(client, "workers", lambda: workers)
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.status(_parse("status")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  w1  busy     smol (bfloat16, int8)  3 in flight  12.0 tok/s" in lines
+    assert "  w2  busy     smol  3 in flight  12.0 tok/s" in lines  # (an older worker says nothing of it)
+
+
 # -- result of a job that ended without finishing ---------------------------------------------------------------
 
 

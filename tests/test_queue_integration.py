@@ -461,6 +461,7 @@ def test_status_reports_workers_and_queue(served):
     assert st["queue"] == worker.queue
     assert [w["name"] for w in st["workers"]] == [worker.worker.name]
     assert st["finished"] >= 1
+    assert (st["workers"][0]["dtype"], st["workers"][0]["quantization"]) == (worker.settings.dtype, None)
 
 
 @pytest.mark.slow
@@ -623,7 +624,7 @@ def test_rq_suspend_holds_new_jobs_and_shows_the_worker_suspended(served):
 def test_an_int8_worker_serves_jobs_whose_stream_is_their_result(redis_url, tiny_chat_model):
     """``ROSEINFER_QUANTIZATION=int8`` (a worker setting like every engine option): the worker calibrates and
     quantizes at start, then serves as any other; a job's streamed text is its result's."""
-    worker = ThreadWorker(redis_url, tiny_chat_model, quantization="int8", int8_output_layer=True)
+    worker = ThreadWorker(redis_url, tiny_chat_model, quantization="int8", int8_output_layer=True, heartbeat_interval=1)
     try:
         assert worker.worker.engine.model.lm_head._qweight is not None
         client = Client(redis_url, queue=worker.queue)
@@ -631,5 +632,9 @@ def test_an_int8_worker_serves_jobs_whose_stream_is_their_result(redis_url, tiny
         for job in jobs:
             result = job.result(timeout=60)
             assert result["usage"]["completion_tokens"] == 6 and "".join(job.stream(timeout=10)) == result["text"]
+        deadline = time.monotonic() + 10
+        while not client.workers() and time.monotonic() < deadline:  # (its first heartbeat)
+            time.sleep(0.2)
+        assert client.workers()[0]["quantization"] == "int8+output_layer"  # operators see it in `roseinfer status`
     finally:
         worker.stop()

@@ -66,7 +66,7 @@ from producer.protocol import (
     usage_of,
 )
 from producer.schema import JobRequest
-from roseinfer.config import ConfigError
+from roseinfer.config import ConfigError, quantization_name
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
 from worker.intake import (
@@ -1297,6 +1297,8 @@ class BatchWorker(BaseWorker):
             "tokenizer": self.tokenizer_digest,  # ("": none in Redis)
             "template": self.template_digest,
             "max_model_len": getattr(self.engine, "max_model_len", None) or "",
+            "dtype": self.settings.dtype,
+            "quantization": quantization_name(self.settings),
         }
 
     def stats_key(self) -> str:
