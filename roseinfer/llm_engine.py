@@ -168,7 +168,11 @@ class LLMEngine:
         """The dense layers to int8, their SmoothQuant factors from the inputs they see on the calibration texts
         (prefill and a few decode steps each)."""
         started = time.perf_counter()
-        if (speedup := int8_gemm_speedup()) < 1.1:  # asked for, so done; but said: the engine is not faster here
+        try:
+            speedup = int8_gemm_speedup()
+        except (RuntimeError, NotImplementedError) as exc:  # a build or CPU without an int8 GEMM
+            raise ConfigError(f"quantization int8: this PyTorch cannot multiply int8 matrices here ({exc})") from None
+        if speedup < 1.1:  # asked for, so done; but said: the engine is not faster here
             log.warning(
                 "quantization int8: this CPU's int8 GEMM runs %.2fx its float32 one (no VNNI or AMX int8 dot "
                 "products?); int8 loses accuracy here and gains little or no speed",

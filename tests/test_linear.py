@@ -145,6 +145,18 @@ def test_int8_on_a_cpu_whose_int8_gemm_does_not_pay_says_so(tiny_llama, monkeypa
     assert any("int8 GEMM runs 0.60x its float32 one" in r.getMessage() for r in caplog.records)
 
 
+def test_int8_where_pytorch_has_no_int8_gemm_is_a_one_line_config_error(tiny_llama, monkeypatch):
+    from roseinfer import llm_engine
+    from roseinfer.config import ConfigError
+
+    def missing():
+        raise RuntimeError("_int_mm is not implemented for this backend")
+
+    monkeypatch.setattr(llm_engine, "int8_gemm_speedup", missing)
+    with pytest.raises(ConfigError, match="quantization int8: this PyTorch cannot multiply int8 matrices here"):
+        LLM(tiny_llama, quantization="int8")
+
+
 def test_int8_is_a_cpu_option():
     from roseinfer import EngineConfig
 
