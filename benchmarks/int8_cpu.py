@@ -5,7 +5,7 @@ Accuracy is read against the float32 model:
 
 - greedy outputs token-identical to float32's, and the median token where they first differ;
 - the float32 model's mean log-probability of each system's outputs (teacher-forced, ``prompt_logprobs``): how
-  likely the reference finds the text each made (its own outputs score highest).
+  likely the reference finds the text each made (greedy text is not the likeliest text: its own can be beaten).
 
     python3 benchmarks/int8_cpu.py [--dtype bfloat16] [--pairs 3]
 """

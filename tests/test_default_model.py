@@ -116,3 +116,25 @@ def test_count_tokens_takes_the_model_names_a_worker_takes(default_model_path):
 
     by_name = _tokenizer("smollm2-135m-instruct")
     assert by_name.encode("Hello there") == AutoTokenizer.from_pretrained(default_model_path).encode("Hello there")
+
+
+def test_int8_answers_as_the_float_model_does_and_scores_its_text_near_it(llm):
+    """The default model in int8 (output layer too): the answers keep their facts, and the float model finds the
+    int8 text nearly as likely as its own (benchmarks/int8_cpu.py measures it on the 64 bench prompts)."""
+    int8 = LLM("smollm2-135m-instruct", dtype="float32", quantization="int8", int8_output_layer=True)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    ours, theirs = (m.chat(convs, params, use_tqdm=False) for m in (llm, int8))
+    assert "Paris" in theirs[0].outputs[0].text
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def mean_logprob(outs) -> float:  # the float model's, of each output after its prompt
+        prompts = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in outs]
+        scored = llm.generate(prompts, score, use_tqdm=False)
+        lps = [s.prompt_logprobs[i][s.prompt_token_ids[i]] for s, o in zip(scored, outs)
+               for i in range(len(o.prompt_token_ids), len(s.prompt_token_ids))]  # fmt: skip
+        return sum(lps) / len(lps)
+
+    own, quantized = mean_logprob(ours), mean_logprob(theirs)
+    # (greedy text is not the likeliest text: the int8 answers may even score a little higher)
+    assert abs(own - quantized) < 0.1, (own, quantized)  # nats a token
