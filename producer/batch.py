@@ -956,8 +956,10 @@ def _settle(
             progress.update(result["usage"]["completion_tokens"], made_before=reused.get(job_id, False))
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
-            # The worker found the row at fault (a prompt too long): the row's error, as one refused here.
-            code = "invalid_request" if (result or {}).get("error_type") == "invalid_request" else "job_" + status
+            # The worker found the row at fault: the row's error, as one refused here; a prompt past the context by
+            # OpenAI's code for it, so those rows can be found, shortened and run again.
+            fault = (result or {}).get("error_type") == "invalid_request"
+            code = ((result or {}).get("error_code") or "invalid_request") if fault else "job_" + status
             _fail(sink, line, code, reason, summary, progress)
         elif timeout is not None and started is not None and now - started > timeout:
             if not client.job(job_id).cancel():

@@ -170,7 +170,8 @@ def test_rows_whose_jobs_ended_already_are_written_at_once_not_at_the_next_sweep
 @pytest.mark.redis
 def test_a_row_the_worker_refuses_is_the_rows_fault_not_a_failed_job(served, tmp_path):
     """A prompt past the model's context passes every check here; the worker refuses it (``error_type``
-    invalid_request): the row's error, counted with the rows refused before they ran, not as ``job_failed``."""
+    invalid_request): the row's error, not ``job_failed``, by OpenAI's code for it (``context_length_exceeded``),
+    so the rows to shorten can be picked out."""
     _, client = served
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [
@@ -179,9 +180,10 @@ def test_a_row_the_worker_refuses_is_the_rows_fault_not_a_failed_job(served, tmp
     ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = run_batch(client, src, out, poll_interval=0.05)
-    assert summary["failures"] == {"invalid_request": 1} and summary["succeeded"] == 1
+    assert summary["failures"] == {"context_length_exceeded": 1} and summary["succeeded"] == 1
     [error] = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
     assert error["custom_id"] == "long" and "prompt" in error["error"]["message"]
+    assert error["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
