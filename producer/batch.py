@@ -324,7 +324,8 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
         shown = prompt_logprobs(result, line.prompt_logprobs, token_names)
         for choice in [body] if line.url == "/v1/chat/completions" else choices:
             choice["prompt_logprobs"] = shown
-    body.update({"created": created, "model": result["model"], "choices": choices, "usage": result["usage"]})
+    body.update({"created": created, "model": result["model"], "system_fingerprint": result.get("system_fingerprint"),
+                 "choices": choices, "usage": result["usage"]})  # fmt: skip
     return _output_line(line, result, body)
 
 

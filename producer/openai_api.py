@@ -639,6 +639,7 @@ def chat_response(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": result.get("system_fingerprint"),
         "choices": chat_choices(result, request, names),
         "usage": usage(result),
     }
@@ -667,6 +668,7 @@ def completion_response(
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": results[0].get("system_fingerprint"),
         "choices": choices,
         "usage": total_usage(results),
     }

@@ -106,6 +106,11 @@ class JobResult(BaseModel):
     status: Literal["finished", "canceled", "failed"]
     finish_reason: FinishReason
     model: str | None = None
+    system_fingerprint: str | None = Field(
+        None,
+        description="the worker's backend beside the model: roseinfer's version, device kind, dtype and quantization "
+        "(OpenAI's field); a seeded job may be written differently where it differs",
+    )
     text: str | None = None
     token_ids: list[int] | None = None
     stop_reason: str | int | None = Field(None, description="the stop string or stop token id that ended it")

@@ -13,7 +13,7 @@ from conftest import ThreadWorker, stuck_worker
 
 from producer import Client
 from producer.batch import Progress, default_errors_path, job_id_for, output_line, parse_line, run_batch
-from producer.protocol import BULK_PRIORITY, lane_name
+from producer.protocol import BULK_PRIORITY, installed_version, lane_name
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,8 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
     assert chat["usage"]["completion_tokens"] == 5
     cmpl = by_id["cmpl-1"]["response"]["body"]
     assert cmpl["object"] == "text_completion" and cmpl["usage"]["completion_tokens"] == 4
+    dtype = served[0].settings.dtype  # the backend each row was written by, as OpenAI's batch output says it
+    assert chat["system_fingerprint"] == cmpl["system_fingerprint"] == f"roseinfer-{installed_version()}-cpu-{dtype}"
     assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in rows)
 
     errors = [json.loads(line) for line in out.with_suffix(".errors.jsonl").read_text().splitlines()]

@@ -20,6 +20,7 @@ from conftest import ThreadWorker
 
 from producer import Client, JobFailed
 from producer.aio import AsyncClient
+from producer.protocol import installed_version
 from producer.server import create_app
 from worker.local_redis import free_port
 
@@ -91,6 +92,9 @@ def test_chat_completion_matches_the_same_job_submitted_directly(served, oai, re
     assert choice.finish_reason == expected["finish_reason"]
     assert out.usage.completion_tokens == expected["usage"]["completion_tokens"]
     assert out.usage.prompt_tokens == expected["usage"]["prompt_tokens"] > 0
+    # The worker's backend beside the model (OpenAI's field: a seeded request's text may differ where it does).
+    assert out.system_fingerprint == expected["system_fingerprint"] == f"roseinfer-{installed_version()}-cpu-float32"
+    assert oai.completions.create(model=model, prompt="x", max_tokens=2).system_fingerprint == out.system_fingerprint
 
 
 def test_a_prompt_of_token_ids_is_the_same_job_as_its_text(served, oai, redis_url):

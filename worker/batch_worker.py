@@ -90,6 +90,7 @@ from worker.jobs import (
     canceled_result,
     failure_result,
     run_limit,
+    system_fingerprint,
     usage,
 )
 from worker.metrics import WorkerMetrics
@@ -177,6 +178,7 @@ class BatchWorker(BaseWorker):
         self._next_suspension_check = 0.0
         self._suspended = False
         self._next_hand_over = 0.0
+        self.fingerprint = system_fingerprint(self.settings)  # in every result (OpenAI's system_fingerprint)
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
         self.template_digest = ""  # of its chat template (TEMPLATE_KEY)
         self._step_s = 0.0  # how long the last engine step took
@@ -1047,6 +1049,7 @@ class BatchWorker(BaseWorker):
         return build_result(
             job.job, job.request, out, model=self.settings.model_name, started_at=job.started_at,
             first_token_at=job.first_token_at, finished_at=job.finished_at, canceled=canceled,
+            fingerprint=self.fingerprint,
         )  # fmt: skip
 
     def _write_failure(

@@ -14,8 +14,16 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from rq.job import Job
 
-from producer.protocol import JOB_FUNCTION, OWNER_FIELD, PROTOCOL_VERSION, encode_logprobs, usage_of
+from producer.protocol import (
+    JOB_FUNCTION,
+    OWNER_FIELD,
+    PROTOCOL_VERSION,
+    encode_logprobs,
+    installed_version,
+    usage_of,
+)
 from producer.schema import JobRequest, describe_validation_error
+from roseinfer.config import quantization_name
 
 if TYPE_CHECKING:
     from roseinfer.llm_engine import LLMEngine
@@ -119,6 +127,15 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return usage_of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
+def system_fingerprint(settings: Any) -> str:
+    """What a seeded job's text depends on beside the model (OpenAI's ``system_fingerprint``): roseinfer's version,
+    the device kind, the dtype and the quantization, e.g. ``roseinfer-0.1.0-cpu-bfloat16-int8``. Workers whose
+    fingerprints differ may write different text for the same seeded job."""
+    device = settings.device.split(":")[0]
+    parts = ("roseinfer", installed_version(), device, settings.dtype, quantization_name(settings))
+    return "-".join(part for part in parts if part)
+
+
 def build_result(
     job: Job,
     req: JobRequest,
@@ -129,6 +146,7 @@ def build_result(
     first_token_at: float | None,
     finished_at: float | None = None,
     canceled: bool = False,
+    fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The job's result: the return value of its entry in RQ's result stream (``job.return_value()``).
     ``finished_at``: when its last event came out of the engine (default: now). ``canceled``: the job was canceled
@@ -144,6 +162,7 @@ def build_result(
         "custom_id": req.custom_id,
         "status": "canceled" if canceled else "finished",
         "model": model,
+        **({"system_fingerprint": fingerprint} if fingerprint else {}),
         "text": c.text,
         "token_ids": list(c.token_ids),
         "finish_reason": "abort" if canceled else c.finish_reason,
@@ -285,8 +304,9 @@ def generate(**payload: Any) -> dict[str, Any]:
         )
     else:
         result = build_result(
-            job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at
-        )
+            job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at,
+            fingerprint=system_fingerprint(settings),
+        )  # fmt: skip
         publisher.add(
             stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index,
             logprobs=final.logprobs,
