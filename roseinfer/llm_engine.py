@@ -169,14 +169,15 @@ class LLMEngine:
         (prefill and a few decode steps each)."""
         started = time.perf_counter()
         try:
-            speedup = int8_gemm_speedup()
+            speedup = int8_gemm_speedup(DTYPES[self.config.dtype])
         except (RuntimeError, NotImplementedError) as exc:  # a build or CPU without an int8 GEMM
             raise ConfigError(f"quantization int8: this PyTorch cannot multiply int8 matrices here ({exc})") from None
         if speedup < 1.1:  # asked for, so done; but said: the engine is not faster here
             log.warning(
-                "quantization int8: this CPU's int8 GEMM runs %.2fx its float32 one (no VNNI or AMX int8 dot "
-                "products?); int8 loses accuracy here and gains little or no speed",
+                "quantization int8: this CPU's int8 GEMM runs %.2fx the %s GEMM it replaces (no VNNI? AMX tiles "
+                "for bfloat16?); int8 loses accuracy here and gains little or no speed",
                 speedup,
+                self.config.dtype,
             )
         layers = dense_layers(self.model, self.config.int8_output_layer)
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

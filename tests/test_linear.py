@@ -139,17 +139,17 @@ def test_int8_on_a_cpu_whose_int8_gemm_does_not_pay_says_so(tiny_llama, monkeypa
 
     from roseinfer import llm_engine
 
-    monkeypatch.setattr(llm_engine, "int8_gemm_speedup", lambda: 0.6)
+    monkeypatch.setattr(llm_engine, "int8_gemm_speedup", lambda dtype: 0.6)
     with caplog.at_level(logging.WARNING, logger="roseinfer.llm_engine"):
         LLM(tiny_llama, quantization="int8")
-    assert any("int8 GEMM runs 0.60x its float32 one" in r.getMessage() for r in caplog.records)
+    assert any("int8 GEMM runs 0.60x the float32 GEMM it replaces" in r.getMessage() for r in caplog.records)
 
 
 def test_int8_where_pytorch_has_no_int8_gemm_is_a_one_line_config_error(tiny_llama, monkeypatch):
     from roseinfer import llm_engine
     from roseinfer.config import ConfigError
 
-    def missing():
+    def missing(dtype):
         raise RuntimeError("_int_mm is not implemented for this backend")
 
     monkeypatch.setattr(llm_engine, "int8_gemm_speedup", missing)

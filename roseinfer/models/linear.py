@@ -81,21 +81,14 @@ def _best_times(runs: list, repeats: int = 8) -> list[float]:
     return best
 
 
-def int8_gemm_speedup() -> float:
-    """How many times faster ``torch._int_mm`` multiplies than oneDNN's packed float32 GEMM here, on a layer of a
-    small model's size (the best of interleaved runs); 3.2 on a Xeon with VNNI and no AMX."""
-    weight, x = torch.randn(1024, 1024), torch.randn(128, 1024)
-    packed = _pack(weight)
-    wq, xq = (
-        torch.randint(-127, 128, (1024, 1024), dtype=torch.int8),
-        torch.randint(-127, 128, (128, 1024)).to(torch.int8),
-    )
-    runs = [
-        (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) if packed is not None
-        else (lambda: F.linear(x, weight)),
-        lambda: torch._int_mm(xq, wq.t()),
-    ]  # fmt: skip
-    best = _best_times(runs)
+def int8_gemm_speedup(dtype: torch.dtype = torch.float32) -> float:
+    """How many times faster ``torch._int_mm`` multiplies than the float layer of ``dtype`` it would replace (oneDNN's
+    packed GEMM in that dtype, or in float32 where bfloat16's is the slower), on a layer of a small model's size, the
+    best of interleaved runs. 3.2 on a Xeon with VNNI and no AMX; where AMX runs bfloat16, maybe below 1."""
+    layer, x = Linear(torch.randn(1024, 1024).to(dtype)), torch.randn(128, 1024).to(dtype)
+    wq = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8)
+    xq = torch.randint(-127, 128, (128, 1024), dtype=torch.int8)
+    best = _best_times([lambda: layer(x), lambda: torch._int_mm(xq, wq.t())])
     return best[0] / best[1]
 
 
