@@ -84,7 +84,7 @@ def _best_times(runs: list, repeats: int = 8) -> list[float]:
 def int8_gemm_speedup(dtype: torch.dtype = torch.float32) -> float:
     """How many times faster ``torch._int_mm`` multiplies than the float layer of ``dtype`` it would replace (oneDNN's
     packed GEMM in that dtype, or in float32 where bfloat16's is the slower), on a layer of a small model's size, the
-    best of interleaved runs. 3.2 on a Xeon with VNNI and no AMX; where AMX runs bfloat16, maybe below 1."""
+    best of interleaved runs. About 3 on a Xeon with VNNI and no AMX; where AMX runs bfloat16, maybe below 1."""
     layer, x = Linear(torch.randn(1024, 1024).to(dtype)), torch.randn(128, 1024).to(dtype)
     wq = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8)
     xq = torch.randint(-127, 128, (128, 1024), dtype=torch.int8)
