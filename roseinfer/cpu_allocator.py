@@ -48,6 +48,21 @@ def keep_freed_memory() -> bool:
     return done
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``, which frees whole free pages inside
+    the heap too, not only at its top): once, after a load that let go of a large part of it (int8 weights in
+    place of float ones). Whether it ran."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 @functools.cache
 def reserve_heap(nbytes: int = HEAP_CUSHION) -> bool:
     """Grow the heap by ``nbytes`` of pages faulted in now, then free them: under the trim threshold they stay at

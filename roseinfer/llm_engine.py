@@ -19,7 +19,7 @@ from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
 from roseinfer.checkpoint import CheckpointError
 from roseinfer.config import ConfigError, EngineConfig
-from roseinfer.cpu_allocator import keep_freed_memory, reserve_heap
+from roseinfer.cpu_allocator import keep_freed_memory, release_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
@@ -137,6 +137,8 @@ class LLMEngine:
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
         if config.quantization == "int8":
             self._quantize_int8()
+        if self.device.type == "cpu":
+            self._release_float_copies()
         if self.device.type == "cuda":
             self._warm_up()
         settle_garbage_collector()
@@ -190,6 +192,14 @@ class LLMEngine:
         quantize(layers, maxima)
         self._forget_startup_requests()  # their cached blocks were computed by the float layers
         log.info("%d dense layers multiply in int8 (calibrated in %.1f s)", len(layers), time.perf_counter() - started)
+
+    def _release_float_copies(self) -> None:
+        """The layers' weights where their packed copies run (or their int8 ones), and the memory they and the load
+        freed, back to the system: glibc kept it in the heap (float32 default model: RSS 1.97 GB to 1.63)."""
+        for layer in dense_layers(self.model, with_output_layer=True):
+            layer.drop_unpacked_weight()
+        gc.collect()
+        release_freed_memory()
 
     def _forget_startup_requests(self) -> None:
         """Forget the requests the engine ran for itself (warm-up, calibration): their blocks, counts and outputs."""

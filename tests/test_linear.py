@@ -118,7 +118,7 @@ def test_an_int8_engine_scores_text_as_the_float_engine_does_and_forgets_its_cal
     engine = int8_llm.engine
     layers = dense_layers(engine.model)
     assert len(layers) == 4 * engine.model.num_layers and all(layer._qweight is not None for layer in layers)
-    assert engine.model.lm_head._qweight is None and engine.model.lm_head.weight is not None  # the logits: float
+    assert engine.model.lm_head._qweight is None and engine.model.lm_head._packed is not None  # the logits: float
     head_llm = LLM(path, dtype="float32", quantization="int8", int8_output_layer=True)
     with_head = head_llm.engine.model
     assert with_head.lm_head._qweight is not None and len(dense_layers(with_head, True)) == len(layers) + 1
@@ -155,6 +155,21 @@ def test_int8_where_pytorch_has_no_int8_gemm_is_a_one_line_config_error(tiny_lla
     monkeypatch.setattr(llm_engine, "int8_gemm_speedup", missing)
     with pytest.raises(ConfigError, match="quantization int8: this PyTorch cannot multiply int8 matrices here"):
         LLM(tiny_llama, quantization="int8")
+
+
+def test_a_cpu_engine_keeps_one_copy_of_each_weight_the_packed_one(tiny_llama):
+    """oneDNN's packed copy is what runs: the unpacked weight beside it was a second copy of the model (a 1.5B
+    model's float32 weights: 6 GB twice). The engine lets it go once the model is built (and quantized)."""
+    from roseinfer.quantization import dense_layers
+
+    llm = LLM(tiny_llama, dtype="float32")
+    layers = dense_layers(llm.engine.model, with_output_layer=True)
+    if any(layer._packed is None for layer in layers):
+        pytest.skip("this PyTorch build packs no weights for oneDNN")
+    assert all(layer.weight is None for layer in layers)
+    out = llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(max_tokens=4, temperature=0.0),
+                       use_tqdm=False)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_int8_is_a_cpu_option():

@@ -146,6 +146,12 @@ class Linear:
         self.bias = None if self.bias is None else self.bias.float()
         self.weight = self._packed = None  # its memory goes back: a quarter of float32's stays, as int8
 
+    def drop_unpacked_weight(self) -> None:
+        """Let go of the weight where oneDNN's packed copy is what runs: two copies of every weight were kept (a
+        1.5B model's in float32: 6 GB twice). After this the layer can no longer be quantized or repacked."""
+        if self._packed is not None:
+            self.weight = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._qweight is not None:
             return self._int8_matmul(x)
