@@ -195,7 +195,7 @@ class LLMEngine:
 
     def _release_float_copies(self) -> None:
         """The layers' weights where their packed copies run (or their int8 ones), and the memory they and the load
-        freed, back to the system: glibc kept it in the heap (float32 default model: RSS 1.97 GB to 1.63)."""
+        freed, back to the system: glibc kept it in the heap (float32 default model: 1,971 MiB resident, now 1,693)."""
         for layer in dense_layers(self.model, with_output_layer=True):
             layer.drop_unpacked_weight()
         gc.collect()
