@@ -99,16 +99,17 @@ def weight_bytes(llm) -> int:
     model = llm.engine.model
     seen, total = set(), 0
     for t in _tensors(model):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        # (a CPU layer's packed copy, oneDNN's opaque layout, has no storage: the only copy once the engine is built)
+        key = t.data_ptr() if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
 
 
 def _tensors(obj, depth: int = 0):
     if isinstance(obj, torch.Tensor):
-        if obj.layout == torch.strided:  # not a CPU layer's packed copy of its weight (oneDNN's opaque layout)
-            yield obj
+        yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors(x, depth + 1)
