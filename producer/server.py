@@ -56,7 +56,7 @@ log = logging.getLogger("roseinfer.server")
 # A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
 # but once one came, no longer than this: a job queued behind a full worker streams when it starts.
 FIRST_EVENTS_GRACE_S = 1.0
-# The request field a context_length_exceeded error names, by endpoint.
+# The request field a context_length_exceeded error names, by endpoint (behind a proxy's path prefix too).
 _PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
 MAX_IDS_IN_HEADER = 32  # more: the first id and the count (256 ids, ~9.5 KB, passed a proxy's header buffer)
 
@@ -178,7 +178,7 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.code == "context_length_exceeded" and exc.param is None:  # the field to shorten, as OpenAI names it
-            exc.param = _PROMPT_FIELDS.get(request.url.path)
+            exc.param = next((f for path, f in _PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)

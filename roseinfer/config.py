@@ -101,6 +101,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "int8_output_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, or none; got {self.quantization!r}"
@@ -109,13 +116,6 @@ class EngineConfig:
             raise ValueError("int8_output_layer needs quantization int8")
         if self.quantization == "int8" and self.device != "cpu":
             raise ValueError("quantization int8 runs on CPU (VNNI or AMX int8 dot products); on a GPU use bfloat16")
-        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
-            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "int8_output_layer"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.kv_cache_memory != "auto":
             try:
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)

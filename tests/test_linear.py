@@ -181,6 +181,8 @@ def test_int8_is_a_cpu_option():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="int8_output_layer needs quantization int8"):
         EngineConfig(int8_output_layer=True)
+    with pytest.raises(ValueError, match="int8_output_layer must be true or false, got 1"):
+        EngineConfig(int8_output_layer=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
