@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient, AsyncGenerationJob
@@ -117,26 +118,29 @@ class ServerMetrics:
         self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
 
 
-ENDPOINTS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
-)
-
-
 class AuthAndCount:
     """The API key's check and the requests' counts, as plain ASGI: ``@app.middleware("http")`` hands the endpoint
     a stream of its own, on which a client's disconnect never shows, so a client that left a non-streamed request
     never canceled its job."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def endpoint(self, scope: Scope) -> str:
+        """The route's template (``/v1/models/{model:path}``), or "other": any path a client makes up would be a
+        series of its own."""
+        for route in self.routes:
+            if isinstance(route, Route) and route.matches(scope)[0] != Match.NONE:
+                return route.path
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path, started = scope["path"], time.perf_counter()
-        label = path if path in ENDPOINTS else "other"  # any path a client makes up would be a series of its own
+        label = self.endpoint(scope)
         if self.expected is not None and path.startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
@@ -200,7 +204,7 @@ def create_app(
     for unreadable in (StreamGap, ProtocolError):
         app.add_exception_handler(unreadable, _unreadable_job)
 
-    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -720,8 +720,20 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
             for s in family.samples
         }
 
+    before = samples(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    for path in (f"/v1/models/{model}", "/version", "/made/up", "/v1/made/up"):
+        httpx.get(f"{server.url}{path}", timeout=10)
+    httpx.post(f"{server.url}/v1/responses", json={"model": model}, timeout=10)  # no input: a 400
     got = samples(httpx.get(f"{server.url}/metrics", timeout=10).text)
+
+    def added(endpoint: str, status: str) -> float:
+        key = ("roseinfer_server_requests_total", (("endpoint", endpoint), ("status", status)))
+        return got.get(key, 0) - before.get(key, 0)
+
     assert got[("roseinfer_server_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] >= 1
+    # Every route under its template (the model's name is no series of its own); made-up paths under one label.
+    assert added("/v1/models/{model:path}", "200") == 1 and added("/version", "200") == 1
+    assert added("/v1/responses", "400") == 1 and added("other", "404") == 2
     assert got[("roseinfer_server_open_streams", ())] == 0
 
     port = free_port()
