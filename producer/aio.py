@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +41,8 @@ from producer.client import (
 from producer.connection import connect_async
 from producer.protocol import DEFAULT_QUEUE, event_from_stream, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
+
+log = logging.getLogger("roseinfer.client")
 
 
 class AsyncClient:
@@ -90,11 +93,17 @@ class AsyncClient:
                         if not future.done():
                             future.set_exception(exc)
                     continue
+                orphans = []  # jobs whose callers were cancelled while the batch went in: no one will follow them
                 for (_, future), job in zip(batch, jobs):
                     if not future.done():
                         future.set_result(job.id)
-                    else:  # its caller was cancelled while the batch went in: no one will follow this job
+                    else:
+                        orphans.append(job)
+                for job in orphans:  # after every caller has its job: a failed cancel must not leave them waiting
+                    try:
                         await asyncio.to_thread(job.cancel)
+                    except Exception as exc:  # (Redis down, say) the orphan runs to its end; nobody reads it
+                        log.warning("could not cancel job %s, whose submitter left: %s", job.id, exc)
         finally:
             self._flushing = False
 
@@ -112,6 +121,8 @@ class AsyncClient:
         return await asyncio.to_thread(self.sync.workers)
 
     async def close(self) -> None:
+        if self._flusher is not None:  # submits going in, or the cancel of a left caller's job: let them land
+            await asyncio.wait([self._flusher])  # (its failures were its callers')
         await self.connection.aclose()
         await self.hub.connection.aclose()
         if self._owns_sync_connection:  # a connection the caller passed is theirs to close

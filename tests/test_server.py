@@ -15,11 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 import uvicorn
 from conftest import ThreadWorker
 
 from producer import Client, JobFailed
 from producer.aio import AsyncClient
+from producer.client import GenerationJob
 from producer.protocol import installed_version
 from producer.server import create_app
 from worker.local_redis import free_port
@@ -1010,6 +1012,35 @@ def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(re
     assert queue.job_ids == kept
     [gone] = queue.canceled_job_registry.get_job_ids()
     assert gone not in kept
+
+
+def test_a_cancel_that_fails_for_a_left_caller_leaves_the_batchs_other_callers_their_jobs(redis_url, monkeypatch):
+    """As above, but the cancel of the left caller's job fails (Redis went away just then): the callers after it
+    in the batch still get their jobs."""
+
+    def refused(self) -> bool:
+        raise redis.exceptions.ConnectionError("Redis is gone")
+
+    monkeypatch.setattr(GenerationJob, "cancel", refused)
+
+    async def main():
+        async with AsyncClient(redis_url, f"failed-cancel-{uuid.uuid4().hex[:6]}") as client:
+            enqueue = client.sync.submit_many
+
+            def slowly(requests):
+                time.sleep(0.2)
+                return enqueue(requests)
+
+            client.sync.submit_many = slowly
+            calls = [asyncio.create_task(client.submit(f"p{i}", max_tokens=4)) for i in range(3)]
+            await asyncio.sleep(0.05)
+            calls[0].cancel()
+            _, waiting = await asyncio.wait(calls[1:], timeout=10)
+            assert not waiting, "the others' submits never returned"
+            return [call.result().id for call in calls[1:]], client.sync.queue.job_ids
+
+    kept, queued = asyncio.run(main())
+    assert len(queued) == 3 and set(kept) < set(queued)  # the left caller's job stays queued: nobody could cancel it
 
 
 def _three_async_submits(redis_url: str, queue_name: str, second_id: str, third_id: str) -> list:
