@@ -3,9 +3,11 @@ policy gets a loud warning, or a refusal to start."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -13,9 +15,10 @@ import time
 import pytest
 from conftest import ThreadWorker
 from redis import Redis
+from rq.command import send_shutdown_command
 
 from producer import Client, JobFailed
-from worker.local_redis import start_private_redis
+from worker.local_redis import free_port, start_private_redis
 from worker.main import UnsafeRedis, check_eviction_policy
 
 pytestmark = pytest.mark.redis
@@ -220,3 +223,48 @@ def _follow(job, got: list, errors: list, result: bool = False) -> None:
         got.extend([job.result(timeout=30)] if result else job.events(timeout=30))
     except Exception as exc:  # (asserted)
         errors.append(exc)
+
+
+@pytest.mark.slow
+def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
+    """A reconnect that times out (a host that takes the connection and answers nothing: a partition, a half-dead
+    node) ended RQ's command listener for good, and the worker ignored stop-job and shutdown from then on. It
+    waits the outage out as it waits out a refused connection, and hears commands once Redis is back."""
+    port = free_port()
+    url, redis_proc = start_private_redis(port=port)
+    if redis_proc is None:
+        pytest.skip("could not start redis-server")
+    worker = ThreadWorker(url, tiny_chat_model)
+    silent = socket.socket()
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while getattr(worker.worker, "pubsub_thread", None) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+        # The port answers again, but nothing on it speaks: the listener's reconnect connects, then times out.
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind(("127.0.0.1", port))
+        silent.listen(64)
+        silent.settimeout(0.2)
+        until = time.monotonic() + 15  # a try every 2 s; a reply waited for a socket timeout (6 s)
+        while time.monotonic() < until:
+            with contextlib.suppress(TimeoutError):
+                held.append(silent.accept()[0])
+        assert held, "nothing reconnected"
+        for conn in [*held, silent]:
+            conn.close()
+        _, redis_proc = start_private_redis(port=port)
+        time.sleep(3)  # the listener's next try (every 2 s) has subscribed again
+        send_shutdown_command(Redis.from_url(url), worker.worker.name)
+        worker.thread.join(timeout=30)
+        # (before: the listener had died at the timeout, ``pubsub thread exiting on Timeout reading from socket``)
+        assert not worker.thread.is_alive(), "the worker did not hear the shutdown command"
+    finally:
+        for conn in [*held, silent]:
+            conn.close()
+        worker.stop()
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=10)

@@ -178,6 +178,7 @@ class BatchWorker(BaseWorker):
         self._next_suspension_check = 0.0
         self._suspended = False
         self._next_hand_over = 0.0
+        self._pubsub_log_after = 0.0  # the command listener's next line about Redis being unavailable
         self.fingerprint = system_fingerprint(self.settings)  # in every result (OpenAI's system_fingerprint)
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
         self.template_digest = ""  # of its chat template (TEMPLATE_KEY)
@@ -262,6 +263,16 @@ class BatchWorker(BaseWorker):
             self.request_stop()
         else:
             log.info("command %r ignored by the batching worker", command)
+
+    def _pubsub_exception_handler(self, exc: Exception, pubsub: Any, pubsub_thread: Any) -> None:
+        """The command listener (stop-job, shutdown) waits out every Redis outage and tries again: RQ's own waits
+        out a refused connection only, and one reconnect that timed out (a partition, a host that answers nothing)
+        ended the thread for good, the worker deaf to commands from then on."""
+        mono = time.monotonic()
+        if mono >= self._pubsub_log_after:  # one line a minute through an outage, not one every two seconds
+            log.warning("worker commands: Redis unavailable (%s: %s); listening again in 2 s", type(exc).__name__, exc)
+            self._pubsub_log_after = mono + 60
+        time.sleep(2.0)
 
     def clean_registries(self) -> None:
         """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
