@@ -1374,12 +1374,15 @@ def test_the_embedded_redis_survives_its_server_dropping_a_connection_after_a_re
 def test_a_refused_event_of_an_earlier_attempt_does_not_drop_the_attempt_running_now(redis_url):
     """The sender reports events Redis refused (another attempt owns their job) with the attempt that wrote them:
     a job this worker pulled again (after an outage) keeps running when the earlier attempt's events come back
-    refused; only a report naming the attempt running now drops it."""
-    _, worker, _, [held] = _running_jobs(redis_url)
+    refused; only a report naming the attempt running now drops it (where another attempt holds the job)."""
+    from producer.protocol import OWNER_FIELD
+
+    conn, worker, _, [held] = _running_jobs(redis_url)
     job_id = held.job.id
     worker._reports_lost([(job_id, "an-earlier-attempt")])
     worker._drop_lost()
     assert job_id in worker.in_flight and not worker._tasks
+    conn.hset(f"rq:job:{job_id}", OWNER_FIELD, "another-attempt")
     worker._reports_lost([(job_id, held.execution.id)])
     worker._drop_lost()
     assert job_id not in worker.in_flight and len(worker._tasks) == 1
@@ -1466,6 +1469,31 @@ def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_
         worker._redis_lost_data()
     assert registered() == before
     assert conn.hget(f"rq:job:{job_id}", "status") == b"started"
+
+
+@pytest.mark.redis
+def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_report_does_not_drop_it(redis_url):
+    """This worker stalled; its job went to another worker, which handed it back to the queue (a cold stop); this
+    worker pulled it while its own copy still ran. The copy carries on, and the hash names this attempt again: left
+    naming the other one, every event was refused and the job dropped, started for good in no registry. A report
+    of events refused before the job came back (sent while it was queued) does not drop it either; one made while
+    another attempt holds it does."""
+    from producer.protocol import OWNER_FIELD
+
+    conn, worker, _, [held] = _running_jobs(redis_url)
+    job_id, queue = held.job.id, held.queue
+    key = f"rq:job:{job_id}"
+    conn.hset(key, mapping={OWNER_FIELD: "another-attempt", "status": "queued"})  # handed back by the other worker
+    conn.rpush(queue.intermediate_queue_key, job_id)  # and pulled here
+    worker._reports_lost([(job_id, held.execution.id)])  # a write refused while it was queued, applied after
+    worker._keep_running_copy(held.job, queue)
+    assert conn.hmget(key, OWNER_FIELD, "status") == [held.execution.id.encode(), b"started"]
+    worker._drop_lost()
+    assert job_id in worker.in_flight
+    conn.hset(key, OWNER_FIELD, "a-third-attempt")  # this worker stalled again; another worker took the job
+    worker._reports_lost([(job_id, held.execution.id)])
+    worker._drop_lost()
+    assert job_id not in worker.in_flight
 
 
 @pytest.mark.redis

@@ -557,8 +557,9 @@ class BatchWorker(BaseWorker):
         return [(p, q, depths.get(q.key)) for p, q in self._lanes]
 
     def _keep_running_copy(self, job: Job, queue: Queue) -> None:
-        """A job RQ requeued while this worker still runs it (a stall outlived its heartbeat): the running copy
-        goes on, the pulled one is dropped, and the job is marked ours again."""
+        """A job RQ requeued while this worker still runs it (a stall outlived its heartbeat; another worker that
+        took it since may have handed it back): the running copy goes on, the pulled one is dropped, and the job is
+        marked ours again, its hash naming this attempt (the pull made it ours: no one else can start this copy)."""
         log.warning("job %s came back to the queue while it runs here; the running copy carries on", job.id)
         held = self.in_flight[job.id]
         ttl = self.get_heartbeat_ttl(job)
@@ -566,6 +567,7 @@ class BatchWorker(BaseWorker):
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             self._register_execution(held, ttl, pipe)  # RQ's requeue took it out of every registry
             held.job.set_status(JobStatus.STARTED, pipeline=pipe)
+            pipe.hset(held.job.key, OWNER_FIELD, held.execution.id)
             held.job.heartbeat(now(), ttl, pipeline=pipe)
             pipe.execute()
 
@@ -1127,11 +1129,26 @@ class BatchWorker(BaseWorker):
     def _drop_lost(self) -> None:
         """Jobs whose events Redis refused because another attempt owns them (this worker stalled past its
         heartbeat and they were retried elsewhere): dropped without writing anything but our own execution's end."""
+        reported: dict[str, InFlight] = {}
         while not self._lost.empty():
             job_id, owner = self._lost.get()
             held = self.in_flight.get(job_id)
-            if held is None or held.execution.id != owner:  # an earlier attempt's events: this one goes on
+            if held is not None and held.execution.id == owner:  # (else an earlier attempt's events: this one goes on)
+                reported[job_id] = held
+        if not reported:
+            return
+        # Refused a while ago: the job may have come back to this attempt since (``_keep_running_copy``), its stream
+        # then short of the refused events (a follower hears StreamGap; the result is whole).
+        try:
+            owned = self._owned(list(reported.values()))
+        except REDIS_UNAVAILABLE:
+            for job_id, held in reported.items():
+                self._lost.put((job_id, held.execution.id))  # looked at again once Redis answers
+            return
+        for held, ours in zip(reported.values(), owned):
+            if ours is not False:
                 continue
+            job_id = held.job.id
             del self.in_flight[job_id]
             self.pump.cancel(job_id)
             self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease
