@@ -420,7 +420,7 @@ def test_handing_jobs_back_hands_each_back_once_when_redis_fails_midway(fake_wor
     deadline = time.time() + 10
     while len(worker.in_flight) < 3 and time.time() < deadline:
         time.sleep(0.01)
-    enqueue, calls = Queue.enqueue_job, []
+    enqueue, calls = Queue._enqueue_job, []
 
     def flaky(self, job, *args, **kwargs):
         calls.append(job.id)
@@ -428,13 +428,45 @@ def test_handing_jobs_back_hands_each_back_once_when_redis_fails_midway(fake_wor
             raise redis.exceptions.ConnectionError("Redis went away")
         return enqueue(self, job, *args, **kwargs)
 
-    monkeypatch.setattr(Queue, "enqueue_job", flaky)
+    monkeypatch.setattr(Queue, "_enqueue_job", flaky)
     worker.request_stop()
     worker.request_stop()  # the second signal: hand them back
     deadline = time.time() + 10
     while worker.in_flight and time.time() < deadline:
         time.sleep(0.05)
     assert client.queue.job_ids == [job.id for job in jobs]  # each once, in the order they were taken
+
+
+def test_handing_jobs_back_leaves_a_job_changed_meanwhile_as_it_was_made(fake_worker, monkeypatch):
+    """Jobs canceled, deleted or given new meta by their clients just before the second stop signal hands them back
+    (after the worker's last look at them): the canceled one stays canceled, the deleted one gone, and the one given
+    new meta goes back with it. The copy taken at the pull was queued again whatever became of the job: a cancel
+    undone, a deleted job back, the client's meta rolled back."""
+    worker, _, client = fake_worker
+    jobs = [client.submit(f"long {i}", max_tokens=10**6) for i in range(4)]
+    deadline = time.time() + 10
+    while len(worker.in_flight) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    drain = worker.sender.drain
+
+    def then_changed(*args, **kwargs):
+        drain(*args, **kwargs)
+        conn = client.connection
+        conn.hset(f"rq:job:{jobs[0].id}", "status", "canceled")  # as another language cancels
+        conn.delete(f"rq:job:{jobs[1].id}")
+        rq_job = jobs[2].rq_job
+        rq_job.meta["note"] = "kept"
+        rq_job.save_meta()
+
+    monkeypatch.setattr(worker.sender, "drain", then_changed)
+    worker.request_stop()
+    worker.request_stop()
+    deadline = time.time() + 10
+    while worker.in_flight and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.queue.job_ids == [jobs[2].id, jobs[3].id]
+    assert jobs[0].status() == "canceled" and not client.connection.exists(f"rq:job:{jobs[1].id}")
+    assert jobs[2].rq_job.meta["note"] == "kept" and jobs[2].status() == "queued"
 
 
 def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_worker):

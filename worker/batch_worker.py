@@ -31,6 +31,7 @@ from rq import worker_registration
 from rq.callbacks import execute_stopped_callback
 from rq.command import parse_payload
 from rq.defaults import DEFAULT_FAILURE_TTL
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution, ExecutionRegistry
 from rq.group import Group
 from rq.job import Job, JobStatus
@@ -1303,20 +1304,48 @@ class BatchWorker(BaseWorker):
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
         self.puller.stop()
         self._apply_arrivals()  # taken already: they go back with the rest
+        self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
         self.pump.cancel_many(list(self.in_flight))
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
         give_up_at = self.sender.give_up_at
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         handed = 0
-        for job_id, job in reversed(list(self.in_flight.items())):  # each to the front: the first taken ends up first
-            with self.connection.pipeline() as pipe:
+        held = list(reversed(self.in_flight.values()))  # each to the front: the first taken ends up first
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.exists(self.key)
+            for job in held:
+                pipe.hmget(job.job.key, OWNER_FIELD, "status")
+            registered, *now_as = pipe.execute()
+        for job, (owner, status) in zip(held, now_as):
+            # Only a job still running as this attempt goes back: one canceled, stopped, deleted or another
+            # attempt's since the sender's last look (a client's cancel of a moment ago) keeps what was done to it.
+            if status is None and not registered:
+                fresh = job.job  # Redis lost its data (this worker's registration too): the copy here is all there is
+            elif status == JobStatus.STARTED.value.encode() and owner in (None, job.execution.id.encode()):
+                fresh = self._reread(job.job)
+            else:
+                fresh = None
+            with self.connection.pipeline() as pipe:  # MULTI: out of our registries and back in the queue, or neither
                 self.cleanup_execution(job.job, pipe, job.execution)
+                if fresh is not None and not getattr(fresh, "has_rate_limit", False):
+                    job.queue._enqueue_job(fresh, pipeline=pipe, at_front=True)  # (as RQ's own requeues: no WATCH)
                 pipe.execute()
-            job.queue.enqueue_job(job.job, at_front=True)
-            del self.in_flight[job_id]  # back: if Redis fails on a later one, the next try skips this one
-            handed += 1
+            if fresh is not None and getattr(fresh, "has_rate_limit", False):  # (RQ enqueues these on its own)
+                job.queue.enqueue_job(fresh, at_front=True)
+            del self.in_flight[job.job.id]  # done: if Redis fails on a later one, the next try skips this one
+            handed += fresh is not None
         log.warning("%d jobs handed back", handed)
+
+    def _reread(self, job: Job) -> Job | None:
+        """The job as Redis holds it now (its meta, retries and TTLs as others may have changed them), to be queued
+        again: the copy taken at the pull would write its old fields back. None: deleted meanwhile."""
+        try:
+            return self.job_class.fetch(job.id, connection=self.connection, serializer=self.serializer)
+        except NoSuchJobError:
+            return None
+        except (ValueError, TypeError):  # a field written over by hand since: the copy taken at the pull, not nothing
+            return job
 
     def stats(self) -> dict[str, Any]:
         """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""
