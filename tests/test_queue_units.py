@@ -1497,6 +1497,30 @@ def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_repo
 
 
 @pytest.mark.redis
+def test_a_worker_cut_off_past_its_registration_takes_back_no_job_that_moved_on_without_it(redis_url):
+    """Cut off from Redis past its registration's TTL (Redis itself served on), the worker finds its registration
+    gone, as after a restart without data, and registers again. Its jobs went on meanwhile: one to another worker,
+    one finished there. Their hashes stay as they are (they were written back from memory, started and this
+    worker's again, the other attempt fenced out and the finished job reopened); a job still this worker's is in
+    its registries again."""
+    from rq.registry import StartedJobRegistry
+
+    from producer.protocol import OWNER_FIELD
+
+    conn, worker, name, held = _running_jobs(redis_url, count=3)
+    moved, finished, ours = (f"rq:job:{job.job.id}" for job in held)
+    conn.hset(moved, OWNER_FIELD, "another-attempt")
+    conn.hset(finished, mapping={OWNER_FIELD: "another-attempt", "status": "finished"})
+    started = StartedJobRegistry(name, connection=conn)
+    conn.delete(started.key, worker.key)
+    worker._redis_lost_data()
+    assert conn.hmget(moved, OWNER_FIELD, "status") == [b"another-attempt", b"started"]
+    assert conn.hmget(finished, OWNER_FIELD, "status") == [b"another-attempt", b"finished"]
+    assert started.get_job_ids() == [held[2].job.id]
+    assert conn.hget(ours, OWNER_FIELD) == held[2].execution.id.encode()
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize("way", ["script", "transaction"])
 @pytest.mark.parametrize("status", ["failed", "scheduled"])
 def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_registry(redis_url, way, status):

@@ -1240,18 +1240,28 @@ class BatchWorker(BaseWorker):
         return name == self.name.encode() and status == JobStatus.STARTED.value.encode()
 
     def _redis_lost_data(self) -> None:
-        """Our registration is gone: Redis restarted without its data (no AOF). Register again; the jobs in flight
-        carry on and write their results (their hashes come back with them)."""
+        """Our registration is gone: Redis restarted without its data (no AOF), or this worker was cut off from it
+        past the registration's TTL. Register again; the jobs in flight carry on and write their results (their
+        hashes come back with them where Redis lost them)."""
         log.error("Redis lost its data (restarted without persistence?): registering again, jobs in flight go on")
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+        held = list(self.in_flight.values())
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in held:
+                pipe.hmget(job.job.key, OWNER_FIELD, "status")
+            now_as = pipe.execute()
         # The jobs' hashes first, from memory: once registration is back, the sender reads their statuses as
-        # meaning what they say again, and a missing one as deleted.
+        # meaning what they say again, and a missing one as deleted. A hash Redis still has is left as it is: cut
+        # off, this worker's jobs went to others meanwhile (their events, refused now, drop them here), or ended.
         with self.connection.pipeline() as pipe:
-            for held in self.in_flight.values():
-                held.job.save(pipeline=pipe)
-                held.job.set_status(JobStatus.STARTED, pipeline=pipe)
-                pipe.hset(held.job.key, OWNER_FIELD, held.execution.id)
-                self._register_execution(held, ttl, pipe)
+            for job, (owner, status) in zip(held, now_as):
+                if status is None:
+                    job.job.save(pipeline=pipe)
+                    job.job.set_status(JobStatus.STARTED, pipeline=pipe)
+                    pipe.hset(job.job.key, OWNER_FIELD, job.execution.id)
+                elif owner != job.execution.id.encode() or status != JobStatus.STARTED.value.encode():
+                    continue
+                self._register_execution(job, ttl, pipe)
             pipe.execute()
         for attempt in range(3):
             self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
