@@ -245,8 +245,10 @@ class Puller:
         fresh, canceled, running = [], [], []
         seen: set[str] = set()
         for job, q in pulled:
-            # An id pushed twice (a producer's RPUSH tried again) is one job: the copy that runs carries on.
-            if job.id in w.in_flight or job.id in seen or job.id in self._unapplied:
+            # An id pushed twice (a producer's RPUSH tried again) is one job: the copy that runs carries on. Looked
+            # up in _unapplied before in_flight: the step loop adds a job to in_flight before it leaves _unapplied,
+            # so between the two looks it is in one of them (the other order could miss it in both).
+            if job.id in seen or job.id in self._unapplied or job.id in w.in_flight:
                 running.append(RunningCopy(job, q))
             elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
                 canceled.append((job, q))
