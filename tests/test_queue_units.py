@@ -1545,6 +1545,38 @@ def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_regis
 
 
 @pytest.mark.redis
+def test_an_end_tried_again_after_a_redis_error_writes_no_job_of_it_twice(redis_url):
+    """The sender tries a step's ends again when Redis fails midway. A job of result_ttl 0 that RQ's success path
+    had finished (and deleted) before the error was read as one whose hash Redis lost: reopened as started, its
+    success path run again (callback, counters, completion list), or a bare started hash left behind."""
+    from types import SimpleNamespace
+
+    import redis
+
+    notify = f"ends-{uuid.uuid4().hex[:8]}"
+    conn, worker, _, held = _running_jobs(redis_url, count=2, notify=notify)
+    for job in held:
+        job.job.result_ttl = 0  # through RQ's own success path, which deletes the job
+    worker._result = lambda job, out: {"status": "finished", "text": "ok", "token_ids": [1], "timings": {}}
+    worker.metrics = SimpleNamespace(job_ended=lambda *a: None)
+    finalize, calls = worker._finalize_success, []
+
+    def flaky(job, *args, **kwargs):
+        calls.append(job.id)
+        if len(calls) == 2:
+            raise redis.exceptions.ConnectionError("Redis went away")
+        return finalize(job, *args, **kwargs)
+
+    worker._finalize_success = flaky
+    with pytest.raises(redis.exceptions.ConnectionError):
+        worker._succeed([(job, None) for job in held])
+    worker._succeed([(job, None) for job in held])  # the sender's retry
+    assert calls == [held[0].job.id, held[1].job.id, held[1].job.id]
+    assert [conn.exists(job.job.key) for job in held] == [0, 0]
+    assert sorted(conn.lrange(f"roseinfer:done:{notify}", 0, -1)) == sorted(job.job.id.encode() for job in held)
+
+
+@pytest.mark.redis
 def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_enqueues_the_dependent(redis_url):
     """Its end goes through RQ's success path (it has a dependent), which read the job still failed and left the
     dependent deferred for good, though the job then ended finished."""

@@ -132,6 +132,9 @@ class InFlight:
     first_token_at: float | None = None
     finished_at: float | None = None  # when its last event came out of the engine (its result is built later)
     resumed_tokens: int = 0  # output tokens an earlier attempt made (its stream's), not timed by this one
+    # Its success written through RQ's path (and its completion list pushed): a retry of the end skips those.
+    success_written: bool = False
+    notified: bool = False
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)
 
@@ -752,6 +755,10 @@ class BatchWorker(BaseWorker):
             finished += written
             through_rq += with_dependents
             break
+        # A retry of this end (Redis failed on a later job) writes again none that it wrote: RQ's path deletes a
+        # result_ttl 0 job, whose missing hash then read as a Redis that lost it (reopened, its callback run twice).
+        written_before = [(job, result) for job, result in through_rq if job.success_written]
+        through_rq = [(job, result) for job, result in through_rq if not job.success_written]
         if through_rq:
             for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq], (b"finished",))):
                 if mine is False:
@@ -766,11 +773,16 @@ class BatchWorker(BaseWorker):
                     except Exception as exc:  # its success callback raised (or outlived its timeout)
                         self._success_callback_failed(job, exc)
                         continue  # the jobs ended beside it go on: it stalled every one after it
-                    try:
-                        self.publisher.notify(self.connection, job.job.id, job.request.notify)
-                    except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
-                        log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
+                    job.success_written = True
                 finished.append((job, result))
+        for job, _ in (*written_before, *finished):
+            if job.success_written and not job.notified:
+                try:
+                    self.publisher.notify(self.connection, job.job.id, job.request.notify)
+                except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
+                    log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
+                job.notified = True
+        finished += written_before
         for job, result in finished:  # the tokens this attempt made, for its time per token
             self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)
         if finished:
