@@ -268,3 +268,17 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
+
+
+def test_a_worker_stopping_while_redis_refuses_writes_lets_go_of_its_metrics_port(own_redis, tiny_chat_model):
+    """A stop while Redis refuses writes (a primary demoted by a failover, a full Redis): a refused delete on the
+    way out raised out of the worker, its engine and metrics server left running and the port held, so a worker
+    started again in that process could not serve its metrics."""
+    url, conn = own_redis
+    port = free_port()
+    worker = ThreadWorker(url, tiny_chat_model, metrics_port=port)
+    assert Client(url, queue=worker.queue).submit("hi", max_tokens=2).result(timeout=60)["text"] is not None
+    conn.replicaof("127.0.0.1", free_port())  # a replica now, of a primary that is not there: writes refused
+    worker.stop()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # free

@@ -380,17 +380,19 @@ class BatchWorker(BaseWorker):
                     backoff = min(backoff * 2, 30.0)
         finally:
             self._watchdog.stop()
-            if self._force_stop:  # a cold stop does not wait for Redis: what it has not done by then, RQ's clean-up
-                leaving = threading.Thread(target=self._leave, name="roseinfer-leaving", daemon=True)  # does
-                leaving.start()
-                leaving.join(max(LEAVE_PATIENCE_S, (self.sender.give_up_at or 0) - time.monotonic()))
-                if leaving.is_alive():
-                    log.error("Redis does not answer: the worker leaves without unregistering (it lapses with its "
-                              "heartbeat, as a killed worker's)")  # fmt: skip
-            else:
-                self._leave()
-            self.pump.close()
-            self.metrics.close()
+            try:
+                if self._force_stop:  # a cold stop does not wait for Redis (what it leaves undone, RQ's clean-up does)
+                    leaving = threading.Thread(target=self._leave, name="roseinfer-leaving", daemon=True)
+                    leaving.start()
+                    leaving.join(max(LEAVE_PATIENCE_S, (self.sender.give_up_at or 0) - time.monotonic()))
+                    if leaving.is_alive():
+                        log.error("Redis does not answer: the worker leaves without unregistering (it lapses with "
+                                  "its heartbeat, as a killed worker's)")  # fmt: skip
+                else:
+                    self._leave()
+            finally:  # the engine and the metrics port are let go whatever Redis said on the way out
+                self.pump.close()
+                self.metrics.close()
         log.info("worker %s stopped", self.name)
         return worked
 

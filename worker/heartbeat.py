@@ -13,7 +13,7 @@ import redis
 from rq.utils import now, utcformat
 
 from worker.due_retries import DUE_JOBS_EVERY_S, DueRetries
-from worker.intake import REDIS_DOWN, REDIS_UNAVAILABLE, load_script
+from worker.intake import REDIS_UNAVAILABLE, load_script
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
@@ -53,7 +53,7 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.due_retries.stop()
-        with contextlib.suppress(*REDIS_DOWN):
+        with contextlib.suppress(*REDIS_UNAVAILABLE):  # (a replica after a failover, a full Redis: it lapses)
             # A stopped worker shows nothing in flight, and holds no lease.
             self.worker.connection.delete(self.worker.stats_key(), *[k for k in [self.worker.sender.lease_key] if k])
 

@@ -237,7 +237,7 @@ class Sender:
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=timeout)
         self._thread.join(timeout)
-        with contextlib.suppress(*REDIS_DOWN):
+        with contextlib.suppress(*REDIS_UNAVAILABLE):  # (they expire)
             self.connection.delete(self.status_list, self.sent_key)
 
     # ----- the thread -------------------------------------------------------------------------------------
