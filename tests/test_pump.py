@@ -12,7 +12,7 @@ import fakeredis
 import pytest
 from conftest import refuse_lua
 
-from producer import Client, JobFailed
+from producer import Client, JobCanceled, JobFailed
 from roseinfer.llm_engine import ContextLengthExceeded
 from roseinfer.outputs import CompletionOutput, RequestOutput
 from worker.puller import DID_NOT_BLOCK_S
@@ -391,8 +391,6 @@ def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake
 def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and_a_result(fake_worker, monkeypatch):
     """Canceled after it started but before the engine took it (a long prompt still being tokenized): it ends as
     any canceled running job, with a final "abort" event that ends its followers' waits, and a canceled result."""
-    from producer import JobCanceled
-
     _, engine, client = fake_worker
     tokenize = engine.tokenize_many
     monkeypatch.setattr(engine, "tokenize_many", lambda *a, **k: (time.sleep(1.5), tokenize(*a, **k))[1])
@@ -467,6 +465,27 @@ def test_handing_jobs_back_leaves_a_job_changed_meanwhile_as_it_was_made(fake_wo
     assert client.queue.job_ids == [jobs[2].id, jobs[3].id]
     assert jobs[0].status() == "canceled" and not client.connection.exists(f"rq:job:{jobs[1].id}")
     assert jobs[2].rq_job.meta["note"] == "kept" and jobs[2].status() == "queued"
+
+
+def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fake_worker, monkeypatch):
+    """A Redis that refuses scripts: the start is RQ's own writes, whose HSET of status started overwrote a cancel
+    that landed after the pull took the job (a client that left at once). The job ran to its end, finished and in
+    the canceled registry both. Its cancel stands now, and it ends canceled within a step."""
+    worker, _, client = fake_worker
+    mark_started, canceled = worker.mark_started, []
+
+    def cancel_first(pulled, *args, **kwargs):
+        for job, _ in pulled:
+            if job.id not in canceled:
+                canceled.append(job.id)
+                client.connection.hset(f"rq:job:{job.id}", "status", "canceled")  # as another language cancels
+        return mark_started(pulled, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "mark_started", cancel_first)
+    job = client.submit("long", max_tokens=10**6)
+    with pytest.raises(JobCanceled):
+        job.result(timeout=10)
+    assert job.status() == "canceled" and canceled == [job.id]
 
 
 def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_worker):

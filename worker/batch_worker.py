@@ -653,21 +653,47 @@ class BatchWorker(BaseWorker):
             except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, start again
                 self.sender.start_script = register_start_script(self.connection)
                 return self._start_by_script(pulled, stream_ids, ttl)
-        executions = []
+        keys = [job.key for job, _ in pulled]
         with self.connection.pipeline() as pipe:  # Redis without Lua: RQ's own writes, in one transaction
-            for job, queue in pulled:
-                execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
-                self.executions[execution.id] = execution
-                executions.append(execution)
-                job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
-                args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
-                pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
-                pipe.persist(job.key)
-                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
-            self.publisher.queue_stream_reads(pipe, stream_ids)
-            replies = pipe.execute()
+            while True:
+                try:
+                    executions, replies = self._start_in_transaction(pipe, pulled, keys, stream_ids, ttl)
+                    break
+                except redis.WatchError:  # a job hash changed since the look at the statuses: look again
+                    continue
+        self.executions.update((execution.id, execution) for execution in executions)
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
+
+    def _start_in_transaction(
+        self,
+        pipe: redis.client.Pipeline,
+        pulled: list[tuple[Job, Queue]],
+        keys: list[str],
+        stream_ids: Sequence[str],
+        ttl: int,
+    ) -> tuple[list[Execution], list]:
+        """The start script's writes as RQ's objects make them, under WATCH: a cancel that landed since the pull
+        keeps its status, as the script keeps it (RQ's own HSET of status started overwrote it; the job ran)."""
+        pipe.watch(*keys)
+        with self.connection.pipeline(transaction=False) as look:
+            for key in keys:
+                look.hget(key, "status")
+            statuses = look.execute()
+        pipe.multi()
+        executions = []
+        for (job, queue), status in zip(pulled, statuses):
+            execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+            executions.append(execution)
+            job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
+            args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
+            pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
+            if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
+                pipe.hset(job.key, "status", status)
+            pipe.persist(job.key)
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
+        self.publisher.queue_stream_reads(pipe, stream_ids)
+        return executions, pipe.execute()
 
     def _start_by_script(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
