@@ -1472,6 +1472,45 @@ def test_a_job_running_here_is_in_every_registry_again_after_it_left_them(redis_
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "objects"])
+def test_a_job_pulled_again_later_is_not_queued_again_as_it_starts(redis_url, way):
+    """RQ's clean-up of the intermediate list marks when it first saw a job there (a day's key) and queues the job
+    again once that is a minute old. A job it saw in the moment between its pull and its start kept the mark; pulled
+    again later (a retry), it was queued again as it started: run twice. The start removes the mark."""
+    import time
+
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.job_start import register
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    [submitted] = Client(redis_url, queue=name).submit_many([{"prompt": "hello", "max_tokens": 4}])
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    worker.sender.start_script = None if way == "objects" else register(conn)
+    [(job, queue)], _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    worker._requeue_stranded(queue)  # seen between the pull and the start
+    seen = queue.intermediate_queue.get_first_seen_key(job.id)
+    conn.set(seen, time.time() - 120)  # minutes pass
+    worker.mark_started([(job, queue)])
+    assert not conn.exists(seen)
+    conn.delete(queue.started_job_registry.key)  # it ended; a retry of it is pulled again, not yet started
+    conn.rpush(queue.intermediate_queue_key, job.id)
+    worker._requeue_stranded(queue)
+    assert queue.job_ids == [] and submitted.id == job.id
+
+
+@pytest.mark.redis
 def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_report_does_not_drop_it(redis_url):
     """This worker stalled; its job went to another worker, which handed it back to the queue (a cold stop); this
     worker pulled it while its own copy still ran. The copy carries on, and the hash names this attempt again: left

@@ -691,6 +691,7 @@ class BatchWorker(BaseWorker):
                 pipe.hset(job.key, "status", status)
             pipe.persist(job.key)
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))  # (as the start script: why there)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
         self.publisher.queue_stream_reads(pipe, stream_ids)
         return executions, pipe.execute()

@@ -26,8 +26,10 @@ from worker.intake import load_script
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
 # names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
 # registry, intermediate list, token stream and result stream. A job canceled since it was pulled keeps that
-# status. A token or result stream key holding another type (written by hand) is deleted: every write to it would
-# fail, and with it a whole batch's events or ends. Returns the ids of the jobs whose keys were deleted.
+# status. RQ's mark of when its clean-up first saw the job in the intermediate list goes: left (a day), a later pull
+# of the job would find it minutes old, and the clean-up would queue the job again as it starts. A token or result
+# stream key holding another type (written by hand) is deleted: every write to it would fail, and with it a whole
+# batch's events or ends. Returns the ids of the jobs whose keys were deleted.
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -54,6 +56,7 @@ for a = 9, #ARGV, 9 do
     owner, exec_id)
   redis.call('PERSIST', job)
   redis.call('LREM', intermediate, 1, id)
+  redis.call('DEL', intermediate .. ':first_seen:' .. id)
   local composite = id .. ':' .. exec_id
   if not started[wip] then started[wip] = {} end
   local list = started[wip]
