@@ -213,7 +213,7 @@ def _utf8(text: str | bytes) -> str:
 def _json(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or a number past Python's 4,300 digits (it stopped the whole run)
         raise BadLine(f"not JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested past the parser's depth: it stopped the whole run
         raise BadLine("nested too deeply to read") from None
@@ -222,17 +222,29 @@ def _json(text: str) -> Any:
 def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[str, Any]]:
     """A plain row's prompt (or messages) column; its other columns are data, not settings."""
     if options.messages_column is not None:
-        messages = row.get(options.messages_column)
+        messages = _text_cells(row.get(options.messages_column))
         if not isinstance(messages, list):
             raise ValueError(f"the messages column {options.messages_column!r} must hold a list of messages")
         return "/v1/chat/completions", {"messages": messages}
-    prompt = row.get(options.prompt_column)  # type: ignore[arg-type]
+    prompt = _text_cells(row.get(options.prompt_column))  # type: ignore[arg-type]
     if not isinstance(prompt, str):
         raise ValueError(f"the prompt column {options.prompt_column!r} must hold text, got {type(prompt).__name__}")
     if options.chat:  # an instruct model's chat template around it (a raw prompt only continues the text)
         system = [{"role": "system", "content": options.system}] if options.system else []
         return "/v1/chat/completions", {"messages": [*system, {"role": "user", "content": prompt}]}
     return "/v1/completions", {"prompt": prompt}
+
+
+def _text_cells(value: Any) -> Any:
+    """A Parquet cell's text stored as binary (Spark and other writers make such columns) as str, within lists and
+    structs too: bytes went into the payload and failed the whole run at its first row, as no JSON can hold them."""
+    if isinstance(value, bytes):
+        return _utf8(value)
+    if isinstance(value, list):
+        return [_text_cells(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _text_cells(v) for k, v in value.items()}
+    return value
 
 
 def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:

@@ -243,6 +243,18 @@ def test_a_line_nested_past_the_json_parsers_depth_is_a_bad_line_not_the_end_of_
     assert "nested too deeply" in errors[0]["error"]["message"]
 
 
+def test_a_number_past_pythons_digit_limit_is_a_bad_line_not_the_end_of_the_run(tmp_path):
+    """Python refuses to read an integer of over 4,300 digits (a ValueError, not a JSON error): the run stopped at
+    that line, and every rerun stopped there again."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    huge = '{"custom_id": "huge", "prompt": "x", "seed": 1' + "0" * 5000 + "}"
+    src.write_text(huge + "\n" + json.dumps({"custom_id": "bad", "prompt": "x", "n": 0}) + "\n")
+    summary = run_batch(_offline_client(), src, out, poll_interval=0.01)
+    assert summary["failures"] == {"invalid_request": 2}
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert [e["line"] for e in errors] == [1, 2] and "digits" in errors[0]["error"]["message"]
+
+
 def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
     lines = [
         "{not json",

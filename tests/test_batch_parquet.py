@@ -250,6 +250,34 @@ def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
     assert summary["total"] == 3  # "a" and "c" ran out of time: their worker never ends them
 
 
+def test_text_columns_stored_as_binary_are_read_as_text(tmp_path):
+    """Spark and other writers store text as Parquet binary: the cells came as bytes, which no JSON payload holds.
+    Every row failed (a role in bytes is no role), or with text roles the whole run stopped at its first row with a
+    TypeError. They are read as the UTF-8 text they hold."""
+    import fakeredis
+
+    source = tmp_path / "in.parquet"
+    message = pa.struct([("role", pa.binary()), ("content", pa.binary())])
+    chats = pa.array([[{"role": b"user", "content": b"Hi there"}], [{"role": b"user", "content": b"bad \xff"}]],
+                     pa.list_(message))  # fmt: skip
+    pq.write_table(pa.table({"qid": ["a", "b"], "chat": chats, "question": [b"Who?", b"What?"]}), source)
+    client = Client(connection=fakeredis.FakeRedis())
+    with stuck_worker(client):
+        run_batch(client, source, tmp_path / "out.jsonl", options=RowOptions(None, "chat", "qid", {}), timeout=0.01,
+                  poll_interval=0.01, log_interval=1e9)  # fmt: skip
+    errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert {e["custom_id"]: e["error"]["code"] for e in errors} == {"a": "timeout", "b": "invalid_request"}
+    assert "not UTF-8" in next(e for e in errors if e["custom_id"] == "b")["error"]["message"]
+    [key] = client.connection.keys("rq:job:*")  # row a's job, sent as text
+    assert client.job(key.decode()[len("rq:job:") :]).rq_job.kwargs["messages"] == [
+        {"role": "user", "content": "Hi there"}
+    ]
+    line = parse_line(1, {"qid": "a", "question": b"Who?"}, options=RowOptions("question", None, "qid", {}))
+    assert line.payload["prompt"] == "Who?"
+    row = {"qid": "a", "chat": [{"role": "user", "content": b"Hi"}]}
+    assert parse_line(1, row, options=RowOptions(None, "chat", "qid", {})).payload["messages"][0]["content"] == "Hi"
+
+
 def _write_rows(sink: ParquetSink, first: int, count: int) -> None:
     for number in range(first, first + count):
         line = parse_line(number, {"prompt": f"p{number}"}, options=RowOptions("prompt"))
