@@ -1023,8 +1023,8 @@ def _submit(
             in_flight[line.job_id] = (line, None)
             reused[line.job_id] = status == "finished"
             continue
-        if status is not None:  # failed or canceled last time, or finished with its result expired: run it again
-            client.connection.delete(f"rq:job:{line.job_id}", result_key(line.job_id))
+        # (Failed or canceled last time, or finished with its result expired: submitted again, which clears the old
+        # job's stream and result but keeps its hash, whose owner field fences off a run of it still going.)
         fresh.append(line)
     if fresh:
         extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from

@@ -255,6 +255,25 @@ def test_a_number_past_pythons_digit_limit_is_a_bad_line_not_the_end_of_the_run(
     assert [e["line"] for e in errors] == [1, 2] and "digits" in errors[0]["error"]["message"]
 
 
+def test_a_rerun_submits_a_failed_row_again_without_unfencing_its_old_attempt(tmp_path):
+    """A row whose job failed last time is submitted again under its id. Its hash stays (rewritten by the enqueue)
+    with the field naming the attempt that owned it: that attempt, still going on a stalled worker, cannot write its
+    end over the new job. The run deleted the hash first, and with it that fence."""
+    from producer.protocol import OWNER_FIELD
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    text = json.dumps({"custom_id": "a", "prompt": "x"})
+    src.write_text(text + "\n")
+    client = _offline_client()
+    job_id = parse_line(1, text, queue=client.queue.name).job_id
+    client.connection.hset(f"rq:job:{job_id}", mapping={"status": "failed", OWNER_FIELD: "the-old-attempt"})
+    with stuck_worker(client):
+        assert run_batch(client, src, out, poll_interval=0.01, timeout=0.05)["failures"] == {"timeout": 1}
+    key = f"rq:job:{job_id}"
+    assert client.connection.hexists(key, "data")  # submitted again (the failed job's hash here had no payload)
+    assert client.connection.hget(key, OWNER_FIELD) == b"the-old-attempt"
+
+
 def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
     lines = [
         "{not json",
