@@ -581,8 +581,9 @@ def _thought(thinking: str | None) -> dict[str, str]:
 
 
 def _calls_finish(reason: str | None, tools: ToolChoice | None, called: bool) -> str | None:
-    """The model chose to call tools ("auto"): OpenAI's and vLLM's "tool_calls"; a forced call ends "stop"."""
-    return "tool_calls" if reason == "stop" and called and tools is not None and tools.auto else reason
+    """Calls of the model's choosing ("auto" or "required"): OpenAI's and vLLM's "tool_calls"; the call of a named
+    function ends "stop", as theirs does."""
+    return "tool_calls" if reason == "stop" and called and tools is not None and tools.name is None else reason
 
 
 def completion_choices(
