@@ -360,6 +360,8 @@ class TokenizeRequest(APIShape):
         """The chat's job, checked as a chat request's (an ``APIError`` naming the field at fault)."""
         options = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
         body = {"model": self.model, **{k: v for k in options if (v := getattr(self, k)) is not None}}
+        if self.tools:  # shown to the template, and nothing more: no tool choice (an "auto" one needed a parser)
+            body["tool_choice"] = "none"
         _, fields = parse(ChatCompletionRequest, body)
         return JobRequest.model_validate(fields)
 

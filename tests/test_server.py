@@ -340,6 +340,10 @@ def test_tokenize_and_detokenize_as_vllm_with_the_workers_tokenizer(served, redi
                  temperature=0.0, prompt_logprobs=0)  # fmt: skip
     body = {"model": model, "messages": continued, "continue_final_message": True}
     assert http.post("/tokenize", json=body).json()["tokens"] == job["prompt_token_ids"]
+    # With tools (a 400 before: no tool choice read as "auto", which needs a parser): the template is shown them.
+    job = direct(redis_url, worker.queue, messages=chat, tools=TOOLS, max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    tokens = http.post("/tokenize", json={"model": model, "messages": chat, "tools": TOOLS}).json()["tokens"]
+    assert tokens == job["prompt_token_ids"]
     for path, body, status, param in [
         ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
         ("/tokenize", {"model": model, "prompt": "x", "messages": chat}, 400, None),
