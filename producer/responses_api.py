@@ -300,6 +300,8 @@ class ResponseWriter:
         self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
         self.message_index = 0
         self.shown = ""  # its text so far
+        self.call_index = 0  # the named function's call item, in the output
+        self.openings: list[dict[str, Any]] = []  # that call, opened once the thinking before it is done
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  reason: str | None = None) -> dict[str, Any]:  # fmt: skip
@@ -361,8 +363,17 @@ class ResponseWriter:
             events += self._open_message()
         if self.tools is not None:
             self.calls = self.tools.stream()
-            for call in self.calls.opening():  # (a named function's: its arguments come as the text)
-                events += self._add(_function_call(call, "in_progress"))
+            self.openings = self.calls.opening()  # (a named function's: its arguments come as the text)
+            if self.reasoning is None:  # (else after the thinking's item, in the whole response's order)
+                events += self._open_calls()
+        return events
+
+    def _open_calls(self) -> list[dict[str, Any]]:
+        events = []
+        for call in self.openings:
+            events += self._add(_function_call(call, "in_progress"))
+            self.call_index = len(self.items) - 1
+        self.openings = []
         return events
 
     def _open_message(self) -> list[dict[str, Any]]:
@@ -430,7 +441,7 @@ class ResponseWriter:
 
     def _out(self, content: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The events of text and tool call deltas let out."""
-        events = []
+        events = self._open_calls() if deltas else []
         if content and self.message is None and self.reasoning is not None:  # (the answer's first text)
             events += self._open_message()
         if content and self.message is not None:
@@ -445,7 +456,7 @@ class ResponseWriter:
                 events += self._add(_function_call(delta, "in_progress"))
                 events += self._arguments(len(self.items) - 1, delta["function"]["arguments"])
             else:  # the named function's arguments, piece by piece
-                events += self._arguments(0, delta["function"]["arguments"], done=False)
+                events += self._arguments(self.call_index, delta["function"]["arguments"], done=False)
         return events
 
     def _arguments(self, index: int, arguments: str, done: bool = True) -> list[dict[str, Any]]:
@@ -491,8 +502,9 @@ class ResponseWriter:
                             part=part),
                 self._event("response.output_item.done", output_index=index, item=dict(item)),
             ]  # fmt: skip
-        elif isinstance(self.calls, CallStream) and self.calls.name is not None:  # (a named call ends with the text)
-            events += self._call_done(0, self.text, status)  # (cut short: "incomplete")
+        elif isinstance(self.calls, CallStream) and self.calls.name is not None and not self.openings:
+            events += self._call_done(self.call_index, self.text, status)  # (ends with the text; cut short: incomplete)
+        # (A call never opened: the output ended in the thinking. The whole response has no call either.)
         final = self.response(status, self.items, usage)
         return [*events, self._event(f"response.{status}", response=final)]
 

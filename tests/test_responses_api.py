@@ -169,6 +169,39 @@ def test_a_models_thinking_is_a_reasoning_item_before_its_answer_whole_and_strea
     assert added == types
 
 
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [('<think>Weather first.</think>{"city": "Paris"}', "stop"), ("<think>Still thinking when", "length")],
+)
+def test_a_named_functions_call_after_thinking_streams_in_the_whole_responses_order(text, reason, size):
+    """A named function's call item was added before any text, so a model that thought first streamed
+    [function_call, reasoning] where the whole response has [reasoning, function_call] (and the call's arguments
+    went to output 0 whatever it held)."""
+    named = {"type": "function", "name": "get_weather"}
+    body = {"model": "m", "input": "Weather?", "tools": TOOLS, "tool_choice": named, "stream": True}
+    req, chat, _ = parse_responses(body, None, "qwen3")
+    usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
+        {"text": text, "finish_reason": reason, "usage": usage}
+    )
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    events = writer.opening()
+    for i in range(0, len(text), size):
+        events += writer.piece(text[i : i + size])
+    events += writer.closing(reason, usage)
+    output = events[-1]["response"]["output"]
+    assert _shown(output) == _shown(whole["output"]) and output[0]["type"] == "reasoning"
+    arguments = [e for e in events if e["type"].startswith("response.function_call_arguments")]
+    if reason == "stop":
+        assert [item["type"] for item in output] == ["reasoning", "function_call"]
+        assert arguments and all(e["output_index"] == 1 for e in arguments)
+    else:  # (cut short in its thinking: no call, as the whole response has none)
+        assert [item["type"] for item in output] == ["reasoning"] and not arguments
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == list(range(len(output)))
+
+
 def test_thinking_sent_back_and_asked_for():
     """An earlier answer's reasoning item sent back is its assistant message's reasoning; ``reasoning.effort`` is
     the template's ``reasoning_effort`` where the server reads thinking (without a parser, a 400 as before)."""
