@@ -325,10 +325,11 @@ def create_app(
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
+        # (Before the submit: a Redis error here left the jobs of a request answered 503 running for nobody.)
+        names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
         jobs = list(await asyncio.gather(*(client.submit(**fit_to_context(f)) for f in jobs_fields)))  # one batch
         job, ids = jobs[0], _job_headers(jobs)
         chat = kind is ChatCompletionRequest
-        names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             echo = req.prompts() if not chat and req.echo else None  # (text prompts: job_fields refuses the others)
@@ -370,9 +371,9 @@ def create_app(
         wait = _answer_within(request, timeout)
         req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
+        names = await _token_names(req.model, chat.num_logprobs is not None)  # (before the submit, as the chat's)
         job = await client.submit(**fit_to_context(fields))
         ids = _job_headers([job])
-        names = await _token_names(req.model, chat.num_logprobs is not None)
         plans = chat.tool_plan(), chat.num_logprobs, names, chat.reasoning_plan()
         writer = ResponseWriter(job.id, req.model, req, *plans)
         try:
@@ -613,7 +614,7 @@ async def _sse(
             _cancel_all_soon(jobs)
 
 
-STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, TimeoutError, RedisError)
+STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
 
 
 def _stream_error(exc: Exception, timeout: float) -> APIError:
@@ -643,8 +644,8 @@ async def _response_sse(
         for event in writer.opening():
             yield _typed(event)
         async for _, event in events.after(early):
-            if event.get("reset") and writer.text:
-                raise StreamRestarted(job.id)  # text already sent cannot be taken back
+            if event.get("reset") and (writer.text or writer.thinking):
+                raise StreamRestarted(job.id)  # text already sent (thinking too) cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":
                 raise JobFailed.of_event(job.id, event)
