@@ -8,6 +8,7 @@ Bad lines and failed jobs go to the errors file (rewritten each run, so failures
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,6 +42,7 @@ from producer.batch_io import (
     read_rows,
 )
 from producer.client import Client, validate
+from producer.connection import REDIS_DOWN
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -82,6 +84,15 @@ class BatchInterrupted(KeyboardInterrupt):
 
     def __init__(self, summary: dict[str, int]) -> None:
         super().__init__()
+        self.summary = summary
+
+
+class RedisLost(RuntimeError):
+    """Redis went away during a batch (past the client's retries). As after Ctrl-C, the output holds complete lines
+    only and ``summary`` counts what was done; the jobs submitted go on in the workers, and a rerun resumes."""
+
+    def __init__(self, summary: dict[str, int], cause: Exception) -> None:
+        super().__init__(f"Redis became unavailable during the run: {cause}")
         self.summary = summary
 
 
@@ -630,7 +641,10 @@ def run_batch(
                     lines = _read_input(
                         input_path, in_fmt, options, done, run_id, queue, summary, priority, sink, progress
                     )
-                    _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
+                    try:
+                        _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
+                    except REDIS_DOWN as exc:  # (it answered the ping above: not a wrong --redis-url)
+                        raise RedisLost(summary, exc) from exc
                 finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
                     sink.close()
         progress.finish(summary, output_path, errors_path)
@@ -884,7 +898,8 @@ def _run(
             progress.tick()
             workers.check()
     finally:
-        conn.delete(done_key(notify))
+        with contextlib.suppress(*REDIS_DOWN):  # (a list of ids; it expires) not an error on top of Redis gone
+            conn.delete(done_key(notify))
 
 
 class ModelTokenNames:

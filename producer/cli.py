@@ -394,7 +394,7 @@ def batch_options(args: argparse.Namespace):
 
 
 def batch(args: argparse.Namespace) -> int:
-    from producer.batch import BatchInterrupted, default_errors_path, dry_run, new_run_id, run_batch
+    from producer.batch import BatchInterrupted, RedisLost, default_errors_path, dry_run, new_run_id, run_batch
 
     run_id = new_run_id() if args.fresh else args.run_id
     errors = args.errors or default_errors_path(args.output, dry=args.dry_run)
@@ -439,17 +439,19 @@ def batch(args: argparse.Namespace) -> int:
             options=options,
             **formats,
         )
-    except KeyboardInterrupt as exc:
-        s = exc.summary if isinstance(exc, BatchInterrupted) else None
+    except (KeyboardInterrupt, RedisLost) as exc:
+        s = exc.summary if isinstance(exc, (BatchInterrupted, RedisLost)) else None
         done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
         detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
+        lost = isinstance(exc, RedisLost)
         print(
-            f"interrupted: {done}{detail}; jobs already submitted keep running in the workers.\n"
-            f"To resume, run the same command again: it skips the custom_ids already in {args.output} and picks up "
-            f"the jobs still queued or finished in Redis:\n  {resume_command(args, run_id)}",
+            f"{exc if lost else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the workers.\n"
+            f"To resume{' once Redis answers' if lost else ''}, run the same command again: it skips the custom_ids "
+            f"already in {args.output} and picks up the jobs still queued or finished in Redis:\n"
+            f"  {resume_command(args, run_id)}",
             file=sys.stderr,
         )
-        return 130
+        return 1 if lost else 130
     except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
