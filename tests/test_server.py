@@ -991,12 +991,12 @@ async def _gather(calls) -> None:
     await asyncio.gather(*calls)
 
 
-def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(redis_url):
-    """Three submits batched together; one caller is cancelled (its client left) while the batch is enqueued. The
-    other two get their jobs; the cancelled caller's job, which no one can follow, is canceled."""
+def _submits_with_the_first_caller_gone(redis_url: str, queue: str) -> tuple[list[str], list[str]]:
+    """Three submits batched together; the first caller is cancelled (its client left) while the batch is enqueued.
+    The other two's job ids, and the queue's once the client closed."""
 
     async def main():
-        async with AsyncClient(redis_url, "cancelled-submit") as client:
+        async with AsyncClient(redis_url, queue) as client:
             enqueue = client.sync.submit_many
 
             def slowly(requests):  # the batch takes a while to go in: the cancel lands meanwhile
@@ -1012,9 +1012,15 @@ def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(re
             return [call.result().id for call in calls[1:]]
 
     kept = asyncio.run(main())
-    queue = Client(redis_url, queue="cancelled-submit").queue
-    assert queue.job_ids == kept
-    [gone] = queue.canceled_job_registry.get_job_ids()
+    return kept, Client(redis_url, queue=queue).queue.job_ids
+
+
+def test_a_caller_cancelled_while_its_submit_goes_in_leaves_the_others_theirs(redis_url):
+    """The other two get their jobs; the cancelled caller's job, which no one can follow, is canceled."""
+    queue = f"cancelled-submit-{uuid.uuid4().hex[:6]}"
+    kept, queued = _submits_with_the_first_caller_gone(redis_url, queue)
+    assert queued == kept
+    [gone] = Client(redis_url, queue=queue).queue.canceled_job_registry.get_job_ids()
     assert gone not in kept
 
 
@@ -1026,24 +1032,7 @@ def test_a_cancel_that_fails_for_a_left_caller_leaves_the_batchs_other_callers_t
         raise redis.exceptions.ConnectionError("Redis is gone")
 
     monkeypatch.setattr(GenerationJob, "cancel", refused)
-
-    async def main():
-        async with AsyncClient(redis_url, f"failed-cancel-{uuid.uuid4().hex[:6]}") as client:
-            enqueue = client.sync.submit_many
-
-            def slowly(requests):
-                time.sleep(0.2)
-                return enqueue(requests)
-
-            client.sync.submit_many = slowly
-            calls = [asyncio.create_task(client.submit(f"p{i}", max_tokens=4)) for i in range(3)]
-            await asyncio.sleep(0.05)
-            calls[0].cancel()
-            _, waiting = await asyncio.wait(calls[1:], timeout=10)
-            assert not waiting, "the others' submits never returned"
-            return [call.result().id for call in calls[1:]], client.sync.queue.job_ids
-
-    kept, queued = asyncio.run(main())
+    kept, queued = _submits_with_the_first_caller_gone(redis_url, f"failed-cancel-{uuid.uuid4().hex[:6]}")
     assert len(queued) == 3 and set(kept) < set(queued)  # the left caller's job stays queued: nobody could cancel it
 
 
