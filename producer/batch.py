@@ -79,6 +79,9 @@ class BadLine(ValueError):
         self.custom_id, self.row = custom_id, row  # (a plain row's columns: a Parquet output keeps its failed rows)
 
 
+REDIS_PATIENCE_S = 600.0  # a run waits this long for a Redis that went away (a failover takes seconds to a minute)
+
+
 class BatchInterrupted(KeyboardInterrupt):
     """Ctrl-C during a batch. The output then holds complete lines only; ``summary`` counts what was done."""
 
@@ -88,11 +91,12 @@ class BatchInterrupted(KeyboardInterrupt):
 
 
 class RedisLost(RuntimeError):
-    """Redis went away during a batch (past the client's retries). As after Ctrl-C, the output holds complete lines
-    only and ``summary`` counts what was done; the jobs submitted go on in the workers, and a rerun resumes."""
+    """Redis went away during a batch for longer than ``REDIS_PATIENCE_S``. As after Ctrl-C, the output holds
+    complete lines only and ``summary`` counts what was done; the jobs submitted go on in the workers, and a rerun
+    resumes."""
 
     def __init__(self, summary: dict[str, int], cause: Exception) -> None:
-        super().__init__(f"Redis became unavailable during the run: {cause}")
+        super().__init__(f"Redis unavailable for over {REDIS_PATIENCE_S:g} s during the run ({cause})")
         self.summary = summary
 
 
@@ -879,24 +883,29 @@ def _run(
     more = True
     sweep_every, next_sweep = poll_interval, 0.0
     workers, names = WorkerWatch(client, progress), ModelTokenNames(client)
+    pending, outage = Lines(lines), RedisOutage(progress)
     try:
-        while more or in_flight:
-            picked_up = len(reused)
-            more = _submit(client, lines, in_flight, max_in_flight, reused, notify)
-            if len(reused) > picked_up:  # an earlier run's jobs: they announce their ends to it, so look now
-                sweep_every, next_sweep = poll_interval, 0.0
-            if not in_flight:
-                continue  # (the input used up: nothing to wait for)
-            if time.monotonic() >= next_sweep:
-                ended = list(in_flight)
-                sweep_every = min(sweep_every * 2, 5.0)
-                next_sweep = time.monotonic() + sweep_every
-            else:
-                ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
-            ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write tried again)
-            _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names)
-            progress.tick()
-            workers.check()
+        while more or in_flight or pending.taken_back:
+            try:
+                picked_up = len(reused)
+                more = _submit(client, pending, in_flight, max_in_flight, reused, notify)
+                if len(reused) > picked_up:  # an earlier run's jobs: they announce their ends to it, so look now
+                    sweep_every, next_sweep = poll_interval, 0.0
+                if not in_flight:
+                    continue  # (the input used up: nothing to wait for)
+                if time.monotonic() >= next_sweep or outage.since is not None:  # (after an outage: every job)
+                    ended = list(in_flight)
+                    sweep_every = min(sweep_every * 2, 5.0)
+                    next_sweep = time.monotonic() + sweep_every
+                else:
+                    ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
+                ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write again)
+                _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names)
+                outage.over()
+                progress.tick()
+                workers.check()
+            except REDIS_DOWN as exc:  # a failover, a restart: each step above can be taken again
+                outage.wait(exc)
     finally:
         with contextlib.suppress(*REDIS_DOWN):  # (a list of ids; it expires) not an error on top of Redis gone
             conn.delete(done_key(notify))
@@ -1006,9 +1015,49 @@ def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any
     progress.update(0, failed=True)
 
 
+class Lines:
+    """The input's lines, and those a submit took but could not send (Redis went away): handed out again first."""
+
+    def __init__(self, lines: Iterator[Line]) -> None:
+        self.lines, self.taken_back = lines, []
+
+    def __iter__(self) -> Lines:
+        return self
+
+    def __next__(self) -> Line:
+        return self.taken_back.pop() if self.taken_back else next(self.lines)
+
+    def take_back(self, taken: list[Line]) -> None:
+        self.taken_back.extend(reversed(taken))
+
+
+class RedisOutage:
+    """A run waits out Redis going away (a failover, a restart) for ``REDIS_PATIENCE_S``, saying so once a minute;
+    past that it ends as Ctrl-C ends it, resumable (``RedisLost``)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.since, self.backoff, self.said = progress, None, 0.5, 0.0
+
+    def wait(self, exc: Exception) -> None:
+        mono = time.monotonic()
+        self.since = self.since or mono
+        if mono - self.since > REDIS_PATIENCE_S:
+            raise exc
+        if mono >= self.said + 60:
+            self.progress.note(f"Redis unavailable ({exc}): waiting for it, up to {REDIS_PATIENCE_S:g} s in all")
+            self.said = mono
+        time.sleep(self.backoff)
+        self.backoff = min(self.backoff * 2, 10.0)
+
+    def over(self) -> None:
+        if self.since is not None:
+            self.progress.note(f"Redis answers again after {time.monotonic() - self.since:.0f} s: the run goes on")
+        self.since, self.backoff, self.said = None, 0.5, 0.0
+
+
 def _submit(
     client: Client,
-    lines: Iterator[Line],
+    lines: Lines,
     in_flight: dict[str, tuple[Line, float | None]],
     limit: int,
     reused: dict[str, bool],
@@ -1026,6 +1075,18 @@ def _submit(
         take.append(line)
     if not take:
         return more
+    try:
+        _submit_lines(client, take, in_flight, reused, notify)
+    except BaseException:  # (Redis went away) handed out again: a job that went in is then picked up, not doubled
+        lines.take_back([line for line in take if line.job_id not in in_flight])
+        raise
+    return more
+
+
+def _submit_lines(
+    client: Client, take: list[Line], in_flight: dict[str, tuple[Line, float | None]], reused: dict[str, bool],
+    notify: str | None,
+) -> None:  # fmt: skip
     with client.connection.pipeline(transaction=False) as pipe:
         for line in take:
             pipe.hget(f"rq:job:{line.job_id}", "status")
@@ -1046,7 +1107,6 @@ def _submit(
         client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
         for line in fresh:
             in_flight[line.job_id] = (line, None)
-    return more
 
 
 def _failure_reason(client: Client, job_id: str, status: str) -> str:

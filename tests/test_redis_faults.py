@@ -4,6 +4,7 @@ policy gets a loud warning, or a refusal to start."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -282,3 +283,54 @@ def test_a_worker_stopping_while_redis_refuses_writes_lets_go_of_its_metrics_por
     worker.stop()
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))  # free
+
+
+@pytest.mark.slow
+def test_a_batch_rides_out_a_redis_restart_and_writes_every_row_once(tiny_chat_model, tmp_path):
+    """A Redis restart mid-run (its data kept, AOF on: a failover or an upgrade) ended a long batch at once. The run
+    waits for Redis, goes on where it was, and its output holds every row once."""
+    import threading
+
+    from producer.batch import run_batch
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+               "--appendfsync", "always", "--dir", str(tmp_path)]  # fmt: skip
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if Redis.from_url(url).ping():
+                    return proc
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    redis_proc = start()
+    worker = ThreadWorker(url, tiny_chat_model)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"custom_id": f"row-{i}", "prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True} for i in range(40)]
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    got: dict = {}
+    run = threading.Thread(target=lambda: got.update(run_batch(Client(url, queue=worker.queue), src, out,
+                                                               max_in_flight=8, poll_interval=0.05)))  # fmt: skip
+    try:
+        run.start()
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") >= 4) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        redis_proc.terminate()  # (its AOF written: nothing lost)
+        redis_proc.wait(timeout=10)
+        time.sleep(3)
+        redis_proc = start()
+        run.join(timeout=180)
+        assert not run.is_alive(), "the run never ended"
+    finally:
+        worker.stop()
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+    assert got["succeeded"] == 40 and got["failed"] == 0
+    written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    assert sorted(written) == sorted(row["custom_id"] for row in rows)  # each once
