@@ -41,6 +41,7 @@ from producer.batch_io import (
     payload_digest,
     read_rows,
 )
+from producer.chat_render import template_messages
 from producer.client import Client, validate
 from producer.connection import REDIS_DOWN
 from producer.openai_api import (
@@ -795,7 +796,7 @@ def count_prompt_tokens(tokenizer: Any, payload: dict[str, Any]) -> int:
     """The prompt's tokens as the worker makes them: the chat template applied to messages, a plain prompt as is."""
     if "messages" in payload:
         job = JobRequest.model_validate(payload)
-        messages = job.engine_prompt()["messages"]  # (the template's forms: tool calls' arguments)
+        messages = template_messages(tokenizer, job)  # (the template's forms: tool calls' arguments, roles)
         return len(tokenizer.apply_chat_template(messages, return_dict=False, **job.template_args()))
     if "prompt_token_ids" in payload:
         return len(payload["prompt_token_ids"])

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from producer.aio import AsyncClient
 
 
+def template_messages(tokenizer: Any, job: JobRequest) -> list[dict[str, Any]]:
+    """The job's messages as the engine gives its chat template (``roseinfer.llm_engine.developer_as_system``, across
+    the border): "developer" as "system" where the template does not name that role."""
+    messages = job.engine_prompt()["messages"]
+    if "developer" in str(getattr(tokenizer, "chat_template", None)):
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 class ChatRenderer:
     """One worker's tokenizer and chat template, as a transformers tokenizer that renders as the engine's does."""
 
@@ -34,7 +43,7 @@ class ChatRenderer:
 
     def tokenize(self, job: JobRequest, add_special_tokens: bool = False) -> list[int]:
         """The prompt tokens of a chat job (as the engine renders it, then encodes the text)."""
-        messages = job.engine_prompt()["messages"]
+        messages = template_messages(self.tokenizer, job)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **job.template_args())
         return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -361,6 +361,7 @@ class LLMEngine:
             "chat_template_kwargs": chat_template_kwargs,
         }
         self._check_chat(tokenizer, **chat)
+        messages = developer_as_system(tokenizer, messages)
         return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat)))
 
     def add_request(
@@ -788,10 +789,21 @@ def _template_args(chat: dict) -> dict:
     }
 
 
+def developer_as_system(tokenizer, messages: list[dict]) -> list[dict]:
+    """OpenAI's "developer" messages as "system" ones where the chat template does not know the role (it stands for
+    the system's instructions there): Qwen's templates left them out without a word, others showed a header the
+    model never saw in training. A template that names the role gets them as they are."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) or "developer" in str(template):
+        return messages
+    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+
+
 def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
     """Each chat's (``{"messages", <options>}``) prompt text by the chat template: those of messages alone in one
     call (a quarter less time than one call each), or, when the template refuses one of them, one call each, so that
     only that one gets its exception; those with options one call each (a call takes one set of them)."""
+    chats = [{**chat, "messages": developer_as_system(tokenizer, chat["messages"])} for chat in chats]
     texts: list[str | Exception | None] = [None] * len(chats)
     plain = [i for i, chat in enumerate(chats) if set(chat) == {"messages"}]
     if plain:

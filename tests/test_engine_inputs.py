@@ -183,6 +183,31 @@ def test_a_messages_name_reaches_the_chat_template_from_a_job_and_from_the_serve
         JobRequest.model_validate({"messages": [{"role": "user", "content": "hi", "name": "ann\udce9"}]})
 
 
+def test_a_developer_message_is_a_system_one_where_the_template_does_not_know_the_role(chat_engine):
+    """OpenAI's "developer" role stands for the system's instructions. A template that knows only system, user and
+    assistant (as Qwen's, which left the message out without a word) gets it as system; one that names the role
+    gets it as it is. The engine's tokenizing, one prompt or many, and the server's and the batch's counts agree."""
+    from producer.batch import count_prompt_tokens
+    from producer.chat_render import template_messages
+    from producer.schema import JobRequest
+
+    plain = copy.deepcopy(chat_engine.tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}{% if m.role in ['system', 'user', 'assistant'] %}{{ m.role }}: {{ m.content }}\n"
+        "{% endif %}{% endfor %}"
+    )
+    knows = copy.deepcopy(plain)
+    knows.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{# developer too #}"
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    job = JobRequest.model_validate({"messages": messages})
+    for tokenizer, shown in ((plain, "system"), (knows, "developer")):
+        expected = tokenizer(f"{shown}: Be brief.\nuser: hi\n", add_special_tokens=False)["input_ids"]
+        assert chat_engine.tokenize({"messages": messages}, tokenizer)[1] == expected
+        assert chat_engine.tokenize_many([{"messages": messages}], tokenizer) == [(None, expected)]
+        assert template_messages(tokenizer, job)[0]["role"] == shown
+        assert count_prompt_tokens(tokenizer, {"messages": messages}) == len(expected)
+
+
 def test_tools_and_tool_calls_reach_a_chat_template_that_shows_them(chat_engine):
     """A template that shows tools (as Qwen's and Hermes' do) gets a job's tools, its assistant's calls with their
     arguments as objects, and the tool's answer, from a job's payload and from an OpenAI request alike; in a batch
