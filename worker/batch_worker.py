@@ -1230,6 +1230,10 @@ class BatchWorker(BaseWorker):
             return False
         return None if status in ends_as else True
 
+    def _runs_here(self, job: InFlight, owner: bytes | None, status: bytes | None) -> bool:
+        """Its hash (``owner``, ``status``, as read) says it still runs as this attempt: ours, and started."""
+        return status == JobStatus.STARTED.value.encode() and self._is_ours(job, owner, status) is True
+
     def _apply_reports(self) -> None:
         self._drop_lost()
         while not self._reports.empty():
@@ -1300,7 +1304,7 @@ class BatchWorker(BaseWorker):
                     job.job.save(pipeline=pipe)
                     job.job.set_status(JobStatus.STARTED, pipeline=pipe)
                     pipe.hset(job.job.key, OWNER_FIELD, job.execution.id)
-                elif owner != job.execution.id.encode() or status != JobStatus.STARTED.value.encode():
+                elif not self._runs_here(job, owner, status):
                     continue
                 self._register_execution(job, ttl, pipe)
             pipe.execute()
@@ -1373,7 +1377,7 @@ class BatchWorker(BaseWorker):
             # attempt's since the sender's last look (a client's cancel of a moment ago) keeps what was done to it.
             if status is None and not registered:
                 fresh = job.job  # Redis lost its data (this worker's registration too): the copy here is all there is
-            elif status == JobStatus.STARTED.value.encode() and owner in (None, job.execution.id.encode()):
+            elif self._runs_here(job, owner, status):
                 fresh = self._reread(job.job)
             else:
                 fresh = None
