@@ -424,7 +424,12 @@ def sample_inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1]
     # Kept below the total: a draw that rounds up to it would land past the last token that can be drawn.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    # A row with no distribution (a NaN, a +inf: a penalty or temperature that overflowed, a model that did) has a
+    # NaN cdf, and the search lands one past the vocabulary, an id that fails the next step for the whole batch:
+    # such a row takes its argmax (a NaN's place, where it has one), as the CPU kernel's rows do. Chosen on the
+    # device (an ``if`` would wait for it).
+    return torch.where(total.isfinite(), drawn, logits.argmax(dim=-1))
 
 
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:

@@ -478,3 +478,26 @@ def test_kernel_draws_stay_valid_on_odd_rows():
                 assert finite[plain[r]], (r, plain[r])
             if temperature[r] > 0 and finite.sum() > 1:  # (a ban leaves it a finite logit to draw)
                 assert processed[r] not in banned[r], (r, processed[r])
+
+
+def test_a_row_whose_logits_overflowed_takes_its_argmax_on_every_path(monkeypatch):
+    """A repetition penalty of 1e-39 divides a seen token's positive logit to +inf (a NaN or +inf from the model
+    does the same): that row has no distribution. PyTorch's draw (a GPU's path) then returned the vocabulary's size,
+    an id the next step's embedding fails on for the whole batch (a device assert on CUDA); the CPU kernel takes the
+    row's argmax. Both take it now, and the other rows still draw."""
+    logits = torch.tensor([[0.5, 0.0, 2.0, -1.0, 0.1, 0.2, 0.3, 0.4]] * 3)
+    logits[2, 5] = float("nan")
+    rows = [
+        seq(SamplingParams(temperature=1.0, repetition_penalty=1e-39, seed=1), tokens=(0, 1)),
+        seq(SamplingParams(temperature=1.0, seed=2)),
+        seq(SamplingParams(temperature=1.0, seed=3)),
+    ]
+    monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
+    got = Sampler([0], 0, torch.device("cpu"))(logits.clone(), rows).token_ids
+    assert got[0] == 0  # the penalty made token 0 (seen, positive) +inf: the argmax
+    assert 0 <= got[1] < 8 and got[2] == 5  # the NaN row: the NaN's place, as argmax has it
+    from roseinfer.kernels import can_sample_rows
+
+    monkeypatch.undo()
+    if can_sample_rows(logits):  # the CPU kernel agrees on the overflowed row
+        assert Sampler([0], 0, torch.device("cpu"))(logits[[0, 2]], [rows[0], rows[2]]).token_ids == [0, 5]

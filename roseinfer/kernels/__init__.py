@@ -16,7 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -324,6 +324,9 @@ def sample_rows(
         torch.tensor(min_p, dtype=torch.float32),
         u.to(torch.float64).contiguous(),
     ]
+    per_row = [*args] if processors is None else [*args, *(getattr(processors, f.name) for f in fields(processors))]
+    if any(len(values) != rows for values in per_row):  # the kernel would read past the shorter lists
+        raise ValueError(f"sample_rows: {rows} rows of logits, but lists of {sorted({len(v) for v in per_row})}")
     held, pr = [], None  # (the arrays the structure points into live until the call returns)
     if processors is not None:
         bias_ids, bias_off = _spans([list(b) for b in processors.bias])
