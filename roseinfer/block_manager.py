@@ -259,3 +259,6 @@ class KVCacheManager:
             self.blocks[block_id].block_hash = None
             self.blocks[block_id].token_ids = ()
         self._cached.clear()
+        # The requests still here register their blocks again as they run (from the first one still held: a
+        # sliding window's dropped entries name another block); else the cache never held them again.
+        self._num_registered_blocks = {rid: self._num_dropped_blocks.get(rid, 0) for rid in self._block_tables}

@@ -572,29 +572,26 @@ class LLMEngine:
         self._flush = flush
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)  # the current device is per thread: a worker steps from its own
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return self._emit_pending()
-        sampling: list[Sequence] = []
-        for item in sched.scheduled:  # one pass: the rows that sample, and the prompt tokens computed (not cached)
-            seq = item.seq
-            known = seq.num_prompt_tokens + seq.num_resumed_tokens
-            if item.start < known:
-                self.stats.num_prefill_tokens += min(item.start + item.num_tokens, known) - item.start
-            if item.samples:
-                sampling.append(seq)
-        masks = self.structured.start_masks(sampling)
         outputs: list[RequestOutput] = []
         try:
-            pending = self.runner.launch(sched, masks)
-            outputs = self._emit_pending()  # the previous step's, while the device runs this one
-            sampled = pending.result()
+            sched = self.scheduler.schedule()
+            if not sched.is_empty:
+                masks = self.structured.start_masks([item.seq for item in sched.scheduled if item.samples])
+                pending = self.runner.launch(sched, masks)
+                outputs = self._emit_pending()  # the previous step's, while the device runs this one
+                sampled = pending.result()
         except BaseException:
-            # The blocks this step registered in the prefix cache were never filled (out of memory, say): a later
-            # request with the same prefix would read them. Forget every hash; the cache refills as requests run.
-            self.kv.reset_prefix_cache()
+            # The blocks this step registered in the prefix cache were never filled (out of memory, an interrupt
+            # in the schedule or the masks): a later request with the same prefix would read them.
+            self.scheduler.forget_step()
             self.undelivered = outputs  # the last step's, made before this one failed: ``take_undelivered``
             raise
+        if sched.is_empty:
+            return self._emit_pending()
+        for item in sched.scheduled:  # the prompt tokens computed (not cached), counted once the step ran
+            known = item.seq.num_prompt_tokens + item.seq.num_resumed_tokens
+            if item.start < known:
+                self.stats.num_prefill_tokens += min(item.start + item.num_tokens, known) - item.start
         now = time.perf_counter()
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1

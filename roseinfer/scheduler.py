@@ -62,6 +62,7 @@ class Scheduler:
         self._arrivals = 0
         self._running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
+        self._admitted: list[Sequence] = []  # admitted by the last ``schedule``: ``forget_step`` undoes them
         self.num_preemptions = 0
 
     # ----- read-only views for outside code --------------------------------------------------------
@@ -116,7 +117,19 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def forget_step(self) -> None:
+        """The step last scheduled never ran (its forward failed, or it was interrupted before): the blocks it
+        registered in the prefix cache hold no K/V, so no hash is kept (the cache refills as requests run), and a
+        request admitted in it on a prefix hit starts over (the hit may be on those blocks: two requests with one
+        prompt, a later sample of a request). Requests that ran before keep the K/V earlier steps wrote."""
+        self.kv.reset_prefix_cache()
+        for seq in self._admitted:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > 0:
+                self._preempt(seq, counted=False)
+        self._admitted = []
+
     def schedule(self) -> SchedulerOutput:
+        self._admitted = []
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
@@ -249,6 +262,7 @@ class Scheduler:
         if seq.num_preemptions == 0:  # set once, as vLLM: a recompute's hit on its own freed blocks is no cache hit
             seq.num_cached_tokens = hit.num_tokens
         self._running.append(seq)
+        self._admitted.append(seq)
         self._add_scheduled(seq, n, decodes, prefills)
         taken.add(seq.request_id)
 
@@ -281,13 +295,14 @@ class Scheduler:
                     return item.num_tokens
         raise ValueError(f"{seq.request_id!r} is not scheduled this step")
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         self._running.remove(seq)
         self.kv.free(seq.request_id)
         seq.num_computed_tokens = 0  # its K/V are gone: recomputed from the start when it is admitted again
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:  # (a step that never ran undoes an admission: no preemption)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self._wait(seq)
 
     def update_from_output(

@@ -156,3 +156,27 @@ def test_a_request_id_whose_final_output_waits_is_still_in_use(tiny_chat_model):
     assert final.request_id == "a" and len(final.outputs[0].token_ids) == 2
     engine.add_request("a", {"prompt": "Again"}, SamplingParams(max_tokens=2))  # free now
     engine.abort_request("a")
+
+
+def test_an_interrupt_between_the_schedule_and_the_forward_leaves_no_unwritten_block_to_hit(tiny_chat_model):
+    """Ctrl-C (or an error) in the structured-output masks or the schedule, after blocks were put in the prefix
+    cache and before the forward filled them: the same prompt again must be computed, not read from those blocks."""
+    llm = LLM(tiny_chat_model, dtype="float32")
+    engine = llm.engine
+    prompt = "Once upon a time there was a little girl who lived in a village near the forest with her mother"
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+    [fresh] = llm.generate([prompt], params, use_tqdm=False)
+    engine.kv.reset_prefix_cache()
+    start_masks = engine.structured.start_masks
+
+    def interrupted(seqs):
+        engine.structured.start_masks = start_masks
+        raise KeyboardInterrupt
+
+    engine.structured.start_masks = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], params, use_tqdm=False)
+    [again] = llm.generate([prompt], params, use_tqdm=False)
+    assert len(again.prompt_token_ids) > 2 * engine.kv.block_size  # whole blocks to hit
+    assert again.metrics.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids

@@ -242,3 +242,25 @@ def test_a_request_waiting_for_blocks_is_counted_in_the_hit_rate_once():
     for _ in range(3):
         run_step(sched)
     assert kv.prefix_query_tokens == 12  # "big" alone: "waits" was refused, and is not counted at each step
+
+
+def test_a_step_that_never_ran_leaves_no_prefix_hit_and_restarts_who_hit_its_blocks():
+    """Blocks are put in the prefix cache when allocated, before the forward fills them. A step that fails (or is
+    interrupted between the schedule and the forward) must leave no hash on them, and a request admitted in it on a
+    hit of those blocks (the same prompt twice, a later sample) must not keep them as computed."""
+    kv, sched = make(block_size=4, budget=64)
+    a = Sequence("a", list(range(9)), SamplingParams(), None, None)
+    b = Sequence("b", list(range(9)), SamplingParams(), None, None)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert b.num_computed_tokens == 8  # its hit: a's two full blocks, registered this step, unwritten
+    sched.forget_step()
+    probe = Sequence("probe", list(range(9)), SamplingParams(), None, None)
+    assert kv.lookup_computed_blocks(probe).num_tokens == 0
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 0
+    assert sched.num_preemptions == 0 and b.num_preemptions == 0  # an undone admission, no preemption
+    out = run_step(sched)  # the step runs now: both whole, b on a's blocks written in that same step
+    assert {x.seq.request_id: x.start for x in out.scheduled} == {"a": 0, "b": 8}
+    assert kv.lookup_computed_blocks(probe).num_tokens == 8
