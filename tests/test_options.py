@@ -100,6 +100,7 @@ def test_engine_flags_round_trip_through_the_worker_settings():
         ({"dtype": "fp32"}, "dtype must be one of"),
         ({"max_num_seqs": "lots"}, "max_num_seqs"),
         ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+        ({"kv_cache_memory": "4ib"}, "kv_cache_memory"),  # a unit "i" alone was a KeyError, no message
         ({"block_size": "0"}, "block_size must be a positive integer"),
         ({"device": "tpu"}, "device"),
         ({"quantization": "int4"}, "quantization must be one of int8"),
@@ -111,6 +112,7 @@ def test_engine_flags_round_trip_through_the_worker_settings():
         ({"stream_ttl": str(10**17)}, "stream_ttl"),
         ({"result_ttl": str(10**17)}, "result_ttl"),
         ({"heartbeat_interval": str(10**10)}, "heartbeat_interval"),
+        ({"stream_maxlen": str(10**19)}, "stream_maxlen"),  # past XADD's MAXLEN: every event write failed
     ],
 )
 def test_bad_settings_are_refused_by_the_engine_rules_before_anything_loads(settings, phrase):

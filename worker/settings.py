@@ -53,7 +53,8 @@ class QueueSettings(BaseSettings):
         le=MAX_SECONDS,
         description="seconds a result is kept: a job's without result_ttl, a canceled or rejected job's",
     )
-    stream_maxlen: int = Field(100_000, ge=16, description="events kept per replay stream")
+    # XADD's MAXLEN is a signed 64-bit count: past it every event write failed.
+    stream_maxlen: int = Field(100_000, ge=16, le=2**63 - 1, description="events kept per replay stream")
     # Recovery of a dead worker's jobs takes at most heartbeat_interval + heartbeat_grace + maintenance_interval
     # (about 55 s with these), run by any surviving worker.
     heartbeat_interval: int = Field(
