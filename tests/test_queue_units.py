@@ -1262,6 +1262,42 @@ def test_a_pull_moves_what_the_queues_hold_not_a_command_per_slot_of_room(redis_
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("how", ["script", "no-lua", "blocking"])
+def test_a_job_key_that_is_not_a_hash_is_moved_aside_and_the_jobs_pulled_with_it_run(redis_url, how):
+    """``SET rq:job:<id>`` instead of HSET: the hash read failed, and with it the move script (after its moves) or
+    the whole pull, leaving the jobs taken with it in the intermediate list, queued again by RQ's clean-up with it,
+    for good. It comes back apart now, with its type; quarantine leaves the key as it was."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.protocol import rejected_key
+    from worker.intake import MOVE_SCRIPT, PulledJob, pull, quarantine
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    good = Client(redis_url, queue=name).submit_many([{"prompt": f"p{i}", "max_tokens": 2} for i in range(3)])
+    bad = f"nothash-{uuid.uuid4().hex[:6]}"
+    conn.set(f"rq:job:{bad}", "{}")
+    conn.lpush(queue.key, bad)  # first in line: what a blocking pull wakes for, or a batch takes first
+    script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
+    pulled, unreadable = pull([queue], 10, 1 if how == "blocking" else None, conn, PulledJob, JSONSerializer, script)
+    assert [job.id for job, _ in pulled] == [job.id for job in good]
+    assert [(u.job_id, u.is_hash) for u in unreadable] == [(bad, False)]
+    assert "holds a string, not a hash" in unreadable[0].reason
+    with conn.pipeline() as pipe:
+        quarantine(pipe, unreadable[0], 60)
+        pipe.execute()
+    assert conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode() for job in good]
+    assert conn.zscore(rejected_key(name), bad) is not None and conn.get(f"rq:job:{bad}") == b"{}"
+    conn.delete(f"rq:job:{bad}")
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("block", [None, 1])
 def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_pulled_with_it_run(redis_url, lanes, block):

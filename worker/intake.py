@@ -34,6 +34,8 @@ log = logging.getLogger("roseinfer.worker")
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 BAD_ID = "job ids may only use A-Z, a-z, 0-9, '_' and '-' (at most 256 of them)"
 NOT_TEXT_ID = f"this job's id is not UTF-8 text, so no result can be keyed on it: moved aside ({BAD_ID})"
+# Where a job's key holds another type than a hash (SET by hand), the pull reads it as this one field: its type.
+KEY_TYPE = b"\x00roseinfer:key-type"
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
 _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
          "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
@@ -119,19 +121,24 @@ class Unreadable:
     queue: Queue
     reason: str
     raw_id: bytes | None = None  # an id that is not UTF-8 text (``job_id`` then shows it escaped)
+    is_hash: bool = True  # its key holds a hash (else another type, left as it is)
 
 
 # KEYS: a queue, its intermediate list; ARGV: how many at most, the job hashes' key prefix. RQ's dequeue move,
 # repeated until the queue is empty (a pipeline of that many LMOVEs cost a command each whatever the queue held:
 # hundreds a pull, for nothing), and each moved job's hash read in the same call (a pipeline of HGETALLs cost ~15 us
-# of the worker's Python a job). Returns the ids and, in the same order, the hashes as flat field-value lists.
+# of the worker's Python a job). Returns the ids and, in the same order, the hashes as flat field-value lists (a key
+# of another type: ``KEY_TYPE`` and its type; its error aborted the script, and left the jobs moved before it in the
+# intermediate list, with it, until RQ's clean-up queued them all again, and again).
 MOVE_SCRIPT = """
 local ids, hashes = {}, {}
 for _ = 1, tonumber(ARGV[1]) do
   local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not id then break end
   ids[#ids + 1] = id
-  hashes[#hashes + 1] = redis.call('HGETALL', ARGV[2] .. id)
+  local hash = redis.pcall('HGETALL', ARGV[2] .. id)
+  if hash.err then hash = {ARGV[3], redis.call('TYPE', ARGV[2] .. id)['ok']} end
+  hashes[#hashes + 1] = hash
 end
 return {ids, hashes}
 """
@@ -178,7 +185,7 @@ def pull(
         raw_id = _wait_for_one(queue, block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S), connection)
         if raw_id is None:
             return pulled, unreadable
-        raw = connection.hgetall(_hash_key(job_class, raw_id))
+        raw = _hash_at(connection, _hash_key(job_class, raw_id))
         pulled, unreadable = _restore(queue, [raw_id], [raw], connection, job_class, serializer, max_data_bytes)
         limit -= len(pulled) + len(unreadable)
     got, bad = _pull_lanes(queues, limit, connection, job_class, serializer, move_script, max_data_bytes)
@@ -230,7 +237,7 @@ def _pull_batch(
     script call (without Lua: two round trips) instead of two round trips per job."""
     if move_script is not None:
         prefix = job_class.redis_job_namespace_prefix
-        moved, flat = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit, prefix])
+        moved, flat = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit, prefix, KEY_TYPE])
         raws = [dict(zip(fields[::2], fields[1::2])) for fields in flat]
     else:
         # One transaction, as the script is one command: a burst landing midway was taken in part (its first jobs
@@ -242,13 +249,27 @@ def _pull_batch(
         with connection.pipeline(transaction=False) as pipe:
             for raw_id in moved:
                 pipe.hgetall(_hash_key(job_class, raw_id))
-            raws = pipe.execute() if moved else []
+            replies = pipe.execute(raise_on_error=False) if moved else []
+        raws = [
+            _hash_at(connection, _hash_key(job_class, raw_id)) if isinstance(reply, Exception) else reply
+            for raw_id, reply in zip(moved, replies)
+        ]
     return _restore(queue, moved, raws, connection, job_class, serializer, max_data_bytes)
 
 
 def _hash_key(job_class: type[Job], raw_id: bytes) -> bytes:
     """``Job.key_for`` of an id still in bytes (it may not be text)."""
     return job_class.redis_job_namespace_prefix.encode() + raw_id
+
+
+def _hash_at(connection: redis.Redis, key: bytes) -> dict:
+    """The job hash at ``key``; a key of another type as ``{KEY_TYPE: its type}`` (as the move script reads it)."""
+    try:
+        return connection.hgetall(key)
+    except redis.ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise
+        return {KEY_TYPE: connection.type(key)}
 
 
 def _restore(
@@ -272,6 +293,11 @@ def _restore(
             continue
         if not raw:  # deleted meanwhile: RQ skips it too
             connection.lrem(queue.intermediate_queue_key, 1, raw_id)
+            continue
+        if KEY_TYPE in raw:
+            kind = raw[KEY_TYPE].decode() if isinstance(raw[KEY_TYPE], bytes) else str(raw[KEY_TYPE])
+            reason = f"the job's key rq:job:<id> holds a {kind}, not a hash: write a job with HSET (docs/protocol.md)"
+            unreadable.append(Unreadable(job_id, queue, reason, is_hash=False))
             continue
         if not JOB_ID.match(job_id):
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
@@ -361,7 +387,7 @@ def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
     queue, job_id = item.queue, item.raw_id or item.job_id
     pipe.lrem(queue.intermediate_queue_key, 0, job_id)
     pipe.lrem(queue.key, 0, job_id)
-    if item.raw_id is None:  # the hash exists: RQ found it and could not read it (an id not text: maybe not)
+    if item.raw_id is None and item.is_hash:  # RQ found it and could not read it (an id not text: maybe not)
         pipe.hset(Job.key_for(job_id), "status", "failed")
         pipe.expire(Job.key_for(job_id), ttl)  # with its result (it was kept for good)
     rejected = rejected_key(queue.name)
