@@ -821,6 +821,35 @@ def test_a_send_tried_again_after_its_reply_was_lost_writes_no_event_twice(redis
         conn.delete(stream_key(job_id), sender.sent_key)
 
 
+@pytest.mark.redis
+def test_a_stream_key_overwritten_while_its_job_runs_costs_no_other_job_an_event(redis_url):
+    """One job's stream key set to a string by hand while it runs: its XADD failed inside the events script, which
+    stopped there, and every later event of the round trip (other jobs', their final ones too) was lost. The key is
+    replaced by the job's stream now."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import make_event, stream_key
+    from worker.sender import Sender
+
+    conn = Redis.from_url(redis_url)
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"{tag}-before", f"{tag}-overwritten", f"{tag}-after"]
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None)
+    sender.start()
+    try:
+        sender._send([(j, make_event(0, "a", [1]), 0, "") for j in ids], False, sender._next_send())
+        conn.set(stream_key(ids[1]), "not a stream")
+        sender._send([(j, make_event(1, "b", [2], "stop"), 0, "") for j in ids], False, sender._next_send())
+        for job_id in ids[::2]:
+            assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1]
+        assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(ids[1]))] == [1]
+    finally:
+        sender.stop()
+        conn.delete(*[stream_key(j) for j in ids], sender.sent_key)
+
+
 def test_a_stream_holding_an_event_twice_is_not_resumed_from():
     """An event written twice (by a worker before sends were numbered) would double the resumed output's tokens:
     the next attempt starts over, with a reset, instead."""

@@ -752,3 +752,37 @@ def test_a_hand_written_job_naming_another_origin_is_kept_in_its_own_queues_regi
     assert client.job(job_id).result(timeout=30)["usage"]["completion_tokens"] == 3
     assert conn.hget(f"rq:job:{job_id}", "origin") == queue.encode()
     assert job_id in FinishedJobRegistry(queue, connection=conn).get_job_ids()
+
+
+def test_a_bad_job_key_or_stream_fails_its_own_job_not_those_pulled_with_it(served, caplog):
+    """Each of these failed a whole pull, its good jobs left started by nobody (failed as abandoned later), or came
+    back with the jobs beside it at every clean-up: a job key that is not a hash (SET by hand), a canceled job's
+    stream key of another type (its stream is read, not repaired, at the start), a stream entry nested past the JSON
+    parser's depth."""
+    w, client, conn = served
+    tag = uuid.uuid4().hex[:6]
+    not_hash, canceled, nested = f"nothash-{tag}", f"canceled-{tag}", f"nested-{tag}"
+    good = [f"good{i}-{tag}" for i in range(3)]
+    payload = {"prompt": "fine", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    conn.set(f"rq:job:{not_hash}", json.dumps(payload))
+    _raw_job(conn, w.queue, canceled, payload, push=False, status="canceled")
+    conn.set(f"roseinfer:stream:{canceled}", "not a stream")
+    for job_id in [nested, *good]:
+        _raw_job(conn, w.queue, job_id, payload, push=False)
+    conn.xadd(f"roseinfer:stream:{nested}", {"event": "[" * 100_000 + "]" * 100_000})
+    conn.rpush(f"rq:queue:{w.queue}", good[0], not_hash, canceled, nested, good[1], good[2])  # one pull
+    for job_id in [*good, nested]:
+        assert client.job(job_id).result(timeout=20)["usage"]["completion_tokens"] == 3, job_id
+    with pytest.raises(JobCanceled):
+        client.job(canceled).result(timeout=10)
+    assert json.loads(conn.xrevrange(f"roseinfer:stream:{canceled}", count=1)[0][1][b"event"])["finish_reason"] == (
+        "abort"
+    )
+    deadline = time.time() + 10
+    while conn.zscore(rejected_key(w.queue), not_hash) is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert conn.zscore(rejected_key(w.queue), not_hash) is not None
+    assert "holds a string, not a hash" in result_from_entries(read_result(conn, not_hash))["error"]
+    assert conn.get(f"rq:job:{not_hash}") == json.dumps(payload).encode()  # another type is left as it was
+    assert not conn.lrange(f"rq:queue:{w.queue}:intermediate", 0, -1)
+    assert w.thread.is_alive()

@@ -694,7 +694,7 @@ class BatchWorker(BaseWorker):
             pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))  # (as the start script: why there)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
         self.publisher.queue_stream_reads(pipe, stream_ids)
-        return executions, pipe.execute()
+        return executions, _checked(pipe.execute(raise_on_error=False), len(stream_ids))
 
     def _start_by_script(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
@@ -708,7 +708,7 @@ class BatchWorker(BaseWorker):
                     queue_start(self.sender.start_script, pipe, args)
                     self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
                     self.publisher.queue_stream_reads(pipe, stream_ids)
-                    replies = pipe.execute()
+                    replies = _checked(pipe.execute(raise_on_error=False), len(stream_ids))
                 break
             except REDIS_UNAVAILABLE as exc:
                 # The writes may have landed and only the reply been lost: the jobs are then started by nobody who
@@ -1424,3 +1424,12 @@ def _jobs_named(ids: list[str]) -> str:
     """A log line's subject for a batch of jobs (``job <id>``, or ``<n> jobs: <id>, <id>, ...``): one line per batch,
     still found by any job's id."""
     return f"job {ids[0]}" if len(ids) == 1 else f"{len(ids)} jobs: {', '.join(ids)}"
+
+
+def _checked(replies: list, num_streams: int) -> list:
+    """A start's replies, read with ``raise_on_error=False``: an error of the start itself is raised; those of the
+    last ``num_streams`` (the stream reads) are each left to its job (``Publisher.streams_from``)."""
+    for reply in replies[: len(replies) - num_streams]:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies

@@ -125,7 +125,7 @@ class Publisher:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""
         with conn.pipeline(transaction=False) as pipe:
             self.queue_stream_reads(pipe, job_ids)
-            entries = pipe.execute()
+            entries = pipe.execute(raise_on_error=False)  # (a key of another type fails its own job's read alone)
         return self.streams_from(job_ids, entries)
 
     @staticmethod
@@ -135,16 +135,24 @@ class Publisher:
             pipe.xrange(stream_key(job_id))
 
     def streams_from(self, job_ids: Sequence[str], entries: list[Any]) -> dict[str, JobStream]:
-        """``resume``'s streams, from the replies of ``queue_stream_reads``."""
+        """``resume``'s streams, from the replies of ``queue_stream_reads`` (read with ``raise_on_error=False``: a
+        stream key of another type, written by hand, is its own job's fault; any other error is raised)."""
         streams = {}
         for job_id, found in zip(job_ids, entries):
             streams[job_id] = s = JobStream(job_id)
+            if isinstance(found, Exception):
+                if not str(found).startswith("WRONGTYPE"):
+                    raise found
+                log.warning("job %s: its stream key holds another type (written by hand?): not read", job_id)
+                s.whole = False  # (the first event written replaces it)
+                continue
             try:
                 events = [event_from_stream(fields) for _id, fields in found]
                 for event in events:
                     read_check(StreamEvent, event)
                 s.read(events)  # (a logprob step of three numbers passes the schema and fails here)
-            except (ValueError, KeyError, TypeError) as exc:  # written by hand, say: it can't be the output's start
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:  # written by hand, say (JSON nested
+                # past the parser's depth, too): it can't be the output's start
                 log.warning("job %s: its stream holds an entry off the protocol (%s): the job starts over", job_id, exc)
                 streams[job_id] = s = JobStream(job_id)
                 s.next_n, s.whole = len(found), False

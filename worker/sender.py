@@ -42,7 +42,9 @@ log = logging.getLogger("roseinfer.worker")
 # deleted job is a cancel. A channel nobody listens to gets no PUBLISH (most jobs have no live follower): one
 # PUBSUB NUMSUB for all channels instead, and everything is published while any pattern subscriber exists. The
 # script runs at once, so a follower that subscribed before it gets the message, and one that subscribes after
-# reads the entry from the stream (the protocol: subscribe first, then replay the stream).
+# reads the entry from the stream (the protocol: subscribe first, then replay the stream). A stream key overwritten
+# with another type while its job runs (by hand) is replaced: its error aborted the script, and every later event of
+# the round trip, other jobs' too, was lost.
 _EMIT = """
 local maxlen, a, lost = ARGV[1], 5, {}
 if redis.call('GET', ARGV[3]) == ARGV[4] then return lost end
@@ -61,7 +63,12 @@ for i = 1, #KEYS, 2 do
   local owner = ARGV[a + 3]
   local job = (owner ~= '' and not leased) and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
   if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
-    redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
+    local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
+    if type(added) == 'table' and added.err then
+      if not string.find(added.err, 'WRONGTYPE', 1, true) then return redis.error_reply(added.err) end
+      redis.call('DEL', KEYS[i])
+      redis.call('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
+    end
     if everyone or heard[ARGV[a + 1]] then redis.call('PUBLISH', ARGV[a + 1], ARGV[a + 2]) end
     if ARGV[a] ~= '0' then redis.call('EXPIRE', KEYS[i], ARGV[a]) end
   else
