@@ -474,3 +474,36 @@ def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_
     finally:
         conn.execute_command("ACL", "DELUSER", user)
     assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: cannot reach Redis (invalid")
+
+
+def test_a_simple_worker_tries_a_failed_attempt_again_in_the_engine_it_keeps(
+    redis_url, tiny_chat_model, queue_name, monkeypatch
+):
+    """RQ's SimpleWorker runs jobs in its own process, where ``generate`` keeps its engine from job to job: an
+    attempt that failed midway (a Redis error, RQ's timeout) left its request there, and the retry was refused,
+    for good, as "request id already in use"."""
+    import redis
+    from rq import Queue, Retry, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from worker import jobs
+    from worker.publisher import Publisher
+
+    monkeypatch.setenv("ROSEINFER_MODEL", tiny_chat_model)
+    monkeypatch.setattr(jobs, "_ENGINE", None)
+    conn = Redis.from_url(redis_url)
+    queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=4, ignore_eos=True, retry=Retry(max=1))
+    flush, blips = Publisher.flush, []
+
+    def a_blip_once(self, pipe):
+        if not blips:
+            blips.append(True)
+            raise redis.ConnectionError("a blip")
+        return flush(self, pipe)
+
+    monkeypatch.setattr(Publisher, "flush", a_blip_once)
+    SimpleWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+    assert blips and job.get_status(refresh=True) == "finished"
+    assert job.return_value()["usage"]["completion_tokens"] == 4
+    assert not jobs._ENGINE.has_unfinished_requests()

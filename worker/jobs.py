@@ -281,22 +281,25 @@ def generate(**payload: Any) -> dict[str, Any]:
     pump = Pump(engine, tokenize_in_thread=False)
     pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final = time.time(), None, None
-    while final is None:
-        for event in pump.step():
-            first_token_at = first_token_at or (time.time() if event.token_ids else None)
-            if event.restarted:
-                stream.restart()
-            if event.finished:
-                final = event
-            else:
-                publisher.add(
-                    stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs,
-                    sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
-                )  # fmt: skip
-        if final is None:
-            with job.connection.pipeline(transaction=False) as pipe:
-                publisher.flush(pipe)
-                pipe.execute()
+    try:
+        while final is None:
+            for event in pump.step():
+                first_token_at = first_token_at or (time.time() if event.token_ids else None)
+                if event.restarted:
+                    stream.restart()
+                if event.finished:
+                    final = event
+                else:
+                    publisher.add(
+                        stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs,
+                        sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
+                    )  # fmt: skip
+            if final is None:
+                with job.connection.pipeline(transaction=False) as pipe:
+                    publisher.flush(pipe)
+                    pipe.execute()
+    finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
+        pump.cancel(job.id)
     if final.finish_reason == "error":
         result = None  # RQ records the failure it raises
         publisher.add(
