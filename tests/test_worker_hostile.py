@@ -786,3 +786,24 @@ def test_a_bad_job_key_or_stream_fails_its_own_job_not_those_pulled_with_it(serv
     assert conn.get(f"rq:job:{not_hash}") == json.dumps(payload).encode()  # another type is left as it was
     assert not conn.lrange(f"rq:queue:{w.queue}:intermediate", 0, -1)
     assert w.thread.is_alive()
+
+
+def test_an_allowed_callbacks_time_limit_past_its_bounds_fails_its_job_before_anything_runs(served):
+    """The job sets its allowed callback's time limit: 0 or -1 set none (RQ's timer sets no timer then), and a
+    callback that hung held up every job's events on the thread it runs on."""
+    w, client, conn = served
+    tag = uuid.uuid4().hex[:6]
+    cases = {f"cbt-{v}-{tag}": v for v in ("0", "-1", "1000000000")}
+    for job_id, value in cases.items():
+        _raw_job(conn, w.queue, job_id, success_callback_name="hook_probe.record", success_callback_timeout=value)
+    within = f"cbt-within-{tag}"
+    _raw_job(conn, w.queue, within, success_callback_name="hook_probe.record", success_callback_timeout="30")
+    for job_id in cases:
+        with pytest.raises(JobFailed, match=r"'success_callback_timeout'.*1 to 600"):
+            client.job(job_id).result(timeout=30)
+        assert not conn.exists(f"hook-probe:{job_id}")
+    assert client.job(within).result(timeout=30)["status"] == "finished"
+    deadline = time.time() + 5
+    while not conn.exists(f"hook-probe:{within}") and time.time() < deadline:
+        time.sleep(0.05)
+    assert conn.get(f"hook-probe:{within}") == b"ran"

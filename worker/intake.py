@@ -43,6 +43,7 @@ _JSON = ("retry_intervals", "dependency_ids")
 # Times a job gives in seconds: past ~31 years Redis's EXPIRE or Python's dates overflow (10**17 s made the finish
 # script fail midway, for every job ending in the same step).
 MAX_SECONDS = 10**9
+MAX_CALLBACK_S = 600  # an allowed callback's longest time limit (RQ's default is 60)
 _SECONDS = ("result_ttl", "failure_ttl", "ttl", "timeout")
 _INTERVALS = ("retry_intervals", "repeat_intervals")
 # Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
@@ -327,7 +328,14 @@ def _restore(
 def out_of_bounds(job: Job) -> str | None:
     """Why RQ's own handling of this job would fail (a time past what Redis or a date can hold, retry intervals that
     are not a list of seconds), or None. RQ's enqueue takes ``result_ttl=10**17``; its retry of a job whose
-    interval overflows raised and left the job started for good, and every clean-up of its registry raised too."""
+    interval overflows raised and left the job started for good, and every clean-up of its registry raised too.
+    An allowed callback's time limit is the job's to set, within ``MAX_CALLBACK_S``: 0 or -1 set none (RQ's timer
+    then sets no timer), and a callback that hung held up every job's events on the thread it runs on."""
+    for kind in ("success", "failure", "stopped"):
+        value = getattr(job, f"_{kind}_callback_timeout", None)
+        if getattr(job, f"_{kind}_callback_name", None) and value is not None and not 1 <= value <= MAX_CALLBACK_S:
+            name = f"{kind}_callback_timeout"
+            return f"this job's field {name!r} holds {value!r}; a callback's time limit is 1 to {MAX_CALLBACK_S} s"
     for name in _SECONDS:
         value = getattr(job, name, None)
         if value is not None and not (isinstance(value, int) and -1 <= value <= MAX_SECONDS):
