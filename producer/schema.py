@@ -390,6 +390,8 @@ class JobRequest(BaseModel):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: those are the job's to say")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.top_logprobs is not None and self.logprobs is not True:  # OpenAI's rule: none would come back
+            raise ValueError("top_logprobs goes with logprobs: true (or give logprobs the number alone)")
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("give structured_outputs or response_format, not both")
         if self.thinking is not None and not {"json", "json_object", "choice"} & set(self.structured_form() or ()):
@@ -402,6 +404,10 @@ class JobRequest(BaseModel):
         for name, value in checked:
             if json_depth(value) > MAX_JSON_DEPTH:
                 raise ValueError(f"the {name} nests objects and lists deeper than {MAX_JSON_DEPTH} levels")
+            try:  # Python reads 1e400 as infinity, and wrote it back as Infinity: JSON no other language parses
+                json.dumps(value, allow_nan=False)
+            except ValueError:
+                raise ValueError(f"the {name} holds NaN or an infinite number (1e400, say): JSON has none") from None
         return self
 
     def structured_form(self) -> dict[str, Any] | None:

@@ -50,6 +50,11 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
         ({"messages": []}, "messages must not be empty"),
         ({"prompt": "hi", "structured_outputs": {"json": _nested(101)}}, "schema nests .* deeper than 100"),
         ({"prompt": "hi", "metadata": _nested(101)}, "metadata nests .* deeper than 100"),
+        # Read as infinity, written back as Infinity into the result: JSON no other language parses.
+        ({"prompt": "hi", "metadata": {"x": json.loads("1e400")}}, "metadata holds NaN or an infinite number"),
+        ({"prompt": "hi", "structured_outputs": {"json": {"maximum": float("nan")}}}, "schema holds NaN"),
+        ({"prompt": "hi", "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),  # none came back
+        ({"prompt": "hi", "logprobs": 2, "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),
     ],
 )
 def test_bad_payloads_are_refused(fields, phrase):
