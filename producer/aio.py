@@ -31,6 +31,7 @@ from producer.client import (
     StreamExpired,
     check_job_id,
     checked,
+    deadline_after,
     ends_sample,
     piece_of,
     raise_at_a_bad_end,
@@ -255,7 +256,7 @@ class AsyncGenerationJob:
         follower = self.client.hub.follow(key)
         if cursor.last_id not in ("0-0", b"0-0"):
             follower.last = _entry_id(cursor.last_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         expired_at: float | None = None
         try:
             for event in held:
@@ -329,7 +330,7 @@ class AsyncGenerationJob:
         for the job's final event in its stream (read by the client's one ``StreamHub``, not a pub/sub connection
         a waiting job: a server with 1,000 requests waiting held 1,000), looking again at least once a second."""
         conn = self.client.connection
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         follower = None
         try:
             while True:
@@ -341,7 +342,7 @@ class AsyncGenerationJob:
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
-                if status in _ENDED or status == "finished" or (status == "missing" and result is None):
+                if status in _ENDED or status in ("finished", "missing"):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
                     return await asyncio.to_thread(self._sync.result, left)

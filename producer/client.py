@@ -111,6 +111,12 @@ class ProtocolError(JobError):
 MAX_JOB_ID = 256  # the protocol's (the worker refuses a longer one)
 
 
+def deadline_after(timeout: float | None) -> float | None:
+    """The monotonic time a wait of ``timeout`` seconds ends; None for no end (None, or infinity: a wait in
+    milliseconds of it was an OverflowError)."""
+    return None if timeout is None or timeout == math.inf else time.monotonic() + timeout
+
+
 def check_job_id(job_id: Any) -> None:
     """RQ's rule for a job id (text of letters, digits, ``-`` and ``_``) and the protocol's length, as an
     ``InvalidRequest``."""
@@ -584,7 +590,7 @@ class GenerationJob:
         marked as a reset too."""
         conn, key = self.client.connection, stream_key(self.id)
         cursor = EventCursor(self.id, skip_void)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         expired_at: float | None = None
         # What is there already, read to its end before any goes out: a reset anywhere in it voids all before it
         # (handed out as read, text a later read voided had gone out, and every call again raised StreamRestarted).
@@ -666,7 +672,7 @@ class GenerationJob:
         Waits on the job's channel (its final event goes out once the result is written), not by polling; it looks
         again at least once a second, since a job can end without a final event (RQ failed it, it was deleted)."""
         conn = self.client.connection
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         outage = Outage(deadline, self.client)
         grace: float | None = None
         pubsub = None
@@ -690,7 +696,7 @@ class GenerationJob:
                 status = status.decode() if status else "missing"
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
                     raise JobFailed(self.id, _NOT_KEPT)
-                if status in _ENDED or (status == "missing" and result is None):
+                if status in _ENDED or status == "missing":
                     if result is None and (grace or _failed_just_now(status, entries) or self._ran(status)):
                         # the worker writes the result (a canceled job's partial one, a failed job's error) a step
                         # or a round trip after the status: waited for, within the caller's timeout
@@ -725,18 +731,21 @@ class GenerationJob:
         return status in ("canceled", "stopped") and self._was_running()
 
     def _raise_ended(self, status: str, result: dict[str, Any] | None = None) -> None:
-        if status == "missing":
+        if result is None:
+            result = result_from_entries(read_result(self.client.connection, self.id))
+        gone = status == "missing"
+        if gone and result is not None and result.get("status") in ("canceled", "stopped", "failed"):
+            status = result["status"]  # the hash went (evicted, deleted by hand): its result says how the job ended
+        elif gone:
             last = self.client.connection.xrevrange(stream_key(self.id), count=1)
             if last and event_from_stream(last[0][1]).get("finish_reason") in ("stop", "length"):
                 raise JobFailed(self.id, _NOT_KEPT)  # RQ deletes a job with result_ttl 0 once it finishes
             raise JobFailed(self.id, "no such job (never submitted, or expired)")
-        if result is None:
-            result = result_from_entries(read_result(self.client.connection, self.id))
         if status in ("canceled", "stopped"):
             raise JobCanceled(self.id, f"job {status}", result)
         reason = result.get("error") if result else None
-        if not reason:
+        if not reason and not gone:  # (RQ's failure record: read through the job's hash)
             latest = self.rq_job.latest_result()
             lines = [ln for ln in (latest.exc_string or "").splitlines() if ln.strip()] if latest else []
-            reason = lines[-1] if lines else "failed"
-        raise JobFailed(self.id, reason, result)
+            reason = lines[-1] if lines else None
+        raise JobFailed(self.id, reason or "failed", result)

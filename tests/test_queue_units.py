@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import time
 import uuid
 
@@ -425,6 +426,61 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     with pytest.raises(JobCanceled):
         Client(connection=conn).job("j").result(timeout=0.1)
     assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("ended", "raised"), [("canceled", "JobCanceled"), ("failed", "JobFailed")])
+def test_a_job_whose_hash_is_gone_ends_as_its_result_says(redis_url, ended, raised):
+    """The hash evicted (or deleted by hand) while the result of a canceled or failed job stays: ``result`` waited
+    for good (a status "missing" with a result matched no ending), sync and async, and ``stream`` said "no such
+    job"."""
+    import asyncio
+    import uuid
+
+    from redis import Redis
+
+    import producer
+    from producer import AsyncClient, Client
+    from producer.protocol import encode_result, result_key
+
+    conn, job_id = Redis.from_url(redis_url), f"gone-{uuid.uuid4().hex[:8]}"
+    result = {"v": 3, "id": job_id, "status": ended, "error": "it ended so", "finish_reason": "abort"}
+    conn.xadd(result_key(job_id), {"type": "3", "return_value": encode_result(result)})
+    conn.expire(result_key(job_id), 60)
+    job = Client(redis_url).job(job_id)
+    for wait in (lambda: job.result(timeout=3), lambda: "".join(job.stream(timeout=3))):
+        started = time.monotonic()
+        with pytest.raises(getattr(producer, raised)) as err:
+            wait()
+        assert time.monotonic() - started < 2 and err.value.result["error"] == "it ended so"
+
+    async def async_result() -> None:
+        client = AsyncClient(redis_url)
+        try:
+            await client.job(job_id).result(timeout=3)
+        finally:
+            await client.close()
+
+    with pytest.raises(getattr(producer, raised)):
+        asyncio.run(async_result())
+
+
+def test_an_infinite_timeout_waits_without_end():
+    """``timeout=inf`` (``roseinfer submit --stream --timeout inf`` takes it): the stream's wait in milliseconds of
+    it was an OverflowError."""
+    import threading
+
+    from producer import Client
+
+    conn = fakeredis.FakeRedis()
+    job = Client(connection=conn).submit("hi", max_tokens=2)
+    event = {"v": 3, "n": 0, "text": "hi", "token_ids": [1], "finish_reason": "stop", "usage": {}}
+    later = threading.Timer(0.3, lambda: conn.xadd(f"roseinfer:stream:{job.id}", {"event": json.dumps(event)}))
+    later.start()  # the wait is on when it comes
+    try:
+        assert "".join(job.stream(timeout=math.inf)) == "hi"
+    finally:
+        later.cancel()
 
 
 def test_a_cancel_that_meets_the_job_finishing_leaves_it_finished_and_says_so(monkeypatch):
