@@ -105,11 +105,19 @@ def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:
 SYNC_MAX_CONNECTIONS = 2**31
 
 
+# A reply, or a connection, that takes longer is an outage (waited out, or an error), not a wait without end: redis-py
+# 8's default; before it (redis>=6 is allowed) none, and a Redis that accepted and answered nothing (SIGSTOPped, a
+# failover's old primary gone without a reset) held result(timeout=...) and every read for good. The clients' own
+# blocking reads stop within a second.
+SOCKET_TIMEOUT_S = 5.0
+_TIMEOUTS = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": SOCKET_TIMEOUT_S}
+
+
 def connect(url: str, **kwargs: Any) -> Redis:
     """A Redis client for ``url`` (any of the forms above)."""
     from redis.sentinel import Sentinel
 
-    return _connect(url, Redis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **kwargs})
+    return _connect(url, Redis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **_TIMEOUTS, **kwargs})
 
 
 # An asyncio client's connections: each command in flight holds one, so a server's burst of requests needs as many
@@ -126,8 +134,8 @@ def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
     from redis.asyncio.sentinel import Sentinel
 
     if parse_sentinel_url(url) is not None:  # redis-py has no waiting pool for a Sentinel primary: redis-py 7's bound
-        return _connect(url, AsyncRedis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **kwargs})
-    pool = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S, **kwargs}
+        return _connect(url, AsyncRedis, Sentinel, {"max_connections": SYNC_MAX_CONNECTIONS, **_TIMEOUTS, **kwargs})
+    pool = {"max_connections": ASYNC_MAX_CONNECTIONS, "timeout": ASYNC_POOL_WAIT_S, **_TIMEOUTS, **kwargs}
     return _connect(url, AsyncRedis, Sentinel, pool, BlockingConnectionPool)
 
 
@@ -148,5 +156,5 @@ def _connect(
             raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
         client.auto_close_connection_pool = True  # closed with the client, as the pool from_url makes is
         return client
-    sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password}, socket_timeout=5)
+    sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password, **_TIMEOUTS}, socket_timeout=5)
     return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import time
@@ -2370,3 +2371,48 @@ def test_events_and_results_with_fields_a_newer_worker_adds_are_read_and_resumed
     conn.hset(f"rq:job:{other.id}", "status", "finished")
     with pytest.raises(ProtocolError, match="text"):
         other.result(timeout=5)
+
+
+def test_a_client_of_a_redis_that_answers_nothing_gives_up_instead_of_waiting_for_good(monkeypatch):
+    """A Redis that accepts and answers nothing (SIGSTOPped, a failover's old primary gone without a reset): with
+    redis-py before 8 (``redis>=6`` is allowed) a client's reads had no socket timeout, and ``result(timeout=1)``,
+    sync or async, waited for good. They time out as redis-py 8's do now (here after 0.5 s, not 5)."""
+    import asyncio
+    import socket
+    import threading
+
+    import redis
+
+    from producer import AsyncClient, Client, connection
+
+    monkeypatch.setitem(connection._TIMEOUTS, "socket_timeout", 0.5)
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"redis://127.0.0.1:{silent.getsockname()[1]}"
+
+    async def async_result() -> None:
+        client = AsyncClient(url)
+        try:
+            await client.job("x").result(timeout=1)
+        finally:
+            await client.close()
+
+    try:
+        for wait in (lambda: Client(url).job("x").result(timeout=1), lambda: asyncio.run(async_result())):
+            started = time.monotonic()
+            with pytest.raises(redis.TimeoutError):
+                wait()
+            assert time.monotonic() - started < 3
+    finally:
+        for sock in [silent, *held]:
+            sock.close()
