@@ -21,9 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from base64 import b64decode, b64encode
+from datetime import datetime
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rq.executions import Execution
+    from rq.results import Result
+
+    from producer.schema import JobRequest
 
 # Carried by every event and result as "v". 2: stream entries hold the event's JSON in one field; results and job
 # status are written before a job's final event. 3: the result is stored once, in RQ's result stream (no
@@ -127,6 +135,58 @@ def result_from_entries(entries: list[Any]) -> dict[str, Any] | None:
     _, fields = entries[0]
     raw = fields.get(RESULT_FIELD.encode(), fields.get(RESULT_FIELD))
     return None if raw is None else json.loads(b64decode(raw))
+
+
+def failure_result(
+    job_id: str,
+    req: JobRequest | None,
+    error: str,
+    status: str = "failed",
+    error_type: str | None = None,
+    error_code: str | None = None,
+) -> dict[str, Any]:
+    result = {
+        "v": PROTOCOL_VERSION,
+        "id": job_id,
+        "custom_id": req.custom_id if req else None,
+        "status": status,
+        "error": error,
+        "finish_reason": "error",
+    }
+    if error_type is not None:
+        result["error_type"] = error_type
+    if error_code is not None:
+        result["error_code"] = error_code
+    return result
+
+
+def canceled_result(job_id: str, req: JobRequest | None, reason: str) -> dict[str, Any]:
+    """The result of a job canceled before it made anything (finish ``abort``, as the engine's own aborts)."""
+    return {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
+
+
+def result_entry(
+    result: dict[str, Any],
+    kind: Result.Type,
+    worker_name: str,
+    *,
+    error: str | None = None,
+    execution: Execution | None = None,
+    ended: datetime | None = None,
+) -> dict[str, Any]:
+    """An entry of RQ's result stream, field for field as RQ's ``Result.serialize`` writes it, whose return value is
+    the roseinfer result: the one place a result is stored.
+    RQ's ``job.return_value()`` reads it for a finished job; ``latest_result().return_value`` for any ending."""
+    entry: dict[str, Any] = {"type": kind.value, "worker_name": worker_name}
+    if error is not None:
+        entry["exc_string"] = b64encode(zlib.compress(error.encode())).decode()
+    entry["return_value"] = encode_result(result)
+    if execution is not None:
+        entry["execution_id"] = execution.id
+        entry["execution_started_at"] = execution.created_at.timestamp()
+    if ended is not None:
+        entry["execution_ended_at"] = ended.timestamp()
+    return entry
 
 
 def done_key(name: str) -> str:

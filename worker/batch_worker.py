@@ -60,9 +60,12 @@ from producer.protocol import (
     STATS_KEY,
     TEMPLATE_KEY,
     TOKENIZER_KEY,
+    canceled_result,
     encode_result,
+    failure_result,
     lane_name,
     lanes,
+    result_entry,
     tokenizer_digest,
     usage_of,
 )
@@ -88,14 +91,12 @@ from worker.jobs import (
     JobTimedOut,
     StepFailed,
     build_result,
-    canceled_result,
-    failure_result,
     run_limit,
     system_fingerprint,
     usage,
 )
 from worker.metrics import WorkerMetrics
-from worker.publisher import JobStream, Publisher, result_entry
+from worker.publisher import JobStream, Publisher
 from worker.puller import NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender

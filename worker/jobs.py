@@ -203,34 +203,6 @@ def build_result(
     return result
 
 
-def failure_result(
-    job_id: str,
-    req: JobRequest | None,
-    error: str,
-    status: str = "failed",
-    error_type: str | None = None,
-    error_code: str | None = None,
-) -> dict[str, Any]:
-    result = {
-        "v": PROTOCOL_VERSION,
-        "id": job_id,
-        "custom_id": req.custom_id if req else None,
-        "status": status,
-        "error": error,
-        "finish_reason": "error",
-    }
-    if error_type is not None:
-        result["error_type"] = error_type
-    if error_code is not None:
-        result["error_code"] = error_code
-    return result
-
-
-def canceled_result(job_id: str, req: JobRequest | None, reason: str) -> dict[str, Any]:
-    """The result of a job canceled before it made anything (finish ``abort``, as the engine's own aborts)."""
-    return {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
-
-
 _ENGINE: LLMEngine | None = None
 
 

@@ -5,24 +5,18 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import zlib
-from base64 import b64encode
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from rq.executions import Execution
 from rq.job import Job
-from rq.results import Result
 
 from producer.protocol import (
     STREAM_FIELD,
     channel_key,
     done_key,
-    encode_result,
     event_from_stream,
     make_event,
     result_key,
@@ -290,27 +284,3 @@ class Publisher:
         if notify:
             pipe.rpush(done_key(notify), job_id)
             pipe.expire(done_key(notify), self.result_ttl)
-
-
-def result_entry(
-    result: dict[str, Any],
-    kind: Result.Type,
-    worker_name: str,
-    *,
-    error: str | None = None,
-    execution: Execution | None = None,
-    ended: datetime | None = None,
-) -> dict[str, Any]:
-    """An entry of RQ's result stream, field for field as RQ's ``Result.serialize`` writes it, whose return value is
-    the roseinfer result: the one place a result is stored.
-    RQ's ``job.return_value()`` reads it for a finished job; ``latest_result().return_value`` for any ending."""
-    entry: dict[str, Any] = {"type": kind.value, "worker_name": worker_name}
-    if error is not None:
-        entry["exc_string"] = b64encode(zlib.compress(error.encode())).decode()
-    entry["return_value"] = encode_result(result)
-    if execution is not None:
-        entry["execution_id"] = execution.id
-        entry["execution_started_at"] = execution.created_at.timestamp()
-    if ended is not None:
-        entry["execution_ended_at"] = ended.timestamp()
-    return entry
