@@ -18,6 +18,8 @@ from redis.exceptions import WatchError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, validate_job_id
+from rq.registry import CanceledJobRegistry
+from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import Worker
@@ -27,14 +29,21 @@ from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
     STATS_KEY,
+    STREAM_FIELD,
+    STREAM_TTL_AFTER_END_S,
+    canceled_result,
     channel_key,
+    done_key,
     event_from_stream,
     lane_name,
     lanes,
+    make_event,
     read_result,
+    result_entry,
     result_from_entries,
     result_key,
     stream_key,
+    usage_of,
 )
 from producer.schema import JobRequest, describe_validation_error
 from producer.wire import JobResult, StreamEvent, read_check
@@ -46,6 +55,7 @@ _OVER = tuple(status.encode() for status in ("finished", *_ENDED))  # a job's st
 # finished and its stream short of that event waits this long for it before calling the stream expired.
 FINAL_EVENT_GRACE_S = 2.0
 _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
+CANCELER = "roseinfer-client"  # the worker name on the result of a job a client ended (canceled in its queue)
 
 
 class JobError(Exception):
@@ -564,7 +574,8 @@ class GenerationJob:
 
     def _cancel_unless_ended(self, job: Job) -> bool:
         """RQ's cancel, in one transaction with the look at the status: a job that finished between the two was
-        made canceled (its result there, ``cancel`` saying True)."""
+        made canceled (its result there, ``cancel`` saying True). A job taken out of its queue by it is ended here
+        (``_end_unrun``): no worker will reach it."""
         with self.client.connection.pipeline() as pipe:
             while True:
                 try:
@@ -577,11 +588,47 @@ class GenerationJob:
                         job.cancel()
                         return True
                     pipe.multi()
+                    pipe.lrem(Queue(job.origin, connection=pipe).key, 0, job.id)  # (RQ's own LREM then finds none)
                     job.cancel(pipeline=pipe)
-                    pipe.execute()
-                    return True
+                    in_queue = pipe.execute()[0]
+                    break
                 except WatchError:  # the job changed meanwhile (it started, it ended): look again
                     continue
+        if in_queue:
+            self._end_unrun(job)
+        return True
+
+    def _end_unrun(self, job: Job) -> None:
+        """The ending a worker writes for a job canceled before it ran (a final ``abort`` event, a canceled result,
+        the job hash and its canceled-registry entry kept for the result's TTL), for a job canceled while still in
+        its queue: RQ's cancel took it out, so no worker reaches it, and its hash (with the prompt) stayed for
+        good, its followers waiting on a stream that never ended."""
+        conn, key = self.client.connection, stream_key(self.id)
+        last = conn.xrevrange(key, count=1)  # (a retried job: its earlier attempts' events come first)
+        n = event_from_stream(last[0][1]).get("n", -1) + 1 if last else 0
+        try:
+            req: JobRequest | None = JobRequest.model_validate(job.kwargs)
+        except Exception:  # written by hand, in a form it would have failed on: no custom_id, no notify list
+            req = None
+        ttl = job.result_ttl if job.result_ttl not in (None, 0) else self.result_ttl
+        event = json.dumps(make_event(n, "", [], "abort", usage_of(0, 0)))
+        result = canceled_result(self.id, req, "job canceled before it ran")
+        with conn.pipeline() as pipe:
+            pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
+            keys = [result_key(self.id), job.key]
+            if req is not None and req.notify:
+                pipe.rpush(done_key(req.notify), self.id)
+                keys.append(done_key(req.notify))
+            for held in keys:
+                if ttl == -1:
+                    pipe.persist(held)
+                else:
+                    pipe.expire(held, ttl)
+            CanceledJobRegistry(job.origin, connection=conn).add(job, ttl, pipeline=pipe)
+            pipe.xadd(key, {STREAM_FIELD: event})  # after the result it announces, as a worker writes them
+            pipe.expire(key, STREAM_TTL_AFTER_END_S)
+            pipe.publish(channel_key(self.id), event)
+            pipe.execute()
 
     def events(self, timeout: float | None = None, skip_void: bool = False) -> Iterator[dict[str, Any]]:
         """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last.

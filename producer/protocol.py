@@ -259,6 +259,8 @@ def make_event(
 
 # A stream entry's one field: it holds the same JSON as the pub/sub message, so one decoder reads both.
 STREAM_FIELD = "event"
+# How long a job's stream stays after its last event, by default (the worker's ``stream_ttl_after_end``).
+STREAM_TTL_AFTER_END_S = 600
 
 
 def event_from_message(data: str | bytes) -> dict[str, Any]:

@@ -484,6 +484,37 @@ def test_an_infinite_timeout_waits_without_end():
         later.cancel()
 
 
+def test_a_job_canceled_in_its_queue_ends_as_a_worker_ends_one_and_leaves_no_hash_for_good():
+    """RQ's cancel takes the job out of its queue, so no worker reaches it: its hash (and prompt) stayed for good,
+    with no final event (a follower of the stream alone waited for ever), no result and no push to its completion
+    list. The client writes that ending now, as a worker writes it for a job canceled before it ran. A job a worker
+    already took off the queue (pulled, not started) is left to that worker, which ends it itself."""
+    from producer import Client, JobCanceled
+    from producer.protocol import result_key, stream_key
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn, result_ttl=3600)
+    job = client.submit("hi", custom_id="row-7", notify="done-here")
+    assert job.cancel()
+    assert conn.llen("rq:queue:roseinfer") == 0 and 3500 < conn.ttl(job.rq_job.key) <= 3600
+    assert 3500 < conn.ttl(result_key(job.id)) <= 3600
+    [(_, fields)] = conn.xrange(stream_key(job.id))
+    event = json.loads(fields[b"event"])
+    assert (event["n"], event["finish_reason"], event["text"]) == (0, "abort", "")
+    assert 0 < conn.ttl(stream_key(job.id)) <= 600
+    assert conn.lrange("roseinfer:done:done-here", 0, -1) == [job.id.encode()]
+    assert conn.zscore("rq:canceled:roseinfer", job.id) <= time.time() + 3600
+    with pytest.raises(JobCanceled) as err:
+        job.result(timeout=1)
+    assert err.value.result["custom_id"] == "row-7" and err.value.result["finish_reason"] == "abort"
+    assert job.rq_job.latest_result().return_value["status"] == "canceled"  # as RQ users read an ending
+
+    pulled = client.submit("there")
+    conn.lmove("rq:queue:roseinfer", "rq:queue:roseinfer:intermediate")  # a worker took it, and starts it next
+    assert pulled.cancel() and pulled.status() == "canceled"
+    assert not conn.exists(stream_key(pulled.id)) and not conn.exists(result_key(pulled.id))
+
+
 def test_a_cancel_that_meets_the_job_finishing_leaves_it_finished_and_says_so(monkeypatch):
     """``cancel`` looked at the status, then had RQ cancel: a job that finished between the two became canceled
     (moved to the canceled registry, its result there) and ``cancel`` said True."""

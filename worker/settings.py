@@ -13,7 +13,7 @@ import os
 from pydantic import Field, create_model, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_QUEUE
+from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S
 from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
 from worker.intake import MAX_SECONDS
 
@@ -42,7 +42,7 @@ class QueueSettings(BaseSettings):
     # At most what RQ and Redis's EXPIRE take (past it, every write that sets a TTL failed, events with it).
     stream_ttl: int = Field(24 * 3600, ge=1, le=MAX_SECONDS, description="seconds a running job's replay stream lives")
     stream_ttl_after_end: int = Field(
-        600,
+        STREAM_TTL_AFTER_END_S,
         ge=1,
         le=MAX_SECONDS,
         description="seconds a job's replay stream lives after its last event (its result keeps its own)",
