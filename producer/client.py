@@ -10,6 +10,7 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,7 +19,7 @@ from redis.exceptions import WatchError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, validate_job_id
-from rq.registry import CanceledJobRegistry
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
@@ -28,6 +29,7 @@ from producer.connection import REDIS_DOWN, connect
 from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
+    OWNER_FIELD,
     STATS_KEY,
     STREAM_FIELD,
     STREAM_TTL_AFTER_END_S,
@@ -119,6 +121,15 @@ class ProtocolError(JobError):
 
 
 MAX_JOB_ID = 256  # the protocol's (the worker refuses a longer one)
+
+
+@dataclass
+class EndedJob:
+    """What is left of an ended job whose id is used again: its lane, its hash's fields."""
+
+    id: str
+    origin: str | None  # None: the hash is gone
+    fields: list[bytes]
 
 
 def deadline_after(timeout: float | None) -> float | None:
@@ -330,34 +341,47 @@ class Client:
         queue = self.lane(req.priority)
         if job_id is not None:
             check_job_id(job_id)
-            self._forget_ended(self.connection, self._ended([job_id]))
+            self._forget_ended(self.connection, self._ended([job_id]), {job_id: queue.name})
         job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         self.reached = True
         return GenerationJob(self, job.id)
 
-    def _ended(self, job_ids: list[str]) -> list[str]:
+    def _ended(self, job_ids: list[str]) -> list[EndedJob]:
         """Those of ``job_ids`` (given by the caller) whose job ran before and ended, or whose hash is gone (its
         ``result_ttl`` of 0 or under the stream's life, RQ's ``delete()``): what is left of it is an old job's."""
         if not job_ids:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hget(Job.key_for(job_id), "status")
-            statuses = pipe.execute()
-        return [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in _OVER]
+                pipe.hmget(Job.key_for(job_id), "status", "origin")
+                pipe.hkeys(Job.key_for(job_id))
+            replies = pipe.execute()
+        return [
+            EndedJob(job_id, origin.decode() if origin else None, fields)
+            for job_id, (status, origin), fields in zip(job_ids, replies[::2], replies[1::2])
+            if status is None or status in _OVER
+        ]
 
     @staticmethod
-    def _forget_ended(pipe: Any, job_ids: list[str]) -> None:
-        """An id used again for a new job: the old job's token stream and result go first. Its text was streamed
-        to the new job's followers, and its result taken for the new job's while that one was queued. Its hash
-        stays, rewritten by the enqueue: the field naming the attempt that owns the job fences off a run of the old
-        job still going somewhere (canceled, or taken for dead), which would write its end over the new job.
-        Its expiry goes too (an enqueue without ``ttl`` sets none): the old job's ``result_ttl`` would delete the
-        new one while it waits. (A job still queued or running is left as RQ leaves it: the worker runs an id pushed
-        twice once.)"""
-        for job_id in job_ids:
-            pipe.delete(stream_key(job_id), result_key(job_id))
-            pipe.persist(Job.key_for(job_id))
+    def _forget_ended(pipe: Any, ended: list[EndedJob], lanes: dict[str, str]) -> None:
+        """An id used again for a new job (in lane ``lanes[id]``): the old job's token stream and result go first.
+        Its text was streamed to the new job's followers, and its result taken for the new job's while that one was
+        queued. Its entries in RQ's finished, failed and canceled registries go too (the new job was counted as
+        failed as well, and a requeue of the failed ones ran it again), and its hash's fields but one (an enqueue
+        writes over some only: its retries left, its meta stayed the new job's). The one kept, the field naming the
+        attempt that owns the job, fences off a run of the old job still going somewhere (canceled, or taken for
+        dead), which would write its end over the new job. Its expiry goes too (an enqueue without ``ttl`` sets
+        none): the old job's ``result_ttl`` would delete the new one while it waits. (A job still queued or running
+        is left as RQ leaves it: the worker runs an id pushed twice once.)"""
+        for old in ended:
+            pipe.delete(stream_key(old.id), result_key(old.id))
+            stale = [f for f in old.fields if f != OWNER_FIELD.encode()]
+            if stale:
+                pipe.hdel(Job.key_for(old.id), *stale)
+            pipe.persist(Job.key_for(old.id))
+            for lane in {old.origin, lanes[old.id]} - {None}:
+                for registry in (FinishedJobRegistry, FailedJobRegistry, CanceledJobRegistry):
+                    pipe.zrem(registry.key_template.format(lane), old.id)
 
     def lane(self, priority: int) -> Queue:
         """The RQ queue holding this client's jobs of ``priority`` (the queue itself for 0)."""
@@ -390,7 +414,7 @@ class Client:
         self._check_eviction_policy()
         ended = self._ended(list(given))
         with self.connection.pipeline() as pipe:
-            self._forget_ended(pipe, ended)
+            self._forget_ended(pipe, ended, {job_id: lane.name for job_id, lane, _ in hashes})
             for key in dict.fromkeys(lane.key for _, lane, _ in hashes):
                 pipe.sadd(Queue.redis_queues_keys, key)
             ids_by_lane: dict[str, list[str]] = {}

@@ -2292,6 +2292,31 @@ def test_an_id_used_again_after_its_hash_is_gone_does_not_stream_the_old_jobs_te
         list(job.stream(timeout=0.3))  # nothing yet: the new job has not run
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_an_id_used_again_leaves_no_registry_entry_or_field_of_the_old_job(many):
+    """The old job failed (or finished, or was canceled): its id stayed in that registry, so the new job was counted
+    failed and queued at once (RQ's requeue of the failed ones ran it again), and fields the enqueue does not write
+    stayed (its retries left, its meta: a client without retries inherited them). The field naming the attempt that
+    owns the job stays: it fences off the old job's run."""
+    from producer import Client
+    from producer.protocol import OWNER_FIELD
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn, retries=0)
+    old = Client(connection=conn, retries=3).submit("old", job_id="row1")
+    conn.lpop("rq:queue:roseinfer")  # a worker ran it, and it failed with retries left
+    conn.hset(old.rq_job.key, mapping={"status": "failed", "meta": "{}", OWNER_FIELD: "attempt-1"})
+    for registry in ("failed", "finished", "canceled"):
+        conn.zadd(f"rq:{registry}:roseinfer", {"row1": time.time() + 3600})
+    new = client.submit_many([{"prompt": "new", "job_id": "row1"}])[0] if many else client.submit("new", job_id="row1")
+    assert new.status() == "queued" and client.status()["failed"] == 0
+    for registry in ("failed", "finished", "canceled"):
+        assert conn.zscore(f"rq:{registry}:roseinfer", "row1") is None, registry
+    fields = conn.hgetall(new.rq_job.key)
+    assert b"retries_left" not in fields and b"meta" not in fields and fields[OWNER_FIELD.encode()] == b"attempt-1"
+    assert new.rq_job.kwargs["prompt"] == "new"
+
+
 def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_waited_for(monkeypatch):
     """``roseinfer result ID`` with a wrong URL waited 30 s (the patience with a Redis restarting) before it said so;
     ``stream()`` gave up at once on a Redis that went away (its first read was not waited out)."""
