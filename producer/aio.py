@@ -146,10 +146,12 @@ class StreamHub:
         # stream key -> its followers (by id): a reply's entries go to their key's followers alone (a scan of every
         # follower for each key cost 28 ms a wake-up with 1,000 requests waiting)
         self._by_key: dict[str, dict[int, _Follower]] = {}
+        self._not_streams: set[str] = set()  # keys of another type (written by hand): left out of the read
         self._next = 0
         self._task: asyncio.Task | None = None
 
     def follow(self, key: str) -> _Follower:
+        self._not_streams.discard(key)  # (looked at again)
         follower = _Follower(self._next, key)
         self._by_key.setdefault(key, {})[follower.id] = follower
         self._next += 1
@@ -162,15 +164,25 @@ class StreamHub:
         followers.pop(follower.id, None)
         if not followers:
             self._by_key.pop(follower.key, None)
+            self._not_streams.discard(follower.key)
 
     async def _read(self) -> None:
         while self._by_key:
-            streams = {key: min(f.last for f in followers.values()) for key, followers in self._by_key.items()}
+            streams = {
+                key: min(f.last for f in followers.values())
+                for key, followers in self._by_key.items()
+                if key not in self._not_streams
+            }
+            if not streams:  # (their followers heard why, and leave)
+                await asyncio.sleep(self.wait_ms / 1000)
+                continue
             try:
                 reply = await self.connection.xread(
                     {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
                 )
             except Exception as exc:  # Redis away: every follower hears it
+                if str(exc).startswith("WRONGTYPE") and await self._left_out(list(streams), exc):
+                    continue  # one key's type failed the read of all: only its followers hear it
                 for followers in self._by_key.values():
                     for f in followers.values():
                         f.entries.put_nowait(exc)
@@ -186,6 +198,21 @@ class StreamHub:
                     if new:
                         f.last = ids[-1]
                         f.entries.put_nowait(new)
+
+    async def _left_out(self, keys: list[str], exc: Exception) -> bool:
+        """The keys among ``keys`` that hold another type than a stream, left out of the read, their followers
+        handed ``exc``; whether there were any."""
+        async with self.connection.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.type(key)
+            kinds = await pipe.execute()
+        bad = [key for key, kind in zip(keys, kinds) if (kind.decode() if isinstance(kind, bytes) else kind) not in
+               ("stream", "none")]  # fmt: skip
+        for key in bad:
+            self._not_streams.add(key)
+            for f in self._by_key.get(key, {}).values():
+                f.entries.put_nowait(exc)
+        return bool(bad)
 
 
 async def _final_event(follower: _Follower, seconds: float) -> None:

@@ -633,6 +633,48 @@ def test_an_async_follower_of_a_job_canceled_while_it_ran_gets_its_abort_event(r
     conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
+@pytest.mark.redis
+def test_one_stream_key_of_another_type_fails_its_own_async_followers_only(redis_url):
+    """An async client reads every followed stream in one XREAD, and a key of another type (written by hand) fails
+    the whole command: every follower in the process (every request of a server) heard WRONGTYPE, every half
+    second. Its own followers hear it now; the others read on."""
+    import asyncio
+
+    import redis
+    from redis import Redis
+
+    from producer.aio import AsyncClient
+    from producer.protocol import make_event
+
+    conn, tag = Redis.from_url(redis_url), uuid.uuid4().hex[:6]
+    good, bad = f"good-{tag}", f"bad-{tag}"
+    for job_id in (good, bad):
+        conn.hset(f"rq:job:{job_id}", "status", "started")
+    conn.set(stream_key(bad), "not a stream")
+
+    async def follow() -> None:
+        client = AsyncClient(redis_url)
+
+        async def text(job_id: str) -> str:
+            return "".join([piece async for piece in client.job(job_id).stream(timeout=10)])
+
+        try:
+            reading = asyncio.create_task(text(good))
+            await asyncio.sleep(0.2)  # followed
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                async for _ in client.job(bad).events(timeout=10):  # (no replay first: straight to the hub)
+                    pass
+            conn.xadd(stream_key(good), {"event": json.dumps(make_event(0, "hi", [1], "stop", {}))})
+            assert await reading == "hi"
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(follow())
+    finally:
+        conn.delete(*[f"rq:job:{j}" for j in (good, bad)], stream_key(good), stream_key(bad))
+
+
 def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     import asyncio
     import threading
