@@ -2514,3 +2514,41 @@ def test_a_client_of_a_redis_that_answers_nothing_gives_up_instead_of_waiting_fo
     finally:
         for sock in [silent, *held]:
             sock.close()
+
+
+def test_a_step_handing_work_to_a_sender_thread_that_stopped_hears_why_instead_of_waiting_for_good(monkeypatch):
+    """The sender thread stopped (a bug, an allowed callback raising SystemExit) with its queue full: ``put`` looked
+    at the error only before its wait for room, and the step loop waited for good while the jobs' heartbeats kept
+    them claimed."""
+    import threading
+
+    from worker.sender import Batch, Sender
+
+    conn = fakeredis.FakeRedis()
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None, max_pending=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def stops(batches):
+        entered.set()
+        release.wait(5)
+        raise SystemExit("a callback's exit")
+
+    monkeypatch.setattr(sender, "_send_until_done", stops)
+    sender.start()
+    sender.put(Batch(tasks=[lambda: None]))
+    assert entered.wait(5)
+    sender.put(Batch(tasks=[lambda: None]))  # the queue is full now: the next waits for room
+    outcome: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            sender.put(Batch(tasks=[lambda: None]))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    stepping = threading.Thread(target=step, daemon=True)
+    stepping.start()
+    time.sleep(0.3)
+    release.set()  # the sender thread stops
+    stepping.join(5)
+    assert not stepping.is_alive() and isinstance(outcome[0], SystemExit)

@@ -224,6 +224,8 @@ class Sender:
                     self._queue.put(batch, timeout=0.25)
                     return
                 except queue.Full:
+                    if self.error is not None:  # the sender thread stopped: nothing will take it, ever
+                        raise self.error from None
                     if self._giving_up() and self.refusing is not None:
                         log.error(
                             "the worker stops and Redis refuses writes (%s): a step's writes dropped", self.refusing
