@@ -807,3 +807,21 @@ def test_an_allowed_callbacks_time_limit_past_its_bounds_fails_its_job_before_an
     while not conn.exists(f"hook-probe:{within}") and time.time() < deadline:
         time.sleep(0.05)
     assert conn.get(f"hook-probe:{within}") == b"ran"
+
+
+def test_a_retried_job_canceled_in_its_queue_ends_its_stream_again_as_canceled(served):
+    """An earlier attempt failed (its stream ends with an error event), RQ queued the job again, and a cancel landed
+    (HSET status canceled) before a worker reached it: its abort event was dropped (the stream had ended once), so
+    followers read the old error while the result said canceled."""
+    w, client, conn = served
+    job_id = f"again-{uuid.uuid4().hex[:6]}"
+    old = {"v": 3, "n": 0, "text": "", "token_ids": [], "finish_reason": "error", "usage": {}, "error": "it broke"}
+    conn.xadd(f"roseinfer:stream:{job_id}", {"event": json.dumps(old)})
+    _raw_job(conn, w.queue, job_id, status="canceled")
+    with pytest.raises(JobCanceled):
+        client.job(job_id).result(timeout=30)
+    deadline = time.time() + 5
+    while conn.xlen(f"roseinfer:stream:{job_id}") < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    last = json.loads(conn.xrevrange(f"roseinfer:stream:{job_id}", count=1)[0][1][b"event"])
+    assert (last["n"], last["finish_reason"], last.get("reset")) == (1, "abort", True)

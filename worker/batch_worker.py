@@ -1057,6 +1057,7 @@ class BatchWorker(BaseWorker):
         not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
         status = JobStatus(job.get_status(refresh=False)).value  # "canceled", not "JobStatus.CANCELED"
         log.info("job %s was %s while queued: not run", job.id, status)
+        stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
 
         def end() -> None:
@@ -1087,6 +1088,7 @@ class BatchWorker(BaseWorker):
         (an id that is not text has neither: it is only moved aside)."""
         log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
         if stream is not None:
+            stream.start(can_resume=False)  # (as a job canceled before it ran)
             self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
 
         def end() -> None:
