@@ -329,8 +329,9 @@ def test_an_id_used_again_is_a_new_job_not_the_old_ones_output(served, redis_url
         waiting.result(timeout=0.5)
     waiting.cancel()
     client.connection.expire(f"rq:job:{job_id}", 600)  # as a result_ttl would
-    idle.submit_many([{"prompt": "A third prompt", "job_id": job_id, "max_tokens": 3}])[0].cancel()
+    third = idle.submit_many([{"prompt": "A third prompt", "job_id": job_id, "max_tokens": 3}])[0]
     assert client.connection.ttl(f"rq:job:{job_id}") == -1
+    third.cancel()  # (canceled in its queue: kept for the result's TTL from now on)
     for submit in (client.submit, lambda prompt, **kw: client.submit_many([{"prompt": prompt, **kw}])[0]):
         new = submit("Another prompt, longer than the first one", job_id=job_id, max_tokens=3, temperature=0)
         result = new.result(timeout=60)
