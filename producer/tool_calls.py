@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.tool_formats import FORMATS, FormatStream, function_call
+from producer.tool_formats import FORMATS, FormatStream, arguments_json, function_call
 
 # OpenAI's: a function without parameters takes none (its arguments are "{}").
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -116,7 +116,7 @@ class ToolChoice:
         them), or "auto"'s calls in the model's format and the text around them (an output with a call that does
         not read is all text, as vLLM's)."""
         if self.parser is not None:
-            content, calls = FORMATS[self.parser].read(text)
+            content, calls = FORMATS[self.parser].read(text, frozenset(self.parameters))
             return content, calls if self.parallel else calls[:1]  # (parallel_tool_calls false: the first)
         if self.name is not None:
             return None, [function_call(self.name, text)]
@@ -125,7 +125,7 @@ class ToolChoice:
 
     def stream(self) -> CallStream | FormatStream:
         if self.parser is not None:
-            return FORMATS[self.parser].stream(most=None if self.parallel else 1)
+            return FORMATS[self.parser].stream(None if self.parallel else 1, frozenset(self.parameters))
         return CallStream(self.name)
 
 
@@ -162,7 +162,7 @@ class CallStream:
             except (ValueError, RecursionError):  # (the output follows the schema: only a broken worker writes this)
                 continue
             if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = json.dumps(call.get("parameters", {}), ensure_ascii=False)
+                arguments = arguments_json(call.get("parameters", {}))
                 deltas.append({"index": self.made, **function_call(call["name"], arguments)})
                 self.made += 1
         return "", deltas

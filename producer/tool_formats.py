@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from producer.schema import lone_surrogate
+
 Call = dict[str, Any]  # OpenAI's: {"id", "type": "function", "function": {"name", "arguments"}}
 
 
@@ -42,20 +44,27 @@ def function_call(name: str, arguments: str, id_: str | None = None) -> Call:
 
 
 def _json_arguments(value: Any) -> str | None:
-    """A call's arguments as OpenAI's string: an object's JSON, a string as it is; None for anything else (an
-    object holding NaN or an infinity, which JSON has no word for, too)."""
+    """A call's arguments as OpenAI's string: an object's JSON, a string as it is where it is an object's JSON; None
+    for anything else (a string that is no object's JSON, an object holding NaN or an infinity, which JSON has no
+    word for, or nested past what Python's JSON writes): the client parses what it gets as JSON."""
     if isinstance(value, str):
-        return value
+        try:
+            return value if isinstance(_json(value), dict) else None
+        except ValueError:
+            return None
     if not isinstance(value, dict):
         return None
     try:
-        return _dumps(value)
-    except ValueError:
+        return arguments_json(value)
+    except (ValueError, RecursionError):
         return None
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+def arguments_json(value: Any) -> str:
+    """JSON as the model wrote it (its text unescaped); with escapes where it holds a lone surrogate (``"\\ud83d"``
+    read from the model's JSON or Python), which has no UTF-8 form: a response holding it could not be sent."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return text if lone_surrogate(text) is None else json.dumps(value, allow_nan=False)
 
 
 def _json(text: str) -> Any:
@@ -76,7 +85,7 @@ def _named(obj: Any, keys: tuple[str, ...]) -> tuple[str, str] | None:
 
 def _hermes_calls(body: str) -> list[tuple[str, str]] | None:
     try:
-        call = _named(_json(body), ("arguments",))
+        call = _named(_json(body), ("arguments", "parameters"))
     except ValueError:
         return None
     return None if call is None else [call]
@@ -111,7 +120,7 @@ def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
         calls = _json(body)
     except ValueError:
         return _mistral_v11_calls(body)
-    named = [_named(call, ("arguments",)) for call in (calls if isinstance(calls, list) else [calls])]
+    named = [_named(call, ("arguments", "parameters")) for call in (calls if isinstance(calls, list) else [calls])]
     return None if not named or None in named else named  # type: ignore[return-value]
 
 
@@ -145,7 +154,7 @@ def _pythonic_calls(body: str) -> list[tuple[str, str]] | None:
             if any(kw.arg is None for kw in node.keywords):  # (**kwargs)
                 return None
             arguments = {kw.arg: _literal(kw.value) for kw in node.keywords}
-            calls.append((node.func.id, _dumps(arguments)))
+            calls.append((node.func.id, arguments_json(arguments)))
         return calls
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
@@ -184,13 +193,14 @@ class ToolFormat:
     start: re.Pattern[str] | None = None  # how a leading block begins, as far as it came
     make_id: Callable[[], str] = call_id
 
-    def read(self, text: str) -> tuple[str | None, list[Call]]:
+    def read(self, text: str, names: frozenset[str] | None = None) -> tuple[str | None, list[Call]]:
         """A whole output's text outside its blocks (a stretch of white space alone is the format's; none: None)
-        and its calls; all text, no calls, where a block does not read."""
+        and its calls; all text, no calls, where a block does not read (or calls a function not in ``names``, the
+        request's tools, where given)."""
         blocks = self._blocks(text)
         calls = []
         for _, _, body in blocks:
-            read = self.read_block(body)
+            read = _of(self.read_block(body), names)
             if read is None:
                 return text, []
             calls += [function_call(name, arguments, self.make_id()) for name, arguments in read]
@@ -221,8 +231,16 @@ class ToolFormat:
             found = [(j, m) for m in self.markers if (j := text.find(m, i)) >= 0]
         return blocks
 
-    def stream(self, most: int | None = None) -> FormatStream:
-        return FormatStream(self, most)
+    def stream(self, most: int | None = None, names: frozenset[str] | None = None) -> FormatStream:
+        return FormatStream(self, most, names)
+
+
+def _of(calls: list[tuple[str, str]] | None, names: frozenset[str] | None) -> list[tuple[str, str]] | None:
+    """``calls`` where each names one of ``names`` (None: any name); else None, as a block that does not read: an
+    OpenAI client is never handed a function its request did not offer."""
+    if calls is None or names is None or all(name in names for name, _ in calls):
+        return calls
+    return None
 
 
 FORMATS = {
@@ -251,6 +269,7 @@ class FormatStream:
 
     format: ToolFormat
     most: int | None = None  # parallel_tool_calls false: calls past the first are left out
+    names: frozenset[str] | None = None  # the functions a call may name (the request's tools); None: any
     made: int = 0  # calls sent
     _held: str = ""  # text not yet let out, or the open block's
     _marker: str | None = None  # the open block's marker ("" for a leading one); None: no block is open
@@ -307,7 +326,7 @@ class FormatStream:
 
     def _add(self, body: str, closed: bool, content: str, deltas: list[Call]) -> tuple[str, list[Call]]:
         marker, self._marker, gap, self._gap = self._marker or "", None, self._gap, ""
-        read = self.format.read_block(body)
+        read = _of(self.format.read_block(body), self.names)
         if read is None:  # (calls already out cannot be taken back: the block and all after it go out as text)
             self._failed = True
             return content + gap + marker + body + ((self.format.close or "") if closed else ""), deltas

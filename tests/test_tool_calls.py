@@ -267,6 +267,24 @@ OUTPUTS = {
             [],
         ),
         (HERMES + " More words.", "Let me look that up.  More words.", [_OSLO, ("now", {})]),
+        # "parameters", as some models write it (its arguments were lost: a call with {})
+        ('<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}</tool_call>', None, [_OSLO]),
+        (
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+            [],
+        ),  # (a function the request did not offer: text)
+        ('<tool_call>{"name": "now", "arguments": "{}"}</tool_call>', None, [("now", {})]),  # (an object's JSON)
+        (
+            '<tool_call>{"name": "now", "arguments": "Oslo"}</tool_call>',
+            '<tool_call>{"name": "now", "arguments": "Oslo"}</tool_call>',
+            [],
+        ),  # (arguments a client cannot parse: text)
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d", "unit": "c"}}</tool_call>',
+            None,
+            [("get_weather", {"city": "\ud83d", "unit": "c"})],
+        ),  # (a lone surrogate: sent escaped)
     ],
     "llama3_json": [
         (
@@ -300,13 +318,19 @@ OUTPUTS = {
         ("[TOOL_CALLS]now{}", None, [("now", {})]),
         ('[TOOL_CALLS][{"name": "now", "arguments": ', '[TOOL_CALLS][{"name": "now", "arguments": ', []),
         ("A [TOOL plain [answer].", "A [TOOL plain [answer].", []),
+        ('[TOOL_CALLS][{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}]', None, [_OSLO]),
+        (
+            '[TOOL_CALLS][{"name": "now", "arguments": "Oslo"}]',
+            '[TOOL_CALLS][{"name": "now", "arguments": "Oslo"}]',
+            [],
+        ),
     ],
     "pythonic": [
         ("[get_weather(city=\"Oslo\", unit='c'), now()]", None, [_OSLO, ("now", {})]),
         (
-            "  [f(a=[1, -2.5, {'k': None}], b=True, c=(1,))]",
+            "  [get_weather(a=[1, -2.5, {'k': None}], b=True, c=(1,))]",
             None,
-            [("f", {"a": [1, -2.5, {"k": None}], "b": True, "c": [1]})],
+            [("get_weather", {"a": [1, -2.5, {"k": None}], "b": True, "c": [1]})],
         ),
         ('[print(open("/etc/passwd").read())]', '[print(open("/etc/passwd").read())]', []),  # (positional)
         ("[f(a=g())]", "[f(a=g())]", []),  # (a call is no value: nothing is ever run)
@@ -318,6 +342,8 @@ OUTPUTS = {
         ("[]", "[]", []),
         ("[f(a=1e999)]", "[f(a=1e999)]", []),  # (an infinity, which JSON has no word for)
         ("\n ['", "\n ['", []),
+        ("[rm_rf()]", "[rm_rf()]", []),
+        ('[get_weather(city="\\ud83d", unit="c")]', None, [("get_weather", {"city": "\ud83d", "unit": "c"})]),
     ],
 }
 _CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
@@ -333,6 +359,22 @@ def test_auto_reads_each_formats_calls_and_the_text_around_them(parser, text, co
     got_content, got_calls = plan.read(text)
     assert (got_content, _read(got_calls)) == (content, calls)
     assert all(c["type"] == "function" and c["id"] for c in got_calls)
+    for c in got_calls:  # a response holds it: UTF-8 (a lone surrogate has no form there, a 500)
+        c["function"]["arguments"].encode("utf-8")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_arguments_nested_past_what_python_writes_are_text_not_an_error(parser):
+    """JSON that Python's parser reads and its writer cannot (about 990 levels, fewer the deeper the call stack):
+    a RecursionError, a 500 (a stream cut without [DONE])."""
+    plan = ToolChoice.of(TOOLS, "auto", parser=parser)
+    wrap = {"hermes": "<tool_call>{}</tool_call>", "llama3_json": "{}", "mistral": "[TOOL_CALLS][{}]"}[parser]
+    for depth in (*range(800, 1000), 2000):  # (where the writer fails moves with the stack: every depth)
+        arguments = '{"a":' * depth + "1" + "}" * depth
+        plan.read(wrap.replace("{}", '{"name": "now", "arguments": ' + arguments + "}", 1))
+        stream = plan.stream()
+        stream.feed(wrap.replace("{}", '{"name": "now", "arguments": ' + arguments + "}", 1))
+        stream.finish()
 
 
 def test_mistrals_call_ids_are_the_nine_letters_and_digits_its_templates_take():
