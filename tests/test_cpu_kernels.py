@@ -99,3 +99,28 @@ def test_paged_attention_matches_float64_attention(dtype, num_heads, num_kv_head
         expected = torch.einsum("hk,khd->hd", weights, vv)
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(out[i].double(), expected, **tolerance)
+
+
+def test_the_builds_cpu_tag_tells_arm_cores_apart(monkeypatch):
+    """The kernels are built with -march=native and cached under a tag of the CPU: every ARM machine had one tag
+    (its cpuinfo has no "flags" line), so a cache shared by a Graviton3 and a Graviton2 handed the older one SVE code
+    it cannot run (SIGILL). x86 machines stay apart by their flags."""
+    from pathlib import Path
+
+    import roseinfer.kernels as kernels
+
+    cpuinfo = {
+        "graviton2": "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp "
+        "cpuid asimdrdm lrcpc dcpop asimddp ssbs\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n",
+        "graviton3": "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp "
+        "cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs "
+        "paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n",
+        "avx2": "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\nmodel name\t: AMD EPYC\n",
+        "avx512": "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\nmodel name\t: AMD EPYC\n",
+    }
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    tags = {}
+    for name, text in cpuinfo.items():
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, text=text, **k: text)
+        tags[name] = kernels._cpu_tag()
+    assert len(set(tags.values())) == len(tags), tags

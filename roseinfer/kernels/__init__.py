@@ -56,12 +56,23 @@ _SIGNATURES = {
 }
 
 
+# What tells CPUs apart in /proc/cpuinfo: x86's "flags"; ARM's "Features" and which core it is (no "flags" line).
+_CPU_KEYS = ("flags", "Features", "CPU implementer", "CPU part")
+
+
 def _cpu_tag() -> str:
+    """The build's CPU, in its file name: it is built with -march=native, which another CPU may not run (SIGILL),
+    and a cache folder may be shared by machines. Every ARM machine had one tag (its cpuinfo has no "flags"
+    line); where nothing is read, the host's name keeps builds apart."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()}{flags}".encode()).hexdigest()[:10]
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first: dict[str, str] = {}
+    for line in lines:
+        first.setdefault(line.split(":", 1)[0].strip(), line)
+    what = "\n".join(first[key] for key in _CPU_KEYS if key in first) or f"{platform.processor()} {platform.node()}"
+    return hashlib.sha1(f"{platform.machine()}{what}".encode()).hexdigest()[:10]
 
 
 def _build() -> ctypes.CDLL | None:
@@ -381,6 +392,8 @@ def logprob_rows(
     top_vals = torch.empty(rows, k, dtype=torch.float32)
     top_ids = torch.empty(rows, k, dtype=torch.int64)
     tokens = tokens.to(torch.int64).contiguous()
+    if len(tokens) != rows or len(num) != rows:  # the kernel would read past the shorter one
+        raise ValueError(f"logprob_rows: {rows} rows of logits, {len(tokens)} tokens and {len(num)} counts")
     counts = torch.tensor(num, dtype=torch.int64)
     lib.logprob_rows(
         logits.data_ptr(),
