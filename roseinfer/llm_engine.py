@@ -362,7 +362,12 @@ class LLMEngine:
         }
         self._check_chat(tokenizer, **chat)
         messages = developer_as_system(tokenizer, messages)
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat)))
+        try:
+            return list(
+                tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat))
+            )
+        except Exception as exc:
+            raise _refused_by_template(exc) from None
 
     def add_request(
         self,
@@ -388,6 +393,11 @@ class LLMEngine:
             text = self.tokenizer.decode(token_ids)  # the text those logprobs score (as vLLM gives it)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if max(token_ids) >= self.model.vocab_size:  # a tokenizer larger than the model's table: the step would fail
+            raise ValueError(
+                f"the prompt holds token id {max(token_ids)}, past the model's vocabulary [0, {self.model.vocab_size})"
+                " (its tokenizer has more tokens than the model)"
+            )
         if len(token_ids) >= self.max_model_len:
             raise ContextLengthExceeded(
                 f"the prompt has {len(token_ids)} tokens, but this model allows at most "
@@ -818,8 +828,20 @@ def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
         try:
             texts[i] = tokenizer.apply_chat_template(chat["messages"], tokenize=False, **_template_args(chat))
         except Exception as exc:
-            texts[i] = exc
+            texts[i] = _refused_by_template(exc)
     return texts  # type: ignore[return-value]
+
+
+def _refused_by_template(exc: Exception) -> Exception:
+    """A chat template's own refusal (its ``raise_exception``: "roles must alternate", "System role not supported")
+    as the request's fault, a ValueError (a 400, not a 500 with a traceback); any other error as it is."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # (no template was rendered without it)
+        return exc
+    if isinstance(exc, TemplateError) and not isinstance(exc, ValueError):
+        return ValueError(f"the model's chat template refuses these messages: {exc}")
+    return exc
 
 
 def _encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

@@ -336,6 +336,44 @@ def test_text_no_tokenizer_can_encode_fails_its_own_prompt_not_the_batch_and_is_
             JobRequest.model_validate(payload)
 
 
+def test_a_chat_templates_own_refusal_is_the_requests_fault(chat_engine):
+    """A template's raise_exception ("roles must alternate", "System role not supported": Mistral's, Gemma's) came
+    out as jinja2's TemplateError, no ValueError: the worker reported a server error with a traceback, the server a
+    500. It is the request's fault, as vLLM answers it (400)."""
+    from worker.pump import Pump
+
+    refuses = copy.deepcopy(chat_engine.tokenizer)
+    refuses.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + refuses.chat_template
+    )
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}
+    with pytest.raises(ValueError, match="chat template refuses these messages: System role not supported"):
+        chat_engine.apply_chat_template(chat["messages"], refuses)
+    [got] = chat_engine.tokenize_many([chat], refuses)
+    assert isinstance(got, ValueError) and "System role not supported" in str(got)
+    original, chat_engine.tokenizer = chat_engine.tokenizer, refuses
+    try:
+        pump = Pump(chat_engine, tokenize_in_thread=False)
+        pump.submit("refused", chat, SamplingParams(max_tokens=2))
+        [event] = [e for e in pump.step() if e.finished]
+        assert (event.finish_reason, event.error_type) == ("error", "invalid_request")
+    finally:
+        chat_engine.tokenizer = original
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_prompt_not_the_batch(tiny_llama, tiny_chat_model):
+    """Text encoded to ids past the model's embedding table (a tokenizer of 49,152 tokens over a model of 256): ids
+    given as a list were checked, encoded text was not, and the step failed for every request in it (a device
+    assert on CUDA)."""
+    engine = LLM(tiny_llama, tokenizer=tiny_chat_model, dtype="float32").engine
+    with pytest.raises(ValueError, match=r"past the model's vocabulary \[0, 256\)"):
+        engine.add_request("text", "Once upon a time there was a dragon", SamplingParams(max_tokens=2))
+    engine.add_request("ids", [1, 2, 3], SamplingParams(max_tokens=2))
+    outs = [o for _ in range(4) for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["ids"] and len(outs[0].outputs[0].token_ids) == 2
+
+
 def test_an_operators_chat_template_replaces_the_models_and_a_bad_one_fails_the_start(tiny_chat_model, tmp_path):
     """vLLM's --chat-template: a Jinja file or the template's text, in place of the model's own; one that cannot be
     read or does not render fails the engine's start with the reason, not each chat job later."""
