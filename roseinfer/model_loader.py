@@ -79,6 +79,8 @@ def default_gguf_path() -> Path:
 def resolve_model(model: str) -> str:
     """The local folder of a model: its config, tokenizer and weights (a GGUF file converted, a hub id downloaded
     or found in the local Hugging Face cache)."""
+    if (Path(model).expanduser() / "config.json").is_file():  # a model folder of that name (a clone of the hub's
+        return str(Path(model).expanduser())  # SmolLM2-135M-Instruct) is the one asked for, not the built-in one
     if model.lower() == DEFAULT_MODEL:
         return str(convert_gguf(default_gguf_path(), name=DEFAULT_MODEL))
     if model.lower() == TINY_MODEL:

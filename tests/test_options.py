@@ -350,3 +350,20 @@ def test_the_tiny_model_is_a_model_name_for_every_command(tmp_path, monkeypatch,
     assert (Path(resolve_model("tiny")) / "model.safetensors").read_bytes() == built
     assert main(["generate", "Hello", "--model", "tiny", "--max-tokens", "3", "--temperature", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["completion_tokens"] == 3
+
+
+def test_a_model_folder_named_as_a_built_in_model_is_that_folder(tmp_path, monkeypatch, tiny_llama):
+    """A clone of the hub's SmolLM2-135M-Instruct (or a folder called tiny) in the working folder: the name matched
+    the built-in default (the GGUF dequantized) or the random tiny model first, and the folder was never read."""
+    import shutil
+
+    import roseinfer.model_loader as loader
+
+    def no_default():
+        raise AssertionError("the built-in default was looked for")
+
+    monkeypatch.setattr(loader, "default_gguf_path", no_default)
+    monkeypatch.chdir(tmp_path)
+    for name in ("SmolLM2-135M-Instruct", "tiny"):
+        shutil.copytree(tiny_llama, tmp_path / name)
+        assert loader.resolve_model(name) == name
