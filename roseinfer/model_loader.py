@@ -253,6 +253,10 @@ def has_tokenizer(path: str) -> bool:
     return not folder.is_dir() or any((folder / f).is_file() for f in _TOKENIZER_FILES)
 
 
+# How the architecture of a checkpoint that generates text is named (GPT-2's LMHeadModel, Gemma 3's multimodal one).
+_GENERATOR_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
 def load_model(
     model: str, dtype: str, device: str, tokenizer: str | None = None, chat_template: str | None = None
 ) -> LoadedModel:
@@ -270,6 +274,14 @@ def load_model(
             f"local Hugging Face cache, or {DEFAULT_MODEL})"
         ) from None
     check_supported(config.model_type)
+    heads = getattr(config, "architectures", None) or []
+    if heads and not any(head.endswith(_GENERATOR_HEADS) for head in heads):
+        # (a reward model's checkpoint, LlamaForSequenceClassification: its score head is no output layer, and a
+        # tied model served its embeddings as one, generating text from a classifier)
+        raise ConfigError(
+            f"cannot load model {model!r}: its architecture {heads[0]} does not generate text; roseinfer runs "
+            "causal language models (*ForCausalLM)"
+        )
     quantization = getattr(config, "quantization_config", None)
     if quantization:  # its layers hold packed weights the engine would read as floats: wrong text, no error
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None

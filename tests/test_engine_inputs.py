@@ -88,6 +88,22 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
 
 
+def test_a_checkpoint_that_does_not_generate_text_is_refused(tmp_path):
+    """A reward model (LlamaForSequenceClassification, tied: its embeddings stood in for the missing output layer)
+    loaded, and generated text from a classifier."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from roseinfer.config import ConfigError
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="LlamaForSequenceClassification does not generate text"):
+        LLM(str(tmp_path))
+
+
 def test_an_unsupported_gguf_is_refused_before_it_is_converted(tmp_path, monkeypatch):
     """From its metadata: converting it first (minutes and gigabytes for a large one) left a folder in the cache."""
     import gguf
