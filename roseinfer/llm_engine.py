@@ -87,10 +87,13 @@ class LLMEngine:
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
         )
-        self.max_model_len = min(
-            config.max_model_len or self.model.max_position_embeddings,
-            self.model.max_position_embeddings,
-        )
+        limit = self.model.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:  # (cut to it without a word before)
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} is past this model's context, {limit} tokens (its "
+                "max_position_embeddings): leave it unset for the model's, or give at most that"
+            )
+        self.max_model_len = config.max_model_len or limit
         budget = self._kv_budget()
         num_blocks = budget // block_bytes
         if num_blocks < 1:  # (ConfigError: the commands print it as a bad option, not a traceback)

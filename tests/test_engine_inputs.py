@@ -77,6 +77,15 @@ def test_bad_engine_options():
             EngineConfig(**kwargs)
 
 
+def test_a_max_model_len_past_the_models_context_is_refused(tiny_llama):
+    """It was cut to the model's 512 without a word (vLLM refuses it); the model's own is taken where none is given."""
+    from roseinfer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len 4096 is past this model's context, 512 tokens"):
+        LLM(tiny_llama, dtype="float32", max_model_len=4096)
+    assert LLM(tiny_llama, dtype="float32").engine.max_model_len == 512
+
+
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import BertConfig
 
