@@ -700,6 +700,7 @@ class ChunkWriter:
         self.include_reasoning = include_reasoning  # false: the thinking is told apart, and left out
         self.tools = tools  # a chat's tool calls, made by structured output: its text goes out as their deltas
         self.calls: dict[int, CallStream | FormatStream] = {}  # choice -> its tool calls read so far
+        self.openings: dict[int, list[dict[str, Any]]] = {}  # choice -> its named call, held until its answer begins
         self.reasoning = reasoning  # how a chat's thinking is told from its answer
         self.thoughts: dict[int, ReasoningStream] = {}  # choice -> its thinking and answer read so far
         self.sent: dict[int, int] = {}  # choice -> the length of its text sent (a completion's text_offset)
@@ -768,12 +769,20 @@ class ChunkWriter:
             self.calls[index] = stream = self.tools.stream()
             opening = stream.opening()
             content = "" if self.tools.auto else None  # ("auto" may answer in text)
+            if self.reasoning is not None and opening:
+                # A named function's call opens with the answer, after the thinking (the whole message has no call
+                # where no answer came: thinking alone, cut short)
+                self.openings[index], opening = opening, []
             return {"role": "assistant", "content": content, **({"tool_calls": opening} if opening else {})}
         stream = self.calls[index]
         content, deltas = stream.feed(text)
         if ended:
             rest, last = stream.finish()
             content, deltas = content + rest, deltas + last
+        if index in self.openings and deltas:  # the answer's first piece: the call, its arguments so far with it
+            [opening] = self.openings.pop(index)
+            arguments = "".join(d["function"].get("arguments", "") for d in deltas)
+            deltas = [{**opening, "function": {**opening["function"], "arguments": arguments}}]
         return {**({"content": content} if content else {}), **({"tool_calls": deltas} if deltas else {})}
 
     def note_prompt(self, job: int, event: dict[str, Any]) -> None:

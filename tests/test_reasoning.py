@@ -237,3 +237,35 @@ def test_include_reasoning_false_leaves_the_thinking_out_but_still_tells_it_apar
     deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
     assert "".join(d.get("content") or "" for d in deltas) == "\n\nIt is 4."
     assert not any("reasoning" in d for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("<think>a</think>", "stop"),  # thinking alone: no answer, no call
+        ("<think>still thinking when cut", "length"),
+        ('<think>a</think>{"city": "Oslo"}', "stop"),
+    ],
+)
+def test_a_named_functions_call_streams_after_the_thinking_as_the_whole_message_has_it(text, reason):
+    """Its call (empty arguments) went out in the first chunk, before any thinking: an output that was thinking
+    alone streamed a call the whole message does not have, and a call's delta came before the reasoning ones."""
+    from producer.openai_api import ChunkWriter
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    request = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [whole] = chat_choices({"text": text, "finish_reason": reason}, request)
+    for size in (1, 3, len(text)):
+        writer = ChunkWriter("j", "m", chat=True, tools=request.tool_plan(), reasoning=request.reasoning_plan())
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        chunks = [writer.piece("", first=True)]
+        chunks += [writer.piece(p, reason if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
+        calls = [call for d in deltas for call in d.get("tool_calls") or ()]
+        expected = whole["message"].get("tool_calls") or []
+        assert [c["function"]["name"] for c in calls if "id" in c] == [c["function"]["name"] for c in expected]
+        assert "".join(c["function"].get("arguments", "") for c in calls) == "".join(
+            c["function"]["arguments"] for c in expected
+        )
+        first_call = next((i for i, d in enumerate(deltas) if d.get("tool_calls")), len(deltas))
+        assert all("reasoning" not in d for d in deltas[first_call + 1 :])  # the thinking came first
