@@ -359,7 +359,7 @@ class ResponseWriter:
                                                                                  response=started)]  # fmt: skip
         if self.reasoning is not None:  # (its items open as their text comes: the thinking's first)
             self.thoughts = self.reasoning.stream()
-        elif self.tools is None or self.tools.auto:
+        elif self.tools is None:  # ("auto"'s opens with its first text: an output of calls alone has none)
             events += self._open_message()
         if self.tools is not None:
             self.calls = self.tools.stream()
@@ -442,7 +442,7 @@ class ResponseWriter:
     def _out(self, content: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The events of text and tool call deltas let out."""
         events = self._open_calls() if deltas else []
-        if content and self.message is None and self.reasoning is not None:  # (the answer's first text)
+        if content and self.message is None:  # (the answer's first text)
             events += self._open_message()
         if content and self.message is not None:
             self.shown += content
@@ -487,8 +487,8 @@ class ResponseWriter:
             events += self._thought_done(status if not text else "completed")
             events += self._out(*(self.calls.feed(text) if self.calls is not None else (text, []))) if text else []
         events += self._out(*self.calls.finish()) if self.calls is not None else []
-        if self.message is None and self.reasoning is not None and self.thought is None and not self.items:
-            events += self._open_message()  # (an answer of no text at all: an empty message, as whole)
+        if self.message is None and self.thought is None and not self.items:
+            events += self._open_message()  # (an answer of no text and no call at all: an empty message, as whole)
         if self.message is not None:
             item = self.message
             self.logprobs += self.unsent  # (tokens that added no text: the end's)

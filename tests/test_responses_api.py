@@ -221,3 +221,36 @@ def test_thinking_sent_back_and_asked_for():
     assert err.value.param == "reasoning.effort"
     with pytest.raises(APIError, match="reasoning takes effort and summary"):
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"budget": 5}}, None, "qwen3")
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000])
+@pytest.mark.parametrize(
+    ("text", "types"),
+    [
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', ["function_call"]),
+        (
+            'Let me see. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            ["message", "function_call"],
+        ),
+        ("It is sunny.", ["message"]),
+        ("", ["message"]),
+    ],
+)
+def test_auto_calls_stream_the_whole_responses_items_and_no_empty_message(text, types, size):
+    """ "auto" opened a message item before any text: an output of calls alone streamed [message "", function_call]
+    where the whole response has [function_call]."""
+    body = {"model": "m", "input": "Weather?", "tools": TOOLS, "stream": True}
+    req, chat, _ = parse_responses(body, "hermes", None)
+    usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan()).whole(
+        {"text": text, "finish_reason": "stop", "usage": usage}
+    )
+    assert [item["type"] for item in whole["output"]] == types
+    writer = ResponseWriter("j", "m", req, chat.tool_plan())
+    events = writer.opening()
+    for i in range(0, len(text), size):
+        events += writer.piece(text[i : i + size])
+    events += writer.closing("stop", usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert _shown(events[-1]["response"]["output"]) == _shown(whole["output"])
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == types
