@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,13 +240,29 @@ def print_table(results: list[RunResult], dtype: str) -> None:
         print(f"{r.system + ' (' + dtype + ')':<36} {s['tokens_per_s']:>8} {ttft:>17} {tpot:>17} {ratio:>13}")
 
 
+def counting(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low`` (0 prompts, tokens or repeats failed after the model
+    loaded: a division by zero, a median of nothing)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+
+    return parse
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     """The engine's options and the workload's: what every benchmark of the engine takes."""
     add_engine_arguments(p)
     p.add_argument("--prompts", help="JSON list of prompt strings (default: the 64 shipped in roseinfer/data)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=0, help="synthetic prompts of this many words instead")
-    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (EOS ignored)")
+    p.add_argument("--num-prompts", type=counting(1), default=64)
+    p.add_argument("--input-len", type=counting(0), default=0, help="synthetic prompts of this many words instead")
+    p.add_argument("--max-tokens", type=counting(1), default=64, help="new tokens per prompt (EOS ignored)")
     if sampling:
         p.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
         p.add_argument("--top-p", type=float, default=1.0, help="with --temperature, sample from this nucleus")
@@ -253,7 +270,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, sampling: bool = True) ->
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=counting(1), default=16)
     p.add_argument(
         "--hf-single",
         type=int,
@@ -262,7 +279,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts for the one-at-a-time baseline (default: all; 0 skips it)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved runs of each system; medians compared")
+    p.add_argument("--repeats", type=counting(1), default=1, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
     p.add_argument(
         "--skip-hf-compiled", action="store_true", help="on CUDA, leave out transformers' static-cache compiled run"
@@ -282,6 +299,8 @@ def main(args: argparse.Namespace) -> int:
 
     engine_config_from_args(args)  # a bad option fails here, before torch loads
     sampling = sampling_of(args)  # so does a bad --temperature or --top-p
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # (else a traceback after the whole run)
+        raise ConfigError(f"--json {args.json}: no folder {Path(args.json).resolve().parent} to write it in")
     convs = load_prompts(args)
     print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
     resolve_model_arg(args)

@@ -367,3 +367,38 @@ def test_a_model_folder_named_as_a_built_in_model_is_that_folder(tmp_path, monke
     for name in ("SmolLM2-135M-Instruct", "tiny"):
         shutil.copytree(tiny_llama, tmp_path / name)
         assert loader.resolve_model(name) == name
+
+
+def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys):
+    """0 tokens, prompts or repeats failed after the model loaded (a ValueError, a median of nothing, a division
+    by zero), as did --json into a folder that is not there."""
+    from roseinfer import bench
+    from roseinfer.config import ConfigError
+    from worker.cli import build_parser
+
+    for flags in (["--max-tokens", "0"], ["--repeats", "0"], ["--num-prompts", "0"], ["--hf-batch-size", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", *flags])
+        assert "must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no folder"):
+        bench.main(build_parser().parse_args(["bench", "--json", "/no/such/folder/x.json"]))
+
+
+def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeypatch):
+    """A mistyped --dtype or --model: one line and exit 2, and the redis-server it had started ran on, orphaned."""
+    from pydantic import ValidationError
+
+    import worker.local_redis as local_redis
+    from worker.cli import build_parser
+    from worker.embedded import serve_embedded
+
+    class Server:
+        stopped = False
+
+        def terminate(self):
+            Server.stopped = True
+
+    monkeypatch.setattr(local_redis, "start_private_redis", lambda: ("redis://127.0.0.1:1/0", Server()))
+    with pytest.raises(ValidationError):
+        serve_embedded(build_parser().parse_args(["serve", "--embedded", "--dtype", "bf16"]))
+    assert Server.stopped
