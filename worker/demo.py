@@ -18,7 +18,7 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(prompts: list[str], model: str, dtype: str, max_tokens: int) -> int:
+def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_tokens: int) -> int:
     from producer import Client
     from worker.local_redis import embedded_connection, start_embedded_redis
     from worker.main import build_worker
@@ -26,9 +26,10 @@ def run_demo(prompts: list[str], model: str, dtype: str, max_tokens: int) -> int
 
     url = start_embedded_redis()
     print(f"embedded Redis at {url}", file=sys.stderr)
-    settings = WorkerSettings(redis_url=url, model=model, dtype=dtype, burst=True)
+    given = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}  # (else ROSEINFER_*)
+    settings = WorkerSettings(redis_url=url, burst=True, **given)
     worker = build_worker(settings, embedded_connection(url))
-    client = Client(connection=embedded_connection(url))
+    client = Client(connection=embedded_connection(url), queue=settings.queue)  # (ROSEINFER_QUEUE's, if set)
     jobs = client.submit_many(
         [
             {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0.0}

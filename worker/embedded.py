@@ -22,26 +22,29 @@ def serve_embedded(args: argparse.Namespace) -> int:
     from worker.settings import WorkerSettings
 
     url, redis_proc = start_private_redis()
-    connection = None
-    if redis_proc is None:
-        url = start_embedded_redis()
-        connection = embedded_connection(url)
-    queue = target(args)[1]  # --queue, else ROSEINFER_QUEUE; the Redis is this command's own
-    log.warning("embedded Redis at %s; loading %s", url, args.model)
-    settings = WorkerSettings(redis_url=url, queue=queue, model=args.model, dtype=args.dtype)
-    worker = build_worker(settings, connection)
-    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
-    thread.start()
-    client = AsyncClient(url, queue, connection=embedded_connection(url) if connection is not None else None)
-    # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
+    worker = thread = None
+    try:  # (a bad option or model below must not leave the redis-server running)
+        connection = None
+        if redis_proc is None:
+            url = start_embedded_redis()
+            connection = embedded_connection(url)
+        queue = target(args)[1]  # --queue, else ROSEINFER_QUEUE; the Redis is this command's own
+        given = {k: v for k, v in {"model": args.model, "dtype": args.dtype}.items() if v is not None}
+        settings = WorkerSettings(redis_url=url, queue=queue, **given)  # (else ROSEINFER_MODEL, ROSEINFER_DTYPE)
+        log.warning("embedded Redis at %s; loading %s", url, settings.model)
+        worker = build_worker(settings, connection)
+        thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+        thread.start()
+        client = AsyncClient(url, queue, connection=embedded_connection(url) if connection is not None else None)
+        # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         return run_server(
             url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         )  # fmt: skip
     finally:
-        worker.request_stop()
-        thread.join(timeout=30)
+        if worker is not None and thread is not None:
+            worker.request_stop()
+            thread.join(timeout=30)
         if redis_proc is not None:
             redis_proc.terminate()
