@@ -163,13 +163,22 @@ def _client(args: argparse.Namespace) -> Client:
     return Client(*target(args))
 
 
+def _stdin_text() -> str:
+    """The prompt piped in: UTF-8 (a BOM is no text); other bytes are the request's fault, in one line."""
+    raw = getattr(sys.stdin, "buffer", None)  # (a stdin of text already, as a test's, has none)
+    try:
+        return (raw.read().decode("utf-8") if raw is not None else sys.stdin.read()).removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the prompt on stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The job payload the flags describe, validated by JobRequest: InvalidRequest before Redis is touched."""
     if args.prompt is None and not getattr(args, "prompt_token_ids", None):
         raise InvalidRequest("give a prompt (or - to read it from stdin), or --prompt-token-id ...")
     request: dict[str, Any] = {}
     if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
-        prompt = args.prompt if args.prompt != "-" else sys.stdin.read().removeprefix("\ufeff")  # (a BOM is no text)
+        prompt = args.prompt if args.prompt != "-" else _stdin_text()
         request = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
     for flag in payload_flags():
         value = getattr(args, flag.field)
@@ -396,6 +405,9 @@ def batch_options(args: argparse.Namespace):
 def batch(args: argparse.Namespace) -> int:
     from producer.batch import BatchInterrupted, RedisLost, default_errors_path, dry_run, new_run_id, run_batch
 
+    if args.count_tokens and not args.dry_run:  # (it counts what a run would take; a run it started instead)
+        print("error: --count-tokens goes with --dry-run", file=sys.stderr)
+        return 2
     run_id = new_run_id() if args.fresh else args.run_id
     errors = args.errors or default_errors_path(args.output, dry=args.dry_run)
     try:

@@ -80,7 +80,7 @@ class EngineConfig:
         None,
         "int8: the dense layers multiply in int8 on CPU (weights per row, inputs per token, SmoothQuant factors "
         "calibrated at load), faster where the CPU has VNNI or AMX, a little less accurate; default: none",
-        QUANTIZATIONS,
+        (*QUANTIZATIONS, "none"),
     )
     int8_output_layer: bool = option(
         False, "with quantization int8, the output layer multiplies in int8 too: faster again, a little less accurate"
@@ -108,6 +108,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "int8_output_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.quantization == "none":  # (the flag's and the variable's word for the default: over an int8 one)
+            self.quantization = None
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, or none; got {self.quantization!r}"

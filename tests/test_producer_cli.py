@@ -490,6 +490,12 @@ def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monk
     assert producer_cli.request_from_args(_parse("submit", "-", "--raw"))["prompt"] == "Hello"
     with pytest.raises(InvalidRequest, match="not valid Unicode: a lone surrogate"):
         producer_cli.request_from_args(_parse("submit", "caf\udce9"))
+    # Piped bytes: under a strict locale a Latin-1 file's were a UnicodeDecodeError with a traceback.
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\ufeffcafé".encode()), encoding="ascii"))
+    assert producer_cli.request_from_args(_parse("submit", "-", "--raw"))["prompt"] == "café"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("café".encode("latin-1")), encoding="utf-8"))
+    with pytest.raises(InvalidRequest, match="the prompt on stdin is not UTF-8 text"):
+        producer_cli.request_from_args(_parse("submit", "-", "--raw"))
 
 
 def test_cancel_of_a_job_hash_rq_cannot_read_marks_it_canceled(monkeypatch, capsys):
@@ -548,3 +554,37 @@ def test_a_bare_schema_file_names_its_schema_after_the_file_in_the_apis_letters(
         fmt = producer_cli._response_format(str(tmp_path / file))
         assert fmt["json_schema"] == {"name": name, "schema": schema}
         assert JobRequest.model_validate({"prompt": "p", "response_format": fmt}).response_format is not None
+
+
+def test_first_hour_mistakes_get_one_line_each(tmp_path, monkeypatch, capsys):
+    """``batch --count-tokens`` without ``--dry-run`` ran the whole batch (the flag read only in a dry run); a
+    command whose extra is not installed was a ModuleNotFoundError traceback; ``--quantization none``, the word the
+    help and the error message use, was refused."""
+    import builtins
+
+    from worker import cli
+    from worker.settings import WorkerSettings
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    assert cli.main(["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "--count-tokens", "tiny"]) == 2
+    assert "--count-tokens goes with --dry-run" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+    real_import = builtins.__import__
+
+    def no_fastapi(name, *args, **kwargs):
+        if name.split(".")[0] == "fastapi":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(__import__("sys").modules, "producer.server", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_fastapi)
+    assert cli.main(["serve", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "roseinfer serve needs fastapi: pip install 'roseinfer[server]'" in capsys.readouterr().err
+    monkeypatch.setattr(builtins, "__import__", real_import)
+
+    monkeypatch.setenv("ROSEINFER_QUANTIZATION", "int8")
+    args = cli.build_parser().parse_args(["worker", "--quantization", "none"])
+    assert cli.load_settings(args).engine_config().quantization is None
+    assert WorkerSettings().engine_config().quantization == "int8"

@@ -434,6 +434,12 @@ def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
     assert "roseinfer.worker" not in proc.stderr
     verbose = subprocess.run([*cmd[:3], "-v", *cmd[3:]], capture_output=True, text=True, timeout=120, env=env)
     assert verbose.returncode == 0 and "roseinfer.worker" in verbose.stderr
+    # ROSEINFER_MODEL stood under the flag's default (the default model), and ROSEINFER_QUEUE sent the worker to a
+    # queue the demo's jobs were not in: it waited for good.
+    settings = {"ROSEINFER_MODEL": tiny_chat_model, "ROSEINFER_QUEUE": "chat"}
+    plain = [c for c in cmd if c not in ("--model", tiny_chat_model)]
+    from_env = subprocess.run(plain, capture_output=True, text=True, timeout=120, env={**env, **settings})
+    assert from_env.returncode == 0 and "2 finished, 0 failed" in from_env.stderr, from_env.stderr[-2000:]
 
 
 def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):

@@ -145,15 +145,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--embedded", action="store_true",
         help="also start a private Redis and a worker in this process: one command, nothing else to install",
     )  # fmt: skip
-    p.add_argument("--model", default=WorkerSettings.model_fields["model"].default, help="with --embedded")
-    p.add_argument("--dtype", default="float32", help="with --embedded")
+    p.add_argument("--model", default=None, help="with --embedded (default: ROSEINFER_MODEL, else the default model)")
+    p.add_argument("--dtype", default=None, help="with --embedded (default: ROSEINFER_DTYPE, else float32)")
     add_connection_arguments(p)
     p.set_defaults(func=serve)
 
     p = sub.add_parser("demo", help="the whole flow on one machine: embedded Redis, a worker, jobs, live tokens")
-    p.add_argument("prompt", nargs="*")
-    p.add_argument("--model", default=WorkerSettings.model_fields["model"].default)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "prompt", nargs="*", help='prompts, one an argument: quote a prompt of several words ("Write a haiku")'
+    )
+    p.add_argument("--model", default=None, help="default: ROSEINFER_MODEL, else the default model")
+    p.add_argument("--dtype", default=None, help="default: ROSEINFER_DTYPE, else float32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.set_defaults(func=demo)
 
@@ -230,7 +232,22 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as exc:  # --timeout of a wait, a stream or a result ran out: the job goes on
         print(f"error: {exc}", file=sys.stderr)
         return 124  # as timeout(1)
+    except ModuleNotFoundError as exc:  # a plain `pip install roseinfer` is the producer's: the rest are extras
+        extra = next((e for e, names in EXTRAS.items() if (exc.name or "").split(".")[0] in names), None)
+        if extra is None:
+            raise
+        print(f"error: roseinfer {args.command} needs {exc.name}: pip install 'roseinfer[{extra}]'", file=sys.stderr)
     return 2
+
+
+# Which extra installs the packages a command imports (pyproject.toml's optional dependencies).
+EXTRAS = {
+    "server": ("fastapi", "uvicorn", "tokenizers"),
+    "engine": ("torch", "transformers", "safetensors", "huggingface_hub", "gguf", "accelerate", "prometheus_client",
+               "llguidance", "fakeredis", "lupa"),
+    "parquet": ("pyarrow",),
+    "datasets": ("datasets",),
+}  # fmt: skip
 
 
 if __name__ == "__main__":
