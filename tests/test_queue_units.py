@@ -2095,6 +2095,37 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
 
 
 @pytest.mark.redis
+def test_a_heartbeat_that_failed_is_tried_again_at_the_next_beat(redis_url, monkeypatch):
+    """A beat whose round trip failed (a blip, READONLY in a failover) marked its jobs beaten all the same: the next
+    beat skipped them as fresh, and their registry entries (interval + grace) lapsed before the one after, when any
+    worker's maintenance took them for abandoned (failure callback, retry: run twice)."""
+    import redis
+    from redis.client import Pipeline
+
+    from worker import heartbeat as heartbeat_module
+    from worker.heartbeat import Heartbeat
+
+    conn, worker, _, [held] = _running_jobs(redis_url)
+    beats = Heartbeat(worker)
+    held.beat_at = 0.0  # due
+    execute = Pipeline.execute
+
+    def blip(self, *args, **kwargs):
+        monkeypatch.setattr(Pipeline, "execute", execute)
+        raise redis.ConnectionError("a blip")
+
+    monkeypatch.setattr(Pipeline, "execute", blip)
+    with pytest.raises(redis.ConnectionError):
+        beats.beat()
+    before = conn.hget(held.job.key, "last_heartbeat")  # (the start's: the failed beat wrote nothing)
+    later = time.monotonic() + worker.settings.heartbeat_interval  # the next beat
+    monkeypatch.setattr(heartbeat_module.time, "monotonic", lambda: later)
+    beats.beat()
+    assert conn.hget(held.job.key, "last_heartbeat") > before
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finished(redis_url):
     """The result took sample 0's end for the job's: canceled after sample 0 stopped, the job's result said
     ``finished`` / ``stop`` (its stream said abort, RQ said canceled) and ``job.result()`` returned it as a success."""

@@ -113,7 +113,6 @@ class Heartbeat:
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             stamp = now()
             for job in stale:
-                job.beat_at = mono
                 job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
                 job.job.last_heartbeat = stamp
             if stale and self._beat_jobs is not None:
@@ -127,7 +126,10 @@ class Heartbeat:
             pipe.expire(key, ttl)
             if w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
-            return pipe.execute()
+            replies = pipe.execute()
+        for job in stale:  # (beaten once Redis took it: a beat that failed left the next one to skip them, fresh,
+            job.beat_at = mono  # and their registry entries lapsed before the one after)
+        return replies
 
     def _lease(self, jobs: list, pipe: Any) -> None:
         """The lease until the next beat and then half the grace; never later than half the grace before any job's
