@@ -2126,6 +2126,29 @@ def test_a_heartbeat_that_failed_is_tried_again_at_the_next_beat(redis_url, monk
 
 
 @pytest.mark.redis
+def test_step_events_met_on_the_way_to_a_cancel_keep_what_they_say(redis_url):
+    """With the engine in its own process, a step's events that arrive while a cancel waits for its answer come
+    before it, and went out as bare text: a restart (a refused prefix) never reset the stream, so followers kept
+    the old attempt's text before the new; the first token's time, a sample's end and the prompt's length were
+    lost."""
+    from worker.pump import JobEvent
+
+    _conn, worker, _, [held] = _running_jobs(redis_url)
+    job_id = held.job.id
+    held.stream.next_n = 3  # (an earlier attempt's events)
+    worker._canceled(held, [
+        JobEvent(job_id, restarted=True),
+        JobEvent(job_id, "Hel", [1], prompt_tokens=5),
+        JobEvent(job_id, finish_reason="abort"),
+    ])  # fmt: skip
+    assert held.first_token_at is not None and worker.tokens == 1
+    running, finals = worker.publisher.take()
+    [(_, event, *_)] = running + finals  # all it made since its last event, in one
+    assert event.get("reset") and event["text"] == "Hel" and event["finish_reason"] == "abort"
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finished(redis_url):
     """The result took sample 0's end for the job's: canceled after sample 0 stopped, the job's result said
     ``finished`` / ``stop`` (its stream said abort, RQ said canceled) and ``job.result()`` returned it as a success."""

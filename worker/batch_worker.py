@@ -735,20 +735,12 @@ class BatchWorker(BaseWorker):
             job = self.in_flight.get(event.job_id)
             if job is None:
                 continue
-            if job.first_token_at is None and event.token_ids:
-                job.first_token_at = wall
             if event.finish_reason is not None:
                 job.finished_at = wall
-            if event.finish_reason != "abort":  # (``_canceled`` counts a cancel's, whoever ends the job)
-                self.tokens += len(event.token_ids)
-            if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
-                job.stream.restart()
-                job.resumed_tokens = 0
+            if event.finish_reason != "abort":  # (``_canceled`` takes a cancel's in, whoever ends the job)
+                self._took(job, event, wall)
             if event.finish_reason is None:
-                self.publisher.add(
-                    job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs,
-                    sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
-                )  # fmt: skip
+                self._piece(job, event)
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output
@@ -764,6 +756,22 @@ class BatchWorker(BaseWorker):
         if done:
             self._tasks.append(lambda: self._succeed(done))
         return len(self.in_flight) < held
+
+    def _took(self, job: InFlight, event: JobEvent, wall: float) -> None:
+        """What an event of ``job`` says besides its text: its first token, its tokens, a restart."""
+        if job.first_token_at is None and event.token_ids:
+            job.first_token_at = wall
+        self.tokens += len(event.token_ids)
+        if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
+            job.stream.restart()
+            job.resumed_tokens = 0
+
+    def _piece(self, job: InFlight, event: JobEvent) -> None:
+        """A running job's piece of output (not its end) to its stream."""
+        self.publisher.add(
+            job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs,
+            sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
+        )  # fmt: skip
 
     def _succeed(self, done: list[tuple[InFlight, Any]]) -> None:
         """The jobs a step finished, through RQ's success path: for plain jobs (no dependents, repeats, allowed
@@ -949,12 +957,12 @@ class BatchWorker(BaseWorker):
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept, but for a job
         deleted (RQ's ``job.delete()``): nothing of it is left in Redis but its stream's last event."""
         del self.in_flight[job.job.id]
-        self.tokens += sum(len(e.token_ids) for e in events)
+        wall = time.time()
+        for e in events:
+            self._took(job, e, wall)
         *pieces, event = events
-        for piece in pieces:  # a job of n samples: each sample's text not sent yet
-            self.publisher.add(
-                job.stream, piece.text, piece.token_ids, None, None, None, piece.index, logprobs=piece.logprobs
-            )
+        for piece in pieces:  # each sample's text not sent yet; an engine process's step events, met on the way
+            self._piece(job, piece)
         out = event.output  # None: the engine had not taken it yet (its prompt still tokenizing), or it is gone
         reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
         if out is not None:
