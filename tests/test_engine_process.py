@@ -671,3 +671,35 @@ def test_the_models_recommended_settings_reach_the_worker_from_an_engine_process
         assert pump.chat_template_doc() == '{"chat_template": "its template"}'
     finally:
         pump.close()
+
+
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_stops_at_once():
+    """The kernel's parent-death signal is asked for as the child begins: a parent killed before then (the child's
+    imports take a while) left it orphaned, the signal never sent, and it loaded the model for no one."""
+    code = (
+        "import multiprocessing, os, types\n"
+        "import worker.engine_process as ep\n"
+        "multiprocessing.parent_process = lambda: types.SimpleNamespace(pid=os.getppid() + 12345)\n"  # gone
+        "ep._die_with_parent()\n"
+        "print('alive')\n"
+    )
+    orphan = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert orphan.returncode != 0 and "alive" not in orphan.stdout
+    code = code.replace("os.getppid() + 12345", "os.getppid()")  # its parent still there: it goes on
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout == "alive\n"
+
+
+def test_a_message_the_child_cannot_read_ends_it_instead_of_leaving_it_deaf():
+    """Its reading thread caught the pipe's end only: any other error (a message that does not unpickle) ended the
+    thread without a word, and the child heard nothing more while its worker waited on it."""
+    import queue
+
+    from worker.engine_process import _read_commands
+
+    class Pipe:
+        def recv(self):
+            raise ValueError("cannot unpickle")
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    _read_commands(Pipe(), inbox)
+    assert inbox.get(timeout=1) is None

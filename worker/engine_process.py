@@ -100,9 +100,14 @@ def _kill(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def _die_with_parent() -> None:
-    """The kernel kills this process when its parent dies, even in the middle of a step (Linux)."""
+    """The kernel kills this process when its parent dies, even in the middle of a step (Linux). A parent that died
+    before this ran (killed while the child started: its imports take a while) left it orphaned already, the signal
+    never sent: it would load the model, holding the GPU for minutes, for no one."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the pipe's end stops it after its step
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid != os.getppid():
+        os._exit(1)
 
 
 def _read_commands(commands: Any, inbox: queue.SimpleQueue) -> None:
@@ -112,6 +117,9 @@ def _read_commands(commands: Any, inbox: queue.SimpleQueue) -> None:
         while True:
             inbox.put(commands.recv())
     except (EOFError, OSError):
+        inbox.put(None)
+    except BaseException:  # a message that does not unpickle, say: heard as the parent gone, not as silence for good
+        log.exception("the engine process cannot read its worker's messages")
         inbox.put(None)
 
 
