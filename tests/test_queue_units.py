@@ -2149,6 +2149,30 @@ def test_step_events_met_on_the_way_to_a_cancel_keep_what_they_say(redis_url):
 
 
 @pytest.mark.redis
+def test_a_cold_stop_waits_for_a_pull_under_way_no_longer_than_its_patience(redis_url):
+    """The second stop signal joined the puller for up to 120 s: one retrying a start through an outage (20 s, and
+    socket timeouts) held the cold stop that long before its 5 s patience applied."""
+    import threading
+
+    _conn, worker, _, [held] = _running_jobs(redis_url)
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(30,), daemon=True)  # a pull retrying Redis
+    stuck.start()
+    worker.puller._thread = stuck
+    worker.sender.start()
+    worker.sender.give_up_at = time.monotonic() + 0.3  # (the second signal sets it)
+    started = time.monotonic()
+    try:
+        worker._hand_back_cold()
+        assert time.monotonic() - started < 5
+        assert held.job.get_status(refresh=True) == "queued"  # handed back all the same
+    finally:
+        release.set()
+        worker.sender.stop()
+        worker.register_death()
+
+
+@pytest.mark.redis
 def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finished(redis_url):
     """The result took sample 0's end for the job's: canceled after sample 0 stopped, the job's result said
     ``finished`` / ``stop`` (its stream said abort, RQ said canceled) and ``job.result()`` returned it as a success."""

@@ -1368,13 +1368,13 @@ class BatchWorker(BaseWorker):
 
     def _hand_back_all(self) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
-        self.puller.stop()
+        give_up_at = self.sender.give_up_at  # (a pull retrying through an outage is waited for this long, no more)
+        self.puller.stop(120.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         self._apply_arrivals()  # taken already: they go back with the rest
         self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
         self.pump.cancel_many(list(self.in_flight))
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
-        give_up_at = self.sender.give_up_at
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         handed = 0
         held = list(reversed(self.in_flight.values()))  # each to the front: the first taken ends up first

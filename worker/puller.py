@@ -112,11 +112,11 @@ class Puller:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """No more pulls; returns once a pull under way has handed over what it took."""
+    def stop(self, timeout: float = 120.0) -> None:
+        """No more pulls; returns once a pull under way has handed over what it took (``timeout`` s at most)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=120)
+        self._thread.join(timeout=timeout)
 
     def wake(self) -> None:
         self._wake.set()
