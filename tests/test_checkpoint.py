@@ -220,6 +220,10 @@ WINDOWED = {
     "gemma2, capped scores": FAMILIES["gemma2"],
     "qwen3, heads of 64": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
                                      "head_dim": 64}),
+    # Every layer slides (its config has no layer_types): each attended over the whole context.
+    "qwen3_moe, every layer": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                             "norm_topk_prob": False, "pad_token_id": None,
+                                             "use_sliding_window": True, "sliding_window": 6}),
 }  # fmt: skip
 
 

@@ -136,13 +136,14 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 def sliding_windows(cfg) -> list[int]:
     """Each layer's sliding window (0: full attention) where transformers slides: as the config's ``layer_types``
-    say (Qwen2 and 3: from ``use_sliding_window`` and ``max_window_layers``), else every layer of a Mistral with
-    a ``sliding_window``. A Llama config's stray ``sliding_window`` is ignored, as transformers ignores it."""
+    say (Qwen2 and 3: from ``use_sliding_window`` and ``max_window_layers``), else every layer of a Mistral (or a
+    Qwen3-MoE: its config keeps ``sliding_window`` only with ``use_sliding_window``) with a ``sliding_window``. A
+    Llama config's stray ``sliding_window`` is ignored, as transformers ignores it."""
     window = getattr(cfg, "sliding_window", None) or 0
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return [window if kind == "sliding_attention" else 0 for kind in layer_types]
-    return [window if cfg.model_type in ("mistral", "mixtral", "phi3") else 0] * cfg.num_hidden_layers
+    return [window if cfg.model_type in ("mistral", "mixtral", "phi3", "qwen3_moe") else 0] * cfg.num_hidden_layers
 
 
 def rope_parameters(cfg, layer_type: str | None = None) -> dict:
