@@ -557,3 +557,23 @@ def test_a_gguf_whose_tokenizer_transformers_reads_with_another_end_token_is_ref
     with pytest.raises(ConfigError, match=refused):
         LLM(str(path), dtype="float32")
     assert not any((tmp_path / "cache").glob("*/config.json"))
+
+
+def test_a_bias_is_read_exactly_where_the_config_gives_the_layer_one(tmp_path):
+    """A Qwen2 checkpoint without its q/k/v biases (transformers always has them) loaded with zeros in their place:
+    wrong text without a word. A Mistral checkpoint holding biases its model has none of (transformers leaves them
+    unused) had them added to every projection."""
+    path = Path(_save(_config("qwen2"), tmp_path / "qwen2"))
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.bias"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"no tensor 'model\.layers\.0\.self_attn\.k_proj\.bias'"):
+        LLM(str(path), dtype="float32")
+
+    path = Path(_save(_config("mistral"), tmp_path / "mistral"))
+    tensors = load_file(path / "model.safetensors")
+    for i in range(_config("mistral").num_hidden_layers):  # (biases a converter left in)
+        tensors[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.full((_config("mistral").hidden_size,), 3.0)
+    save_file(tensors, path / "model.safetensors")
+    outs = LLM(str(path), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), PROMPTS, 16)

@@ -169,17 +169,23 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     @classmethod
-    def from_checkpoint(cls, weights: Checkpoint, name: str, out_features: int, in_features: int) -> Linear:
-        """The layer ``name`` of a checkpoint: its ``.weight`` and, where it has one, its ``.bias``."""
-        return cls.fused(weights, [name], [out_features], in_features)
+    def from_checkpoint(
+        cls, weights: Checkpoint, name: str, out_features: int, in_features: int, bias: bool | None = None
+    ) -> Linear:
+        """The layer ``name`` of a checkpoint: its ``.weight`` and its ``.bias`` (``bias``: True, the config says
+        it has one, which must be there; False, it has none, whatever the checkpoint holds; None: where there)."""
+        return cls.fused(weights, [name], [out_features], in_features, bias)
 
     @classmethod
-    def fused(cls, weights: Checkpoint, names: list[str], out_features: list[int], in_features: int) -> Linear:
+    def fused(
+        cls, weights: Checkpoint, names: list[str], out_features: list[int], in_features: int, bias: bool | None = None
+    ) -> Linear:
         """One layer for projections that read the same input (q/k/v, gate/up): one matmul, not several."""
         parts = [weights.get(f"{name}.weight", (n, in_features)) for name, n in zip(names, out_features)]
-        biases = [weights.optional(f"{name}.bias", (n,)) for name, n in zip(names, out_features)]
+        read = weights.get if bias else weights.optional
+        biases = [read(f"{name}.bias", (n,)) if bias is not False else None for name, n in zip(names, out_features)]
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if all(bias is None for bias in biases):
+        if all(b is None for b in biases):
             return cls(weight)
         bias = torch.cat([b if b is not None else weight.new_zeros(n) for b, n in zip(biases, out_features)])
         return cls(weight, bias)

@@ -87,25 +87,41 @@ def _qk_norm(weights: Checkpoint, prefix: str, num_heads: int, num_kv_heads: int
     return torch.cat([q.expand(num_heads, head_dim), k.expand(num_kv_heads, head_dim)]), cfg.rms_norm_eps
 
 
+def biases(cfg) -> tuple[bool, bool, bool]:
+    """Whether transformers' model of this family gives its q/k/v, output and MLP projections a bias (its modeling
+    code's rule): one it gives must be in the checkpoint (read as zeros, it was wrong text without a word), one it
+    does not is not read (transformers leaves it unused)."""
+    kind = cfg.model_type
+    if kind in ("mistral", "mixtral", "phi3"):
+        return False, False, False
+    if kind in ("qwen2", "qwen2_moe"):  # q/k/v always (qwen2_moe: unless qkv_bias says not)
+        return bool(getattr(cfg, "qkv_bias", True)), False, False
+    attention = bool(getattr(cfg, "attention_bias", False))
+    return attention, attention, kind in ("llama", "smollm3", "granite") and bool(getattr(cfg, "mlp_bias", False))
+
+
 def attention_projections(weights: Checkpoint, prefix: str, cfg, q_size: int, kv_size: int) -> tuple[Linear, Linear]:
     """A layer's q/k/v projections as one layer, and its output projection; Phi-3's checkpoints hold q/k/v fused."""
     hidden = cfg.hidden_size
+    qkv_bias, o_bias, _ = biases(cfg)
     if cfg.model_type == "phi3":
-        qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
+        qkv = Linear.from_checkpoint(weights, f"{prefix}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden, False)
     else:
         names = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
-        qkv = Linear.fused(weights, names, [q_size, kv_size, kv_size], hidden)
-    return qkv, Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size)
+        qkv = Linear.fused(weights, names, [q_size, kv_size, kv_size], hidden, qkv_bias)
+    return qkv, Linear.from_checkpoint(weights, f"{prefix}.self_attn.o_proj", hidden, q_size, o_bias)
 
 
 def mlp_projections(weights: Checkpoint, prefix: str, cfg) -> tuple[Linear, Linear]:
     """A dense MLP's gate and up projections as one layer, and its down projection; Phi-3's hold gate/up fused."""
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    bias = biases(cfg)[2]
     if cfg.model_type == "phi3":
-        gate_up = Linear.from_checkpoint(weights, f"{prefix}.mlp.gate_up_proj", 2 * inter, hidden)
+        gate_up = Linear.from_checkpoint(weights, f"{prefix}.mlp.gate_up_proj", 2 * inter, hidden, False)
     else:
-        gate_up = Linear.fused(weights, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], [inter] * 2, hidden)
-    return gate_up, Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, inter)
+        names = [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]
+        gate_up = Linear.fused(weights, names, [inter] * 2, hidden, bias)
+    return gate_up, Linear.from_checkpoint(weights, f"{prefix}.mlp.down_proj", hidden, inter, bias)
 
 
 def output_layer(weights: Checkpoint, cfg, embed: torch.Tensor) -> Linear:
