@@ -277,3 +277,24 @@ def test_a_prompt_that_closed_the_thinking_is_constrained_from_the_first_token(l
     [out] = llm.generate([PROMPTS[0] + "\n<think>\n\n</think>\n\n"], params, use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_a_token_the_constraint_refuses_fails_the_job_not_as_a_cancel(llm, monkeypatch):
+    """The engine ends such a request "abort" (a library fault: the grammar and the tokenizer disagree on an end
+    token, say). The worker took that for its client's cancel: a canceled result, RQ's status left "started" for
+    good, a batch waiting on the job for a day. It is a failure, not retried, its text kept."""
+    from worker.pump import Pump
+
+    engine = llm.engine
+    monkeypatch.setattr(engine.structured, "accept", lambda seq, token: False)
+    pump = Pump(engine, tokenize_in_thread=False)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    pump.submit("refused", {"prompt": "A number:"}, params)
+    pump.submit("free", {"prompt": "Anything:"}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    ends = {}
+    while pump.has_work():
+        ends.update((e.job_id, e) for e in pump.step() if e.finished)
+    refused = ends["refused"]
+    assert (refused.finish_reason, refused.error_type, refused.retryable) == ("error", "server_error", False)
+    assert "refused a token" in refused.error and refused.output is not None
+    assert ends["free"].finish_reason == "length"

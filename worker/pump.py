@@ -288,6 +288,9 @@ class Pump:
             reason = out.outputs[0].finish_reason if out.finished else None
             if out.finished:
                 del self._jobs[out.request_id]
+            if reason == "abort":  # the engine ended it itself (a cancel takes the job out of this pump first)
+                events.append(_refused_by_grammar(out))
+                continue
             events.append(
                 JobEvent(
                     out.request_id,
@@ -313,3 +316,14 @@ class Pump:
             ended[-1].retryable, ended[-1].error_type = True, "server_error"
             events += ended
         return events
+
+
+def _refused_by_grammar(out: Any) -> JobEvent:
+    """A job the engine aborted on its own: its structured output refused a token the model chose (a tokenizer
+    whose end token the grammar library does not know, say). It failed as a job its client canceled: a canceled
+    result, RQ's status left "started" for good, a batch waiting on it for a day."""
+    return JobEvent(
+        out.request_id, out.delta_text, out.delta_token_ids, "error", out, index=out.delta_index,
+        error="the job's structured output refused a token the model produced (the grammar library and the "
+        "model's tokenizer disagree): not retried", error_type="server_error", logprobs=delta_logprobs(out),
+    )  # fmt: skip
