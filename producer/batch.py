@@ -181,7 +181,9 @@ def parse_line(
         if options.plain:
             (url, payload), api_defaults = _row_payload(obj, options), {}
         else:
-            url, payload, api_defaults, asked_as = _payload(obj, options.tool_call_parser, options.reasoning_parser)
+            url, payload, api_defaults, asked_as = _payload(
+                obj, options.tool_call_parser, options.reasoning_parser, options.defaults.get("response_format")
+            )
         _apply_defaults(payload, options.defaults)
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id
@@ -274,11 +276,17 @@ def _apply_defaults(payload: dict[str, Any], defaults: dict[str, Any]) -> None:
 
 
 def _payload(
-    obj: dict[str, Any], tool_parser: str | None = None, reasoning_parser: str | None = None
+    obj: dict[str, Any],
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    response_format: dict[str, Any] | None = None,
 ) -> tuple[str, dict[str, Any], dict[str, Any], tuple[Any, Any]]:
     """The endpoint and the job payload (without custom_id) of an OpenAI batch line or a plain line, the fields
     an OpenAI line leaves to the API's defaults, which yield to the run's, and its request and the chat or
-    completion request of its job as the server reads them (a /v1/responses line's chat; None for a plain line)."""
+    completion request of its job as the server reads them (a /v1/responses line's chat; None for a plain line).
+    ``response_format``: the run's, for a request that gives none: read with the request, as the server would read
+    it there (added to the job afterwards, a reasoning parser's thinking never heard of it: the JSON answer went to
+    the reasoning, the content was null)."""
     if "body" not in obj:
         payload = {k: v for k, v in obj.items() if k != "custom_id"}
         return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload, {}, (None, None)
@@ -303,6 +311,13 @@ def _payload(
     # roseinfer's own fields (priority, metadata) pass through.
     own = {k: body[k] for k in ("priority", "metadata") if k in body}
     request = {k: v for k, v in body.items() if k not in own}
+    if response_format is not None and response_format.get("type") != "text":
+        text = request.get("text", {})
+        if url != "/v1/responses":
+            if "response_format" not in request and "structured_outputs" not in request:
+                request["response_format"] = response_format
+        elif isinstance(text, dict) and text.get("format") is None:  # (a text that is no object: the parse says so)
+            request["text"] = {**text, "format": _text_format(response_format)}
     try:
         if url == "/v1/responses":
             asked, parsed, payload = parse_responses({"model": "batch", **request}, tool_parser, reasoning_parser)
@@ -318,6 +333,13 @@ def _payload(
     given = parsed.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in parsed.model_fields_set else set())
     api_defaults = {k: payload.pop(k) for k in ("n", "max_tokens") if k in payload and k not in given}
     return url, {**payload, **own}, api_defaults, (asked, parsed)
+
+
+def _text_format(response_format: dict[str, Any]) -> dict[str, Any]:
+    """A chat's response_format as the Responses API's ``text.format``."""
+    if response_format.get("type") == "json_schema":
+        return {"type": "json_schema", **response_format.get("json_schema", {})}
+    return {"type": response_format.get("type", "json_object")}
 
 
 def output_line(line: Line, result: dict[str, Any], names: Callable[[str], TokenNames] | None = None) -> dict[str, Any]:

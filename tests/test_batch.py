@@ -972,3 +972,35 @@ def test_a_chat_lines_echo_begins_its_output_with_the_assistants_words():
               "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}  # fmt: skip
     [choice] = output_line(line, result)["response"]["body"]["choices"]
     assert choice["message"]["content"] == "The color is blue."
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/responses"])
+def test_the_runs_response_format_is_read_with_the_line_so_a_reasoning_model_thinks_first(url):
+    """--response-format with --reasoning-parser: the run's format was added to the job after the line was read as
+    unconstrained, so the job had no thinking before its JSON, and the JSON answer was split off as reasoning (the
+    content null in every row). It is read with the line, as the line's own format is."""
+    from producer.batch_io import RowOptions
+
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    options = RowOptions(defaults={"response_format": rf}, reasoning_parser="deepseek_r1")
+    body = {"messages": [{"role": "user", "content": "2+2?"}]} if "chat" in url else {"input": "2+2?"}
+    line = parse_line(1, json.dumps({"custom_id": "r1", "url": url, "body": body}), options=options)
+    own = {
+        **body,
+        **(
+            {"response_format": rf}
+            if "chat" in url
+            else {"text": {"format": {"type": "json_schema", **rf["json_schema"]}}}
+        ),
+    }
+    asked = parse_line(1, json.dumps({"custom_id": "r1", "url": url, "body": own}), options=RowOptions(
+        reasoning_parser="deepseek_r1"))  # fmt: skip
+    assert line.payload.get("thinking") == asked.payload.get("thinking") == "first"
+    result = {"id": "j", "model": "m", "status": "finished", "text": 'I add.</think>{"a": 4}', "finish_reason": "stop",
+              "token_ids": [1, 2], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+              "timings": {"finished_at": 1.0}}  # fmt: skip
+    body_out = output_line(line, result)["response"]["body"]
+    if "chat" in url:
+        assert body_out["choices"][0]["message"]["content"] == '{"a": 4}'
+    else:
+        assert body_out["output"][-1]["content"][0]["text"] == '{"a": 4}'
