@@ -398,6 +398,13 @@ class JobRequest(BaseModel):
             raise ValueError("thinking says where a constraint begins: give a JSON schema, any JSON object or a choice "
                              "(structured_outputs or response_format)")  # fmt: skip
         schema = (self.structured_form() or {}).get("json")
+        if isinstance(schema, str):  # its text: read, so the checks below see the schema it holds
+            try:
+                schema = json.loads(schema)
+            except RecursionError:  # (the worker's read raised it: a server error for a fault of the job's)
+                raise ValueError(f"the structured output schema nests deeper than {MAX_JSON_DEPTH} levels") from None
+            except ValueError as exc:
+                raise ValueError(f"the structured output schema is not JSON: {exc}") from None
         tools = [tool.function.parameters for tool in self.tools or ()]
         checked = (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools),
                    ("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip

@@ -55,6 +55,11 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
         # Read as infinity, written back as Infinity into the result: JSON no other language parses.
         ({"prompt": "hi", "metadata": {"x": json.loads("1e400")}}, "metadata holds NaN or an infinite number"),
         ({"prompt": "hi", "structured_outputs": {"json": {"maximum": float("nan")}}}, "schema holds NaN"),
+        # Its text: the checks of the schema as an object were skipped, and the worker's read of 3,000 levels was a
+        # RecursionError (a server error for the job's own fault).
+        ({"prompt": "hi", "structured_outputs": {"json": json.dumps(_nested(101))}}, "schema nests .* deeper than 100"),
+        ({"prompt": "hi", "structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, "schema nests deeper than 100"),
+        ({"prompt": "hi", "structured_outputs": {"json": "{not json"}}, "schema is not JSON"),
         ({"prompt": "hi", "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),  # none came back
         ({"prompt": "hi", "logprobs": 2, "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),
     ],
