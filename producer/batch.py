@@ -154,12 +154,20 @@ def parse_line(
     """One input row (a JSONL line's text, or a Parquet row) into a job payload (at ``priority`` unless it says;
     the run's defaults where it names none); BadLine (a ValueError) with a readable reason for a bad one."""
     options = options or RowOptions()
-    if isinstance(text, Undecodable):
-        raise BadLine(text.reason)
-    line_text = None if isinstance(text, dict) else _utf8(text)
-    obj = text if line_text is None else _json(line_text)
-    if not isinstance(obj, dict):
-        raise BadLine("a line must be a JSON object")
+    # A plain row's id is its number where no column names it: known even for a row that cannot be read (a Parquet
+    # output holds every row of the input, a failed one too).
+    numbered = f"row-{number}" if options.plain and options.id_column is None else None
+    try:
+        if isinstance(text, Undecodable):
+            raise BadLine(text.reason)
+        line_text = None if isinstance(text, dict) else _utf8(text)
+        obj = text if line_text is None else _json(line_text)
+        if not isinstance(obj, dict):
+            raise BadLine("a line must be a JSON object")
+    except BadLine as exc:
+        if exc.custom_id is None and numbered is not None:
+            raise BadLine(str(exc), numbered) from None
+        raise
     if options.plain:
         key = options.id_column
         given = obj.get(key) if key is not None else f"row-{number}"

@@ -506,3 +506,22 @@ def _sink_file(tmp_path) -> str:
         sink.open(errors)
         sink.close()
     return str(path)
+
+
+def test_plain_jsonl_rows_that_cannot_be_read_are_failed_rows_of_the_parquet_output(tmp_path):
+    """A plain row's id is its number where no column names it, but a row that was no JSON object was refused before
+    its id was worked out: the Parquet output, which holds every row of the input, lost it."""
+    import fakeredis
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "a"}\nnot json\n[1]\n{"prompt": 5}\n')
+    client = Client(connection=fakeredis.FakeRedis())
+    with stuck_worker(client):
+        run_batch(
+            client, source, tmp_path / "out.parquet", options=RowOptions("prompt", None, None, {}), log_interval=1e9,
+            timeout=0.01, poll_interval=0.01, output_format="parquet",
+        )  # fmt: skip
+    rows = {r["custom_id"]: r for r in pq.read_table(tmp_path / "out.parquet").to_pylist()}
+    assert sorted(rows) == ["row-1", "row-2", "row-3", "row-4"]
+    assert rows["row-2"]["error"].startswith("invalid_request: not JSON")
+    assert rows["row-3"]["error"] == "invalid_request: a line must be a JSON object"
