@@ -2097,6 +2097,15 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
         conn.zadd(held.job.started_job_registry.key, {held.execution.composite_key: int(time.time() - 14.9) + 40})
     heartbeat.beat()
     assert conn.pttl(lease) > 11_000  # past the next beat (10 s), with room to spare
+    # RQ's clean-up took a job for abandoned: its entry gone (a retry scheduled, or queued again), the owner still
+    # ours. The lease was granted whole (25 s), and both attempts' events went out unchecked.
+    conn.zrem(first.job.started_job_registry.key, first.execution.composite_key)
+    heartbeat.beat()
+    assert not conn.exists(lease)
+    conn.zadd(first.job.started_job_registry.key, {first.execution.composite_key: time.time() + 40})
+    conn.hset(first.job.key, "status", "scheduled")
+    heartbeat.beat()
+    assert not conn.exists(lease)
 
 
 @pytest.mark.redis

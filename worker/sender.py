@@ -83,16 +83,19 @@ return lost
 # job its owner here and its registry member. Set only while every job is still this worker's (a lapse may have let
 # RQ requeue one), and never past any job's registry entry less the margin, by Redis's clock: a stall of Redis
 # outlived the entries (their scores are absolute, the lease's TTL was not) and RQ requeued jobs whose events then
-# went out unchecked, from two attempts. 1 if set; 0: the lease is gone, and every event is checked.
+# went out unchecked, from two attempts. A job's entry gone while it has not ended here (RQ's clean-up took it for
+# abandoned, and requeued or scheduled it) ends the lease too: it was granted whole. 1 if set; 0: the lease is gone,
+# and every event is checked.
 _LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ms, margin, a = tonumber(ARGV[1]), tonumber(ARGV[2]), 3
 for i = 2, #KEYS, 2 do
   local job = redis.call('HMGET', KEYS[i], 'roseinfer_owner', 'status')
-  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued') then ms = 0 break end
+  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued' or job[2] == 'scheduled') then ms = 0 break end
   local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
-  if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now) end
+  if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now)
+  elseif job[1] and (job[2] == 'started' or job[2] == 'deferred') then ms = 0 break end  -- (ended here: no entry)
   a = a + 2
 end
 if ms <= 0 then redis.call('DEL', KEYS[1]) return 0 end
