@@ -1717,6 +1717,38 @@ def test_a_job_pulled_again_later_is_not_queued_again_as_it_starts(redis_url, wa
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "objects"])
+def test_a_job_deleted_between_its_pull_and_its_start_stays_deleted(redis_url, way):
+    """RQ's job.delete() in the moment between a pull and its start: the start wrote the hash back as a stub RQ
+    cannot read (Job.fetch: "Unexpected job format"), status started and no TTL, and the job ran to its end. It
+    stays deleted now, which the worker reads as a cancel."""
+    from redis import Redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.job_start import register
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    Client(redis_url, queue=name).submit_many([{"prompt": "hello", "max_tokens": 4}])
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    worker.sender.start_script = None if way == "objects" else register(conn)
+    [(job, queue)], _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
+    conn.delete(job.key)
+    worker.mark_started([(job, queue)])
+    assert not conn.exists(job.key)
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_report_does_not_drop_it(redis_url):
     """This worker stalled; its job went to another worker, which handed it back to the queue (a cold stop); this
     worker pulled it while its own copy still ran. The copy carries on, and the hash names this attempt again: left

@@ -685,12 +685,13 @@ class BatchWorker(BaseWorker):
         for (job, queue), status in zip(pulled, statuses):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
-            job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
-            args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
-            pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
-            if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
-                pipe.hset(job.key, "status", status)
-            pipe.persist(job.key)
+            if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
+                job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
+                args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
+                pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
+                if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
+                    pipe.hset(job.key, "status", status)
+                pipe.persist(job.key)
             pipe.lrem(queue.intermediate_queue_key, 1, job.id)
             pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))  # (as the start script: why there)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)

@@ -26,8 +26,9 @@ from worker.intake import load_script
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
 # names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
 # registry, intermediate list, token stream and result stream. A job canceled since it was pulled keeps that
-# status. RQ's mark of when its clean-up first saw the job in the intermediate list goes: left (a day), a later pull
-# of the job would find it minutes old, and the clean-up would queue the job again as it starts. A token or result
+# status; one deleted meanwhile stays deleted (its hash not written back: the worker reads it as a cancel). RQ's
+# mark of when its clean-up first saw the job in the intermediate list goes: left (a day), a later pull of the job
+# would find it minutes old, and the clean-up would queue the job again as it starts. A token or result
 # stream key holding another type (written by hand) is deleted: every write to it would fail, and with it a whole
 # batch's events or ends. Returns the ids of the jobs whose keys were deleted.
 _START = """
@@ -49,12 +50,15 @@ for a = 9, #ARGV, 9 do
   redis.call('EXPIRE', exec_key, ttl)
   redis.call('ZADD', registry, exec_score, exec_id)
   redis.call('EXPIRE', registry, ttl + 60)
-  -- A cancel that landed since the pull stays: the worker reads it and stops the job within a step.
+  -- A cancel that landed since the pull stays: the worker reads it and stops the job within a step. So does a
+  -- delete (RQ's job.delete()): a hash written here would be a stub RQ cannot read, and the job would run on.
   local status = redis.call('HGET', job, 'status')
-  if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
-  redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
-    owner, exec_id)
-  redis.call('PERSIST', job)
+  if status then
+    if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
+    redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
+      owner, exec_id)
+    redis.call('PERSIST', job)
+  end
   redis.call('LREM', intermediate, 1, id)
   redis.call('DEL', intermediate .. ':first_seen:' .. id)
   local composite = id .. ':' .. exec_id
