@@ -1822,6 +1822,26 @@ def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_regis
 
 
 @pytest.mark.redis
+def test_a_result_key_of_another_type_set_while_its_job_runs_leaves_the_batchs_other_ends_whole(redis_url):
+    """Written by hand after the start (which replaces such a key): its XADD failed the finish script midway, the
+    jobs before it half finished (status and result, but not their registries) and the rest of the step's ends
+    left to RQ's abandoned-job handling."""
+    from rq.registry import FinishedJobRegistry
+
+    from producer.protocol import read_result, result_from_entries, result_key
+    from worker.job_finish import register
+
+    conn, worker, name, held = _running_jobs(redis_url, count=3)
+    worker.sender.finish_script = register(conn)
+    conn.set(result_key(held[1].job.id), "not a stream")
+    done = [(job, {"status": "finished", "text": f"ok {i}", "token_ids": [1]}) for i, job in enumerate(held)]
+    worker._succeed_plain(done)
+    assert sorted(FinishedJobRegistry(name, connection=conn).get_job_ids()) == sorted(j.job.id for j in held)
+    assert result_from_entries(read_result(conn, held[1].job.id))["text"] == "ok 1"
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_an_end_tried_again_after_a_redis_error_writes_no_job_of_it_twice(redis_url):
     """The sender tries a step's ends again when Redis fails midway. A job of result_ttl 0 that RQ's success path
     had finished (and deleted) before the error was read as one whose hash Redis lost: reopened as started, its

@@ -70,9 +70,17 @@ for a = 9, #ARGV, 20 do
     if now[2] == 'failed' then redis.call('ZREM', ARGV[a + 17], id) end
     if now[2] == 'canceled' then redis.call('ZREM', ARGV[a + 18], id) end
     if now[2] == 'scheduled' then redis.call('ZREM', ARGV[a + 19], id) end
-    redis.call('XADD', result, 'MAXLEN', '~', '10', '*', 'type', kind, 'worker_name', name,
+    local entry = {'XADD', result, 'MAXLEN', '~', '10', '*', 'type', kind, 'worker_name', name,
       'return_value', ARGV[a + 5], 'execution_id', exec_id, 'execution_started_at', ARGV[a + 6],
-      'execution_ended_at', ended)
+      'execution_ended_at', ended}
+    -- A result key of another type (set by hand since the start, which replaces such keys) is replaced too: its
+    -- error stopped the script, the batch's ends half written.
+    local added = redis.pcall(unpack(entry))
+    if type(added) == 'table' and added.err then
+      if not string.find(added.err, 'WRONGTYPE', 1, true) then return redis.error_reply(added.err) end
+      redis.call('DEL', result)
+      redis.call(unpack(entry))
+    end
     if ttl == -1 then redis.call('PERSIST', result) else redis.call('EXPIRE', result, ttl) end
     local notify = ARGV[a + 16]
     -- pcall: a completion list the job names that holds another type fails its push alone, not the batch's ends
