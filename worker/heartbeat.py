@@ -115,10 +115,13 @@ class Heartbeat:
             for job in stale:
                 job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
                 job.job.last_heartbeat = stamp
+            looks: list[tuple[int, Any]] = []  # without Lua: where each job's look at its hash replies, and its job
             if stale and self._beat_jobs is not None:
                 pipe.evalsha(self._beat_jobs.sha, len(stale), *[job.job.key for job in stale], utcformat(stamp))
             else:  # no Lua (a Redis that refuses scripts): RQ's own, which writes whether or not the hash exists
                 for job in stale:
+                    looks.append((len(pipe.command_stack), job))
+                    pipe.exists(job.job.key)
                     job.job.heartbeat(stamp, ttl, pipeline=pipe)
             key = w.stats_key()
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
@@ -127,6 +130,10 @@ class Heartbeat:
             if w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
             replies = pipe.execute()
+        if gone := [job.job.key for at, job in looks if not replies[at]]:
+            # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete()). Deleted again, as RQ's own
+            # heartbeat does: else a hash of one field stayed for good, and the delete was no cancel.
+            w.connection.delete(*gone)
         for job in stale:  # (beaten once Redis took it: a beat that failed left the next one to skip them, fresh,
             job.beat_at = mono  # and their registry entries lapsed before the one after)
         return replies
