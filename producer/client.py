@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.exceptions import NoPermissionError, WatchError
 from rq import Queue, Retry
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, validate_job_id
@@ -755,7 +755,7 @@ class GenerationJob:
                         read_result(pipe, self.id)
                         status, entries = pipe.execute()
                 except REDIS_DOWN as exc:
-                    if pubsub is not None:  # its connection went too: subscribed again once Redis answers
+                    if pubsub:  # its connection went too: subscribed again once Redis answers
                         pubsub.close()
                         pubsub = None
                     outage.wait(exc)
@@ -782,16 +782,23 @@ class GenerationJob:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
                 try:
+                    if pubsub is False:  # no channel rights: the stream's end is waited on instead
+                        conn.xread({stream_key(self.id): "$"}, count=1, block=int(1000 * min(1.0, left or 1.0)) or 1)
+                        continue
                     if pubsub is None:  # subscribed, then a look again: an end in between is not missed
                         pubsub = conn.pubsub(ignore_subscribe_messages=True)
                         pubsub.subscribe(channel_key(self.id))
                         continue
                     _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
+                except NoPermissionError:  # an ACL user without channels (Redis 7's default for new users)
+                    pubsub.close()
+                    pubsub = False
                 except REDIS_DOWN:
-                    pubsub.close()  # the next look meets the outage, and subscribes again after it
+                    if pubsub:
+                        pubsub.close()  # the next look meets the outage, and subscribes again after it
                     pubsub = None
         finally:
-            if pubsub is not None:
+            if pubsub:
                 pubsub.close()
 
     def _was_running(self) -> bool:

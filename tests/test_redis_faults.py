@@ -334,3 +334,29 @@ def test_a_batch_rides_out_a_redis_restart_and_writes_every_row_once(tiny_chat_m
     assert got["succeeded"] == 40 and got["failed"] == 0
     written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
     assert sorted(written) == sorted(row["custom_id"] for row in rows)  # each once
+
+
+def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
+    """Redis 7 gives a new ACL user no channel rights by default: ``result()`` subscribed to the job's channel and
+    raised NoPermissionError at once, where the async client (which reads the stream) waited. It waits now."""
+    import threading
+
+    from producer import JobCanceled
+
+    url, proc = start_private_redis()
+    if proc is None:
+        pytest.skip("could not start redis-server")
+    try:
+        admin = Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all", "resetchannels")
+        job = Client(url.replace("redis://", "redis://app:pw@"), queue="nobody").submit("hi")
+        with pytest.raises(TimeoutError):
+            job.result(timeout=0.5)
+        threading.Timer(0.3, lambda: admin.hset(f"rq:job:{job.id}", "status", "canceled")).start()
+        started = time.monotonic()
+        with pytest.raises(JobCanceled):
+            job.result(timeout=5)
+        assert time.monotonic() - started < 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
