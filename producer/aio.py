@@ -39,7 +39,7 @@ from producer.client import (
     stream_expired,
     validate,
 )
-from producer.connection import connect_async
+from producer.connection import connect_async, wrong_type
 from producer.protocol import DEFAULT_QUEUE, event_from_stream, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
@@ -181,7 +181,7 @@ class StreamHub:
                     {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
                 )
             except Exception as exc:  # Redis away: every follower hears it
-                if str(exc).startswith("WRONGTYPE") and await self._left_out(list(streams), exc):
+                if wrong_type(exc) and await self._left_out(list(streams), exc):
                     continue  # one key's type failed the read of all: only its followers hear it
                 for followers in self._by_key.values():
                     for f in followers.values():

@@ -747,6 +747,7 @@ class GenerationJob:
         outage = Outage(deadline, self.client)
         grace: float | None = None
         pubsub = None
+        channels = True  # False: an ACL user without channel rights (Redis 7's default for new users)
         try:
             while True:
                 try:
@@ -755,7 +756,7 @@ class GenerationJob:
                         read_result(pipe, self.id)
                         status, entries = pipe.execute()
                 except REDIS_DOWN as exc:
-                    if pubsub:  # its connection went too: subscribed again once Redis answers
+                    if pubsub is not None:  # its connection went too: subscribed again once Redis answers
                         pubsub.close()
                         pubsub = None
                     outage.wait(exc)
@@ -781,24 +782,27 @@ class GenerationJob:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+                wait = 1.0 if left is None else min(1.0, left)
                 try:
-                    if pubsub is False:  # no channel rights: the stream's end is waited on instead
-                        conn.xread({stream_key(self.id): "$"}, count=1, block=int(1000 * min(1.0, left or 1.0)) or 1)
+                    if not channels:  # the stream's end is waited on instead
+                        conn.xread({stream_key(self.id): "$"}, count=1, block=max(1, int(1000 * wait)))
                         continue
                     if pubsub is None:  # subscribed, then a look again: an end in between is not missed
                         pubsub = conn.pubsub(ignore_subscribe_messages=True)
                         pubsub.subscribe(channel_key(self.id))
                         continue
-                    _wait_for_final_event(pubsub, 1.0 if left is None else min(1.0, left))
-                except NoPermissionError:  # an ACL user without channels (Redis 7's default for new users)
-                    pubsub.close()
-                    pubsub = False
+                    _wait_for_final_event(pubsub, wait)
+                except NoPermissionError:
+                    channels = False
+                    if pubsub is not None:
+                        pubsub.close()
+                        pubsub = None
                 except REDIS_DOWN:
-                    if pubsub:
+                    if pubsub is not None:
                         pubsub.close()  # the next look meets the outage, and subscribes again after it
-                    pubsub = None
+                        pubsub = None
         finally:
-            if pubsub:
+            if pubsub is not None:
                 pubsub.close()
 
     def _was_running(self) -> bool:

@@ -12,10 +12,17 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # Redis down, unreachable, or not answering within the socket timeout: what waiting (not the request) may mend.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+def wrong_type(exc: BaseException) -> bool:
+    """Redis's refusal of a command on a key of another type (a key written by hand): that key's fault alone."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")
+
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS to the primary
 

@@ -26,7 +26,7 @@ from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.utils import parse_timeout, str_to_date
 
-from producer.connection import REDIS_DOWN
+from producer.connection import REDIS_DOWN, wrong_type
 from producer.protocol import rejected_key
 
 log = logging.getLogger("roseinfer.worker")
@@ -268,7 +268,7 @@ def _hash_at(connection: redis.Redis, key: bytes) -> dict:
     try:
         return connection.hgetall(key)
     except redis.ResponseError as exc:
-        if not str(exc).startswith("WRONGTYPE"):
+        if not wrong_type(exc):
             raise
         return {KEY_TYPE: connection.type(key)}
 

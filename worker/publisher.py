@@ -13,6 +13,7 @@ from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
+from producer.connection import wrong_type
 from producer.protocol import (
     STREAM_FIELD,
     channel_key,
@@ -135,7 +136,7 @@ class Publisher:
         for job_id, found in zip(job_ids, entries):
             streams[job_id] = s = JobStream(job_id)
             if isinstance(found, Exception):
-                if not str(found).startswith("WRONGTYPE"):
+                if not wrong_type(found):
                     raise found
                 log.warning("job %s: its stream key holds another type (written by hand?): not read", job_id)
                 s.whole = False  # (the first event written replaces it)

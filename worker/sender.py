@@ -95,7 +95,7 @@ for i = 2, #KEYS, 2 do
   if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued' or job[2] == 'scheduled') then ms = 0 break end
   local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
   if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now)
-  elseif job[1] and (job[2] == 'started' or job[2] == 'deferred') then ms = 0 break end  -- (ended here: no entry)
+  elseif job[1] and (job[2] == 'started' or job[2] == 'deferred') then ms = 0 break end  -- (one ended has none)
   a = a + 2
 end
 if ms <= 0 then redis.call('DEL', KEYS[1]) return 0 end
