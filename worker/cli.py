@@ -241,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Which extra installs the packages a command imports (pyproject.toml's optional dependencies).
-EXTRAS = {
-    "server": ("fastapi", "uvicorn", "tokenizers"),
-    "engine": ("torch", "transformers", "safetensors", "huggingface_hub", "gguf", "accelerate", "prometheus_client",
-               "llguidance", "fakeredis", "lupa"),
+EXTRAS = {  # (prometheus_client is in both: the server's, where the engine's would fail on torch first)
+    "server": ("fastapi", "uvicorn", "tokenizers", "prometheus_client"),
+    "engine": ("torch", "transformers", "safetensors", "huggingface_hub", "gguf", "accelerate", "llguidance",
+               "fakeredis", "lupa"),
     "parquet": ("pyarrow",),
     "datasets": ("datasets",),
 }  # fmt: skip
