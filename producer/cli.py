@@ -194,10 +194,8 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is None:
             continue
-        try:
-            request[name] = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"invalid job: {name}: not JSON ({exc})") from None
+        label = f"invalid job: {name}"
+        request[name] = _response_format(value, label) if name == "response_format" else _json_value(label, value)
     validate(request)
     return request
 
@@ -351,18 +349,37 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
     return shlex.join(argv)
 
 
-def _response_format(path: str) -> dict[str, Any]:
-    """``--response-format FILE.json``: OpenAI's response_format object, or a bare JSON schema."""
+def _json_value(label: str, value: str) -> Any:
+    """A JSON flag's value: the JSON itself, or ``@FILE`` (curl's way) for a file that holds it. ``label`` starts the
+    error's line."""
+    text = value
+    if value.startswith("@"):
+        try:
+            text = Path(value[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"{label} {value}: cannot read it ({exc})") from None
     try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"--response-format {path}: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest(f"--response-format {path}: not a JSON object")
-    if value.get("type") in ("text", "json_object", "json_schema"):
-        return value
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem)[:64]  # (the API's pattern for a schema's name)
-    return {"type": "json_schema", "json_schema": {"name": name or "schema", "schema": value}}
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f" {value}" if value.startswith("@") else ""
+        raise InvalidRequest(f"{label}{where}: not JSON ({exc})") from None
+
+
+def _response_format(value: str, label: str = "--response-format") -> dict[str, Any]:
+    """``--response-format``: OpenAI's response_format object or a bare JSON schema, given inline, as ``@FILE``, or
+    (the way ``batch`` always took it) as a file's path."""
+    inline = value.lstrip().startswith("{") or value.startswith("@")
+    if not inline and not Path(value).is_file():
+        raise InvalidRequest(f"{label} {value}: neither a JSON object nor a file")
+    source = value if inline else "@" + value
+    parsed = _json_value(label, source)
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(f"{label} {value}: not a JSON object")
+    if parsed.get("type") in ("text", "json_object", "json_schema"):
+        return parsed
+    stem = Path(source[1:]).stem if source.startswith("@") else ""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", stem)[:64]  # (the API's pattern for a schema's name)
+    return {"type": "json_schema", "json_schema": {"name": name or "schema", "schema": parsed}}
 
 
 def _tokenizer(name: str) -> Any:
@@ -489,7 +506,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name in _JSON_FLAGS:
         about = JobRequest.model_fields[name].description or name
         flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, default=None, metavar="JSON", help=f"{about} (JSON)".replace("%", "%%"))
+        p.add_argument(flag, default=None, metavar="JSON", help=f"{about} (JSON, or @FILE)".replace("%", "%%"))
     for flag in payload_flags():
         if flag.kinds == (bool,) and not flag.repeatable:
             p.add_argument(*flag.flags, dest=flag.field, action=argparse.BooleanOptionalAction, help=flag.help)
@@ -595,7 +612,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--response-format",
         default=None,
         metavar="FILE.json",
-        help="constrain every row's output: OpenAI's response_format object, or a bare JSON schema",
+        help="constrain every row's output: OpenAI's response_format object, or a bare JSON schema (a file's path, "
+        "@FILE, or the JSON itself)",
     )
     p.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

@@ -156,6 +156,34 @@ def test_a_bad_flag_value_is_one_line_before_redis_is_asked(no_redis, flag, valu
     assert phrase in str(err.value) and "\n" not in str(err.value)
 
 
+def test_json_flags_take_the_json_or_a_file_and_response_format_a_bare_schema_in_submit_and_batch(tmp_path, no_redis):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (tmp_path / "label v2.json").write_text(json.dumps(schema))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    request = producer_cli.request_from_args(
+        _parse("submit", "hi", "--tools", f"@{tmp_path / 'tools.json'}", "--response-format", json.dumps(schema))
+    )
+    assert request["tools"] == tools
+    assert request["response_format"] == {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "label_v2", "schema": schema}}
+    by_file = _parse("submit", "hi", "--response-format", f"@{tmp_path / 'label v2.json'}")
+    assert producer_cli.request_from_args(by_file)["response_format"] == wrapped
+    for value in (str(tmp_path / "label v2.json"), json.dumps({"type": "json_object"})):  # batch: a path, or the JSON
+        defaults = producer_cli.batch_options(
+            _parse("batch", "in.jsonl", "-o", "out.jsonl", "--response-format", value)
+        )
+        assert defaults.defaults["response_format"] == (wrapped if value.endswith(".json") else {"type": "json_object"})
+    for argv, phrase in (
+        (("--tools", f"@{tmp_path / 'missing.json'}"), "invalid job: tools @"),
+        (("--response-format", "label.json"), "response_format label.json: neither a JSON object nor a file"),
+        (("--response-format", "[1]"), "neither a JSON object nor a file"),
+        (("--response-format", '{"type": '), "response_format: not JSON"),
+    ):
+        with pytest.raises(InvalidRequest, match=phrase.replace("[", r"\[")):
+            producer_cli.request_from_args(_parse("submit", "hi", *argv))
+
+
 def test_connection_defaults_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("ROSEINFER_REDIS_URL", "redis://envhost:6390/3")
     monkeypatch.setenv("ROSEINFER_QUEUE", "envq")
