@@ -91,7 +91,8 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:  # (cut to it without a word before)
             raise ConfigError(
                 f"max_model_len {config.max_model_len} is past this model's context, {limit} tokens (its "
-                "max_position_embeddings): leave it unset for the model's, or give at most that"
+                "max_position_embeddings, or YaRN's length where it has one): leave it unset for the model's, or give "
+                "at most that"
             )
         self.max_model_len = config.max_model_len or limit
         budget = self._kv_budget()

@@ -717,6 +717,37 @@ def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tin
             assert again[0].metrics.num_cached_tokens == 0 and again[1].metrics.num_cached_tokens >= 64
 
 
+def test_a_yarn_model_serves_its_original_length_times_its_factor_as_transformers_generates(tmp_path, tiny_llama):
+    """Qwen's instructions add YaRN to a config and leave ``max_position_embeddings`` at the original length; vLLM
+    serves the original length times the factor, and transformers generates past it. The engine served only the
+    original 64 tokens (a longer prompt refused); now 256, greedy tokens as transformers'."""
+    import torch
+    from conftest import hf_greedy
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                         pad_token_id=None, eos_token_id=None, rope_parameters=rope)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # peaked attention, so the rotations show in a random model's tokens
+            layer.self_attn.q_proj.weight *= 25
+    path = str(tmp_path / "tiny-yarn")
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(2)
+    cases = [(40, 60), (150, 30)]  # (prompt length, new tokens): decoded past 64, and a prompt past it
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n, _ in cases]
+    expected = [hf_greedy(path, [p], new)[0] for p, (_, new) in zip(prompts, cases)]
+    assert all(len(set(e)) > 3 for e in expected)
+    llm = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_batched_tokens=64)
+    assert llm.engine.max_model_len == 256
+    params = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True) for _, new in cases]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_a_quantized_checkpoint_is_refused_before_it_loads(tmp_path, tiny_llama):
     """Its layers hold packed weights the engine would have read as floats (the loader checked the type alone)."""
     import json

@@ -171,6 +171,16 @@ def rope_parameters(cfg, layer_type: str | None = None) -> dict:
     return params if layer_type is None else params[layer_type]
 
 
+def context_length(cfg) -> int:
+    """The tokens a model serves: its ``max_position_embeddings``, or YaRN's original length times its factor where
+    that is longer (Qwen's instructions add YaRN to a config and leave the first alone; vLLM derives the same)."""
+    params = rope_parameters(cfg)
+    if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
+        original = params.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        return max(cfg.max_position_embeddings, int(original * params["factor"]))
+    return cfg.max_position_embeddings
+
+
 def rope_frequencies(cfg, layer_type: str | None = None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and the cos/sin scale of a model's config, as transformers' rotary
     embedding computes them (its own functions for the scaled types; LongRoPE's short factors, or its long ones
@@ -209,7 +219,7 @@ class Llama:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
+        self.max_position_embeddings = context_length(cfg)
         params = rope_parameters(cfg)
         self.long_rope_from = 0
         if params.get("rope_type") == "longrope":

@@ -13,6 +13,7 @@ from roseinfer.models.gemma import gemma_rms_norm
 from roseinfer.models.llama import (
     activation,
     attention_projections,
+    context_length,
     glu,
     mlp_projections,
     output_layer,
@@ -67,7 +68,7 @@ class Olmo2:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
+        self.max_position_embeddings = context_length(cfg)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers = [Olmo2Layer(weights, f"model.layers.{i}", cfg, attn) for i in range(self.num_layers)]
