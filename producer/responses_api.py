@@ -336,15 +336,27 @@ class ResponseWriter:
         status = "incomplete" if result.get("finish_reason") == "length" else "completed"
         thinking, text = self.reasoning.split(result.get("text", "")) if self.reasoning else (None, result.get("text"))
         content, calls = self.tools.read(text or "") if self.tools and text is not None else (text, [])
-        output = [_function_call(call, status) for call in calls]
+        named = self.tools is not None and self.tools.name is not None  # (its arguments are the text: cut short too)
+        output = [_function_call(call, status if named else "completed") for call in calls]
         if content is not None and (content or not output):
             part = _text_part(content, self._logprobs(samples(result)[0]))
             message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
                        "content": [part]}  # fmt: skip
-            output.insert(0, message)
+            output.insert(self._calls_before_text(text or "") if content and output else 0, message)
         if thinking is not None:
             output.insert(0, _reasoning_item(thinking, status if text is None else "completed"))
         return self.response(status, output, result.get("usage") or {})
+
+    def _calls_before_text(self, text: str) -> int:
+        """How many calls "auto"'s output makes before its answer's first text: where its message item goes among
+        them, as the stream places it (``_feed``)."""
+        stream, made = self.tools.stream(), 0
+        for ch in text:
+            content, deltas = stream.feed(ch)
+            if content:
+                return made
+            made += len(deltas)
+        return made
 
     # ----- streamed --------------------------------------------------------------------------------------------
     def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
@@ -437,7 +449,21 @@ class ResponseWriter:
         if not text:
             return events
         self.text += text
-        return events + self._out(*(self.calls.feed(text) if self.calls is not None else (text, [])))
+        return events + self._feed(text)
+
+    def _feed(self, text: str) -> list[dict[str, Any]]:
+        """The events of the answer's next text. Until its first text, "auto"'s is read a character at a time: the
+        message item goes where that text comes among the calls, whatever the pieces (as in the whole response)."""
+        if self.calls is None:
+            return self._out(text, [])
+        if self.message is not None or not self.tools.auto:
+            return self._out(*self.calls.feed(text))
+        events = []
+        for i, ch in enumerate(text):
+            events += self._out(*self.calls.feed(ch))
+            if self.message is not None:
+                return events + self._out(*self.calls.feed(text[i + 1 :]))
+        return events
 
     def _out(self, content: str, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The events of text and tool call deltas let out."""
@@ -485,7 +511,7 @@ class ResponseWriter:
             thinking, text = self.thoughts.finish()
             events += self._think(thinking) if thinking else []
             events += self._thought_done(status if not text else "completed")
-            events += self._out(*(self.calls.feed(text) if self.calls is not None else (text, []))) if text else []
+            events += self._feed(text) if text else []
         events += self._out(*self.calls.finish()) if self.calls is not None else []
         if self.message is None and self.thought is None and not self.items:
             events += self._open_message()  # (an answer of no text and no call at all: an empty message, as whole)

@@ -223,6 +223,9 @@ def test_thinking_sent_back_and_asked_for():
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"budget": 5}}, None, "qwen3")
 
 
+OSLO = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
 @pytest.mark.parametrize("size", [1, 7, 1000])
 @pytest.mark.parametrize(
     ("text", "types"),
@@ -234,23 +237,30 @@ def test_thinking_sent_back_and_asked_for():
         ),
         ("It is sunny.", ["message"]),
         ("", ["message"]),
+        # Text after a call, or between two: the message goes where its first text came, cut short or not.
+        (f"{OSLO}\nIt rains.", ["function_call", "message"]),
+        (f"{OSLO} It is", ["function_call", "message"]),
+        (f"{OSLO} and {OSLO}", ["function_call", "message", "function_call"]),
     ],
 )
 def test_auto_calls_stream_the_whole_responses_items_and_no_empty_message(text, types, size):
     """ "auto" opened a message item before any text: an output of calls alone streamed [message "", function_call]
-    where the whole response has [function_call]."""
+    where the whole response has [function_call]. The whole response put its message first, where the stream had a
+    call before it; and it marked a complete call "incomplete" when the text after it was cut short."""
     body = {"model": "m", "input": "Weather?", "tools": TOOLS, "stream": True}
     req, chat, _ = parse_responses(body, "hermes", None)
     usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    reason = "length" if text.endswith("It is") else "stop"
     whole = ResponseWriter("j", "m", req, chat.tool_plan()).whole(
-        {"text": text, "finish_reason": "stop", "usage": usage}
+        {"text": text, "finish_reason": reason, "usage": usage}
     )
     assert [item["type"] for item in whole["output"]] == types
+    assert all(item["status"] == "completed" for item in whole["output"] if item["type"] == "function_call")
     writer = ResponseWriter("j", "m", req, chat.tool_plan())
     events = writer.opening()
     for i in range(0, len(text), size):
         events += writer.piece(text[i : i + size])
-    events += writer.closing("stop", usage)
+    events += writer.closing(reason, usage)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert _shown(events[-1]["response"]["output"]) == _shown(whole["output"])
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == types
