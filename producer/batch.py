@@ -1020,8 +1020,9 @@ def _settle(
         if result is not None and result.get("status") == "finished":
             sink.result(line, output_line(line, result, names), result)
             summary["succeeded"] += 1
-            summary["reused"] += job_id in reused
-            progress.update(result["usage"]["completion_tokens"], made_before=reused.get(job_id, False))
+            made_before = reused.get(job_id)  # (popped below: a long run keeps no ended job's id)
+            summary["reused"] += made_before is not None
+            progress.update(result["usage"]["completion_tokens"], made_before=bool(made_before))
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
             # The worker found the row at fault: the row's error, as one refused here; a prompt past the context by
@@ -1037,6 +1038,7 @@ def _settle(
         else:
             continue
         del in_flight[job_id]
+        reused.pop(job_id, None)
     sink.flush()
 
 
@@ -1051,6 +1053,7 @@ class Lines:
 
     def __init__(self, lines: Iterator[Line]) -> None:
         self.lines, self.taken_back = lines, []
+        self.tried: set[str] = set()  # job ids of lines taken back: their submit may have gone in, theirs if so
 
     def __iter__(self) -> Lines:
         return self
@@ -1060,6 +1063,7 @@ class Lines:
 
     def take_back(self, taken: list[Line]) -> None:
         self.taken_back.extend(reversed(taken))
+        self.tried.update(line.job_id for line in taken)
 
 
 class RedisOutage:
@@ -1107,7 +1111,7 @@ def _submit(
     if not take:
         return more
     try:
-        _submit_lines(client, take, in_flight, reused, notify)
+        _submit_lines(client, take, in_flight, reused, notify, lines.tried)
     except BaseException:  # (Redis went away) handed out again: a job that went in is then picked up, not doubled
         lines.take_back([line for line in take if line.job_id not in in_flight])
         raise
@@ -1116,7 +1120,7 @@ def _submit(
 
 def _submit_lines(
     client: Client, take: list[Line], in_flight: dict[str, tuple[Line, float | None]], reused: dict[str, bool],
-    notify: str | None,
+    notify: str | None, tried: set[str],
 ) -> None:  # fmt: skip
     with client.connection.pipeline(transaction=False) as pipe:
         for line in take:
@@ -1128,7 +1132,8 @@ def _submit_lines(
         status = status.decode() if status else None
         if status in _LIVE or (status == "finished" and has_result):
             in_flight[line.job_id] = (line, None)
-            reused[line.job_id] = status == "finished"
+            if line.job_id not in tried:  # (else this run's own submit went in, its reply lost)
+                reused[line.job_id] = status == "finished"
             continue
         # (Failed or canceled last time, or finished with its result expired: submitted again, which clears the old
         # job's stream and result but keeps its hash, whose owner field fences off a run of it still going.)

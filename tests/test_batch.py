@@ -191,7 +191,7 @@ def test_a_row_the_worker_refuses_is_the_rows_fault_not_a_failed_job(served, tmp
 def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
     """Job ids did not name the queue: a run on queue b (its workers may serve another model) picked up queue a's
     job of the same row as its own, and would have written a's output, or deleted a's failed job to submit it."""
-    from producer.batch import _submit
+    from producer.batch import Lines, _submit
 
     connection = fakeredis.FakeRedis()
     on_a, on_b = Client(connection=connection, queue="a"), Client(connection=connection, queue="b")
@@ -200,7 +200,7 @@ def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
     on_a.submit_many([{**line_a.payload, "job_id": line_a.job_id}])
     in_flight: dict = {}
     reused: set[str] = set()
-    _submit(on_b, iter([line_b]), in_flight, 4, reused)
+    _submit(on_b, Lines(iter([line_b])), in_flight, 4, reused)
     assert reused == set() and list(in_flight) == [line_b.job_id] != [line_a.job_id]
     assert on_b.job(line_b.job_id).status() == "queued" == on_a.job(line_a.job_id).status()
     assert connection.hget(f"rq:job:{line_b.job_id}", "origin").decode() == lane_name("b", BULK_PRIORITY)
@@ -458,7 +458,7 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     options = batch_mod.RowOptions()
     lines = batch_mod._read_input(src, "jsonl", options, {}, None, "lazy", summary, 10, sink, progress)
     in_flight: dict = {}
-    assert batch_mod._submit(client, lines, in_flight, 8, {}) is True
+    assert batch_mod._submit(client, batch_mod.Lines(lines), in_flight, 8, {}) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
     assert client.status()["lanes"]["10"] == 8
 
@@ -789,6 +789,50 @@ def test_a_run_against_a_dead_redis_keeps_the_last_errors_file(tmp_path):
     with pytest.raises(redis.ConnectionError):
         run_batch(dead, src, out)
     assert default_errors_path(out).read_text() == '{"custom_id": "earlier"}\n'
+
+
+def test_a_submit_whose_reply_was_lost_is_this_runs_own_job_not_one_reused_and_ended_ids_are_let_go(monkeypatch):
+    """Redis took a submit and the connection dropped before its reply: the lines were handed out again and found
+    their jobs queued, which counted them as an earlier run's ("N rows were taken from jobs of an earlier run").
+    The ids picked up were also kept until the run's end, one per row of a long resumed run."""
+    import redis
+
+    from producer.batch import Lines, _settle, _submit
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    earlier, *ours = [parse_line(i, json.dumps({"prompt": f"row {i}"}), queue="q") for i in range(1, 4)]
+    client.submit_many([{**earlier.payload, "job_id": earlier.job_id}])  # an earlier run's, still queued
+    real = client.submit_many
+
+    def went_in_then_dropped(payloads):
+        real(payloads)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    lines, in_flight, reused = Lines(iter([earlier, *ours])), {}, {}
+    monkeypatch.setattr(client, "submit_many", went_in_then_dropped)
+    with pytest.raises(redis.ConnectionError):
+        _submit(client, lines, in_flight, 8, reused)
+    monkeypatch.setattr(client, "submit_many", real)
+    assert _submit(client, lines, in_flight, 8, reused) is False
+    assert set(in_flight) == {earlier.job_id, *(line.job_id for line in ours)}
+    assert reused == {earlier.job_id: False}  # (the two this run submitted are its own)
+
+    class Sink:
+        def __init__(self):
+            self.errors = []
+
+        def error(self, entry, line):
+            self.errors.append(line.job_id)
+
+        def flush(self):
+            pass
+
+    for line in (earlier, *ours):  # each ends (failed: its row an error line)
+        client.connection.hset(f"rq:job:{line.job_id}", "status", "failed")
+    summary = {"total": 3, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
+    sink = Sink()
+    _settle(client, list(in_flight), in_flight, reused, sink, Progress(3, 0, 0, stream=io.StringIO()), summary, None)
+    assert len(sink.errors) == 3 and in_flight == {} and reused == {}
 
 
 def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
