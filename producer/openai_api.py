@@ -19,7 +19,7 @@ from producer.tool_formats import FormatStream
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
-    "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+    "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "verbosity",
     "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
 )  # fmt: skip
 
@@ -59,23 +59,30 @@ class APIShape(BaseModel):
         if not isinstance(data, dict):
             return data
         return {
-            k: float(v) if k in _FLOATS and type(v) is int else v
+            k: float(v) if k in _FLOATS and type(v) is int and abs(v) < 2**1024 else v  # (past it: no float, a 400)
             for k, v in data.items()
             if v is not None or k in _NULL_MEANS_NO_LIMIT
         }
 
 
-class TextPart(APIShape):
+class SentBack(APIShape):
+    """A conversation's part: keys the official client adds to a message it built (a streamed call's ``index``,
+    ``parse()``'s ``parsed``) or a proxy's (``cache_control``) are dropped, as vLLM drops them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(SentBack):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(APIShape):
+class FunctionCall(SentBack):
     name: str
     arguments: str
 
 
-class ToolCall(APIShape):
+class ToolCall(SentBack):
     """A call an assistant made earlier in the conversation (a response's ``tool_calls``, sent back)."""
 
     id: str
@@ -83,7 +90,7 @@ class ToolCall(APIShape):
     function: FunctionCall
 
 
-class Message(APIShape):
+class Message(SentBack):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None  # none: an assistant's message of tool calls alone
     name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
@@ -249,6 +256,7 @@ class ChatCompletionRequest(_Common):
     # OpenAI's, for reasoning models: the chat template's reasoning_effort (vLLM's way; a template may not read it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false leaves the thinking out of the answer (still told apart)
+    verbosity: Literal["low", "medium", "high"] | None = None  # (a reasoning model's; taken, as nothing reads it)
 
     @property
     def echoed(self) -> str:
@@ -277,9 +285,11 @@ class ChatCompletionRequest(_Common):
         if self.tools:  # shown by the chat template (even with tool_choice "none", as vLLM does)
             fields["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         if (plan := self.tool_plan()) is not None and not plan.auto:
-            if self.response_format is not None or self.structured_outputs is not None:
-                given = "response_format" if self.response_format is not None else "structured_outputs"
+            text = self.response_format is None or self.response_format.type == "text"  # (OpenAI's default: no limit)
+            if not text or self.structured_outputs is not None:
+                given = "response_format" if not text else "structured_outputs"
                 raise APIError(400, f"tool_choice constrains the output already: give it or {given}", param=given)
+            fields.pop("response_format", None)  # (text: nothing to pass on)
             try:
                 fields["structured_outputs"] = {"json": plan.schema()}
             except ToolChoiceError as exc:
@@ -298,6 +308,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # OpenAI's: samples made to return the n best; only n itself here
 
     @property
     def num_logprobs(self) -> int | None:
@@ -325,6 +336,9 @@ class CompletionRequest(_Common):
             fields["prompt_logprobs"] = max(self.logprobs or 0, self.prompt_logprobs or 0)
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if fields.pop("best_of", self.n) != self.n:  # (vLLM dropped it; OpenAI's best_of == n asks for nothing more)
+            raise APIError(400, f"best_of {self.best_of} is not supported: give n samples (best_of n, or none)",
+                           param="best_of")  # fmt: skip
         if self.tools or self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tools (function calling) are for /v1/chat/completions", param="tools")
         fields.pop("echo", None)

@@ -114,6 +114,10 @@ class TextConfig(APIShape):
     verbosity: str | None = None  # (a reasoning model's; taken, as nothing here reads it)
 
 
+class ResponsesStreamOptions(APIShape):
+    include_obfuscation: bool | None = None  # OpenAI's padding of events against side channels: none here
+
+
 class ResponsesRequest(APIShape):
     model: str
     input: str | list[InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningItem]
@@ -134,6 +138,7 @@ class ResponsesRequest(APIShape):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    stream_options: ResponsesStreamOptions | None = None
     include: list[str] | None = None  # (of what OpenAI's takes, the output text's logprobs alone are here)
     top_logprobs: int | None = None
     # Asking for what is not here: a 400 (``chat_body``)
@@ -159,6 +164,8 @@ class ResponsesRequest(APIShape):
             raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
         if self.reasoning and set(self.reasoning) - {"effort", "summary", "generate_summary"}:
             raise APIError(400, "reasoning takes effort and summary", param="reasoning")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if other := [kind for kind in self.include or () if kind != LOGPROBS]:
             raise APIError(400, f"include takes {LOGPROBS!r} here, not {other}", param="include")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
@@ -534,8 +541,13 @@ class ResponseWriter:
         final = self.response(status, self.items, usage)
         return [*events, self._event(f"response.{status}", response=final)]
 
-    def error(self, err: APIError) -> dict[str, Any]:
-        return self._event("error", code=err.code or err.type, message=err.message, param=err.param)
+    def failed(self, err: APIError) -> list[dict[str, Any]]:
+        """The events of a stream its job failed: the error, then the response failed (OpenAI's last event, which
+        clients wait for), with the output so far."""
+        code = err.code or err.type
+        final = {**self.response("failed", self.items), "error": {"code": code, "message": err.message}}
+        return [self._event("error", code=code, message=err.message, param=err.param),
+                self._event("response.failed", response=final)]  # fmt: skip
 
 
 def _shown_choice(choice: str | NamedFunction | None, has_tools: bool) -> Any:

@@ -49,6 +49,7 @@ from producer.openai_api import (
 from producer.protocol import installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
+from producer.schema import lone_surrogate
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
 
@@ -203,6 +204,11 @@ def create_app(
 
     for unreadable in (StreamGap, ProtocolError):
         app.add_exception_handler(unreadable, _unreadable_job)
+
+    @app.exception_handler(Exception)
+    async def _server_fault(request: Request, exc: Exception) -> JSONResponse:
+        """A fault of the server's own: OpenAI's shape, not plain text (Starlette still logs its traceback)."""
+        return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
 
@@ -534,11 +540,16 @@ def _timed_out(timeout: float) -> APIError:
 async def _body(request: Request) -> Any:
     """The request's JSON, or a 400 saying why not."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError(400, "the request body is not valid JSON") from None
+        body = await request.json()
     except RecursionError:  # arrays nested past the parser's depth: JSON, but no request
         raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as exc:  # (not JSON, not UTF-8, or an integer past Python's 4300 digits)
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    if (surrogate := lone_surrogate(body)) is not None:  # (a response echoing it could not be written as UTF-8)
+        raise APIError(
+            400, f"the request body is not valid Unicode: a lone surrogate {surrogate!r} (half a UTF-16 pair)"
+        )
+    return body
 
 
 def _not_to_retry(err: APIError) -> APIError:
@@ -659,7 +670,8 @@ async def _response_sse(
                 break
         finished = True
     except STREAM_ERRORS as exc:
-        yield _typed(writer.error(_stream_error(exc, timeout)))
+        for out in writer.failed(_stream_error(exc, timeout)):
+            yield _typed(out)
     finally:
         open_streams.dec()
         events.close()

@@ -462,6 +462,42 @@ def test_fields_that_ask_for_nothing_are_taken(field):
     assert not {"logit_bias", "tools", "tool_choice", "stream_options"} & set(fields)
 
 
+def test_what_the_official_client_sends_back_or_adds_is_taken():
+    """The client's stream helper gives each accumulated tool call an ``index``, and ``parse()`` gives the message
+    ``parsed``: sent back in the conversation, each was a 400. ``response_format: text`` (the default, sent by some
+    clients every time) beside a forced tool call, chat's ``verbosity``, a completion's ``best_of`` equal to its n
+    and the Responses API's ``stream_options`` ask for nothing here either."""
+    from producer.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse
+    from producer.responses_api import parse_responses
+
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "now", "arguments": "{}", "parsed_arguments": {}}}  # fmt: skip
+    said = {"role": "assistant", "content": None, "tool_calls": [call], "parsed": {"a": 1}}
+    answer = {
+        "role": "tool",
+        "content": [{"type": "text", "text": "12:00", "cache_control": {}}],
+        "tool_call_id": "call_1",
+    }
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": [*MESSAGES, said, answer]})
+    assert fields["messages"][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"},
+    ]  # fmt: skip
+    forced = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+    _, fields = parse(ChatCompletionRequest, {**forced, "response_format": {"type": "text"}, "verbosity": "low"})
+    assert "response_format" not in fields and "verbosity" not in fields and "json" in fields["structured_outputs"]
+    with pytest.raises(APIError, match="tool_choice constrains the output already") as err:
+        parse(ChatCompletionRequest, {**forced, "response_format": {"type": "json_object"}})
+    assert err.value.param == "response_format"
+    _, fields = parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 2, "best_of": 2})
+    assert fields["n"] == 2 and "best_of" not in fields
+    with pytest.raises(APIError, match="best_of 3 is not supported") as err:
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "best_of": 3})
+    assert err.value.param == "best_of"
+    parse_responses({"model": "m", "input": "Hi", "stream": True, "stream_options": {"include_obfuscation": False}})
+
+
 @pytest.mark.parametrize("field", [{"suffix": "x"}, {"tool_choice": "required"}])
 def test_fields_that_ask_for_what_is_not_here_are_a_400(field):
     from producer.openai_api import APIError, CompletionRequest, parse

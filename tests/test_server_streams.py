@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import pytest
 import redis
 
@@ -71,11 +72,11 @@ class ScriptedClient:
         return job
 
 
-def post(client: ScriptedClient, body: dict, path: str = "/v1/completions", **app_options) -> tuple[dict, list]:
+def post(client: ScriptedClient, body: dict | bytes, path: str = "/v1/completions", **app_options) -> tuple[dict, list]:
     """Run one request through the app as ASGI: its response start (status, headers, when) and its body's events."""
     sent: list = []
     start: dict = {}
-    data = json.dumps(body).encode()
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
 
     async def main() -> None:
         done = False
@@ -367,3 +368,51 @@ def test_auto_tool_calls_through_the_responses_api_are_function_call_items():
     assert text == "Let me look. " and (done["name"], done["arguments"]) == ("get_weather", '{"city": "Oslo"}')
     assert events[-1]["type"] == "response.completed"
     assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]
+
+
+def test_a_failed_responses_stream_ends_with_response_failed_after_its_error():
+    """A job failing mid-stream ended the typed events with a bare ``error``: clients of the Responses API wait for
+    a last ``response.completed``, ``response.failed`` or ``response.incomplete``."""
+    failing = [(0.01, event(0, "It")), (0.01, event(1, "", "error", error="step failed", error_type="server_error"))]
+    _, events = post(ScriptedClient([failing]), {"model": "m", "input": "Hi", "stream": True}, "/v1/responses")
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "step failed"}
+    assert failed["output"][0]["type"] == "message"  # (what had come out before)
+
+
+@pytest.mark.parametrize(
+    ("body", "phrase"),
+    [
+        (b'{"model": "m", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "not valid JSON"),
+        (b'{"model": "m", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature: Input should be"),
+        (b'{"model": "m", "input": "hi", "user": "\\ud800"}', "lone surrogate"),
+    ],
+    ids=["5000 digits", "past a float", "lone surrogate"],
+)
+def test_json_the_server_cannot_take_is_a_400_in_openais_shape_not_a_plain_500(body, phrase):
+    """An integer past Python's 4300 digits, one past a float's range, half a UTF-16 pair in a field a response
+    echoes (only its writing failed, after the job had run): plain-text 500s, which the official client retries."""
+    path = "/v1/responses" if b"input" in body else "/v1/completions"
+    client = ScriptedClient([[(0.01, event(0, "x", "stop"))]])
+    start, _ = post(client, body, path)
+    error = json.loads(start["body"])["error"]
+    assert start["status"] == 400 and phrase in error["message"] and client.jobs == []
+
+
+def test_a_fault_of_the_servers_own_is_a_500_in_openais_shape():
+    class Broken(ScriptedClient):
+        async def workers(self):
+            raise KeyError("nobody")
+
+    async def main():
+        # (Starlette raises the fault again once its answer is sent, so that the server logs it: not to the client)
+        transport = httpx.ASGITransport(app=create_app(Broken([])), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 500
+    assert reply.json()["error"] == {"message": "internal error: KeyError", "type": "server_error", "param": None,
+                                     "code": None}  # fmt: skip
