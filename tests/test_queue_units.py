@@ -2699,3 +2699,15 @@ def test_a_step_handing_work_to_a_sender_thread_that_stopped_hears_why_instead_o
     release.set()  # the sender thread stops
     stepping.join(5)
     assert not stepping.is_alive() and isinstance(outcome[0], SystemExit)
+
+
+def test_a_timeout_is_rqs_job_timeout_exception_with_its_own_message():
+    """A failure callback or exception handler matching RQ's JobTimeoutException missed the worker's timeouts; and
+    RQ's timer death penalty rewrites the message of the class it raises, which must not reach ours."""
+    from rq.timeouts import JobTimeoutException, TimerDeathPenalty
+
+    from worker.jobs import JobTimedOut
+
+    TimerDeathPenalty(3, JobTimeoutException)  # (as RQ's callbacks set one up: the class's message rewritten)
+    error = JobTimedOut("job exceeded its timeout of 1 s")
+    assert isinstance(error, JobTimeoutException) and str(error) == "job exceeded its timeout of 1 s"

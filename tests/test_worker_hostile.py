@@ -330,7 +330,28 @@ def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(
     registry.cleanup()
     assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"  # failed as abandoned
     assert not conn.exists(f"hook-probe:{job_id}")  # its refused failure callback did not run
+    # What the job named stays in its hash (the clean-up saved the job it read): this worker's to refuse, not erase.
+    kept = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    assert kept._failure_callback_name == "hook_probe.record_unlisted" and len(kept.webhooks) == 2
     conn.delete(f"rq:job:{job_id}")
+
+
+def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_refused_for_it(served):
+    """RQ enqueues a finished job's dependents through the worker's job class, which had taken the refused callback
+    off the dependent it read and saved it so: the dependent then ran here, its callback gone for good (a stock
+    worker it was meant for would not run it either)."""
+    from rq import Callback, Queue
+
+    w, client, conn = served
+    queue = Queue(dict(w.worker._lanes)[0].name, connection=conn, serializer=JSONSerializer)
+    parent = queue.enqueue(FN, prompt="first", max_tokens=2, temperature=0)
+    child = queue.enqueue(FN, prompt="then", max_tokens=2, temperature=0, depends_on=parent,
+                          on_success=Callback("hook_probe.record_unlisted"))  # fmt: skip
+    assert client.job(parent.id).result(timeout=30)["status"] == "finished"
+    with pytest.raises(JobFailed, match=r"refused: success callback 'hook_probe\.record_unlisted'"):
+        client.job(child.id).result(timeout=30)
+    assert conn.hget(child.key, "success_callback_name") == b"hook_probe.record_unlisted"
+    assert not conn.exists(f"hook-probe:{child.id}")
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

@@ -113,6 +113,14 @@ class PulledJob(Job):
         if self.hook_policy is not None:
             self.refused_hooks = self.hook_policy.strip(self)
 
+    def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
+        """RQ's, with what the policy took off the job as the job named it: RQ saves jobs it read (a dependent it
+        enqueues, a job its clean-up fails or retries), and the fields must not be erased for the stock worker,
+        or the requeue after an operator allows them, that would run them."""
+        obj = super().to_dict(include_meta=include_meta, include_result=include_result)
+        obj.update(getattr(self, "named_hooks", {}))
+        return obj
+
 
 @dataclass
 class Unreadable:
@@ -428,20 +436,27 @@ class HookPolicy:
         )
 
     def strip(self, job: Job) -> list[str]:
-        """Takes off ``job`` the callbacks and webhooks it may not name here; what it took, in words."""
+        """Takes off ``job`` the callbacks and webhooks it may not name here (kept in ``named_hooks``, the fields
+        its hash keeps: only this process's object loses them); what it took, in words."""
         problems = []
+        named: dict[str, str] = {}
         for kind in ("success", "failure", "stopped"):
             name = getattr(job, f"_{kind}_callback_name", None)
             if name and name not in self.callbacks:
                 problems.append(f"{kind} callback {name!r}")
+                named[f"{kind}_callback_name"] = name
                 setattr(job, f"_{kind}_callback_name", None)
                 setattr(job, f"_{kind}_callback", None)
+        hooks = getattr(job, "webhooks", None) or []
         kept = []
-        for hook in getattr(job, "webhooks", None) or []:
+        for hook in hooks:
             host = urlsplit(str(hook.url)).hostname or ""
             if host in self.webhook_hosts:
                 kept.append(hook)
             else:
                 problems.append(f"webhook to {hook.url!r}")
+        if len(kept) < len(hooks):
+            named["webhooks"] = json.dumps([hook.to_dict() for hook in hooks])
         job.webhooks = kept
+        job.named_hooks = named
         return problems

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
 from producer.protocol import (
     JOB_FUNCTION,
@@ -43,9 +44,12 @@ class JobStopped(Exception):
     """The job was stopped on request while it ran."""
 
 
-class JobTimedOut(Exception):
-    """The job ran past its timeout. (Not RQ's JobTimeoutException: RQ's timer death penalty rewrites that class's
-    message globally.)"""
+class JobTimedOut(JobTimeoutException):
+    """The job ran past its timeout: RQ's class, so that a failure callback or an exception handler matching it
+    sees RQ's. Its own ``__init__``: RQ's timer death penalty rewrites the message of the class it raises, for good."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
 
 
 def run_limit(job: Job, default: int) -> int | None:
