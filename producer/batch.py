@@ -905,8 +905,8 @@ def _run(
 ) -> None:
     """Keep jobs in flight and write each row as its job ends. The run's jobs push their ids onto a completion
     list of its own when they end, and the run blocks on it; every job in flight is also looked at now and then
-    (``poll_interval``, backing off to 5 s), for the endings no job announces (one canceled before it ran, a
-    job that expired, one submitted by an earlier run)."""
+    (``poll_interval``, backing off to 5 s), for the endings no job announces (a job that expired, one
+    submitted by an earlier run, one canceled by a client older than this one's)."""
     conn = client.connection
     notify = f"batch-{secrets.token_hex(8)}"
     in_flight: dict[str, tuple[Line, float | None]] = {}  # job id -> its line, when it was first seen running

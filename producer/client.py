@@ -47,7 +47,7 @@ from producer.protocol import (
     stream_key,
     usage_of,
 )
-from producer.schema import JobRequest, describe_validation_error
+from producer.schema import JobRequest, describe_validation_error, job_ending
 from producer.wire import JobResult, StreamEvent, read_check
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -630,19 +630,16 @@ class GenerationJob:
         conn, key = self.client.connection, stream_key(self.id)
         last = conn.xrevrange(key, count=1)  # (a retried job: its earlier attempts' events come first)
         n = event_from_stream(last[0][1]).get("n", -1) + 1 if last else 0
-        try:
-            req: JobRequest | None = JobRequest.model_validate(job.kwargs)
-        except Exception:  # written by hand, in a form it would have failed on: no custom_id, no notify list
-            req = None
+        ending = job_ending(job)  # (written by hand, maybe in a form it would have failed on: what reads)
         ttl = job.result_ttl if job.result_ttl not in (None, 0) else self.result_ttl
         event = json.dumps(make_event(n, "", [], "abort", usage_of(0, 0)))
-        result = canceled_result(self.id, req, "job canceled before it ran")
+        result = canceled_result(self.id, ending, "job canceled before it ran")
         with conn.pipeline() as pipe:
             pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
             keys = [result_key(self.id), job.key]
-            if req is not None and req.notify:
-                pipe.rpush(done_key(req.notify), self.id)
-                keys.append(done_key(req.notify))
+            if ending.notify:
+                pipe.rpush(done_key(ending.notify), self.id)
+                keys.append(done_key(ending.notify))
             for held in keys:
                 if ttl == -1:
                     pipe.persist(held)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from rq.executions import Execution
     from rq.results import Result
 
-    from producer.schema import JobRequest
+    from producer.schema import Ending, JobRequest
 
 # Carried by every event and result as "v". 2: stream entries hold the event's JSON in one field; results and job
 # status are written before a job's final event. 3: the result is stored once, in RQ's result stream (no
@@ -139,7 +139,7 @@ def result_from_entries(entries: list[Any]) -> dict[str, Any] | None:
 
 def failure_result(
     job_id: str,
-    req: JobRequest | None,
+    req: JobRequest | Ending | None,
     error: str,
     status: str = "failed",
     error_type: str | None = None,
@@ -160,7 +160,7 @@ def failure_result(
     return result
 
 
-def canceled_result(job_id: str, req: JobRequest | None, reason: str) -> dict[str, Any]:
+def canceled_result(job_id: str, req: JobRequest | Ending | None, reason: str) -> dict[str, Any]:
     """The result of a job canceled before it made anything (finish ``abort``, as the engine's own aborts)."""
     return {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
 

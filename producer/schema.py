@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 # Bounds of the sampling fields, the same as the engine's SamplingParams (tests/test_options.py checks them).
 MAX_LOGPROBS = 20
@@ -490,6 +492,36 @@ class JobRequest(BaseModel):
             "n": self.n,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         }
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What a payload asks of its job's end: the id echoed in its result, the completion list its id goes onto."""
+
+    custom_id: str | None = None
+    notify: str | None = None
+
+
+def ending_of(payload: Any) -> Ending:
+    """A payload's ``custom_id`` and ``notify``, each read alone: a job that never ran (refused for what else it holds,
+    canceled while queued) still ends as it asks, as one that ran does. A value its field refuses is left out."""
+    if not isinstance(payload, dict):
+        return Ending()
+    fields = {}
+    for name in ("custom_id", "notify"):
+        if isinstance(value := payload.get(name), str):
+            with contextlib.suppress(ValidationError):
+                fields[name] = TypeAdapter(Annotated[str, JobRequest.model_fields[name]]).validate_python(value)
+    return Ending(**fields)
+
+
+def job_ending(job: Any) -> Ending:
+    """``ending_of`` an RQ job's payload; none where RQ cannot read the job's data."""
+    try:
+        payload = job.kwargs
+    except Exception:
+        return Ending()
+    return ending_of(payload)
 
 
 # Where a value may take one of several types, pydantic names the one it tried in the error's location

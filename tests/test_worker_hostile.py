@@ -336,6 +336,31 @@ def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(
     conn.delete(f"rq:job:{job_id}")
 
 
+def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_on_its_notify_list(served):
+    """A payload refused (an unknown field), a job refused for the callback it names, one canceled while queued (a
+    bare HSET, as from any language): each ended with ``custom_id`` null and no push onto its ``notify`` list, so a
+    producer blocking on that list (docs/protocol.md) waited for good."""
+    w, _, conn = served
+    tag = uuid.uuid4().hex[:6]
+    cases = {
+        "unknown-field": ({"colour": "red"}, {}),
+        "refused-callback": ({}, {"success_callback_name": "hook_probe.record_unlisted"}),
+        "canceled-queued": ({}, {"status": "canceled"}),
+    }
+    for name, (extra, fields) in cases.items():
+        payload = {"prompt": "hi", "max_tokens": 2, "custom_id": f"mine-{name}", "notify": f"nr-{tag}", **extra}
+        _raw_job(conn, w.queue, f"{name}-{tag}", payload, **fields)
+    done = set()
+    while len(done) < len(cases):
+        popped = conn.blpop([f"roseinfer:done:nr-{tag}"], timeout=30)
+        assert popped is not None, f"announced so far: {done}"
+        done.add(popped[1].decode())
+    assert done == {f"{name}-{tag}" for name in cases}
+    for name in cases:
+        result = result_from_entries(read_result(conn, f"{name}-{tag}"))
+        assert result["custom_id"] == f"mine-{name}" and result["status"] in ("failed", "canceled"), result
+
+
 def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_refused_for_it(served):
     """RQ enqueues a finished job's dependents through the worker's job class, which had taken the refused callback
     off the dependent it read and saved it so: the dependent then ran here, its callback gone for good (a stock

@@ -69,7 +69,7 @@ from producer.protocol import (
     tokenizer_digest,
     usage_of,
 )
-from producer.schema import JobRequest
+from producer.schema import JobRequest, job_ending
 from roseinfer.config import ConfigError, quantization_name
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
@@ -1054,9 +1054,9 @@ class BatchWorker(BaseWorker):
         def end() -> None:
             job.retries_left = None
             self._record_failure(job, queue, execution, JobRejected(error))
-            notify = req.notify if req is not None else None
-            result = failure_result(job.id, req, error, error_type="invalid_request")
-            self._write_failure(job, result, JobRejected(error), notify, execution)
+            ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
+            result = failure_result(job.id, ending, error, error_type="invalid_request")
+            self._write_failure(job, result, JobRejected(error), ending.notify, execution)
             self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
@@ -1070,10 +1070,11 @@ class BatchWorker(BaseWorker):
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
 
         def end() -> None:
-            result = canceled_result(job.id, None, f"job {status} before it ran")
+            ending = job_ending(job)
+            result = canceled_result(job.id, ending, f"job {status} before it ran")
             with self.connection.pipeline() as pipe:
                 entry = result_entry(result, Result.Type.STOPPED, self.name)
-                self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl)
+                self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                 queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
                 pipe.expire(job.key, self.settings.result_ttl)
