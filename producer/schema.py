@@ -227,6 +227,10 @@ class StreamOptions(BaseModel):
     )
 
 
+def _integral(value: Any) -> Any:
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 class JobRequest(BaseModel):
     """One generation job. Field names follow the OpenAI API; unknown fields are refused.
 
@@ -316,6 +320,18 @@ class JobRequest(BaseModel):
         # strict mode refuses 1 for a float field; JSON writers often send it that way.
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
+    @field_validator("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "top_logprobs", "prompt_logprobs",
+                     "priority", "n", mode="before")  # fmt: skip
+    @classmethod
+    def _whole_float_is_an_int(cls, value: Any) -> Any:
+        # 4.0 is JSON's 4 (the schema's "integer" takes it): writers whose numbers are doubles send it so.
+        return _integral(value)
+
+    @field_validator("prompt_token_ids", "stop_token_ids", mode="before")
+    @classmethod
+    def _whole_floats_are_ints(cls, value: Any) -> Any:
+        return [_integral(v) for v in value] if isinstance(value, list) else value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _token_ids_as_keys(cls, value: Any) -> Any:
@@ -381,8 +397,10 @@ class JobRequest(BaseModel):
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.messages is None:
-            chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-            if given := sorted(chat_only & self.model_fields_set):
+            chat_only = ("add_generation_prompt", "chat_template_kwargs", "continue_final_message", "tools")
+            # (its default, null or empty asks for nothing: a writer that sends every field sends them so)
+            unset = {name: (type(self).model_fields[name].default, [], {}) for name in chat_only}
+            if given := [f for f in chat_only if f in self.model_fields_set and getattr(self, f) not in unset[f]]:
                 raise ValueError(f"{', '.join(given)}: for the chat template, so with messages (not a plain prompt)")
         both = self.continue_final_message and self.add_generation_prompt
         if both and "add_generation_prompt" in self.model_fields_set:

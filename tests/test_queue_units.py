@@ -62,11 +62,22 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
         ({"prompt": "hi", "structured_outputs": {"json": "{not json"}}, "schema is not JSON"),
         ({"prompt": "hi", "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),  # none came back
         ({"prompt": "hi", "logprobs": 2, "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),
+        ({"prompt": "hi", "max_tokens": 4.5}, "max_tokens"),  # (4.0 is taken: below)
+        ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids"),
     ],
 )
 def test_bad_payloads_are_refused(fields, phrase):
     with pytest.raises(ValueError, match=phrase):
         JobRequest.model_validate(fields)
+
+
+def test_a_whole_number_written_as_a_float_is_an_integer():
+    """JSON Schema's "integer" takes 4.0, and writers whose numbers are doubles (Go's float64, PHP, Java) write it
+    so: the schema took such a payload and the worker refused it."""
+    req = JobRequest.model_validate({"prompt_token_ids": [1.0, 2], "max_tokens": 4.0, "n": 2.0, "seed": 7.0,
+                                     "stop_token_ids": [3.0], "logprobs": 2.0, "priority": 10.0})  # fmt: skip
+    assert (req.prompt_token_ids, req.max_tokens, req.n, req.seed, req.stop_token_ids) == ([1, 2], 4, 2, 7, [3])
+    assert type(req.max_tokens) is int and req.logprobs == 2 and type(req.logprobs) is int and req.priority == 10
 
 
 def test_payload_maps_to_engine_arguments():

@@ -211,6 +211,12 @@ def test_a_bad_message_is_a_400(message, error):
 def test_a_jobs_tools_need_messages_and_are_bounded():
     with pytest.raises(ValueError, match="tools: for the chat template, so with messages"):
         JobRequest.model_validate({"prompt": "x", "tools": TOOLS})
+    # A writer that sends every field (Go without omitempty, a client generated from the schema) sends these at
+    # their defaults: nothing asked of a plain prompt, and no refusal.
+    unasked = {"tools": None, "chat_template_kwargs": None, "add_generation_prompt": True,
+               "continue_final_message": False}  # fmt: skip
+    assert JobRequest.model_validate({"prompt": "x", **unasked}).engine_prompt() == {"prompt": "x"}
+    assert JobRequest.model_validate({"prompt": "x", "tools": [], "chat_template_kwargs": {}}).prompt == "x"
     with pytest.raises(ValueError, match="at most 128"):
         JobRequest.model_validate({"messages": MESSAGES, "tools": TOOLS[1:] * 129})
     deep: dict = {}
