@@ -239,13 +239,29 @@ class JobRequest(BaseModel):
     ``top_logprobs``).
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str | None = Field(None, description="a plain prompt (no chat template)")
-    prompt_token_ids: list[TokenId] | None = Field(
-        None, description="the prompt as token ids of the worker's model (no chat template)"
+    # The JSON schema says what the checks below say where it can: exactly one of the three inputs, none empty.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": [name], "properties": {name: {"type": kind}}}
+                for name, kind in (("prompt", "string"), ("messages", "array"), ("prompt_token_ids", "array"))
+            ]
+        },
     )
-    messages: list[ChatMessage] | None = Field(None, description="chat messages (the model's chat template applied)")
+
+    prompt: str | None = Field(
+        None, description="a plain prompt (no chat template)", json_schema_extra={"minLength": 1}
+    )
+    prompt_token_ids: list[TokenId] | None = Field(
+        None,
+        description="the prompt as token ids of the worker's model (no chat template)",
+        json_schema_extra={"minItems": 1},
+    )
+    messages: list[ChatMessage] | None = Field(
+        None, description="chat messages (the model's chat template applied)", json_schema_extra={"minItems": 1}
+    )
     tools: list[ToolSpec] | None = Field(
         None, max_length=MAX_TOOLS, description="tools for the chat template to show the model (with messages)"
     )
@@ -274,10 +290,18 @@ class JobRequest(BaseModel):
     repetition_penalty: float = Field(
         1.0, gt=0.0, allow_inf_nan=False, description="divide logits of tokens seen in prompt or output"
     )
-    stop: str | list[str] | None = Field(None, description="strings that end the output (cut from it)")
+    stop: str | list[str] | None = Field(
+        None,
+        description="strings that end the output (cut from it)",
+        json_schema_extra={"minLength": 1, "items": {"minLength": 1}},
+    )
     stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
-    logprobs: bool | int | None = Field(None, description="log probabilities of the top N tokens per step")
+    logprobs: bool | int | None = Field(
+        None,
+        description="log probabilities of the top N tokens per step",
+        json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS},  # (a number's bounds: true and false are none)
+    )
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="N, with logprobs=true (chat form)")
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="each prompt token's logprob and the top N alternatives (vLLM's)"
@@ -300,6 +324,11 @@ class JobRequest(BaseModel):
         None,
         description="token id (a decimal string) -> a number in [-100, 100] added to its logit before sampling "
         f"(OpenAI's); at most {MAX_LOGIT_BIAS_TOKENS} tokens",
+        json_schema_extra={
+            "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        },
     )
     structured_outputs: StructuredOutputs | None = Field(None, description="constrain the output (vLLM's form)")
     response_format: ResponseFormat | None = Field(None, description="constrain the output (OpenAI's form)")

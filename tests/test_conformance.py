@@ -25,6 +25,26 @@ def test_the_shipped_schemas_are_the_models_schemas():
         assert (SCHEMA_DIR / name).read_text() == render(schema), f"{name} drifted: run python3 -m producer.wire"
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [{}, {"prompt": "x", "prompt_token_ids": [1]}, {"prompt": ""}, {"messages": []}, {"prompt_token_ids": []},
+     {"prompt": "x", "logprobs": 50}, {"prompt": "x", "logit_bias": {"abc": 1}},
+     {"prompt": "x", "logit_bias": {"5": 200}}, {"prompt": "x", "stop": [""]}, {"prompt": "x", "stop": ""}],
+)  # fmt: skip
+def test_what_the_schema_can_say_of_a_payload_the_worker_refuses_it_refuses_too(payload):
+    """A producer validating against the shipped schema had these taken, then failed by the worker: no input or two,
+    an empty one, logprobs past 20, a logit_bias key that is no token id or a bias past 100, an empty stop string."""
+    from producer.schema import JobRequest
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(payload, SCHEMAS["job-payload.schema.json"])
+    with pytest.raises(ValueError):
+        JobRequest.model_validate(payload)
+    accepted = {"prompt": None, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stop": ["a"]}
+    jsonschema.validate(accepted, SCHEMAS["job-payload.schema.json"])  # (a null input beside the one given)
+    JobRequest.model_validate(accepted)
+
+
 @pytest.fixture(scope="module")
 def served(redis_url, tiny_chat_model):
     """A worker of this module's own (the scenarios below are marked slow: they wait on generation)."""
