@@ -173,7 +173,7 @@ def create_app(
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None)
+    app = FastAPI(title="roseinfer", docs_url=None, redoc_url=None, lifespan=_lifespan)
     workers = Workers(client)
     tokenizers = TokenizerCache(client)
     renderers = ChatRenderers(client)
@@ -736,14 +736,35 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+_CANCELING: set[asyncio.Future] = set()  # the cancels on their threads, which a stop waits for (``_lifespan``)
+
+
 def _cancel_soon(job: AsyncGenerationJob) -> None:
     """Cancel the job on a thread, not awaited: this runs while the request's task is being cancelled."""
     loop = asyncio.get_running_loop()
-    loop.run_in_executor(None, job._sync.cancel)
+    done = loop.run_in_executor(None, job._sync.cancel)
+    _CANCELING.add(done)
+    done.add_done_callback(_CANCELING.discard)
     log.info("job %s canceled: its client went away", job.id)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """At a stop: the requests the server cancelled (its grace over) cancel their jobs before the process ends (uvicorn
+    raises the stop's signal again once it has served; a cancel still on its thread was lost, its job ran on)."""
+    yield
+    for _ in range(10):  # (the cancelled requests' clean-up runs on the loop: a few turns of it, 0.1 s at most)
+        await asyncio.sleep(0.01)
+        if _CANCELING:
+            break
+    if _CANCELING:
+        await asyncio.wait(set(_CANCELING), timeout=5)
+
+
 # ----- the command -------------------------------------------------------------------------------------
+SHUTDOWN_GRACE_S = 5  # (docker-compose.yml gives the server longer than this to stop)
+
+
 def run_server(
     redis_url: str,
     queue: str,
@@ -763,5 +784,7 @@ def run_server(
     gc.freeze()
     log.warning("serving the OpenAI API for queue %r on http://%s:%d/v1", queue, host, port)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        # A stop waits this long for open requests, then cancels them (their jobs too): without a bound it waited
+        # for every stream to end, and the orchestrator's kill then left their jobs running for no one.
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

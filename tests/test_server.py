@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import threading
@@ -830,6 +831,70 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
         proc.wait(timeout=60)
     time.sleep(0.5)
     assert [p for p in redis_servers if "redis" in _command(p)] == []  # its redis-server stopped with it (SIGTERM)
+
+
+@pytest.mark.slow  # seconds: a server process started and stopped
+def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads_its_key_from_the_environment(
+    served, redis_url, monkeypatch
+):
+    """SIGTERM waited for every open stream to end (a container's stop then killed it, and the jobs ran on for no
+    one); it now waits 5 s, then cancels them. ``--api-key`` was a flag alone, shown in ``ps``."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    worker, _, model = served
+    real_step = worker.worker.engine.step
+
+    def step(*args, **kwargs):  # 200 tokens take 12 s: a stream still open when the grace ends
+        time.sleep(0.06)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(worker.worker.engine, "step", step)
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--redis-url", redis_url, "--queue", worker.queue,
+           "--port", str(port)]  # fmt: skip
+    env = {**os.environ, "ROSEINFER_API_KEY": "sesame"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url, started, job = f"http://127.0.0.1:{port}", threading.Event(), {}
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 401
+
+        def follow() -> None:
+            headers = {"Authorization": "Bearer sesame"}
+            stream = httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+            with contextlib.suppress(httpx.HTTPError), stream as reply:
+                job["id"] = reply.headers["x-roseinfer-job-id"]
+                for _ in reply.iter_lines():
+                    started.set()
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        assert started.wait(30)
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert time.monotonic() - stopped_at < 9  # (5 s of grace, and the stop itself)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    status = Client(redis_url, queue=worker.queue).job(job["id"])
+    deadline = time.time() + 10
+    while status.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.1)
+    assert status.status() == "canceled", proc.stderr.read()
 
 
 def _parent(proc_dir: Path) -> int | None:

@@ -128,7 +128,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the queue (chat and text completions)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="a bearer token every /v1 request must carry")
+    p.add_argument(
+        "--api-key", default=os.environ.get("ROSEINFER_API_KEY") or None,
+        help="a bearer token every /v1 request must carry (default: $ROSEINFER_API_KEY, kept out of ps as vLLM's "
+        "VLLM_API_KEY is)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
     p.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,

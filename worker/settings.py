@@ -21,7 +21,8 @@ DAY = 24 * 3600  # the longest interval: a thread's wait past threading.TIMEOUT_
 
 ENV_PREFIX = "ROSEINFER_"
 # Read by the producer commands and the tests rather than by the worker's settings.
-OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER", "ROSEINFER_QUEUE_URLS")  # the second: producer commands
+# Read by other commands: the producer's (the queues' URLs), serve's (its key), the tests'.
+OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER", "ROSEINFER_QUEUE_URLS", "ROSEINFER_API_KEY")
 
 
 class QueueSettings(BaseSettings):
