@@ -788,13 +788,24 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
             job.result(timeout=60)
         time.sleep(0.3)  # the sender ends jobs after their results land
         got = samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+        # The queue filling while the worker takes nothing (suspended): its depth was the sender's last reading, 0.
+        from rq.suspension import resume, suspend
+
+        suspend(client.connection)
+        try:
+            time.sleep(1.5)  # (the worker reads the suspension a second apart)
+            client.submit_many([{"prompt": "later", "max_tokens": 2}] * 4)
+            waiting = samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+        finally:
+            resume(client.connection)
+        assert waiting[("roseinfer_queue_depth", (("lane", worker.queue),))] == 4
     finally:
         worker.stop()
     with pytest.raises(httpx.ConnectError):  # a stopped worker's metrics are gone, and its port free again
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
     assert got[("roseinfer_jobs_total", (("status", "finished"),))] == 3
     assert got[("roseinfer_generated_tokens_total", ())] == 15
-    assert got[("roseinfer_ttft_seconds_count", ())] == 3
+    assert got[("roseinfer_ttft_seconds_count", ())] == 3 == got[("roseinfer_queue_time_seconds_count", ())]
     assert got[("roseinfer_time_per_output_token_seconds_count", ())] == 3
     assert got[("roseinfer_engine_step_seconds_count", ())] >= 5
     assert got[("roseinfer_redis_round_trip_seconds_count", ())] >= 1

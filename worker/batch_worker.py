@@ -822,8 +822,9 @@ class BatchWorker(BaseWorker):
                     log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
                 job.notified = True
         finished += written_before
-        for job, result in finished:  # the tokens this attempt made, for its time per token
-            self.metrics.job_ended("finished", result["timings"], len(result["token_ids"]) - job.resumed_tokens)
+        for job, result in finished:  # the tokens this attempt made of its longest sample, for its time per token
+            made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
+            self.metrics.job_ended("finished", result["timings"], made)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -14,7 +15,8 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
 
-_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Up to two hours: enqueue-to-token times include the wait in a queue, minutes or more for a bulk lane's jobs.
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -31,6 +33,9 @@ class WorkerMetrics:
             registry=r,
         )  # fmt: skip
         self.e2e = Histogram("roseinfer_e2e_latency_seconds", "enqueue to end", buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram(
+            "roseinfer_queue_time_seconds", "enqueue to start (vLLM's request_queue_time)", buckets=_LATENCY, registry=r
+        )
         self.step = Histogram("roseinfer_engine_step_seconds", "one engine step", buckets=_STEP, registry=r)
         self.redis_rtt = Histogram(
             "roseinfer_redis_round_trip_seconds", "one round trip of the sender", buckets=_STEP, registry=r
@@ -51,9 +56,12 @@ class WorkerMetrics:
             server.server_close()
 
     def job_ended(self, status: str, timings: dict | None, completion_tokens: int = 0) -> None:
+        """``completion_tokens``: those this attempt made of its longest sample, whose time the job's end is."""
         self.jobs.labels(status).inc()
         if not timings:
             return
+        if timings.get("queue_s") is not None:
+            self.queue_time.observe(timings["queue_s"])
         if timings.get("ttft_s") is not None:
             self.ttft.observe(timings["ttft_s"])
             if completion_tokens > 1 and timings.get("first_token_at") is not None:
@@ -69,10 +77,13 @@ class _WorkerState(Collector):
         w = self.worker
         engine = w.engine
         yield GaugeMetricFamily("roseinfer_jobs_in_flight", "jobs held by this worker", value=len(w.in_flight))
-        depth = GaugeMetricFamily("roseinfer_queue_depth", "jobs waiting in each lane", labels=["lane"])
-        for _, queue, count in w.lane_depths():
-            if count is not None:
-                depth.add_metric([queue.name], count)
+        depth = GaugeMetricFamily(
+            "roseinfer_queue_depth",
+            "jobs waiting in each lane (the queue's, the same from every worker)",
+            labels=["lane"],
+        )
+        for name, count in _depths(w):
+            depth.add_metric([name], count)
         yield depth
         yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
         yield CounterMetricFamily(
@@ -86,3 +97,16 @@ class _WorkerState(Collector):
         yield CounterMetricFamily(
             "roseinfer_preemptions", "requests preempted (recomputed later)", value=engine.scheduler.num_preemptions
         )
+
+
+def _depths(worker: BatchWorker) -> list[tuple[str, int]]:
+    """Each lane's length, read now: the sender's reading is only as fresh as its last round trip, and an idle worker
+    makes none (a queue filling while it was suspended read 0). Where Redis does not answer, that reading."""
+    lanes = worker.lane_depths()
+    try:
+        with worker.connection.pipeline(transaction=False) as pipe:
+            for _, queue, _ in lanes:
+                pipe.llen(queue.key)
+            return [(queue.name, count) for (_, queue, _), count in zip(lanes, pipe.execute())]
+    except redis.exceptions.RedisError:
+        return [(queue.name, count) for _, queue, count in lanes if count is not None]
