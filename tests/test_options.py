@@ -402,3 +402,22 @@ def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeyp
     with pytest.raises(ValidationError):
         serve_embedded(build_parser().parse_args(["serve", "--embedded", "--dtype", "bf16"]))
     assert Server.stopped
+
+
+def test_the_workers_log_level_is_a_setting_its_engine_process_follows(monkeypatch):
+    """INFO was forced on the worker (a line per batch of jobs, thousands an hour): RQ's --logging-level and vLLM's
+    VLLM_LOGGING_LEVEL let an operator keep only what went wrong."""
+    import logging
+
+    import worker.cli as worker_cli
+    import worker.main
+
+    seen = {}
+    monkeypatch.setattr(worker.main, "run_worker", lambda settings, logging_level: seen.update(level=logging_level))
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # (put back after the test)
+    monkeypatch.setenv("ROSEINFER_LOG_LEVEL", "warning")
+    worker_cli.worker(build_parser().parse_args(["worker"]))
+    assert seen["level"] == "WARNING" and root.level == logging.WARNING
+    worker_cli.worker(build_parser().parse_args(["-v", "worker", "--log-level", "ERROR"]))
+    assert seen["level"] == "DEBUG" and root.level == logging.DEBUG

@@ -86,7 +86,9 @@ def worker(args: argparse.Namespace) -> int:
     settings = load_settings(args)  # every configuration error surfaces here, before Redis or the model
     from worker.main import run_worker
 
-    return run_worker(settings, logging_level="DEBUG" if args.verbose else "INFO")
+    level = "DEBUG" if args.verbose else settings.log_level
+    logging.getLogger().setLevel(level)  # (the engine's own process takes it from here)
+    return run_worker(settings, logging_level=level)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from typing import Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S
@@ -99,6 +100,9 @@ class QueueSettings(BaseSettings):
     allow_webhook_host: list[str] = Field(
         default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the worker's log level: INFO has a line per batch of jobs started and ended (-v: DEBUG)"
+    )
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus metrics on this port at /metrics (off by default)"
     )
@@ -113,6 +117,11 @@ class QueueSettings(BaseSettings):
     max_job_bytes: int = Field(
         4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value  # (ROSEINFER_LOG_LEVEL=warning, as RQ's flag)
 
     @model_validator(mode="after")
     def _engine_options_are_valid(self) -> QueueSettings:
