@@ -406,6 +406,47 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
     assert canceled.value.result["status"] == "canceled" and canceled.value.result["finish_reason"] == "abort"
 
 
+def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_others(fake_worker, monkeypatch):
+    """One SIGTERM (docker stop, Kubernetes) drained every job held, those still waiting to run too: they started
+    only after the others ended, and the orchestrator's kill came first. They go back to their queue at once."""
+    worker, engine, client = fake_worker
+    engine.step_s = 0.01
+    running = client.submit("runs", max_tokens=150)  # ~1.5 s of steps
+    next(iter(running.events(timeout=10)))
+    tokenize = engine.tokenize_many
+
+    def slow(prompts, tokenizer=None):  # (a long prompt still being read: no token yet)
+        if any("slow" in p["prompt"] for p in prompts):
+            time.sleep(2)
+        return tokenize(prompts, tokenizer)
+
+    monkeypatch.setattr(engine, "tokenize_many", slow)
+    waiting = client.submit("slow to read", max_tokens=3)
+    deadline = time.time() + 10
+    while waiting.id not in worker.in_flight and time.time() < deadline:
+        time.sleep(0.01)
+    worker.request_stop()
+    deadline = time.time() + 10
+    while waiting.id not in client.queue.job_ids and time.time() < deadline:
+        time.sleep(0.02)
+    assert waiting.status() == "queued" and client.queue.job_ids == [waiting.id]
+    assert running.result(timeout=10)["usage"]["completion_tokens"] == 150  # the one generating finished
+
+
+@pytest.mark.worker_settings(drain_timeout=0.5)
+def test_past_the_drain_timeout_a_stop_hands_back_what_still_runs(fake_worker):
+    worker, engine, client = fake_worker
+    engine.step_s = 0.005
+    job = client.submit("endless", max_tokens=10**6)
+    next(iter(job.events(timeout=10)))
+    stopped_at = time.monotonic()
+    worker.request_stop()
+    deadline = time.time() + 10
+    while job.id not in client.queue.job_ids and time.time() < deadline:
+        time.sleep(0.02)
+    assert job.status() == "queued" and 0.5 <= time.monotonic() - stopped_at < 5
+
+
 def test_handing_jobs_back_hands_each_back_once_when_redis_fails_midway(fake_worker, monkeypatch):
     """The second stop signal hands every job in flight back to the front of its queue, in the order they were taken;
     Redis failing after the first of them makes the worker try again, and the jobs already back are not queued

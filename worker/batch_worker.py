@@ -180,6 +180,8 @@ class BatchWorker(BaseWorker):
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
         self._force_stop = False
+        self._stop_at: float | None = None  # when the first stop signal came (monotonic): the drain's start
+        self._unstarted_handed_back = False  # at the first stop: the jobs not generating yet went back
         self._next_suspension_check = 0.0
         self._suspended = False
         self._next_hand_over = 0.0
@@ -248,6 +250,7 @@ class BatchWorker(BaseWorker):
                 "stop signal: no new jobs; finishing the %d in flight (again to hand them back)", len(self.in_flight)
             )
             self._stop_requested = True
+            self._stop_at = time.monotonic()
             self._shutdown_requested_date = now()
 
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
@@ -361,6 +364,8 @@ class BatchWorker(BaseWorker):
         try:
             while True:
                 try:
+                    if self._stop_requested and not self._force_stop:
+                        self._drain_check()
                     if self._force_stop:
                         self._hand_back_cold()
                         break
@@ -1348,15 +1353,16 @@ class BatchWorker(BaseWorker):
         if self._state != state:
             self.set_state(state)
 
-    def _hand_back_cold(self) -> None:
+    def _hand_back_cold(self, only: list[str] | None = None) -> bool:
         """``_hand_back_all``, tried again through a blip of Redis until the sender gives up too
         (``HAND_BACK_PATIENCE_S`` after the signal), not longer: a cold stop does not wait for Redis. What is left is
-        RQ's clean-up's once this worker's heartbeat lapses (requeued where retries are left, failed otherwise)."""
+        RQ's clean-up's once this worker's heartbeat lapses (requeued where retries are left, failed otherwise).
+        Whether every job went back."""
         deadline, backoff = self.sender.give_up_at or time.monotonic() + HAND_BACK_PATIENCE_S, 0.1
         while True:
             try:
-                self._hand_back_all()
-                return
+                self._hand_back_all(only)
+                return True
             except (*REDIS_UNAVAILABLE, redis.exceptions.ResponseError) as exc:
                 if not redis_waits(exc):
                     raise
@@ -1365,22 +1371,42 @@ class BatchWorker(BaseWorker):
                         "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up takes them once this "
                         "worker's heartbeat lapses", exc, len(self.in_flight),
                     )  # fmt: skip
-                    return
+                    return False
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
 
-    def _hand_back_all(self) -> None:
-        """Second stop signal: every job in flight goes back to the front of its queue, retries untouched."""
+    def _drain_check(self) -> None:
+        """A stop drains what is generating: the jobs taken that have made no token yet (waiting for the engine, or
+        in their prompt) go back to their queue at once, for another worker, as RQ's warm stop leaves queued jobs;
+        past ``--drain-timeout`` the rest go back too, before the orchestrator's kill."""
+        if not self._unstarted_handed_back:
+            self._unstarted_handed_back = True
+            self.puller.stop()  # (a pull under way hands over what it took: those go back too)
+            self._apply_arrivals()
+            waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
+            if waiting and not self._hand_back_cold(only=waiting):
+                self._force_stop = True  # (canceled in the engine, not requeued: nothing runs them here now)
+        timeout = self.settings.drain_timeout
+        if timeout is not None and self._stop_at is not None and time.monotonic() - self._stop_at >= timeout:
+            log.warning("drain timeout (%g s) reached: handing %d jobs back to the queue", timeout, len(self.in_flight))
+            self._force_stop = True
+            self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S
+
+    def _hand_back_all(self, only: list[str] | None = None) -> None:
+        """Second stop signal: every job in flight goes back to the front of its queue, retries untouched; ``only``:
+        those jobs (the first signal's, not generating yet), the others running on."""
         give_up_at = self.sender.give_up_at  # (a pull retrying through an outage is waited for this long, no more)
-        self.puller.stop(120.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-        self._apply_arrivals()  # taken already: they go back with the rest
+        if only is None:
+            self.puller.stop(120.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
+            self._apply_arrivals()  # taken already: they go back with the rest
         self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
-        self.pump.cancel_many(list(self.in_flight))
+        ids = [job_id for job_id in (self.in_flight if only is None else only) if job_id in self.in_flight]
+        self.pump.cancel_many(ids)
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         handed = 0
-        held = list(reversed(self.in_flight.values()))  # each to the front: the first taken ends up first
+        held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.exists(self.key)
             for job in held:

@@ -100,6 +100,11 @@ class QueueSettings(BaseSettings):
     allow_webhook_host: list[str] = Field(
         default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
     )
+    drain_timeout: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="seconds a stop waits for the jobs generating to end before it hands the rest back to the queue "
+        "(as a second signal does); none: no limit. Give less than the orchestrator's grace before its kill",
+    )  # fmt: skip
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="the worker's log level: INFO has a line per batch of jobs started and ended (-v: DEBUG)"
     )
