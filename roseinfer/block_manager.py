@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
 
@@ -239,6 +239,15 @@ class KVCacheManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+
+    def freed_by(self, request_ids: list[str]) -> set[int]:
+        """The blocks that freeing these requests would return to the pool (those no other request holds)."""
+        holders = Counter(
+            block_id
+            for request_id in request_ids
+            for block_id in self._block_tables.get(request_id, [])[self._num_dropped_blocks.get(request_id, 0) :]
+        )
+        return {block_id for block_id, count in holders.items() if self.blocks[block_id].ref_count == count}
 
     def uncache_uncomputed(self, request_id: str, num_computed_tokens: int) -> None:
         """Drop from the prefix cache the blocks of a request past its computed tokens: they were registered when

@@ -431,6 +431,9 @@ class LLMEngine:
             or request_id in self._groups
             or any(entry[0].parent_id == request_id for entry in self._pending)  # its last output not out yet
         ):
+            held = self.scheduler.get(request_id)
+            if held is not None and held.parent_id != request_id:
+                raise ValueError(f"request id {request_id!r} names a sample of the request {held.parent_id!r}")
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError("priority must be an integer")
@@ -506,6 +509,8 @@ class LLMEngine:
         last; [] if unknown. Output kind "delta" with n > 1: each sample that had text or tokens not yet given out
         gets an output of its own first (one output holds one sample's delta)."""
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
+        if seqs[0] is not None and seqs[0].parent_id != request_id:
+            return []  # a sample's own id ("x[1]" of a request "x" with n > 1): not a request, nothing of it ends
         if seqs[0] is None:  # unknown, or it ended at the last step and its final output waits (on a GPU)
             seqs = [entry[0] for entry in self._pending if entry[0].parent_id == request_id][:1]
             if not seqs:

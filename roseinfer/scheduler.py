@@ -197,33 +197,47 @@ class Scheduler:
 
     def _make_room(self) -> list[Sequence]:
         """Preempt running requests that come after the first waiting one by priority while it lacks a slot or
-        the blocks of its first chunk: it is admitted in their place."""
+        the blocks of its first chunk: it is admitted in their place. None is preempted where even all of them would
+        not let it in this step (blocks, the budget the others leave, a first sample still taking the prompt): their
+        K/V would be thrown away for nothing, their slots left idle."""
+        if not (self._waiting and self._running):
+            return []
+        head = self._waiting[0]
+        self._choose_rope(head)
+        later = sorted((s for s in self._running if _order(s) >= _order(head)), key=_order)
+        if not later or (len(self._running) < self.max_num_seqs and self._head_fits(head)):
+            return []
+        if head.leader is not None and not self._leader_holds_prompt(head.leader):
+            return []
+        if len(self._running) - len(later) >= self.max_num_seqs or not self._head_fits(head, without=later):
+            return []
         preempted: list[Sequence] = []
-        while self._waiting and self._running:
-            head, last = self._waiting[0], max(self._running, key=_order)
-            if _order(last) < _order(head):
-                break
-            self._choose_rope(head)
-            if len(self._running) < self.max_num_seqs and self._head_fits(head):
-                break
+        while later and not (len(self._running) < self.max_num_seqs and self._head_fits(head)):
+            last = later.pop()
             self._preempt(last)
             preempted.append(last)
         return preempted
 
-    def _head_fits(self, head: Sequence) -> bool:
+    def _head_fits(self, head: Sequence, without: list[Sequence] | tuple[()] = ()) -> bool:
         """Whether the free blocks hold what the running requests take this step and then ``head``'s first chunk,
-        as the admission loop would size it (after its prefix hit, within the budget they leave)."""
-        budget, needed = self.max_num_batched_tokens, 0
+        as the admission loop would size it (after its prefix hit, within the budget they leave). ``without``:
+        were these requests preempted first (their blocks back in the pool; the head then needs budget left)."""
+        budget, needed, skipped = self.max_num_batched_tokens, 0, {id(s) for s in without}
         for seq in self._step_order():
+            if id(seq) in skipped:
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             needed += self._blocks_for(seq, seq.num_computed_tokens + n)
             budget -= n
+        if without and budget == 0:
+            return False
+        freed = self.kv.freed_by([s.request_id for s in without]) if without else set()
         hit = self.kv.lookup_computed_blocks(head)  # not counted in the hit-rate stats: admission counts it
         n = min(head.num_tokens - hit.num_tokens, budget)
         needed += self.kv.blocks_needed(hit.num_tokens + n) - len(hit.block_ids)
         # Hit blocks no running request holds sit in the free pool: reviving them takes them out of it.
-        needed += sum(1 for b in hit.block_ids if self.kv.blocks[b].ref_count == 0)
-        return self.kv.num_free_blocks >= needed
+        needed += sum(1 for b in hit.block_ids if self.kv.blocks[b].ref_count == 0 or b in freed)
+        return self.kv.num_free_blocks + len(freed) >= needed
 
     def _step_order(self) -> list[Sequence]:
         """The running requests, decodes first, then started prefills: a long prompt never stalls tokens already

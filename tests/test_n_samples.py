@@ -80,6 +80,10 @@ def test_an_abort_ends_every_sample(llm):
     engine = llm.engine
     engine.add_request("cut", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True, n=3))
     engine.step()
+    # A sample's own id is no request's: its abort ended that sample of another caller's request without a word.
+    assert engine.abort_request("cut[1]") == []
+    with pytest.raises(ValueError, match=r"names a sample of the request 'cut'"):
+        engine.add_request("cut[0]", PROMPT, SamplingParams(max_tokens=5))
     last = engine.abort_request("cut")[-1]
     assert last.finished and [c.finish_reason for c in last.outputs] == ["abort"] * 3
     assert not engine.has_unfinished_requests() and engine.kv.num_block_tables == 0

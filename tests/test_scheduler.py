@@ -264,3 +264,33 @@ def test_a_step_that_never_ran_leaves_no_prefix_hit_and_restarts_who_hit_its_blo
     out = run_step(sched)  # the step runs now: both whole, b on a's blocks written in that same step
     assert {x.seq.request_id: x.start for x in out.scheduled} == {"a": 0, "b": 8}
     assert kv.lookup_computed_blocks(probe).num_tokens == 8
+
+
+def test_no_request_is_preempted_for_a_waiting_one_that_could_not_be_admitted_anyway():
+    """Room was made one preemption at a time while the waiting head did not fit: where even every request after it
+    by priority could not make room (blocks held by one before it, the budget spent by those before it), their
+    K/V were thrown away and their slots left idle for nothing."""
+    _, sched = make(num_blocks=8, block_size=4, budget=64)
+    add_p(sched, "first", 20, 0)  # 5 blocks, priority over the head
+    low = add_p(sched, "low", 3, 5)
+    run_step(sched)
+    head = add_p(sched, "head", 20, 1)  # 5 blocks: never more than 3 free while "first" runs
+    for _ in range(3):
+        out = run_step(sched)
+        assert out.preempted == [] and {x.seq.request_id for x in out.scheduled} == {"first", "low"}
+    assert low.num_preemptions == 0 and head.status is SequenceStatus.WAITING
+    # The budget: the requests before the head spend all of it, so preempting "low" would not let the head in.
+    _, sched = make(num_blocks=64, block_size=4, max_seqs=2, budget=8)
+    long_first = add_p(sched, "long", 40, 0)  # a prefill of 8 tokens a step, for 5 steps
+    low = add_p(sched, "low", 3, 5)
+    run_step(sched)
+    add_p(sched, "head", 3, 1)
+    out = run_step(sched)
+    assert out.preempted == [] and low.num_preemptions == 0 and long_first.status is SequenceStatus.RUNNING
+    # Where preempting does let the head in, it still happens: the slot of the last one by priority.
+    _, sched = make(num_blocks=64, block_size=4, max_seqs=2, budget=64)
+    add_p(sched, "a", 3, 0)
+    low = add_p(sched, "low", 3, 5)
+    run_step(sched)
+    add_p(sched, "head", 3, 1)
+    assert run_step(sched).preempted == [low]
