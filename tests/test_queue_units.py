@@ -2722,3 +2722,21 @@ def test_a_timeout_is_rqs_job_timeout_exception_with_its_own_message():
     TimerDeathPenalty(3, JobTimeoutException)  # (as RQ's callbacks set one up: the class's message rewritten)
     error = JobTimedOut("job exceeded its timeout of 1 s")
     assert isinstance(error, JobTimeoutException) and str(error) == "job exceeded its timeout of 1 s"
+
+
+def test_the_metrics_read_the_queue_depth_at_the_scrape_and_say_when_redis_did_not_answer():
+    from types import SimpleNamespace
+
+    import redis
+
+    from worker.metrics import _depths
+
+    lane = SimpleNamespace(name="q", key="rq:queue:q")
+    dead = SimpleNamespace(
+        connection=redis.Redis(port=1, socket_connect_timeout=0.2), lane_depths=lambda: [(0, lane, 3)]
+    )
+    assert _depths(dead) == ([("q", 3)], False)  # the sender's last reading, and Redis down
+    conn = fakeredis.FakeRedis()
+    conn.rpush("rq:queue:q", "a", "b")
+    live = SimpleNamespace(connection=conn, lane_depths=lambda: [(0, lane, 0)])
+    assert _depths(live) == ([("q", 2)], True)

@@ -82,9 +82,13 @@ class _WorkerState(Collector):
             "jobs waiting in each lane (the queue's, the same from every worker)",
             labels=["lane"],
         )
-        for name, count in _depths(w):
+        depths, answered = _depths(w)
+        for name, count in depths:
             depth.add_metric([name], count)
         yield depth
+        yield GaugeMetricFamily(
+            "roseinfer_redis_up", "whether Redis answered this scrape (1) or not (0)", value=answered
+        )
         yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
         yield CounterMetricFamily(
             "roseinfer_prompt_tokens", "prompt tokens computed here", value=engine.stats.num_prompt_tokens_computed
@@ -99,14 +103,15 @@ class _WorkerState(Collector):
         )
 
 
-def _depths(worker: BatchWorker) -> list[tuple[str, int]]:
+def _depths(worker: BatchWorker) -> tuple[list[tuple[str, int]], bool]:
     """Each lane's length, read now: the sender's reading is only as fresh as its last round trip, and an idle worker
-    makes none (a queue filling while it was suspended read 0). Where Redis does not answer, that reading."""
+    makes none (a queue filling while it was suspended read 0). Where Redis does not answer, that reading; and
+    whether it answered."""
     lanes = worker.lane_depths()
     try:
         with worker.connection.pipeline(transaction=False) as pipe:
             for _, queue, _ in lanes:
                 pipe.llen(queue.key)
-            return [(queue.name, count) for (_, queue, _), count in zip(lanes, pipe.execute())]
+            return [(queue.name, count) for (_, queue, _), count in zip(lanes, pipe.execute())], True
     except redis.exceptions.RedisError:
-        return [(queue.name, count) for _, queue, count in lanes if count is not None]
+        return [(queue.name, count) for _, queue, count in lanes if count is not None], False
