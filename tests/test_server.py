@@ -824,15 +824,7 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--embedded", "--model", tiny_chat_model, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        _wait_until_healthy(proc, f"http://127.0.0.1:{port}", 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         out = client.chat.completions.create(model=tiny_chat_model, messages=MESSAGES, max_tokens=5, temperature=0)
         assert out.usage.completion_tokens <= 5 and out.choices[0].finish_reason in ("length", "stop")
@@ -871,15 +863,7 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url, started, job = f"http://127.0.0.1:{port}", threading.Event(), {}
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        _wait_until_healthy(proc, url, 60)
         body = {"model": model, "messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 401
 
@@ -906,6 +890,19 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
     while status.status() != "canceled" and time.time() < deadline:
         time.sleep(0.1)
     assert status.status() == "canceled", proc.stderr.read()
+
+
+def _wait_until_healthy(proc, url: str, patience: float) -> None:
+    """Until a server process started answers ``/health`` with 200 (failing with its stderr if it ends first)."""
+    deadline = time.time() + patience
+    while True:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
 
 
 def _parent(proc_dir: Path) -> int | None:
