@@ -458,6 +458,7 @@ def _worker_with_engine_process(step_s: float = 0.0):
     return worker, engine, Client(connection=fakeredis.FakeRedis(server=server), queue="proc"), thread, crashed
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_the_rq_worker_serves_through_an_engine_process():
     worker, engine, client, thread, crashed = _worker_with_engine_process()
     try:

@@ -324,6 +324,7 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
         assert all(r["response"]["request_id"].startswith(f"batch-{run_id}-") for r in rows)
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 @pytest.mark.redis
 def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(redis_url, tmp_path, monkeypatch, capsys):
     """Redis gone mid-run for longer than the run waits for it ended the batch with "cannot reach Redis ...; check

@@ -406,6 +406,7 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
     assert canceled.value.result["status"] == "canceled" and canceled.value.result["finish_reason"] == "abort"
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_others(fake_worker, monkeypatch):
     """One SIGTERM (docker stop, Kubernetes) drained every job held, those still waiting to run too: they started
     only after the others ended, and the orchestrator's kill came first. They go back to their queue at once."""

@@ -445,6 +445,7 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 @pytest.mark.redis
 @pytest.mark.parametrize(("ended", "raised"), [("canceled", "JobCanceled"), ("failed", "JobFailed")])
 def test_a_job_whose_hash_is_gone_ends_as_its_result_says(redis_url, ended, raised):
@@ -2629,6 +2630,7 @@ def test_events_and_results_with_fields_a_newer_worker_adds_are_read_and_resumed
         other.result(timeout=5)
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_a_client_of_a_redis_that_answers_nothing_gives_up_instead_of_waiting_for_good(monkeypatch):
     """A Redis that accepts and answers nothing (SIGSTOPped, a failover's old primary gone without a reset): with
     redis-py before 8 (``redis>=6`` is allowed) a client's reads had no socket timeout, and ``result(timeout=1)``,
@@ -2728,13 +2730,14 @@ def test_the_metrics_read_the_queue_depth_at_the_scrape_and_say_when_redis_did_n
     from types import SimpleNamespace
 
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     from worker.metrics import _depths
 
     lane = SimpleNamespace(name="q", key="rq:queue:q")
-    dead = SimpleNamespace(
-        connection=redis.Redis(port=1, socket_connect_timeout=0.2), lane_depths=lambda: [(0, lane, 3)]
-    )
+    refused = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))  # (at once)
+    dead = SimpleNamespace(connection=refused, lane_depths=lambda: [(0, lane, 3)])
     assert _depths(dead) == ([("q", 3)], False)  # the sender's last reading, and Redis down
     conn = fakeredis.FakeRedis()
     conn.rpush("rq:queue:q", "a", "b")

@@ -271,6 +271,7 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
             redis_proc.wait(timeout=10)
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_a_worker_stopping_while_redis_refuses_writes_lets_go_of_its_metrics_port(own_redis, tiny_chat_model):
     """A stop while Redis refuses writes (a primary demoted by a failover, a full Redis): a refused delete on the
     way out raised out of the worker, its engine and metrics server left running and the port held, so a worker
@@ -336,6 +337,7 @@ def test_a_batch_rides_out_a_redis_restart_and_writes_every_row_once(tiny_chat_m
     assert sorted(written) == sorted(row["custom_id"] for row in rows)  # each once
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
     """Redis 7 gives a new ACL user no channel rights by default: ``result()`` subscribed to the job's channel and
     raised NoPermissionError at once, where the async client (which reads the stream) waited. It waits now."""

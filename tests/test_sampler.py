@@ -188,6 +188,7 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
     assert got.logprobs[0] is None and set(got.logprobs[5]) == {got.token_ids[5]}
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_filters_from_the_top_candidates_equal_the_whole_sorted_vocabulary():
     """On CPU the filters look at each row's largest logits only, falling back to a whole sort where a row keeps
     a token past them: the kept tokens and their values are those of the sort, on peaked and flat rows, ties, every
@@ -304,6 +305,7 @@ def test_kernel_filters_keep_what_a_float64_walk_keeps():
             assert torch.equal(got[torch.isfinite(got)], row[torch.isfinite(got)])
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_kernel_draws_invert_the_running_sum_and_never_take_a_masked_token():
     """The CPU kernel's draw at u lands where the filtered distribution's float64 running sum passes u (to within
     1e-6 of a boundary), reads bfloat16 logits as their float32 values, and never takes a -inf or filtered token;

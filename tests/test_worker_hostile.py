@@ -391,6 +391,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_webhooks_named_by_a_job_are_never_called_unless_the_host_is_allowed(served):
     w, client, conn = served
     server = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
