@@ -25,6 +25,11 @@ class LLM:
         options = {k: v for k, v in vars(config).items() if k != "model"}
         return cls(config.model, **options)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, by vLLM's name for it (``engine`` here)."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -33,14 +38,17 @@ class LLM:
         prompts: PromptInput | Seq[PromptInput],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string (or dict) counts as one prompt; a list of
-        ints is one prompt of token ids."""
+        ints is one prompt of token ids. ``priority``: each prompt's (lower runs first), as vLLM's;
+        ``lora_request`` is vLLM's too, and only None here (no adapters)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run(list(prompts), sampling_params, use_tqdm, lora_request, priority)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended settings (its generation config), as vLLM's: what
@@ -56,6 +64,7 @@ class LLM:
         add_generation_prompt: bool | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the chat template is applied to each, as vLLM's
         ``LLM.chat``: given ``tools`` (OpenAI's function definitions) and the template's own options
@@ -69,9 +78,17 @@ class LLM:
             "chat_template_kwargs": chat_template_kwargs,
         }
         extra = {k: v for k, v in options.items() if v is not None}
-        return self._run([{"messages": list(c), **extra} for c in conversations], sampling_params, use_tqdm)
+        prompts = [{"messages": [_text_message(m) for m in c], **extra} for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list, sampling_params, use_tqdm: bool, lora_request: None = None, priority=None
+    ) -> list[RequestOutput]:
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported: lora_request must be None")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -83,9 +100,9 @@ class LLM:
         params = [final.setdefault(id(p), dataclasses.replace(p, output_kind="final_only")) for p in params]
         order: dict[str, int] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p, rank) in enumerate(zip(prompts, params, priorities)):
                 request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=rank)
                 order[request_id] = i
         except BaseException:
             self._abort(order)
@@ -108,3 +125,20 @@ class LLM:
         for request_id in request_ids:
             with contextlib.suppress(Exception):  # (cleanup: the error under way is the one to see)
                 self.engine.abort_request(request_id)
+
+
+def _text_message(message: dict) -> dict:
+    """A message as the chat template takes it, from OpenAI's forms as vLLM reads them: content as a list of text
+    parts (joined by newlines), and an assistant's turn of tool calls alone with content None."""
+    if not isinstance(message, dict):
+        return message  # (the engine says what is wrong with it)
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ValueError(
+                f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}), got {content!r}"
+            )
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+        return {**message, "content": ""}
+    return message

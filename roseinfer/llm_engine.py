@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -504,10 +505,12 @@ class LLMEngine:
             raise ValueError("the output to resume holds a stop token: the request had ended")
         return ids
 
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Stop a request now (every sample of it) and free its KV blocks. Returns its last outputs, the final one
         last; [] if unknown. Output kind "delta" with n > 1: each sample that had text or tokens not yet given out
-        gets an output of its own first (one output holds one sample's delta)."""
+        gets an output of its own first (one output holds one sample's delta). A list of ids (vLLM's form): each."""
+        if not isinstance(request_id, str):
+            return [out for one in request_id for out in self.abort_request(one)]
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
         if seqs[0] is not None and seqs[0].parent_id != request_id:
             return []  # a sample's own id ("x[1]" of a request "x" with n > 1): not a request, nothing of it ends
@@ -572,6 +575,10 @@ class LLMEngine:
     def running_request_ids(self) -> list[str]:
         """The requests in the running batch (those a step computes), by the ids they were added with."""
         return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
+
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's accessor; ``tokenizer`` here)."""
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)

@@ -17,6 +17,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The logprobs of the tokens this output holds, summed (vLLM's); None where no logprobs were asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(step.get(token, float("nan")) for token, step in zip(self.token_ids, self.logprobs))
+
 
 @dataclass(slots=True)
 class RequestMetrics:

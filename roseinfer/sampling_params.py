@@ -69,11 +69,12 @@ class SamplingParams:
     """What to generate and when to stop, shaped like vLLM's ``SamplingParams``.
 
     ``temperature=0`` means greedy. ``top_k`` of 0 or -1 and ``top_p`` of 1 disable those filters; a ``top_k``
-    above the vocabulary size keeps the whole vocabulary. ``max_tokens=None`` (the default, as in OpenAI's chat
-    API) generates until EOS, a stop condition or the model's context length.
+    above the vocabulary size keeps the whole vocabulary. ``max_tokens`` is 16 by default, as vLLM's (a job's
+    payload leaves it unset, as OpenAI's chat API does); ``None`` generates until EOS, a stop condition or the
+    model's context length.
     """
 
-    max_tokens: int | None = None
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

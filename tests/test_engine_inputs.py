@@ -814,3 +814,39 @@ def test_the_servers_chat_rendering_is_the_engines(chat_engine, tiny_chat_model)
     assert json.loads(doc)["chat_template"] == given  # (what the worker renders with: the operator's)
     ids = ChatRenderer(operators.engine.tokenizer_json(), doc).tokenize(JobRequest.model_validate(chats[0]))
     assert ids == operators.engine.tokenize(chats[0])[1]
+
+
+def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
+    """What vLLM's offline API users write: ``llm.llm_engine``, ``lora_request=None``, per-prompt ``priority``, 16
+    tokens by default, ``cumulative_logprob``, chat content as text parts, an assistant's turn of tool calls with
+    content None, ``abort_request`` of a list. Each was an AttributeError, a TypeError, a ValueError, or (the
+    default) a generation to the end of the context."""
+    llm = LLM(tiny_chat_model, dtype="float32")
+    engine = llm.llm_engine
+    assert engine is llm.engine and engine.get_tokenizer() is llm.get_tokenizer()
+    free = SamplingParams(temperature=0, ignore_eos=True)
+    [out] = llm.generate("Hello", free, use_tqdm=False, lora_request=None)
+    assert len(out.outputs[0].token_ids) == 16 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.generate("Hello", free, use_tqdm=False, lora_request="adapter")
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
+        llm.generate(["a", "b"], free, use_tqdm=False, priority=[0])
+    [scored] = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0, logprobs=2), use_tqdm=False)
+    sample = scored.outputs[0]
+    assert sample.cumulative_logprob == pytest.approx(sum(s[t] for t, s in zip(sample.token_ids, sample.logprobs)))
+    assert sample.cumulative_logprob < 0 and out.outputs[0].cumulative_logprob is None  # (none asked for)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hi\nthere"}]
+    assert llm.chat(parts, greedy, use_tqdm=False)[0].prompt_token_ids == llm.chat(joined, greedy)[0].prompt_token_ids
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]  # fmt: skip
+    assert llm.chat(turns, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for rid in ("x", "y"):
+        engine.add_request(rid, "hello", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    ended = engine.abort_request(["x", "y"])
+    assert {o.request_id for o in ended if o.finished} == {"x", "y"} and not engine.has_unfinished_requests()
