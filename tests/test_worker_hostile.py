@@ -96,6 +96,19 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
     assert w.thread.is_alive()
 
 
+def test_a_job_hash_field_past_its_bound_fails_alone_before_rq_parses_it(served):
+    """RQ parses ``meta`` (and webhooks, dependency ids ...) whole and keeps it while the job runs: 30 MB of nested
+    JSON there took 700 MB of the worker's memory, a job. Such a hash is refused before RQ reads it."""
+    w, client, conn = served
+    job_id = f"fat-meta-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, job_id, meta=json.dumps({"pad": "x" * 70_000}))
+    good = client.submit("after", max_tokens=4, temperature=0)
+    assert good.result(timeout=60)["usage"]["completion_tokens"] == 4
+    with pytest.raises(JobFailed, match=r"field 'meta' is over 65536 bytes"):
+        client.job(job_id).result(timeout=30)
+    assert conn.zscore(rejected_key(w.queue), job_id) is not None and w.thread.is_alive()
+
+
 def test_a_payload_nested_past_the_json_parsers_depth_fails_alone(served):
     """JSON that Python's parser stops reading (arrays 5,000 deep, under the size bound): that job fails, saying so;
     the worker serves on."""

@@ -79,6 +79,7 @@ def redis_waits(exc: Exception) -> bool:
 _STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 _STAMP_FIELDS = tuple(name.encode() for name in _DATES)
 _INFLATED = (b"data", b"exc_info")  # the fields RQ's restore zlib-inflates
+MAX_OTHER_FIELD = 64 * 1024  # bytes of any other field of a job hash (``meta``, ``description``, ...)
 _resolved_serializer = functools.cache(resolve_serializer)
 
 
@@ -317,6 +318,14 @@ def _restore(
                 f"the job's field {swollen[0].decode()!r} is over {max_data_bytes} bytes once inflated; "
                 "this worker takes at most that"
             )
+            unreadable.append(Unreadable(job_id, queue, reason))
+            continue
+        # The other fields RQ parses (meta, webhooks, dependency ids ...) are kept in memory while the job runs: 30 MB
+        # of nested JSON there took 700 MB. RQ's own are short; a job's own data goes in its payload.
+        oversize = [k for k, v in raw.items() if k not in _INFLATED and k != KEY_TYPE and len(v) > MAX_OTHER_FIELD]
+        if oversize:
+            name = oversize[0].decode(errors="backslashreplace") if isinstance(oversize[0], bytes) else oversize[0]
+            reason = f"the job's field {name!r} is over {MAX_OTHER_FIELD} bytes; this worker takes at most that"
             unreadable.append(Unreadable(job_id, queue, reason))
             continue
         try:
