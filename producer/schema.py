@@ -17,6 +17,9 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_N = 64
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+MAX_CONSTRAINT_CHARS = 32 * 1024  # a grammar's, a regex's, a choice's in all
 MAX_TOOLS = 128  # OpenAI's
 # The chat template call's own arguments: chat_template_kwargs may not set them (a "chat_template" there would run a
 # template of the job's choosing; the engine checks against the call's signature too).
@@ -57,8 +60,11 @@ class FunctionCall(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
-        if value.strip() and not isinstance(_json_or_none(value), dict):
+        parsed = _json_or_none(value) if value.strip() else {}
+        if not isinstance(parsed, dict):
             raise ValueError("a tool call's arguments are a JSON object's text")
+        if json_depth(parsed) > MAX_JSON_DEPTH:  # (the template's reading recursed through them: a server error)
+            raise ValueError(f"a tool call's arguments nest deeper than {MAX_JSON_DEPTH} levels")
         return value
 
 
@@ -164,9 +170,15 @@ class StructuredOutputs(BaseModel):
 
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (an object or its text)")
     json_object: bool | None = Field(None, description="true: any JSON object")
-    regex: str | None = Field(None, min_length=1, description="a regular expression the whole output matches")
-    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, description="one of these")
-    grammar: str | None = Field(None, min_length=1, description="a Lark (or GBNF) grammar")
+    regex: str | None = Field(
+        None, min_length=1, max_length=MAX_CONSTRAINT_CHARS, description="a regular expression the whole output matches"
+    )
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description=f"one of these (at most {MAX_CONSTRAINT_CHARS} characters in all)"
+    )
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_CONSTRAINT_CHARS, description="a Lark (or GBNF) grammar"
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
@@ -174,6 +186,8 @@ class StructuredOutputs(BaseModel):
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        if self.choice is not None and sum(len(c) for c in self.choice) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"choice has more than {MAX_CONSTRAINT_CHARS} characters in all")
         return self
 
     def engine_form(self) -> dict[str, Any]:
@@ -292,10 +306,12 @@ class JobRequest(BaseModel):
     )
     stop: str | list[str] | None = Field(
         None,
-        description="strings that end the output (cut from it)",
-        json_schema_extra={"minLength": 1, "items": {"minLength": 1}},
+        description=f"strings that end the output (cut from it); at most {MAX_STOP_STRINGS}",
+        json_schema_extra={"minLength": 1, "items": {"minLength": 1}, "maxItems": MAX_STOP_STRINGS},
     )
-    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end the output"
+    )
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="sampling seed (sampled jobs get one per job)")
     logprobs: bool | int | None = Field(
         None,
@@ -395,6 +411,8 @@ class JobRequest(BaseModel):
         strings = [value] if isinstance(value, str) else value or []
         if any(not s for s in strings):
             raise ValueError("stop strings must not be empty")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(strings)} strings; at most {MAX_STOP_STRINGS} are taken")
         return value
 
     @field_validator("logprobs")

@@ -537,10 +537,21 @@ def _timed_out(timeout: float) -> APIError:
     return _not_to_retry(APIError(504, f"no result within {timeout:g} s", "timeout"))
 
 
+MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB prompt to /tokenize took 2.6 GB
+
+
 async def _body(request: Request) -> Any:
-    """The request's JSON, or a 400 saying why not."""
+    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # (refused before it is read)
+        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():  # (a body sent without its length, in chunks: counted as it comes)
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except RecursionError:  # arrays nested past the parser's depth: JSON, but no request
         raise APIError(400, "the request body is nested too deeply") from None
     except ValueError as exc:  # (not JSON, not UTF-8, or an integer past Python's 4300 digits)

@@ -18,6 +18,12 @@ MAX_N = 64  # samples per request: each holds its own KV blocks past the shared 
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound either way, as the OpenAI API's
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: each is host work at every step
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# Lists checked at every step of a request: bounded so one request cannot slow every other one's steps.
+MAX_STOP_STRINGS = 64  # (OpenAI takes 4)
+MAX_STOP_TOKEN_IDS = 1024
+# A grammar, regex or choice's characters: llguidance converts a GBNF grammar in time that grows with the square of
+# its size, on the step loop (a 218 KB one took 30 s, every other request stalled).
+MAX_CONSTRAINT_CHARS = 32 * 1024
 
 
 @dataclass
@@ -52,12 +58,16 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 fail(f"{name} must be a non-empty string")
+            if isinstance(value, str) and len(value) > MAX_CONSTRAINT_CHARS:
+                fail(f"{name} has {len(value)} characters; at most {MAX_CONSTRAINT_CHARS} are taken")
         if self.choice is not None and (
             not isinstance(self.choice, (list, tuple))
             or not self.choice
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             fail("choice must be a non-empty list of non-empty strings")
+        if self.choice is not None and sum(len(c) for c in self.choice) > MAX_CONSTRAINT_CHARS:
+            fail(f"choice has more than {MAX_CONSTRAINT_CHARS} characters in all; that many are taken at most")
         if self.thinking not in (None, "first", "optional"):
             fail(f"thinking must be 'first' or 'optional', got {self.thinking!r}")
         if self.thinking is not None and (self.regex is not None or self.grammar is not None):
@@ -170,6 +180,10 @@ class SamplingParams:
         prompt = self.prompt_logprobs
         if prompt is not None and (not is_int(prompt) or not 0 <= prompt <= MAX_LOGPROBS):
             fail(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {prompt!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are taken")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            fail(f"stop holds {len(self.stop_strings)} strings; at most {MAX_STOP_STRINGS} are taken")
         for tid in self.stop_token_ids:
             if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
                 fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")

@@ -100,6 +100,16 @@ def _plain_grammar(so: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to it
 
 
+MAX_REASON_CHARS = 1000
+
+
+def _said(reason: str) -> str:
+    """llguidance's reason in one line of at most ``MAX_REASON_CHARS``: it quotes the input, two or three times (a
+    3 MB regex's made a 9 MB log line and a 12 MB result kept a year), and its lines could forge log lines."""
+    line = " ".join(reason.split())
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
 class StructuredOutputManager:
     """Compiles constraints into matchers and fills each step's masks. Built once per engine; llguidance's view of
     the tokenizer (~0.5 s to build) is made at the first constrained request."""
@@ -142,12 +152,12 @@ class StructuredOutputManager:
         try:
             text = grammar_text(so)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"invalid structured output: {exc}") from exc
+            raise ValueError(f"invalid structured output: {_said(str(exc))}") from None
         template = self._templates.get(text)
         if template is None:
             template = LLMatcher(self._ll_tokenizer, text, log_level=0)
             if template.is_error():
-                raise ValueError(f"invalid structured output: {template.get_error()}")
+                raise ValueError(f"invalid structured output: {_said(template.get_error())}")
             self._templates[text] = template
             if len(self._templates) > _CACHE_SIZE:
                 self._templates.popitem(last=False)
@@ -155,7 +165,7 @@ class StructuredOutputManager:
             self._templates.move_to_end(text)
         matcher = template.deep_copy()
         if output_prefix and not matcher.consume_tokens(list(output_prefix)):
-            raise ValueError(f"the output to resume breaks its structured output: {matcher.get_error()}")
+            raise ValueError(f"the output to resume breaks its structured output: {_said(matcher.get_error())}")
         return matcher
 
     # ----- the step --------------------------------------------------------------------------------

@@ -63,6 +63,50 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
         ({"prompt": "hi", "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),  # none came back
         ({"prompt": "hi", "logprobs": 2, "top_logprobs": 5}, "top_logprobs goes with logprobs: true"),
         ({"prompt": "hi", "max_tokens": 4.5}, "max_tokens"),  # (4.0 is taken: below)
+        # Lists every step reads, and constraints compiled on the step loop: bounded (one job slowed every other).
+        ({"prompt": "hi", "stop": ["x"] * 65}, "stop holds 65 strings; at most 64"),
+        ({"prompt": "hi", "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        ({"prompt": "hi", "structured_outputs": {"grammar": "x" * 40_000}}, "grammar"),
+        ({"prompt": "hi", "structured_outputs": {"choice": ["x" * 20_000] * 2}}, "choice has more than 32768"),
+        # A tool call's arguments past the depth bound: the template's reading recursed through them (a server error).
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "[" * 500 + "]" * 500},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "arguments are a JSON object",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "nest deeper than 100",
+        ),
         ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids"),
     ],
 )

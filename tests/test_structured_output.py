@@ -103,6 +103,15 @@ def test_a_constraint_the_library_rejects_fails_only_its_request(llm):
         SamplingParams(structured_outputs={"schema": {}})
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+    # The library quotes what it refuses, more than once: its reason is cut to one line of at most 1,000 characters
+    # (a 3 MB regex's made a 9 MB log line and a 12 MB result, kept for a year).
+    with pytest.raises(ValueError, match=r"invalid structured output") as refused:
+        engine.add_request("long-regex", "hi", SamplingParams(structured_outputs={"regex": "(" + "a\nb" * 2000}))
+    assert len(str(refused.value)) < 1100 and "\n" not in str(refused.value)
+    # Bounded before anything compiles: a GBNF grammar converts in time that grows with the square of its size.
+    for kind, value in (("grammar", "x" * 40_000), ("regex", "a" * 40_000), ("choice", ["x" * 20_000] * 2)):
+        with pytest.raises(ValueError, match="32768"):
+            StructuredOutputsParams(**{kind: value})
     assert not engine.has_unfinished_requests()
     outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=60, structured_outputs={"choice": ["x", "y"]}))
     assert outs[0].outputs[0].text in ("x", "y")
