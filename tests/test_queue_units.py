@@ -31,6 +31,12 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
     assert JobRequest.model_validate({"prompt": "hi", "structured_outputs": {"json": _nested(100)}})
 
 
+def _called(arguments: str) -> dict:
+    """A chat payload whose assistant turn made one call with these arguments."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]}
+
+
 @pytest.mark.parametrize(
     ("fields", "phrase"),
     [
@@ -69,44 +75,8 @@ def test_a_schema_as_deep_as_the_bound_is_taken():
         ({"prompt": "hi", "structured_outputs": {"grammar": "x" * 40_000}}, "grammar"),
         ({"prompt": "hi", "structured_outputs": {"choice": ["x" * 20_000] * 2}}, "choice has more than 32768"),
         # A tool call's arguments past the depth bound: the template's reading recursed through them (a server error).
-        (
-            {
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "tool_calls": [
-                            {
-                                "id": "c",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": "[" * 500 + "]" * 500},
-                            }
-                        ],
-                    },
-                ]
-            },
-            "arguments are a JSON object",
-        ),
-        (
-            {
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "tool_calls": [
-                            {
-                                "id": "c",
-                                "type": "function",
-                                "function": {"name": "f", "arguments": '{"a": ' + "[" * 500 + "]" * 500 + "}"},
-                            }
-                        ],
-                    },
-                ]
-            },
-            "nest deeper than 100",
-        ),
+        (_called("[" * 500 + "]" * 500), "arguments are a JSON object"),
+        (_called('{"a": ' + "[" * 500 + "]" * 500 + "}"), "nest deeper than 100"),
         ({"prompt_token_ids": [1, 2.5]}, "prompt_token_ids"),
     ],
 )
