@@ -43,6 +43,7 @@ class Heartbeat:
         self.due_retries = DueRetries(worker)
         self._beat_jobs: Any = None  # ``_BEAT_JOBS``, loaded at the first beat where Redis runs Lua
         self._leased = True  # whether the last beat kept the lease (a loss is logged once)
+        self.last_beat_at: float | None = None  # when Redis last took a beat (Unix time): a stuck worker's stops
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="roseinfer-heartbeat", daemon=True)
@@ -102,6 +103,7 @@ class Heartbeat:
         except redis.exceptions.NoScriptError:  # Redis restarted and forgot it
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
             replies = self._beat(stale, jobs, ttl, rate, mono)
+        self.last_beat_at = time.time()
         if w.sender.lease_key:
             if self._leased and not replies[-1]:
                 log.warning("lease not kept: a job held here belongs to another attempt now, or its heartbeat lapsed")

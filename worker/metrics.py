@@ -89,6 +89,11 @@ class _WorkerState(Collector):
         yield GaugeMetricFamily(
             "roseinfer_redis_up", "whether Redis answered this scrape (1) or not (0)", value=answered
         )
+        beat = getattr(getattr(w, "_heartbeat", None), "last_beat_at", None)
+        if beat is not None:  # (a probe compares it with the time: a worker whose beats stopped is stuck or cut off)
+            yield GaugeMetricFamily(
+                "roseinfer_last_heartbeat_timestamp_seconds", "when Redis last took this worker's heartbeat", value=beat
+            )
         yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
         yield CounterMetricFamily(
             "roseinfer_prompt_tokens", "prompt tokens computed here", value=engine.stats.num_prompt_tokens_computed
