@@ -59,10 +59,18 @@ class APIShape(BaseModel):
         if not isinstance(data, dict):
             return data
         return {
-            k: float(v) if k in _FLOATS and type(v) is int and abs(v) < 2**1024 else v  # (past it: no float, a 400)
+            k: _as_float(v) if k in _FLOATS and type(v) is int else v
             for k, v in data.items()
             if v is not None or k in _NULL_MEANS_NO_LIMIT
         }
+
+
+def _as_float(value: int) -> float | int:
+    """An integer as the number it means; one past a float's range stays as it is (the field refuses it: a 400)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return value
 
 
 class SentBack(APIShape):

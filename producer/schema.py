@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -573,11 +574,17 @@ def ending_of(payload: Any) -> Ending:
     if not isinstance(payload, dict):
         return Ending()
     fields = {}
-    for name in ("custom_id", "notify"):
+    for name, adapter in _ending_fields().items():
         if isinstance(value := payload.get(name), str):
             with contextlib.suppress(ValidationError):
-                fields[name] = TypeAdapter(Annotated[str, JobRequest.model_fields[name]]).validate_python(value)
+                fields[name] = adapter.validate_python(value)
     return Ending(**fields)
+
+
+@functools.cache
+def _ending_fields() -> dict[str, TypeAdapter]:
+    """``custom_id`` and ``notify`` as the payload checks them, each alone (built once: an adapter costs ~1 ms)."""
+    return {name: TypeAdapter(Annotated[str, JobRequest.model_fields[name]]) for name in ("custom_id", "notify")}
 
 
 def job_ending(job: Any) -> Ending:
@@ -612,7 +619,20 @@ def describe_validation_error(exc: Exception, names: dict[str, str] | None = Non
         loc = tuple(err.get("loc", ()))
         if loc and names and str(loc[0]) in names:
             loc = (names[str(loc[0])], *loc[1:])
-        found = by_field.setdefault(field_path(loc) or "payload", [])
-        if msg not in found:
+        found = by_field.setdefault(_shown(field_path(loc) or "payload"), [])
+        if (msg := _shown(msg)) not in found:
             found.append(msg)
     return "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in by_field.items())
+
+
+MAX_SHOWN_CHARS = 500
+
+
+def _shown(text: str) -> str:
+    """A payload's words as a reason quotes them: control characters escaped (a field named with a newline forged a
+    line of the worker's log), and at most ``MAX_SHOWN_CHARS`` (a 100 KB logit_bias key came back whole, in the
+    result kept for a year)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:MAX_SHOWN_CHARS])
+    return (
+        line if len(text) <= MAX_SHOWN_CHARS and len(line) <= MAX_SHOWN_CHARS else line[: MAX_SHOWN_CHARS - 3] + "..."
+    )

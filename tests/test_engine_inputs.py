@@ -399,6 +399,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_fails_the_prompt_not_the_
     assert [o.request_id for o in outs] == ["ids"] and len(outs[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_an_operators_chat_template_replaces_the_models_and_a_bad_one_fails_the_start(tiny_chat_model, tmp_path):
     """vLLM's --chat-template: a Jinja file or the template's text, in place of the model's own; one that cannot be
     read or does not render fails the engine's start with the reason, not each chat job later."""
@@ -787,6 +788,7 @@ def test_a_generate_stopped_by_ctrl_c_leaves_nothing_in_the_engine(tiny_chat_mod
     assert len(out.outputs[0].token_ids) == 3 and len(steps) < 10  # its own steps only
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_the_servers_chat_rendering_is_the_engines(chat_engine, tiny_chat_model):
     """/tokenize of messages: the worker's tokenizer and chat template as it publishes them, rendered on the server
     by transformers' own call, give the ids the engine computes for the same chat job, with every option."""

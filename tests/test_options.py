@@ -422,3 +422,12 @@ def test_the_workers_log_level_is_a_setting_its_engine_process_follows(monkeypat
     assert seen["level"] == "WARNING" and root.level == logging.WARNING
     worker_cli.worker(build_parser().parse_args(["-v", "worker", "--log-level", "ERROR"]))
     assert seen["level"] == "DEBUG" and root.level == logging.DEBUG
+
+
+def test_the_payloads_list_and_constraint_bounds_are_the_engines():
+    """Written twice (the producer holds no engine): a job the payload takes must not fail in the engine."""
+    import producer.schema as payload
+    import roseinfer.sampling_params as engine
+
+    for name in ("MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_CONSTRAINT_CHARS", "MAX_LOGIT_BIAS_TOKENS", "MAX_N"):
+        assert getattr(payload, name) == getattr(engine, name), name

@@ -622,6 +622,7 @@ def test_rq_suspend_holds_new_jobs_and_shows_the_worker_suspended(served):
     assert state_becomes("idle") == "idle"
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_an_int8_worker_serves_jobs_whose_stream_is_their_result(redis_url, tiny_chat_model):
     """``ROSEINFER_QUANTIZATION=int8`` (a worker setting like every engine option): the worker calibrates and
     quantizes at start, then serves as any other; a job's streamed text is its result's."""

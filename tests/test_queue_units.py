@@ -2429,6 +2429,7 @@ def test_an_async_client_takes_a_burst_of_commands_past_redis_pys_pool_size(redi
     assert asyncio.run(burst()) == ["missing"] * 512
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 def test_a_client_shared_by_more_than_a_hundred_threads_follows_every_job(redis_url):
     """A service's thread pool sharing one Client holds a connection per blocked read: redis-py 8's pool refused the
     101st ("Too many connections"), which the follower took for Redis being down. Threads bound the connections."""
@@ -2757,3 +2758,20 @@ def test_the_metrics_read_the_queue_depth_at_the_scrape_and_say_when_redis_did_n
     conn.rpush("rq:queue:q", "a", "b")
     live = SimpleNamespace(connection=conn, lane_depths=lambda: [(0, lane, 0)])
     assert _depths(live) == ([("q", 2)], True)
+
+
+def test_a_payloads_words_in_its_refusal_are_one_bounded_line():
+    """A refusal quotes the payload: a field named with a newline forged a line of the worker's log, and a 100 KB
+    logit_bias key came back whole in the result (kept for a year)."""
+    from pydantic import ValidationError
+
+    from producer.schema import describe_validation_error
+
+    for payload, shown in (
+        ({"prompt": "x", "colour\nFORGED: x": 1}, "colour\\nFORGED: x: unknown field"),
+        ({"prompt": "x", "logit_bias": {"a" * 100_000: 1}}, "got 'aaa"),
+    ):
+        with pytest.raises(ValidationError) as refused:
+            JobRequest.model_validate(payload)
+        reason = describe_validation_error(refused.value)
+        assert shown in reason and "\n" not in reason and len(reason) < 600

@@ -388,8 +388,9 @@ def test_a_failed_responses_stream_ends_with_response_failed_after_its_error():
         (b'{"model": "m", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "not valid JSON"),
         (b'{"model": "m", "prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature: Input should be"),
         (b'{"model": "m", "input": "hi", "user": "\\ud800"}', "lone surrogate"),
+        (b'{"model": "m", "prompt": "x", "temperature": ' + str(2**1024 - 1).encode() + b"}", "temperature: Input"),
     ],
-    ids=["5000 digits", "past a float", "lone surrogate"],
+    ids=["5000 digits", "past a float", "lone surrogate", "just past a float"],
 )
 def test_json_the_server_cannot_take_is_a_400_in_openais_shape_not_a_plain_500(body, phrase):
     """An integer past Python's 4300 digits, one past a float's range, half a UTF-16 pair in a field a response
