@@ -339,16 +339,18 @@ class Client:
         req = validate({"prompt": prompt, "messages": messages, **fields})
         self._check_eviction_policy()
         queue = self.lane(req.priority)
-        if job_id is not None:
-            check_job_id(job_id)
-            self._forget_ended(self.connection, self._ended([job_id]), {job_id: queue.name})
+        if job_id is not None:  # checked and written in one watched transaction: see submit_many
+            return self.submit_many([{"prompt": prompt, "messages": messages, **fields, "job_id": job_id}])[0]
         job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         self.reached = True
         return GenerationJob(self, job.id)
 
     def _ended(self, job_ids: list[str]) -> list[EndedJob]:
         """Those of ``job_ids`` (given by the caller) whose job ran before and ended, or whose hash is gone (its
-        ``result_ttl`` of 0 or under the stream's life, RQ's ``delete()``): what is left of it is an old job's."""
+        ``result_ttl`` of 0 or under the stream's life, RQ's ``delete()``): what is left of it is an old job's.
+        An id whose job is still queued or running is refused: enqueued again, its payload was written over and
+        the id pushed twice, and both callers got the first job's result (the second request lost without a word;
+        vLLM refuses a running request's id too)."""
         if not job_ids:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
@@ -356,6 +358,12 @@ class Client:
                 pipe.hmget(Job.key_for(job_id), "status", "origin")
                 pipe.hkeys(Job.key_for(job_id))
             replies = pipe.execute()
+        for job_id, (status, _) in zip(job_ids, replies[::2]):
+            if status is not None and status not in _OVER:
+                raise InvalidRequest(
+                    f"job id {job_id!r} is taken by a job that is {status.decode(errors='replace')[:40]}: "
+                    "wait for it to end or cancel it, or give another id"
+                )
         return [
             EndedJob(job_id, origin.decode() if origin else None, fields)
             for job_id, (status, origin), fields in zip(job_ids, replies[::2], replies[1::2])
@@ -372,7 +380,7 @@ class Client:
         attempt that owns the job, fences off a run of the old job still going somewhere (canceled, or taken for
         dead), which would write its end over the new job. Its expiry goes too (an enqueue without ``ttl`` sets
         none): the old job's ``result_ttl`` would delete the new one while it waits. (A job still queued or running
-        is left as RQ leaves it: the worker runs an id pushed twice once.)"""
+        never gets here: ``_ended`` refuses its id.)"""
         for old in ended:
             pipe.delete(stream_key(old.id), result_key(old.id))
             stale = [f for f in old.fields if f != OWNER_FIELD.encode()]
@@ -412,22 +420,35 @@ class Client:
             lane = self.lane(req.priority)
             hashes.append((job_id, lane, self._job_hash(lane, req, stamp)))
         self._check_eviction_policy()
-        ended = self._ended(list(given))
         with self.connection.pipeline() as pipe:
-            self._forget_ended(pipe, ended, {job_id: lane.name for job_id, lane, _ in hashes})
-            for key in dict.fromkeys(lane.key for _, lane, _ in hashes):
-                pipe.sadd(Queue.redis_queues_keys, key)
-            ids_by_lane: dict[str, list[str]] = {}
-            for job_id, lane, mapping in hashes:
-                pipe.hset(Job.key_for(job_id), mapping=mapping)
-                ids_by_lane.setdefault(lane.key, []).append(job_id)
-            # One RPUSH a lane, in submission order (the transaction makes the hashes and ids appear together):
-            # a command a job cost this process ~7 us to pack and Redis a command to run.
-            for key, ids in ids_by_lane.items():
-                pipe.rpush(key, *ids)
-            pipe.execute()
+            # Watched: a job of one of these ids enqueued or started after the look below fails the transaction,
+            # which looks again (two callers of one id: the second is refused, not written over the first).
+            while True:
+                try:
+                    self._enqueue_hashes(pipe, hashes, list(given))
+                    break
+                except WatchError:
+                    continue
         self.reached = True
         return [GenerationJob(self, job_id) for job_id, _, _ in hashes]
+
+    def _enqueue_hashes(self, pipe: Any, hashes: list[tuple[str, Queue, dict[str, Any]]], given: list[str]) -> None:
+        if given:
+            pipe.watch(*(Job.key_for(job_id) for job_id in given))
+        ended = self._ended(given)
+        pipe.multi()
+        self._forget_ended(pipe, ended, {job_id: lane.name for job_id, lane, _ in hashes})
+        for key in dict.fromkeys(lane.key for _, lane, _ in hashes):
+            pipe.sadd(Queue.redis_queues_keys, key)
+        ids_by_lane: dict[str, list[str]] = {}
+        for job_id, lane, mapping in hashes:
+            pipe.hset(Job.key_for(job_id), mapping=mapping)
+            ids_by_lane.setdefault(lane.key, []).append(job_id)
+        # One RPUSH a lane, in submission order (the transaction makes the hashes and ids appear together):
+        # a command a job cost this process ~7 us to pack and Redis a command to run.
+        for key, ids in ids_by_lane.items():
+            pipe.rpush(key, *ids)
+        pipe.execute()
 
     def _job_hash(self, lane: Queue, req: JobRequest, stamp: str) -> dict[str, Any]:
         """The job hash RQ's ``enqueue_many`` writes for this request, made without RQ's Job objects (0.14 ms a job

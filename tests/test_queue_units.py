@@ -2508,6 +2508,54 @@ def test_an_id_used_again_after_its_hash_is_gone_does_not_stream_the_old_jobs_te
         list(job.stream(timeout=0.3))  # nothing yet: the new job has not run
 
 
+@pytest.mark.parametrize("status", ["queued", "started", "deferred", "scheduled"])
+@pytest.mark.parametrize("many", [False, True])
+def test_an_id_of_a_job_still_queued_or_running_is_refused_and_the_job_left_as_it_was(many, status):
+    """Enqueued again, the live job's payload was written over and its id pushed twice: both callers got the first
+    job's result and the second request was lost without a word."""
+    from producer import Client
+    from producer.client import InvalidRequest
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn)
+    first = client.submit("first", job_id="order-1", max_tokens=400)
+    conn.hset(first.rq_job.key, "status", status)
+    data = conn.hget(first.rq_job.key, "data")
+    with pytest.raises(InvalidRequest, match=f"'order-1' is taken by a job that is {status}"):
+        if many:
+            client.submit_many([{"prompt": "other", "job_id": "fresh"}, {"prompt": "second", "job_id": "order-1"}])
+        else:
+            client.submit("second", job_id="order-1", max_tokens=5)
+    assert conn.lrange("rq:queue:roseinfer", 0, -1) == [b"order-1"] and not conn.exists("rq:job:fresh")
+    assert conn.hget(first.rq_job.key, "data") == data and conn.hget(first.rq_job.key, "status") == status.encode()
+    conn.hset(first.rq_job.key, "status", "canceled")  # once it ended, the id is free again
+    assert client.submit("second", job_id="order-1").status() == "queued"
+
+
+def test_a_job_of_the_id_enqueued_between_the_look_and_the_write_makes_the_second_submit_refused(monkeypatch):
+    """Two producers giving one id at once: the look saw no job, another client's enqueue came next; the watched
+    transaction fails and the look again refuses the id instead of writing over the other job."""
+    from producer import Client
+    from producer.client import InvalidRequest
+
+    conn = fakeredis.FakeRedis()
+    client, other = Client(connection=conn), Client(connection=conn)
+    looked = Client._ended
+    calls = []
+
+    def ended_then_raced(self, job_ids):
+        found = looked(self, job_ids)
+        if self is client and not calls:
+            calls.append(job_ids)
+            other.submit("other's", job_id="same")
+        return found
+
+    monkeypatch.setattr(Client, "_ended", ended_then_raced)
+    with pytest.raises(InvalidRequest, match="'same' is taken by a job that is queued"):
+        client.submit("mine", job_id="same")
+    assert calls == [["same"]] and conn.lrange("rq:queue:roseinfer", 0, -1) == [b"same"]
+
+
 @pytest.mark.parametrize("many", [False, True])
 def test_an_id_used_again_leaves_no_registry_entry_or_field_of_the_old_job(many):
     """The old job failed (or finished, or was canceled): its id stayed in that registry, so the new job was counted
