@@ -37,6 +37,8 @@ from producer.client import (
     raise_at_a_bad_end,
     sample_text,
     stream_expired,
+    stream_wait_ends,
+    time_left,
     validate,
 )
 from producer.connection import connect_async, wrong_type
@@ -292,14 +294,16 @@ class AsyncGenerationJob:
                     return
             if idle and timeout is not None and held:
                 deadline = time.monotonic() + timeout
+            looked = False  # the first look does not wait: a job long over says so at once
             while True:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
                 if expired_at is not None:
                     wait = max(0.001, min(wait, expired_at - time.monotonic()))
                 try:
-                    found = await asyncio.wait_for(follower.entries.get(), wait)
+                    found = await asyncio.wait_for(follower.entries.get(), wait) if looked else None
                 except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                     found = None
+                looked = True
                 if isinstance(found, Exception):
                     raise found
                 if found:
@@ -324,7 +328,8 @@ class AsyncGenerationJob:
                             continue
                     await asyncio.to_thread(self._sync._raise_ended, status)
                 if status == "finished":
-                    expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S
+                    if expired_at is None:
+                        expired_at = stream_wait_ends(deadline, bool(await self.client.connection.exists(key)))
                     if time.monotonic() >= expired_at:
                         raise stream_expired(self.id)
                 if deadline is not None and time.monotonic() >= deadline:
@@ -337,6 +342,7 @@ class AsyncGenerationJob:
         """As ``GenerationJob.stream``: text pieces (of sample ``index``), the result's text once the stream expired;
         ``StreamRestarted`` if the output starts over after some."""
         read_any = False
+        deadline = deadline_after(timeout)
         try:
             async with contextlib.aclosing(self.events(timeout, skip_void=True)) as events:
                 async for event in events:
@@ -350,7 +356,7 @@ class AsyncGenerationJob:
         except StreamExpired:
             if read_any:
                 raise
-            yield sample_text(await self.result(timeout=5.0), index)
+            yield sample_text(await self.result(timeout=time_left(deadline)), index)
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

@@ -268,6 +268,20 @@ def _failed_just_now(status: str, entries: list[Any]) -> bool:
     return time.time() - millis / 1000 < FINAL_EVENT_GRACE_S
 
 
+def stream_wait_ends(deadline: float | None, stream_left: bool) -> float:
+    """When a follower of a finished job that read no final event gives up on its stream: at once if the stream is
+    gone (expired: a worker writes a job's last event before its status), else after ``FINAL_EVENT_GRACE_S`` for
+    a writer that ends them the other way round; never past the caller's deadline (a job long over cost every
+    ``stream()`` 3 s, and one with a timeout under that a TimeoutError, its result there)."""
+    now = time.monotonic()
+    return min(now + FINAL_EVENT_GRACE_S, math.inf if deadline is None else deadline) if stream_left else now
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (None: no end), at least a millisecond: a last read still goes out."""
+    return None if deadline is None else max(0.001, deadline - time.monotonic())
+
+
 def sample_text(result: dict[str, Any], index: int) -> str:
     """The text of sample ``index`` of a result (one with n > 1 holds them in ``choices``)."""
     choices = result.get("choices") or [{"index": 0, "text": result.get("text", "")}]
@@ -699,12 +713,14 @@ class GenerationJob:
             yield event
             if "finish_reason" in event:
                 return
+        looked = False  # the first read does not block: a job long over says so at once
         while True:
             wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
             try:
-                reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms)
+                reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms if looked else None)
+                looked = True
                 status = None if reply else self.status()
                 if (status in _ENDED or status == "missing") and conn.xread({key: cursor.last_id}, count=1):
                     continue  # the last events landed just now
@@ -729,7 +745,12 @@ class GenerationJob:
                         continue
                 self._raise_ended(status)
             if status == "finished":
-                expired_at = expired_at or time.monotonic() + FINAL_EVENT_GRACE_S
+                if expired_at is None:
+                    try:
+                        expired_at = stream_wait_ends(deadline, bool(conn.exists(key)))
+                    except REDIS_DOWN as exc:
+                        outage.wait(exc)
+                        continue
                 if time.monotonic() >= expired_at:
                     raise stream_expired(self.id)
             if deadline is not None and time.monotonic() >= deadline:
@@ -741,6 +762,7 @@ class GenerationJob:
         (10 minutes after the end, by default), the result's text in one piece. Raises ``StreamRestarted`` if the
         output starts over after text was read (call it again to follow the new one)."""
         read_any = False
+        deadline = deadline_after(timeout)
         try:
             with contextlib.closing(self.events(timeout, skip_void=True)) as events:
                 for event in events:
@@ -754,7 +776,7 @@ class GenerationJob:
         except StreamExpired:
             if read_any:
                 raise
-            yield sample_text(self.result(timeout=5.0), index)
+            yield sample_text(self.result(timeout=time_left(deadline)), index)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.

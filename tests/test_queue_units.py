@@ -498,6 +498,35 @@ def test_a_job_whose_hash_is_gone_ends_as_its_result_says(redis_url, ended, rais
         asyncio.run(async_result())
 
 
+@pytest.mark.redis
+def test_a_job_whose_stream_expired_long_ago_streams_its_result_within_a_short_timeout(redis_url):
+    """Every stream() of a job long over waited a blocked read and a 2 s grace for a final event that could not
+    come (its stream gone): one with a timeout under ~3 s raised TimeoutError, its result there."""
+    from rq.results import Result
+
+    from producer import AsyncClient, Client
+    from producer.protocol import result_entry, result_key, usage_of
+
+    client = Client(redis_url)
+    job = client.submit("hi", max_tokens=3)
+    conn = client.connection
+    conn.lrem(client.queue.key, 0, job.id)  # a worker ran it, long ago: its result is kept, its stream expired
+    result = {"v": 3, "id": job.id, "status": "finished", "finish_reason": "stop", "text": "hello world",
+              "token_ids": [1, 2], "usage": usage_of(1, 2)}  # fmt: skip
+    conn.xadd(result_key(job.id), result_entry(result, Result.Type.SUCCESSFUL, "w"))
+    conn.hset(job.rq_job.key, "status", "finished")
+    assert list(job.stream(timeout=0.5)) == ["hello world"]
+
+    async def async_stream() -> list[str]:
+        aclient = AsyncClient(redis_url)
+        try:
+            return [piece async for piece in aclient.job(job.id).stream(timeout=0.5)]
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(async_stream()) == ["hello world"]
+
+
 def test_an_infinite_timeout_waits_without_end():
     """``timeout=inf`` (``roseinfer submit --stream --timeout inf`` takes it): the stream's wait in milliseconds of
     it was an OverflowError."""
