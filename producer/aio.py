@@ -22,12 +22,14 @@ from producer.client import (
     _ENDED,
     DEFAULT_REDIS_URL,
     FINAL_EVENT_GRACE_S,
+    REDIS_PATIENCE_S,
     REPLAY_PAGE,
     Client,
     EventCursor,
     GenerationJob,
     JobCanceled,
     JobFailed,
+    Outage,
     StreamExpired,
     check_job_id,
     checked,
@@ -41,7 +43,7 @@ from producer.client import (
     time_left,
     validate,
 )
-from producer.connection import connect_async, wrong_type
+from producer.connection import REDIS_DOWN, connect_async, wrong_type
 from producer.protocol import DEFAULT_QUEUE, event_from_stream, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
@@ -149,6 +151,7 @@ class StreamHub:
         # follower for each key cost 28 ms a wake-up with 1,000 requests waiting)
         self._by_key: dict[str, dict[int, _Follower]] = {}
         self._not_streams: set[str] = set()  # keys of another type (written by hand): left out of the read
+        self.down_since: float | None = None  # when Redis stopped answering the read (None: it answers)
         self._next = 0
         self._task: asyncio.Task | None = None
 
@@ -182,14 +185,18 @@ class StreamHub:
                 reply = await self.connection.xread(
                     {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
                 )
-            except Exception as exc:  # Redis away: every follower hears it
+            except Exception as exc:
                 if wrong_type(exc) and await self._left_out(list(streams), exc):
                     continue  # one key's type failed the read of all: only its followers hear it
-                for followers in self._by_key.values():
-                    for f in followers.values():
-                        f.entries.put_nowait(exc)
-                await asyncio.sleep(0.5)
+                if isinstance(exc, REDIS_DOWN) and self.down_since is None:
+                    self.down_since = time.monotonic()
+                if not isinstance(exc, REDIS_DOWN) or time.monotonic() - self.down_since >= REDIS_PATIENCE_S:
+                    for followers in self._by_key.values():  # not an outage, or a long one: every follower hears it
+                        for f in followers.values():
+                            f.entries.put_nowait(exc)
+                await asyncio.sleep(0.5)  # (a restart, a failover: the read goes on from where it was)
                 continue
+            self.down_since = None
             for key, found in reply or []:
                 key = key.decode() if isinstance(key, bytes) else key
                 ids = [_entry_id(entry_id) for entry_id, _ in found]
@@ -274,18 +281,24 @@ class AsyncGenerationJob:
     ) -> AsyncIterator[dict[str, Any]]:
         """As ``GenerationJob.events`` (read through the client's ``StreamHub``); ``idle``: ``timeout`` counts from
         the last event, not from the start (a stream that goes on is not cut, as a client's read timeout)."""
-        key = stream_key(self.id)
+        key, conn = stream_key(self.id), self.client.connection
         cursor = EventCursor(self.id, skip_void)
+        deadline = deadline_after(timeout)
+        outage = Outage(deadline, self.client.sync)  # a Redis restart or failover waited out, as the sync client
         held: list[dict[str, Any]] = []  # the backlog read to its end first, as ``GenerationJob.events`` reads it
         while skip_void:
-            page = await self.client.connection.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            try:
+                page = await conn.xrange(key, min=cursor.next_entry(), count=REPLAY_PAGE)
+            except REDIS_DOWN as exc:
+                await asyncio.sleep(outage.pause(exc))
+                continue
+            outage.over()
             held = cursor.hold(page, held)
             if len(page) < REPLAY_PAGE:
                 break
         follower = self.client.hub.follow(key)
         if cursor.last_id not in ("0-0", b"0-0"):
             follower.last = _entry_id(cursor.last_id)
-        deadline = deadline_after(timeout)
         expired_at: float | None = None
         try:
             for event in held:
@@ -293,7 +306,7 @@ class AsyncGenerationJob:
                 if "finish_reason" in event:
                     return
             if idle and timeout is not None and held:
-                deadline = time.monotonic() + timeout
+                deadline = outage.deadline = time.monotonic() + timeout
             looked = False  # the first look does not wait: a job long over says so at once
             while True:
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
@@ -304,6 +317,9 @@ class AsyncGenerationJob:
                 except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                     found = None
                 looked = True
+                if isinstance(found, REDIS_DOWN):  # the hub waited out its patience: so does this follower
+                    await asyncio.sleep(outage.pause(found))
+                    continue
                 if isinstance(found, Exception):
                     raise found
                 if found:
@@ -314,29 +330,45 @@ class AsyncGenerationJob:
                         if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
                             raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
                     if idle and timeout is not None:
-                        deadline = time.monotonic() + timeout
+                        deadline = outage.deadline = time.monotonic() + timeout
                     continue
-                status = await self.status()
-                if status in _ENDED or status == "missing":
-                    if await self.client.connection.xread({key: cursor.last_id}, count=1):
-                        continue  # the last events landed just now: the hub brings them
-                    if status in ("canceled", "stopped", "failed") and (
-                        expired_at or await self.client.connection.hget(Job.key_for(self.id), "started_at")
-                    ):  # its final event (an abort's last text and usage, a failure's error) lands after the status
-                        expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
-                        if time.monotonic() < expired_at:
-                            continue
-                    await asyncio.to_thread(self._sync._raise_ended, status)
-                if status == "finished":
-                    if expired_at is None:
-                        expired_at = stream_wait_ends(deadline, bool(await self.client.connection.exists(key)))
-                    if time.monotonic() >= expired_at:
-                        raise stream_expired(self.id)
+                try:
+                    status, expired_at = await self._look(key, cursor, expired_at, deadline)
+                except REDIS_DOWN as exc:
+                    await asyncio.sleep(outage.pause(exc))
+                    continue
+                outage.over()
+                if status == "more":  # events landed just now (the hub brings them), or a final one is due
+                    continue
                 if deadline is not None and time.monotonic() >= deadline:
                     what = "no event" if idle else "no end of stream"
                     raise TimeoutError(f"job {self.id}: {what} within {timeout} s")
         finally:
             self.client.hub.leave(follower)
+
+    async def _look(
+        self, key: str, cursor: EventCursor, expired_at: float | None, deadline: float | None
+    ) -> tuple[str, float | None]:
+        """The job's status once no event came, and until when its final event is waited for; "more" when events
+        landed just now or a final one is still due. Raises the job's ending once no final event can come."""
+        conn = self.client.connection
+        status = await self.status()
+        if status in _ENDED or status == "missing":
+            if await conn.xread({key: cursor.last_id}, count=1):
+                return "more", expired_at
+            if status in ("canceled", "stopped", "failed") and (
+                expired_at or await conn.hget(Job.key_for(self.id), "started_at")
+            ):  # its final event (an abort's last text and usage, a failure's error) lands after the status
+                expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
+                if time.monotonic() < expired_at:
+                    return "more", expired_at
+            await asyncio.to_thread(self._sync._raise_ended, status)
+        if status == "finished":
+            if expired_at is None:
+                expired_at = stream_wait_ends(deadline, bool(await conn.exists(key)))
+            if time.monotonic() >= expired_at:
+                raise stream_expired(self.id)
+        return status, expired_at
 
     async def stream(self, timeout: float | None = None, index: int = 0) -> AsyncIterator[str]:
         """As ``GenerationJob.stream``: text pieces (of sample ``index``), the result's text once the stream expired;
@@ -364,13 +396,19 @@ class AsyncGenerationJob:
         a waiting job: a server with 1,000 requests waiting held 1,000), looking again at least once a second."""
         conn = self.client.connection
         deadline = deadline_after(timeout)
+        outage = Outage(deadline, self.client.sync)
         follower = None
         try:
             while True:
-                async with conn.pipeline(transaction=False) as pipe:  # the status first, as the sync client
-                    pipe.hget(Job.key_for(self.id), "status")
-                    read_result(pipe, self.id)
-                    status, entries = await pipe.execute()
+                try:
+                    async with conn.pipeline(transaction=False) as pipe:  # the status first, as the sync client
+                        pipe.hget(Job.key_for(self.id), "status")
+                        read_result(pipe, self.id)
+                        status, entries = await pipe.execute()
+                except REDIS_DOWN as exc:
+                    await asyncio.sleep(outage.pause(exc))
+                    continue
+                outage.over()
                 status = status.decode() if status else "missing"
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":

@@ -301,6 +301,10 @@ class Outage:
         self.deadline, self.since, self.backoff, self.client = deadline, None, 0.1, client
 
     def wait(self, exc: Exception) -> None:
+        time.sleep(self.pause(exc))
+
+    def pause(self, exc: Exception) -> float:
+        """The seconds to wait before trying again after ``exc``; raises it once patience (or the deadline) ran out."""
         if not self.client.reached:
             raise exc
         now = time.monotonic()
@@ -309,8 +313,9 @@ class Outage:
         end = end if self.deadline is None else min(end, self.deadline)
         if now >= end:
             raise exc
-        time.sleep(min(self.backoff, end - now))
+        pause = min(self.backoff, end - now)
         self.backoff = min(self.backoff * 2, 2.0)
+        return pause
 
     def over(self) -> None:
         self.since, self.backoff = None, 0.1

@@ -350,9 +350,10 @@ def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_b
     conn.hset("rq:job:j", "status", "finished")
     assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "new text"
 
-    class Async:  # what AsyncGenerationJob reads through: an async connection and its hub
+    class Async:  # what AsyncGenerationJob reads through: an async connection, its hub and a sync client
         connection = fakeredis.FakeAsyncRedis(server=server)
         hub = StreamHub(connection)
+        sync = Client(connection=conn)
 
     async def read() -> str:
         return "".join([piece async for piece in AsyncGenerationJob(Async(), "j").stream(timeout=5)])

@@ -219,6 +219,63 @@ def test_a_follower_rides_out_a_redis_restart():
     assert isinstance(outcome, JobFailed) and "result" in str(outcome), outcome
 
 
+@pytest.mark.slow
+def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
+    """AsyncClient's streams and waits (every request of the server) ended with a ConnectionError at a Redis
+    restart, the jobs going on; the sync client's waited for Redis and read on."""
+    import asyncio
+    import json
+
+    from producer import AsyncClient
+    from producer.protocol import stream_key
+
+    url, first = start_private_redis()
+    if first is None:
+        pytest.skip("could not start redis-server")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    conn = Redis.from_url(url)
+    conn.hset("rq:job:rides-2", "status", "started")
+    conn.xadd(stream_key("rides-2"), {"event": json.dumps({"n": 0, "text": "Hello", "token_ids": [1]})})
+    restarted = None
+
+    async def follow_and_wait() -> tuple[list, BaseException | None]:
+        nonlocal restarted
+        async with AsyncClient(url, queue="rides") as client:
+            job = client.job("rides-2")
+            got: list = []
+
+            async def follow() -> None:
+                async for event in job.events(timeout=30):
+                    got.append(event["text"])
+
+            followed = asyncio.create_task(follow())
+            waited = asyncio.create_task(job.result(timeout=30))
+            for _ in range(200):
+                if got:
+                    break
+                await asyncio.sleep(0.05)
+            first.terminate()  # Redis goes away, and comes back empty, as in the sync test above
+            first.wait(timeout=10)
+            await asyncio.sleep(1)
+            _, restarted = start_private_redis(port=port)
+            conn.hset("rq:job:rides-2", "status", "finished")
+            last = {"n": 1, "text": " world", "token_ids": [2], "finish_reason": "stop", "usage": {}}
+            conn.xadd(stream_key("rides-2"), {"event": json.dumps(last)})
+            await followed
+            outcome = (await asyncio.gather(waited, return_exceptions=True))[0]
+            return got, outcome
+
+    try:
+        got, outcome = asyncio.run(follow_and_wait())
+    finally:
+        for proc in (first, restarted):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)
+    assert got == ["Hello", " world"]
+    assert isinstance(outcome, JobFailed) and "result" in str(outcome), outcome  # the end seen, not the outage
+
+
 def _follow(job, got: list, errors: list, result: bool = False) -> None:
     try:
         got.extend([job.result(timeout=30)] if result else job.events(timeout=30))

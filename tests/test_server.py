@@ -1167,16 +1167,19 @@ def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redi
     assert Client(redis_url, queue=queue_name).queue.job_ids == [first.id, good.id] and good.id == "good-id"
 
 
-def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_fail_nobody(redis_url):
+def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_the_second_alone_is_refused(redis_url):
     """Sent in one batch they failed every submission with it ("request 2: job id 'same' is given twice"), the one
-    that named no id too; as with two ``Client.submit`` calls, the second comes after the first."""
-    queue_name = f"same-id-{uuid.uuid4().hex[:6]}"
-    first, one, two = _three_async_submits(redis_url, queue_name, "same", "same")
-    assert not any(isinstance(x, Exception) for x in (first, one, two)), (first, one, two)
-    assert one.id == two.id == "same"
+    that named no id too; as with two ``Client.submit`` calls, the second comes after the first, and finds the id
+    taken by a job still queued."""
+    from producer.client import InvalidRequest
+
+    queue_name, same = f"same-id-{uuid.uuid4().hex[:6]}", f"same-{uuid.uuid4().hex[:6]}"
+    first, one, two = _three_async_submits(redis_url, queue_name, same, same)
+    assert not isinstance(first, Exception) and not isinstance(one, Exception) and one.id == same, (first, one)
+    assert isinstance(two, InvalidRequest) and f"{same!r} is taken by a job that is queued" in str(two)
     queue = Client(redis_url, queue=queue_name).queue
-    assert queue.job_ids[:2] == [first.id, "same"]
-    assert queue.fetch_job("same").kwargs["prompt"] == "p2"  # the later submission's, as RQ keeps
+    assert queue.job_ids == [first.id, same]
+    assert queue.fetch_job(same).kwargs["prompt"] == "p1"  # the first submission's, not written over
 
 
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
