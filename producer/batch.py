@@ -42,7 +42,7 @@ from producer.batch_io import (
     read_rows,
 )
 from producer.chat_render import template_messages
-from producer.client import Client, validate
+from producer.client import Client, JobIdTaken, validate
 from producer.connection import REDIS_DOWN
 from producer.openai_api import (
     APIError,
@@ -1138,11 +1138,22 @@ def _submit_lines(
         # (Failed or canceled last time, or finished with its result expired: submitted again, which clears the old
         # job's stream and result but keeps its hash, whose owner field fences off a run of it still going.)
         fresh.append(line)
-    if fresh:
-        extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from
-        client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
+    extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from
+    while fresh:
+        try:
+            client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
+        except JobIdTaken as exc:  # another run of this input submitted them since the look: followed, as its jobs
+            taken = set(exc.job_ids)
+            for line in fresh:
+                if line.job_id in taken:
+                    in_flight[line.job_id] = (line, None)
+                    if line.job_id not in tried:
+                        reused[line.job_id] = False
+            fresh = [line for line in fresh if line.job_id not in taken]
+            continue
         for line in fresh:
             in_flight[line.job_id] = (line, None)
+        break
 
 
 def _failure_reason(client: Client, job_id: str, status: str) -> str:

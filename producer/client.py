@@ -95,6 +95,17 @@ class InvalidRequest(ValueError):
     pass
 
 
+class JobIdTaken(InvalidRequest):
+    """Ids given for new jobs that name jobs still queued or running (``job_ids``: all of them)."""
+
+    def __init__(self, job_ids: list[str], status: str) -> None:
+        super().__init__(
+            f"job id {job_ids[0]!r} is taken by a job that is {status}: wait for it to end or cancel it, or give "
+            "another id" + (f" ({len(job_ids) - 1} more ids are taken too)" if len(job_ids) > 1 else "")
+        )
+        self.job_ids = job_ids
+
+
 class StreamGap(Exception):
     """Events of the job's stream were trimmed before they were read (the worker keeps ``stream_maxlen`` entries a
     job): what the stream gives is not the whole output. ``result()`` holds it."""
@@ -377,12 +388,9 @@ class Client:
                 pipe.hmget(Job.key_for(job_id), "status", "origin")
                 pipe.hkeys(Job.key_for(job_id))
             replies = pipe.execute()
-        for job_id, (status, _) in zip(job_ids, replies[::2]):
-            if status is not None and status not in _OVER:
-                raise InvalidRequest(
-                    f"job id {job_id!r} is taken by a job that is {status.decode(errors='replace')[:40]}: "
-                    "wait for it to end or cancel it, or give another id"
-                )
+        taken = [(job_id, status) for job_id, (status, _) in zip(job_ids, replies[::2]) if status not in (None, *_OVER)]
+        if taken:
+            raise JobIdTaken([job_id for job_id, _ in taken], taken[0][1].decode(errors="replace")[:40])
         return [
             EndedJob(job_id, origin.decode() if origin else None, fields)
             for job_id, (status, origin), fields in zip(job_ids, replies[::2], replies[1::2])

@@ -835,6 +835,32 @@ def test_a_submit_whose_reply_was_lost_is_this_runs_own_job_not_one_reused_and_e
     assert len(sink.errors) == 3 and in_flight == {} and reused == {}
 
 
+def test_a_row_another_run_of_the_input_submitted_since_the_look_is_followed_not_a_crash(monkeypatch):
+    """Two runs of one input at once (into two outputs, as the README allows): the other run submitted a row's job
+    between this run's look at its status and its submit, and the id, taken by a queued job, ended the run ("job id
+    ... is taken")."""
+    from producer.batch import Lines, _submit
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    raced, mine = [parse_line(i, json.dumps({"prompt": f"row {i}"}), queue="q") for i in range(1, 3)]
+    real = client.submit_many
+    calls = []
+
+    def other_run_first(payloads):
+        if not calls:  # the other run's submit lands first
+            real([{**raced.payload, "job_id": raced.job_id}])
+        calls.append([p["job_id"] for p in payloads])
+        return real(payloads)
+
+    monkeypatch.setattr(client, "submit_many", other_run_first)
+    lines, in_flight, reused = Lines(iter([raced, mine])), {}, {}
+    assert _submit(client, lines, in_flight, 8, reused) is False
+    assert calls == [[raced.job_id, mine.job_id], [mine.job_id]]
+    assert set(in_flight) == {raced.job_id, mine.job_id} and reused == {raced.job_id: False}
+    [lane] = client.connection.keys("rq:queue:q*")  # (a batch's own lane)
+    assert client.connection.lrange(lane, 0, -1) == [raced.job_id.encode(), mine.job_id.encode()]  # each once
+
+
 def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
     """Only a line cut short (not JSON) is removed for its row to run again; a whole one gets its newline."""
     from producer.batch_io import JSONLSink
