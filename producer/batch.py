@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pydantic import ValidationError
+from redis.exceptions import ResponseError
 
 from producer.batch_io import (
     DEFAULT_FIELDS,
@@ -43,7 +44,7 @@ from producer.batch_io import (
 )
 from producer.chat_render import template_messages
 from producer.client import Client, JobIdTaken, validate
-from producer.connection import REDIS_DOWN
+from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -678,7 +679,9 @@ def run_batch(
                     )
                     try:
                         _run(client, lines, sink, progress, summary, max_in_flight, timeout, poll_interval)
-                    except REDIS_DOWN as exc:  # (it answered the ping above: not a wrong --redis-url)
+                    except (*REDIS_UNAVAILABLE, ResponseError) as exc:  # (it answered the ping: not a wrong URL)
+                        if not redis_waits(exc):
+                            raise
                         raise RedisLost(summary, exc) from exc
                 finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
                     sink.close()
@@ -935,10 +938,12 @@ def _run(
                 outage.over()
                 progress.tick()
                 workers.check()
-            except REDIS_DOWN as exc:  # a failover, a restart: each step above can be taken again
+            except (*REDIS_UNAVAILABLE, ResponseError) as exc:  # a failover, a restart: each step can be taken again
+                if not redis_waits(exc):  # (full, read-only or loading for now: waited out as the worker waits)
+                    raise
                 outage.wait(exc)
     finally:
-        with contextlib.suppress(*REDIS_DOWN):  # (a list of ids; it expires) not an error on top of Redis gone
+        with contextlib.suppress(*REDIS_UNAVAILABLE):  # (a list of ids; it expires) not an error on top of Redis gone
             conn.delete(done_key(notify))
 
 

@@ -11,12 +11,41 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # Redis down, unreachable, or not answering within the socket timeout: what waiting (not the request) may mend.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+# Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
+# back-pressure, not death.
+REDIS_REFUSING = (
+    OutOfMemoryError,
+    ReadOnlyError,
+    BusyLoadingError,
+)
+REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
+
+
+# Error codes of a Redis that will take writes again: another client's script past ``busy-reply-threshold`` (BUSY
+# to every command until it ends), a failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF: a full disk),
+# and the refusals above as a script's error wraps them (Redis 6.2: "Error running script ...: -OOM ...").
+_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING")
+
+
+def redis_waits(exc: Exception) -> bool:
+    """Whether ``exc`` says Redis cannot take this now but will (a write is then waited for, nothing dropped):
+    unavailable, or refusing for now with an error redis-py names no class of its own (``_WAIT_CODES``)."""
+    if isinstance(exc, REDIS_UNAVAILABLE):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    text = str(exc)  # a pipeline's names its command first ("... caused error: BUSY ...")
+    return any(
+        text.startswith(f"{code} ") or f"caused error: {code} " in text or f"-{code} " in text for code in _WAIT_CODES
+    )
 
 
 def wrong_type(exc: BaseException) -> bool:

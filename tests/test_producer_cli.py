@@ -326,10 +326,23 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
 
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 @pytest.mark.redis
-def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(redis_url, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        ("ConnectionError", "Connection refused"),
+        ("OutOfMemoryError", "command not allowed when used memory > 'maxmemory'."),
+        ("ReadOnlyError", "You can't write against a read only replica."),
+        ("ResponseError", "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist"),
+    ],
+)
+def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(
+    redis_url, tmp_path, monkeypatch, capsys, error, said
+):
     """Redis gone mid-run for longer than the run waits for it ended the batch with "cannot reach Redis ...; check
     --redis-url", as if the URL were wrong, with no count and no way to resume. It says what it was, what was done,
-    and the command that resumes, as after Ctrl-C."""
+    and the command that resumes, as after Ctrl-C. A Redis refusing writes for now (full with noeviction, a replica
+    after a failover, a failed snapshot) is waited out the same way: it ended the run at once with exit 2, the code
+    of a bad flag, and no resume command."""
     import uuid
 
     import redis
@@ -343,7 +356,7 @@ def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(redis
     def submit_then_lose_redis(*args):
         calls.append(1)
         if len(calls) >= 2:
-            raise redis.exceptions.ConnectionError("Connection refused")
+            raise getattr(redis.exceptions, error)(said)
         return real_submit(*args)
 
     monkeypatch.setattr(batch_mod, "_submit", submit_then_lose_redis)
@@ -351,7 +364,8 @@ def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(redis
     assert producer_cli.batch(_parse(*argv)) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "check --redis-url" not in err
-    assert "Redis unavailable for over 1 s during the run (Connection refused): 0 of 8 rows done" in err
+    assert f"Redis unavailable for over 1 s during the run ({said}): 0 of 8 rows done" in err
+    assert len(calls) > 2  # (tried again before giving up)
     assert "To resume once Redis answers, run the same command again" in err
     assert err.strip().splitlines()[-1].strip().startswith(f"roseinfer batch {shlex.quote(str(src))} ")
 

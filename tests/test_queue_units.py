@@ -2515,7 +2515,7 @@ def test_redis_refusing_for_now_is_waited_for_and_other_errors_are_not(message, 
     writes: the sender dropped events and ends, and the step loop's next write stopped the worker."""
     import redis
 
-    from worker.intake import redis_waits
+    from producer.connection import redis_waits
 
     assert redis_waits(redis.exceptions.ResponseError(message)) is waits
 

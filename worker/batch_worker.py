@@ -53,6 +53,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import current_timestamp, now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
+from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
 from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
@@ -73,14 +74,7 @@ from producer.schema import JobRequest, job_ending
 from roseinfer.config import ConfigError, quantization_name
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import Heartbeat
-from worker.intake import (
-    REDIS_DOWN,
-    REDIS_UNAVAILABLE,
-    HookPolicy,
-    Unreadable,
-    quarantine,
-    redis_waits,
-)
+from worker.intake import HookPolicy, Unreadable, quarantine
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
 from worker.job_start import queue_start, start_jobs

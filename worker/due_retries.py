@@ -15,7 +15,8 @@ from rq.registry import ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import current_timestamp
 
-from worker.intake import REDIS_DOWN, Unreadable, quarantine
+from producer.connection import REDIS_DOWN
+from worker.intake import Unreadable, quarantine
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker

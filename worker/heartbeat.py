@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from rq.utils import now, utcformat
 
+from producer.connection import REDIS_UNAVAILABLE
 from worker.due_retries import DUE_JOBS_EVERY_S, DueRetries
-from worker.intake import REDIS_UNAVAILABLE, load_script
+from worker.intake import load_script
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker

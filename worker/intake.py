@@ -26,7 +26,7 @@ from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.utils import parse_timeout, str_to_date
 
-from producer.connection import REDIS_DOWN, wrong_type
+from producer.connection import wrong_type
 from producer.protocol import rejected_key
 
 log = logging.getLogger("roseinfer.worker")
@@ -46,35 +46,6 @@ MAX_SECONDS = 10**9
 MAX_CALLBACK_S = 600  # an allowed callback's longest time limit (RQ's default is 60)
 _SECONDS = ("result_ttl", "failure_ttl", "ttl", "timeout")
 _INTERVALS = ("retry_intervals", "repeat_intervals")
-# Redis up but refusing writes for now (maxmemory with noeviction, a replica during a failover, loading its data):
-# back-pressure, not death.
-REDIS_REFUSING = (
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.BusyLoadingError,
-)
-REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
-
-
-# Error codes of a Redis that will take writes again: another client's script past ``busy-reply-threshold`` (BUSY
-# to every command until it ends), a failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF: a full disk),
-# and the refusals above as a script's error wraps them (Redis 6.2: "Error running script ...: -OOM ...").
-_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING")
-
-
-def redis_waits(exc: Exception) -> bool:
-    """Whether ``exc`` says Redis cannot take this now but will (a write is then waited for, nothing dropped):
-    unavailable, or refusing for now with an error redis-py names no class of its own (``_WAIT_CODES``)."""
-    if isinstance(exc, REDIS_UNAVAILABLE):
-        return True
-    if not isinstance(exc, redis.exceptions.ResponseError):
-        return False
-    text = str(exc)  # a pipeline's names its command first ("... caused error: BUSY ...")
-    return any(
-        text.startswith(f"{code} ") or f"caused error: {code} " in text or f"-{code} " in text for code in _WAIT_CODES
-    )
-
-
 # RQ's own stamps (``utcformat``): read by ``datetime.fromisoformat``, a tenth of what RQ's ``strptime`` costs.
 _STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 _STAMP_FIELDS = tuple(name.encode() for name in _DATES)

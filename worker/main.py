@@ -11,10 +11,9 @@ import redis
 from redis import Redis
 
 from producer.client import eviction_warning
-from producer.connection import connect
+from producer.connection import REDIS_DOWN, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
-from worker.intake import REDIS_DOWN
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")

@@ -20,7 +20,8 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 
-from worker.intake import MULTI_LANE_WAIT_S, REDIS_UNAVAILABLE, Unreadable, pull, redis_waits
+from producer.connection import REDIS_UNAVAILABLE, redis_waits
+from worker.intake import MULTI_LANE_WAIT_S, Unreadable, pull
 from worker.jobs import JobRejected, parse_request, resume_from, sampling_params
 from worker.publisher import JobStream
 

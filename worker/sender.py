@@ -23,8 +23,9 @@ from redis import Redis
 from redis.exceptions import NoScriptError, ResponseError
 from rq.job import Job
 
+from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
 from worker import job_finish, job_start
-from worker.intake import MOVE_SCRIPT, REDIS_DOWN, REDIS_UNAVAILABLE, load_script, redis_waits
+from worker.intake import MOVE_SCRIPT, load_script
 from worker.publisher import Event, Publisher
 
 log = logging.getLogger("roseinfer.worker")
