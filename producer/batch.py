@@ -56,7 +56,15 @@ from producer.openai_api import (
     prompt_logprobs,
     samples,
 )
-from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, done_key, read_result, result_from_entries, result_key
+from producer.protocol import (
+    BULK_PRIORITY,
+    DEFAULT_QUEUE,
+    STREAM_TTL_AFTER_END_S,
+    done_key,
+    read_result,
+    result_from_entries,
+    result_key,
+)
 from producer.reasoning import FORMATS as REASONING_FORMATS
 from producer.reasoning import ReasoningFormat, job_fields_of, plan_for
 from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
@@ -1016,6 +1024,7 @@ def _settle(
             read_result(pipe, job_id)
         replies = pipe.execute()
     now = time.monotonic()
+    written = []
     for job_id, status, entries in zip(job_ids, replies[::2], replies[1::2]):
         line, started = in_flight[job_id]
         status = status.decode() if status else "missing"
@@ -1044,7 +1053,30 @@ def _settle(
             continue
         del in_flight[job_id]
         reused.pop(job_id, None)
+        written.append(job_id)
     sink.flush()
+    if sink.keeps_flushed_rows:
+        _release(client, written)
+
+
+RELEASED_TTL_S = STREAM_TTL_AFTER_END_S  # a written row's job and result: kept for a look, not for the client's day
+
+
+def _release(client: Client, job_ids: list[str]) -> None:
+    """The jobs of rows now in the output, their results no longer needed (a rerun skips those rows): expired soon,
+    not kept the client's ``result_ttl`` (a day). Each finished row held ~6.5 KB of Redis for that day, so a run of a
+    million rows filled a Redis with noeviction and ended the run. Only shortened, never lengthened."""
+    keys = [key for job_id in job_ids for key in (f"rq:job:{job_id}", result_key(job_id))]
+    if not keys:
+        return
+    with client.connection.pipeline(transaction=False) as pipe:  # (EXPIRE ... LT is Redis 7's; 6.2 is served)
+        for key in keys:
+            pipe.ttl(key)
+        ttls = pipe.execute()
+        for key, ttl in zip(keys, ttls):
+            if ttl == -1 or ttl > RELEASED_TTL_S:  # (-2: gone already)
+                pipe.expire(key, RELEASED_TTL_S)
+        pipe.execute()
 
 
 def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any], progress: Progress) -> None:

@@ -201,6 +201,8 @@ def payload_digest(job_id: str) -> int:
 class JSONLSink:
     """OpenAI batch output lines, appended; bad rows and failed jobs in the errors file (rewritten each run)."""
 
+    keeps_flushed_rows = True  # a row flushed is in the file for a rerun: its job's result is no longer needed
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.errors: TextIO | None = None
@@ -377,6 +379,8 @@ class ParquetSink:
             # Taken first: a Ctrl-C between the write and the reset wrote the row group again at close.
             rows, self._rows = self._rows, []
             self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))  # one row group
+
+    keeps_flushed_rows = False  # (see flush: a rerun takes the rows of a killed run from their jobs' results)
 
     def flush(self) -> None:
         """The errors file only. Rows wait for a whole row group: a run killed outright leaves a ``.partial``

@@ -149,6 +149,26 @@ def test_a_rerun_picks_up_jobs_of_the_interrupted_run_instead_of_generating_agai
 
 
 @pytest.mark.redis
+def test_a_row_in_the_output_lets_its_job_and_result_expire_soon_not_after_the_clients_day(served, tmp_path):
+    """Each finished row kept ~6.5 KB of Redis for a day (the client's result_ttl, for a rerun to resume from):
+    a million-row run filled a Redis with noeviction and ended there. A row written to a JSONL output needs none."""
+    from producer.batch import RELEASED_TTL_S
+    from producer.protocol import result_key
+
+    _, client = served
+    rows = [{"custom_id": f"ttl-{i}", "prompt": f"Expire {i}", "max_tokens": 2} for i in range(3)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert run_batch(client, src, out, poll_interval=0.05)["succeeded"] == 3
+    conn = client.connection
+    for row in map(json.loads, out.read_text().splitlines()):
+        job_id = row["response"]["request_id"]
+        for key in (f"rq:job:{job_id}", result_key(job_id)):
+            assert 0 < conn.ttl(key) <= RELEASED_TTL_S < client.result_ttl, key
+        assert client.job(job_id).result(timeout=5)["text"] == row["response"]["body"]["choices"][0]["text"]
+
+
+@pytest.mark.redis
 def test_rows_whose_jobs_ended_already_are_written_at_once_not_at_the_next_sweep(served, tmp_path, monkeypatch):
     """An earlier run's jobs announce their ends to it, not to this run: rows picked up from them were written only
     by the sweep, every 5 s, ~max_in_flight rows at a time (2,000 rows took 22 s, generating them 3 s)."""
@@ -818,6 +838,8 @@ def test_a_submit_whose_reply_was_lost_is_this_runs_own_job_not_one_reused_and_e
     assert reused == {earlier.job_id: False}  # (the two this run submitted are its own)
 
     class Sink:
+        keeps_flushed_rows = False
+
         def __init__(self):
             self.errors = []
 
