@@ -812,7 +812,7 @@ def dry_run(
     # Under the run lock too: it reads (and may cut) the output's last line and rewrites the errors file.
     with _only_run_on(output_path):
         sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
-        done = sink.done()
+        done = sink.done(cut=False)
         settings, queue = _settings_on(output_path, options, queue)
         run_id = _run_id_of(output_path, run_id)
         _check_settings(output_path, settings, bool(done), write=False)  # the refusal the run would meet

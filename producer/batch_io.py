@@ -208,20 +208,32 @@ class JSONLSink:
         self.errors: TextIO | None = None
         self._out: TextIO | None = None
 
-    def done(self) -> dict[str, int]:
+    def done(self, cut: bool = True) -> dict[str, int]:
         """custom_id -> payload digest of the rows already in the output. A last line cut short (a crash mid-write)
-        is cut off, so that the rows appended next start on a line of their own; its request runs again."""
+        is cut off (``cut``; a dry run changes nothing), so that the rows appended next start on a line of their
+        own; its request runs again. A file of something else is refused: it was appended to (a pretty-printed
+        ``results.json`` lost its last line to the cut, in a dry run too)."""
         done: dict[str, int] = {}
         if not self.path.exists():
             return done
-        _cut_partial_last_line(self.path)
+        first = True
         with self.path.open("rb") as f:  # line by line: an output of millions of rows is never held in memory
             for raw in f:
+                if not raw.strip():
+                    continue
                 try:
                     line = json.loads(raw)
                     done[line["custom_id"]] = payload_digest(line["response"]["request_id"])
                 except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError):
+                    if first and raw.endswith(b"\n"):  # (a whole line: not a crash's last one cut short)
+                        raise ValueError(
+                            f"{self.path} exists and is not a batch output (its first line is not an output "
+                            "line): give a new output path, or remove that file"
+                        ) from None
                     continue
+                first = False
+        if cut:  # (after the look: a file not ours is left whole)
+            _cut_partial_last_line(self.path)
         return done
 
     def refuse(self, payload: dict[str, Any]) -> str | None:
@@ -300,7 +312,7 @@ class ParquetSink:
             return f"this row asks for n={n} samples; this Parquet output holds {self.n} a row (run with --n {n})"
         return None
 
-    def done(self) -> dict[str, int]:
+    def done(self, cut: bool = True) -> dict[str, int]:
         """custom_id -> payload digest of the rows of the last run that succeeded (failed rows run again)."""
         done: dict[str, int] = {}
         for batch in self._previous_batches():

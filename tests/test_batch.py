@@ -462,6 +462,26 @@ def test_a_dry_run_checks_every_line_and_submits_nothing(tmp_path):
     assert default_errors_path(out).read_text() == last_run_errors  # the real run's failures are kept
 
 
+def test_an_output_path_holding_another_file_is_refused_and_left_as_it_was_dry_run_or_not(tmp_path):
+    """A pretty-printed results.json given as the output lost its last line (taken for a crash's line cut short),
+    in a dry run too, and the rows went after its text."""
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "results.json"
+    src.write_text('{"prompt": "x"}\n')
+    text = '{\n  "config": {\n    "lr": 0.1\n  }\n}'
+    out.write_text(text)
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    for run in (lambda: dry_run(src, out), lambda: run_batch(client, src, out)):
+        with pytest.raises(ValueError, match="exists and is not a batch output"):
+            run()
+        assert out.read_text() == text
+    torn = tmp_path / "torn.jsonl"  # a crash in the first row's write: no whole line, so an output of ours
+    torn.write_text('{"custom_id": "line-1", "respo')
+    dry_run(src, torn)
+    assert torn.read_text() == '{"custom_id": "line-1", "respo'  # a dry run changes nothing
+
+
 def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, monkeypatch):
     import producer.batch as batch_mod
 
