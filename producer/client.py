@@ -523,14 +523,23 @@ class Client:
         """Queue depth, jobs in flight, finished and failed counts, live workers and their tokens/s."""
         rows = self.workers()
         queues = [self.lane(p) for p, _name in lanes(self.connection, self.queue.name)]
+        kinds = ("started_job_registry", "finished_job_registry", "failed_job_registry", "canceled_job_registry")
+        # Entries not yet expired, counted without RQ's cleanup (``registry.count`` runs it): that fails a dead
+        # worker's jobs here, through RQ's plain Job, running the failure callbacks the workers refuse.
+        with self.connection.pipeline(transaction=False) as pipe:
+            for q in queues:
+                for kind in kinds:
+                    pipe.zcount(getattr(q, kind).key, time.time(), "+inf")
+            counts = pipe.execute()
+        per_kind = [sum(counts[i :: len(kinds)]) for i in range(len(kinds))]
         return {
             "queue": self.queue.name,
             "queued": sum(q.count for q in queues),
             "lanes": {str(p): q.count for p, q in self._lanes.items() if q in queues},  # queued, per priority
-            "in_flight": sum(q.started_job_registry.count for q in queues),
-            "finished": sum(q.finished_job_registry.count for q in queues),
-            "failed": sum(q.failed_job_registry.count for q in queues),
-            "canceled": sum(q.canceled_job_registry.count for q in queues),
+            "in_flight": per_kind[0],
+            "finished": per_kind[1],
+            "failed": per_kind[2],
+            "canceled": per_kind[3],
             "workers": rows,
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
         }

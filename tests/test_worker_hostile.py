@@ -885,3 +885,19 @@ def test_a_retried_job_canceled_in_its_queue_ends_its_stream_again_as_canceled(s
         time.sleep(0.05)
     last = json.loads(conn.xrevrange(f"roseinfer:stream:{job_id}", count=1)[0][1][b"event"])
     assert (last["n"], last["finish_reason"], last.get("reset")) == (1, "abort", True)
+
+
+def test_the_status_of_a_queue_runs_no_callback_of_a_dead_workers_job():
+    """``roseinfer status`` counted RQ's registries with ``count``, which runs RQ's cleanup through its plain Job: a
+    dead worker's job was failed there, in the status process, and the failure callback the workers refuse ran."""
+    import fakeredis
+
+    conn = fakeredis.FakeRedis()
+    queue = "dead-worker"
+    _raw_job(conn, queue, "hooked", push=False, status="started", failure_callback_name="hook_probe.record_unlisted")
+    conn.zadd(f"rq:wip:{queue}", {"hooked:dead-execution": 1})  # the SIGKILLed worker's entry, long expired
+    conn.zadd(f"rq:wip:{queue}", {"alive:execution": time.time() + 60})
+    conn.zadd(f"rq:failed:{queue}", {"old-failure": time.time() + 60, "expired-failure": 1})
+    status = Client(connection=conn, queue=queue).status()
+    assert conn.get("hook-probe:hooked") is None and conn.hget("rq:job:hooked", "status") == b"started"
+    assert (status["in_flight"], status["failed"], status["finished"]) == (1, 1, 0)  # the entries not expired
