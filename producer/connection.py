@@ -11,7 +11,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
-from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -25,6 +33,9 @@ REDIS_REFUSING = (
     OutOfMemoryError,
     ReadOnlyError,
     BusyLoadingError,
+    MasterDownError,  # a replica cut off from its primary mid-failover (replica-serve-stale-data no)
+    TryAgainError,
+    ClusterDownError,
 )
 REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 
@@ -32,7 +43,7 @@ REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 # Error codes of a Redis that will take writes again: another client's script past ``busy-reply-threshold`` (BUSY
 # to every command until it ends), a failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF: a full disk),
 # and the refusals above as a script's error wraps them (Redis 6.2: "Error running script ...: -OOM ...").
-_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING")
+_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
 
 
 def redis_waits(exc: Exception) -> bool:

@@ -101,6 +101,38 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
         w.stop()
 
 
+@pytest.mark.slow  # a worker and seconds of steps
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies: the point)
+def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_redis, tiny_chat_model, monkeypatch):
+    """An error the worker does not wait out (an ACL refusal here; MASTERDOWN before it was one to wait out) ended
+    the worker with its jobs "started": they sat there until its heartbeat lapsed, then RQ's clean-up failed them
+    (no retries left) as abandoned. They go back to their queue for another worker."""
+    import redis
+
+    url, conn = own_redis
+    w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
+    real_step = w.worker.engine.step
+    monkeypatch.setattr(w.worker.engine, "step", lambda flush=True: time.sleep(0.01) or real_step(flush=flush))
+    try:
+        client = Client(url, queue=w.queue, retries=0)
+        jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
+        deadline = time.monotonic() + 30
+        while not all(job.status() == "started" for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        def refused(*args, **kwargs):
+            raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
+
+        monkeypatch.setattr(w.worker.queues[0], "acquire_maintenance_lock", refused)  # its next maintenance
+        w.thread.join(timeout=30)
+        assert not w.thread.is_alive()
+        assert [job.status() for job in jobs] == ["queued", "queued"]
+        assert sorted(conn.lrange(f"rq:queue:{w.queue}", 0, -1)) == sorted(job.id.encode() for job in jobs)
+    finally:
+        if w.thread.is_alive():
+            w.stop()
+
+
 @pytest.mark.slow
 def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
     """A worker process whose four jobs have started (and stream)."""

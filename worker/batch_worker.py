@@ -378,6 +378,15 @@ class BatchWorker(BaseWorker):
                     log.error("Redis unavailable (%s); retrying in %.1f s", exc, backoff)
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
+        except Exception:
+            # The worker dies of an error it does not know: its jobs go back to their queues for another worker
+            # now (they sat "started" until its heartbeat lapsed, then RQ's clean-up spent a retry or failed them).
+            if self.in_flight and not self._force_stop:
+                try:
+                    self._hand_back_cold()
+                except Exception as exc:
+                    log.error("could not hand back %d jobs (%s): RQ's clean-up takes them", len(self.in_flight), exc)
+            raise
         finally:
             self._watchdog.stop()
             try:
