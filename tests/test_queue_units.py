@@ -2341,6 +2341,30 @@ def test_a_job_a_pull_left_in_the_intermediate_list_goes_back_to_its_queue_not_t
     assert not conn.exists(first_seen)  # moved and started again in milliseconds: not taken for stranded at once
 
 
+@pytest.mark.redis
+def test_a_queues_clean_up_lock_is_held_a_maintenance_interval_not_rqs_15_minutes(redis_url, monkeypatch):
+    """A worker killed mid-pass (or whose release met Redis away) left RQ's 899 s lock: no worker cleaned that queue,
+    its dead workers' jobs stranded, for 15 minutes. Strandeds are checked against the started registry read once."""
+    from rq.registry import StartedJobRegistry
+
+    import worker.batch_worker as batch_worker
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue, seen, reads = worker.queues[0], [], []
+    monkeypatch.setattr(batch_worker, "clean_registries", lambda q, *a: seen.append(conn.ttl(q.registry_cleaning_key)))
+    real_ids = StartedJobRegistry.get_job_ids
+    monkeypatch.setattr(
+        StartedJobRegistry, "get_job_ids", lambda self, *a, **k: reads.append(1) or real_ids(self, *a, **k)
+    )
+    for i in range(5):  # five jobs a pull left in the intermediate list
+        client.submit(f"stranded {i}", max_tokens=2)
+        conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+    worker.clean_registries()
+    assert seen and all(0 < ttl <= max(int(worker.maintenance_interval), 2) for ttl in seen)  # (a lock a lane)
+    assert len(reads) == 1
+    assert not conn.exists(queue.registry_cleaning_key)  # released after the pass
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

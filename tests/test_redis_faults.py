@@ -123,7 +123,7 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_red
         def refused(*args, **kwargs):
             raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
 
-        monkeypatch.setattr(w.worker.queues[0], "acquire_maintenance_lock", refused)  # its next maintenance
+        monkeypatch.setattr(w.worker, "_maintenance_lock", refused)  # its next maintenance
         w.thread.join(timeout=30)
         assert not w.thread.is_alive()
         assert [job.status() for job in jobs] == ["queued", "queued"]

@@ -280,7 +280,7 @@ class BatchWorker(BaseWorker):
         """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
         error is logged, never fatal, and the queue's maintenance lock is always released."""
         for queue in self.queues:
-            if not queue.acquire_maintenance_lock():
+            if not self._maintenance_lock(queue):
                 continue
             try:
                 clean_registries(queue, self._exc_handlers)
@@ -294,6 +294,16 @@ class BatchWorker(BaseWorker):
             finally:
                 queue.release_maintenance_lock()
         self.last_cleaned_at = now()
+
+    def _maintenance_lock(self, queue: Queue) -> bool:
+        """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a
+        maintenance interval, not RQ's 899 s: a worker killed mid-pass (or whose release met Redis away) left no
+        worker cleaning that queue, its dead workers' jobs stranded, for 15 minutes."""
+        return bool(self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=self._maintenance_ttl))
+
+    @property
+    def _maintenance_ttl(self) -> int:
+        return max(int(self.maintenance_interval) - 1, 1)
 
     def _prune_canceled(self, queue: Queue) -> None:
         """A step of a walk over the queue's canceled registry, taking out the ids whose job hash is gone (a canceled
@@ -315,8 +325,7 @@ class BatchWorker(BaseWorker):
     def clean_group_registries(self) -> None:
         """RQ's clean-up of its job groups (one lock for every worker), which raises on a group key it cannot read (a
         key of another type): here an error is logged, never fatal. It stopped every worker on that Redis."""
-        lock_timeout = max(int(self.maintenance_interval) - 1, 1)
-        if not Group.acquire_maintenance_lock(self.connection, lock_timeout):
+        if not Group.acquire_maintenance_lock(self.connection, self._maintenance_ttl):
             return
         try:
             Group.clean_registries(connection=self.connection)
@@ -330,8 +339,12 @@ class BatchWorker(BaseWorker):
         pull whose reply a timeout lost, a worker killed between the move and the start) goes back to the front of
         its queue: it never ran. RQ's fails it ("stuck in intermediate queue"), a retry spent or the job lost."""
         stranded = queue.intermediate_queue
-        for job_id in stranded.get_job_ids():
-            if job_id in queue.started_job_registry:
+        job_ids = stranded.get_job_ids()
+        # Read once: ``job_id in registry`` reads the whole registry each time (0.68 s a pass, 64 ids against 20,000
+        # jobs started, on the step loop).
+        started = set(queue.started_job_registry.get_job_ids(cleanup=False)) if job_ids else set()
+        for job_id in job_ids:
+            if job_id in started:
                 continue
             if not self.connection.exists(Job.key_for(job_id)):
                 stranded.remove(job_id)  # (deleted meanwhile)
