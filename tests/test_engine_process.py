@@ -626,6 +626,37 @@ def test_a_worker_that_fails_to_start_closes_its_engine_process(redis_url):
         first.register_death()
 
 
+@pytest.mark.redis
+def test_a_name_a_killed_worker_held_is_taken_over_once_its_heartbeat_lapsed(redis_url, caplog):
+    """A worker killed (OOM, SIGKILL) with a fixed --name held it ~8 minutes (RQ's worker_ttl plus 60 s): each
+    restart under that name was refused while the GPU idled. Its statistics lapse with its heartbeat; a name whose
+    holder has not beaten for a heartbeat TTL is taken over. One whose holder beats is refused."""
+    import logging
+    import uuid
+
+    from redis import Redis
+
+    from roseinfer.config import ConfigError
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    conn = Redis.from_url(redis_url)
+    name = f"gpu-{uuid.uuid4().hex[:6]}"
+    settings = WorkerSettings(queue=f"q-{uuid.uuid4().hex[:8]}", model="fake", name=name, burst=True)
+    key, stats = f"rq:worker:{name}", f"roseinfer:stats:{name}"
+    conn.hset(key, "birth", "2026-11-25T00:00:00.000000Z")  # the killed worker's, last written 60 s ago
+    conn.expire(key, 420)  # (its beats set 480 s: RQ's worker_ttl 420 plus 60)
+    conn.hset(stats, "in_flight", 1)  # but beating still: alive
+    conn.expire(stats, 30)
+    with pytest.raises(ConfigError, match="registered on this Redis already"):
+        BatchWorker(FakeEngine(), settings, conn).work(burst=True)
+    conn.delete(stats)  # its heartbeat lapsed: dead
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        assert BatchWorker(FakeEngine(), settings, conn).work(burst=True) is False  # (burst: nothing queued)
+    assert f"worker name {name!r} was held by a dead worker (no beat for 60 s): taken over" in caplog.text
+    assert conn.hexists(key, "death")  # (the new one's own, as it left)
+
+
 def engine_that_ends_a_job_then_breaks() -> FakeEngine:
     """Its second step ends job "short"; then its loop breaks outside any step (the child sends that step, then its
     error, and exits)."""

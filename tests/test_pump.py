@@ -741,7 +741,7 @@ def test_a_hung_step_of_an_engine_in_the_workers_process_ends_the_process(redis_
     # Its death is registered: its supervisor's restart under the same --name is not refused for 8 minutes.
     from worker.batch_worker import name_in_use
 
-    assert name_in_use(Client(redis_url).connection, queue) is None
+    assert name_in_use(Client(redis_url).connection, queue, beat_ttl=40) is None
 
 
 @pytest.mark.slow

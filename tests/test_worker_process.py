@@ -463,8 +463,10 @@ def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_
     assert conn.lrange(f"rq:queue:{queue_name}", 0, -1) != [] and all(job.status() == "queued" for job in jobs)
     assert conn.llen(f"rq:queue:{queue_name}:intermediate") == 0 and not conn.exists(f"rq:worker:{queue_name}")
 
-    conn.hset(f"rq:worker:{queue_name}", "birth", "2026-11-25T00:00:00Z")  # another worker of that name, alive
+    conn.hset(f"rq:worker:{queue_name}", "birth", "2026-11-25T00:00:00Z")  # another worker of that name, alive:
     conn.expire(f"rq:worker:{queue_name}", 60)
+    conn.hset(f"roseinfer:stats:{queue_name}", "in_flight", 0)  # its statistics written by its heartbeat
+    conn.expire(f"roseinfer:stats:{queue_name}", 60)
     proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--name", queue_name)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Loading weights" not in err  # said before the model loads

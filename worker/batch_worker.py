@@ -30,7 +30,7 @@ import redis
 from rq import worker_registration
 from rq.callbacks import execute_stopped_callback
 from rq.command import parse_payload
-from rq.defaults import DEFAULT_FAILURE_TTL
+from rq.defaults import DEFAULT_FAILURE_TTL, DEFAULT_WORKER_TTL
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution, ExecutionRegistry
 from rq.group import Group
@@ -105,15 +105,33 @@ START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at 
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
 
-def name_in_use(connection: redis.Redis, name: str) -> str | None:
-    """Why a worker cannot register in RQ as ``name`` (one of that name is, and has not registered its death), or
-    None. A worker that died without a word (killed) holds its name until its registration lapses."""
+def name_in_use(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: int = DEFAULT_WORKER_TTL) -> str | None:
+    """Why a worker cannot register in RQ as ``name`` (one of that name is, alive, and has not registered its death),
+    or None. A worker that died without a word (killed) is taken for dead once ``lapsed_registration`` says so."""
     key = f"{BaseWorker.redis_worker_namespace_prefix}{name}"
     if not connection.exists(key) or connection.hexists(key, "death"):
         return None
-    ttl = connection.ttl(key)
-    lapses = f" (it lapses in {ttl} s if that worker is gone)" if ttl > 0 else ""
-    return f"a worker named {name!r} is registered on this Redis already{lapses}: give this one another --name"
+    if lapsed_registration(connection, name, beat_ttl, worker_ttl) is not None:
+        return None
+    return (
+        f"a worker named {name!r} is registered on this Redis already, and beats (if it is gone, its name is free "
+        f"{beat_ttl} s after its last heartbeat): give this one another --name"
+    )
+
+
+def lapsed_registration(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: int) -> int | None:
+    """Seconds since a worker registered as ``name`` last beat, if it is dead: its statistics lapsed (they last one
+    heartbeat TTL of its own) and its registration was last written at least ``beat_ttl`` ago (Redis's clock: the
+    TTL this worker's beats set, less what is left of it), so not a worker starting this moment. None: alive, or
+    written with other TTLs than these (left to lapse). A killed worker with a fixed ``--name`` held it ~8 minutes
+    (RQ's ``worker_ttl`` plus 60 s), its restarts refused while its GPU idled."""
+    key = f"{BaseWorker.redis_worker_namespace_prefix}{name}"
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.exists(STATS_KEY.format(worker=name))
+        pipe.ttl(key)
+        stats, left = pipe.execute()
+    since = max(beat_ttl, worker_ttl) + 60 - left
+    return since if not stats and left > 0 and since >= beat_ttl else None
 
 
 @dataclass
@@ -438,10 +456,17 @@ class BatchWorker(BaseWorker):
         try:
             self.bootstrap(logging_level)
         except ValueError as exc:  # RQ's "There exists an active worker named ..."
-            taken = name_in_use(self.connection, self.name)
-            if taken is None:
+            beat_ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
+            taken = name_in_use(self.connection, self.name, beat_ttl, self.worker_ttl)
+            if taken is not None:
+                raise ConfigError(taken) from exc
+            since = lapsed_registration(self.connection, self.name, beat_ttl, self.worker_ttl)
+            if since is None:
                 raise
-            raise ConfigError(taken) from exc
+            # Its death written as RQ's own leaving writes it; its jobs are RQ's clean-up's, as any dead worker's.
+            log.warning("worker name %r was held by a dead worker (no beat for %d s): taken over", self.name, since)
+            self.connection.hset(self.key, "death", utcformat(now()))
+            self.bootstrap(logging_level)
         self._install_signal_handlers()
         self._publish_tokenizer()
         self.sender.worker_key = self.key

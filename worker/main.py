@@ -54,7 +54,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     connection = connection or worker_connection(settings)
     if settings.name:  # a name in use, said before the model loads (where Redis answers already)
         with contextlib.suppress(*REDIS_DOWN):
-            taken = name_in_use(connection, settings.name)
+            taken = name_in_use(connection, settings.name, settings.heartbeat_interval + settings.heartbeat_grace)
             if taken:
                 raise ConfigError(taken)
     if settings.engine_process:
