@@ -2365,6 +2365,44 @@ def test_a_queues_clean_up_lock_is_held_a_maintenance_interval_not_rqs_15_minute
     assert not conn.exists(queue.registry_cleaning_key)  # released after the pass
 
 
+@pytest.mark.slow  # a second: the beat after a failed one
+@pytest.mark.redis
+def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redis_url, monkeypatch):
+    """An outage past the heartbeat TTL lapses the registry entries of jobs live workers run; the first clean-up
+    after Redis came back (any worker's) failed them, or spent a retry, while they ran. A beat that failed is tried
+    again in a second, not an interval, and clean-ups wait a heartbeat interval after Redis is back."""
+    import redis
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url, heartbeat_interval=10)
+    queue, beats = worker.queues[0], []
+    job = client.submit("running elsewhere", max_tokens=2)
+    conn.lpop(queue.key)
+    conn.hset(job.rq_job.key, "status", "started")
+    conn.zadd(queue.started_job_registry.key, {f"{job.id}:e1": time.time() - 5})  # lapsed during the outage
+
+    def beat():
+        beats.append(time.monotonic())
+        if len(beats) == 1:
+            raise redis.exceptions.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(worker._heartbeat, "beat", beat)
+    monkeypatch.setattr(worker._heartbeat.due_retries, "enqueue", lambda: None)
+    worker._heartbeat.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(beats) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker._heartbeat._stop.set()
+        worker._heartbeat._thread.join(timeout=10)
+    assert len(beats) == 2 and worker._heartbeat.back_at is not None and not worker._heartbeat.failing
+    worker.clean_registries()
+    assert job.status() == "started"  # left for its worker to beat
+    worker._heartbeat.back_at -= worker._redis_back_s
+    worker.clean_registries()
+    assert job.status() == "queued"  # still lapsed a heartbeat interval later: abandoned (a retry spent)
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

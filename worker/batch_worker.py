@@ -73,7 +73,7 @@ from producer.protocol import (
 from producer.schema import JobRequest, job_ending
 from roseinfer.config import ConfigError, quantization_name
 from worker.engine_process import EngineProcessDied
-from worker.heartbeat import Heartbeat
+from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy, Unreadable, quarantine
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
@@ -296,7 +296,12 @@ class BatchWorker(BaseWorker):
 
     def clean_registries(self) -> None:
         """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
-        error is logged, never fatal, and the queue's maintenance lock is always released."""
+        error is logged, never fatal, and the queue's maintenance lock is always released. Not while Redis is just
+        back from an outage this worker's heartbeat saw: the registry entries of jobs live workers run lapsed
+        meanwhile, and are theirs again once they beat (within ``_redis_back_s`` of its return)."""
+        back_at = self._heartbeat.back_at
+        if self._heartbeat.failing or (back_at is not None and time.monotonic() - back_at < self._redis_back_s):
+            return
         for queue in self.queues:
             if not self._maintenance_lock(queue):
                 continue
@@ -312,6 +317,12 @@ class BatchWorker(BaseWorker):
             finally:
                 queue.release_maintenance_lock()
         self.last_cleaned_at = now()
+
+    @property
+    def _redis_back_s(self) -> float:
+        """How long after an outage clean-ups wait: every live worker beats within a heartbeat interval of Redis's
+        return (a second, once a beat failed), plus slack for a beat a step held up."""
+        return self.settings.heartbeat_interval + LEASE_SLACK_S
 
     def _maintenance_lock(self, queue: Queue) -> bool:
         """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a

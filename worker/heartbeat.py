@@ -45,6 +45,8 @@ class Heartbeat:
         self._beat_jobs: Any = None  # ``_BEAT_JOBS``, loaded at the first beat where Redis runs Lua
         self._leased = True  # whether the last beat kept the lease (a loss is logged once)
         self.last_beat_at: float | None = None  # when Redis last took a beat (Unix time): a stuck worker's stops
+        self.failing = False  # the last beat failed (Redis away): the next comes in a second, not an interval
+        self.back_at: float | None = None  # when a beat went in again after failed ones (monotonic)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="roseinfer-heartbeat", daemon=True)
@@ -68,9 +70,16 @@ class Heartbeat:
                 try:
                     self.beat()
                 except REDIS_UNAVAILABLE as exc:
-                    log.warning("heartbeat: Redis unavailable (%s)", exc)
+                    if not self.failing:
+                        log.warning("heartbeat: Redis unavailable (%s); beating again every second", exc)
+                    # Soon, not an interval later: the jobs' registry entries lapse meanwhile, and the first clean-up
+                    # after Redis is back (any worker's) took them for abandoned, failed or requeued while they ran.
+                    self.failing, next_beat = True, time.monotonic() + min(1.0, interval)
                 except Exception:
                     log.exception("heartbeat failed")
+                else:
+                    if self.failing:
+                        self.failing, self.back_at = False, time.monotonic()
             try:
                 self.due_retries.enqueue()
             except REDIS_UNAVAILABLE as exc:
