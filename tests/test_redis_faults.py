@@ -133,6 +133,29 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_red
             w.stop()
 
 
+@pytest.mark.slow  # a worker and seconds of heartbeats
+def test_an_idle_worker_registers_again_after_redis_lost_its_data(own_redis, tiny_chat_model):
+    """Only a send looked at the registration, and an idle worker sends nothing: after Redis restarted empty, `rq
+    info`, Worker.all and `roseinfer status` listed no worker until a job came (its heartbeat recreated a hash RQ
+    cannot list). Its heartbeat looks too."""
+    from rq import Worker
+
+    url, conn = own_redis
+    w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1)
+    try:
+        deadline = time.monotonic() + 30
+        while w.worker.name not in [x.name for x in Worker.all(connection=conn)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        conn.flushall()  # (this test's own Redis) as a restart without persistence leaves it
+        deadline = time.monotonic() + 15
+        while w.worker.name not in [x.name for x in Worker.all(connection=conn)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert w.worker.name in [x.name for x in Worker.all(connection=conn)]
+        assert conn.hexists(w.worker.key, "birth") and Client(url, queue=w.queue).status()["workers"]
+    finally:
+        w.stop()
+
+
 @pytest.mark.slow
 def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
     """A worker process whose four jobs have started (and stream)."""

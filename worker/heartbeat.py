@@ -122,6 +122,9 @@ class Heartbeat:
     def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float) -> list:
         w = self.worker
         with w.connection.pipeline(transaction=False) as pipe:
+            # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis
+            # lost its data. The sender looks too, but an idle worker sends nothing: it stayed unlisted for good.
+            pipe.hexists(w.key, "birth")
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             stamp = now()
             for job in stale:
@@ -142,6 +145,8 @@ class Heartbeat:
             if w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
             replies = pipe.execute()
+        if not replies[0]:
+            w._on_statuses([], registered=False)  # the step loop registers again
         if gone := [job.job.key for at, job in looks if not replies[at]]:
             # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete()). Deleted again, as RQ's own
             # heartbeat does: else a hash of one field stayed for good, and the delete was no cancel.
