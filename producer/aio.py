@@ -373,6 +373,8 @@ class AsyncGenerationJob:
     async def stream(self, timeout: float | None = None, index: int = 0) -> AsyncIterator[str]:
         """As ``GenerationJob.stream``: text pieces (of sample ``index``), the result's text once the stream expired;
         ``StreamRestarted`` if the output starts over after some."""
+        if index != 0:
+            await asyncio.to_thread(self._sync.check_sample, index)
         read_any = False
         deadline = deadline_after(timeout)
         try:
@@ -382,7 +384,7 @@ class AsyncGenerationJob:
                     if piece:
                         read_any = True
                         yield piece
-                    raise_at_a_bad_end(self.id, event)
+                    raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):
                         return
         except StreamExpired:

@@ -260,13 +260,14 @@ def ends_sample(event: dict[str, Any], index: int) -> bool:
     return "sample_finish_reason" in event and event.get("index", 0) == index
 
 
-def raise_at_a_bad_end(job_id: str, event: dict[str, Any]) -> None:
+def raise_at_a_bad_end(job_id: str, event: dict[str, Any], read_any: bool = True) -> None:
     """After its text: a last event of a failed job raises ``JobFailed``; of one canceled (or stopped) while it ran,
-    ``JobCanceled``, as for one canceled while queued."""
+    ``JobCanceled``, as for one canceled while queued (``read_any``: whether the follower handed out text)."""
     if event.get("finish_reason") == "error":
         raise JobFailed.of_event(job_id, event)
     if event.get("finish_reason") == "abort":
-        raise JobCanceled(job_id, "the job was canceled; the text above is what it made first")
+        made = "the text above is what it made first" if read_any else "it had made no text"
+        raise JobCanceled(job_id, f"the job was canceled; {made}")
 
 
 def _failed_just_now(status: str, entries: list[Any]) -> bool:
@@ -633,6 +634,18 @@ class GenerationJob:
     def rq_job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
 
+    def check_sample(self, index: int) -> None:
+        """``InvalidRequest`` for a sample ``index`` the job does not make (its payload's ``n``): a stream of it
+        ended at once with no text and no error."""
+        if index == 0:
+            return
+        try:
+            n = int(self.rq_job.kwargs.get("n") or 1)
+        except (NoSuchJobError, ValueError, TypeError, AttributeError):  # gone, or written by hand: not judged
+            n = 1 if index < 0 else index + 1
+        if not 0 <= index < n:
+            raise InvalidRequest(f"job {self.id} makes {n} sample(s) (n={n}): there is no sample index {index}")
+
     def status(self) -> str:
         """RQ's status: queued, started, finished, failed, canceled, stopped, ...; "missing" if unknown."""
         status = self.client.connection.hget(Job.key_for(self.id), "status")
@@ -783,6 +796,7 @@ class GenerationJob:
         job with n > 1, ending at that sample's last piece): its stream replayed, then live; once that stream expired
         (10 minutes after the end, by default), the result's text in one piece. Raises ``StreamRestarted`` if the
         output starts over after text was read (call it again to follow the new one)."""
+        self.check_sample(index)
         read_any = False
         deadline = deadline_after(timeout)
         try:
@@ -792,7 +806,7 @@ class GenerationJob:
                     if piece:
                         read_any = True
                         yield piece
-                    raise_at_a_bad_end(self.id, event)
+                    raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):  # its sample is whole: the others' tokens are not waited for
                         return
         except StreamExpired:

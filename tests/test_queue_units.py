@@ -528,6 +528,37 @@ def test_a_job_whose_stream_expired_long_ago_streams_its_result_within_a_short_t
     assert asyncio.run(async_stream()) == ["hello world"]
 
 
+def test_a_sample_index_the_job_does_not_make_is_refused_and_a_cancel_before_any_text_says_so():
+    """``stream(index=7)`` of a job of n=3 ended at once with no text and no error; a job canceled before it made
+    text said "the text above is what it made first"."""
+    import asyncio
+
+    from producer import Client, JobCanceled
+    from producer.aio import AsyncGenerationJob
+    from producer.client import InvalidRequest
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn)
+    job = client.submit("hi", max_tokens=2, n=3, temperature=1.0)
+    for index in (3, 7, -1):
+        with pytest.raises(InvalidRequest, match=f"makes 3 sample\\(s\\) \\(n=3\\): there is no sample index {index}"):
+            next(job.stream(timeout=1, index=index))
+
+    class Async:
+        sync = client
+
+    async def async_stream():
+        return [piece async for piece in AsyncGenerationJob(Async(), job.id).stream(timeout=1, index=5)]
+
+    with pytest.raises(InvalidRequest, match="no sample index 5"):
+        asyncio.run(async_stream())
+    single = client.submit("hi", max_tokens=2)
+    conn.xadd(stream_key(single.id), {STREAM_FIELD: json.dumps(make_event(0, "", [], "abort", {}))})
+    conn.hset(single.rq_job.key, mapping={"status": "canceled", "started_at": "2026-11-30T00:00:00.000000Z"})
+    with pytest.raises(JobCanceled, match="the job was canceled; it had made no text"):
+        list(single.stream(timeout=2))
+
+
 def test_an_infinite_timeout_waits_without_end():
     """``timeout=inf`` (``roseinfer submit --stream --timeout inf`` takes it): the stream's wait in milliseconds of
     it was an OverflowError."""
