@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from producer.batch_io import at_least
 from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
-from producer.connection import QUEUE_URLS_ENV, queue_urls
+from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest
@@ -245,6 +245,8 @@ def submit(args: argparse.Namespace) -> int:
         result = job.result(timeout=left())
     except JobError as exc:
         return _report(exc, print_result=not args.stream)  # streamed: its text is already out
+    except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
+        return _lost_redis(job.id, exc)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
         print(f"\ninterrupted: job {job.id} goes on in the workers; `roseinfer cancel {job.id}` stops it",
               file=sys.stderr)  # fmt: skip
@@ -265,11 +267,24 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lost_redis(job_id: str, exc: Exception) -> int:
+    """Redis went away during a wait, for longer than a follower waits it out (or than ``--timeout``): the job goes
+    on in the workers. It said "cannot reach Redis; check --redis-url" with exit 2, as for a wrong URL."""
+    print(f"error: lost Redis while waiting ({exc}); job {job_id} goes on in the workers: `roseinfer result "
+          f"{job_id}` once Redis answers", file=sys.stderr)  # fmt: skip
+    return 1
+
+
 def result(args: argparse.Namespace) -> int:
+    client = _client(args)
     try:
-        print(json.dumps(_client(args).job(args.job_id).result(timeout=args.timeout), ensure_ascii=False))
+        print(json.dumps(client.job(args.job_id).result(timeout=args.timeout), ensure_ascii=False))
     except JobError as exc:
         return _report(exc)
+    except REDIS_UNAVAILABLE as exc:
+        if not client.reached:  # (never answered: a wrong URL, said as such)
+            raise
+        return _lost_redis(args.job_id, exc)
     return 0
 
 

@@ -234,6 +234,32 @@ def test_result_of_a_failed_job_prints_what_the_worker_stored(monkeypatch, capsy
     assert capsys.readouterr().err.strip() == "error: job j1: boom (what the worker stored is on stdout)"
 
 
+@pytest.mark.parametrize("command", ["submit", "result"])
+def test_redis_lost_during_a_wait_says_the_job_goes_on_not_to_check_the_url(monkeypatch, capsys, command):
+    """Redis gone for longer than a follower waits it out, after the submit went in (or the result's first read
+    answered): it said "cannot reach Redis ...; check --redis-url" with exit 2, as for a wrong URL."""
+    import redis
+
+    from producer.client import GenerationJob
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+
+    def lost(self, timeout=None):
+        self.client.reached = True  # (it answered before it went)
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(GenerationJob, "result", lost)
+    args = _parse("submit", "hi", "--wait") if command == "submit" else _parse("result", "j1")
+    assert getattr(producer_cli, command)(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    job_id = client.queue.job_ids[0] if command == "submit" else "j1"
+    assert err == (
+        "error: lost Redis while waiting (Error 111 connecting to 127.0.0.1:6379. Connection refused.); job "
+        f"{job_id} goes on in the workers: `roseinfer result {job_id}` once Redis answers"
+    )
+
+
 @pytest.mark.redis
 def test_result_of_a_canceled_job_prints_its_partial_text_and_exits_1(served, redis_url, capsys):
     worker, client = served
