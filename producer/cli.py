@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from producer.batch_io import at_least
-from producer.client import DEFAULT_REDIS_URL, Client, InvalidRequest, JobError, StreamRestarted, validate
+from producer.client import (
+    DEFAULT_REDIS_URL,
+    Client,
+    GenerationJob,
+    InvalidRequest,
+    JobError,
+    StreamRestarted,
+    validate,
+)
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
 from producer.reasoning import REASONING_PARSERS
@@ -222,16 +230,34 @@ def submit(args: argparse.Namespace) -> int:
         print(job.id)
         return 0
     print(f"job {job.id}", file=sys.stderr)
+    return _follow(client, job, args.stream, args.timeout)
+
+
+def stream(args: argparse.Namespace) -> int:
+    """``roseinfer stream JOB_ID``: a job's text from its first token (replayed, then live), as ``submit --stream``
+    prints it, from any shell, at any time: after a Ctrl-C, or for a job submitted elsewhere."""
+    client = _client(args)
+    job = client.job(args.job_id)
+    status = job.status()  # (a first look: a wrong URL is said as such, before any wait)
+    client.reached = True
+    if status == "missing":
+        print(f"error: no job {args.job_id} on this Redis (never submitted, or expired)", file=sys.stderr)
+        return 1
+    return _follow(client, job, True, args.timeout)
+
+
+def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float | None) -> int:
+    """Wait for ``job``: its text printed as it comes (``streamed``), then its usage; or its result as JSON."""
     if (warning := client.no_worker_warning()) is not None:  # a wait that could last for good: said why
         print(warning, file=sys.stderr)
     restarted = False
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout  # the stream and the result's wait
+    deadline = None if timeout is None else time.monotonic() + timeout  # the stream and the result's wait
 
     def left() -> float | None:
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     try:
-        while args.stream:
+        while streamed:
             try:
                 for piece in job.stream(timeout=left()):
                     sys.stdout.write(piece)
@@ -244,18 +270,18 @@ def submit(args: argparse.Namespace) -> int:
             break
         result = job.result(timeout=left())
     except JobError as exc:
-        return _report(exc, print_result=not args.stream)  # streamed: its text is already out
+        return _report(exc, print_result=not streamed)  # streamed: its text is already out
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
         return _lost_redis(job.id, exc)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
-        print(f"\ninterrupted: job {job.id} goes on in the workers; `roseinfer cancel {job.id}` stops it",
-              file=sys.stderr)  # fmt: skip
+        print(f"\ninterrupted: job {job.id} goes on in the workers; `roseinfer stream {job.id}` follows it again, "
+              f"`roseinfer cancel {job.id}` stops it", file=sys.stderr)  # fmt: skip
         return 130
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `roseinfer result {job.id}` prints the answer alone", file=sys.stderr)  # fmt: skip
         return 1
-    if args.stream:
+    if streamed:
         u, ttft = result["usage"], (result.get("timings") or {}).get("ttft_s")
         print(
             f"[{result['finish_reason']}; {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens; "
@@ -539,6 +565,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_connection_arguments(p)
     p.set_defaults(func=result)
+
+    p = sub.add_parser("stream", help="print a job's text from its first token, live (as submit --stream)")
+    p.add_argument("job_id")
+    p.add_argument(
+        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+    )  # fmt: skip
+    add_connection_arguments(p)
+    p.set_defaults(func=stream)
 
     p = sub.add_parser("cancel", help="cancel a queued or running job")
     p.add_argument("job_id")

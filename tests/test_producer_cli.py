@@ -533,6 +533,20 @@ def test_a_streamed_output_that_restarts_says_stdout_holds_void_text_and_exits_1
     assert out == "VOID New answer\n" and "stdout holds void text" in err and "roseinfer result j1" in err
 
 
+@pytest.mark.redis
+def test_stream_follows_a_job_from_its_first_token_from_any_shell(served, redis_url, capsys):
+    """After a Ctrl-C, or for a job submitted elsewhere, only ``result`` was left: no way to follow its text."""
+    worker, client = served
+    job = client.submit("Stream me again", max_tokens=6, temperature=0, ignore_eos=True)
+    connection = ("--redis-url", redis_url, "--queue", worker.queue)
+    assert producer_cli.stream(_parse("stream", job.id, "--timeout", "60", *connection)) == 0
+    out, err = capsys.readouterr()
+    result = job.result(timeout=10)
+    assert out == result["text"] + "\n" and "[length; " in err and "+ 6 completion tokens" in err
+    assert producer_cli.stream(_parse("stream", "no-such-job", *connection)) == 1
+    assert capsys.readouterr().err.strip() == "error: no job no-such-job on this Redis (never submitted, or expired)"
+
+
 def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(monkeypatch, capsys):
     """It said "interrupted" alone: whether the job went on, and how to stop it, was left to guess."""
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
@@ -547,7 +561,7 @@ def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(mon
     monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
     assert producer_cli.submit(_parse("submit", "hi", "--wait")) == 130
     err = capsys.readouterr().err
-    assert "job j7 goes on in the workers" in err and "roseinfer cancel j7" in err
+    assert "job j7 goes on in the workers" in err and "roseinfer cancel j7" in err and "roseinfer stream j7" in err
 
 
 def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monkeypatch):
