@@ -423,7 +423,16 @@ class AsyncGenerationJob:
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
                 if follower is None:  # followed, then a look again: an end in between is not missed
+                    # From the stream's last entry now, not its first: a waiter joining a long stream read and decoded
+                    # all of it, and dragged the hub's shared read of that key back to its start.
+                    try:
+                        newest = await conn.xrevrange(stream_key(self.id), count=1)
+                    except REDIS_DOWN as exc:
+                        await asyncio.sleep(outage.pause(exc))
+                        continue
                     follower = self.client.hub.follow(stream_key(self.id))
+                    if newest:
+                        follower.last = _entry_id(newest[0][0])
                     continue
                 await _final_event(follower, 1.0 if left is None else min(1.0, left))
         finally:

@@ -559,6 +559,43 @@ def test_a_sample_index_the_job_does_not_make_is_refused_and_a_cancel_before_any
         list(single.stream(timeout=2))
 
 
+def test_an_async_result_waiter_reads_the_stream_from_its_end_not_its_start():
+    """A waiter joining a long stream read and decoded every entry of it, and dragged the hub's shared read of that
+    key back to its start."""
+    import asyncio
+
+    from producer import Client
+    from producer.aio import AsyncGenerationJob, StreamHub
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    for n in range(2000):
+        conn.xadd(stream_key("long"), {STREAM_FIELD: json.dumps(make_event(n, "x", [1]))})
+    conn.hset("rq:job:long", "status", "started")
+    last = conn.xrevrange(stream_key("long"), count=1)[0][0].decode()
+    reads = []
+
+    class Async:
+        connection = fakeredis.FakeAsyncRedis(server=server)
+        hub = StreamHub(fakeredis.FakeAsyncRedis(server=server), wait_ms=20)
+        sync = Client(connection=conn)
+
+    real = Async.hub.connection.xread
+
+    async def xread(streams, **kwargs):
+        reads.append(dict(streams))
+        return await real(streams, **kwargs)
+
+    Async.hub.connection.xread = xread
+
+    async def wait():
+        with pytest.raises(TimeoutError):
+            await AsyncGenerationJob(Async(), "long").result(timeout=0.3)
+
+    asyncio.run(wait())
+    assert reads and all(read[stream_key("long")] == last for read in reads)
+
+
 def test_an_infinite_timeout_waits_without_end():
     """``timeout=inf`` (``roseinfer submit --stream --timeout inf`` takes it): the stream's wait in milliseconds of
     it was an OverflowError."""
