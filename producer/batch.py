@@ -942,7 +942,7 @@ def _run(
                 else:
                     ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
                 ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write again)
-                _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names)
+                _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names, pending)
                 outage.over()
                 progress.tick()
                 workers.check()
@@ -1013,9 +1013,12 @@ def _settle(
     summary: dict[str, Any],
     timeout: float | None,
     names: ModelTokenNames | None = None,
+    lines: Lines | None = None,
 ) -> None:
     """Write the rows of the jobs among ``job_ids`` that ended, and fail those running for longer than ``timeout``
-    (from when a look first saw them started: time waiting in the queue, behind other jobs, is not theirs)."""
+    (from when a look first saw them started: time waiting in the queue, behind other jobs, is not theirs). A job
+    Redis lost (no hash, no result: a restart without persistence) goes back to ``lines`` to be submitted again,
+    once: its row failed ``job_missing``, though Redis only was at fault."""
     if not job_ids:
         return
     with client.connection.pipeline(transaction=False) as pipe:
@@ -1037,6 +1040,12 @@ def _settle(
             made_before = reused.get(job_id)  # (popped below: a long run keeps no ended job's id)
             summary["reused"] += made_before is not None
             progress.update(result["usage"]["completion_tokens"], made_before=bool(made_before))
+        elif status == "missing" and result is None and lines is not None and job_id not in lines.lost:
+            lines.lost.add(job_id)
+            lines.taken_back.append(line)
+            del in_flight[job_id]
+            reused.pop(job_id, None)
+            continue
         elif status in ("failed", "canceled", "stopped", "missing", "finished"):
             reason = (result or {}).get("error") or _failure_reason(client, job_id, status)
             # The worker found the row at fault: the row's error, as one refused here; a prompt past the context by
@@ -1091,6 +1100,7 @@ class Lines:
     def __init__(self, lines: Iterator[Line]) -> None:
         self.lines, self.taken_back = lines, []
         self.tried: set[str] = set()  # job ids of lines taken back: their submit may have gone in, theirs if so
+        self.lost: set[str] = set()  # job ids Redis lost (no hash, no result) once: submitted again, once
 
     def __iter__(self) -> Lines:
         return self

@@ -903,6 +903,43 @@ def test_a_row_another_run_of_the_input_submitted_since_the_look_is_followed_not
     assert client.connection.lrange(lane, 0, -1) == [raced.job_id.encode(), mine.job_id.encode()]  # each once
 
 
+def test_a_job_redis_lost_is_submitted_again_once_not_failed_as_missing():
+    """Redis restarted without persistence mid-run: the rows in flight failed ``job_missing`` (30 of 1,500), though
+    their lines were at hand. Each is submitted again, once; lost a second time, its row is an error."""
+    from producer.batch import Lines, _settle, _submit
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    rows = [parse_line(i, json.dumps({"prompt": f"row {i}"}), queue="q") for i in range(1, 3)]
+    lines, in_flight, reused = Lines(iter(rows)), {}, {}
+    assert _submit(client, lines, in_flight, 8, reused) is False
+
+    class Sink:
+        keeps_flushed_rows = False
+
+        def __init__(self):
+            self.errors = []
+
+        def error(self, entry, line):
+            self.errors.append((line.job_id, entry["error"]["code"]))
+
+        def flush(self):
+            pass
+
+    sink, summary = Sink(), {"total": 2, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
+    progress = Progress(2, 0, 0, stream=io.StringIO())
+    client.connection.flushall()  # the restart, empty
+    _settle(client, list(in_flight), in_flight, reused, sink, progress, summary, None, None, lines)
+    assert (
+        sink.errors == [] and in_flight == {} and {line.job_id for line in lines.taken_back} == {r.job_id for r in rows}
+    )
+    _submit(client, lines, in_flight, 8, reused)  # submitted again, as new jobs
+    assert set(in_flight) == {r.job_id for r in rows} and reused == {}
+    assert all(client.job(r.job_id).status() == "queued" for r in rows)
+    client.connection.flushall()  # lost again
+    _settle(client, list(in_flight), in_flight, reused, sink, progress, summary, None, None, lines)
+    assert sorted(sink.errors) == sorted((r.job_id, "job_missing") for r in rows) and in_flight == {}
+
+
 def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
     """Only a line cut short (not JSON) is removed for its row to run again; a whole one gets its newline."""
     from producer.batch_io import JSONLSink
