@@ -864,8 +864,10 @@ def _read_input(
         try:
             line = parse_line(number, raw, run_id, priority, options, queue)
         except BadLine as exc:
-            known = exc.custom_id is not None and exc.custom_id not in seen  # a row of its own in a Parquet output
-            failed = Line(number, exc.custom_id, "", {}, "", exc.row) if known else None
+            known = exc.custom_id is not None and exc.custom_id not in seen  # a row of its own in a Parquet output,
+            # unless the output holds this id's row from before (kept, as a JSONL output keeps its line: both made
+            # one id two rows)
+            failed = Line(number, exc.custom_id, "", {}, "", exc.row) if known and exc.custom_id not in done else None
             if known:
                 seen.add(exc.custom_id)  # its id is taken: a later row of the same id is a duplicate, not a 2nd row
             _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress, failed)
@@ -877,7 +879,8 @@ def _read_input(
         seen.add(line.custom_id)
         refused = sink.refuse(line.payload)
         if refused:
-            _bad(sink, error_line(number, line.custom_id, "invalid_request", refused), summary, progress, line)
+            kept = line if line.custom_id not in done else None  # (as above)
+            _bad(sink, error_line(number, line.custom_id, "invalid_request", refused), summary, progress, kept)
             continue
         digest = done.get(line.custom_id)
         if digest is None:

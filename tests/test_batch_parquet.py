@@ -229,6 +229,25 @@ def test_a_row_refused_before_it_ran_is_a_failed_row_of_the_parquet_output(tmp_p
     assert rows["b"]["error"].startswith("invalid_request: ")
 
 
+@pytest.mark.slow  # two runs through a worker
+@pytest.mark.redis
+def test_a_row_done_before_and_refused_now_keeps_its_one_row_in_the_parquet_output(served, tmp_path):
+    """A row that succeeded, then was changed to one refused before it runs (no prompt): its error row was written
+    beside the success row carried over, one id twice in the output, for good."""
+    _, client = served
+    source, out = tmp_path / "in.parquet", tmp_path / "out.parquet"
+    table = {"qid": ["a", "b"], "question": ["Say hi", "Say bye"]}
+    pq.write_table(pa.table(table), source)
+    options = RowOptions("question", None, "qid", {"max_tokens": 2})
+    assert run_batch(client, source, out, options=options, log_interval=1e9, poll_interval=0.05)["succeeded"] == 2
+    pq.write_table(pa.table({"qid": ["a", "b"], "question": ["Say hi", None]}), source)  # "b" refused now
+    summary = run_batch(client, source, out, options=options, log_interval=1e9, poll_interval=0.05)
+    assert summary["skipped"] == 1 and summary["failures"] == {"invalid_request": 1}
+    listed = pq.read_table(out).to_pylist()
+    assert sorted(r["qid"] for r in listed) == ["a", "b"]  # each once: "b" keeps the row it was made with
+    assert all(r["error"] is None for r in listed)
+
+
 def test_a_parquet_row_that_is_not_utf8_fails_alone(tmp_path):
     """Parquet does not check its strings: one bad cell made the whole record batch undecodable, and the run
     stopped. Now that row fails, saying which column, and the rows around it go on."""
