@@ -526,10 +526,11 @@ def batch(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary), file=sys.stderr)
-    if summary["reused"]:
+    if summary["reused"] and not summary["skipped"]:  # (rows in the output already: a resume, its own jobs)
         print(
-            f"note: {summary['reused']} rows were taken from jobs of an earlier run still in Redis (same lines, same "
-            "settings, so sampled lines repeat that run's samples); pass --fresh to generate them again",
+            f"note: {summary['reused']} rows were taken from jobs of an earlier run still in Redis (an interrupted run "
+            "of this command, or the same lines and settings into another output, whose samples sampled lines "
+            "repeat); pass --fresh to generate them again",
             file=sys.stderr,
         )
     return 0 if summary["failed"] == 0 else 1

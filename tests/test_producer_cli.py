@@ -415,6 +415,10 @@ def test_a_rerun_into_a_new_output_says_it_reused_results_and_fresh_generates_ag
 
     first, err, rows1 = run("one.jsonl")
     assert first["reused"] == 0 and "earlier run" not in err
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(one.read_text().splitlines(keepends=True)[:2]))  # as a run interrupted after 2 rows
+    resumed, err, _ = run("one.jsonl")  # a resume: the 2 picked up are its own jobs, --fresh would waste them
+    assert (resumed["skipped"], resumed["reused"]) == (2, 2) and "note:" not in err
     again, err, rows2 = run("two.jsonl")
     assert again["reused"] == 4 and again["succeeded"] == 4
     assert "note: 4 rows were taken from jobs of an earlier run still in Redis" in err and "--fresh" in err
