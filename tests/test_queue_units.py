@@ -1922,6 +1922,25 @@ def test_a_worker_cut_off_past_its_registration_takes_back_no_job_that_moved_on_
 
 
 @pytest.mark.redis
+def test_a_job_a_pull_started_but_the_step_loop_has_not_taken_in_gets_its_hash_back_after_redis_lost_its_data(
+    redis_url,
+):
+    """Only the jobs in flight were saved again: one a pull had started but the step loop had not taken in yet
+    (inside a long step) was then taken in with its hash gone, read as deleted, and canceled without a result."""
+    from producer.protocol import OWNER_FIELD
+    from worker.puller import Arrival
+
+    conn, worker, _name, held = _running_jobs(redis_url, count=2)
+    late = worker.in_flight.pop(held[1].job.id)
+    worker.puller._unapplied[late.job.id] = Arrival(late.job, late.queue, late.execution, late.stream, late.request)
+    conn.delete(held[0].job.key, held[1].job.key, worker.key)  # Redis restarted empty
+    worker._redis_lost_data()
+    for job in held:
+        assert conn.hmget(job.job.key, OWNER_FIELD, "status") == [job.execution.id.encode(), b"started"]
+        assert conn.hexists(job.job.key, "data")
+
+
+@pytest.mark.redis
 @pytest.mark.parametrize("way", ["script", "transaction"])
 @pytest.mark.parametrize("status", ["failed", "scheduled"])
 def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_registry(redis_url, way, status):
@@ -1943,6 +1962,29 @@ def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_regis
     assert conn.hget(held.job.key, "status") == b"finished"
     assert registry.get_job_ids() == []
     assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+
+
+@pytest.mark.redis
+def test_a_job_whose_hash_redis_lost_ends_with_a_whole_hash_rq_can_read(redis_url):
+    """Redis restarted empty while the job ran: the finish script's three fields (status, ended_at, last_heartbeat)
+    made a hash RQ cannot read (Job.fetch: "Unexpected job format"; rq-dashboard failed on it)."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import OWNER_FIELD
+    from worker.job_finish import register
+
+    conn, worker, _name, held = _running_jobs(redis_url, count=2)
+    worker.sender.finish_script = register(conn)
+    conn.delete(held[0].job.key)
+    ends = [(job, {"status": "finished", "text": "ok", "token_ids": [1]}) for job in held]
+    assert len(worker._succeed_plain(ends)[0]) == 2
+    for job in held:
+        fetched = Job.fetch(job.job.id, connection=conn, serializer=JSONSerializer)
+        assert fetched.get_status() == "finished" and fetched.kwargs["prompt"] == "hello"
+        assert fetched.return_value()["text"] == "ok"
+        assert conn.hget(job.job.key, OWNER_FIELD) == job.execution.id.encode()
+        assert conn.ttl(job.job.key) > 0
 
 
 @pytest.mark.redis

@@ -1361,7 +1361,10 @@ class BatchWorker(BaseWorker):
         hashes come back with them where Redis lost them)."""
         log.error("Redis lost its data (restarted without persistence?): registering again, jobs in flight go on")
         ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
-        held = list(self.in_flight.values())
+        # With the jobs a pull started that the step loop has not taken in: their hashes, gone, read as deleted
+        # once they were, and they were canceled without a result.
+        arrived = {a.job.id: a for a in self.puller.unapplied() if a.error is None}
+        held: list[Any] = list({**arrived, **self.in_flight}.values())
         with self.connection.pipeline(transaction=False) as pipe:
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")

@@ -45,7 +45,7 @@ from worker.intake import load_script
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local lost, held, finished, started, gone, members = {}, {}, {}, {}, {}, {}
+local lost, held, finished, started, gone, members, bare = {}, {}, {}, {}, {}, {}, {}
 local count, working, j = 0, 0, 0
 local function add(lists, key, ...)
   if not lists[key] then lists[key] = {} end
@@ -66,6 +66,7 @@ for a = 9, #ARGV, 20 do
   elseif redis.call('EXISTS', dependents) == 1 then
     held[#held + 1] = j
   else
+    if not now[2] and redis.call('EXISTS', job) == 0 then bare[#bare + 1] = j end
     redis.call('HSET', job, 'last_heartbeat', stamp, 'status', 'finished', 'ended_at', stamp)
     if now[2] == 'failed' then redis.call('ZREM', ARGV[a + 17], id) end
     if now[2] == 'canceled' then redis.call('ZREM', ARGV[a + 18], id) end
@@ -108,7 +109,7 @@ if count > 0 then
   redis.call('HINCRBY', worker, 'successful_job_count', count)
   redis.call('HINCRBYFLOAT', worker, 'total_working_time', string.format('%.17g', working))
 end
-return {lost, held}
+return {lost, held, bare}
 """
 _PER_JOB = 20
 
@@ -150,10 +151,27 @@ def finish_jobs(
             FailedJobRegistry.key_template.format(job.origin), CanceledJobRegistry.key_template.format(job.origin),
             ScheduledJobRegistry.key_template.format(job.origin),
         ]  # fmt: skip
-    lost, held = connection.evalsha(script.sha, 0, *args)
+    lost, held, bare = connection.evalsha(script.sha, 0, *args)
     lost, held = [int(i) for i in lost], [int(i) for i in held]
     skipped = set(lost) | set(held)
     for i, (job, *_rest) in enumerate(jobs):
         if i not in skipped:
             job._status = JobStatus.FINISHED
+    if bare:  # hashes Redis lost (a restart without persistence): the script's fields alone were a stub
+        _save_whole(connection, [jobs[int(i)] for i in bare], ended, owner_field)
     return lost, held
+
+
+def _save_whole(
+    connection: Redis, ended_jobs: list[tuple[Job, Execution, str, int, str | None]], ended: datetime, owner_field: str
+) -> None:
+    """The whole hash of each of these finished jobs, from memory, where Redis had lost it: the script's three
+    fields alone made a hash RQ cannot read (``Job.fetch``: "Unexpected job format"; rq-dashboard failed on it)."""
+    with connection.pipeline() as pipe:
+        for job, execution, _value, ttl, _notify in ended_jobs:
+            job.ended_at, job.last_heartbeat = ended, ended
+            job.save(pipeline=pipe)
+            pipe.hset(job.key, owner_field, execution.id)
+            if ttl > 0:
+                pipe.expire(job.key, ttl)
+        pipe.execute()
