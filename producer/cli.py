@@ -32,6 +32,7 @@ from producer.tool_calls import TOOL_CALL_PARSERS
 
 # Payload fields that take a JSON value on the command line (a flag of their own each).
 _JSON_FLAGS = (
+    "messages",  # a whole conversation (a system message, earlier turns) in place of the prompt
     "metadata",
     "structured_outputs",
     "response_format",
@@ -41,7 +42,7 @@ _JSON_FLAGS = (
     "chat_template_kwargs",
 )
 # Payload fields that get no derived flag: the prompt is the positional argument, the others take JSON.
-_NOT_FLAGS = ("prompt", "messages", *_JSON_FLAGS)
+_NOT_FLAGS = ("prompt", *_JSON_FLAGS)
 _SCALARS = (bool, int, float, str)
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _METAVARS = {bool: "BOOL", int: "INT", float: "FLOAT", str: "TEXT"}
@@ -182,8 +183,10 @@ def _stdin_text() -> str:
 
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The job payload the flags describe, validated by JobRequest: InvalidRequest before Redis is touched."""
-    if args.prompt is None and not getattr(args, "prompt_token_ids", None):
-        raise InvalidRequest("give a prompt (or - to read it from stdin), or --prompt-token-id ...")
+    if args.prompt is None and not getattr(args, "prompt_token_ids", None) and args.messages is None:
+        raise InvalidRequest("give a prompt (or - to read it from stdin), --messages JSON, or --prompt-token-id ...")
+    if args.prompt is not None and args.messages is not None:  # (which one was meant is not ours to guess)
+        raise InvalidRequest("give a prompt or --messages, not both")
     request: dict[str, Any] = {}
     if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
         prompt = args.prompt if args.prompt != "-" else _stdin_text()
@@ -243,12 +246,16 @@ def stream(args: argparse.Namespace) -> int:
     if status == "missing":
         print(f"error: no job {args.job_id} on this Redis (never submitted, or expired)", file=sys.stderr)
         return 1
-    return _follow(client, job, True, args.timeout)
+    if (job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
+        raise InvalidRequest(f"job {job.id} makes {job.samples()} samples: `roseinfer result {job.id}` prints them all")
+    live = status in ("queued", "started", "deferred", "scheduled")  # (a job over needs no worker)
+    return _follow(client, job, True, args.timeout, warn=live)
 
 
-def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float | None) -> int:
-    """Wait for ``job``: its text printed as it comes (``streamed``), then its usage; or its result as JSON."""
-    if (warning := client.no_worker_warning()) is not None:  # a wait that could last for good: said why
+def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float | None, warn: bool = True) -> int:
+    """Wait for ``job``: its text printed as it comes (``streamed``), then its usage; or its result as JSON.
+    ``warn``: say so if no live worker serves the queue (a wait that could last for good)."""
+    if warn and (warning := client.no_worker_warning()) is not None:
         print(warning, file=sys.stderr)
     restarted = False
     deadline = None if timeout is None else time.monotonic() + timeout  # the stream and the result's wait
@@ -538,7 +545,9 @@ def batch(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="enqueue a prompt (chat template applied unless --raw)")
-    p.add_argument("prompt", nargs="?", help="the prompt, or - to read it from stdin (none with --prompt-token-id)")
+    p.add_argument(
+        "prompt", nargs="?", help="the prompt, or - to read it from stdin (none with --messages or --prompt-token-id)"
+    )
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")

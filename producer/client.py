@@ -634,14 +634,20 @@ class GenerationJob:
     def rq_job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
 
+    def samples(self) -> int | None:
+        """How many samples the job makes (its payload's ``n``); None if its hash is gone or cannot be read."""
+        try:
+            return int(self.rq_job.kwargs.get("n") or 1)
+        except (NoSuchJobError, ValueError, TypeError, AttributeError):
+            return None
+
     def check_sample(self, index: int) -> None:
         """``InvalidRequest`` for a sample ``index`` the job does not make (its payload's ``n``): a stream of it
         ended at once with no text and no error."""
         if index == 0:
             return
-        try:
-            n = int(self.rq_job.kwargs.get("n") or 1)
-        except (NoSuchJobError, ValueError, TypeError, AttributeError):  # gone, or written by hand: not judged
+        n = self.samples()
+        if n is None:  # gone, or written by hand: not judged
             n = 1 if index < 0 else index + 1
         if not 0 <= index < n:
             raise InvalidRequest(f"job {self.id} makes {n} sample(s) (n={n}): there is no sample index {index}")

@@ -551,6 +551,23 @@ def test_stream_follows_a_job_from_its_first_token_from_any_shell(served, redis_
     assert capsys.readouterr().err.strip() == "error: no job no-such-job on this Redis (never submitted, or expired)"
 
 
+def test_submit_takes_a_whole_conversation_with_messages_and_stream_refuses_a_job_of_several_samples(
+    monkeypatch, capsys
+):
+    """No flag took ``messages``: a system message or earlier turns could not be sent from the command line. And
+    ``roseinfer stream`` of a job of n > 1 printed sample 0 alone with the usage of all, exit 0."""
+    conversation = [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    request = producer_cli.request_from_args(_parse("submit", "--messages", json.dumps(conversation)))
+    assert request == {"messages": conversation}
+    with pytest.raises(InvalidRequest, match="give a prompt or --messages, not both"):
+        producer_cli.request_from_args(_parse("submit", "Hi", "--messages", json.dumps(conversation)))
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    job = client.submit(messages=conversation, n=2, temperature=1.0, max_tokens=4)
+    with pytest.raises(InvalidRequest, match=f"job {job.id} makes 2 samples: `roseinfer result {job.id}`"):
+        producer_cli.stream(_parse("stream", job.id))
+
+
 def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(monkeypatch, capsys):
     """It said "interrupted" alone: whether the job went on, and how to stop it, was left to guess."""
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
