@@ -320,6 +320,20 @@ def _every_job_ends_under_a_watchdog_of_1_s(build, jobs: int) -> None:
 
 
 @pytest.mark.slow
+def test_a_worker_held_up_between_a_submit_and_its_step_does_not_make_an_idle_child_hung():
+    """The watchdog's clock started at the submit, but the job reaches the child at the next step: a worker held up
+    between the two (Redis away while it took jobs in) for longer than the watchdog killed a healthy idle child."""
+    pump = EngineProcess(partial(fake_engine), step_timeout=1.0)
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(3))
+        time.sleep(1.5)  # the worker's loop, held up
+        ended = [e for e in _drain(pump, 30) if e.finished]
+        assert [(e.job_id, e.finish_reason) for e in ended] == [("a", "length")] and pump.failure is None
+    finally:
+        pump.close()
+
+
+@pytest.mark.slow
 def test_a_step_that_admits_for_longer_than_the_watchdog_allows_is_not_hung():
     """Admissions are progress: five of 0.4 s in one step (2 s) against a watchdog of 1 s, and every job ends."""
     _every_job_ends_under_a_watchdog_of_1_s(engine_slow_to_admit, 5)

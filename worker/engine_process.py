@@ -328,8 +328,6 @@ class EngineProcess:
     ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id!r} is already in flight")
-        if not self._jobs:
-            self._quiet_since = time.monotonic()  # the child owes a step from now on
         self._jobs.add(job_id)
         self._outbox.append((job_id, prompt, params, timeout, output_prefix or None, priority, prefix_logprobs))
 
@@ -380,11 +378,11 @@ class EngineProcess:
             if self.failure is not None:  # (it may still be exiting: no end of the pipe to wait for)
                 self._read_what_is_left()
                 raise EngineProcessDied(self.failure)
+            self._send_outbox()  # first: the watchdog's clock starts when the child is sent jobs, not at a submit
             if not self._jobs:
-                self._quiet_since = time.monotonic()  # it owes nothing: the watchdog's clock starts at a submit
+                self._quiet_since = time.monotonic()  # it owes nothing
             elif self._overdue(time.monotonic()):
                 raise self._hung_and_read()
-            self._send_outbox()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
             while self._conn.poll(0):
@@ -451,6 +449,8 @@ class EngineProcess:
         if not self._outbox:
             return
         jobs, self._outbox = self._outbox, []
+        if len(self._jobs) <= len(jobs):  # it held none before these: it owes a step from now on, not from their
+            self._quiet_since = time.monotonic()  # submit (a worker held up between the two killed a healthy child)
         try:
             self._send(("jobs", jobs))
         except EngineProcessDied:
