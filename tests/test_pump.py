@@ -175,6 +175,28 @@ def test_a_failing_step_fails_its_jobs_retryably_and_the_pump_goes_on():
     assert [e.finish_reason for e in _run(pump) if e.finished] == ["length"]
 
 
+def test_steps_that_keep_failing_with_new_jobs_each_time_break_the_pump():
+    """A sticky accelerator error fails every step: the pump failed each step's jobs and went on, and the worker
+    took the queue's jobs one step at a time, spending a retry of each. A failed step between good ones does not."""
+    from worker.pump import MAX_FAILED_STEPS, EngineBroken
+
+    engine = FakeEngine()
+    pump = Pump(engine, tokenize_in_thread=False)
+    pump.submit("a", {"prompt": "x"}, _params(5))
+    pump.step()
+    engine.fail_steps = 1  # one failure, then good steps: goes on
+    pump.step()
+    pump.submit("b", {"prompt": "y"}, _params(2))
+    assert [e.finish_reason for e in _run(pump) if e.finished] == ["length"]
+    engine.fail_steps = 10**9
+    for i in range(MAX_FAILED_STEPS - 1):
+        pump.submit(f"c{i}", {"prompt": "z"}, _params(5))
+        assert all(e.retryable for e in pump.step() if e.finished)
+    pump.submit("last", {"prompt": "z"}, _params(5))
+    with pytest.raises(EngineBroken, match=f"{MAX_FAILED_STEPS} engine steps in a row failed"):
+        pump.step()
+
+
 def test_cancel_and_deadline():
     engine = FakeEngine()
     pump = Pump(engine, tokenize_in_thread=False)

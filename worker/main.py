@@ -14,6 +14,7 @@ from producer.client import eviction_warning
 from producer.connection import REDIS_DOWN, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
+from worker.pump import EngineBroken
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
@@ -91,6 +92,9 @@ def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
     try:
         worker.work(burst=settings.burst, logging_level=logging_level)
     except EngineProcessDied as exc:  # its jobs failed (retryably) and were written: a supervisor restarts us
+        log.error("worker %s stops: %s", worker.name, exc)
+        return 1
+    except EngineBroken as exc:  # (in process) its jobs handed back to their queues: a supervisor restarts us
         log.error("worker %s stops: %s", worker.name, exc)
         return 1
     return 0

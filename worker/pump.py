@@ -20,6 +20,16 @@ from typing import Any
 
 log = logging.getLogger("roseinfer.worker")
 
+# A step that fails fails its jobs (retryably) and the engine goes on; this many in a row, each with the jobs the one
+# before left, and the engine is taken for broken (a sticky CUDA error fails every step): the worker stops, its
+# other jobs handed back, for its supervisor to start it again. Going on, it took the queue's jobs one step at a time
+# and spent a retry of each.
+MAX_FAILED_STEPS = 3
+
+
+class EngineBroken(RuntimeError):
+    """Engine steps keep failing: the engine cannot serve (``MAX_FAILED_STEPS``)."""
+
 
 @dataclass(slots=True)
 class JobEvent:
@@ -104,6 +114,7 @@ class Pump:
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline, job id); ended jobs left to drop
         self.failure: str | None = None  # never set here: an engine in this process cannot die apart from it
         self._step_times: list[float] = []
+        self._failed_in_a_row = 0  # engine steps that failed since the last that did not
         # Called after each job a step admits: admissions are progress too (a resumed seeded job replays its draws:
         # on a CPU, milliseconds a token), so a step watchdog counts from the last one, not from the step's start.
         self.on_admitted: Callable[[], None] | None = None
@@ -275,8 +286,15 @@ class Pump:
             outputs = self.engine.step(flush=flush)
             self._step_times.append(time.perf_counter() - began)
         except Exception as exc:
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= MAX_FAILED_STEPS:
+                raise EngineBroken(
+                    f"{self._failed_in_a_row} engine steps in a row failed, each with other jobs (the last: "
+                    f"{type(exc).__name__}: {exc}): the engine is broken (a sticky accelerator error?)"
+                ) from exc
             # Jobs the step before ended get their final events; those this one ran fail.
             return self._events_of(self.engine.take_undelivered()) + self._step_failed(exc)
+        self._failed_in_a_row = 0
         return self._events_of(outputs)
 
     def _events_of(self, outputs: list[Any]) -> list[JobEvent]:
