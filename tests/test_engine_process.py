@@ -609,6 +609,14 @@ def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
         assert pump.has_work()
         assert [(e.job_id, e.finish_reason) for e in _drain(pump) if e.finished] == [("a", "length")]
         assert not pump.has_work()
+        # A stop's hand-back takes such ends at once, without a step (it sent the job back to the queue, its
+        # finished work thrown away).
+        pump.submit("b", {"prompt": "x"}, _params(3))
+        pump.step()
+        time.sleep(0.6)
+        assert pump.cancel_many(["b"]) == {}
+        assert [(e.job_id, e.finish_reason) for e in pump.pending_events() if e.finished] == [("b", "length")]
+        assert not pump.has_work() and pump.pending_events() == []
     finally:
         pump.close()
 

@@ -1457,6 +1457,9 @@ class BatchWorker(BaseWorker):
         self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
         ids = [job_id for job_id in (self.in_flight if only is None else only) if job_id in self.in_flight]
         self.pump.cancel_many(ids)
+        # Those an engine process ended before the cancel reached it end as they ended, not back in the queue.
+        self._route(self.pump.pending_events())
+        ids = [job_id for job_id in ids if job_id in self.in_flight]
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))

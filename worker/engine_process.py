@@ -397,6 +397,12 @@ class EngineProcess:
                 if j not in done
             ]
             self._outbox = []
+        return self.pending_events()
+
+    def pending_events(self) -> list[JobEvent]:
+        """The events read from the child and not handed out yet, without a wait: after ``cancel_many``, those of
+        jobs that ended in the child before the cancel reached it (a stop handed them back to the queue, their
+        finished work thrown away)."""
         events, self._events = self._events, []
         for event in events:
             if event.finished:

@@ -275,6 +275,10 @@ class Pump:
                 events.append(JobEvent(job_id, finish_reason="error", error=error, error_type="server_error"))
         return events
 
+    def pending_events(self) -> list[JobEvent]:
+        """``EngineProcess.pending_events``: none here (a step's events are handed out as it ends)."""
+        return []
+
     def take_step_times(self) -> list[float]:
         """Seconds of each engine step run since the last call (the step histogram's)."""
         times, self._step_times = self._step_times, []
