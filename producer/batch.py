@@ -93,11 +93,18 @@ REDIS_PATIENCE_S = 600.0  # a run waits this long for a Redis that went away (a 
 
 
 class BatchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a batch. The output then holds complete lines only; ``summary`` counts what was done."""
+    """Ctrl-C (or SIGTERM, SIGHUP: ``signum``) during a batch. The output then holds complete lines only; ``summary``
+    counts what was done."""
 
-    def __init__(self, summary: dict[str, int]) -> None:
+    def __init__(self, summary: dict[str, int], signum: int = signal.SIGINT) -> None:
         super().__init__()
-        self.summary = summary
+        self.summary, self.signum = summary, signum
+
+
+class _Signaled(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = signum
 
 
 class RedisLost(RuntimeError):
@@ -694,8 +701,8 @@ def run_batch(
                 finally:  # also on Ctrl-C: every row is written whole, and a Parquet output gets its footer
                     sink.close()
         progress.finish(summary, output_path, errors_path)
-    except KeyboardInterrupt:
-        raise BatchInterrupted(summary) from None
+    except KeyboardInterrupt as exc:
+        raise BatchInterrupted(summary, getattr(exc, "signum", signal.SIGINT)) from None
     finally:
         if progress is not None:
             progress.close()
@@ -766,7 +773,7 @@ def _signals_interrupt() -> Iterator[None]:
 
     def interrupt(signum: int, frame: Any) -> None:
         _restore(before)
-        raise KeyboardInterrupt
+        raise _Signaled(signum)
 
     for name in names:
         signal.signal(getattr(signal, name), interrupt)

@@ -528,7 +528,8 @@ def batch(args: argparse.Namespace) -> int:
             f"  {resume_command(args, run_id)}",
             file=sys.stderr,
         )
-        return 1 if lost else 130
+        # 128 plus the signal, as a shell reports a process it ended: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP
+        return 1 if lost else 128 + int(getattr(exc, "signum", 2))
     except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
