@@ -504,6 +504,23 @@ def test_the_rq_worker_serves_through_an_engine_process():
     assert not thread.is_alive() and not crashed and engine._proc.exitcode == 0
 
 
+def test_jobs_submitted_after_the_engine_process_died_are_named_unsent_and_fail_without_it():
+    """The worker hands those back to their queues, retries untouched: they never reached the engine."""
+    pump = EngineProcess(partial(fake_engine))
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10**6))
+        pump.step()
+        os.kill(pump._proc.pid, signal.SIGKILL)
+        pump._proc.join(timeout=10)
+        pump.submit("late", {"prompt": "y"}, _params(3))
+        assert pump.unsent() == ["late"] and pump.failure is not None
+        assert [e.finish_reason for e in pump.cancel_many(["late"])["late"]] == ["abort"]  # (its hand-back)
+        ended = [(e.job_id, e.retryable) for e in pump.step() if e.finished]
+        assert ended == [("a", True)] and pump.unsent() == []
+    finally:
+        pump.close()
+
+
 @pytest.mark.slow
 def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops():
     _worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)

@@ -1397,6 +1397,10 @@ class BatchWorker(BaseWorker):
         retryably (RQ retries it elsewhere, as after a failed step); then the worker stops."""
         self.puller.stop()  # first: a job requeued by its failure must not come back to this worker
         self._apply_arrivals()
+        # Those that never reached the engine (taken by the last pulls) go back to their queues, retries untouched:
+        # failed with the rest, each spent a retry (with none left, failed for good) for a death not theirs.
+        if unsent := self.pump.unsent():
+            self._hand_back_cold(only=unsent)
         self._route(self.pump.step())
         self._hand_over(force=True)
         raise EngineProcessDied(self.pump.failure)

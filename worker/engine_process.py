@@ -399,6 +399,10 @@ class EngineProcess:
             self._outbox = []
         return self.pending_events()
 
+    def unsent(self) -> list[str]:
+        """The jobs submitted here and not yet sent to the child: none of them reached the engine."""
+        return [job[0] for job in self._outbox]
+
     def pending_events(self) -> list[JobEvent]:
         """The events read from the child and not handed out yet, without a wait: after ``cancel_many``, those of
         jobs that ended in the child before the cancel reached it (a stop handed them back to the queue, their

@@ -275,6 +275,10 @@ class Pump:
                 events.append(JobEvent(job_id, finish_reason="error", error=error, error_type="server_error"))
         return events
 
+    def unsent(self) -> list[str]:
+        """``EngineProcess.unsent``: none here (a submit reaches the engine at once)."""
+        return []
+
     def pending_events(self) -> list[JobEvent]:
         """``EngineProcess.pending_events``: none here (a step's events are handed out as it ends)."""
         return []
