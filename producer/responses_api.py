@@ -485,8 +485,9 @@ class ResponseWriter:
                                       output_index=self.message_index, content_index=0, delta=content,
                                       logprobs=logprobs))  # fmt: skip
         for delta in deltas:
-            if "id" in delta:  # a call whole ("required", "auto"): added, its arguments, done
-                events += self._add(_function_call(delta, "in_progress"))
+            if "id" in delta:  # a call whole ("required", "auto"): added (no arguments yet), its arguments, done
+                # (added with them, the official client's snapshot, which appends each delta, held them twice)
+                events += self._add({**_function_call(delta, "in_progress"), "arguments": ""})
                 events += self._arguments(len(self.items) - 1, delta["function"]["arguments"])
             else:  # the named function's arguments, piece by piece
                 events += self._arguments(self.call_index, delta["function"]["arguments"], done=False)

@@ -264,3 +264,36 @@ def test_auto_calls_stream_the_whole_responses_items_and_no_empty_message(text, 
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert _shown(events[-1]["response"]["output"]) == _shown(whole["output"])
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == types
+
+
+@pytest.mark.parametrize(
+    ("choice", "parser", "text"),
+    [
+        ("required", None, '[{"name": "get", "parameters": {"c": "x"}}]'),
+        ("auto", "hermes", '<tool_call>{"name": "get", "arguments": {"c": "x"}}</tool_call>'),
+    ],
+)
+def test_a_streamed_whole_call_reads_once_in_the_official_clients_snapshot(choice, parser, text):
+    """The call's item was added with its arguments, then the delta sent them again: openai-python's stream state,
+    which appends each delta to the item's arguments, held them twice."""
+    from openai._models import construct_type_unchecked
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    tools = [
+        {"type": "function", "name": "get", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}
+    ]
+    body = {"model": "m", "input": "hi", "tools": tools, "tool_choice": choice, "stream": True}
+    request, chat, _ = parse_responses(body, parser)
+    writer = ResponseWriter("j", "m", request, chat.tool_plan())
+    events = (
+        writer.opening() + writer.piece(text) + writer.closing("stop", {"prompt_tokens": 1, "completion_tokens": 2})
+    )
+    state, snapshots = ResponseStreamState(input_tools=tools, text_format=None), []
+    for event in events:
+        for out in state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event)):
+            if out.type == "response.function_call_arguments.delta":
+                snapshots.append(out.snapshot)
+    assert snapshots == ['{"c": "x"}']
+    [call] = [item for item in events[-1]["response"]["output"] if item["type"] == "function_call"]
+    assert call["arguments"] == '{"c": "x"}' and call["status"] == "completed"
