@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.tool_formats import FORMATS, FormatStream, arguments_json, function_call
+from producer.tool_formats import FORMATS, FormatStream, function_call
 
 # OpenAI's: a function without parameters takes none (its arguments are "{}").
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -162,7 +162,9 @@ class CallStream:
             except (ValueError, RecursionError):  # (the output follows the schema: only a broken worker writes this)
                 continue
             if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = arguments_json(call.get("parameters", {}))
+                # The parameters as the model wrote them: written again from Python, a number past a float's range
+                # (1e999, which the grammar's "number" takes) raised and failed the response, and others changed.
+                arguments = member_text(done, "parameters") or "{}"
                 deltas.append({"index": self.made, **function_call(call["name"], arguments)})
                 self.made += 1
         return "", deltas
@@ -192,6 +194,25 @@ class CallStream:
                 if self._depth == 1 and ch == "}":
                     yield "".join(self._text)
                     self._text.clear()
+
+
+def member_text(text: str, key: str) -> str | None:
+    """The text of member ``key``'s value in the JSON object ``text`` (read whole already), as written; None if
+    it has none."""
+    decoder, i = json.JSONDecoder(), text.index("{") + 1
+    while True:
+        while text[i] in " \t\r\n,":
+            i += 1
+        if text[i] == "}":
+            return None
+        name, i = decoder.raw_decode(text, i)
+        i = text.index(":", i) + 1
+        while text[i] in " \t\r\n":
+            i += 1
+        _value, end = decoder.raw_decode(text, i)
+        if name == key:
+            return text[i:end]
+        i = end
 
 
 def _shown(choice: str | dict[str, Any]) -> str:

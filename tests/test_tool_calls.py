@@ -112,6 +112,17 @@ def test_required_calls_streamed_in_any_pieces_are_the_calls_of_the_whole_output
     assert [d["function"] for d in deltas] == [c["function"] for c in whole]
 
 
+def test_required_calls_keep_the_parameters_as_the_model_wrote_them_a_number_past_a_float_too():
+    """Written again from Python, ``1e999`` (which the grammar's "number" takes) became an infinity JSON has no word
+    for and failed the response (a 500, or a stream cut without [DONE]); ``1E5`` became ``100000.0``."""
+    output = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c", "days": 1e999, "at": 1E5}}]'
+    [call] = ToolChoice.of(TOOLS, "required").read(output)[1]
+    assert call["function"]["arguments"] == '{"city": "Paris", "unit": "c", "days": 1e999, "at": 1E5}'
+    stream = ToolChoice.of(TOOLS, "required").stream()
+    [delta] = [d for i in range(0, len(output), 3) for d in stream.feed(output[i : i + 3])[1]]
+    assert delta["function"] == call["function"]
+
+
 def test_a_call_cut_short_is_left_out_and_a_named_functions_arguments_are_the_output_as_it_came():
     cut = OUTPUT[: OUTPUT.index('"name": "now"')]
     assert [c["function"]["name"] for c in ToolChoice.of(TOOLS, "required").read(cut)[1]] == ["get_weather"]
