@@ -521,7 +521,8 @@ class ResponseWriter:
             events += self._thought_done(status if not text else "completed")
             events += self._feed(text) if text else []
         events += self._out(*self.calls.finish()) if self.calls is not None else []
-        if self.message is None and self.thought is None and not self.items:
+        text_answers = self.tools is None or self.tools.parser is not None  # ("required" and a named call: calls only)
+        if self.message is None and self.thought is None and not self.items and text_answers:
             events += self._open_message()  # (an answer of no text and no call at all: an empty message, as whole)
         if self.message is not None:
             item = self.message

@@ -297,3 +297,19 @@ def test_a_streamed_whole_call_reads_once_in_the_official_clients_snapshot(choic
     assert snapshots == ['{"c": "x"}']
     [call] = [item for item in events[-1]["response"]["output"] if item["type"] == "function_call"]
     assert call["arguments"] == '{"c": "x"}' and call["status"] == "completed"
+
+
+@pytest.mark.parametrize("text", ['[{"name": "get", "parame', ""])
+def test_required_calls_cut_before_any_stream_no_empty_message_the_whole_response_lacks(text):
+    """The stream's final response held an empty message item where the whole response's output was empty."""
+    tools = [
+        {"type": "function", "name": "get", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}
+    ]
+    body = {"model": "m", "input": "hi", "tools": tools, "tool_choice": "required", "stream": True}
+    request, chat, _ = parse_responses(body, None)
+    usage = {"prompt_tokens": 1, "completion_tokens": 2}
+    whole = ResponseWriter("j", "m", request, chat.tool_plan()).whole({"text": text, "finish_reason": "length"})
+    writer = ResponseWriter("j", "m", request, chat.tool_plan())
+    events = writer.opening() + writer.piece(text) + writer.closing("length", usage)
+    assert whole["output"] == [] and events[-1]["response"]["output"] == []
+    assert not [e for e in events if e["type"] == "response.output_item.added"]
