@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 64  # compiled grammars kept (a dataset run uses one schema for every row)
 
+# The string formats llguidance enforces. JSON Schema makes any other ``format`` an annotation, which OpenAI's
+# non-strict requests and pydantic's schemas (``path``, ``decimal``, ``password``, ``binary``) use: llguidance
+# refused the whole schema for one ("Unknown format: path"), so they are dropped before it compiles.
+KNOWN_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"))
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems", "additionalItems")  # fmt: skip
+
 
 @dataclass
 class GrammarMasks:
@@ -67,6 +76,25 @@ _THINKING = {
 _THOUGHT = 'thought: body\nbody[stop="</think>"]: /(.|\\n)*/'
 
 
+def enforceable(schema: Any) -> Any:
+    """``schema`` without the ``format`` annotations llguidance does not know (``KNOWN_FORMATS``), walked as a
+    schema: a property named "format" is a property, an ``enum`` or ``default`` value is left as it is."""
+    if isinstance(schema, list):  # (``items`` as a list: a tuple's schemas)
+        return [enforceable(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: enforceable(sub) for name, sub in value.items()}
+        elif (key in _SCHEMA_LISTS and isinstance(value, list)) or key in _SCHEMA_ONE:
+            value = enforceable(value)
+        out[key] = value
+    return out
+
+
 def grammar_text(so: StructuredOutputsParams) -> str:
     """The llguidance grammar for one request's constraint."""
     import llguidance
@@ -79,6 +107,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         schema = {"type": "object"} if so.json_object else json.loads(so.json) if isinstance(so.json, str) else so.json
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema is an object")
+        schema = enforceable(schema)
         answer = "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
     return llguidance.grammar_from("lark", f"{_THINKING[so.thinking]}\n{_THOUGHT}\nanswer: {answer}\n")
 
@@ -89,7 +118,7 @@ def _plain_grammar(so: StructuredOutputsParams) -> str:
 
     if so.json is not None:
         schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(enforceable(schema), defaults=JSON_OPTIONS)
     if so.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if so.regex is not None:

@@ -307,3 +307,32 @@ def test_a_token_the_constraint_refuses_fails_the_job_not_as_a_cancel(llm, monke
     assert (refused.finish_reason, refused.error_type, refused.retryable) == ("error", "server_error", False)
     assert "refused a token" in refused.error and refused.output is not None
     assert ends["free"].finish_reason == "length"
+
+
+def test_a_format_llguidance_does_not_know_is_an_annotation_not_a_refusal(llm):
+    """pydantic's schemas name formats JSON Schema leaves to annotation (a Path's "path", a SecretStr's "password",
+    bytes' "binary"): llguidance refused the whole schema ("Unknown format: path") and the job failed. A format it
+    enforces stays enforced, and a property named "format" stays a property."""
+    import pathlib
+
+    import pydantic
+
+    from roseinfer.structured_output import enforceable
+
+    class Upload(pydantic.BaseModel):
+        path: pathlib.Path
+        secret: pydantic.SecretStr
+        blob: bytes
+        when: str = pydantic.Field(json_schema_extra={"format": "date"})
+        format: str
+
+    schema = Upload.model_json_schema()
+    kept = enforceable(schema)
+    assert "format" not in kept["properties"]["path"] and kept["properties"]["when"]["format"] == "date"
+    assert kept["properties"]["format"] == schema["properties"]["format"] and "format" in kept["required"]
+    manager = llm.engine.structured
+    matcher = manager.matcher_for(StructuredOutputsParams(json=schema), [])
+    text = '{"path": "/tmp/a", "secret": "s", "blob": "b", "when": "2026-11-30", "format": "x"}'
+    assert matcher.consume_tokens(llm.get_tokenizer().encode(text)) and matcher.is_stopped()
+    bad_date = manager.matcher_for(StructuredOutputsParams(json=schema), [])
+    assert not bad_date.consume_tokens(llm.get_tokenizer().encode(text.replace("2026-11-30", "tomorrow")))
