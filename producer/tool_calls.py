@@ -6,7 +6,6 @@ formats are in ``producer/tool_formats.py``). No HTTP, no Redis."""
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -91,8 +90,11 @@ class ToolChoice:
             return self.parameters[self.name]
         defs: dict[str, Any] = {}
         calls = []
-        for name, params in self.parameters.items():
-            params = copy.copy(params)
+        for i, (name, params) in enumerate(self.parameters.items()):
+            # Each tool's parameters in the root's $defs, their references made to point there: nested in the array,
+            # "#" (a recursive tree, as zod writes it) pointed at the array of calls, "#/properties/..." nowhere.
+            home = f"#/$defs/{_TOOL_DEF}{i}"
+            params = _rebased(params, home)
             for key in _DEFS_KEYS:
                 for def_name, definition in (params.pop(key, None) or {}).items():
                     if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
@@ -100,9 +102,10 @@ class ToolChoice:
                             f"tools define {key}/{def_name} twice, differently: give the definitions distinct names",
                             param="tools",
                         )
+            defs.setdefault("$defs", {})[f"{_TOOL_DEF}{i}"] = params
             calls.append(
                 {
-                    "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                    "properties": {"name": {"type": "string", "enum": [name]}, "parameters": {"$ref": home}},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
@@ -194,6 +197,28 @@ class CallStream:
                 if self._depth == 1 and ch == "}":
                     yield "".join(self._text)
                     self._text.clear()
+
+
+_TOOL_DEF = "__roseinfer_tool_"
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, not schemas: their "$ref" keys are data
+
+
+def _rebased(schema: Any, home: str) -> Any:
+    """``schema`` with its references to its own root (``#``, ``#/...``) made to ``home``; those into its ``$defs``
+    or ``definitions`` stay (they move to the root)."""
+    if isinstance(schema, list):
+        return [_rebased(item, home) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            if not value.startswith(tuple(f"#/{k}/" for k in _DEFS_KEYS)):
+                value = home + value[1:]
+        elif key not in _NOT_SCHEMAS:
+            value = _rebased(value, home)
+        out[key] = value
+    return out
 
 
 def member_text(text: str, key: str) -> str | None:

@@ -81,7 +81,21 @@ def test_two_tools_defining_one_name_differently_are_refused():
         ToolChoice.of(tools, "required").schema()
     same = {**other, "$defs": WEATHER["$defs"]}
     tools[1]["function"]["parameters"] = same
-    assert ToolChoice.of(tools, "required").schema()["$defs"] == WEATHER["$defs"]
+    defs = ToolChoice.of(tools, "required").schema()["$defs"]
+    assert {k: v for k, v in defs.items() if not k.startswith("__roseinfer_tool_")} == WEATHER["$defs"]
+
+
+def test_required_keeps_what_a_tools_own_references_point_at():
+    """Each tool's parameters were nested in the array of calls: "#" (a recursive tree, as zod writes it) pointed at
+    the whole array, and "#/properties/..." at nothing (refused), where a named tool_choice and OpenAI take them."""
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}, "twin": {"$ref":
+            "#/properties/kids"}}, "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": tree}}]
+    schema = ToolChoice.of(tools, "required").schema()
+    good = [{"name": "f", "parameters": {"kids": [{"kids": []}], "twin": [{}]}}]
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):  # an array of calls is no kid
+        jsonschema.validate([{"name": "f", "parameters": {"kids": [[{"name": "f", "parameters": {}}]]}}], schema)
 
 
 def test_none_asks_for_no_call():
