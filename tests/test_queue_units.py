@@ -1115,6 +1115,38 @@ def test_a_stream_key_overwritten_while_its_job_runs_costs_no_other_job_an_event
         conn.delete(*[stream_key(j) for j in ids], sender.sent_key)
 
 
+@pytest.mark.redis
+def test_a_job_hash_overwritten_while_its_job_runs_costs_no_other_job_its_final_event(redis_url):
+    """One job's hash set to a string by hand while it runs: the events script's look at its owner failed with
+    WRONGTYPE and aborted the script, and every event of the round trip was dropped, other jobs' final ones too
+    (their streams never ended). That job's event is fenced off as another attempt's; the others are written."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import OWNER_FIELD, make_event, stream_key
+    from worker.sender import Sender
+
+    conn = Redis.from_url(redis_url)
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"{tag}-before", f"{tag}-overwritten", f"{tag}-after"]
+    for job_id in ids:
+        conn.hset(f"rq:job:{job_id}", mapping={OWNER_FIELD: "e1", "status": "started"})
+    conn.delete(f"rq:job:{ids[1]}")
+    conn.set(f"rq:job:{ids[1]}", "not a hash")
+    lost: list = []
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None, lost.extend)
+    sender.start()
+    try:
+        sender._send([(j, make_event(0, "a", [1], "stop"), 0, "e1") for j in ids], False, sender._next_send())
+        for job_id in ids[::2]:
+            assert [json.loads(f[b"event"])["finish_reason"] for _, f in conn.xrange(stream_key(job_id))] == ["stop"]
+        assert not conn.exists(stream_key(ids[1])) and [job_id for job_id, _ in lost] == [ids[1]]
+    finally:
+        sender.stop()
+        conn.delete(*[stream_key(j) for j in ids], *[f"rq:job:{j}" for j in ids], sender.sent_key)
+
+
 def test_a_stream_holding_an_event_twice_is_not_resumed_from():
     """An event written twice (by a worker before sends were numbered) would double the resumed output's tokens:
     the next attempt starts over, with a reset, instead."""
@@ -2511,6 +2543,22 @@ def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redi
     worker._heartbeat.back_at -= worker._redis_back_s
     worker.clean_registries()
     assert job.status() == "queued"  # still lapsed a heartbeat interval later: abandoned (a retry spent)
+
+
+@pytest.mark.redis
+def test_a_lapsed_started_entry_whose_job_key_is_no_hash_does_not_stop_the_queues_clean_up(redis_url):
+    """A running job's key set to a string by hand: once its started entry lapsed, RQ's clean-up of the queue failed
+    on it at every pass (a traceback each), and a dead worker's job behind it stayed started for good."""
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    abandoned = client.submit("its worker died", max_tokens=2)
+    conn.lpop(queue.key)
+    conn.hset(abandoned.rq_job.key, "status", "started")
+    conn.set(f"rq:job:clobbered-{queue.name}", "not a hash")
+    conn.zadd(queue.started_job_registry.key, {f"clobbered-{queue.name}:e0": 1, f"{abandoned.id}:e1": 2})
+    worker.clean_registries()
+    assert conn.zcard(queue.started_job_registry.key) == 0
+    assert abandoned.status() == "queued" and abandoned.rq_job.retries_left == 1  # RQ's handling of the abandoned
 
 
 def _worker_of_a_new_queue(redis_url: str, **settings):

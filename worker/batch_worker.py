@@ -306,6 +306,7 @@ class BatchWorker(BaseWorker):
             if not self._maintenance_lock(queue):
                 continue
             try:
+                self._drop_unreadable_started(queue)
                 clean_registries(queue, self._exc_handlers)
                 worker_registration.clean_worker_registry(queue)
                 self._requeue_stranded(queue)
@@ -323,6 +324,24 @@ class BatchWorker(BaseWorker):
         """How long after an outage clean-ups wait: every live worker beats within a heartbeat interval of Redis's
         return (a second, once a beat failed), plus slack for a beat a step held up."""
         return self.settings.heartbeat_interval + LEASE_SLACK_S
+
+    def _drop_unreadable_started(self, queue: Queue) -> None:
+        """Lapsed entries of the started registry whose job key holds another type (set by hand): RQ's clean-up of
+        the queue failed on the first of them at every pass, and cleaned nothing behind it (a dead worker's jobs
+        stayed started for good). There is no job to fail: the entry goes, said once."""
+        key = queue.started_job_registry.key
+        lapsed = self.connection.zrangebyscore(key, 0, time.time())
+        if not lapsed:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for member in lapsed:
+                pipe.type(Job.key_for(member.decode(errors="replace").rsplit(":", 1)[0]))
+            kinds = pipe.execute()
+        bad = [member for member, kind in zip(lapsed, kinds) if kind not in (b"hash", b"none", "hash", "none")]
+        if bad:
+            self.connection.zrem(key, *bad)
+            log.warning("%d lapsed jobs of queue %s whose key holds no job hash (set by hand?) left its started "
+                        "registry", len(bad), queue.name)  # fmt: skip
 
     def _maintenance_lock(self, queue: Queue) -> bool:
         """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a

@@ -62,7 +62,10 @@ if not everyone then
 end
 for i = 1, #KEYS, 2 do
   local owner = ARGV[a + 3]
-  local job = (owner ~= '' and not leased) and redis.call('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
+  local job = (owner ~= '' and not leased) and redis.pcall('HMGET', KEYS[i + 1], 'roseinfer_owner', 'status') or {}
+  -- A job hash overwritten with another type (by hand): not this attempt's job any more. Its error aborted the
+  -- script, and every other event of the round trip, other jobs' final ones too, was lost.
+  if job.err then job = {'', ''} end
   if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
     local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
     if type(added) == 'table' and added.err then
