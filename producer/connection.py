@@ -61,7 +61,8 @@ def redis_waits(exc: Exception) -> bool:
 
 def wrong_type(exc: BaseException) -> bool:
     """Redis's refusal of a command on a key of another type (a key written by hand): that key's fault alone."""
-    return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")
+    text = str(exc)  # (a pipeline's names its command first: "... caused error: WRONGTYPE ...")
+    return isinstance(exc, ResponseError) and (text.startswith("WRONGTYPE") or "caused error: WRONGTYPE" in text)
 
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS to the primary

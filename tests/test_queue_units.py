@@ -1147,6 +1147,44 @@ def test_a_job_hash_overwritten_while_its_job_runs_costs_no_other_job_its_final_
         conn.delete(*[stream_key(j) for j in ids], *[f"rq:job:{j}" for j in ids], sender.sent_key)
 
 
+@pytest.mark.redis
+def test_a_lane_or_canceled_registry_of_another_type_stops_no_pull_and_drops_no_event(redis_url):
+    """A lane's list set to a string by hand (and added to rq:queues): its error failed the pull of every lane, the
+    jobs moved from lanes before it stranded in their intermediate lists for a minute; in the sender's round trip,
+    its length (or a canceled registry's count) failed the round trip, every event of every job dropped."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.protocol import make_event, stream_key
+    from worker.intake import MOVE_SCRIPT, load_script, pull
+    from worker.sender import Sender
+
+    conn, name = Redis.from_url(redis_url), f"lanes-{uuid.uuid4().hex[:6]}"
+    jobs = [Client(redis_url, queue=name).submit(f"p{i}", max_tokens=2, priority=p) for i, p in enumerate((0, 5))]
+    conn.set(f"rq:queue:{name}:p3", "junk")
+    queues = [Queue(n, connection=conn, serializer=JSONSerializer) for n in (name, f"{name}:p3", f"{name}:p5")]
+    for script in (load_script(conn, MOVE_SCRIPT), None):
+        pulled, _ = pull(queues, 8, None, conn, Job, JSONSerializer, script)
+        assert sorted(job.id for job, _ in pulled) == sorted(job.id for job in jobs[: 2 if script else 0])
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None)
+    sender.queue_keys = [q.key for q in queues]
+    sender.canceled_keys = [f"rq:canceled:{name}"]
+    conn.set(sender.canceled_keys[0], "junk")
+    sender.start()
+    try:
+        sender._send([(jobs[0].id, make_event(0, "a", [1], "stop"), 0, "")], True, sender._next_send())
+        assert [json.loads(f[b"event"])["text"] for _, f in conn.xrange(stream_key(jobs[0].id))] == ["a"]
+        assert sender.queued_by_key[f"rq:queue:{name}:p3"] == 0
+    finally:
+        sender.stop()
+        conn.delete(stream_key(jobs[0].id), f"rq:queue:{name}:p3", sender.canceled_keys[0], sender.sent_key)
+
+
 def test_a_stream_holding_an_event_twice_is_not_resumed_from():
     """An event written twice (by a worker before sends were numbered) would double the resumed output's tokens:
     the next attempt starts over, with a reset, instead."""

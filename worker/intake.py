@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import re
 import time
 import zlib
@@ -163,7 +164,15 @@ def pull(
             return pulled, unreadable
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
         queue = queues[wait_on]
-        raw_id = _wait_for_one(queue, block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S), connection)
+        wait = block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S)
+        try:
+            raw_id = _wait_for_one(queue, wait, connection)
+        except redis.ResponseError as exc:
+            if not wrong_type(exc):
+                raise
+            _say_unusable(queue, exc)
+            time.sleep(wait)  # (as a wait that found nothing: the other lanes are looked at in between)
+            raw_id = None
         if raw_id is None:
             return pulled, unreadable
         raw = _hash_at(connection, _hash_key(job_class, raw_id))
@@ -189,10 +198,27 @@ def _pull_lanes(
         room = limit - len(pulled) - len(unreadable)
         if room <= 0:
             break
-        got, bad = _pull_batch(queue, room, connection, job_class, serializer, move_script, max_data_bytes)
+        try:
+            got, bad = _pull_batch(queue, room, connection, job_class, serializer, move_script, max_data_bytes)
+        except redis.ResponseError as exc:
+            if not wrong_type(exc):
+                raise
+            _say_unusable(queue, exc)  # skipped: its error failed the pull of every lane, the jobs moved from
+            continue  # lanes before it left in their intermediate lists until RQ's clean-up, a minute on
         pulled += got
         unreadable += bad
     return pulled, unreadable
+
+
+_SAID_UNUSABLE: dict[str, float] = {}  # queue key -> when it was last said to hold another type
+
+
+def _say_unusable(queue: Queue, exc: Exception) -> None:
+    """A lane whose list (or intermediate list) holds another type, set by hand: said once a minute, skipped."""
+    if time.monotonic() - _SAID_UNUSABLE.get(queue.key, -math.inf) >= 60:
+        _SAID_UNUSABLE[queue.key] = time.monotonic()
+        log.error("queue %s cannot be read (%s: its list or intermediate list holds another type, set by hand?): "
+                  "its jobs wait; the other queues are served", queue.name, exc)  # fmt: skip
 
 
 def _wait_for_one(queue: Queue, timeout: float, connection: redis.Redis) -> bytes | None:

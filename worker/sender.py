@@ -18,12 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis import Redis
 from redis.exceptions import NoScriptError, ResponseError
 from rq.job import Job
 
-from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
+from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits, wrong_type
 from worker import job_finish, job_start
 from worker.intake import MOVE_SCRIPT, load_script
 from worker.publisher import Event, Publisher
@@ -120,6 +121,20 @@ class Batch:
     tasks: list[Callable[[], None]] = field(default_factory=list)  # job endings, run after the events, in order
     finals: list[Event] = field(default_factory=list)  # jobs' last events: sent after the job endings
     watch: list[tuple[str, str]] | None = None  # (job id, job key) to read statuses of; None: keep the last
+
+
+def _counted(replies: list[Any], counts: int, after: int) -> list[Any]:
+    """A round trip's replies, the first error raised, but for the ``counts`` lengths before the last ``after``: a
+    queue or canceled registry of another type (set by hand) counts 0. Its error failed the round trip, every
+    event of every job dropped, for as long as the key stayed."""
+    first = len(replies) - after - counts
+    for i, reply in enumerate(replies):
+        if isinstance(reply, Exception):
+            if first <= i < first + counts and wrong_type(reply):
+                replies[i] = 0
+            else:
+                raise reply
+    return replies
 
 
 class Sender:
@@ -389,7 +404,9 @@ class Sender:
                     pipe.zcard(key)
                 if check_birth:
                     pipe.hexists(self.worker_key, "birth")
-                replies = pipe.execute()
+                replies = _counted(
+                    pipe.execute(raise_on_error=False), len(queue_keys) + len(canceled_keys), check_birth
+                )
         except Exception:
             self._listed = frozenset()  # what the scratch list holds is unknown now: written again next time
             raise
