@@ -35,7 +35,9 @@ from producer.client import (
     checked,
     deadline_after,
     ends_sample,
+    final_event_may_come,
     piece_of,
+    queue_end_reads,
     raise_at_a_bad_end,
     sample_text,
     stream_expired,
@@ -365,7 +367,9 @@ class AsyncGenerationJob:
             await asyncio.to_thread(self._sync._raise_ended, status)
         if status == "finished":
             if expired_at is None:
-                expired_at = stream_wait_ends(deadline, bool(await conn.exists(key)))
+                async with conn.pipeline(transaction=False) as pipe:
+                    queue_end_reads(pipe, self.id)
+                    expired_at = stream_wait_ends(deadline, final_event_may_come(await pipe.execute()))
             if time.monotonic() >= expired_at:
                 raise stream_expired(self.id)
         return status, expired_at

@@ -280,13 +280,35 @@ def _failed_just_now(status: str, entries: list[Any]) -> bool:
     return time.time() - millis / 1000 < FINAL_EVENT_GRACE_S
 
 
-def stream_wait_ends(deadline: float | None, stream_left: bool) -> float:
-    """When a follower of a finished job that read no final event gives up on its stream: at once if the stream is
-    gone (expired: a worker writes a job's last event before its status), else after ``FINAL_EVENT_GRACE_S`` for
-    a writer that ends them the other way round; never past the caller's deadline (a job long over cost every
+def stream_wait_ends(deadline: float | None, may_come: bool) -> float:
+    """When a follower of a finished job that read no final event gives up on its stream: after
+    ``FINAL_EVENT_GRACE_S`` where it ``may_come`` (its stream is there, or the job ended in the last seconds: a
+    worker writes a job's last event a round trip after its result and status, and the stream of a job of one step
+    holds nothing before it), else at once (expired); never past the caller's deadline (a job long over cost every
     ``stream()`` 3 s, and one with a timeout under that a TimeoutError, its result there)."""
     now = time.monotonic()
-    return min(now + FINAL_EVENT_GRACE_S, math.inf if deadline is None else deadline) if stream_left else now
+    return min(now + FINAL_EVENT_GRACE_S, math.inf if deadline is None else deadline) if may_come else now
+
+
+def queue_end_reads(pipe: Any, job_id: str) -> None:
+    """Queue on ``pipe`` what ``final_event_may_come`` reads: the stream's existence, Redis's clock, the result's
+    latest entry."""
+    pipe.exists(stream_key(job_id))
+    pipe.time()
+    pipe.xrevrange(result_key(job_id), count=1)
+
+
+def final_event_may_come(replies: list[Any]) -> bool:
+    """From ``queue_end_reads``' replies: the stream is there, or the result was written in the last
+    ``FINAL_EVENT_GRACE_S`` (by Redis's clock: no client's clock is compared with it)."""
+    stream_left, (seconds, micros), entries = replies
+    if stream_left:
+        return True
+    if not entries:
+        return False
+    entry_id = entries[0][0]
+    millis = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return seconds * 1000 + micros // 1000 - millis < FINAL_EVENT_GRACE_S * 1000
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -788,7 +810,9 @@ class GenerationJob:
             if status == "finished":
                 if expired_at is None:
                     try:
-                        expired_at = stream_wait_ends(deadline, bool(conn.exists(key)))
+                        with conn.pipeline(transaction=False) as pipe:
+                            queue_end_reads(pipe, self.id)
+                            expired_at = stream_wait_ends(deadline, final_event_may_come(pipe.execute()))
                     except REDIS_DOWN as exc:
                         outage.wait(exc)
                         continue

@@ -13,7 +13,7 @@ import uuid
 import fakeredis
 import pytest
 
-from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, stream_key
+from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, result_key, stream_key
 from producer.schema import JobRequest
 from producer.wire import StreamEvent
 from worker.jobs import job_seed
@@ -852,7 +852,8 @@ def test_a_final_event_written_just_after_the_finished_status_still_ends_the_str
 
     def finish() -> None:
         time.sleep(0.5)  # within the reader's first quiet second; the event comes after it, once the reader
-        conn.hset("rq:job:j", "status", "finished")  # has found the job finished
+        conn.xadd(result_key("j"), {"type": "1", "return_value": "{}"})  # (the result, then the status, as the
+        conn.hset("rq:job:j", "status", "finished")  # worker's finish script writes them) has found it finished
         time.sleep(0.8)
         conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(0, "Yes", [5], "stop", {}))})
 
@@ -2032,6 +2033,26 @@ def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_regis
     assert conn.hget(held.job.key, "status") == b"finished"
     assert registry.get_job_ids() == []
     assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+
+
+@pytest.mark.redis
+def test_a_status_written_finished_by_hand_while_the_job_runs_does_not_cost_its_result(redis_url):
+    """The finish script took a "finished" status for its own earlier try (its reply lost) and wrote nothing: the
+    stream ended, but no result was ever stored ("its result is not kept"). A try again still writes nothing twice."""
+    from producer.protocol import read_result, result_from_entries
+    from worker.job_finish import register
+
+    conn, worker, _name, [held] = _running_jobs(redis_url)
+    worker.sender.finish_script = register(conn)
+    conn.hset(held.job.key, "status", "finished")
+    ends = [(held, {"status": "finished", "text": "ok", "token_ids": [1]})]
+    assert len(worker._succeed_plain(ends)[0]) == 1
+    with conn.pipeline(transaction=False) as pipe:
+        read_result(pipe, held.job.id)
+        [entries] = pipe.execute()
+    assert result_from_entries(entries)["text"] == "ok"
+    worker._succeed_plain(ends)  # the same end again, as after a lost reply
+    assert conn.xlen(result_key(held.job.id)) == 1
 
 
 @pytest.mark.redis

@@ -52,6 +52,14 @@ local function add(lists, key, ...)
   local list = lists[key]
   for _, v in ipairs({...}) do list[#list + 1] = v end
 end
+-- Whether the job's latest result is this execution's: written by an earlier try of this call (its reply lost).
+local function written(result, exec_id)
+  local last = redis.pcall('XREVRANGE', result, '+', '-', 'COUNT', 1)
+  if last.err or #last == 0 then return false end
+  local fields = last[1][2]
+  for k = 1, #fields, 2 do if fields[k] == 'execution_id' then return fields[k + 1] == exec_id end end
+  return false
+end
 local function run_chunked(cmd, key, list)
   for i = 1, #list, 4000 do redis.call(cmd, key, unpack(list, i, math.min(i + 3999, #list))) end
 end
@@ -61,8 +69,9 @@ for a = 9, #ARGV, 20 do
   local now = redis.call('HMGET', job, field, 'status')
   if now[1] and (now[1] ~= exec_id or now[2] == 'queued') then
     lost[#lost + 1] = j
-  elseif now[2] == 'finished' then
-    -- ended by this call already: a try again after its reply was lost writes nothing twice
+  elseif now[2] == 'finished' and written(result, exec_id) then
+    -- ended by this call already: a try again after its reply was lost writes nothing twice (a status written
+    -- "finished" by hand while the job ran is no such end: its result was never stored)
   elseif redis.call('EXISTS', dependents) == 1 then
     held[#held + 1] = j
   else
