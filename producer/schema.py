@@ -619,7 +619,10 @@ def describe_validation_error(exc: Exception, names: dict[str, str] | None = Non
         loc = tuple(err.get("loc", ()))
         if loc and names and str(loc[0]) in names:
             loc = (names[str(loc[0])], *loc[1:])
-        found = by_field.setdefault(_shown(field_path(loc) or "payload"), [])
+        where = field_path(loc) or "payload"
+        if err.get("type") == "extra_forbidden" and loc:  # the field's own name, whatever it looks like (a C#
+            where = ".".join(p for p in (field_path(loc[:-1]), str(loc[-1])) if p)  # "MaxTokens": no union member)
+        found = by_field.setdefault(_shown(where), [])
         if (msg := _shown(msg)) not in found:
             found.append(msg)
     return "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in by_field.items())

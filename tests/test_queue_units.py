@@ -3132,3 +3132,23 @@ def test_a_payloads_words_in_its_refusal_are_one_bounded_line():
             JobRequest.model_validate(payload)
         reason = describe_validation_error(refused.value)
         assert shown in reason and "\n" not in reason and len(reason) < 600
+
+
+@pytest.mark.parametrize(
+    ("payload", "said"),
+    [
+        ({"prompt": "x", "MaxTokens": 3}, "MaxTokens: unknown field"),
+        ({"prompt": "x", "str": 1}, "str: unknown field"),
+        ({"messages": [{"role": "user", "content": "x", "Name": "y"}]}, "messages.0.Name: unknown field"),
+    ],
+)
+def test_an_unknown_field_is_named_whatever_it_looks_like(payload, said):
+    """A name like a type (``str``) or capitalized (a C# or Go producer's ``MaxTokens``) was taken for pydantic's
+    union member and left out: "payload: unknown field", no hint which."""
+    from pydantic import ValidationError
+
+    from producer.schema import describe_validation_error
+
+    with pytest.raises(ValidationError) as refused:
+        JobRequest.model_validate(payload)
+    assert describe_validation_error(refused.value) == said
