@@ -109,6 +109,23 @@ def test_a_job_hash_field_past_its_bound_fails_alone_before_rq_parses_it(served)
     assert conn.zscore(rejected_key(w.queue), job_id) is not None and w.thread.is_alive()
 
 
+@pytest.mark.parametrize("field", ["status", "data"])
+def test_a_job_hash_without_a_field_rq_writes_is_refused_naming_it(served, field):
+    """Without ``status`` the start read the job as deleted meanwhile: canceled, with no result, no word and no
+    expiry (or, beside other jobs, run); without ``data``: "Unexpected job format", which named no field."""
+    w, _client, conn = served
+    job_id = f"no-{field}-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, job_id, push=False)
+    conn.hdel(f"rq:job:{job_id}", field)
+    conn.rpush(f"rq:queue:{w.queue}", job_id)
+    deadline = time.time() + 30
+    while not conn.exists(result_key(job_id)) and time.time() < deadline:
+        time.sleep(0.05)
+    stored = result_from_entries(read_result(conn, job_id))
+    assert stored["status"] == "failed" and f"the job hash has no '{field}' field" in stored["error"]
+    assert conn.zscore(rejected_key(w.queue), job_id) is not None and w.thread.is_alive()
+
+
 def test_a_payload_nested_past_the_json_parsers_depth_fails_alone(served):
     """JSON that Python's parser stops reading (arrays 5,000 deep, under the size bound): that job fails, saying so;
     the worker serves on."""

@@ -309,6 +309,11 @@ def _restore(
         if not JOB_ID.match(job_id):
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
+        missing = [name for name in (b"data", b"status") if name not in raw and name.decode() not in raw]
+        if missing:  # (without status, the start read it as a job deleted meanwhile: canceled, with no word)
+            reason = f"the job hash has no {missing[0].decode()!r} field: write it with the job (docs/protocol.md)"
+            unreadable.append(Unreadable(job_id, queue, reason))
+            continue
         swollen = [name for name in _INFLATED if _inflates_past(raw.get(name), max_data_bytes)]
         if swollen:
             reason = (
