@@ -184,6 +184,8 @@ def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(ser
     for job in good:
         assert job.result(timeout=60)["usage"]["completion_tokens"] == 3
     assert conn.zscore(rejected_key(w.queue), bad) is not None
+    # Its hash says so, and expires (it stayed "queued" for good): by its bytes, as RQ cannot key it
+    assert conn.hget(b"rq:job:" + bad, "status") == b"failed" and conn.ttl(b"rq:job:" + bad) > 0
     assert bad not in conn.lrange(f"rq:queue:{w.queue}:intermediate", 0, -1)
     assert bad not in conn.lrange(f"rq:queue:{w.queue}", 0, -1)
     assert w.thread.is_alive()

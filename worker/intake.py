@@ -296,7 +296,9 @@ def _restore(
         try:
             job_id = raw_id.decode()
         except UnicodeDecodeError:
-            unreadable.append(Unreadable(raw_id.decode(errors="backslashreplace"), queue, NOT_TEXT_ID, raw_id))
+            is_hash = bool(raw) and KEY_TYPE not in raw  # (its status set failed too, as any job refused here)
+            shown = raw_id.decode(errors="backslashreplace")
+            unreadable.append(Unreadable(shown, queue, NOT_TEXT_ID, raw_id, is_hash=is_hash))
             continue
         if not raw:  # deleted meanwhile: RQ skips it too
             connection.lrem(queue.intermediate_queue_key, 1, raw_id)
@@ -414,9 +416,10 @@ def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
     queue, job_id = item.queue, item.raw_id or item.job_id
     pipe.lrem(queue.intermediate_queue_key, 0, job_id)
     pipe.lrem(queue.key, 0, job_id)
-    if item.raw_id is None and item.is_hash:  # RQ found it and could not read it (an id not text: maybe not)
-        pipe.hset(Job.key_for(job_id), "status", "failed")
-        pipe.expire(Job.key_for(job_id), ttl)  # with its result (it was kept for good)
+    if item.is_hash:  # RQ found it and could not read it (an id not text: by its bytes; it stayed queued for good)
+        key = Job.key_for(job_id) if item.raw_id is None else Job.redis_job_namespace_prefix.encode() + item.raw_id
+        pipe.hset(key, "status", "failed")
+        pipe.expire(key, ttl)  # with its result (it was kept for good)
     rejected = rejected_key(queue.name)
     pipe.zadd(rejected, {job_id: time.time()})
     pipe.expire(rejected, ttl)
