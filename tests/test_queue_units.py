@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import math
+import re
 import time
 import uuid
 
@@ -3152,3 +3153,23 @@ def test_an_unknown_field_is_named_whatever_it_looks_like(payload, said):
     with pytest.raises(ValidationError) as refused:
         JobRequest.model_validate(payload)
     assert describe_validation_error(refused.value) == said
+
+
+def test_data_that_is_not_utf8_is_said_so_and_pickled_data_is_said_to_be_pickle():
+    """JSON data with a byte that is not UTF-8 was asked whether it was enqueued with the pickle serializer."""
+    import pickle
+
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from worker.jobs import JobRejected, parse_request
+
+    conn = fakeredis.FakeRedis()
+    for data, said in (
+        (b'["worker.jobs.generate", null, [], {"prompt": "\xff"}]', "the job's data is not UTF-8 text"),
+        (pickle.dumps(("worker.jobs.generate", None, (), {})), "was it enqueued with the pickle serializer?"),
+    ):
+        job = Job("x", connection=conn, serializer=JSONSerializer)
+        job.data = data
+        with pytest.raises(JobRejected, match=re.escape(said)):
+            parse_request(job)

@@ -70,6 +70,8 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     except Exception as exc:  # DeserializationError, or a payload of the wrong shape
         if _raised_from(exc, RecursionError):  # JSON, but nested past what the parser reads
             raise JobRejected("the job's data is JSON nested too deeply to read") from exc
+        if _raised_from(exc, UnicodeDecodeError) and not (job.data or b"").startswith(b"\x80"):  # (pickle's mark)
+            raise JobRejected("the job's data is not UTF-8 text (JSON is): write it as UTF-8") from exc
         raise JobRejected(
             "the job's data is not a JSON [function, null, args, kwargs] list (was it enqueued with "
             "the pickle serializer? roseinfer jobs use rq's JSONSerializer)"
