@@ -569,21 +569,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_connection_arguments(p)
     p.set_defaults(func=submit)
 
-    p = sub.add_parser("result", help="wait for a job's result and print it as JSON")
-    p.add_argument("job_id")
-    p.add_argument(
-        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
-    )  # fmt: skip
-    add_connection_arguments(p)
-    p.set_defaults(func=result)
-
-    p = sub.add_parser("stream", help="print a job's text from its first token, live (as submit --stream)")
-    p.add_argument("job_id")
-    p.add_argument(
-        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
-    )  # fmt: skip
-    add_connection_arguments(p)
-    p.set_defaults(func=stream)
+    for name, func, about in (
+        ("result", result, "wait for a job's result and print it as JSON"),
+        ("stream", stream, "print a job's text from its first token, live (as submit --stream)"),
+    ):
+        p = sub.add_parser(name, help=about)
+        p.add_argument("job_id")
+        p.add_argument(
+            "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+        )  # fmt: skip
+        add_connection_arguments(p)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("cancel", help="cancel a queued or running job")
     p.add_argument("job_id")
