@@ -276,10 +276,6 @@ def test_auto_calls_stream_the_whole_responses_items_and_no_empty_message(text, 
 def test_a_streamed_whole_call_reads_once_in_the_official_clients_snapshot(choice, parser, text):
     """The call's item was added with its arguments, then the delta sent them again: openai-python's stream state,
     which appends each delta to the item's arguments, held them twice."""
-    from openai._models import construct_type_unchecked
-    from openai.lib.streaming.responses._responses import ResponseStreamState
-    from openai.types.responses import ResponseStreamEvent
-
     tools = [
         {"type": "function", "name": "get", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}
     ]
@@ -289,14 +285,21 @@ def test_a_streamed_whole_call_reads_once_in_the_official_clients_snapshot(choic
     events = (
         writer.opening() + writer.piece(text) + writer.closing("stop", {"prompt_tokens": 1, "completion_tokens": 2})
     )
-    state, snapshots = ResponseStreamState(input_tools=tools, text_format=None), []
+    [added] = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert added["arguments"] + "".join(deltas) == '{"c": "x"}'  # what a client appending the deltas holds
+    [call] = [item for item in events[-1]["response"]["output"] if item["type"] == "function_call"]
+    assert call["arguments"] == '{"c": "x"}' and call["status"] == "completed"
+    streaming = pytest.importorskip("openai.lib.streaming.responses._responses")  # (not in openai 1.65, the floor)
+    from openai._models import construct_type_unchecked
+    from openai.types.responses import ResponseStreamEvent
+
+    state, snapshots = streaming.ResponseStreamState(input_tools=tools, text_format=None), []
     for event in events:
         for out in state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event)):
             if out.type == "response.function_call_arguments.delta":
                 snapshots.append(out.snapshot)
     assert snapshots == ['{"c": "x"}']
-    [call] = [item for item in events[-1]["response"]["output"] if item["type"] == "function_call"]
-    assert call["arguments"] == '{"c": "x"}' and call["status"] == "completed"
 
 
 @pytest.mark.parametrize("text", ['[{"name": "get", "parame', ""])
