@@ -1199,6 +1199,7 @@ def _submit_lines(
     while fresh:
         try:
             client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
+            break
         except JobIdTaken as exc:  # another run of this input submitted them since the look: followed, as its jobs
             taken = set(exc.job_ids)
             for line in fresh:
@@ -1207,10 +1208,8 @@ def _submit_lines(
                     if line.job_id not in tried:
                         reused[line.job_id] = False
             fresh = [line for line in fresh if line.job_id not in taken]
-            continue
-        for line in fresh:
-            in_flight[line.job_id] = (line, None)
-        break
+    for line in fresh:
+        in_flight[line.job_id] = (line, None)
 
 
 def _failure_reason(client: Client, job_id: str, status: str) -> str:

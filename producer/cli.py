@@ -246,8 +246,8 @@ def stream(args: argparse.Namespace) -> int:
     if status == "missing":
         print(f"error: no job {args.job_id} on this Redis (never submitted, or expired)", file=sys.stderr)
         return 1
-    if (job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
-        raise InvalidRequest(f"job {job.id} makes {job.samples()} samples: `roseinfer result {job.id}` prints them all")
+    if (n := job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
+        raise InvalidRequest(f"job {job.id} makes {n} samples: `roseinfer result {job.id}` prints them all")
     live = status in ("queued", "started", "deferred", "scheduled")  # (a job over needs no worker)
     return _follow(client, job, True, args.timeout, warn=live)
 

@@ -275,9 +275,13 @@ def _failed_just_now(status: str, entries: list[Any]) -> bool:
     job's result (its error, what it made) a round trip after it."""
     if status != "failed" or not entries:
         return False
+    return time.time() - _entry_millis(entries) / 1000 < FINAL_EVENT_GRACE_S
+
+
+def _entry_millis(entries: list[Any]) -> int:
+    """When the first of a stream's ``entries`` was written: its id's milliseconds (Redis's clock)."""
     entry_id = entries[0][0]
-    millis = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
-    return time.time() - millis / 1000 < FINAL_EVENT_GRACE_S
+    return int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
 
 
 def stream_wait_ends(deadline: float | None, may_come: bool) -> float:
@@ -304,11 +308,7 @@ def final_event_may_come(replies: list[Any]) -> bool:
     stream_left, (seconds, micros), entries = replies
     if stream_left:
         return True
-    if not entries:
-        return False
-    entry_id = entries[0][0]
-    millis = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
-    return seconds * 1000 + micros // 1000 - millis < FINAL_EVENT_GRACE_S * 1000
+    return bool(entries) and seconds * 1000 + micros // 1000 - _entry_millis(entries) < FINAL_EVENT_GRACE_S * 1000
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -668,11 +668,10 @@ class GenerationJob:
         ended at once with no text and no error."""
         if index == 0:
             return
-        n = self.samples()
-        if n is None:  # gone, or written by hand: not judged
-            n = 1 if index < 0 else index + 1
-        if not 0 <= index < n:
-            raise InvalidRequest(f"job {self.id} makes {n} sample(s) (n={n}): there is no sample index {index}")
+        n = self.samples()  # (None: gone, or written by hand; only a negative index is judged then)
+        if index < 0 or (n is not None and index >= n):
+            made = f"makes {n} sample(s) (n={n})" if n is not None else "has no such sample"
+            raise InvalidRequest(f"job {self.id} {made}: there is no sample index {index}")
 
     def status(self) -> str:
         """RQ's status: queued, started, finished, failed, canceled, stopped, ...; "missing" if unknown."""

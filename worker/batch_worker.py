@@ -487,12 +487,12 @@ class BatchWorker(BaseWorker):
             self.bootstrap(logging_level)
         except ValueError as exc:  # RQ's "There exists an active worker named ..."
             beat_ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
-            taken = name_in_use(self.connection, self.name, beat_ttl, self.worker_ttl)
-            if taken is not None:
-                raise ConfigError(taken) from exc
             since = lapsed_registration(self.connection, self.name, beat_ttl, self.worker_ttl)
             if since is None:
-                raise
+                taken = name_in_use(self.connection, self.name, beat_ttl, self.worker_ttl)
+                if taken is None:
+                    raise
+                raise ConfigError(taken) from exc
             # Its death written as RQ's own leaving writes it; its jobs are RQ's clean-up's, as any dead worker's.
             log.warning("worker name %r was held by a dead worker (no beat for %d s): taken over", self.name, since)
             self.connection.hset(self.key, "death", utcformat(now()))
