@@ -133,6 +133,36 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_red
             w.stop()
 
 
+@pytest.mark.slow  # a worker
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies: the point)
+def test_a_worker_dying_before_it_took_in_its_pulled_jobs_hands_them_back(own_redis, tiny_chat_model, monkeypatch):
+    """The loop's maintenance comes before it takes in what the puller started: a worker that died there handed back
+    only the jobs in flight, and those the puller had just marked "started" sat so until RQ's clean-up failed them
+    (the test above failed in CI so, once in a while)."""
+    import redis
+
+    url, conn = own_redis
+    w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
+
+    def refused_once_jobs_were_pulled(*args, **kwargs):
+        deadline = time.monotonic() + 30
+        while not w.worker.puller.unapplied() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
+
+    monkeypatch.setattr(w.worker, "run_maintenance_tasks", refused_once_jobs_were_pulled)
+    try:
+        client = Client(url, queue=w.queue, retries=0)
+        jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
+        w.thread.join(timeout=40)
+        assert not w.thread.is_alive()
+        assert [job.status() for job in jobs] == ["queued", "queued"]
+        assert sorted(conn.lrange(f"rq:queue:{w.queue}", 0, -1)) == sorted(job.id.encode() for job in jobs)
+    finally:
+        if w.thread.is_alive():
+            w.stop()
+
+
 @pytest.mark.slow  # a worker and seconds of heartbeats
 def test_an_idle_worker_registers_again_after_redis_lost_its_data(own_redis, tiny_chat_model):
     """Only a send looked at the registration, and an idle worker sends nothing: after Redis restarted empty, `rq

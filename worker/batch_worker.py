@@ -442,7 +442,8 @@ class BatchWorker(BaseWorker):
         except Exception:
             # The worker dies of an error it does not know: its jobs go back to their queues for another worker
             # now (they sat "started" until its heartbeat lapsed, then RQ's clean-up spent a retry or failed them).
-            if self.in_flight and not self._force_stop:
+            # Those the puller started and the loop has not taken in yet go back too (a maintenance comes first).
+            if (self.in_flight or self.puller.unapplied() or not self.puller.quiet) and not self._force_stop:
                 try:
                     self._hand_back_cold()
                 except Exception as exc:
