@@ -926,8 +926,8 @@ def _run(
 ) -> None:
     """Keep jobs in flight and write each row as its job ends. The run's jobs push their ids onto a completion
     list of its own when they end, and the run blocks on it; every job in flight is also looked at now and then
-    (``poll_interval``, backing off to 5 s), for the endings no job announces (a job that expired, one
-    submitted by an earlier run, one canceled by a client older than this one's)."""
+    (``poll_interval``, backing off to 5 s or to ``poll_interval`` if longer), for the endings no job announces (a
+    job that expired, one submitted by an earlier run, one canceled by a client older than this one's)."""
     conn = client.connection
     notify = f"batch-{secrets.token_hex(8)}"
     in_flight: dict[str, tuple[Line, float | None]] = {}  # job id -> its line, when it was first seen running
@@ -947,7 +947,7 @@ def _run(
                     continue  # (the input used up: nothing to wait for)
                 if time.monotonic() >= next_sweep or outage.since is not None:  # (after an outage: every job)
                     ended = list(in_flight)
-                    sweep_every = min(sweep_every * 2, 5.0)
+                    sweep_every = min(sweep_every * 2, max(poll_interval, 5.0))
                     next_sweep = time.monotonic() + sweep_every
                 else:
                     ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
