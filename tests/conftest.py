@@ -8,6 +8,7 @@ import json
 import os
 import re
 import threading
+import time
 import uuid
 
 import pytest
@@ -234,6 +235,31 @@ def tpot_histogram(worker) -> tuple[float, float]:
     registry = worker.metrics.registry
     name = "roseinfer_time_per_output_token_seconds"
     return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
+
+
+def slow_engine_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
+    """Engine steps of at least ``seconds``: a job of 200 tokens runs for seconds on any machine, so a test that
+    cancels it or outlasts a short timeout never meets a job that already ended."""
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *args, **kwargs: (time.sleep(seconds), real_step(*args, **kwargs))[1])
+
+
+# A worker process whose engine steps take 20 ms at least: its jobs run for seconds on any CPU, so a test that
+# signals it mid-job never meets jobs that already ended (a fast CPU ran 4 x 250 tiny-model tokens within the 0.2 s
+# between two SIGTERMs).
+_SLOW_STEPS = """import sys, time
+from roseinfer.llm_engine import LLMEngine
+step = LLMEngine.step
+LLMEngine.step = lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1]
+from worker.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def with_slow_steps(cmd: list[str]) -> list[str]:
+    """``worker_command``'s ``python -m worker.cli ...`` as a worker whose steps take 20 ms at least."""
+    assert cmd[1:3] == ["-m", "worker.cli"], cmd
+    return [cmd[0], "-c", _SLOW_STEPS, *cmd[3:]]
 
 
 class ThreadWorker:

@@ -343,7 +343,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     # A worker that never ends its jobs: they run until the timeout; the log lines come from the timer alone.
     client = _offline_client()
     with stuck_worker(client):
-        summary = run_batch(client, src, out, timeout=1.0, poll_interval=0.02, log_interval=0.2)
+        summary = run_batch(client, src, out, timeout=1.0, poll_interval=0.02, log_interval=0.1)
     assert summary["failed"] == 3 and summary["succeeded"] == 0
     lines = capsys.readouterr().err.splitlines()
     waiting = [line for line in lines if line.startswith("batch: 0/3 rows done")]
@@ -521,7 +521,8 @@ def test_rows_are_written_as_their_jobs_announce_their_end_not_by_polling(served
 
     monkeypatch.setattr(batch_mod, "_wait_for_endings", spy)
     lists_before = set(client.connection.keys("roseinfer:done:*"))  # an earlier test's run may have left its own
-    # Sweeps of every job in flight: one at the start, the next 60 s later; the run is over long before.
+    # Sweeps of every job in flight: one at the start, the next 30 s later (not 5: the backoff's cap, a shorter
+    # interval's); the run is over long before.
     summary = run_batch(client, src, out, max_in_flight=4, poll_interval=30)
     assert summary["succeeded"] == 12
     assert len(set(announced)) == 12  # every row came through the completion list

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 import jsonschema
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, slow_engine_steps
 from redis import Redis
 
 from producer.wire import SCHEMA_DIR, render, schemas
@@ -49,7 +49,7 @@ def test_what_the_schema_can_say_of_a_payload_the_worker_refuses_it_refuses_too(
 def served(redis_url, tiny_chat_model):
     """A worker of this module's own (the scenarios below are marked slow: they wait on generation)."""
     w = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
-    yield w.queue, Redis.from_url(redis_url, decode_responses=True)
+    yield w.queue, Redis.from_url(redis_url, decode_responses=True), w
     w.stop()
 
 
@@ -114,7 +114,7 @@ def _wait_for_events(r: Redis, job_id: str, timeout: float = 60) -> None:
 
 @pytest.mark.slow
 def test_a_chat_job_followed_live(served):
-    queue, r = served
+    queue, r, _ = served
     payload = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
     pubsub = r.pubsub()
@@ -143,7 +143,7 @@ def test_a_chat_job_followed_live(served):
 
 @pytest.mark.slow
 def test_a_sampled_prompt_followed_late(served):
-    queue, r = served
+    queue, r, _ = served
     job_id = _enqueue(r, queue, {"prompt": "Once", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 7})
     events = _follow(r, job_id)
     time.sleep(0.2)
@@ -153,8 +153,9 @@ def test_a_sampled_prompt_followed_late(served):
 
 
 @pytest.mark.slow
-def test_cancel_a_running_job(served):
-    queue, r = served
+def test_cancel_a_running_job(served, monkeypatch):
+    queue, r, w = served
+    slow_engine_steps(monkeypatch, w.worker.engine)  # a plain HSET: seen at the next status read
     job_id = _enqueue(r, queue, {"prompt": "Long", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
     _wait_for_events(r, job_id)
     r.hset(f"rq:job:{job_id}", "status", "canceled")
@@ -168,7 +169,7 @@ def test_cancel_a_running_job(served):
 
 @pytest.mark.slow
 def test_cancel_a_queued_job(served):
-    queue, r = served
+    queue, r, _ = served
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
     data = json.dumps(["worker.jobs.generate", None, [], {"prompt": "never", "max_tokens": 8}])
     r.hset(f"rq:job:{job_id}", mapping={"data": data, "origin": queue, "status": "queued", "created_at": _now(),
@@ -187,7 +188,7 @@ def test_cancel_a_queued_job(served):
 
 @pytest.mark.slow
 def test_a_failed_job(served):
-    queue, r = served
+    queue, r, _ = served
     job_id = f"raw-{uuid.uuid4().hex[:10]}"
     data = json.dumps(["worker.jobs.generate", None, [], {"prompt": "x", "colour": "red"}])
     r.hset(f"rq:job:{job_id}", mapping={"data": data, "origin": queue, "status": "queued", "created_at": _now(),
@@ -202,7 +203,7 @@ def test_a_failed_job(served):
 
 @pytest.mark.slow
 def test_a_job_id_outside_the_rules_fails_with_a_reason(served):
-    queue, r = served
+    queue, r, _ = served
     job_id = f"bad id {uuid.uuid4().hex[:6]}"
     data = json.dumps(["worker.jobs.generate", None, [], {"prompt": "x"}])
     r.hset(f"rq:job:{job_id}", mapping={"data": data, "origin": queue, "status": "queued", "created_at": _now(),

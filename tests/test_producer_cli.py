@@ -10,7 +10,7 @@ import shlex
 
 import fakeredis
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, slow_engine_steps
 from pydantic import Field
 
 from producer import Client, JobRequest
@@ -261,8 +261,9 @@ def test_redis_lost_during_a_wait_says_the_job_goes_on_not_to_check_the_url(monk
 
 
 @pytest.mark.redis
-def test_result_of_a_canceled_job_prints_its_partial_text_and_exits_1(served, redis_url, capsys):
+def test_result_of_a_canceled_job_prints_its_partial_text_and_exits_1(served, redis_url, capsys, monkeypatch):
     worker, client = served
+    slow_engine_steps(monkeypatch, worker.worker.engine)
     job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
     next(iter(job.events(timeout=30)))
     assert job.cancel()

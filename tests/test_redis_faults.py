@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, slow_engine_steps, with_slow_steps
 from redis import Redis
 from rq.command import send_shutdown_command
 
@@ -111,8 +111,7 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_red
 
     url, conn = own_redis
     w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
-    real_step = w.worker.engine.step
-    monkeypatch.setattr(w.worker.engine, "step", lambda flush=True: time.sleep(0.01) or real_step(flush=flush))
+    slow_engine_steps(monkeypatch, w.worker.engine, 0.01)
     try:
         client = Client(url, queue=w.queue, retries=0)
         jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
@@ -188,10 +187,10 @@ def test_an_idle_worker_registers_again_after_redis_lost_its_data(own_redis, tin
 
 @pytest.mark.slow
 def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
-    """A worker process whose four jobs have started (and stream)."""
+    """A worker process whose four jobs have started (and stream, for seconds)."""
     from worker.cli import worker_command
 
-    cmd = worker_command(url, queue, model, "--max-num-seqs", "4", "--heartbeat-interval", "1")
+    cmd = with_slow_steps(worker_command(url, queue, model, "--max-num-seqs", "4", "--heartbeat-interval", "1"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     client = Client(url, queue=queue)
     jobs = [client.submit(f"p{i}", max_tokens=240, ignore_eos=True) for i in range(4)]
@@ -399,8 +398,11 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
         for conn in [*held, silent]:
             conn.close()
         _, redis_proc = start_private_redis(port=port)
-        time.sleep(3)  # the listener's next try (every 2 s) has subscribed again
-        send_shutdown_command(Redis.from_url(url), worker.worker.name)
+        conn, channel = Redis.from_url(url), f"rq:pubsub:{worker.worker.name}"
+        deadline = time.monotonic() + 30  # the listener's next try (every 2 s) subscribes again
+        while not conn.pubsub_numsub(channel)[0][1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        send_shutdown_command(conn, worker.worker.name)
         worker.thread.join(timeout=30)
         # (before: the listener had died at the timeout, ``pubsub thread exiting on Timeout reading from socket``)
         assert not worker.thread.is_alive(), "the worker did not hear the shutdown command"

@@ -14,24 +14,13 @@ import time
 import uuid
 
 import pytest
+from conftest import with_slow_steps
 from redis import Redis
 
 from producer import Client, JobCanceled, JobFailed
 from worker.cli import worker_command
 
 pytestmark = pytest.mark.slow  # real worker processes, each loading a model
-
-
-# A worker whose engine steps take 20 ms at least: its jobs run for seconds on any CPU, so a test that signals it
-# mid-job never meets jobs that already ended (a fast CPU ran 4 x 250 tiny-model tokens within the 0.2 s between
-# two SIGTERMs).
-_SLOW_STEPS = """import sys, time
-from roseinfer.llm_engine import LLMEngine
-step = LLMEngine.step
-LLMEngine.step = lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1]
-from worker.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def _start_worker(redis_url: str, queue: str, model: str, *extra: str, slow: bool = False) -> subprocess.Popen:
@@ -54,8 +43,8 @@ def _start_worker(redis_url: str, queue: str, model: str, *extra: str, slow: boo
         "1",
         *extra,
     )
-    if slow:  # python -m worker.cli ... -> python -c _SLOW_STEPS ...
-        cmd = [cmd[0], "-c", _SLOW_STEPS, *cmd[3:]]
+    if slow:
+        cmd = with_slow_steps(cmd)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -137,7 +126,7 @@ def _events_so_far(client: Client, job) -> list:
 def test_sigterm_drains_jobs_in_flight_and_leaves_the_rest_queued(redis_url, tiny_chat_model, queue_name):
     client = Client(redis_url, queue=queue_name)
     jobs = client.submit_many([{"prompt": f"Drain {i}", "max_tokens": 120, "ignore_eos": True} for i in range(12)])
-    proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--max-num-batched-tokens", "64")
+    proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--max-num-batched-tokens", "64", slow=True)
     _wait_started(client, jobs, 1)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
