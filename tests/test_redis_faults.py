@@ -103,56 +103,36 @@ def test_full_redis_pauses_the_worker_and_loses_nothing(own_redis, tiny_chat_mod
 
 @pytest.mark.slow  # a worker and seconds of steps
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies: the point)
-def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(own_redis, tiny_chat_model, monkeypatch):
+@pytest.mark.parametrize("taken_in", [True, False], ids=["in-flight", "on-their-way"])
+def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
+    own_redis, tiny_chat_model, monkeypatch, taken_in
+):
     """An error the worker does not wait out (an ACL refusal here; MASTERDOWN before it was one to wait out) ended
     the worker with its jobs "started": they sat there until its heartbeat lapsed, then RQ's clean-up failed them
-    (no retries left) as abandoned. They go back to their queue for another worker."""
+    (no retries left) as abandoned. They go back to their queue for another worker: those running, and those the
+    puller started that the step loop had yet to take in (its maintenance comes first; CI met it once)."""
     import redis
 
     url, conn = own_redis
     w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
     slow_engine_steps(monkeypatch, w.worker.engine, 0.01)
-    try:
-        client = Client(url, queue=w.queue, retries=0)
-        jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
+
+    def refused(*args, **kwargs):
         deadline = time.monotonic() + 30
-        while not all(job.status() == "started" for job in jobs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-        def refused(*args, **kwargs):
-            raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
-
-        monkeypatch.setattr(w.worker, "_maintenance_lock", refused)  # its next maintenance
-        w.thread.join(timeout=30)
-        assert not w.thread.is_alive()
-        assert [job.status() for job in jobs] == ["queued", "queued"]
-        assert sorted(conn.lrange(f"rq:queue:{w.queue}", 0, -1)) == sorted(job.id.encode() for job in jobs)
-    finally:
-        if w.thread.is_alive():
-            w.stop()
-
-
-@pytest.mark.slow  # a worker
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies: the point)
-def test_a_worker_dying_before_it_took_in_its_pulled_jobs_hands_them_back(own_redis, tiny_chat_model, monkeypatch):
-    """The loop's maintenance comes before it takes in what the puller started: a worker that died there handed back
-    only the jobs in flight, and those the puller had just marked "started" sat so until RQ's clean-up failed them
-    (the test above failed in CI so, once in a while)."""
-    import redis
-
-    url, conn = own_redis
-    w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
-
-    def refused_once_jobs_were_pulled(*args, **kwargs):
-        deadline = time.monotonic() + 30
-        while not w.worker.puller.unapplied() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while not taken_in and not w.worker.puller.unapplied() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the maintenance after the pull, before the loop takes the jobs in)
         raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
 
-    monkeypatch.setattr(w.worker, "run_maintenance_tasks", refused_once_jobs_were_pulled)
+    if not taken_in:
+        monkeypatch.setattr(w.worker, "run_maintenance_tasks", refused)
     try:
         client = Client(url, queue=w.queue, retries=0)
         jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
+        deadline = time.monotonic() + 30
+        while taken_in and not all(job.id in w.worker.in_flight for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if taken_in:
+            monkeypatch.setattr(w.worker, "_maintenance_lock", refused)  # its next maintenance
         w.thread.join(timeout=40)
         assert not w.thread.is_alive()
         assert [job.status() for job in jobs] == ["queued", "queued"]
