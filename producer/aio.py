@@ -343,6 +343,8 @@ class AsyncGenerationJob:
                 if status == "more":  # events landed just now (the hub brings them), or a final one is due
                     continue
                 if deadline is not None and time.monotonic() >= deadline:
+                    if status == "finished":  # its wait for a final event ends by the deadline (a clock read apart)
+                        raise stream_expired(self.id)
                     what = "no event" if idle else "no end of stream"
                     raise TimeoutError(f"job {self.id}: {what} within {timeout} s")
         finally:

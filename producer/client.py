@@ -799,6 +799,9 @@ class GenerationJob:
                         raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
             if reply:
                 continue
+            # One reading of the clock for the checks below: a finished job's wait may end at the deadline itself, and
+            # two readings could cross it between them (a TimeoutError where its stream had expired, its result there).
+            now = time.monotonic()
             if status in _ENDED or status == "missing":
                 if status in ("canceled", "stopped", "failed") and (expired_at or self._was_running()):
                     # its final event (an abort's last text and usage, a failure's error) lands after the status
@@ -815,9 +818,9 @@ class GenerationJob:
                     except REDIS_DOWN as exc:
                         outage.wait(exc)
                         continue
-                if time.monotonic() >= expired_at:
+                if now >= expired_at:
                     raise stream_expired(self.id)
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
 
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
