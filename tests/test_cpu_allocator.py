@@ -35,11 +35,14 @@ def test_malloc_thresholds_keep_large_blocks_on_the_heap_unless_turned_off():
     assert probe("1") == ["True", "False"]  # raised: it comes from the heap, and its pages stay for the next step
 
 
+# Counted in 4 KiB pages: transparent huge pages are turned off for the probe (a host set to "always" faults an 8 MB
+# mapping in with a few huge pages).
 _CUSHION_PROBE = """
 import ctypes, resource, sys
+libc = ctypes.CDLL(None)
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 from roseinfer.cpu_allocator import reserve_heap
 print(reserve_heap(int(sys.argv[1])))
-libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 block = libc.malloc(8 << 20)
