@@ -264,6 +264,41 @@ def fake_worker(request):
     assert not thread.is_alive()
 
 
+def test_a_burst_worker_whose_last_pull_took_a_job_that_came_then_exits_once_it_ran():
+    """A burst worker found the queues empty and stopped its puller; the pull under way took a job that came at that
+    moment, and ran it. Its puller gone, nothing could find the queues empty again: it ran on for good, idle."""
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = refuse_lua(fakeredis.FakeRedis(server=server))
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    worker = BatchWorker(FakeEngine(), WorkerSettings(queue="fake", model="fake", idle_wait=0.2), conn)
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue="fake")
+    first, late, real_done = client.submit("first", max_tokens=3), [], worker._done
+
+    def done(burst: bool) -> bool:  # the queues found empty: a job comes, and the puller takes it, that moment
+        finished = real_done(burst)
+        if finished and not late:
+            late.append(client.submit("late", max_tokens=3))
+            worker.puller.wake()
+            deadline = time.monotonic() + 10
+            while late[0].status() != "started" and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return finished
+
+    worker._done = done
+    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    alive = thread.is_alive()
+    worker.request_stop()
+    thread.join(timeout=10)
+    assert not alive, "the burst worker ran on after its last job"
+    assert first.result(timeout=1)["usage"]["completion_tokens"] == 3
+    assert late[0].result(timeout=1)["usage"]["completion_tokens"] == 3  # (taken by the last pull: run, not left)
+
+
 def test_the_rq_worker_keeps_serving_through_a_refused_job_and_a_failing_step(fake_worker):
     worker, engine, client = fake_worker
     good = client.submit("fine", max_tokens=4)

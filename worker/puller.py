@@ -152,6 +152,11 @@ class Puller:
         return job_id in self._unapplied
 
     @property
+    def stopped(self) -> bool:
+        """``stop`` was called: no pull comes any more (what the last one took may still be running)."""
+        return self._stop.is_set()
+
+    @property
     def quiet(self) -> bool:
         """No pull under way and nothing handed over untaken."""
         return not self._pulling and self._arrivals.empty()
