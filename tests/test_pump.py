@@ -548,6 +548,8 @@ def test_handing_jobs_back_leaves_a_job_changed_meanwhile_as_it_was_made(fake_wo
 
     def then_changed(*args, **kwargs):
         drain(*args, **kwargs)
+        if jobs[2].rq_job.meta.get("note"):
+            return  # (changed once, at the first drain)
         conn = client.connection
         conn.hset(f"rq:job:{jobs[0].id}", "status", "canceled")  # as another language cancels
         conn.delete(f"rq:job:{jobs[1].id}")
@@ -564,6 +566,43 @@ def test_handing_jobs_back_leaves_a_job_changed_meanwhile_as_it_was_made(fake_wo
     assert client.queue.job_ids == [jobs[2].id, jobs[3].id]
     assert jobs[0].status() == "canceled" and not client.connection.exists(f"rq:job:{jobs[1].id}")
     assert jobs[2].rq_job.meta["note"] == "kept" and jobs[2].status() == "queued"
+    # The canceled and the deleted ones end as a cancel ends: an abort event; for the canceled one, its partial
+    # result and a TTL (they had their execution cleaned up, nothing more: followers waited, the hash stayed for good).
+    for job in jobs[:2]:
+        assert [e.get("finish_reason") for e in job.events(timeout=5)][-1] == "abort"
+    with pytest.raises(JobCanceled) as info:
+        jobs[0].result(timeout=5)
+    assert info.value.result is not None and info.value.result["usage"]["completion_tokens"] > 0
+    assert client.connection.ttl(f"rq:job:{jobs[0].id}") > 0
+
+
+def test_a_stop_job_command_heard_just_before_a_cold_stop_stops_the_job(fake_worker, monkeypatch):
+    """RQ's stop-job for a running job, heard during a step, then the second stop signal before the loop read it: the
+    job went back to its queue (the command lost) and another worker ran it to its end. It ends stopped."""
+    worker, engine, client = fake_worker
+    job, other = client.submit("stop me", max_tokens=10**6), client.submit("hand me back", max_tokens=10**6)
+    real_step, inside = engine.step, threading.Event()
+
+    def step(*args, **kwargs):
+        if inside.is_set():
+            time.sleep(0.3)  # a step under way while the command and the signals come
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", step)
+    deadline = time.time() + 10
+    while len(worker.in_flight) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    inside.set()
+    time.sleep(0.05)
+    worker.handle_payload({"data": json.dumps({"command": "stop-job", "job_id": job.id}).encode()})  # (its listener)
+    worker.request_stop()
+    worker.request_stop()
+    deadline = time.time() + 10
+    while worker.in_flight and time.time() < deadline:
+        time.sleep(0.05)
+    assert job.status() == "stopped" and client.queue.job_ids == [other.id]
+    with pytest.raises(JobCanceled, match="job stopped"):
+        job.result(timeout=5)
 
 
 def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fake_worker, monkeypatch):

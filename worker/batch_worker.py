@@ -119,6 +119,10 @@ def name_in_use(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: i
     )
 
 
+# A job's status when a client ended it while it ran here (None: its hash deleted): it ends so, not back in the queue.
+_ENDED_BY_OTHERS = (None, JobStatus.CANCELED.value.encode(), JobStatus.STOPPED.value.encode())
+
+
 def lapsed_registration(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: int) -> int | None:
     """Seconds since a worker registered as ``name`` last beat, if it is dead: its statistics lapsed (they last one
     heartbeat TTL of its own) and its registration was last written at least ``beat_ttl`` ago (Redis's clock: the
@@ -1481,15 +1485,16 @@ class BatchWorker(BaseWorker):
             self.puller.stop(120.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
             self._apply_arrivals()  # taken already: they go back with the rest
         self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
+        self._apply_stop_requests()  # and stop-job commands heard meanwhile (another worker would run the job)
         ids = [job_id for job_id in (self.in_flight if only is None else only) if job_id in self.in_flight]
-        self.pump.cancel_many(ids)
+        aborted = self.pump.cancel_many(ids)  # their last events: a job found canceled below ends with them
         # Those an engine process ended before the cancel reached it end as they ended, not back in the queue.
         self._route(self.pump.pending_events())
         ids = [job_id for job_id in ids if job_id in self.in_flight]
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-        handed = 0
+        handed, ended_here = 0, False
         held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.exists(self.key)
@@ -1503,6 +1508,13 @@ class BatchWorker(BaseWorker):
                 fresh = job.job  # Redis lost its data (this worker's registration too): the copy here is all there is
             elif self._runs_here(job, owner, status):
                 fresh = self._reread(job.job)
+            elif status in _ENDED_BY_OTHERS and job.job.id in aborted and self._is_ours(job, owner, status):
+                # Canceled, stopped or deleted after the sender's last look: it ends so here (its abort event, its
+                # partial result, its TTL), not with its execution cleaned up and nothing more.
+                stopped = status == JobStatus.STOPPED.value.encode()
+                self._canceled(job, aborted[job.job.id], stopped=stopped, deleted=status is None)
+                ended_here = True
+                continue
             else:
                 fresh = None
             with self.connection.pipeline() as pipe:  # MULTI: out of our registries and back in the queue, or neither
@@ -1514,6 +1526,9 @@ class BatchWorker(BaseWorker):
                 job.queue.enqueue_job(fresh, at_front=True)
             del self.in_flight[job.job.id]  # done: if Redis fails on a later one, the next try skips this one
             handed += fresh is not None
+        if ended_here:
+            self._hand_over(force=True)
+            self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         log.warning("%d jobs handed back", handed)
 
     def _reread(self, job: Job) -> Job | None:
