@@ -420,6 +420,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.end_headers()
 
+    do_GET = do_POST  # (RQ's webhooks are GETs unless they say POST)
+
     def log_message(self, *args) -> None:
         pass
 
@@ -439,6 +441,45 @@ def test_webhooks_named_by_a_job_are_never_called_unless_the_host_is_allowed(ser
         time.sleep(0.5)
         assert _Recorder.hits == []
     finally:
+        server.shutdown()
+
+
+@pytest.mark.slow  # a worker of its own
+def test_an_allowed_webhook_whose_host_is_slow_to_answer_holds_up_no_other_job(redis_url, tiny_chat_model):
+    """RQ's worker sends a job's webhooks from the process of that one job. Here they went out on the thread that
+    writes every job's events and ends: a host slow to answer (up to a hook's timeout, per job) held them all."""
+    answer, calls = threading.Event(), []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            calls.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            answer.wait(30)  # until the test has seen another job end meanwhile
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    w = ThreadWorker(redis_url, tiny_chat_model, allow_webhook_host=["127.0.0.1"])
+    try:
+        conn, client = Redis.from_url(redis_url), Client(redis_url, queue=w.queue)
+        hooked = f"wh-{uuid.uuid4().hex[:6]}"
+        hooks = [{"url": f"http://127.0.0.1:{server.server_port}/done", "job_status": "finished", "method": "POST",
+                  "timeout": 30}]  # fmt: skip
+        _raw_job(conn, w.queue, hooked, webhooks=json.dumps(hooks))
+        assert client.job(hooked).result(timeout=30)["status"] == "finished"
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(c["job_id"], c["status"]) for c in calls] == [(hooked, "finished")]  # called, and held there
+        later = client.submit("meanwhile", max_tokens=3, temperature=0)
+        assert later.result(timeout=10)["usage"]["completion_tokens"] == 3
+        assert "".join(later.stream(timeout=5)) == later.result(timeout=5)["text"]
+    finally:
+        answer.set()
+        w.stop()
         server.shutdown()
 
 

@@ -16,6 +16,7 @@ import math
 import re
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import ClassVar
@@ -51,6 +52,7 @@ _INTERVALS = ("retry_intervals", "repeat_intervals")
 _STAMP = re.compile(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 _STAMP_FIELDS = tuple(name.encode() for name in _DATES)
 _INFLATED = (b"data", b"exc_info")  # the fields RQ's restore zlib-inflates
+WEBHOOK_SENDERS = 8  # webhooks sent at once, at most
 MAX_OTHER_FIELD = 64 * 1024  # bytes of any other field of a job hash (``meta``, ``description``, ...)
 _resolved_serializer = functools.cache(resolve_serializer)
 
@@ -86,6 +88,14 @@ class PulledJob(Job):
         if self.hook_policy is not None:
             self.refused_hooks = self.hook_policy.strip(self)
 
+    def send_webhooks(self, status: str | JobStatus, *, exc_string: str | None = None) -> None:
+        """RQ's, on threads of their own. RQ's worker sends them from the process of the one job it runs; here they
+        went out on the thread that writes every job's events and ends (and RQ's clean-up's on the step loop), and a
+        host slow to answer (10 s a hook by default) held all of those behind it. Errors are logged there, as RQ's
+        are; the sends still waiting go out before the process exits."""
+        if any(hook.job_status == status for hook in self.webhooks or ()):
+            _webhook_senders().submit(Job.send_webhooks, self, status, exc_string=exc_string)
+
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         """RQ's, with what the policy took off the job as the job named it: RQ saves jobs it read (a dependent it
         enqueues, a job its clean-up fails or retries), and the fields must not be erased for the stock worker,
@@ -93,6 +103,12 @@ class PulledJob(Job):
         obj = super().to_dict(include_meta=include_meta, include_result=include_result)
         obj.update(getattr(self, "named_hooks", {}))
         return obj
+
+
+@functools.cache
+def _webhook_senders() -> ThreadPoolExecutor:
+    """The threads that send jobs' webhooks (made at the first one): a host slow to answer holds one of them."""
+    return ThreadPoolExecutor(max_workers=WEBHOOK_SENDERS, thread_name_prefix="roseinfer-webhook")
 
 
 @dataclass
