@@ -605,6 +605,34 @@ def test_a_stop_job_command_heard_just_before_a_cold_stop_stops_the_job(fake_wor
         job.result(timeout=5)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (it dies: the point)
+def test_a_worker_dying_of_an_error_its_hand_back_meets_again_still_hands_its_jobs_back(fake_worker, monkeypatch):
+    """A job that fails to go into the engine with an error the worker does not know: kept to be taken in again, it
+    raised again in the dying worker's hand-back, which handed back nothing, every job left "started" until RQ's
+    clean-up failed it. They go back with Redis's writes alone."""
+    worker, engine, client = fake_worker
+    engine.step_s = 0.01
+    running = [client.submit(f"long {i}", max_tokens=10**6) for i in range(2)]
+    deadline = time.time() + 10
+    while len(worker.in_flight) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    real_submit = worker.pump.submit
+
+    def submit(job_id, *args, **kwargs):
+        if job_id == "bad-job":
+            raise RuntimeError("a bug while taking in one job")
+        return real_submit(job_id, *args, **kwargs)
+
+    monkeypatch.setattr(worker.pump, "submit", submit)
+    bad = client.submit("bad", max_tokens=5, job_id="bad-job")
+    deadline = time.time() + 10
+    while any(job.status() == "started" for job in [*running, bad]) and time.time() < deadline:
+        time.sleep(0.05)
+    assert sorted(client.queue.job_ids) == sorted(job.id for job in [*running, bad])
+    assert [job.status() for job in [*running, bad]] == ["queued"] * 3
+    assert all(job.rq_job.retries_left == 2 for job in running)  # (no retry spent: RQ's clean-up did not take them)
+
+
 def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fake_worker, monkeypatch):
     """A Redis that refuses scripts: the start is RQ's own writes, whose HSET of status started overwrote a cancel
     that landed after the pull took the job (a client that left at once). The job ran to its end, finished and in

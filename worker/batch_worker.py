@@ -91,7 +91,7 @@ from worker.jobs import (
 )
 from worker.metrics import WorkerMetrics
 from worker.publisher import JobStream, Publisher
-from worker.puller import NeverRan, Puller, Rejected, RunningCopy
+from worker.puller import Arrival, NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
@@ -451,7 +451,12 @@ class BatchWorker(BaseWorker):
                 try:
                     self._hand_back_cold()
                 except Exception as exc:
-                    log.error("could not hand back %d jobs (%s): RQ's clean-up takes them", len(self.in_flight), exc)
+                    log.error("handing jobs back met the error again (%s): handed back with Redis's writes alone", exc)
+                    try:
+                        self._hand_back_as_they_are()
+                    except Exception as exc:
+                        held = len(self.in_flight)
+                        log.error("could not hand back %d jobs (%s): RQ's clean-up takes them", held, exc)
             raise
         finally:
             self._watchdog.stop()
@@ -1494,8 +1499,16 @@ class BatchWorker(BaseWorker):
         self._hand_over(force=True)
         # The events already produced land first (a cold stop waits for them no longer than its patience).
         self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-        handed, ended_here = 0, False
         held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
+        if self._requeue(held, aborted):
+            self._hand_over(force=True)
+            self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
+
+    def _requeue(self, held: list[InFlight] | list[Arrival], aborted: dict[str, list[JobEvent]]) -> bool:
+        """``held``, each still running as this attempt, out of this worker's registries and to the front of its
+        queue, in that order, each out of ``in_flight`` once done (a try again after Redis failed midway skips it).
+        Whether any of them ended here instead, with its events in ``aborted`` (their ends are the sender's)."""
+        handed, ended_here = 0, False
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.exists(self.key)
             for job in held:
@@ -1524,12 +1537,19 @@ class BatchWorker(BaseWorker):
                 pipe.execute()
             if fresh is not None and getattr(fresh, "has_rate_limit", False):  # (RQ enqueues these on its own)
                 job.queue.enqueue_job(fresh, at_front=True)
-            del self.in_flight[job.job.id]  # done: if Redis fails on a later one, the next try skips this one
+            self.in_flight.pop(job.job.id, None)  # done: if Redis fails on a later one, the next try skips this one
             handed += fresh is not None
-        if ended_here:
-            self._hand_over(force=True)
-            self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
         log.warning("%d jobs handed back", handed)
+        return ended_here
+
+    def _hand_back_as_they_are(self) -> None:
+        """The jobs held (in flight, and those the puller started that the loop has yet to take in) back to their
+        queues with Redis's writes alone, for a worker dying of an error its usual hand-back met again (a job that
+        fails to go into the engine, a sender thread gone): nothing of the engine or the sender is trusted."""
+        self.puller.stop(5.0)
+        held: dict[str, InFlight | Arrival] = {a.job.id: a for a in self.puller.unapplied()}
+        held.update(self.in_flight)
+        self._requeue(list(reversed(held.values())), {})
 
     def _reread(self, job: Job) -> Job | None:
         """The job as Redis holds it now (its meta, retries and TTLs as others may have changed them), to be queued
