@@ -10,6 +10,7 @@ import time
 
 import fakeredis
 import pytest
+import redis
 from conftest import refuse_lua
 
 from producer import Client, JobCanceled, JobFailed
@@ -464,10 +465,20 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
 
 
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
-def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_others(fake_worker, monkeypatch):
+@pytest.mark.parametrize("blip", [False, True], ids=["", "through-a-redis-blip"])
+def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_others(fake_worker, monkeypatch, blip):
     """One SIGTERM (docker stop, Kubernetes) drained every job held, those still waiting to run too: they started
-    only after the others ended, and the orchestrator's kill came first. They go back to their queue at once."""
+    only after the others ended, and the orchestrator's kill came first. They go back to their queue at once (also
+    when Redis failed the first try: that try counted as done, and they ran here)."""
     worker, engine, client = fake_worker
+    apply_arrivals, blips = worker._apply_arrivals, [blip]
+
+    def blipping() -> None:  # the first one after the stop signal meets Redis away, with ``blip``
+        if worker._stop_requested and blips and blips.pop():
+            raise redis.exceptions.ConnectionError("injected: Redis away for a moment")
+        apply_arrivals()
+
+    monkeypatch.setattr(worker, "_apply_arrivals", blipping)
     engine.step_s = 0.01
     running = client.submit("runs", max_tokens=150)  # ~1.5 s of steps
     next(iter(running.events(timeout=10)))

@@ -1470,12 +1470,12 @@ class BatchWorker(BaseWorker):
         in their prompt) go back to their queue at once, for another worker, as RQ's warm stop leaves queued jobs;
         past ``--drain-timeout`` the rest go back too, before the orchestrator's kill."""
         if not self._unstarted_handed_back:
-            self._unstarted_handed_back = True
             self.puller.stop()  # (a pull under way hands over what it took: those go back too)
             self._apply_arrivals()
             waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
             if waiting and not self._hand_back_cold(only=waiting):
                 self._force_stop = True  # (canceled in the engine, not requeued: nothing runs them here now)
+            self._unstarted_handed_back = True  # (after: Redis failing the try above, the loop's retry does it again)
         timeout = self.settings.drain_timeout
         if timeout is not None and self._stop_at is not None and time.monotonic() - self._stop_at >= timeout:
             log.warning("drain timeout (%g s) reached: handing %d jobs back to the queue", timeout, len(self.in_flight))
