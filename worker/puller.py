@@ -200,16 +200,19 @@ class Puller:
         if not (idle or w.sender.queued > 0 or mono >= self._next_pull or self._follow_up):
             return False
         limit = w.settings.in_flight_limit
+        # Jobs handed over, not yet taken in, read before the snapshot of those in flight: the step loop takes a job
+        # in before it counts it taken, so a job moving meanwhile counts twice (room for one less), never not at all.
+        on_its_way = self._handed - self._taken
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
         # Lanes the sender saw empty are skipped; an idle worker blocks on all of them.
         lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or depth is None or depth > 0]
-        if len(held) + self._handed - self._taken >= limit and held:
+        if len(held) + on_its_way >= limit and held:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
             # engine preempts the later ones for them.
             worst = max(job.priority for job in held)
             lanes = [(p, q) for p, q in lanes if p < worst]
             limit *= 2
-        room = limit - len(held) - (self._handed - self._taken)
+        room = limit - len(held) - on_its_way
         if room <= 0 or not lanes:
             return False
         self._pulling = True
