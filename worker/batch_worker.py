@@ -1496,18 +1496,21 @@ class BatchWorker(BaseWorker):
         # Those an engine process ended before the cancel reached it end as they ended, not back in the queue.
         self._route(self.pump.pending_events())
         ids = [job_id for job_id in ids if job_id in self.in_flight]
-        self._hand_over(force=True)
-        # The events already produced land first (a cold stop waits for them no longer than its patience).
-        self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-        held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
-        if self._requeue(held, aborted):
+
+        def send_all() -> None:  # (a cold stop waits for the sender no longer than its patience)
             self._hand_over(force=True)
             self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
 
+        send_all()  # the events already produced land first
+        held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
+        if self._requeue(held, aborted):
+            send_all()  # the ends of those found canceled, stopped or deleted
+
     def _requeue(self, held: list[InFlight] | list[Arrival], aborted: dict[str, list[JobEvent]]) -> bool:
-        """``held``, each still running as this attempt, out of this worker's registries and to the front of its
-        queue, in that order, each out of ``in_flight`` once done (a try again after Redis failed midway skips it).
-        Whether any of them ended here instead, with its events in ``aborted`` (their ends are the sender's)."""
+        """Each of ``held`` still running as this attempt out of this worker's registries and to the front of its
+        queue, one after another, and out of ``in_flight`` once done (a try again after Redis failed midway skips
+        it). Whether any ended here instead, one a client ended meanwhile with its events in ``aborted`` (its end is
+        the sender's now)."""
         handed, ended_here = 0, False
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.exists(self.key)
