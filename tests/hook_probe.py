@@ -20,3 +20,10 @@ def boom(job, connection, *args) -> None:
 def record_failure(job, connection, *args) -> None:
     """A mark of its own, for a test that tells a job's failure callback from its other ones."""
     connection.set(f"hook-probe-failure:{job.id}", "ran")
+
+
+def slow(job, connection, *args) -> None:
+    """A callback slower than a test worker's heartbeat TTL (3 s there): the jobs ending behind it wait."""
+    import time
+
+    time.sleep(5)

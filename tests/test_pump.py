@@ -644,6 +644,50 @@ def test_a_worker_dying_of_an_error_its_hand_back_meets_again_still_hands_its_jo
     assert all(job.rq_job.retries_left == 2 for job in running)  # (no retry spent: RQ's clean-up did not take them)
 
 
+@pytest.mark.redis
+@pytest.mark.slow  # a callback of seconds
+def test_jobs_ended_behind_a_slow_allowed_callback_are_beaten_until_their_ends_are_written(redis_url, monkeypatch):
+    """A job leaves in_flight once its end is queued for the sender, which runs an allowed success callback in
+    line. Behind one slower than the heartbeat TTL, the jobs that ended next went unbeaten: RQ's clean-up took them
+    for abandoned, ran them again (a retry spent), and dropped their ends here as another attempt's."""
+    import uuid
+
+    from redis import Redis
+    from rq import Callback, Queue, Retry
+    from rq.serializers import JSONSerializer
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    name, conn = f"cb-{uuid.uuid4().hex[:8]}", Redis.from_url(redis_url)
+    settings = WorkerSettings(
+        redis_url=redis_url, queue=name, model="fake", idle_wait=0.2, heartbeat_interval=1, heartbeat_grace=2,
+        maintenance_interval=1, allow_callback=["hook_probe.slow"],
+    )  # fmt: skip
+    engine = FakeEngine()
+    engine.step_s = 0.01
+    worker = BatchWorker(engine, settings, conn)
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    slow = queue.enqueue("worker.jobs.generate", prompt="a", max_tokens=2, on_success=Callback("hook_probe.slow", 30))
+    behind = queue.enqueue("worker.jobs.generate", prompt="b", max_tokens=4, retry=Retry(max=1))
+    submitted, real_submit = [], worker.pump.submit
+    monkeypatch.setattr(
+        worker.pump, "submit", lambda job_id, *a, **k: (submitted.append(job_id), real_submit(job_id, *a, **k))[1]
+    )
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    try:
+        client = Client(redis_url, queue=name)
+        assert client.job(slow.id).result(timeout=30)["usage"]["completion_tokens"] == 2
+        assert client.job(behind.id).result(timeout=30)["usage"]["completion_tokens"] == 4
+        time.sleep(1.5)  # (RQ's clean-up, a second apart, would have taken it by now)
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert submitted.count(behind.id) == 1 and behind.get_status(refresh=True) == "finished"
+    assert behind.retries_left == 1 and queue.failed_job_registry.get_job_ids() == []
+
+
 def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fake_worker, monkeypatch):
     """A Redis that refuses scripts: the start is RQ's own writes, whose HSET of status started overwrote a cancel
     that landed after the pull took the job (a client that left at once). The job ran to its end, finished and in

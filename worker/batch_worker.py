@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -186,6 +186,7 @@ class BatchWorker(BaseWorker):
         self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events
+        self._ending: dict[str, InFlight] = {}  # jobs out of in_flight whose endings wait in the sender: still beaten
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
@@ -843,7 +844,7 @@ class BatchWorker(BaseWorker):
             else:
                 self._errored(job, event)
         if done:
-            self._tasks.append(lambda: self._succeed(done))
+            self._end_later([job for job, _ in done], lambda: self._succeed(done))
         return len(self.in_flight) < held
 
     def _took(self, job: InFlight, event: JobEvent, wall: float) -> None:
@@ -1043,6 +1044,23 @@ class BatchWorker(BaseWorker):
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
 
+    def _end_later(self, jobs: list[InFlight], end: Callable[[], None]) -> None:
+        """``end`` of ``jobs``, taken out of ``in_flight``, on the sender's thread after this step's events. Until it
+        ran they are beaten as jobs in flight are: an allowed callback of another job's end can hold that thread past
+        their heartbeat TTL, and RQ's clean-up took them for abandoned (run again, their ends here dropped)."""
+        for job in jobs:
+            self._ending[job.job.id] = job
+
+        def ending() -> None:
+            try:
+                end()
+            finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
+                for job in jobs:
+                    if self._ending.get(job.job.id) is job:
+                        del self._ending[job.job.id]
+
+        self._tasks.append(ending)
+
     def _canceled(self, job: InFlight, events: list[JobEvent], stopped: bool = False, deleted: bool = False) -> None:
         """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept, but for a job
         deleted (RQ's ``job.delete()``): nothing of it is left in Redis but its stream's last event."""
@@ -1090,7 +1108,7 @@ class BatchWorker(BaseWorker):
             log.info("job %s: %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
-        self._tasks.append(end)
+        self._end_later([job], end)
 
     def _errored(self, job: InFlight, event: JobEvent) -> None:
         """A failed step (retryable) or a job the engine refused or timed out (not)."""
@@ -1132,7 +1150,7 @@ class BatchWorker(BaseWorker):
                 self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 
-        self._tasks.append(end)
+        self._end_later([job], end)
 
     def _fail(
         self, job: Job, queue: Queue, execution: Execution, req: JobRequest | None, stream: JobStream, error: str

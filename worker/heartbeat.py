@@ -101,11 +101,14 @@ class Heartbeat:
         held = {job.job.id: job for job in w.puller.unapplied()}
         held.update(w.in_flight)
         jobs = list(held.values())
+        # And those ended here whose endings wait in the sender (behind an allowed callback, say): beaten, not leased
+        # (an ending may have written its status already; a registry entry a beat adds after it, RQ's clean-up drops).
+        ending = [job for job_id, job in w._ending.copy().items() if job_id not in held]
         # A job beaten less than half the grace ago (less LEASE_SLACK_S) keeps its registry entry (TTL interval +
         # grace) past the next beat plus the lease's margin, so the lease lasts until then: a job started a moment
         # ago costs no writes (six a job a beat).
         fresh = mono - max(0.0, w.settings.heartbeat_grace / 2 - LEASE_SLACK_S)
-        stale = [job for job in jobs if job.beat_at <= fresh]
+        stale = [job for job in (*jobs, *ending) if job.beat_at <= fresh]
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
         try:
