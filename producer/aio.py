@@ -29,6 +29,7 @@ from producer.client import (
     GenerationJob,
     JobCanceled,
     JobFailed,
+    JobIdTaken,
     Outage,
     StreamExpired,
     check_job_id,
@@ -69,6 +70,7 @@ class AsyncClient:
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False
         self._flusher: asyncio.Task | None = None
+        self._orphans: set[asyncio.Task] = set()  # cancels of jobs whose submitters left as they went in
 
     @property
     def queue_name(self) -> str:
@@ -87,7 +89,20 @@ class AsyncClient:
         if not self._flushing:
             self._flushing = True
             self._flusher = asyncio.create_task(self._flush())  # kept: a task nobody holds may be collected
-        return self.job(await future)
+        try:
+            return self.job(await future)
+        except asyncio.CancelledError:
+            # Cancelled once its job went in, before it woke (a timeout around the submit, a server's shutdown): no
+            # one knows that job's id, to follow or cancel it.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._orphans.add(asyncio.create_task(self._cancel_orphan(future.result())))
+            raise
+
+    async def _cancel_orphan(self, job_id: str) -> None:
+        try:
+            await self.job(job_id).cancel()
+        except Exception as exc:  # (Redis down, say) the orphan runs to its end; nobody reads it
+            log.warning("could not cancel job %s, whose submitter left: %s", job_id, exc)
 
     async def _flush(self) -> None:
         try:
@@ -95,10 +110,19 @@ class AsyncClient:
                 batch, self._pending = _one_per_id(self._pending)
                 try:
                     jobs = await asyncio.to_thread(self.sync.submit_many, [request for request, _ in batch])
-                except Exception as exc:  # Redis down, say: every caller of this batch hears it
-                    for _, future in batch:
+                except Exception as exc:
+                    taken = set(exc.job_ids) if isinstance(exc, JobIdTaken) else set()
+                    refused = [(request, future) for request, future in batch if request.get("job_id") in taken]
+                    if not refused:  # Redis down, say: every caller of this batch hears it
+                        for _, future in batch:
+                            if not future.done():
+                                future.set_exception(exc)
+                        continue
+                    # Ids that live jobs hold (nothing went in): their callers hear it, the others go in again.
+                    for request, future in refused:
                         if not future.done():
-                            future.set_exception(exc)
+                            future.set_exception(JobIdTaken([request["job_id"]], exc.status))
+                    self._pending = [item for item in batch if item[0].get("job_id") not in taken] + self._pending
                     continue
                 orphans = []  # jobs whose callers were cancelled while the batch went in: no one will follow them
                 for (_, future), job in zip(batch, jobs):
@@ -107,10 +131,7 @@ class AsyncClient:
                     else:
                         orphans.append(job)
                 for job in orphans:  # after every caller has its job: a failed cancel must not leave them waiting
-                    try:
-                        await asyncio.to_thread(job.cancel)
-                    except Exception as exc:  # (Redis down, say) the orphan runs to its end; nobody reads it
-                        log.warning("could not cancel job %s, whose submitter left: %s", job.id, exc)
+                    await self._cancel_orphan(job.id)
         finally:
             self._flushing = False
 
@@ -130,6 +151,8 @@ class AsyncClient:
     async def close(self) -> None:
         if self._flusher is not None:  # submits going in, or the cancel of a left caller's job: let them land
             await asyncio.wait([self._flusher])  # (its failures were its callers')
+        if self._orphans:
+            await asyncio.wait(self._orphans)
         await self.connection.aclose()
         await self.hub.connection.aclose()
         if self._owns_sync_connection:  # a connection the caller passed is theirs to close
@@ -188,8 +211,11 @@ class StreamHub:
                     {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
                 )
             except Exception as exc:
-                if wrong_type(exc) and await self._left_out(list(streams), exc):
-                    continue  # one key's type failed the read of all: only its followers hear it
+                try:
+                    if wrong_type(exc) and await self._left_out(list(streams), exc):
+                        continue  # one key's type failed the read of all: only its followers hear it
+                except REDIS_DOWN as down:  # (the look at the keys' types met an outage: this reader must not end)
+                    exc = down
                 if isinstance(exc, REDIS_DOWN) and self.down_since is None:
                     self.down_since = time.monotonic()
                 if not isinstance(exc, REDIS_DOWN) or time.monotonic() - self.down_since >= REDIS_PATIENCE_S:

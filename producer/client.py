@@ -103,7 +103,7 @@ class JobIdTaken(InvalidRequest):
             f"job id {job_ids[0]!r} is taken by a job that is {status}: wait for it to end or cancel it, or give "
             "another id" + (f" ({len(job_ids) - 1} more ids are taken too)" if len(job_ids) > 1 else "")
         )
-        self.job_ids = job_ids
+        self.job_ids, self.status = job_ids, status
 
 
 class StreamGap(Exception):

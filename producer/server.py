@@ -493,6 +493,9 @@ async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: A
         raise
     finally:
         waiting.cancel()
+        # Retrieved, whatever it ended with: a gather cancelled after a child failed (or that a child's failure ends
+        # as the cancel lands) logged "exception was never retrieved" with its traceback, a disconnect each.
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _mixed_models(queue: str, served: list[str]) -> str:

@@ -1183,6 +1183,45 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_the_secon
     assert queue.fetch_job(same).kwargs["prompt"] == "p1"  # the first submission's, not written over
 
 
+def test_an_async_submit_of_a_job_id_a_live_job_holds_fails_alone_not_the_submits_batched_with_it(redis_url):
+    """One batch: a submit naming the id of a job still queued failed every submission sent with it, those that
+    named no id too, with an error about someone else's id; nothing of theirs went in."""
+    from producer.client import JobIdTaken
+
+    queue_name, held, fresh = f"held-id-{uuid.uuid4().hex[:6]}", f"held-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    Client(redis_url, queue=queue_name).submit("already here", max_tokens=4, job_id=held)
+    first, refused, third = _three_async_submits(redis_url, queue_name, held, fresh)
+    assert isinstance(refused, JobIdTaken) and refused.job_ids == [held] and f"{held!r} is taken" in str(refused)
+    assert not isinstance(first, Exception) and not isinstance(third, Exception) and third.id == fresh
+    assert Client(redis_url, queue=queue_name).queue.job_ids == [held, first.id, fresh]
+
+
+def test_an_async_submit_cancelled_as_its_job_went_in_cancels_that_job(redis_url):
+    """A caller cancelled after its job was enqueued but before it woke (a timeout around ``submit``, a server's
+    shutdown) never learned the job's id: the job ran to its end for nobody. It is canceled."""
+    queue_name = f"left-{uuid.uuid4().hex[:6]}"
+
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            second: asyncio.Task | None = None
+
+            async def first() -> None:
+                await client.submit("one", max_tokens=4)
+                second.cancel()  # in the loop turn the batch's futures were resolved in: before the second woke
+
+            one = asyncio.create_task(first())
+            second = asyncio.create_task(client.submit("two", max_tokens=4))
+            await one
+            with pytest.raises(asyncio.CancelledError):
+                await second
+
+    asyncio.run(main())
+    queue = Client(redis_url, queue=queue_name).queue
+    [left] = queue.canceled_job_registry.get_job_ids()
+    assert queue.fetch_job(left).kwargs["prompt"] == "two" and queue.fetch_job(left).get_status() == "canceled"
+    assert len(queue.job_ids) == 1  # (the first, still queued: no worker serves this queue)
+
+
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
     """As OpenAI's and vLLM's servers: a prompt plus an explicit max_tokens (max_completion_tokens, max_output_tokens,
     or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps
