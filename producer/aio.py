@@ -95,7 +95,9 @@ class AsyncClient:
             # Cancelled once its job went in, before it woke (a timeout around the submit, a server's shutdown): no
             # one knows that job's id, to follow or cancel it.
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._orphans.add(asyncio.create_task(self._cancel_orphan(future.result())))
+                cancel = asyncio.create_task(self._cancel_orphan(future.result()))
+                self._orphans.add(cancel)  # (held till done: a task nobody holds may be collected)
+                cancel.add_done_callback(self._orphans.discard)
             raise
 
     async def _cancel_orphan(self, job_id: str) -> None:

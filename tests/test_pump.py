@@ -592,22 +592,24 @@ def test_a_stop_job_command_heard_just_before_a_cold_stop_stops_the_job(fake_wor
     job went back to its queue (the command lost) and another worker ran it to its end. It ends stopped."""
     worker, engine, client = fake_worker
     job, other = client.submit("stop me", max_tokens=10**6), client.submit("hand me back", max_tokens=10**6)
-    real_step, inside = engine.step, threading.Event()
+    real_step, held, inside, let_go = engine.step, threading.Event(), threading.Event(), threading.Event()
 
     def step(*args, **kwargs):
-        if inside.is_set():
-            time.sleep(0.3)  # a step under way while the command and the signals come
+        if held.is_set() and not let_go.is_set():
+            inside.set()
+            let_go.wait(10)  # a step under way while the command and the signals come
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(engine, "step", step)
     deadline = time.time() + 10
     while len(worker.in_flight) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    inside.set()
-    time.sleep(0.05)
+    held.set()
+    assert inside.wait(10)
     worker.handle_payload({"data": json.dumps({"command": "stop-job", "job_id": job.id}).encode()})  # (its listener)
     worker.request_stop()
     worker.request_stop()
+    let_go.set()
     deadline = time.time() + 10
     while worker.in_flight and time.time() < deadline:
         time.sleep(0.05)

@@ -102,7 +102,7 @@ class Heartbeat:
         held.update(w.in_flight)
         jobs = list(held.values())
         # And those ended here whose endings wait in the sender (behind an allowed callback, say): beaten, not leased
-        # (an ending may have written its status already; a registry entry a beat adds after it, RQ's clean-up drops).
+        # (an ending may have written its status already; a beat's registry writes are XX: it brings back no entry).
         ending = [job for job_id, job in w._ending.copy().items() if job_id not in held]
         # A job beaten less than half the grace ago (less LEASE_SLACK_S) keeps its registry entry (TTL interval +
         # grace) past the next beat plus the lease's margin, so the lease lasts until then: a job started a moment
