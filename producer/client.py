@@ -634,6 +634,16 @@ def ends_the_wait(message: dict[str, Any] | None) -> bool:
     return not isinstance(event, dict) or "finish_reason" in event
 
 
+def _wait_for_subscribed(pubsub: Any, seconds: float) -> None:
+    """Read a channel until Redis confirms the subscription, or for ``seconds``: the look again that follows goes
+    out on another connection, and Redis could serve it first, then publish the job's end to nobody."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        message = pubsub.get_message(timeout=left)
+        if message and message["type"] == "subscribe":
+            return
+
+
 def _wait_for_final_event(pubsub: Any, seconds: float) -> None:
     """Read a job's channel until its final event, or for ``seconds``."""
     until = time.monotonic() + seconds
@@ -896,8 +906,9 @@ class GenerationJob:
                         conn.xread({stream_key(self.id): "$"}, count=1, block=max(1, int(1000 * wait)))
                         continue
                     if pubsub is None:  # subscribed, then a look again: an end in between is not missed
-                        pubsub = conn.pubsub(ignore_subscribe_messages=True)
+                        pubsub = conn.pubsub()
                         pubsub.subscribe(channel_key(self.id))
+                        _wait_for_subscribed(pubsub, wait)
                         continue
                     _wait_for_final_event(pubsub, wait)
                 except NoPermissionError:

@@ -461,6 +461,49 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.slow  # a second's wait
+@pytest.mark.redis
+def test_a_result_waiter_looks_again_only_once_redis_holds_its_subscription(redis_url, monkeypatch):
+    """``result`` subscribes to the job's channel, then looks at the job again. The SUBSCRIBE went out unconfirmed
+    and the look on another connection: Redis could serve the look first, and a job ending in between published
+    its end to nobody (the worker publishes only to channels with subscribers), so the waiter learned of it up to
+    a second late. Here the SUBSCRIBE reaches Redis 0.3 s late, as over a slow link."""
+    import threading
+
+    from redis import Redis
+    from redis.client import PubSub
+
+    from producer import Client
+    from producer.protocol import channel_key
+
+    send = PubSub._execute
+
+    def late_subscribe(self, connection, command, *args, **kwargs):
+        if args and args[0] == "SUBSCRIBE":
+            threading.Timer(0.3, send, (self, connection, command, *args), kwargs).start()
+            return None
+        return send(self, connection, command, *args, **kwargs)
+
+    monkeypatch.setattr(PubSub, "_execute", late_subscribe)
+    client = Client(redis_url)
+    job = client.submit("hi", max_tokens=3)  # no worker: it stays queued
+    subscribers, look = [], client.connection.pipeline
+    other = Redis.from_url(redis_url)
+
+    def looked(*args, **kwargs):
+        subscribers.append(other.pubsub_numsub(channel_key(job.id))[0][1])
+        return look(*args, **kwargs)
+
+    monkeypatch.setattr(client.connection, "pipeline", looked)
+    try:
+        with pytest.raises(TimeoutError):
+            job.result(timeout=1.0)
+    finally:
+        client.connection.delete(job.rq_job.key)
+        client.connection.lrem(client.queue.key, 0, job.id)
+    assert subscribers[:2] == [0, 1]  # the first look, then the look once subscribed
+
+
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 @pytest.mark.redis
 @pytest.mark.parametrize(("ended", "raised"), [("canceled", "JobCanceled"), ("failed", "JobFailed")])
