@@ -536,6 +536,41 @@ def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops()
     assert rq_job.get_status() == "queued" and rq_job.retries_left == 1  # retried elsewhere, one retry spent
 
 
+@pytest.mark.slow
+def test_a_stop_job_heard_in_the_step_the_engine_process_died_stops_the_job_instead_of_retrying_it():
+    """A stop-job command that came while the step ran, in the step the engine died in: the job failed retryably
+    with the rest, and RQ ran it again elsewhere, though a user had stopped it."""
+    import json
+
+    from rq.results import Result
+
+    worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
+    job = client.submit("long", max_tokens=100_000)
+    for _ in range(500):
+        if job.id in worker.in_flight:
+            break
+        time.sleep(0.02)
+    step = engine.step
+
+    def dying_step(flush: bool = True):
+        engine.step = step  # once
+        message = {"data": json.dumps({"command": "stop-job", "job_id": job.id}).encode()}
+        worker.handle_payload(message)  # as RQ's command listener hears it, on its own thread
+        os.kill(engine.pid, signal.SIGKILL)
+        engine._proc.join(timeout=10)
+        return step(flush)
+
+    engine.step = dying_step
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(crashed[0], EngineProcessDied)
+    rq_job = job.rq_job
+    assert rq_job.get_status() == "stopped" and rq_job.retries_left == 2  # stopped, no retry spent
+    with pytest.raises(JobCanceled) as ended:
+        job.result(timeout=5)
+    assert ended.value.result["finish_reason"] == "abort"  # its partial result, as any stopped job's
+    assert job.rq_job.latest_result().type == Result.Type.STOPPED
+
+
 def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwise():
     import torch
 

@@ -573,6 +573,8 @@ class BatchWorker(BaseWorker):
             self._step_s = time.perf_counter() - started
             for seconds in self.pump.take_step_times():  # the engine's own (an engine process: its child's)
                 self.metrics.step.observe(seconds)
+            if self.pump.failure:  # an engine process died in this step: a stop-job heard meanwhile still stops
+                events = self._apply_stop_requests(events)
             if self._route(events):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
@@ -1371,9 +1373,12 @@ class BatchWorker(BaseWorker):
                 status = ending[job_id]  # None: its hash was deleted (Redis still knows this worker: not data lost)
                 self._canceled(self.in_flight[job_id], events, stopped=status == b"stopped", deleted=status is None)
 
-    def _apply_stop_requests(self) -> None:
+    def _apply_stop_requests(self, died_in: list[JobEvent] | None = None) -> list[JobEvent]:
         """RQ's stop-job commands. A job this worker has marked started but not yet handed to the engine (a step
-        can pass meanwhile) is stopped once it is: the command was ignored, and the job ran to its end."""
+        can pass meanwhile) is stopped once it is: the command was ignored, and the job ran to its end. ``died_in``:
+        the events of the step an engine process died in; a job asked to stop ends stopped with its own (its failure,
+        retryable, would have run it again elsewhere); the others' are returned."""
+        died_in = list(died_in or [])
         asked, self._stops_waiting = self._stops_waiting, []
         while not self._stop_jobs.empty():
             asked.append(self._stop_jobs.get())
@@ -1385,11 +1390,17 @@ class BatchWorker(BaseWorker):
             if job is not None and execution is not None and job.execution.id != execution:
                 log.info("stop-execution %s of job %s: not the one running here, ignored", execution, job_id)
                 continue
-            events = self.pump.cancel(job_id) if job is not None else []
+            own = [e for e in died_in if e.job_id == job_id]
+            if job is not None and own and own[-1].retryable:  # (not one that ended before the engine died)
+                events = [*own[:-1], JobEvent(job_id, finish_reason="abort")]  # (what a cancel gets of a dead engine)
+                died_in = [e for e in died_in if e.job_id != job_id]
+            else:
+                events = self.pump.cancel(job_id) if job is not None else []
             if not events:
                 log.info("stop-job %s: not in flight here, ignored", job_id)
                 continue
             self._canceled(job, events, stopped=True)
+        return died_in
 
     def _on_its_way(self, job_id: str, since: float) -> bool:
         """Whether this worker took ``job_id`` and has yet to hand it to the engine (for a few seconds at most)."""
@@ -1446,6 +1457,7 @@ class BatchWorker(BaseWorker):
         retryably (RQ retries it elsewhere, as after a failed step); then the worker stops."""
         self.puller.stop()  # first: a job requeued by its failure must not come back to this worker
         self._apply_arrivals()
+        self._apply_stop_requests()  # those waiting for their job to arrive: stopped, not run again elsewhere
         # Those that never reached the engine (taken by the last pulls) go back to their queues, retries untouched:
         # failed with the rest, each spent a retry (with none left, failed for good) for a death not theirs.
         if unsent := self.pump.unsent():
