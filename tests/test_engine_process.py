@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -648,15 +649,39 @@ def test_the_workers_side_of_an_engine_process_leaves_what_it_loaded_out_of_coll
 
 
 @pytest.mark.slow
-def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
+def engine_that_marks_its_idle_steps(step_s: float, path: str) -> FakeEngine:
+    """Touches ``path`` after a step that left it no request: the job's end is made, its cancel comes after it."""
+    engine = fake_engine(step_s)
+    step = engine.step
+
+    def marking_step(flush=True):
+        outs = step(flush)
+        if not engine.requests:
+            Path(path).touch()
+        return outs
+
+    engine.step = marking_step
+    return engine
+
+
+def _wait_for_file(path: Path) -> None:
+    until = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < until, "the child never ended the job"
+        time.sleep(0.01)
+    path.unlink()
+
+
+def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out(tmp_path):
     """The child ended the job while its cancel was on the way: the answer names no such job, and the job's last
     event, read while waiting for it, is still work to hand out (else a quiet worker never steps again to take it,
     and the job stays in flight for good)."""
-    pump = EngineProcess(partial(fake_engine, 0.05))  # 3 steps: longer than step() waits for the first event
-    try:
+    idle = tmp_path / "idle"
+    pump = EngineProcess(partial(engine_that_marks_its_idle_steps, 0.05, str(idle)))  # 3 steps: longer than
+    try:  # step() waits for the first event
         pump.submit("a", {"prompt": "x"}, _params(3))
         pump.step()  # sent; the child runs it to its end on its own
-        time.sleep(0.6)
+        _wait_for_file(idle)
         assert pump.cancel_many(["a"]) == {}
         assert pump.has_work()
         assert [(e.job_id, e.finish_reason) for e in _drain(pump) if e.finished] == [("a", "length")]
@@ -665,7 +690,7 @@ def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out():
         # finished work thrown away).
         pump.submit("b", {"prompt": "x"}, _params(3))
         pump.step()
-        time.sleep(0.6)
+        _wait_for_file(idle)
         assert pump.cancel_many(["b"]) == {}
         assert [(e.job_id, e.finish_reason) for e in pump.pending_events() if e.finished] == [("b", "length")]
         assert not pump.has_work() and pump.pending_events() == []
