@@ -196,10 +196,10 @@ class Scheduler:
             self._choose_rope(seq)
 
     def _make_room(self) -> list[Sequence]:
-        """Preempt running requests that come after the first waiting one by priority while it lacks a slot or
-        the blocks of its first chunk: it is admitted in their place. None is preempted where even all of them would
-        not let it in this step (blocks, the budget the others leave, a first sample still taking the prompt): their
-        K/V would be thrown away for nothing, their slots left idle."""
+        """Preempt running requests that come after the first waiting one by priority while it lacks a slot, the
+        blocks of its first chunk or a budget for it: it is admitted in their place. None is preempted where even
+        all of them would not let it in this step (blocks, the budget the others leave, a first sample still taking
+        the prompt): their K/V would be thrown away for nothing, their slots left idle."""
         if not (self._waiting and self._running):
             return []
         head = self._waiting[0]
@@ -221,7 +221,7 @@ class Scheduler:
     def _head_fits(self, head: Sequence, without: list[Sequence] | tuple[()] = ()) -> bool:
         """Whether the free blocks hold what the running requests take this step and then ``head``'s first chunk,
         as the admission loop would size it (after its prefix hit, within the budget they leave). ``without``:
-        were these requests preempted first (their blocks back in the pool; the head then needs budget left)."""
+        were these requests preempted first (their blocks and their budget back). No budget left: it does not fit."""
         budget, needed, skipped = self.max_num_batched_tokens, 0, {id(s) for s in without}
         for seq in self._step_order():
             if id(seq) in skipped:
@@ -229,7 +229,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             needed += self._blocks_for(seq, seq.num_computed_tokens + n)
             budget -= n
-        if without and budget == 0:
+        if budget == 0:  # the admission loop would take no chunk of it this step
             return False
         freed = self.kv.freed_by([s.request_id for s in without]) if without else set()
         hit = self.kv.lookup_computed_blocks(head)  # not counted in the hit-rate stats: admission counts it

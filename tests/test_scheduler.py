@@ -294,3 +294,21 @@ def test_no_request_is_preempted_for_a_waiting_one_that_could_not_be_admitted_an
     run_step(sched)
     add_p(sched, "head", 3, 1)
     assert run_step(sched).preempted == [low]
+
+
+def test_room_made_for_a_waiting_request_includes_the_budget_it_needs():
+    """The head lacked a slot; preempting the last request by priority gave it one, but a lower-priority prefill
+    still took the whole budget, so the head was not admitted: the victim's K/V thrown away, its slot idle for
+    steps. Room is made until the head gets a chunk, here by preempting that prefill too."""
+    _, sched = make(num_blocks=64, block_size=4, max_seqs=3, budget=8)
+    add_p(sched, "B", 3, -1)  # decoding, before the head by priority
+    c = add_p(sched, "C", 3, 1)  # decoding, last by priority
+    run_step(sched)
+    a = add_p(sched, "A", 40, 0)  # a prefill of what the decodes leave of the budget, for steps
+    run_step(sched)
+    head = add_p(sched, "H", 5, -1)
+    out = run_step(sched)
+    assert out.preempted == [c, a] and head.status is SequenceStatus.RUNNING
+    scheduled = {x.seq.request_id: (x.start, x.num_tokens) for x in out.scheduled}
+    # "A" takes what budget is left again, after its prefix hit: the block it had filled stayed in the cache.
+    assert scheduled == {"B": (4, 1), "H": (0, 5), "A": (4, 2)} and c.status is SequenceStatus.WAITING
