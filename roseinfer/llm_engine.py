@@ -450,12 +450,7 @@ class LLMEngine:
                 detok.prime(prefix)
                 if detok.stop_hit is not None:
                     raise ValueError("the output prefix already contains a stop string: the request had ended")
-            generator = None
-            seed = params.sample_seed(index)
-            if seed is not None:
-                generator = seeded_generator(seed, self.device)
-                if not params.greedy:
-                    advance_generator(generator, len(prefix))
+            generator = self._generator_for(params, index, len(prefix))
             seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
             seq = Sequence(
                 seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
@@ -599,6 +594,7 @@ class LLMEngine:
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)  # the current device is per thread: a worker steps from its own
         outputs: list[RequestOutput] = []
+        sched = None
         try:
             sched = self.scheduler.schedule()
             if not sched.is_empty:
@@ -610,6 +606,12 @@ class LLMEngine:
             # The blocks this step registered in the prefix cache were never filled (out of memory, an interrupt
             # in the schedule or the masks): a later request with the same prefix would read them.
             self.scheduler.forget_step()
+            # Its draws too: a seeded request that runs on (sent back to waiting, or kept by a caller that goes on)
+            # draws what a run without the failure would.
+            for item in sched.scheduled if sched is not None else ():
+                seq = item.seq
+                if item.samples and seq.generator is not None:
+                    seq.generator = self._generator_for(seq.params, seq.index, seq.num_output_tokens)
             self.undelivered = outputs  # the last step's, made before this one failed: ``take_undelivered``
             raise
         if sched.is_empty:
@@ -630,6 +632,17 @@ class LLMEngine:
         if not self._overlap:
             outputs += self._emit_pending()
         return outputs
+
+    def _generator_for(self, params: SamplingParams, index: int, drawn: int) -> torch.Generator | None:
+        """Sample ``index``'s own generator where its request has a seed, past the draws of its first ``drawn``
+        tokens (a resumed prefix's, or those a failed step left): it draws what an uninterrupted run draws next."""
+        seed = params.sample_seed(index)
+        if seed is None:
+            return None
+        generator = seeded_generator(seed, self.device)
+        if not params.greedy:
+            advance_generator(generator, drawn)
+        return generator
 
     def _end_check(self, seq: Sequence, token: int, now: float) -> bool:
         """What ends ``seq`` at ``token`` without its text: EOS, a stop id, its structured output refusing or

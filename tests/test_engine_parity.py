@@ -169,6 +169,40 @@ def test_a_failed_step_leaves_no_unfilled_block_in_the_prefix_cache(tiny_llama, 
     assert engine.kv.num_used_blocks == 0
 
 
+def test_a_failed_step_takes_back_the_draws_of_the_seeded_requests_that_run_on(tiny_llama, monkeypatch):
+    """A step that fails after its sampler drew (prompt logprobs out of memory): the request it admitted on a
+    prefix hit goes back to waiting and runs again, and its seeded generator, one draw ahead, gave every later token
+    from the wrong draw. Its output is the one a run without the failure gives."""
+    prompt = list(range(10, 22))  # 3 full blocks of 4: the seeded request's prefix hit
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=1234)
+
+    def run(fail: bool) -> list[int]:
+        engine = LLM(tiny_llama, dtype="float32", block_size=4).engine
+        engine.add_request("warm", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.add_request("s", {"prompt_token_ids": prompt + [99]}, seeded)
+        if fail:
+            engine.add_request("q", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, prompt_logprobs=1))
+            logprobs = engine.runner._prompt_logprobs
+
+            def out_of_memory(*args, **kwargs):
+                monkeypatch.setattr(engine.runner, "_prompt_logprobs", logprobs)
+                raise RuntimeError("out of memory")
+
+            monkeypatch.setattr(engine.runner, "_prompt_logprobs", out_of_memory)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                engine.step()
+            assert engine.running_request_ids() == ["q"]  # "s" went back to waiting: it runs again
+            engine.abort_request("q")  # as the worker fails the running ones
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        return done["s"]
+
+    assert run(fail=True) == run(fail=False)
+
+
 def test_the_models_generation_config_gives_the_defaults_of_unset_fields(tiny_llama, tmp_path):
     """As vLLM: a model's recommended settings (its generation_config.json) are ``get_default_sampling_params()``,
     what ``generate`` uses when given none; transformers' greedy generate applies its repetition_penalty too, and
