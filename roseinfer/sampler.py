@@ -260,7 +260,8 @@ class Sampler:
             ids += banned
         if ids:
             pairs = to_device([rows, ids], torch.long, logits.device)
-            logits[pairs[0], pairs[1]] = float("-inf")
+            # (not ``logits[rows, ids] = -inf``: on a GPU that copies the number from the host, waiting for the forward)
+            logits.view(-1).index_fill_(0, pairs[0] * logits.shape[1] + pairs[1], float("-inf"))
 
     def _banned(self, seq: Sequence, vocab: int) -> list[int]:
         """The tokens a row cannot choose yet: EOS and its stop tokens until min_tokens are out."""

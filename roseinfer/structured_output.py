@@ -53,7 +53,8 @@ class GrammarMasks:
     def allowed(self, vocab: int) -> torch.Tensor:
         """A bool [len(rows), vocab] tensor: True where the mask allows the token."""
         bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, :vocab]).view(torch.bool)
+        # (contiguous: a strided one is pinned for the GPU through pageable memory, a copy that waits)
+        return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab])).view(torch.bool)
 
 
 class PendingMasks:

@@ -102,10 +102,13 @@ def test_logit_bias_moves_its_rows_tokens_before_the_penalties_and_leaves_logpro
     assert draws == {2, 3}
 
 
-def test_min_tokens_blocks_eos_and_stop_tokens():
-    logits = torch.tensor([[9.0, 0.0, 8.0, 1.0]])
-    s = seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]))
-    assert Sampler([0], 0, torch.device("cpu"))(logits, [s]).token_ids == [3]
+@pytest.mark.parametrize("path", ["kernel", "pytorch"])
+def test_min_tokens_blocks_eos_and_stop_tokens(path, monkeypatch):
+    if path == "pytorch":  # (the GPU's)
+        monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
+    logits = torch.tensor([[9.0, -5.0, 8.0, -1.0], [9.0, -5.0, 8.0, -1.0]])
+    seqs = [seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])), seq(SamplingParams(temperature=0))]
+    assert Sampler([0], 0, torch.device("cpu"))(logits, seqs).token_ids == [3, 0]
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
@@ -148,7 +151,8 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
     """On a GPU a value read back (``tolist``, ``item``, an ``if`` on a tensor), a list as an index (a blocking
     copy) or a shape decided by values (``nonzero``, a boolean mask) waits for the whole forward queued before it:
     ``start`` must do none of them, so a sampled step overlaps the host's work as a greedy one does. On CPU the same
-    code runs, so these are caught here too."""
+    code runs, so these are caught here too. (A number put through a tensor index is copied from the host as a
+    tensor, and waits too.)"""
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 3
     seqs, masks = _mixed_batch(40)
     monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
@@ -167,6 +171,8 @@ def test_sampling_reads_nothing_back_until_its_result(monkeypatch):
             for k in keys:
                 assert not isinstance(k, list), "a list as an index: a blocking host-to-device copy"
                 assert not (isinstance(k, torch.Tensor) and k.dtype == torch.bool), "a boolean mask as an index"
+            if rest and isinstance(rest[0], (int, float)) and any(isinstance(k, torch.Tensor) for k in keys):
+                raise AssertionError("a Python number put through a tensor index: a blocking host-to-device copy")
             return inner(self, key, *rest)
 
         return index
