@@ -16,8 +16,17 @@ source .gpu-pack/activate.sh
 export PYTHONPATH=$PYTHONPATH:$PWD PYTHONUNBUFFERED=1
 # The random models (built once per shape and dtype) and compiled kernels: a place sure to be writable there.
 export ROSEINFER_CACHE_DIR=${ROSEINFER_CACHE_DIR:-/tmp/roseinfer-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b timeline)
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,compute_mode --format=csv,noheader | tee "$out/gpu.txt"
+# What the parts need of the machine, said in a second rather than found out minutes in: Triton compiles its
+# launcher with a C compiler and Python's headers; the queue's parts need the carried redis-server to start.
+{
+  cc=$(command -v cc gcc clang | head -1); echo "C compiler: ${cc:-none, so Triton kernels cannot build}"
+  python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print(h if os.path.exists(h + '/Python.h') else 'no Python.h: Triton cannot build')"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  redis-server --version || echo "the carried redis-server does not start here: the queue parts will fail"
+} 2>&1 | tee "$out/preflight.txt"
 roseinfer=(python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))")
 # within NEED CAP: the seconds this part may take (CAP, or what is left of the budget), or nothing when fewer than
 # NEED are left.
@@ -31,7 +40,8 @@ queue() {  # SmolLM2's shape with its real tokenizer (carried in .gpu-model), 25
   local t; t=$(within "$1" "$2") || return
   timeout "$t" "${roseinfer[@]}" bench-queue --device cuda --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok \
     --dtype bfloat16 --num-prompts 256 --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 \
-    --arrival-interval 0.1 --skip-hf "${@:3}" 2>&1 | grep -v -E "Loading weights|Writing model" | tee -a "$out/queue.log"
+    --arrival-interval 0.1 --skip-hf --worker-log "$out/queue-workers.log" "${@:3}" 2>&1 \
+    | grep -v -E "Loading weights|Writing model" | tee -a "$out/queue.log"
 }
 for part in "${parts[@]}"; do
   echo "== $part at $((SECONDS - start))s" | tee -a "$out/parts.log"
@@ -52,7 +62,8 @@ for part in "${parts[@]}"; do
         --skip-hf ;;
     timeline)  # where a 256-job burst's time goes inside the worker: its pulls, reads, steps and sends, timed
       t=$(within 60 120) && timeout "$t" python3 benchmarks/worker_timeline.py --device cuda --model random:smollm2-135m \
-        --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 --max-num-seqs 256 2>&1 \
+        --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 --max-num-seqs 256 \
+        --worker-log "$out/timeline-worker.log" 2>&1 \
         | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$out/timeline.log" ;;
     queue-profile)  # the queue under py-spy (carried in .gpu-pack): every thread of the bench and of its worker
       t=$(within 90 300) && timeout "$t" py-spy record --subprocesses --threads --nonblocking --format raw \

@@ -38,7 +38,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$here"/whl/*.whl
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:/tmp/redis-bin:$PATH
 mkdir -p /tmp/redis-bin
-printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$here/redis" "$here/redis/redis-server" >/tmp/redis-bin/redis-server
+# With the carried libraries; where one of them wants a newer C library than the machine's, with the machine's own.
+printf '#!/bin/sh\nif LD_LIBRARY_PATH=%s %s --version >/dev/null 2>&1; then export LD_LIBRARY_PATH=%s; fi\nexec %s "$@"\n' \
+  "$here/redis" "$here/redis/redis-server" "$here/redis" "$here/redis/redis-server" >/tmp/redis-bin/redis-server
 chmod +x /tmp/redis-bin/redis-server "$here/redis/redis-server"
 SH
 python3 - <<'PY'

@@ -114,6 +114,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder, for a random:SHAPE model's chat prompts")
     p.add_argument("--worker-flag", action="append", default=[], help="one more worker flag (--engine-process)")
+    p.add_argument("--worker-log", metavar="PATH", help="append the worker's output here (default: dropped)")
     p.add_argument("--serve", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the child: OUT, then worker argv
     args = p.parse_args()
     if args.serve:
@@ -121,7 +122,7 @@ def main() -> int:
 
     from producer import Client
     from roseinfer.bench import load_prompts, resolve_model_arg
-    from worker.bench_queue import WARM_UP_TOKENS, _chat_jobs, _wait_for_worker, warm_up_convs
+    from worker.bench_queue import WARM_UP_TOKENS, _chat_jobs, _wait_for_worker, warm_up_convs, worker_log
     from worker.local_redis import start_private_redis
 
     resolve_model_arg(args)
@@ -132,11 +133,8 @@ def main() -> int:
     worker_argv = ["worker", "--redis-url", url, "--queue", "timeline", "--model", args.model]
     worker_argv += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype, "--device", args.device]
     worker_argv += (["--tokenizer", args.tokenizer] if args.tokenizer else []) + args.worker_flag
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(out), *worker_argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with worker_log(args.worker_log) as log:
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(out), *worker_argv], stdout=log, stderr=log)
     try:
         client = Client(url, queue="timeline")
         _wait_for_worker(client.connection, "timeline", proc)

@@ -394,9 +394,11 @@ def test_bench_queue_without_arrivals_runs_every_pair_and_prints_no_arrival_row(
     args = parser.parse_args(
         ["--model", tiny_chat_model, "--num-prompts", "4", "--max-tokens", "4", "--max-num-seqs", "8", "--repeats", "2",
          "--arrivals", "0", "--stock-jobs", "0", "--redis-url", redis_url, "--json", str(figures),
-         "--temperature", "0.8", "--top-p", "0.9"]
+         "--temperature", "0.8", "--top-p", "0.9", "--worker-log", str(tmp_path / "workers.log")]
     )  # fmt: skip
     assert bench_queue.main(args) == 0  # (the last pair's arrival phase raised on an empty list)
+    logged = (tmp_path / "workers.log").read_text()  # both workers' output, kept (a crash's traceback with it)
+    assert logged.count("bench-roseinfer-0") >= 1 and logged.count("bench-roseinfer-1") >= 1
     out = json.loads(figures.read_text())
     runs = out["runs"]["redis"]
     assert [(r["requests"], r["generated_tokens"]) for r in runs] == [(4, 16), (4, 16)]

@@ -128,6 +128,17 @@ def _fresh_cache_then_warm_up(llm, convs: list[list[dict]], count: int) -> None:
 
 
 @contextlib.contextmanager
+def worker_log(path: str | None) -> Iterator[Any]:
+    """Where a benchmark's worker process writes its output: appended to ``path`` (a crash's traceback kept, on
+    a lent machine whose minutes are few), or nowhere."""
+    if path is None:
+        yield subprocess.DEVNULL
+        return
+    with open(path, "ab") as log:  # (the child holds its own copy of the file once started)
+        yield log
+
+
+@contextlib.contextmanager
 def fresh_worker(args: argparse.Namespace, url: str, convs, queue: str) -> Iterator[Any]:
     """A fresh ``roseinfer worker`` process (so no run profits from another's prefix cache), registered and past
     its warm-up jobs; yields a producer ``Client`` of its queue."""
@@ -136,7 +147,8 @@ def fresh_worker(args: argparse.Namespace, url: str, convs, queue: str) -> Itera
     client = Client(url, queue=queue)
     config = engine_config_from_args(args)
     cmd = worker_command(url, queue, config.model, *engine_flags(config), *args.worker_flag)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with worker_log(args.worker_log) as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log)
     try:
         _wait_for_worker(client.connection, queue, proc)
         for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.warm_up_jobs), WARM_UP_TOKENS)):
@@ -271,6 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--worker-flag", action="append", default=[], metavar="FLAG",
         help="a flag for the worker through Redis only, repeatable: --worker-flag=--engine-process",
     )  # fmt: skip
+    p.add_argument("--worker-log", metavar="PATH", help="append the workers' output here (default: dropped)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -282,13 +295,9 @@ def main(args: argparse.Namespace) -> int:
     convs = load_prompts(args)
     if args.warm_up_jobs is None:
         args.warm_up_jobs = len(convs)
-    resolve_model_arg(args)
-    llm = build_llm(args)
-    model_path = llm.engine.model_path
-
     redis_proc = None
     url = args.redis_url
-    if url is None:
+    if url is None:  # (before the model is built: a machine with no redis-server says so at once)
         url, redis_proc = start_private_redis()
         if redis_proc is None:
             raise SystemExit("no redis-server could be started: pass --redis-url")
@@ -296,6 +305,9 @@ def main(args: argparse.Namespace) -> int:
     # pairs, so both see the same drift, and the medians are compared.
     engine_rows, streamed_rows, redis_rows = [], [], []
     try:
+        resolve_model_arg(args)
+        llm = build_llm(args)
+        model_path = llm.engine.model_path
         for rep in range(args.repeats):
             # The worker boots first: the three runs of a pair then follow each other within a second or two.
             with fresh_worker(args, url, convs, f"bench-roseinfer-{rep}") as client:
