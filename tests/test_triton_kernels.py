@@ -111,6 +111,22 @@ def test_store_and_decode_match_attention_over_the_block_table(heads, kv_heads, 
         idx = torch.tensor([tables[i][p // block_size] * block_size + p % block_size for p in range(c)])
         ref = _ref_attention(q[i : i + 1].cpu(), flat_k[idx].cpu(), flat_v[idx].cpu(), scale, c - 1, window, softcap)
         assert torch.allclose(out[i].cpu().double(), ref[0], atol=1e-5, rtol=1e-4)
+    if window:
+        # Blocks wholly out of the window are freed, and a decode graph's tables still name them (only appended
+        # entries are copied): another request may have filled them with anything, infinities included. None of
+        # it may reach the output.
+        poison = next(blk for blk in range(64) if all(blk not in t for t in tables))
+        k_cache[poison], v_cache[poison] = float("inf"), float("nan")
+        stale = [
+            [poison if j < (c - window) // block_size else blk for j, blk in enumerate(t)]
+            for t, c in zip(tables, ctx_lens)
+        ]
+        again = torch.full_like(q, float("nan"))
+        as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        tk.paged_decode(
+            q, k_cache, v_cache, as_i32(stale), as_i32(ctx_lens), scale, out=again, window=window, softcap=softcap
+        )
+        assert torch.equal(again, out)
 
 
 @pytest.mark.slow

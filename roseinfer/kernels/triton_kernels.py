@@ -68,7 +68,9 @@ def _attend(
     acc = tl.zeros([ROWS, HEAD_DIM_P], tl.float32)
     for start in range((lo // BLOCK_N) * BLOCK_N, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < end
+        # Keys before lo are not even read: a sliding window's freed blocks may hold another request's (a decode
+        # graph's tables still name them), and 0 * inf there would be NaN.
+        n_mask = (n >= lo) & (n < end)
         block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
         row = (block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
         kv_mask = n_mask[:, None] & d_mask[None, :]
