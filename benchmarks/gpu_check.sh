@@ -49,8 +49,9 @@ for part in "${parts[@]}"; do
     queue)  # the worker as one process, then with its engine in a process of its own
       queue 60 150 --json "$out/queue.json"
       queue 60 150 --worker-flag=--engine-process --json "$out/queue-engine-process.json" ;;
-    tests)  # -v, the whole log kept: a run cut off at its cap still names every test that ran
-      t=$(within 60 200) && timeout "$t" python3 -m pytest -x -p no:cacheprovider tests/test_triton_kernels.py \
+    tests)  # -v, the whole log kept: a run cut off at its cap still names every test that ran; no -x: one failure
+      # must not hide what the others would have said, on a machine lent for minutes
+      t=$(within 60 200) && timeout "$t" python3 -m pytest -p no:cacheprovider tests/test_triton_kernels.py \
         tests/test_cuda.py -v 2>&1 | tee "$out/tests.log" | tail -30 ;;
     smol)
       bench 60 150 --model random:smollm2-135m --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 \
