@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+from rq.job import Job
+
 from producer.batch_io import at_least
 from producer.client import (
     DEFAULT_REDIS_URL,
@@ -25,7 +27,7 @@ from producer.client import (
     validate,
 )
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
-from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE
+from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane
 from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -233,7 +235,7 @@ def submit(args: argparse.Namespace) -> int:
         print(job.id)
         return 0
     print(f"job {job.id}", file=sys.stderr)
-    return _follow(client, job, args.stream, args.timeout)
+    return _follow(client, job, args.stream, args.timeout, args=args)
 
 
 def stream(args: argparse.Namespace) -> int:
@@ -249,13 +251,25 @@ def stream(args: argparse.Namespace) -> int:
     if (n := job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
         raise InvalidRequest(f"job {job.id} makes {n} samples: `roseinfer result {job.id}` prints them all")
     live = status in ("queued", "started", "deferred", "scheduled")  # (a job over needs no worker)
-    return _follow(client, job, True, args.timeout, warn=live)
+    # The job's own queue (an id is Redis-wide), not --queue: a warning about another queue sent users astray.
+    origin = client.connection.hget(Job.key_for(job.id), "origin")
+    queue = queue_of_lane(origin.decode(errors="replace")) if origin else None
+    return _follow(client, job, True, args.timeout, warn=live, queue=queue, args=args)
 
 
-def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float | None, warn: bool = True) -> int:
+def _follow(
+    client: Client,
+    job: GenerationJob,
+    streamed: bool,
+    timeout: float | None,
+    warn: bool = True,
+    queue: str | None = None,
+    args: argparse.Namespace | None = None,
+) -> int:
     """Wait for ``job``: its text printed as it comes (``streamed``), then its usage; or its result as JSON.
-    ``warn``: say so if no live worker serves the queue (a wait that could last for good)."""
-    if warn and (warning := client.no_worker_warning()) is not None:
+    ``warn``: say so if no live worker serves the queue (or ``queue``: a wait that could last for good). ``args``:
+    the command's, whose Redis and queue the hints printed after an interruption name."""
+    if warn and (warning := client.no_worker_warning(queue)) is not None:
         print(warning, file=sys.stderr)
     restarted = False
     deadline = None if timeout is None else time.monotonic() + timeout  # the stream and the result's wait
@@ -279,10 +293,10 @@ def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float |
     except JobError as exc:
         return _report(exc, print_result=not streamed)  # streamed: its text is already out
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
-        return _lost_redis(job.id, exc)
+        return _lost_redis(job.id, exc, args)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
-        print(f"\ninterrupted: job {job.id} goes on in the workers; `roseinfer stream {job.id}` follows it again, "
-              f"`roseinfer cancel {job.id}` stops it", file=sys.stderr)  # fmt: skip
+        print(f"\ninterrupted: job {job.id} goes on in the workers; `{_command('stream', job.id, args)}` follows it "
+              f"again, `{_command('cancel', job.id, args)}` stops it", file=sys.stderr)  # fmt: skip
         return 130
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
@@ -300,12 +314,22 @@ def _follow(client: Client, job: GenerationJob, streamed: bool, timeout: float |
     return 0
 
 
-def _lost_redis(job_id: str, exc: Exception) -> int:
+def _lost_redis(job_id: str, exc: Exception, args: argparse.Namespace | None) -> int:
     """Redis went away during a wait, for longer than a follower waits it out (or than ``--timeout``): the job goes
     on in the workers. It said "cannot reach Redis; check --redis-url" with exit 2, as for a wrong URL."""
-    print(f"error: lost Redis while waiting ({exc}); job {job_id} goes on in the workers: `roseinfer result "
-          f"{job_id}` once Redis answers", file=sys.stderr)  # fmt: skip
+    print(f"error: lost Redis while waiting ({exc}); job {job_id} goes on in the workers: "
+          f"`{_command('result', job_id, args)}` once Redis answers", file=sys.stderr)  # fmt: skip
     return 1
+
+
+def _command(verb: str, job_id: str, args: argparse.Namespace | None) -> str:
+    """``roseinfer VERB JOB_ID`` with the --redis-url and --queue this command was given: pasted as printed, it
+    reaches the same Redis."""
+    argv = ["roseinfer", verb, job_id]
+    for flag, value in (("--redis-url", getattr(args, "redis_url", None)), ("--queue", getattr(args, "queue", None))):
+        if value:
+            argv += [flag, value]
+    return shlex.join(argv)
 
 
 def result(args: argparse.Namespace) -> int:
@@ -317,7 +341,7 @@ def result(args: argparse.Namespace) -> int:
     except REDIS_UNAVAILABLE as exc:
         if not client.reached:  # (never answered: a wrong URL, said as such)
             raise
-        return _lost_redis(args.job_id, exc)
+        return _lost_redis(args.job_id, exc, args)
     return 0
 
 

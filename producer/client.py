@@ -567,9 +567,11 @@ class Client:
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
         }
 
-    def workers(self) -> list[dict[str, Any]]:
-        """The live workers of the queue: name, state, model, jobs in flight, tokens/s, Redis health."""
-        workers = Worker.all(connection=self.connection, queue=self.queue)
+    def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
+        """The live workers of the queue (or of ``queue``): name, state, model, jobs in flight, tokens/s, Redis
+        health."""
+        serving = self.queue if queue is None else Queue(queue, connection=self.connection)
+        workers = Worker.all(connection=self.connection, queue=serving)
         with self.connection.pipeline(transaction=False) as pipe:
             for w in workers:
                 pipe.hgetall(STATS_KEY.format(worker=w.name))
@@ -596,11 +598,11 @@ class Client:
             )
         return rows
 
-    def no_worker_warning(self) -> str | None:
-        """A warning when no live worker serves the queue (its jobs wait there), else None."""
-        if self.workers():
+    def no_worker_warning(self, queue: str | None = None) -> str | None:
+        """A warning when no live worker serves the queue (or ``queue``: its jobs wait there), else None."""
+        if self.workers(queue):
             return None
-        name = self.queue.name
+        name = self.queue.name if queue is None else queue
         return (
             f"warning: no live worker serves queue {name!r} (yet): its jobs wait there until one starts "
             f"(roseinfer worker --queue {name}; roseinfer status lists the workers)"

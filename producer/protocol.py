@@ -86,6 +86,14 @@ def lane_priority(queue: str, name: str) -> int | None:
     return priority if MIN_PRIORITY <= priority <= MAX_PRIORITY and lane_name(queue, priority) == name else None
 
 
+def queue_of_lane(name: str) -> str:
+    """The queue whose lane ``name`` is (a job's ``origin``), or ``name`` itself: the one its workers serve."""
+    base, sep, _ = name.rpartition(":p")
+    if sep and base and lane_priority(base, name) not in (None, 0):
+        return base
+    return name
+
+
 def lanes(connection: Any, queue: str) -> list[tuple[int, str]]:
     """(priority, queue name) of every lane of ``queue`` RQ knows (``rq:queues``), first-served first. The
     interactive (0) and bulk lanes are always there, so a worker serves both from its start."""

@@ -472,6 +472,11 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["submit", "x", "--wait", "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert f"no live worker serves queue {queue!r}" in err and err.count("\n") == 3
+    # ``stream`` of a job warns about the job's own queue (its lane's), whatever --queue says: an id is Redis-wide.
+    lane = Client(redis_url, queue=queue).submit("x", max_tokens=2, priority=-5)
+    assert main(["stream", lane.id, "--redis-url", redis_url, "--timeout", "0.3"]) == 124
+    err = capsys.readouterr().err
+    assert f"no live worker serves queue {queue!r}" in err and "'roseinfer'" not in err
     bad_db = redis_url.rsplit("/", 1)[0] + "/999"
     assert main(["status", "--redis-url", bad_db]) == 2
     err = capsys.readouterr().err
@@ -583,7 +588,12 @@ def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(mon
     monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
     assert producer_cli.submit(_parse("submit", "hi", "--wait")) == 130
     err = capsys.readouterr().err
-    assert "job j7 goes on in the workers" in err and "roseinfer cancel j7" in err and "roseinfer stream j7" in err
+    assert "job j7 goes on in the workers" in err and "`roseinfer cancel j7`" in err and "`roseinfer stream j7`" in err
+    # The commands it prints reach the Redis and queue this one was given: pasted as printed, they found no job.
+    url = "redis://10.0.0.5:6379/3"
+    assert producer_cli.submit(_parse("submit", "hi", "--wait", "--redis-url", url, "--queue", "my q")) == 130
+    err = capsys.readouterr().err
+    assert f"`roseinfer cancel j7 --redis-url {url} --queue 'my q'` stops it" in err
 
 
 def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monkeypatch):
