@@ -600,7 +600,7 @@ class Client:
 
     def no_worker_warning(self, queue: str | None = None) -> str | None:
         """A warning when no live worker serves the queue (or ``queue``: its jobs wait there), else None."""
-        if self.workers(queue):
+        if self.workers() if queue is None else self.workers(queue):
             return None
         name = self.queue.name if queue is None else queue
         return (
