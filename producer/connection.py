@@ -101,11 +101,11 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
     for item in hostlist.split(","):
         host, colon, port = item.rpartition(":")
         if not colon or not host or not port.isdigit():
-            raise InvalidRedisURL(f"a sentinel address is host:port, got {item!r} in {_redact(url)}")
+            raise InvalidRedisURL(f"a sentinel address is host:port, got {item!r} in {redacted_url(url)}")
         hosts.append((host.strip("[]"), int(port)))
     parts = [p for p in path.split("/") if p]
     if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-        raise InvalidRedisURL(f"a Sentinel URL ends in /service or /service/db, got {_redact(url)}")
+        raise InvalidRedisURL(f"a Sentinel URL ends in /service or /service/db, got {redacted_url(url)}")
     params = parse_qs(query)
     return SentinelURL(
         hosts,
@@ -130,12 +130,13 @@ def queue_urls(spec: str | None) -> dict[str, str]:
             continue
         queue, eq, url = item.partition("=")
         if not eq or not queue.strip() or not url.strip():
-            raise InvalidRedisURL(f"{QUEUE_URLS_ENV} takes queue=URL pairs separated by ';', got {_redact(item)!r}")
+            shown = redacted_url(item)
+            raise InvalidRedisURL(f"{QUEUE_URLS_ENV} takes queue=URL pairs separated by ';', got {shown!r}")
         mapping[queue.strip()] = url.strip()
     return mapping
 
 
-def _redact(url: str) -> str:
+def redacted_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
 
@@ -195,13 +196,13 @@ def _connect(
         parts = urlsplit(url)
         if parts.scheme in ("redis", "rediss") and parts.path.strip("/") and not parts.path.strip("/").isdigit():
             # redis-py ignores a path it cannot read: the jobs went to database 0
-            raise InvalidRedisURL(f"the database in {_redact(url)} is not a number ({parts.path.strip('/')!r})")
+            raise InvalidRedisURL(f"the database in {redacted_url(url)} is not a number ({parts.path.strip('/')!r})")
         try:
             if pool_class is None:
                 return client_class.from_url(url, **kwargs)
             client = client_class(connection_pool=pool_class.from_url(url, **kwargs))
         except ValueError as exc:
-            raise InvalidRedisURL(f"{exc} (got {_redact(url)}; or redis+sentinel://host:port/service)") from None
+            raise InvalidRedisURL(f"{exc} (got {redacted_url(url)}; or redis+sentinel://host:port/service)") from None
         client.auto_close_connection_pool = True  # closed with the client, as the pool from_url makes is
         return client
     sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password, **_TIMEOUTS}, socket_timeout=5)

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from producer.aio import AsyncClient, AsyncGenerationJob
 from producer.chat_render import ChatRenderer, ChatRenderers, chat_digests
 from producer.client import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
+from producer.connection import REDIS_UNAVAILABLE, connect, redacted_url
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -797,6 +798,12 @@ def run_server(
     gc.collect()
     gc.freeze()
     log.warning("serving the OpenAI API for queue %r on http://%s:%d/v1", queue, host, port)
+    if client is None:  # (served anyway, as a worker waits for Redis: /health and requests say 503 until it answers)
+        try:
+            connect(redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
+        except REDIS_UNAVAILABLE as exc:
+            url = redacted_url(redis_url)
+            log.warning("Redis does not answer at %s (%s): requests get 503 until it does", url, exc)
     with contextlib.suppress(KeyboardInterrupt):
         # A stop waits this long for open requests, then cancels them (their jobs too): without a bound it waited
         # for every stream to end, and the orchestrator's kill then left their jobs running for no one.

@@ -703,3 +703,21 @@ def test_first_hour_mistakes_get_one_line_each(tmp_path, monkeypatch, capsys):
     args = cli.build_parser().parse_args(["worker", "--quantization", "none"])
     assert cli.load_settings(args).engine_config().quantization is None
     assert WorkerSettings().engine_config().quantization == "int8"
+
+
+def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_taken_in_one_line(capsys):
+    """``--port 99999`` was two tracebacks from uvicorn; ``--timeout -5`` answered every request 504; a port taken
+    logged "serving" first, then uvicorn's error."""
+    import socket
+
+    from worker.cli import main
+
+    for flags, said in ((["--port", "99999"], "a port is at most 65535"), (["--timeout", "-5"], "must be above 0")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", *flags])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another --host or --port\n"

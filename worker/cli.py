@@ -10,15 +10,17 @@ import argparse
 import logging
 import os
 import re
+import socket
 import sys
 import typing
 
 from pydantic import ValidationError
 
+from producer.batch_io import at_least
 from producer.protocol import installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.tool_calls import TOOL_CALL_PARSERS
-from roseinfer.config import EngineConfig, engine_options
+from roseinfer.config import ConfigError, EngineConfig, engine_options
 from worker.settings import ENV_PREFIX, WorkerSettings, unknown_env_vars
 
 
@@ -105,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     from producer.cli import target
     from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
 
+    _check_listen(args.host, args.port)  # (a port taken said in one line, before "serving", not after it)
     if not args.embedded:
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
@@ -113,6 +116,25 @@ def serve(args: argparse.Namespace) -> int:
     from worker.embedded import serve_embedded
 
     return serve_embedded(args)
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    port = at_least(int, 1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {text}")
+    return int(port)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Whether the server can listen on host:port: a ConfigError saying why not (a port taken, an address this
+    machine does not have)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).split(" (while attempting")[0]  # (create_server's text repeats the address)
+        raise ConfigError(f"cannot listen on {host}:{port} ({why}); choose another --host or --port") from None
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -128,14 +150,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from producer.cli import add_connection_arguments
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the queue (chat and text completions)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument(
         "--api-key", default=os.environ.get("ROSEINFER_API_KEY") or None,
         help="a bearer token every /v1 request must carry (default: $ROSEINFER_API_KEY, kept out of ps as vLLM's "
         "VLLM_API_KEY is)",
     )  # fmt: skip
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request waits for its job")
+    p.add_argument(
+        "--timeout", type=at_least(float, 0, inclusive=False), default=600.0,
+        help="seconds a request waits for its job (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
         help='the model\'s own tool-call format, read for tool_choice "auto" (vLLM\'s names; hermes: <tool_call> '
