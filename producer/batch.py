@@ -52,6 +52,7 @@ from producer.openai_api import (
     chat_choices,
     chat_logprobs,
     completion_choices,
+    fit_to_context,
     parse,
     prompt_logprobs,
     samples,
@@ -254,7 +255,7 @@ def _utf8(text: str | bytes) -> str:
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text.rstrip("\r\n"))  # (with its newline, a line cut short was said to end on line 2)
     except ValueError as exc:  # JSONDecodeError, or a number past Python's 4,300 digits (it stopped the whole run)
         raise BadLine(f"not JSON: {exc}") from None
     except RecursionError:  # arrays or objects nested past the parser's depth: it stopped the whole run
@@ -311,6 +312,8 @@ def _payload(
     ``response_format``: the run's, for a request that gives none: read with the request, as the server would read
     it there (added to the job afterwards, a reasoning parser's thinking never heard of it: the JSON answer went to
     the reasoning, the content was null)."""
+    if "body" not in obj and ("method" in obj or "url" in obj):  # (else read as a plain line: "unknown field url")
+        raise ValueError("an OpenAI batch line needs a body: the request, as a JSON object")
     if "body" not in obj:
         payload = {k: v for k, v in obj.items() if k != "custom_id"}
         return ("/v1/chat/completions" if "messages" in payload else "/v1/completions"), payload, {}, (None, None)
@@ -356,7 +359,8 @@ def _payload(
     # --max-tokens): set aside, taken only where the run gives none.
     given = parsed.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in parsed.model_fields_set else set())
     api_defaults = {k: payload.pop(k) for k in ("n", "max_tokens") if k in payload and k not in given}
-    return url, {**payload, **own}, api_defaults, (asked, parsed)
+    # A max_tokens the body sets must fit the context, as the server (and OpenAI's Batch API) refuses it otherwise.
+    return url, {**fit_to_context(payload), **own}, api_defaults, (asked, parsed)
 
 
 def _text_format(response_format: dict[str, Any]) -> dict[str, Any]:
@@ -679,12 +683,12 @@ def run_batch(
     try:
         summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
         with _only_run_on(output_path):
+            client.connection.ping()  # a Redis that does not answer: one error, and nothing written (settings, errors)
             sink = _open_sink(output_path, out_fmt, input_path, in_fmt, options)
             done = sink.done()
             settings, queue = _settings_on(output_path, options, queue)
             run_id = _run_id_of(output_path, run_id)
             _check_settings(output_path, settings, bool(done), run_id=run_id)  # a refused run leaves the last errors
-            client.connection.ping()  # a Redis that does not answer: one error, and the last errors file stays
             with open_lines(errors_path, "w") as err, _signals_interrupt():
                 progress = Progress(summary["total"], 0, 0, log_interval)
                 sink.open(err)

@@ -545,10 +545,12 @@ def batch(args: argparse.Namespace) -> int:
         done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
         detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
         lost = isinstance(exc, RedisLost)
+        # (a --fresh run's literal command again would start another run: this one is its id pinned instead)
+        again = "this command (the run's --run-id, not --fresh)" if args.fresh else "the same command again"
         print(
             f"{exc if lost else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the workers.\n"
-            f"To resume{' once Redis answers' if lost else ''}, run the same command again: it skips the custom_ids "
-            f"already in {args.output} and picks up the jobs still queued or finished in Redis:\n"
+            f"To resume{' once Redis answers' if lost else ''}, run {again}: it skips the custom_ids already in "
+            f"{args.output} and picks up the jobs still queued or finished in Redis:\n"
             f"  {resume_command(args, run_id)}",
             file=sys.stderr,
         )

@@ -425,7 +425,8 @@ def parse(
 def fit_to_context(fields: dict[str, Any]) -> dict[str, Any]:
     """The server's job: a max_tokens the request sets (or the legacy default's 16) must fit the context beside the
     prompt, or the job fails, answered 400 as OpenAI's and vLLM's servers answer (only the worker counts the
-    prompt). A batch run keeps the payload's default, cut at the context, as vLLM's offline ``LLM`` does."""
+    prompt). A batch run does so for its OpenAI lines that set max_tokens; the others keep the payload's default,
+    cut at the context, as vLLM's offline ``LLM`` does."""
     return {**fields, "context_overflow": "error"} if fields.get("max_tokens") is not None else fields
 
 

@@ -12,7 +12,15 @@ import pytest
 from conftest import ThreadWorker, stuck_worker
 
 from producer import Client
-from producer.batch import Progress, default_errors_path, job_id_for, output_line, parse_line, run_batch
+from producer.batch import (
+    BadLine,
+    Progress,
+    default_errors_path,
+    job_id_for,
+    output_line,
+    parse_line,
+    run_batch,
+)
 from producer.protocol import BULK_PRIORITY, installed_version, lane_name
 
 
@@ -386,6 +394,16 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}))
     assert line.payload["messages"] == [{"role": "user", "content": "Hi\nthere"}]  # parts join as in vLLM
     assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
+    # A max_tokens the body sets must fit the context, as the server refuses it (it was cut at the context).
+    assert line.payload["context_overflow"] == "error"
+    without = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+    line = parse_line(1, json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": without}))
+    assert "context_overflow" not in line.payload  # the run's --max-tokens, or the context: cut, as vLLM's LLM
+    # A line with the OpenAI fields but no body was read as a plain line: "method: unknown field; url: ...".
+    with pytest.raises(BadLine, match="an OpenAI batch line needs a body"):
+        parse_line(1, json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/chat/completions"}))
+    with pytest.raises(BadLine, match=r"line 1 column 27 \(char 26\)"):  # (its newline made it "line 2 column 1")
+        parse_line(1, '{"prompt": "broken json", \n')
     assert (line.payload["logprobs"], line.payload["top_logprobs"]) == (True, 2)
     result = {
         "id": "j",

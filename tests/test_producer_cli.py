@@ -333,6 +333,9 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     assert command.startswith(f"roseinfer batch {shlex.quote(str(src))} -o {shlex.quote(str(out))} ")
     assert "--fresh" not in command and ("--run-id" in command) == fresh
     assert f"--queue {worker.queue}" in command and "--max-in-flight 3" in command
+    # "the same command again" would be another --fresh run: its id pinned is the one to run
+    assert ("run this command (the run's --run-id, not --fresh)" in err) == fresh
+    assert ("run the same command again" in err) == (not fresh)
 
     monkeypatch.setattr(Progress, "tick", real_tick)
     monkeypatch.setattr(batch_mod, "_submit", real_submit)
@@ -721,3 +724,16 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert err == f"error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another --host or --port\n"
+
+
+def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
+    """README: a run refused before it starts writes nothing. Its settings file was written before Redis was asked,
+    and stayed."""
+    from worker.cli import main
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(rows), "-o", str(out), "--max-tokens", "5", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "cannot reach Redis" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
