@@ -358,7 +358,7 @@ class AsyncGenerationJob:
                         if "finish_reason" in event:
                             return
                         if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
-                            raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+                            raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
                     if idle and timeout is not None:
                         deadline = outage.deadline = time.monotonic() + timeout
                     continue
@@ -374,7 +374,7 @@ class AsyncGenerationJob:
                     if status == "finished":  # its wait for a final event ends by the deadline (a clock read apart)
                         raise stream_expired(self.id)
                     what = "no event" if idle else "no end of stream"
-                    raise TimeoutError(f"job {self.id}: {what} within {timeout} s")
+                    raise TimeoutError(f"job {self.id}: {what} within {timeout:g} s")
         finally:
             self.client.hub.leave(follower)
 
@@ -455,7 +455,7 @@ class AsyncGenerationJob:
                     return await asyncio.to_thread(self._sync.result, left)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+                    raise TimeoutError(f"job {self.id}: no result within {timeout:g} s (status {status})")
                 if follower is None:  # followed, then a look again: an end in between is not missed
                     # From the stream's last entry now, not its first: a waiter joining a long stream read and decoded
                     # all of it, and dragged the hub's shared read of that key back to its start.

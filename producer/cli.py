@@ -295,9 +295,11 @@ def _follow(
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
         return _lost_redis(job.id, exc, args)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
-        print(f"\ninterrupted: job {job.id} goes on in the workers; `{_command('stream', job.id, args)}` follows it "
-              f"again, `{_command('cancel', job.id, args)}` stops it", file=sys.stderr)  # fmt: skip
+        print(f"\ninterrupted: job {job.id} goes on in the workers; {_follow_or_cancel(job.id, args)}", file=sys.stderr)
         return 130
+    except TimeoutError as exc:  # --timeout ran out: the job goes on all the same
+        print(f"error: {exc}; it goes on in the workers: {_follow_or_cancel(job.id, args)}", file=sys.stderr)
+        return 124  # as timeout(1)
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `roseinfer result {job.id}` prints the answer alone", file=sys.stderr)  # fmt: skip
@@ -322,6 +324,10 @@ def _lost_redis(job_id: str, exc: Exception, args: argparse.Namespace | None) ->
     return 1
 
 
+def _follow_or_cancel(job_id: str, args: argparse.Namespace | None) -> str:
+    return f"`{_command('stream', job_id, args)}` follows it again, `{_command('cancel', job_id, args)}` stops it"
+
+
 def _command(verb: str, job_id: str, args: argparse.Namespace | None) -> str:
     """``roseinfer VERB JOB_ID`` with the --redis-url and --queue this command was given: pasted as printed, it
     reaches the same Redis."""
@@ -338,6 +344,9 @@ def result(args: argparse.Namespace) -> int:
         print(json.dumps(client.job(args.job_id).result(timeout=args.timeout), ensure_ascii=False))
     except JobError as exc:
         return _report(exc)
+    except TimeoutError as exc:
+        print(f"error: {exc}; it goes on in the workers: {_follow_or_cancel(args.job_id, args)}", file=sys.stderr)
+        return 124
     except REDIS_UNAVAILABLE as exc:
         if not client.reached:  # (never answered: a wrong URL, said as such)
             raise

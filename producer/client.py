@@ -808,7 +808,7 @@ class GenerationJob:
                     if "finish_reason" in event:
                         return
                     if deadline is not None and time.monotonic() >= deadline:  # tokens still coming: not the end
-                        raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+                        raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
             if reply:
                 continue
             # One reading of the clock for the checks below: a finished job's wait may end at the deadline itself, and
@@ -833,7 +833,7 @@ class GenerationJob:
                 if now >= expired_at:
                     raise stream_expired(self.id)
             if deadline is not None and now >= deadline:
-                raise TimeoutError(f"job {self.id}: no end of stream within {timeout} s")
+                raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
 
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
@@ -901,7 +901,7 @@ class GenerationJob:
                     self._raise_ended(status, result)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"job {self.id}: no result within {timeout} s (status {status})")
+                    raise TimeoutError(f"job {self.id}: no result within {timeout:g} s (status {status})")
                 wait = 1.0 if left is None else min(1.0, left)
                 try:
                     if not channels:  # the stream's end is waited on instead

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import shlex
 
 import fakeredis
@@ -471,6 +472,7 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["result", job.id, "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no result within 0.3 s" in err and job.status() == "queued"
+    assert f"it goes on in the workers: `roseinfer stream {job.id} --redis-url" in err  # and how to stop it
     # A wait on a queue no worker serves says so (it waited in silence, for good without --timeout).
     assert main(["submit", "x", "--wait", "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
@@ -480,6 +482,7 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["stream", lane.id, "--redis-url", redis_url, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert f"no live worker serves queue {queue!r}" in err and "'roseinfer'" not in err
+    assert re.search(r"no end of stream within 0\.\d+ s;", err)  # (what was left of 0.3 s, not 0.29999873...)
     bad_db = redis_url.rsplit("/", 1)[0] + "/999"
     assert main(["status", "--redis-url", bad_db]) == 2
     err = capsys.readouterr().err
@@ -723,7 +726,8 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another --host or --port\n"
+    said = f"error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another --host or --port\n"
+    assert err == said
 
 
 def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
