@@ -651,7 +651,11 @@ class LLMEngine:
         p = seq.params
         reason: str | None = None
         stop_reason: str | int | None = None
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.grammar is not None and (dead_end := self.structured.dead_end(seq)) is not None:
+            # Met while filling its mask, which then allowed EOS alone: not a complete output, as "stop" said.
+            log.error("request %s: its structured output can go no further: %s", seq.request_id, dead_end)
+            reason = "abort"
+        elif seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
             elif token in p.stop_token_ids:

@@ -225,6 +225,12 @@ class StructuredOutputManager:
         return bool(seq.grammar.consume_token(token))
 
     @staticmethod
+    def dead_end(seq: Sequence) -> str | None:
+        """Why the request's matcher can go no further (a schema or pattern no text completes: it met that filling
+        the mask), or None."""
+        return _said(seq.grammar.get_error()) if seq.grammar.is_error() else None
+
+    @staticmethod
     def is_done(seq: Sequence) -> bool:
         """The constraint is complete and nothing may follow: the request ends as if it sampled EOS."""
         return bool(seq.grammar.is_stopped())

@@ -305,8 +305,27 @@ def test_a_token_the_constraint_refuses_fails_the_job_not_as_a_cancel(llm, monke
         ends.update((e.job_id, e) for e in pump.step() if e.finished)
     refused = ends["refused"]
     assert (refused.finish_reason, refused.error_type, refused.retryable) == ("error", "server_error", False)
-    assert "refused a token" in refused.error and refused.output is not None
+    assert "refused the token the model produced" in refused.error and refused.output is not None
     assert ends["free"].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
+                  "$defs": {"x": {"$ref": "#/$defs/x"}}}},
+        {"regex": "ab[^\\s\\S]"},
+    ],
+    ids=["schema-that-no-json-completes", "regex-with-an-empty-class"],
+)  # fmt: skip
+def test_a_constraint_that_reaches_a_dead_end_ends_abort_not_stop(llm, so):
+    """llguidance met the dead end while filling the mask, which then allowed EOS alone: the request ended "stop",
+    a success whose text its constraint does not allow ('{"a": ' for JSON)."""
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=so)
+    [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort"
+    free = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # (the engine goes on serving)
+    assert llm.generate([PROMPTS[1]], free, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
 def test_a_format_llguidance_does_not_know_is_an_annotation_not_a_refusal(llm):

@@ -345,11 +345,14 @@ class Pump:
 
 
 def _refused_by_grammar(out: Any) -> JobEvent:
-    """A job the engine aborted on its own: its structured output refused a token the model chose (a tokenizer
-    whose end token the grammar library does not know, say). It failed as a job its client canceled: a canceled
-    result, RQ's status left "started" for good, a batch waiting on it for a day."""
+    """A job the engine aborted on its own: its structured output could go no further (a schema or pattern no
+    text completes), or refused a token the model chose (a tokenizer whose end token the grammar library does not
+    know, say). It failed as a job its client canceled: a canceled result, RQ's status left "started" for good, a
+    batch waiting on it for a day."""
     return JobEvent(
         out.request_id, out.delta_text, out.delta_token_ids, "error", out, index=out.delta_index,
-        error="the job's structured output refused a token the model produced (the grammar library and the "
-        "model's tokenizer disagree): not retried", error_type="server_error", logprobs=delta_logprobs(out),
+        error="the job's structured output could go no further: its constraint reached a dead end (a schema or "
+        "pattern no text completes), or refused the token the model produced (the grammar library and the model's "
+        "tokenizer disagree; the worker's log says which): not retried",
+        error_type="server_error", logprobs=delta_logprobs(out),
     )  # fmt: skip
