@@ -103,7 +103,8 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     if so.thinking is None:
         return _plain_grammar(so)
     if so.choice is not None:
-        answer = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)  # (Lark's strings are JSON's)
+        # (Lark's strings are JSON's; its lexer refuses a raw DEL, which JSON leaves as it is)
+        answer = " | ".join(json.dumps(c, ensure_ascii=False).replace("\x7f", "\\u007f") for c in so.choice)
     else:
         schema = {"type": "object"} if so.json_object else json.loads(so.json) if isinstance(so.json, str) else so.json
         if not isinstance(schema, dict):
@@ -181,7 +182,7 @@ class StructuredOutputManager:
         self._setup()
         try:
             text = grammar_text(so)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # (a schema nested past Python's depth: the last)
             raise ValueError(f"invalid structured output: {_said(str(exc))}") from None
         template = self._templates.get(text)
         if template is None:
@@ -196,6 +197,8 @@ class StructuredOutputManager:
         matcher = template.deep_copy()
         if output_prefix and not matcher.consume_tokens(list(output_prefix)):
             raise ValueError(f"the output to resume breaks its structured output: {_said(matcher.get_error())}")
+        if output_prefix and matcher.is_stopped():  # (a step would add an EOS the uninterrupted run never had)
+            raise ValueError("the output to resume completes its structured output: the request had ended")
         return matcher
 
     # ----- the step --------------------------------------------------------------------------------

@@ -112,6 +112,14 @@ def test_a_constraint_the_library_rejects_fails_only_its_request(llm):
     for kind, value in (("grammar", "x" * 40_000), ("regex", "a" * 40_000), ("choice", ["x" * 20_000] * 2)):
         with pytest.raises(ValueError, match="32768"):
             StructuredOutputsParams(**{kind: value})
+    # A schema nested past Python's recursion depth: a RecursionError, which a worker reported as its own fault.
+    deep: dict = {}
+    for _ in range(1200):
+        deep = {"items": deep}
+    with pytest.raises(ValueError, match="invalid structured output: maximum recursion depth"):
+        engine.add_request("deep", "hi", SamplingParams(structured_outputs={"json": deep}))
+    # A choice that compiles alone compiles after thinking too (its Lark form refused a raw DEL).
+    engine.structured.matcher_for(StructuredOutputsParams(choice=["a\x7fb"], thinking="first"), [])
     assert not engine.has_unfinished_requests()
     outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=60, structured_outputs={"choice": ["x", "y"]}))
     assert outs[0].outputs[0].text in ("x", "y")
@@ -148,6 +156,11 @@ def test_a_resumed_output_goes_on_under_its_constraint(llm, sampling):
     bad = llm.get_tokenizer().encode("nope")
     with pytest.raises(ValueError, match="breaks its structured output"):
         engine.add_request("resumed-bad", PROMPTS[0], params, output_prefix=bad)
+    # The whole output as the prefix (its worker died after its last token went out): it had ended. A step would
+    # add an EOS the uninterrupted run never had; the worker starts such a job over.
+    assert whole.finish_reason == "stop" and whole.stop_reason is None  # (complete, not cut by a stop string)
+    with pytest.raises(ValueError, match="completes its structured output: the request had ended"):
+        engine.add_request("resumed-whole", PROMPTS[0], params, output_prefix=whole.token_ids)
 
 
 def test_logprobs_are_those_under_the_constraint(llm):
