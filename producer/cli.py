@@ -88,19 +88,22 @@ def _members(annotation: Any) -> list[Any]:
     return [] if annotation is type(None) else [annotation]
 
 
-def _bounds(annotation: Any, metadata: list[Any]) -> list[str]:
-    """``>= 0.0``, ``<= 2.0``, ... from the field's constraints and those of Annotated types inside it."""
-    found = list(metadata)
+def _bounds(annotation: Any, metadata: list[Any], listed: bool = False) -> list[str]:
+    """``>= 0.0``, ``<= 2.0``, ... from the field's constraints and those of Annotated types inside it.
+    ``listed``: a list field, whose own length bound counts values, not characters."""
+    found = [(m, listed) for m in metadata]
     stack = [annotation]
     while stack:
         a = stack.pop()
         if get_origin(a) is Annotated:
             for extra in get_args(a)[1:]:
-                found.extend(getattr(extra, "metadata", [extra]))
+                found.extend((m, False) for m in getattr(extra, "metadata", [extra]))
         stack.extend(get_args(a)[:1] if get_origin(a) is Annotated else get_args(a))
     out = []
-    for m in found:
+    for m, of_list in found:
         for attr, form in _BOUNDS.items():
+            if attr == "max_length" and of_list:
+                form = "at most {} values"
             if getattr(m, attr, None) is not None and form.format(getattr(m, attr)) not in out:
                 out.append(form.format(getattr(m, attr)))
     return out
@@ -135,7 +138,7 @@ def payload_flags() -> list[PayloadFlag]:
         default = "none" if field.default is None else json.dumps(field.default)
         detail = [] if kinds == [bool] else [" or ".join(_TYPE_WORDS[k] for k in kinds)]  # a switch: no value
         detail = [f"one of {', '.join(choices)}"] if choices else detail
-        detail += _bounds(field.annotation, field.metadata)
+        detail += _bounds(field.annotation, field.metadata, repeatable)
         if repeatable:
             detail.append("repeatable")
         if "default:" not in (field.description or ""):  # (a description may say its default in words)
@@ -178,9 +181,12 @@ def _stdin_text() -> str:
     """The prompt piped in: UTF-8 (a BOM is no text); other bytes are the request's fault, in one line."""
     raw = getattr(sys.stdin, "buffer", None)  # (a stdin of text already, as a test's, has none)
     try:
-        return (raw.read().decode("utf-8") if raw is not None else sys.stdin.read()).removeprefix("\ufeff")
+        text = (raw.read().decode("utf-8") if raw is not None else sys.stdin.read()).removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"the prompt on stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():  # (a chat ran an empty user message: an empty pipe is a mistake, not a question)
+        raise InvalidRequest("the prompt on stdin is empty")
+    return text
 
 
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -609,6 +609,9 @@ def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monk
 
     monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffHello"))
     assert producer_cli.request_from_args(_parse("submit", "-", "--raw"))["prompt"] == "Hello"
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))  # an empty pipe ran an empty user message
+    with pytest.raises(InvalidRequest, match="the prompt on stdin is empty"):
+        producer_cli.request_from_args(_parse("submit", "-"))
     with pytest.raises(InvalidRequest, match="not valid Unicode: a lone surrogate"):
         producer_cli.request_from_args(_parse("submit", "caf\udce9"))
     # Piped bytes: under a strict locale a Latin-1 file's were a UnicodeDecodeError with a traceback.
@@ -741,3 +744,8 @@ def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
     assert main(["batch", str(rows), "-o", str(out), "--max-tokens", "5", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "cannot reach Redis" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+
+
+def test_a_list_flags_length_bound_counts_values_not_characters():
+    flags = {f.field: f for f in producer_cli.payload_flags()}
+    assert "at most 1024 values" in flags["stop_token_ids"].help and "characters" not in flags["stop_token_ids"].help
