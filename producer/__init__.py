@@ -11,6 +11,7 @@ from producer.client import (
     JobCanceled,
     JobError,
     JobFailed,
+    NoSuchJob,
     StreamGap,
     StreamRestarted,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "JobError",
     "JobFailed",
     "JobRequest",
+    "NoSuchJob",
     "StreamGap",
     "StreamRestarted",
 ]

@@ -91,6 +91,11 @@ class JobCanceled(JobError):
     pass
 
 
+class NoSuchJob(JobFailed, NoSuchJobError):
+    """No job of that id on this Redis: never submitted, or expired. A ``JobFailed`` (what it was before), and
+    RQ's ``NoSuchJobError``, which RQ's users catch for it."""
+
+
 class InvalidRequest(ValueError):
     pass
 
@@ -943,7 +948,7 @@ class GenerationJob:
             last = self.client.connection.xrevrange(stream_key(self.id), count=1)
             if last and event_from_stream(last[0][1]).get("finish_reason") in ("stop", "length"):
                 raise JobFailed(self.id, _NOT_KEPT)  # RQ deletes a job with result_ttl 0 once it finishes
-            raise JobFailed(self.id, "no such job (never submitted, or expired)")
+            raise NoSuchJob(self.id, "no such job (never submitted, or expired)")
         if status in ("canceled", "stopped"):
             raise JobCanceled(self.id, f"job {status}", result)
         reason = result.get("error") if result else None

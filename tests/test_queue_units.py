@@ -448,6 +448,18 @@ def test_a_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
+def test_a_result_of_a_job_that_does_not_exist_raises_no_such_job():
+    """It raised a plain JobFailed: a caller could not tell a wrong id (or an expired job) from a failure. RQ's
+    users catch NoSuchJobError for it; a JobFailed it stays."""
+    from rq.exceptions import NoSuchJobError
+
+    from producer import Client, JobFailed, NoSuchJob
+
+    with pytest.raises(NoSuchJob, match="no such job") as raised:
+        Client(connection=fakeredis.FakeRedis()).job("nope").result(timeout=1)
+    assert isinstance(raised.value, NoSuchJobError) and isinstance(raised.value, JobFailed)
+
+
 def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_callers_timeout():
     """A canceled job that ran: ``result`` waits up to 2 s for the partial result the worker writes, which took
     those 2 s whatever the caller's timeout (0.1 s here)."""
