@@ -71,6 +71,16 @@ def _pyarrow():
     return pa, pq
 
 
+def _parquet_input(path: Path) -> Any:
+    """The input as a ``ParquetFile``; a file that is not one is said with its path (pyarrow's own error names
+    none: "Parquet magic bytes not found in footer")."""
+    pq = _pyarrow()[1]
+    try:
+        return pq.ParquetFile(path)
+    except ValueError as exc:  # (pyarrow's ArrowInvalid is one)
+        raise ValueError(f"{path} is not a Parquet file ({exc})") from None
+
+
 @dataclass
 class RowOptions:
     """How plain rows (a Parquet table, or JSONL rows of data) become jobs, and the run's per-row defaults."""
@@ -123,7 +133,7 @@ def read_rows(path: Path, fmt: str) -> Iterator[tuple[int, bytes | dict[str, Any
     if fmt == "hf":
         batches: Iterator[Any] = (b for b in _dataset(path).data.to_batches(max_chunksize=_BATCH_ROWS))
     else:
-        batches = _pyarrow()[1].ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
+        batches = _parquet_input(path).iter_batches(batch_size=_BATCH_ROWS)
     number = 0
     for batch in batches:  # memory-mapped or read a record batch at a time: never the whole table as rows
         try:
@@ -174,7 +184,7 @@ def count_rows(path: Path, fmt: str) -> int:
     if fmt == "hf":
         return len(_dataset(path))
     if fmt == "parquet":
-        return _pyarrow()[1].ParquetFile(path).metadata.num_rows
+        return _parquet_input(path).metadata.num_rows
     return sum(1 for _ in _jsonl_lines(path))
 
 
@@ -182,7 +192,7 @@ def input_columns(path: Path, fmt: str) -> Any:
     """The table's schema (its columns go into a Parquet output), or None for JSONL."""
     if fmt == "hf":
         return _dataset(path).data.schema.remove_metadata()
-    return _pyarrow()[1].ParquetFile(path).schema_arrow if fmt == "parquet" else None
+    return _parquet_input(path).schema_arrow if fmt == "parquet" else None
 
 
 # ----- output --------------------------------------------------------------------------------------------

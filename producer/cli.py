@@ -594,7 +594,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
     p.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")
     p.add_argument(
-        "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+        "--timeout", type=at_least(float, 0), default=None,
+        help="with --stream or --wait: give up waiting after this many seconds (default: wait until the job ends)",
     )  # fmt: skip
     for name in _JSON_FLAGS:
         about = JobRequest.model_fields[name].description or name
@@ -615,26 +616,29 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         ("stream", stream, "print a job's text from its first token, live (as submit --stream)"),
     ):
         p = sub.add_parser(name, help=about)
-        p.add_argument("job_id")
+        p.add_argument("job_id", help="the id submit printed")
         p.add_argument(
-            "--timeout", type=at_least(float, 0), default=None, help="give up waiting after this many seconds",
+            "--timeout", type=at_least(float, 0), default=None,
+            help="give up waiting after this many seconds (default: wait until the job ends)",
         )  # fmt: skip
         add_connection_arguments(p)
         p.set_defaults(func=func)
 
     p = sub.add_parser("cancel", help="cancel a queued or running job")
-    p.add_argument("job_id")
+    p.add_argument("job_id", help="the id submit printed")
     add_connection_arguments(p)
     p.set_defaults(func=cancel)
 
     p = sub.add_parser("status", help="queue depth, workers, jobs in flight, tokens/s")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     add_connection_arguments(p)
     p.set_defaults(func=status)
 
     p = sub.add_parser("batch", help="rows in (OpenAI batch lines or plain rows; JSONL or Parquet), their outputs out")
-    p.add_argument("input")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("input", help="the rows: .jsonl (OpenAI batch lines or plain rows), .parquet, or a datasets folder")
+    p.add_argument(
+        "-o", "--output", required=True, help="where the outputs go (.jsonl or .parquet); a rerun resumes it"
+    )
     p.add_argument(
         "--errors",
         default=None,
@@ -643,8 +647,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "leaves the last run's errors in place)",
     )
     p.add_argument(
-        "--max-in-flight", type=at_least(int, 1), default=DEFAULT_MAX_IN_FLIGHT, help="jobs submitted at once"
-    )
+        "--max-in-flight", type=at_least(int, 1), default=DEFAULT_MAX_IN_FLIGHT,
+        help="jobs submitted at once (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--dry-run",
         action="store_true",

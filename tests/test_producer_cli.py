@@ -749,3 +749,18 @@ def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
 def test_a_list_flags_length_bound_counts_values_not_characters():
     flags = {f.field: f for f in producer_cli.payload_flags()}
     assert "at most 1024 values" in flags["stop_token_ids"].help and "characters" not in flags["stop_token_ids"].help
+
+
+def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens_before_loading(tmp_path, capsys):
+    """pyarrow's "Parquet magic bytes not found in footer" named no file; ``demo --max-tokens -1`` loaded the model
+    (seconds) before the job was refused."""
+    pytest.importorskip("pyarrow")
+    from worker.cli import main
+
+    fake = tmp_path / "rows.parquet"
+    fake.write_text("not parquet")
+    assert main(["batch", str(fake), "-o", str(tmp_path / "out.jsonl"), "--dry-run"]) == 2
+    assert f"error: {fake} is not a Parquet file (" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--max-tokens", "-1", "hi"])
+    assert exited.value.code == 2 and "must be at least 1" in capsys.readouterr().err

@@ -187,7 +187,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help="default: ROSEINFER_MODEL, else the default model")
     p.add_argument("--dtype", default=None, help="default: ROSEINFER_DTYPE, else float32")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=at_least(int, 1), default=64, help="tokens a job makes at most (default: %(default)s)"
+    )
     p.set_defaults(func=demo)
 
     from worker import bench_priority, bench_queue, bench_redis, bench_serve
