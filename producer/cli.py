@@ -308,7 +308,7 @@ def _follow(
         return 124  # as timeout(1)
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
-              f"answer; `roseinfer result {job.id}` prints the answer alone", file=sys.stderr)  # fmt: skip
+              f"answer; `{_command('result', job.id, args)}` prints the answer alone", file=sys.stderr)  # fmt: skip
         return 1
     if streamed:
         u, ttft = result["usage"], (result.get("timings") or {}).get("ttft_s")
