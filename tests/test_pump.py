@@ -941,3 +941,38 @@ def test_the_step_watchdog_ends_the_process_without_a_usable_stderr(stderr):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == EXIT_HUNG and "in <module>" in done.stderr
+
+
+def test_a_worker_that_goes_idle_shows_no_job_in_flight_beside_it():
+    """``roseinfer status`` read the worker's state from RQ's hash (written at once) and its jobs in flight from
+    the heartbeat's statistics (up to a beat old): "idle, 1 in flight" after the job had ended."""
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    engine = FakeEngine()
+    engine.step_s = 0.02
+    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=30, idle_wait=0.2)
+    worker = BatchWorker(engine, settings, conn)
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue="fake")
+    try:
+        job = client.submit("x", max_tokens=20)
+        deadline = time.monotonic() + 10
+        while job.id not in worker.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        worker._heartbeat.beat()  # a beat while it runs: 1 in flight, the next beat 30 s away
+        assert [w["in_flight"] for w in client.workers()] == [1]
+        job.result(timeout=10)
+        while (row := client.workers()[0])["state"] != "idle":
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert row["in_flight"] == 0
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()

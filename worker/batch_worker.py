@@ -1471,7 +1471,13 @@ class BatchWorker(BaseWorker):
         # Suspended (`rq suspend`) once its jobs are done, as RQ's worker shows itself in `rq info`.
         state = WorkerStatus.BUSY if busy else WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.IDLE
         if self._state != state:
-            self.set_state(state)
+            with self.connection.pipeline(transaction=False) as pipe:
+                self.set_state(state, pipeline=pipe)
+                # With it, the count `roseinfer status` shows beside it (else the beat's, up to a beat old: "idle,
+                # 1 in flight"); the beat's TTL, as the beat sets it.
+                pipe.hset(self.stats_key(), "in_flight", len(self.in_flight))
+                pipe.expire(self.stats_key(), self.get_heartbeat_ttl(None))  # type: ignore[arg-type]
+                pipe.execute()
 
     def _hand_back_cold(self, only: list[str] | None = None) -> bool:
         """``_hand_back_all``, tried again through a blip of Redis until the sender gives up too
