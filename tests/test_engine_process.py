@@ -515,7 +515,12 @@ def test_jobs_submitted_after_the_engine_process_died_are_named_unsent_and_fail_
         pump._proc.join(timeout=10)
         pump.submit("late", {"prompt": "y"}, _params(3))
         assert pump.unsent() == ["late"] and pump.failure is not None
+        pump.submit("later", {"prompt": "z"}, _params(3))
         assert [e.finish_reason for e in pump.cancel_many(["late"])["late"]] == ["abort"]  # (its hand-back)
+        # The cancel's send to the dead child emptied the outbox: "later" was failed for a retry, though it never
+        # reached the engine (a stop-job applied before the hand-back of the rest).
+        assert pump.unsent() == ["later"]
+        assert pump.cancel_many(["later"]) and pump.unsent() == []  # (its hand-back)
         ended = [(e.job_id, e.retryable) for e in pump.step() if e.finished]
         assert ended == [("a", True)] and pump.unsent() == []
     finally:

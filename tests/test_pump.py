@@ -976,3 +976,46 @@ def test_a_worker_that_goes_idle_shows_no_job_in_flight_beside_it():
         worker.request_stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying_it():
+    """A failed step fails its running jobs to be run again elsewhere; a stop-job heard during that step was then
+    "not in flight here, ignored", and RQ ran the stopped job again."""
+    import json
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    engine = FakeEngine()
+    engine.step_s = 0.01
+    worker = BatchWorker(engine, WorkerSettings(queue="f", model="fake", heartbeat_interval=1, idle_wait=0.2), conn)
+    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue="f")
+    try:
+        job = client.submit("long", max_tokens=100_000)
+        deadline = time.monotonic() + 10
+        while not (job.id in worker.in_flight and engine.requests):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        step = engine.step
+
+        def failing_step(flush=True):
+            engine.step = step  # once
+            worker.handle_payload({"data": json.dumps({"command": "stop-job", "job_id": job.id}).encode()})
+            worker.puller.stop()  # (the retry would be another worker's: this one pulls no more)
+            raise RuntimeError("out of memory")
+
+        engine.step = failing_step
+        with pytest.raises(JobCanceled) as ended:
+            job.result(timeout=10)
+        rq_job = job.rq_job
+        assert rq_job.get_status() == "stopped" and rq_job.retries_left == 2  # no retry spent, none to come
+        assert ended.value.result["usage"]["completion_tokens"] > 0  # what it made before the failed step, kept
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -573,8 +573,8 @@ class BatchWorker(BaseWorker):
             self._step_s = time.perf_counter() - started
             for seconds in self.pump.take_step_times():  # the engine's own (an engine process: its child's)
                 self.metrics.step.observe(seconds)
-            if self.pump.failure:  # an engine process died in this step: a stop-job heard meanwhile still stops
-                events = self._apply_stop_requests(events)
+            if any(e.retryable for e in events):  # a failed step (or a dead engine process) failed its jobs to be
+                events = self._apply_stop_requests(events)  # run again: a stop-job heard meanwhile still stops
             if self._route(events):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
@@ -1376,8 +1376,8 @@ class BatchWorker(BaseWorker):
     def _apply_stop_requests(self, died_in: list[JobEvent] | None = None) -> list[JobEvent]:
         """RQ's stop-job commands. A job this worker has marked started but not yet handed to the engine (a step
         can pass meanwhile) is stopped once it is: the command was ignored, and the job ran to its end. ``died_in``:
-        the events of the step an engine process died in; a job asked to stop ends stopped with its own (its failure,
-        retryable, would have run it again elsewhere); the others' are returned."""
+        the events of a step that failed (an engine process's death too); a job asked to stop ends stopped with its
+        own (its failure, retryable, would have run it again elsewhere); the others' are returned."""
         died_in = list(died_in or [])
         asked, self._stops_waiting = self._stops_waiting, []
         while not self._stop_jobs.empty():
@@ -1391,8 +1391,10 @@ class BatchWorker(BaseWorker):
                 log.info("stop-execution %s of job %s: not the one running here, ignored", execution, job_id)
                 continue
             own = [e for e in died_in if e.job_id == job_id]
-            if job is not None and own and own[-1].retryable:  # (not one that ended before the engine died)
-                events = [*own[:-1], JobEvent(job_id, finish_reason="abort")]  # (what a cancel gets of a dead engine)
+            if job is not None and own and own[-1].retryable:  # (not one that ended before the step failed)
+                # Its failure as the cancel it would have been: what it made kept, no error, nothing to retry.
+                ended = replace(own[-1], finish_reason="abort", error=None, retryable=False, error_type=None)
+                events = [*own[:-1], ended]
                 died_in = [e for e in died_in if e.job_id != job_id]
             else:
                 events = self.pump.cancel(job_id) if job is not None else []

@@ -355,6 +355,7 @@ class EngineProcess:
                 else:
                     self._take(message)
         except EngineProcessDied:  # what they made since their last events died with the engine
+            self._outbox = [job for job in self._outbox if job[0] not in here]  # (ended: no longer unsent)
             finish = "abort" if reason is None else "error"
             return {job_id: [JobEvent(job_id, finish_reason=finish, error=reason)] for job_id in here}
         # Pieces the child made before the cancel and not yet handed out come first, as in-process.
@@ -464,12 +465,14 @@ class EngineProcess:
         try:
             self._send(("jobs", jobs))
         except EngineProcessDied:
+            self._outbox[:0] = jobs  # never reached an engine: ``unsent``, handed back with retries untouched
             raise
         except Exception:  # one that cannot be pickled (nested past the recursion limit): nothing was written
-            for job in jobs:  # one at a time: that one fails alone
+            for i, job in enumerate(jobs):  # one at a time: that one fails alone
                 try:
                     self._send(("jobs", [job]))
                 except EngineProcessDied:
+                    self._outbox[:0] = jobs[i:]
                     raise
                 except Exception as exc:
                     self._jobs.discard(job[0])
