@@ -213,10 +213,19 @@ class Scheduler:
             return []
         preempted: list[Sequence] = []
         while later and not (len(self._running) < self.max_num_seqs and self._head_fits(head)):
-            last = later.pop()
-            self._preempt(last)
-            preempted.append(last)
+            victim = later[-1]  # the last by priority
+            if len(self._running) < self.max_num_seqs and self._budget_left() == 0:
+                # The budget is what it lacks, and prefills take it: a decode preempted frees a token that a prefill
+                # then takes, its K/V thrown away for nothing. The last prefill by priority goes instead.
+                victim = next((s for s in reversed(later) if s.num_uncomputed_tokens > 1), victim)
+            later.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
         return preempted
+
+    def _budget_left(self) -> int:
+        """The tokens of the step's budget the running requests leave."""
+        return max(0, self.max_num_batched_tokens - sum(s.num_uncomputed_tokens for s in self._running))
 
     def _head_fits(self, head: Sequence, without: list[Sequence] | tuple[()] = ()) -> bool:
         """Whether the free blocks hold what the running requests take this step and then ``head``'s first chunk,

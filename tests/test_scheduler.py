@@ -312,3 +312,18 @@ def test_room_made_for_a_waiting_request_includes_the_budget_it_needs():
     scheduled = {x.seq.request_id: (x.start, x.num_tokens) for x in out.scheduled}
     # "A" takes what budget is left again, after its prefix hit: the block it had filled stayed in the cache.
     assert scheduled == {"B": (4, 1), "H": (0, 5), "A": (4, 2)} and c.status is SequenceStatus.WAITING
+
+
+def test_room_made_for_a_waiting_requests_budget_is_taken_from_a_prefill_not_from_decodes():
+    """Slots free, the budget spent by a lower-priority prefill: preempting the decodes last by priority freed
+    tokens that the prefill then took, each decode's K/V thrown away for nothing, until the prefill went too."""
+    _, sched = make(num_blocks=64, block_size=4, max_seqs=8, budget=8)
+    c, d = add_p(sched, "C", 3, 1), add_p(sched, "D", 3, 1)  # decoding, last by priority
+    run_step(sched)
+    a = add_p(sched, "A", 40, 0)  # a prefill of what the decodes leave of the budget, for steps
+    run_step(sched)
+    head = add_p(sched, "H", 5, -1)
+    out = run_step(sched)
+    assert out.preempted == [a] and head.status is SequenceStatus.RUNNING
+    assert {x.seq.request_id: x.num_tokens for x in out.scheduled} == {"C": 1, "D": 1, "H": 5, "A": 1}
+    assert c.num_preemptions == d.num_preemptions == 0
