@@ -30,7 +30,7 @@ from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
-from roseinfer.scheduler import Scheduler
+from roseinfer.scheduler import Scheduler, SchedulerOutput
 from roseinfer.sequence import Sequence
 from roseinfer.structured_output import StructuredOutputManager
 
@@ -606,13 +606,9 @@ class LLMEngine:
             # The blocks this step registered in the prefix cache were never filled (out of memory, an interrupt
             # in the schedule or the masks): a later request with the same prefix would read them.
             self.scheduler.forget_step()
-            # Its draws too: a seeded request that runs on (sent back to waiting, or kept by a caller that goes on)
-            # draws what a run without the failure would.
-            for item in sched.scheduled if sched is not None else ():
-                seq = item.seq
-                if item.samples and seq.generator is not None:
-                    seq.generator = self._generator_for(seq.params, seq.index, seq.num_output_tokens)
             self.undelivered = outputs  # the last step's, made before this one failed: ``take_undelivered``
+            if sched is not None:
+                self._take_back_draws(sched)
             raise
         if sched.is_empty:
             return self._emit_pending()
@@ -632,6 +628,18 @@ class LLMEngine:
         if not self._overlap:
             outputs += self._emit_pending()
         return outputs
+
+    def _take_back_draws(self, sched: SchedulerOutput) -> None:
+        """A failed step's draws taken back: a seeded request that runs on (sent back to waiting, or kept by a
+        caller that goes on) draws what a run without the failure would. Never raises over the step's own error (a
+        device in a sticky error state refuses the rebuild too: those requests are failed by the caller anyway)."""
+        try:
+            for item in sched.scheduled:
+                seq = item.seq
+                if item.samples and seq.generator is not None:
+                    seq.generator = self._generator_for(seq.params, seq.index, seq.num_output_tokens)
+        except Exception:
+            log.exception("the seeded generators of a failed step could not be taken back")
 
     def _generator_for(self, params: SamplingParams, index: int, drawn: int) -> torch.Generator | None:
         """Sample ``index``'s own generator where its request has a seed, past the draws of its first ``drawn``
