@@ -225,7 +225,9 @@ def parse_line(
     responses = request if isinstance(request, ResponsesRequest) else None
     chat = chat if isinstance(chat, ChatCompletionRequest) else None
     reasoning = chat.reasoning_plan() if chat is not None else reasoning
-    job_id = job_id_for(payload, run_id, queue)
+    # An OpenAI line's context_overflow follows from its max_tokens: out of its id, as the runs before it had none.
+    hashed = payload if options.plain else {k: v for k, v in payload.items() if k != "context_overflow"}
+    job_id = job_id_for(hashed, run_id, queue)
     return Line(number, custom_id, url, payload, job_id, row, shown, echo, chat, responses, reasoning)
 
 

@@ -396,6 +396,8 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
     # A max_tokens the body sets must fit the context, as the server refuses it (it was cut at the context).
     assert line.payload["context_overflow"] == "error"
+    # Its job id as before that (a run interrupted then resumed now finds its jobs): the field follows from the line.
+    assert line.job_id == job_id_for({k: v for k, v in line.payload.items() if k != "context_overflow"})
     without = {k: v for k, v in body.items() if k != "max_completion_tokens"}
     line = parse_line(1, json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": without}))
     assert "context_overflow" not in line.payload  # the run's --max-tokens, or the context: cut, as vLLM's LLM
