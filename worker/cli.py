@@ -130,7 +130,9 @@ def _check_listen(host: str, port: int) -> None:
     """Whether the server can listen on host:port: a ConfigError saying why not (a port taken, an address this
     machine does not have)."""
     try:
-        with socket.create_server((host, port)):
+        # The family of the address (:: and ::1 are IPv6's), as uvicorn resolves it.
+        family, *_, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.create_server(address[:2], family=family):
             pass
     except OSError as exc:
         why = (exc.strerror or str(exc)).split(" (while attempting")[0]  # (create_server's text repeats the address)
