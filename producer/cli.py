@@ -255,7 +255,7 @@ def stream(args: argparse.Namespace) -> int:
         print(f"error: no job {args.job_id} on this Redis (never submitted, or expired)", file=sys.stderr)
         return 1
     if (n := job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
-        raise InvalidRequest(f"job {job.id} makes {n} samples: `roseinfer result {job.id}` prints them all")
+        raise InvalidRequest(f"job {job.id} makes {n} samples: `{_command('result', job.id, args)}` prints them all")
     live = status in ("queued", "started", "deferred", "scheduled")  # (a job over needs no worker)
     # The job's own queue (an id is Redis-wide), not --queue: a warning about another queue sent users astray.
     origin = client.connection.hget(Job.key_for(job.id), "origin")
@@ -304,8 +304,9 @@ def _follow(
         print(f"\ninterrupted: job {job.id} goes on in the workers; {_follow_or_cancel(job.id, args)}", file=sys.stderr)
         return 130
     except TimeoutError as exc:  # --timeout ran out: the job goes on all the same
-        print(f"error: {exc}; it goes on in the workers: {_follow_or_cancel(job.id, args)}", file=sys.stderr)
-        return 124  # as timeout(1)
+        said = re.sub(r"within \S+ s", f"within {timeout:g} s", str(exc), count=1)  # (the --timeout given, not what
+        print(f"error: {said}; it goes on in the workers: {_follow_or_cancel(job.id, args)}", file=sys.stderr)
+        return 124  # as timeout(1)                                             # was left of it for the last wait)
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `{_command('result', job.id, args)}` prints the answer alone", file=sys.stderr)  # fmt: skip

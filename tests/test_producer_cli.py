@@ -731,6 +731,15 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
     err = capsys.readouterr().err
     said = f"error: cannot listen on 127.0.0.1:{port} (Address already in use); choose another --host or --port\n"
     assert err == said
+    # An IPv6 host is resolved as uvicorn resolves it (the check tried it as IPv4, and refused a host that works).
+    from worker.cli import _check_listen
+
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6) as probe:
+            free6 = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    _check_listen("::1", free6)
 
 
 def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
