@@ -1019,3 +1019,32 @@ def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying
         worker.request_stop()
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_a_copy_of_a_job_that_ended_is_dropped_not_run_again():
+    """An id in its queue twice (a producer's RPUSH tried again, a requeue that crossed the job's end) whose second
+    copy was pulled after the first had finished: the pull took the finished job for a new one, the start set it
+    back to started, and it ran again (a second result, its stream restarted)."""
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue="dup")
+    twice, other = client.submit("twice", max_tokens=3), client.submit("other", max_tokens=3)
+    lane = client.lane(0)
+    conn.rpush(lane.key, twice.id)  # [twice, other, twice]
+    engine = FakeEngine()
+    admitted = []
+    add = engine.add_request
+    engine.add_request = lambda rid, *a, **k: (admitted.append(rid), add(rid, *a, **k))[1]
+    settings = WorkerSettings(queue="dup", model="fake", heartbeat_interval=1, idle_wait=0.2, max_in_flight=1)
+    worker = BatchWorker(engine, settings, conn)
+    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert admitted.count(twice.id) == 1 and other.result(timeout=1)["usage"]["completion_tokens"] == 3
+    assert twice.status() == "finished" and conn.xlen(f"rq:results:{twice.id}") == 1
+    assert conn.llen(lane.key) == 0 and conn.llen(lane.intermediate_queue_key) == 0  # the copy taken off, not left

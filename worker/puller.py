@@ -251,19 +251,24 @@ class Puller:
     def read(self, pulled: list[tuple[Job, Queue]], unreadable: list[Unreadable] = ()) -> list:
         """The arrivals of jobs just taken off the queues: jobs to run marked started, their payloads checked."""
         w = self.worker
-        fresh, canceled, running = [], [], []
+        fresh, canceled, running, over = [], [], [], []
         seen: set[str] = set()
         for job, q in pulled:
             # An id pushed twice (a producer's RPUSH tried again) is one job: the copy that runs carries on. Looked
             # up in _unapplied before in_flight: the step loop adds a job to in_flight before it leaves _unapplied,
             # so between the two looks it is in one of them (the other order could miss it in both).
+            status = job.get_status(refresh=False)
             if job.id in seen or job.id in self._unapplied or job.id in w.in_flight:
                 running.append(RunningCopy(job, q))
-            elif job.get_status(refresh=False) in (JobStatus.CANCELED, JobStatus.STOPPED):
+            elif status in (JobStatus.CANCELED, JobStatus.STOPPED):
                 canceled.append((job, q))
+            elif status in (JobStatus.FINISHED, JobStatus.FAILED):  # a copy of a job that ended: it ran again
+                over.append((job, q))
             else:
                 fresh.append((job, q))
             seen.add(job.id)
+        if over:
+            self._drop_copies(over)
         self._own_origins(fresh)
         # The payloads first: their prompts are tokenized (the pump's thread) while the round trips below run.
         checked = [self._check(job) for job, _ in fresh]
@@ -306,9 +311,24 @@ class Puller:
             pipe.execute()
 
     def read_again(self, job: Job, q: Queue) -> list:
-        """The arrival of a copy whose running job ended meanwhile (on the step loop): it runs like any other."""
+        """The arrival of a copy whose running job ended meanwhile (on the step loop): it runs like any other, but
+        for a job that ended as it is now (its status read again: the pull's is from before that end)."""
         self._unapplied.pop(job.id, None)
+        status = self.worker.connection.hget(job.key, "status")
+        if status is not None:
+            job._status = status.decode()  # (what get_status(refresh=False) reads; JobStatus compares equal to it)
         return self.read([(job, q)])
+
+    def _drop_copies(self, over: list[tuple[Job, Queue]]) -> None:
+        """Copies of jobs that ended (finished or failed: an id pushed twice, a requeue that crossed the end) off
+        the intermediate lists, as a start takes them off: never run again, their results left as they are."""
+        with self.worker.connection.pipeline(transaction=False) as pipe:
+            for job, q in over:
+                log.warning("job %s: a copy of it came from queue %r after it had ended (%s): dropped, not run again",
+                            job.id, q.name, job.get_status(refresh=False))  # fmt: skip
+                pipe.lrem(q.intermediate_queue_key, 1, job.id)
+                pipe.delete(q.intermediate_queue.get_first_seen_key(job.id))
+            pipe.execute()
 
     def _check(self, job: Job) -> tuple[JobRequest | None, Any, str | None]:
         """The job's request and sampling parameters, or why it cannot run."""
