@@ -1048,3 +1048,36 @@ def test_a_copy_of_a_job_that_ended_is_dropped_not_run_again():
     assert admitted.count(twice.id) == 1 and other.result(timeout=1)["usage"]["completion_tokens"] == 3
     assert twice.status() == "finished" and conn.xlen(f"rq:results:{twice.id}") == 1
     assert conn.llen(lane.key) == 0 and conn.llen(lane.intermediate_queue_key) == 0  # the copy taken off, not left
+
+
+def test_a_job_deleted_as_it_finishes_stays_deleted():
+    """RQ's ``job.delete()`` landing between the job's last token and its finish: the finish read the missing hash
+    as Redis having lost its data and wrote it back whole, finished, its result kept a day."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
+    worker = BatchWorker(FakeEngine(), WorkerSettings(queue="del", model="fake", idle_wait=0.2), conn)
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue="del")
+    step = worker.pump.step
+
+    def deleting_step(*args, **kwargs):
+        events = step(*args, **kwargs)
+        for event in events:
+            if event.finish_reason == "length":
+                Job.fetch(event.job_id, connection=conn, serializer=JSONSerializer).delete()
+        return events
+
+    worker.pump.step = deleting_step
+    job = client.submit("x", max_tokens=3)
+    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert job.status() == "missing" and not conn.exists(f"rq:results:{job.id}")
+    assert not client.lane(0).finished_job_registry.get_job_ids()

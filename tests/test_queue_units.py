@@ -2123,7 +2123,7 @@ def test_a_job_whose_hash_redis_lost_ends_with_a_whole_hash_rq_can_read(redis_ur
 
     conn, worker, _name, held = _running_jobs(redis_url, count=2)
     worker.sender.finish_script = register(conn)
-    conn.delete(held[0].job.key)
+    conn.delete(held[0].job.key, worker.key)  # (the worker's registration too: a hash gone beside it was deleted)
     ends = [(job, {"status": "finished", "text": "ok", "token_ids": [1]}) for job in held]
     assert len(worker._succeed_plain(ends)[0]) == 2
     for job in held:

@@ -954,14 +954,16 @@ class BatchWorker(BaseWorker):
         ended = ended or now()
         if self.sender.finish_script is not None:
             try:
-                lost, held = self._finish_by_script(plain, ended)
+                lost, held, deleted = self._finish_by_script(plain, ended)
             except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, write again
                 self.sender.finish_script = register_finish_script(self.connection)
-                lost, held = self._finish_by_script(plain, ended)
+                lost, held, deleted = self._finish_by_script(plain, ended)
             written, with_dependents = [], []
             for i, (job, result) in enumerate(plain):
                 if i in lost:
                     self._lost_at_end(job)
+                elif i in deleted:
+                    self._deleted_at_end(job)
                 elif i in held:
                     with_dependents.append((job, result))
                 else:
@@ -992,7 +994,9 @@ class BatchWorker(BaseWorker):
             self.executions.pop(job.execution.id, None)
         return written, with_dependents
 
-    def _finish_by_script(self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime) -> tuple[list, list]:
+    def _finish_by_script(
+        self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime
+    ) -> tuple[list, list, list]:
         jobs = []
         for job, result in plain:
             ttl = job.job.get_result_ttl(self.default_result_ttl)  # not 0 (``_succeed``)
@@ -1037,6 +1041,15 @@ class BatchWorker(BaseWorker):
         pipe.zrem(ExecutionRegistry.key_template.format(j.id), execution.id)
         if execution.worker_name:
             pipe.srem(execution.worker_executions_key, execution.composite_key)
+
+    def _deleted_at_end(self, job: InFlight) -> None:
+        """A job deleted (RQ's ``job.delete()``) as it ended here: it stays deleted, as one deleted while it ran
+        (nothing of it left but its stream's last event); our execution's record goes."""
+        log.info("job %s: deleted as it finished, its result not kept", job.job.id)
+        self.metrics.job_ended("canceled", None)
+        with self.connection.pipeline() as pipe:
+            self.cleanup_execution(job.job, pipe, job.execution)
+            pipe.execute()
 
     def _lost_at_end(self, job: InFlight) -> None:
         """A job that ended here but belongs to another attempt now: only our execution's record goes."""

@@ -45,7 +45,7 @@ from worker.intake import load_script
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local lost, held, finished, started, gone, members, bare = {}, {}, {}, {}, {}, {}, {}
+local lost, held, finished, started, gone, members, bare, deleted = {}, {}, {}, {}, {}, {}, {}, {}
 local count, working, j = 0, 0, 0
 local function add(lists, key, ...)
   if not lists[key] then lists[key] = {} end
@@ -69,6 +69,9 @@ for a = 9, #ARGV, 20 do
   local now = redis.call('HMGET', job, field, 'status')
   if now[1] and (now[1] ~= exec_id or now[2] == 'queued') then
     lost[#lost + 1] = j
+  elseif not now[2] and redis.call('EXISTS', worker) == 1 and redis.call('EXISTS', job) == 0 then
+    -- gone while Redis still knows this worker (it lost no data): RQ's job.delete() as it finished, which stays
+    deleted[#deleted + 1] = j
   elseif now[2] == 'finished' and written(result, exec_id) then
     -- ended by this call already: a try again after its reply was lost writes nothing twice (a status written
     -- "finished" by hand while the job ran is no such end: its result was never stored)
@@ -118,7 +121,7 @@ if count > 0 then
   redis.call('HINCRBY', worker, 'successful_job_count', count)
   redis.call('HINCRBYFLOAT', worker, 'total_working_time', string.format('%.17g', working))
 end
-return {lost, held, bare}
+return {lost, held, bare, deleted}
 """
 _PER_JOB = 20
 
@@ -137,13 +140,13 @@ def finish_jobs(
     ended: datetime,
     done_ttl: int,
     owner_field: str,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], list[int]]:
     """End every job of ``jobs`` (job, its execution here, its return value as RQ stores it, its result TTL (not
     0), its completion list or None) as RQ's success path would, each only while ``execution`` still owns it and it
-    has no dependents. Returns the jobs (by position) skipped because another attempt owns them, and those skipped
-    because they have dependents; the others' objects say finished."""
+    has no dependents. Returns the jobs (by position) skipped because another attempt owns them, those skipped
+    because they have dependents, and those deleted as they ended; the others' objects say finished."""
     if not jobs:
-        return [], []
+        return [], [], []
     score_now = current_timestamp()
     args: list[Any] = [
         owner_field, utcformat(ended), worker_name, repr(ended.timestamp()), worker_key,
@@ -160,15 +163,15 @@ def finish_jobs(
             FailedJobRegistry.key_template.format(job.origin), CanceledJobRegistry.key_template.format(job.origin),
             ScheduledJobRegistry.key_template.format(job.origin),
         ]  # fmt: skip
-    lost, held, bare = connection.evalsha(script.sha, 0, *args)
-    lost, held = [int(i) for i in lost], [int(i) for i in held]
-    skipped = set(lost) | set(held)
+    lost, held, bare, deleted = connection.evalsha(script.sha, 0, *args)
+    lost, held, deleted = [int(i) for i in lost], [int(i) for i in held], [int(i) for i in deleted]
+    skipped = set(lost) | set(held) | set(deleted)
     for i, (job, *_rest) in enumerate(jobs):
         if i not in skipped:
             job._status = JobStatus.FINISHED
     if bare:  # hashes Redis lost (a restart without persistence): the script's fields alone were a stub
         _save_whole(connection, [jobs[int(i)] for i in bare], ended, owner_field)
-    return lost, held
+    return lost, held, deleted
 
 
 def _save_whole(
