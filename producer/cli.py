@@ -198,6 +198,8 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     request: dict[str, Any] = {}
     if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
         prompt = args.prompt if args.prompt != "-" else _stdin_text()
+        if not prompt.strip():  # (as --raw refuses it; a chat ran an empty user message)
+            raise InvalidRequest("the prompt is empty")
         request = {"prompt": prompt} if args.raw else {"messages": [{"role": "user", "content": prompt}]}
     for flag in payload_flags():
         value = getattr(args, flag.field)

@@ -800,7 +800,8 @@ def run_server(
     log.warning("serving the OpenAI API for queue %r on http://%s:%d/v1", queue, host, port)
     if client is None:  # (served anyway, as a worker waits for Redis: /health and requests say 503 until it answers)
         try:
-            connect(redis_url, socket_connect_timeout=2, socket_timeout=2).ping()
+            with connect(redis_url, socket_connect_timeout=2, socket_timeout=2) as probe:
+                probe.ping()
         except REDIS_UNAVAILABLE as exc:
             url = redacted_url(redis_url)
             log.warning("Redis does not answer at %s (%s): requests get 503 until it does", url, exc)
