@@ -943,22 +943,29 @@ def test_the_step_watchdog_ends_the_process_without_a_usable_stderr(stderr):
     assert done.returncode == EXIT_HUNG and "in <module>" in done.stderr
 
 
-def test_a_worker_that_goes_idle_shows_no_job_in_flight_beside_it():
-    """``roseinfer status`` read the worker's state from RQ's hash (written at once) and its jobs in flight from
-    the heartbeat's statistics (up to a beat old): "idle, 1 in flight" after the job had ended."""
+def _fakeredis_worker(queue: str, engine=None, step_s: float = 0.0, burst: bool = False, **settings):
+    """A BatchWorker over ``engine`` (a FakeEngine) on a fakeredis server, working on a thread: (worker, engine,
+    a client of its queue, the thread, the worker's connection)."""
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
     server = fakeredis.FakeServer()
     conn = fakeredis.FakeRedis(server=server)
     setattr(conn, "__rq_redis_server_version", (8, 0, 0))
-    engine = FakeEngine()
-    engine.step_s = 0.02
-    settings = WorkerSettings(queue="fake", model="fake", heartbeat_interval=30, idle_wait=0.2)
-    worker = BatchWorker(engine, settings, conn)
-    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    engine = engine or FakeEngine()
+    engine.step_s = step_s
+    settings = {"heartbeat_interval": 1, "idle_wait": 0.2, **settings}
+    worker = BatchWorker(engine, WorkerSettings(queue=queue, model="fake", **settings), conn)
+    client = Client(connection=fakeredis.FakeRedis(server=server), queue=queue)
+    thread = threading.Thread(target=worker.work, kwargs={"burst": burst, "logging_level": "WARNING"}, daemon=True)
+    return worker, engine, client, thread, conn
+
+
+def test_a_worker_that_goes_idle_shows_no_job_in_flight_beside_it():
+    """``roseinfer status`` read the worker's state from RQ's hash (written at once) and its jobs in flight from
+    the heartbeat's statistics (up to a beat old): "idle, 1 in flight" after the job had ended."""
+    worker, _, client, thread, _ = _fakeredis_worker("fake", step_s=0.02, heartbeat_interval=30)
     thread.start()
-    client = Client(connection=fakeredis.FakeRedis(server=server), queue="fake")
     try:
         job = client.submit("x", max_tokens=20)
         deadline = time.monotonic() + 10
@@ -983,18 +990,8 @@ def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying
     "not in flight here, ignored", and RQ ran the stopped job again."""
     import json
 
-    from worker.batch_worker import BatchWorker
-    from worker.settings import WorkerSettings
-
-    server = fakeredis.FakeServer()
-    conn = fakeredis.FakeRedis(server=server)
-    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
-    engine = FakeEngine()
-    engine.step_s = 0.01
-    worker = BatchWorker(engine, WorkerSettings(queue="f", model="fake", heartbeat_interval=1, idle_wait=0.2), conn)
-    thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+    worker, engine, client, thread, _ = _fakeredis_worker("f", step_s=0.01)
     thread.start()
-    client = Client(connection=fakeredis.FakeRedis(server=server), queue="f")
     try:
         job = client.submit("long", max_tokens=100_000)
         deadline = time.monotonic() + 10
@@ -1025,23 +1022,13 @@ def test_a_copy_of_a_job_that_ended_is_dropped_not_run_again():
     """An id in its queue twice (a producer's RPUSH tried again, a requeue that crossed the job's end) whose second
     copy was pulled after the first had finished: the pull took the finished job for a new one, the start set it
     back to started, and it ran again (a second result, its stream restarted)."""
-    from worker.batch_worker import BatchWorker
-    from worker.settings import WorkerSettings
-
-    server = fakeredis.FakeServer()
-    conn = fakeredis.FakeRedis(server=server)
-    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
-    client = Client(connection=fakeredis.FakeRedis(server=server), queue="dup")
+    engine, admitted = FakeEngine(), []
+    add = engine.add_request
+    engine.add_request = lambda rid, *a, **k: (admitted.append(rid), add(rid, *a, **k))[1]
+    _, engine, client, thread, conn = _fakeredis_worker("dup", engine, burst=True, max_in_flight=1)
     twice, other = client.submit("twice", max_tokens=3), client.submit("other", max_tokens=3)
     lane = client.lane(0)
     conn.rpush(lane.key, twice.id)  # [twice, other, twice]
-    engine = FakeEngine()
-    admitted = []
-    add = engine.add_request
-    engine.add_request = lambda rid, *a, **k: (admitted.append(rid), add(rid, *a, **k))[1]
-    settings = WorkerSettings(queue="dup", model="fake", heartbeat_interval=1, idle_wait=0.2, max_in_flight=1)
-    worker = BatchWorker(engine, settings, conn)
-    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive()
@@ -1056,14 +1043,7 @@ def test_a_job_deleted_as_it_finishes_stays_deleted():
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    from worker.batch_worker import BatchWorker
-    from worker.settings import WorkerSettings
-
-    server = fakeredis.FakeServer()
-    conn = fakeredis.FakeRedis(server=server)
-    setattr(conn, "__rq_redis_server_version", (8, 0, 0))
-    worker = BatchWorker(FakeEngine(), WorkerSettings(queue="del", model="fake", idle_wait=0.2), conn)
-    client = Client(connection=fakeredis.FakeRedis(server=server), queue="del")
+    worker, _, client, thread, conn = _fakeredis_worker("del", burst=True)
     step = worker.pump.step
 
     def deleting_step(*args, **kwargs):
@@ -1075,7 +1055,6 @@ def test_a_job_deleted_as_it_finishes_stays_deleted():
 
     worker.pump.step = deleting_step
     job = client.submit("x", max_tokens=3)
-    thread = threading.Thread(target=worker.work, kwargs={"burst": True, "logging_level": "WARNING"}, daemon=True)
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive()
