@@ -306,9 +306,11 @@ def _follow(
         print(f"\ninterrupted: job {job.id} goes on in the workers; {_follow_or_cancel(job.id, args)}", file=sys.stderr)
         return 130
     except TimeoutError as exc:  # --timeout ran out: the job goes on all the same
-        said = re.sub(r"within \S+ s", f"within {timeout:g} s", str(exc), count=1)  # (the --timeout given, not what
+        said = str(exc)
+        if timeout is not None:  # the --timeout given, not what was left of it for the last wait
+            said = re.sub(r"within \S+ s", f"within {timeout:g} s", said, count=1)
         print(f"error: {said}; it goes on in the workers: {_follow_or_cancel(job.id, args)}", file=sys.stderr)
-        return 124  # as timeout(1)                                             # was left of it for the last wait)
+        return 124  # as timeout(1)
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `{_command('result', job.id, args)}` prints the answer alone", file=sys.stderr)  # fmt: skip

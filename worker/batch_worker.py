@@ -963,7 +963,7 @@ class BatchWorker(BaseWorker):
                 if i in lost:
                     self._lost_at_end(job)
                 elif i in deleted:
-                    self._deleted_at_end(job)
+                    self._lost_at_end(job, deleted=True)
                 elif i in held:
                     with_dependents.append((job, result))
                 else:
@@ -1042,19 +1042,15 @@ class BatchWorker(BaseWorker):
         if execution.worker_name:
             pipe.srem(execution.worker_executions_key, execution.composite_key)
 
-    def _deleted_at_end(self, job: InFlight) -> None:
-        """A job deleted (RQ's ``job.delete()``) as it ended here: it stays deleted, as one deleted while it ran
-        (nothing of it left but its stream's last event); our execution's record goes."""
-        log.info("job %s: deleted as it finished, its result not kept", job.job.id)
-        self.metrics.job_ended("canceled", None)
-        with self.connection.pipeline() as pipe:
-            self.cleanup_execution(job.job, pipe, job.execution)
-            pipe.execute()
-
-    def _lost_at_end(self, job: InFlight) -> None:
-        """A job that ended here but belongs to another attempt now: only our execution's record goes."""
-        log.warning("job %s belongs to another attempt now (this worker stalled): its end here is dropped", job.job.id)
-        self.metrics.job_ended("lost", None)
+    def _lost_at_end(self, job: InFlight, deleted: bool = False) -> None:
+        """A job that ended here but belongs to another attempt now, or was ``deleted`` as it ended (RQ's
+        ``job.delete()``: it stays so, as one deleted while it ran): only our execution's record goes."""
+        if deleted:
+            log.info("job %s: deleted as it finished, its result not kept", job.job.id)
+        else:
+            log.warning("job %s belongs to another attempt now (this worker stalled): its end here is dropped",
+                        job.job.id)  # fmt: skip
+        self.metrics.job_ended("canceled" if deleted else "lost", None)
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
