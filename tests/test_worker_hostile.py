@@ -603,10 +603,15 @@ def test_a_job_the_engine_cannot_take_fails_alone(served, monkeypatch):
 @pytest.mark.slow  # waits for a maintenance pass
 def test_an_rq_group_key_of_another_type_is_logged_by_maintenance_not_fatal(served, caplog):
     """RQ's clean-up of job groups raised WRONGTYPE on it, and the worker stopped (each restart stopped again)."""
+    from rq.group import Group
+
     w, client, conn = served
     group = f"bad-{uuid.uuid4().hex[:6]}"
     conn.sadd("rq:groups", group)
     conn.set(f"rq:group:{group}", "not a set")
+    # One lock for every worker on this Redis, held a maintenance interval: an earlier test's worker (15 s by
+    # default) could still hold it for the whole wait below.
+    conn.delete(Group.REDIS_GROUP_CLEANING_KEY)
     try:
         deadline = time.time() + 10
         while "job groups failed" not in caplog.text and time.time() < deadline:
