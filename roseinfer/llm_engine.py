@@ -26,7 +26,7 @@ from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model, kv_window
 from roseinfer.models.linear import int8_gemm_speedup
-from roseinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from roseinfer.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -662,7 +662,7 @@ class LLMEngine:
         if seq.grammar is not None and (dead_end := self.structured.dead_end(seq)) is not None:
             # Met while filling its mask, which then allowed EOS alone: not a complete output, as "stop" said.
             log.error("request %s: its structured output can go no further: %s", seq.request_id, dead_end)
-            reason = "abort"
+            reason, seq.abort_cause = "abort", AbortCause(True, dead_end)
         elif seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
@@ -673,6 +673,7 @@ class LLMEngine:
             if not self.structured.accept(seq, token):  # the mask forbids this; a library fault if it happens
                 log.error("request %s: its structured output refused token %d", seq.request_id, token)
                 reason = by_token = "abort"
+                seq.abort_cause = AbortCause(False, f"its structured output refused token {token}, its mask allowed")
             elif self.structured.is_done(seq):  # complete, nothing may follow: it ends after this token
                 reason = "stop"
         if reason is None and (
@@ -737,7 +738,9 @@ class LLMEngine:
             # The request runs on: what is new, and nothing else (no copy of the whole output at every step).
             logprobs = seq.logprobs[len(seq.logprobs) - len(delta_ids) :] if seq.logprobs is not None else None
             # A sample of n that ended before the others ends here with its own reason (as vLLM's), the request not.
-            piece = CompletionOutput(seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs)
+            piece = CompletionOutput(
+                seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs, seq.abort_cause
+            )
             return RequestOutput(
                 seq.parent_id,
                 seq.prompt,
@@ -762,6 +765,7 @@ class LLMEngine:
                         seq.finish_reason,
                         seq.stop_reason,
                         _copy(seq.logprobs),  # (the sequence's own list grows on: an output kept must not)
+                        seq.abort_cause,
                     )
                 ],
                 finished=seq.is_finished,
@@ -790,6 +794,7 @@ class LLMEngine:
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     logprobs=_copy(s.logprobs),
+                    abort_cause=s.abort_cause,
                 )
                 for s in samples
             ],

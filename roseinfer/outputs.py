@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class AbortCause:
+    """What ended a sample the engine aborted on its own. ``dead_end``: its constraint can go no further whatever
+    is sampled (a schema or pattern no text completes: the request's fault); else the constraint refused the token
+    the model produced (the grammar library and the tokenizer disagree: the server's)."""
+
+    dead_end: bool
+    why: str
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -13,6 +23,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None
+    # Why the engine aborted it itself (its structured output's dead end, or a token that output refused); None else.
+    abort_cause: AbortCause | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from roseinfer.detokenizer import IncrementalDetokenizer
+    from roseinfer.outputs import AbortCause
 
 
 class SequenceStatus(enum.Enum):
@@ -72,6 +73,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.abort_cause: AbortCause | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Per prompt token, as vLLM's prompt_logprobs: None for the first (nothing comes before it), then each
         # one's logprob and the top alternatives; filled as its prefill runs. None when not asked for.

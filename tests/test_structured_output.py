@@ -322,6 +322,22 @@ def test_a_token_the_constraint_refuses_fails_the_job_not_as_a_cancel(llm, monke
     assert ends["free"].finish_reason == "length"
 
 
+def test_a_dead_end_fails_the_job_as_the_requests_fault(llm):
+    """A schema no text completes fails the same way every time: said to be the request's fault (a 400 from the
+    server), it was a server error, and the official clients submitted the job twice more."""
+    from worker.pump import Pump
+
+    pump = Pump(llm.engine, tokenize_in_thread=False)
+    dead = {"regex": "ab[^\\s\\S]"}
+    pump.submit("dead", {"prompt": "A word:"}, SamplingParams(max_tokens=8, temperature=0, structured_outputs=dead))
+    ends = {}
+    while pump.has_work():
+        ends.update((e.job_id, e) for e in pump.step() if e.finished)
+    failed = ends["dead"]
+    assert (failed.finish_reason, failed.error_type, failed.retryable) == ("error", "invalid_request", False)
+    assert "dead end" in failed.error and "not retried" in failed.error
+
+
 @pytest.mark.parametrize(
     "so",
     [
@@ -336,7 +352,7 @@ def test_a_constraint_that_reaches_a_dead_end_ends_abort_not_stop(llm, so):
     a success whose text its constraint does not allow ('{"a": ' for JSON)."""
     params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=so)
     [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    assert out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].abort_cause.dead_end
     free = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)  # (the engine goes on serving)
     assert llm.generate([PROMPTS[1]], free, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 

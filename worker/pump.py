@@ -346,13 +346,23 @@ class Pump:
 
 def _refused_by_grammar(out: Any) -> JobEvent:
     """A job the engine aborted on its own: its structured output could go no further (a schema or pattern no
-    text completes), or refused a token the model chose (a tokenizer whose end token the grammar library does not
-    know, say). It failed as a job its client canceled: a canceled result, RQ's status left "started" for good, a
-    batch waiting on it for a day."""
+    text completes: the request's fault, as a schema refused up front), or refused a token the model chose (a
+    tokenizer whose end token the grammar library does not know, say: the server's). It failed as a job its client
+    canceled: a canceled result, RQ's status left "started" for good, a batch waiting on it for a day."""
+    cause = out.outputs[0].abort_cause
+    if cause is not None and cause.dead_end:
+        error = (
+            f"the job's structured output reached a dead end: no text completes its schema or pattern ({cause.why}); "
+            "not retried"
+        )
+        fault = "invalid_request"
+    else:
+        error = (
+            "the job's structured output refused the token the model produced (the grammar library and the "
+            "model's tokenizer disagree; the worker's log says more): not retried"
+        )
+        fault = "server_error"
     return JobEvent(
         out.request_id, out.delta_text, out.delta_token_ids, "error", out, index=out.delta_index,
-        error="the job's structured output could go no further: its constraint reached a dead end (a schema or "
-        "pattern no text completes), or refused the token the model produced (the grammar library and the model's "
-        "tokenizer disagree; the worker's log says which): not retried",
-        error_type="server_error", logprobs=delta_logprobs(out),
+        error=error, error_type=fault, logprobs=delta_logprobs(out),
     )  # fmt: skip
