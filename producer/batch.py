@@ -56,6 +56,7 @@ from producer.openai_api import (
     parse,
     prompt_logprobs,
     samples,
+    without_output,
 )
 from producer.protocol import (
     BULK_PRIORITY,
@@ -131,6 +132,7 @@ class Line:
     chat: ChatCompletionRequest | None = None  # the chat request an OpenAI line means: its tool calls, its echo
     responses: ResponsesRequest | None = None  # a /v1/responses line's request: its output is a response object
     reasoning: ReasoningFormat | None = None  # how a chat's thinking is told from its answer (--reasoning-parser)
+    echo_only: bool = False  # a completion's echo with max_tokens 0: the prompt scored, the job's one token left out
 
     @property
     def tools(self) -> ToolChoice | None:
@@ -228,7 +230,8 @@ def parse_line(
     # An OpenAI line's context_overflow follows from its max_tokens: out of its id, as the runs before it had none.
     hashed = payload if options.plain else {k: v for k, v in payload.items() if k != "context_overflow"}
     job_id = job_id_for(hashed, run_id, queue)
-    return Line(number, custom_id, url, payload, job_id, row, shown, echo, chat, responses, reasoning)
+    echo_only = isinstance(request, CompletionRequest) and request.echo_only
+    return Line(number, custom_id, url, payload, job_id, row, shown, echo, chat, responses, reasoning, echo_only)
 
 
 def _row_reasoning(payload: dict[str, Any], job: JobRequest, options: RowOptions) -> ReasoningFormat | None:
@@ -396,6 +399,7 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
                 choice["logprobs"] = chat_logprobs(sample, top, token_names)
     else:
         body = {"id": f"cmpl-{result['id']}", "object": "text_completion"}
+        result = without_output(result) if line.echo_only else result
         choices = completion_choices(result, top, echo=line.echo, names=token_names)
     for choice, sample in zip(choices, samples(result)):
         if choice["finish_reason"] != "tool_calls":  # ("auto" called tools: OpenAI's reason, as the server's)

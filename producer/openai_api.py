@@ -322,6 +322,12 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt scored, nothing generated (OpenAI's and vLLM's way to read a
+        text's logprobs). Its job generates one token, which the response leaves out, as vLLM's."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         """Its prompts: one (text, or token ids), or a list of them."""
         prompt = self.prompt
@@ -351,6 +357,8 @@ class CompletionRequest(_Common):
             raise APIError(400, "tools (function calling) are for /v1/chat/completions", param="tools")
         fields.pop("echo", None)
         fields.pop("suffix", None)
+        if self.echo_only:
+            fields["max_tokens"] = 1
         fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
         return fields
 
@@ -462,6 +470,24 @@ def _check_job(request: _Common, fields: dict[str, Any]) -> None:
 
 # ----- responses -----------------------------------------------------------------------------------------
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def without_output(result: dict[str, Any]) -> dict[str, Any]:
+    """A result (or an event) of an ``echo_only`` request's job with the token it generated left out: no text,
+    no tokens, no logprobs of its own, its end "length" (the 0 tokens asked for) and its usage of none."""
+    empty = {"text": "", "token_ids": []}
+    if "logprobs" in result:
+        empty["logprobs"] = [] if result["logprobs"] is not None else None
+    out = {**result, **empty}
+    for end in ("finish_reason", "sample_finish_reason"):  # (an event's: a sample of n that ended before its job)
+        if result.get(end) not in (None, "error", "abort"):
+            out[end] = "length"
+    if "choices" in result:
+        out["choices"] = [without_output(choice) for choice in result["choices"]]
+    if result.get("usage"):
+        prompt = int(result["usage"].get("prompt_tokens", 0))
+        out["usage"] = {**result["usage"], **usage_of(prompt, 0)}
+    return out
 
 
 def usage(result: dict[str, Any]) -> dict[str, int]:
@@ -680,6 +706,8 @@ def completion_response(
     """The response to the jobs of a request's prompts, in order: prompt i's samples are choices i * n to
     i * n + n - 1, as OpenAI numbers them, and the usage is theirs together."""
     prompts = request.prompts()
+    if request.echo_only:
+        results = [without_output(result) for result in results]
     choices = [
         {**choice, "index": i * request.n + choice["index"]}
         for i, result in enumerate(results)
@@ -730,6 +758,7 @@ class ChunkWriter:
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
+        self.echo_only = False  # ``echo`` with max_tokens 0: the echo alone, the token each job made left out
         # continuous_usage_stats: job -> its prompt's tokens (from its events' usage), choice -> its tokens so far
         self.prompt_tokens: dict[int, int] | None = {} if continuous_usage else None
         self.made: dict[int, int] = {}

@@ -46,6 +46,7 @@ from producer.openai_api import (
     parse_completions,
     parse_request,
     total_usage,
+    without_output,
 )
 from producer.protocol import installed_version
 from producer.reasoning import REASONING_PARSERS
@@ -356,6 +357,7 @@ def create_app(
                 reasoning=req.reasoning_plan() if chat else None,
                 include_reasoning=not chat or req.include_reasoning is not False,
             )
+            chunks.echo_only = not chat and req.echo_only
             try:
                 early, events = await _start_stream(request, jobs, wait)
             except ConnectionAbortedError:  # (its jobs canceled already)
@@ -596,6 +598,8 @@ async def _sse(
             yield _data(chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index))
         async for i, event in events.after(early):
             job, base = jobs[i], i * chunks.n
+            if chunks.echo_only:
+                event = without_output(event)
             if event.get("reset") and i in sent:
                 raise StreamRestarted(job.id)  # text already sent cannot be taken back
             reason = event.get("finish_reason")
@@ -619,6 +623,7 @@ async def _sse(
                 yield _data(chunks.piece("", event["sample_finish_reason"], index=index))
             if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
                 result = await job.result(timeout)
+                result = without_output(result) if chunks.echo_only else result
                 for choice in result.get("choices") or []:
                     if base + choice["index"] not in ended:
                         yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))

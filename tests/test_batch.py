@@ -441,6 +441,13 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     assert choice["text"] == "Hiok" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in (3, 4, 5, 6)]
     assert choice["logprobs"]["token_logprobs"] == [None, -0.7, -0.1, -0.3]
     assert "prompt_logprobs" not in choice  # the echo's, not asked for
+    # max_tokens 0 with echo scores the prompt alone: the one token its job makes is left out of the line.
+    only = parse_line(4, json.dumps({"url": "/v1/completions", "body": {**body, "max_tokens": 0}}))
+    assert only.payload["max_tokens"] == 1 and only.echo_only
+    body_only = output_line(only, echoed)["response"]["body"]
+    choice = body_only["choices"][0]
+    assert choice["text"] == "Hi" and choice["logprobs"]["token_logprobs"] == [None, -0.7]
+    assert choice["finish_reason"] == "length" and body_only["usage"]["completion_tokens"] == 0
     # vLLM's prompt_logprobs where a line asks for them: chat's at the top, a completion's in each choice; a
     # completion without echo does not begin with its prompt (one whose result held prompt logprobs did).
     scored = {**result, "prompt_token_ids": [3, 4], "prompt_logprobs": [None, [[9, -0.2], [4, -0.7]]]}

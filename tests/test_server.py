@@ -1007,6 +1007,29 @@ def test_an_echoed_completion_begins_with_its_prompt_and_the_prompts_logprobs(se
     assert err.value.body["param"] == "echo"
 
 
+def test_an_echo_with_max_tokens_0_scores_the_prompt_alone(served, oai, redis_url):
+    """OpenAI's (and vLLM's) way to score a text: ``echo`` with ``max_tokens`` 0, the prompt and its logprobs, nothing
+    generated. It was a 400 (max_tokens at least 1). Streamed too, and with n; without echo, 0 stays refused."""
+    worker, _, model = served
+    ids = direct(redis_url, worker.queue, prompt="The sea is", max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    scored = [dict(s)[t] for t, s in zip(ids["prompt_token_ids"][1:], ids["prompt_logprobs"][1:])]
+    out = oai.completions.create(model=model, prompt="The sea is", max_tokens=0, echo=True, logprobs=0, n=2)
+    assert [c.text for c in out.choices] == ["The sea is"] * 2
+    assert {c.finish_reason for c in out.choices} == {"length"}
+    lp = out.choices[1].logprobs
+    assert len(lp.tokens) == len(ids["prompt_token_ids"]) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(scored, abs=1e-5)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids["prompt_token_ids"]), 0)
+    fields = {"model": model, "prompt": "The sea is", "max_tokens": 0, "echo": True, "stream": True}
+    chunks = list(oai.completions.create(**fields, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "The sea is"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=model, prompt="The sea is", max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
 def test_a_schema_the_library_rejects_is_a_failed_job_and_a_bad_response_format_a_400(served, oai, redis_url):
     worker, _, model = served
     with pytest.raises(openai.BadRequestError) as err:
