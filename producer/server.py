@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -167,10 +168,12 @@ def create_app(
     timeout: float = 600.0,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """``tool_call_parser``: the served model's own tool-call format, for ``tool_choice: "auto"`` (vLLM's
     ``--tool-call-parser``; ``producer/tool_formats.py``); ``reasoning_parser``: how its thinking is told from its
-    answer (vLLM's ``--reasoning-parser``; ``producer/reasoning.py``)."""
+    answer (vLLM's ``--reasoning-parser``; ``producer/reasoning.py``); ``allowed_origins``: the web origins whose
+    pages may call the API from a browser (CORS; ``*``: any), none by default."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -213,6 +216,11 @@ def create_app(
         return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
+    if allowed_origins:  # (added last, so outermost: a preflight carries no key, and is answered before the check)
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
+            expose_headers=["x-roseinfer-job-id", "x-roseinfer-job-count"],
+        )  # fmt: skip
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -795,10 +803,13 @@ def run_server(
     client: AsyncClient | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     import uvicorn
 
-    app = create_app(client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser)
+    app = create_app(
+        client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser, allowed_origins
+    )
     # What is loaded lives as long as the server: a full collection walking it paused every request ~25 ms.
     gc.collect()
     gc.freeze()

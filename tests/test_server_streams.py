@@ -428,3 +428,30 @@ def test_a_fault_of_the_servers_own_is_a_500_in_openais_shape():
     assert reply.status_code == 500
     assert reply.json()["error"] == {"message": "internal error: KeyError", "type": "server_error", "param": None,
                                      "code": None}  # fmt: skip
+
+
+def test_browser_origins_are_allowed_only_where_named():
+    """A chat page served from another origin (a web UI on localhost:3000) needs CORS: its preflight got a 405 and
+    its answers no allow-origin header. Named origins get them, a preflight answered before the key is asked for
+    (browsers send none with it); by default, as before, no origin is allowed."""
+
+    async def main(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            ask = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                   "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+            preflight = await http.options("/v1/chat/completions", headers=ask)
+            body = {"model": "m", "prompt": "x", "max_tokens": 1}
+            keyless = await http.post("/v1/completions", json=body, headers={"Origin": "http://ui.example"})
+            other = await http.options("/v1/chat/completions", headers={**ask, "Origin": "http://evil.example"})
+            return preflight, keyless, other
+
+    app = create_app(ScriptedClient([]), api_key="k", allowed_origins=["http://ui.example"])
+    preflight, keyless, other = asyncio.run(main(app))
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert keyless.status_code == 401 and keyless.headers["access-control-allow-origin"] == "http://ui.example"
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    preflight, keyless, _ = asyncio.run(main(create_app(ScriptedClient([]), api_key="k")))
+    assert not any("access-control-allow-origin" in r.headers for r in (preflight, keyless))

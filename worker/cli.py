@@ -112,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            allowed_origins=args.allowed_origins,
         )  # fmt: skip
     from worker.embedded import serve_embedded
 
@@ -173,6 +174,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--reasoning-parser", choices=REASONING_PARSERS, default=None,
         help="tell a reasoning model's thinking from its answer: a chat message's reasoning (vLLM's names; "
         "deepseek_r1: all before </think>; qwen3: a <think> block the output begins with; mistral: [THINK] so)",
+    )  # fmt: skip
+    p.add_argument(
+        "--allowed-origins", nargs="+", metavar="ORIGIN",
+        default=os.environ.get("ROSEINFER_ALLOWED_ORIGINS", "").split() or None,
+        help="web origins whose pages may call the API from a browser (CORS), e.g. http://localhost:3000, or * for "
+        "any (default: $ROSEINFER_ALLOWED_ORIGINS, space-separated, else none: vLLM allows any origin by default, "
+        "which lets any web page its users open drive a server on their machine)",
     )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",

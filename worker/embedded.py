@@ -41,6 +41,7 @@ def serve_embedded(args: argparse.Namespace) -> int:
         return run_server(
             url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+            allowed_origins=args.allowed_origins,
         )  # fmt: skip
     finally:
         if worker is not None and thread is not None:
