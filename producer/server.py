@@ -219,7 +219,7 @@ def create_app(
     if allowed_origins:  # (added last, so outermost: a preflight carries no key, and is answered before the check)
         app.add_middleware(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
-            expose_headers=["x-roseinfer-job-id", "x-roseinfer-job-count"],
+            expose_headers=["x-request-id", "x-roseinfer-job-id", "x-roseinfer-job-count"],
         )  # fmt: skip
 
     @app.get("/metrics")
@@ -524,10 +524,12 @@ def _with_jobs(err: APIError, jobs: list[AsyncGenerationJob]) -> APIError:
 
 
 def _job_headers(jobs: list[AsyncGenerationJob]) -> dict[str, str]:
-    """``x-roseinfer-job-id``: the jobs' ids; past ``MAX_IDS_IN_HEADER`` the first (``<base>-0``) and their count."""
+    """``x-roseinfer-job-id``: the jobs' ids; past ``MAX_IDS_IN_HEADER`` the first (``<base>-0``) and their count.
+    ``x-request-id`` (OpenAI's, which its clients keep as ``_request_id``): the first job's id."""
+    first = {"x-request-id": jobs[0].id}
     if len(jobs) <= MAX_IDS_IN_HEADER:
-        return {"x-roseinfer-job-id": ",".join(job.id for job in jobs)}
-    return {"x-roseinfer-job-id": jobs[0].id, "x-roseinfer-job-count": str(len(jobs))}
+        return {**first, "x-roseinfer-job-id": ",".join(job.id for job in jobs)}
+    return {**first, "x-roseinfer-job-id": jobs[0].id, "x-roseinfer-job-count": str(len(jobs))}
 
 
 def _cancel_all_soon(jobs: list[AsyncGenerationJob]) -> None:

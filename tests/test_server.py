@@ -512,7 +512,7 @@ def test_priority_through_extra_body_picks_the_lane(served, oai, redis_url):
         model=model, messages=MESSAGES, max_tokens=3, extra_body={"priority": -5}
     )
     job_id = out.headers["x-roseinfer-job-id"]
-    assert out.parse().usage.completion_tokens <= 3
+    assert out.parse().usage.completion_tokens <= 3 and out.request_id == job_id  # (OpenAI's x-request-id)
     origin = Client(redis_url, queue=worker.queue).connection.hget(f"rq:job:{job_id}", "origin")
     assert origin.decode() == f"{worker.queue}:p-5"
     with pytest.raises(openai.BadRequestError) as info:

@@ -173,6 +173,7 @@ def test_the_job_id_header_names_a_requests_jobs_and_stays_short(prompts):
     ids = [job.id for job in client.jobs]
     base = ids[0].removesuffix("-0")
     assert ids == [f"{base}-{i}" for i in range(prompts)] and start["status"] == 200
+    assert start["headers"]["x-request-id"] == ids[0]
     if prompts <= 32:
         assert start["headers"]["x-roseinfer-job-id"] == ",".join(ids)
     else:
