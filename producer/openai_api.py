@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from typing import Any, Literal
 
@@ -464,8 +465,14 @@ def _check_job(request: _Common, fields: dict[str, Any]) -> None:
         if getattr(request, "max_completion_tokens", None) is not None:
             names["max_tokens"] = "max_completion_tokens"
         first = exc.errors()[0]
-        param = str(first["loc"][0]) if first.get("loc") else None
+        param = str(first["loc"][0]) if first.get("loc") else _named_first(first.get("msg", ""))
         raise APIError(400, describe_validation_error(exc, names), param=names.get(param, param)) from None
+
+
+def _named_first(message: str) -> str | None:
+    """The payload field a check across fields names first (``min_tokens (5) must not exceed max_tokens (2)``):
+    the parameter of the error it raised, which had none."""
+    return next((w for w in re.findall(r"\w+", message) if w in JobRequest.model_fields), None)
 
 
 # ----- responses -----------------------------------------------------------------------------------------

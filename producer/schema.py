@@ -616,16 +616,20 @@ def describe_validation_error(exc: Exception, names: dict[str, str] | None = Non
     by_field: dict[str, list[str]] = {}
     for err in errors():
         msg = "unknown field" if err.get("type") == "extra_forbidden" else err.get("msg", "invalid")
+        if err.get("type") == "value_error":  # (our own validators' words, without pydantic's "Value error, ")
+            msg = msg.removeprefix("Value error, ")
         loc = tuple(err.get("loc", ()))
         if loc and names and str(loc[0]) in names:
             loc = (names[str(loc[0])], *loc[1:])
-        where = field_path(loc) or "payload"
+        where = field_path(loc) or ("" if err.get("type") == "value_error" else "payload")
         if err.get("type") == "extra_forbidden" and loc:  # the field's own name, whatever it looks like (a C#
             where = ".".join(p for p in (field_path(loc[:-1]), str(loc[-1])) if p)  # "MaxTokens": no union member)
         found = by_field.setdefault(_shown(where), [])
         if (msg := _shown(msg)) not in found:
             found.append(msg)
-    return "; ".join(f"{where}: {' or '.join(msgs)}" for where, msgs in by_field.items())
+    # A check across fields (min_tokens against max_tokens) names them in its own words: no "payload: " before it.
+    lines = (f"{where}: {' or '.join(msgs)}" if where else " or ".join(msgs) for where, msgs in by_field.items())
+    return "; ".join(lines)
 
 
 MAX_SHOWN_CHARS = 500

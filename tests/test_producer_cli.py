@@ -147,7 +147,7 @@ def test_submit_flags_become_a_typed_payload(no_redis):
         ("--logprobs", "many", "logprobs: 'many' is not true or false or an integer"),
         ("--stop-token-id", "-1", "stop_token_ids.0"),
         ("--metadata", "{oops", "metadata: not JSON"),
-        ("--logit-bias", '{"42": 200}', "logit_bias: Value error, logit_bias values are numbers in [-100, 100]"),
+        ("--logit-bias", '{"42": 200}', "logit_bias: logit_bias values are numbers in [-100, 100]"),
     ],
 )
 def test_a_bad_flag_value_is_one_line_before_redis_is_asked(no_redis, flag, value, phrase):

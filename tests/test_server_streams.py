@@ -456,3 +456,22 @@ def test_browser_origins_are_allowed_only_where_named():
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     preflight, keyless, _ = asyncio.run(main(create_app(ScriptedClient([]), api_key="k")))
     assert not any("access-control-allow-origin" in r.headers for r in (preflight, keyless))
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"max_tokens": 2, "min_tokens": 5}, "min_tokens", "min_tokens (5) must not exceed max_tokens (2)"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "give structured_outputs or response_format, not both",
+        ),
+    ],
+    ids=["min-over-max", "two-constraints"],
+)
+def test_a_check_across_fields_names_its_parameter_in_plain_words(extra, param, message):
+    """It said ``payload: Value error, min_tokens (5) ...`` with ``param`` null: pydantic's prefix, and no field."""
+    start, _ = post(ScriptedClient([]), {"model": "m", "prompt": "x", **extra})
+    error = json.loads(start["body"])["error"]
+    assert start["status"] == 400 and (error["param"], error["message"]) == (param, message)
