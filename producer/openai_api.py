@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, model_validator
 
@@ -86,6 +86,20 @@ class TextPart(SentBack):
     text: str
 
 
+class RefusalPart(SentBack):
+    """An assistant's refusal, sent back as a part of its content (OpenAI's): its words are text, as vLLM reads it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]  # (an image: "does not match")
+
+
 class FunctionCall(SentBack):
     name: str
     arguments: str
@@ -101,7 +115,7 @@ class ToolCall(SentBack):
 
 class Message(SentBack):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None  # none: an assistant's message of tool calls alone
+    content: str | list[ContentPart] | None = None  # none: an assistant's message of tool calls alone
     name: str | None = None  # given to the chat template, as vLLM does (SmolLM2's does not use it)
     tool_calls: list[ToolCall] | None = None  # an assistant's: given to the chat template
     tool_call_id: str | None = None  # a tool message's: the call it answers, given to the chat template
@@ -113,6 +127,8 @@ class Message(SentBack):
     def _content_or_calls(self) -> Message:
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thinking is not None)):
             raise ValueError("content is required (only an assistant's message of tool_calls or reasoning may omit it)")
+        if self.role != "assistant" and any(isinstance(p, RefusalPart) for p in self.content or ()):
+            raise ValueError("a refusal part is an assistant's (OpenAI's rule)")
         if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
             raise ValueError("reasoning and reasoning_content (its older name) differ: give one")
         return self

@@ -475,3 +475,25 @@ def test_a_check_across_fields_names_its_parameter_in_plain_words(extra, param, 
     start, _ = post(ScriptedClient([]), {"model": "m", "prompt": "x", **extra})
     error = json.loads(start["body"])["error"]
     assert start["status"] == 400 and (error["param"], error["message"]) == (param, message)
+
+
+def test_an_assistants_refusal_part_is_taken_back_as_its_text():
+    """OpenAI's assistant content may hold ``{"type": "refusal"}`` parts: a conversation holding one was a 400. Its
+    words are the message's text, as vLLM reads them; a user's refusal part, an image, are still refused."""
+    from producer.openai_api import APIError, ChatCompletionRequest, parse
+
+    said = [{"type": "text", "text": "Well."}, {"type": "refusal", "refusal": "I cannot help with that."}]
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": said},
+        {"role": "user", "content": "ok"},
+    ]
+    _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": messages})
+    assert fields["messages"][1] == {"role": "assistant", "content": "Well.\nI cannot help with that."}
+    for part, words in (
+        ({"type": "refusal", "refusal": "no"}, "a refusal part is an assistant's"),
+        ({"type": "image_url", "image_url": {"url": "x"}}, "Input tag 'image_url'"),
+    ):
+        with pytest.raises(APIError) as err:
+            parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [part]}]})
+        assert words in err.value.message and err.value.status == 400
