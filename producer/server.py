@@ -61,6 +61,10 @@ log = logging.getLogger("roseinfer.server")
 # A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
 # but once one came, no longer than this: a job queued behind a full worker streams when it starts.
 FIRST_EVENTS_GRACE_S = 1.0
+# A stream whose jobs sent nothing yet (queued behind others) gets its headers after this, then a comment line
+# every PING_EVERY_S while nothing comes: a proxy's read timeout (nginx's 60 s) cut it, and with it the job.
+HEADERS_HOLD_S = 5.0
+PING_EVERY_S = 15.0
 # The request field a context_length_exceeded error names, by endpoint (behind a proxy's path prefix too).
 _PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
 MAX_IDS_IN_HEADER = 32  # more: the first id and the count (256 ids, ~9.5 KB, passed a proxy's header buffer)
@@ -414,8 +418,9 @@ def create_app(
         ``--timeout`` counts from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are
         not; a client's read timeout counts between chunks too). The first events wait ``wait`` at most."""
         events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
+        events.expect_first_within(wait)  # (where the headers go before any event: the 504 comes in-stream)
         try:
-            first = asyncio.wait_for(_first_events(jobs, events), wait)  # (before the headers: the client waits)
+            first = asyncio.wait_for(_first_events(jobs, events, HEADERS_HOLD_S), wait)  # (the client waits)
             return await _unless_gone(request, jobs, first, wait), events
         except BaseException:  # (its jobs canceled already where they should be)
             events.close()
@@ -449,16 +454,19 @@ async def _results_unless_gone(
             wait.cancel()
 
 
-async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) -> list[tuple[int, dict[str, Any]]]:
+async def _first_events(
+    jobs: list[AsyncGenerationJob], events: MergedEvents, hold: float
+) -> list[tuple[int, dict[str, Any]]]:
     """The events that come before any byte of the response: every job's first, or once one came, those within
-    ``FIRST_EVENTS_GRACE_S``. A job the worker refuses among them (a prompt too long) is the request's status, 400,
-    as without streaming (OpenAI and vLLM check before they stream), not 200 and an error chunk."""
+    ``FIRST_EVENTS_GRACE_S``; none if none came within ``hold`` (jobs queued behind others). A job the worker
+    refuses among them (a prompt too long) is the request's status, 400, as without streaming (OpenAI and vLLM
+    check before they stream), not 200 and an error chunk."""
     early: list[tuple[int, dict[str, Any]]] = []
     seen: set[int] = set()
-    deadline = None
+    deadline = time.monotonic() + hold
     while len(seen) < len(jobs):
-        wait = None if deadline is None else deadline - time.monotonic()
-        if wait is not None and wait <= 0:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
             break
         try:
             got = await events.get(wait)
@@ -472,9 +480,10 @@ async def _first_events(jobs: list[AsyncGenerationJob], events: MergedEvents) ->
             raise JobFailed.of_event(jobs[i].id, event)
         if reason == "abort" and not event["text"]:
             raise JobCanceled(jobs[i].id, "the job was canceled")
+        if not early:
+            deadline = time.monotonic() + FIRST_EVENTS_GRACE_S
         early.append(got)
         seen.add(i)
-        deadline = deadline or time.monotonic() + FIRST_EVENTS_GRACE_S
     return early
 
 
@@ -606,7 +615,11 @@ async def _sse(
             chunks.note_prompt(i, event)
         for index in range(len(jobs) * chunks.n):
             yield _data(chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index))
-        async for i, event in events.after(early):
+        async for got in events.after(early):
+            if got is None:  # nothing for a while (jobs queued): a comment line, which clients skip, keeps it open
+                yield PING
+                continue
+            i, event = got
             job, base = jobs[i], i * chunks.n
             if chunks.echo_only:
                 event = without_output(event)
@@ -662,6 +675,8 @@ def _stream_error(exc: Exception, timeout: float) -> APIError:
     """What ends a stream once its headers went out, as the error it sends."""
     if isinstance(exc, (JobFailed, JobCanceled)):
         return _job_error(exc)
+    if isinstance(exc, NoFirstEvent):  # (the headers went ahead of the first event, which never came)
+        return _not_to_retry(APIError(504, str(exc), "timeout"))
     if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
         return _not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
     if isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
@@ -684,7 +699,11 @@ async def _response_sse(
     try:
         for event in writer.opening():
             yield _typed(event)
-        async for _, event in events.after(early):
+        async for got in events.after(early):
+            if got is None:
+                yield PING
+                continue
+            event = got[1]
             if event.get("reset") and (writer.text or writer.thinking):
                 raise StreamRestarted(job.id)  # text already sent (thinking too) cannot be taken back
             reason = event.get("finish_reason")
@@ -713,6 +732,13 @@ def _typed(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
+class NoFirstEvent(TimeoutError):
+    """A stream whose headers went before any event of its jobs (queued behind others) got none in time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no result within {seconds:g} s")
+
+
 class NothingYet(Exception):
     """``MergedEvents.get``'s own wait ran out: not a stream's TimeoutError, which is its job past ``--timeout``."""
 
@@ -722,6 +748,7 @@ class MergedEvents:
     can time out without losing any); a stream's error once it comes."""
 
     def __init__(self, streams: list[AsyncIterator[dict[str, Any]]]) -> None:
+        self._first_within: tuple[float, float] | None = None  # (seconds, by when: monotonic) for ``after``
         self._arrived: asyncio.Queue = asyncio.Queue()
         self._left = len(streams)
         self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
@@ -750,16 +777,39 @@ class MergedEvents:
             self._left -= 1
         return None
 
-    async def after(self, early: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """``early`` (events already taken), then the rest as they come."""
+    def expect_first_within(self, seconds: float) -> None:
+        """``after`` raises ``NoFirstEvent`` where no event came within ``seconds`` from now."""
+        self._first_within = seconds, time.monotonic() + seconds
+
+    async def after(self, early: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]] | None]:
+        """``early`` (events already taken), then the rest as they come; None each ``PING_EVERY_S`` seconds nothing
+        came (the stream's keep-alive). ``NoFirstEvent`` where none came at all in time (``expect_first_within``)."""
         for got in early:
             yield got
-        while (got := await self.get()) is not None:
+        first = self._first_within if not early else None
+        while True:
+            wait = PING_EVERY_S
+            if first is not None:
+                left = first[1] - time.monotonic()
+                if left <= 0:
+                    raise NoFirstEvent(first[0])
+                wait = min(wait, left)
+            try:
+                got = await self.get(wait)
+            except NothingYet:
+                yield None
+                continue
+            if got is None:
+                return
+            first = None
             yield got
 
     def close(self) -> None:
         for reader in self._readers:
             reader.cancel()
+
+
+PING = ": ping\n\n"  # an SSE comment: every client skips it
 
 
 def _data(obj: dict[str, Any]) -> str:

@@ -340,7 +340,12 @@ def test_tokenize_and_detokenize_as_vllm_with_the_workers_tokenizer(served, redi
         ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
         ("/tokenize", {"model": model, "prompt": "x", "messages": chat}, 400, None),
         ("/tokenize", {"model": model, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-        ("/tokenize", {"model": model, "messages": chat, "chat_template_kwargs": {"chat_template": "x"}}, 400, None),
+        (
+            "/tokenize",
+            {"model": model, "messages": chat, "chat_template_kwargs": {"chat_template": "x"}},
+            400,
+            "chat_template_kwargs",
+        ),
         ("/detokenize", {"model": model, "tokens": [1, 10**6]}, 400, "tokens"),
         ("/detokenize", {"model": model, "tokens": [True]}, 400, "tokens.0"),
     ]:

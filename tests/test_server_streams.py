@@ -497,3 +497,29 @@ def test_an_assistants_refusal_part_is_taken_back_as_its_text():
         with pytest.raises(APIError) as err:
             parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [part]}]})
         assert words in err.value.message and err.value.status == 400
+
+
+def test_a_stream_queued_behind_others_gets_its_headers_and_keep_alives_before_its_first_token(monkeypatch):
+    """Its headers waited for the job's first event, for as long as the job stayed queued (5.4 s behind 14 jobs): a
+    proxy's read timeout (nginx's 60 s) cut such a stream, and with it the job. Now they go after a hold, then a
+    comment line while nothing comes; a first event that never comes is the 504 in the stream, the job canceled."""
+    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.1)
+    monkeypatch.setattr(server_module, "PING_EVERY_S", 0.1)
+    late = [(1.0, event(0, "a")), (0.01, event(1, "b", "stop"))]
+    for path, body in (
+        ("/v1/completions", {"model": "m", "prompt": "p", "stream": True}),
+        ("/v1/responses", {"model": "m", "input": "p", "stream": True}),
+    ):
+        client = ScriptedClient([late])
+        start, chunks = post(client, body, path)
+        assert start["status"] == 200 and start["at"] < client.jobs[0].first_event_at - 0.5
+        assert start["body"].count(b"\n\n: ping\n\n") >= 3 and client.canceled == []
+        if path == "/v1/completions":
+            assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "ab" and chunks[-1] == "[DONE]"
+        else:
+            assert chunks[-1]["type"] == "response.completed"
+    never = ScriptedClient([[]])
+    start, chunks = post(never, {"model": "m", "prompt": "p", "stream": True}, timeout=0.5)
+    assert start["status"] == 200 and chunks[-1] == "[DONE]"
+    assert chunks[-2]["error"]["type"] == "timeout" and "no result within 0.5 s" in chunks[-2]["error"]["message"]
+    assert never.canceled == ["job0"]
