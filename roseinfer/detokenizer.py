@@ -17,8 +17,10 @@ try:
 except ImportError:  # tokenizers before 0.21
     DecodeStream = None
 
-# Prompt tokens kept as left context, so the first output tokens decode with the right spacing.
+# Prompt tokens kept as left context, so the first output tokens decode with the right spacing; more where those
+# begin inside a character (up to _MAX_CONTEXT_TOKENS), as vLLM's detokenizer starts on a character's boundary.
 _CONTEXT_TOKENS = 5
+_MAX_CONTEXT_TOKENS = 24
 
 
 class IncrementalDetokenizer:
@@ -34,9 +36,9 @@ class IncrementalDetokenizer:
         self._min_tokens = params.min_tokens
         self._num_tokens = 0  # output tokens taken (resumed ones included)
         self._stop_floor = 0  # the end of the first min_tokens tokens' text: a stop string must end past it
-        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
+        self._ids: list[int] = self._context_of(list(prompt_token_ids))
+        self._prefix_offset = 0
         # A prompt of token ids may end inside a character: its last bytes wait as an output token's would, so the
         # token that completes the character gives that character (not the prompt's words before it).
         read = len(self._ids)
@@ -61,8 +63,19 @@ class IncrementalDetokenizer:
         back what it showed, as vLLM's); all of it once the request ended (``finish``)."""
         return self.text[: self._emitted]
 
-    def _context_text(self, end: int) -> str:
-        ids = self._ids[:end]
+    def _context_of(self, prompt: list[int]) -> list[int]:
+        """The prompt's last tokens, from a character's start: a byte-fallback tokenizer (Llama 2, Mistral, Gemma)
+        rendered a context that began inside a character as U+FFFD, and every output byte token after it too (a
+        prompt ending in CJK or emoji, an output going on in them, came out as U+FFFD alone). Its last tokens may
+        end inside a character (token ids given): they wait, as ``__init__`` reads."""
+        for k in range(_CONTEXT_TOKENS, min(len(prompt), _MAX_CONTEXT_TOKENS) + 1):
+            suffix = prompt[-k:]
+            if any("\ufffd" not in self._context_text(end, suffix) for end in range(k, max(k - 4, 0), -1)):
+                return suffix
+        return prompt[-_CONTEXT_TOKENS:]  # (a prompt whose own text holds U+FFFD: any start is as good)
+
+    def _context_text(self, end: int, ids: list[int] | None = None) -> str:
+        ids = (self._ids if ids is None else ids)[:end]
         if self._backend is not None:  # in Rust: this runs for every request admitted
             return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self._decode(ids)
@@ -135,6 +148,8 @@ class IncrementalDetokenizer:
             return
         if not self.stop_strings:
             return
+        # The earliest in the text wins, whatever the list's order: the output ends where a stop first appears
+        # (OpenAI's meaning; vLLM takes the first of the list that matches anywhere in the new text).
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:
             # It may begin in the text of the first min_tokens tokens (held back: it began a stop string), not lie

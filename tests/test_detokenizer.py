@@ -174,3 +174,17 @@ def test_bytes_that_are_no_utf8_under_a_byte_fallback_decoder_do_not_stop_the_re
     d = IncrementalDetokenizer(tok, tok.convert_tokens_to_ids(["<s>", "▁said"]), SamplingParams())
     text = "".join(d.update(t) for t in ids) + d.finish()
     assert text.endswith(" wizard said") and text.count("\ufffd") >= 2  # the request goes on, as decode renders it
+
+
+def test_a_prompt_ending_in_byte_tokens_gives_the_output_its_characters_under_a_byte_fallback_decoder():
+    """A prompt ending in characters the vocabulary lacks ("我爱你": nine byte tokens), an output going on in them:
+    the context, the prompt's last 5 tokens, began inside a character, and ByteFallback rendered that run of bytes
+    as U+FFFD, the output's bytes with it ("你好" came out as nine U+FFFD). The context starts on a character."""
+    tok = _byte_fallback_tokenizer()
+    prompt = [tok.bos_token_id, *tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in "我爱你".encode()])]
+    output = tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in "你好".encode()])
+    _, pieces, d = stream_ids(tok, prompt, output, SamplingParams())
+    assert "".join(pieces) == d.output_text == "你好"
+    # Ending inside a character too (its first byte given with the prompt): the output completes it.
+    _, pieces, d = stream_ids(tok, prompt + output[:1], output[1:], SamplingParams())
+    assert "".join(pieces) == "你好"
