@@ -1205,6 +1205,40 @@ def test_a_job_hash_overwritten_while_its_job_runs_costs_no_other_job_its_final_
 
 
 @pytest.mark.redis
+def test_a_job_rqs_clean_up_failed_as_abandoned_is_not_finished_or_streamed_by_the_stalled_worker(redis_url):
+    """This worker stalled past its heartbeat; another's maintenance failed its job (no retry left): status failed,
+    a FAILED result, the client told, failure callbacks run. Thawed, the worker still named as the job's owner
+    finished it: status finished, two results (FAILED, SUCCESSFUL), a final event after the failure. That end now
+    stands: the running job's events are refused (and it is dropped), its end here and its last event too."""
+    from rq.results import Result
+
+    from producer.protocol import make_event, stream_key
+
+    conn, worker, _, [running, ending] = _running_jobs(redis_url, count=2)
+    worker.sender._load_scripts()
+    for held in (running, ending):
+        held.job.set_status("failed")  # (as RQ's StartedJobRegistry.cleanup leaves an abandoned job)
+        conn.zadd(held.queue.failed_job_registry.key, {held.job.id: time.time() + 60})
+    lost: list = []
+    worker.sender.on_lost = lost.extend
+    worker.sender._send([(running.job.id, make_event(0, "a", [1]), 0, running.execution.id)], False, "1")
+    worker.sender._send([(running.job.id, make_event(1, "b", [2]), 0, running.execution.id)], True, "2")
+    assert lost == [(running.job.id, running.execution.id)] and conn.xlen(stream_key(running.job.id)) == 1
+    worker._reports_lost(lost)
+    worker._drop_lost()
+    assert running.job.id not in worker.in_flight
+    written, _ = worker._succeed_plain([(ending, {"id": ending.job.id, "text": "done"})])
+    assert written == [] and ending.job.get_status(refresh=True) == "failed"
+    assert [r.type for r in Result.all(ending.job, serializer=ending.job.serializer)] == []  # (none written here)
+    assert ending.job.id in ending.queue.failed_job_registry.get_job_ids()
+    final = (ending.job.id, make_event(0, "done", [3], "stop"), 0, ending.execution.id)
+    from worker.sender import Batch
+
+    worker.sender._send_until_done([Batch(finals=[final])])
+    assert not conn.exists(stream_key(ending.job.id))
+
+
+@pytest.mark.redis
 def test_a_lane_or_canceled_registry_of_another_type_stops_no_pull_and_drops_no_event(redis_url):
     """A lane's list set to a string by hand (and added to rq:queues): its error failed the pull of every lane, the
     jobs moved from lanes before it stranded in their intermediate lists for a minute; in the sender's round trip,
@@ -2070,11 +2104,11 @@ def test_a_job_a_pull_started_but_the_step_loop_has_not_taken_in_gets_its_hash_b
 @pytest.mark.redis
 @pytest.mark.parametrize("way", ["script", "transaction"])
 @pytest.mark.parametrize("status", ["failed", "scheduled"])
-def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_registry(redis_url, way, status):
+def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_as_rq_left_it_or_finished(redis_url, way, status):
     """This worker stalled past its heartbeat, and RQ's clean-up failed the job (abandoned, no retry left) or, with
-    a retry interval, scheduled its retry; it still ran here and finished. It ends finished, out of the failed
-    registry (RQ's own success path leaves it in both, counted as failed and finished) or the scheduled one (where
-    the retry falling due put the finished job back on its queue, to run again)."""
+    a retry interval, scheduled its retry; it still ran here and finished. The failure stands (its client was told,
+    its failure callbacks ran: a success over it gave two results); a job put off ends finished, out of the
+    scheduled registry (where the retry falling due put the finished job back on its queue, to run again)."""
     from rq.registry import FailedJobRegistry, FinishedJobRegistry, ScheduledJobRegistry
 
     from worker.job_finish import register
@@ -2085,10 +2119,16 @@ def test_a_job_rq_failed_or_put_off_while_it_ran_here_ends_finished_in_one_regis
     conn.zadd(registry.key, {held.job.id: 9e9})
     worker.sender.finish_script = register(conn) if way == "script" else None
     result = {"status": "finished", "text": "ok", "token_ids": [1]}
+    finished = FinishedJobRegistry(name, connection=conn)
+    if status == "failed":
+        assert worker._succeed_plain([(held, result)]) == ([], [])
+        assert conn.hget(held.job.key, "status") == b"failed" and not conn.exists(result_key(held.job.id))
+        assert registry.get_job_ids() == [held.job.id] and finished.get_job_ids() == []
+        return
     assert worker._succeed_plain([(held, result)]) == ([(held, result)], [])
     assert conn.hget(held.job.key, "status") == b"finished"
     assert registry.get_job_ids() == []
-    assert FinishedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+    assert finished.get_job_ids() == [held.job.id]
 
 
 @pytest.mark.redis
@@ -2187,9 +2227,12 @@ def test_an_end_tried_again_after_a_redis_error_writes_no_job_of_it_twice(redis_
 
 
 @pytest.mark.redis
-def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_enqueues_the_dependent(redis_url):
-    """Its end goes through RQ's success path (it has a dependent), which read the job still failed and left the
-    dependent deferred for good, though the job then ended finished."""
+def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_stays_failed_its_dependent_as_rq_left_it(
+    redis_url,
+):
+    """Its end goes through RQ's success path (it has a dependent): it ended finished over RQ's failure, which had
+    told its client and run its failure callbacks. The failure stands, and the dependent stays as RQ's failure left
+    it (deferred: it depends on a job that failed)."""
     from types import SimpleNamespace
 
     from rq import Queue
@@ -2205,10 +2248,10 @@ def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_enqueues_the_de
     worker._result = lambda job, out: {"status": "finished", "text": "ok", "token_ids": [1], "timings": {}}
     worker.metrics = SimpleNamespace(job_ended=lambda *a: None)
     worker._succeed([(held, None)])
-    assert conn.hget(held.job.key, "status") == b"finished"
-    assert FailedJobRegistry(name, connection=conn).get_job_ids() == []
-    assert DeferredJobRegistry(name, connection=conn).get_job_ids() == []
-    assert child.id in queue.get_job_ids()
+    assert conn.hget(held.job.key, "status") == b"failed"
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
+    assert DeferredJobRegistry(name, connection=conn).get_job_ids() == [child.id]
+    assert child.id not in queue.get_job_ids()
 
 
 @pytest.mark.redis

@@ -1048,8 +1048,9 @@ class BatchWorker(BaseWorker):
         if deleted:
             log.info("job %s: deleted as it finished, its result not kept", job.job.id)
         else:
-            log.warning("job %s belongs to another attempt now (this worker stalled): its end here is dropped",
-                        job.job.id)  # fmt: skip
+            log.warning("job %s belongs to another attempt now, or RQ failed it (this worker stalled): its end here "
+                        "is dropped", job.job.id)  # fmt: skip
+            self.sender.drop_final(job.job.id)  # (its last event, sent after this end, would end it a second time)
         self.metrics.job_ended("canceled" if deleted else "lost", None)
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)
@@ -1356,8 +1357,11 @@ class BatchWorker(BaseWorker):
         """True: its owner field names our execution (or the hash is gone: Redis lost data) and it was not requeued.
         None: ours, but its status is one ``ends_as`` names, the status this end writes: an earlier try of it (whose
         reply was lost) wrote it, and RQ's writes (counters, a retry, dependents) are not made again. False: another
-        attempt's now."""
+        attempt's now, or failed by RQ's clean-up (this worker stalled past its heartbeat, the job had no retry
+        left): that end stands, its client told, its failure callbacks run; a success over it gave two results."""
         if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
+            return False
+        if status == b"failed" and b"failed" not in ends_as:
             return False
         return None if status in ends_as else True
 

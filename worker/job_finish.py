@@ -35,13 +35,13 @@ from worker.intake import load_script
 # completion lists; then per job (``_PER_JOB`` each): its hash, id, execution id (its owner), dependents key,
 # result stream, return value, execution start, result TTL (-1: for good), dependencies key ('': none), execution
 # hash, execution registry, finished registry and score, started registry, execution's composite key, seconds
-# worked, completion list ('': none), failed registry, canceled registry, scheduled registry. A job RQ failed
-# meanwhile (abandoned: this worker stalled past its heartbeat) and still ours finishes, and leaves the failed
-# registry (RQ's own success path left it in both); so does a job canceled as it finished, the canceled registry,
-# and one RQ put off for a retry with an interval, the scheduled registry (whose retry then ran it again). Returns
-# the (0-based) jobs skipped: those another attempt owns now (a job hash that is gone does not fence: Redis may have
-# lost its data), and those that got dependents. A job this attempt finished already (the same call tried again
-# after its reply was lost) is left as it is.
+# worked, completion list ('': none), failed registry, canceled registry, scheduled registry. A job canceled as it
+# finished finishes, and leaves the canceled registry; so does one RQ put off for a retry with an interval, the
+# scheduled registry (whose retry then ran it again). Returns the (0-based) jobs skipped: those another attempt
+# owns now (a job hash that is gone does not fence: Redis may have lost its data) or that failed meanwhile (RQ's
+# clean-up took it for abandoned: this worker stalled past its heartbeat, and that end stands: its client was
+# told, its failure callbacks ran; a success over it gave the job two results), and those that got dependents. A
+# job this attempt finished already (the same call tried again after its reply was lost) is left as it is.
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -67,7 +67,7 @@ for a = 9, #ARGV, 20 do
   local job, id, exec_id, dependents, result = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local ttl = tonumber(ARGV[a + 7])
   local now = redis.call('HMGET', job, field, 'status')
-  if now[1] and (now[1] ~= exec_id or now[2] == 'queued') then
+  if now[1] and (now[1] ~= exec_id or now[2] == 'queued' or now[2] == 'failed') then
     lost[#lost + 1] = j
   elseif not now[2] and redis.call('EXISTS', worker) == 1 and redis.call('EXISTS', job) == 0 then
     -- gone while Redis still knows this worker (it lost no data): RQ's job.delete() as it finished, which stays

@@ -34,7 +34,9 @@ log = logging.getLogger("roseinfer.worker")
 # Every event of a round trip in one command: packing hundreds of XADD/PUBLISH commands in Python costs the step
 # loop more (they share the GIL) than Redis spends running them. KEYS: per event its stream and its job's hash;
 # ARGV: maxlen, the worker's lease key ('': none), this worker's key of the last send written and this send's number
-# (a send tried again after its reply was lost, when the first try ran, writes nothing twice), then per event: the
+# (a send tried again after its reply was lost, when the first try ran, writes nothing twice), whether these are
+# final events ('1': a job this worker failed is written its last one; a running job RQ's clean-up failed as
+# abandoned, this worker stalled, gets no more), then per event: the
 # stream's TTL to set (0: none), channel, the
 # event's JSON (the stream entry's one field and the message), the attempt that must own the job ('': any). An
 # event of a job that another attempt owns now, or that was requeued meanwhile, is not written (fencing: this
@@ -48,14 +50,14 @@ log = logging.getLogger("roseinfer.worker")
 # with another type while its job runs (by hand) is replaced: its error aborted the script, and every later event of
 # the round trip, other jobs' too, was lost.
 _EMIT = """
-local maxlen, a, lost = ARGV[1], 5, {}
+local maxlen, a, lost, finals = ARGV[1], 6, {}, ARGV[5] == '1'
 if redis.call('GET', ARGV[3]) == ARGV[4] then return lost end
 redis.call('SET', ARGV[3], ARGV[4], 'EX', 3600)
 local leased = ARGV[2] ~= '' and redis.call('EXISTS', ARGV[2]) == 1
 local everyone, heard = redis.call('PUBSUB', 'NUMPAT') > 0, {}
 if not everyone then
   local channels = {}
-  for k = 6, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
+  for k = 7, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
   for first = 1, #channels, 1000 do
     local counts = redis.call('PUBSUB', 'NUMSUB', unpack(channels, first, math.min(first + 999, #channels)))
     for k = 1, #counts, 2 do if counts[k + 1] > 0 then heard[counts[k]] = true end end
@@ -67,7 +69,7 @@ for i = 1, #KEYS, 2 do
   -- A job hash overwritten with another type (by hand): not this attempt's job any more. Its error aborted the
   -- script, and every other event of the round trip, other jobs' final ones too, was lost.
   if job.err then job = {'', ''} end
-  if not job[1] or (job[1] == owner and job[2] ~= 'queued') then
+  if not job[1] or (job[1] == owner and job[2] ~= 'queued' and (finals or job[2] ~= 'failed')) then
     local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '*', 'event', ARGV[a + 2])
     if type(added) == 'table' and added.err then
       if not string.find(added.err, 'WRONGTYPE', 1, true) then return redis.error_reply(added.err) end
@@ -89,15 +91,17 @@ return lost
 # RQ requeue one), and never past any job's registry entry less the margin, by Redis's clock: a stall of Redis
 # outlived the entries (their scores are absolute, the lease's TTL was not) and RQ requeued jobs whose events then
 # went out unchecked, from two attempts. A job's entry gone while it has not ended here (RQ's clean-up took it for
-# abandoned, and requeued or scheduled it) ends the lease too: it was granted whole. 1 if set; 0: the lease is gone,
-# and every event is checked.
+# abandoned, and requeued, scheduled or failed it) ends the lease too: it was granted whole. 1 if set; 0: the lease
+# is gone, and every event is checked.
 _LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ms, margin, a = tonumber(ARGV[1]), tonumber(ARGV[2]), 3
 for i = 2, #KEYS, 2 do
   local job = redis.call('HMGET', KEYS[i], 'roseinfer_owner', 'status')
-  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued' or job[2] == 'scheduled') then ms = 0 break end
+  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued' or job[2] == 'scheduled' or job[2] == 'failed') then
+    ms = 0 break
+  end
   local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
   if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now)
   elseif job[1] and (job[2] == 'started' or job[2] == 'deferred') then ms = 0 break end  -- (one ended has none)
@@ -195,6 +199,7 @@ class Sender:
         self.start_script = None  # starts pulled jobs as RQ would (``job_start``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
         self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
+        self._dropped_finals: set[str] = set()  # jobs whose end here was dropped: their last events are not sent
         self._next_birth_check = 0.0
 
     def _probe_sort(self) -> None:
@@ -327,12 +332,25 @@ class Sender:
                 self._retrying(task, "while ending a job")
             except Exception:
                 log.exception("ending a job failed")
+        if self._dropped_finals:
+            dropped, kept = self._dropped_finals, []
+            for final in finals:
+                if final[0] in dropped:
+                    dropped.discard(final[0])
+                else:
+                    kept.append(final)
+            finals = kept
         if finals:  # after the results and statuses they announce
             try:
                 send = self._next_send()
                 self._retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
             except Exception:
                 log.exception("writing %d final events failed; they are dropped", len(finals))
+
+    def drop_final(self, job_id: str) -> None:
+        """The last event of ``job_id`` waiting to go out (after its end, which was dropped) is not sent: the job
+        ended elsewhere (RQ's clean-up failed it), and the stream would end it a second time."""
+        self._dropped_finals.add(job_id)
 
     def _retrying(self, action: Callable[[], None], what: str) -> None:
         """Run ``action`` until Redis takes it: unreachable or refusing writes (full memory), it waits with
@@ -372,7 +390,7 @@ class Sender:
     def _send_once(self, events: list[Event], read: bool, send: str) -> None:
         if not read:  # final events: each checked, lease or not (a job never gets two)
             with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events, send, lease="")
+                self._queue_events(pipe, events, send, lease="", finals=True)
                 replies = pipe.execute()
             self._report_lost(events, replies)
             return
@@ -468,11 +486,13 @@ class Sender:
         if self._emit is not None and events and replies[0]:
             self.on_lost(sorted({(events[int(i)][0], events[int(i)][3]) for i in replies[0]}))
 
-    def _queue_events(self, pipe, events: list[Event], send: str, lease: str | None = None) -> None:
+    def _queue_events(
+        self, pipe, events: list[Event], send: str, lease: str | None = None, finals: bool = False
+    ) -> None:
         if self._emit is None:
             self.publisher.queue_writes(pipe, events)
         elif events:
             keys, args = self.publisher.script_args(events)
             lease = self.lease_key if lease is None else lease
-            head = [self.publisher.maxlen, lease, self.sent_key, send]
+            head = [self.publisher.maxlen, lease, self.sent_key, send, "1" if finals else "0"]
             pipe.evalsha(self._emit.sha, len(keys), *keys, *head, *args)
