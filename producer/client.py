@@ -45,6 +45,7 @@ from producer.protocol import (
     result_from_entries,
     result_key,
     stream_key,
+    streamed_output,
     usage_of,
 )
 from producer.schema import JobRequest, describe_validation_error, job_ending
@@ -742,12 +743,22 @@ class GenerationJob:
         its queue: RQ's cancel took it out, so no worker reaches it, and its hash (with the prompt) stayed for
         good, its followers waiting on a stream that never ended."""
         conn, key = self.client.connection, stream_key(self.id)
-        last = conn.xrevrange(key, count=1)  # (a retried job: its earlier attempts' events come first)
-        n = event_from_stream(last[0][1]).get("n", -1) + 1 if last else 0
+        # A retried job (waiting for its next attempt): what its earlier ones streamed stays its output, as a
+        # canceled running job's does (the result said nothing of the text its stream held).
+        streamed = [event_from_stream(fields) for _id, fields in conn.xrange(key)]
+        n = streamed[-1].get("n", -1) + 1 if streamed else 0
+        # An attempt that ended (requeued by hand since): its output is void, as for the worker that would run it.
+        ended_before = bool(streamed) and streamed[-1].get("finish_reason") is not None
+        made = {} if ended_before else streamed_output(streamed) or {}
         ending = job_ending(job)  # (written by hand, maybe in a form it would have failed on: what reads)
         ttl = job.result_ttl if job.result_ttl not in (None, 0) else self.result_ttl
-        event = json.dumps(make_event(n, "", [], "abort", usage_of(0, 0)))
-        result = canceled_result(self.id, ending, "job canceled before it ran")
+        prompt = next((e["usage"].get("prompt_tokens", 0) for e in reversed(streamed) if e.get("usage")), 0)
+        spent = usage_of(prompt, sum(len(ids) for _text, ids in made.values()))
+        event = json.dumps(make_event(n, "", [], "abort", spent, reset=ended_before))
+        reason = "job canceled before it ran" if not made else "job canceled while it waited for its next attempt"
+        result = canceled_result(self.id, ending, reason, made)
+        if made:
+            result["usage"] = spent
         with conn.pipeline() as pipe:
             pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
             keys = [result_key(self.id), job.key]
@@ -761,7 +772,7 @@ class GenerationJob:
                     pipe.expire(held, ttl)
             CanceledJobRegistry(job.origin, connection=conn).add(job, ttl, pipeline=pipe)
             pipe.xadd(key, {STREAM_FIELD: event})  # after the result it announces, as a worker writes them
-            pipe.expire(key, STREAM_TTL_AFTER_END_S)
+            pipe.expire(key, STREAM_TTL_AFTER_END_S if ttl == -1 else min(ttl, STREAM_TTL_AFTER_END_S))
             pipe.publish(channel_key(self.id), event)
             pipe.execute()
 

@@ -20,6 +20,7 @@ whose earlier output could not be resumed), and its own text is the new output's
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import zlib
 from base64 import b64decode, b64encode
@@ -168,9 +169,37 @@ def failure_result(
     return result
 
 
-def canceled_result(job_id: str, req: JobRequest | Ending | None, reason: str) -> dict[str, Any]:
-    """The result of a job canceled before it made anything (finish ``abort``, as the engine's own aborts)."""
-    return {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
+def canceled_result(
+    job_id: str, req: JobRequest | Ending | None, reason: str, made: dict[int, tuple[str, list[int]]] | None = None
+) -> dict[str, Any]:
+    """The result of a job canceled where no worker runs it (finish ``abort``, as the engine's own aborts); ``made``:
+    per sample, what its earlier attempts streamed (``streamed_output``), kept as a canceled running job's is."""
+    result = {**failure_result(job_id, req, reason, status="canceled"), "finish_reason": "abort"}
+    if made:
+        result["text"], result["token_ids"] = made.get(0, ("", []))
+        if len(made) > 1 or 0 not in made:
+            result["choices"] = [
+                {"index": i, "text": text, "token_ids": ids, "finish_reason": "abort", "stop_reason": None}
+                for i, (text, ids) in sorted(made.items())
+            ]
+    return result
+
+
+def streamed_output(events: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]] | None:
+    """Per sample, the text and token ids a job's stream holds since its start or last reset (what its earlier
+    attempts made, as a retry resumes from it); None where the stream cannot say (trimmed: it starts past event 0
+    with no reset, or skips one)."""
+    start = max((i for i, e in enumerate(events) if e.get("reset") or e.get("n") == 0), default=None)
+    if start is None:
+        return None if events else {}
+    since = events[start:]
+    if any(b.get("n") != a.get("n", 0) + 1 for a, b in itertools.pairwise(since)):
+        return None
+    made: dict[int, tuple[str, list[int]]] = {}
+    for event in since:
+        text, ids = made.get(event.get("index", 0), ("", []))
+        made[event.get("index", 0)] = text + event.get("text", ""), ids + list(event.get("token_ids", []))
+    return {i: out for i, out in made.items() if out[0] or out[1]}
 
 
 def result_entry(

@@ -96,7 +96,8 @@ class Choice(BaseModel):
 class JobResult(BaseModel):
     """The ``return_value`` of the latest entry of ``rq:results:<id>`` (JSON in base64; RQ's
     ``job.return_value()`` for a finished job, ``job.latest_result().return_value`` for any). A failed job's result
-    has ``error`` and no text; a job canceled before it ran, too (status ``canceled``)."""
+    has ``error`` and no text; a job canceled before it ran, too (status ``canceled``), but for what the attempts
+    before it streamed (a job canceled while it waited for its retry)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -3271,3 +3271,40 @@ def test_data_that_is_not_utf8_is_said_so_and_pickled_data_is_said_to_be_pickle(
         job.data = data
         with pytest.raises(JobRejected, match=re.escape(said)):
             parse_request(job)
+
+
+def test_a_job_canceled_while_it_waits_for_its_retry_keeps_what_its_earlier_attempt_streamed():
+    """A worker died mid-output, RQ's clean-up queued the job again for its retry, and its client canceled it there:
+    the result said "canceled before it ran", with no text, and the final event said 0 tokens after the 3 the stream
+    held. What was streamed stays the output (as a running job's cancel keeps it), every sample's; the stream goes
+    when the result does, not 600 s later."""
+    from producer import Client, JobCanceled
+    from producer.protocol import make_event, stream_key
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn, result_ttl=30)
+    job = client.submit("hi", n=2)
+    pieces = [make_event(0, "Hel", [1]), make_event(1, "A", [7], index=1), make_event(2, "lo", [2, 3])]
+    for event in pieces:  # the earlier attempt's, no final event: it died
+        conn.xadd(stream_key(job.id), {"event": json.dumps(event)})
+    assert job.cancel()
+    with pytest.raises(JobCanceled) as err:
+        job.result(timeout=1)
+    result = err.value.result
+    assert (result["text"], result["token_ids"], result["usage"]["completion_tokens"]) == ("Hello", [1, 2, 3], 4)
+    assert [(c["index"], c["text"]) for c in result["choices"]] == [(0, "Hello"), (1, "A")]
+    last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
+    assert (last["n"], last["finish_reason"], last["usage"]["completion_tokens"]) == (3, "abort", 4)
+    pieces = []
+    with pytest.raises(JobCanceled, match="what it made first"):
+        pieces.extend(job.stream(timeout=1))
+    assert "".join(pieces) == "Hello" and 0 < conn.ttl(stream_key(job.id)) <= 30
+    # An earlier attempt that ended (an error, then queued again by hand): its output is void, the abort a reset.
+    again = client.submit("there")
+    conn.xadd(stream_key(again.id), {"event": json.dumps(make_event(0, "x", [1], "error", error="it broke"))})
+    assert again.cancel()
+    with pytest.raises(JobCanceled) as err:
+        again.result(timeout=1)
+    assert "text" not in err.value.result
+    last = json.loads(conn.xrevrange(stream_key(again.id), count=1)[0][1][b"event"])
+    assert (last["n"], last["finish_reason"], last.get("reset")) == (1, "abort", True)
