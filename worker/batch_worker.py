@@ -401,7 +401,12 @@ class BatchWorker(BaseWorker):
                 continue
             if not self.connection.exists(Job.key_for(job_id)):
                 stranded.remove(job_id)  # (deleted meanwhile)
-            elif not stranded.set_first_seen(job_id) and stranded.should_be_cleaned_up(job_id):
+            elif stranded.set_first_seen(job_id):
+                # Set after a start took the job out of the list (and deleted its mark): the mark outlived the job,
+                # a day, for nothing. Looked at after the SET, so a start that comes later still deletes it.
+                if self.connection.lpos(stranded.key, job_id) is None:
+                    self.connection.delete(stranded.get_first_seen_key(job_id))
+            elif stranded.should_be_cleaned_up(job_id):
                 with self.connection.pipeline() as pipe:  # MULTI: in one list or the other, never both or none
                     pipe.lrem(stranded.key, 1, job_id)
                     pipe.lpush(queue.key, job_id)
