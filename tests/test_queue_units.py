@@ -1750,6 +1750,12 @@ def test_a_job_key_that_is_not_a_hash_is_moved_aside_and_the_jobs_pulled_with_it
     assert conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode() for job in good]
     assert conn.zscore(rejected_key(name), bad) is not None and conn.get(f"rq:job:{bad}") == b"{}"
     conn.delete(f"rq:job:{bad}")
+    # Each kept its TTL, not the set's, renewed by every rejection: it grew while one came a day.
+    conn.zadd(rejected_key(name), {"long-ago": time.time() - 61})
+    with conn.pipeline() as pipe:
+        quarantine(pipe, unreadable[0], 60)
+        pipe.execute()
+    assert conn.zrange(rejected_key(name), 0, -1) == [bad.encode()]
 
 
 @pytest.mark.redis

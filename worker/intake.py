@@ -428,7 +428,8 @@ def diagnose(raw: dict, job_id: str, exc: Exception) -> str:
 
 def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
     """Off the queue lists, status failed where the hash exists, and into ``roseinfer:rejected:<queue>`` (a sorted
-    set by time) where an operator finds it; RQ's own registries never hold it, so its maintenance cannot trip."""
+    set by time, each kept ``ttl``) where an operator finds it; RQ's own registries never hold it, so its
+    maintenance cannot trip."""
     queue, job_id = item.queue, item.raw_id or item.job_id
     pipe.lrem(queue.intermediate_queue_key, 0, job_id)
     pipe.lrem(queue.key, 0, job_id)
@@ -437,7 +438,9 @@ def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
         pipe.hset(key, "status", "failed")
         pipe.expire(key, ttl)  # with its result (it was kept for good)
     rejected = rejected_key(queue.name)
-    pipe.zadd(rejected, {job_id: time.time()})
+    added = time.time()
+    pipe.zremrangebyscore(rejected, "-inf", added - ttl)  # (the set's TTL, renewed at each add, never dropped one)
+    pipe.zadd(rejected, {job_id: added})
     pipe.expire(rejected, ttl)
 
 
