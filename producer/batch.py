@@ -461,7 +461,9 @@ class Progress:
         if self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream)
+            # (smoothing 0: the rate is the rows made over the time taken, which rows skipped stay out of; tqdm's
+            # moving average counted the skipped rows of a resumed run, thousands a second)
+            self.bar = tqdm(total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream, smoothing=0)
 
     def update(self, tokens: int, failed: bool = False, made_before: bool = False) -> None:
         """A row whose job ended; ``made_before``: its job had ended before this run (its result taken, not made:
@@ -482,6 +484,7 @@ class Progress:
         self.already += 1
         self.failed += failed
         if self.bar is not None:
+            self.bar.initial += 1  # (out of its rate and ETA, as the log lines keep it)
             self.bar.update(1)
 
     def tick(self) -> None:

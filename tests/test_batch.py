@@ -383,6 +383,23 @@ def test_a_terminal_gets_the_bar_and_no_log_lines():
     assert text.rstrip().splitlines()[-1].startswith("batch: 4 rows in ")
 
 
+def test_a_resumed_runs_bar_leaves_the_rows_it_skipped_out_of_its_rate():
+    """The log lines kept rows made before out of the rate and ETA; tqdm's bar counted them: 626 rows skipped in a
+    moment showed 2,209 rows/s and an ETA of seconds for a run making a few rows a second."""
+    import re
+
+    term = _Terminal()
+    progress = Progress(total=2000, already=0, stream=term)
+    for _ in range(626):
+        progress.skip()
+    time.sleep(0.3)
+    progress.update(5)
+    progress.bar.refresh()
+    rate = float(re.findall(r"([\d.]+)row/s", term.getvalue())[-1])
+    assert "627/2000" in term.getvalue() and rate < 10
+    progress.close()
+
+
 def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     body = {
         "model": "any",
