@@ -366,7 +366,8 @@ class Client:
     """``Client(redis_url, queue="roseinfer")``: submit generation jobs to roseinfer workers.
 
     Jobs are RQ jobs (JSON serializer). ``retries`` lets a job survive workers that die under it;
-    ``job_timeout`` bounds a job's run time (seconds, enforced by the worker).
+    ``job_timeout`` bounds a job's run time (seconds, enforced by the worker); ``result_ttl`` keeps an ended job's
+    result, ``failure_ttl`` a failed (or stopped) one's (None: RQ's year).
     """
 
     def __init__(
@@ -378,11 +379,15 @@ class Client:
         retries: int = 2,
         job_timeout: int = 3600,
         result_ttl: int = 24 * 3600,
+        failure_ttl: int | None = None,
     ) -> None:
+        if failure_ttl is not None and (isinstance(failure_ttl, bool) or failure_ttl < 1):
+            raise ValueError(f"failure_ttl is seconds, at least 1 (None: RQ's year), got {failure_ttl!r}")
         self.connection = connection or connect(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
         self._lanes: dict[int, Queue] = {0: self.queue}
         self.retries, self.job_timeout, self.result_ttl = retries, job_timeout, result_ttl
+        self.failure_ttl = failure_ttl
         self._policy_checked = False
         self.reached = False  # Redis answered this client once: a later error is an outage to wait out
 
@@ -534,6 +539,8 @@ class Client:
             result_ttl=options["result_ttl"],
             status="queued",
         )
+        if options.get("failure_ttl") is not None:
+            fields["failure_ttl"] = options["failure_ttl"]
         return fields
 
     def _check_eviction_policy(self) -> None:
@@ -625,6 +632,7 @@ class Client:
         return {
             "timeout": self.job_timeout,
             "result_ttl": self.result_ttl,
+            "failure_ttl": self.failure_ttl,
             "retry": Retry(max=self.retries) if self.retries else None,
             "description": f"generate: {text[:60]!r}" + (f" [{req.custom_id}]" if req.custom_id else ""),
         }
