@@ -21,9 +21,10 @@ from worker.intake import MAX_SECONDS
 DAY = 24 * 3600  # the longest interval: a thread's wait past threading.TIMEOUT_MAX raises
 
 ENV_PREFIX = "ROSEINFER_"
-# Read by the producer commands and the tests rather than by the worker's settings.
-# Read by other commands: the producer's (the queues' URLs), serve's (its key), the tests'.
-OTHER_ENV_VARS = ("ROSEINFER_TEST_REDIS_SERVER", "ROSEINFER_QUEUE_URLS", "ROSEINFER_API_KEY")
+# Read by other commands: the producer's (the queues' URLs), serve's (its key, its CORS origins), the tests'.
+OTHER_ENV_VARS = (
+    "ROSEINFER_TEST_REDIS_SERVER", "ROSEINFER_QUEUE_URLS", "ROSEINFER_API_KEY", "ROSEINFER_ALLOWED_ORIGINS"
+)  # fmt: skip
 
 
 class QueueSettings(BaseSettings):
