@@ -1239,6 +1239,51 @@ def test_a_job_rqs_clean_up_failed_as_abandoned_is_not_finished_or_streamed_by_t
 
 
 @pytest.mark.redis
+def test_events_refused_while_a_job_was_queued_again_go_out_in_order_once_it_is_this_attempts_again(redis_url):
+    """This worker stalled, RQ queued its job again, and this worker pulled it back while its copy still ran: the
+    events refused meanwhile were lost, and the stream went 0, 1, 3, ... (followers heard StreamGap, "trimmed").
+    They are held, with the job's later ones, until the step loop says: sent again in order, or dropped."""
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import OWNER_FIELD, make_event, stream_key
+    from worker.sender import Batch, Sender
+
+    conn = Redis.from_url(redis_url)
+    job_id, other = f"held-{uuid.uuid4().hex[:8]}", f"gone-{uuid.uuid4().hex[:8]}"
+    for j in (job_id, other):
+        conn.hset(f"rq:job:{j}", mapping={OWNER_FIELD: "e1", "status": "started"})
+    lost: list = []
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None, lost.extend)
+    sender._load_scripts()
+
+    def events(*ns):
+        return [(j, make_event(n, f"<{n}>", [n]), 0, "e1") for n in ns for j in (job_id, other)]
+
+    def texts(j):
+        return "".join(json.loads(f[b"event"])["text"] for _, f in conn.xrange(stream_key(j)))
+
+    try:
+        sender._send_until_done([Batch(events=events(0, 1))])
+        for j in (job_id, other):
+            conn.hset(f"rq:job:{j}", "status", "queued")  # RQ's clean-up queued it again
+        sender._send_until_done([Batch(events=events(2))])
+        assert set(lost) == {(job_id, "e1"), (other, "e1")}
+        conn.hset(f"rq:job:{job_id}", "status", "started")  # taken back here: the copy running here goes on
+        sender._send_until_done([Batch(events=events(3))])  # (held: the step loop has not answered yet)
+        assert texts(job_id) == "<0><1>"
+        sender.release_held(job_id, "e1")
+        sender.discard_held(other, "e1")  # (another attempt's now)
+        sender._send_until_done([sender._queue.get_nowait(), Batch(events=events(4))])
+        assert texts(job_id) == "<0><1><2><3><4>" and texts(other) == "<0><1>"
+        assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1, 2, 3, 4]
+    finally:
+        conn.delete(*[stream_key(j) for j in (job_id, other)], *[f"rq:job:{j}" for j in (job_id, other)])
+        conn.delete(sender.sent_key)
+
+
+@pytest.mark.redis
 def test_a_lane_or_canceled_registry_of_another_type_stops_no_pull_and_drops_no_event(redis_url):
     """A lane's list set to a string by hand (and added to rq:queues): its error failed the pull of every lane, the
     jobs moved from lanes before it stranded in their intermediate lists for a minute; in the sender's round trip,
@@ -2062,15 +2107,18 @@ def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_repo
     key = f"rq:job:{job_id}"
     conn.hset(key, mapping={OWNER_FIELD: "another-attempt", "status": "queued"})  # handed back by the other worker
     conn.rpush(queue.intermediate_queue_key, job_id)  # and pulled here
+    refused = (job_id, {"n": 2, "text": "x", "token_ids": [1]}, 0, held.execution.id)
+    worker.sender._held[(job_id, held.execution.id)] = [refused]  # (as the sender holds a refused event)
     worker._reports_lost([(job_id, held.execution.id)])  # a write refused while it was queued, applied after
     worker._keep_running_copy(held.job, queue)
     assert conn.hmget(key, OWNER_FIELD, "status") == [held.execution.id.encode(), b"started"]
     worker._drop_lost()
-    assert job_id in worker.in_flight
+    assert job_id in worker.in_flight and worker.sender._released == [refused]  # sent again: no gap
     conn.hset(key, OWNER_FIELD, "a-third-attempt")  # this worker stalled again; another worker took the job
+    worker.sender._held[(job_id, held.execution.id)] = [refused]
     worker._reports_lost([(job_id, held.execution.id)])
     worker._drop_lost()
-    assert job_id not in worker.in_flight
+    assert job_id not in worker.in_flight and worker.sender._held == {}
 
 
 @pytest.mark.redis

@@ -1309,25 +1309,39 @@ class BatchWorker(BaseWorker):
         """Jobs whose events Redis refused because another attempt owns them (this worker stalled past its
         heartbeat and they were retried elsewhere): dropped without writing anything but our own execution's end."""
         reported: dict[str, InFlight] = {}
+        elsewhere: list[tuple[str, str]] = []  # reports of jobs that ended here, or of an earlier attempt's events
         while not self._lost.empty():
             job_id, owner = self._lost.get()
             held = self.in_flight.get(job_id)
-            if held is not None and held.execution.id == owner:  # (else an earlier attempt's events: this one goes on)
+            if held is not None and held.execution.id == owner:
                 reported[job_id] = held
-        if not reported:
+            else:
+                elsewhere.append((job_id, owner))
+        if not reported and not elsewhere:
             return
-        # Refused a while ago: the job may have come back to this attempt since (``_keep_running_copy``), its stream
-        # then short of the refused events (a follower hears StreamGap; the result is whole).
+        # Refused a while ago: the job may have come back to this attempt since (``_keep_running_copy``). The
+        # sender holds the refused events, and those of the job after them: sent again now, its stream has no gap.
         try:
             owned = self._owned(list(reported.values()))
+            with self.connection.pipeline(transaction=False) as pipe:
+                for job_id, _owner in elsewhere:
+                    pipe.hmget(Job.key_for(job_id), OWNER_FIELD, "status")
+                hashes = pipe.execute()
         except REDIS_UNAVAILABLE:
-            for job_id, held in reported.items():
-                self._lost.put((job_id, held.execution.id))  # looked at again once Redis answers
+            for job_id, owner in [*((j, h.execution.id) for j, h in reported.items()), *elsewhere]:
+                self._lost.put((job_id, owner))  # looked at again once Redis answers
             return
+        for (job_id, owner), (now_owner, status) in zip(elsewhere, hashes):
+            if now_owner is not None and now_owner.decode() == owner and status not in (b"queued", b"failed"):
+                self.sender.release_held(job_id, owner)  # (ended here, ours: its last events go out)
+            else:
+                self.sender.discard_held(job_id, owner)
         for held, ours in zip(reported.values(), owned):
             if ours is not False:
+                self.sender.release_held(held.job.id, held.execution.id)
                 continue
             job_id = held.job.id
+            self.sender.discard_held(job_id, held.execution.id)
             del self.in_flight[job_id]
             self.pump.cancel(job_id)
             self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease

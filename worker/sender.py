@@ -113,6 +113,14 @@ return 1
 """
 
 
+def _nothing() -> None:
+    pass
+
+
+def _is_final(event: Event) -> bool:
+    return event[1].get("finish_reason") is not None
+
+
 # The statuses that end a job here: canceled, stopped, or the hash gone.
 _ENDING = (b"canceled", b"stopped", None)
 
@@ -200,6 +208,12 @@ class Sender:
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
         self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
         self._dropped_finals: set[str] = set()  # jobs whose end here was dropped: their last events are not sent
+        # (job id, attempt) -> its events the script refused, and those of it that came after, in order: held until
+        # the step loop says whether the job is still that attempt's (``release_held``: sent again, checked) or not
+        # (``discard_held``). A job requeued while it ran here and taken back by this worker went on with a gap.
+        self._held: dict[tuple[str, str], list[Event]] = {}
+        self._released: list[Event] = []
+        self._held_lock = threading.Lock()
         self._next_birth_check = 0.0
 
     def _probe_sort(self) -> None:
@@ -320,6 +334,11 @@ class Sender:
         events = [e for batch in batches for e in batch.events]
         tasks = [t for batch in batches for t in batch.tasks]
         finals = [e for batch in batches for e in batch.finals]
+        with self._held_lock:  # (released before these: they come first; a held job's new events wait with it)
+            released, self._released = self._released, []
+            events, finals = self._divert(events), self._divert(finals)
+        if released:
+            self._send_released(released)
         # An error Redis will give again (not a wait: those are retried) drops what failed, never this thread: the
         # step loop would wait on it for good.
         try:
@@ -346,6 +365,42 @@ class Sender:
                 self._retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
             except Exception:
                 log.exception("writing %d final events failed; they are dropped", len(finals))
+
+    def release_held(self, job_id: str, owner: str) -> None:
+        """The events held for ``job_id`` of attempt ``owner`` go out again, first, each checked again."""
+        with self._held_lock:
+            self._released += self._held.pop((job_id, owner), [])
+        self.put(Batch(tasks=[_nothing]))  # (wakes the thread: the job may send nothing more)
+
+    def discard_held(self, job_id: str, owner: str) -> None:
+        """The events held for ``job_id`` of attempt ``owner`` are dropped: the job is another attempt's now."""
+        with self._held_lock:
+            self._held.pop((job_id, owner), None)
+
+    def _divert(self, events: list[Event]) -> list[Event]:
+        """``events`` but those of held jobs, which join their held events (under ``_held_lock``)."""
+        if not self._held:
+            return events
+        kept = []
+        for event in events:
+            held = self._held.get((event[0], event[3]))
+            if held is None:
+                kept.append(event)
+            else:
+                held.append(event)
+        return kept
+
+    def _send_released(self, released: list[Event]) -> None:
+        """Held events let go, each checked (no lease), in order: running ones first, then any last one."""
+        for finals in (False, True):
+            part = [e for e in released if _is_final(e) == finals]
+            if not part:
+                continue
+            send = self._next_send()
+            try:
+                self._retrying(lambda p=part, f=finals, n=send: self._send_checked(p, f, n), f"{len(part)} events kept")
+            except Exception:
+                log.exception("writing %d events held back failed; they are dropped", len(part))
 
     def drop_final(self, job_id: str) -> None:
         """The last event of ``job_id`` waiting to go out (after its end, which was dropped) is not sent: the job
@@ -389,10 +444,7 @@ class Sender:
 
     def _send_once(self, events: list[Event], read: bool, send: str) -> None:
         if not read:  # final events: each checked, lease or not (a job never gets two)
-            with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events, send, lease="", finals=True)
-                replies = pipe.execute()
-            self._report_lost(events, replies)
+            self._send_checked(events, True, send)
             return
         # Every job's status (cancels) every status_interval (100 ms: a status written by hand from another
         # language, ``HSET status canceled``, or a deleted hash lands within that), and at once when RQ's canceled
@@ -448,6 +500,19 @@ class Sender:
         statuses = read_statuses(replies[: len(replies) - tail])
         self.on_statuses([(job_id, s) for job_id, s in statuses if s in _ENDING], registered)
 
+    def _send_checked(self, events: list[Event], finals: bool, send: str) -> None:
+        """Write ``events``, each checked whatever the lease (``finals``: jobs' last events)."""
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                self._queue_events(pipe, events, send, lease="", finals=finals)
+                replies = pipe.execute()
+        except NoScriptError:
+            self._load_scripts()
+            with self.connection.pipeline(transaction=False) as pipe:
+                self._queue_events(pipe, events, send, lease="", finals=finals)
+                replies = pipe.execute()
+        self._report_lost(events, replies)
+
     def _queue_status_reads(
         self, pipe, watch: list[tuple[str, str]]
     ) -> Callable[[list], list[tuple[str, bytes | None]]]:
@@ -484,7 +549,11 @@ class Sender:
         """The events the script refused (its reply, first in the round trip): their jobs are another attempt's
         than the one that wrote them (reported as (job id, that attempt), so a later attempt here is kept)."""
         if self._emit is not None and events and replies[0]:
-            self.on_lost(sorted({(events[int(i)][0], events[int(i)][3]) for i in replies[0]}))
+            refused = [events[int(i)] for i in replies[0]]
+            with self._held_lock:  # (before the report: the step loop may answer it at once)
+                for event in refused:
+                    self._held.setdefault((event[0], event[3]), []).append(event)
+            self.on_lost(sorted({(event[0], event[3]) for event in refused}))
 
     def _queue_events(
         self, pipe, events: list[Event], send: str, lease: str | None = None, finals: bool = False
