@@ -57,6 +57,7 @@ _OVER = tuple(status.encode() for status in ("finished", *_ENDED))  # a job's st
 # A finished job's final event goes out in the worker's next write after its result: a reader that finds the job
 # finished and its stream short of that event waits this long for it before calling the stream expired.
 FINAL_EVENT_GRACE_S = 2.0
+DEFAULT_RESULT_TTL = 24 * 3600  # a day, as the worker's --result-ttl
 _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
 CANCELER = "roseinfer-client"  # the worker name on the result of a job a client ended (canceled in its queue)
 
@@ -378,7 +379,7 @@ class Client:
         connection: Redis | None = None,
         retries: int = 2,
         job_timeout: int = 3600,
-        result_ttl: int = 24 * 3600,
+        result_ttl: int = DEFAULT_RESULT_TTL,
         failure_ttl: int | None = None,
     ) -> None:
         if failure_ttl is not None and (isinstance(failure_ttl, bool) or failure_ttl < 1):
@@ -753,13 +754,18 @@ class GenerationJob:
         conn, key = self.client.connection, stream_key(self.id)
         # A retried job (waiting for its next attempt): what its earlier ones streamed stays its output, as a
         # canceled running job's does (the result said nothing of the text its stream held).
-        streamed = [event_from_stream(fields) for _id, fields in conn.xrange(key)]
-        n = streamed[-1].get("n", -1) + 1 if streamed else 0
+        entries = conn.xrange(key)
+        try:
+            streamed = [event_from_stream(fields) for _id, fields in entries]
+            n = streamed[-1].get("n", -1) + 1 if streamed else 0
+        except (ValueError, KeyError, TypeError, AttributeError):  # an entry written by hand: RQ's cancel stands
+            streamed, n = [], len(entries)
         # An attempt that ended (requeued by hand since): its output is void, as for the worker that would run it.
         ended_before = bool(streamed) and streamed[-1].get("finish_reason") is not None
         made = {} if ended_before else streamed_output(streamed) or {}
         ending = job_ending(job)  # (written by hand, maybe in a form it would have failed on: what reads)
-        ttl = job.result_ttl if job.result_ttl not in (None, 0) else self.result_ttl
+        # (a result_ttl of 0 keeps no result of a finished job; a canceled one's is kept, as a worker keeps it)
+        ttl = next(t for t in (job.result_ttl, self.client.result_ttl, DEFAULT_RESULT_TTL) if t not in (None, 0))
         prompt = next((e["usage"].get("prompt_tokens", 0) for e in reversed(streamed) if e.get("usage")), 0)
         spent = usage_of(prompt, sum(len(ids) for _text, ids in made.values()))
         event = json.dumps(make_event(n, "", [], "abort", spent, reset=ended_before))

@@ -127,7 +127,11 @@ class Message(SentBack):
     def _content_or_calls(self) -> Message:
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.thinking is not None)):
             raise ValueError("content is required (only an assistant's message of tool_calls or reasoning may omit it)")
-        if self.role != "assistant" and any(isinstance(p, RefusalPart) for p in self.content or ()):
+        if (
+            self.role != "assistant"
+            and isinstance(self.content, list)
+            and any(isinstance(p, RefusalPart) for p in self.content)
+        ):
             raise ValueError("a refusal part is an assistant's (OpenAI's rule)")
         if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
             raise ValueError("reasoning and reasoning_content (its older name) differ: give one")

@@ -742,6 +742,23 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
     _check_listen("::1", free6)
 
 
+def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch):
+    """``--allowed-origins a,b`` (or the variable so written) was one origin, "a,b", which no browser sends."""
+    import producer.server
+    from worker.cli import main
+
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])
+    given = []
+    monkeypatch.setattr(producer.server, "run_server", lambda *a, **kw: given.append(kw["allowed_origins"]) or 0)
+    assert main(["serve", "--port", port, "--allowed-origins", "http://a.example,http://b.example", "http://c"]) == 0
+    monkeypatch.setenv("ROSEINFER_ALLOWED_ORIGINS", "http://d, http://e")
+    assert main(["serve", "--port", port]) == 0
+    assert given == [["http://a.example", "http://b.example", "http://c"], ["http://d", "http://e"]]
+
+
 def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):
     """README: a run refused before it starts writes nothing. Its settings file was written before Redis was asked,
     and stayed."""

@@ -1236,6 +1236,13 @@ def test_a_job_rqs_clean_up_failed_as_abandoned_is_not_finished_or_streamed_by_t
 
     worker.sender._send_until_done([Batch(finals=[final])])
     assert not conn.exists(stream_key(ending.job.id))
+    # A mark left by an end that had no last event (a job put off for a retry) drops no later run's last event.
+    worker.sender.drop_final(running.job.id, running.execution.id)
+    worker.sender._send_until_done([Batch(tasks=[lambda: None])])
+    conn.hset(running.job.key, "status", "started")
+    later = (running.job.id, make_event(2, "c", [4], "stop"), 0, running.execution.id)
+    worker.sender._send_until_done([Batch(finals=[later])])
+    assert conn.xlen(stream_key(running.job.id)) == 2
 
 
 @pytest.mark.redis
@@ -3371,6 +3378,11 @@ def test_a_job_canceled_while_it_waits_for_its_retry_keeps_what_its_earlier_atte
     assert "text" not in err.value.result
     last = json.loads(conn.xrevrange(stream_key(again.id), count=1)[0][1][b"event"])
     assert (last["n"], last["finish_reason"], last.get("reset")) == (1, "abort", True)
+    # A client keeping no results (result_ttl 0) still ends it (it raised AttributeError after RQ's cancel).
+    unkept = Client(connection=conn, result_ttl=0).submit("kept?")
+    assert unkept.cancel() and 0 < conn.ttl(stream_key(unkept.id)) <= 600
+    with pytest.raises(JobCanceled):
+        unkept.result(timeout=1)
 
 
 def test_a_client_sets_how_long_failed_jobs_are_kept():

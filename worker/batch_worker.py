@@ -1055,7 +1055,7 @@ class BatchWorker(BaseWorker):
         else:
             log.warning("job %s belongs to another attempt now, or RQ failed it (this worker stalled): its end here "
                         "is dropped", job.job.id)  # fmt: skip
-            self.sender.drop_final(job.job.id)  # (its last event, sent after this end, would end it a second time)
+            self.sender.drop_final(job.job.id, job.execution.id)  # (its last event would end it a second time)
         self.metrics.job_ended("canceled" if deleted else "lost", None)
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)

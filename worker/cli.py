@@ -108,6 +108,8 @@ def serve(args: argparse.Namespace) -> int:
     from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
 
     _check_listen(args.host, args.port)  # (a port taken said in one line, before "serving", not after it)
+    if args.allowed_origins:  # ("a,b" as one value matched no origin)
+        args.allowed_origins = [o for value in args.allowed_origins for o in value.split(",") if o.strip()]
     if not args.embedded:
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
@@ -177,9 +179,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--allowed-origins", nargs="+", metavar="ORIGIN",
-        default=os.environ.get("ROSEINFER_ALLOWED_ORIGINS", "").split() or None,
+        default=os.environ.get("ROSEINFER_ALLOWED_ORIGINS", "").replace(",", " ").split() or None,
         help="web origins whose pages may call the API from a browser (CORS), e.g. http://localhost:3000, or * for "
-        "any (default: $ROSEINFER_ALLOWED_ORIGINS, space-separated, else none: vLLM allows any origin by default, "
+        "any (default: $ROSEINFER_ALLOWED_ORIGINS, space- or comma-separated, else none: vLLM allows any origin by "
+        "default, "
         "which lets any web page its users open drive a server on their machine)",
     )  # fmt: skip
     p.add_argument(

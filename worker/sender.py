@@ -207,7 +207,8 @@ class Sender:
         self.start_script = None  # starts pulled jobs as RQ would (``job_start``)
         self.lease_key = ""  # the worker's lease (``LEASE_KEY``): set by the worker, kept by its heartbeats
         self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
-        self._dropped_finals: set[str] = set()  # jobs whose end here was dropped: their last events are not sent
+        # (job id, attempt) whose end here was dropped: its last event, in the same round trip, is not sent
+        self._dropped_finals: set[tuple[str, str]] = set()
         # (job id, attempt) -> its events the script refused, and those of it that came after, in order: held until
         # the step loop says whether the job is still that attempt's (``release_held``: sent again, checked) or not
         # (``discard_held``). A job requeued while it ran here and taken back by this worker went on with a gap.
@@ -351,14 +352,10 @@ class Sender:
                 self._retrying(task, "while ending a job")
             except Exception:
                 log.exception("ending a job failed")
-        if self._dropped_finals:
-            dropped, kept = self._dropped_finals, []
-            for final in finals:
-                if final[0] in dropped:
-                    dropped.discard(final[0])
-                else:
-                    kept.append(final)
-            finals = kept
+        if self._dropped_finals:  # (cleared each round trip: a job that ended without a last event, one put off
+            # for a retry, left its id, and its next run here lost its own)
+            dropped, self._dropped_finals = self._dropped_finals, set()
+            finals = [final for final in finals if (final[0], final[3]) not in dropped]
         if finals:  # after the results and statuses they announce
             try:
                 send = self._next_send()
@@ -402,10 +399,11 @@ class Sender:
             except Exception:
                 log.exception("writing %d events held back failed; they are dropped", len(part))
 
-    def drop_final(self, job_id: str) -> None:
-        """The last event of ``job_id`` waiting to go out (after its end, which was dropped) is not sent: the job
-        ended elsewhere (RQ's clean-up failed it), and the stream would end it a second time."""
-        self._dropped_finals.add(job_id)
+    def drop_final(self, job_id: str, owner: str) -> None:
+        """The last event of ``job_id`` by attempt ``owner``, waiting to go out after its end (which was dropped: a
+        task of this round trip), is not sent: the job ended elsewhere (RQ's clean-up failed it), and the stream
+        would end it a second time."""
+        self._dropped_finals.add((job_id, owner))
 
     def _retrying(self, action: Callable[[], None], what: str) -> None:
         """Run ``action`` until Redis takes it: unreachable or refusing writes (full memory), it waits with
