@@ -744,10 +744,10 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
 
 def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch):
     """``--allowed-origins a,b`` (or the variable so written) was one origin, "a,b", which no browser sends."""
+    import socket
+
     import producer.server
     from worker.cli import main
-
-    import socket
 
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = str(probe.getsockname()[1])
