@@ -379,6 +379,9 @@ class CompletionRequest(_Common):
         fields.pop("echo", None)
         fields.pop("suffix", None)
         if self.echo_only:
+            if fields.get("min_tokens"):  # (said of the job's 1, it named a max_tokens the request never sent)
+                raise APIError(400, f"min_tokens ({fields['min_tokens']}) must not exceed max_tokens (0)",
+                               param="min_tokens")  # fmt: skip
             fields["max_tokens"] = 1
         fields["prompt_token_ids" if isinstance(prompt, list) else "prompt"] = prompt
         return fields

@@ -462,13 +462,14 @@ def test_browser_origins_are_allowed_only_where_named():
     ("extra", "param", "message"),
     [
         ({"max_tokens": 2, "min_tokens": 5}, "min_tokens", "min_tokens (5) must not exceed max_tokens (2)"),
+        ({"max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens", "min_tokens (2) must not exceed max_tokens (0)"),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
             "give structured_outputs or response_format, not both",
         ),
     ],
-    ids=["min-over-max", "two-constraints"],
+    ids=["min-over-max", "min-over-an-echos-0", "two-constraints"],
 )
 def test_a_check_across_fields_names_its_parameter_in_plain_words(extra, param, message):
     """It said ``payload: Value error, min_tokens (5) ...`` with ``param`` null: pydantic's prefix, and no field."""
