@@ -462,7 +462,11 @@ def test_browser_origins_are_allowed_only_where_named():
     ("extra", "param", "message"),
     [
         ({"max_tokens": 2, "min_tokens": 5}, "min_tokens", "min_tokens (5) must not exceed max_tokens (2)"),
-        ({"max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens", "min_tokens (2) must not exceed max_tokens (0)"),
+        (
+            {"max_tokens": 0, "echo": True, "min_tokens": 2},
+            "min_tokens",
+            "min_tokens (2) must not exceed max_tokens (0)",
+        ),
         (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
