@@ -659,7 +659,7 @@ async def _sse(
         yield "data: [DONE]\n\n"
         finished = True
     except STREAM_ERRORS as exc:
-        yield _data(_stream_error(exc, timeout).body())
+        yield _data(_stream_error(exc, timeout, "messages" if chunks.chat else "prompt").body())
         yield "data: [DONE]\n\n"
     finally:
         open_streams.dec()
@@ -671,10 +671,14 @@ async def _sse(
 STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
 
 
-def _stream_error(exc: Exception, timeout: float) -> APIError:
-    """What ends a stream once its headers went out, as the error it sends."""
+def _stream_error(exc: Exception, timeout: float, prompt_field: str | None = None) -> APIError:
+    """What ends a stream once its headers went out, as the error it sends (a prompt too long names
+    ``prompt_field``, as the status it would have been names it)."""
     if isinstance(exc, (JobFailed, JobCanceled)):
-        return _job_error(exc)
+        err = _job_error(exc)
+        if err.code == "context_length_exceeded" and err.param is None:
+            err.param = prompt_field
+        return err
     if isinstance(exc, NoFirstEvent):  # (the headers went ahead of the first event, which never came)
         return _not_to_retry(APIError(504, str(exc), "timeout"))
     if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
@@ -719,7 +723,7 @@ async def _response_sse(
                 break
         finished = True
     except STREAM_ERRORS as exc:
-        for out in writer.failed(_stream_error(exc, timeout)):
+        for out in writer.failed(_stream_error(exc, timeout, "input")):
             yield _typed(out)
     finally:
         open_streams.dec()

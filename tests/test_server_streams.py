@@ -528,3 +528,16 @@ def test_a_stream_queued_behind_others_gets_its_headers_and_keep_alives_before_i
     assert start["status"] == 200 and chunks[-1] == "[DONE]"
     assert chunks[-2]["error"]["type"] == "timeout" and "no result within 0.5 s" in chunks[-2]["error"]["message"]
     assert never.canceled == ["job0"]
+
+
+def test_a_prompt_refused_after_the_headers_went_is_an_error_chunk_naming_the_field(monkeypatch):
+    """Queued past the hold, a job refused as too long can no longer be the request's 400: its error chunk says it,
+    naming the field to shorten as the status would have."""
+    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.05)
+    too_long = event(
+        0, "", "error", error="too long", error_type="invalid_request", error_code="context_length_exceeded"
+    )
+    client = ScriptedClient([[(0.3, too_long)]])
+    start, chunks = post(client, {"model": "m", "prompt": "p", "stream": True})
+    assert start["status"] == 200 and chunks[-1] == "[DONE]"
+    assert chunks[-2]["error"]["code"] == "context_length_exceeded" and chunks[-2]["error"]["param"] == "prompt"
