@@ -1037,6 +1037,29 @@ def test_a_copy_of_a_job_that_ended_is_dropped_not_run_again():
     assert conn.llen(lane.key) == 0 and conn.llen(lane.intermediate_queue_key) == 0  # the copy taken off, not left
 
 
+def test_a_copy_of_a_job_another_worker_runs_is_left_to_it_and_a_dead_workers_runs_here():
+    """An id pushed twice whose first copy another worker runs: the pull took the second for a new job, started
+    it here (the other worker's end then fenced off, its work lost) and ran it again. A job whose status says
+    started by no live execution (its worker died; a status written by hand) still runs here."""
+    from producer.protocol import OWNER_FIELD
+
+    engine, admitted = FakeEngine(), []
+    add = engine.add_request
+    engine.add_request = lambda rid, *a, **k: (admitted.append(rid), add(rid, *a, **k))[1]
+    _, engine, client, thread, conn = _fakeredis_worker("elsewhere", engine, burst=True)
+    busy, stale = client.submit("runs elsewhere", max_tokens=3), client.submit("its worker died", max_tokens=3)
+    lane = client.lane(0)
+    for job in (busy, stale):
+        conn.hset(job.rq_job.key, mapping={"status": "started", OWNER_FIELD: f"exec-{job.id}"})
+    conn.zadd(lane.started_job_registry.key, {f"{busy.id}:exec-{busy.id}": time.time() + 60})  # (the stale one: none)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert busy.id not in admitted and conn.hget(busy.rq_job.key, OWNER_FIELD) == f"exec-{busy.id}".encode()
+    assert conn.llen(lane.key) == 0 and conn.llen(lane.intermediate_queue_key) == 0  # the copy taken off
+    assert stale.id in admitted and stale.result(timeout=1)["usage"]["completion_tokens"] == 3
+
+
 def test_a_job_deleted_as_it_finishes_stays_deleted():
     """RQ's ``job.delete()`` landing between the job's last token and its finish: the finish read the missing hash
     as Redis having lost its data and wrote it back whole, finished, its result kept a day."""

@@ -267,6 +267,11 @@ class Puller:
             else:
                 fresh.append((job, q))
             seen.add(job.id)
+        started = [(job, q) for job, q in fresh if job.get_status(refresh=False) == JobStatus.STARTED]
+        if started:  # (a copy of a job another worker runs: left to it)
+            elsewhere = self._running_elsewhere(started)
+            over += [(job, q) for job, q in fresh if job.id in elsewhere]
+            fresh = [(job, q) for job, q in fresh if job.id not in elsewhere]
         if over:
             self._drop_copies(over)
         self._own_origins(fresh)
@@ -319,13 +324,32 @@ class Puller:
             job._status = status.decode()  # (what get_status(refresh=False) reads; JobStatus compares equal to it)
         return self.read([(job, q)])
 
+    def _running_elsewhere(self, started: list[tuple[Job, Queue]]) -> set[str]:
+        """Of jobs pulled while their status says started, those another worker runs now: their owning execution's
+        started-registry entry is live. Such a copy (an id pushed twice, on another worker) was started here too,
+        the running attempt fenced out of its own end, and the job ran twice. A job started by no live execution
+        (its worker died; a status written by hand) runs here as before."""
+        from producer.protocol import OWNER_FIELD
+
+        conn = self.worker.connection
+        with conn.pipeline(transaction=False) as pipe:
+            for job, _q in started:
+                pipe.hget(job.key, OWNER_FIELD)
+            owners = pipe.execute()
+        with conn.pipeline(transaction=False) as pipe:
+            for (job, q), owner in zip(started, owners):
+                pipe.zscore(q.started_job_registry.key, f"{job.id}:{owner.decode() if owner else ''}")
+            scores = pipe.execute()
+        now = time.time()
+        return {job.id for (job, _q), owner, score in zip(started, owners, scores) if owner and score and score > now}
+
     def _drop_copies(self, over: list[tuple[Job, Queue]]) -> None:
         """Copies of jobs that ended (finished or failed: an id pushed twice, a requeue that crossed the end) off
         the intermediate lists, as a start takes them off: never run again, their results left as they are."""
         with self.worker.connection.pipeline(transaction=False) as pipe:
             for job, q in over:
-                log.warning("job %s: a copy of it came from queue %r after it had ended (%s): dropped, not run again",
-                            job.id, q.name, job.get_status(refresh=False))  # fmt: skip
+                log.warning("job %s: a copy of it came from queue %r while it had %s: dropped, not run again",
+                            job.id, q.name, _how(job))  # fmt: skip
                 pipe.lrem(q.intermediate_queue_key, 1, job.id)
                 pipe.delete(q.intermediate_queue.get_first_seen_key(job.id))
             pipe.execute()
@@ -343,3 +367,8 @@ class Puller:
         except Exception as exc:  # anything else about one job stays with that job
             log.exception("job %s could not be read", job.id)
             return None, None, f"unreadable job: {exc}"
+
+
+def _how(job: Job) -> str:
+    status = job.get_status(refresh=False)
+    return "started on another worker" if status == JobStatus.STARTED else f"ended ({status})"
