@@ -774,6 +774,9 @@ class GenerationJob:
         if made:
             result["usage"] = spent
         with conn.pipeline() as pipe:
+            # Ended by this client: an attempt of it that still runs somewhere (its worker stalled) is another's
+            # now, fenced off (it wrote its own cancel, a second result and last event, once thawed).
+            pipe.hset(job.key, OWNER_FIELD, CANCELER)
             pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
             keys = [result_key(self.id), job.key]
             if ending.notify:

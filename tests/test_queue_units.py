@@ -2586,6 +2586,16 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     conn.hset(first.job.key, "status", "scheduled")
     heartbeat.beat()
     assert not conn.exists(lease)
+    # Thawed after a stall past its entries' life: RQ's clean-up may have read them lapsed and not yet written the
+    # failure (the status still started). The beat renews the entries but grants no lease: its events stay checked
+    # (a stalled worker streamed 12 events after the failure). The next beat does.
+    conn.hset(first.job.key, "status", "started")
+    for held in (first, second):
+        held.beat_at = time.monotonic() - 41
+    heartbeat.beat()
+    assert not conn.exists(lease) and not heartbeat._leased
+    heartbeat.beat()
+    assert conn.exists(lease)
 
 
 @pytest.mark.redis
@@ -3363,6 +3373,7 @@ def test_a_job_canceled_while_it_waits_for_its_retry_keeps_what_its_earlier_atte
     result = err.value.result
     assert (result["text"], result["token_ids"], result["usage"]["completion_tokens"]) == ("Hello", [1, 2, 3], 4)
     assert [(c["index"], c["text"]) for c in result["choices"]] == [(0, "Hello"), (1, "A")]
+    assert conn.hget(job.rq_job.key, "roseinfer_owner") == b"roseinfer-client"  # (a stalled attempt: fenced off)
     last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
     assert (last["n"], last["finish_reason"], last["usage"]["completion_tokens"]) == (3, "abort", 4)
     pieces = []

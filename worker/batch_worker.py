@@ -1345,7 +1345,7 @@ class BatchWorker(BaseWorker):
             del self.in_flight[job_id]
             self.pump.cancel(job_id)
             self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease
-            log.warning("job %s belongs to another attempt now (this worker stalled): dropped here", job_id)
+            log.warning("job %s belongs to another attempt now, or RQ ended it (this worker stalled): dropped", job_id)
             self.metrics.job_ended("lost", None)
 
             def end(held: InFlight = held) -> None:

@@ -109,20 +109,24 @@ class Heartbeat:
         # ago costs no writes (six a job a beat).
         fresh = mono - max(0.0, w.settings.heartbeat_grace / 2 - LEASE_SLACK_S)
         stale = [job for job in (*jobs, *ending) if job.beat_at <= fresh]
+        # A job whose registry entry may have lapsed since its last beat (this worker stalled): RQ's clean-up may be
+        # between its read of the entry and its write (a failure, a requeue), and the job's status still says
+        # started. No lease on this beat: it would let the events go out unchecked once the clean-up wrote.
+        lapsed = any(mono - job.beat_at >= ttl - w.settings.heartbeat_grace / 2 for job in jobs)
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
         try:
-            replies = self._beat(stale, jobs, ttl, rate, mono)
+            replies = self._beat(stale, jobs, ttl, rate, mono, lapsed)
         except redis.exceptions.NoScriptError:  # Redis restarted and forgot it
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
-            replies = self._beat(stale, jobs, ttl, rate, mono)
+            replies = self._beat(stale, jobs, ttl, rate, mono, lapsed)
         self.last_beat_at = time.time()
         if w.sender.lease_key:
             if self._leased and not replies[-1]:
                 log.warning("lease not kept: a job held here belongs to another attempt now, or its heartbeat lapsed")
             self._leased = bool(replies[-1])
 
-    def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float) -> list:
+    def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float, lapsed: bool = False) -> list:
         w = self.worker
         with w.connection.pipeline(transaction=False) as pipe:
             # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis
@@ -145,7 +149,10 @@ class Heartbeat:
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
             # The statistics lapse with the heartbeat: a dead worker drops out of `roseinfer status`.
             pipe.expire(key, ttl)
-            if w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
+            if w.sender.lease_key and lapsed:
+                pipe.delete(w.sender.lease_key)
+                pipe.exists(w.sender.lease_key)  # (the lease's place in the replies: 0, not set)
+            elif w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
             replies = pipe.execute()
         if not replies[0]:
