@@ -177,14 +177,30 @@ def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
     return value
 
 
+def eviction_policy(connection: Redis) -> str | None:
+    """Redis's ``maxmemory-policy``: by CONFIG, else by INFO (a managed Redis refuses CONFIG: ElastiCache's
+    default is volatile-lru); None where neither may be read."""
+    try:
+        policy = connection.config_get("maxmemory-policy").get("maxmemory-policy")
+    except REDIS_DOWN:
+        raise
+    except Exception:
+        try:
+            policy = connection.info("memory").get("maxmemory_policy")
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            return None
+    return policy.decode() if isinstance(policy, bytes) else policy
+
+
 def eviction_warning(connection: Redis) -> str | None:
     """A warning when Redis may evict keys to make room: under any policy but ``noeviction``, queued jobs,
     job hashes and results can vanish without a trace. None when the policy is safe or cannot be read."""
     try:
-        policy = connection.config_get("maxmemory-policy").get("maxmemory-policy")
-    except Exception:  # managed Redis often refuses CONFIG
-        return None
-    policy = policy.decode() if isinstance(policy, bytes) else policy
+        policy = eviction_policy(connection)
+    except REDIS_DOWN:
+        return None  # (the command that follows says so)
     if policy in (None, "noeviction"):
         return None
     return (

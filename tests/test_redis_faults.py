@@ -18,7 +18,7 @@ from conftest import ThreadWorker, slow_engine_steps, with_slow_steps
 from redis import Redis
 from rq.command import send_shutdown_command
 
-from producer import Client, JobFailed
+from producer import Client, JobCanceled, JobFailed
 from worker.local_redis import free_port, start_private_redis
 from worker.main import UnsafeRedis, check_eviction_policy
 
@@ -486,3 +486,53 @@ def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_the_eviction_policy_is_read_where_config_is_refused_and_an_unknown_one_refuses_require(own_redis):
+    """A managed Redis refuses CONFIG (ElastiCache's default policy: volatile-lru): the check said nothing and
+    ``--require-noeviction`` let the worker start. INFO tells the policy; a Redis telling neither refuses the flag."""
+    from producer.client import eviction_warning
+
+    url, conn = own_redis
+    conn.config_set("maxmemory-policy", "volatile-lru")
+    conn.execute_command("ACL", "SETUSER", "noconfig", "on", ">pw", "~*", "&*", "+@all", "-config")
+    limited = Redis.from_url(url.replace("redis://", "redis://noconfig:pw@"))
+    assert "maxmemory-policy volatile-lru" in eviction_warning(limited)
+    with pytest.raises(UnsafeRedis, match="volatile-lru"):
+        check_eviction_policy(limited, required=True)
+    conn.execute_command("ACL", "SETUSER", "noconfig", "-info")
+    assert eviction_warning(limited) is None
+    with pytest.raises(UnsafeRedis, match="cannot read Redis's maxmemory-policy"):
+        check_eviction_policy(limited, required=True)
+    check_eviction_policy(limited, required=False)  # (not asked: nothing to refuse)
+
+
+@pytest.mark.slow
+def test_a_redis_user_without_channels_gets_its_streams_and_cancels_and_says_so_once(
+    own_redis, tiny_chat_model, caplog
+):
+    """A managed Redis's users get no channel by default: PUBLISH refused failed every round trip (its events, and
+    its reads of cancels: a canceled job ran to its end), and RQ's command channel was retried every 2 s forever.
+    The worker says so once and writes the streams alone, which followers read."""
+    url, conn = own_redis
+    conn.execute_command("ACL", "SETUSER", "nochan", "on", ">pw", "~*", "resetchannels", "+@all")
+    limited = url.replace("redis://", "redis://nochan:pw@")
+    with caplog.at_level(logging.WARNING):
+        worker = ThreadWorker(limited, tiny_chat_model, max_num_seqs=4)
+        try:
+            client = Client(limited, queue=worker.queue)
+            done = client.submit("Hello", max_tokens=6, temperature=0.0, ignore_eos=True)
+            pieces = list(done.stream(timeout=60))
+            assert "".join(pieces) == done.result(timeout=30)["text"] and len(pieces) >= 1
+            long = client.submit("Go on", max_tokens=100_000, ignore_eos=True)
+            while not conn.xlen(f"roseinfer:stream:{long.id}"):
+                time.sleep(0.02)
+            assert long.cancel()
+            with pytest.raises(JobCanceled) as ended:  # its partial result kept
+                long.result(timeout=30)
+            assert ended.value.result["finish_reason"] == "abort" and ended.value.result["token_ids"]
+        finally:
+            worker.stop()
+    said = caplog.text
+    assert said.count("may not publish on roseinfer:tokens:*") == 1
+    assert said.count("may not subscribe to RQ's command channel") == 1 and "Traceback" not in said

@@ -293,6 +293,13 @@ class BatchWorker(BaseWorker):
         """The command listener (stop-job, shutdown) waits out every Redis outage and tries again: RQ's own waits
         out a refused connection only, and one reconnect that timed out (a partition, a host that answers nothing)
         ended the thread for good, the worker deaf to commands from then on."""
+        if isinstance(exc, redis.exceptions.NoPermissionError):  # (no outage: it would be refused for good)
+            log.error(
+                "this Redis user may not subscribe to RQ's command channel (%s): stop-job and shutdown commands do "
+                "not reach this worker (grant it &rq:pubsub:*); SIGTERM still stops it", exc
+            )  # fmt: skip
+            pubsub_thread.stop()
+            return
         mono = time.monotonic()
         if mono >= self._pubsub_log_after:  # one line a minute through an outage, not one every two seconds
             log.warning("worker commands: Redis unavailable (%s: %s); listening again in 2 s", type(exc).__name__, exc)

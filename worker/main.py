@@ -10,7 +10,7 @@ from functools import partial
 import redis
 from redis import Redis
 
-from producer.client import eviction_warning
+from producer.client import eviction_policy, eviction_warning
 from producer.connection import REDIS_DOWN, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
@@ -75,6 +75,11 @@ class UnsafeRedis(RuntimeError):
 
 
 def check_eviction_policy(connection: Redis, required: bool) -> None:
+    if required and eviction_policy(connection) is None:
+        raise UnsafeRedis(
+            "cannot read Redis's maxmemory-policy (CONFIG GET and INFO memory refused): --require-noeviction "
+            "cannot be checked (refusing to start; drop the flag where the policy is known to be noeviction)"
+        )
     warning = eviction_warning(connection)
     if warning and required:
         raise UnsafeRedis(f"{warning} (refusing to start: --require-noeviction)")

@@ -244,12 +244,13 @@ class Publisher:
         self._urgent = {}
         return events, finals
 
-    def queue_writes(self, pipe: Pipeline, events: list[Event]) -> None:
-        """Queue the writes of ``events`` on ``pipe``: each to its job's stream and channel."""
+    def queue_writes(self, pipe: Pipeline, events: list[Event], publish: bool = True) -> None:
+        """Queue the writes of ``events`` on ``pipe``: each to its job's stream and (``publish``) channel."""
         for job_id, event, ttl, _owner in events:
             key, message = stream_key(job_id), json.dumps(event)
             pipe.xadd(key, {STREAM_FIELD: message}, maxlen=self.maxlen, approximate=True)
-            pipe.publish(channel_key(job_id), message)
+            if publish:
+                pipe.publish(channel_key(job_id), message)
             if ttl:
                 pipe.expire(key, ttl)
 

@@ -25,6 +25,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from rq.job import Job
 
 from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits, wrong_type
+from producer.protocol import channel_key
 from worker import job_finish, job_start
 from worker.intake import MOVE_SCRIPT, load_script
 from worker.publisher import Event, Publisher
@@ -36,7 +37,8 @@ log = logging.getLogger("roseinfer.worker")
 # ARGV: maxlen, the worker's lease key ('': none), this worker's key of the last send written and this send's number
 # (a send tried again after its reply was lost, when the first try ran, writes nothing twice), whether these are
 # final events ('1': a job this worker failed is written its last one; a running job RQ's clean-up failed as
-# abandoned, this worker stalled, gets no more), then per event: the
+# abandoned, this worker stalled, gets no more), whether to publish ('0': the Redis user may not; followers read
+# the streams), then per event: the
 # stream's TTL to set (0: none), channel, the
 # event's JSON (the stream entry's one field and the message), the attempt that must own the job ('': any). An
 # event of a job that another attempt owns now, or that was requeued meanwhile, is not written (fencing: this
@@ -50,14 +52,14 @@ log = logging.getLogger("roseinfer.worker")
 # with another type while its job runs (by hand) is replaced: its error aborted the script, and every later event of
 # the round trip, other jobs' too, was lost.
 _EMIT = """
-local maxlen, a, lost, finals = ARGV[1], 6, {}, ARGV[5] == '1'
+local maxlen, a, lost, finals, publishes = ARGV[1], 7, {}, ARGV[5] == '1', ARGV[6] == '1'
 if redis.call('GET', ARGV[3]) == ARGV[4] then return lost end
 redis.call('SET', ARGV[3], ARGV[4], 'EX', 3600)
 local leased = ARGV[2] ~= '' and redis.call('EXISTS', ARGV[2]) == 1
-local everyone, heard = redis.call('PUBSUB', 'NUMPAT') > 0, {}
-if not everyone then
+local everyone, heard = publishes and redis.call('PUBSUB', 'NUMPAT') > 0, {}
+if publishes and not everyone then
   local channels = {}
-  for k = 7, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
+  for k = 8, #ARGV, 4 do channels[#channels + 1] = ARGV[k] end
   for first = 1, #channels, 1000 do
     local counts = redis.call('PUBSUB', 'NUMSUB', unpack(channels, first, math.min(first + 999, #channels)))
     for k = 1, #counts, 2 do if counts[k + 1] > 0 then heard[counts[k]] = true end end
@@ -182,6 +184,7 @@ class Sender:
         self.sent_key = f"roseinfer:sent:{uuid.uuid4().hex}"  # the number of the last send the event script wrote
         self._sends = 0
         self.sorts_statuses = True  # statuses read by one SORT (``_probe_sort``), else an HGET per job
+        self.publishes = True  # events published on their jobs' channels too (``_probe_publish``)
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
         self.round_trips = 0
         self.refusing: str | None = None  # why Redis refuses our writes right now, for `roseinfer status`
@@ -228,6 +231,22 @@ class Sender:
             log.info("this Redis refuses SORT ... GET (%s): statuses are read with an HGET per job", exc)
             self.sorts_statuses = False
 
+    def _probe_publish(self) -> None:
+        """Whether this Redis user may publish on the jobs' channels (a managed Redis's users get no channel by
+        default): a refused PUBLISH failed every round trip, its events and its reads of cancels with it."""
+        try:
+            self.connection.execute_command("PUBSUB", "NUMPAT")
+            self.connection.publish(channel_key("probe"), "")  # (no job has that id: nobody hears it)
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:
+            log.warning(
+                "this Redis user may not publish on roseinfer:tokens:* (%s): each job's events go to its stream "
+                "alone, which followers read (grant it &roseinfer:tokens:* and +@pubsub for live channels)",
+                exc,
+            )
+            self.publishes = False
+
     def _load_scripts(self) -> None:
         try:
             self.connection.script_load("return 1")
@@ -251,6 +270,7 @@ class Sender:
     def start(self) -> None:
         self._load_scripts()
         self._probe_sort()
+        self._probe_publish()
         self._thread.start()
 
     def put(self, batch: Batch) -> None:
@@ -557,9 +577,10 @@ class Sender:
         self, pipe, events: list[Event], send: str, lease: str | None = None, finals: bool = False
     ) -> None:
         if self._emit is None:
-            self.publisher.queue_writes(pipe, events)
+            self.publisher.queue_writes(pipe, events, self.publishes)
         elif events:
             keys, args = self.publisher.script_args(events)
             lease = self.lease_key if lease is None else lease
             head = [self.publisher.maxlen, lease, self.sent_key, send, "1" if finals else "0"]
+            head.append("1" if self.publishes else "0")
             pipe.evalsha(self._emit.sha, len(keys), *keys, *head, *args)
