@@ -228,6 +228,7 @@ class EventCursor:
         self.last_id: bytes | str = "0-0"
         self.next_n = 0
         self.missing: tuple[int, int] | None = None  # events trimmed before they were read (no reset since)
+        self._last: dict[str, Any] | None = None  # the last event read, as it was written
 
     def next_entry(self) -> str:
         """The id of the first stream entry this reader has not read (XRANGE's start)."""
@@ -249,7 +250,13 @@ class EventCursor:
         self.last_id = entries[-1][0]
         resets = [i for i, e in enumerate(events) if e.get("reset")] if self.skip_void else []
         out = events[resets[-1] :] if resets else events
+        kept = []
         for event in out:
+            # An event read already (written twice: a write tried again after Redis refused part of it) is left out.
+            if (0 < event["n"] < self.next_n and not event.get("reset")) or event == self._last:
+                continue
+            self._last = dict(event)
+            kept.append(event)
             if event["n"] == 0 and self.next_n:
                 event["reset"] = True
             if event.get("reset"):  # the text starts over: what was missed before it is void anyway
@@ -257,9 +264,9 @@ class EventCursor:
             elif event["n"] > self.next_n and self.missing is None:
                 self.missing = (self.next_n, event["n"] - 1)
             self.next_n = event["n"] + 1
-        if self.missing is not None and out and out[-1].get("finish_reason") is not None:
+        if self.missing is not None and kept and kept[-1].get("finish_reason") is not None:
             raise StreamGap(self.job_id, *self.missing)  # the output ended without them: it is not whole
-        return out
+        return kept
 
 
 class StreamExpired(JobFailed):

@@ -483,7 +483,9 @@ class Sender:
         if check_birth:
             self._next_birth_check = mono + 1.0
         try:
-            with self.connection.pipeline(transaction=False) as pipe:
+            # Without Lua, in MULTI: a round trip Redis refused part of (full memory) and that was tried again wrote
+            # its first events two or three times (the script's send number keeps them once otherwise).
+            with self.connection.pipeline(transaction=self._emit is None) as pipe:
                 self._queue_events(pipe, events, send)
                 read_statuses = self._queue_status_reads(pipe, watch)
                 for key in queue_keys:
@@ -521,7 +523,7 @@ class Sender:
     def _send_checked(self, events: list[Event], finals: bool, send: str) -> None:
         """Write ``events``, each checked whatever the lease (``finals``: jobs' last events)."""
         try:
-            with self.connection.pipeline(transaction=False) as pipe:
+            with self.connection.pipeline(transaction=self._emit is None) as pipe:  # (MULTI without Lua: once)
                 self._queue_events(pipe, events, send, lease="", finals=finals)
                 replies = pipe.execute()
         except NoScriptError:
