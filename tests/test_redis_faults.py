@@ -536,3 +536,20 @@ def test_a_redis_user_without_channels_gets_its_streams_and_cancels_and_says_so_
     said = caplog.text
     assert said.count("may not publish on roseinfer:tokens:*") == 1
     assert said.count("may not subscribe to RQ's command channel") == 1 and "Traceback" not in said
+
+
+@pytest.mark.slow
+def test_a_redis_user_that_may_not_block_says_so_once_and_still_takes_jobs(own_redis, tiny_chat_model, caplog):
+    """A managed user without @blocking: an idle worker's BLMOVE was refused with a traceback every second, for good."""
+    url, conn = own_redis
+    conn.execute_command("ACL", "SETUSER", "noblock", "on", ">pw", "~*", "&*", "+@all", "-@blocking")
+    limited = url.replace("redis://", "redis://noblock:pw@")
+    with caplog.at_level(logging.WARNING):
+        worker = ThreadWorker(limited, tiny_chat_model, max_num_seqs=4)
+        try:
+            time.sleep(1.5)  # idle: where it would block
+            job = Client(limited, queue=worker.queue).submit("Hi", max_tokens=3, ignore_eos=True)
+            assert job.result(timeout=30)["usage"]["completion_tokens"] == 3
+        finally:
+            worker.stop()
+    assert caplog.text.count("may not wait on a queue") == 1 and "Traceback" not in caplog.text

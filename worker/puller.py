@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import NoPermissionError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -34,6 +35,7 @@ log = logging.getLogger("roseinfer.worker")
 HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step loop together
 LOOK_AGAIN_S = 0.05  # after a pull that could not block and found nothing, with no job in flight
 DID_NOT_BLOCK_S = 0.02  # after a blocking pull that the server answered at once (an idle worker spun a core so)
+POLL_S = 0.2  # an idle worker whose Redis user may not block (no @blocking): a look this often, a job's wait at most
 
 
 def _blocked_at_least(block: float) -> float:
@@ -107,6 +109,7 @@ class Puller:
         self._follow_up = False  # pull again at once, without waiting for the sender to see jobs
         self._blocked = False  # the last pull blocked waiting for jobs
         self._did_not_block = False  # ... or should have, and the server answered at once that it found none
+        self._may_block = True  # the Redis user may wait on a queue (BLMOVE: not a managed user without @blocking)
         self._paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
 
@@ -182,7 +185,8 @@ class Puller:
             # Until the sender sees jobs waiting (it reads the queues while jobs run), room frees; a pull that
             # blocked has waited already (a burst arriving as its wait ran out must not wait 50 ms more).
             if not pulled and (not self._blocked or self._did_not_block):  # the latter: rather than spin
-                self._wake.wait(DID_NOT_BLOCK_S if self._blocked else 1.0 if self.worker.in_flight else LOOK_AGAIN_S)
+                idle_wait = LOOK_AGAIN_S if self._may_block else POLL_S
+                self._wake.wait(DID_NOT_BLOCK_S if self._blocked else 1.0 if self.worker.in_flight else idle_wait)
                 self._wake.clear()
 
     def _pull_once(self) -> bool:
@@ -217,7 +221,7 @@ class Puller:
             return False
         self._pulling = True
         self._next_pull = mono + 1.0
-        block = w.idle_wait_arg() if idle and not self.burst else None
+        block = w.idle_wait_arg() if idle and not self.burst and self._may_block else None
         # While jobs run, a slice at a time, so new jobs reach the engine before the rest are read. An idle worker
         # loses no step while it reads: it takes as many as the engine runs at once, and one prefill starts them all
         # (in slices, the first ones' steps and the reading of the rest slowed each other down: 256 jobs took
@@ -226,10 +230,19 @@ class Puller:
         queues = [q for _, q in lanes]
         wait_on = next((i for i, (p, _) in enumerate(lanes) if p == 0), 0)  # the queue itself: interactive jobs
         began = time.monotonic()
-        pulled, unreadable = pull(
-            queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script,
-            w.settings.max_job_bytes, wait_on,
-        )  # fmt: skip
+        try:
+            pulled, unreadable = pull(
+                queues, room, block, w.connection, w.job_class, w.serializer, w.sender.move_script,
+                w.settings.max_job_bytes, wait_on,
+            )  # fmt: skip
+        except NoPermissionError as exc:
+            if block is None:
+                raise
+            # A user without @blocking (a managed Redis's): a traceback a second, for good. Said once; polled.
+            log.warning("this Redis user may not wait on a queue (BLMOVE: %s): an idle worker looks every %g s",
+                        exc, POLL_S)  # fmt: skip
+            self._may_block = False
+            return False
         self.dry = not pulled and not unreadable
         self._blocked = block is not None
         # An empty BLMOVE returns only at its timeout, except from a server that does not block (fakeredis 2.40).
