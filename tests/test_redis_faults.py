@@ -553,3 +553,40 @@ def test_a_redis_user_that_may_not_block_says_so_once_and_still_takes_jobs(own_r
         finally:
             worker.stop()
     assert caplog.text.count("may not wait on a queue") == 1 and "Traceback" not in caplog.text
+
+
+def test_a_tls_certificate_not_trusted_here_is_one_error_not_a_wait_for_good():
+    """The worker took CERTIFICATE_VERIFY_FAILED for a Redis still starting, and waited on it for good."""
+    import redis as redis_py
+
+    from producer.connection import InvalidRedisURL
+    from worker.main import wait_for_redis
+
+    class Untrusted(Redis):
+        def ping(self, **kwargs):
+            raise redis_py.exceptions.ConnectionError(
+                "Error 1 connecting to cache.example:6380. [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"
+            )
+
+    with pytest.raises(InvalidRedisURL, match="ssl_ca_certs"):
+        wait_for_redis(Untrusted(host="cache.example", port=6380))
+
+
+def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys):
+    """A missing or wrong password read "cannot reach Redis (HELLO must be called ...)" or "(invalid
+    username-password ...)"; a full Redis "Redis refused (OutOfMemoryError ...); check --redis-url"."""
+    from worker.cli import main
+
+    url, conn = own_redis
+    conn.execute_command("ACL", "SETUSER", "someone", "on", ">right", "~*", "&*", "+@all")
+    for bad in (url.replace("redis://", "redis://someone:wrong@"),):
+        assert main(["status", "--redis-url", bad]) == 2
+        err = capsys.readouterr().err
+        assert "Redis refused the login" in err and "password" in err and "cannot reach" not in err
+    conn.config_set("maxmemory", 1)  # (any write refused: full)
+    try:
+        assert main(["submit", "x", "--redis-url", url, "--queue", "full"]) == 75
+        err = capsys.readouterr().err
+        assert "Redis is full" in err and "check --redis-url" not in err
+    finally:
+        conn.config_set("maxmemory", 0)

@@ -269,9 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     except REDIS_DOWN as exc:
         # (a Sentinel's "no master" names every sentinel client it tried, pools and all: a line of 1.5 KB)
         why = str(exc).split(" : <")[0] if isinstance(exc, MasterNotFoundError) else str(exc)
-        print(f"error: cannot reach Redis ({why}); check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+        said = _refused_login(exc) or f"cannot reach Redis ({why})"
+        print(f"error: {said}; check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+    except redis.exceptions.OutOfMemoryError as exc:  # (no URL at fault: the server is full)
+        print(f"error: Redis is full ({exc}): it takes no writes until it has room (maxmemory); the jobs already "
+              "queued go on", file=sys.stderr)  # fmt: skip
+        return 75  # EX_TEMPFAIL: try again later
     except redis.exceptions.RedisError as exc:  # e.g. a database number the server does not have
-        print(f"error: Redis refused ({type(exc).__name__}: {exc}); check --redis-url", file=sys.stderr)
+        said = _refused_login(exc) or f"Redis refused ({type(exc).__name__}: {exc})"
+        print(f"error: {said}; check --redis-url", file=sys.stderr)
     except StreamGap as exc:  # the stream lost events (a short --stream-maxlen): the result holds them
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -284,6 +290,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: roseinfer {args.command} needs {exc.name}: pip install 'roseinfer[{extra}]'", file=sys.stderr)
     return 2
+
+
+def _refused_login(exc: Exception) -> str | None:
+    """The words for an error that is Redis refusing this client's login (no password given, a wrong one), which
+    redis-py raises as several kinds of error; None for any other."""
+    from redis.exceptions import AuthenticationError
+
+    text = str(exc)
+    if isinstance(exc, AuthenticationError) or any(
+        mark in text for mark in ("NOAUTH", "WRONGPASS", "HELLO must be called", "invalid username-password")
+    ):
+        return f"Redis refused the login ({text}): the URL's user or password"
+    return None
 
 
 # Which extra installs the packages a command imports (pyproject.toml's optional dependencies).

@@ -11,7 +11,7 @@ import redis
 from redis import Redis
 
 from producer.client import eviction_policy, eviction_warning
-from producer.connection import REDIS_DOWN, connect
+from producer.connection import REDIS_DOWN, InvalidRedisURL, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
 from worker.pump import EngineBroken
@@ -34,6 +34,11 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
         except redis.exceptions.AuthenticationError:
             raise  # a wrong password is no Redis starting up: one error, not a wait for good
         except REDIS_DOWN as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # (nor is a certificate this host does not trust)
+                raise InvalidRedisURL(
+                    f"Redis at {address}: its TLS certificate is not trusted here ({exc}); give its CA in the URL "
+                    "(?ssl_ca_certs=/path/to/ca.pem), or ?ssl_cert_reqs=none to skip the check"
+                ) from None
             if time.monotonic() >= next_log:
                 log.warning("waiting for Redis at %s (%s); retrying with backoff", address, exc)
                 next_log = time.monotonic() + 60
