@@ -387,6 +387,8 @@ def status(args: argparse.Namespace) -> int:
         print(
             "lanes: " + ", ".join(f"priority {p}: {n}" for p, n in sorted(st["lanes"].items(), key=lambda x: int(x[0])))
         )
+    if st.get("redis", "ok") != "ok":
+        print(f"Redis is {st['redis']}")
     print(f"{len(st['workers'])} workers, {st['tokens_per_s']:.1f} tokens/s")
     for w in st["workers"]:
         redis_state = "" if w.get("redis", "ok") == "ok" else f"  Redis refuses writes: {w['redis']}"

@@ -602,7 +602,22 @@ class Client:
             "canceled": per_kind[3],
             "workers": rows,
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
+            "redis": self._memory_state(),
         }
+
+    def _memory_state(self) -> str:
+        """``full: ...`` where Redis takes no writes for want of memory (the workers' own word on it is a write
+        Redis refuses then: it said "ok"), ``ok`` otherwise, or where INFO is not this user's to read."""
+        try:
+            info = self.connection.info("memory")
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            return "ok"
+        used, most = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        if most and used >= most and info.get("maxmemory_policy") == "noeviction":
+            return f"full: {used} bytes used of maxmemory {most}; writes are refused until it has room"
+        return "ok"
 
     def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
         """The live workers of the queue (or of ``queue``): name, state, model, jobs in flight, tokens/s, Redis

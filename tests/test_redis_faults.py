@@ -590,3 +590,19 @@ def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys
         assert "Redis is full" in err and "check --redis-url" not in err
     finally:
         conn.config_set("maxmemory", 0)
+
+
+def test_status_says_a_full_redis_is_full(own_redis, capsys):
+    """While Redis refused writes for want of memory, ``roseinfer status`` said all was well: the workers' word on
+    it is itself a write Redis refused."""
+    from worker.cli import main
+
+    url, conn = own_redis
+    assert Client(url, queue="mem").status()["redis"] == "ok"
+    conn.config_set("maxmemory", 1)
+    try:
+        assert Client(url, queue="mem").status()["redis"].startswith("full: ")
+        assert main(["status", "--redis-url", url, "--queue", "mem"]) == 0
+        assert "Redis is full: " in capsys.readouterr().out
+    finally:
+        conn.config_set("maxmemory", 0)
