@@ -10,6 +10,7 @@ applies them: its own state (the jobs in flight, the pump, the publisher) is nev
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -110,6 +111,7 @@ class Puller:
         self._blocked = False  # the last pull blocked waiting for jobs
         self._did_not_block = False  # ... or should have, and the server answered at once that it found none
         self._may_block = True  # the Redis user may wait on a queue (BLMOVE: not a managed user without @blocking)
+        self._said_unavailable_at = -math.inf  # when an outage was last logged
         self._paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="roseinfer-puller", daemon=True)
 
@@ -170,7 +172,9 @@ class Puller:
             try:
                 pulled = self._pull_once()
             except REDIS_UNAVAILABLE as exc:  # the jobs in flight go on; their events wait in the sender
-                log.error("no new jobs for now: Redis unavailable (%s); trying again in 5 s", exc)
+                if time.monotonic() >= self._said_unavailable_at + 60:  # (once a minute through an outage)
+                    log.error("no new jobs for now: Redis unavailable (%s); trying again every 5 s", exc)
+                    self._said_unavailable_at = time.monotonic()
                 self._paused_until = time.monotonic() + 5.0
                 pulled = False
             except Exception as exc:  # a bug here must not stop the worker taking jobs for good
