@@ -228,7 +228,7 @@ class EventCursor:
         self.last_id: bytes | str = "0-0"
         self.next_n = 0
         self.missing: tuple[int, int] | None = None  # events trimmed before they were read (no reset since)
-        self._last: dict[str, Any] | None = None  # the last event read, as it was written
+        self._seen: dict[int, dict[str, Any]] = {}  # the events read since the last reset, by number
 
     def next_entry(self) -> str:
         """The id of the first stream entry this reader has not read (XRANGE's start)."""
@@ -252,13 +252,17 @@ class EventCursor:
         out = events[resets[-1] :] if resets else events
         kept = []
         for event in out:
-            # An event read already (written twice: a write tried again after Redis refused part of it) is left out.
-            if (0 < event["n"] < self.next_n and not event.get("reset")) or event == self._last:
+            # An event read already, as it was (written twice: a write tried again after Redis refused part of it),
+            # is left out; event 0 again after others is a restart (the stream expired), unless it follows itself.
+            n = event["n"]
+            if not event.get("reset") and self._seen.get(n) == event and (n > 0 or self.next_n == 1):
                 continue
-            self._last = dict(event)
-            kept.append(event)
             if event["n"] == 0 and self.next_n:
                 event["reset"] = True
+            if event.get("reset"):
+                self._seen = {}
+            self._seen[n] = dict(event)
+            kept.append(event)
             if event.get("reset"):  # the text starts over: what was missed before it is void anyway
                 self.missing = None
             elif event["n"] > self.next_n and self.missing is None:

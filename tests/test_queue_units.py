@@ -424,6 +424,11 @@ def test_an_event_written_twice_is_read_once():
         end = ("stop", {}) if n == 3 else ()
         conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(n, text, [n], *end))})
     assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "abcd"
+    # Another event at a number read already is no copy: it is read (a client's abort numbered after a read).
+    conn.hset("rq:job:k", "status", "canceled")
+    for event in (make_event(0, "a", [0]), make_event(1, "b", [1]), make_event(1, "", [], "abort", {})):
+        conn.xadd(stream_key("k"), {STREAM_FIELD: json.dumps(event)})
+    assert [e.get("finish_reason") for e in Client(connection=conn).job("k").events(timeout=5)] == [None, None, "abort"]
 
 
 def _tokens_forever(conn, job_id: str, stop) -> None:
@@ -1299,6 +1304,18 @@ def test_events_refused_while_a_job_was_queued_again_go_out_in_order_once_it_is_
         sender._send_until_done([sender._queue.get_nowait(), Batch(events=events(4))])
         assert texts(job_id) == "<0><1><2><3><4>" and texts(other) == "<0><1>"
         assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1, 2, 3, 4]
+        # Its last event in the same round trip as a refused one: held behind it, not written before it.
+        conn.hset(f"rq:job:{job_id}", "status", "queued")
+        final = (job_id, make_event(6, "<6>", [6], "stop", {}), 0, "e1")
+
+        def taken_back():
+            conn.hset(f"rq:job:{job_id}", "status", "started")  # (its end lands as it is this attempt's again)
+
+        sender._send_until_done([Batch(events=events(5)[:1], tasks=[taken_back], finals=[final])])
+        assert texts(job_id) == "<0><1><2><3><4>"
+        sender.release_held(job_id, "e1")
+        sender._send_until_done([sender._queue.get_nowait()])
+        assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0, 1, 2, 3, 4, 5, 6]
     finally:
         conn.delete(*[stream_key(j) for j in (job_id, other)], *[f"rq:job:{j}" for j in (job_id, other)])
         conn.delete(sender.sent_key)
@@ -2121,6 +2138,8 @@ def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_repo
     naming the other one, every event was refused and the job dropped, started for good in no registry. A report
     of events refused before the job came back (sent while it was queued) does not drop it either; one made while
     another attempt holds it does."""
+    from redis.exceptions import ResponseError
+
     from producer.protocol import OWNER_FIELD
 
     conn, worker, _, [held] = _running_jobs(redis_url)
@@ -2138,6 +2157,12 @@ def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_repo
     conn.hset(key, OWNER_FIELD, "a-third-attempt")  # this worker stalled again; another worker took the job
     worker.sender._held[(job_id, held.execution.id)] = [refused]
     worker._reports_lost([(job_id, held.execution.id)])
+    real_owned = worker._owned
+    busy = ResponseError("BUSY Redis is busy running a script")  # (waited out by the loop: the report kept)
+    worker._owned = lambda held: (_ for _ in ()).throw(busy)
+    with pytest.raises(ResponseError, match="BUSY"):
+        worker._drop_lost()
+    worker._owned = real_owned
     worker._drop_lost()
     assert job_id not in worker.in_flight and worker.sender._held == {}
 

@@ -53,7 +53,7 @@ from rq.timeouts import TimerDeathPenalty
 from rq.utils import current_timestamp, now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
+from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits, wrong_type
 from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
@@ -1333,12 +1333,15 @@ class BatchWorker(BaseWorker):
             with self.connection.pipeline(transaction=False) as pipe:
                 for job_id, _owner in elsewhere:
                     pipe.hmget(Job.key_for(job_id), OWNER_FIELD, "status")
-                hashes = pipe.execute()
-        except REDIS_UNAVAILABLE:
+                hashes = pipe.execute(raise_on_error=False)  # (a hash of another type: not ours)
+        except Exception as exc:  # Redis away, or busy with a long script: looked at again (the events wait held)
             for job_id, owner in [*((j, h.execution.id) for j, h in reported.items()), *elsewhere]:
-                self._lost.put((job_id, owner))  # looked at again once Redis answers
-            return
-        for (job_id, owner), (now_owner, status) in zip(elsewhere, hashes):
+                self._lost.put((job_id, owner))
+            if isinstance(exc, REDIS_UNAVAILABLE):
+                return
+            raise
+        for (job_id, owner), found in zip(elsewhere, hashes):
+            now_owner, status = (None, None) if isinstance(found, Exception) else found
             if now_owner is not None and now_owner.decode() == owner and status not in (b"queued", b"failed"):
                 self.sender.release_held(job_id, owner)  # (ended here, ours: its last events go out)
             else:
@@ -1370,10 +1373,13 @@ class BatchWorker(BaseWorker):
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
                 pipe.exists(job.execution.key)
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not wrong_type(reply):
+                raise reply
         return [
-            self._is_ours(job, owner, status, ends_as if not alive else ())
-            for job, (owner, status), alive in zip(held, replies[::2], replies[1::2])
+            False if isinstance(found, Exception) else self._is_ours(job, *found, ends_as if not alive else ())
+            for job, found, alive in zip(held, replies[::2], replies[1::2])
         ]
 
     @staticmethod

@@ -21,6 +21,7 @@ from redis.exceptions import NoPermissionError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.registry import StartedJobRegistry
 
 from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from worker.intake import MULTI_LANE_WAIT_S, Unreadable, pull
@@ -240,7 +241,7 @@ class Puller:
                 w.settings.max_job_bytes, wait_on,
             )  # fmt: skip
         except NoPermissionError as exc:
-            if block is None:
+            if block is None or "blmove" not in str(exc).lower():  # (a key the user may not touch: not this)
                 raise
             # A user without @blocking (a managed Redis's): a traceback a second, for good. Said once; polled.
             log.warning("this Redis user may not wait on a queue (BLMOVE: %s): an idle worker looks every %g s",
@@ -354,8 +355,8 @@ class Puller:
                 pipe.hget(job.key, OWNER_FIELD)
             owners = pipe.execute()
         with conn.pipeline(transaction=False) as pipe:
-            for (job, q), owner in zip(started, owners):
-                pipe.zscore(q.started_job_registry.key, f"{job.id}:{owner.decode() if owner else ''}")
+            for (job, _q), owner in zip(started, owners):  # (in its origin's registry: the lane it started from)
+                pipe.zscore(StartedJobRegistry.key_template.format(job.origin), f"{job.id}:{(owner or b'').decode()}")
             scores = pipe.execute()
         now = time.time()
         return {job.id for (job, _q), owner, score in zip(started, owners, scores) if owner and score and score > now}

@@ -372,6 +372,8 @@ class Sender:
                 self._retrying(task, "while ending a job")
             except Exception:
                 log.exception("ending a job failed")
+        with self._held_lock:  # (a job held since the look above, its event refused this round trip: its last
+            finals = self._divert(finals)  # event waits behind that one, not before it)
         if self._dropped_finals:  # (cleared each round trip: a job that ended without a last event, one put off
             # for a retry, left its id, and its next run here lost its own)
             dropped, self._dropped_finals = self._dropped_finals, set()
@@ -411,6 +413,9 @@ class Sender:
         """Held events let go, each checked (no lease), in order: running ones first, then any last one."""
         for finals in (False, True):
             part = [e for e in released if _is_final(e) == finals]
+            if finals:  # (held again if the running ones were refused again: behind them)
+                with self._held_lock:
+                    part = self._divert(part)
             if not part:
                 continue
             send = self._next_send()
