@@ -2165,6 +2165,13 @@ def test_a_job_taken_back_while_it_runs_here_is_ours_again_and_a_stale_lost_repo
     worker._owned = real_owned
     worker._drop_lost()
     assert job_id not in worker.in_flight and worker.sender._held == {}
+    while not worker.sender._queue.empty():  # (the wake-ups release_held put: sent)
+        worker.sender._queue.get_nowait()
+        worker.sender._sent(1)
+    worker._stop_requested, worker.sender._released = True, []
+    assert worker._done(False)
+    worker.sender._held[(job_id, "an-attempt")] = [refused]  # a stop waits for the word on held events
+    assert not worker._done(False)
 
 
 @pytest.mark.redis

@@ -556,6 +556,8 @@ class BatchWorker(BaseWorker):
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
         if self.in_flight or self._arrivals_left or self.sender.busy or not self.puller.quiet:
             return False
+        if not self._lost.empty() or self.sender.holds_events:  # (events held for a word on their job: said next)
+            return False
         # Burst: the queues found empty. Or a burst's puller stopped already, its last pull having taken a job that
         # came at that moment: that pull left ``dry`` False, and no pull could set it again.
         return self._stop_requested or (burst and (self.puller.stopped or (self.puller.dry and not self.sender.queued)))

@@ -385,6 +385,11 @@ class Sender:
             except Exception:
                 log.exception("writing %d final events failed; they are dropped", len(finals))
 
+    @property
+    def holds_events(self) -> bool:
+        """Events refused wait for the step loop's word on their jobs, or to go out again."""
+        return bool(self._held or self._released)
+
     def release_held(self, job_id: str, owner: str) -> None:
         """The events held for ``job_id`` of attempt ``owner`` go out again, first, each checked again."""
         with self._held_lock:
