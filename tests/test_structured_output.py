@@ -313,13 +313,19 @@ def test_a_token_the_constraint_refuses_fails_the_job_not_as_a_cancel(llm, monke
     params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
     pump.submit("refused", {"prompt": "A number:"}, params)
     pump.submit("free", {"prompt": "Anything:"}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    ends = {}
-    while pump.has_work():
-        ends.update((e.job_id, e) for e in pump.step() if e.finished)
+    ends = _run_to_the_end(pump)
     refused = ends["refused"]
     assert (refused.finish_reason, refused.error_type, refused.retryable) == ("error", "server_error", False)
     assert "refused the token the model produced" in refused.error and refused.output is not None
     assert ends["free"].finish_reason == "length"
+
+
+def _run_to_the_end(pump) -> dict:
+    """Each job's last event, the pump stepped until it has no work."""
+    ends = {}
+    while pump.has_work():
+        ends.update((e.job_id, e) for e in pump.step() if e.finished)
+    return ends
 
 
 def test_a_dead_end_fails_the_job_as_the_requests_fault(llm):
@@ -330,10 +336,7 @@ def test_a_dead_end_fails_the_job_as_the_requests_fault(llm):
     pump = Pump(llm.engine, tokenize_in_thread=False)
     dead = {"regex": "ab[^\\s\\S]"}
     pump.submit("dead", {"prompt": "A word:"}, SamplingParams(max_tokens=8, temperature=0, structured_outputs=dead))
-    ends = {}
-    while pump.has_work():
-        ends.update((e.job_id, e) for e in pump.step() if e.finished)
-    failed = ends["dead"]
+    failed = _run_to_the_end(pump)["dead"]
     assert (failed.finish_reason, failed.error_type, failed.retryable) == ("error", "invalid_request", False)
     assert "dead end" in failed.error and "not retried" in failed.error
 
