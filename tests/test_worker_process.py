@@ -472,7 +472,7 @@ def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_
         _, err = proc.communicate(timeout=120)
     finally:
         conn.execute_command("ACL", "DELUSER", user)
-    assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: cannot reach Redis (invalid")
+    assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: Redis refused the login (invalid")
 
 
 def test_a_simple_worker_tries_a_failed_attempt_again_in_the_engine_it_keeps(
