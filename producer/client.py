@@ -180,27 +180,29 @@ def checked(model: type, value: dict[str, Any], job_id: str) -> dict[str, Any]:
 def eviction_policy(connection: Redis) -> str | None:
     """Redis's ``maxmemory-policy``: by CONFIG, else by INFO (a managed Redis refuses CONFIG: ElastiCache's
     default is volatile-lru); None where neither may be read."""
-    try:
-        policy = connection.config_get("maxmemory-policy").get("maxmemory-policy")
-    except REDIS_DOWN:
-        raise
-    except Exception:
+    for read in (
+        lambda: connection.config_get("maxmemory-policy").get("maxmemory-policy"),
+        lambda: connection.info("memory").get("maxmemory_policy"),
+    ):
         try:
-            policy = connection.info("memory").get("maxmemory_policy")
+            policy = read()
         except REDIS_DOWN:
             raise
         except Exception:
-            return None
-    return policy.decode() if isinstance(policy, bytes) else policy
+            continue
+        return policy.decode() if isinstance(policy, bytes) else policy
+    return None
 
 
-def eviction_warning(connection: Redis) -> str | None:
+def eviction_warning(connection: Redis, policy: str | None = None) -> str | None:
     """A warning when Redis may evict keys to make room: under any policy but ``noeviction``, queued jobs,
-    job hashes and results can vanish without a trace. None when the policy is safe or cannot be read."""
-    try:
-        policy = eviction_policy(connection)
-    except REDIS_DOWN:
-        return None  # (the command that follows says so)
+    job hashes and results can vanish without a trace. None when the policy is safe or cannot be read.
+    ``policy``: as ``eviction_policy`` read it already."""
+    if policy is None:
+        try:
+            policy = eviction_policy(connection)
+        except REDIS_DOWN:
+            return None  # (the command that follows says so)
     if policy in (None, "noeviction"):
         return None
     return (

@@ -776,6 +776,7 @@ class ChunkWriter:
         tools: ToolChoice | None = None,
         reasoning: ReasoningFormat | None = None,
         include_reasoning: bool = True,
+        echo_only: bool = False,
     ) -> None:
         self.names = names
         self.include_reasoning = include_reasoning  # false: the thinking is told apart, and left out
@@ -788,7 +789,7 @@ class ChunkWriter:
         self.chat, self.n, self.logprobs = chat, n, logprobs
         self.include_usage = include_usage  # OpenAI's: a last chunk with the usage, every other one with a null
         self.echo = echo  # a streamed completion's ``echo``: each job's prompt, its choices' first text
-        self.echo_only = False  # ``echo`` with max_tokens 0: the echo alone, the token each job made left out
+        self.echo_only = echo_only  # ``echo`` with max_tokens 0: the echo alone, the token each job made left out
         # continuous_usage_stats: job -> its prompt's tokens (from its events' usage), choice -> its tokens so far
         self.prompt_tokens: dict[int, int] | None = {} if continuous_usage else None
         self.made: dict[int, int] = {}

@@ -368,8 +368,8 @@ def create_app(
                 tools=req.tool_plan() if chat else None,
                 reasoning=req.reasoning_plan() if chat else None,
                 include_reasoning=not chat or req.include_reasoning is not False,
+                echo_only=not chat and req.echo_only,
             )
-            chunks.echo_only = not chat and req.echo_only
             try:
                 early, events = await _start_stream(request, jobs, wait)
             except ConnectionAbortedError:  # (its jobs canceled already)
@@ -659,7 +659,8 @@ async def _sse(
         yield "data: [DONE]\n\n"
         finished = True
     except STREAM_ERRORS as exc:
-        yield _data(_stream_error(exc, timeout, "messages" if chunks.chat else "prompt").body())
+        path = "/v1/chat/completions" if chunks.chat else "/v1/completions"
+        yield _data(_stream_error(exc, timeout, _PROMPT_FIELDS[path]).body())
         yield "data: [DONE]\n\n"
     finally:
         open_streams.dec()
@@ -723,7 +724,7 @@ async def _response_sse(
                 break
         finished = True
     except STREAM_ERRORS as exc:
-        for out in writer.failed(_stream_error(exc, timeout, "input")):
+        for out in writer.failed(_stream_error(exc, timeout, _PROMPT_FIELDS["/v1/responses"])):
             yield _typed(out)
     finally:
         open_streams.dec()

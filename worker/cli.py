@@ -182,8 +182,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("ROSEINFER_ALLOWED_ORIGINS", "").replace(",", " ").split() or None,
         help="web origins whose pages may call the API from a browser (CORS), e.g. http://localhost:3000, or * for "
         "any (default: $ROSEINFER_ALLOWED_ORIGINS, space- or comma-separated, else none: vLLM allows any origin by "
-        "default, "
-        "which lets any web page its users open drive a server on their machine)",
+        "default, which lets any web page its users open drive a server on their machine)",
     )  # fmt: skip
     p.add_argument(
         "--embedded", action="store_true",

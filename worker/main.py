@@ -80,12 +80,13 @@ class UnsafeRedis(RuntimeError):
 
 
 def check_eviction_policy(connection: Redis, required: bool) -> None:
-    if required and eviction_policy(connection) is None:
+    policy = eviction_policy(connection)
+    if required and policy is None:
         raise UnsafeRedis(
             "cannot read Redis's maxmemory-policy (CONFIG GET and INFO memory refused): --require-noeviction "
             "cannot be checked (refusing to start; drop the flag where the policy is known to be noeviction)"
         )
-    warning = eviction_warning(connection)
+    warning = eviction_warning(connection, policy)
     if warning and required:
         raise UnsafeRedis(f"{warning} (refusing to start: --require-noeviction)")
     if warning:

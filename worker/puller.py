@@ -24,6 +24,7 @@ from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 
 from producer.connection import REDIS_UNAVAILABLE, redis_waits
+from producer.protocol import OWNER_FIELD
 from worker.intake import MULTI_LANE_WAIT_S, Unreadable, pull
 from worker.jobs import JobRejected, parse_request, resume_from, sampling_params
 from worker.publisher import JobStream
@@ -347,8 +348,6 @@ class Puller:
         started-registry entry is live. Such a copy (an id pushed twice, on another worker) was started here too,
         the running attempt fenced out of its own end, and the job ran twice. A job started by no live execution
         (its worker died; a status written by hand) runs here as before."""
-        from producer.protocol import OWNER_FIELD
-
         conn = self.worker.connection
         with conn.pipeline(transaction=False) as pipe:
             for job, _q in started:

@@ -425,7 +425,10 @@ class Sender:
                 continue
             send = self._next_send()
             try:
-                self._retrying(lambda p=part, f=finals, n=send: self._send_checked(p, f, n), f"{len(part)} events kept")
+                self._retrying(
+                    lambda p=part, f=finals, n=send: self._with_scripts(lambda: self._send_checked(p, f, n)),
+                    f"{len(part)} events kept",
+                )
             except Exception:
                 log.exception("writing %d events held back failed; they are dropped", len(part))
 
@@ -463,12 +466,17 @@ class Sender:
     def _send(self, events: list[Event], read: bool, send: str) -> None:
         """Write ``events`` (as send number ``send``); with ``read``, also read the statuses, the queue's length and
         the registration."""
+        self._with_scripts(lambda: self._send_once(events, read, send))
+
+    def _with_scripts(self, action: Callable[[], None]) -> None:
+        """``action``, again once the scripts are loaded where Redis lost them (a restart): nothing of it was
+        written then."""
         try:
-            self._send_once(events, read, send)
-        except NoScriptError:  # Redis restarted without its scripts: nothing of the round trip was written
+            action()
+        except NoScriptError:
             log.warning("Redis lost its scripts (a restart?): loading them again")
             self._load_scripts()
-            self._send_once(events, read, send)
+            action()
 
     def _send_once(self, events: list[Event], read: bool, send: str) -> None:
         if not read:  # final events: each checked, lease or not (a job never gets two)
@@ -532,15 +540,9 @@ class Sender:
 
     def _send_checked(self, events: list[Event], finals: bool, send: str) -> None:
         """Write ``events``, each checked whatever the lease (``finals``: jobs' last events)."""
-        try:
-            with self.connection.pipeline(transaction=self._emit is None) as pipe:  # (MULTI without Lua: once)
-                self._queue_events(pipe, events, send, lease="", finals=finals)
-                replies = pipe.execute()
-        except NoScriptError:
-            self._load_scripts()
-            with self.connection.pipeline(transaction=False) as pipe:
-                self._queue_events(pipe, events, send, lease="", finals=finals)
-                replies = pipe.execute()
+        with self.connection.pipeline(transaction=self._emit is None) as pipe:  # (MULTI without Lua: once)
+            self._queue_events(pipe, events, send, lease="", finals=finals)
+            replies = pipe.execute()
         self._report_lost(events, replies)
 
     def _queue_status_reads(
@@ -593,6 +595,5 @@ class Sender:
         elif events:
             keys, args = self.publisher.script_args(events)
             lease = self.lease_key if lease is None else lease
-            head = [self.publisher.maxlen, lease, self.sent_key, send, "1" if finals else "0"]
-            head.append("1" if self.publishes else "0")
+            head = [self.publisher.maxlen, lease, self.sent_key, send, int(finals), int(self.publishes)]
             pipe.evalsha(self._emit.sha, len(keys), *keys, *head, *args)
