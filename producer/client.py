@@ -411,7 +411,7 @@ class Client:
         result_ttl: int = DEFAULT_RESULT_TTL,
         failure_ttl: int | None = None,
     ) -> None:
-        if failure_ttl is not None and (isinstance(failure_ttl, bool) or failure_ttl < 1):
+        if failure_ttl is not None and (type(failure_ttl) is not int or failure_ttl < 1):  # (not True, 1.5, "60")
             raise ValueError(f"failure_ttl is seconds, at least 1 (None: RQ's year), got {failure_ttl!r}")
         self.connection = connection or connect(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)

@@ -3453,6 +3453,6 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
     [many] = client.submit_many([{"prompt": "there"}])
     assert one.rq_job.failure_ttl == many.rq_job.failure_ttl == 600
     assert Client(connection=conn).submit("hi").rq_job.failure_ttl is None  # (RQ's own default)
-    for bad in (0, -5, True):
+    for bad in (0, -5, True, 1.5, "60"):
         with pytest.raises(ValueError, match="failure_ttl"):
             Client(connection=conn, failure_ttl=bad)
