@@ -264,11 +264,12 @@ class Sampler:
             logits.view(-1).index_fill_(0, pairs[0] * logits.shape[1] + pairs[1], float("-inf"))
 
     def _banned(self, seq: Sequence, vocab: int) -> list[int]:
-        """The tokens a row cannot choose yet: EOS and its stop tokens until min_tokens are out."""
+        """The tokens a row cannot choose yet: EOS and its stop tokens until min_tokens are out (EOS with
+        ``ignore_eos`` too, as vLLM's: the first min_tokens tokens are never EOS)."""
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
             return []
-        banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
+        banned = list(p.stop_token_ids or []) + self.eos_token_ids
         # Ids past the vocabulary (a config's EOS, a job's stop id) can never be sampled: nothing to ban.
         return [t for t in banned if t < vocab]
 
@@ -412,7 +413,9 @@ class Sampler:
 def _logprob_entry(top_ids: list[int], top_vals: list[float], token: int, value: float) -> dict[int, float]:
     """{token id: logprob}: the top alternatives, then ``token`` (the sampled or the prompt's) where it is not one."""
     # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
-    entry = {t: v for t, v in zip(top_ids, top_vals) if v != float("-inf")}
+    # Ties in the order of their ids, as the CPU kernel gives them: topk's order among equals is its own.
+    ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))
+    entry = {t: v for t, v in ranked if v != float("-inf")}
     entry[token] = max(value, -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
     return entry
 

@@ -106,9 +106,24 @@ def test_logit_bias_moves_its_rows_tokens_before_the_penalties_and_leaves_logpro
 def test_min_tokens_blocks_eos_and_stop_tokens(path, monkeypatch):
     if path == "pytorch":  # (the GPU's)
         monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
-    logits = torch.tensor([[9.0, -5.0, 8.0, -1.0], [9.0, -5.0, 8.0, -1.0]])
+    logits = torch.tensor([[9.0, -5.0, 8.0, -1.0]] * 3)
     seqs = [seq(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])), seq(SamplingParams(temperature=0))]
-    assert Sampler([0], 0, torch.device("cpu"))(logits, seqs).token_ids == [3, 0]
+    # ignore_eos too, as vLLM's: EOS would not end it, but the first min_tokens tokens are still never EOS
+    seqs.append(seq(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)))
+    assert Sampler([0], 0, torch.device("cpu"))(logits, seqs).token_ids == [3, 0, 2]
+
+
+@pytest.mark.parametrize("path", ["kernel", "pytorch"])
+def test_tied_alternatives_come_in_the_order_of_their_ids_on_either_path(path, monkeypatch):
+    """bfloat16 logits tie often: a request's top logprobs listed them in the kernel's order or topk's, by whether
+    a structured output shared its batch (or on a GPU)."""
+    if path == "pytorch":
+        monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
+    logits = torch.full((1, 400), -3.0)
+    logits[0, [300, 40, 7]] = 2.0
+    logits[0, 9] = 1.0  # (which of a tie across the cut is kept still differs: either is the top 4)
+    out = Sampler([0], 0, torch.device("cpu"))(logits, [seq(SamplingParams(temperature=0, logprobs=4))])
+    assert out.token_ids == [7] and list(out.logprobs[0]) == [7, 40, 300, 9]
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
