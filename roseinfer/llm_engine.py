@@ -76,6 +76,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.eos_token_ids = loaded.eos_token_ids
+        # The tokenizer's own EOS (vLLM's model EOS): the one whose stop names no stop_reason.
+        self.primary_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+        if self.primary_eos is None and self.eos_token_ids:  # (no tokenizer: the config's first)
+            self.primary_eos = self.eos_token_ids[0]
         self.sampling_defaults = loaded.sampling_defaults  # the model's recommendation (``model_loader``)
         # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
         self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
@@ -665,7 +669,8 @@ class LLMEngine:
             reason, seq.abort_cause = "abort", AbortCause(True, dead_end)
         elif seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
+                # An EOS the generation config adds to the tokenizer's is named, as vLLM's stop ids name theirs.
+                reason, stop_reason = "stop", (None if token == self.primary_eos else token)
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
         by_token = reason is not None
@@ -736,10 +741,16 @@ class LLMEngine:
         finished = seq.is_finished and (group is None or (group_may_end and all(s.is_finished for s in group)))
         if seq.params.output_kind == "delta" and not finished:
             # The request runs on: what is new, and nothing else (no copy of the whole output at every step).
-            logprobs = seq.logprobs[len(seq.logprobs) - len(delta_ids) :] if seq.logprobs is not None else None
+            logprobs, running = None, None
+            if seq.logprobs is not None:
+                logprobs = seq.logprobs[len(seq.logprobs) - len(delta_ids) :]
+                start = seq.num_prompt_tokens + seq.logprobs_summed
+                new = zip(seq.token_ids[start:], seq.logprobs[seq.logprobs_summed :])
+                seq.logprob_sum += sum(step.get(token, float("nan")) for token, step in new)
+                seq.logprobs_summed, running = len(seq.logprobs), seq.logprob_sum
             # A sample of n that ended before the others ends here with its own reason (as vLLM's), the request not.
             piece = CompletionOutput(
-                seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs, seq.abort_cause
+                seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason, logprobs, seq.abort_cause, running
             )
             return RequestOutput(
                 seq.parent_id,

@@ -25,15 +25,19 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     # Why the engine aborted it itself (its structured output's dead end, or a token that output refused); None else.
     abort_cause: AbortCause | None = None
+    # A delta output's: the sample's logprobs summed so far, not its delta's alone (vLLM's). None: sum token_ids'.
+    running_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def cumulative_logprob(self) -> float | None:
-        """The logprobs of the tokens this output holds, summed (vLLM's); None where no logprobs were asked for."""
+        """The logprobs of the sample's tokens so far, summed (vLLM's); None where no logprobs were asked for."""
         if self.logprobs is None:
             return None
+        if self.running_logprob is not None:
+            return self.running_logprob
         return sum(step.get(token, float("nan")) for token, step in zip(self.token_ids, self.logprobs))
 
 

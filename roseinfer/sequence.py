@@ -75,6 +75,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.abort_cause: AbortCause | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Output kind "delta": the sum of the first ``logprobs_summed`` logprobs, the running total its outputs carry.
+        self.logprob_sum = 0.0
+        self.logprobs_summed = 0
         # Per prompt token, as vLLM's prompt_logprobs: None for the first (nothing comes before it), then each
         # one's logprob and the top alternatives; filled as its prefill runs. None when not asked for.
         self.prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -1,6 +1,7 @@
 """Bad requests are refused at submission with a clear error; the engine keeps serving the others."""
 
 import copy
+import itertools
 import json
 
 import pytest
@@ -852,3 +853,40 @@ def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
     engine.step()
     ended = engine.abort_request(["x", "y"])
     assert {o.request_id for o in ended if o.finished} == {"x", "y"} and not engine.has_unfinished_requests()
+
+
+def test_an_eos_the_generation_config_adds_is_named_as_the_stop_reason(tiny_chat_model, tmp_path):
+    """As vLLM moves a generation config's extra EOS ids to the stop ids: ending on one says which (Llama 3.1's
+    <|eom_id|> beside <|eot_id|>); the tokenizer's own EOS names none. It was None for both."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, path)
+    own = AutoTokenizer.from_pretrained(path).eos_token_id
+    extra = own + 1
+    GenerationConfig(eos_token_id=[extra, own]).save_pretrained(path)
+    llm = LLM(str(path), dtype="float32")
+    endings = []
+    for token in (extra, own):
+        params = SamplingParams(temperature=0, max_tokens=4, logit_bias={token: 100})
+        [out] = llm.generate("Hi", params, use_tqdm=False)
+        endings.append((out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].stop_reason))
+    assert endings == [([extra], "stop", extra), ([own], "stop", None)]
+
+
+def test_a_delta_outputs_cumulative_logprob_is_the_samples_running_total(tiny_chat_model):
+    """vLLM's delta outputs carry the sample's total so far: each delta's was the sum over its own tokens alone."""
+    engine = LLM(tiny_chat_model, dtype="float32").llm_engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=1, output_kind="delta")
+    engine.add_request("r", "Hello there", params)
+    pieces = []
+    while engine.has_unfinished_requests():
+        pieces += [out.outputs[0] for out in engine.step()]
+    *deltas, final = pieces  # (the last holds the whole output, as documented)
+    own = [sum(step[t] for t, step in zip(p.token_ids, p.logprobs)) for p in deltas]
+    totals = [p.cumulative_logprob for p in deltas]
+    assert len(totals) >= 2 and totals == pytest.approx(list(itertools.accumulate(own)))
+    assert final.cumulative_logprob == pytest.approx(sum(s[t] for t, s in zip(final.token_ids, final.logprobs)))
+    assert final.cumulative_logprob < totals[0] < 0
