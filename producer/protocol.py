@@ -44,6 +44,10 @@ DEFAULT_QUEUE = "roseinfer"
 # events, result and status only while it holds this; one that stalled past its heartbeat and lost the job to a
 # retry drops its copy without writing.
 OWNER_FIELD = "roseinfer_owner"
+# The job hash field holding the ``created_at`` of the job whose output its token stream holds (set at its first
+# start): a stream found under another (or none) is an earlier job's of the same id, which a stock RQ enqueue left
+# (``Client.submit`` clears it), so a start deletes it rather than resume the old job's text as the new one's.
+STREAM_OF_FIELD = "roseinfer_stream_of"
 # A worker's lease: while it exists, no job this worker runs can have been retried elsewhere (it expires before
 # the jobs' own heartbeats do, and only a lapsed heartbeat lets RQ requeue a job), so the worker's events skip the
 # per-event ownership check. Extended only while it exists; once lapsed, set again only after every job held is

@@ -217,6 +217,7 @@ def requeue_as_resumed(client, payload: dict, events: list[dict]):
     from rq.utils import now
 
     from producer import Client
+    from producer.protocol import STREAM_OF_FIELD
 
     job_id = f"resumed-{uuid.uuid4().hex[:8]}"
     parked = Client(connection=client.connection, queue=f"parked-{job_id}").submit(**payload, job_id=job_id)
@@ -225,6 +226,8 @@ def requeue_as_resumed(client, payload: dict, events: list[dict]):
     job = parked.rq_job
     job.started_at = now()
     job.save()
+    conn = client.connection  # the stream is this job's: as the earlier attempt's start marked it
+    conn.hset(job.key, STREAM_OF_FIELD, conn.hget(job.key, "created_at"))
     client.connection.delete(f"rq:queue:parked-{job_id}")
     client.queue.enqueue_job(job)
     return client.job(job_id)

@@ -350,8 +350,9 @@ def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
     with pytest.raises(JobCanceled) as err:
         job.result(timeout=30)
     assert job.status() == "stopped"
-    latest = job.rq_job.latest_result()  # after RQ's own record of the stop: the partial result
+    latest = job.rq_job.latest_result()  # RQ's own record of the stop, holding the partial result
     assert latest.type == Result.Type.STOPPED and latest.return_value == err.value.result
+    assert "stopped by a stop-job command" in latest.exc_string and len(job.rq_job.results()) == 1
     # Kept as long as RQ keeps the stopped job in its failed registry (failure_ttl: a year), not a day.
     assert Redis.from_url(redis_url).ttl(f"rq:results:{job.id}") > 30 * 24 * 3600
 
@@ -434,6 +435,7 @@ def test_bad_payloads_fail_alone_with_a_clear_reason(served, redis_url):
         assert ids[name] in Queue(worker.queue, connection=conn).failed_job_registry.get_job_ids()
         latest = rq_job.latest_result()  # RQ reads it as its own failure; it also holds the result
         assert latest.type == Result.Type.FAILED and reason in latest.exc_string
+        assert len(rq_job.results()) == 1  # written with the status: no bare record of RQ's before it
         assert latest.return_value == err.value.result and latest.return_value["error"] == err.value.reason
         assert latest.return_value["status"] == "failed" and rq_job.return_value() is None
         assert 0 < conn.ttl(result_key(ids[name])) <= 365 * 24 * 3600  # as long as RQ keeps the failed job

@@ -14,7 +14,15 @@ import uuid
 import fakeredis
 import pytest
 
-from producer.protocol import STREAM_FIELD, event_from_message, event_from_stream, make_event, result_key, stream_key
+from producer.protocol import (
+    STREAM_FIELD,
+    STREAM_OF_FIELD,
+    event_from_message,
+    event_from_stream,
+    make_event,
+    result_key,
+    stream_key,
+)
 from producer.schema import JobRequest
 from producer.wire import StreamEvent
 from worker.jobs import job_seed
@@ -1496,6 +1504,7 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
     only_read = f"only-read-{uuid.uuid4().hex}"
     for job_id in (ours.id, only_read):
         conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Hi", [7, 8]))})
+    conn.hset(ours.key, STREAM_OF_FIELD, conn.hget(ours.key, "created_at"))  # (as that attempt's start marked it)
     (execution,), streams = worker.mark_started([(ours, queue)], [ours.id, only_read])
     assert set(streams) == {ours.id, only_read}
     assert [(s.next_n, s.resume_ids, s.resume_text) for s in streams.values()] == [(1, [7, 8], "Hi")] * 2
@@ -1526,8 +1535,57 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
         assert job.get_status(refresh=False) == "started" and job.worker_name == worker.name
         assert Execution.fetch(ex.id, job.id, conn).job_id == job.id
     ref_fields, our_fields = conn.hgetall(ref.key), conn.hgetall(ours.key)
-    assert set(our_fields) == set(ref_fields) | {OWNER_FIELD.encode()}
+    assert set(our_fields) == set(ref_fields) | {OWNER_FIELD.encode(), STREAM_OF_FIELD.encode()}
     assert our_fields[OWNER_FIELD.encode()] == execution.id.encode()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "transaction"])
+def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream(redis_url, way):
+    """Stock RQ's enqueue of a new job under the id of one that died mid-run (or was deleted) left that job's
+    stream: the new job took its tokens as the start of its own output. Its first start deletes it; the job's
+    later starts (a retry, a requeue) keep what its own attempts streamed."""
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import JOB_FUNCTION
+    from worker.batch_worker import BatchWorker
+    from worker.intake import pull
+    from worker.job_start import register
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    job_id = f"reused-{uuid.uuid4().hex[:8]}"
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    worker.sender.start_script = None if way == "transaction" else register(conn)
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    for kept in (False, True):  # the old job's hash gone (deleted, expired), or still there (failed as abandoned)
+        conn.delete(stream_key(job_id))
+        queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "old", "max_tokens": 4})
+        [(old, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
+        worker.mark_started([(old, q)], [job_id])
+        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Old", [7, 8]))})
+        if not kept:
+            conn.delete(old.key)
+        time.sleep(0.002)  # (a new created_at)
+        queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "new", "max_tokens": 4})
+        [(new, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
+        _, streams = worker.mark_started([(new, q)], [job_id])
+        assert (streams[job_id].next_n, streams[job_id].resume_ids) == (0, [])
+        assert not conn.exists(stream_key(job_id))
+        # Its own attempt's events, then a requeue: resumed from, as a retry is.
+        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "New", [9]))})
+        queue.enqueue_job(Job.fetch(job_id, connection=conn, serializer=JSONSerializer))
+        [(again, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
+        _, streams = worker.mark_started([(again, q)], [job_id])
+        assert (streams[job_id].next_n, streams[job_id].resume_ids) == (1, [9])
 
 
 @pytest.mark.redis
@@ -1726,6 +1784,9 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     assert again.get_status() == "scheduled" and again.retries_left == 1
     latest = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).latest_result()
     assert latest.type == latest.Type.FAILED and "boom" in latest.exc_string
+    # Each record holds the result: RQ's own was written bare with the status, ours a round trip later.
+    records = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).results()
+    assert records and all(r.return_value["error"] == "boom" for r in records)
     # Whose fault, in the result and the last event: the engine refused the job itself.
     assert result_from_entries(read_result(conn, failing.id))["error_type"] == "invalid_request"
     _, finals = worker.publisher.take()

@@ -14,6 +14,7 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue as queue_mod
 import signal
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -59,6 +60,7 @@ from producer.protocol import (
     LEASE_KEY,
     OWNER_FIELD,
     STATS_KEY,
+    STREAM_OF_FIELD,
     TEMPLATE_KEY,
     TOKENIZER_KEY,
     canceled_result,
@@ -67,6 +69,7 @@ from producer.protocol import (
     lane_name,
     lanes,
     result_entry,
+    stream_key,
     tokenizer_digest,
     usage_of,
 )
@@ -783,17 +786,20 @@ class BatchWorker(BaseWorker):
         pipe.watch(*keys)
         with self.connection.pipeline(transaction=False) as look:
             for key in keys:
-                look.hget(key, "status")
-            statuses = look.execute()
+                look.hmget(key, "status", "created_at", STREAM_OF_FIELD)
+            found = look.execute()
         pipe.multi()
         executions = []
-        for (job, queue), status in zip(pulled, statuses):
+        for (job, queue), (status, created, stream_of) in zip(pulled, found):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
                 job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
                 args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
                 pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
+                if created is not None and stream_of != created:  # an earlier job's stream (as the start script)
+                    pipe.delete(stream_key(job.id))
+                    pipe.hset(job.key, STREAM_OF_FIELD, created)
                 if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
                     pipe.hset(job.key, "status", status)
                 pipe.persist(job.key)
@@ -806,7 +812,7 @@ class BatchWorker(BaseWorker):
     def _start_by_script(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
     ) -> tuple[list[Execution], dict[str, JobStream]]:
-        executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD)
+        executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD, STREAM_OF_FIELD)
         # Within half the started entries' life: a start landing later would find them taken for abandoned.
         give_up_at, backoff = time.monotonic() + min(START_RETRY_S, ttl / 2), 0.1
         while True:
@@ -825,9 +831,12 @@ class BatchWorker(BaseWorker):
                 log.warning("starting %d jobs: Redis unavailable (%s); the same start again", len(pulled), exc)
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
-        for job_id in dict.fromkeys(replies[0]):
+        repaired, stale = replies[0]
+        for job_id in dict.fromkeys(repaired):
             log.warning("job %s: its token or result stream key held another type (written by hand?): deleted",
                         job_id.decode())  # fmt: skip
+        for job_id in stale:
+            log.info("job %s: the token stream of an earlier job of this id deleted, not resumed", job_id.decode())
         self.executions.update((execution.id, execution) for execution in executions)
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
@@ -949,12 +958,10 @@ class BatchWorker(BaseWorker):
         """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
         this worker. Its followers had its last event already; its result is the failure."""
         log.error("job %s: its success callback failed (%s): the job fails, as RQ fails it", job.job.id, exc)
-        self._record_failure(job.job, job.queue, job.execution, exc)
+        error = f"the job's success callback failed: {exc}"
+        result = failure_result(job.job.id, job.request, error, error_type="server_error")
+        self._record_failure(job.job, job.queue, job.execution, exc, result, job.request.notify)
         failed = job.job.get_status(refresh=False) == JobStatus.FAILED
-        if failed:
-            error = f"the job's success callback failed: {exc}"
-            result = failure_result(job.job.id, job.request, error, error_type="server_error")
-            self._write_failure(job.job, result, exc, job.request.notify, job.execution)
         self.metrics.job_ended("failed" if failed else "retried", None)
 
     def _succeed_plain(
@@ -1113,8 +1120,10 @@ class BatchWorker(BaseWorker):
             if mine is False:
                 self._lost_at_end(job)
                 return
-            if stopped and mine:
-                self._record_stop(job.job, job.queue, job.execution, str(reason))
+            recorded = stopped and mine
+            if recorded:  # (its record holds the partial result)
+                kept = None if deleted else result
+                self._record_stop(job.job, job.queue, job.execution, str(reason), kept, job.request.notify)
             with self.connection.pipeline() as pipe:
                 if not stopped:
                     self.cleanup_execution(job.job, pipe, job.execution)
@@ -1122,11 +1131,11 @@ class BatchWorker(BaseWorker):
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
-                if not deleted:  # the partial result, after RQ's own record of a stop (the latest entry is it)
-                    entry = result_entry(result, Result.Type.STOPPED, self.name, execution=job.execution, ended=now())
-                    ttl = self.settings.result_ttl
-                    if stopped:  # RQ's failed job, kept its failure_ttl (a year by default): its record too
-                        ttl = job.job.failure_ttl if job.job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+                if not deleted and not recorded:  # the partial result
+                    entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
+                                         execution=job.execution, ended=now())  # fmt: skip
+                    # RQ's failed job (a stop) keeps its failure_ttl (a year by default): its record too
+                    ttl = _failure_ttl(job.job) if stopped else self.settings.result_ttl
                     self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
                 pipe.execute()
             if not stopped:  # (a stop went through RQ's failure path, which freed it)
@@ -1165,14 +1174,15 @@ class BatchWorker(BaseWorker):
             if mine is False:
                 self._lost_at_end(job)
                 return
+            result = None
             if not retrying:
                 job.job.retries_left = None  # the same job would fail the same way again
-            if mine:
-                self._record_failure(job.job, job.queue, job.execution, error)
-            if not retrying:
                 result = failure_result(
                     job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
                 )
+            if mine:
+                self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
+            elif result is not None:  # (recorded by an earlier try of this end)
                 self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 
@@ -1186,10 +1196,9 @@ class BatchWorker(BaseWorker):
 
         def end() -> None:
             job.retries_left = None
-            self._record_failure(job, queue, execution, JobRejected(error))
             ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
             result = failure_result(job.id, ending, error, error_type="invalid_request")
-            self._write_failure(job, result, JobRejected(error), ending.notify, execution)
+            self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
             self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
@@ -1256,14 +1265,35 @@ class BatchWorker(BaseWorker):
     def _write_failure(
         self, job: Job, result: dict[str, Any], error: Exception, notify: str | None, execution: Execution | None
     ) -> None:
-        """A failed job's result, after RQ's own record of the failure (``_record_failure``): the latest entry of
-        its result stream is then this one, a failure RQ reads as its own (its ``exc_string``) that also holds the
-        result. Kept as long as RQ keeps the failed job (its ``failure_ttl``, RQ's default a year): RQ itself sets no
-        TTL on its failure record when the job names none."""
-        exc = "".join(traceback.format_exception_only(type(error), error))
-        entry = result_entry(result, Result.Type.FAILED, self.name, error=exc, execution=execution, ended=now())
-        ttl = job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
-        self.publisher.write_result(self.connection, job.id, entry, ttl, notify)
+        """A failed job's result, where RQ's record of the failure was made before (by an earlier try of its end):
+        the latest entry of its result stream is then this one. Kept as long as RQ keeps the failed job (its
+        ``failure_ttl``, RQ's default a year): RQ itself sets no TTL on its failure record when the job names none."""
+        entry = result_entry(result, Result.Type.FAILED, self.name, error=_one_line(error), execution=execution,
+                             ended=now())  # fmt: skip
+        self.publisher.write_result(self.connection, job.id, entry, _failure_ttl(job), notify)
+
+    @contextlib.contextmanager
+    def _results_in_failure(
+        self, job: Job, execution: Execution, result: dict[str, Any] | None, notify: str | None, kind: Result.Type,
+        error: str,
+    ) -> Iterator[None]:  # fmt: skip
+        """RQ's record of a job's failure or stop, made to hold ``result``: its entry in the result stream is
+        written in the transaction that sets the status, as RQ writes its own (a reader that saw the status failed
+        read RQ's bare record, then a second entry a round trip later). None: RQ's own record."""
+        if result is None:
+            yield
+            return
+
+        def handle_failure(exc_string: str, pipeline: Any, worker_name: str = "", **_times: Any) -> None:
+            job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=exc_string, pipeline=pipeline)  # RQ's
+            entry = result_entry(result, kind, worker_name, error=error, execution=execution, ended=now())
+            self.publisher.write_result(pipeline, job.id, entry, _failure_ttl(job), notify)
+
+        job._handle_failure = handle_failure  # type: ignore[method-assign]  # (RQ calls it only for a job it fails)
+        try:
+            yield
+        finally:
+            del job._handle_failure
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """RQ logs every failed job with a traceback. A failure this worker names itself (a job refused for what
@@ -1277,23 +1307,34 @@ class BatchWorker(BaseWorker):
         log.log(level, "job %s failed: %s", job.id, error)
         call_exception_handlers(self._exc_handlers, job, *exc_info)
 
-    def _record_failure(self, job: Job, queue: Queue, execution: Execution, error: Exception) -> None:
-        try:
-            raise error
-        except Exception:
-            self._finalize_failure(job, queue, execution, sys.exc_info())
+    def _record_failure(
+        self, job: Job, queue: Queue, execution: Execution, error: Exception, result: dict[str, Any] | None = None,
+        notify: str | None = None,
+    ) -> None:  # fmt: skip
+        """RQ's end of a failed job (its failure callback, a retry while it has retries left, else FAILED); where it
+        fails, RQ's record of it holds ``result``."""
+        with self._results_in_failure(job, execution, result, notify, Result.Type.FAILED, _one_line(error)):
+            try:
+                raise error
+            except Exception:
+                self._finalize_failure(job, queue, execution, sys.exc_info())
         self._check_end_landed(job, execution)
 
-    def _record_stop(self, job: Job, queue: Queue, execution: Execution, reason: str) -> None:
+    def _record_stop(
+        self, job: Job, queue: Queue, execution: Execution, reason: str, result: dict[str, Any] | None,
+        notify: str | None,
+    ) -> None:  # fmt: skip
         """RQ's end of a job its stop-job command stopped (``_handle_stopped_job``): the job's stopped callback (an
-        error of it logged), never its failure callback; then STOPPED, in the failed registry, never retried."""
+        error of it logged), never its failure callback; then STOPPED, in the failed registry, never retried; its
+        record holds ``result`` (the output made until the stop)."""
         job.ended_at = now()
         try:
             execute_stopped_callback(job, self.death_penalty_class)
         except Exception:
             log.exception("job %s: its stopped callback raised", job.id)
         self._stopped_job_id = job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
-        self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
+        with self._results_in_failure(job, execution, result, notify, Result.Type.STOPPED, reason):
+            self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
         self._check_end_landed(job, execution)
 
     def _check_end_landed(self, job: Job, execution: Execution) -> None:
@@ -1671,6 +1712,16 @@ def _jobs_named(ids: list[str]) -> str:
     """A log line's subject for a batch of jobs (``job <id>``, or ``<n> jobs: <id>, <id>, ...``): one line per batch,
     still found by any job's id."""
     return f"job {ids[0]}" if len(ids) == 1 else f"{len(ids)} jobs: {', '.join(ids)}"
+
+
+def _failure_ttl(job: Job) -> int:
+    """How long RQ keeps a failed job, and so its record: its ``failure_ttl``, or RQ's default (a year)."""
+    return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
+
+
+def _one_line(error: Exception) -> str:
+    """A failure's words for its record: the exception alone, not where the worker recorded it."""
+    return "".join(traceback.format_exception_only(type(error), error))
 
 
 def _checked(replies: list, num_streams: int) -> list:

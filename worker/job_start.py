@@ -30,12 +30,14 @@ from worker.intake import load_script
 # mark of when its clean-up first saw the job in the intermediate list goes: left (a day), a later pull of the job
 # would find it minutes old, and the clean-up would queue the job again as it starts. A token or result
 # stream key holding another type (written by hand) is deleted: every write to it would fail, and with it a whole
-# batch's events or ends. Returns the ids of the jobs whose keys were deleted.
+# batch's events or ends. So is a token stream of an earlier job of the same id (``STREAM_OF_FIELD``); a hash
+# without ``created_at`` (written by hand) is not checked. Returns the ids of the jobs whose keys were deleted, and
+# of those whose earlier job's stream was.
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local score, exec_score, executions, owner = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local started, members, repaired = {}, {}, {}
-for a = 9, #ARGV, 9 do
+local score, exec_score, executions, owner, stream_of = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local started, members, repaired, stale = {}, {}, {}, {}
+for a = 10, #ARGV, 9 do
   local job, id, exec_id, exec_key = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local registry, wip, intermediate = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   for k = a + 7, a + 8 do
@@ -54,6 +56,11 @@ for a = 9, #ARGV, 9 do
   -- delete (RQ's job.delete()): a hash written here would be a stub RQ cannot read, and the job would run on.
   local status = redis.call('HGET', job, 'status')
   if status then
+    local created = redis.call('HGET', job, 'created_at')
+    if created and redis.call('HGET', job, stream_of) ~= created then
+      if redis.call('DEL', ARGV[a + 7]) == 1 then stale[#stale + 1] = id end
+      redis.call('HSET', job, stream_of, created)
+    end
     if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
     redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
       owner, exec_id)
@@ -73,7 +80,7 @@ for wip, list in pairs(started) do
 end
 for i = 1, #members, 4000 do redis.call('SADD', executions, unpack(members, i, math.min(i + 3999, #members))) end
 if #members > 0 then redis.call('EXPIRE', executions, ttl + 60) end
-return repaired
+return {repaired, stale}
 """
 
 
@@ -87,6 +94,7 @@ def start_jobs(
     worker_name: str,
     ttl: int,
     owner_field: str,
+    stream_of_field: str,
 ) -> tuple[list[Execution], list[Any]]:
     """The start of every pulled job under a new execution of ``worker_name`` (its id also written as the job's
     owner), as RQ's own start would: the executions, and the arguments of the script (``queue_start``); the jobs
@@ -99,7 +107,7 @@ def start_jobs(
     started_keys: dict[str, str] = {}
     args: list[Any] = [
         worker_name, repr(right_now.timestamp()), stamp, ttl, score, score + 60,
-        WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field,
+        WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field, stream_of_field,
     ]  # fmt: skip
     for (job, queue), execution_id in zip(pulled, execution_ids(len(pulled))):
         execution = Execution(execution_id, job.id, job.connection, worker_name=worker_name)
