@@ -59,7 +59,8 @@ class SleepingEngine:
 
     def add_request(self, request_id, prompt, params=None, priority=0, output_prefix=None) -> None:
         self.requests[request_id] = {
-            "max": params.max_tokens, "ids": [], "text": "", "t0": time.perf_counter(), "held": 0
+            "max": params.max_tokens, "ids": [], "text": "", "t0": time.perf_counter(), "held": 0,
+            "began": time.monotonic(),
         }  # fmt: skip
 
     def has_unfinished_requests(self) -> bool:
@@ -70,6 +71,9 @@ class SleepingEngine:
 
     def running_request_ids(self) -> list[str]:
         return list(self.requests)
+
+    def first_scheduled_time(self, request_id):
+        return self.requests[request_id]["began"] if request_id in self.requests else None  # (each runs at once)
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)

@@ -575,6 +575,13 @@ class LLMEngine:
         """The requests in the running batch (those a step computes), by the ids they were added with."""
         return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
 
+    def first_scheduled_time(self, request_id: str) -> float | None:
+        """When the request was first scheduled (``time.monotonic()``, its first sample's); None while it waits
+        for a place in the batch, or once it ended."""
+        seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
+        times = [s.first_scheduled_time for s in seqs if s is not None and s.first_scheduled_time is not None]
+        return min(times, default=None)
+
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's accessor; ``tokenizer`` here)."""
         return self.tokenizer

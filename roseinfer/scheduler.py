@@ -14,6 +14,7 @@ requests. Only the scheduler changes ``Sequence.num_computed_tokens``.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -280,6 +281,8 @@ class Scheduler:
     ) -> None:
         self._waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
         seq.num_computed_tokens = hit.num_tokens
         if seq.num_preemptions == 0:  # set once, as vLLM: a recompute's hit on its own freed blocks is no cache hit

@@ -92,6 +92,8 @@ class Sequence:
         self.streamed = False
         self.held_ids: list[int] = []
         self.arrival_time = time.perf_counter()
+        # When the scheduler first gave it a step (time.monotonic()): a job's timeout counts from there, not its wait.
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 

@@ -890,3 +890,24 @@ def test_a_delta_outputs_cumulative_logprob_is_the_samples_running_total(tiny_ch
     assert len(totals) >= 2 and totals == pytest.approx(list(itertools.accumulate(own)))
     assert final.cumulative_logprob == pytest.approx(sum(s[t] for t, s in zip(final.token_ids, final.logprobs)))
     assert final.cumulative_logprob < totals[0] < 0
+
+
+def test_a_request_has_its_first_scheduled_time_once_it_gets_a_place_in_the_batch(tiny_chat_model):
+    """The worker's job timeout counts from it (RQ's: from a job's start), not from the wait behind max_num_seqs."""
+    import time
+
+    engine = LLM(tiny_chat_model, dtype="float32", max_num_seqs=1).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    before = time.monotonic()
+    engine.add_request("first", "Hello", params)
+    engine.add_request("second", "Hello", params)
+    engine.step()
+    first = engine.first_scheduled_time("first")
+    assert before < first <= time.monotonic()
+    assert engine.first_scheduled_time("second") is None  # still waiting for the one place
+    engine.step()
+    assert engine.first_scheduled_time("first") == first  # (once)
+    while engine.first_scheduled_time("second") is None:
+        engine.step()
+    assert engine.first_scheduled_time("second") > first
+    assert engine.first_scheduled_time("unknown") is None and engine.first_scheduled_time("first") is None  # ended

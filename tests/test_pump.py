@@ -28,6 +28,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.requests: dict[str, dict] = {}
         self.fail_steps = 0  # the next steps that raise
+        self.waiting: set[str] = set()  # requests left out of the steps (behind max_num_seqs) until taken out of it
         self.steps = 0
 
     def tokenize(self, prompt, tokenizer=None):
@@ -50,7 +51,7 @@ class FakeEngine:
             raise ContextLengthExceeded("the prompt has 9999 tokens, but this model allows at most 100")
         if "engine bug" in prompt.get("prompt", ""):
             raise KeyError("engine bug at admission")
-        self.requests[request_id] = {"left": params.max_tokens, "made": 0, "held": 0}
+        self.requests[request_id] = {"left": params.max_tokens, "made": 0, "held": 0, "began": None}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -59,7 +60,10 @@ class FakeEngine:
         return []  # its steps make their outputs at once
 
     def running_request_ids(self) -> list[str]:
-        return list(self.requests)
+        return [rid for rid in self.requests if rid not in self.waiting]
+
+    def first_scheduled_time(self, request_id):
+        return self.requests[request_id]["began"] if request_id in self.requests else None
 
     def abort_request(self, request_id):
         req = self.requests.pop(request_id, None)
@@ -75,6 +79,10 @@ class FakeEngine:
             raise IndexError("injected fault inside a step")
         outs = []
         for rid, req in list(self.requests.items()):
+            if rid in self.waiting:
+                continue
+            if req["began"] is None:
+                req["began"] = time.monotonic()
             req["made"] += 1
             req["held"] += 1
             done = req["made"] >= req["left"]
@@ -212,6 +220,27 @@ def test_cancel_and_deadline():
     assert [(e.job_id, e.finish_reason) for e in ended] == [("late", "error")] and "timeout" in ended[0].error
     assert ended[0].timed_out and not ended[0].retryable and ended[0].error_type == "timeout"
     assert not engine.requests
+
+
+def test_a_timeout_counts_from_the_jobs_first_step_not_its_wait_for_a_place_in_the_batch():
+    """RQ's job_timeout limits a job's run: one held in the worker behind max_num_seqs failed with a timeout, no
+    token made (and spent a retry on it)."""
+    engine = FakeEngine()
+    engine.waiting = {"queued"}
+    pump = Pump(engine, tokenize_in_thread=False)
+    pump.submit("queued", {"prompt": "x"}, _params(100), timeout=0.1)
+    pump.step()
+    time.sleep(0.15)  # past its timeout's length, never stepped
+    assert pump.step() == [] and "queued" in pump
+    engine.waiting = set()
+    began = time.monotonic()
+    events = []
+    while not any(e.finished for e in events):
+        events += pump.step()
+        time.sleep(0.005)
+    ended = time.monotonic()
+    assert events[-1].timed_out and events[-1].error_type == "timeout"
+    assert ended - began >= 0.1 and len(events) > 1  # its own 0.1 s of steps, from its first
 
 
 def test_a_cancel_ends_with_what_the_engine_held_since_the_last_flush():

@@ -25,6 +25,8 @@ log = logging.getLogger("roseinfer.worker")
 # other jobs handed back, for its supervisor to start it again. Going on, it took the queue's jobs one step at a time
 # and spent a retry of each.
 MAX_FAILED_STEPS = 3
+# A job past its timeout's length that has not had a step yet is looked at again this often (its clock starts then).
+START_POLL_S = 0.1
 
 
 class EngineBroken(RuntimeError):
@@ -75,12 +77,13 @@ def _code_of(exc: Exception) -> str | None:
 class _Job:
     prompt: Any
     params: Any
-    deadline: float | None  # time.monotonic() after which the job fails
+    deadline: float | None  # time.monotonic() after which the job fails (or its start is looked for again)
     output_prefix: list[int] | None = None  # what an earlier attempt generated: the output resumes from there
     priority: int = 0
     tokenized: _Tokenized | None = None  # prompt token ids, computed off the step loop
     admitted: bool = False
     prefix_logprobs: list[dict[int, float]] | None = None  # the prefix's, for a job asking for logprobs
+    timeout: float | None = None  # its seconds from its first engine step (RQ's job_timeout)
 
 
 @dataclass
@@ -151,16 +154,20 @@ class Pump:
             raise ValueError(f"job {job_id!r} is already in flight")
         deadline = None if timeout is None else time.monotonic() + timeout
         job = _Job(prompt, params, deadline, output_prefix or None, priority, tokenized)
-        job.prefix_logprobs = prefix_logprobs
+        job.prefix_logprobs, job.timeout = prefix_logprobs, timeout
         if self._pool is not None and tokenized is None:
             self._untokenized.append(job)
         self._jobs[job_id] = job
         self._waiting[job_id] = job
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, job_id))
-            if len(self._deadlines) > 2 * len(self._jobs) + 64:  # mostly jobs that ended: keep the live ones
-                self._deadlines = [(d, j) for d, j in self._deadlines if j in self._jobs]
-                heapq.heapify(self._deadlines)
+            self._arm(job_id, job, deadline)
+
+    def _arm(self, job_id: str, job: _Job, deadline: float) -> None:
+        job.deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, job_id))
+        if len(self._deadlines) > 2 * len(self._jobs) + 64:  # mostly jobs that ended: keep the live ones
+            self._deadlines = [(d, j) for d, j in self._deadlines if j in self._jobs]
+            heapq.heapify(self._deadlines)
 
     def tokenize_ahead(self, prompts: list[Any]) -> list[_Tokenized] | None:
         """Start tokenizing the prompts of jobs not submitted yet, from any thread (the puller, while it marks them
@@ -216,6 +223,12 @@ class Pump:
             deadline, job_id = heapq.heappop(self._deadlines)
             job = self._jobs.get(job_id)
             if job is None or job.deadline != deadline:  # ended already (or a new job under the same id)
+                continue
+            # The timeout counts from the job's first step, as RQ's from a job's start: not its wait for a place in
+            # the batch behind max_num_seqs (looked for again shortly until it has one).
+            began = self.engine.first_scheduled_time(job_id) if job.admitted else None
+            if began is None or began + job.timeout > now:
+                self._arm(job_id, job, now + START_POLL_S if began is None else began + job.timeout)
                 continue
             ended = self.cancel(job_id, "the job exceeded its timeout")
             ended[-1].timed_out, ended[-1].error_type = True, "timeout"
