@@ -94,6 +94,25 @@ def test_engine_flags_round_trip_through_the_worker_settings():
     assert engine_config_from_args(bench.parse_args(engine_flags(config))) == config
 
 
+def test_none_unsets_a_setting_its_help_says_may_be_unset(monkeypatch):
+    """--drain-timeout's help says "none: no limit"; none (from a flag or ROSEINFER_*) was 'not a valid number', so
+    a compose file's ROSEINFER_DRAIN_TIMEOUT could not say "no limit". A text setting keeps the word."""
+    parser = argparse.ArgumentParser()
+    from worker.cli import add_parsers
+
+    add_parsers(parser.add_subparsers())
+    flags = ["--drain-timeout", "none", "--metrics-port", "None", "--max-model-len", "none", "--name", "none"]
+    settings = load_settings(parser.parse_args(["worker", *flags]))
+    assert (settings.drain_timeout, settings.metrics_port, settings.max_model_len) == (None, None, None)
+    assert settings.name == "none"
+    monkeypatch.setenv("ROSEINFER_DRAIN_TIMEOUT", "none")
+    monkeypatch.setenv("ROSEINFER_MAX_IN_FLIGHT", "")
+    settings = WorkerSettings()
+    assert settings.drain_timeout is None and settings.max_in_flight is None
+    with pytest.raises(ValidationError, match="drain_timeout"):
+        WorkerSettings(drain_timeout="never")
+
+
 @pytest.mark.parametrize(
     ("settings", "phrase"),
     [

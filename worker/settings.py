@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import typing
 from typing import Literal
 
 from pydantic import Field, create_model, field_validator, model_validator
@@ -123,6 +124,22 @@ class QueueSettings(BaseSettings):
     max_job_bytes: int = Field(
         4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_unsets(cls, data: object) -> object:
+        """``none`` (or nothing) for a setting that may be unset, from a flag or the environment: unset, as its help
+        says (``ROSEINFER_DRAIN_TIMEOUT=none`` was 'not a valid number'). Text settings keep the word."""
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is None or not isinstance(value, str) or value.strip().lower() not in ("none", ""):
+                continue
+            kinds = typing.get_args(field.annotation)
+            if type(None) in kinds and str not in kinds:
+                data[name] = None
+        return data
 
     @field_validator("log_level", mode="before")
     @classmethod
