@@ -176,7 +176,8 @@ def test_every_roseinfer_variable_the_code_reads_is_known():
 @pytest.mark.parametrize(
     ("argv", "env", "phrase"),
     [
-        (["worker", "--dtype", "fp32"], {}, "error: dtype must be one of float32, bfloat16, float16"),
+        # The engine's check of the whole names the flag too, as a field's does.
+        (["worker", "--dtype", "fp32"], {}, "error: --dtype / ROSEINFER_DTYPE: dtype must be one of float32, bfloat16"),
         (["worker"], {"ROSEINFER_MAX_NUM_SEQS": "lots"}, "error: --max-num-seqs / ROSEINFER_MAX_NUM_SEQS"),
         (["bench", "--block-size", "0"], {}, "error: block_size must be a positive integer"),
         (["worker"], {"ROSEINFER_ALLOW_CALLBACK": "a.b"}, "error: ROSEINFER_ALLOW_CALLBACK does not parse"),

@@ -51,8 +51,9 @@ def describe_settings_error(exc: ValidationError) -> str:
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = "unknown setting"
-        if err.get("loc"):
-            name = str(err["loc"][0])
+        # The engine's own checks (of the whole) name their option first: "dtype must be one of ...".
+        name = str(err["loc"][0]) if err.get("loc") else msg.split(" ", 1)[0]
+        if name in WorkerSettings.model_fields:
             problems.append(f"--{name.replace('_', '-')} / {ENV_PREFIX}{name.upper()}: {msg}")
         else:
             problems.append(msg)
