@@ -583,6 +583,13 @@ def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys
         assert main(["status", "--redis-url", bad]) == 2
         err = capsys.readouterr().err
         assert "Redis refused the login" in err and "password" in err and "cannot reach" not in err
+    conn.execute_command("ACL", "SETUSER", "default", "resetpass", ">secret")  # (this connection stays logged in)
+    try:
+        assert main(["status", "--redis-url", url]) == 2  # no password given: nothing was refused
+        err = capsys.readouterr().err
+        assert err.startswith("error: this Redis asks for a password and the URL gives none"), err
+    finally:
+        conn.execute_command("ACL", "SETUSER", "default", "nopass")
     conn.config_set("maxmemory", 1)  # (any write refused: full)
     try:
         assert main(["submit", "x", "--redis-url", url, "--queue", "full"]) == 75

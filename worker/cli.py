@@ -298,9 +298,9 @@ def _refused_login(exc: Exception) -> str | None:
     from redis.exceptions import AuthenticationError
 
     text = str(exc)
-    if isinstance(exc, AuthenticationError) or any(
-        mark in text for mark in ("NOAUTH", "WRONGPASS", "HELLO must be called", "invalid username-password")
-    ):
+    if "NOAUTH" in text or "HELLO must be called" in text:  # (no login sent: "refused" misled)
+        return "this Redis asks for a password and the URL gives none: redis://:PASSWORD@host:port/0 (or USER:PASSWORD)"
+    if isinstance(exc, AuthenticationError) or any(mark in text for mark in ("WRONGPASS", "invalid username-password")):
         return f"Redis refused the login ({text}): the URL's user or password"
     return None
 
