@@ -36,7 +36,7 @@ def own_redis():
     proc.wait(timeout=10)
 
 
-def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog):
+def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog, capsys):
     url, conn = own_redis
     conn.config_set("maxmemory-policy", "allkeys-lru")
     with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
@@ -46,6 +46,12 @@ def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog):
         check_eviction_policy(conn, required=True)
     with pytest.warns(RuntimeWarning, match="maxmemory-policy allkeys-lru"):
         Client(url, queue="evict").submit("x", max_tokens=1)
+    from worker.cli import main
+
+    capsys.readouterr()
+    assert main(["submit", "x", "--redis-url", url, "--queue", "evict"]) == 0  # the command's: one line, as its own
+    warned = [line for line in capsys.readouterr().err.splitlines() if "maxmemory-policy" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: Redis evicts keys"), warned
     conn.config_set("maxmemory-policy", "noeviction")
     check_eviction_policy(conn, required=True)  # a safe Redis: nothing to say
 

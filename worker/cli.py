@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 import typing
+import warnings
 
 from pydantic import ValidationError
 
@@ -250,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker.main import UnsafeRedis
 
     try:
-        return args.func(args)
+        with warnings.catch_warnings():  # a library's warning (Redis may evict the queue) as one line, as ours are
+            warnings.showwarning = _warning_line
+            return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -290,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: roseinfer {args.command} needs {exc.name}: pip install 'roseinfer[{extra}]'", file=sys.stderr)
     return 2
+
+
+def _warning_line(message: Warning | str, *_where: object, **_kw: object) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _refused_login(exc: Exception) -> str | None:
