@@ -392,6 +392,12 @@ class Outage:
         self.client.reached = True
 
 
+def _whole(name: str, value: object, least: int, meaning: str, special: int | None = None) -> None:
+    """``value`` a whole number of at least ``least`` (or ``special``), else a ValueError saying what ``name`` is."""
+    if type(value) is not int or (value < least and value != special):  # (not True, 1.5, "60")
+        raise ValueError(f"{name} is {meaning}, got {value!r}")
+
+
 class Client:
     """``Client(redis_url, queue="roseinfer")``: submit generation jobs to roseinfer workers.
 
@@ -411,8 +417,12 @@ class Client:
         result_ttl: int = DEFAULT_RESULT_TTL,
         failure_ttl: int | None = None,
     ) -> None:
-        if failure_ttl is not None and (type(failure_ttl) is not int or failure_ttl < 1):  # (not True, 1.5, "60")
-            raise ValueError(f"failure_ttl is seconds, at least 1 (None: RQ's year), got {failure_ttl!r}")
+        # Whole seconds, checked here in their own words: 1.5 went into the job hash as 1, "x" failed in RQ at submit.
+        _whole("retries", retries, 0, "a count of retries, 0 or more")
+        _whole("job_timeout", job_timeout, 1, "seconds, at least 1 (-1: no limit)", -1)
+        _whole("result_ttl", result_ttl, 0, "seconds, 0 or more (0: not kept, -1: for good)", -1)
+        if failure_ttl is not None:
+            _whole("failure_ttl", failure_ttl, 1, "seconds, at least 1 (None: RQ's year)")
         self.connection = connection or connect(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
         self._lanes: dict[int, Queue] = {0: self.queue}

@@ -3517,3 +3517,14 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
     for bad in (0, -5, True, 1.5, "60"):
         with pytest.raises(ValueError, match="failure_ttl"):
             Client(connection=conn, failure_ttl=bad)
+    # Its siblings alike: 1.5 went into the job hash as 1 (a job killed after a second), "x" failed at submit.
+    for name, bads, goods in (
+        ("job_timeout", (0, -2, 1.5, "1h", True), (1, -1)),
+        ("result_ttl", (-2, 1.5, "60", None), (0, -1, 60)),
+        ("retries", (-1, 0.5, "2", None), (0, 3)),
+    ):
+        for bad in bads:
+            with pytest.raises(ValueError, match=name):
+                Client(connection=conn, **{name: bad})
+        for good in goods:
+            Client(connection=conn, **{name: good}).submit("hi")
