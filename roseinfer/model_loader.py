@@ -6,6 +6,7 @@ GGUF files are dequantized once into a safetensors folder in the cache, so later
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -269,9 +270,13 @@ def load_model(
         raise  # (a ValueError that says it all)
     except (OSError, ValueError) as exc:  # no such file, folder or hub id (transformers' 50-line traceback says
         reason = _first_line(exc)  # no more), or a file that is no model
+        if "ConnectError" in reason or "ConnectionError" in reason:  # (huggingface_hub's "Got: ConnectError: ...")
+            reason = f"no such folder or file here, and the Hugging Face hub cannot be reached ({reason})"
+        close = difflib.get_close_matches(model.lower(), (DEFAULT_MODEL, TINY_MODEL, "smollm2"), n=1, cutoff=0.6)
+        hint = f"; did you mean {DEFAULT_MODEL if close[0] == 'smollm2' else close[0]}?" if close else ""
         raise ConfigError(
             f"cannot load model {model!r}: {reason} (a model is a transformers folder, a .gguf file, a hub id in the "
-            f"local Hugging Face cache, or {DEFAULT_MODEL})"
+            f"local Hugging Face cache, {DEFAULT_MODEL} or {TINY_MODEL}{hint})"
         ) from None
     check_supported(config.model_type)
     heads = getattr(config, "architectures", None) or []

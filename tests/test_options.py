@@ -295,6 +295,9 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert main(["generate", "Hello", "--model", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such model folder or file: /nonexistent/model" in err
+    assert main(["generate", "Hello", "--model", "tiy"]) == 2  # a built-in name mistyped: taken for a hub id
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("or tiny; did you mean tiny?)"), err
 
 
 @pytest.mark.slow  # two engines
