@@ -12,6 +12,7 @@ from producer.client import (
     JobError,
     JobFailed,
     NoSuchJob,
+    StreamExpired,
     StreamGap,
     StreamRestarted,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "JobFailed",
     "JobRequest",
     "NoSuchJob",
+    "StreamExpired",
     "StreamGap",
     "StreamRestarted",
 ]

@@ -275,13 +275,18 @@ class EventCursor:
         return kept
 
 
-class StreamExpired(JobFailed):
-    """Finished, but no final event: the replay stream expired before it was read (``stream()`` then gives the
-    result's text instead)."""
+class StreamExpired(StreamGap):
+    """Finished, but its replay stream expired before it was read to its end (10 minutes after the end, by
+    default): ``events()`` raises this, ``stream()`` gives the result's text instead. Not a failure (it was a
+    ``JobFailed``, so ``except JobFailed`` took a finished job for failed): ``result()`` holds the output."""
+
+    def __init__(self, job_id: str) -> None:
+        Exception.__init__(self, f"job {job_id}: the job finished but its token stream has expired; use result()")
+        self.job_id = job_id
 
 
-def stream_expired(job_id: str) -> JobFailed:
-    return StreamExpired(job_id, "the job finished but its token stream has expired; use result()")
+def stream_expired(job_id: str) -> StreamExpired:
+    return StreamExpired(job_id)
 
 
 def piece_of(job_id: str, event: dict[str, Any], index: int, read_any: bool) -> str:

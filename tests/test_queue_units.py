@@ -600,6 +600,12 @@ def test_a_job_whose_stream_expired_long_ago_streams_its_result_within_a_short_t
     conn.xadd(result_key(job.id), result_entry(result, Result.Type.SUCCESSFUL, "w"))
     conn.hset(job.rq_job.key, "status", "finished")
     assert list(job.stream(timeout=0.5)) == ["hello world"]
+    # The raw events are gone: said as such, not as a failure (`except JobFailed` took the finished job for failed).
+    from producer import JobFailed, StreamExpired, StreamGap
+
+    with pytest.raises(StreamExpired, match="use result") as expired:
+        list(job.events(timeout=0.5))
+    assert isinstance(expired.value, StreamGap) and not isinstance(expired.value, JobFailed)
 
     async def async_stream() -> list[str]:
         aclient = AsyncClient(redis_url)
