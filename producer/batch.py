@@ -576,6 +576,24 @@ def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
     return stored if isinstance(stored, str) and RUN_ID.fullmatch(stored) else None
 
 
+def _differences(before: dict[str, Any], now: dict[str, Any], where: str = "") -> list[str]:
+    """Where two settings differ, each as 'defaults.max_tokens: 64 in the output, 32 now' (the whole of both, a
+    schema and all, buried the one difference in a kilobyte)."""
+    out = []
+    for key in sorted(set(before) | set(now)):
+        name, old, new = f"{where}{key}", before.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += _differences(old, new, name + ".")
+        elif old != new:
+            out.append(f"{name}: {_shown(old)} in the output, {_shown(new)} now")
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_settings(
     output_path: Path, fingerprint: dict[str, Any], has_rows: bool, write: bool = True, run_id: str | None = None
 ) -> None:
@@ -585,9 +603,10 @@ def _check_settings(
     if isinstance(before, dict):
         before.pop("run_id", None)
     if before is not None and before != fingerprint:
+        differ = "; ".join(_differences(before, fingerprint)) if isinstance(before, dict) else "unreadable"
         raise ValueError(
-            f"{output_path} holds rows made with other settings ({json.dumps(before, sort_keys=True)}; this run: "
-            f"{json.dumps(fingerprint, sort_keys=True)}): write to a new output, or run with the same settings"
+            f"{output_path} holds rows made with other settings ({differ}): write to a new output, or run with the "
+            "same settings"
         )
     if write:
         kept = {**fingerprint, "run_id": run_id} if run_id is not None else fingerprint

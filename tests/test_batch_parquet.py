@@ -87,8 +87,10 @@ def test_parquet_in_parquet_out_keeps_columns_with_a_schema_and_n_samples(served
     assert (again["skipped"], again["succeeded"]) == (12, 0)
     assert pq.ParquetFile(out).metadata.num_row_groups == 1  # the rows carried over, as one row group again
     other = RowOptions("question", None, "qid", {**options.defaults, "max_tokens": 41})
-    with pytest.raises(ValueError, match="holds rows made with other settings"):
+    with pytest.raises(ValueError, match="holds rows made with other settings") as refused:
         run_batch(client, src, out, options=other)
+    # The one difference, not both settings whole (the schema twice: a kilobyte to search)
+    assert "(defaults.max_tokens: 40 in the output, 41 now)" in str(refused.value), refused.value
     assert pq.read_table(out).num_rows == 12
 
 
