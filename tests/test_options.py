@@ -132,6 +132,7 @@ def test_none_unsets_a_setting_its_help_says_may_be_unset(monkeypatch):
         ({"result_ttl": str(10**17)}, "result_ttl"),
         ({"heartbeat_interval": str(10**10)}, "heartbeat_interval"),
         ({"stream_maxlen": str(10**19)}, "stream_maxlen"),  # past XADD's MAXLEN: every event write failed
+        ({"queue": "hi,lo"}, "cannot hold a comma"),  # RQ's list of a worker's queues: two to `rq info`
     ],
 )
 def test_bad_settings_are_refused_by_the_engine_rules_before_anything_loads(settings, phrase):

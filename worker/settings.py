@@ -141,6 +141,13 @@ class QueueSettings(BaseSettings):
                 data[name] = None
         return data
 
+    @field_validator("queue")
+    @classmethod
+    def _one_queue(cls, value: str) -> str:
+        if "," in value:  # (RQ lists a worker's queues joined by commas: `rq info` showed "hi,lo" as two queues)
+            raise ValueError("a queue name cannot hold a comma: a worker serves one queue (and its priority lanes)")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _any_case(cls, value: object) -> object:
