@@ -116,3 +116,20 @@ def test_without_a_sliding_window_nothing_is_freed_early():
     a.num_computed_tokens = 14
     kv.free_outside_window(a)
     assert kv.num_used_blocks == 4
+
+
+def test_blocks_a_step_allocated_but_did_not_compute_serve_no_prefix_hit_until_computed():
+    """A request un-scheduled in the step that allocated it (a preemption's victim later in the step): its blocks
+    registered at allocation hold no K/V; another request with those tokens must not be served them."""
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = seq(list(range(8)), "a")
+    assert kv.allocate_slots(a, 8)  # both full blocks registered as they are allocated
+    a.num_computed_tokens = 4  # (a chunk of 4 computed; the step of the next 4 undone: that block never written)
+    kv.uncache_uncomputed("a", 4)
+    b = seq([*range(8), 9], "b")
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 4 and hit.block_ids == kv.get_block_ids("a")[:1]
+    assert kv.allocate_slots(a, 4)  # scheduled again: registered again, and this time computed
+    a.num_computed_tokens = 8
+    kv.free("a")
+    assert kv.get_computed_blocks(b).num_tokens == 8
