@@ -1,6 +1,7 @@
 """Submit prompts to roseinfer workers through Redis: ``from producer import Client``.
 
-Light on purpose: redis, rq and pydantic only (no torch, no transformers), so it runs inside any service.
+Light on purpose: redis, rq, pydantic, pydantic-settings and tqdm only (no torch, no transformers), so it runs
+inside any service.
 """
 
 from producer.aio import AsyncClient, AsyncGenerationJob

@@ -1,4 +1,4 @@
-"""The producer side: submit jobs, stream their tokens, wait for results. Needs redis, rq and pydantic only."""
+"""The producer side: submit jobs, stream their tokens, wait for results. Needs no torch."""
 
 from __future__ import annotations
 
