@@ -57,9 +57,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="answer chat prompts offline (arguments, or one per stdin line)")
     p.add_argument("prompt", nargs="*")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens an answer makes at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s, greedy)")
     # Not the engine's seed option (left out below): its own name, or the engine would take None as its seed.
-    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed (default: none)")
     add_engine_arguments(p, exclude=("seed",))
     p.set_defaults(func=_generate)

@@ -358,6 +358,11 @@ def test_a_command_with_defaults_of_its_own_shows_them_in_its_help():
     add_arguments(p)
     model = next(a for a in p._actions if a.dest == "model")
     assert model.default == "tiny" and model.help.endswith("(tiny)") and p.parse_args([]).model == "tiny"
+    # generate's own (greedy, 128 tokens, unlike submit's and SamplingParams' temperature 1.0) were not shown at all
+    from worker.cli import build_parser
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert "(default: 128)" in generate and "(default: 0.0, greedy)" in generate
 
 
 def test_the_tiny_model_is_a_model_name_for_every_command(tmp_path, monkeypatch, capsys):
