@@ -168,7 +168,7 @@ class Sampler:
         k = max(nums)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return [
-            _logprob_entry(ids[:n], vals[:n], target, value)
+            _logprob_entry(ids, vals, n, target, value)
             for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist())
         ]
 
@@ -383,7 +383,7 @@ class Sampler:
         token_list = tokens.tolist()
         out: list[dict[int, float] | None] = [None] * len(params)
         for j, (i, n, vals, ids) in enumerate(zip(rows, nums, top_vals.tolist(), top_ids.tolist())):
-            out[i] = _logprob_entry(ids[:n], vals[:n], token_list[i], chosen[j].item())
+            out[i] = _logprob_entry(ids[:n], vals[:n], n, token_list[i], chosen[j].item())  # (past n: not filled)
         return SamplerOutput(token_list, out)
 
     @staticmethod
@@ -404,17 +404,19 @@ class Sampler:
             out: list[dict[int, float] | None] = [None] * len(params)
             for j, i in enumerate(rows):
                 n = params[i].logprobs
-                out[i] = _logprob_entry(ids_l[j][:n], vals_l[j][:n], token_list[i], chosen_l[j])
+                out[i] = _logprob_entry(ids_l[j], vals_l[j], n, token_list[i], chosen_l[j])
             return SamplerOutput(token_list, out)
 
         return [chosen, top_vals, top_ids], finish
 
 
-def _logprob_entry(top_ids: list[int], top_vals: list[float], token: int, value: float) -> dict[int, float]:
-    """{token id: logprob}: the top alternatives, then ``token`` (the sampled or the prompt's) where it is not one."""
+def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int, value: float) -> dict[int, float]:
+    """{token id: logprob}: the top ``n`` alternatives (of the batch's widest top, ``top_ids``), then ``token`` (the
+    sampled or the prompt's) where it is not one."""
+    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n: topk's order among equals
+    # is its own, so which tied token a row kept depended on its neighbours' widest top.
+    ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))[:n]
     # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
-    # Ties in the order of their ids, as the CPU kernel gives them: topk's order among equals is its own.
-    ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))
     entry = {t: v for t, v in ranked if v != float("-inf")}
     entry[token] = max(value, -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
     return entry

@@ -119,11 +119,20 @@ def test_tied_alternatives_come_in_the_order_of_their_ids_on_either_path(path, m
     a structured output shared its batch (or on a GPU)."""
     if path == "pytorch":
         monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
-    logits = torch.full((1, 400), -3.0)
+    logits = torch.full((1, 500), -3.0)
     logits[0, [300, 40, 7]] = 2.0
-    logits[0, 9] = 1.0  # (which of a tie across the cut is kept still differs: either is the top 4)
+    logits[0, 9] = 1.0
     out = Sampler([0], 0, torch.device("cpu"))(logits, [seq(SamplingParams(temperature=0, logprobs=4))])
     assert out.token_ids == [7] and list(out.logprobs[0]) == [7, 40, 300, 9]
+    # A tie across a row's cut keeps its lowest ids, whatever top its neighbours ask for (topk of the widest).
+    # (A tie wider than the widest top: which of it topk keeps is still its own.)
+    logits[0, [461, 462]] = 2.0
+    for others in (0, 1, 8):
+        batch = [seq(SamplingParams(temperature=0, logprobs=2))] + [
+            seq(SamplingParams(temperature=0, logprobs=others)) for _ in range(1 if others else 0)
+        ]
+        out = Sampler([0], 0, torch.device("cpu"))(logits.expand(len(batch), -1).contiguous(), batch)
+        assert list(out.logprobs[0]) == [7, 40], others
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
