@@ -45,9 +45,31 @@ DEFAULT_QUEUE = "roseinfer"
 # retry drops its copy without writing.
 OWNER_FIELD = "roseinfer_owner"
 # The job hash field holding the ``created_at`` of the job whose output its token stream holds (set at its first
-# start): a stream found under another (or none) is an earlier job's of the same id, which a stock RQ enqueue left
-# (``Client.submit`` clears it), so a start deletes it rather than resume the old job's text as the new one's.
+# start, in RQ's form, ``utcformat``): a stream found under another is an earlier job's of the same id, which a
+# stock RQ enqueue left (``Client.submit`` clears it), so a start deletes it rather than resume the old job's text
+# as the new one's. ``stream_is_earlier_jobs`` says when.
 STREAM_OF_FIELD = "roseinfer_stream_of"
+UNCHECKED = "-"  # the mark of a job whose hash had no created_at at its first start (written by hand): never checked
+
+
+def stream_is_earlier_jobs(
+    mark: str | None, created: str | None, created_ms: int | None, first_entry_ms: int | None
+) -> bool:
+    """Whether a job's token stream (its first entry written at ``first_entry_ms``, by Redis's clock; None: empty)
+    is an earlier job's of the same id, by the job's mark (``STREAM_OF_FIELD``) and its ``created_at`` (RQ's form,
+    and in ms). Unmarked (started by a worker before marks, or by the stock RQ path; its start's write lost in a
+    failover): the stream is the job's own unless it began before the job was created. The start script (worker/
+    job_start.py) holds the same rule."""
+    if created is None or mark in (UNCHECKED, created) or first_entry_ms is None:
+        return False
+    return mark is not None or created_ms is None or first_entry_ms < created_ms
+
+
+def mark_of(mark: str | None, created: str | None) -> str:
+    """What a start writes as the job's mark: its ``created_at``, or ``UNCHECKED`` for a hash that has none."""
+    return created if created is not None else (mark or UNCHECKED)
+
+
 # A worker's lease: while it exists, no job this worker runs can have been retried elsewhere (it expires before
 # the jobs' own heartbeats do, and only a lapsed heartbeat lets RQ requeue a job), so the worker's events skip the
 # per-event ownership check. Extended only while it exists; once lapsed, set again only after every job held is

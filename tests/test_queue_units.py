@@ -1546,20 +1546,22 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("way", ["script", "transaction"])
+@pytest.mark.parametrize("way", ["script", "transaction", "stock"])
 def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream(redis_url, way):
     """Stock RQ's enqueue of a new job under the id of one that died mid-run (or was deleted) left that job's
-    stream: the new job took its tokens as the start of its own output. Its first start deletes it; the job's
-    later starts (a retry, a requeue) keep what its own attempts streamed."""
+    stream: the new job took its tokens as the start of its own output. Its first start deletes it (by the start
+    script, the start without Lua, or the stock RQ path's); the job's own streams are resumed from: after a retry
+    or a requeue, one an earlier worker version started (no mark), one of a hash written without created_at or
+    with it in another form (RQ's save rewrites it)."""
     from redis import Redis
     from rq import Queue
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    from producer.protocol import JOB_FUNCTION
+    from producer.protocol import JOB_FUNCTION, STREAM_OF_FIELD
     from worker.batch_worker import BatchWorker
     from worker.intake import pull
-    from worker.job_start import register
+    from worker.job_start import forget_earlier_jobs_stream, register
     from worker.settings import WorkerSettings
 
     class Engine:
@@ -1567,31 +1569,57 @@ def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream
 
     conn = Redis.from_url(redis_url)
     name = f"q-{uuid.uuid4().hex[:8]}"
-    job_id = f"reused-{uuid.uuid4().hex[:8]}"
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
     worker.sender.start_script = None if way == "transaction" else register(conn)
     queue = Queue(name, connection=conn, serializer=JSONSerializer)
+
+    def start(job_id: str) -> tuple[int, list[int]]:
+        """The job pulled and started: where its stream has it resume."""
+        [(job, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
+        if way == "stock":
+            forget_earlier_jobs_stream(conn, job)
+            stream = worker.publisher.resume(conn, [job_id])[job_id]
+        else:
+            stream = worker.mark_started([(job, q)], [job_id])[1][job_id]
+        return stream.next_n, stream.resume_ids
+
+    def streamed(job_id: str, text: str, ids: list[int]) -> None:
+        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, text, ids))})
+
     for kept in (False, True):  # the old job's hash gone (deleted, expired), or still there (failed as abandoned)
-        conn.delete(stream_key(job_id))
+        job_id = f"reused-{uuid.uuid4().hex[:8]}"
         queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "old", "max_tokens": 4})
-        [(old, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
-        worker.mark_started([(old, q)], [job_id])
-        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Old", [7, 8]))})
+        start(job_id)
+        streamed(job_id, "Old", [7, 8])
         if not kept:
-            conn.delete(old.key)
-        time.sleep(0.002)  # (a new created_at)
+            conn.delete(Job.key_for(job_id))
+        time.sleep(0.003)  # (a new created_at, past the stream's first entry)
         queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "new", "max_tokens": 4})
-        [(new, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
-        _, streams = worker.mark_started([(new, q)], [job_id])
-        assert (streams[job_id].next_n, streams[job_id].resume_ids) == (0, [])
-        assert not conn.exists(stream_key(job_id))
-        # Its own attempt's events, then a requeue: resumed from, as a retry is.
-        conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "New", [9]))})
+        assert start(job_id) == (0, []) and not conn.exists(stream_key(job_id))
+        streamed(job_id, "New", [9])  # its own attempt's events, then a requeue: resumed from, as a retry is
         queue.enqueue_job(Job.fetch(job_id, connection=conn, serializer=JSONSerializer))
-        [(again, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
-        _, streams = worker.mark_started([(again, q)], [job_id])
-        assert (streams[job_id].next_n, streams[job_id].resume_ids) == (1, [9])
+        assert start(job_id) == (1, [9])
+    # Its own stream, unmarked: started by a worker before marks (or its start's write lost in a failover).
+    job_id = f"own-{uuid.uuid4().hex[:8]}"
+    queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "mine", "max_tokens": 4})
+    streamed(job_id, "Mine", [5])
+    assert start(job_id) == (1, [5])
+    # A hash written by hand without created_at, or with it in another form than RQ's: RQ's save on a retry writes
+    # its own, which is no other job's.
+    for created in (None, "2026-11-30T10:00:00Z"):
+        job_id = f"by-hand-{uuid.uuid4().hex[:8]}"
+        job = queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "hand", "max_tokens": 4})
+        if created is None:
+            conn.hdel(job.key, "created_at")
+        else:
+            conn.hset(job.key, "created_at", created)
+        assert start(job_id) == (0, [])
+        streamed(job_id, "Hand", [6])
+        queue.enqueue_job(Job.fetch(job_id, connection=conn, serializer=JSONSerializer))  # (RQ's save: its form)
+        assert conn.hget(job.key, "created_at") not in (None, (created or "").encode())
+        assert start(job_id) == (1, [6]), created
+        assert conn.hget(job.key, STREAM_OF_FIELD) is not None
 
 
 @pytest.mark.redis
@@ -1790,9 +1818,10 @@ def test_a_failure_written_again_after_a_lost_reply_is_recorded_once(redis_url):
     assert again.get_status() == "scheduled" and again.retries_left == 1
     latest = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).latest_result()
     assert latest.type == latest.Type.FAILED and "boom" in latest.exc_string
-    # Each record holds the result: RQ's own was written bare with the status, ours a round trip later.
-    records = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).results()
-    assert records and all(r.return_value["error"] == "boom" for r in records)
+    # One record, RQ's own, holding the result: it was written bare with the status and ours a round trip later,
+    # and an end tried again after a lost reply wrote the result again.
+    [record] = Job.fetch(failing.id, connection=conn, serializer=JSONSerializer).results()
+    assert record.type == record.Type.FAILED and record.return_value["error"] == "boom"
     # Whose fault, in the result and the last event: the engine refused the job itself.
     assert result_from_entries(read_result(conn, failing.id))["error_type"] == "invalid_request"
     _, finals = worker.publisher.take()
@@ -3502,6 +3531,23 @@ def test_a_job_canceled_while_it_waits_for_its_retry_keeps_what_its_earlier_atte
     assert "text" not in err.value.result
     last = json.loads(conn.xrevrange(stream_key(again.id), count=1)[0][1][b"event"])
     assert (last["n"], last["finish_reason"], last.get("reset")) == (1, "abort", True)
+    # An earlier job's stream under its id (stock RQ's enqueue reused the id of one that died): none of its output.
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import JOB_FUNCTION
+
+    conn.xadd(stream_key("reused"), {"event": json.dumps(make_event(0, "Old text", [4, 5]))})
+    time.sleep(0.003)
+    Queue(connection=conn, serializer=JSONSerializer, name=client.queue.name).enqueue(
+        JOB_FUNCTION, job_id="reused", kwargs={"prompt": "new", "max_tokens": 4}
+    )
+    assert client.job("reused").cancel()
+    with pytest.raises(JobCanceled) as err:
+        client.job("reused").result(timeout=1)
+    assert "text" not in err.value.result and err.value.result["error"] == "job canceled before it ran"
+    last = json.loads(conn.xrevrange(stream_key("reused"), count=1)[0][1][b"event"])
+    assert (last["n"], last.get("reset"), last["usage"]["completion_tokens"]) == (1, True, 0)
     # A client keeping no results (result_ttl 0) still ends it (it raised AttributeError after RQ's cancel).
     unkept = Client(connection=conn, result_ttl=0).submit("kept?")
     assert unkept.cancel() and 0 < conn.ttl(stream_key(unkept.id)) <= 600

@@ -68,7 +68,9 @@ from producer.protocol import (
     failure_result,
     lane_name,
     lanes,
+    mark_of,
     result_entry,
+    stream_is_earlier_jobs,
     stream_key,
     tokenizer_digest,
     usage_of,
@@ -80,7 +82,7 @@ from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy, Unreadable, quarantine
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
-from worker.job_start import queue_start, start_jobs
+from worker.job_start import created_at, first_entry_ms, queue_start, start_jobs
 from worker.job_start import register as register_start_script
 from worker.jobs import (
     JobRejected,
@@ -785,21 +787,29 @@ class BatchWorker(BaseWorker):
         keeps its status, as the script keeps it (RQ's own HSET of status started overwrote it; the job ran)."""
         pipe.watch(*keys)
         with self.connection.pipeline(transaction=False) as look:
-            for key in keys:
+            for (job, _queue), key in zip(pulled, keys):
                 look.hmget(key, "status", "created_at", STREAM_OF_FIELD)
-            found = look.execute()
+                look.xrange(stream_key(job.id), count=1)
+            found = look.execute(raise_on_error=False)  # (a stream key of another type: read as none)
+        for reply in found[::2]:
+            if isinstance(reply, Exception):
+                raise reply
         pipe.multi()
         executions = []
-        for (job, queue), (status, created, stream_of) in zip(pulled, found):
+        for (job, queue), (status, raw_created, mark), first in zip(pulled, found[::2], found[1::2]):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
                 job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
                 args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
                 pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
-                if created is not None and stream_of != created:  # an earlier job's stream (as the start script)
+                # An earlier job's stream goes, as the start script's rule has it.
+                created, created_ms = created_at(job) if raw_created is not None else (None, None)
+                mark = mark.decode() if mark is not None else None
+                if stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first)):
                     pipe.delete(stream_key(job.id))
-                    pipe.hset(job.key, STREAM_OF_FIELD, created)
+                if mark_of(mark, created) != mark:
+                    pipe.hset(job.key, STREAM_OF_FIELD, mark_of(mark, created))
                 if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
                     pipe.hset(job.key, "status", status)
                 pipe.persist(job.key)
@@ -1120,8 +1130,7 @@ class BatchWorker(BaseWorker):
             if mine is False:
                 self._lost_at_end(job)
                 return
-            recorded = stopped and mine
-            if recorded:  # (its record holds the partial result)
+            if stopped and mine:  # RQ's record of the stop holds the partial result (None: an earlier try wrote it)
                 kept = None if deleted else result
                 self._record_stop(job.job, job.queue, job.execution, str(reason), kept, job.request.notify)
             with self.connection.pipeline() as pipe:
@@ -1131,12 +1140,10 @@ class BatchWorker(BaseWorker):
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
-                if not deleted and not recorded:  # the partial result
+                if not deleted and not stopped:  # the partial result
                     entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
                                          execution=job.execution, ended=now())  # fmt: skip
-                    # RQ's failed job (a stop) keeps its failure_ttl (a year by default): its record too
-                    ttl = _failure_ttl(job.job) if stopped else self.settings.result_ttl
-                    self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
+                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
                 pipe.execute()
             if not stopped:  # (a stop went through RQ's failure path, which freed it)
                 self._free_slot(job.job)
@@ -1180,10 +1187,8 @@ class BatchWorker(BaseWorker):
                 result = failure_result(
                     job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
                 )
-            if mine:
+            if mine:  # (None: an earlier try of this end wrote it, its result with it)
                 self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
-            elif result is not None:  # (recorded by an earlier try of this end)
-                self._write_failure(job.job, result, error, job.request.notify, job.execution)
             self.metrics.job_ended("retried" if retrying else "failed", None)
 
         self._end_later([job], end)
@@ -1262,16 +1267,6 @@ class BatchWorker(BaseWorker):
             fingerprint=self.fingerprint,
         )  # fmt: skip
 
-    def _write_failure(
-        self, job: Job, result: dict[str, Any], error: Exception, notify: str | None, execution: Execution | None
-    ) -> None:
-        """A failed job's result, where RQ's record of the failure was made before (by an earlier try of its end):
-        the latest entry of its result stream is then this one. Kept as long as RQ keeps the failed job (its
-        ``failure_ttl``, RQ's default a year): RQ itself sets no TTL on its failure record when the job names none."""
-        entry = result_entry(result, Result.Type.FAILED, self.name, error=_one_line(error), execution=execution,
-                             ended=now())  # fmt: skip
-        self.publisher.write_result(self.connection, job.id, entry, _failure_ttl(job), notify)
-
     @contextlib.contextmanager
     def _results_in_failure(
         self, job: Job, execution: Execution, result: dict[str, Any] | None, notify: str | None, kind: Result.Type,
@@ -1286,7 +1281,9 @@ class BatchWorker(BaseWorker):
 
         def handle_failure(exc_string: str, pipeline: Any, worker_name: str = "", **_times: Any) -> None:
             job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=exc_string, pipeline=pipeline)  # RQ's
-            entry = result_entry(result, kind, worker_name, error=error, execution=execution, ended=now())
+            # A failure callback that raised is what RQ records instead (its registry entry says so too).
+            words = error if error.strip() in exc_string else exc_string
+            entry = result_entry(result, kind, worker_name, error=words, execution=execution, ended=now())
             self.publisher.write_result(pipeline, job.id, entry, _failure_ttl(job), notify)
 
         job._handle_failure = handle_failure  # type: ignore[method-assign]  # (RQ calls it only for a job it fails)

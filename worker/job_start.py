@@ -19,25 +19,25 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
-from producer.protocol import result_key, stream_key
+from producer.protocol import STREAM_OF_FIELD, mark_of, result_key, stream_is_earlier_jobs, stream_key
 from worker.intake import load_script
 
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
-# names a job's owner; then per job its hash, id, execution id, execution hash, execution registry, started
-# registry, intermediate list, token stream and result stream. A job canceled since it was pulled keeps that
-# status; one deleted meanwhile stays deleted (its hash not written back: the worker reads it as a cancel). RQ's
-# mark of when its clean-up first saw the job in the intermediate list goes: left (a day), a later pull of the job
-# would find it minutes old, and the clean-up would queue the job again as it starts. A token or result
-# stream key holding another type (written by hand) is deleted: every write to it would fail, and with it a whole
-# batch's events or ends. So is a token stream of an earlier job of the same id (``STREAM_OF_FIELD``); a hash
-# without ``created_at`` (written by hand) is not checked. Returns the ids of the jobs whose keys were deleted, and
-# of those whose earlier job's stream was.
+# names a job's owner, the field that marks whose output its stream holds; then per job its hash, id, execution id,
+# execution hash, execution registry, started registry, intermediate list, token stream, result stream, and its
+# created_at in RQ's form and in ms ('': none). A job canceled since it was pulled keeps that status; one deleted
+# meanwhile stays deleted (its hash not written back: the worker reads it as a cancel). RQ's mark of when its
+# clean-up first saw the job in the intermediate list goes: left (a day), a later pull of the job would find it
+# minutes old, and the clean-up would queue the job again as it starts. A token or result stream key holding
+# another type (written by hand) is deleted: every write to it would fail, and with it a whole batch's events or
+# ends. So is a token stream of an earlier job of the same id (``producer.protocol.stream_is_earlier_jobs``, whose
+# rule this holds). Returns the ids of the jobs whose keys were deleted, and of those whose earlier job's stream was.
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner, stream_of = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local started, members, repaired, stale = {}, {}, {}, {}
-for a = 10, #ARGV, 9 do
+for a = 10, #ARGV, 11 do
   local job, id, exec_id, exec_key = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local registry, wip, intermediate = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   for k = a + 7, a + 8 do
@@ -56,9 +56,15 @@ for a = 10, #ARGV, 9 do
   -- delete (RQ's job.delete()): a hash written here would be a stub RQ cannot read, and the job would run on.
   local status = redis.call('HGET', job, 'status')
   if status then
-    local created = redis.call('HGET', job, 'created_at')
-    if created and redis.call('HGET', job, stream_of) ~= created then
-      if redis.call('DEL', ARGV[a + 7]) == 1 then stale[#stale + 1] = id end
+    local created, created_ms, mark = ARGV[a + 9], ARGV[a + 10], redis.call('HGET', job, stream_of)
+    if not redis.call('HGET', job, 'created_at') then  -- (RQ reads the time it read it at: nothing to go by)
+      if not mark then redis.call('HSET', job, stream_of, '-') end
+    elseif mark ~= created and mark ~= '-' then
+      local first = redis.call('XRANGE', ARGV[a + 7], '-', '+', 'COUNT', 1)[1]
+      if first and (mark or tonumber(string.match(first[1], '^(%d+)')) < tonumber(created_ms)) then
+        redis.call('DEL', ARGV[a + 7])
+        stale[#stale + 1] = id
+      end
       redis.call('HSET', job, stream_of, created)
     end
     if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
@@ -117,14 +123,48 @@ def start_jobs(
         wip = started_keys.get(queue.name)
         if wip is None:
             wip = started_keys[queue.name] = queue.started_job_registry.key
+        created, created_ms = created_at(job)
         args += [
             job.key, job.id, execution.id, execution.key, ExecutionRegistry.key_template.format(job.id), wip,
-            queue.intermediate_queue_key, stream_key(job.id), result_key(job.id),
+            queue.intermediate_queue_key, stream_key(job.id), result_key(job.id), created, created_ms,
         ]  # fmt: skip
         job.worker_name = worker_name
         job.last_heartbeat = job.started_at = right_now
         job._status = JobStatus.STARTED
     return executions, args
+
+
+def created_at(job: Job) -> tuple[str, int]:
+    """The job's ``created_at`` in RQ's form (what RQ writes back whenever it saves the job) and in ms. (Of a hash
+    that has none, RQ's reading gives the time it read it: the start script looks at the hash itself.)"""
+    return utcformat(job.created_at), int(job.created_at.timestamp() * 1000)
+
+
+def first_entry_ms(reply: Any) -> int | None:
+    """When a stream's first entry was written (ms, Redis's clock), from ``XRANGE key - + COUNT 1``'s reply; None
+    for an empty stream (or a read that failed: a key of another type)."""
+    if not reply or isinstance(reply, Exception):
+        return None
+    entry_id = reply[0][0]
+    return int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+
+
+def forget_earlier_jobs_stream(conn: Redis, job: Job) -> bool:
+    """The start script's check of one job (the stock RQ path's start): an earlier job's stream under its id
+    deleted, the job marked. Whether a stream was deleted."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(job.key, "created_at", STREAM_OF_FIELD)
+        pipe.xrange(stream_key(job.id), count=1)
+        (raw_created, raw_mark), first = pipe.execute(raise_on_error=False)
+    created, created_ms = created_at(job) if raw_created is not None else (None, None)
+    mark = raw_mark.decode() if raw_mark is not None else None
+    earlier = stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first))
+    with conn.pipeline(transaction=False) as pipe:
+        if earlier:
+            pipe.delete(stream_key(job.id))
+        pipe.hset(job.key, STREAM_OF_FIELD, mark_of(mark, created))
+        pipe.execute()
+    return earlier
 
 
 def queue_start(script: Any, pipe: Any, args: list[Any]) -> None:

@@ -228,6 +228,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     pump drives the engine; events are sent after each step)."""
     from rq import get_current_job
 
+    from worker.job_start import forget_earlier_jobs_stream
     from worker.publisher import Publisher
     from worker.pump import Pump
     from worker.settings import WorkerSettings
@@ -241,6 +242,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     )
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
+    forget_earlier_jobs_stream(job.connection, job)  # (not resumed: another job's output)
     stream = publisher.resume(job.connection, [job.id])[job.id]
     try:
         req = JobRequest.model_validate(payload)
