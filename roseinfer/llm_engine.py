@@ -52,7 +52,10 @@ class ContextLengthExceeded(ValueError):
 class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
+    # Each request's prompt once (not a sample's of n each), prefix-cache hits included, as vLLM's prompt_tokens;
+    # of those, the ones its admission found in the prefix cache.
     num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_cached: int = 0
     num_prefill_tokens: int = 0  # prompt tokens computed (not found in the prefix cache), recomputes included
 
 
@@ -631,8 +634,10 @@ class LLMEngine:
         new_tokens = self.scheduler.update_from_output(sched, sampled, now)
         self.stats.num_steps += 1
         for seq, token in new_tokens:
-            if seq.num_output_tokens == seq.num_resumed_tokens + 1:  # its first token: the prompt is computed
+            # Its first token: the prompt is in (counted once: the other samples of n share the first's).
+            if seq.num_output_tokens == seq.num_resumed_tokens + 1 and seq.index == 0:
                 self.stats.num_prompt_tokens_computed += seq.num_prompt_tokens
+                self.stats.num_prompt_tokens_cached += min(seq.num_cached_tokens, seq.num_prompt_tokens)
             self.stats.num_generated_tokens += 1
             by_token = self._end_check(seq, token, now)
             self._pending.append((seq, token, by_token, seq.is_finished))

@@ -38,12 +38,19 @@ def test_n_samples_share_the_prompt_computed_once(llm):
     engine.kv.reset_prefix_cache()
     n, params = 4, SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, n=4)
     num_prompt = len(engine.tokenize(PROMPT)[1])
-    before = engine.stats.num_prefill_tokens
+    stats = engine.stats
+    before, prompts, cached = stats.num_prefill_tokens, stats.num_prompt_tokens_computed, stats.num_prompt_tokens_cached
     deltas, final, refcounts = run_to_end(engine, "story", PROMPT, params)
     computed = engine.stats.num_prefill_tokens - before
     # The first sample computes the prompt; the others only what follows its last full block.
     tail = num_prompt - (num_prompt - 1) // 8 * 8
     assert computed == num_prompt + (n - 1) * tail
+    # The request's prompt counted once (roseinfer_prompt_tokens_total: it was once a sample, n times), none cached;
+    # again, its full blocks come from the cache (roseinfer_prompt_tokens_cached_total).
+    assert (stats.num_prompt_tokens_computed - prompts, stats.num_prompt_tokens_cached - cached) == (num_prompt, 0)
+    run_to_end(engine, "again", PROMPT, params)
+    assert stats.num_prompt_tokens_computed - prompts == 2 * num_prompt
+    assert stats.num_prompt_tokens_cached - cached == num_prompt - tail
     assert max(refcounts) == n  # the prompt's first block is held by all four samples at once
     assert [c.index for c in final.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in final.outputs)

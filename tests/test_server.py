@@ -819,6 +819,7 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
     assert 0 <= time.time() - got[("roseinfer_last_heartbeat_timestamp_seconds", ())] < 60
     assert 0 <= got[("roseinfer_kv_cache_usage_ratio", ())] <= 1
     assert ("roseinfer_preemptions_total", ()) in got and got[("roseinfer_prompt_tokens_total", ())] > 0
+    assert 0 <= got[("roseinfer_prompt_tokens_cached_total", ())] <= got[("roseinfer_prompt_tokens_total", ())]
 
 
 def test_serve_embedded_is_one_command(tiny_chat_model):

@@ -54,6 +54,7 @@ class EngineFacts:
     """What the parent reads of the engine (metrics, status): a snapshot sent with every step."""
 
     prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
     kv_free_blocks: int = 0
     kv_blocks: int = 1
     preemptions: int = 0
@@ -65,6 +66,7 @@ def _facts(engine: Any) -> EngineFacts:
     scheduler = getattr(engine, "scheduler", None)
     return EngineFacts(
         getattr(stats, "num_prompt_tokens_computed", 0),
+        getattr(stats, "num_prompt_tokens_cached", 0),
         getattr(kv, "num_free_blocks", 0),
         getattr(kv, "num_blocks", 1),
         getattr(scheduler, "num_preemptions", 0),
@@ -441,7 +443,10 @@ class EngineProcess:
 
     @property
     def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_prompt_tokens_computed=self.facts.prompt_tokens_computed)
+        return SimpleNamespace(
+            num_prompt_tokens_computed=self.facts.prompt_tokens_computed,
+            num_prompt_tokens_cached=self.facts.prompt_tokens_cached,
+        )
 
     @property
     def kv(self) -> SimpleNamespace:

@@ -96,8 +96,13 @@ class _WorkerState(Collector):
             )
         yield CounterMetricFamily("roseinfer_generated_tokens", "tokens generated here", value=w.tokens)
         yield CounterMetricFamily(
-            "roseinfer_prompt_tokens", "prompt tokens computed here", value=engine.stats.num_prompt_tokens_computed
-        )
+            "roseinfer_prompt_tokens", "prompt tokens of the requests run here (each prompt once, cache hits included)",
+            value=engine.stats.num_prompt_tokens_computed,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "roseinfer_prompt_tokens_cached", "of those, the ones the prefix cache held (not computed)",
+            value=getattr(engine.stats, "num_prompt_tokens_cached", 0),
+        )  # fmt: skip
         kv = engine.kv
         yield GaugeMetricFamily(
             "roseinfer_kv_cache_usage_ratio", "share of KV cache blocks in use",
