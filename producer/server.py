@@ -157,13 +157,26 @@ class AuthAndCount:
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
 
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start" and path != "/metrics":
-                self.metrics.requests.labels(label, str(message["status"])).inc()
+        answered = False
+
+        def count(status: int) -> None:
+            if path != "/metrics":
+                self.metrics.requests.labels(label, str(status)).inc()
                 self.metrics.latency.labels(label).observe(time.perf_counter() - started)
+
+        async def counted(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.start":
+                answered = True
+                count(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not answered:  # the server's fault: its 500 is sent by Starlette's outermost layer, outside this one
+                count(500)
+            raise
 
 
 def create_app(

@@ -419,16 +419,22 @@ def test_a_fault_of_the_servers_own_is_a_500_in_openais_shape():
         async def workers(self):
             raise KeyError("nobody")
 
+    app = create_app(Broken([]))
+
     async def main():
         # (Starlette raises the fault again once its answer is sent, so that the server logs it: not to the client)
-        transport = httpx.ASGITransport(app=create_app(Broken([])), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            return await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            reply = await http.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            return reply, (await http.get("/metrics")).text
 
-    reply = asyncio.run(main())
+    reply, metrics = asyncio.run(main())
     assert reply.status_code == 500
     assert reply.json()["error"] == {"message": "internal error: KeyError", "type": "server_error", "param": None,
                                      "code": None}  # fmt: skip
+    # Counted, as every answer is (Starlette's outermost layer sent it, past the counting one: an alert on the
+    # error rate never saw the server's own faults)
+    assert 'roseinfer_server_requests_total{endpoint="/v1/completions",status="500"} 1.0' in metrics
 
 
 def test_browser_origins_are_allowed_only_where_named():
