@@ -293,6 +293,9 @@ def test_a_job_refused_for_what_it_holds_is_logged_in_one_line_without_a_traceba
     """A bad job is its producer's mistake: one warning naming the job and why. RQ's log of a failed job carried a
     traceback of the worker's own code, for every prompt too long and every payload that does not parse."""
     w, client, conn = served
+    registry = w.worker.metrics.registry
+    rejected = registry.get_sample_value("roseinfer_jobs_total", {"status": "rejected"}) or 0
+    failed_before = registry.get_sample_value("roseinfer_jobs_total", {"status": "failed"}) or 0
     too_long = client.submit("word " * 400, max_tokens=4)  # refused by the engine (256 positions)
     unknown = f"unknown-field-{uuid.uuid4().hex[:6]}"
     _raw_job(conn, w.queue, unknown, {"prompt": "hi", "max_tokens": 3, "bogus": 1})  # refused as it is taken
@@ -305,6 +308,12 @@ def test_a_job_refused_for_what_it_holds_is_logged_in_one_line_without_a_traceba
         assert len(said) == 1, [r.getMessage() for r in said]
         assert said[0].levelno == logging.WARNING and not said[0].exc_info
         assert "Traceback" not in said[0].getMessage() and why in said[0].getMessage()
+    # Both refused for what they ask, under one label (the engine's refusal was counted "failed")
+    deadline = time.monotonic() + 10  # (counted once its end is written, after the result a reader saw)
+    while registry.get_sample_value("roseinfer_jobs_total", {"status": "rejected"}) != rejected + 2:
+        assert time.monotonic() < deadline, registry.get_sample_value("roseinfer_jobs_total", {"status": "failed"})
+        time.sleep(0.02)
+    assert (registry.get_sample_value("roseinfer_jobs_total", {"status": "failed"}) or 0) == failed_before
 
 
 def test_keys_a_job_writes_that_hold_another_type_fail_nothing_beside_them(served, caplog):

@@ -1189,7 +1189,10 @@ class BatchWorker(BaseWorker):
                 )
             if mine:  # (None: an earlier try of this end wrote it, its result with it)
                 self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
-            self.metrics.job_ended("retried" if retrying else "failed", None)
+            # Refused by the engine before it made anything (a prompt past the context): the job's own, as a payload
+            # refused at the pull is (the same error type had two labels).
+            refused = error_type == "invalid_request" and event.output is None
+            self.metrics.job_ended("retried" if retrying else "rejected" if refused else "failed", None)
 
         self._end_later([job], end)
 
