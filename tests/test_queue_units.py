@@ -3580,3 +3580,30 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
                 Client(connection=conn, **{name: bad})
         for good in goods:
             Client(connection=conn, **{name: good}).submit("hi")
+
+
+@pytest.mark.redis
+def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves(redis_url):
+    """`rq info` (and RQ's Worker.all(queue=...)) listed the worker under the lanes it started with only, though it
+    served the ones a producer made later too."""
+    from redis import Redis
+    from rq import Queue, Worker
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn = Redis.from_url(redis_url)
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
+    worker.register_birth()
+    Client(redis_url, queue=name).submit("hi", priority=3)  # a lane of its own, made now
+    worker._refresh_lanes()
+    lane = Queue(f"{name}:p3", connection=conn, serializer=JSONSerializer)
+    assert f"{name}:p3" in conn.hget(worker.key, "queues").decode().split(",")
+    assert [w.name for w in Worker.all(queue=lane, serializer=JSONSerializer)] == [worker.name]
+    worker.register_death()
