@@ -1553,24 +1553,15 @@ def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream
     script, the start without Lua, or the stock RQ path's); the job's own streams are resumed from: after a retry
     or a requeue, one an earlier worker version started (no mark), one of a hash written without created_at or
     with it in another form (RQ's save rewrites it)."""
-    from redis import Redis
     from rq import Queue
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
     from producer.protocol import JOB_FUNCTION, STREAM_OF_FIELD
-    from worker.batch_worker import BatchWorker
     from worker.intake import pull
     from worker.job_start import forget_earlier_jobs_stream, register
-    from worker.settings import WorkerSettings
 
-    class Engine:
-        tokenizer = None
-
-    conn = Redis.from_url(redis_url)
-    name = f"q-{uuid.uuid4().hex[:8]}"
-    worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
-    worker.register_birth()
+    conn, name, worker = _worker_without_engine(redis_url)
     worker.sender.start_script = None if way == "transaction" else register(conn)
     queue = Queue(name, connection=conn, serializer=JSONSerializer)
 
@@ -3586,11 +3577,25 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
 def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves(redis_url):
     """`rq info` (and RQ's Worker.all(queue=...)) listed the worker under the lanes it started with only, though it
     served the ones a producer made later too."""
-    from redis import Redis
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
     from producer import Client
+
+    conn, name, worker = _worker_without_engine(redis_url)
+    Client(redis_url, queue=name).submit("hi", priority=3)  # a lane of its own, made now
+    worker._refresh_lanes()
+    lane = Queue(f"{name}:p3", connection=conn, serializer=JSONSerializer)
+    assert f"{name}:p3" in conn.hget(worker.key, "queues").decode().split(",")
+    assert [w.name for w in Worker.all(queue=lane, serializer=JSONSerializer)] == [worker.name]
+    worker.register_death()
+
+
+def _worker_without_engine(redis_url: str):
+    """A batching worker, registered, on a queue of its own, with no engine (its Redis writes alone are tested):
+    its connection, its queue's name, itself."""
+    from redis import Redis
+
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
@@ -3601,9 +3606,4 @@ def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves
     name = f"q-{uuid.uuid4().hex[:8]}"
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
-    Client(redis_url, queue=name).submit("hi", priority=3)  # a lane of its own, made now
-    worker._refresh_lanes()
-    lane = Queue(f"{name}:p3", connection=conn, serializer=JSONSerializer)
-    assert f"{name}:p3" in conn.hget(worker.key, "queues").decode().split(",")
-    assert [w.name for w in Worker.all(queue=lane, serializer=JSONSerializer)] == [worker.name]
-    worker.register_death()
+    return conn, name, worker
