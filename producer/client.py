@@ -860,7 +860,7 @@ class GenerationJob:
     def _streams_earlier_jobs(self, job: Job, first_entry: bytes | str) -> bool:
         """Whether the job's stream (whose first entry's id is ``first_entry``) is an earlier job's of its id."""
         raw_created, raw_mark = self.client.connection.hmget(job.key, "created_at", STREAM_OF_FIELD)
-        if raw_created is None:
+        if not raw_created:  # ('' is none, to RQ too)
             return False
         created = job.created_at
         first = (first_entry.decode() if isinstance(first_entry, bytes) else first_entry).split("-")[0]

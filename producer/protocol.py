@@ -66,7 +66,10 @@ def stream_is_earlier_jobs(
 
 
 def mark_of(mark: str | None, created: str | None) -> str:
-    """What a start writes as the job's mark: its ``created_at``, or ``UNCHECKED`` for a hash that has none."""
+    """What a start writes as the job's mark: its ``created_at``, or ``UNCHECKED`` for a hash that has none (and
+    for good: a later save of RQ's writes one, the time of that save)."""
+    if mark == UNCHECKED:
+        return mark
     return created if created is not None else (mark or UNCHECKED)
 
 

@@ -1598,11 +1598,11 @@ def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream
     assert start(job_id) == (1, [5])
     # A hash written by hand without created_at, or with it in another form than RQ's: RQ's save on a retry writes
     # its own, which is no other job's.
-    for created in (None, "2026-11-30T10:00:00Z"):
+    for created in (None, "", "2026-11-30T10:00:00Z"):
         job_id = f"by-hand-{uuid.uuid4().hex[:8]}"
         job = queue.enqueue(JOB_FUNCTION, job_id=job_id, kwargs={"prompt": "hand", "max_tokens": 4})
         if created is None:
-            conn.hdel(job.key, "created_at")
+            conn.hdel(job.key, "created_at")  # ('' is none to RQ too: it reads the time it read the job at)
         else:
             conn.hset(job.key, "created_at", created)
         assert start(job_id) == (0, [])
@@ -2598,6 +2598,18 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
     assert FailedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]
     assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and not conn.exists(held.execution.key)
     assert conn.ttl(held.job.key) > 0
+    [record] = held.job.results()  # RQ's record of the stop, holding what the job made
+    assert record.type == record.Type.STOPPED and record.return_value["status"] == "canceled"
+    # Our execution's hash gone too (it lapsed while this worker stalled): taken for an earlier try of the end, whose
+    # record it then wrote; none was there, so the job kept no result at all.
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    conn.delete(held.execution.key)
+    conn.hset(held.job.key, "status", "stopped")
+    worker._canceled(held, [JobEvent(held.job.id, finish_reason="abort")], stopped=True)
+    for end in worker._tasks:
+        end()
+    [record] = held.job.results()
+    assert record.type == record.Type.STOPPED and record.return_value["status"] == "canceled"
 
 
 @pytest.mark.redis

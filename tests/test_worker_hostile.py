@@ -996,3 +996,15 @@ def test_the_status_of_a_queue_runs_no_callback_of_a_dead_workers_job():
     status = Client(connection=conn, queue=queue).status()
     assert conn.get("hook-probe:hooked") is None and conn.hget("rq:job:hooked", "status") == b"started"
     assert (status["in_flight"], status["failed"], status["finished"]) == (1, 1, 0)  # the entries not expired
+
+
+def test_a_failure_callback_that_raises_is_the_error_the_jobs_record_holds(served):
+    """As RQ records it (its failed registry too): the callback's error replaces the job's. The record written with
+    the status kept the job's own error."""
+    w, client, conn = served
+    job_id = f"cb-fail-boom-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, job_id, {"prompt": "word " * 400, "max_tokens": 4}, failure_callback_name="hook_probe.boom")
+    with pytest.raises(JobFailed):
+        client.job(job_id).result(timeout=30)
+    record = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).latest_result()
+    assert "boom from the success callback" in record.exc_string and record.return_value["status"] == "failed"

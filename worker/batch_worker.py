@@ -70,6 +70,7 @@ from producer.protocol import (
     lanes,
     mark_of,
     result_entry,
+    result_key,
     stream_is_earlier_jobs,
     stream_key,
     tokenizer_digest,
@@ -811,7 +812,7 @@ class BatchWorker(BaseWorker):
                 args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
                 pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
                 # An earlier job's stream goes, as the start script's rule has it.
-                created, created_ms = created_at(job) if raw_created is not None else (None, None)
+                created, created_ms = created_at(job) if raw_created else (None, None)  # ('' is none, to RQ too)
                 mark = mark.decode() if mark is not None else None
                 if stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first)):
                     pipe.delete(stream_key(job.id))
@@ -1137,9 +1138,12 @@ class BatchWorker(BaseWorker):
             if mine is False:
                 self._lost_at_end(job)
                 return
-            if stopped and mine:  # RQ's record of the stop holds the partial result (None: an earlier try wrote it)
+            if stopped and mine:  # RQ's record of the stop holds the partial result
                 kept = None if deleted else result
                 self._record_stop(job.job, job.queue, job.execution, str(reason), kept, job.request.notify)
+            # A stop whose status was written without this end's record (by hand, while this worker stalled and its
+            # execution lapsed): the record written here, or the job would keep no result at all.
+            unrecorded = stopped and mine is None and not deleted and not self._recorded(job)
             with self.connection.pipeline() as pipe:
                 if not stopped:
                     self.cleanup_execution(job.job, pipe, job.execution)
@@ -1147,10 +1151,11 @@ class BatchWorker(BaseWorker):
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
-                if not deleted and not stopped:  # the partial result
+                if (not deleted and not stopped) or unrecorded:  # the partial result
                     entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
                                          execution=job.execution, ended=now())  # fmt: skip
-                    self.publisher.write_result(pipe, job.job.id, entry, self.settings.result_ttl, job.request.notify)
+                    ttl = _failure_ttl(job.job) if stopped else self.settings.result_ttl  # (a stop is RQ's failure)
+                    self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
                 pipe.execute()
             if not stopped:  # (a stop went through RQ's failure path, which freed it)
                 self._free_slot(job.job)
@@ -1194,8 +1199,10 @@ class BatchWorker(BaseWorker):
                 result = failure_result(
                     job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
                 )
-            if mine:  # (None: an earlier try of this end wrote it, its result with it)
+            if mine:
                 self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
+            elif result is not None and not self._recorded(job):  # (None: its status there already, as this end
+                self._write_failure(job.job, result, error, job.request.notify, job.execution)  # writes it)
             # Refused by the engine before it made anything (a prompt past the context): the job's own, as a payload
             # refused at the pull is (the same error type had two labels).
             refused = error_type == "invalid_request" and event.output is None
@@ -1277,6 +1284,20 @@ class BatchWorker(BaseWorker):
             fingerprint=self.fingerprint,
         )  # fmt: skip
 
+    def _write_failure(
+        self, job: Job, result: dict[str, Any], error: Exception, notify: str | None, execution: Execution | None
+    ) -> None:
+        """A failed job's result alone, where its status was written without it (an earlier try of this end
+        landed it with the status, else the status was someone else's: RQ's clean-up of a stalled job's)."""
+        entry = result_entry(result, Result.Type.FAILED, self.name, error=_one_line(error), execution=execution,
+                             ended=now())  # fmt: skip
+        self.publisher.write_result(self.connection, job.id, entry, _failure_ttl(job), notify)
+
+    def _recorded(self, job: InFlight) -> bool:
+        """Whether the job's latest result is this attempt's (an earlier try of its end wrote it with the status)."""
+        latest = self.connection.xrevrange(result_key(job.job.id), count=1)
+        return bool(latest) and latest[0][1].get(b"execution_id") == job.execution.id.encode()
+
     @contextlib.contextmanager
     def _results_in_failure(
         self, job: Job, execution: Execution, result: dict[str, Any] | None, notify: str | None, kind: Result.Type,
@@ -1292,7 +1313,7 @@ class BatchWorker(BaseWorker):
         def handle_failure(exc_string: str, pipeline: Any, worker_name: str = "", **_times: Any) -> None:
             job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=exc_string, pipeline=pipeline)  # RQ's
             # A failure callback that raised is what RQ records instead (its registry entry says so too).
-            words = error if error.strip() in exc_string else exc_string
+            words = error if exc_string.rstrip().endswith(error.strip()) else exc_string
             entry = result_entry(result, kind, worker_name, error=words, execution=execution, ended=now())
             self.publisher.write_result(pipeline, job.id, entry, _failure_ttl(job), notify)
 

@@ -57,7 +57,8 @@ for a = 10, #ARGV, 11 do
   local status = redis.call('HGET', job, 'status')
   if status then
     local created, created_ms, mark = ARGV[a + 9], ARGV[a + 10], redis.call('HGET', job, stream_of)
-    if not redis.call('HGET', job, 'created_at') then  -- (RQ reads the time it read it at: nothing to go by)
+    local raw = redis.call('HGET', job, 'created_at')
+    if not raw or raw == '' then  -- (RQ reads the time it read it at: nothing to go by)
       if not mark then redis.call('HSET', job, stream_of, '-') end
     elseif mark ~= created and mark ~= '-' then
       local first = redis.call('XRANGE', ARGV[a + 7], '-', '+', 'COUNT', 1)[1]
@@ -156,7 +157,7 @@ def forget_earlier_jobs_stream(conn: Redis, job: Job) -> bool:
         pipe.hmget(job.key, "created_at", STREAM_OF_FIELD)
         pipe.xrange(stream_key(job.id), count=1)
         (raw_created, raw_mark), first = pipe.execute(raise_on_error=False)
-    created, created_ms = created_at(job) if raw_created is not None else (None, None)
+    created, created_ms = created_at(job) if raw_created else (None, None)  # ('' is none, to RQ too)
     mark = raw_mark.decode() if raw_mark is not None else None
     earlier = stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first))
     with conn.pipeline(transaction=False) as pipe:
