@@ -2606,10 +2606,21 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
     conn.delete(held.execution.key)
     conn.hset(held.job.key, "status", "stopped")
     worker._canceled(held, [JobEvent(held.job.id, finish_reason="abort")], stopped=True)
-    for end in worker._tasks:
+    for end in worker._tasks * 2:  # (the second time as the sender's try again after a lost reply)
         end()
     [record] = held.job.results()
     assert record.type == record.Type.STOPPED and record.return_value["status"] == "canceled"
+    assert FailedJobRegistry(name, connection=conn).get_job_ids() == [held.job.id]  # ended as RQ ends a stop
+    assert StartedJobRegistry(name, connection=conn).get_job_ids() == [] and conn.ttl(held.job.key) > 0
+    assert conn.hget(held.job.key, "status") == b"stopped"
+    # A cancel's end tried again after a lost reply: one record, one completion-list entry.
+    conn, worker, name, [held] = _running_jobs(redis_url, notify="done-list")
+    conn.hset(held.job.key, "status", "canceled")
+    worker._canceled(held, [JobEvent(held.job.id, finish_reason="abort")])
+    for end in worker._tasks * 2:
+        end()
+    assert len(held.job.results()) == 1 and conn.llen("roseinfer:done:done-list") == 1
+    conn.delete("roseinfer:done:done-list")
 
 
 @pytest.mark.redis

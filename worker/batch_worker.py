@@ -1141,23 +1141,30 @@ class BatchWorker(BaseWorker):
             if stopped and mine:  # RQ's record of the stop holds the partial result
                 kept = None if deleted else result
                 self._record_stop(job.job, job.queue, job.execution, str(reason), kept, job.request.notify)
-            # A stop whose status was written without this end's record (by hand, while this worker stalled and its
-            # execution lapsed): the record written here, or the job would keep no result at all.
-            unrecorded = stopped and mine is None and not deleted and not self._recorded(job)
+            # A stop whose status was written without RQ's end of it (by hand, while this worker stalled and its
+            # execution lapsed): ended here as RQ would (its record, its failed registry entry, its hash's expiry), or
+            # the job kept no result and its hash, prompt and all, for good. A cancel's end tried again after a lost
+            # reply: written once.
+            unrecorded = mine is None if stopped else True
+            unrecorded = unrecorded and not deleted and not self._recorded(job)
             with self.connection.pipeline() as pipe:
-                if not stopped:
+                if not stopped or unrecorded:
                     self.cleanup_execution(job.job, pipe, job.execution)
                 if not stopped and not deleted:
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
                     pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
-                if (not deleted and not stopped) or unrecorded:  # the partial result
+                if stopped and unrecorded:  # (the registry's add saves the job: its status as it stands)
+                    job.job._status, job.job.ended_at = JobStatus.STOPPED, now()
+                    job.queue.failed_job_registry.add(job.job, _failure_ttl(job.job), str(reason), pipeline=pipe)
+                    pipe.expire(job.job.key, _failure_ttl(job.job))
+                if unrecorded:  # the partial result
                     entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
                                          execution=job.execution, ended=now())  # fmt: skip
                     ttl = _failure_ttl(job.job) if stopped else self.settings.result_ttl  # (a stop is RQ's failure)
                     self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
                 pipe.execute()
-            if not stopped:  # (a stop went through RQ's failure path, which freed it)
+            if not stopped or unrecorded:  # (a stop through RQ's failure path was freed there)
                 self._free_slot(job.job)
             log.info("job %s: %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
@@ -1295,7 +1302,12 @@ class BatchWorker(BaseWorker):
 
     def _recorded(self, job: InFlight) -> bool:
         """Whether the job's latest result is this attempt's (an earlier try of its end wrote it with the status)."""
-        latest = self.connection.xrevrange(result_key(job.job.id), count=1)
+        try:
+            latest = self.connection.xrevrange(result_key(job.job.id), count=1)
+        except redis.ResponseError as exc:
+            if wrong_type(exc):  # (written by hand since the start deleted it: nothing can be written there)
+                return True
+            raise
         return bool(latest) and latest[0][1].get(b"execution_id") == job.execution.id.encode()
 
     @contextlib.contextmanager
