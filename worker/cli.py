@@ -305,7 +305,8 @@ def _refused_login(exc: Exception) -> str | None:
     from redis.exceptions import AuthenticationError
 
     text = str(exc)
-    if "NOAUTH" in text or "HELLO must be called" in text:  # (no login sent: "refused" misled)
+    # No login sent ("refused" misled): Redis's NOAUTH, which older redis-py says as "Authentication required."
+    if any(mark in text for mark in ("NOAUTH", "HELLO must be called", "Authentication required")):
         return "this Redis asks for a password and the URL gives none: redis://:PASSWORD@host:port/0 (or USER:PASSWORD)"
     if isinstance(exc, AuthenticationError) or any(mark in text for mark in ("WRONGPASS", "invalid username-password")):
         return f"Redis refused the login ({text}): the URL's user or password"
