@@ -32,7 +32,6 @@ from producer.protocol import (
     OWNER_FIELD,
     STATS_KEY,
     STREAM_FIELD,
-    STREAM_OF_FIELD,
     STREAM_TTL_AFTER_END_S,
     canceled_result,
     channel_key,
@@ -41,11 +40,12 @@ from producer.protocol import (
     lane_name,
     lanes,
     make_event,
+    queue_stream_check,
     read_result,
     result_entry,
     result_from_entries,
     result_key,
-    stream_is_earlier_jobs,
+    stream_check,
     stream_key,
     streamed_output,
     usage_of,
@@ -823,7 +823,11 @@ class GenerationJob:
             streamed, n = [], len(entries)
         # An earlier job's of this id (a stock RQ enqueue under it) is none of this one's, as its start would find;
         # an attempt that ended (requeued by hand since): its output is void, as for the worker that would run it.
-        earlier = bool(streamed) and self._streams_earlier_jobs(job, entries[0][0])
+        earlier = False
+        if streamed:
+            with conn.pipeline(transaction=False) as pipe:
+                queue_stream_check(pipe, job)
+                earlier = stream_check(job.created_at, *pipe.execute(raise_on_error=False))[0]
         ended_before = earlier or (bool(streamed) and streamed[-1].get("finish_reason") is not None)
         streamed = [] if earlier else streamed
         made = {} if ended_before else streamed_output(streamed) or {}
@@ -856,16 +860,6 @@ class GenerationJob:
             pipe.expire(key, STREAM_TTL_AFTER_END_S if ttl == -1 else min(ttl, STREAM_TTL_AFTER_END_S))
             pipe.publish(channel_key(self.id), event)
             pipe.execute()
-
-    def _streams_earlier_jobs(self, job: Job, first_entry: bytes | str) -> bool:
-        """Whether the job's stream (whose first entry's id is ``first_entry``) is an earlier job's of its id."""
-        raw_created, raw_mark = self.client.connection.hmget(job.key, "created_at", STREAM_OF_FIELD)
-        if not raw_created:  # ('' is none, to RQ too)
-            return False
-        created = job.created_at
-        first = (first_entry.decode() if isinstance(first_entry, bytes) else first_entry).split("-")[0]
-        mark = raw_mark.decode() if raw_mark is not None else None
-        return stream_is_earlier_jobs(mark, utcformat(created), int(created.timestamp() * 1000), int(first))
 
     def events(self, timeout: float | None = None, skip_void: bool = False) -> Iterator[dict[str, Any]]:
         """Every event of the job from the first, replayed then live (no gap, no duplicate), until the last.

@@ -73,6 +73,35 @@ def mark_of(mark: str | None, created: str | None) -> str:
     return created if created is not None else (mark or UNCHECKED)
 
 
+def created_form(created_at: datetime) -> tuple[str, int]:
+    """A job's ``created_at`` in RQ's form (what RQ writes back whenever it saves the job) and in ms."""
+    from rq.utils import utcformat
+
+    return utcformat(created_at), int(created_at.timestamp() * 1000)
+
+
+def queue_stream_check(pipe: Any, job: Any) -> None:
+    """Queue on ``pipe`` what ``stream_check`` reads of RQ's ``job``: two replies (read with
+    ``raise_on_error=False``)."""
+    pipe.hmget(job.key, "created_at", STREAM_OF_FIELD)
+    pipe.xrange(stream_key(job.id), count=1)
+
+
+def stream_check(created_at: datetime, hash_fields: Any, first: Any) -> tuple[bool, str | None]:
+    """``stream_is_earlier_jobs`` for a job RQ read as created at ``created_at``, from ``queue_stream_check``'s
+    replies: whether its token stream is an earlier job's of its id (to delete), and the mark a start writes (None:
+    it stands). (Of a hash without ``created_at``, RQ's reading gives the time it read it: the hash says none.)"""
+    raw_created, raw_mark = hash_fields
+    created, created_ms = created_form(created_at) if raw_created else (None, None)  # ('' is none, to RQ too)
+    mark = raw_mark.decode() if raw_mark is not None else None
+    first_ms = None
+    if first and not isinstance(first, Exception):  # (an empty stream, or a key of another type: none)
+        entry_id = first[0][0]
+        first_ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    written = mark_of(mark, created)
+    return stream_is_earlier_jobs(mark, created, created_ms, first_ms), (None if written == mark else written)
+
+
 # A worker's lease: while it exists, no job this worker runs can have been retried elsewhere (it expires before
 # the jobs' own heartbeats do, and only a lapsed heartbeat lets RQ requeue a job), so the worker's events skip the
 # per-event ownership check. Extended only while it exists; once lapsed, set again only after every job held is

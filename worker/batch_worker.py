@@ -68,10 +68,10 @@ from producer.protocol import (
     failure_result,
     lane_name,
     lanes,
-    mark_of,
+    queue_stream_check,
     result_entry,
     result_key,
-    stream_is_earlier_jobs,
+    stream_check,
     stream_key,
     tokenizer_digest,
     usage_of,
@@ -83,7 +83,7 @@ from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy, Unreadable, quarantine
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
-from worker.job_start import created_at, first_entry_ms, queue_start, start_jobs
+from worker.job_start import queue_start, start_jobs
 from worker.job_start import register as register_start_script
 from worker.jobs import (
     JobRejected,
@@ -796,28 +796,26 @@ class BatchWorker(BaseWorker):
         pipe.watch(*keys)
         with self.connection.pipeline(transaction=False) as look:
             for (job, _queue), key in zip(pulled, keys):
-                look.hmget(key, "status", "created_at", STREAM_OF_FIELD)
-                look.xrange(stream_key(job.id), count=1)
+                look.hget(key, "status")
+                queue_stream_check(look, job)
             found = look.execute(raise_on_error=False)  # (a stream key of another type: read as none)
-        for reply in found[::2]:
+        for reply in found[::3] + found[1::3]:
             if isinstance(reply, Exception):
                 raise reply
         pipe.multi()
         executions = []
-        for (job, queue), (status, raw_created, mark), first in zip(pulled, found[::2], found[1::2]):
+        for (job, queue), status, fields, first in zip(pulled, found[::3], found[1::3], found[2::3]):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
                 job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
                 args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
                 pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
-                # An earlier job's stream goes, as the start script's rule has it.
-                created, created_ms = created_at(job) if raw_created else (None, None)  # ('' is none, to RQ too)
-                mark = mark.decode() if mark is not None else None
-                if stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first)):
+                earlier, mark = stream_check(job.created_at, fields, first)  # (the start script's rule)
+                if earlier:
                     pipe.delete(stream_key(job.id))
-                if mark_of(mark, created) != mark:
-                    pipe.hset(job.key, STREAM_OF_FIELD, mark_of(mark, created))
+                if mark is not None:
+                    pipe.hset(job.key, STREAM_OF_FIELD, mark)
                 if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
                     pipe.hset(job.key, "status", status)
                 pipe.persist(job.key)
@@ -1145,8 +1143,7 @@ class BatchWorker(BaseWorker):
             # execution lapsed): ended here as RQ would (its record, its failed registry entry, its hash's expiry), or
             # the job kept no result and its hash, prompt and all, for good. A cancel's end tried again after a lost
             # reply: written once.
-            unrecorded = mine is None if stopped else True
-            unrecorded = unrecorded and not deleted and not self._recorded(job)
+            unrecorded = (not stopped or mine is None) and not deleted and not self._recorded(job)
             with self.connection.pipeline() as pipe:
                 if not stopped or unrecorded:
                     self.cleanup_execution(job.job, pipe, job.execution)

@@ -19,7 +19,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
-from producer.protocol import STREAM_OF_FIELD, mark_of, result_key, stream_is_earlier_jobs, stream_key
+from producer.protocol import STREAM_OF_FIELD, created_form, queue_stream_check, result_key, stream_check, stream_key
 from worker.intake import load_script
 
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
@@ -124,7 +124,7 @@ def start_jobs(
         wip = started_keys.get(queue.name)
         if wip is None:
             wip = started_keys[queue.name] = queue.started_job_registry.key
-        created, created_ms = created_at(job)
+        created, created_ms = created_form(job.created_at)
         args += [
             job.key, job.id, execution.id, execution.key, ExecutionRegistry.key_template.format(job.id), wip,
             queue.intermediate_queue_key, stream_key(job.id), result_key(job.id), created, created_ms,
@@ -135,35 +135,17 @@ def start_jobs(
     return executions, args
 
 
-def created_at(job: Job) -> tuple[str, int]:
-    """The job's ``created_at`` in RQ's form (what RQ writes back whenever it saves the job) and in ms. (Of a hash
-    that has none, RQ's reading gives the time it read it: the start script looks at the hash itself.)"""
-    return utcformat(job.created_at), int(job.created_at.timestamp() * 1000)
-
-
-def first_entry_ms(reply: Any) -> int | None:
-    """When a stream's first entry was written (ms, Redis's clock), from ``XRANGE key - + COUNT 1``'s reply; None
-    for an empty stream (or a read that failed: a key of another type)."""
-    if not reply or isinstance(reply, Exception):
-        return None
-    entry_id = reply[0][0]
-    return int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
-
-
 def forget_earlier_jobs_stream(conn: Redis, job: Job) -> bool:
     """The start script's check of one job (the stock RQ path's start): an earlier job's stream under its id
     deleted, the job marked. Whether a stream was deleted."""
     with conn.pipeline(transaction=False) as pipe:
-        pipe.hmget(job.key, "created_at", STREAM_OF_FIELD)
-        pipe.xrange(stream_key(job.id), count=1)
-        (raw_created, raw_mark), first = pipe.execute(raise_on_error=False)
-    created, created_ms = created_at(job) if raw_created else (None, None)  # ('' is none, to RQ too)
-    mark = raw_mark.decode() if raw_mark is not None else None
-    earlier = stream_is_earlier_jobs(mark, created, created_ms, first_entry_ms(first))
+        queue_stream_check(pipe, job)
+        earlier, mark = stream_check(job.created_at, *pipe.execute(raise_on_error=False))
     with conn.pipeline(transaction=False) as pipe:
         if earlier:
             pipe.delete(stream_key(job.id))
-        pipe.hset(job.key, STREAM_OF_FIELD, mark_of(mark, created))
+        if mark is not None:
+            pipe.hset(job.key, STREAM_OF_FIELD, mark)
         pipe.execute()
     return earlier
 

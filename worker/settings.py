@@ -132,7 +132,8 @@ class QueueSettings(BaseSettings):
         says (``ROSEINFER_DRAIN_TIMEOUT=none`` was 'not a valid number'). Text settings keep the word."""
         if not isinstance(data, dict):
             return data
-        for name, value in data.items():
+        data = dict(data)  # (the caller's own stays as it was)
+        for name, value in list(data.items()):
             field = cls.model_fields.get(name)
             if field is None or not isinstance(value, str) or value.strip().lower() not in ("none", ""):
                 continue
