@@ -36,6 +36,23 @@ def own_redis():
     proc.wait(timeout=10)
 
 
+def test_a_private_redis_never_takes_a_port_another_server_answers_on(own_redis, monkeypatch):
+    import worker.local_redis as local_redis
+
+    taken_url, taken = own_redis
+    taken_port = taken.connection_pool.connection_kwargs["port"]
+    assert start_private_redis(port=taken_port)[1] is None  # ours could not bind: the answer came from the other
+    ports = iter([taken_port, free_port()])  # a free port another process took first, then a free one
+    monkeypatch.setattr(local_redis, "free_port", lambda: next(ports))
+    url, proc = start_private_redis()
+    try:
+        assert proc is not None and url != taken_url
+        assert int(Redis.from_url(url).info("server")["process_id"]) == proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog, capsys):
     url, conn = own_redis
     conn.config_set("maxmemory-policy", "allkeys-lru")

@@ -23,32 +23,32 @@ def free_port() -> int:
 def start_private_redis(server: str = "redis-server", port: int | None = None) -> tuple[str, subprocess.Popen | None]:
     """A throwaway redis-server (nothing saved) on ``port`` (default: a free one); (url, process), or (url, None)
     when it cannot start."""
-    port = port or free_port()
-    url = f"redis://127.0.0.1:{port}/0"
     if shutil.which(server) is None:
-        return url, None
-    cmd = [
-        server,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        tempfile.mkdtemp(),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
+        return f"redis://127.0.0.1:{port or free_port()}/0", None
+    for _ in range(1 if port else 5):  # a free port can be taken by another process before ours binds it
+        url, proc = _start_redis_on(server, port or free_port())
+        if proc is not None:
             return url, proc
-        except Exception:
-            time.sleep(0.05)
+    return url, None
+
+
+def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | None]:
+    url = f"redis://127.0.0.1:{port}/0"
+    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*cmd, "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with Redis(port=port) as client:
+        for _ in range(100):
+            if proc.poll() is not None:  # it could not bind the port
+                return url, None
+            try:
+                # Whoever answers must be our process: another's server on that port would be shared, and flushed.
+                if int(client.info("server")["process_id"]) == proc.pid:
+                    return url, proc
+                break
+            except Exception:
+                time.sleep(0.05)
     proc.kill()
+    proc.wait()
     return url, None
 
 
