@@ -209,22 +209,42 @@ def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
 
 def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
     """The model folder ``name`` of the cache, written by ``save`` (into a folder of its own) unless it is there:
-    beside the target, then renamed, so concurrent workers never see half a folder."""
+    beside the target, then renamed, so concurrent workers never see half a folder; the first to start writes it
+    while the others wait for it, instead of each converting a copy of its own."""
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        save(tmp)
+    with _held(target.parent / f".{name}.lock"):
+        if (target / "config.json").is_file():  # written while this process waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            save(tmp)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _held(lock_path: Path) -> Iterator[None]:
+    """An exclusive lock of the file, between processes; released when its holder exits, however it exits."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: the rename alone keeps a folder whole)
+        yield
+        return
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _first_line(exc: Exception) -> str:

@@ -577,3 +577,29 @@ def test_a_bias_is_read_exactly_where_the_config_gives_the_layer_one(tmp_path):
     save_file(tensors, path / "model.safetensors")
     outs = LLM(str(path), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), PROMPTS, 16)
+
+
+def test_workers_starting_together_convert_a_model_once_and_all_get_the_whole_folder(tmp_path, monkeypatch):
+    """The first writes the cache's folder; the others wait for it instead of each converting a copy."""
+    import threading
+    import time
+
+    from roseinfer.model_loader import save_in_cache
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    saves = []
+
+    def save(folder: Path) -> None:
+        saves.append(folder)
+        time.sleep(0.3)  # a conversion takes a while: the others start meanwhile
+        (folder / "config.json").write_text("{}")
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(save_in_cache("m", save))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(saves) == 1
+    assert got == [tmp_path / "cache" / "m"] * 3 and (got[0] / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == ["m"]
