@@ -14,6 +14,12 @@ import uuid
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Under pytest-xdist (README's `-n auto`) the workers share the cores: torch's default of every core in each, and in
+# each worker process a test starts, made them fight (the fast lane took longer on 2 workers than on 1).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # (the processes tests start read it too)
+    __import__("torch").set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if os.environ.get("TRITON_INTERPRET") is None:
     import torch
 
