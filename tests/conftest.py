@@ -282,8 +282,16 @@ class ThreadWorker:
         settings.setdefault("idle_wait", 0.2)  # an idle worker notices stop() within this, not a second
         self.settings = WorkerSettings(redis_url=redis_url, queue=self.queue, model=model, **settings)
         self.worker = build_worker(self.settings)
-        self.thread = threading.Thread(target=self.worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
+        self.errors: list[BaseException] = []  # what ended work() by raising (a thread's error is only a warning)
+        self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
+
+    def _work(self) -> None:
+        try:
+            self.worker.work(logging_level="WARNING")
+        except BaseException as e:
+            self.errors.append(e)
+            raise
 
     def stop(self) -> None:
         self.worker.request_stop()

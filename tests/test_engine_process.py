@@ -653,7 +653,6 @@ def test_the_workers_side_of_an_engine_process_leaves_what_it_loaded_out_of_coll
     assert tracked < loaded / 10  # and no longer walked by the collector
 
 
-@pytest.mark.slow
 def engine_that_marks_its_idle_steps(step_s: float, path: str) -> FakeEngine:
     """Touches ``path`` after a step that left it no request: the job's end is made, its cancel comes after it."""
     engine = fake_engine(step_s)
@@ -677,6 +676,7 @@ def _wait_for_file(path: Path) -> None:
     path.unlink()
 
 
+@pytest.mark.slow  # an engine process (the fast lane's one is the test of jobs sent after its death)
 def test_a_cancel_that_crosses_its_jobs_end_leaves_the_end_to_be_handed_out(tmp_path):
     """The child ended the job while its cancel was on the way: the answer names no such job, and the job's last
     event, read while waiting for it, is still work to hand out (else a quiet worker never steps again to take it,

@@ -61,7 +61,8 @@ def test_every_scalar_payload_field_has_a_submit_flag_with_its_description_and_d
         if name in ("prompt", "messages", "metadata"):
             continue
         flag = "--" + name.replace("_", "-")
-        assert flag in text or flag[:-1] in text, name  # --stop-token-id for stop_token_ids
+        flags = {flag, flag.removesuffix("s")}  # --stop-token-id for stop_token_ids: one a flag, repeated
+        assert flags & set(re.findall(r"--[a-z][a-z0-9-]*", text)), name  # a whole flag, not a piece of another
         assert " ".join((field.description or name).split()) in text, name
     temperature = JobRequest.model_fields["temperature"].description or "temperature"
     assert f"--temperature FLOAT {temperature} (a number; >= 0.0; <= 2.0; default: 1.0)" in text

@@ -478,13 +478,15 @@ def test_a_burst_reaches_the_engine_whole_when_idle_and_in_slices_when_busy(fake
 def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and_a_result(fake_worker, monkeypatch):
     """Canceled after it started but before the engine took it (a long prompt still being tokenized): it ends as
     any canceled running job, with a final "abort" event that ends its followers' waits, and a canceled result."""
-    _, engine, client = fake_worker
+    worker, engine, client = fake_worker
     tokenize = engine.tokenize_many
     monkeypatch.setattr(engine, "tokenize_many", lambda *a, **k: (time.sleep(1.5), tokenize(*a, **k))[1])
     job = client.submit("x", max_tokens=50)
     deadline = time.time() + 10
-    while job.status() != "started" and time.time() < deadline:
+    while job.id not in worker.in_flight and time.time() < deadline:
         time.sleep(0.01)
+    # Taken, its prompt being read (a queued job's cancel would pass what follows too).
+    assert job.status() == "started" and job.id in worker.in_flight and not engine.requests
     assert job.cancel()
     events = list(job.events(timeout=10))
     assert [(e["text"], e["finish_reason"]) for e in events] == [("", "abort")]
@@ -523,6 +525,7 @@ def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_
     deadline = time.time() + 10
     while waiting.id not in worker.in_flight and time.time() < deadline:
         time.sleep(0.01)
+    assert waiting.id in worker.in_flight  # (one never taken would be in its queue as well)
     worker.request_stop()
     deadline = time.time() + 10
     while waiting.id not in client.queue.job_ids and time.time() < deadline:

@@ -112,6 +112,7 @@ def test_hundred_varied_jobs_stream_equals_result_and_matches_the_engine(served,
         rq_job = job.rq_job
         assert rq_job.get_status() == "finished"
         assert rq_job.return_value() == res
+    assert sorted(live) == sorted(job.id for job in jobs[:5])  # every follower got to the end of its stream
     for job_id, pieces in live.items():
         assert "".join(pieces) == next(r["text"] for r in results if r["id"] == job_id)
     assert client.queue.finished_job_registry.count >= 100

@@ -140,10 +140,13 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
     w = ThreadWorker(url, tiny_chat_model, heartbeat_interval=1, maintenance_interval=1, max_num_seqs=4)
     slow_engine_steps(monkeypatch, w.worker.engine, 0.01)
 
+    on_their_way = []
+
     def refused(*args, **kwargs):
         deadline = time.monotonic() + 30
         while not taken_in and not w.worker.puller.unapplied() and time.monotonic() < deadline:
             time.sleep(0.01)  # (the maintenance after the pull, before the loop takes the jobs in)
+        on_their_way.append(bool(w.worker.puller.unapplied()))
         raise redis.exceptions.NoPermissionError("this user has no permissions to run the 'set' command")
 
     if not taken_in:
@@ -155,9 +158,11 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
         while taken_in and not all(job.id in w.worker.in_flight for job in jobs) and time.monotonic() < deadline:
             time.sleep(0.01)
         if taken_in:
+            assert all(job.id in w.worker.in_flight for job in jobs)  # (else the jobs were never taken at all)
             monkeypatch.setattr(w.worker, "_maintenance_lock", refused)  # its next maintenance
         w.thread.join(timeout=40)
         assert not w.thread.is_alive()
+        assert on_their_way == [not taken_in]  # it died of the refusal, with the jobs where the case puts them
         assert [job.status() for job in jobs] == ["queued", "queued"]
         assert sorted(conn.lrange(f"rq:queue:{w.queue}", 0, -1)) == sorted(job.id.encode() for job in jobs)
     finally:
@@ -188,7 +193,6 @@ def test_an_idle_worker_registers_again_after_redis_lost_its_data(own_redis, tin
         w.stop()
 
 
-@pytest.mark.slow
 def _worker_streaming(url: str, queue: str, model: str) -> subprocess.Popen:
     """A worker process whose four jobs have started (and stream, for seconds)."""
     from worker.cli import worker_command
@@ -405,10 +409,12 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
         deadline = time.monotonic() + 30  # the listener's next try (every 2 s) subscribes again
         while not conn.pubsub_numsub(channel)[0][1] and time.monotonic() < deadline:
             time.sleep(0.1)
+        # (before: the listener had died at the timeout, ``pubsub thread exiting on Timeout reading from socket``)
+        assert conn.pubsub_numsub(channel)[0][1] == 1, "the listener never subscribed again"
         send_shutdown_command(conn, worker.worker.name)
         worker.thread.join(timeout=30)
-        # (before: the listener had died at the timeout, ``pubsub thread exiting on Timeout reading from socket``)
         assert not worker.thread.is_alive(), "the worker did not hear the shutdown command"
+        assert worker.errors == []  # it stopped for the command, not of the outage
     finally:
         for conn in [*held, silent]:
             conn.close()

@@ -824,6 +824,7 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
 
 def test_serve_embedded_is_one_command(tiny_chat_model):
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -836,6 +837,7 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
         out = client.chat.completions.create(model=tiny_chat_model, messages=MESSAGES, max_tokens=5, temperature=0)
         assert out.usage.completion_tokens <= 5 and out.choices[0].finish_reason in ("length", "stop")
         redis_servers = [p for p in Path("/proc").iterdir() if _parent(p) == proc.pid and "redis" in _command(p)]
+        assert redis_servers or not shutil.which("redis-server")  # (without one it serves fakeredis in-process)
     finally:
         proc.terminate()
         proc.wait(timeout=60)

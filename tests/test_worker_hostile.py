@@ -690,12 +690,13 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
         client = Client(redis_url, queue=w.queue)
         engine = w.worker.engine
         real_step = engine.step
-        stalled = {"done": False}
+        stalled = {"done": False, "over": False}
 
         def stalling_step(flush=True):
             if not stalled["done"] and engine.has_unfinished_requests():
                 stalled["done"] = True
                 time.sleep(4)
+                stalled["over"] = True
             return real_step(flush=flush)
 
         monkeypatch.setattr(engine, "step", stalling_step)
@@ -705,13 +706,17 @@ def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat
             time.sleep(0.05)
         # Taken and started by the puller during the stall: it waits for the step loop, beaten meanwhile (it was
         # not, and RQ's clean-up took it for abandoned: a retry spent, or with none left, failed).
+        assert stalled["done"]
         late = client.submit("during the stall", max_tokens=5, temperature=0, ignore_eos=True)
-        retries = late.rq_job.retries_left
+        while late.status() != "started" and not stalled["over"]:
+            time.sleep(0.05)
+        assert not stalled["over"], "the job submitted during the stall was not taken during it"
         result = job.result(timeout=60)
         assert stalled["done"] and result["status"] == "finished"
         assert job.rq_job.get_status() == "finished"
         assert late.result(timeout=60)["status"] == "finished" and late.rq_job.get_status() == "finished"
-        assert retries == 2 and late.rq_job.retries_left == 2  # (the client's default: two retries)
+        # Neither was taken for abandoned: the client's default of two retries is whole.
+        assert job.rq_job.retries_left == 2 and late.rq_job.retries_left == 2
         assert Redis.from_url(redis_url).llen(f"rq:queue:{w.queue}") == 0
     finally:
         w.stop()
@@ -743,13 +748,15 @@ def test_heartbeats_skip_a_job_until_its_start_is_nearly_half_the_grace_old(redi
 
         time.sleep(max(0.0, 1.5 - age()))  # beats came meanwhile: none for this job yet
         beaten = conn.hget(f"rq:job:{job.id}", "last_heartbeat")
-        if age() < 2.0:  # (not checked when the first event came too late to look before its first beat)
-            assert beaten == started
+        looked_in_time = age() < 2.0  # (not when the first event came too late to look before its first beat)
+        assert beaten == started or not looked_in_time
         deadline = time.time() + 6
         while conn.hget(f"rq:job:{job.id}", "last_heartbeat") == started and time.time() < deadline:
             time.sleep(0.1)
         assert conn.hget(f"rq:job:{job.id}", "last_heartbeat") != started  # then it is beaten again
         assert job.result(timeout=60)["usage"]["completion_tokens"] == 70
+        if not looked_in_time:
+            pytest.skip("the job's first event came too late to see that its first beats skipped it")
         assert job.rq_job.get_status() == "finished"
     finally:
         w.stop()
