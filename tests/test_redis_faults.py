@@ -601,6 +601,34 @@ def test_a_tls_certificate_not_trusted_here_is_one_error_not_a_wait_for_good():
         wait_for_redis(Untrusted(host="cache.example", port=6380))
 
 
+def test_what_a_redis_that_answers_refuses_is_said_before_the_model_loads(own_redis, monkeypatch):
+    """A wrong login, an eviction policy --require-noeviction refuses, a certificate not trusted: each was said only
+    after the model had loaded (minutes of a GPU's time), though Redis had answered from the start."""
+    import redis as redis_py
+
+    import worker.main as worker_main
+    from producer.connection import InvalidRedisURL
+    from worker.settings import WorkerSettings
+
+    url, conn = own_redis
+    monkeypatch.setattr(worker_main, "build_engine", lambda *a, **k: pytest.fail("the model loaded"))
+    conn.execute_command("ACL", "SETUSER", "someone", "on", ">right", "~*", "&*", "+@all")
+    wrong = WorkerSettings(redis_url=url.replace("redis://", "redis://someone:wrong@"), queue="q", model="m")
+    with pytest.raises(redis_py.exceptions.AuthenticationError):
+        worker_main.build_worker(wrong)
+    conn.config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(UnsafeRedis, match="allkeys-lru"):
+        worker_main.build_worker(WorkerSettings(redis_url=url, queue="q", model="m", require_noeviction=True))
+
+    class Untrusted(Redis):
+        def ping(self, **kwargs):
+            raise redis_py.exceptions.ConnectionError("Error 1 connecting. [SSL: CERTIFICATE_VERIFY_FAILED] failed")
+
+    settings = WorkerSettings(redis_url=url, queue="q", model="m")
+    with pytest.raises(InvalidRedisURL, match="ssl_ca_certs"):
+        worker_main.build_worker(settings, Untrusted(host="cache.example", port=6380))
+
+
 def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys):
     """A missing or wrong password read "cannot reach Redis (HELLO must be called ...)" or "(invalid
     username-password ...)"; a full Redis "Redis refused (OutOfMemoryError ...); check --redis-url"."""

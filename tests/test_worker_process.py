@@ -473,6 +473,7 @@ def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_
     finally:
         conn.execute_command("ACL", "DELUSER", user)
     assert proc.returncode == 2 and err.strip().splitlines()[-1].startswith("error: Redis refused the login (invalid")
+    assert "Loading weights" not in err  # (said before the model loads, too)
 
 
 def test_a_simple_worker_tries_a_failed_attempt_again_in_the_engine_it_keeps(

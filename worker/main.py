@@ -24,7 +24,7 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
     """Ping until Redis answers: a worker may start before its Redis (compose, a restart). Logged once, then
     once a minute, without the URL's password."""
     backoff, next_log = 0.25, 0.0
-    address = "{host}:{port}".format(**{"host": "?", "port": "?", **connection.connection_pool.connection_kwargs})
+    address = _address(connection)
     while True:
         try:
             connection.ping()
@@ -34,16 +34,24 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
         except redis.exceptions.AuthenticationError:
             raise  # a wrong password is no Redis starting up: one error, not a wait for good
         except REDIS_DOWN as exc:
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # (nor is a certificate this host does not trust)
-                raise InvalidRedisURL(
-                    f"Redis at {address}: its TLS certificate is not trusted here ({exc}); give its CA in the URL "
-                    "(?ssl_ca_certs=/path/to/ca.pem), or ?ssl_cert_reqs=none to skip the check"
-                ) from None
+            refuse_untrusted_certificate(connection, exc)  # (nor is a certificate this host does not trust)
             if time.monotonic() >= next_log:
                 log.warning("waiting for Redis at %s (%s); retrying with backoff", address, exc)
                 next_log = time.monotonic() + 60
             time.sleep(backoff)
             backoff = min(backoff * 2, max_backoff)
+
+
+def _address(connection: Redis) -> str:
+    return "{host}:{port}".format(**{"host": "?", "port": "?", **connection.connection_pool.connection_kwargs})
+
+
+def refuse_untrusted_certificate(connection: Redis, exc: Exception) -> None:
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        raise InvalidRedisURL(
+            f"Redis at {_address(connection)}: its TLS certificate is not trusted here ({exc}); give its CA in the "
+            "URL (?ssl_ca_certs=/path/to/ca.pem), or ?ssl_cert_reqs=none to skip the check"
+        ) from None
 
 
 def worker_connection(settings: WorkerSettings) -> Redis:
@@ -58,11 +66,23 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     from worker.batch_worker import BatchWorker, name_in_use
 
     connection = connection or worker_connection(settings)
-    if settings.name:  # a name in use, said before the model loads (where Redis answers already)
+    # Where Redis answers already, what it refuses (a login, a database, a name in use, an eviction policy) is said
+    # before the model loads (minutes of a GPU's time); a Redis still down is waited for after the load.
+    checked = False
+    try:
+        connection.ping()
+    except redis.exceptions.AuthenticationError:
+        raise  # (a ConnectionError to redis-py, and no Redis still starting)
+    except REDIS_DOWN as exc:
+        refuse_untrusted_certificate(connection, exc)
+    else:
         with contextlib.suppress(*REDIS_DOWN):
-            taken = name_in_use(connection, settings.name, settings.heartbeat_interval + settings.heartbeat_grace)
-            if taken:
-                raise ConfigError(taken)
+            if settings.name:
+                taken = name_in_use(connection, settings.name, settings.heartbeat_interval + settings.heartbeat_grace)
+                if taken:
+                    raise ConfigError(taken)
+            check_eviction_policy(connection, settings.require_noeviction)
+            checked = True
     if settings.engine_process:
         build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
         engine = pump = EngineProcess(
@@ -71,7 +91,8 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     else:
         engine, pump = build_engine(settings.model, settings.engine_options()), None
     wait_for_redis(connection)
-    check_eviction_policy(connection, settings.require_noeviction)
+    if not checked:
+        check_eviction_policy(connection, settings.require_noeviction)
     return BatchWorker(engine, settings, connection, pump)
 
 
