@@ -44,6 +44,31 @@ def parse_size(value: int | float | str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off variable the engine reads itself: 1/0, true/false, yes/no, on/off in any case; unset or empty, the
+    default. Any other value is refused (``=false`` meant off, and kept the default, on)."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    if value.strip().lower() not in _SWITCH:
+        raise ConfigError(f"{name}={value!r}: write 1 or 0 (or true/false, yes/no, on/off)")
+    return _SWITCH[value.strip().lower()]
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """One of ``choices`` from a variable the engine reads itself (None where unset or empty); any other value is
+    refused, naming them."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return None
+    if value.strip().lower() not in choices:
+        raise ConfigError(f"{name}={value!r}: write one of {', '.join(choices)}, or leave it unset")
+    return value.strip().lower()
+
+
 def cache_dir() -> Path:
     """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``)."""
     return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))

@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import platform
+
+from roseinfer.config import env_switch
 
 log = logging.getLogger("roseinfer")
 
@@ -35,7 +36,7 @@ _CHUNK = 8 << 20  # under the mmap threshold: each piece comes from the heap
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once; whether they were set). Off with
     ``ROSEINFER_MALLOC_TUNING=0``, and where the C library is not glibc."""
-    if os.environ.get("ROSEINFER_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+    if not env_switch("ROSEINFER_MALLOC_TUNING", True) or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

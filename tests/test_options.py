@@ -169,8 +169,9 @@ def test_every_roseinfer_variable_the_code_reads_is_known():
     read = set()
     for package in ("roseinfer", "worker", "producer"):
         for path in (root / package).rglob("*.py"):
-            read |= set(re.findall(r"environ(?:\.get\(|\[)\s*[\"'](ROSEINFER_\w+)", path.read_text()))
-    assert {"ROSEINFER_BF16_GEMM", "ROSEINFER_MALLOC_TUNING", "ROSEINFER_CACHE_DIR"} <= read
+            text = path.read_text()
+            read |= set(re.findall(r"(?:environ(?:\.get\(|\[)|env_switch\(|env_choice\()\s*[\"'](ROSEINFER_\w+)", text))
+    assert {"ROSEINFER_BF16_GEMM", "ROSEINFER_MALLOC_TUNING", "ROSEINFER_CACHE_DIR", "ROSEINFER_CPU_KERNELS"} <= read
     assert unknown_env_vars(dict.fromkeys(read, "1")) == []
 
 
@@ -460,3 +461,27 @@ def test_the_payloads_list_and_constraint_bounds_are_the_engines():
 
     for name in ("MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_CONSTRAINT_CHARS", "MAX_LOGIT_BIAS_TOKENS", "MAX_N"):
         assert getattr(payload, name) == getattr(engine, name), name
+
+
+def test_the_engines_own_switches_read_the_usual_words_and_refuse_the_rest(monkeypatch):
+    """``ROSEINFER_CPU_KERNELS=false`` meant off and kept the kernels on (only "0" was off); a misspelt
+    ``ROSEINFER_BF16_GEMM`` was the timing's choice, in silence."""
+    import roseinfer.kernels as kernels
+    from roseinfer.config import ConfigError, env_choice, env_switch
+
+    for word, on in [("1", True), ("TRUE", True), ("yes", True), (" on ", True), ("0", False), ("false", False),
+                     ("No", False), ("off", False), ("", True)]:  # fmt: skip
+        monkeypatch.setenv("ROSEINFER_CPU_KERNELS", word)
+        assert env_switch("ROSEINFER_CPU_KERNELS", True) is on, word
+    monkeypatch.setenv("ROSEINFER_CPU_KERNELS", "flase")
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_lib", None)
+    with pytest.raises(ConfigError, match=r"ROSEINFER_CPU_KERNELS='flase': write 1 or 0"):
+        kernels.cpu_kernels()
+    monkeypatch.setenv("ROSEINFER_CPU_KERNELS", "false")
+    assert kernels.cpu_kernels() is None  # off, as asked (not built)
+    monkeypatch.setenv("ROSEINFER_BF16_GEMM", "Float32")
+    assert env_choice("ROSEINFER_BF16_GEMM", ("bfloat16", "float32")) == "float32"
+    monkeypatch.setenv("ROSEINFER_BF16_GEMM", "fp32")
+    with pytest.raises(ConfigError, match="write one of bfloat16, float32, or leave it unset"):
+        env_choice("ROSEINFER_BF16_GEMM", ("bfloat16", "float32"))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from roseinfer.config import cache_dir
+from roseinfer.config import cache_dir, env_switch
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
     """The compiled kernels, or None when they are off or cannot be built."""
     global _lib, _tried
     if not _tried:
+        wanted = env_switch("ROSEINFER_CPU_KERNELS", True)  # (a refused value is refused at every call)
         _tried = True
-        if os.environ.get("ROSEINFER_CPU_KERNELS", "1") != "0":
+        if wanted:
             try:
                 _lib = _build()
             except OSError as exc:
