@@ -3630,3 +3630,24 @@ def _worker_without_engine(redis_url: str):
     worker = BatchWorker(Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="fake"), conn)
     worker.register_birth()
     return conn, name, worker
+
+
+def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_written_once(redis_url):
+    """The sender runs an end again when Redis took it but its reply was lost: a job refused at the pull wrote its
+    failure twice (two records, two completion-list entries, its failure callback twice); a job canceled while
+    queued, its canceled record and entry twice."""
+    conn, worker, _, [refused, queued] = _running_jobs(redis_url, count=2, notify="done-twice")
+    worker.in_flight.clear()
+    worker._fail(refused.job, refused.queue, refused.execution, refused.request, refused.stream, "no such thing")
+    queued.job.set_status("canceled")  # (as any client's HSET of it, read at the pull)
+    worker._never_ran(queued.job, queued.queue, queued.stream)
+    for end in worker._tasks * 2:  # (the second time as the sender's try again after a lost reply)
+        end()
+    [failed] = refused.job.results()
+    assert failed.type == failed.Type.FAILED and failed.return_value["error"] == "no such thing"
+    [canceled] = queued.job.results()
+    assert canceled.type == canceled.Type.STOPPED and canceled.return_value["status"] == "canceled"
+    assert sorted(conn.lrange("roseinfer:done:done-twice", 0, -1)) == sorted([refused.job.id.encode(),
+                                                                              queued.job.id.encode()])  # fmt: skip
+    assert int(conn.hget(worker.key, "failed_job_count")) == 1
+    conn.delete("roseinfer:done:done-twice")

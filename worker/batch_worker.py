@@ -1219,8 +1219,13 @@ class BatchWorker(BaseWorker):
     ) -> None:
         """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
         self.publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")
+        tried = []
 
         def end() -> None:
+            # A try whose reply was lost landed all the same: its record is there (its callback ran, too).
+            if tried and self._latest_result_has(job.id, b"execution_id", execution.id):
+                return
+            tried.append(True)
             job.retries_left = None
             ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
             result = failure_result(job.id, ending, error, error_type="invalid_request")
@@ -1236,12 +1241,17 @@ class BatchWorker(BaseWorker):
         log.info("job %s was %s while queued: not run", job.id, status)
         stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
+        ended, tried = now(), []
 
         def end() -> None:
+            # A try whose reply was lost landed all the same (its entry is the one of this end's time).
+            if tried and self._latest_result_has(job.id, b"execution_ended_at", str(ended.timestamp())):
+                return
+            tried.append(True)
             ending = job_ending(job)
             result = canceled_result(job.id, ending, f"job {status} before it ran")
             with self.connection.pipeline() as pipe:
-                entry = result_entry(result, Result.Type.STOPPED, self.name)
+                entry = result_entry(result, Result.Type.STOPPED, self.name, ended=ended)
                 self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
                 pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                 queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
@@ -1299,13 +1309,17 @@ class BatchWorker(BaseWorker):
 
     def _recorded(self, job: InFlight) -> bool:
         """Whether the job's latest result is this attempt's (an earlier try of its end wrote it with the status)."""
+        return self._latest_result_has(job.job.id, b"execution_id", job.execution.id)
+
+    def _latest_result_has(self, job_id: str, field: bytes, value: str) -> bool:
+        """Whether the latest entry of the job's result stream holds ``value`` in ``field``."""
         try:
-            latest = self.connection.xrevrange(result_key(job.job.id), count=1)
+            latest = self.connection.xrevrange(result_key(job_id), count=1)
         except redis.ResponseError as exc:
             if wrong_type(exc):  # (written by hand since the start deleted it: nothing can be written there)
                 return True
             raise
-        return bool(latest) and latest[0][1].get(b"execution_id") == job.execution.id.encode()
+        return bool(latest) and latest[0][1].get(field) == value.encode()
 
     @contextlib.contextmanager
     def _results_in_failure(
