@@ -3597,9 +3597,10 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
 
 
 @pytest.mark.redis
-def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves(redis_url):
+def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves(redis_url, monkeypatch):
     """`rq info` (and RQ's Worker.all(queue=...)) listed the worker under the lanes it started with only, though it
     served the ones a producer made later too."""
+    import redis
     from rq import Queue, Worker
     from rq.serializers import JSONSerializer
 
@@ -3607,6 +3608,14 @@ def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves
 
     conn, name, worker = _worker_without_engine(redis_url)
     Client(redis_url, queue=name).submit("hi", priority=3)  # a lane of its own, made now
+
+    def blip(*args, **kwargs):
+        raise redis.ConnectionError("blip")
+
+    with monkeypatch.context() as patch:  # Redis away at that moment: the record is made at the next check
+        patch.setattr(redis.client.Pipeline, "execute", blip)
+        with pytest.raises(redis.ConnectionError):
+            worker._refresh_lanes()
     worker._refresh_lanes()
     lane = Queue(f"{name}:p3", connection=conn, serializer=JSONSerializer)
     assert f"{name}:p3" in conn.hget(worker.key, "queues").decode().split(",")

@@ -628,15 +628,19 @@ class BatchWorker(BaseWorker):
         """The queue's priority lanes RQ knows, first-served first: pulled in that order, watched and maintained."""
         found = lanes(self.connection, self.settings.queue)
         if [p for p, _ in found] != [p for p, _ in self._lanes]:
-            before = set(self.queue_names())
+            before, had = set(self.queue_names()), [(p, q.name) for p, q in self._lanes]
             self._set_lanes(found)
+            try:
+                with self.connection.pipeline() as pipe:  # RQ's record of what it serves (`rq info`), as at its start
+                    pipe.hset(self.key, "queues", ",".join(self.queue_names()))
+                    for name in before - set(self.queue_names()):
+                        pipe.srem(worker_registration.WORKERS_BY_QUEUE_KEY % name, self.key)
+                    worker_registration.register(self, pipe)
+                    pipe.execute()
+            except redis.RedisError:
+                self._set_lanes(had)  # the next check finds the change again, and records it then
+                raise
             log.info("serving lanes %s", ", ".join(f"{q.name} (priority {p})" for p, q in self._lanes))
-            with self.connection.pipeline() as pipe:  # RQ's record of what it serves (`rq info`), as at its start
-                pipe.hset(self.key, "queues", ",".join(self.queue_names()))
-                for name in before - set(self.queue_names()):
-                    pipe.srem(worker_registration.WORKERS_BY_QUEUE_KEY % name, self.key)
-                worker_registration.register(self, pipe)
-                pipe.execute()
 
     def _set_lanes(self, found: list[tuple[int, str]]) -> None:
         by_name = {q.name: q for q in self.queues}
