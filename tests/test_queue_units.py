@@ -1914,10 +1914,13 @@ def test_a_job_key_that_is_not_a_hash_is_moved_aside_and_the_jobs_pulled_with_it
     assert [job.id for job, _ in pulled] == [job.id for job in good]
     assert [(u.job_id, u.is_hash) for u in unreadable] == [(bad, False)]
     assert "holds a string, not a hash" in unreadable[0].reason
+    seen = queue.intermediate_queue.get_first_seen_key(bad)
+    conn.set(seen, 1, ex=86400)  # RQ's mark of a stranded id, as a worker's check of the list sets it
     with conn.pipeline() as pipe:
         quarantine(pipe, unreadable[0], 60)
         pipe.execute()
     assert conn.lrange(queue.intermediate_queue_key, 0, -1) == [job.id.encode() for job in good]
+    assert not conn.exists(seen)  # (it outlived the job by a day)
     assert conn.zscore(rejected_key(name), bad) is not None and conn.get(f"rq:job:{bad}") == b"{}"
     conn.delete(f"rq:job:{bad}")
     # Each kept its TTL, not the set's, renewed by every rejection: it grew while one came a day.
@@ -1957,10 +1960,12 @@ def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_pulled_with_it_run(r
     assert [(u.raw_id, u.reason) for u in unreadable] == [(bad, NOT_TEXT_ID)]
     assert unreadable[0].job_id == bad.decode(errors="backslashreplace")
     assert conn.lrange(queues[0].intermediate_queue_key, 0, -1) == [bad] + [job.id.encode() for job in good]
+    seen = queues[0].intermediate_queue_key.encode() + b":first_seen:" + bad
+    conn.set(seen, 1, ex=86400)  # RQ's mark of a stranded id, by its bytes
     with conn.pipeline() as pipe:
         quarantine(pipe, unreadable[0], 60)
         pipe.execute()
-    assert bad not in conn.lrange(queues[0].intermediate_queue_key, 0, -1)
+    assert bad not in conn.lrange(queues[0].intermediate_queue_key, 0, -1) and not conn.exists(seen)
     assert conn.zscore(rejected_key(name), bad) is not None and not conn.exists(b"rq:job:" + bad)  # (no stub)
     queues[0].intermediate_queue.cleanup(None, queues[0])  # RQ's clean-up reads the list again without raising
 
@@ -3660,3 +3665,26 @@ def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_
                                                                               queued.job.id.encode()])  # fmt: skip
     assert int(conn.hget(worker.key, "failed_job_count")) == 1
     conn.delete("roseinfer:done:done-twice")
+
+
+@pytest.mark.parametrize("how", ["script", "no-lua"])
+def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how):
+    """A queued id whose job was deleted meanwhile is skipped, as RQ skips it: off the intermediate list, and RQ's
+    mark of it there too (it outlived the id by a day)."""
+    import uuid
+
+    from redis import Redis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.intake import MOVE_SCRIPT, PulledJob, pull
+
+    conn = Redis.from_url(redis_url)
+    queue = Queue(f"q-{uuid.uuid4().hex[:8]}", connection=conn, serializer=JSONSerializer)
+    gone = f"gone-{uuid.uuid4().hex[:6]}"
+    conn.lpush(queue.key, gone)
+    seen = queue.intermediate_queue.get_first_seen_key(gone)
+    conn.set(seen, 1, ex=86400)
+    script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
+    assert pull([queue], 10, None, conn, PulledJob, JSONSerializer, script) == ([], [])
+    assert conn.llen(queue.intermediate_queue_key) == 0 and not conn.exists(seen)

@@ -317,7 +317,10 @@ def _restore(
             unreadable.append(Unreadable(shown, queue, NOT_TEXT_ID, raw_id, is_hash=is_hash))
             continue
         if not raw:  # deleted meanwhile: RQ skips it too
-            connection.lrem(queue.intermediate_queue_key, 1, raw_id)
+            with connection.pipeline() as pipe:
+                pipe.lrem(queue.intermediate_queue_key, 1, raw_id)
+                pipe.delete(first_seen_key(queue, raw_id))
+                pipe.execute()
             continue
         if KEY_TYPE in raw:
             kind = raw[KEY_TYPE].decode() if isinstance(raw[KEY_TYPE], bytes) else str(raw[KEY_TYPE])
@@ -426,12 +429,19 @@ def diagnose(raw: dict, job_id: str, exc: Exception) -> str:
     return f"RQ cannot read this job: {type(exc).__name__}: {exc}"
 
 
+def first_seen_key(queue: Queue, job_id: str | bytes) -> bytes:
+    """RQ's mark of when a job id was first seen stranded in the queue's intermediate list (any id, text or not)."""
+    raw = job_id if isinstance(job_id, bytes) else job_id.encode()
+    return queue.intermediate_queue.get_first_seen_key("").encode() + raw
+
+
 def quarantine(pipe: redis.client.Pipeline, item: Unreadable, ttl: int) -> None:
     """Off the queue lists, status failed where the hash exists, and into ``roseinfer:rejected:<queue>`` (a sorted
     set by time, each kept ``ttl``) where an operator finds it; RQ's own registries never hold it, so its
     maintenance cannot trip."""
     queue, job_id = item.queue, item.raw_id or item.job_id
     pipe.lrem(queue.intermediate_queue_key, 0, job_id)
+    pipe.delete(first_seen_key(queue, job_id))  # (else it outlived the job by RQ's day)
     pipe.lrem(queue.key, 0, job_id)
     if item.is_hash:  # RQ found it and could not read it (an id not text: by its bytes; it stayed queued for good)
         key = Job.key_for(job_id) if item.raw_id is None else Job.redis_job_namespace_prefix.encode() + item.raw_id
