@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 pack=.gpu-pack
 rm -rf "$pack" && mkdir -p "$pack/whl" "$pack/redis"
 names="redis rq pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv croniter hiredis
-fakeredis typing_extensions py-spy prometheus-client llguidance"  # prometheus-client: the worker imports it;
-# llguidance: structured outputs
+fakeredis typing_extensions py-spy prometheus-client llguidance pytest-xdist execnet"  # prometheus-client: the worker
+# imports it; llguidance: structured outputs; pytest-xdist: pyproject's addopts name its --dist
 specs=$(python3 - $names <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version
