@@ -108,7 +108,9 @@ class QueueSettings(BaseSettings):
         "(as a second signal does); none: no limit. Give less than the orchestrator's grace before its kill",
     )  # fmt: skip
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="the worker's log level: INFO has a line per batch of jobs started and ended (-v: DEBUG)"
+        "INFO",
+        description="the worker's log level: INFO has a line per batch of jobs started and ended "
+        "(`roseinfer -v worker`: DEBUG)",
     )
     metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve Prometheus metrics on this port at /metrics (off by default)"
