@@ -157,19 +157,27 @@ def _gguf_work_once() -> Iterator[None]:
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:
+    from transformers import AutoConfig
+
     target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
         if (target / "config.json").is_file():  # (converted while this thread waited, too)
             return target
         with _gguf_work_once():
-            return _convert_gguf(gguf, name, target)
+            # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine
+            # refuses, and before anything of it is in the cache.
+            check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).model_type)
+            with cache_lock(name):  # the first process converts; the others wait for its folder
+                if (target / "config.json").is_file():
+                    return target
+                return _convert_gguf(gguf, name, target)
 
 
 def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine refuses.
-    check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).model_type)
     log.info("converting %s to safetensors in %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -184,7 +192,7 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict(), assign=True)
     fresh.tie_weights()
-    return save_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return write_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
@@ -208,38 +216,47 @@ def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
 
 
 def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
-    """The model folder ``name`` of the cache, written by ``save`` (into a folder of its own) unless it is there:
-    beside the target, then renamed, so concurrent workers never see half a folder; the first to start writes it
-    while the others wait for it, instead of each converting a copy of its own."""
+    """The model folder ``name`` of the cache, written by ``save`` unless it is there; the first process to start
+    writes it while the others wait for it, instead of each making a copy of its own."""
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _held(target.parent / f".{name}.lock"):
+    with cache_lock(name):
         if (target / "config.json").is_file():  # written while this process waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        return write_in_cache(name, save)
+
+
+def write_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
+    """The model folder ``name`` of the cache, written by ``save`` into a folder of its own beside it, then renamed,
+    so that no reader ever sees half a folder."""
+    target = cache_dir() / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        save(tmp)
         try:
-            save(tmp)
-            try:
-                tmp.rename(target)
-            except OSError:
-                if not (target / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
 @contextlib.contextmanager
-def _held(lock_path: Path) -> Iterator[None]:
-    """An exclusive lock of the file, between processes; released when its holder exits, however it exits."""
+def cache_lock(name: str) -> Iterator[None]:
+    """An exclusive lock of the cache's folder ``name``, between processes (a file beside it); released when its
+    holder exits, however it exits. Not reentrant: a process that holds it must not take it again."""
     try:
         import fcntl
     except ImportError:  # (not POSIX: the rename alone keeps a folder whole)
         yield
         return
-    with open(lock_path, "a") as lock:
+    path = cache_dir() / f".{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

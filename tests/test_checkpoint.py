@@ -4,6 +4,7 @@ still matches transformers' greedy output, in every file layout, and a checkpoin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -603,3 +604,23 @@ def test_workers_starting_together_convert_a_model_once_and_all_get_the_whole_fo
     assert len(saves) == 1
     assert got == [tmp_path / "cache" / "m"] * 3 and (got[0] / "config.json").is_file()
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == ["m"]
+
+
+@pytest.mark.slow  # two Python processes
+def test_processes_starting_together_on_a_gguf_convert_it_once(tmp_path):
+    """The lock was taken only around the cache's write: each process still spent the whole conversion (minutes
+    for a large model) for a folder only the first one's rename kept."""
+    path = tmp_path / "tiny-llama.gguf"
+    _write_tiny_llama_gguf(path)
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from roseinfer.model_loader import resolve_model\n"
+        f"print(resolve_model({str(path)!r}))\n"
+    )
+    env = {**os.environ, "ROSEINFER_CACHE_DIR": str(tmp_path / "cache")}
+    run = [sys.executable, "-c", code]
+    procs = [subprocess.Popen(run, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+    outs = [proc.communicate(timeout=240) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1 and Path(outs[0][0].strip(), "config.json").is_file()
+    assert sum("(once)" in err for _, err in outs) == 1  # one conversion; the other waited for its folder
