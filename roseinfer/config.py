@@ -69,6 +69,17 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     return value.strip().lower()
 
 
+BF16_GEMM_CHOICES = ("bfloat16", "float32")
+
+
+def check_engine_env() -> None:
+    """The engine's own variables, read at its start whatever its device and dtype: each is read only where it
+    applies (a GPU reads none), and a misspelt value there would wait, silent, for the machine where it does."""
+    env_switch("ROSEINFER_CPU_KERNELS", True)
+    env_switch("ROSEINFER_MALLOC_TUNING", True)
+    env_choice("ROSEINFER_BF16_GEMM", BF16_GEMM_CHOICES)
+
+
 def cache_dir() -> Path:
     """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``)."""
     return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))

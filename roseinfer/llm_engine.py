@@ -19,7 +19,7 @@ import torch
 from roseinfer.attention import select_attention_backend
 from roseinfer.block_manager import KVCacheManager
 from roseinfer.checkpoint import CheckpointError
-from roseinfer.config import ConfigError, EngineConfig
+from roseinfer.config import ConfigError, EngineConfig, check_engine_env
 from roseinfer.cpu_allocator import keep_freed_memory, release_freed_memory, reserve_heap
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
@@ -64,6 +64,7 @@ GC_YOUNG_THRESHOLD = 10_000  # allocations between two collections of the younge
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        check_engine_env()
         self.config = config
         self.device = torch.device(config.device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None

@@ -463,7 +463,7 @@ def test_the_payloads_list_and_constraint_bounds_are_the_engines():
         assert getattr(payload, name) == getattr(engine, name), name
 
 
-def test_the_engines_own_switches_read_the_usual_words_and_refuse_the_rest(monkeypatch):
+def test_the_engines_own_switches_read_the_usual_words_and_refuse_the_rest(monkeypatch, tmp_path):
     """``ROSEINFER_CPU_KERNELS=false`` meant off and kept the kernels on (only "0" was off); a misspelt
     ``ROSEINFER_BF16_GEMM`` was the timing's choice, in silence."""
     import roseinfer.kernels as kernels
@@ -485,3 +485,14 @@ def test_the_engines_own_switches_read_the_usual_words_and_refuse_the_rest(monke
     monkeypatch.setenv("ROSEINFER_BF16_GEMM", "fp32")
     with pytest.raises(ConfigError, match="write one of bfloat16, float32, or leave it unset"):
         env_choice("ROSEINFER_BF16_GEMM", ("bfloat16", "float32"))
+    # Refused by any engine at its start, also one that would never read it (float32 weights here).
+    from roseinfer import LLM
+    from roseinfer.tiny_models import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="ROSEINFER_BF16_GEMM='fp32'"):
+        LLM(model, dtype="float32")
+    monkeypatch.delenv("ROSEINFER_BF16_GEMM")
+    monkeypatch.setenv("ROSEINFER_MALLOC_TUNING", "nope")
+    with pytest.raises(ConfigError, match="ROSEINFER_MALLOC_TUNING='nope'"):
+        LLM(model, dtype="float32")

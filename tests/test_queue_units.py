@@ -2189,6 +2189,15 @@ def test_a_job_pulled_again_later_is_not_queued_again_as_it_starts(redis_url, wa
     monkeypatch.setattr(StartedJobRegistry, "get_job_ids", starting)
     worker._requeue_stranded(queue)
     assert not conn.exists(seen) and not conn.lpos(queue.intermediate_queue_key, job.id)
+    monkeypatch.undo()
+    # Deleted while it sat there: the next pass drops the id, and its mark with it (a day's leftover before).
+    conn.rpush(queue.intermediate_queue_key, job.id)
+    conn.delete(queue.started_job_registry.key)
+    worker._requeue_stranded(queue)
+    assert conn.exists(seen)
+    conn.delete(job.key)
+    worker._requeue_stranded(queue)
+    assert not conn.exists(seen) and conn.llen(queue.intermediate_queue_key) == 0
 
 
 @pytest.mark.redis
@@ -3646,17 +3655,38 @@ def _worker_without_engine(redis_url: str):
     return conn, name, worker
 
 
-def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_written_once(redis_url):
+def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_written_once(redis_url, monkeypatch):
     """The sender runs an end again when Redis took it but its reply was lost: a job refused at the pull wrote its
     failure twice (two records, two completion-list entries, its failure callback twice); a job canceled while
-    queued, its canceled record and entry twice."""
+    queued, its canceled record and entry twice. The rest of the end is done once all the same (its count, its
+    rate-limit slot freed)."""
+    import redis
+
     conn, worker, _, [refused, queued] = _running_jobs(redis_url, count=2, notify="done-twice")
     worker.in_flight.clear()
     worker._fail(refused.job, refused.queue, refused.execution, refused.request, refused.stream, "no such thing")
     queued.job.set_status("canceled")  # (as any client's HSET of it, read at the pull)
     worker._never_ran(queued.job, queued.queue, queued.stream)
-    for end in worker._tasks * 2:  # (the second time as the sender's try again after a lost reply)
-        end()
+    ended, freed = [], []
+    monkeypatch.setattr(worker.metrics, "job_ended", lambda how, _: ended.append(how))
+    monkeypatch.setattr(worker, "_free_slot", lambda job: freed.append(job.id))
+    execute = redis.client.Pipeline.execute
+
+    def reply_lost(self, *args, **kwargs):  # it lands, and its reply never comes back
+        execute(self, *args, **kwargs)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    def check_lost(*args):  # (RQ logs a failed write of a failure; the check after it reads whether it landed)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    for end in worker._tasks:
+        with monkeypatch.context() as patch:
+            patch.setattr(redis.client.Pipeline, "execute", reply_lost)
+            patch.setattr(worker, "_check_end_landed", check_lost)
+            with pytest.raises(redis.ConnectionError):
+                end()
+        end()  # the sender's try again
+    assert ended == ["rejected", "canceled"] and freed == [queued.job.id]
     [failed] = refused.job.results()
     assert failed.type == failed.Type.FAILED and failed.return_value["error"] == "no such thing"
     [canceled] = queued.job.results()

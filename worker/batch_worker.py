@@ -412,8 +412,11 @@ class BatchWorker(BaseWorker):
         for job_id in job_ids:
             if job_id in started:
                 continue
-            if not self.connection.exists(Job.key_for(job_id)):
-                stranded.remove(job_id)  # (deleted meanwhile)
+            if not self.connection.exists(Job.key_for(job_id)):  # deleted meanwhile: its mark goes with it
+                with self.connection.pipeline() as pipe:
+                    pipe.lrem(stranded.key, 1, job_id)
+                    pipe.delete(stranded.get_first_seen_key(job_id))
+                    pipe.execute()
             elif stranded.set_first_seen(job_id):
                 # Set after a start took the job out of the list (and deleted its mark): the mark outlived the job,
                 # a day, for nothing. Looked at after the SET, so a start that comes later still deletes it.
@@ -1227,13 +1230,12 @@ class BatchWorker(BaseWorker):
 
         def end() -> None:
             # A try whose reply was lost landed all the same: its record is there (its callback ran, too).
-            if tried and self._latest_result_has(job.id, b"execution_id", execution.id):
-                return
-            tried.append(True)
-            job.retries_left = None
-            ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
-            result = failure_result(job.id, ending, error, error_type="invalid_request")
-            self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
+            if not (tried and self._latest_result_has(job.id, b"execution_id", execution.id)):
+                tried.append(True)
+                job.retries_left = None
+                ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
+                result = failure_result(job.id, ending, error, error_type="invalid_request")
+                self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
             self.metrics.job_ended("rejected", None)
 
         self._tasks.append(end)
@@ -1249,18 +1251,17 @@ class BatchWorker(BaseWorker):
 
         def end() -> None:
             # A try whose reply was lost landed all the same (its entry is the one of this end's time).
-            if tried and self._latest_result_has(job.id, b"execution_ended_at", str(ended.timestamp())):
-                return
-            tried.append(True)
-            ending = job_ending(job)
-            result = canceled_result(job.id, ending, f"job {status} before it ran")
-            with self.connection.pipeline() as pipe:
-                entry = result_entry(result, Result.Type.STOPPED, self.name, ended=ended)
-                self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
-                pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
-                pipe.expire(job.key, self.settings.result_ttl)
-                pipe.execute()
+            if not (tried and self._latest_result_has(job.id, b"execution_ended_at", str(ended.timestamp()))):
+                tried.append(True)
+                ending = job_ending(job)
+                result = canceled_result(job.id, ending, f"job {status} before it ran")
+                with self.connection.pipeline() as pipe:
+                    entry = result_entry(result, Result.Type.STOPPED, self.name, ended=ended)
+                    self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                    queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
+                    pipe.expire(job.key, self.settings.result_ttl)
+                    pipe.execute()
             self._free_slot(job)
             self.metrics.job_ended("canceled", None)
 

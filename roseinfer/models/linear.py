@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from roseinfer.checkpoint import Checkpoint
-from roseinfer.config import env_choice
+from roseinfer.config import BF16_GEMM_CHOICES, env_choice
 from roseinfer.kernels import dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def bfloat16_gemm_is_slower() -> bool:
     a small model's size). So it is where AVX-512 BF16's dot products issue at half the rate of float32 FMAs and
     no AMX tiles are exposed (an Intel Xeon in a VM, seen: 150 vs 198 GFLOP/s); where the CPU has AMX, or on AMD
     Zen 4, bfloat16 is the faster. ``ROSEINFER_BF16_GEMM=bfloat16|float32`` decides instead of the timing."""
-    forced = env_choice("ROSEINFER_BF16_GEMM", ("bfloat16", "float32"))
+    forced = env_choice("ROSEINFER_BF16_GEMM", BF16_GEMM_CHOICES)
     if forced is not None:
         return forced == "float32"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
