@@ -59,32 +59,52 @@ def test_a_database_that_is_not_a_number_is_refused_not_taken_for_0(url):
     assert connect("redis://127.0.0.1:6379/3").connection_pool.connection_kwargs["db"] == 3
 
 
+class PortTaken(Exception):
+    """A port picked as free was another process's by the time a server of the setup bound it."""
+
+
 class SentinelSetup:
     """A primary and a replica (AOF on, fsync every second) and one sentinel watching them, on free ports."""
 
     def __init__(self, tmp_path) -> None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.primary, self.replica, self.sentinel = free_port(), free_port(), free_port()
         for port, extra in ((self.primary, []), (self.replica, ["--replicaof", "127.0.0.1", str(self.primary)])):
             folder = tmp_path / f"redis-{port}"
             folder.mkdir()
             cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes"]
-            self._start([*cmd, "--appendfsync", "everysec", "--dir", str(folder), *extra])
+            self._start([*cmd, "--appendfsync", "everysec", "--dir", str(folder), *extra], port)
         conf = tmp_path / "sentinel.conf"
         conf.write_text(
             f"port {self.sentinel}\nbind 127.0.0.1\ndir {tmp_path}\n"
             f"sentinel monitor roseinfer 127.0.0.1 {self.primary} 1\n"
             "sentinel down-after-milliseconds roseinfer 2000\nsentinel failover-timeout roseinfer 10000\n"
         )
-        self._start(["redis-server", str(conf), "--sentinel"])
+        self._start(["redis-server", str(conf), "--sentinel"], self.sentinel)
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel}/roseinfer"
         deadline = time.time() + 30
         while not self._replica_known():
             assert time.time() < deadline, "the sentinel never saw the replica"
             time.sleep(0.1)
 
-    def _start(self, cmd: list[str]) -> None:
-        self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    def _start(self, cmd: list[str], port: int) -> None:
+        """Started and answering on ``port`` itself: a free port another process took first (a test on the other
+        xdist worker) would have this setup fail over someone else's Redis."""
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        deadline = time.time() + 10
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                owner = int(Redis(port=port).info("server")["process_id"])
+            except Exception:
+                time.sleep(0.05)
+                continue
+            if owner == proc.pid:
+                return
+            break
+        self.stop()
+        raise PortTaken(port)
 
     def _replica_known(self) -> bool:
         try:
@@ -103,14 +123,25 @@ class SentinelSetup:
         for proc in self.procs:
             proc.terminate()
         for proc in self.procs:
-            proc.wait(timeout=10)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # (a replica stopped while it syncs can take longer)
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 @pytest.fixture
 def sentinel(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    setup = SentinelSetup(tmp_path)
+    for attempt in range(3):
+        try:
+            setup = SentinelSetup(tmp_path / f"try-{attempt}")
+            break
+        except PortTaken:
+            continue
+    else:
+        pytest.fail("three sets of free ports were each taken before the servers bound them")
     yield setup
     setup.stop()
 
