@@ -388,8 +388,11 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
     held: list[socket.socket] = []
     try:
         deadline = time.monotonic() + 30
-        while getattr(worker.worker, "pubsub_thread", None) is None and time.monotonic() < deadline:
+        # Started whole (its command listener, then its sender's scripts, its puller, its heartbeat): a Redis gone
+        # in the middle of its start is an error of the start (CI met it, the test's worker dead of it).
+        while getattr(worker.worker._heartbeat, "_thread", None) is None and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert worker.worker.pubsub_thread is not None and worker.thread.is_alive()
         redis_proc.terminate()
         redis_proc.wait(timeout=10)
         # The port answers again, but nothing on it speaks: the listener's reconnect connects, then times out.
