@@ -3718,3 +3718,24 @@ def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how):
     script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
     assert pull([queue], 10, None, conn, PulledJob, JSONSerializer, script) == ([], [])
     assert conn.llen(queue.intermediate_queue_key) == 0 and not conn.exists(seen)
+
+
+def test_an_unreadable_job_moved_aside_again_after_a_lost_reply_has_one_record(redis_url):
+    """Its end, tried again by the sender after a lost reply, wrote a second failed record (its pipeline is not a
+    transaction: the record landed, or not, apart from the rest)."""
+    from rq.job import Job
+
+    from producer.protocol import rejected_key
+    from worker.intake import Unreadable
+    from worker.publisher import JobStream
+
+    conn, worker, name, _ = _running_jobs(redis_url)  # (its one job aside)
+    bad = f"bad-{uuid.uuid4().hex[:6]}"
+    conn.hset(f"rq:job:{bad}", mapping={"status": "queued", "data": "not json"})
+    conn.rpush(worker.queues[0].intermediate_queue_key, bad)
+    worker._reject_unreadable(Unreadable(bad, worker.queues[0], "RQ cannot read this job"), JobStream(bad))
+    for end in worker._tasks * 2:  # (the second time as the sender's try again after a lost reply)
+        end()
+    assert conn.xlen(f"rq:results:{bad}") == 1
+    assert conn.zscore(rejected_key(name), bad) is not None and conn.hget(Job.key_for(bad), "status") == b"failed"
+    assert conn.llen(worker.queues[0].intermediate_queue_key) == 0

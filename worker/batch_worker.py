@@ -1284,13 +1284,22 @@ class BatchWorker(BaseWorker):
             stream.start(can_resume=False)  # (as a job canceled before it ran)
             self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
 
+        ended, tried = now(), []
+
         def end() -> None:
+            # A try whose reply was lost may have landed: its entry (of this end's time) is not written twice.
+            landed = (
+                stream is not None
+                and bool(tried)
+                and self._latest_result_has(item.job_id, b"execution_ended_at", str(ended.timestamp()))
+            )
+            tried.append(True)
             with self.connection.pipeline(transaction=False) as pipe:
-                if stream is not None:
+                if stream is not None and not landed:  # (an id that is not text: never a result)
                     result = failure_result(item.job_id, None, item.reason, error_type="invalid_request")
-                    entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason)
+                    entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason, ended=ended)
                     self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
-                quarantine(pipe, item, self.settings.result_ttl)
+                quarantine(pipe, item, self.settings.result_ttl)  # (all of it as good again as once)
                 pipe.execute()
             self.metrics.job_ended("rejected", None)
 
