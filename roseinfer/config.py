@@ -47,26 +47,27 @@ def parse_size(value: int | float | str) -> int:
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+def _env_word(name: str) -> str | None:
+    """A variable's value, trimmed and in lower case; None where it is unset or empty."""
+    return os.environ.get(name, "").strip().lower() or None
+
+
 def env_switch(name: str, default: bool) -> bool:
     """An on/off variable the engine reads itself: 1/0, true/false, yes/no, on/off in any case; unset or empty, the
     default. Any other value is refused (``=false`` meant off, and kept the default, on)."""
-    value = os.environ.get(name, "")
-    if not value.strip():
-        return default
-    if value.strip().lower() not in _SWITCH:
-        raise ConfigError(f"{name}={value!r}: write 1 or 0 (or true/false, yes/no, on/off)")
-    return _SWITCH[value.strip().lower()]
+    word = _env_word(name)
+    if word is not None and word not in _SWITCH:
+        raise ConfigError(f"{name}={os.environ[name]!r}: write 1 or 0 (or true/false, yes/no, on/off)")
+    return default if word is None else _SWITCH[word]
 
 
 def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     """One of ``choices`` from a variable the engine reads itself (None where unset or empty); any other value is
     refused, naming them."""
-    value = os.environ.get(name, "")
-    if not value.strip():
-        return None
-    if value.strip().lower() not in choices:
-        raise ConfigError(f"{name}={value!r}: write one of {', '.join(choices)}, or leave it unset")
-    return value.strip().lower()
+    word = _env_word(name)
+    if word is not None and word not in choices:
+        raise ConfigError(f"{name}={os.environ[name]!r}: write one of {', '.join(choices)}, or leave it unset")
+    return word
 
 
 BF16_GEMM_CHOICES = ("bfloat16", "float32")

@@ -157,11 +157,11 @@ def _gguf_work_once() -> Iterator[None]:
 
 
 def convert_gguf(gguf: Path, name: str) -> Path:
+    target = cache_dir() / name
+    if (target / "config.json").is_file():  # (without importing transformers: seconds)
+        return target
     from transformers import AutoConfig
 
-    target = cache_dir() / name
-    if (target / "config.json").is_file():
-        return target
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
         if (target / "config.json").is_file():  # (converted while this thread waited, too)
             return target

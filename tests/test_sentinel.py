@@ -14,7 +14,7 @@ from redis import Redis
 from producer import Client
 from producer.connection import InvalidRedisURL, SentinelURL, parse_sentinel_url
 from producer.protocol import event_from_stream
-from worker.local_redis import free_port
+from worker.local_redis import free_port, serves
 
 
 @pytest.mark.parametrize(
@@ -93,18 +93,9 @@ class SentinelSetup:
         xdist worker) would have this setup fail over someone else's Redis."""
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(proc)
-        deadline = time.time() + 10
-        while proc.poll() is None and time.time() < deadline:
-            try:
-                owner = int(Redis(port=port).info("server")["process_id"])
-            except Exception:
-                time.sleep(0.05)
-                continue
-            if owner == proc.pid:
-                return
-            break
-        self.stop()
-        raise PortTaken(port)
+        if not serves(proc, port, timeout=10):
+            self.stop()
+            raise PortTaken(port)
 
     def _replica_known(self) -> bool:
         try:

@@ -1226,12 +1226,12 @@ class BatchWorker(BaseWorker):
     ) -> None:
         """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
         self.publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")
-        tried = []
+        tries: list[bool] = []
 
         def end() -> None:
-            # A try whose reply was lost landed all the same: its record is there (its callback ran, too).
-            if not (tried and self._latest_result_has(job.id, b"execution_id", execution.id)):
-                tried.append(True)
+            if not self._written_before(  # (an earlier try's record: its failure callback ran with it)
+                tries, job.id, b"execution_id", execution.id
+            ):
                 job.retries_left = None
                 ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
                 result = failure_result(job.id, ending, error, error_type="invalid_request")
@@ -1247,12 +1247,10 @@ class BatchWorker(BaseWorker):
         log.info("job %s was %s while queued: not run", job.id, status)
         stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
         self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
-        ended, tried = now(), []
+        ended, tries = now(), []
 
         def end() -> None:
-            # A try whose reply was lost landed all the same (its entry is the one of this end's time).
-            if not (tried and self._latest_result_has(job.id, b"execution_ended_at", str(ended.timestamp()))):
-                tried.append(True)
+            if not self._written_before(tries, job.id, b"execution_ended_at", str(ended.timestamp())):
                 ending = job_ending(job)
                 result = canceled_result(job.id, ending, f"job {status} before it ran")
                 with self.connection.pipeline() as pipe:
@@ -1284,18 +1282,14 @@ class BatchWorker(BaseWorker):
             stream.start(can_resume=False)  # (as a job canceled before it ran)
             self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
 
-        ended, tried = now(), []
+        ended, tries = now(), []
 
         def end() -> None:
-            # A try whose reply was lost may have landed: its entry (of this end's time) is not written twice.
-            landed = (
-                stream is not None
-                and bool(tried)
-                and self._latest_result_has(item.job_id, b"execution_ended_at", str(ended.timestamp()))
-            )
-            tried.append(True)
             with self.connection.pipeline(transaction=False) as pipe:
-                if stream is not None and not landed:  # (an id that is not text: never a result)
+                # (an id that is not text: never a result)
+                if stream is not None and not self._written_before(
+                    tries, item.job_id, b"execution_ended_at", str(ended.timestamp())
+                ):
                     result = failure_result(item.job_id, None, item.reason, error_type="invalid_request")
                     entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason, ended=ended)
                     self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
@@ -1324,6 +1318,13 @@ class BatchWorker(BaseWorker):
     def _recorded(self, job: InFlight) -> bool:
         """Whether the job's latest result is this attempt's (an earlier try of its end wrote it with the status)."""
         return self._latest_result_has(job.job.id, b"execution_id", job.execution.id)
+
+    def _written_before(self, tries: list[bool], job_id: str, field: bytes, value: str) -> bool:
+        """For an end the sender may run again: whether an earlier try of it wrote its record already (it landed,
+        and its reply was lost), known by ``value`` in ``field`` of the job's latest record. Counts this try."""
+        earlier = bool(tries) and self._latest_result_has(job_id, field, value)
+        tries.append(True)
+        return earlier
 
     def _latest_result_has(self, job_id: str, field: bytes, value: str) -> bool:
         """Whether the latest entry of the job's result stream holds ``value`` in ``field``."""

@@ -36,20 +36,24 @@ def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | Non
     url = f"redis://127.0.0.1:{port}/0"
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen([*cmd, "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with Redis(port=port) as client:
-        for _ in range(100):
-            if proc.poll() is not None:  # it could not bind the port
-                return url, None
-            try:
-                # Whoever answers must be our process: another's server on that port would be shared, and flushed.
-                if int(client.info("server")["process_id"]) == proc.pid:
-                    return url, proc
-                break
-            except Exception:
-                time.sleep(0.05)
+    if serves(proc, port):
+        return url, proc
     proc.kill()
     proc.wait()
     return url, None
+
+
+def serves(proc: subprocess.Popen, port: int, timeout: float = 5.0) -> bool:
+    """Whether the server started as ``proc`` answers on ``port`` itself (waited for up to ``timeout``): a free
+    port another process took first answers as that one's server, which would be shared, and flushed."""
+    deadline = time.monotonic() + timeout
+    with Redis(port=port) as client:
+        while proc.poll() is None and time.monotonic() < deadline:  # (exited: it could not bind the port)
+            try:
+                return int(client.info("server")["process_id"]) == proc.pid
+            except Exception:
+                time.sleep(0.05)
+    return False
 
 
 def start_embedded_redis() -> str:
