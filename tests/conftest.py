@@ -285,6 +285,18 @@ class ThreadWorker:
         self.errors: list[BaseException] = []  # what ended work() by raising (a thread's error is only a warning)
         self.thread = threading.Thread(target=self._work, daemon=True)
         self.thread.start()
+        self._wait_listed()
+
+    def _wait_listed(self) -> None:
+        """Back once clients see the worker (registered, its statistics written), or once its work() ended: a
+        server listed no model to a request sent the moment the thread started (CI)."""
+        from producer import Client
+
+        client = Client(self.settings.redis_url, queue=self.queue)
+        deadline = time.time() + 60
+        while self.thread.is_alive() and self.worker.name not in [row["name"] for row in client.workers()]:
+            assert time.time() < deadline, "the worker did not start"
+            time.sleep(0.02)
 
     def _work(self) -> None:
         try:

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -141,8 +142,10 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
     slow_engine_steps(monkeypatch, w.worker.engine, 0.01)
 
     on_their_way = []
+    entered = threading.Event()
 
     def refused(*args, **kwargs):
+        entered.set()
         deadline = time.monotonic() + 30
         while not taken_in and not w.worker.puller.unapplied() and time.monotonic() < deadline:
             time.sleep(0.01)  # (the maintenance after the pull, before the loop takes the jobs in)
@@ -153,6 +156,8 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
         monkeypatch.setattr(w.worker, "run_maintenance_tasks", refused)
     try:
         client = Client(url, queue=w.queue, retries=0)
+        # On their way: sent while the loop is inside its maintenance, so the puller starts them meanwhile.
+        assert taken_in or entered.wait(30)
         jobs = client.submit_many([{"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True} for i in range(2)])
         deadline = time.monotonic() + 30
         while taken_in and not all(job.id in w.worker.in_flight for job in jobs) and time.monotonic() < deadline:
