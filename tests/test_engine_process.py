@@ -279,6 +279,17 @@ def _hanging_with_two_jobs(step_timeout: float) -> EngineProcess:
     return pump
 
 
+def _until_stuck_in_the_third_step(pump: EngineProcess) -> None:
+    """Until the child of ``engine_that_hangs_on_its_third_step`` reported two steps, and a moment more: it is stuck
+    in the third (a fixed sleep after its first step was not enough on a loaded machine)."""
+    deadline, steps = time.monotonic() + 30, 0
+    while steps < 2:
+        assert time.monotonic() < deadline, "the engine process made no two steps"
+        pump.step()
+        steps += len(pump.take_step_times())
+    time.sleep(0.2)  # (from its second step's report to the third's hang: a few bytecodes)
+
+
 def _ended(pump: EngineProcess, count: int, limit_s: float = 30.0) -> list:
     """The final events of the pump's next steps, until ``count`` jobs ended (or ``limit_s`` passed)."""
     began, ended = time.monotonic(), []
@@ -362,9 +373,7 @@ def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog()
     pump = EngineProcess(partial(engine_that_hangs_on_its_third_step, True), step_timeout=1.0)
     try:
         pump.submit("first", {"prompt": "x"}, _params(10_000))
-        while not pump.step():  # its first steps ran
-            pass
-        time.sleep(0.3)  # now stuck in the third
+        _until_stuck_in_the_third_step(pump)
         for i in range(300):  # ~600 kB of prompts: far past what the pipe holds
             pump.submit(f"big{i}", {"prompt": f"{i} " + "y" * 2000}, _params(10))  # (distinct: pickled apart)
         ended = _ended(pump, 301)
@@ -384,9 +393,7 @@ def test_a_send_to_a_hung_engine_process_with_a_full_pipe_ends_at_the_watchdog()
 def test_a_cancel_waiting_on_a_hung_engine_process_ends_at_the_watchdog():
     pump = _hanging_with_two_jobs(step_timeout=1.5)
     try:
-        while not pump.step():  # its first steps ran
-            pass
-        time.sleep(0.2)  # now stuck in the third
+        _until_stuck_in_the_third_step(pump)
         [ended] = pump.cancel("a", "canceled by its producer")
         assert ended.finish_reason == "error" and pump.failure and "hung" in pump.failure
         [b] = [e for e in pump.step() if e.finished]
@@ -527,14 +534,18 @@ def test_jobs_submitted_after_the_engine_process_died_are_named_unsent_and_fail_
         pump.close()
 
 
+def _wait_taken_in(worker, job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while job_id not in worker.in_flight:
+        assert time.monotonic() < deadline, "the worker never took the job in"
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_a_worker_whose_engine_process_dies_fails_its_jobs_for_retry_and_stops():
-    _worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
+    worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
     job = client.submit("long", max_tokens=100_000)
-    for _ in range(200):
-        if job.status() == "started":
-            break
-        time.sleep(0.02)
+    _wait_taken_in(worker, job.id)  # (started is said before the loop takes it in: a death then hands it back)
     os.kill(engine.pid, signal.SIGKILL)
     thread.join(timeout=30)
     assert not thread.is_alive() and isinstance(crashed[0], EngineProcessDied)
@@ -552,10 +563,7 @@ def test_a_stop_job_heard_in_the_step_the_engine_process_died_stops_the_job_inst
 
     worker, engine, client, thread, crashed = _worker_with_engine_process(step_s=0.01)
     job = client.submit("long", max_tokens=100_000)
-    for _ in range(500):
-        if job.id in worker.in_flight:
-            break
-        time.sleep(0.02)
+    _wait_taken_in(worker, job.id)
     step = engine.step
 
     def dying_step(flush: bool = True):
@@ -842,3 +850,19 @@ def test_a_message_the_child_cannot_read_ends_it_instead_of_leaving_it_deaf():
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     _read_commands(Pipe(), inbox)
     assert inbox.get(timeout=1) is None
+
+
+@pytest.mark.slow
+def test_a_hang_both_watchdogs_find_is_one_kill_with_the_first_ones_reason(caplog):
+    """A send slow past the timeout (the send watchdog's thread kills), then the step after it (the step loop's own
+    watchdog): the second killed again, its stacks a second more, and its reason replaced the first's."""
+    pump = _hanging_with_two_jobs(step_timeout=60)
+    try:
+        _until_stuck_in_the_third_step(pump)
+        first = pump._hung("took no command")
+        again = pump._hung()
+        assert str(first) == str(again) == pump.failure and "took no command" in pump.failure
+        assert sum("its stacks first" in r.getMessage() for r in caplog.records) == 1
+        assert pump._proc.exitcode == -signal.SIGKILL
+    finally:
+        pump.close()

@@ -265,6 +265,7 @@ class EngineProcess:
         self._quiet_since = time.monotonic()  # the child's last message, or when it last owed none
         self._sending_since: float | None = None  # when the send under way began
         self._closed = threading.Event()
+        self._killing = threading.Lock()  # the send watchdog's thread and the step loop may both find it hung
         if step_timeout:
             threading.Thread(target=self._watch_sends, name="roseinfer-engine-watchdog", daemon=True).start()
         # As long as it lives, unless ``start_timeout`` says otherwise: loading (or first downloading) a large
@@ -522,14 +523,17 @@ class EngineProcess:
 
     def _hung(self, what: str = "made no step") -> EngineProcessDied:
         """Kill a child that held jobs and said nothing (or took no command) for ``step_timeout`` s, after it printed
-        where it is stuck. The failure is set first: the puller takes no job from then on."""
-        self._failure = f"the engine process {what} for {self._step_timeout:.0f} s (hung) and was killed"
-        log.error("%s; %d jobs held; its stacks first:", self._failure, len(self._jobs))
-        with contextlib.suppress(OSError, TypeError):
-            os.kill(self._proc.pid, signal.SIGUSR1)
-            time.sleep(1)  # for the stacks to reach the log
-        _kill(self._proc)
-        return EngineProcessDied(self._failure)
+        where it is stuck. The failure is set first: the puller takes no job from then on. Found by both watchdogs
+        (a send slow past the timeout, then the step after it): one kill, and the first one's reason."""
+        with self._killing:
+            if self._failure is None:
+                self._failure = f"the engine process {what} for {self._step_timeout:.0f} s (hung) and was killed"
+                log.error("%s; %d jobs held; its stacks first:", self._failure, len(self._jobs))
+                with contextlib.suppress(OSError, TypeError):
+                    os.kill(self._proc.pid, signal.SIGUSR1)
+                    time.sleep(1)  # for the stacks to reach the log
+            _kill(self._proc)
+            return EngineProcessDied(self._failure)
 
     def _hung_and_read(self) -> EngineProcessDied:
         """``_hung``, then what the child sent meanwhile (the second its stacks took): a step it finished after all
