@@ -425,9 +425,13 @@ def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeyp
 
     class Server:
         stopped = False
+        args = ()
 
         def terminate(self):
             Server.stopped = True
+
+        def wait(self, timeout=None):
+            return 0
 
     monkeypatch.setattr(local_redis, "start_private_redis", lambda: ("redis://127.0.0.1:1/0", Server()))
     with pytest.raises(ValidationError):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ThreadWorker, slow_engine_steps, with_slow_steps
@@ -20,7 +21,7 @@ from redis import Redis
 from rq.command import send_shutdown_command
 
 from producer import Client, JobCanceled, JobFailed
-from worker.local_redis import free_port, start_private_redis
+from worker.local_redis import free_port, start_private_redis, stop_private_redis
 from worker.main import UnsafeRedis, check_eviction_policy
 
 pytestmark = pytest.mark.redis
@@ -33,8 +34,7 @@ def own_redis():
     if proc is None:
         pytest.skip("could not start redis-server")
     yield url, Redis.from_url(url)
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_private_redis(proc)
 
 
 def test_a_private_redis_never_takes_a_port_another_server_answers_on(own_redis, monkeypatch):
@@ -50,8 +50,19 @@ def test_a_private_redis_never_takes_a_port_another_server_answers_on(own_redis,
         assert proc is not None and url != taken_url
         assert int(Redis.from_url(url).info("server")["process_id"]) == proc.pid
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_private_redis(proc)
+
+
+def test_a_stopped_private_redis_is_gone_with_its_folder():
+    """`roseinfer serve --embedded` and the benches only sent SIGTERM: their redis-server outlived them (orphaned,
+    for the time its exit took) and each start left a folder in the temporary directory."""
+    _, proc = start_private_redis()
+    if proc is None:
+        pytest.skip("could not start redis-server")
+    folder = Path(proc.args[proc.args.index("--dir") + 1])
+    assert folder.is_dir()
+    stop_private_redis(proc)
+    assert proc.returncode is not None and not folder.exists()
 
 
 def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog, capsys):
@@ -562,7 +573,9 @@ def test_a_redis_user_without_channels_gets_its_streams_and_cancels_and_says_so_
             pieces = list(done.stream(timeout=60))
             assert "".join(pieces) == done.result(timeout=30)["text"] and len(pieces) >= 1
             long = client.submit("Go on", max_tokens=100_000, ignore_eos=True)
+            deadline = time.monotonic() + 30
             while not conn.xlen(f"roseinfer:stream:{long.id}"):
+                assert time.monotonic() < deadline, "no event of the long job"
                 time.sleep(0.02)
             assert long.cancel()
             with pytest.raises(JobCanceled) as ended:  # its partial result kept

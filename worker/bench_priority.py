@@ -14,7 +14,7 @@ import time
 from producer.protocol import BULK_PRIORITY
 from worker.bench_queue import _wait_for_worker
 from worker.cli import worker_command
-from worker.local_redis import start_private_redis
+from worker.local_redis import start_private_redis, stop_private_redis
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,5 +94,5 @@ def main(args: argparse.Namespace) -> int:
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     return 0

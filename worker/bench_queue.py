@@ -37,7 +37,7 @@ from roseinfer.bench import (
 )
 from roseinfer.config import engine_config_from_args
 from worker.cli import engine_flags, worker_command
-from worker.local_redis import start_private_redis
+from worker.local_redis import start_private_redis, stop_private_redis
 
 
 def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -329,8 +329,7 @@ def main(args: argparse.Namespace) -> int:
         del llm
         stock = run_stock_rq(args, url, convs, model_path) if args.stock_jobs else None
     finally:
-        if redis_proc is not None:
-            redis_proc.terminate()
+        stop_private_redis(redis_proc)
     engine, streamed, queued = (
         median_run(rows, lambda r: r["tokens_per_s"]) for rows in (engine_rows, streamed_rows, redis_rows)
     )

@@ -27,7 +27,7 @@ from roseinfer.bench import add_workload_arguments, load_prompts, resolve_model_
 from roseinfer.config import engine_config_from_args, set_engine_defaults
 from worker.bench_queue import _wait_for_worker
 from worker.cli import engine_flags, worker_command
-from worker.local_redis import start_private_redis
+from worker.local_redis import start_private_redis, stop_private_redis
 
 _WORKER_RATE = 30_000  # tokens/s of one GPU worker, the fleet figure the issue asks about
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             conn.config_set(name, value)
         except ResponseError as exc:
-            redis_proc.terminate()
+            stop_private_redis(redis_proc)
             raise SystemExit(f"--redis-config {name}={value}: redis-server refused it ({exc})") from None
     queue = "bench-redis"
     config = engine_config_from_args(args)
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         worker.terminate()
         worker.wait(timeout=120)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     us_per_token = cpu / tokens * 1e6
     return {
         "follower": "every channel (PSUBSCRIBE)" if args.follow == "all" else "one job's channel",

@@ -19,7 +19,7 @@ from pathlib import Path
 from roseinfer.bench import DEFAULT_WORKLOAD, percentile
 from worker.bench_queue import _wait_for_worker
 from worker.cli import worker_command
-from worker.local_redis import free_port, start_private_redis
+from worker.local_redis import free_port, start_private_redis, stop_private_redis
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,5 +179,5 @@ def main(args: argparse.Namespace) -> int:
         for proc in (server, worker):
             proc.terminate()
             proc.wait(timeout=60)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     return 0

@@ -17,7 +17,12 @@ def serve_embedded(args: argparse.Namespace) -> int:
     from producer.aio import AsyncClient
     from producer.cli import target
     from producer.server import run_server
-    from worker.local_redis import embedded_connection, start_embedded_redis, start_private_redis
+    from worker.local_redis import (
+        embedded_connection,
+        start_embedded_redis,
+        start_private_redis,
+        stop_private_redis,
+    )
     from worker.main import build_worker
     from worker.settings import WorkerSettings
 
@@ -47,5 +52,4 @@ def serve_embedded(args: argparse.Namespace) -> int:
         if worker is not None and thread is not None:
             worker.request_stop()
             thread.join(timeout=30)
-        if redis_proc is not None:
-            redis_proc.terminate()
+        stop_private_redis(redis_proc)

@@ -32,6 +32,22 @@ def start_private_redis(server: str = "redis-server", port: int | None = None) -
     return url, None
 
 
+def stop_private_redis(proc: subprocess.Popen | None) -> None:
+    """Stops a server ``start_private_redis`` started and waits for it (no redis-server outlives the command that
+    started it), then removes its folder."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    args = [str(a) for a in proc.args]  # type: ignore[union-attr]
+    if "--dir" in args:  # (an empty folder: nothing is saved, but a temporary folder a start was left behind)
+        shutil.rmtree(args[args.index("--dir") + 1], ignore_errors=True)
+
+
 def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | None]:
     url = f"redis://127.0.0.1:{port}/0"
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
@@ -40,6 +56,7 @@ def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | Non
         return url, proc
     proc.kill()
     proc.wait()
+    stop_private_redis(proc)  # (its folder)
     return url, None
 
 
