@@ -160,14 +160,13 @@ def no_kernels(monkeypatch):
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> str:
     """A real Redis server of the tests' own, on a free port (none is shared with anything else)."""
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     url, proc = start_private_redis(os.environ.get("ROSEINFER_TEST_REDIS_SERVER", "redis-server"))
     if proc is None:
         pytest.skip("could not start redis-server")
     yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_private_redis(proc)
 
 
 @pytest.fixture(scope="session")
@@ -246,6 +245,15 @@ def tpot_histogram(worker) -> tuple[float, float]:
     return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
 
 
+def tpot_counted_after(worker, count: float) -> None:
+    """Until the histogram holds more than ``count`` observations: a job's is observed just after its result is
+    written (on the sender's thread)."""
+    deadline = time.monotonic() + 10
+    while tpot_histogram(worker)[0] <= count:
+        assert time.monotonic() < deadline, "no time per token observed"
+        time.sleep(0.01)
+
+
 def slow_engine_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
     """Engine steps of at least ``seconds``: a job of 200 tokens runs for seconds on any machine, so a test that
     cancels it or outlasts a short timeout never meets a job that already ended."""
@@ -294,9 +302,12 @@ class ThreadWorker:
 
         client = Client(self.settings.redis_url, queue=self.queue)
         deadline = time.time() + 60
-        while self.thread.is_alive() and self.worker.name not in [row["name"] for row in client.workers()]:
-            assert time.time() < deadline, "the worker did not start"
-            time.sleep(0.02)
+        try:
+            while self.thread.is_alive() and self.worker.name not in [row["name"] for row in client.workers()]:
+                assert time.time() < deadline, "the worker did not start"
+                time.sleep(0.02)
+        finally:
+            client.connection.close()
 
     def _work(self) -> None:
         try:

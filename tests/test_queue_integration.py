@@ -8,7 +8,7 @@ import time
 import uuid
 
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed, slow_engine_steps, tpot_histogram
+from conftest import ThreadWorker, requeue_as_resumed, slow_engine_steps, tpot_counted_after, tpot_histogram
 from redis import Redis
 from rq import Queue, RateLimit
 from rq.command import send_stop_job_command
@@ -172,9 +172,7 @@ def test_a_resume_the_engine_refuses_starts_over_and_is_timed_as_such(served):
     result = job.result(timeout=120)
     replay = list(job.events(timeout=10))
     assert replay[1].get("reset") and "".join(e["text"] for e in replay[1:]) == result["text"]
-    deadline = time.monotonic() + 10
-    while tpot_histogram(worker.worker)[0] == count and time.monotonic() < deadline:
-        time.sleep(0.01)
+    tpot_counted_after(worker.worker, count)
     timings, made = result["timings"], len(result["token_ids"])
     observed = tpot_histogram(worker.worker)[1] - total
     assert made > 1 and observed == pytest.approx(
@@ -474,7 +472,7 @@ def test_status_reports_workers_and_queue(served):
 
 
 @pytest.mark.slow
-def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model):
+def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model, monkeypatch):
     """Redis drops the worker's round trips for a while: the engine waits, unsent events go out afterwards."""
     import redis as redis_mod
 
@@ -497,6 +495,7 @@ def test_redis_outage_mid_generation_loses_no_event(redis_url, tiny_chat_model):
         return pipe
 
     w.worker.connection.pipeline = flaky_pipeline
+    slow_engine_steps(monkeypatch, w.worker.engine)  # (still running when the outage is armed after its first event)
     try:
         client = Client(redis_url, queue=w.queue)
         job = client.submit("Through the outage", max_tokens=60, temperature=0, ignore_eos=True)
@@ -522,7 +521,9 @@ def test_an_interactive_job_overtakes_a_full_worker_of_bulk_jobs_without_changin
             for i in range(6)
         ]
         bulk = client.submit_many(bulk_requests)
+        deadline = time.monotonic() + 30
         while client.status()["in_flight"] < 2:
+            assert time.monotonic() < deadline, "the worker never filled"
             time.sleep(0.01)
         chat = client.submit("Hello there", max_tokens=4, temperature=0.0)  # priority 0
         chat_first_token = chat.result(timeout=60)["timings"]["first_token_at"]

@@ -676,7 +676,8 @@ def test_a_client_that_stops_reading_sooner_than_the_server_waits_gets_the_504_o
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine, "step", lambda *a, **k: (time.sleep(5), real_step(*a, **k))[1])  # past the client's 4 s
         http = httpx.Client(event_hooks={"request": [sent.append]})
-        # (the server answers within 0.8 of it: 3.2 s, and a loaded machine's handler and hops fit in the rest)
+        # (the server answers within 0.8 of it: 3.2 s, and a loaded machine's handler and hops fit in the rest; a
+        # longer wait would pass the 5 s the headers are held, and a stream's 504 would come in the stream instead)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", http_client=http, timeout=4.0)
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(
@@ -841,8 +842,7 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    time.sleep(0.5)
-    assert [p for p in redis_servers if "redis" in _command(p)] == []  # its redis-server stopped with it (SIGTERM)
+    assert [p for p in redis_servers if "redis" in _command(p)] == []  # its redis-server ended before it did
 
 
 @pytest.mark.slow  # seconds: a server process started and stopped
@@ -1078,12 +1078,14 @@ def test_n_samples_through_the_queue_the_stream_and_the_server(served, oai, redi
 
 
 def test_a_sample_that_ends_before_the_others_ends_at_once_in_its_events_and_the_stream(
-    served, oai, redis_url, slow_steps
+    served, oai, redis_url, monkeypatch
 ):
     """OpenAI streams a choice's finish_reason when that choice ends. A sample of n ending first had its end only
     with the job's: now its last event says so (``sample_finish_reason``) and the stream ends its choice there."""
     worker, _, model = served
-    # Seed 2: a sample stops at 5 tokens, the others run 43 slow steps on (their followers' status reads land first).
+    # Seed 2: a sample stops at 5 tokens, the others run 43 steps of 50 ms on: over 2 s in which the followers, started
+    # after the submit (a thread's event loop and client among them), read the status at the early sample's end.
+    slow_engine_steps(monkeypatch, worker.worker.engine, 0.05)
     fields = {"prompt": "The sea", "max_tokens": 48, "temperature": 1.0, "seed": 2, "n": 3, "stop": ["z"]}
     job = Client(redis_url, queue=worker.queue).submit(**fields)
     followed: dict[tuple[str, int], tuple[str, str]] = {}  # (client, sample): its text, the job's status at its end
@@ -1386,13 +1388,14 @@ def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_er
     engine = worker.worker.engine
     real_step, steps = engine.step, []
 
-    def step(*args, **kwargs):  # 20 ms a step; after 40 steps, 2.5 s a step
+    def step(*args, **kwargs):  # 20 ms a step; after 40 steps, 5 s a step
         steps.append(1)
-        time.sleep(0.02 if len(steps) <= 40 else 2.5)
+        time.sleep(0.02 if len(steps) <= 40 else 5.0)
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(engine, "step", step)
-    impatient = ServerThread(redis_url, worker.queue, timeout=1.0)  # (a loaded machine's first token comes within)
+    # (2 s: a loaded machine's first token comes within, and no 20 ms step of the steady stream takes as long)
+    impatient = ServerThread(redis_url, worker.queue, timeout=2.0)
     try:
         body = {"model": model, "messages": MESSAGES, "stream": True, "ignore_eos": True}
         url = f"{impatient.url}/v1/chat/completions"
@@ -1406,7 +1409,7 @@ def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_er
     assert json.loads(steady[-2])["choices"][0]["finish_reason"] == "length"  # ~0.6 s of tokens, 20 ms apart: not cut
     assert chunks[-1] == "[DONE]"
     error = json.loads(chunks[-2])["error"]
-    assert error["type"] == "timeout" and "no new token within 1 s" in error["message"]
+    assert error["type"] == "timeout" and "no new token within 2 s" in error["message"]
     assert any(json.loads(c)["choices"][0]["delta"].get("content") for c in chunks[:-2])  # text came first
     _canceled_and_left(worker, redis_url, job_id)
 

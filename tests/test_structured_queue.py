@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed, tpot_histogram
+from conftest import ThreadWorker, requeue_as_resumed, tpot_counted_after, tpot_histogram
 
 from producer import Client
 
@@ -62,10 +61,12 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
         "seed": 5,
         "structured_outputs": KINDS["json"][0],
     }
+    before = tpot_histogram(w.worker)[0]
     first = client.submit(**payload)
     full = first.result(timeout=120)
     events = list(first.events(timeout=10))
     assert len(events) >= 2
+    tpot_counted_after(w.worker, before)  # (first's own time per token: observed just after its result is written)
     count, total = tpot_histogram(w.worker)
     resumed = requeue_as_resumed(client, payload, events[:1])  # the worker resumes after the first event
     result = resumed.result(timeout=120)
@@ -74,11 +75,7 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     assert not any(e.get("reset") for e in replay) and replay[0] == events[0]
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
     # Its time per token spreads this attempt's time over this attempt's tokens, not the earlier one's too.
-    deadline = time.monotonic() + 10
-    while (
-        tpot_histogram(w.worker)[0] == count and time.monotonic() < deadline
-    ):  # observed just after the result is written
-        time.sleep(0.01)
+    tpot_counted_after(w.worker, count)
     timings, made_here = result["timings"], len(result["token_ids"]) - len(events[0]["token_ids"])
     observed = tpot_histogram(w.worker)[1] - total
     assert observed == pytest.approx((timings["finished_at"] - timings["first_token_at"]) / (made_here - 1), abs=2e-6)
