@@ -75,7 +75,7 @@ def main() -> int:
     if args.part == "dry":
         return 0
     from worker.cli import worker_command
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
@@ -99,7 +99,7 @@ def main() -> int:
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     return 0
 
 

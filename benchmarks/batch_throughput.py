@@ -55,7 +55,7 @@ def through_worker(
     from producer import Client
     from producer.batch import run_batch
     from worker.cli import worker_command
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     url, redis_proc = start_private_redis("redis-server")
     if redis_proc is None:
@@ -79,7 +79,7 @@ def through_worker(
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
 
 
 def main() -> int:

@@ -201,7 +201,7 @@ def main() -> None:
     p.add_argument("--py-spy", metavar="FILE", help="record this process with py-spy during the last run (raw format)")
     args = p.parse_args()
 
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
@@ -241,7 +241,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     print(
         f"{args.jobs} jobs x {args.tokens} tokens, steps of {args.step_python_ms} ms of Python + {args.step_ms} ms "
         f"asleep: through Redis keeps "

@@ -96,7 +96,7 @@ def main() -> int:
         p.error("--waves and --concurrency take 1 or more")
 
     from worker.cli import worker_command
-    from worker.local_redis import free_port, start_private_redis
+    from worker.local_redis import free_port, start_private_redis, stop_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
@@ -110,9 +110,10 @@ def main() -> int:
     try:
         return asyncio.run(_waves(args, port, server))
     finally:
-        for proc in (server, worker, redis_proc):
+        for proc in (server, worker):
             proc.terminate()
             proc.wait(timeout=120)
+        stop_private_redis(redis_proc)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import time
 
 from producer import Client
 from worker.cli import worker_command
-from worker.local_redis import start_private_redis
+from worker.local_redis import start_private_redis, stop_private_redis
 
 
 def tiny_chat_model() -> str:
@@ -62,7 +62,7 @@ def main() -> int:
     finally:
         second.terminate()
         second.wait()
-        redis.terminate()
+        stop_private_redis(redis)
     print(
         f"{stranded} jobs in flight at SIGKILL; all {len(jobs)} finished {seconds:.1f} s after the kill "
         f"(defaults: heartbeat 10 s + grace 30 s + maintenance 15 s); streams equal results: {whole}"

@@ -112,7 +112,7 @@ def main() -> int:
 
     from producer import Client
     from worker.cli import worker_command
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
@@ -165,7 +165,7 @@ def main() -> int:
     finally:
         worker.terminate()
         worker.wait(timeout=120)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     half = rows[len(rows) // 2]
     jobs_after = (rows[-1][0] - half[0]) * args.jobs_per_wave
     if jobs_after:

@@ -123,7 +123,7 @@ def main() -> int:
     from producer import Client
     from roseinfer.bench import load_prompts, resolve_model_arg
     from worker.bench_queue import WARM_UP_TOKENS, _chat_jobs, _wait_for_worker, warm_up_convs, worker_log
-    from worker.local_redis import start_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
     resolve_model_arg(args)
     url, redis_proc = start_private_redis()
@@ -151,7 +151,7 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-        redis_proc.terminate()
+        stop_private_redis(redis_proc)
     written = json.loads(out.read_text())
     report(written["spans"], t0, submitted, results)
     report_cpu(before, after, written["threads"], str(proc.pid))

@@ -53,9 +53,10 @@ def test_a_private_redis_never_takes_a_port_another_server_answers_on(own_redis,
         stop_private_redis(proc)
 
 
-def test_a_stopped_private_redis_is_gone_with_its_folder():
+def test_a_stopped_private_redis_is_gone_with_its_folder(tmp_path):
     """`roseinfer serve --embedded` and the benches only sent SIGTERM: their redis-server outlived them (orphaned,
-    for the time its exit took) and each start left a folder in the temporary directory."""
+    for the time its exit took) and each start left a folder in the temporary directory. A server's own folder,
+    one it was not given by start_private_redis, stays."""
     _, proc = start_private_redis()
     if proc is None:
         pytest.skip("could not start redis-server")
@@ -63,6 +64,10 @@ def test_a_stopped_private_redis_is_gone_with_its_folder():
     assert folder.is_dir()
     stop_private_redis(proc)
     assert proc.returncode is not None and not folder.exists()
+    cmd = ["redis-server", "--port", str(free_port()), "--save", "", "--dir", str(tmp_path)]
+    other = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    stop_private_redis(other)
+    assert other.returncode is not None and tmp_path.is_dir()
 
 
 def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog, capsys):
@@ -275,8 +280,7 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
             proc.kill()
             proc.communicate()
         redis_proc.send_signal(signal.SIGCONT)
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        stop_private_redis(redis_proc)
     assert "Redis unavailable" in err and re.search(r"worker \S+ stopped", err), err[-3000:]
 
 
@@ -306,8 +310,7 @@ def test_a_follower_rides_out_a_redis_restart():
         deadline = time.time() + 10
         while not got and time.time() < deadline:
             time.sleep(0.05)
-        first.terminate()  # Redis goes away, and comes back empty (no AOF), as the worker writes what it holds again
-        first.wait(timeout=10)
+        stop_private_redis(first)  # Redis goes away, and comes back empty (no AOF), as the worker writes what it holds
         time.sleep(1)
         _, restarted = start_private_redis(port=port)
         conn.hset("rq:job:rides-1", "status", "finished")
@@ -318,8 +321,7 @@ def test_a_follower_rides_out_a_redis_restart():
     finally:
         for proc in (first, restarted):
             if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=10)
+                stop_private_redis(proc)
     assert errors == [] and [e["text"] for e in got] == ["Hello", " world"]
     # The wait for the result rode it out too: it saw the job end (finished, its result not written by hand here).
     [outcome] = waited
@@ -361,8 +363,7 @@ def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
                 if got:
                     break
                 await asyncio.sleep(0.05)
-            first.terminate()  # Redis goes away, and comes back empty, as in the sync test above
-            first.wait(timeout=10)
+            stop_private_redis(first)  # Redis goes away, and comes back empty, as in the sync test above
             await asyncio.sleep(1)
             _, restarted = start_private_redis(port=port)
             conn.hset("rq:job:rides-2", "status", "finished")
@@ -377,8 +378,7 @@ def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
     finally:
         for proc in (first, restarted):
             if proc is not None and proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=10)
+                stop_private_redis(proc)
     assert got == ["Hello", " world"]
     assert isinstance(outcome, JobFailed) and "result" in str(outcome), outcome  # the end seen, not the outage
 
@@ -409,8 +409,7 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
         while getattr(worker.worker._heartbeat, "_thread", None) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert worker.worker.pubsub_thread is not None and worker.thread.is_alive()
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        stop_private_redis(redis_proc)
         # The port answers again, but nothing on it speaks: the listener's reconnect connects, then times out.
         silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         silent.bind(("127.0.0.1", port))
@@ -439,8 +438,7 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
             conn.close()
         worker.stop()
         if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(timeout=10)
+            stop_private_redis(redis_proc)
 
 
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
@@ -494,16 +492,14 @@ def test_a_batch_rides_out_a_redis_restart_and_writes_every_row_once(tiny_chat_m
         deadline = time.monotonic() + 60
         while not (out.exists() and out.read_text().count("\n") >= 4) and time.monotonic() < deadline:
             time.sleep(0.05)
-        redis_proc.terminate()  # (its AOF written: nothing lost)
-        redis_proc.wait(timeout=10)
+        stop_private_redis(redis_proc)  # (its AOF written: nothing lost)
         time.sleep(3)
         redis_proc = start()
         run.join(timeout=180)
         assert not run.is_alive(), "the run never ended"
     finally:
         worker.stop()
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        stop_private_redis(redis_proc)
     assert got["succeeded"] == 40 and got["failed"] == 0
     written = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
     assert sorted(written) == sorted(row["custom_id"] for row in rows)  # each once
@@ -532,8 +528,7 @@ def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
             job.result(timeout=5)
         assert time.monotonic() - started < 3
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_private_redis(proc)
 
 
 def test_the_eviction_policy_is_read_where_config_is_refused_and_an_unknown_one_refuses_require(own_redis):

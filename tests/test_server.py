@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import re
 import threading
 import time
 import uuid
@@ -839,10 +840,15 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
         assert out.usage.completion_tokens <= 5 and out.choices[0].finish_reason in ("length", "stop")
         redis_servers = [p for p in Path("/proc").iterdir() if _parent(p) == proc.pid and "redis" in _command(p)]
         assert redis_servers or not shutil.which("redis-server")  # (without one it serves fakeredis in-process)
+        # (its title, not its arguments: "redis-server 127.0.0.1:<port>"; the folder is the server's to say)
+        ports = [int(re.search(r":(\d+)", _command(p)).group(1)) for p in redis_servers]
+        folders = [Path(redis.Redis(port=port).config_get("dir")["dir"]) for port in ports]
+        assert all(f.is_dir() for f in folders)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     assert [p for p in redis_servers if "redis" in _command(p)] == []  # its redis-server ended before it did
+    assert not any(f.exists() for f in folders)  # and its folder is gone
 
 
 @pytest.mark.slow  # seconds: a server process started and stopped
@@ -1388,9 +1394,9 @@ def test_a_stream_that_goes_quiet_past_the_server_timeout_ends_with_a_timeout_er
     engine = worker.worker.engine
     real_step, steps = engine.step, []
 
-    def step(*args, **kwargs):  # 20 ms a step; after 40 steps, 5 s a step
+    def step(*args, **kwargs):  # 20 ms a step; after 40 steps, 3.5 s a step
         steps.append(1)
-        time.sleep(0.02 if len(steps) <= 40 else 5.0)
+        time.sleep(0.02 if len(steps) <= 40 else 3.5)
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(engine, "step", step)

@@ -263,7 +263,7 @@ def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_u
 
 
 def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_name):
-    from worker.local_redis import free_port, start_private_redis
+    from worker.local_redis import free_port, start_private_redis, stop_private_redis
 
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -286,8 +286,7 @@ def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_n
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        if redis_proc is not None:
-            redis_proc.terminate()
+        stop_private_redis(redis_proc)
     assert sum("waiting for Redis" in line for line in lines) == 1  # logged once, not at every retry
 
 

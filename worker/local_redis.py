@@ -8,10 +8,13 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+_FOLDER_PREFIX = "roseinfer-redis-"  # a private server's folder: the one name stop_private_redis removes
 
 
 def free_port() -> int:
@@ -34,7 +37,7 @@ def start_private_redis(server: str = "redis-server", port: int | None = None) -
 
 def stop_private_redis(proc: subprocess.Popen | None) -> None:
     """Stops a server ``start_private_redis`` started and waits for it (no redis-server outlives the command that
-    started it), then removes its folder."""
+    started it), then removes the empty folder it was given."""
     if proc is None:
         return
     proc.terminate()
@@ -43,15 +46,25 @@ def stop_private_redis(proc: subprocess.Popen | None) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    args = [str(a) for a in proc.args]  # type: ignore[union-attr]
-    if "--dir" in args:  # (an empty folder: nothing is saved, but a temporary folder a start was left behind)
-        shutil.rmtree(args[args.index("--dir") + 1], ignore_errors=True)
+    if (folder := _own_folder(proc)) is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _own_folder(proc: subprocess.Popen) -> Path | None:
+    """The ``--dir`` ``_start_redis_on`` made for ``proc``; None for any other (no server's own data is removed)."""
+    args = [str(a) for a in proc.args] if isinstance(proc.args, (list, tuple)) else []
+    if "--dir" not in args[:-1]:
+        return None
+    folder = Path(args[args.index("--dir") + 1])
+    own = folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith(_FOLDER_PREFIX)
+    return folder if own else None
 
 
 def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | None]:
     url = f"redis://127.0.0.1:{port}/0"
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([*cmd, "--dir", tempfile.mkdtemp()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = tempfile.mkdtemp(prefix=_FOLDER_PREFIX)  # (empty: a dump.rdb in the working folder is never loaded)
+    proc = subprocess.Popen([*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if serves(proc, port):
         return url, proc
     proc.kill()
