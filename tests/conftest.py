@@ -245,6 +245,19 @@ def tpot_histogram(worker) -> tuple[float, float]:
     return registry.get_sample_value(f"{name}_count") or 0.0, registry.get_sample_value(f"{name}_sum") or 0.0
 
 
+def tpot_settled(worker) -> tuple[float, float]:
+    """``tpot_histogram`` once no job is in flight and its count held for 0.3 s: an earlier test's last job, ended on
+    a shared worker, is observed just after its result."""
+    deadline = time.monotonic() + 10
+    seen, since = tpot_histogram(worker), time.monotonic()
+    while worker.in_flight or time.monotonic() - since < 0.3:
+        assert time.monotonic() < deadline, "the worker never settled"
+        time.sleep(0.02)
+        if (now := tpot_histogram(worker)) != seen:
+            seen, since = now, time.monotonic()
+    return seen
+
+
 def tpot_counted_after(worker, count: float) -> None:
     """Until the histogram holds more than ``count`` observations: a job's is observed just after its result is
     written (on the sender's thread)."""
@@ -301,11 +314,15 @@ class ThreadWorker:
         from producer import Client
 
         client = Client(self.settings.redis_url, queue=self.queue)
-        deadline = time.time() + 60
+        deadline = time.monotonic() + 60
         try:
             while self.thread.is_alive() and self.worker.name not in [row["name"] for row in client.workers()]:
-                assert time.time() < deadline, "the worker did not start"
+                assert time.monotonic() < deadline, "the worker did not start"
                 time.sleep(0.02)
+        except BaseException:  # (no worker left running behind a test that never got it)
+            self.worker.request_stop()
+            self.thread.join(timeout=30)
+            raise
         finally:
             client.connection.close()
 

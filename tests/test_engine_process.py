@@ -284,7 +284,7 @@ def _until_stuck_in_the_third_step(pump: EngineProcess) -> None:
     in the third (a fixed sleep after its first step was not enough on a loaded machine)."""
     deadline, steps = time.monotonic() + 30, 0
     while steps < 2:
-        assert time.monotonic() < deadline, "the engine process made no two steps"
+        assert time.monotonic() < deadline and pump.failure is None, pump.failure or "no two steps in 30 s"
         pump.step()
         steps += len(pump.take_step_times())
     time.sleep(0.2)  # (from its second step's report to the third's hang: a few bytecodes)
@@ -859,10 +859,16 @@ def test_a_hang_both_watchdogs_find_is_one_kill_with_the_first_ones_reason(caplo
     pump = _hanging_with_two_jobs(step_timeout=60)
     try:
         _until_stuck_in_the_third_step(pump)
-        first = pump._hung("took no command")
-        again = pump._hung()
-        assert str(first) == str(again) == pump.failure and "took no command" in pump.failure
+        watchdog = threading.Thread(target=pump._hung, args=("took no command",))
+        watchdog.start()
+        deadline = time.monotonic() + 10
+        while pump._failure is None:  # the watchdog's thread is in the second it gives the stacks
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        again = pump._hung()  # the step loop's, meanwhile
+        assert pump._proc.exitcode == -signal.SIGKILL  # back once the first one's kill is done
+        watchdog.join(10)
+        assert str(again) == pump.failure and "took no command" in pump.failure
         assert sum("its stacks first" in r.getMessage() for r in caplog.records) == 1
-        assert pump._proc.exitcode == -signal.SIGKILL
     finally:
         pump.close()

@@ -8,7 +8,14 @@ import time
 import uuid
 
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed, slow_engine_steps, tpot_counted_after, tpot_histogram
+from conftest import (
+    ThreadWorker,
+    requeue_as_resumed,
+    slow_engine_steps,
+    tpot_counted_after,
+    tpot_histogram,
+    tpot_settled,
+)
 from redis import Redis
 from rq import Queue, RateLimit
 from rq.command import send_stop_job_command
@@ -167,13 +174,14 @@ def test_a_resume_the_engine_refuses_starts_over_and_is_timed_as_such(served):
     prefix, the job starts over (its followers told so), and its time per token counts every token it made."""
     worker, client = served
     payload = {"prompt": "Start over", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [5]}
-    count, total = tpot_histogram(worker.worker)
+    count, total = tpot_settled(worker.worker)
     job = requeue_as_resumed(client, payload, [{"v": 3, "n": 0, "text": "ab", "token_ids": [5, 6]}])
     result = job.result(timeout=120)
     replay = list(job.events(timeout=10))
     assert replay[1].get("reset") and "".join(e["text"] for e in replay[1:]) == result["text"]
     tpot_counted_after(worker.worker, count)
     timings, made = result["timings"], len(result["token_ids"])
+    assert tpot_histogram(worker.worker)[0] == count + 1  # (its own observation alone)
     observed = tpot_histogram(worker.worker)[1] - total
     assert made > 1 and observed == pytest.approx(
         (timings["finished_at"] - timings["first_token_at"]) / (made - 1), abs=2e-6

@@ -8,7 +8,7 @@ import re
 
 import jsonschema
 import pytest
-from conftest import ThreadWorker, requeue_as_resumed, tpot_counted_after, tpot_histogram
+from conftest import ThreadWorker, requeue_as_resumed, tpot_counted_after, tpot_histogram, tpot_settled
 
 from producer import Client
 
@@ -61,7 +61,7 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
         "seed": 5,
         "structured_outputs": KINDS["json"][0],
     }
-    before = tpot_histogram(w.worker)[0]
+    before = tpot_settled(w.worker)[0]
     first = client.submit(**payload)
     full = first.result(timeout=120)
     events = list(first.events(timeout=10))
@@ -77,6 +77,7 @@ def test_a_resumed_job_goes_on_under_its_constraint(served):
     # Its time per token spreads this attempt's time over this attempt's tokens, not the earlier one's too.
     tpot_counted_after(w.worker, count)
     timings, made_here = result["timings"], len(result["token_ids"]) - len(events[0]["token_ids"])
+    assert tpot_histogram(w.worker)[0] == count + 1  # (its own observation alone)
     observed = tpot_histogram(w.worker)[1] - total
     assert observed == pytest.approx((timings["finished_at"] - timings["first_token_at"]) / (made_here - 1), abs=2e-6)
 
