@@ -722,6 +722,40 @@ def test_jobs_ended_behind_a_slow_allowed_callback_are_beaten_until_their_ends_a
     assert behind.retries_left == 1 and queue.failed_job_registry.get_job_ids() == []
 
 
+@pytest.mark.slow  # seconds: the sender held up past the heartbeat TTL
+@pytest.mark.worker_settings(heartbeat_grace=2, maintenance_interval=1)
+def test_a_job_failed_at_its_start_is_beaten_while_its_end_waits_in_the_sender(fake_worker, monkeypatch):
+    """A job that can never run fails alone; its end waits in the sender behind others' (an allowed callback, a
+    Redis stall). It went unbeaten there: past the heartbeat TTL, RQ's clean-up took it for abandoned and retried
+    it, and it failed twice."""
+    from rq import Queue, Retry
+    from rq.results import Result
+    from rq.serializers import JSONSerializer
+
+    worker, _, client = fake_worker
+    real_fail = worker._fail
+
+    def held_up(*args, **kwargs) -> None:
+        worker._tasks.append(lambda: time.sleep(5))  # the sender busy before its end: past the TTL of 3 s
+        real_fail(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "_fail", held_up)
+    queue = Queue("fake", connection=client.connection, serializer=JSONSerializer)
+    bad = queue.enqueue("worker.jobs.generate", prompt="c", max_tokens=-1, retry=Retry(max=1))
+    statuses, deadline = [], time.monotonic() + 30
+    while not statuses or statuses[-1] != "failed":
+        assert time.monotonic() < deadline, statuses
+        statuses.append(bad.get_status(refresh=True))
+        time.sleep(0.05)
+    started = statuses.index("started")
+    assert set(statuses[started:-1]) == {"started"}  # never handed back to its queue meanwhile
+    with pytest.raises(JobFailed, match="max_tokens"):
+        client.job(bad.id).result(timeout=30)
+    time.sleep(1.5)  # (a clean-up a second apart, and a second failure, would have come by now)
+    assert len(Result.all(bad, serializer=JSONSerializer)) == 1 and bad.get_status(refresh=True) == "failed"
+    assert queue.failed_job_registry.get_job_ids() == [bad.id] and queue.count == 0
+
+
 def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fake_worker, monkeypatch):
     """A Redis that refuses scripts: the start is RQ's own writes, whose HSET of status started overwrote a cancel
     that landed after the pull took the job (a client that left at once). The job ran to its end, finished and in

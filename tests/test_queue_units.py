@@ -3662,9 +3662,13 @@ def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_
     rate-limit slot freed)."""
     import redis
 
+    from worker.puller import Arrival
+
     conn, worker, _, [refused, queued] = _running_jobs(redis_url, count=2, notify="done-twice")
     worker.in_flight.clear()
-    worker._fail(refused.job, refused.queue, refused.execution, refused.request, refused.stream, "no such thing")
+    worker._fail(
+        Arrival(refused.job, refused.queue, refused.execution, refused.stream, refused.request, error="no such thing")
+    )
     queued.job.set_status("canceled")  # (as any client's HSET of it, read at the pull)
     worker._never_ran(queued.job, queued.queue, queued.stream)
     ended, freed = [], []

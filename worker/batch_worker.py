@@ -192,7 +192,8 @@ class BatchWorker(BaseWorker):
         self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events
-        self._ending: dict[str, InFlight] = {}  # jobs out of in_flight whose endings wait in the sender: still beaten
+        # Jobs out of in_flight (or failed as they came) whose endings wait in the sender: still beaten.
+        self._ending: dict[str, InFlight | Arrival] = {}
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
@@ -750,7 +751,7 @@ class BatchWorker(BaseWorker):
             else:  # it ended here meanwhile (its end is fenced off): this copy runs like any other job
                 return [(b, False) for b in reversed(self.puller.read_again(a.job, a.queue))]
         elif a.error is not None:
-            self._fail(a.job, a.queue, a.execution, a.request, a.stream, a.error)
+            self._fail(a)
         else:
             job, req = a.job, a.request
             timeout = run_limit(job, self.queue_class.DEFAULT_TIMEOUT)
@@ -1100,7 +1101,7 @@ class BatchWorker(BaseWorker):
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
 
-    def _end_later(self, jobs: list[InFlight], end: Callable[[], None]) -> None:
+    def _end_later(self, jobs: list[InFlight] | list[Arrival], end: Callable[[], None]) -> None:
         """``end`` of ``jobs``, taken out of ``in_flight``, on the sender's thread after this step's events. Until it
         ran they are beaten as jobs in flight are: an allowed callback of another job's end can hold that thread past
         their heartbeat TTL, and RQ's clean-up took them for abandoned (run again, their ends here dropped)."""
@@ -1221,11 +1222,11 @@ class BatchWorker(BaseWorker):
 
         self._end_later([job], end)
 
-    def _fail(
-        self, job: Job, queue: Queue, execution: Execution, req: JobRequest | None, stream: JobStream, error: str
-    ) -> None:
-        """A job that can never run: fails alone, with its reason in RQ's failed registry, no retry."""
-        self.publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")
+    def _fail(self, a: Arrival) -> None:
+        """A job that can never run (``a.error``): fails alone, with its reason in RQ's failed registry, no retry.
+        Started already: beaten until its end is written, as any job's end (``_end_later``)."""
+        job, queue, execution, req, error = a.job, a.queue, a.execution, a.request, a.error or ""
+        self.publisher.add(a.stream, "", [], "error", {}, error, error_type="invalid_request")
         tries: list[bool] = []
 
         def end() -> None:
@@ -1238,7 +1239,7 @@ class BatchWorker(BaseWorker):
                 self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
             self.metrics.job_ended("rejected", None)
 
-        self._tasks.append(end)
+        self._end_later([a], end)
 
     def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
         """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
