@@ -267,8 +267,9 @@ class BatchWorker(BaseWorker):
         # Flags only: raising here could strand a job between dequeue and start.
         if self._stop_requested:
             log.warning("second stop signal: handing %d jobs back to the queue", len(self.in_flight))
-            self._force_stop = True
+            # (the patience first: a stop from another thread's command may be seen by the loop between the two)
             self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S  # a blip is waited out, no more
+            self._force_stop = True
         else:
             log.warning(
                 "stop signal: no new jobs; finishing the %d in flight (again to hand them back)", len(self.in_flight)
@@ -500,10 +501,13 @@ class BatchWorker(BaseWorker):
         return worked
 
     def _leave(self) -> None:
-        """The threads stopped, what is unsent sent, the registration removed."""
-        self.puller.stop()
-        self.sender.stop()
-        self._heartbeat.stop()
+        """The threads stopped, what is unsent sent, the registration removed. Each stop whatever the one before
+        raised (a Redis refusal in the sender's last writes left the heartbeat beating for a stopped worker)."""
+        try:
+            self.puller.stop()
+            self.sender.stop()
+        finally:
+            self._heartbeat.stop()
         try:
             self.teardown()
         except REDIS_UNAVAILABLE as exc:
