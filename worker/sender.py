@@ -278,7 +278,9 @@ class Sender:
         if self.error is not None:
             raise self.error
         if batch.events or batch.tasks or batch.finals or batch.watch is not None:
-            with self._unsent_lock:
+            with self._unsent_lock:  # (the thread's death is said under it: else idle was cleared after it set it)
+                if self.error is not None:
+                    raise self.error
                 self._unsent += 1
                 self._idle.clear()
             while True:  # (may block: outside the lock, which the sender takes once it sent)
@@ -333,8 +335,9 @@ class Sender:
                     self.on_idle()
         except BaseException as exc:  # a bug here must not leave the step loop waiting forever
             log.exception("the sender thread stopped")
-            self.error = exc
-            self._idle.set()
+            with self._unsent_lock:
+                self.error = exc
+                self._idle.set()
 
     def _giving_up(self) -> bool:
         return self.give_up_at is not None and time.monotonic() >= self.give_up_at
