@@ -3669,6 +3669,7 @@ def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_
     worker._fail(
         Arrival(refused.job, refused.queue, refused.execution, refused.stream, refused.request, error="no such thing")
     )
+    assert list(worker._ending) == [refused.job.id]  # beaten until its end is written
     queued.job.set_status("canceled")  # (as any client's HSET of it, read at the pull)
     worker._never_ran(queued.job, queued.queue, queued.stream)
     ended, freed = [], []
@@ -3690,7 +3691,7 @@ def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_
             with pytest.raises(redis.ConnectionError):
                 end()
         end()  # the sender's try again
-    assert ended == ["rejected", "canceled"] and freed == [queued.job.id]
+    assert worker._ending == {} and ended == ["rejected", "canceled"] and freed == [queued.job.id]
     [failed] = refused.job.results()
     assert failed.type == failed.Type.FAILED and failed.return_value["error"] == "no such thing"
     [canceled] = queued.job.results()

@@ -1676,8 +1676,8 @@ class BatchWorker(BaseWorker):
         timeout = self.settings.drain_timeout
         if timeout is not None and self._stop_at is not None and time.monotonic() - self._stop_at >= timeout:
             log.warning("drain timeout (%g s) reached: handing %d jobs back to the queue", timeout, len(self.in_flight))
-            self._force_stop = True
             self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S
+            self._force_stop = True
 
     def _hand_back_all(self, only: list[str] | None = None) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched; ``only``:

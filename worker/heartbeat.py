@@ -57,7 +57,8 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.due_retries.stop()
-        with contextlib.suppress(*REDIS_UNAVAILABLE):  # (a replica after a failover, a full Redis: it lapses)
+        # (a replica after a failover, a full or busy Redis: it lapses; the stop goes on whatever Redis says)
+        with contextlib.suppress(*REDIS_UNAVAILABLE, redis.exceptions.ResponseError):
             # A stopped worker shows nothing in flight, and holds no lease.
             self.worker.connection.delete(self.worker.stats_key(), *[k for k in [self.worker.sender.lease_key] if k])
 
