@@ -3023,6 +3023,27 @@ def _running_jobs(redis_url: str, count: int = 1, **fields):
     return conn, worker, name, held
 
 
+def test_a_copy_of_a_running_job_started_before_the_loop_knew_it_runs_is_dropped_not_fatal(redis_url):
+    """A running job's copy that the puller started (a new execution: its own registry entry, the job's owner) in the
+    moment a read-again of another copy left open: the engine refused a job already in flight, and the worker died
+    of it, handing every job back. The running attempt goes on, the job its own again, the copy's records gone."""
+    from producer.protocol import OWNER_FIELD
+    from worker.puller import Arrival
+
+    conn, worker, _, [held] = _running_jobs(redis_url)
+    [copy_execution], _ = worker.mark_started([(held.job, held.queue)])
+    assert conn.hget(held.job.key, OWNER_FIELD).decode() == copy_execution.id  # (the copy owns it now)
+    copy = Arrival(held.job, held.queue, copy_execution, held.stream, held.request)
+    started: list[str] = []
+    assert worker._apply_arrival(copy, time.time(), started) == [] and started == []
+    assert worker.in_flight == {held.job.id: held}
+    assert conn.hget(held.job.key, OWNER_FIELD).decode() == held.execution.id
+    registry = held.queue.started_job_registry
+    entries = registry.get_job_and_execution_ids()
+    assert entries == [(held.job.id, held.execution.id)]  # (the copy's entry would lapse: RQ failed a running job)
+    assert not conn.exists(copy_execution.key)
+
+
 def test_a_jobs_unset_sampling_fields_take_the_models_recommended_defaults():
     """As vLLM's server: the model's generation config fills what the payload leaves unset; what it sets wins."""
     from producer.schema import JobRequest

@@ -708,6 +708,15 @@ class BatchWorker(BaseWorker):
             held.job.heartbeat(now(), ttl, pipeline=pipe)
             pipe.execute()
 
+    def _drop_started_copy(self, a: Arrival) -> None:
+        """A copy of a job running here, started by the puller under an execution of its own (three copies of one id
+        in the queues): that execution's records go, and the running copy carries on, the job its own again (the
+        engine refused a second run of an id, and the worker died of it)."""
+        with self.connection.pipeline() as pipe:
+            a.execution.delete(a.job, pipe)
+            pipe.execute()
+        self._keep_running_copy(a.job, a.queue)
+
     def _register_execution(self, held: InFlight, ttl: int, pipe: redis.client.Pipeline) -> None:
         """Every record of a running job's execution, written again where it is gone (RQ's requeue of a stalled job,
         Redis restarted empty): the started registry, the job's executions, this worker's, the execution's hash.
@@ -756,6 +765,8 @@ class BatchWorker(BaseWorker):
                 return [(b, False) for b in reversed(self.puller.read_again(a.job, a.queue))]
         elif a.error is not None:
             self._fail(a)
+        elif a.job.id in self.in_flight:  # a copy the puller started while a read-again of another was on its way
+            self._drop_started_copy(a)
         else:
             job, req = a.job, a.request
             timeout = run_limit(job, self.queue_class.DEFAULT_TIMEOUT)
