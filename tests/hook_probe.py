@@ -27,3 +27,13 @@ def slow(job, connection, *args) -> None:
     import time
 
     time.sleep(5)
+
+
+def held(job, connection, *args) -> None:
+    """Marks that it runs, then waits until a test lets it go (30 s at most)."""
+    import time
+
+    connection.set(f"hook-probe:{job.id}", "running")
+    deadline = time.monotonic() + 30
+    while not connection.exists(f"hook-probe-release:{job.id}") and time.monotonic() < deadline:
+        time.sleep(0.01)

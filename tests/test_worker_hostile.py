@@ -40,7 +40,7 @@ def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, 
 def served(redis_url, tiny_chat_model):
     w = ThreadWorker(
         redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
-        allow_callback=["hook_probe.record", "hook_probe.boom", "hook_probe.record_failure"],
+        allow_callback=["hook_probe.record", "hook_probe.boom", "hook_probe.record_failure", "hook_probe.held"],
         allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
     )  # fmt: skip
     yield w, Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
@@ -419,6 +419,40 @@ def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_r
         client.job(child.id).result(timeout=30)
     assert conn.hget(child.key, "success_callback_name") == b"hook_probe.record_unlisted"
     assert not conn.exists(f"hook-probe:{child.id}")
+
+
+def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_follows_its_result(served):
+    """An allowed success callback ran on the thread that writes every job's tokens and results: while it ran, no
+    other job streamed or ended (ten of 0.2 s stopped another job's stream for 2 s). It runs beside them now; its
+    own job keeps RQ's order (the callback, then the result) and its last event still comes after its result."""
+    from rq import Callback, Queue
+
+    from producer.protocol import stream_key
+
+    w, client, conn = served
+    queue = Queue(dict(w.worker._lanes)[0].name, connection=conn, serializer=JSONSerializer)
+    slow = queue.enqueue(FN, prompt="called back", max_tokens=2, on_success=Callback("hook_probe.held", 60))
+    deadline = time.monotonic() + 30
+    while conn.get(f"hook-probe:{slow.id}") != b"running":
+        assert time.monotonic() < deadline, "the callback never ran"
+        time.sleep(0.01)
+    other = client.submit("meanwhile", max_tokens=8, temperature=0)
+    assert "".join(other.stream(timeout=20)) == other.result(timeout=20)["text"]  # (before: 30 s behind it)
+    assert client.job(slow.id).status() == "started"  # its result waits for its callback
+    ended = [e for _, e in conn.xrange(stream_key(slow.id)) if any(b"finish_reason" in v for v in e.values())]
+    assert ended == []  # and so does its last event
+    conn.set(f"hook-probe-release:{slow.id}", 1)
+    assert client.job(slow.id).result(timeout=30)["status"] == "finished"
+    assert list(client.job(slow.id).events(timeout=10))[-1]["finish_reason"] == "length"
+    [(result_id, _)] = conn.xrange(f"rq:results:{slow.id}")
+    [(final_id, _)] = conn.xrevrange(stream_key(slow.id), count=1)
+    assert _stream_id(result_id) <= _stream_id(final_id)  # written in that order
+    assert slow.id not in w.worker._ending
+
+
+def _stream_id(entry: bytes) -> tuple[int, int]:
+    ms, seq = entry.decode().split("-")
+    return int(ms), int(seq)
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

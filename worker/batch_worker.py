@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -105,6 +106,7 @@ from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = usage_of(0, 0)  # a job that ended before it ran
+CALLBACK_THREADS = 8  # jobs' allowed success callbacks run at once, off the thread that writes every job's tokens
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
@@ -158,6 +160,7 @@ class InFlight:
     # Its success written through RQ's path (and its completion list pushed): a retry of the end skips those.
     success_written: bool = False
     notified: bool = False
+    ended_elsewhere: bool = False  # its end handed to a callback thread: a retry of this end leaves it there
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)
 
@@ -194,6 +197,8 @@ class BatchWorker(BaseWorker):
         self._tasks: list = []  # job endings of this step, for the sender, after its events
         # Jobs out of in_flight (or failed as they came) whose endings wait in the sender: still beaten.
         self._ending: dict[str, InFlight | Arrival] = {}
+        self._ends_elsewhere: set[str] = set()  # of those, ends with a success callback: on the callback threads
+        self._callback_ends = ThreadPoolExecutor(CALLBACK_THREADS, thread_name_prefix="roseinfer-callback")
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
@@ -505,6 +510,7 @@ class BatchWorker(BaseWorker):
         raised (a Redis refusal in the sender's last writes left the heartbeat beating for a stopped worker)."""
         try:
             self.puller.stop()
+            self._callback_ends.shutdown(wait=True)  # (callbacks have their time limits; their ends still write)
             self.sender.stop()
         finally:
             self._heartbeat.stop()
@@ -949,12 +955,17 @@ class BatchWorker(BaseWorker):
             break
         # A retry of this end (Redis failed on a later job) writes again none that it wrote: RQ's path deletes a
         # result_ttl 0 job, whose missing hash then read as a Redis that lost it (reopened, its callback run twice).
+        # (one handed to a callback thread is that thread's to end and count)
+        through_rq = [(job, result) for job, result in through_rq if not job.ended_elsewhere]
         written_before = [(job, result) for job, result in through_rq if job.success_written]
         through_rq = [(job, result) for job, result in through_rq if not job.success_written]
         if through_rq:
             for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq], (b"finished",))):
                 if mine is False:
                     self._lost_at_end(job)
+                    continue
+                if mine and job.job._success_callback_name:
+                    self._end_with_callback(job, result)  # (its end, and its last event, after its callback)
                     continue
                 if mine:
                     self._reclaim(job)
@@ -968,18 +979,61 @@ class BatchWorker(BaseWorker):
                     job.success_written = True
                 finished.append((job, result))
         for job, _ in (*written_before, *finished):
-            if job.success_written and not job.notified:
-                try:
-                    self.publisher.notify(self.connection, job.job.id, job.request.notify)
-                except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
-                    log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
-                job.notified = True
+            if job.success_written:
+                self._notify(job)
         finished += written_before
         for job, result in finished:  # the tokens this attempt made of its longest sample, for its time per token
             made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
             self.metrics.job_ended("finished", result["timings"], made)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
+
+    def _notify(self, job: InFlight) -> None:
+        """The job's id onto its completion list, once."""
+        if not job.notified:
+            try:
+                self.publisher.notify(self.connection, job.job.id, job.request.notify)
+            except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
+                log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
+            job.notified = True
+
+    def _end_with_callback(self, job: InFlight, result: dict[str, Any]) -> None:
+        """A finished job's end through RQ's path with its allowed success callback, on a callback thread: in line, a
+        callback held up every job's tokens and results (ten of 0.2 s stopped another job's stream 2 s). As RQ: the
+        callback, then the result; its last event is held until then, and it is beaten until its end is written."""
+        job_id, owner = job.job.id, job.execution.id
+        job.ended_elsewhere = True
+        self._ends_elsewhere.add(job_id)
+        self._ending[job_id] = job
+        self.sender.hold(job_id, owner)
+
+        def end() -> None:
+            self._reclaim(job)
+            try:
+                self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+            except REDIS_DOWN:
+                raise
+            except Exception as exc:  # its success callback raised (or outlived its timeout)
+                self._success_callback_failed(job, exc)
+                return
+            job.success_written = True
+            self._notify(job)
+            made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
+            self.metrics.job_ended("finished", result["timings"], made)
+            log.info("%s finished", job_id)
+
+        def run() -> None:
+            try:
+                self.sender.retrying(end, "while ending a job after its callback")
+            except Exception:
+                log.exception("ending job %s failed", job_id)
+            finally:
+                self._ends_elsewhere.discard(job_id)
+                if self._ending.get(job_id) is job:
+                    del self._ending[job_id]
+                self.sender.release_held(job_id, owner)
+
+        self._callback_ends.submit(run)
 
     def _reclaim(self, job: InFlight) -> None:
         """A job this attempt still owns that RQ failed, put off for a retry or that was canceled while it ran here
@@ -1128,7 +1182,7 @@ class BatchWorker(BaseWorker):
                 end()
             finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
                 for job in jobs:
-                    if self._ending.get(job.job.id) is job:
+                    if self._ending.get(job.job.id) is job and job.job.id not in self._ends_elsewhere:
                         del self._ending[job.job.id]
 
         self._tasks.append(ending)

@@ -367,12 +367,12 @@ class Sender:
         # step loop would wait on it for good.
         try:
             send = self._next_send()  # the same on every try: a try after a lost reply that ran writes nothing
-            self._retrying(lambda: self._send(events, True, send), f"{len(events)} events kept")
+            self.retrying(lambda: self._send(events, True, send), f"{len(events)} events kept")
         except Exception:
             log.exception("writing %d events failed; they are dropped (their jobs' results still go)", len(events))
         for task in tasks:
             try:
-                self._retrying(task, "while ending a job")
+                self.retrying(task, "while ending a job")
             except Exception:
                 log.exception("ending a job failed")
         with self._held_lock:  # (a job held since the look above, its event refused this round trip: its last
@@ -384,7 +384,7 @@ class Sender:
         if finals:  # after the results and statuses they announce
             try:
                 send = self._next_send()
-                self._retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
+                self.retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
             except Exception:
                 log.exception("writing %d final events failed; they are dropped", len(finals))
 
@@ -392,6 +392,12 @@ class Sender:
     def holds_events(self) -> bool:
         """Events refused wait for the step loop's word on their jobs, or to go out again."""
         return bool(self._held or self._released)
+
+    def hold(self, job_id: str, owner: str) -> None:
+        """Events of ``job_id`` by attempt ``owner`` wait from now until ``release_held`` (its end is written
+        elsewhere: its last event goes after it)."""
+        with self._held_lock:
+            self._held.setdefault((job_id, owner), [])
 
     def release_held(self, job_id: str, owner: str) -> None:
         """The events held for ``job_id`` of attempt ``owner`` go out again, first, each checked again."""
@@ -428,7 +434,7 @@ class Sender:
                 continue
             send = self._next_send()
             try:
-                self._retrying(
+                self.retrying(
                     lambda p=part, f=finals, n=send: self._with_scripts(lambda: self._send_checked(p, f, n)),
                     f"{len(part)} events kept",
                 )
@@ -441,7 +447,7 @@ class Sender:
         would end it a second time."""
         self._dropped_finals.add((job_id, owner))
 
-    def _retrying(self, action: Callable[[], None], what: str) -> None:
+    def retrying(self, action: Callable[[], None], what: str) -> None:
         """Run ``action`` until Redis takes it: unreachable or refusing writes (full memory), it waits with
         backoff, keeping everything (and the step loop waits once the queue is full); logged once a minute."""
         backoff, next_log = 0.25, 0.0
