@@ -510,7 +510,9 @@ class BatchWorker(BaseWorker):
         raised (a Redis refusal in the sender's last writes left the heartbeat beating for a stopped worker)."""
         try:
             self.puller.stop()
-            self._callback_ends.shutdown(wait=True)  # (callbacks have their time limits; their ends still write)
+            # (callbacks have their time limits; their ends still write. A cold stop starts none still queued: RQ's
+            # clean-up takes those jobs, as a worker killed mid-callback leaves them)
+            self._callback_ends.shutdown(wait=not self._force_stop, cancel_futures=self._force_stop)
             self.sender.stop()
         finally:
             self._heartbeat.stop()
@@ -967,16 +969,8 @@ class BatchWorker(BaseWorker):
                 if mine and job.job._success_callback_name:
                     self._end_with_callback(job, result)  # (its end, and its last event, after its callback)
                     continue
-                if mine:
-                    self._reclaim(job)
-                    try:
-                        self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-                    except REDIS_DOWN:
-                        raise
-                    except Exception as exc:  # its success callback raised (or outlived its timeout)
-                        self._success_callback_failed(job, exc)
-                        continue  # the jobs ended beside it go on: it stalled every one after it
-                    job.success_written = True
+                if mine and not self._through_rq_success(job, result):
+                    continue  # the jobs ended beside it go on: it stalled every one after it
                 finished.append((job, result))
         for job, _ in (*written_before, *finished):
             if job.success_written:
@@ -987,6 +981,20 @@ class BatchWorker(BaseWorker):
             self.metrics.job_ended("finished", result["timings"], made)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
+
+    def _through_rq_success(self, job: InFlight, result: dict[str, Any]) -> bool:
+        """RQ's success path for a job this attempt owns (its callback, its dependents, its webhooks); False where
+        its success callback raised, or outlived its timeout: then it failed, as RQ fails it."""
+        self._reclaim(job)
+        try:
+            self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:
+            self._success_callback_failed(job, exc)
+            return False
+        job.success_written = True
+        return True
 
     def _notify(self, job: InFlight) -> None:
         """The job's id onto its completion list, once."""
@@ -1007,16 +1015,18 @@ class BatchWorker(BaseWorker):
         self._ending[job_id] = job
         self.sender.hold(job_id, owner)
 
+        tries: list[bool] = []
+
         def end() -> None:
-            self._reclaim(job)
-            try:
-                self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-            except REDIS_DOWN:
-                raise
-            except Exception as exc:  # its success callback raised (or outlived its timeout)
-                self._success_callback_failed(job, exc)
+            if tries and not job.success_written:  # a try after Redis failed it: the job may be another's by now
+                [mine] = self._owned([job], (b"finished",))
+                if mine is False:
+                    self._lost_at_end(job)
+                    return
+                job.success_written = mine is None  # (an earlier try's end landed, its reply lost)
+            tries.append(True)
+            if not job.success_written and not self._through_rq_success(job, result):
                 return
-            job.success_written = True
             self._notify(job)
             made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
             self.metrics.job_ended("finished", result["timings"], made)
@@ -1024,16 +1034,20 @@ class BatchWorker(BaseWorker):
 
         def run() -> None:
             try:
-                self.sender.retrying(end, "while ending a job after its callback")
-            except Exception:
-                log.exception("ending job %s failed", job_id)
-            finally:
-                self._ends_elsewhere.discard(job_id)
-                if self._ending.get(job_id) is job:
-                    del self._ending[job_id]
+                try:
+                    self.sender.retrying(end, "while ending a job after its callback")
+                except Exception:
+                    log.exception("ending job %s failed", job_id)
+                finally:
+                    self._ending.pop(job_id, None)
+                    self._ends_elsewhere.discard(job_id)
+            finally:  # (apart: a callback's late timeout landing in the clean-up above must not keep its events)
                 self.sender.release_held(job_id, owner)
 
-        self._callback_ends.submit(run)
+        try:
+            self._callback_ends.submit(run)
+        except RuntimeError:  # the pool shut down: a stop that ends what the sender still held, here
+            run()
 
     def _reclaim(self, job: InFlight) -> None:
         """A job this attempt still owns that RQ failed, put off for a retry or that was canceled while it ran here
@@ -1183,7 +1197,7 @@ class BatchWorker(BaseWorker):
             finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
                 for job in jobs:
                     if self._ending.get(job.job.id) is job and job.job.id not in self._ends_elsewhere:
-                        del self._ending[job.job.id]
+                        self._ending.pop(job.job.id, None)  # (a callback thread may take it out meanwhile)
 
         self._tasks.append(ending)
 
@@ -1521,6 +1535,8 @@ class BatchWorker(BaseWorker):
             raise
         for (job_id, owner), found in zip(elsewhere, hashes):
             now_owner, status = (None, None) if isinstance(found, Exception) else found
+            if job_id in self._ends_elsewhere:  # its callback thread lets its events go, after its result
+                continue
             if now_owner is not None and now_owner.decode() == owner and status not in (b"queued", b"failed"):
                 self.sender.release_held(job_id, owner)  # (ended here, ours: its last events go out)
             else:
