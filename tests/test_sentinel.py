@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, slow_engine_steps
 from redis import Redis
 
 from producer import Client
@@ -138,7 +138,7 @@ def sentinel(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sentinel_failover_mid_run_loses_no_job(sentinel, tiny_chat_model):
+def test_a_sentinel_failover_mid_run_loses_no_job(sentinel, tiny_chat_model, monkeypatch):
     """Until Sentinel demotes the old primary, the worker keeps writing to it, and those writes are gone once it
     resyncs from the new one (README: what a failover loses). What must hold: no job is lost (a job whose end was
     lost is requeued by maintenance and resumed from its stream on the new primary), the worker serves on, and no
@@ -152,6 +152,9 @@ def test_a_sentinel_failover_mid_run_loses_no_job(sentinel, tiny_chat_model):
         heartbeat_grace=2,
         maintenance_interval=1,
     )
+    # Steps of 5 ms at least: 40 jobs of 200 tokens, 4 at a time, run for 10 s on any CPU (a fast one had ended them
+    # all before the failover did)
+    slow_engine_steps(monkeypatch, worker.worker.engine, 0.005)
     try:
         client = Client(sentinel.url, queue=worker.queue)
         jobs = client.submit_many(
