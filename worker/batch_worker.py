@@ -197,7 +197,6 @@ class BatchWorker(BaseWorker):
         self._tasks: list = []  # job endings of this step, for the sender, after its events
         # Jobs out of in_flight (or failed as they came) whose endings wait in the sender: still beaten.
         self._ending: dict[str, InFlight | Arrival] = {}
-        self._ends_elsewhere: set[str] = set()  # of those, ends with a success callback: on the callback threads
         self._callback_ends = ThreadPoolExecutor(CALLBACK_THREADS, thread_name_prefix="roseinfer-callback")
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
@@ -976,9 +975,8 @@ class BatchWorker(BaseWorker):
             if job.success_written:
                 self._notify(job)
         finished += written_before
-        for job, result in finished:  # the tokens this attempt made of its longest sample, for its time per token
-            made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
-            self.metrics.job_ended("finished", result["timings"], made)
+        for job, result in finished:
+            self._count_finished(job, result)
         if finished:
             log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
 
@@ -996,6 +994,15 @@ class BatchWorker(BaseWorker):
         job.success_written = True
         return True
 
+    def _count_finished(self, job: InFlight, result: dict[str, Any]) -> None:
+        """A finished job counted, with the tokens this attempt made of its longest sample (for its time per token)."""
+        made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
+        self.metrics.job_ended("finished", result["timings"], made)
+
+    def _ends_elsewhere(self, job_id: str) -> bool:
+        """Whether the job's end waits on a callback thread (``_end_with_callback``)."""
+        return getattr(self._ending.get(job_id), "ended_elsewhere", False)
+
     def _notify(self, job: InFlight) -> None:
         """The job's id onto its completion list, once."""
         if not job.notified:
@@ -1011,7 +1018,6 @@ class BatchWorker(BaseWorker):
         callback, then the result; its last event is held until then, and it is beaten until its end is written."""
         job_id, owner = job.job.id, job.execution.id
         job.ended_elsewhere = True
-        self._ends_elsewhere.add(job_id)
         self._ending[job_id] = job
         self.sender.hold(job_id, owner)
 
@@ -1028,8 +1034,7 @@ class BatchWorker(BaseWorker):
             if not job.success_written and not self._through_rq_success(job, result):
                 return
             self._notify(job)
-            made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
-            self.metrics.job_ended("finished", result["timings"], made)
+            self._count_finished(job, result)
             log.info("%s finished", job_id)
 
         def run() -> None:
@@ -1040,7 +1045,6 @@ class BatchWorker(BaseWorker):
                     log.exception("ending job %s failed", job_id)
                 finally:
                     self._ending.pop(job_id, None)
-                    self._ends_elsewhere.discard(job_id)
             finally:  # (apart: a callback's late timeout landing in the clean-up above must not keep its events)
                 self.sender.release_held(job_id, owner)
 
@@ -1196,7 +1200,7 @@ class BatchWorker(BaseWorker):
                 end()
             finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
                 for job in jobs:
-                    if self._ending.get(job.job.id) is job and job.job.id not in self._ends_elsewhere:
+                    if self._ending.get(job.job.id) is job and not getattr(job, "ended_elsewhere", False):
                         self._ending.pop(job.job.id, None)  # (a callback thread may take it out meanwhile)
 
         self._tasks.append(ending)
@@ -1535,7 +1539,7 @@ class BatchWorker(BaseWorker):
             raise
         for (job_id, owner), found in zip(elsewhere, hashes):
             now_owner, status = (None, None) if isinstance(found, Exception) else found
-            if job_id in self._ends_elsewhere:  # its callback thread lets its events go, after its result
+            if self._ends_elsewhere(job_id):  # its callback thread lets its events go, after its result
                 continue
             if now_owner is not None and now_owner.decode() == owner and status not in (b"queued", b"failed"):
                 self.sender.release_held(job_id, owner)  # (ended here, ours: its last events go out)

@@ -68,8 +68,7 @@ def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | Non
     if serves(proc, port):
         return url, proc
     proc.kill()
-    proc.wait()
-    stop_private_redis(proc)  # (its folder)
+    stop_private_redis(proc)  # (waited for, its folder removed)
     return url, None
 
 
