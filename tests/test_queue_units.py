@@ -1177,6 +1177,47 @@ def test_a_send_tried_again_after_its_reply_was_lost_writes_no_event_twice(redis
 
 
 @pytest.mark.redis
+def test_events_let_go_by_a_task_on_the_senders_own_thread_go_out_with_its_queue_full(redis_url):
+    """A job's end run in place on the sender's thread (the callback threads shut down at a stop) lets its held
+    events go there: the wake-up that put on the sender's own queue waited for good once the queue was full."""
+    import threading
+    import uuid
+
+    from redis import Redis
+
+    from producer.protocol import make_event, stream_key
+    from worker.sender import Batch, Sender
+
+    conn = Redis.from_url(redis_url)
+    job_id = f"held-here-{uuid.uuid4().hex[:8]}"
+    sender = Sender(conn, Publisher(100, 60, 60), lambda ended, registered: None, max_pending=1)
+    sender.start()
+    gate = threading.Event()
+
+    def end_in_place() -> None:
+        gate.wait(10)
+        sender.release_held(job_id, "")
+
+    try:
+        sender.hold(job_id, "")
+        sender.put(Batch(events=[(job_id, make_event(0, "Hel", [1]), 0, "")]))  # held
+        assert sender.drain(10) and not conn.exists(stream_key(job_id))
+        sender.put(Batch(tasks=[end_in_place]))
+        deadline = time.monotonic() + 10
+        while sender._queue.qsize():  # until the thread took it and waits in it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sender.put(Batch(tasks=[lambda: None]))  # the queue (of one) is full behind it
+        gate.set()
+        assert sender.drain(10), "the sender waited on its own queue"
+        assert [json.loads(f[b"event"])["n"] for _, f in conn.xrange(stream_key(job_id))] == [0]
+    finally:
+        gate.set()
+        sender.stop(timeout=5)
+        conn.delete(stream_key(job_id), sender.sent_key)
+
+
+@pytest.mark.redis
 def test_a_stream_key_overwritten_while_its_job_runs_costs_no_other_job_an_event(redis_url):
     """One job's stream key set to a string by hand while it runs: its XADD failed inside the events script, which
     stopped there, and every later event of the round trip (other jobs', their final ones too) was lost. The key is

@@ -377,6 +377,9 @@ class Sender:
                 log.exception("ending a job failed")
         with self._held_lock:  # (a job held since the look above, its event refused this round trip: its last
             finals = self._divert(finals)  # event waits behind that one, not before it)
+            released, self._released = self._released, []  # (let go by a task here, or by a callback thread)
+        if released:
+            self._send_released(released)
         if self._dropped_finals:  # (cleared each round trip: a job that ended without a last event, one put off
             # for a retry, left its id, and its next run here lost its own)
             dropped, self._dropped_finals = self._dropped_finals, set()
@@ -403,7 +406,8 @@ class Sender:
         """The events held for ``job_id`` of attempt ``owner`` go out again, first, each checked again."""
         with self._held_lock:
             self._released += self._held.pop((job_id, owner), [])
-        self.put(Batch(tasks=[_nothing]))  # (wakes the thread: the job may send nothing more)
+        if threading.current_thread() is not self._thread:  # (this thread sends them after its tasks: a put of its
+            self.put(Batch(tasks=[_nothing]))  # own would wait on a full queue for good) wakes the thread
 
     def discard_held(self, job_id: str, owner: str) -> None:
         """The events held for ``job_id`` of attempt ``owner`` are dropped: the job is another attempt's now."""
