@@ -421,33 +421,98 @@ def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_r
     assert not conn.exists(f"hook-probe:{child.id}")
 
 
-def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_follows_its_result(served):
-    """An allowed success callback ran on the thread that writes every job's tokens and results: while it ran, no
-    other job streamed or ended (ten of 0.2 s stopped another job's stream for 2 s). It runs beside them now; its
-    own job keeps RQ's order (the callback, then the result) and its last event still comes after its result."""
-    from rq import Callback, Queue
+# How each end is reached, with the callback it runs and how it ends: (payload, callback, stopped, error, status,
+# last event's finish_reason).
+CALLBACK_ENDS = {
+    "finished": ({"prompt": "called back", "max_tokens": 2}, "success", None, "finished", "length"),
+    "refused by the engine": ({"prompt": "word " * 400, "max_tokens": 4}, "failure", JobFailed, "failed", "error"),
+    "refused as it comes": ({"prompt": "hi", "max_tokens": 3, "bogus": 1}, "failure", JobFailed, "failed", "error"),
+    "stopped": (
+        {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True}, "stopped", JobCanceled,
+        "stopped", "abort",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("end", list(CALLBACK_ENDS))
+def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_follows_its_end(served, end):
+    """Allowed callbacks (success, failure, stopped) ran on the thread that writes every job's tokens and results:
+    while one ran, no other job streamed or ended (ten of 0.2 s stopped another job's stream for 2 s). They run
+    beside them now; their own job keeps RQ's order (the callback, then its end) and its last event comes after."""
+    from rq.command import send_stop_job_command
 
     from producer.protocol import stream_key
 
     w, client, conn = served
-    queue = Queue(dict(w.worker._lanes)[0].name, connection=conn, serializer=JSONSerializer)
-    slow = queue.enqueue(FN, prompt="called back", max_tokens=2, on_success=Callback("hook_probe.held", 60))
-    deadline = time.monotonic() + 30
-    while conn.get(f"hook-probe:{slow.id}") != b"running":
-        assert time.monotonic() < deadline, "the callback never ran"
-        time.sleep(0.01)
+    payload, kind, error, status, finish_reason = CALLBACK_ENDS[end]
+    job_id = f"cb-held-{end.split()[0]}-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, job_id, payload, **{f"{kind}_callback_name": "hook_probe.held"})
+    if kind == "stopped":
+        next(iter(client.job(job_id).events(timeout=30)))
+        send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+    _wait_callbacks_running(conn, [job_id])
     other = client.submit("meanwhile", max_tokens=8, temperature=0)
     assert "".join(other.stream(timeout=20)) == other.result(timeout=20)["text"]  # (before: 30 s behind it)
-    assert client.job(slow.id).status() == "started"  # its result waits for its callback
-    ended = [e for _, e in conn.xrange(stream_key(slow.id)) if any(b"finish_reason" in v for v in e.values())]
+    assert client.job(job_id).status() == "started"  # its end waits for its callback
+    ended = [e for _, e in conn.xrange(stream_key(job_id)) if any(b"finish_reason" in v for v in e.values())]
     assert ended == []  # and so does its last event
-    conn.set(f"hook-probe-release:{slow.id}", 1)
-    assert client.job(slow.id).result(timeout=30)["status"] == "finished"
-    assert list(client.job(slow.id).events(timeout=10))[-1]["finish_reason"] == "length"
-    [(result_id, _)] = conn.xrange(f"rq:results:{slow.id}")
-    [(final_id, _)] = conn.xrevrange(stream_key(slow.id), count=1)
+    conn.set(f"hook-probe-release:{job_id}", 1)
+    if error is None:
+        assert client.job(job_id).result(timeout=30)["status"] == "finished"
+    else:
+        with pytest.raises(error):
+            client.job(job_id).result(timeout=30)
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == status
+    assert list(client.job(job_id).events(timeout=10))[-1]["finish_reason"] == finish_reason
+    [(result_id, _)] = conn.xrange(f"rq:results:{job_id}")
+    [(final_id, _)] = conn.xrevrange(stream_key(job_id), count=1)
     assert _stream_id(result_id) <= _stream_id(final_id)  # written in that order
-    assert slow.id not in w.worker._ending
+    deadline = time.monotonic() + 5
+    while job_id in w.worker._ending:
+        assert time.monotonic() < deadline, "its end stayed in the worker's endings"
+        time.sleep(0.01)
+
+
+def _wait_callbacks_running(conn: Redis, job_ids: list[str]) -> None:
+    """Until each job's ``hook_probe.held`` callback runs (held until the test lets it go)."""
+    deadline = time.monotonic() + 30
+    while not all(conn.get(f"hook-probe:{job_id}") == b"running" for job_id in job_ids):
+        assert time.monotonic() < deadline, "the callbacks never ran"
+        time.sleep(0.01)
+
+
+def test_two_jobs_stopped_at_once_with_slow_stopped_callbacks_both_end_stopped(served, monkeypatch):
+    """RQ tells a stopped job from a failed one by a single field of the worker (``_stopped_job_id``): two stops
+    recorded at once on two callback threads must not read each other's, or one ended failed (and was retried)."""
+    import contextlib
+
+    from rq.command import send_stop_job_command
+
+    w, client, conn = served
+    together, record = threading.Barrier(2), w.worker.handle_job_failure
+
+    def both_at_once(job, *args, **kwargs):  # the two records meet here where they can (1 s at most)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            together.wait(1.0)
+        return record(job, *args, **kwargs)
+
+    monkeypatch.setattr(w.worker, "handle_job_failure", both_at_once)
+    tag = uuid.uuid4().hex[:6]
+    ids = [f"cb-twostops-{i}-{tag}" for i in range(2)]
+    payload = {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    for job_id in ids:
+        _raw_job(conn, w.queue, job_id, payload, stopped_callback_name="hook_probe.held", retries_left="3")
+    for job_id in ids:
+        next(iter(client.job(job_id).events(timeout=30)))
+    for job_id in ids:
+        send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+    _wait_callbacks_running(conn, ids)
+    for job_id in ids:
+        conn.set(f"hook-probe-release:{job_id}", 1)
+    for job_id in ids:
+        with pytest.raises(JobCanceled):
+            client.job(job_id).result(timeout=30)
+        assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "stopped"
 
 
 def _stream_id(entry: bytes) -> tuple[int, int]:

@@ -106,7 +106,7 @@ from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
 NO_USAGE = usage_of(0, 0)  # a job that ended before it ran
-CALLBACK_THREADS = 8  # jobs' allowed success callbacks run at once, off the thread that writes every job's tokens
+CALLBACK_THREADS = 8  # jobs' allowed callbacks run at once, off the thread that writes every job's tokens
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
@@ -198,6 +198,7 @@ class BatchWorker(BaseWorker):
         # Jobs out of in_flight (or failed as they came) whose endings wait in the sender: still beaten.
         self._ending: dict[str, InFlight | Arrival] = {}
         self._callback_ends = ThreadPoolExecutor(CALLBACK_THREADS, thread_name_prefix="roseinfer-callback")
+        self._stop_record_lock = threading.Lock()  # (RQ's record of a stop reads the worker's _stopped_job_id)
         # (job id, its execution to stop or None: any, when asked) from the pub/sub thread; those of jobs still on
         # their way in wait for them here.
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
@@ -1013,14 +1014,8 @@ class BatchWorker(BaseWorker):
             job.notified = True
 
     def _end_with_callback(self, job: InFlight, result: dict[str, Any]) -> None:
-        """A finished job's end through RQ's path with its allowed success callback, on a callback thread: in line, a
-        callback held up every job's tokens and results (ten of 0.2 s stopped another job's stream 2 s). As RQ: the
-        callback, then the result; its last event is held until then, and it is beaten until its end is written."""
-        job_id, owner = job.job.id, job.execution.id
-        job.ended_elsewhere = True
-        self._ending[job_id] = job
-        self.sender.hold(job_id, owner)
-
+        """A finished job's end through RQ's path with its allowed success callback, on a callback thread
+        (``_end_on_callback_thread``): as RQ, the callback, then the result."""
         tries: list[bool] = []
 
         def end() -> None:
@@ -1035,7 +1030,19 @@ class BatchWorker(BaseWorker):
                 return
             self._notify(job)
             self._count_finished(job, result)
-            log.info("%s finished", job_id)
+            log.info("%s finished", job.job.id)
+
+        self._end_on_callback_thread(job, end)
+
+    def _end_on_callback_thread(self, job: InFlight | Arrival, end: Callable[[], None]) -> None:
+        """``end`` of a job that runs its allowed callback (success, failure or stopped), on a callback thread: on the
+        sender's, a callback held up every job's tokens and results (ten of 0.2 s stopped another job's stream 2 s).
+        Its last event is held until its end is written, and it is beaten until then. On the sender's thread, after
+        the events of its step (a retried job's next attempt resumes from them)."""
+        job_id, owner = job.job.id, job.execution.id
+        job.ended_elsewhere = True
+        self._ending[job_id] = job
+        self.sender.hold(job_id, owner)
 
         def run() -> None:
             try:
@@ -1188,19 +1195,26 @@ class BatchWorker(BaseWorker):
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
 
-    def _end_later(self, jobs: list[InFlight] | list[Arrival], end: Callable[[], None]) -> None:
-        """``end`` of ``jobs``, taken out of ``in_flight``, on the sender's thread after this step's events. Until it
-        ran they are beaten as jobs in flight are: an allowed callback of another job's end can hold that thread past
-        their heartbeat TTL, and RQ's clean-up took them for abandoned (run again, their ends here dropped)."""
+    def _end_later(
+        self, jobs: list[InFlight] | list[Arrival], end: Callable[[], None], callback: str | None = None
+    ) -> None:
+        """``end`` of ``jobs``, taken out of ``in_flight``, on the sender's thread after this step's events; of a job
+        whose end runs its allowed ``callback`` (its name), on a callback thread from there. Until it ran they are
+        beaten as jobs in flight are: a Redis stall can hold the sender past their heartbeat TTL, and RQ's clean-up
+        took them for abandoned (run again, their ends here dropped)."""
         for job in jobs:
             self._ending[job.job.id] = job
+        if callback:
+            [job] = jobs
+            self._tasks.append(lambda: self._end_on_callback_thread(job, end))
+            return
 
         def ending() -> None:
             try:
                 end()
             finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
                 for job in jobs:
-                    if self._ending.get(job.job.id) is job and not getattr(job, "ended_elsewhere", False):
+                    if self._ending.get(job.job.id) is job and not job.ended_elsewhere:
                         self._ending.pop(job.job.id, None)  # (a callback thread may take it out meanwhile)
 
         self._tasks.append(ending)
@@ -1261,7 +1275,7 @@ class BatchWorker(BaseWorker):
             log.info("job %s: %s", job.job.id, reason)
             self.metrics.job_ended("stopped" if stopped else "canceled", None)
 
-        self._end_later([job], end)
+        self._end_later([job], end, job.job._stopped_callback_name if stopped else None)
 
     def _errored(self, job: InFlight, event: JobEvent) -> None:
         """A failed step (retryable) or a job the engine refused or timed out (not)."""
@@ -1307,7 +1321,7 @@ class BatchWorker(BaseWorker):
             refused = error_type == "invalid_request" and event.output is None
             self.metrics.job_ended("retried" if retrying else "rejected" if refused else "failed", None)
 
-        self._end_later([job], end)
+        self._end_later([job], end, job.job._failure_callback_name)
 
     def _fail(self, a: Arrival) -> None:
         """A job that can never run (``a.error``): fails alone, with its reason in RQ's failed registry, no retry.
@@ -1326,7 +1340,7 @@ class BatchWorker(BaseWorker):
                 self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
             self.metrics.job_ended("rejected", None)
 
-        self._end_later([a], end)
+        self._end_later([a], end, job._failure_callback_name)
 
     def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
         """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
@@ -1486,9 +1500,12 @@ class BatchWorker(BaseWorker):
             execute_stopped_callback(job, self.death_penalty_class)
         except Exception:
             log.exception("job %s: its stopped callback raised", job.id)
-        self._stopped_job_id = job.id  # RQ then marks it STOPPED, not FAILED, and never retries it
-        with self._results_in_failure(job, execution, result, notify, Result.Type.STOPPED, reason):
-            self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
+        # RQ then marks it STOPPED, not FAILED, and never retries it. One field of the worker says which job that is:
+        # two stops on two callback threads read each other's (one ended failed, and was retried).
+        with self._stop_record_lock:
+            self._stopped_job_id = job.id
+            with self._results_in_failure(job, execution, result, notify, Result.Type.STOPPED, reason):
+                self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
         self._check_end_landed(job, execution)
 
     def _check_end_landed(self, job: Job, execution: Execution) -> None:

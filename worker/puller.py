@@ -66,6 +66,7 @@ class Arrival:
     # expiry), then by the heartbeats, which beat it until the step loop takes it in (after a step that may outlast
     # the expiry) and then as a job in flight.
     beat_at: float = 0.0
+    ended_elsewhere: bool = False  # its end (with its failure callback) handed to a callback thread
 
 
 @dataclass
