@@ -37,3 +37,10 @@ def held(job, connection, *args) -> None:
     deadline = time.monotonic() + 30
     while not connection.exists(f"hook-probe-release:{job.id}") and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def record_thread(job, connection, *args) -> None:
+    """Marks the name of the thread it ran on."""
+    import threading
+
+    connection.set(f"hook-probe-thread:{job.id}", threading.current_thread().name)

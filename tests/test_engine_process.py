@@ -457,7 +457,7 @@ def test_a_bad_option_found_by_the_engine_process_is_the_same_error_as_in_proces
         EngineProcess(partial(engine_of_a_bad_option))
 
 
-def _worker_with_engine_process(step_s: float = 0.0):
+def _worker_with_engine_process(step_s: float = 0.0, **more_settings):
     from worker.batch_worker import BatchWorker
     from worker.settings import WorkerSettings
 
@@ -465,7 +465,9 @@ def _worker_with_engine_process(step_s: float = 0.0):
     conn = fakeredis.FakeRedis(server=server)
     setattr(conn, "__rq_redis_server_version", (8, 0, 0))
     engine = EngineProcess(partial(fake_engine, step_s))
-    settings = WorkerSettings(queue="proc", model="fake", heartbeat_interval=1, idle_wait=0.2, engine_process=True)
+    settings = WorkerSettings(
+        queue="proc", model="fake", heartbeat_interval=1, idle_wait=0.2, engine_process=True, **more_settings
+    )
     worker = BatchWorker(engine, settings, conn, engine)
     crashed: list[BaseException] = []
 
@@ -583,6 +585,28 @@ def test_a_stop_job_heard_in_the_step_the_engine_process_died_stops_the_job_inst
         job.result(timeout=5)
     assert ended.value.result["finish_reason"] == "abort"  # its partial result, as any stopped job's
     assert job.rq_job.latest_result().type == Result.Type.STOPPED
+
+
+def test_the_failure_callbacks_of_the_jobs_an_engine_death_failed_run_on_the_callback_threads():
+    """The worker leaves once its engine process died, its jobs failed: it shut the callback threads down before the
+    sender had handed them those failures, so their callbacks ran on the sender's own thread, one after another
+    (and those past its 30 s on the way out were cut off). They go to the callback threads first now."""
+    from rq import Callback, Queue
+    from rq.serializers import JSONSerializer
+
+    worker, engine, client, thread, crashed = _worker_with_engine_process(
+        step_s=0.01, allow_callback=["hook_probe.record_thread"]
+    )
+    queue = Queue("proc", connection=client.connection, serializer=JSONSerializer)
+    hook = Callback("hook_probe.record_thread")
+    jobs = [queue.enqueue("worker.jobs.generate", prompt=f"job {i}", max_tokens=10**5, on_failure=hook) for i in (1, 2)]
+    for job in jobs:
+        _wait_taken_in(worker, job.id)
+    os.kill(engine.pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and isinstance(crashed[0], EngineProcessDied)
+    threads = [client.connection.get(f"hook-probe-thread:{job.id}") for job in jobs]
+    assert all(name is not None and name.startswith(b"roseinfer-callback") for name in threads), threads
 
 
 def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwise():

@@ -473,6 +473,38 @@ def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_f
         time.sleep(0.01)
 
 
+def test_a_stopped_job_failed_by_rqs_clean_up_before_its_end_ran_gets_no_last_event(served, monkeypatch):
+    """Its stop's end, waiting for a callback thread, finds the job failed by RQ's clean-up (this worker stalled
+    past its heartbeat; here written just before the end looks): the end is dropped, and its last event with it.
+    That event was held for the callback thread, where the drop did not reach it: the stream ended "abort" a job
+    RQ had failed."""
+    from rq.command import send_stop_job_command
+
+    from producer.protocol import stream_key
+
+    w, client, conn = served
+    job_id = f"cb-lost-stop-{uuid.uuid4().hex[:6]}"
+    owned = w.worker._owned
+
+    def failed_first(held, ends_as=()):  # RQ's clean-up, just before this end's look
+        if any(job.job.id == job_id for job in held):
+            conn.hset(f"rq:job:{job_id}", "status", "failed")
+        return owned(held, ends_as)
+
+    monkeypatch.setattr(w.worker, "_owned", failed_first)
+    _raw_job(conn, w.queue, job_id, CALLBACK_ENDS["stopped"][0], stopped_callback_name="hook_probe.record")
+    next(iter(client.job(job_id).events(timeout=30)))
+    send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+    deadline = time.monotonic() + 30
+    while conn.hget(f"rq:job:{job_id}", "status") != b"failed" or job_id in w.worker._ending:
+        assert time.monotonic() < deadline, "its end never ran"
+        time.sleep(0.01)
+    assert w.worker.sender.drain(10)
+    ended = [e for _, e in conn.xrange(stream_key(job_id)) if any(b"finish_reason" in v for v in e.values())]
+    assert ended == []
+    assert not conn.exists(f"hook-probe:{job_id}")  # (nor did its callback run: the job was not its to end)
+
+
 def _wait_callbacks_running(conn: Redis, job_ids: list[str]) -> None:
     """Until each job's ``hook_probe.held`` callback runs (held until the test lets it go)."""
     deadline = time.monotonic() + 30

@@ -109,6 +109,7 @@ NO_USAGE = usage_of(0, 0)  # a job that ended before it ran
 CALLBACK_THREADS = 8  # jobs' allowed callbacks run at once, off the thread that writes every job's tokens
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
+SENDER_DRAIN_S = 30.0  # a warm stop waits this long for the sender before the callback threads shut down
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
 STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
@@ -510,6 +511,8 @@ class BatchWorker(BaseWorker):
         raised (a Redis refusal in the sender's last writes left the heartbeat beating for a stopped worker)."""
         try:
             self.puller.stop()
+            if not self._force_stop:  # the ends the sender has yet to hand to the callback threads go there first
+                self.sender.drain(SENDER_DRAIN_S)
             # (callbacks have their time limits; their ends still write. A cold stop starts none still queued: RQ's
             # clean-up takes those jobs, as a worker killed mid-callback leaves them)
             self._callback_ends.shutdown(wait=not self._force_stop, cancel_futures=self._force_stop)
@@ -1050,15 +1053,19 @@ class BatchWorker(BaseWorker):
                     self.sender.retrying(end, "while ending a job after its callback")
                 except Exception:
                     log.exception("ending job %s failed", job_id)
-                finally:
+                finally:  # (apart: a callback's late timeout landing in the clean-up above must not keep its events)
+                    self.sender.release_held(job_id, owner)
+            finally:  # (after: a lost-event report read meanwhile leaves its held events to this thread)
+                if self._ending.get(job_id) is job:  # (a next attempt of it may have come here since)
                     self._ending.pop(job_id, None)
-            finally:  # (apart: a callback's late timeout landing in the clean-up above must not keep its events)
-                self.sender.release_held(job_id, owner)
 
         try:
             self._callback_ends.submit(run)
-        except RuntimeError:  # the pool shut down: a stop that ends what the sender still held, here
-            run()
+        except RuntimeError:  # the pool shut down: a cold stop starts no callback (RQ's clean-up takes the job, as a
+            if self._force_stop:  # killed worker's), and its last event would end a job not ended
+                self.sender.discard_held(job_id, owner)
+                return
+            run()  # (a warm stop ends what the sender still held, here)
 
     def _reclaim(self, job: InFlight) -> None:
         """A job this attempt still owns that RQ failed, put off for a retry or that was canceled while it ran here
@@ -1190,6 +1197,8 @@ class BatchWorker(BaseWorker):
             log.warning("job %s belongs to another attempt now, or RQ failed it (this worker stalled): its end here "
                         "is dropped", job.job.id)  # fmt: skip
             self.sender.drop_final(job.job.id, job.execution.id)  # (its last event would end it a second time)
+            if job.ended_elsewhere:  # (a callback thread's end: its last event is held, not in this round trip)
+                self.sender.discard_held(job.job.id, job.execution.id)
         self.metrics.job_ended("canceled" if deleted else "lost", None)
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)
