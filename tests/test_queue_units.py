@@ -2683,7 +2683,8 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
 def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, forgotten):
     """RQ's job heartbeat is an HSET whatever its xx says: a beat just after a job's ``delete()`` made a hash of one
     field with no TTL, for good. The beat writes only where the hash still is (without Lua: deletes what its HSET
-    made, as RQ's own heartbeat does); a running job's hash gets its beat."""
+    made, as RQ's own heartbeat does); a running job's hash gets its beat. So with its execution's hash: one whose
+    end was written just before the beat came back for a TTL (and the lease skipped a beat)."""
     from worker.heartbeat import Heartbeat
 
     conn, worker, _, [deleted, running] = _running_jobs(redis_url, count=2)
@@ -2696,12 +2697,17 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
     if forgotten:
         conn.script_flush()
     conn.delete(deleted.job.key)  # RQ's job.delete(), by the job's owner, while it runs
+    conn.delete(deleted.execution.key)  # (and its end, written between the beat's look at the jobs and its writes)
     conn.hdel(running.job.key, "last_heartbeat")
+    conn.hdel(running.execution.key, "last_heartbeat")
     for held in (deleted, running):
         held.beat_at = 0
     heartbeat.beat()
     assert not conn.exists(deleted.job.key)
     assert conn.hget(running.job.key, "last_heartbeat")
+    assert conn.hget(running.execution.key, "last_heartbeat") and conn.ttl(running.execution.key) > 0
+    if forgotten is not None:  # (without Lua, RQ's execution heartbeat writes whether or not the hash is there)
+        assert not conn.exists(deleted.execution.key)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import redis
+from rq.executions import ExecutionRegistry
 from rq.utils import now, utcformat
 
 from producer.connection import REDIS_UNAVAILABLE
@@ -26,11 +27,18 @@ log = logging.getLogger("roseinfer.worker")
 # checked one by one).
 LEASE_SLACK_S = 3.0
 
-# KEYS: job hashes; ARGV: the heartbeat's stamp. RQ's job heartbeat (an HSET), only where the hash exists: a job
-# deleted (RQ's job.delete()) just before a beat came back as a hash of one field and no TTL, for good.
+# KEYS: job hashes, then their executions' hashes (as many); ARGV: the heartbeat's stamp, as a date and as a number,
+# and the executions' TTL. RQ's job and execution heartbeats (HSET, EXPIRE), only where the hash exists: a job
+# deleted (RQ's job.delete()) just before a beat came back as a hash of one field and no TTL, for good; an
+# execution whose end was written between the beat's look at the jobs and its writes came back for a TTL.
 _BEAT_JOBS = """
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
   if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'last_heartbeat', ARGV[1]) end
+  if redis.call('EXISTS', KEYS[n + i]) == 1 then
+    redis.call('HSET', KEYS[n + i], 'last_heartbeat', ARGV[2])
+    redis.call('EXPIRE', KEYS[n + i], ARGV[3])
+  end
 end
 """
 
@@ -136,13 +144,17 @@ class Heartbeat:
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             stamp = now()
             for job in stale:
-                job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
-                job.job.last_heartbeat = stamp
+                job.job.last_heartbeat = job.execution.last_heartbeat = stamp
             looks: list[tuple[int, Any]] = []  # without Lua: where each job's look at its hash replies, and its job
             if stale and self._beat_jobs is not None:
-                pipe.evalsha(self._beat_jobs.sha, len(stale), *[job.job.key for job in stale], utcformat(stamp))
+                keys = [*(job.job.key for job in stale), *(job.execution.key for job in stale)]
+                pipe.evalsha(self._beat_jobs.sha, len(keys), *keys, utcformat(stamp), stamp.timestamp(), ttl)
+                for job in stale:  # (the rest of RQ's execution heartbeat: its registry entries, XX)
+                    job.job.started_job_registry.add_execution(job.execution, ttl=ttl, pipeline=pipe, xx=True)
+                    ExecutionRegistry(job_id=job.job.id, connection=pipe).add(job.execution, ttl, pipe, xx=True)
             else:  # no Lua (a Redis that refuses scripts): RQ's own, which writes whether or not the hash exists
                 for job in stale:
+                    job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
                     looks.append((len(pipe.command_stack), job))
                     pipe.exists(job.job.key)
                     job.job.heartbeat(stamp, ttl, pipeline=pipe)
