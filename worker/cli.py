@@ -156,7 +156,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     from producer.cli import add_connection_arguments
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the queue (chat and text completions)")
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over the queue (chat, text completions, responses)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
     p.add_argument("--port", type=port_number, default=8000, help="the port to listen on (default: %(default)s)")
     p.add_argument(
