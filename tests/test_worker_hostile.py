@@ -435,7 +435,7 @@ CALLBACK_ENDS = {
 
 
 @pytest.mark.parametrize("end", list(CALLBACK_ENDS))
-def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_follows_its_end(served, end):
+def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_follows_its_end(served, end, caplog):
     """Allowed callbacks (success, failure, stopped) ran on the thread that writes every job's tokens and results:
     while one ran, no other job streamed or ended (ten of 0.2 s stopped another job's stream for 2 s). They run
     beside them now; their own job keeps RQ's order (the callback, then its end) and its last event comes after."""
@@ -456,6 +456,12 @@ def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_f
     assert client.job(job_id).status() == "started"  # its end waits for its callback
     ended = [e for _, e in conn.xrange(stream_key(job_id)) if any(b"finish_reason" in v for v in e.values())]
     assert ended == []  # and so does its last event
+    caplog.set_level(logging.INFO, logger="roseinfer.worker")
+    send_stop_job_command(conn, job_id, serializer=JSONSerializer)  # too late: it ended (said, not waited on)
+    deadline = time.monotonic() + 10
+    while not any(job_id in r.getMessage() and "its end being written" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the stop-job was not said to come too late"
+        time.sleep(0.01)
     conn.set(f"hook-probe-release:{job_id}", 1)
     if error is None:
         assert client.job(job_id).result(timeout=30)["status"] == "finished"

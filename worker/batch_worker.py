@@ -1654,6 +1654,9 @@ class BatchWorker(BaseWorker):
             asked.append(self._stop_jobs.get())
         for job_id, execution, since in asked:
             job = self.in_flight.get(job_id)
+            if job is None and job_id in self._ending:  # (not on its way: it ended here, its end is being written)
+                log.info("stop-job %s: the job ended here, its end being written (its callback runs): ignored", job_id)
+                continue
             if job is None and self._on_its_way(job_id, since):
                 self._stops_waiting.append((job_id, execution, since))
                 continue
