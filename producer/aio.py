@@ -65,7 +65,6 @@ class AsyncClient:
         self.connection = connect_async(redis_url)
         # RQ's enqueue and cancel, run on a thread (``connection``: a sync client of the caller's, as Client takes)
         self.sync = Client(redis_url, queue, **options)
-        self._owns_sync_connection = options.get("connection") is None
         self.hub = StreamHub(connect_async(redis_url))  # its blocking reads on a connection of their own
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False
@@ -147,18 +146,17 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.sync.status)
 
-    async def workers(self) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(self.sync.workers)
+    async def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.sync.workers, queue)
 
     async def close(self) -> None:
         if self._flusher is not None:  # submits going in, or the cancel of a left caller's job: let them land
             await asyncio.wait([self._flusher])  # (its failures were its callers')
         if self._orphans:
             await asyncio.wait(self._orphans)
+        await self.hub.close()
         await self.connection.aclose()
-        await self.hub.connection.aclose()
-        if self._owns_sync_connection:  # a connection the caller passed is theirs to close
-            self.sync.connection.close()
+        self.sync.close()  # (a connection the caller passed is theirs to close)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -181,8 +179,24 @@ class StreamHub:
         self.down_since: float | None = None  # when Redis stopped answering the read (None: it answers)
         self._next = 0
         self._task: asyncio.Task | None = None
+        self._closed = False
+
+    async def close(self) -> None:
+        """The reader stopped, its followers told (they raised nothing and waited for good), its connection closed:
+        it read on after the client's close, on connections opened again."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for followers in self._by_key.values():
+            for f in followers.values():
+                f.entries.put_nowait(RuntimeError("this AsyncClient was closed"))
+        await self.connection.aclose()
 
     def follow(self, key: str) -> _Follower:
+        if self._closed:
+            raise RuntimeError("this AsyncClient was closed")
         self._not_streams.discard(key)  # (looked at again)
         follower = _Follower(self._next, key)
         self._by_key.setdefault(key, {})[follower.id] = follower
@@ -353,6 +367,7 @@ class AsyncGenerationJob:
                 if isinstance(found, Exception):
                     raise found
                 if found:
+                    outage.over()  # (the hub read them: Redis answers, and a next outage gets its whole patience)
                     for event in cursor.take(found):
                         yield event
                         if "finish_reason" in event:

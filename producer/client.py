@@ -437,6 +437,18 @@ class Client:
         self.failure_ttl = failure_ttl
         self._policy_checked = False
         self.reached = False  # Redis answered this client once: a later error is an outage to wait out
+        self._owns_connection = connection is None
+
+    def close(self) -> None:
+        """Its connections to Redis closed (a connection passed in is the caller's to close), as AsyncClient's."""
+        if self._owns_connection:
+            self.connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def submit(
         self,

@@ -3338,6 +3338,121 @@ def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_wai
 
 
 @pytest.mark.redis
+def test_an_async_follower_has_its_whole_patience_for_each_outage_not_one_for_all(redis_url, monkeypatch):
+    """The async follower's patience with an outage restarted only after a look at the job, never after events the
+    stream reader brought: with tokens flowing after a first outage, a second one a patience later raised at once
+    (the server's streams died a second into it). The sync follower restarts it after every read."""
+    import asyncio
+    import json
+
+    import redis
+    from redis import Redis
+
+    import producer.aio as aio_mod
+    import producer.client as client_mod
+    from producer import AsyncClient
+    from producer.protocol import stream_key
+
+    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 1.0)
+    conn = Redis.from_url(redis_url)
+    job_id = f"outages-{uuid.uuid4().hex[:8]}"
+    conn.hset(f"rq:job:{job_id}", "status", "started")
+    failing, failures = [False], [0]
+    status = aio_mod.AsyncGenerationJob.status
+
+    async def status_or_outage(self):  # a Redis restart as the follower's look at the job meets it
+        if failing[0]:
+            failures[0] += 1
+            raise redis.exceptions.ConnectionError("Redis restarting")
+        return await status(self)
+
+    monkeypatch.setattr(aio_mod.AsyncGenerationJob, "status", status_or_outage)
+
+    def add(n: int, final: bool = False) -> None:
+        event = {"n": n, "text": f"t{n}", "token_ids": [n], **({"finish_reason": "stop", "usage": {}} if final else {})}
+        conn.xadd(stream_key(job_id), {"event": json.dumps(event)})
+
+    async def outage() -> None:
+        failing[0], before = True, failures[0]
+        while failures[0] == before:  # (no event for a second: the follower looks at the job)
+            await asyncio.sleep(0.01)
+        failing[0] = False
+
+    async def follow_through_two_outages() -> list[str]:
+        async with AsyncClient(redis_url, queue="outages") as client:
+            got: list[str] = []
+
+            async def follow() -> None:
+                async for event in client.job(job_id).events(timeout=60):
+                    got.append(event["text"])
+
+            followed = asyncio.create_task(follow())
+            add(0)
+            while not got:
+                await asyncio.sleep(0.01)
+            await outage()
+            for n in range(1, 16):  # tokens for longer than the patience
+                add(n)
+                await asyncio.sleep(0.1)
+            await outage()  # the second outage: its own patience
+            add(16, final=True)
+            await asyncio.wait_for(followed, 30)
+            return got
+
+    try:
+        assert asyncio.run(follow_through_two_outages()) == [f"t{n}" for n in range(17)]
+    finally:
+        conn.delete(f"rq:job:{job_id}", stream_key(job_id))
+
+
+@pytest.mark.redis
+def test_closing_either_client_closes_its_connections_and_stops_its_stream_reader(redis_url):
+    """``Client`` had no close (nor ``with``), only AsyncClient did; and AsyncClient's close left its stream reader
+    reading, on connections opened again, and a follower of a job that never ended waiting for good."""
+    import asyncio
+
+    from redis import Redis
+
+    from producer import AsyncClient, Client
+    from producer.protocol import stream_key
+
+    name = f"closing-{uuid.uuid4().hex[:8]}"
+    mine = Redis.from_url(redis_url)
+    with Client(redis_url, queue="closing") as client:
+        client.connection.client_setname(name)
+        assert name in [c["name"] for c in mine.client_list()]
+    assert name not in [c["name"] for c in mine.client_list()]  # its connection closed
+    Client(connection=mine).close()
+    assert mine.ping()  # a connection passed in is the caller's
+
+    job_id = f"closing-{uuid.uuid4().hex[:8]}"
+    mine.hset(f"rq:job:{job_id}", "status", "started")
+    mine.xadd(stream_key(job_id), {"event": json.dumps({"n": 0, "text": "t0", "token_ids": [0]})})
+
+    async def close_while_following() -> None:
+        client = AsyncClient(redis_url, queue="closing")
+        got: list[dict] = []
+
+        async def follow() -> None:
+            async for event in client.job(job_id).events(timeout=None):
+                got.append(event)
+
+        followed = asyncio.create_task(follow())
+        while not got:  # (it follows the job, and found Redis)
+            await asyncio.sleep(0.01)
+        reader = client.hub._task
+        await client.close()
+        assert reader.done()
+        with pytest.raises(RuntimeError, match="closed"):
+            await asyncio.wait_for(followed, 5)
+
+    try:
+        asyncio.run(close_while_following())
+    finally:
+        mine.delete(f"rq:job:{job_id}", stream_key(job_id))
+
+
+@pytest.mark.redis
 def test_maintenance_takes_ids_whose_job_is_gone_out_of_the_canceled_registry(redis_url):
     """A canceled job's hash expires (after --result-ttl), and RQ cleans no canceled registry: ids of jobs long gone
     piled up there for good, counted by ``rq info``. Those whose hash is still there stay, whatever their score (RQ's
