@@ -2066,6 +2066,8 @@ def test_submit_many_writes_the_job_hashes_rqs_enqueue_many_writes(redis_url, re
     assert {f"rq:queue:{name}".encode(), f"rq:queue:{name}:p10".encode()} <= conn.smembers("rq:queues")
     with pytest.raises(Exception, match="request 0"):
         client.submit_many([{"prompt": "x", "job_id": "has spaces"}])
+    with pytest.raises(Exception, match=r"^Job ID must"):  # one request: no number (as AsyncClient.submit says it)
+        client.submit("x", job_id="has spaces")
 
 
 def test_the_embedded_redis_survives_its_server_dropping_a_connection_after_a_refused_command():
