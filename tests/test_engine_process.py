@@ -587,6 +587,7 @@ def test_a_stop_job_heard_in_the_step_the_engine_process_died_stops_the_job_inst
     assert job.rq_job.latest_result().type == Result.Type.STOPPED
 
 
+@pytest.mark.slow  # an engine process: the full suite's
 def test_the_failure_callbacks_of_the_jobs_an_engine_death_failed_run_on_the_callback_threads():
     """The worker leaves once its engine process died, its jobs failed: it shut the callback threads down before the
     sender had handed them those failures, so their callbacks ran on the sender's own thread, one after another

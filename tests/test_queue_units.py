@@ -3339,6 +3339,7 @@ def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_wai
     assert "".join(job.stream(timeout=10)) == "back"
 
 
+@pytest.mark.slow  # seconds of tokens and outages: the full suite's
 @pytest.mark.redis
 def test_an_async_follower_has_its_whole_patience_for_each_outage_not_one_for_all(redis_url, monkeypatch):
     """The async follower's patience with an outage restarted only after a look at the job, never after events the
