@@ -456,6 +456,7 @@ def test_a_slow_allowed_callback_holds_up_no_other_job_and_its_jobs_last_event_f
     assert client.job(job_id).status() == "started"  # its end waits for its callback
     ended = [e for _, e in conn.xrange(stream_key(job_id)) if any(b"finish_reason" in v for v in e.values())]
     assert ended == []  # and so does its last event
+    assert w.worker.metrics.registry.get_sample_value("roseinfer_jobs_ending") >= 1  # (an operator sees it wait)
     caplog.set_level(logging.INFO, logger="roseinfer.worker")
     send_stop_job_command(conn, job_id, serializer=JSONSerializer)  # too late: it ended (said, not waited on)
     deadline = time.monotonic() + 10

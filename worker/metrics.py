@@ -77,6 +77,10 @@ class _WorkerState(Collector):
         w = self.worker
         engine = w.engine
         yield GaugeMetricFamily("roseinfer_jobs_in_flight", "jobs held by this worker", value=len(w.in_flight))
+        yield GaugeMetricFamily(
+            "roseinfer_jobs_ending", "jobs ended here whose ends are still being written (behind allowed callbacks)",
+            value=len(w._ending),
+        )  # fmt: skip
         depth = GaugeMetricFamily(
             "roseinfer_queue_depth",
             "jobs waiting in each lane (the queue's, the same from every worker)",
