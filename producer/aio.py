@@ -165,6 +165,10 @@ class AsyncClient:
         await self.close()
 
 
+class ClientClosed(RuntimeError):
+    """The AsyncClient a job is followed through was closed meanwhile."""
+
+
 class StreamHub:
     """One reader for the streams of every job followed through a client: a single ``XREAD BLOCK`` over all of
     them (one command per wake-up for hundreds of streams, not one per job and event), handing each follower the
@@ -191,12 +195,12 @@ class StreamHub:
             await asyncio.gather(task, return_exceptions=True)
         for followers in self._by_key.values():
             for f in followers.values():
-                f.entries.put_nowait(RuntimeError("this AsyncClient was closed"))
+                f.entries.put_nowait(ClientClosed("this AsyncClient was closed"))
         await self.connection.aclose()
 
     def follow(self, key: str) -> _Follower:
         if self._closed:
-            raise RuntimeError("this AsyncClient was closed")
+            raise ClientClosed("this AsyncClient was closed")
         self._not_streams.discard(key)  # (looked at again)
         follower = _Follower(self._next, key)
         self._by_key.setdefault(key, {})[follower.id] = follower
@@ -276,6 +280,8 @@ async def _final_event(follower: _Follower, seconds: float) -> None:
             found = await asyncio.wait_for(follower.entries.get(), wait)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return
+        if isinstance(found, ClientClosed):  # (a result waited for: it polled on, on connections opened again)
+            raise found
         if isinstance(found, Exception) or any("finish_reason" in _event(fields) for _, fields in found):
             return
 

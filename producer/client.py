@@ -460,10 +460,11 @@ class Client:
     ) -> GenerationJob:
         """Enqueue one job; ``fields`` are the payload's sampling fields (OpenAI names) plus custom_id/metadata."""
         req = validate({"prompt": prompt, "messages": messages, **fields})
+        if job_id is not None:
+            check_job_id(job_id)  # (in its own words, before Redis is asked: submit_many says "request 0: ...")
         self._check_eviction_policy()
         queue = self.lane(req.priority)
         if job_id is not None:  # checked and written in one watched transaction: see submit_many
-            check_job_id(job_id)  # (in its own words: there it is "request 0: ...")
             return self.submit_many([{"prompt": prompt, "messages": messages, **fields, "job_id": job_id}])[0]
         job = queue.enqueue_call(JOB_FUNCTION, kwargs=self._payload(req), job_id=job_id, **self._job_options(req))
         self.reached = True

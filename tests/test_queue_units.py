@@ -3441,13 +3441,15 @@ def test_closing_either_client_closes_its_connections_and_stops_its_stream_reade
                 got.append(event)
 
         followed = asyncio.create_task(follow())
-        while not got:  # (it follows the job, and found Redis)
+        waited = asyncio.create_task(client.job(job_id).result(timeout=None))
+        while not got or len(client.hub._by_key.get(stream_key(job_id), {})) < 2:  # (both follow it, Redis found)
             await asyncio.sleep(0.01)
         reader = client.hub._task
         await client.close()
         assert reader.done()
-        with pytest.raises(RuntimeError, match="closed"):
-            await asyncio.wait_for(followed, 5)
+        for task in (followed, waited):  # (the result's wait polled on, on connections opened again)
+            with pytest.raises(RuntimeError, match="closed"):
+                await asyncio.wait_for(task, 5)
 
     try:
         asyncio.run(close_while_following())

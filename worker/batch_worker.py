@@ -1062,8 +1062,9 @@ class BatchWorker(BaseWorker):
         try:
             self._callback_ends.submit(run)
         except RuntimeError:  # the pool shut down: a cold stop starts no callback (RQ's clean-up takes the job, as a
-            if self._force_stop:  # killed worker's), and its last event would end a job not ended
-                self.sender.discard_held(job_id, owner)
+            if self._force_stop:  # killed worker's), and its last event (held, or in this round trip) would end a job
+                self.sender.discard_held(job_id, owner)  # not ended
+                self.sender.drop_final(job_id, owner)
                 return
             run()  # (a warm stop ends what the sender still held, here)
 
@@ -1654,8 +1655,9 @@ class BatchWorker(BaseWorker):
             asked.append(self._stop_jobs.get())
         for job_id, execution, since in asked:
             job = self.in_flight.get(job_id)
-            if job is None and job_id in self._ending:  # (not on its way: it ended here, its end is being written)
-                log.info("stop-job %s: the job ended here, its end being written (its callback runs): ignored", job_id)
+            # Ended here, its end being written (after its callback): not on its way, unless its next attempt is.
+            if job is None and job_id in self._ending and not self.puller.handing_over(job_id):
+                log.info("stop-job %s: the job ended here, its end being written: ignored", job_id)
                 continue
             if job is None and self._on_its_way(job_id, since):
                 self._stops_waiting.append((job_id, execution, since))
