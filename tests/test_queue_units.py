@@ -2708,8 +2708,7 @@ def test_a_heartbeat_never_brings_back_a_job_hash_deleted_meanwhile(redis_url, f
     assert not conn.exists(deleted.job.key)
     assert conn.hget(running.job.key, "last_heartbeat")
     assert conn.hget(running.execution.key, "last_heartbeat") and conn.ttl(running.execution.key) > 0
-    if forgotten is not None:  # (without Lua, RQ's execution heartbeat writes whether or not the hash is there)
-        assert not conn.exists(deleted.execution.key)
+    assert not conn.exists(deleted.execution.key)
 
 
 @pytest.mark.slow

@@ -145,7 +145,7 @@ class Heartbeat:
             stamp = now()
             for job in stale:
                 job.job.last_heartbeat = job.execution.last_heartbeat = stamp
-            looks: list[tuple[int, Any]] = []  # without Lua: where each job's look at its hash replies, and its job
+            looks: list[tuple[int, str]] = []  # without Lua: where each look at a hash replies, and the hash
             if stale and self._beat_jobs is not None:
                 keys = [*(job.job.key for job in stale), *(job.execution.key for job in stale)]
                 pipe.evalsha(self._beat_jobs.sha, len(keys), *keys, utcformat(stamp), stamp.timestamp(), ttl)
@@ -154,8 +154,10 @@ class Heartbeat:
                     ExecutionRegistry(job_id=job.job.id, connection=pipe).add(job.execution, ttl, pipe, xx=True)
             else:  # no Lua (a Redis that refuses scripts): RQ's own, which writes whether or not the hash exists
                 for job in stale:
+                    looks.append((len(pipe.command_stack), job.execution.key))
+                    pipe.exists(job.execution.key)
                     job.execution.heartbeat(job.job.started_job_registry, ttl, pipe)
-                    looks.append((len(pipe.command_stack), job))
+                    looks.append((len(pipe.command_stack), job.job.key))
                     pipe.exists(job.job.key)
                     job.job.heartbeat(stamp, ttl, pipeline=pipe)
             key = w.stats_key()
@@ -170,9 +172,10 @@ class Heartbeat:
             replies = pipe.execute()
         if not replies[0]:
             w._on_statuses([], registered=False)  # the step loop registers again
-        if gone := [job.job.key for at, job in looks if not replies[at]]:
-            # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete()). Deleted again, as RQ's own
-            # heartbeat does: else a hash of one field stayed for good, and the delete was no cancel.
+        if gone := [key for at, key in looks if not replies[at]]:
+            # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete(), the end of an execution).
+            # Deleted again, as RQ's own heartbeat does: else a job's hash of one field stayed for good, and the
+            # delete was no cancel (an execution's, for a TTL).
             w.connection.delete(*gone)
         for job in stale:  # (beaten once Redis took it: a beat that failed left the next one to skip them, fresh,
             job.beat_at = mono  # and their registry entries lapsed before the one after)
