@@ -473,7 +473,12 @@ class AsyncGenerationJob:
                 if status in _ENDED or status in ("finished", "missing"):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
-                    return await asyncio.to_thread(self._sync.result, left)
+                    try:
+                        return await asyncio.to_thread(self._sync.result, left)
+                    except TimeoutError:  # the job went on meanwhile (requeued, or enqueued under that id since)
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise
+                        continue  # (its 5 s were this look's, not the caller's: a wait without timeout timed out)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout:g} s (status {status})")

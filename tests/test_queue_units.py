@@ -685,6 +685,51 @@ def test_an_async_result_waiter_reads_the_stream_from_its_end_not_its_start():
     assert reads and all(read[stream_key("long")] == last for read in reads)
 
 
+def test_an_async_result_without_a_timeout_waits_on_for_a_job_that_went_on_after_an_ended_look(monkeypatch):
+    """The async waiter hands a job it saw ended (or missing) to the sync client's last look, for 5 s: where the job
+    went on meanwhile (requeued, or enqueued under that id since), a wait given no timeout raised "no result within
+    5 s". It follows the job again."""
+    import asyncio
+
+    from rq.results import Result
+
+    from producer import Client
+    from producer.aio import AsyncGenerationJob, StreamHub
+    from producer.client import GenerationJob
+    from producer.protocol import result_entry, result_key, usage_of
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+
+    class Async:
+        connection = fakeredis.FakeAsyncRedis(server=server)
+        hub = StreamHub(fakeredis.FakeAsyncRedis(server=server), wait_ms=20)
+        sync = Client(connection=conn)
+
+    last_look = GenerationJob.result
+
+    def went_on(self, timeout=None):  # the id's job enqueued as the last look began: it waited its 5 s out
+        if not conn.exists("rq:job:later"):
+            conn.hset("rq:job:later", "status", "queued")
+            raise TimeoutError("job later: no result within 5 s (status queued)")
+        return last_look(self, timeout)
+
+    monkeypatch.setattr(GenerationJob, "result", went_on)
+
+    def finish() -> None:
+        time.sleep(0.3)
+        result = {"v": 3, "id": "later", "status": "finished", "finish_reason": "stop", "text": "done",
+                  "token_ids": [1], "usage": usage_of(1, 1)}  # fmt: skip
+        conn.xadd(result_key("later"), result_entry(result, Result.Type.SUCCESSFUL, "w"))
+        conn.hset("rq:job:later", "status", "finished")
+
+    async def wait() -> dict:
+        asyncio.get_running_loop().run_in_executor(None, finish)
+        return await AsyncGenerationJob(Async(), "later").result(timeout=None)
+
+    assert asyncio.run(wait())["text"] == "done"
+
+
 def test_an_infinite_timeout_waits_without_end():
     """``timeout=inf`` (``roseinfer submit --stream --timeout inf`` takes it): the stream's wait in milliseconds of
     it was an OverflowError."""
