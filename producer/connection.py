@@ -188,9 +188,25 @@ def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
     return _connect(url, AsyncRedis, Sentinel, pool, BlockingConnectionPool)
 
 
+def _check_timeouts(url: str) -> None:
+    """A URL's socket timeouts (they win over the worker's), as seconds above 0: 0 made every socket non-blocking,
+    each command failed as a Redis still starting, and a worker waited for it for good; -1 was a traceback."""
+    for name, values in parse_qs(urlsplit(url).query).items():
+        if name not in ("socket_timeout", "socket_connect_timeout"):
+            continue
+        for value in values:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = 0.0
+            if not 0 < seconds < float("inf"):
+                raise InvalidRedisURL(f"{name}={value} in {redacted_url(url)}: a number of seconds above 0")
+
+
 def _connect(
     url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any], pool_class: type | None = None
 ) -> Any:
+    _check_timeouts(url)
     s = parse_sentinel_url(url)
     if s is None:
         parts = urlsplit(url)

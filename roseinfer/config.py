@@ -29,6 +29,13 @@ ENGINE_ENV_VARS = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)
+# Past these a value is a slip, said before the model loads (after it, the sizes built from them hung or ran out of
+# memory): vLLM's largest block is 256, its batches run to a few thousand sequences.
+MAX_NUM_SEQS = 65536
+MAX_BATCHED_TOKENS = 1 << 24
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_THREADS = 4096
+MAX_KV_CACHE_BYTES = 1 << 50
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|[kmgt]i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -36,6 +43,8 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "
 def parse_size(value: int | float | str) -> int:
     """Bytes from 1073741824, "1GiB", "512MiB", "2G"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"cannot read {value!r} as a size; write e.g. 1GiB, 512MiB or a number of bytes")
         return int(value)
     match = _SIZE.match(str(value))
     if not match:
@@ -132,16 +141,21 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is for GPUs; on CPU use float32 or bfloat16")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name, most in (("max_num_seqs", MAX_NUM_SEQS), ("max_num_batched_tokens", MAX_BATCHED_TOKENS),
+                           ("block_size", MAX_BLOCK_SIZE)):  # fmt: skip
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value > most:  # (said now: past the model's load, the sizes built from it ran out of memory or hung)
+                raise ValueError(f"{name} is at most {most}, got {value}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.num_threads is not None and (not _is_int(self.num_threads) or self.num_threads < 1):
-            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.num_threads is not None and (
+            not _is_int(self.num_threads) or not 1 <= self.num_threads <= MAX_NUM_THREADS
+        ):
+            raise ValueError(f"num_threads must be an integer from 1 to {MAX_NUM_THREADS}, got {self.num_threads!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:  # (torch's seeds are 64-bit)
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
         for name in ("enable_prefix_caching", "enforce_eager", "int8_output_layer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -158,10 +172,12 @@ class EngineConfig:
         if self.kv_cache_memory != "auto":
             try:
                 self.kv_cache_memory = parse_size(self.kv_cache_memory)
-            except ValueError as exc:
-                raise ValueError(f"kv_cache_memory: {exc}") from None
+            except (ValueError, OverflowError) as exc:  # (inf: an OverflowError)
+                raise ValueError(f"kv_cache_memory {exc}") from None
             if self.kv_cache_memory <= 0:
                 raise ValueError("kv_cache_memory must be positive")
+            if self.kv_cache_memory > MAX_KV_CACHE_BYTES:  # (a block list of that many entries grew until OOM)
+                raise ValueError(f"kv_cache_memory is at most 1PiB, got {self.kv_cache_memory} bytes")
 
 
 def quantization_name(config: Any) -> str:

@@ -23,10 +23,14 @@ from roseinfer.models import CausalLM
 log = logging.getLogger(__name__)
 
 
+MAX_GRAPH_BATCH = 512  # larger decode batches run eager, as vLLM's past its largest capture (one capture a size)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
+    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4, 8) if s < largest]
+    sizes += list(range(16, largest, 16))
+    return sorted(set(sizes + [largest]))
 
 
 class DecodeGraphs:

@@ -68,6 +68,10 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
+        if self.device.type == "cuda":  # (before the load: torch's own error was a traceback, or came after it)
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (self._cuda_index or 0) >= found:
+                raise ConfigError(f"device {config.device}: this machine has {found} CUDA device(s) torch can use")
         if self._cuda_index is not None:
             # Triton launches, graph capture and CUDA events use the current device, not the tensors'.
             torch.cuda.set_device(self.device)

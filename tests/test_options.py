@@ -133,11 +133,70 @@ def test_none_unsets_a_setting_its_help_says_may_be_unset(monkeypatch):
         ({"heartbeat_interval": str(10**10)}, "heartbeat_interval"),
         ({"stream_maxlen": str(10**19)}, "stream_maxlen"),  # past XADD's MAXLEN: every event write failed
         ({"queue": "hi,lo"}, "cannot hold a comma"),  # RQ's list of a worker's queues: two to `rq info`
+        ({"queue": " "}, "cannot be empty or blank"),  # a queue no producer uses: the worker sat idle
+        # Absurd sizes, said before the model loads: after it, they hung, ran out of memory or raised deep inside.
+        ({"engine_step_timeout": "0.001"}, "a second at least"),  # every step took it for hung: a restart loop
+        ({"engine_step_timeout": "inf"}, "engine_step_timeout"),
+        ({"seed": str(2**64)}, r"seed must be an integer from 0 to 2\*\*64 - 1"),  # torch's manual_seed overflowed
+        ({"num_threads": "1000000"}, "num_threads must be an integer from 1 to"),
+        ({"kv_cache_memory": "99999TiB"}, "kv_cache_memory is at most 1PiB"),  # a block list grew until OOM
+        ({"kv_cache_memory": "inf"}, "kv_cache_memory cannot read"),
+        ({"max_num_seqs": str(10**12)}, "max_num_seqs is at most"),
+        ({"block_size": str(10**9)}, "block_size is at most"),
+        ({"max_num_batched_tokens": str(10**12)}, "max_num_batched_tokens is at most"),
     ],
 )
 def test_bad_settings_are_refused_by_the_engine_rules_before_anything_loads(settings, phrase):
     with pytest.raises(ValidationError, match=phrase):
         WorkerSettings(**settings)
+
+
+def test_a_redis_urls_own_socket_timeouts_are_seconds_above_zero():
+    """A URL's own timeouts win over the worker's: 0 made every socket non-blocking, each command failed as a Redis
+    still starting, and the worker loaded its model and waited for good; -1 was a traceback."""
+    from producer.connection import InvalidRedisURL, connect, connect_async
+
+    for query in ("socket_timeout=0", "socket_timeout=-1", "socket_connect_timeout=soon", "socket_timeout=inf"):
+        for make in (connect, connect_async):
+            with pytest.raises(InvalidRedisURL, match=f"{query.split('=')[0]}=.*a number of seconds above 0"):
+                make(f"redis://:secret@127.0.0.1:1/0?{query}")
+    assert connect("redis://127.0.0.1:1/0?socket_timeout=2.5").connection_pool.connection_kwargs["socket_timeout"]
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line_before_the_model_loads():
+    """torch's own error came as a traceback (an AttributeError on a CPU build), or after the load."""
+    import torch
+
+    from roseinfer import LLM
+    from roseinfer.config import ConfigError
+
+    index = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match=f"^device cuda:{index}: this machine has {index} CUDA device"):
+        LLM("no-such-model-folder", device=f"cuda:{index}")  # (the device is said first: no load was tried)
+
+
+def test_a_metrics_port_taken_is_said_before_the_model_loads():
+    """Found as the worker started, after its model's load (minutes of a GPU's); under `serve --embedded` the
+    worker's thread died and the server answered 503s."""
+    import socket
+
+    from roseinfer.config import ConfigError
+    from worker.main import build_worker
+
+    with socket.create_server(("0.0.0.0", 0)) as busy:
+        port = busy.getsockname()[1]
+        settings = WorkerSettings(redis_url="redis://127.0.0.1:1/0", model="no-such-model-folder", metrics_port=port)
+        with pytest.raises(ConfigError, match=f"^--metrics-port {port}: "):  # (not the model: no load was tried)
+            build_worker(settings)
+
+
+def test_decode_graphs_are_captured_up_to_512_sequences_whatever_max_num_seqs():
+    """One capture a batch size: max_num_seqs 100,000 meant 6,250 captures at start (10**12 hung listing them).
+    Larger decode batches run eager, as vLLM's past its largest capture."""
+    from roseinfer.cuda_graphs import graph_batch_sizes
+
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(65536) == [1, 2, 4, 8, *range(16, 513, 16)]
 
 
 def test_unknown_roseinfer_variables_are_named_with_a_suggestion():

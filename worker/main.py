@@ -14,6 +14,7 @@ from producer.client import eviction_policy, eviction_warning
 from producer.connection import REDIS_DOWN, InvalidRedisURL, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
+from worker.metrics import WorkerMetrics
 from worker.pump import EngineBroken
 from worker.settings import WorkerSettings
 
@@ -83,6 +84,11 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
                     raise ConfigError(taken)
             check_eviction_policy(connection, settings.require_noeviction)
             checked = True
+    if settings.metrics_port:  # (found at the start, it came after the model's load: minutes of a GPU's)
+        try:
+            WorkerMetrics.check_port(settings.metrics_port)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {settings.metrics_port}: {exc.strerror or exc}") from None
     if settings.engine_process:
         build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
         engine = pump = EngineProcess(

@@ -4,6 +4,7 @@ when scraped. Every worker has a registry of its own, so several in one process 
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,14 @@ class WorkerMetrics:
     def watch(self, worker: BatchWorker) -> None:
         """Read the worker's state at each scrape."""
         self.registry.register(_WorkerState(worker))
+
+    @staticmethod
+    def check_port(port: int, host: str = "0.0.0.0") -> None:
+        """An OSError where ``serve`` could not listen on ``port`` now (a port taken, one kept for root)."""
+        with socket.socket() as probe:  # (as the server binds it; create_server's error repeats the address)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            probe.listen()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         self._server, _thread = start_http_server(port, addr=host, registry=self.registry)

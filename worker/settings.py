@@ -149,6 +149,17 @@ class QueueSettings(BaseSettings):
     def _one_queue(cls, value: str) -> str:
         if "," in value:  # (RQ lists a worker's queues joined by commas: `rq info` showed "hi,lo" as two queues)
             raise ValueError("a queue name cannot hold a comma: a worker serves one queue (and its priority lanes)")
+        if not value.strip():  # (a queue no producer uses: the worker sat idle)
+            raise ValueError("a queue name cannot be empty or blank")
+        return value
+
+    @field_validator("engine_step_timeout")
+    @classmethod
+    def _a_step_may_take_a_second(cls, value: float) -> float:
+        if 0 < value < 1:  # (every step outlasted a quarter of it: the worker ended itself on its first)
+            raise ValueError("an engine step may take a second at least: 0 (wait for good) or 1 or more")
+        if value != value or value == float("inf"):
+            raise ValueError("a number of seconds (0: wait for good)")
         return value
 
     @field_validator("log_level", mode="before")
