@@ -5,6 +5,7 @@ client asks the sentinels where the primary is, and asks again after a failover.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -137,8 +138,10 @@ def queue_urls(spec: str | None) -> dict[str, str]:
 
 
 def redacted_url(url: str) -> str:
+    """``url`` without its login, in its user info or as a ``password=`` option."""
     scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+    url = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+    return re.sub(r"(?i)([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
 
 def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:

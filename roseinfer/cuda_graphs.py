@@ -1,10 +1,10 @@
 """Decode steps replayed from CUDA graphs: a small model's decode step is hundreds of tiny kernels, and launching
 them one by one from Python costs more than running them.
 
-One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), captured once at start over
-persistent input buffers. A step fills the buffers of the smallest bucket that holds its batch (two copies from
-pinned host memory: the per-token ints and the block tables) and replays; the padding rows have no context and
-store nothing. Prefill and mixed steps run eagerly.
+One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs`` or 512), captured once at
+start over persistent input buffers. A step fills the buffers of the smallest bucket that holds its batch (two
+copies from pinned host memory: the per-token ints and the block tables) and replays; the padding rows have no
+context and store nothing. Prefill and mixed steps, and decode batches past the largest bucket, run eagerly.
 
 Built with ``capture=False``, the same buffers and buckets run each step eagerly instead of replaying: how a machine
 without CUDA (the test suite on CPU, under Triton's interpreter) exercises everything here but the capture itself.

@@ -161,6 +161,9 @@ def test_a_redis_urls_own_socket_timeouts_are_seconds_above_zero():
             with pytest.raises(InvalidRedisURL, match=f"{query.split('=')[0]}=.*a number of seconds above 0"):
                 make(f"redis://:secret@127.0.0.1:1/0?{query}")
     assert connect("redis://127.0.0.1:1/0?socket_timeout=2.5").connection_pool.connection_kwargs["socket_timeout"]
+    with pytest.raises(InvalidRedisURL) as said:  # (a password given as an option is not said either)
+        connect("redis://127.0.0.1:1/0?password=hush&socket_timeout=0")
+    assert "hush" not in str(said.value) and "password=***" in str(said.value)
 
 
 def test_a_cuda_device_this_machine_lacks_is_one_line_before_the_model_loads():

@@ -83,7 +83,7 @@ class QueueSettings(BaseSettings):
     engine_step_timeout: float = Field(
         300, ge=0, description="seconds an engine step may run before the engine is taken for hung: an engine "
         "process is killed and its jobs fail retryably; an engine in the worker's process ends the process (exit "
-        "70), and other workers recover its jobs (0: wait for good)",
+        "70), and other workers recover its jobs (0: wait for good; else 1 or more)",
     )  # fmt: skip
     event_interval_ms: int = Field(
         20, ge=0, le=1000, description="ms a job's new text may wait to share one event with the next steps' "
