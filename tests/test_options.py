@@ -193,6 +193,16 @@ def test_a_metrics_port_taken_is_said_before_the_model_loads():
             build_worker(settings)
 
 
+@pytest.mark.parametrize("name", ["tokenizer", "chat_template"])
+def test_an_engine_given_no_text_for_its_tokenizer_or_template_says_so_before_the_load(name):
+    """``LLM(model, tokenizer=5)`` failed inside the model's load, with transformers' error."""
+    from roseinfer.config import EngineConfig
+
+    for value in (5, "", ["a"]):
+        with pytest.raises(ValueError, match=f"^{name} must be a non-empty string, got"):
+            EngineConfig(model="tiny", **{name: value})
+
+
 def test_decode_graphs_are_captured_up_to_512_sequences_whatever_max_num_seqs():
     """One capture a batch size: max_num_seqs 100,000 meant 6,250 captures at start (10**12 hung listing them).
     Larger decode batches run eager, as vLLM's past its largest capture."""

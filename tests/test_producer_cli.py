@@ -743,8 +743,9 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
     _check_listen("::1", free6)
 
 
-def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch):
-    """``--allowed-origins a,b`` (or the variable so written) was one origin, "a,b", which no browser sends."""
+def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch, capsys):
+    """``--allowed-origins a,b`` (or the variable so written) was one origin, "a,b", which no browser sends; nor
+    does any send a path, a trailing slash or no scheme: those are refused in one line."""
     import socket
 
     import producer.server
@@ -758,6 +759,16 @@ def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch):
     monkeypatch.setenv("ROSEINFER_ALLOWED_ORIGINS", "http://d, http://e")
     assert main(["serve", "--port", port]) == 0
     assert given == [["http://a.example", "http://b.example", "http://c"], ["http://d", "http://e"]]
+    monkeypatch.delenv("ROSEINFER_ALLOWED_ORIGINS")
+    capsys.readouterr()
+    for slip in ("localhost:3000", "http://ui.example/", "http://ui.example/app"):  # (they matched no request)
+        assert main(["serve", "--port", port, "--allowed-origins", slip]) == 2
+        assert (
+            capsys.readouterr().err.strip() == f"error: --allowed-origins {slip!r}: an origin is scheme://host[:port]"
+            ", as a browser sends it (e.g. http://localhost:3000, no path or trailing slash), or *"
+        )
+    assert main(["serve", "--port", port, "--allowed-origins", "*", "chrome-extension://abc", "http://[::1]:8080"]) == 0
+    assert len(given) == 3
 
 
 def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):

@@ -112,6 +112,12 @@ def serve(args: argparse.Namespace) -> int:
     _check_listen(args.host, args.port)  # (a port taken said in one line, before "serving", not after it)
     if args.allowed_origins:  # ("a,b" as one value matched no origin)
         args.allowed_origins = [o for value in args.allowed_origins for o in value.split(",") if o.strip()]
+        for origin in args.allowed_origins:  # (a browser sends scheme://host[:port]: anything else matched nothing)
+            if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
+                raise ConfigError(
+                    f"--allowed-origins {origin!r}: an origin is scheme://host[:port], as a browser sends it "
+                    "(e.g. http://localhost:3000, no path or trailing slash), or *"
+                )
     if not args.embedded:
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
