@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -43,7 +44,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "
 def parse_size(value: int | float | str) -> int:
     """Bytes from 1073741824, "1GiB", "512MiB", "2G"."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise ValueError(f"cannot read {value!r} as a size; write e.g. 1GiB, 512MiB or a number of bytes")
         return int(value)
     match = _SIZE.match(str(value))

@@ -158,7 +158,7 @@ class QueueSettings(BaseSettings):
     def _a_step_may_take_a_second(cls, value: float) -> float:
         if 0 < value < 1:  # (every step outlasted a quarter of it: the worker ended itself on its first)
             raise ValueError("an engine step may take a second at least: 0 (wait for good) or 1 or more")
-        if value != value or value == float("inf"):
+        if value == float("inf"):  # (NaN and negatives: refused by ge=0 already)
             raise ValueError("a number of seconds (0: wait for good)")
         return value
 
