@@ -3,10 +3,13 @@ helpers that run transformers' own greedy generate as the reference."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -14,18 +17,41 @@ import uuid
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# Under pytest-xdist (README's `-n auto`) the workers share the cores: torch's default of every core in each, and in
-# each worker process a test starts, made them fight (the fast lane took longer on 2 workers than on 1).
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # (the processes tests start read it too)
-    __import__("torch").set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-if os.environ.get("TRITON_INTERPRET") is None:
+
+
+def pytest_sessionstart(session) -> None:
+    # pytest-xdist's controller runs no test: importing torch there held every worker's start back by 3 s.
+    if session.config.pluginmanager.hasplugin("dsession"):
+        return
     import torch
 
+    # Under pytest-xdist (README's `-n auto`) the workers share the cores: torch's default of every core in each, and
+    # in each worker process a test starts, made them fight (the fast lane took longer on 2 workers than on 1).
+    if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # (the processes tests start read it too)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # Without a GPU the Triton kernels run in Triton's interpreter: decided before any test module imports them.
-    if not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_finish(session) -> None:
+    # torch, transformers and the test modules are some 400,000 objects that live to the end: frozen, the full
+    # collections each engine's build runs skip them.
+    gc.freeze()
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# A pytest-xdist worker has sent its every result when it exits: Python's last collection of what torch, triton and
+# the tests leave (it cannot stay frozen: triton prints its objects as leaks) took 3 s of each worker's end.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    atexit.register(_exit_now)
 
 
 # The fast lanes README.md names. A file marked slow as a whole is not even imported there: test_server's HTTP
