@@ -583,6 +583,7 @@ def test_a_job_whose_hash_is_gone_ends_as_its_result_says(redis_url, ended, rais
 
 
 @pytest.mark.redis
+@pytest.mark.slow  # seconds of timers: keeps the fast lane under a minute
 def test_a_job_whose_stream_expired_long_ago_streams_its_result_within_a_short_timeout(redis_url):
     """Every stream() of a job long over waited a blocked read and a 2 s grace for a final event that could not
     come (its stream gone): one with a timeout under ~3 s raised TimeoutError, its result there."""

@@ -510,6 +510,7 @@ def test_an_assistants_refusal_part_is_taken_back_as_its_text():
         assert words in err.value.message and err.value.status == 400
 
 
+@pytest.mark.slow  # seconds of timers: keeps the fast lane under a minute
 def test_a_stream_queued_behind_others_gets_its_headers_and_keep_alives_before_its_first_token(monkeypatch):
     """Its headers waited for the job's first event, for as long as the job stayed queued (5.4 s behind 14 jobs): a
     proxy's read timeout (nginx's 60 s) cut such a stream, and with it the job. Now they go after a hold, then a

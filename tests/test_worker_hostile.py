@@ -771,6 +771,7 @@ def test_an_rq_group_key_of_another_type_is_logged_by_maintenance_not_fatal(serv
         conn.delete(f"rq:group:{group}")
 
 
+@pytest.mark.slow  # 150 slowed steps: keeps the fast lane under a minute
 def test_a_redis_error_while_arrivals_go_in_leaves_them_for_the_next_iteration(served, monkeypatch):
     """A copy of a running job pushed again, and a new job, taken in one pull; Redis fails as the running copy's
     records are written. The arrivals after it were dropped (started, never run: abandoned a grace later), and the
