@@ -24,7 +24,7 @@ from roseinfer.cpu_allocator import keep_freed_memory, release_freed_memory, res
 from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
-from roseinfer.models import build_model, kv_window
+from roseinfer.models import build_model, kv_window, model_class
 from roseinfer.models.linear import int8_gemm_speedup
 from roseinfer.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
@@ -91,6 +91,13 @@ class LLMEngine:
         self.sampling_defaults = loaded.sampling_defaults  # the model's recommendation (``model_loader``)
         # Chosen once: the backend lays out the KV caches, builds each step's metadata and runs the attention.
         self.attn_backend = select_attention_backend(config.block_size, dtype, self.device)
+        limit = model_class(loaded.config).context_length(loaded.config)
+        if config.max_model_len is not None and config.max_model_len > limit:  # (before the weights: minutes on a GPU)
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} is past this model's context, {limit} tokens (its "
+                "max_position_embeddings, or YaRN's length where it has one): leave it unset for the model's, or give "
+                "at most that"
+            )
         try:
             self.model = build_model(loaded.config, loaded.weights, self.attn_backend)
         except CheckpointError as exc:
@@ -100,14 +107,7 @@ class LLMEngine:
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim
         )
-        limit = self.model.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:  # (cut to it without a word before)
-            raise ConfigError(
-                f"max_model_len {config.max_model_len} is past this model's context, {limit} tokens (its "
-                "max_position_embeddings, or YaRN's length where it has one): leave it unset for the model's, or give "
-                "at most that"
-            )
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = config.max_model_len or self.model.max_position_embeddings
         budget = self._kv_budget()
         num_blocks = budget // block_bytes
         if num_blocks < 1:  # (ConfigError: the commands print it as a bad option, not a traceback)

@@ -78,12 +78,19 @@ def test_bad_engine_options():
             EngineConfig(**kwargs)
 
 
-def test_a_max_model_len_past_the_models_context_is_refused(tiny_llama):
-    """It was cut to the model's 512 without a word (vLLM refuses it); the model's own is taken where none is given."""
+def test_a_max_model_len_past_the_models_context_is_refused_before_its_weights_load(tiny_llama, monkeypatch):
+    """It was cut to the model's 512 without a word (vLLM refuses it), then said once the weights had loaded (minutes
+    of a large model's); the model's own is taken where none is given."""
+    from roseinfer import llm_engine
     from roseinfer.config import ConfigError
 
-    with pytest.raises(ConfigError, match="max_model_len 4096 is past this model's context, 512 tokens"):
-        LLM(tiny_llama, dtype="float32", max_model_len=4096)
+    def no_weights(*args):
+        raise AssertionError("the weights were read")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm_engine, "build_model", no_weights)
+        with pytest.raises(ConfigError, match="max_model_len 4096 is past this model's context, 512 tokens"):
+            LLM(tiny_llama, dtype="float32", max_model_len=4096)
     assert LLM(tiny_llama, dtype="float32").engine.max_model_len == 512
 
 

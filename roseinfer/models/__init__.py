@@ -29,6 +29,11 @@ class CausalLM(Protocol):
     # (``rope_row_offset``), not its position.
     long_rope_from: int
 
+    @staticmethod
+    def context_length(cfg) -> int:
+        """The tokens a model of ``cfg`` serves (its ``max_position_embeddings``), read before its weights."""
+        ...
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -65,23 +70,28 @@ def check_supported(model_type: str) -> None:
         )
 
 
-def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM:
-    """The engine's forward for a model's architecture (its transformers ``config``) over its checkpoint's
-    ``weights``, its attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is
-    given)."""
+def model_class(config) -> type:
+    """The engine's forward for a model's architecture (its transformers ``config``)."""
     check_supported(config.model_type)
     if config.model_type == "gpt2":
         from roseinfer.models.gpt2 import GPT2
 
-        return GPT2(config, weights, attn)
+        return GPT2
     if config.model_type == "olmo2":
         from roseinfer.models.olmo2 import Olmo2
 
-        return Olmo2(config, weights, attn)
+        return Olmo2
     if config.model_type in ("gemma2", "gemma3_text"):
         from roseinfer.models.gemma import Gemma
 
-        return Gemma(config, weights, attn)
+        return Gemma
     from roseinfer.models.llama import Llama
 
-    return Llama(config, weights, attn)
+    return Llama
+
+
+def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM:
+    """The engine's forward for a model's architecture (its transformers ``config``) over its checkpoint's
+    ``weights``, its attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is
+    given)."""
+    return model_class(config)(config, weights, attn)

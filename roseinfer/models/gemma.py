@@ -91,6 +91,10 @@ class Gemma:
     cuda_graphs_safe = True
     long_rope_from = 0
 
+    @staticmethod
+    def context_length(cfg) -> int:
+        return cfg.max_position_embeddings
+
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder, not a causal LM
             raise ValueError("a Gemma config with use_bidirectional_attention is not supported")
@@ -98,7 +102,7 @@ class Gemma:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.max_position_embeddings
+        self.max_position_embeddings = self.context_length(cfg)
         # Gemma 3's rotary settings differ by layer type; Gemma 2's are one for all.
         by_type = all(kind in cfg.rope_parameters for kind in cfg.layer_types)
         frequencies = {kind: rope_frequencies(cfg, kind if by_type else None) for kind in set(cfg.layer_types)}

@@ -52,6 +52,10 @@ class GPT2:
     cuda_graphs_safe = True
     long_rope_from = 0
 
+    @staticmethod
+    def context_length(cfg) -> int:
+        return cfg.n_positions
+
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         # Saved by GPT2LMHeadModel, the names start "transformer."; the hub's original checkpoint has none.
         root = "transformer." if "transformer.wte.weight" in weights else ""
@@ -59,7 +63,7 @@ class GPT2:
         self.num_kv_heads = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = cfg.n_positions
+        self.max_position_embeddings = self.context_length(cfg)
         self.wte = weights.get(f"{root}wte.weight", (cfg.vocab_size, cfg.n_embd))
         self.wpe = weights.get(f"{root}wpe.weight", (cfg.n_positions, cfg.n_embd))
         base_scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0

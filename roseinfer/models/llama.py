@@ -213,13 +213,15 @@ def rope_tables(
 
 
 class Llama:
+    context_length = staticmethod(context_length)
+
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         self.num_layers = cfg.num_hidden_layers
         num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = context_length(cfg)
+        self.max_position_embeddings = self.context_length(cfg)
         params = rope_parameters(cfg)
         self.long_rope_from = 0
         if params.get("rope_type") == "longrope":

@@ -62,13 +62,14 @@ class Olmo2Layer:
 class Olmo2:
     cuda_graphs_safe = True
     long_rope_from = 0
+    context_length = staticmethod(context_length)
 
     def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.max_position_embeddings = context_length(cfg)
+        self.max_position_embeddings = self.context_length(cfg)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         self.layers = [Olmo2Layer(weights, f"model.layers.{i}", cfg, attn) for i in range(self.num_layers)]
