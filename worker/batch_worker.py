@@ -526,10 +526,7 @@ class BatchWorker(BaseWorker):
 
     def _start(self, burst: bool, logging_level: str | None) -> None:
         if self.settings.metrics_port:  # first: a port taken stops the worker before it takes any job
-            try:
-                self.metrics.serve(self.settings.metrics_port)
-            except OSError as exc:
-                raise ConfigError(f"--metrics-port {self.settings.metrics_port}: {exc.strerror or exc}") from None
+            self.metrics.serve(self.settings.metrics_port)
             log.info("metrics on :%d/metrics", self.settings.metrics_port)
         try:
             self.bootstrap(logging_level)

@@ -85,10 +85,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
             check_eviction_policy(connection, settings.require_noeviction)
             checked = True
     if settings.metrics_port:  # (found at the start, it came after the model's load: minutes of a GPU's)
-        try:
-            WorkerMetrics.check_port(settings.metrics_port)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {settings.metrics_port}: {exc.strerror or exc}") from None
+        WorkerMetrics.check_port(settings.metrics_port)
     if settings.engine_process:
         build = partial(build_engine, settings.model, settings.engine_options(), spare_a_core=True)
         engine = pump = EngineProcess(

@@ -4,6 +4,7 @@ when scraped. Every worker has a registry of its own, so several in one process 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,8 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from roseinfer.config import ConfigError
 
 if TYPE_CHECKING:
     from worker.batch_worker import BatchWorker
@@ -48,14 +51,15 @@ class WorkerMetrics:
 
     @staticmethod
     def check_port(port: int, host: str = "0.0.0.0") -> None:
-        """An OSError where ``serve`` could not listen on ``port`` now (a port taken, one kept for root)."""
-        with socket.socket() as probe:  # (as the server binds it; create_server's error repeats the address)
+        """The ConfigError ``serve`` would raise now (a port taken, one kept for root): said before the model loads."""
+        with _said_as_the_flag(port), socket.socket() as probe:  # (as the server binds it)
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
             probe.listen()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        with _said_as_the_flag(port):
+            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
 
     def close(self) -> None:
         """Stop serving, and free the port (a worker started again in this process takes it again)."""
@@ -138,3 +142,12 @@ def _depths(worker: BatchWorker) -> tuple[list[tuple[str, int]], bool]:
             return [(queue.name, count) for (_, queue, _), count in zip(lanes, pipe.execute())], True
     except redis.exceptions.RedisError:
         return [(queue.name, count) for _, queue, count in lanes if count is not None], False
+
+
+@contextlib.contextmanager
+def _said_as_the_flag(port: int) -> Iterator[None]:
+    """A port the server cannot listen on, as one line naming the flag (create_server's error repeats the address)."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port}: {exc.strerror or exc}") from None
