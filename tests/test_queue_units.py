@@ -196,6 +196,27 @@ def test_a_job_run_again_after_its_end_gives_its_stream_the_running_ttl_again():
     assert [e["n"] for e in _events(conn)] == [0, 1, 2]
 
 
+def test_an_ended_streams_ttl_given_longer_than_a_running_ones_is_kept_and_the_default_is_cut(monkeypatch):
+    """``stream_ttl_after_end`` of 2 h beside a ``stream_ttl`` of 1 h was cut to 1 h without a word; the default, 10
+    minutes, is what is cut, where stream_ttl is shorter."""
+    from worker.cli import build_parser, load_settings
+    from worker.settings import WorkerSettings
+
+    assert WorkerSettings(stream_ttl=3600, stream_ttl_after_end=7200).stream_ttl_after_end == 7200
+    assert WorkerSettings(stream_ttl=60).stream_ttl_after_end == 60 and WorkerSettings().stream_ttl_after_end == 600
+    args = build_parser().parse_args(["worker", "--stream-ttl", "120"])
+    assert load_settings(args).stream_ttl_after_end == 120
+    monkeypatch.setenv("ROSEINFER_STREAM_TTL_AFTER_END", "7200")
+    assert load_settings(args).stream_ttl_after_end == 7200
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=3600, result_ttl=60, stream_ttl_after_end=7200)
+    job = pub.resume(conn, ["j"])["j"]
+    job.start(can_resume=True)
+    pub.add(job, "all", [7], "stop", {}, "finished")
+    _send(conn, pub)
+    assert 3600 < conn.ttl(stream_key("j")) <= 7200
+
+
 def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():
     conn = fakeredis.FakeRedis()
     pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)

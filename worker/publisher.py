@@ -111,7 +111,7 @@ class Publisher:
         self.maxlen = maxlen
         self.stream_ttl = stream_ttl
         # A finished job's stream is for late followers only: it goes soon; the result keeps its own TTL.
-        self.stream_ttl_after_end = min(stream_ttl, stream_ttl_after_end or stream_ttl)
+        self.stream_ttl_after_end = stream_ttl_after_end or stream_ttl
         self.result_ttl = result_ttl
         self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
         self._urgent: dict[str, JobStream] = {}  # those whose pending should not wait: a first piece (TTFT), an end

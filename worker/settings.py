@@ -49,7 +49,8 @@ class QueueSettings(BaseSettings):
         STREAM_TTL_AFTER_END_S,
         ge=1,
         le=MAX_SECONDS,
-        description="seconds a job's replay stream lives after its last event (its result keeps its own)",
+        description="seconds a job's replay stream lives after its last event (default: 600, or stream_ttl where "
+        "that is shorter; its result keeps its own)",
     )
     result_ttl: int = Field(
         24 * 3600,
@@ -166,6 +167,14 @@ class QueueSettings(BaseSettings):
     @classmethod
     def _any_case(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value  # (ROSEINFER_LOG_LEVEL=warning, as RQ's flag)
+
+    @model_validator(mode="after")
+    def _an_ended_stream_outlives_a_running_one_only_where_told(self) -> QueueSettings:
+        # (a stream_ttl shorter than the default's 10 minutes is kept for ended streams too; one given is as given:
+        # it was cut to stream_ttl without a word)
+        if "stream_ttl_after_end" not in self.model_fields_set:
+            self.stream_ttl_after_end = min(self.stream_ttl_after_end, self.stream_ttl)
+        return self
 
     @model_validator(mode="after")
     def _engine_options_are_valid(self) -> QueueSettings:
