@@ -266,6 +266,7 @@ def test_auto_calls_stream_the_whole_responses_items_and_no_empty_message(text, 
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == types
 
 
+@pytest.mark.slow  # imports openai (a second or two of each worker's): keeps the fast lane under a minute
 @pytest.mark.parametrize(
     ("choice", "parser", "text"),
     [

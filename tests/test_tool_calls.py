@@ -196,6 +196,7 @@ def test_a_completion_takes_no_tools():
     parse(CompletionRequest, {"model": "m", "prompt": "x", "tools": [], "tool_choice": "auto"})  # (sent empty)
 
 
+@pytest.mark.slow  # imports openai (a second or two of each worker's): keeps the fast lane under a minute
 def test_a_conversation_with_tool_calls_goes_back_to_the_template_with_their_arguments_as_objects():
     """A response's message dumped back (content null, its tool_calls), then the tool's answer: the job carries
     both, and the template gets the arguments as an object, as vLLM and Hugging Face's templates take them."""
