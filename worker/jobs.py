@@ -237,9 +237,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
     settings = WorkerSettings()
-    publisher = Publisher(
-        settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end
-    )
+    publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.ended_stream_ttl)
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     forget_earlier_jobs_stream(job.connection, job)  # (not resumed: another job's output)

@@ -45,12 +45,12 @@ class QueueSettings(BaseSettings):
     )
     # At most what RQ and Redis's EXPIRE take (past it, every write that sets a TTL failed, events with it).
     stream_ttl: int = Field(24 * 3600, ge=1, le=MAX_SECONDS, description="seconds a running job's replay stream lives")
-    stream_ttl_after_end: int = Field(
-        STREAM_TTL_AFTER_END_S,
+    stream_ttl_after_end: int | None = Field(
+        None,
         ge=1,
         le=MAX_SECONDS,
-        description="seconds a job's replay stream lives after its last event (default: 600, or stream_ttl where "
-        "that is shorter; its result keeps its own)",
+        description=f"seconds a job's replay stream lives after its last event (default: {STREAM_TTL_AFTER_END_S}, "
+        "or stream_ttl where that is shorter; its result keeps its own)",
     )
     result_ttl: int = Field(
         24 * 3600,
@@ -169,14 +169,6 @@ class QueueSettings(BaseSettings):
         return value.upper() if isinstance(value, str) else value  # (ROSEINFER_LOG_LEVEL=warning, as RQ's flag)
 
     @model_validator(mode="after")
-    def _an_ended_stream_outlives_a_running_one_only_where_told(self) -> QueueSettings:
-        # (a stream_ttl shorter than the default's 10 minutes is kept for ended streams too; one given is as given:
-        # it was cut to stream_ttl without a word)
-        if "stream_ttl_after_end" not in self.model_fields_set:
-            self.stream_ttl_after_end = min(self.stream_ttl_after_end, self.stream_ttl)
-        return self
-
-    @model_validator(mode="after")
     def _engine_options_are_valid(self) -> QueueSettings:
         self.engine_config()  # the engine's own checks, before anything loads or connects
         return self
@@ -193,6 +185,12 @@ class QueueSettings(BaseSettings):
         """The worker's Redis socket timeout: its longest blocking pull and 5 s. (RQ's own, its dequeue wait and 10,
         415 s, made a Redis that stops answering hang every command for 7 minutes without a word.)"""
         return math.ceil(self.idle_wait) + 5
+
+    @property
+    def ended_stream_ttl(self) -> int:
+        """``stream_ttl_after_end`` as given (it was cut to stream_ttl without a word), or the default's 10 minutes
+        where stream_ttl is not shorter."""
+        return self.stream_ttl_after_end or min(STREAM_TTL_AFTER_END_S, self.stream_ttl)
 
     @property
     def model_name(self) -> str:
