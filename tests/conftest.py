@@ -20,29 +20,48 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
-    """``-n auto``: a worker a core, and one more. Many tests wait (on Redis, a timer, a process they started) and
-    left a core idle: on 2 cores the fast lane took 59.5 s on 2 workers, 56 s on 3, 63.5 s on 4."""
+    """``-n auto``: xdist's own count (the cores), and one more. Many tests wait (on Redis, a timer, a process they
+    started) and left a core idle: the full suite took 12.6 minutes on 2 workers of 2 cores, 8.8 on 3."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own variable decides
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
+    from xdist.plugin import pytest_xdist_auto_num_workers as xdist_count
+
+    return xdist_count(config) + 1
 
 
 def pytest_sessionstart(session) -> None:
     # pytest-xdist's controller runs no test: importing torch there held every worker's start back by 3 s.
     if session.config.pluginmanager.hasplugin("dsession"):
         return
-    import torch
-
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _exit_at_once_when_done(session)
     # Under pytest-xdist (README's `-n auto`) the workers share the cores: torch's default of every core in each, and
     # in each worker process a test starts, made them fight (the fast lane took longer on 2 workers than on 1).
     if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # (the processes tests start read it too)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # (before torch loads OpenMP; started processes too)
+    import torch
+
+    if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # Without a GPU the Triton kernels run in Triton's interpreter: decided before any test module imports them.
     if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _exit_at_once_when_done(session) -> None:
+    """A pytest-xdist worker has sent its every result when it exits: Python's last collection of what torch, triton
+    and the tests leave (it cannot stay frozen: triton prints its objects as leaks) took 3 s of each worker's end.
+    Registered before torch loads, so that what torch and the tests register at exit runs first."""
+    pid = os.getpid()
+
+    def exit_now() -> None:
+        if os.getpid() == pid:  # (not in a process forked from the worker)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(int(session.exitstatus))
+
+    atexit.register(exit_now)
 
 
 def pytest_collection_finish(session) -> None:
@@ -51,16 +70,8 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
-def _exit_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# A pytest-xdist worker has sent its every result when it exits: Python's last collection of what torch, triton and
-# the tests leave (it cannot stay frozen: triton prints its objects as leaks) took 3 s of each worker's end.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    atexit.register(_exit_now)
+def pytest_unconfigure(config) -> None:
+    gc.unfreeze()  # (left frozen, triton's objects outlive the interpreter and it prints each as a leak)
 
 
 # The fast lanes README.md names. A file marked slow as a whole is not even imported there: test_server's HTTP
