@@ -216,6 +216,7 @@ def test_an_ended_streams_ttl_given_longer_than_a_running_ones_is_kept_and_the_d
     pub.add(job, "all", [7], "stop", {}, "finished")
     _send(conn, pub)
     assert 3600 < conn.ttl(stream_key("j")) <= 7200
+    assert Publisher(maxlen=1000, stream_ttl=3600, result_ttl=60).stream_ttl_after_end == 600  # (as the settings')
 
 
 def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():

@@ -16,6 +16,7 @@ from rq.job import Job
 from producer.connection import wrong_type
 from producer.protocol import (
     STREAM_FIELD,
+    STREAM_TTL_AFTER_END_S,
     channel_key,
     done_key,
     event_from_stream,
@@ -111,7 +112,7 @@ class Publisher:
         self.maxlen = maxlen
         self.stream_ttl = stream_ttl
         # A finished job's stream is for late followers only: it goes soon; the result keeps its own TTL.
-        self.stream_ttl_after_end = stream_ttl_after_end or stream_ttl
+        self.stream_ttl_after_end = stream_ttl_after_end or min(STREAM_TTL_AFTER_END_S, stream_ttl)
         self.result_ttl = result_ttl
         self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
         self._urgent: dict[str, JobStream] = {}  # those whose pending should not wait: a first piece (TTFT), an end
