@@ -190,9 +190,7 @@ class BatchWorker(BaseWorker):
         self.engine = engine
         self.settings = settings
         self.pump = pump if pump is not None else Pump(engine)  # an EngineProcess when the engine runs apart
-        self.publisher = Publisher(
-            settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.ended_stream_ttl
-        )
+        self.publisher = Publisher.from_settings(settings)
         self.sender = Sender(connection, self.publisher, self._on_statuses, self._reports_lost)
         self.in_flight: dict[str, InFlight] = {}
         self._tasks: list = []  # job endings of this step, for the sender, after its events

@@ -237,7 +237,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
     settings = WorkerSettings()
-    publisher = Publisher(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.ended_stream_ttl)
+    publisher = Publisher.from_settings(settings)
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     forget_earlier_jobs_stream(job.connection, job)  # (not resumed: another job's output)

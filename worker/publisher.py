@@ -111,11 +111,17 @@ class Publisher:
     def __init__(self, maxlen: int, stream_ttl: int, result_ttl: int, stream_ttl_after_end: int | None = None) -> None:
         self.maxlen = maxlen
         self.stream_ttl = stream_ttl
-        # A finished job's stream is for late followers only: it goes soon; the result keeps its own TTL.
+        # A finished job's stream is for late followers only: it goes soon; the result keeps its own TTL. One given
+        # is kept as given, even past stream_ttl (it was cut to it without a word); the default is cut to it.
         self.stream_ttl_after_end = stream_ttl_after_end or min(STREAM_TTL_AFTER_END_S, stream_ttl)
         self.result_ttl = result_ttl
         self._dirty: dict[str, JobStream] = {}  # jobs with something pending, in the order they got it
         self._urgent: dict[str, JobStream] = {}  # those whose pending should not wait: a first piece (TTFT), an end
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Publisher:
+        """A worker's (its ``QueueSettings``): the streams' bound and the TTLs."""
+        return cls(settings.stream_maxlen, settings.stream_ttl, settings.result_ttl, settings.stream_ttl_after_end)
 
     def resume(self, conn: Redis, job_ids: list[str]) -> dict[str, JobStream]:
         """Stream state per job: fresh for new jobs, where the last attempt stopped for retried ones."""

@@ -187,12 +187,6 @@ class QueueSettings(BaseSettings):
         return math.ceil(self.idle_wait) + 5
 
     @property
-    def ended_stream_ttl(self) -> int:
-        """``stream_ttl_after_end`` as given (it was cut to stream_ttl without a word), or the default's 10 minutes
-        where stream_ttl is not shorter."""
-        return self.stream_ttl_after_end or min(STREAM_TTL_AFTER_END_S, self.stream_ttl)
-
-    @property
     def model_name(self) -> str:
         """The name clients know the model by."""
         return self.served_model_name or self.model  # type: ignore[attr-defined]
