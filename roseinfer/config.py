@@ -126,7 +126,8 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         "int8: the dense layers multiply in int8 on CPU (weights per row, inputs per token, SmoothQuant factors "
-        "calibrated at load), faster where the CPU has VNNI or AMX, a little less accurate; default: none",
+        "calibrated at load), faster where the CPU has VNNI (not where AMX runs bfloat16), a little less accurate; "
+        "default: none",
         (*QUANTIZATIONS, "none"),
     )
     int8_output_layer: bool = option(

@@ -1,5 +1,5 @@
 """The CPU's instruction sets that matter to the math (read once from /proc/cpuinfo), for bench headers and for
-choosing kernels: AVX2, AVX-512, AVX-512 BF16 / VNNI, AMX."""
+choosing kernels: AVX2, AVX-512, AVX-512 BF16 / VNNI, AMX (bfloat16 and int8 tiles)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import platform
 from pathlib import Path
 
 # What a bench header names, in the order it names them.
-NAMED = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+NAMED = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
+)  # fmt: skip
 
 
 @functools.cache
