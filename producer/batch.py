@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ from producer.batch_io import (
     format_of,
     input_columns,
     open_lines,
+    opens_a_json_array,
     payload_digest,
     read_rows,
 )
@@ -81,6 +83,13 @@ REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": Co
 # Statuses of an earlier run's job that will still give (or gave) a result: followed, not submitted again.
 _LIVE = ("queued", "started", "scheduled", "deferred")
 RUN_ID = re.compile(r"[A-Za-z0-9]{1,32}")
+ID_FIELD = "custom_id"
+# A plain row is named row-N unless --id-column names its id: a custom_id of its own was dropped without a word
+# (and in a Parquet output its values would overwrite the ids the resume reads).
+_UNREAD_ID = (
+    "{what} 'custom_id', and plain rows are named row-N unless --id-column says otherwise: pass --id-column "
+    "custom_id to name the rows by it, or rename it"
+)
 
 
 class BadLine(ValueError):
@@ -189,6 +198,8 @@ def parse_line(
         raise
     if options.plain:
         key = options.id_column
+        if key is None and ID_FIELD in obj:
+            raise BadLine(_UNREAD_ID.format(what="this row has a field"), numbered)
         given = obj.get(key) if key is not None else f"row-{number}"
         custom_id = str(given) if isinstance(given, (int, str)) and not isinstance(given, bool) else None
         if key is not None and not custom_id:
@@ -622,9 +633,14 @@ def _formats(input_path: Path, input_format: str | None, output_path: Path, outp
 
 def _check_columns(input_path: Path, input_format: str, options: RowOptions) -> None:
     """The columns the run reads, in a table's schema (a JSONL file has none to look at): a missing one is one
-    error, not one failed row each."""
+    error, not one failed row each. So is a JSONL input that is a JSON array."""
     if options.id_column is not None and not options.plain:
         raise ValueError("--id-column names the id column of plain rows: give --prompt-column or --messages-column")
+    if input_format == "jsonl" and opens_a_json_array(input_path):
+        raise ValueError(
+            f"{input_path} holds a JSON array, not JSON Lines (one object a line): convert it first, e.g. "
+            f"jq -c '.[]' {shlex.quote(str(input_path))} > rows.jsonl"
+        )
     columns = input_columns(input_path, input_format)
     if columns is None:
         return
@@ -632,19 +648,15 @@ def _check_columns(input_path: Path, input_format: str, options: RowOptions) -> 
                        ("--id-column", options.id_column)):  # fmt: skip
         if name is not None and name not in columns.names:
             raise ValueError(f"{flag} {name!r}: {input_path} has no such column (it has {', '.join(columns.names)})")
+    if options.plain and options.id_column is None and ID_FIELD in columns.names:
+        raise ValueError(_UNREAD_ID.format(what="the input has a column"))
 
 
 def _open_sink(output_path: Path, output_format: str, input_path: Path, input_format: str, options: RowOptions) -> Sink:
     if output_format == "jsonl":
         return JSONLSink(output_path)
-    id_column = options.id_column or "custom_id"
+    id_column = options.id_column or ID_FIELD  # (an input column of that name was refused: _check_columns)
     columns = input_columns(input_path, input_format) if options.plain else None
-    if options.id_column is None and columns is not None and id_column in columns.names:
-        # Its values would overwrite the row-N ids the output's resume reads: every row would run again.
-        raise ValueError(
-            f"the input has a {id_column!r} column, where the output writes each row's id (row-N by default): "
-            f"pass --id-column {id_column} to name the rows by it, or rename it"
-        )
     reasoning = options.reasoning_parser is not None  # (a reasoning column beside the output)
     return ParquetSink(output_path, columns, id_column, int(options.defaults.get("n", 1)), reasoning)
 
@@ -796,11 +808,16 @@ def _only_run_on(output_path: Path) -> Iterator[None]:
 @contextmanager
 def _signals_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP (a kill, a closed terminal) stop the run as Ctrl-C does: every row settled is written and
-    the output is whole and resumable. The first only: a second one acts as it did before the run."""
-    names = [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    the output is whole and resumable. The first only: a second one acts as it did before the run. One ignored
+    when the run starts stays ignored: ``nohup`` ignores SIGHUP so that a run outlives its terminal."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may handle signals
         yield
         return
+    names = [
+        name
+        for name in ("SIGTERM", "SIGHUP")
+        if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN
+    ]
     before = {name: signal.getsignal(getattr(signal, name)) for name in names}
 
     def interrupt(signum: int, frame: Any) -> None:

@@ -30,6 +30,7 @@ ADDED_COLUMNS = ("output", "finish_reason", "prompt_tokens", "completion_tokens"
 DEFAULT_FIELDS = ("max_tokens", "temperature", "seed", "n", "response_format")
 _BATCH_ROWS = 1024  # Parquet rows read or written at a time (a Parquet output's row group)
 _BOM = b"\xef\xbb\xbf"
+OUTPUT_LINE_START = b'{"id": "batch_req_'  # how json.dumps writes every output line (batch.output_line's dict)
 
 
 def at_least(kind: Callable[[str], float], low: float, inclusive: bool = True) -> Callable[[str], float]:
@@ -167,6 +168,13 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
+def opens_a_json_array(path: Path) -> bool:
+    """Whether a JSONL input's first line opens a JSON array (a ``.json`` file of rows, not one row a line): each of
+    its lines was a bad row, but for a last object without its comma, which ran alone."""
+    first = next(_jsonl_lines(path), None)
+    return first is not None and first[1].lstrip().startswith(b"[")
+
+
 def _dataset(path: Path) -> Any:
     try:
         from datasets import Dataset, load_from_disk
@@ -235,7 +243,7 @@ class JSONLSink:
                     line = json.loads(raw)
                     done[line["custom_id"]] = payload_digest(line["response"]["request_id"])
                 except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError):
-                    if first and raw.endswith(b"\n"):  # (a whole line: not a crash's last one cut short)
+                    if first and not _cut_short_output_line(raw):
                         raise ValueError(
                             f"{self.path} exists and is not a batch output (its first line is not an output "
                             "line): give a new output path, or remove that file"
@@ -430,6 +438,18 @@ def _write_error(errors: TextIO | None, error: dict[str, Any]) -> None:
 def _flush(errors: TextIO | None) -> None:
     if errors is not None:
         errors.flush()
+
+
+def _cut_short_output_line(raw: bytes) -> bool:
+    """Whether a line that is not an output line may be the start of one a crash cut short: no newline, not JSON,
+    and it begins as every output line does (a one-line ``notes.txt`` was cut off, a ``results.json`` appended to)."""
+    if raw.endswith(b"\n") or not (raw.startswith(OUTPUT_LINE_START) or OUTPUT_LINE_START.startswith(raw)):
+        return False
+    try:
+        json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True
+    return False
 
 
 def _cut_partial_last_line(path: Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from producer.batch import (
     parse_line,
     run_batch,
 )
+from producer.batch_io import OUTPUT_LINE_START, JSONLSink
 from producer.protocol import BULK_PRIORITY, installed_version, lane_name
 
 
@@ -93,6 +96,7 @@ def test_batch_writes_openai_lines_sends_bad_lines_aside_and_resumes(served, tmp
     assert summary == {"total": 35, "skipped": 10, "succeeded": 20, "failed": 5, "reused": 0, "failures": failures}
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 30
+    assert all(line.startswith(OUTPUT_LINE_START.decode()) for line in out.read_text().splitlines())  # (a torn one)
     assert sorted(r["custom_id"] for r in rows) == sorted(
         json.loads(line).get("custom_id", f"line-{n}")
         for n, line in enumerate(good[:10] + bad + good[10:], 1)
@@ -513,17 +517,22 @@ def test_an_output_path_holding_another_file_is_refused_and_left_as_it_was_dry_r
 
     src, out = tmp_path / "in.jsonl", tmp_path / "results.json"
     src.write_text('{"prompt": "x"}\n')
-    text = '{\n  "config": {\n    "lr": 0.1\n  }\n}'
-    out.write_text(text)
+    pretty = '{\n  "config": {\n    "lr": 0.1\n  }\n}'
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
-    for run in (lambda: dry_run(src, out), lambda: run_batch(client, src, out)):
-        with pytest.raises(ValueError, match="exists and is not a batch output"):
-            run()
-        assert out.read_text() == text
-    torn = tmp_path / "torn.jsonl"  # a crash in the first row's write: no whole line, so an output of ours
-    torn.write_text('{"custom_id": "line-1", "respo')
-    dry_run(src, torn)
-    assert torn.read_text() == '{"custom_id": "line-1", "respo'  # a dry run changes nothing
+    # One line without its newline was taken for a crash's first row cut short: text was cut off (the file left
+    # empty), JSON got a newline and the rows after it.
+    for text in (pretty, "my notes", '{"accuracy": 0.9}', '{"id": "other"'):
+        out.write_text(text)
+        for run in (lambda: dry_run(src, out), lambda: run_batch(client, src, out)):
+            with pytest.raises(ValueError, match="exists and is not a batch output"):
+                run()
+            assert out.read_text() == text
+    torn = tmp_path / "torn.jsonl"  # a crash in the first row's write: no whole line, and it begins as ours do
+    for cut in ('{"id": "batch_req_q-0123", "custom_id": "line-1", "respo', '{"id": "bat', "{"):
+        torn.write_text(cut)
+        dry_run(src, torn)
+        assert torn.read_text() == cut  # a dry run changes nothing
+    assert JSONLSink(torn).done() == {} and torn.read_text() == ""  # a run cuts it off: its row runs again
 
 
 def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, monkeypatch):
@@ -1198,3 +1207,35 @@ def test_the_runs_response_format_is_read_with_the_line_so_a_reasoning_model_thi
         assert body_out["choices"][0]["message"]["content"] == '{"a": 4}'
     else:
         assert body_out["output"][-1]["content"][0]["text"] == '{"a": 4}'
+
+
+def test_a_signal_ignored_when_the_run_starts_stays_ignored_as_nohup_asks():
+    """``nohup roseinfer batch ...`` ignores SIGHUP so the run outlives its terminal; the run's handler replaced
+    that, and closing the terminal stopped the run. A signal not ignored still stops it as Ctrl-C does."""
+    from producer.batch import _Signaled, _signals_interrupt
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_interrupt():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: the run goes on
+            with pytest.raises(_Signaled):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # (delivered at the next bytecode; never reached)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_json_array_given_as_jsonl_is_one_error_before_any_row(tmp_path, dry):
+    """A ``.json`` file of rows pretty-printed as an array: each line was a bad row, but for the last object (no
+    comma after it), which ran alone."""
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "rows.json", tmp_path / "out.jsonl"
+    src.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=0) + "\n")
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    with pytest.raises(ValueError, match=r"holds a JSON array, not JSON Lines.*jq -c '\.\[\]'"):
+        dry_run(src, out) if dry else run_batch(client, src, out)
+    assert client.queue.count == 0 and not out.exists()

@@ -178,9 +178,22 @@ def test_a_custom_id_column_without_id_column_is_refused_before_any_job(tmp_path
     source = tmp_path / "in.parquet"
     pq.write_table(pa.table({"custom_id": ["q1", "q2"], "prompt": ["a", "b"]}), source)
     client = Client(connection=fakeredis.FakeRedis())
-    with pytest.raises(ValueError, match="pass --id-column custom_id"):
-        run_batch(client, source, tmp_path / "out.parquet", log_interval=1e9)
-    assert client.queue.count == 0 and not (tmp_path / "out.parquet").exists()
+    for out in ("out.parquet", "out.jsonl"):  # into JSONL, its ids were dropped without a word, rows named row-N
+        with pytest.raises(ValueError, match="pass --id-column custom_id"):
+            run_batch(client, source, tmp_path / out, log_interval=1e9)
+        assert client.queue.count == 0 and not (tmp_path / out).exists()
+
+
+def test_a_jsonl_plain_row_with_a_custom_id_it_would_not_be_named_by_is_a_bad_row():
+    """Read by --prompt-column, a row's own custom_id was dropped (the row named row-3): said on the row, whose
+    error keeps its row number; named by --id-column, it is read."""
+    options = RowOptions("question", None, None, {})
+    with pytest.raises(ValueError, match=r"this row has a field 'custom_id'.*pass --id-column custom_id") as caught:
+        parse_line(3, b'{"custom_id": "q-17", "question": "hi"}', options=options)
+    assert caught.value.custom_id == "row-3"
+    assert parse_line(3, b'{"question": "hi"}', options=options).custom_id == "row-3"
+    named = RowOptions("question", None, "custom_id", {})
+    assert parse_line(3, b'{"custom_id": "q-17", "question": "hi"}', options=named).custom_id == "q-17"
 
 
 def test_a_row_asking_for_other_n_than_the_parquet_output_holds_fails_alone(tmp_path):
