@@ -96,7 +96,14 @@ class ToolChoice:
             home = f"#/$defs/{_TOOL_DEF}{i}"
             params = _rebased(params, home)
             for key in _DEFS_KEYS:
-                for def_name, definition in (params.pop(key, None) or {}).items():
+                found = params.pop(key, None) or {}
+                if not isinstance(found, dict):  # (an AttributeError: a 500 where the request is at fault)
+                    raise ToolChoiceError(
+                        f"tools.{i}: the function {name!r}'s parameters.{key} must be an object of definitions, got "
+                        f"{type(found).__name__}",
+                        param="tools",
+                    )
+                for def_name, definition in found.items():
                     if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
                         raise ToolChoiceError(
                             f"tools define {key}/{def_name} twice, differently: give the definitions distinct names",

@@ -180,6 +180,11 @@ def test_a_chat_request_with_tool_choice_is_a_job_constrained_to_its_calls_and_t
          "should match pattern"),
         ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format", "constrains the"),
         ({"tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "constrains the"),
+        # definitions that are not an object were an AttributeError: a 500 the client retried
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": "x"}}}],
+          "tool_choice": "required"}, "tools", r"tools.0: the function 'f''s parameters.\$defs must be an object"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"definitions": [1]}}}],
+          "tool_choice": "required"}, "tools", "parameters.definitions must be an object of definitions, got list"),
     ],
 )  # fmt: skip
 def test_a_bad_tool_request_is_a_400_naming_its_parameter(fields, param, message):
