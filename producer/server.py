@@ -126,6 +126,13 @@ class ServerMetrics:
         self.streams = Gauge("roseinfer_server_open_streams", "streamed responses being sent", registry=r)
 
 
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: behind a prefix (uvicorn's ``--root-path``, a ``Mount``) ``scope["path"]`` holds
+    the prefix too, and ``/api/v1/models`` skipped the key that ``/v1/models`` asks for."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class AuthAndCount:
     """The API key's check and the requests' counts, as plain ASGI: ``@app.middleware("http")`` hands the endpoint
     a stream of its own, on which a client's disconnect never shows, so a client that left a non-streamed request
@@ -147,7 +154,7 @@ class AuthAndCount:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path, started = scope["path"], time.perf_counter()
+        path, started = _route_path(scope), time.perf_counter()
         label = self.endpoint(scope)
         if self.expected is not None and path.startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")

@@ -548,3 +548,24 @@ def test_a_prompt_refused_after_the_headers_went_is_an_error_chunk_naming_the_fi
     start, chunks = post(client, {"model": "m", "prompt": "p", "stream": True})
     assert start["status"] == 200 and chunks[-1] == "[DONE]"
     assert chunks[-2]["error"]["code"] == "context_length_exceeded" and chunks[-2]["error"]["param"] == "prompt"
+
+
+def test_the_api_key_is_asked_for_behind_a_path_prefix_too():
+    """Mounted under a prefix (a Starlette ``Mount``, uvicorn's ``--root-path`` behind a proxy), ``scope["path"]``
+    holds the prefix: ``/api/v1/models`` skipped the key check, which looked for paths starting ``/v1/``."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    async def get(app, path: str, headers: dict, root_path: str = "") -> int:
+        transport = httpx.ASGITransport(app=app, root_path=root_path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return (await http.get(path, headers=headers)).status_code
+
+    key = {"Authorization": "Bearer k"}
+    mounted = Starlette(routes=[Mount("/api", app=create_app(ScriptedClient([]), api_key="k"))])
+    assert asyncio.run(get(mounted, "/api/v1/models", {})) == 401
+    assert asyncio.run(get(mounted, "/api/v1/models", key)) == 200
+    assert asyncio.run(get(mounted, "/api/health", {})) != 401  # (open, as without the prefix: 503, no worker here)
+    proxied = create_app(ScriptedClient([]), api_key="k")
+    assert asyncio.run(get(proxied, "/api/v1/models", {}, root_path="/api")) == 401
+    assert asyncio.run(get(proxied, "/api/v1/models", key, root_path="/api")) == 200
