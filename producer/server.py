@@ -436,9 +436,11 @@ def create_app(
     ) -> tuple[list[tuple[int, dict[str, Any]]], MergedEvents]:
         """The jobs' events, those before the headers read: a job refused among them is the request's status.
         ``--timeout`` counts from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are
-        not; a client's read timeout counts between chunks too). The first events wait ``wait`` at most."""
+        not; a client's read timeout counts between chunks too). The first events wait ``wait`` at most, but where
+        the stream's pings come sooner than the client stops reading: they keep it, and ``--timeout`` bounds them."""
         events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
-        events.expect_first_within(wait)  # (where the headers go before any event: the 504 comes in-stream)
+        # (where the headers go before any event: the 504 comes in-stream)
+        events.expect_first_within(timeout if wait > PING_EVERY_S else wait)
         try:
             first = asyncio.wait_for(_first_events(jobs, events, HEADERS_HOLD_S), wait)  # (the client waits)
             return await _unless_gone(request, jobs, first, wait), events

@@ -72,7 +72,13 @@ class ScriptedClient:
         return job
 
 
-def post(client: ScriptedClient, body: dict | bytes, path: str = "/v1/completions", **app_options) -> tuple[dict, list]:
+def post(
+    client: ScriptedClient,
+    body: dict | bytes,
+    path: str = "/v1/completions",
+    headers: dict | None = None,
+    **app_options,
+) -> tuple[dict, list]:
     """Run one request through the app as ASGI: its response start (status, headers, when) and its body's events."""
     sent: list = []
     start: dict = {}
@@ -97,10 +103,11 @@ def post(client: ScriptedClient, body: dict | bytes, path: str = "/v1/completion
                 lines = message["body"].decode().split("\n")  # (a typed event's "event:" line comes first)
                 sent.extend(line[6:] for line in lines if line.startswith("data: "))
 
-        headers = [(b"content-type", b"application/json")]
+        asked = [(b"content-type", b"application/json")]
+        asked += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
                  "raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http",
-                 "headers": headers, "client": ("t", 1), "server": ("t", 80)}  # fmt: skip
+                 "headers": asked, "client": ("t", 1), "server": ("t", 80)}  # fmt: skip
         await create_app(client, **app_options)(scope, receive, send)
         await asyncio.sleep(0.05)  # the cancels run on threads
 
@@ -569,3 +576,22 @@ def test_the_api_key_is_asked_for_behind_a_path_prefix_too():
     proxied = create_app(ScriptedClient([]), api_key="k")
     assert asyncio.run(get(proxied, "/api/v1/models", {}, root_path="/api")) == 401
     assert asyncio.run(get(proxied, "/api/v1/models", key, root_path="/api")) == 200
+
+
+@pytest.mark.slow  # a second of timers
+def test_a_queued_stream_whose_pings_keep_the_client_reading_is_not_cut_at_its_read_timeout(monkeypatch):
+    """A stream's first event waited at most the client's read timeout (x-stainless-read-timeout), as a whole answer
+    does; but the pings reach the client sooner than that, so a job queued past it was canceled for nothing (a
+    client reading 60 s got a 504 at 57 s). A client that reads less than the pings' interval still gets its 504."""
+    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.05)
+    monkeypatch.setattr(server_module, "PING_EVERY_S", 0.1)
+    late = [(1.2, event(0, "a")), (0.01, event(1, "b", "stop"))]
+    client = ScriptedClient([late])
+    body = {"model": "m", "prompt": "p", "stream": True}
+    start, chunks = post(client, body, headers={"x-stainless-read-timeout": "1"})  # (waited 0.8 s)
+    assert start["status"] == 200 and client.canceled == []
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "ab" and chunks[-1] == "[DONE]"
+    monkeypatch.setattr(server_module, "PING_EVERY_S", 1.0)  # slower than the client reads: it would give up first
+    client = ScriptedClient([late])
+    start, chunks = post(client, body, headers={"x-stainless-read-timeout": "1"})
+    assert start["status"] == 200 and chunks[-2]["error"]["type"] == "timeout" and client.canceled == ["job0"]
