@@ -14,48 +14,35 @@ an exception inside a step (then the jobs of that step fail, through RQ's retry 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue as queue_mod
 import signal
-import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from datetime import datetime
+from dataclasses import replace
 from typing import Any
 
 import redis
 from rq import worker_registration
-from rq.callbacks import execute_stopped_callback
 from rq.command import parse_payload
-from rq.defaults import DEFAULT_FAILURE_TTL, DEFAULT_WORKER_TTL
+from rq.defaults import DEFAULT_WORKER_TTL
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution, ExecutionRegistry
 from rq.group import Group
 from rq.job import Job, JobStatus
-from rq.job_lifecycle import call_exception_handlers
 from rq.queue import Queue
-from rq.rate_limit import RateLimitRegistry
 from rq.registry import (
-    CanceledJobRegistry,
-    FailedJobRegistry,
-    FinishedJobRegistry,
-    ScheduledJobRegistry,
-    StartedJobRegistry,
     clean_registries,
 )
-from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.timeouts import TimerDeathPenalty
-from rq.utils import current_timestamp, now, utcformat
+from rq.utils import now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits, wrong_type
+from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
 from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
@@ -64,34 +51,23 @@ from producer.protocol import (
     STREAM_OF_FIELD,
     TEMPLATE_KEY,
     TOKENIZER_KEY,
-    canceled_result,
-    encode_result,
-    failure_result,
     lane_name,
     lanes,
     queue_stream_check,
-    result_entry,
-    result_key,
     stream_check,
     stream_key,
     tokenizer_digest,
-    usage_of,
 )
-from producer.schema import JobRequest, job_ending
 from roseinfer.config import ConfigError, quantization_name
+from worker.end_records import EndRecords
 from worker.engine_process import EngineProcessDied
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
-from worker.intake import HookPolicy, Unreadable, quarantine
-from worker.job_finish import finish_jobs
-from worker.job_finish import register as register_finish_script
+from worker.in_flight import InFlight, jobs_named
+from worker.intake import HookPolicy
+from worker.job_ends import JobEnds
 from worker.job_start import queue_start, start_jobs
 from worker.job_start import register as register_start_script
 from worker.jobs import (
-    JobRejected,
-    JobStopped,
-    JobTimedOut,
-    StepFailed,
-    build_result,
     run_limit,
     system_fingerprint,
     usage,
@@ -102,10 +78,10 @@ from worker.puller import Arrival, NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
 from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
+from worker.success_path import SuccessPath
 from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
-NO_USAGE = usage_of(0, 0)  # a job that ended before it ran
 CALLBACK_THREADS = 8  # jobs' allowed callbacks run at once, off the thread that writes every job's tokens
 HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
@@ -147,30 +123,7 @@ def lapsed_registration(connection: redis.Redis, name: str, beat_ttl: int, worke
     return since if not stats and left > 0 and since >= beat_ttl else None
 
 
-@dataclass
-class InFlight:
-    job: Job
-    queue: Queue
-    execution: Execution
-    request: JobRequest
-    stream: JobStream
-    started_at: float
-    first_token_at: float | None = None
-    finished_at: float | None = None  # when its last event came out of the engine (its result is built later)
-    resumed_tokens: int = 0  # output tokens an earlier attempt made (its stream's), not timed by this one
-    # Its success written through RQ's path (and its completion list pushed): a retry of the end skips those.
-    success_written: bool = False
-    notified: bool = False
-    ended_elsewhere: bool = False  # its end handed to a callback thread: a retry of this end leaves it there
-    # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
-    beat_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
-
-
-class BatchWorker(BaseWorker):
+class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
     def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis, pump: Any = None) -> None:
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.settings = settings  # (read by ``connection_timeout`` as RQ's __init__ sets the connection up)
@@ -755,7 +708,7 @@ class BatchWorker(BaseWorker):
                     applied.append(a)
         finally:
             if started:  # one line for the batch: a line a job cost the step loop 6 ms for a burst of 256
-                log.info("%s started (%d in flight)", _jobs_named(started), len(self.in_flight))
+                log.info("%s started (%d in flight)", jobs_named(started), len(self.in_flight))
             self.puller.applied(applied)  # (those left stay the puller's: beaten, and counted against the room)
 
     def _apply_arrival(self, a: Any, wall: float, started: list[str]) -> list[tuple[Any, bool]]:
@@ -933,593 +886,6 @@ class BatchWorker(BaseWorker):
             sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
         )  # fmt: skip
 
-    def _succeed(self, done: list[tuple[InFlight, Any]]) -> None:
-        """The jobs a step finished, through RQ's success path: for plain jobs (no dependents, repeats, allowed
-        callback, webhook, rate limit or result_ttl 0) the same writes as RQ's ``handle_job_success``, for all of
-        them in one script call, each taking effect only while this attempt still owns the job; the others one by
-        one through RQ's own code. A job another attempt owns now is dropped without a write."""
-        plain, through_rq = [], []
-        for job, out in done:
-            result = self._result(job, out)
-            j = job.job
-            special = j._success_callback_name or j.webhooks or j.repeats_left or j.has_rate_limit  # RQ frees its slot
-            (through_rq if special or j.get_result_ttl(self.default_result_ttl) == 0 else plain).append((job, result))
-        finished: list[tuple[InFlight, dict[str, Any]]] = []
-        while plain:
-            try:
-                written, with_dependents = self._succeed_plain(plain)
-            except redis.WatchError:
-                continue  # a job hash changed meanwhile (a heartbeat, a cancel): check ownership again
-            finished += written
-            through_rq += with_dependents
-            break
-        # A retry of this end (Redis failed on a later job) writes again none that it wrote: RQ's path deletes a
-        # result_ttl 0 job, whose missing hash then read as a Redis that lost it (reopened, its callback run twice).
-        # (one handed to a callback thread is that thread's to end and count)
-        through_rq = [(job, result) for job, result in through_rq if not job.ended_elsewhere]
-        written_before = [(job, result) for job, result in through_rq if job.success_written]
-        through_rq = [(job, result) for job, result in through_rq if not job.success_written]
-        if through_rq:
-            for (job, result), mine in zip(through_rq, self._owned([job for job, _ in through_rq], (b"finished",))):
-                if mine is False:
-                    self._lost_at_end(job)
-                    continue
-                if mine and job.job._success_callback_name:
-                    self._end_with_callback(job, result)  # (its end, and its last event, after its callback)
-                    continue
-                if mine and not self._through_rq_success(job, result):
-                    continue  # the jobs ended beside it go on: it stalled every one after it
-                finished.append((job, result))
-        for job, _ in (*written_before, *finished):
-            if job.success_written:
-                self._notify(job)
-        finished += written_before
-        for job, result in finished:
-            self._count_finished(job, result)
-        if finished:
-            log.info("%s finished", _jobs_named([job.job.id for job, _ in finished]))
-
-    def _through_rq_success(self, job: InFlight, result: dict[str, Any]) -> bool:
-        """RQ's success path for a job this attempt owns (its callback, its dependents, its webhooks); False where
-        its success callback raised, or outlived its timeout: then it failed, as RQ fails it."""
-        self._reclaim(job)
-        try:
-            self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-        except REDIS_DOWN:
-            raise
-        except Exception as exc:
-            self._success_callback_failed(job, exc)
-            return False
-        job.success_written = True
-        return True
-
-    def _count_finished(self, job: InFlight, result: dict[str, Any]) -> None:
-        """A finished job counted, with the tokens this attempt made of its longest sample (for its time per token)."""
-        made = max(len(sample["token_ids"]) for sample in result.get("choices") or [result]) - job.resumed_tokens
-        self.metrics.job_ended("finished", result["timings"], made)
-
-    def _ends_elsewhere(self, job_id: str) -> bool:
-        """Whether the job's end waits on a callback thread (``_end_with_callback``)."""
-        return getattr(self._ending.get(job_id), "ended_elsewhere", False)
-
-    def _notify(self, job: InFlight) -> None:
-        """The job's id onto its completion list, once."""
-        if not job.notified:
-            try:
-                self.publisher.notify(self.connection, job.job.id, job.request.notify)
-            except redis.exceptions.ResponseError as exc:  # a list it names that holds another type
-                log.warning("job %s: its completion list was not written (%s)", job.job.id, exc)
-            job.notified = True
-
-    def _end_with_callback(self, job: InFlight, result: dict[str, Any]) -> None:
-        """A finished job's end through RQ's path with its allowed success callback, on a callback thread
-        (``_end_on_callback_thread``): as RQ, the callback, then the result."""
-        tries: list[bool] = []
-
-        def end() -> None:
-            if tries and not job.success_written:  # a try after Redis failed it: the job may be another's by now
-                [mine] = self._owned([job], (b"finished",))
-                if mine is False:
-                    self._lost_at_end(job)
-                    return
-                job.success_written = mine is None  # (an earlier try's end landed, its reply lost)
-            tries.append(True)
-            if not job.success_written and not self._through_rq_success(job, result):
-                return
-            self._notify(job)
-            self._count_finished(job, result)
-            log.info("%s finished", job.job.id)
-
-        self._end_on_callback_thread(job, end)
-
-    def _end_on_callback_thread(self, job: InFlight | Arrival, end: Callable[[], None]) -> None:
-        """``end`` of a job that runs its allowed callback (success, failure or stopped), on a callback thread: on the
-        sender's, a callback held up every job's tokens and results (ten of 0.2 s stopped another job's stream 2 s).
-        Its last event is held until its end is written, and it is beaten until then. On the sender's thread, after
-        the events of its step (a retried job's next attempt resumes from them)."""
-        job_id, owner = job.job.id, job.execution.id
-        job.ended_elsewhere = True
-        self._ending[job_id] = job
-        self.sender.hold(job_id, owner)
-
-        def run() -> None:
-            try:
-                try:
-                    self.sender.retrying(end, "while ending a job after its callback")
-                except Exception:
-                    log.exception("ending job %s failed", job_id)
-                finally:  # (apart: a callback's late timeout landing in the clean-up above must not keep its events)
-                    self.sender.release_held(job_id, owner)
-            finally:  # (after: a lost-event report read meanwhile leaves its held events to this thread)
-                if self._ending.get(job_id) is job:  # (a next attempt of it may have come here since)
-                    self._ending.pop(job_id, None)
-
-        try:
-            self._callback_ends.submit(run)
-        except RuntimeError:  # the pool shut down: a cold stop starts no callback (RQ's clean-up takes the job, as a
-            if self._force_stop:  # killed worker's), and its last event (held, or in this round trip) would end a job
-                self.sender.discard_held(job_id, owner)  # not ended
-                self.sender.drop_final(job_id, owner)
-                return
-            run()  # (a warm stop ends what the sender still held, here)
-
-    def _reclaim(self, job: InFlight) -> None:
-        """A job this attempt still owns that RQ failed, put off for a retry or that was canceled while it ran here
-        (a stall past its heartbeat; a cancel as it ended): started again and out of those registries before RQ's
-        success path reads it. That path read it failed and left its dependents deferred for good, and a retry put
-        off ran it again after it finished."""
-        with self.connection.pipeline() as pipe:
-            pipe.hset(job.job.key, "status", JobStatus.STARTED.value)
-            for registry in (job.queue.failed_job_registry, job.queue.canceled_job_registry,
-                             job.queue.scheduled_job_registry):  # fmt: skip
-                registry.remove(job.job.id, pipeline=pipe)
-            pipe.execute()
-
-    def _success_callback_failed(self, job: InFlight, exc: Exception) -> None:
-        """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
-        this worker. Its followers had its last event already; its result is the failure."""
-        log.error("job %s: its success callback failed (%s): the job fails, as RQ fails it", job.job.id, exc)
-        error = f"the job's success callback failed: {exc}"
-        result = failure_result(job.job.id, job.request, error, error_type="server_error")
-        self._record_failure(job.job, job.queue, job.execution, exc, result, job.request.notify)
-        failed = job.job.get_status(refresh=False) == JobStatus.FAILED
-        self.metrics.job_ended("failed" if failed else "retried", None)
-
-    def _succeed_plain(
-        self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime | None = None
-    ) -> tuple[list, list]:
-        """RQ's success writes for every job, in one script call that skips the jobs another attempt owns now
-        (dropped) and those that got dependents (returned second, for RQ's path, which enqueues them); the jobs
-        written come first. The writes to registries and to this worker's counters are one command for the batch.
-        Without Lua (a Redis that refuses scripts): in one transaction under WATCH of their hashes (a hash that changed
-        meanwhile, a heartbeat or a cancel, makes the caller try again)."""
-        ended = ended or now()
-        if self.sender.finish_script is not None:
-            try:
-                lost, held, deleted = self._finish_by_script(plain, ended)
-            except redis.exceptions.NoScriptError:  # Redis restarted and forgot it: load it, write again
-                self.sender.finish_script = register_finish_script(self.connection)
-                lost, held, deleted = self._finish_by_script(plain, ended)
-            written, with_dependents = [], []
-            for i, (job, result) in enumerate(plain):
-                if i in lost:
-                    self._lost_at_end(job)
-                elif i in deleted:
-                    self._lost_at_end(job, deleted=True)
-                elif i in held:
-                    with_dependents.append((job, result))
-                else:
-                    self.executions.pop(job.execution.id, None)
-                    written.append((job, result))
-            return written, with_dependents
-        written, with_dependents = [], []
-        with self.connection.pipeline() as pipe:
-            pipe.watch(*[job.job.key for job, _ in plain], *[job.job.dependents_key for job, _ in plain])
-            owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
-            dependents = [pipe.exists(job.job.dependents_key) for job, _ in plain]
-            pipe.multi()
-            for (job, result), (owner, status), has_dependents in zip(plain, owners, dependents):
-                mine = self._is_ours(job, owner, status, (b"finished",))
-                if mine is False:
-                    self._lost_at_end(job)
-                elif mine is None:
-                    written.append((job, result))  # by the try whose reply was lost
-                elif has_dependents:
-                    with_dependents.append((job, result))
-                else:
-                    self._write_success(pipe, job, result, ended, status)
-                    self._count_success(pipe, job, ended)
-                    written.append((job, result))
-            pipe.execute()
-        for job, _ in written:
-            job.job._status = JobStatus.FINISHED
-            self.executions.pop(job.execution.id, None)
-        return written, with_dependents
-
-    def _finish_by_script(
-        self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime
-    ) -> tuple[list, list, list]:
-        jobs = []
-        for job, result in plain:
-            ttl = job.job.get_result_ttl(self.default_result_ttl)  # not 0 (``_succeed``)
-            jobs.append((job.job, job.execution, encode_result(result), ttl, job.request.notify))
-        return finish_jobs(
-            self.sender.finish_script, self.connection, jobs, self.name, self.key, ended, self.publisher.result_ttl,
-            OWNER_FIELD,
-        )  # fmt: skip
-
-    def _count_success(self, pipe, job: InFlight, ended: datetime) -> None:
-        """This worker's counters in RQ (``rq info``): a job done, its working time."""
-        self.increment_successful_job_count(pipeline=pipe)
-        self.increment_total_working_time(ended - job.job.started_at, pipe)
-
-    def _write_success(
-        self, pipe, job: InFlight, result: dict[str, Any], ended: datetime, status: bytes | None = None
-    ) -> None:
-        """A finished job's writes: what RQ's ``handle_job_success`` writes, made here without RQ's objects (a
-        registry object a write, the result serialized three times, the job's data compressed again: 0.2 ms a
-        job). The same keys, fields and values (a test holds them to RQ's own): the job hash's status, end and
-        heartbeat (RQ rewrites every field; the others have not changed since the start), the result in RQ's
-        result stream (its one copy), the finished registry, the keys' TTLs, the execution's records gone."""
-        j, execution = job.job, job.execution
-        stamp = utcformat(ended)
-        pipe.hset(j.key, mapping={"last_heartbeat": stamp, "status": JobStatus.FINISHED.value, "ended_at": stamp})
-        result_ttl = j.get_result_ttl(self.default_result_ttl)  # not 0 (``_succeed``)
-        entry = result_entry(result, Result.Type.SUCCESSFUL, self.name, execution=execution, ended=ended)
-        self.publisher.write_result(pipe, j.id, entry, result_ttl, job.request.notify)
-        expires = "+inf" if result_ttl == -1 else current_timestamp() + result_ttl
-        pipe.zadd(FinishedJobRegistry.key_template.format(j.origin), {j.id: expires})
-        if status == b"failed":  # abandoned while this worker stalled, and still ours: finished, in one registry
-            pipe.zrem(FailedJobRegistry.key_template.format(j.origin), j.id)
-        if status == b"canceled":  # canceled as it finished: finished, in one registry
-            pipe.zrem(CanceledJobRegistry.key_template.format(j.origin), j.id)
-        if status == b"scheduled":  # put off for a retry while this worker stalled: its retry would run it again
-            pipe.zrem(ScheduledJobRegistry.key_template.format(j.origin), j.id)
-        if result_ttl > 0:  # (the dependents key does not exist: ``_succeed_plain`` checks; RQ expires it too)
-            for key in (j.key, j.dependencies_key) if j._dependency_ids else (j.key,):
-                pipe.expire(key, result_ttl)
-        pipe.delete(execution.key)  # RQ's cleanup_execution
-        pipe.zrem(StartedJobRegistry.key_template.format(j.origin), execution.composite_key)
-        pipe.zrem(ExecutionRegistry.key_template.format(j.id), execution.id)
-        if execution.worker_name:
-            pipe.srem(execution.worker_executions_key, execution.composite_key)
-
-    def _lost_at_end(self, job: InFlight, deleted: bool = False) -> None:
-        """A job that ended here but belongs to another attempt now, or was ``deleted`` as it ended (RQ's
-        ``job.delete()``: it stays so, as one deleted while it ran): only our execution's record goes."""
-        if deleted:
-            log.info("job %s: deleted as it finished, its result not kept", job.job.id)
-        else:
-            log.warning("job %s belongs to another attempt now, or RQ failed it (this worker stalled): its end here "
-                        "is dropped", job.job.id)  # fmt: skip
-            self.sender.drop_final(job.job.id, job.execution.id)  # (its last event would end it a second time)
-            if job.ended_elsewhere:  # (a callback thread's end: its last event is held, not in this round trip)
-                self.sender.discard_held(job.job.id, job.execution.id)
-        self.metrics.job_ended("canceled" if deleted else "lost", None)
-        with self.connection.pipeline() as pipe:
-            self.cleanup_execution(job.job, pipe, job.execution)
-            pipe.execute()
-
-    def _end_later(
-        self, jobs: list[InFlight] | list[Arrival], end: Callable[[], None], callback: str | None = None
-    ) -> None:
-        """``end`` of ``jobs``, taken out of ``in_flight``, on the sender's thread after this step's events; of a job
-        whose end runs its allowed ``callback`` (its name), on a callback thread from there. Until it ran they are
-        beaten as jobs in flight are: a Redis stall can hold the sender past their heartbeat TTL, and RQ's clean-up
-        took them for abandoned (run again, their ends here dropped)."""
-        for job in jobs:
-            self._ending[job.job.id] = job
-        if callback:
-            [job] = jobs
-            self._tasks.append(lambda: self._end_on_callback_thread(job, end))
-            return
-
-        def ending() -> None:
-            try:
-                end()
-            finally:  # (a try Redis failed is tried again, or given up: no beat would reach Redis meanwhile either)
-                for job in jobs:
-                    if self._ending.get(job.job.id) is job and not job.ended_elsewhere:
-                        self._ending.pop(job.job.id, None)  # (a callback thread may take it out meanwhile)
-
-        self._tasks.append(ending)
-
-    def _canceled(self, job: InFlight, events: list[JobEvent], stopped: bool = False, deleted: bool = False) -> None:
-        """Canceled (RQ's cancel, a deleted hash) or stopped (stop-job): the partial result is kept, but for a job
-        deleted (RQ's ``job.delete()``): nothing of it is left in Redis but its stream's last event."""
-        del self.in_flight[job.job.id]
-        wall = time.time()
-        for e in events:
-            self._took(job, e, wall)
-        *pieces, event = events
-        for piece in pieces:  # each sample's text not sent yet; an engine process's step events, met on the way
-            self._piece(job, piece)
-        out = event.output  # None: the engine had not taken it yet (its prompt still tokenizing), or it is gone
-        reason = JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request")
-        if out is not None:
-            self.publisher.add(
-                job.stream, event.text, event.token_ids, "abort", usage(out), index=event.index, logprobs=event.logprobs
-            )
-            result = self._result(job, out, canceled=True)
-        else:  # it ends as every canceled job does, with a last event and a result, of nothing made
-            self.publisher.add(job.stream, "", [], "abort", dict(NO_USAGE))
-            result = canceled_result(job.job.id, job.request, str(reason))
-
-        def end() -> None:
-            mine = self._owned([job], (b"stopped",) if stopped else ())[0]
-            if mine is False:
-                self._lost_at_end(job)
-                return
-            if stopped and mine:  # RQ's record of the stop holds the partial result
-                kept = None if deleted else result
-                self._record_stop(job.job, job.queue, job.execution, str(reason), kept, job.request.notify)
-            # A stop whose status was written without RQ's end of it (by hand, while this worker stalled and its
-            # execution lapsed): ended here as RQ would (its record, its failed registry entry, its hash's expiry), or
-            # the job kept no result and its hash, prompt and all, for good. A cancel's end tried again after a lost
-            # reply: written once.
-            unrecorded = (not stopped or mine is None) and not deleted and not self._recorded(job)
-            with self.connection.pipeline() as pipe:
-                if not stopped or unrecorded:
-                    self.cleanup_execution(job.job, pipe, job.execution)
-                if not stopped and not deleted:
-                    # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
-                    job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
-                    pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
-                if stopped and unrecorded:  # (the registry's add saves the job: its status as it stands)
-                    job.job._status, job.job.ended_at = JobStatus.STOPPED, now()
-                    job.queue.failed_job_registry.add(job.job, _failure_ttl(job.job), str(reason), pipeline=pipe)
-                    pipe.expire(job.job.key, _failure_ttl(job.job))
-                if unrecorded:  # the partial result
-                    entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
-                                         execution=job.execution, ended=now())  # fmt: skip
-                    ttl = _failure_ttl(job.job) if stopped else self.settings.result_ttl  # (a stop is RQ's failure)
-                    self.publisher.write_result(pipe, job.job.id, entry, ttl, job.request.notify)
-                pipe.execute()
-            if not stopped or unrecorded:  # (a stop through RQ's failure path was freed there)
-                self._free_slot(job.job)
-            log.info("job %s: %s", job.job.id, reason)
-            self.metrics.job_ended("stopped" if stopped else "canceled", None)
-
-        self._end_later([job], end, job.job._stopped_callback_name if stopped else None)
-
-    def _errored(self, job: InFlight, event: JobEvent) -> None:
-        """A failed step (retryable) or a job the engine refused or timed out (not)."""
-        del self.in_flight[job.job.id]
-        # A failure RQ will retry is not the end of the job: its stream goes on with the next attempt. A timeout is
-        # retried too, as RQ retries its own (the next attempt resumes from what this one streamed).
-        may_retry = event.retryable or event.timed_out
-        retrying = may_retry and (job.job.retries_left or 0) > 0  # as RQ's should_retry: -1 is none left
-        if event.retryable:
-            error: Exception = StepFailed(event.error)
-        elif event.timed_out:
-            error = JobTimedOut(f"job exceeded its timeout of {run_limit(job.job, self.queue_class.DEFAULT_TIMEOUT)} s")
-        else:
-            error = JobRejected(event.error)
-        # Whose fault: a job the engine refused is the job's own unless the event says otherwise.
-        error_type = event.error_type or ("server_error" if event.retryable else "invalid_request")
-        if not retrying:
-            end_usage = usage(event.output) if event.output else {}
-            self.publisher.add(
-                job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type,
-                logprobs=event.logprobs, error_code=event.error_code,
-            )  # fmt: skip
-        else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
-            self.publisher.expedite(job.stream)
-
-        def end() -> None:
-            mine = self._owned([job], (b"scheduled",) if retrying else (b"failed",))[0]
-            if mine is False:
-                self._lost_at_end(job)
-                return
-            result = None
-            if not retrying:
-                job.job.retries_left = None  # the same job would fail the same way again
-                result = failure_result(
-                    job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
-                )
-            if mine:
-                self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
-            elif result is not None and not self._recorded(job):  # (None: its status there already, as this end
-                self._write_failure(job.job, result, error, job.request.notify, job.execution)  # writes it)
-            # Refused by the engine before it made anything (a prompt past the context): the job's own, as a payload
-            # refused at the pull is (the same error type had two labels).
-            refused = error_type == "invalid_request" and event.output is None
-            self.metrics.job_ended("retried" if retrying else "rejected" if refused else "failed", None)
-
-        self._end_later([job], end, job.job._failure_callback_name)
-
-    def _fail(self, a: Arrival) -> None:
-        """A job that can never run (``a.error``): fails alone, with its reason in RQ's failed registry, no retry.
-        Started already: beaten until its end is written, as any job's end (``_end_later``)."""
-        job, queue, execution, req, error = a.job, a.queue, a.execution, a.request, a.error or ""
-        self.publisher.add(a.stream, "", [], "error", {}, error, error_type="invalid_request")
-        tries: list[bool] = []
-
-        def end() -> None:
-            if not self._written_before(  # (an earlier try's record: its failure callback ran with it)
-                tries, job.id, b"execution_id", execution.id
-            ):
-                job.retries_left = None
-                ending = req if req is not None else job_ending(job)  # (refused: its id and list, as one that ran)
-                result = failure_result(job.id, ending, error, error_type="invalid_request")
-                self._record_failure(job, queue, execution, JobRejected(error), result, ending.notify)
-            self.metrics.job_ended("rejected", None)
-
-        self._end_later([a], end, job._failure_callback_name)
-
-    def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
-        """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
-        not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
-        status = JobStatus(job.get_status(refresh=False)).value  # "canceled", not "JobStatus.CANCELED"
-        log.info("job %s was %s while queued: not run", job.id, status)
-        stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
-        self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
-        ended, tries = now(), []
-
-        def end() -> None:
-            if not self._written_before(tries, job.id, b"execution_ended_at", str(ended.timestamp())):
-                ending = job_ending(job)
-                result = canceled_result(job.id, ending, f"job {status} before it ran")
-                with self.connection.pipeline() as pipe:
-                    entry = result_entry(result, Result.Type.STOPPED, self.name, ended=ended)
-                    self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
-                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-                    queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
-                    pipe.expire(job.key, self.settings.result_ttl)
-                    pipe.execute()
-            self._free_slot(job)
-            self.metrics.job_ended("canceled", None)
-
-        self._tasks.append(end)
-
-    def _free_slot(self, job: Job) -> None:
-        """A canceled job's RQ rate-limit slot, freed as RQ's own ends free one: the next job of its limit runs now,
-        not at RQ's maintenance (RQ's cancel frees only a slot no execution holds)."""
-        if job.has_rate_limit:
-            try:
-                RateLimitRegistry.from_job(job).release_and_enqueue(job.id)
-            except redis.RedisError:  # RQ's maintenance frees it later
-                log.exception("the rate-limit slot of job %s was not freed", job.id)
-
-    def _reject_unreadable(self, item: Unreadable, stream: JobStream | None) -> None:
-        """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream
-        (an id that is not text has neither: it is only moved aside)."""
-        log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
-        if stream is not None:
-            stream.start(can_resume=False)  # (as a job canceled before it ran)
-            self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
-
-        ended, tries = now(), []
-
-        def end() -> None:
-            with self.connection.pipeline(transaction=False) as pipe:
-                # (an id that is not text: never a result)
-                if stream is not None and not self._written_before(
-                    tries, item.job_id, b"execution_ended_at", str(ended.timestamp())
-                ):
-                    result = failure_result(item.job_id, None, item.reason, error_type="invalid_request")
-                    entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason, ended=ended)
-                    self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
-                quarantine(pipe, item, self.settings.result_ttl)  # (all of it as good again as once)
-                pipe.execute()
-            self.metrics.job_ended("rejected", None)
-
-        self._tasks.append(end)
-
-    def _result(self, job: InFlight, out: Any, canceled: bool = False) -> dict[str, Any]:
-        return build_result(
-            job.job, job.request, out, model=self.settings.model_name, started_at=job.started_at,
-            first_token_at=job.first_token_at, finished_at=job.finished_at, canceled=canceled,
-            fingerprint=self.fingerprint,
-        )  # fmt: skip
-
-    def _write_failure(
-        self, job: Job, result: dict[str, Any], error: Exception, notify: str | None, execution: Execution | None
-    ) -> None:
-        """A failed job's result alone, where its status was written without it (an earlier try of this end
-        landed it with the status, else the status was someone else's: RQ's clean-up of a stalled job's)."""
-        entry = result_entry(result, Result.Type.FAILED, self.name, error=_one_line(error), execution=execution,
-                             ended=now())  # fmt: skip
-        self.publisher.write_result(self.connection, job.id, entry, _failure_ttl(job), notify)
-
-    def _recorded(self, job: InFlight) -> bool:
-        """Whether the job's latest result is this attempt's (an earlier try of its end wrote it with the status)."""
-        return self._latest_result_has(job.job.id, b"execution_id", job.execution.id)
-
-    def _written_before(self, tries: list[bool], job_id: str, field: bytes, value: str) -> bool:
-        """For an end the sender may run again: whether an earlier try of it wrote its record already (it landed,
-        and its reply was lost), known by ``value`` in ``field`` of the job's latest record. Counts this try."""
-        earlier = bool(tries) and self._latest_result_has(job_id, field, value)
-        tries.append(True)
-        return earlier
-
-    def _latest_result_has(self, job_id: str, field: bytes, value: str) -> bool:
-        """Whether the latest entry of the job's result stream holds ``value`` in ``field``."""
-        try:
-            latest = self.connection.xrevrange(result_key(job_id), count=1)
-        except redis.ResponseError as exc:
-            if wrong_type(exc):  # (written by hand since the start deleted it: nothing can be written there)
-                return True
-            raise
-        return bool(latest) and latest[0][1].get(field) == value.encode()
-
-    @contextlib.contextmanager
-    def _results_in_failure(
-        self, job: Job, execution: Execution, result: dict[str, Any] | None, notify: str | None, kind: Result.Type,
-        error: str,
-    ) -> Iterator[None]:  # fmt: skip
-        """RQ's record of a job's failure or stop, made to hold ``result``: its entry in the result stream is
-        written in the transaction that sets the status, as RQ writes its own (a reader that saw the status failed
-        read RQ's bare record, then a second entry a round trip later). None: RQ's own record."""
-        if result is None:
-            yield
-            return
-
-        def handle_failure(exc_string: str, pipeline: Any, worker_name: str = "", **_times: Any) -> None:
-            job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=exc_string, pipeline=pipeline)  # RQ's
-            # A failure callback that raised is what RQ records instead (its registry entry says so too).
-            words = error if exc_string.rstrip().endswith(error.strip()) else exc_string
-            entry = result_entry(result, kind, worker_name, error=words, execution=execution, ended=now())
-            self.publisher.write_result(pipeline, job.id, entry, _failure_ttl(job), notify)
-
-        job._handle_failure = handle_failure  # type: ignore[method-assign]  # (RQ calls it only for a job it fails)
-        try:
-            yield
-        finally:
-            del job._handle_failure
-
-    def handle_exception(self, job: Job, *exc_info: Any) -> None:
-        """RQ logs every failed job with a traceback. A failure this worker names itself (a job refused for what
-        it holds, a timeout, a failed step) is one line: its traceback would show only where it was recorded, three
-        lines a job for every prompt too long. The exception handlers still get it, as from RQ."""
-        error = exc_info[1]
-        if not isinstance(error, (JobRejected, JobTimedOut, StepFailed)):
-            super().handle_exception(job, *exc_info)
-            return
-        level = logging.ERROR if isinstance(error, StepFailed) else logging.WARNING  # the worker's fault, or the job's
-        log.log(level, "job %s failed: %s", job.id, error)
-        call_exception_handlers(self._exc_handlers, job, *exc_info)
-
-    def _record_failure(
-        self, job: Job, queue: Queue, execution: Execution, error: Exception, result: dict[str, Any] | None = None,
-        notify: str | None = None,
-    ) -> None:  # fmt: skip
-        """RQ's end of a failed job (its failure callback, a retry while it has retries left, else FAILED); where it
-        fails, RQ's record of it holds ``result``."""
-        with self._results_in_failure(job, execution, result, notify, Result.Type.FAILED, _one_line(error)):
-            try:
-                raise error
-            except Exception:
-                self._finalize_failure(job, queue, execution, sys.exc_info())
-        self._check_end_landed(job, execution)
-
-    def _record_stop(
-        self, job: Job, queue: Queue, execution: Execution, reason: str, result: dict[str, Any] | None,
-        notify: str | None,
-    ) -> None:  # fmt: skip
-        """RQ's end of a job its stop-job command stopped (``_handle_stopped_job``): the job's stopped callback (an
-        error of it logged), never its failure callback; then STOPPED, in the failed registry, never retried; its
-        record holds ``result`` (the output made until the stop)."""
-        job.ended_at = now()
-        try:
-            execute_stopped_callback(job, self.death_penalty_class)
-        except Exception:
-            log.exception("job %s: its stopped callback raised", job.id)
-        # RQ then marks it STOPPED, not FAILED, and never retries it. One field of the worker says which job that is:
-        # two stops on two callback threads read each other's (one ended failed, and was retried).
-        with self._stop_record_lock:
-            self._stopped_job_id = job.id
-            with self._results_in_failure(job, execution, result, notify, Result.Type.STOPPED, reason):
-                self.handle_job_failure(job, queue=queue, exc_string=reason, execution=execution)
-        self._check_end_landed(job, execution)
-
-    def _check_end_landed(self, job: Job, execution: Execution) -> None:
-        """RQ logs an error of its last write and goes on: read it back, so the sender tries this end again. (Started
-        by another worker since, a retry of it: it landed.)"""
-        owner, status = self.connection.hmget(job.key, OWNER_FIELD, "status")
-        if status == JobStatus.STARTED.value.encode() and owner in (None, execution.id.encode()):
-            raise redis.exceptions.ConnectionError(f"RQ's record of the failure of job {job.id} did not land")
-
     # ----- what came back -----------------------------------------------------------------------------
     def _on_statuses(self, ended: list[tuple[str, bytes | None]], registered: bool) -> None:
         """On the sender thread: the statuses that end a job (the sender keeps only those), and whether Redis still
@@ -1585,42 +951,6 @@ class BatchWorker(BaseWorker):
                     pipe.execute()
 
             self._tasks.append(end)
-
-    def _owned(self, held: list[InFlight], ends_as: tuple[bytes, ...] = ()) -> list[bool | None]:
-        """Whether each job is still this attempt's to end (``_is_ours``), in one round trip. Its status alone
-        does not say an earlier try of this end wrote it (someone may have set it: RQ's clean-up failing it as
-        abandoned, a hand-written stop): that try also removed our execution's hash."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in held:
-                pipe.hmget(job.job.key, OWNER_FIELD, "status")
-                pipe.exists(job.execution.key)
-            replies = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, Exception) and not wrong_type(reply):
-                raise reply
-        return [
-            False if isinstance(found, Exception) else self._is_ours(job, *found, ends_as if not alive else ())
-            for job, found, alive in zip(held, replies[::2], replies[1::2])
-        ]
-
-    @staticmethod
-    def _is_ours(
-        job: InFlight, owner: bytes | None, status: bytes | None, ends_as: tuple[bytes, ...] = ()
-    ) -> bool | None:
-        """True: its owner field names our execution (or the hash is gone: Redis lost data) and it was not requeued.
-        None: ours, but its status is one ``ends_as`` names, the status this end writes: an earlier try of it (whose
-        reply was lost) wrote it, and RQ's writes (counters, a retry, dependents) are not made again. False: another
-        attempt's now, or failed by RQ's clean-up (this worker stalled past its heartbeat, the job had no retry
-        left): that end stands, its client told, its failure callbacks run; a success over it gave two results."""
-        if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
-            return False
-        if status == b"failed" and b"failed" not in ends_as:
-            return False
-        return None if status in ends_as else True
-
-    def _runs_here(self, job: InFlight, owner: bytes | None, status: bytes | None) -> bool:
-        """Its hash (``owner``, ``status``, as read) says it still runs as this attempt: ours, and started."""
-        return status == JobStatus.STARTED.value.encode() and self._is_ours(job, owner, status) is True
 
     def _apply_reports(self) -> None:
         self._drop_lost()
@@ -1888,22 +1218,6 @@ class BatchWorker(BaseWorker):
 
     def stats_key(self) -> str:
         return STATS_KEY.format(worker=self.name)
-
-
-def _jobs_named(ids: list[str]) -> str:
-    """A log line's subject for a batch of jobs (``job <id>``, or ``<n> jobs: <id>, <id>, ...``): one line per batch,
-    still found by any job's id."""
-    return f"job {ids[0]}" if len(ids) == 1 else f"{len(ids)} jobs: {', '.join(ids)}"
-
-
-def _failure_ttl(job: Job) -> int:
-    """How long RQ keeps a failed job, and so its record: its ``failure_ttl``, or RQ's default (a year)."""
-    return job.failure_ttl if job.failure_ttl is not None else DEFAULT_FAILURE_TTL
-
-
-def _one_line(error: Exception) -> str:
-    """A failure's words for its record: the exception alone, not where the worker recorded it."""
-    return "".join(traceback.format_exception_only(type(error), error))
 
 
 def _checked(replies: list, num_streams: int) -> list:
