@@ -2285,14 +2285,14 @@ def test_a_job_pulled_again_later_is_not_queued_again_as_it_starts(redis_url, wa
     worker.register_birth()
     worker.sender.start_script = None if way == "objects" else register(conn)
     [(job, queue)], _ = pull([worker.queues[0]], 1, None, conn, Job, JSONSerializer)
-    worker._requeue_stranded(queue)  # seen between the pull and the start
+    worker.maintenance.requeue_stranded(queue)  # seen between the pull and the start
     seen = queue.intermediate_queue.get_first_seen_key(job.id)
     conn.set(seen, time.time() - 120)  # minutes pass
     worker.mark_started([(job, queue)])
     assert not conn.exists(seen)
     conn.delete(queue.started_job_registry.key)  # it ended; a retry of it is pulled again, not yet started
     conn.rpush(queue.intermediate_queue_key, job.id)
-    worker._requeue_stranded(queue)
+    worker.maintenance.requeue_stranded(queue)
     assert queue.job_ids == [] and submitted.id == job.id
     # A start landing after the pass read the list and the registry, before its mark: the mark outlived the job (a
     # day: 8 such keys after 14,100 jobs).
@@ -2301,16 +2301,16 @@ def test_a_job_pulled_again_later_is_not_queued_again_as_it_starts(redis_url, wa
     conn.delete(seen)
     starting = lambda registry, **kw: worker.mark_started([(job, queue)]) and []  # noqa: E731
     monkeypatch.setattr(StartedJobRegistry, "get_job_ids", starting)
-    worker._requeue_stranded(queue)
+    worker.maintenance.requeue_stranded(queue)
     assert not conn.exists(seen) and not conn.lpos(queue.intermediate_queue_key, job.id)
     monkeypatch.undo()
     # Deleted while it sat there: the next pass drops the id, and its mark with it (a day's leftover before).
     conn.rpush(queue.intermediate_queue_key, job.id)
     conn.delete(queue.started_job_registry.key)
-    worker._requeue_stranded(queue)
+    worker.maintenance.requeue_stranded(queue)
     assert conn.exists(seen)
     conn.delete(job.key)
-    worker._requeue_stranded(queue)
+    worker.maintenance.requeue_stranded(queue)
     assert not conn.exists(seen) and conn.llen(queue.intermediate_queue_key) == 0
 
 
@@ -3016,11 +3016,11 @@ def test_a_queues_clean_up_lock_is_held_a_maintenance_interval_not_rqs_15_minute
     its dead workers' jobs stranded, for 15 minutes. Strandeds are checked against the started registry read once."""
     from rq.registry import StartedJobRegistry
 
-    import worker.batch_worker as batch_worker
+    import worker.maintenance as maintenance
 
     conn, worker, client = _worker_of_a_new_queue(redis_url)
     queue, seen, reads = worker.queues[0], [], []
-    monkeypatch.setattr(batch_worker, "clean_registries", lambda q, *a: seen.append(conn.ttl(q.registry_cleaning_key)))
+    monkeypatch.setattr(maintenance, "clean_registries", lambda q, *a: seen.append(conn.ttl(q.registry_cleaning_key)))
     real_ids = StartedJobRegistry.get_job_ids
     monkeypatch.setattr(
         StartedJobRegistry, "get_job_ids", lambda self, *a, **k: reads.append(1) or real_ids(self, *a, **k)
@@ -3067,7 +3067,7 @@ def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redi
     assert len(beats) == 2 and worker._heartbeat.back_at is not None and not worker._heartbeat.failing
     worker.clean_registries()
     assert job.status() == "started"  # left for its worker to beat
-    worker._heartbeat.back_at -= worker._redis_back_s
+    worker._heartbeat.back_at -= worker.maintenance.redis_back_s
     worker.clean_registries()
     assert job.status() == "queued"  # still lapsed a heartbeat interval later: abandoned (a retry spent)
 

@@ -180,7 +180,7 @@ def test_a_worker_dying_of_an_error_it_does_not_know_hands_its_jobs_back(
             time.sleep(0.01)
         if taken_in:
             assert all(job.id in w.worker.in_flight for job in jobs)  # (else the jobs were never taken at all)
-            monkeypatch.setattr(w.worker, "_maintenance_lock", refused)  # its next maintenance
+            monkeypatch.setattr(w.worker.maintenance, "lock", refused)  # its next maintenance
         w.thread.join(timeout=40)
         assert not w.thread.is_alive()
         assert on_their_way == [not taken_in]  # it died of the refusal, with the jobs where the case puts them

@@ -194,11 +194,11 @@ def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(ser
 
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
 def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served, monkeypatch):
-    import worker.batch_worker as batch_worker
+    import worker.maintenance as maintenance
 
     w, client, conn = served
     met = []  # what RQ's clean-up raised: the planted hash reached
-    real_clean = batch_worker.clean_registries
+    real_clean = maintenance.clean_registries
 
     def clean(queue, *args, **kwargs):
         try:
@@ -207,7 +207,7 @@ def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served
             met.append(exc)
             raise
 
-    monkeypatch.setattr(batch_worker, "clean_registries", clean)
+    monkeypatch.setattr(maintenance, "clean_registries", clean)
     # A hostile hash placed straight into the started registry, where RQ's clean-up fetches it once it expires.
     job_id = f"planted-{uuid.uuid4().hex[:6]}"
     _raw_job(conn, "elsewhere", job_id, created_at="yesterday")

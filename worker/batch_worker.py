@@ -10,6 +10,11 @@ step never makes the worker look dead. Finished jobs go through RQ's own success
 
 Whatever one job does fails that job alone: an unreadable hash, a payload the engine refuses, a callback it names,
 an exception inside a step (then the jobs of that step fail, through RQ's retry policy). The process keeps serving.
+
+This file holds the loop, the jobs' intake and start, and the routing of a step's events. The jobs' ends are
+mixins of their own files, since they call RQ's ``BaseWorker`` and the worker's state alike: ``success_path``,
+``job_ends`` (cancels, failures, refusals), ``end_records`` (RQ's failure and stop records, ownership),
+``reports`` (what comes back between steps) and ``hand_back`` (a stop's); ``maintenance`` is RQ's housekeeping.
 """
 
 from __future__ import annotations
@@ -21,28 +26,22 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import redis
 from rq import worker_registration
 from rq.command import parse_payload
 from rq.defaults import DEFAULT_WORKER_TTL
-from rq.exceptions import NoSuchJobError
 from rq.executions import Execution, ExecutionRegistry
-from rq.group import Group
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.registry import (
-    clean_registries,
-)
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.timeouts import TimerDeathPenalty
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker, WorkerStatus
 
-from producer.connection import REDIS_DOWN, REDIS_UNAVAILABLE, redis_waits
+from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
@@ -61,7 +60,8 @@ from producer.protocol import (
 from roseinfer.config import ConfigError, quantization_name
 from worker.end_records import EndRecords
 from worker.engine_process import EngineProcessDied
-from worker.heartbeat import LEASE_SLACK_S, Heartbeat
+from worker.hand_back import HAND_BACK_PATIENCE_S, HandBack
+from worker.heartbeat import Heartbeat
 from worker.in_flight import InFlight, jobs_named
 from worker.intake import HookPolicy
 from worker.job_ends import JobEnds
@@ -72,10 +72,12 @@ from worker.jobs import (
     system_fingerprint,
     usage,
 )
+from worker.maintenance import Maintenance
 from worker.metrics import WorkerMetrics
 from worker.publisher import JobStream, Publisher
 from worker.puller import Arrival, NeverRan, Puller, Rejected, RunningCopy
 from worker.pump import JobEvent, Pump
+from worker.reports import Reports
 from worker.sender import Batch, Sender
 from worker.settings import WorkerSettings
 from worker.success_path import SuccessPath
@@ -83,11 +85,9 @@ from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("roseinfer.worker")
 CALLBACK_THREADS = 8  # jobs' allowed callbacks run at once, off the thread that writes every job's tokens
-HAND_BACK_PATIENCE_S = 5.0  # after a second stop signal, writes Redis refuses are tried again this long
 LEAVE_PATIENCE_S = 3.0  # and then the way out (threads, unsent writes, unregistering) waits on Redis this long
 SENDER_DRAIN_S = 30.0  # a warm stop waits this long for the sender before the callback threads shut down
 START_RETRY_S = 30.0  # a start whose reply was lost is sent again this long at most (and within half its TTL)
-STOP_WAIT_S = 5.0  # a stop-job command for a job this worker is taking in waits for it this long at most
 
 
 def name_in_use(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: int = DEFAULT_WORKER_TTL) -> str | None:
@@ -102,10 +102,6 @@ def name_in_use(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: i
         f"a worker named {name!r} is registered on this Redis already, and beats (if it is gone, its name is free "
         f"{beat_ttl} s after its last heartbeat): give this one another --name"
     )
-
-
-# A job's status when a client ended it while it ran here (None: its hash deleted): it ends so, not back in the queue.
-_ENDED_BY_OTHERS = (None, JobStatus.CANCELED.value.encode(), JobStatus.STOPPED.value.encode())
 
 
 def lapsed_registration(connection: redis.Redis, name: str, beat_ttl: int, worker_ttl: int) -> int | None:
@@ -123,7 +119,7 @@ def lapsed_registration(connection: redis.Redis, name: str, beat_ttl: int, worke
     return since if not stats and left > 0 and since >= beat_ttl else None
 
 
-class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
+class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorker):
     def __init__(self, engine: Any, settings: WorkerSettings, connection: redis.Redis, pump: Any = None) -> None:
         self.hooks = HookPolicy(frozenset(settings.allow_callback), frozenset(settings.allow_webhook_host))
         self.settings = settings  # (read by ``connection_timeout`` as RQ's __init__ sets the connection up)
@@ -156,7 +152,6 @@ class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
         self._stop_jobs: queue_mod.SimpleQueue[tuple[str, str | None, float]] = queue_mod.SimpleQueue()
         # Arrivals a Redis error left unapplied (a stack, with whether each came from the puller): applied first next.
         self._arrivals_left: list[tuple[Any, bool]] = []
-        self._canceled_scan: dict[str, int] = {}  # per queue, where the walk of its canceled registry goes on
         self._stops_waiting: list[tuple[str, str | None, float]] = []
         self._reports: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # statuses read by the sender thread
         self._lost: queue_mod.SimpleQueue[str] = queue_mod.SimpleQueue()  # jobs another attempt owns now
@@ -183,6 +178,7 @@ class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._heartbeat = Heartbeat(self)
+        self.maintenance = Maintenance(self.connection, self._heartbeat, settings)
         self.puller = Puller(self)
         self.sender.on_jobs_waiting = self.puller.wake
         self.sender.on_idle = self._on_sender_idle
@@ -272,124 +268,12 @@ class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
         time.sleep(2.0)
 
     def clean_registries(self) -> None:
-        """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
-        error is logged, never fatal, and the queue's maintenance lock is always released. Not while Redis is just
-        back from an outage this worker's heartbeat saw: the registry entries of jobs live workers run lapsed
-        meanwhile, and are theirs again once they beat (within ``_redis_back_s`` of its return)."""
-        back_at = self._heartbeat.back_at
-        if self._heartbeat.failing or (back_at is not None and time.monotonic() - back_at < self._redis_back_s):
-            return
-        for queue in self.queues:
-            if not self._maintenance_lock(queue):
-                continue
-            try:
-                self._drop_unreadable_started(queue)
-                clean_registries(queue, self._exc_handlers)
-                worker_registration.clean_worker_registry(queue)
-                self._requeue_stranded(queue)
-                self._prune_canceled(queue)
-            except REDIS_DOWN:
-                raise
-            except Exception:
-                log.exception("maintenance of queue %s failed (a job hash RQ cannot read?); carrying on", queue.name)
-            finally:
-                queue.release_maintenance_lock()
-        self.last_cleaned_at = now()
-
-    @property
-    def _redis_back_s(self) -> float:
-        """How long after an outage clean-ups wait: every live worker beats within a heartbeat interval of Redis's
-        return (a second, once a beat failed), plus slack for a beat a step held up."""
-        return self.settings.heartbeat_interval + LEASE_SLACK_S
-
-    def _drop_unreadable_started(self, queue: Queue) -> None:
-        """Lapsed entries of the started registry whose job key holds another type (set by hand): RQ's clean-up of
-        the queue failed on the first of them at every pass, and cleaned nothing behind it (a dead worker's jobs
-        stayed started for good). There is no job to fail: the entry goes, said once."""
-        key = queue.started_job_registry.key
-        lapsed = self.connection.zrangebyscore(key, 0, time.time())
-        if not lapsed:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for member in lapsed:
-                pipe.type(Job.key_for(member.decode(errors="replace").rsplit(":", 1)[0]))
-            kinds = pipe.execute()
-        bad = [member for member, kind in zip(lapsed, kinds) if kind not in (b"hash", b"none", "hash", "none")]
-        if bad:
-            self.connection.zrem(key, *bad)
-            log.warning("%d lapsed jobs of queue %s whose key holds no job hash (set by hand?) left its started "
-                        "registry", len(bad), queue.name)  # fmt: skip
-
-    def _maintenance_lock(self, queue: Queue) -> bool:
-        """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a
-        maintenance interval, not RQ's 899 s: a worker killed mid-pass (or whose release met Redis away) left no
-        worker cleaning that queue, its dead workers' jobs stranded, for 15 minutes."""
-        return bool(self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=self._maintenance_ttl))
-
-    @property
-    def _maintenance_ttl(self) -> int:
-        return max(int(self.maintenance_interval) - 1, 1)
-
-    def _prune_canceled(self, queue: Queue) -> None:
-        """A step of a walk over the queue's canceled registry, taking out the ids whose job hash is gone (a canceled
-        job's hash expires, RQ's own never cleans that registry): they piled up there, counted by ``rq info``, for
-        good. A ZSCAN cursor (no entry missed, whatever its score), 500 entries a maintenance pass."""
-        key = queue.canceled_job_registry.key
-        cursor, entries = self.connection.zscan(key, self._canceled_scan.get(queue.name, 0), count=500)
-        self._canceled_scan[queue.name] = cursor
-        ids = [member for member, _score in entries]
-        if not ids:
-            return
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.exists(queue.job_class.redis_job_namespace_prefix.encode() + job_id)
-            gone = [job_id for job_id, there in zip(ids, pipe.execute()) if not there]
-        if gone:
-            self.connection.zrem(key, *gone)
+        """RQ's registry clean-up, made safe (``Maintenance.clean``)."""
+        if self.maintenance.clean(self.queues, self._exc_handlers):
+            self.last_cleaned_at = now()
 
     def clean_group_registries(self) -> None:
-        """RQ's clean-up of its job groups (one lock for every worker), which raises on a group key it cannot read (a
-        key of another type): here an error is logged, never fatal. It stopped every worker on that Redis."""
-        if not Group.acquire_maintenance_lock(self.connection, self._maintenance_ttl):
-            return
-        try:
-            Group.clean_registries(connection=self.connection)
-        except REDIS_DOWN:
-            raise
-        except Exception:
-            log.exception("maintenance of RQ's job groups failed (a group key RQ cannot read?); carrying on")
-
-    def _requeue_stranded(self, queue: Queue) -> None:
-        """RQ's clean-up of the intermediate list, but a job no worker started within a minute of its move there (a
-        pull whose reply a timeout lost, a worker killed between the move and the start) goes back to the front of
-        its queue: it never ran. RQ's fails it ("stuck in intermediate queue"), a retry spent or the job lost."""
-        stranded = queue.intermediate_queue
-        job_ids = stranded.get_job_ids()
-        # Read once: ``job_id in registry`` reads the whole registry each time (0.68 s a pass, 64 ids against 20,000
-        # jobs started, on the step loop).
-        started = set(queue.started_job_registry.get_job_ids(cleanup=False)) if job_ids else set()
-        for job_id in job_ids:
-            if job_id in started:
-                continue
-            if not self.connection.exists(Job.key_for(job_id)):  # deleted meanwhile: its mark goes with it
-                with self.connection.pipeline() as pipe:
-                    pipe.lrem(stranded.key, 1, job_id)
-                    pipe.delete(stranded.get_first_seen_key(job_id))
-                    pipe.execute()
-            elif stranded.set_first_seen(job_id):
-                # Set after a start took the job out of the list (and deleted its mark): the mark outlived the job,
-                # a day, for nothing. Looked at after the SET, so a start that comes later still deletes it.
-                if self.connection.lpos(stranded.key, job_id) is None:
-                    self.connection.delete(stranded.get_first_seen_key(job_id))
-            elif stranded.should_be_cleaned_up(job_id):
-                with self.connection.pipeline() as pipe:  # MULTI: in one list or the other, never both or none
-                    pipe.lrem(stranded.key, 1, job_id)
-                    pipe.lpush(queue.key, job_id)
-                    # Seen afresh if a pull leaves it there again (its next move and start take milliseconds).
-                    pipe.delete(stranded.get_first_seen_key(job_id))
-                    pipe.execute()
-                log.warning("job %s was left by a pull in RQ's intermediate list: back at the front of its queue",
-                            job_id)  # fmt: skip
+        self.maintenance.clean_groups()
 
     # ----- the loop ----------------------------------------------------------------------------------
     def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
@@ -886,174 +770,6 @@ class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
             sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
         )  # fmt: skip
 
-    # ----- what came back -----------------------------------------------------------------------------
-    def _on_statuses(self, ended: list[tuple[str, bytes | None]], registered: bool) -> None:
-        """On the sender thread: the statuses that end a job (the sender keeps only those), and whether Redis still
-        knows this worker."""
-        if ended or not registered:
-            self._reports.put((ended, registered))
-
-    def _reports_lost(self, lost: list[tuple[str, str]]) -> None:
-        for job_id, owner in lost:
-            self._lost.put((job_id, owner))
-
-    def _drop_lost(self) -> None:
-        """Jobs whose events Redis refused because another attempt owns them (this worker stalled past its
-        heartbeat and they were retried elsewhere): dropped without writing anything but our own execution's end."""
-        reported: dict[str, InFlight] = {}
-        elsewhere: list[tuple[str, str]] = []  # reports of jobs that ended here, or of an earlier attempt's events
-        while not self._lost.empty():
-            job_id, owner = self._lost.get()
-            held = self.in_flight.get(job_id)
-            if held is not None and held.execution.id == owner:
-                reported[job_id] = held
-            else:
-                elsewhere.append((job_id, owner))
-        if not reported and not elsewhere:
-            return
-        # Refused a while ago: the job may have come back to this attempt since (``_keep_running_copy``). The
-        # sender holds the refused events, and those of the job after them: sent again now, its stream has no gap.
-        try:
-            owned = self._owned(list(reported.values()))
-            with self.connection.pipeline(transaction=False) as pipe:
-                for job_id, _owner in elsewhere:
-                    pipe.hmget(Job.key_for(job_id), OWNER_FIELD, "status")
-                hashes = pipe.execute(raise_on_error=False)  # (a hash of another type: not ours)
-        except Exception as exc:  # Redis away, or busy with a long script: looked at again (the events wait held)
-            for job_id, owner in [*((j, h.execution.id) for j, h in reported.items()), *elsewhere]:
-                self._lost.put((job_id, owner))
-            if isinstance(exc, REDIS_UNAVAILABLE):
-                return
-            raise
-        for (job_id, owner), found in zip(elsewhere, hashes):
-            now_owner, status = (None, None) if isinstance(found, Exception) else found
-            if self._ends_elsewhere(job_id):  # its callback thread lets its events go, after its result
-                continue
-            if now_owner is not None and now_owner.decode() == owner and status not in (b"queued", b"failed"):
-                self.sender.release_held(job_id, owner)  # (ended here, ours: its last events go out)
-            else:
-                self.sender.discard_held(job_id, owner)
-        for held, ours in zip(reported.values(), owned):
-            if ours is not False:
-                self.sender.release_held(held.job.id, held.execution.id)
-                continue
-            job_id = held.job.id
-            self.sender.discard_held(job_id, held.execution.id)
-            del self.in_flight[job_id]
-            self.pump.cancel(job_id)
-            self.publisher.discard(held.stream)  # nothing more of it is written, with or without the lease
-            log.warning("job %s belongs to another attempt now, or RQ ended it (this worker stalled): dropped", job_id)
-            self.metrics.job_ended("lost", None)
-
-            def end(held: InFlight = held) -> None:
-                with self.connection.pipeline() as pipe:
-                    self.cleanup_execution(held.job, pipe, held.execution)
-                    pipe.execute()
-
-            self._tasks.append(end)
-
-    def _apply_reports(self) -> None:
-        self._drop_lost()
-        while not self._reports.empty():
-            ended, registered = self._reports.get()
-            if not registered:
-                try:
-                    self._redis_lost_data()
-                except REDIS_UNAVAILABLE as exc:  # the sender reports it again once Redis answers
-                    log.error("could not register again yet: Redis unavailable (%s)", exc)
-                except Exception:  # the next report tries again; the jobs in flight go on meanwhile
-                    log.exception("registering again after Redis lost its data failed; trying again shortly")
-            # Not deleted by anyone when Redis restarted empty: such a job finishes and writes its result.
-            ending = {j: s for j, s in ended if j in self.in_flight and (s is not None or registered)}
-            for job_id, events in self.pump.cancel_many(list(ending)).items():  # one round trip to an engine process
-                status = ending[job_id]  # None: its hash was deleted (Redis still knows this worker: not data lost)
-                self._canceled(self.in_flight[job_id], events, stopped=status == b"stopped", deleted=status is None)
-
-    def _apply_stop_requests(self, died_in: list[JobEvent] | None = None) -> list[JobEvent]:
-        """RQ's stop-job commands. A job this worker has marked started but not yet handed to the engine (a step
-        can pass meanwhile) is stopped once it is: the command was ignored, and the job ran to its end. ``died_in``:
-        the events of a step that failed (an engine process's death too); a job asked to stop ends stopped with its
-        own (its failure, retryable, would have run it again elsewhere); the others' are returned."""
-        died_in = list(died_in or [])
-        asked, self._stops_waiting = self._stops_waiting, []
-        while not self._stop_jobs.empty():
-            asked.append(self._stop_jobs.get())
-        for job_id, execution, since in asked:
-            job = self.in_flight.get(job_id)
-            # Ended here, its end being written (after its callback): not on its way, unless its next attempt is.
-            if job is None and job_id in self._ending and not self.puller.handing_over(job_id):
-                log.info("stop-job %s: the job ended here, its end being written: ignored", job_id)
-                continue
-            if job is None and self._on_its_way(job_id, since):
-                self._stops_waiting.append((job_id, execution, since))
-                continue
-            if job is not None and execution is not None and job.execution.id != execution:
-                log.info("stop-execution %s of job %s: not the one running here, ignored", execution, job_id)
-                continue
-            own = [e for e in died_in if e.job_id == job_id]
-            if job is not None and own and own[-1].retryable:  # (not one that ended before the step failed)
-                # Its failure as the cancel it would have been: what it made kept, no error, nothing to retry.
-                ended = replace(own[-1], finish_reason="abort", error=None, retryable=False, error_type=None)
-                events = [*own[:-1], ended]
-                died_in = [e for e in died_in if e.job_id != job_id]
-            else:
-                events = self.pump.cancel(job_id) if job is not None else []
-            if not events:
-                log.info("stop-job %s: not in flight here, ignored", job_id)
-                continue
-            self._canceled(job, events, stopped=True)
-        return died_in
-
-    def _on_its_way(self, job_id: str, since: float) -> bool:
-        """Whether this worker took ``job_id`` and has yet to hand it to the engine (for a few seconds at most)."""
-        if self.puller.handing_over(job_id):
-            return True
-        if time.monotonic() - since > STOP_WAIT_S:
-            return False
-        # Marked started by this worker's puller, which has not yet handed it over (a few ms).
-        try:
-            name, status = self.connection.hmget(Job.key_for(job_id), "worker_name", "status")
-        except REDIS_UNAVAILABLE:
-            return True  # asked again at the next iteration
-        return name == self.name.encode() and status == JobStatus.STARTED.value.encode()
-
-    def _redis_lost_data(self) -> None:
-        """Our registration is gone: Redis restarted without its data (no AOF), or this worker was cut off from it
-        past the registration's TTL. Register again; the jobs in flight carry on and write their results (their
-        hashes come back with them where Redis lost them)."""
-        log.error("Redis lost its data (restarted without persistence?): registering again, jobs in flight go on")
-        ttl = self.get_heartbeat_ttl(None)  # type: ignore[arg-type]
-        # With the jobs a pull started that the step loop has not taken in: their hashes, gone, read as deleted
-        # once they were, and they were canceled without a result.
-        arrived = {a.job.id: a for a in self.puller.unapplied() if a.error is None}
-        held: list[Any] = list({**arrived, **self.in_flight}.values())
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in held:
-                pipe.hmget(job.job.key, OWNER_FIELD, "status")
-            now_as = pipe.execute()
-        # The jobs' hashes first, from memory: once registration is back, the sender reads their statuses as
-        # meaning what they say again, and a missing one as deleted. A hash Redis still has is left as it is: cut
-        # off, this worker's jobs went to others meanwhile (their events, refused now, drop them here), or ended.
-        with self.connection.pipeline() as pipe:
-            for job, (owner, status) in zip(held, now_as):
-                if status is None:
-                    job.job.save(pipeline=pipe)
-                    job.job.set_status(JobStatus.STARTED, pipeline=pipe)
-                    pipe.hset(job.job.key, OWNER_FIELD, job.execution.id)
-                elif not self._runs_here(job, owner, status):
-                    continue
-                self._register_execution(job, ttl, pipe)
-            pipe.execute()
-        for attempt in range(3):
-            self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
-            try:
-                self.register_birth()
-                break
-            except ValueError:  # the heartbeat thread recreated the key between the two: once more
-                if attempt == 2:
-                    raise
-        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
-
     def _engine_died(self) -> None:
         """The engine's process is gone: no more pulls; every job here, the ones a pull under way took too, fails
         retryably (RQ retries it elsewhere, as after a failed step); then the worker stops."""
@@ -1080,127 +796,6 @@ class BatchWorker(SuccessPath, JobEnds, EndRecords, BaseWorker):
                 pipe.hset(self.stats_key(), "in_flight", len(self.in_flight))
                 pipe.expire(self.stats_key(), self.get_heartbeat_ttl(None))  # type: ignore[arg-type]
                 pipe.execute()
-
-    def _hand_back_cold(self, only: list[str] | None = None) -> bool:
-        """``_hand_back_all``, tried again through a blip of Redis until the sender gives up too
-        (``HAND_BACK_PATIENCE_S`` after the signal), not longer: a cold stop does not wait for Redis. What is left is
-        RQ's clean-up's once this worker's heartbeat lapses (requeued where retries are left, failed otherwise).
-        Whether every job went back."""
-        deadline, backoff = self.sender.give_up_at or time.monotonic() + HAND_BACK_PATIENCE_S, 0.1
-        while True:
-            try:
-                self._hand_back_all(only)
-                return True
-            except (*REDIS_UNAVAILABLE, redis.exceptions.ResponseError) as exc:
-                if not redis_waits(exc):
-                    raise
-                if time.monotonic() >= deadline:
-                    log.error(
-                        "Redis unavailable (%s): %d jobs not handed back; RQ's clean-up takes them once this "
-                        "worker's heartbeat lapses", exc, len(self.in_flight),
-                    )  # fmt: skip
-                    return False
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-
-    def _drain_check(self) -> None:
-        """A stop drains what is generating: the jobs taken that have made no token yet (waiting for the engine, or
-        in their prompt) go back to their queue at once, for another worker, as RQ's warm stop leaves queued jobs;
-        past ``--drain-timeout`` the rest go back too, before the orchestrator's kill."""
-        if not self._unstarted_handed_back:
-            self.puller.stop()  # (a pull under way hands over what it took: those go back too)
-            self._apply_arrivals()
-            waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
-            if waiting and not self._hand_back_cold(only=waiting):
-                self._force_stop = True  # (canceled in the engine, not requeued: nothing runs them here now)
-            self._unstarted_handed_back = True  # (after: Redis failing the try above, the loop's retry does it again)
-        timeout = self.settings.drain_timeout
-        if timeout is not None and self._stop_at is not None and time.monotonic() - self._stop_at >= timeout:
-            log.warning("drain timeout (%g s) reached: handing %d jobs back to the queue", timeout, len(self.in_flight))
-            self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S
-            self._force_stop = True
-
-    def _hand_back_all(self, only: list[str] | None = None) -> None:
-        """Second stop signal: every job in flight goes back to the front of its queue, retries untouched; ``only``:
-        those jobs (the first signal's, not generating yet), the others running on."""
-        give_up_at = self.sender.give_up_at  # (a pull retrying through an outage is waited for this long, no more)
-        if only is None:
-            self.puller.stop(120.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-            self._apply_arrivals()  # taken already: they go back with the rest
-        self._apply_reports()  # cancels and deletions the sender read: those jobs end as such, not back in the queue
-        self._apply_stop_requests()  # and stop-job commands heard meanwhile (another worker would run the job)
-        ids = [job_id for job_id in (self.in_flight if only is None else only) if job_id in self.in_flight]
-        aborted = self.pump.cancel_many(ids)  # their last events: a job found canceled below ends with them
-        # Those an engine process ended before the cancel reached it end as they ended, not back in the queue.
-        self._route(self.pump.pending_events())
-        ids = [job_id for job_id in ids if job_id in self.in_flight]
-
-        def send_all() -> None:  # (a cold stop waits for the sender no longer than its patience)
-            self._hand_over(force=True)
-            self.sender.drain(30.0 if give_up_at is None else max(0.1, give_up_at - time.monotonic()))
-
-        send_all()  # the events already produced land first
-        held = [self.in_flight[job_id] for job_id in reversed(ids)]  # each to the front: the first taken ends up first
-        if self._requeue(held, aborted):
-            send_all()  # the ends of those found canceled, stopped or deleted
-
-    def _requeue(self, held: list[InFlight] | list[Arrival], aborted: dict[str, list[JobEvent]]) -> bool:
-        """Each of ``held`` still running as this attempt out of this worker's registries and to the front of its
-        queue, one after another, and out of ``in_flight`` once done (a try again after Redis failed midway skips
-        it). Whether any ended here instead, one a client ended meanwhile with its events in ``aborted`` (its end is
-        the sender's now)."""
-        handed, ended_here = 0, False
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.exists(self.key)
-            for job in held:
-                pipe.hmget(job.job.key, OWNER_FIELD, "status")
-            registered, *now_as = pipe.execute()
-        for job, (owner, status) in zip(held, now_as):
-            # Only a job still running as this attempt goes back: one canceled, stopped, deleted or another
-            # attempt's since the sender's last look (a client's cancel of a moment ago) keeps what was done to it.
-            if status is None and not registered:
-                fresh = job.job  # Redis lost its data (this worker's registration too): the copy here is all there is
-            elif self._runs_here(job, owner, status):
-                fresh = self._reread(job.job)
-            elif status in _ENDED_BY_OTHERS and job.job.id in aborted and self._is_ours(job, owner, status):
-                # Canceled, stopped or deleted after the sender's last look: it ends so here (its abort event, its
-                # partial result, its TTL), not with its execution cleaned up and nothing more.
-                stopped = status == JobStatus.STOPPED.value.encode()
-                self._canceled(job, aborted[job.job.id], stopped=stopped, deleted=status is None)
-                ended_here = True
-                continue
-            else:
-                fresh = None
-            with self.connection.pipeline() as pipe:  # MULTI: out of our registries and back in the queue, or neither
-                self.cleanup_execution(job.job, pipe, job.execution)
-                if fresh is not None and not getattr(fresh, "has_rate_limit", False):
-                    job.queue._enqueue_job(fresh, pipeline=pipe, at_front=True)  # (as RQ's own requeues: no WATCH)
-                pipe.execute()
-            if fresh is not None and getattr(fresh, "has_rate_limit", False):  # (RQ enqueues these on its own)
-                job.queue.enqueue_job(fresh, at_front=True)
-            self.in_flight.pop(job.job.id, None)  # done: if Redis fails on a later one, the next try skips this one
-            handed += fresh is not None
-        log.warning("%d jobs handed back", handed)
-        return ended_here
-
-    def _hand_back_as_they_are(self) -> None:
-        """The jobs held (in flight, and those the puller started that the loop has yet to take in) back to their
-        queues with Redis's writes alone, for a worker dying of an error its usual hand-back met again (a job that
-        fails to go into the engine, a sender thread gone): nothing of the engine or the sender is trusted."""
-        self.puller.stop(5.0)
-        held: dict[str, InFlight | Arrival] = {a.job.id: a for a in self.puller.unapplied()}
-        held.update(self.in_flight)
-        self._requeue(list(reversed(held.values())), {})
-
-    def _reread(self, job: Job) -> Job | None:
-        """The job as Redis holds it now (its meta, retries and TTLs as others may have changed them), to be queued
-        again: the copy taken at the pull would write its old fields back. None: deleted meanwhile."""
-        try:
-            return self.job_class.fetch(job.id, connection=self.connection, serializer=self.serializer)
-        except NoSuchJobError:
-            return None
-        except (ValueError, TypeError):  # a field written over by hand since: the copy taken at the pull, not nothing
-            return job
 
     def stats(self) -> dict[str, Any]:
         """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""

@@ -1,0 +1,150 @@
+"""RQ's housekeeping of the queues this worker serves, made safe: RQ's clean-up of its registries, workers and groups,
+which raised on a key it could not read (here: logged, never fatal); lapsed started entries of keys that hold no
+job; a canceled registry pruned of jobs gone; jobs a pull left in RQ's intermediate list put back in their queue.
+Each queue's pass under RQ's own lock, held a maintenance interval; none while Redis is just back from an outage."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+from rq import worker_registration
+from rq.group import Group
+from rq.job import Job
+from rq.queue import Queue
+from rq.registry import clean_registries
+
+from producer.connection import REDIS_DOWN
+from worker.heartbeat import LEASE_SLACK_S, Heartbeat
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("roseinfer.worker")
+
+
+class Maintenance:
+    """The periodic clean-up ``BatchWorker`` runs as RQ's ``run_maintenance_tasks``, on its step loop."""
+
+    def __init__(self, connection: redis.Redis, heartbeat: Heartbeat, settings: WorkerSettings) -> None:
+        self.connection, self.heartbeat, self.settings = connection, heartbeat, settings
+        self._canceled_scan: dict[str, int] = {}  # per queue, where the walk of its canceled registry goes on
+
+    def clean(self, queues: list[Queue], exc_handlers: list) -> bool:
+        """RQ's registry clean-up (as BaseWorker does it), which raises on job hashes it cannot read: here an
+        error is logged, never fatal, and the queue's maintenance lock is always released. Not while Redis is just
+        back from an outage this worker's heartbeat saw: the registry entries of jobs live workers run lapsed
+        meanwhile, and are theirs again once they beat (within ``redis_back_s`` of its return). False: not run."""
+        back_at = self.heartbeat.back_at
+        if self.heartbeat.failing or (back_at is not None and time.monotonic() - back_at < self.redis_back_s):
+            return False
+        for queue in queues:
+            if not self.lock(queue):
+                continue
+            try:
+                self.drop_unreadable_started(queue)
+                clean_registries(queue, exc_handlers)
+                worker_registration.clean_worker_registry(queue)
+                self.requeue_stranded(queue)
+                self.prune_canceled(queue)
+            except REDIS_DOWN:
+                raise
+            except Exception:
+                log.exception("maintenance of queue %s failed (a job hash RQ cannot read?); carrying on", queue.name)
+            finally:
+                queue.release_maintenance_lock()
+        return True
+
+    @property
+    def redis_back_s(self) -> float:
+        """How long after an outage clean-ups wait: every live worker beats within a heartbeat interval of Redis's
+        return (a second, once a beat failed), plus slack for a beat a step held up."""
+        return self.settings.heartbeat_interval + LEASE_SLACK_S
+
+    def drop_unreadable_started(self, queue: Queue) -> None:
+        """Lapsed entries of the started registry whose job key holds another type (set by hand): RQ's clean-up of
+        the queue failed on the first of them at every pass, and cleaned nothing behind it (a dead worker's jobs
+        stayed started for good). There is no job to fail: the entry goes, said once."""
+        key = queue.started_job_registry.key
+        lapsed = self.connection.zrangebyscore(key, 0, time.time())
+        if not lapsed:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for member in lapsed:
+                pipe.type(Job.key_for(member.decode(errors="replace").rsplit(":", 1)[0]))
+            kinds = pipe.execute()
+        bad = [member for member, kind in zip(lapsed, kinds) if kind not in (b"hash", b"none", "hash", "none")]
+        if bad:
+            self.connection.zrem(key, *bad)
+            log.warning("%d lapsed jobs of queue %s whose key holds no job hash (set by hand?) left its started "
+                        "registry", len(bad), queue.name)  # fmt: skip
+
+    def lock(self, queue: Queue) -> bool:
+        """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a
+        maintenance interval, not RQ's 899 s: a worker killed mid-pass (or whose release met Redis away) left no
+        worker cleaning that queue, its dead workers' jobs stranded, for 15 minutes."""
+        return bool(self.connection.set(queue.registry_cleaning_key, 1, nx=True, ex=self.lock_ttl))
+
+    @property
+    def lock_ttl(self) -> int:
+        return max(int(self.settings.maintenance_interval) - 1, 1)
+
+    def prune_canceled(self, queue: Queue) -> None:
+        """A step of a walk over the queue's canceled registry, taking out the ids whose job hash is gone (a canceled
+        job's hash expires, RQ's own never cleans that registry): they piled up there, counted by ``rq info``, for
+        good. A ZSCAN cursor (no entry missed, whatever its score), 500 entries a maintenance pass."""
+        key = queue.canceled_job_registry.key
+        cursor, entries = self.connection.zscan(key, self._canceled_scan.get(queue.name, 0), count=500)
+        self._canceled_scan[queue.name] = cursor
+        ids = [member for member, _score in entries]
+        if not ids:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.exists(queue.job_class.redis_job_namespace_prefix.encode() + job_id)
+            gone = [job_id for job_id, there in zip(ids, pipe.execute()) if not there]
+        if gone:
+            self.connection.zrem(key, *gone)
+
+    def clean_groups(self) -> None:
+        """RQ's clean-up of its job groups (one lock for every worker), which raises on a group key it cannot read (a
+        key of another type): here an error is logged, never fatal. It stopped every worker on that Redis."""
+        if not Group.acquire_maintenance_lock(self.connection, self.lock_ttl):
+            return
+        try:
+            Group.clean_registries(connection=self.connection)
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            log.exception("maintenance of RQ's job groups failed (a group key RQ cannot read?); carrying on")
+
+    def requeue_stranded(self, queue: Queue) -> None:
+        """RQ's clean-up of the intermediate list, but a job no worker started within a minute of its move there (a
+        pull whose reply a timeout lost, a worker killed between the move and the start) goes back to the front of
+        its queue: it never ran. RQ's fails it ("stuck in intermediate queue"), a retry spent or the job lost."""
+        stranded = queue.intermediate_queue
+        job_ids = stranded.get_job_ids()
+        # Read once: ``job_id in registry`` reads the whole registry each time (0.68 s a pass, 64 ids against 20,000
+        # jobs started, on the step loop).
+        started = set(queue.started_job_registry.get_job_ids(cleanup=False)) if job_ids else set()
+        for job_id in job_ids:
+            if job_id in started:
+                continue
+            if not self.connection.exists(Job.key_for(job_id)):  # deleted meanwhile: its mark goes with it
+                with self.connection.pipeline() as pipe:
+                    pipe.lrem(stranded.key, 1, job_id)
+                    pipe.delete(stranded.get_first_seen_key(job_id))
+                    pipe.execute()
+            elif stranded.set_first_seen(job_id):
+                # Set after a start took the job out of the list (and deleted its mark): the mark outlived the job,
+                # a day, for nothing. Looked at after the SET, so a start that comes later still deletes it.
+                if self.connection.lpos(stranded.key, job_id) is None:
+                    self.connection.delete(stranded.get_first_seen_key(job_id))
+            elif stranded.should_be_cleaned_up(job_id):
+                with self.connection.pipeline() as pipe:  # MULTI: in one list or the other, never both or none
+                    pipe.lrem(stranded.key, 1, job_id)
+                    pipe.lpush(queue.key, job_id)
+                    # Seen afresh if a pull leaves it there again (its next move and start take milliseconds).
+                    pipe.delete(stranded.get_first_seen_key(job_id))
+                    pipe.execute()
+                log.warning("job %s was left by a pull in RQ's intermediate list: back at the front of its queue",
+                            job_id)  # fmt: skip
