@@ -14,16 +14,9 @@ import pytest
 from conftest import ThreadWorker, stuck_worker
 
 from producer import Client
-from producer.batch import (
-    BadLine,
-    Progress,
-    default_errors_path,
-    job_id_for,
-    output_line,
-    parse_line,
-    run_batch,
-)
+from producer.batch import Progress, default_errors_path, run_batch
 from producer.batch_io import OUTPUT_LINE_START, JSONLSink
+from producer.batch_lines import BadLine, job_id_for, output_line, parse_line
 from producer.protocol import BULK_PRIORITY, installed_version, lane_name
 
 
