@@ -46,7 +46,7 @@ from producer.batch_io import (
 from producer.batch_lines import ID_FIELD, UNREAD_ID, BadLine, Line, error_line, output_line, parse_line
 from producer.chat_render import template_messages
 from producer.client import Client, JobIdTaken
-from producer.connection import REDIS_UNAVAILABLE, redis_waits
+from producer.connection import REDIS_UNAVAILABLE, longest_block_s, redis_waits
 from producer.protocol import (
     BULK_PRIORITY,
     DEFAULT_QUEUE,
@@ -650,7 +650,8 @@ def _run(
                     sweep_every = min(sweep_every * 2, max(poll_interval, 5.0))
                     next_sweep = time.monotonic() + sweep_every
                 else:
-                    ended = _wait_for_endings(conn, done_key(notify), min(1.0, next_sweep - time.monotonic()))
+                    wait = min(longest_block_s(conn), next_sweep - time.monotonic())
+                    ended = _wait_for_endings(conn, done_key(notify), wait)
                 ended = list(dict.fromkeys(j for j in ended if j in in_flight))  # an id pushed twice (a write again)
                 _settle(client, ended, in_flight, reused, sink, progress, summary, timeout, names, pending)
                 outage.over()

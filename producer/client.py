@@ -25,7 +25,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import Worker
 
-from producer.connection import REDIS_DOWN, connect
+from producer.connection import REDIS_DOWN, connect, longest_block_s
 from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
@@ -59,6 +59,7 @@ _OVER = tuple(status.encode() for status in ("finished", *_ENDED))  # a job's st
 # A finished job's final event goes out in the worker's next write after its result: a reader that finds the job
 # finished and its stream short of that event waits this long for it before calling the stream expired.
 FINAL_EVENT_GRACE_S = 2.0
+POLL_WITHOUT_BLOCKING_S = 0.5  # how often a result is looked for where Redis refuses channels and blocking reads
 DEFAULT_RESULT_TTL = 24 * 3600  # a day, as the worker's --result-ttl
 _NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
 CANCELER = "roseinfer-client"  # the worker name on the result of a job a client ended (canceled in its queue)
@@ -904,7 +905,8 @@ class GenerationJob:
                 return
         looked = False  # the first read does not block: a job long over says so at once
         while True:
-            wait_ms = 1000 if deadline is None else max(1, min(1000, int((deadline - time.monotonic()) * 1000)))
+            longest = int(1000 * longest_block_s(conn))
+            wait_ms = longest if deadline is None else max(1, min(longest, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
             try:
@@ -983,6 +985,7 @@ class GenerationJob:
         grace: float | None = None
         pubsub = None
         channels = True  # False: an ACL user without channel rights (Redis 7's default for new users)
+        blocking = True  # False: nor the right to a blocking XREAD
         try:
             while True:
                 try:
@@ -1017,8 +1020,11 @@ class GenerationJob:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout:g} s (status {status})")
-                wait = 1.0 if left is None else min(1.0, left)
+                wait = longest_block_s(conn) if left is None else min(longest_block_s(conn), left)
                 try:
+                    if not channels and not blocking:  # neither a channel nor a blocking read: looked at again
+                        time.sleep(min(wait, POLL_WITHOUT_BLOCKING_S))
+                        continue
                     if not channels:  # the stream's end is waited on instead
                         conn.xread({stream_key(self.id): "$"}, count=1, block=max(1, int(1000 * wait)))
                         continue
@@ -1029,6 +1035,8 @@ class GenerationJob:
                         continue
                     _wait_for_final_event(pubsub, wait)
                 except NoPermissionError:
+                    if not channels:  # XREAD refused too (no @blocking): each look went on at once, thousands a second
+                        blocking = False
                     channels = False
                     if pubsub is not None:
                         pubsub.close()

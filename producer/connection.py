@@ -165,6 +165,14 @@ SOCKET_TIMEOUT_S = 5.0
 _TIMEOUTS = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": SOCKET_TIMEOUT_S}
 
 
+def longest_block_s(conn: Redis, wanted: float = 1.0) -> float:
+    """How long a blocking read on ``conn`` may wait: ``wanted``, or half its socket timeout where that is shorter (a
+    URL's ``socket_timeout=0.5``): a read blocked past it timed out, taken for an outage, and a follower of a job
+    still queued gave up on a Redis that answered all along."""
+    timeout = conn.connection_pool.connection_kwargs.get("socket_timeout")
+    return wanted if not timeout else min(wanted, timeout / 2)
+
+
 def connect(url: str, **kwargs: Any) -> Redis:
     """A Redis client for ``url`` (any of the forms above)."""
     from redis.sentinel import Sentinel

@@ -500,6 +500,23 @@ def test_a_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
+@pytest.mark.slow  # seconds of waiting
+@pytest.mark.redis
+def test_a_follower_on_a_url_with_a_short_socket_timeout_waits_its_own_timeout_not_a_lost_redis(redis_url, monkeypatch):
+    """``?socket_timeout=0.5`` in the URL: each blocking read of a second timed out, taken for an outage, and a
+    follower of a job still queued raised "lost Redis" once its patience ran out (30 s) though Redis answered."""
+    import producer.client as client_mod
+    from producer import Client
+
+    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 0.8)  # (30 s: the outage it was taken for ended it sooner)
+    job = Client(redis_url + "?socket_timeout=0.5", queue=f"nobody-{uuid.uuid4().hex[:6]}").submit("hi")
+    for follow in (lambda: list(job.stream(timeout=2)), lambda: job.result(timeout=2)):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="within 2 s"):  # (not redis' TimeoutError, which is no builtin)
+            follow()
+        assert time.monotonic() - started >= 1.9
+
+
 def test_a_result_of_a_job_that_does_not_exist_raises_no_such_job():
     """It raised a plain JobFailed: a caller could not tell a wrong id (or an expired job) from a failure. RQ's
     users catch NoSuchJobError for it; a JobFailed it stays."""

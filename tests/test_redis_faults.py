@@ -527,6 +527,18 @@ def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
         with pytest.raises(JobCanceled):
             job.result(timeout=5)
         assert time.monotonic() - started < 3
+        # Nor blocking reads (-@blocking): each look went on at once, thousands of round trips a second.
+        admin.execute_command("ACL", "SETUSER", "app", "-@blocking")
+        job = Client(url.replace("redis://", "redis://app:pw@"), queue="nobody").submit("hi")
+        admin.config_resetstat()
+        with pytest.raises(TimeoutError):
+            job.result(timeout=1)
+        assert admin.info("commandstats")["cmdstat_hget"]["calls"] <= 5
+        threading.Timer(0.3, lambda: admin.hset(f"rq:job:{job.id}", "status", "canceled")).start()
+        started = time.monotonic()
+        with pytest.raises(JobCanceled):
+            job.result(timeout=5)
+        assert time.monotonic() - started < 3
     finally:
         stop_private_redis(proc)
 
