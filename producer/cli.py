@@ -23,11 +23,12 @@ from producer.client import (
     GenerationJob,
     InvalidRequest,
     JobError,
+    ResultNotKept,
     StreamRestarted,
     validate,
 )
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
-from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane
+from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane, stream_key
 from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -253,7 +254,8 @@ def stream(args: argparse.Namespace) -> int:
     job = client.job(args.job_id)
     status = job.status()  # (a first look: a wrong URL is said as such, before any wait)
     client.reached = True
-    if status == "missing":
+    # (a job of result_ttl 0 is deleted as it finishes; its stream is kept a while, and replayed)
+    if status == "missing" and not client.connection.exists(stream_key(job.id)):
         print(f"error: no job {args.job_id} on this Redis (never submitted, or expired)", file=sys.stderr)
         return 1
     if (n := job.samples() or 1) > 1:  # (submit --stream refuses them too: it printed sample 0 alone, and exited 0)
@@ -299,6 +301,9 @@ def _follow(
             break
         result = job.result(timeout=left())
     except JobError as exc:
+        if streamed and isinstance(exc, ResultNotKept):  # finished, its text out: no result to read usage from
+            print("[finished; its result is not kept (result_ttl 0, or expired)]", file=sys.stderr)
+            return 0  # (it exited 1, as a failed job does)
         return _report(exc, print_result=not streamed)  # streamed: its text is already out
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
         return _lost_redis(job.id, exc, args)

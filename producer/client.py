@@ -92,6 +92,11 @@ class JobFailed(JobError):
         return cls(job_id, reason, error_type=fault, error_code=code)
 
 
+class ResultNotKept(JobFailed):
+    """The job finished, but its result is not kept: ``result_ttl=0`` (RQ deletes such a job as it finishes), or
+    expired. Its text went out on its stream. A ``JobFailed``, as it was before."""
+
+
 class JobCanceled(JobError):
     pass
 
@@ -1005,7 +1010,7 @@ class GenerationJob:
                     return checked(JobResult, result, self.id)
                 status = status.decode() if status else "missing"
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
-                    raise JobFailed(self.id, _NOT_KEPT)
+                    raise ResultNotKept(self.id, _NOT_KEPT)
                 if status in _ENDED or status == "missing":
                     if result is None and (grace or _failed_just_now(status, entries) or self._ran(status)):
                         # the worker writes the result (a canceled job's partial one, a failed job's error) a step
@@ -1065,7 +1070,7 @@ class GenerationJob:
         elif gone:
             last = self.client.connection.xrevrange(stream_key(self.id), count=1)
             if last and event_from_stream(last[0][1]).get("finish_reason") in ("stop", "length"):
-                raise JobFailed(self.id, _NOT_KEPT)  # RQ deletes a job with result_ttl 0 once it finishes
+                raise ResultNotKept(self.id, _NOT_KEPT)  # RQ deletes a job with result_ttl 0 once it finishes
             raise NoSuchJob(self.id, "no such job (never submitted, or expired)")
         if status in ("canceled", "stopped"):
             raise JobCanceled(self.id, f"job {status}", result)

@@ -282,6 +282,31 @@ def test_result_of_a_canceled_job_prints_its_partial_text_and_exits_1(served, re
     assert err.strip().splitlines() == [f"error: job {job.id}: job canceled (what it had generated is on stdout)"]
 
 
+@pytest.mark.redis
+def test_stream_of_a_job_that_keeps_no_result_prints_its_text_and_exits_0(served, redis_url, capsys):
+    """result_ttl 0: RQ deletes the job as it finishes. Followed live, its text was printed, then "result is not kept"
+    with exit 1 (a failed job's); once over, "no job on this Redis", its stream still there for ten minutes."""
+    from producer import Client
+
+    worker, _ = served
+    unkept = Client(redis_url, queue=worker.queue, result_ttl=0)
+    argv = ("--timeout", "30", "--redis-url", redis_url, "--queue", worker.queue)
+    for wait_first in (False, True):
+        job = unkept.submit("Say hi", max_tokens=4, temperature=0)
+        if wait_first:
+            text = "".join(job.stream(timeout=30))
+            assert job.status() == "missing"
+        rc = producer_cli.stream(_parse("stream", job.id, *argv))
+        out, err = capsys.readouterr()
+        assert (
+            rc == 0
+            and out.strip()
+            and err.strip().endswith("[finished; its result is not kept (result_ttl 0, or expired)]")
+        )
+        if wait_first:
+            assert out == text + "\n"
+
+
 # -- batch: Ctrl-C, resume, reuse, --fresh ----------------------------------------------------------------------
 
 
