@@ -47,7 +47,7 @@ from producer.client import (
     validate,
 )
 from producer.connection import REDIS_DOWN, connect_async, wrong_type
-from producer.protocol import DEFAULT_QUEUE, event_from_stream, read_result, result_from_entries, stream_key
+from producer.protocol import DEFAULT_QUEUE, event_from_stream, is_last, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
 log = logging.getLogger("roseinfer.client")
@@ -282,7 +282,7 @@ async def _final_event(follower: _Follower, seconds: float) -> None:
             return
         if isinstance(found, ClientClosed):  # (a result waited for: it polled on, on connections opened again)
             raise found
-        if isinstance(found, Exception) or any("finish_reason" in _event(fields) for _, fields in found):
+        if isinstance(found, Exception) or any(is_last(_event(fields)) for _, fields in found):
             return
 
 
@@ -353,7 +353,7 @@ class AsyncGenerationJob:
         try:
             for event in held:
                 yield event
-                if "finish_reason" in event:
+                if is_last(event):
                     return
             if idle and timeout is not None and held:
                 deadline = outage.deadline = time.monotonic() + timeout
@@ -376,7 +376,7 @@ class AsyncGenerationJob:
                     outage.over()  # (the hub read them: Redis answers, and a next outage gets its whole patience)
                     for event in cursor.take(found):
                         yield event
-                        if "finish_reason" in event:
+                        if is_last(event):
                             return
                         if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
                             raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")

@@ -37,6 +37,7 @@ from producer.protocol import (
     channel_key,
     done_key,
     event_from_stream,
+    is_last,
     lane_name,
     lanes,
     make_event,
@@ -278,7 +279,7 @@ class EventCursor:
             elif event["n"] > self.next_n and self.missing is None:
                 self.missing = (self.next_n, event["n"] - 1)
             self.next_n = event["n"] + 1
-        if self.missing is not None and kept and kept[-1].get("finish_reason") is not None:
+        if self.missing is not None and kept and is_last(kept[-1]):
             raise StreamGap(self.job_id, *self.missing)  # the output ended without them: it is not whole
         return kept
 
@@ -436,6 +437,12 @@ class Client:
         _whole("result_ttl", result_ttl, 0, "seconds, 0 or more (0: not kept, -1: for good)", -1)
         if failure_ttl is not None:
             _whole("failure_ttl", failure_ttl, 1, "seconds, at least 1 (None: RQ's year)")
+        if connection is not None and connection.get_connection_kwargs().get("decode_responses"):
+            # (its submit went in, then every look at the job failed: 'str' object has no attribute 'decode')
+            raise ValueError(
+                "Client(connection=...) takes a Redis client without decode_responses: job hashes and streams are "
+                "read as bytes (as RQ reads them)"
+            )
         self.connection = connection or connect(redis_url)
         self.queue = Queue(queue, connection=self.connection, serializer=JSONSerializer)
         self._lanes: dict[int, Queue] = {0: self.queue}
@@ -729,7 +736,7 @@ def ends_the_wait(message: dict[str, Any] | None) -> bool:
         event = json.loads(message["data"])
     except ValueError:
         return True
-    return not isinstance(event, dict) or "finish_reason" in event
+    return not isinstance(event, dict) or is_last(event)
 
 
 def _wait_for_subscribed(pubsub: Any, seconds: float) -> None:
@@ -848,7 +855,7 @@ class GenerationJob:
             with conn.pipeline(transaction=False) as pipe:
                 queue_stream_check(pipe, job)
                 earlier = stream_check(job.created_at, *pipe.execute(raise_on_error=False))[0]
-        ended_before = earlier or (bool(streamed) and streamed[-1].get("finish_reason") is not None)
+        ended_before = earlier or (bool(streamed) and is_last(streamed[-1]))
         streamed = [] if earlier else streamed
         made = {} if ended_before else streamed_output(streamed) or {}
         ending = job_ending(job)  # (written by hand, maybe in a form it would have failed on: what reads)
@@ -906,7 +913,7 @@ class GenerationJob:
                 break
         for event in held:
             yield event
-            if "finish_reason" in event:
+            if is_last(event):
                 return
         looked = False  # the first read does not block: a job long over says so at once
         while True:
@@ -927,7 +934,7 @@ class GenerationJob:
             for _key, entries in reply or []:
                 for event in cursor.take(entries):
                     yield event
-                    if "finish_reason" in event:
+                    if is_last(event):
                         return
                     if deadline is not None and time.monotonic() >= deadline:  # tokens still coming: not the end
                         raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")

@@ -358,6 +358,12 @@ STREAM_FIELD = "event"
 STREAM_TTL_AFTER_END_S = 600
 
 
+def is_last(event: dict[str, Any]) -> bool:
+    """Whether a job's event ends its stream: a finish reason that is not null (the schema allows ``null`` on any
+    event, which a follower read as the end, and another as none)."""
+    return event.get("finish_reason") is not None
+
+
 def event_from_message(data: str | bytes) -> dict[str, Any]:
     """An event from a pub/sub message (or a stream entry's ``event`` field)."""
     return json.loads(data)

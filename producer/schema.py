@@ -483,6 +483,8 @@ class JobRequest(BaseModel):
                 json.dumps(value, allow_nan=False)
             except ValueError:
                 raise ValueError(f"the {name} holds NaN or an infinite number (1e400, say): JSON has none") from None
+            except TypeError as exc:  # (a datetime, a set, a numpy number: pydantic passes a TypeError on as it is)
+                raise ValueError(f"the {name} holds a value JSON cannot hold: {exc}") from None
         return self
 
     def structured_form(self) -> dict[str, Any] | None:

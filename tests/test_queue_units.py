@@ -70,6 +70,9 @@ def _called(arguments: str) -> dict:
         # Read as infinity, written back as Infinity into the result: JSON no other language parses.
         ({"prompt": "hi", "metadata": {"x": json.loads("1e400")}}, "metadata holds NaN or an infinite number"),
         ({"prompt": "hi", "structured_outputs": {"json": {"maximum": float("nan")}}}, "schema holds NaN"),
+        # A datetime, a set, a numpy number: a raw TypeError through pydantic (submit_many's said InvalidRequest).
+        ({"prompt": "hi", "metadata": {"when": {1, 2}}}, "metadata holds a value JSON cannot hold: .* set"),
+        ({"prompt": "hi", "structured_outputs": {"json": {"default": b"x"}}}, "schema holds a value JSON cannot hold"),
         # Its text: the checks of the schema as an object were skipped, and the worker's read of 3,000 levels was a
         # RecursionError (a server error for the job's own fault).
         ({"prompt": "hi", "structured_outputs": {"json": json.dumps(_nested(101))}}, "schema nests .* deeper than 100"),
@@ -443,6 +446,30 @@ def test_a_stream_trimmed_before_it_was_read_says_so_rather_than_give_part_of_th
         conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(n, f"t{n} ", [n], *end))})
     with pytest.raises(StreamGap, match="events 0-4"):
         list(Client(connection=conn).job("j").stream(timeout=5))
+
+
+def test_a_finish_reason_of_null_does_not_end_a_stream():
+    """The event schema allows ``"finish_reason": null`` on any event (another language's writer sets every field):
+    the followers took it for the end and returned the text so far, where the cursor read it as none."""
+    from producer import Client
+    from producer.aio import AsyncGenerationJob, StreamHub
+
+    server = fakeredis.FakeServer()
+    conn = fakeredis.FakeRedis(server=server)
+    conn.hset("rq:job:j", "status", "finished")
+    conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps({**make_event(0, "Hello", [0]), "finish_reason": None})})
+    conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(1, " world", [1], "stop", {}))})
+    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "Hello world"
+
+    class Async:  # what AsyncGenerationJob reads through: an async connection, its hub and a sync client
+        connection = fakeredis.FakeAsyncRedis(server=server)
+        hub = StreamHub(connection)
+        sync = Client(connection=conn)
+
+    async def read() -> str:
+        return "".join([piece async for piece in AsyncGenerationJob(Async(), "j").stream(timeout=5)])
+
+    assert asyncio.run(read()) == "Hello world"
 
 
 def test_an_event_written_twice_is_read_once():
@@ -4019,3 +4046,13 @@ def test_an_unreadable_job_moved_aside_again_after_a_lost_reply_has_one_record(r
     assert conn.xlen(f"rq:results:{bad}") == 1
     assert conn.zscore(rejected_key(name), bad) is not None and conn.hget(Job.key_for(bad), "status") == b"failed"
     assert conn.llen(worker.queues[0].intermediate_queue_key) == 0
+
+
+def test_a_client_on_a_connection_that_decodes_replies_is_refused_at_once():
+    """``Client(connection=Redis(decode_responses=True))``, a service's shared client: the submit went in, then every
+    look at the job (status, result, cancel) failed with "'str' object has no attribute 'decode'"."""
+    from producer import Client
+
+    with pytest.raises(ValueError, match="without decode_responses"):
+        Client(connection=fakeredis.FakeRedis(decode_responses=True))
+    assert Client(connection=fakeredis.FakeRedis()).submit("hi").status() == "queued"
