@@ -320,12 +320,14 @@ def raise_at_a_bad_end(job_id: str, event: dict[str, Any], read_any: bool = True
         raise JobCanceled(job_id, f"the job was canceled; {made}")
 
 
-def _failed_just_now(status: str, entries: list[Any]) -> bool:
-    """A failure whose latest result entry is RQ's own record, written in the last seconds: the worker writes the
-    job's result (its error, what it made) a round trip after it."""
+def _failed_just_now(status: str, entries: list[Any], redis_time: tuple[int, int]) -> bool:
+    """A failure whose latest result entry is RQ's own record, written in the last seconds (by Redis's clock,
+    ``redis_time``: a client's clock 2 s off read it as old, or every failure as new): the worker writes the job's
+    result (its error, what it made) a round trip after it."""
     if status != "failed" or not entries:
         return False
-    return time.time() - _entry_millis(entries) / 1000 < FINAL_EVENT_GRACE_S
+    seconds, micros = redis_time
+    return seconds * 1000 + micros // 1000 - _entry_millis(entries) < FINAL_EVENT_GRACE_S * 1000
 
 
 def _entry_millis(entries: list[Any]) -> int:
@@ -1004,7 +1006,8 @@ class GenerationJob:
                     with conn.pipeline(transaction=False) as pipe:  # the status first (``read_result`` says why)
                         pipe.hget(Job.key_for(self.id), "status")
                         read_result(pipe, self.id)
-                        status, entries = pipe.execute()
+                        pipe.time()
+                        status, entries, redis_time = pipe.execute()
                 except REDIS_DOWN as exc:
                     if pubsub is not None:  # its connection went too: subscribed again once Redis answers
                         pubsub.close()
@@ -1019,7 +1022,7 @@ class GenerationJob:
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
                     raise ResultNotKept(self.id, _NOT_KEPT)
                 if status in _ENDED or status == "missing":
-                    if result is None and (grace or _failed_just_now(status, entries) or self._ran(status)):
+                    if result is None and (grace or _failed_just_now(status, entries, redis_time) or self._ran(status)):
                         # the worker writes the result (a canceled job's partial one, a failed job's error) a step
                         # or a round trip after the status: waited for, within the caller's timeout
                         grace = grace or min(

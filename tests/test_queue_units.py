@@ -909,6 +909,37 @@ def test_a_result_read_between_rqs_failure_record_and_the_workers_result_waits_f
     assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.redis
+def test_a_failure_read_just_after_rqs_record_waits_for_the_result_whatever_the_clients_clock(redis_url, monkeypatch):
+    """Whether RQ's failure record is fresh was read against the client's clock: one 5 s ahead of Redis's took it
+    for old and raised JobFailed without the job's error (one behind waited 2 s for every old failure)."""
+    import base64
+    import threading
+    import zlib
+
+    from redis import Redis
+
+    from producer import Client, JobFailed
+    from producer.protocol import encode_result
+
+    conn = Redis.from_url(redis_url)
+    job = Client(redis_url, queue=f"clock-{uuid.uuid4().hex[:6]}").submit("a", max_tokens=2)
+    conn.hset(f"rq:job:{job.id}", "status", "failed")
+    seconds, micros = conn.time()  # RQ's record, written now by Redis's clock
+    exc_string = base64.b64encode(zlib.compress(b"worker.jobs.StepFailed: boom")).decode()
+    conn.xadd(f"rq:results:{job.id}", {"type": 2, "exc_string": exc_string}, id=f"{seconds * 1000 + micros // 1000}-0")
+    stored = {"id": job.id, "status": "failed", "error": "boom", "error_type": "server_error", "text": ""}
+    result = {"type": 2, "return_value": encode_result(stored)}
+    writer = threading.Timer(0.3, lambda: conn.xadd(f"rq:results:{job.id}", result))
+    writer.start()
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 5)  # this client's clock, 5 s ahead
+    with pytest.raises(JobFailed) as failed:
+        job.result(timeout=10)
+    writer.join()
+    assert failed.value.result == stored
+
+
 def _cancel_then_abort(conn, job_id: str, delay: float) -> None:
     """What a worker does to a running job canceled: the status first (the canceller's), the abort event later."""
     conn.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(0, "Once ", [5]))})
