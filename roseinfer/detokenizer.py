@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self._stop_floor = 0  # the end of the first min_tokens tokens' text: a stop string must end past it
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if DecodeStream is not None else None
         self._ids: list[int] = self._context_of(list(prompt_token_ids))
+        self._context_len = len(self._ids)  # the prompt's tokens at the head of ``_ids``; output ones come after
         self._prefix_offset = 0
         # A prompt of token ids may end inside a character: its last bytes wait as an output token's would, so the
         # token that completes the character gives that character (not the prompt's words before it).
@@ -114,11 +115,18 @@ class IncrementalDetokenizer:
         elif token_id is not None and self.stop_hit is None:
             self._ids.append(token_id)
             self._window_step(finished)
-        elif finished and self.stop_hit is None and self._read_offset < len(self._ids):
+        elif finished and self.stop_hit is None and self._read_offset < len(self._ids) and self._held_output():
             # An unfinished last character, as the decoder renders it (U+FFFD): no stop string is looked for in it
             # (the request already ended otherwise; a match there would cut the text under a "length" reason).
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix_text) :]
+
+    def _held_output(self) -> bool:
+        """Whether output tokens are among those held, with text of their own: a prompt of token ids cut inside a
+        character held its last bytes, which a request that made no text (aborted while waiting, EOS first) gave
+        as its output (U+FFFD)."""
+        held = self._ids[max(self._read_offset, self._context_len) :]
+        return bool(held) and self._decode(held) != ""
 
     def _window_step(self, finished: bool) -> None:
         """The text the last token added, from a short window of tokens decoded (held while it ends in U+FFFD)."""
@@ -141,7 +149,7 @@ class IncrementalDetokenizer:
         return self.update(None, finished=True)
 
     def _add_text(self, delta: str) -> None:
-        start = max(0, len(self.text) - self._max_stop + 1)
+        old_end = len(self.text)
         self.text += delta
         if self._num_tokens <= self._min_tokens:
             self._stop_floor = len(self.text)
@@ -153,8 +161,10 @@ class IncrementalDetokenizer:
         best: tuple[int, str] | None = None
         for stop in self.stop_strings:
             # It may begin in the text of the first min_tokens tokens (held back: it began a stop string), not lie
-            # wholly in it (vLLM's stop_check_offset).
-            pos = self.text.find(stop, max(start, self._stop_floor - len(stop) + 1))
+            # wholly in it (vLLM's stop_check_offset). Each from where it could begin to end in the new text: from
+            # the longest one's start, one stop string of 200,000 characters had every other searched through the
+            # whole output at every token.
+            pos = self.text.find(stop, max(old_end - len(stop) + 1, self._stop_floor - len(stop) + 1, 0))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is not None:

@@ -402,6 +402,8 @@ class LLMEngine:
         them, its deltas hold only what follows, and a seeded request goes on drawing as an uninterrupted run
         would. ``prefix_logprobs``: the prefix tokens' logprobs, one per token, which a request asking for
         logprobs needs to resume (its output's logprobs start with them)."""
+        if not isinstance(request_id, str):  # (an int went in, and abort_request(7) took it for a list of ids)
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")

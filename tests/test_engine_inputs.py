@@ -43,6 +43,10 @@ def test_duplicate_id_and_abort(llm):
     [out] = e.abort_request("x")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert e.abort_request("x") == [] and e.kv.num_used_blocks == 0
+    # An int id went in, and could never be aborted (abort_request(7) read it as a list of ids; "7" is another id).
+    with pytest.raises(TypeError, match="request_id must be a string, got int"):
+        e.add_request(7, [1, 2, 3])
+    assert not e.has_unfinished_requests()
 
 
 def test_generation_stops_at_the_context_length(llm):
