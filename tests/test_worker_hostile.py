@@ -153,6 +153,10 @@ def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them
         "timeout": ({"timeout": str(10**17)}, "'timeout' holds"),
         "retry_intervals": ({"retry_intervals": "5", "retries_left": "1"}, "'retry_intervals' holds 5"),
         "huge_interval": ({"retry_intervals": json.dumps([10**12]), "retries_left": "1"}, "'retry_intervals' holds"),
+        # Read, then RQ's retry failed on them: the job stayed started, its queue's clean-up raised at every pass.
+        "no_interval": ({"retry_intervals": "[]", "retries_left": "1"}, "'retry_intervals' holds []"),
+        "meta": ({"meta": "[1]", "retries_left": "1"}, "'meta' holds [1]; a JSON object"),
+        "dependency_ids": ({"dependency_ids": "5", "retries_left": "1"}, "'dependency_ids' holds 5"),
     }
     good = [client.submit(f"beside {i}", max_tokens=3, temperature=0) for i in range(2)]
     ids = {}
@@ -213,11 +217,17 @@ def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served
     _raw_job(conn, "elsewhere", job_id, created_at="yesterday")
     conn.lrem("rq:queue:elsewhere", 0, job_id)
     conn.zadd(f"rq:wip:{w.queue}", {f"{job_id}:exec": 1})
+    gone = f"gone-{uuid.uuid4().hex[:6]}"  # a canceled job whose hash expired: a later step of each pass prunes it
+    conn.zadd(f"rq:canceled:{w.queue}", {gone: 1})
     conn.delete(f"rq:clean_registries:{w.queue}")
     deadline = time.time() + 10
     while not met and time.time() < deadline:  # a maintenance pass (interval 1 s) that meets the hash
         time.sleep(0.05)
     assert met, "no maintenance pass met the planted hash"
+    # The steps after RQ's clean-up still ran (they were skipped at every pass: dead workers' jobs stayed stranded).
+    while conn.zscore(f"rq:canceled:{w.queue}", gone) is not None and time.time() < deadline:
+        time.sleep(0.05)
+    assert conn.zscore(f"rq:canceled:{w.queue}", gone) is None
     while conn.exists(f"rq:clean_registries:{w.queue}") and time.time() < deadline:  # released just after
         time.sleep(0.05)
     assert not conn.exists(f"rq:clean_registries:{w.queue}")  # the lock is not left held

@@ -384,9 +384,17 @@ def out_of_bounds(job: Job) -> str | None:
         value = getattr(job, name, None)
         if value is None:
             continue
-        if not isinstance(value, list) or not all(_seconds(x) for x in value):
+        if not isinstance(value, list) or not value or not all(_seconds(x) for x in value):  # ([]: RQ indexes it)
             shown = json.dumps(value)[:60]
             return f"RQ cannot use this job: its field {name!r} holds {shown}; a list of seconds, 0 to {MAX_SECONDS}"
+    # RQ's retry writes the job again, and fails on these (a meta it reads with .get, dependency ids it indexes):
+    # the job stayed started, and every clean-up of its queue's registry raised on it.
+    if not isinstance(job.meta, dict):
+        return f"RQ cannot use this job: its field 'meta' holds {json.dumps(job.meta)[:60]}; a JSON object"
+    dependencies = job._dependency_ids
+    if not isinstance(dependencies, list) or not all(isinstance(x, str) for x in dependencies):
+        shown = json.dumps(dependencies)[:60]
+        return f"RQ cannot use this job: its field 'dependency_ids' holds {shown}; a list of job ids"
     return None
 
 

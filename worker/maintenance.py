@@ -37,19 +37,25 @@ class Maintenance:
         back_at = self.heartbeat.back_at
         if self.heartbeat.failing or (back_at is not None and time.monotonic() - back_at < self.redis_back_s):
             return False
+        steps = (
+            self.drop_unreadable_started,
+            lambda queue: clean_registries(queue, exc_handlers),
+            worker_registration.clean_worker_registry,
+            self.requeue_stranded,
+            self.prune_canceled,
+        )
         for queue in queues:
             if not self.lock(queue):
                 continue
             try:
-                self.drop_unreadable_started(queue)
-                clean_registries(queue, exc_handlers)
-                worker_registration.clean_worker_registry(queue)
-                self.requeue_stranded(queue)
-                self.prune_canceled(queue)
-            except REDIS_DOWN:
-                raise
-            except Exception:
-                log.exception("maintenance of queue %s failed (a job hash RQ cannot read?); carrying on", queue.name)
+                for step in steps:  # each on its own: one that raised at every pass skipped those after it for good
+                    try:
+                        step(queue)
+                    except REDIS_DOWN:
+                        raise
+                    except Exception:
+                        log.exception("maintenance of queue %s failed (a job hash RQ cannot read?); carrying on",
+                                      queue.name)  # fmt: skip
             finally:
                 queue.release_maintenance_lock()
         return True
