@@ -93,7 +93,7 @@ def stream_check(created_at: datetime, hash_fields: Any, first: Any) -> tuple[bo
     it stands). (Of a hash without ``created_at``, RQ's reading gives the time it read it: the hash says none.)"""
     raw_created, raw_mark = hash_fields
     created, created_ms = created_form(created_at) if raw_created else (None, None)  # ('' is none, to RQ too)
-    mark = raw_mark.decode() if raw_mark is not None else None
+    mark = raw_mark.decode(errors="backslashreplace") if raw_mark is not None else None  # (written by hand)
     first_ms = None
     if first and not isinstance(first, Exception):  # (an empty stream, or a key of another type: none)
         entry_id = first[0][0]

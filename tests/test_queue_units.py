@@ -2096,6 +2096,9 @@ def test_a_job_key_that_is_not_a_hash_is_moved_aside_and_the_jobs_pulled_with_it
     bad = f"nothash-{uuid.uuid4().hex[:6]}"
     conn.set(f"rq:job:{bad}", "{}")
     conn.lpush(queue.key, bad)  # first in line: what a blocking pull wakes for, or a batch takes first
+    # A hash holding the field that stood for "another type" in the pull's reply: its value, not UTF-8, broke the
+    # pull of every job beside it (a UTF-8 one passed the hash for another type). It is a job as any other now.
+    conn.hset(f"rq:job:{good[1].id}", b"\x00roseinfer:key-type", b"\xff")
     script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
     pulled, unreadable = pull([queue], 10, 1 if how == "blocking" else None, conn, PulledJob, JSONSerializer, script)
     assert [job.id for job, _ in pulled] == [job.id for job in good]

@@ -196,6 +196,20 @@ def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(ser
     assert w.thread.is_alive()
 
 
+def test_owner_and_stream_fields_that_are_not_utf8_run_their_job_and_break_no_pull(served):
+    """A started job's owner field (and its stream's mark) are decoded to look for its running execution: bytes
+    that are not UTF-8 raised out of the whole pull, every job of it left in the intermediate list, and the next
+    pull took them again, for good. No execution has such an id: the job runs here, and so do those beside it."""
+    w, client, conn = served
+    odd = f"odd-owner-{uuid.uuid4().hex[:6]}"
+    good = [client.submit(f"before {i}", max_tokens=3, temperature=0) for i in range(2)]
+    _raw_job(conn, w.queue, odd, status="started", roseinfer_owner=b"\xff\xfe", roseinfer_stream_of=b"\xff")
+    good += [client.submit(f"after {i}", max_tokens=3, temperature=0) for i in range(2)]
+    for job in [*good, client.job(odd)]:
+        assert job.result(timeout=60)["usage"]["completion_tokens"] == 3
+    assert w.thread.is_alive()
+
+
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
 def test_maintenance_survives_a_hash_it_cannot_read_and_releases_its_lock(served, monkeypatch):
     import worker.maintenance as maintenance

@@ -36,8 +36,6 @@ log = logging.getLogger("roseinfer.worker")
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 BAD_ID = "job ids may only use A-Z, a-z, 0-9, '_' and '-' (at most 256 of them)"
 NOT_TEXT_ID = f"this job's id is not UTF-8 text, so no result can be keyed on it: moved aside ({BAD_ID})"
-# Where a job's key holds another type than a hash (SET by hand), the pull reads it as this one field: its type.
-KEY_TYPE = b"\x00roseinfer:key-type"
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
 _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
          "failure_callback_timeout", "stopped_callback_timeout")  # fmt: skip
@@ -111,6 +109,17 @@ def _webhook_senders() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=WEBHOOK_SENDERS, thread_name_prefix="roseinfer-webhook")
 
 
+@dataclass(frozen=True)
+class OtherType:
+    """A job's key that holds another type than a hash (SET by hand): ``kind``, as TYPE names it."""
+
+    kind: str
+
+    @classmethod
+    def of(cls, reply: bytes | str) -> OtherType:
+        return cls(reply.decode(errors="backslashreplace") if isinstance(reply, bytes) else str(reply))
+
+
 @dataclass
 class Unreadable:
     """A job RQ could not read: its id, its queue and why."""
@@ -126,8 +135,9 @@ class Unreadable:
 # repeated until the queue is empty (a pipeline of that many LMOVEs cost a command each whatever the queue held:
 # hundreds a pull, for nothing), and each moved job's hash read in the same call (a pipeline of HGETALLs cost ~15 us
 # of the worker's Python a job). Returns the ids and, in the same order, the hashes as flat field-value lists (a key
-# of another type: ``KEY_TYPE`` and its type; its error aborted the script, and left the jobs moved before it in the
-# intermediate list, with it, until RQ's clean-up queued them all again, and again).
+# of another type: its type, a string; its error aborted the script, and left the jobs moved before it in the
+# intermediate list, with it, until RQ's clean-up queued them all again, and again). Not a field of a hash standing
+# for the type: a hash written with that field passed for another type, or broke the pull of every job beside it.
 MOVE_SCRIPT = """
 local ids, hashes = {}, {}
 for _ = 1, tonumber(ARGV[1]) do
@@ -135,7 +145,7 @@ for _ = 1, tonumber(ARGV[1]) do
   if not id then break end
   ids[#ids + 1] = id
   local hash = redis.pcall('HGETALL', ARGV[2] .. id)
-  if hash.err then hash = {ARGV[3], redis.call('TYPE', ARGV[2] .. id)['ok']} end
+  if hash.err then hash = redis.call('TYPE', ARGV[2] .. id)['ok'] end
   hashes[#hashes + 1] = hash
 end
 return {ids, hashes}
@@ -260,8 +270,8 @@ def _pull_batch(
     script call (without Lua: two round trips) instead of two round trips per job."""
     if move_script is not None:
         prefix = job_class.redis_job_namespace_prefix
-        moved, flat = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit, prefix, KEY_TYPE])
-        raws = [dict(zip(fields[::2], fields[1::2])) for fields in flat]
+        moved, flat = move_script(keys=[queue.key, queue.intermediate_queue_key], args=[limit, prefix])
+        raws = [dict(zip(got[::2], got[1::2])) if isinstance(got, list) else OtherType.of(got) for got in flat]
     else:
         # One transaction, as the script is one command: a burst landing midway was taken in part (its first jobs
         # met moves already run), and then handed to the engine in slices.
@@ -285,20 +295,20 @@ def _hash_key(job_class: type[Job], raw_id: bytes) -> bytes:
     return job_class.redis_job_namespace_prefix.encode() + raw_id
 
 
-def _hash_at(connection: redis.Redis, key: bytes) -> dict:
-    """The job hash at ``key``; a key of another type as ``{KEY_TYPE: its type}`` (as the move script reads it)."""
+def _hash_at(connection: redis.Redis, key: bytes) -> dict | OtherType:
+    """The job hash at ``key``, or the type its key holds instead (as the move script reads it)."""
     try:
         return connection.hgetall(key)
     except redis.ResponseError as exc:
         if not wrong_type(exc):
             raise
-        return {KEY_TYPE: connection.type(key)}
+        return OtherType.of(connection.type(key))
 
 
 def _restore(
     queue: Queue,
     raw_ids: list[bytes],
-    raws: list[dict],
+    raws: list[dict | OtherType],
     connection: redis.Redis,
     job_class: type[Job],
     serializer,
@@ -312,7 +322,7 @@ def _restore(
         try:
             job_id = raw_id.decode()
         except UnicodeDecodeError:
-            is_hash = bool(raw) and KEY_TYPE not in raw  # (its status set failed too, as any job refused here)
+            is_hash = bool(raw) and not isinstance(raw, OtherType)  # (its status set failed too, as any refused)
             shown = raw_id.decode(errors="backslashreplace")
             unreadable.append(Unreadable(shown, queue, NOT_TEXT_ID, raw_id, is_hash=is_hash))
             continue
@@ -322,9 +332,8 @@ def _restore(
                 pipe.delete(first_seen_key(queue, raw_id))
                 pipe.execute()
             continue
-        if KEY_TYPE in raw:
-            kind = raw[KEY_TYPE].decode() if isinstance(raw[KEY_TYPE], bytes) else str(raw[KEY_TYPE])
-            reason = f"the job's key rq:job:<id> holds a {kind}, not a hash: write a job with HSET (docs/protocol.md)"
+        if isinstance(raw, OtherType):
+            reason = f"the job's key rq:job:<id> holds a {raw.kind}, not a hash: write it with HSET (docs/protocol.md)"
             unreadable.append(Unreadable(job_id, queue, reason, is_hash=False))
             continue
         if not JOB_ID.match(job_id):
@@ -345,7 +354,7 @@ def _restore(
             continue
         # The other fields RQ parses (meta, webhooks, dependency ids ...) are kept in memory while the job runs: 30 MB
         # of nested JSON there took 700 MB. RQ's own are short; a job's own data goes in its payload.
-        oversize = [k for k, v in raw.items() if k not in _INFLATED and k != KEY_TYPE and len(v) > MAX_OTHER_FIELD]
+        oversize = [k for k, v in raw.items() if k not in _INFLATED and len(v) > MAX_OTHER_FIELD]
         if oversize:
             name = oversize[0].decode(errors="backslashreplace") if isinstance(oversize[0], bytes) else oversize[0]
             reason = f"the job's field {name!r} is over {MAX_OTHER_FIELD} bytes; this worker takes at most that"

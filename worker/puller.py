@@ -356,7 +356,7 @@ class Puller:
             owners = pipe.execute()
         with conn.pipeline(transaction=False) as pipe:
             for (job, _q), owner in zip(started, owners):  # (in its origin's registry: the lane it started from)
-                pipe.zscore(StartedJobRegistry.key_template.format(job.origin), f"{job.id}:{(owner or b'').decode()}")
+                pipe.zscore(StartedJobRegistry.key_template.format(job.origin), f"{job.id}:{_text(owner)}")
             scores = pipe.execute()
         now = time.time()
         return {job.id for (job, _q), owner, score in zip(started, owners, scores) if owner and score and score > now}
@@ -390,3 +390,9 @@ class Puller:
 def _how(job: Job) -> str:
     status = job.get_status(refresh=False)
     return "started on another worker" if status == JobStatus.STARTED else f"ended ({status})"
+
+
+def _text(owner: bytes | None) -> str:
+    """An owner field as text: one written by hand may not be UTF-8 (its decode raised out of the whole pull, every
+    job of it left in the intermediate list); no live execution has such an id."""
+    return (owner or b"").decode(errors="backslashreplace")
