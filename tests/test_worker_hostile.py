@@ -412,6 +412,10 @@ def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_o
         "unknown-field": ({"colour": "red"}, {}),
         "refused-callback": ({}, {"success_callback_name": "hook_probe.record_unlisted"}),
         "canceled-queued": ({}, {"status": "canceled"}),
+        # A hash RQ cannot read (C#'s 7-digit fractions of a second; Go's and Java's nanoseconds), or reads and then
+        # fails on (a meta that is no object): its payload read alone for its ending.
+        "unreadable-hash": ({}, {"created_at": "2026-11-22T10:00:00.1234567Z"}),
+        "refused-meta": ({}, {"meta": "[1]"}),
     }
     for name, (extra, fields) in cases.items():
         payload = {"prompt": "hi", "max_tokens": 2, "custom_id": f"mine-{name}", "notify": f"nr-{tag}", **extra}

@@ -17,7 +17,7 @@ import re
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import ClassVar
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from rq.utils import parse_timeout, str_to_date
 
 from producer.connection import wrong_type
 from producer.protocol import rejected_key
+from producer.schema import Ending, ending_of
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -129,6 +130,7 @@ class Unreadable:
     reason: str
     raw_id: bytes | None = None  # an id that is not UTF-8 text (``job_id`` then shows it escaped)
     is_hash: bool = True  # its key holds a hash (else another type, left as it is)
+    ending: Ending = field(default_factory=Ending)  # its payload's custom_id and notify, where they can be read
 
 
 # KEYS: a queue, its intermediate list; ARGV: how many at most, the job hashes' key prefix. RQ's dequeue move,
@@ -371,7 +373,27 @@ def _restore(
             unreadable.append(Unreadable(job_id, queue, beyond))
             continue
         pulled.append((job, queue))
+    raw_of = dict(zip(raw_ids, raws))
+    for item in unreadable:  # (ends as it asks, as a refused job RQ could read does: its list waited for good)
+        raw = raw_of.get(item.job_id.encode()) if item.raw_id is None else None
+        if isinstance(raw, dict):
+            item.ending = _ending_of_hash(raw, max_data_bytes)
     return pulled, unreadable
+
+
+def _ending_of_hash(raw: dict, max_data_bytes: int | None) -> Ending:
+    """``ending_of`` the payload in a hash RQ could not read, where its data can be read at all (within the size
+    bound; stored compressed or not); none otherwise."""
+    data = raw.get(b"data", raw.get("data"))
+    if not data or _inflates_past(data, max_data_bytes):
+        return Ending()
+    try:
+        with contextlib.suppress(zlib.error):  # (else stored as it is)
+            data = zlib.decompress(data)
+        decoded = json.loads(data)
+        return ending_of(decoded[3] if isinstance(decoded, list) and len(decoded) > 3 else None)
+    except Exception:  # (not JSON, nested past the parser: it has no ending to read)
+        return Ending()
 
 
 def out_of_bounds(job: Job) -> str | None:

@@ -268,9 +268,9 @@ class JobEnds:
                 if stream is not None and not self._written_before(
                     tries, item.job_id, b"execution_ended_at", str(ended.timestamp())
                 ):
-                    result = failure_result(item.job_id, None, item.reason, error_type="invalid_request")
+                    result = failure_result(item.job_id, item.ending, item.reason, error_type="invalid_request")
                     entry = result_entry(result, Result.Type.FAILED, self.name, error=item.reason, ended=ended)
-                    self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl)
+                    self.publisher.write_result(pipe, item.job_id, entry, self.settings.result_ttl, item.ending.notify)
                 quarantine(pipe, item, self.settings.result_ttl)  # (all of it as good again as once)
                 pipe.execute()
             self.metrics.job_ended("rejected", None)
