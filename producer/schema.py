@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -364,7 +365,12 @@ class JobRequest(BaseModel):
     @classmethod
     def _int_is_a_float(cls, value: Any) -> Any:
         # strict mode refuses 1 for a float field; JSON writers often send it that way.
-        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(value, int) or isinstance(value, bool):
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # (an integer of 400 digits: it raised past pydantic, naming no field)
+            return math.inf if value > 0 else -math.inf  # refused by the field's own bounds, in its words
 
     @field_validator("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "top_logprobs", "prompt_logprobs",
                      "priority", "n", mode="before")  # fmt: skip

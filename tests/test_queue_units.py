@@ -55,6 +55,9 @@ def _called(arguments: str) -> dict:
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "top_k": -2}, "top_k"),
         ({"prompt": "hi", "repetition_penalty": float("inf")}, "repetition_penalty"),
+        # An integer of 401 digits (valid JSON): float() raised OverflowError past pydantic, naming no field.
+        ({"prompt": "hi", "temperature": 10**400}, "temperature\n.*less than or equal to 2"),
+        ({"prompt": "hi", "top_p": -(10**400)}, "top_p\n.*greater than 0"),
         ({"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
         ({"prompt": "hi", "stop": [""]}, "stop strings must not be empty"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
