@@ -1,4 +1,4 @@
-// Conformance of a running roseinfer worker to its Redis wire protocol (version 2), from another language.
+// Conformance of a running roseinfer worker to its Redis wire protocol (version 3), from another language.
 //
 // Everything here is raw Redis commands, written from the protocol's description alone (docs/protocol.md): no
 // Python producer library is involved, so whatever the Python client papers over shows up here.
