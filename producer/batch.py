@@ -43,7 +43,10 @@ from producer.batch_io import (
     payload_digest,
     read_rows,
 )
+from producer.batch_lines import ENDPOINTS as ENDPOINTS  # (their home before batch_lines: still found here)
 from producer.batch_lines import ID_FIELD, UNREAD_ID, BadLine, Line, error_line, output_line, parse_line
+from producer.batch_lines import REQUESTS as REQUESTS
+from producer.batch_lines import job_id_for as job_id_for
 from producer.chat_render import template_messages
 from producer.client import Client, JobIdTaken
 from producer.connection import REDIS_UNAVAILABLE, longest_block_s, redis_waits
@@ -355,7 +358,7 @@ def run_batch(
     ``succeeded``, ``failed``, ``reused`` (succeeded rows whose job an earlier run had submitted) and ``failures``
     (failed rows by reason).
 
-    ``run_id`` derives new job ids (see ``job_id_for``): pass a new one to generate again what an earlier run's
+    ``run_id`` derives new job ids (``job_id_for``): pass a new one to generate again what an earlier run's
     jobs still hold in Redis, the same one to resume that run. Ctrl-C raises BatchInterrupted with the counts.
     """
     if run_id is not None and not RUN_ID.fullmatch(run_id):

@@ -301,10 +301,9 @@ def _follow(
             break
         result = job.result(timeout=left())
     except JobError as exc:
-        if streamed and isinstance(exc, ResultNotKept):  # finished, its text out: no result to read usage from
-            print("[finished; its result is not kept (result_ttl 0, or expired)]", file=sys.stderr)
-            return 0  # (it exited 1, as a failed job does)
-        return _report(exc, print_result=not streamed)  # streamed: its text is already out
+        if not (streamed and isinstance(exc, ResultNotKept)):
+            return _report(exc, print_result=not streamed)  # streamed: its text is already out
+        result = None  # finished, its text out: result_ttl 0 keeps no result (it exited 1, as a failed job does)
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
         return _lost_redis(job.id, exc, args)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
@@ -320,7 +319,9 @@ def _follow(
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
               f"answer; `{_command('result', job.id, args)}` prints the answer alone", file=sys.stderr)  # fmt: skip
         return 1
-    if streamed:
+    if streamed and result is None:
+        print("[finished; its result is not kept (result_ttl 0, or expired)]", file=sys.stderr)
+    elif streamed:
         u, ttft = result["usage"], (result.get("timings") or {}).get("ttft_s")
         print(
             f"[{result['finish_reason']}; {u['prompt_tokens']} prompt + {u['completion_tokens']} completion tokens; "

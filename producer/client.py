@@ -919,7 +919,7 @@ class GenerationJob:
                 return
         looked = False  # the first read does not block: a job long over says so at once
         while True:
-            longest = int(1000 * longest_block_s(conn))
+            longest = max(1, int(1000 * longest_block_s(conn)))  # (0 blocks for good)
             wait_ms = longest if deadline is None else max(1, min(longest, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))

@@ -128,9 +128,10 @@ class ServerMetrics:
 
 def _route_path(scope: Scope) -> str:
     """The path the routes match: behind a prefix (uvicorn's ``--root-path``, a ``Mount``) ``scope["path"]`` holds
-    the prefix too, and ``/api/v1/models`` skipped the key that ``/v1/models`` asks for."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
+    the prefix too, and ``/api/v1/models`` skipped the key that ``/v1/models`` asks for. Cut at a ``/`` only, as
+    Starlette routes (a root path ``/v`` made ``/v1/models`` read ``1/models``)."""
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
 
 
 class AuthAndCount:
@@ -156,7 +157,7 @@ class AuthAndCount:
             return
         path, started = _route_path(scope), time.perf_counter()
         label = self.endpoint(scope)
-        if self.expected is not None and path.startswith("/v1/"):
+        if self.expected is not None and (path.startswith("/v1/") or scope["path"].startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid API key", param=None, code="invalid_api_key")

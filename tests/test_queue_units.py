@@ -4093,3 +4093,27 @@ def test_a_client_on_a_connection_that_decodes_replies_is_refused_at_once():
     with pytest.raises(ValueError, match="without decode_responses"):
         Client(connection=fakeredis.FakeRedis(decode_responses=True))
     assert Client(connection=fakeredis.FakeRedis()).submit("hi").status() == "queued"
+
+
+def test_an_empty_list_of_intervals_is_refused_only_where_rq_would_index_it():
+    """RQ's retry indexes its retry intervals: an empty list with retries left failed there, the job left started.
+    A repeat's empty list RQ reads as no interval, and a job with no retries left never reads its retry intervals:
+    those run as before."""
+    from rq import Queue, Repeat, Retry
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from worker.intake import out_of_bounds
+
+    conn = fakeredis.FakeRedis()
+    queue = Queue("q", connection=conn, serializer=JSONSerializer)
+
+    def read(**options):
+        job = queue.enqueue("worker.jobs.generate", prompt="hi", **options)
+        return Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+
+    assert "'retry_intervals' holds []" in out_of_bounds(read(retry=Retry(max=2, interval=[])))
+    assert out_of_bounds(read(repeat=Repeat(times=2, interval=[]))) is None
+    spent = read(retry=Retry(max=1, interval=[]))
+    spent.retries_left = 0
+    assert out_of_bounds(spent) is None

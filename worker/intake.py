@@ -415,7 +415,9 @@ def out_of_bounds(job: Job) -> str | None:
         value = getattr(job, name, None)
         if value is None:
             continue
-        if not isinstance(value, list) or not value or not all(_seconds(x) for x in value):  # ([]: RQ indexes it)
+        # An empty list of retry intervals RQ indexes at a retry (a repeat's, RQ reads as no interval)
+        empty_retry = not value and name == "retry_intervals" and (job.retries_left or 0) > 0
+        if not isinstance(value, list) or empty_retry or not all(_seconds(x) for x in value):
             shown = json.dumps(value)[:60]
             return f"RQ cannot use this job: its field {name!r} holds {shown}; a list of seconds, 0 to {MAX_SECONDS}"
     # RQ's retry writes the job again, and fails on these (a meta it reads with .get, dependency ids it indexes):
