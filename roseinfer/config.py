@@ -92,8 +92,10 @@ def check_engine_env() -> None:
 
 
 def cache_dir() -> Path:
-    """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``)."""
-    return Path(os.environ.get("ROSEINFER_CACHE_DIR", Path.home() / ".cache" / "roseinfer"))
+    """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``; set empty, as any engine variable,
+    it is unset: ``Path("")`` put them in the working folder, in Docker beside the app, not on its volume)."""
+    given = os.environ.get("ROSEINFER_CACHE_DIR", "").strip()
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "roseinfer"
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -188,8 +190,8 @@ class EngineConfig:
 
 def quantization_name(config: Any) -> str:
     """``int8``, ``int8+output_layer``, or "" for a float engine (of an ``EngineConfig``, or the worker's settings,
-    which hold its fields): what a worker's status and a benchmark show."""
-    if config.quantization is None:
+    which hold its fields, "none" as the flag gives it): what a worker's status and a benchmark show."""
+    if config.quantization in (None, "none"):  # (the settings' "none" showed in every result's fingerprint)
         return ""
     return config.quantization + ("+output_layer" if config.int8_output_layer else "")
 

@@ -255,6 +255,8 @@ def test_every_roseinfer_variable_the_code_reads_is_known():
         (["worker"], {"ROSEINFER_MAX_NUM_SEQS": "lots"}, "error: --max-num-seqs / ROSEINFER_MAX_NUM_SEQS"),
         (["bench", "--block-size", "0"], {}, "error: block_size must be a positive integer"),
         (["worker"], {"ROSEINFER_ALLOW_CALLBACK": "a.b"}, "error: ROSEINFER_ALLOW_CALLBACK does not parse"),
+        # Taken, and never used: the server serves what the queue's workers hold.
+        (["serve", "--model", "other-model"], {}, "error: --model is for --embedded"),
     ],
 )
 def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase, monkeypatch, capsys):
@@ -483,6 +485,11 @@ def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", *flags])
         assert "must be at least 1" in capsys.readouterr().err
+    # The queue's benchmarks too: a median of nothing after the model loaded and the worker started (a traceback).
+    for command in ("bench-queue", "bench-priority", "bench-serve"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--repeats", "0"])
+        assert "must be at least 1" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no folder"):
         bench.main(build_parser().parse_args(["bench", "--json", "/no/such/folder/x.json"]))
 
@@ -572,3 +579,29 @@ def test_the_engines_own_switches_read_the_usual_words_and_refuse_the_rest(monke
     monkeypatch.setenv("ROSEINFER_MALLOC_TUNING", "nope")
     with pytest.raises(ConfigError, match="ROSEINFER_MALLOC_TUNING='nope'"):
         LLM(model, dtype="float32")
+
+
+def test_an_empty_cache_dir_variable_is_unset_as_every_engine_variable_is(monkeypatch, tmp_path):
+    """``ROSEINFER_CACHE_DIR=""`` was ``Path("")``: converted models and compiled kernels went into the working folder
+    (in Docker, beside the app and not on its volume). A ``~`` in it is the home folder."""
+    from pathlib import Path
+
+    from roseinfer.config import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", "")
+    assert cache_dir() == Path.home() / ".cache" / "roseinfer"
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", "~/models")
+    assert cache_dir() == tmp_path / "models"
+
+
+def test_webhook_hosts_are_bare_hosts_compared_as_a_webhooks_url_is_read():
+    """A job's webhook host is read lower case, without a port: "https://h", "h:8443" or "" were taken, matched no
+    webhook, and every webhook to that host was refused at its job. A name's case is not the operator's to get right."""
+    from worker.settings import WorkerSettings
+
+    hosts = WorkerSettings(allow_webhook_host=["Hooks.Example.com", "10.0.0.1", "[::1]"]).allow_webhook_host
+    assert hosts == ["hooks.example.com", "10.0.0.1", "::1"]
+    for bad in ("hooks.example.com:8443", "https://hooks.example.com", "", "hooks.example.com/path"):
+        with pytest.raises(ValueError, match="a host name or address alone"):
+            WorkerSettings(allow_webhook_host=[bad])

@@ -738,6 +738,10 @@ def test_first_hour_mistakes_get_one_line_each(tmp_path, monkeypatch, capsys):
     args = cli.build_parser().parse_args(["worker", "--quantization", "none"])
     assert cli.load_settings(args).engine_config().quantization is None
     assert WorkerSettings().engine_config().quantization == "int8"
+    # The settings keep the flag's word: it showed in every result's fingerprint ("...-float32-none") and the status.
+    from worker.jobs import system_fingerprint
+
+    assert system_fingerprint(cli.load_settings(args)) == system_fingerprint(WorkerSettings(quantization=None))
 
 
 def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_taken_in_one_line(capsys):

@@ -12,6 +12,7 @@ import subprocess
 import time
 
 from producer.protocol import BULK_PRIORITY
+from roseinfer.bench import counting
 from worker.bench_queue import _wait_for_worker
 from worker.cli import worker_command
 from worker.local_redis import start_private_redis, stop_private_redis
@@ -20,11 +21,11 @@ from worker.local_redis import start_private_redis, stop_private_redis
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--bulk-jobs", type=int, default=24, help="bulk jobs in the queue: three times the batch")
-    p.add_argument("--bulk-tokens", type=int, default=96)
-    p.add_argument("--probe-tokens", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-seqs", type=counting(1), default=8)
+    p.add_argument("--bulk-jobs", type=counting(1), default=24, help="bulk jobs in the queue: three times the batch")
+    p.add_argument("--bulk-tokens", type=counting(1), default=96)
+    p.add_argument("--probe-tokens", type=counting(1), default=8)
+    p.add_argument("--repeats", type=counting(1), default=3)
 
 
 def _probe(client, args, priority: int, round_: int) -> tuple[float, list[list[int]]]:

@@ -26,6 +26,7 @@ from typing import Any
 from roseinfer.bench import (
     add_workload_arguments,
     build_llm,
+    counting,
     describe_sampling,
     hf_sampling,
     load_prompts,
@@ -269,7 +270,7 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each system; medians compared")
+    p.add_argument("--repeats", type=counting(1), default=3, help="interleaved runs of each system; medians compared")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")

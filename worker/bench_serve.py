@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from roseinfer.bench import DEFAULT_WORKLOAD, percentile
+from roseinfer.bench import DEFAULT_WORKLOAD, counting, percentile
 from worker.bench_queue import _wait_for_worker
 from worker.cli import worker_command
 from worker.local_redis import free_port, start_private_redis, stop_private_redis
@@ -25,12 +25,12 @@ from worker.local_redis import free_port, start_private_redis, stop_private_redi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=counting(1), default=64)
+    p.add_argument("--max-tokens", type=counting(1), default=64)
+    p.add_argument("--repeats", type=counting(1), default=3)
     p.add_argument(
         "--num-threads",
-        type=int,
+        type=counting(1),
         default=max(1, (os.cpu_count() or 2) - 1),
         help="the worker's math threads (default: all cores but one, which the server, Redis and the client share, "
         "as on a GPU machine where they do not compete with the model)",

@@ -119,6 +119,9 @@ def serve(args: argparse.Namespace) -> int:
                     "(e.g. http://localhost:3000, no path or trailing slash), or *"
                 )
     if not args.embedded:
+        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype)) if value is not None]
+        if given:  # (they started a server all the same, serving whatever the queue's workers hold)
+            raise ConfigError(f"{given[0]} is for --embedded: without it, the queue's workers choose their model")
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

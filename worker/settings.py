@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import typing
 from typing import Literal
 
@@ -17,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S
 from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
-from worker.intake import MAX_SECONDS
+from worker.intake import MAX_SECONDS, MULTI_LANE_WAIT_S
 
 DAY = 24 * 3600  # the longest interval: a thread's wait past threading.TIMEOUT_MAX raises
 
@@ -73,7 +74,11 @@ class QueueSettings(BaseSettings):
     )
     # Short, so signals and maintenance stay prompt.
     idle_wait: float = Field(
-        1.0, gt=0, le=60, description="seconds to block on an empty queue when nothing runs (under 1 needs Redis 6)"
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds to block on an empty queue when nothing runs, at most 0.2 at a time: a worker serves two "
+        "lanes or more (interactive, bulk) and looks at each in between (under 1 needs Redis 6)",
     )
     burst: bool = Field(False, description="quit when the queue is empty and every job is done")
     # The worker's threads and the step loop share one interpreter lock in one process: apart, neither waits.
@@ -154,6 +159,19 @@ class QueueSettings(BaseSettings):
             raise ValueError("a queue name cannot be empty or blank")
         return value
 
+    @field_validator("allow_webhook_host")
+    @classmethod
+    def _bare_hosts(cls, hosts: list[str]) -> list[str]:
+        # A webhook's host is compared as urlsplit reads it (lower case, no port): "https://h", "h:8443" or "" were
+        # taken, and matched no webhook, each refused at its job.
+        checked = []
+        for host in hosts:
+            bare = host.strip().lower()
+            if not re.fullmatch(r"[a-z0-9._-]+|\[?(?:[0-9a-f]*:){2,}[0-9a-f.]*\]?", bare):  # (a name, IPv4 or IPv6)
+                raise ValueError(f"{host!r}: a host name or address alone (no scheme, port or path): hooks.example.com")
+            checked.append(bare.strip("[]"))
+        return checked
+
     @field_validator("engine_step_timeout")
     @classmethod
     def _a_step_may_take_a_second(cls, value: float) -> float:
@@ -183,8 +201,10 @@ class QueueSettings(BaseSettings):
     @property
     def socket_timeout(self) -> int:
         """The worker's Redis socket timeout: its longest blocking pull and 5 s. (RQ's own, its dequeue wait and 10,
-        415 s, made a Redis that stops answering hang every command for 7 minutes without a word.)"""
-        return math.ceil(self.idle_wait) + 5
+        415 s, made a Redis that stops answering hang every command for 7 minutes without a word.) A pull blocks
+        ``MULTI_LANE_WAIT_S`` at most, whatever ``idle_wait`` says: --idle-wait 60 made a Redis that stopped
+        answering go unnoticed 65 s, for a wait that never came."""
+        return math.ceil(min(self.idle_wait, MULTI_LANE_WAIT_S)) + 5
 
     @property
     def model_name(self) -> str:
