@@ -230,6 +230,15 @@ def test_a_roseinfer_variable_not_in_capitals_is_named_as_the_worker_reads_it(mo
         "roseinfer_queue is read by the worker as ROSEINFER_QUEUE" in warning and "write it ROSEINFER_QUEUE" in warning
     )
     assert "write it ROSEINFER_MAX_NUM_SEQS" in unknown_env_vars({"ROSEINFER_Max_Num_Seqs": "3"})[0]
+    # An engine or server variable is read in capitals alone, by everything: not "read by the worker".
+    cpu = unknown_env_vars({"roseinfer_cpu_kernels": "0"})
+    assert cpu == ["warning: roseinfer_cpu_kernels is ignored: write it ROSEINFER_CPU_KERNELS"]
+
+
+def test_the_workers_socket_timeout_follows_the_pulls_real_wait():
+    """A pull blocks 0.2 s at a time (a worker serves two lanes or more): --idle-wait 60 set a 65 s socket timeout,
+    and a Redis that stopped answering went unnoticed that long, for a wait that never came."""
+    assert WorkerSettings(model="m", idle_wait=60).socket_timeout == WorkerSettings(model="m").socket_timeout == 6
 
 
 def test_every_roseinfer_variable_the_code_reads_is_known():

@@ -235,11 +235,14 @@ def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
     for name in sorted(environ if environ is not None else os.environ):
         if not name.upper().startswith(ENV_PREFIX) or name in known:
             continue
-        if name.upper() in known:  # pydantic's settings read names in any case; os.environ.get does not
+        settings = {ENV_PREFIX + field.upper() for field in WorkerSettings.model_fields}
+        if name.upper() in settings:  # pydantic's settings read names in any case; os.environ.get does not
             warnings.append(
                 f"warning: {name} is read by the worker as {name.upper()}, but not by every command (the producer's "
                 f"read capitals): write it {name.upper()}"
             )
+        elif name.upper() in known:  # (an engine or server variable: read in capitals alone, by everything)
+            warnings.append(f"warning: {name} is ignored: write it {name.upper()}")
         else:
             close = difflib.get_close_matches(name.upper(), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
