@@ -45,7 +45,10 @@ class QueueSettings(BaseSettings):
         None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
     )
     # At most what RQ and Redis's EXPIRE take (past it, every write that sets a TTL failed, events with it).
-    stream_ttl: int = Field(24 * 3600, ge=1, le=MAX_SECONDS, description="seconds a running job's replay stream lives, from its first event: more than a job runs")
+    stream_ttl: int = Field(
+        24 * 3600, ge=1, le=MAX_SECONDS,
+        description="seconds a running job's replay stream lives, from its first event: more than a job runs",
+    )  # fmt: skip
     stream_ttl_after_end: int | None = Field(
         None,
         ge=1,
