@@ -3117,11 +3117,21 @@ def test_a_queues_clean_up_lock_is_held_a_maintenance_interval_not_rqs_15_minute
 
 @pytest.mark.slow  # a second: the beat after a failed one
 @pytest.mark.redis
-def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redis_url, monkeypatch):
+@pytest.mark.parametrize("refusal", ["down", "MISCONF", "BUSY"])
+def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redis_url, monkeypatch, refusal):
     """An outage past the heartbeat TTL lapses the registry entries of jobs live workers run; the first clean-up
     after Redis came back (any worker's) failed them, or spent a retry, while they ran. A beat that failed is tried
-    again in a second, not an interval, and clean-ups wait a heartbeat interval after Redis is back."""
+    again in a second, not an interval, and clean-ups wait a heartbeat interval after Redis is back. A Redis that
+    takes no writes for now (a full disk's MISCONF, a long script's BUSY) is such an outage too: the heartbeat took
+    it for an error of its own (a traceback a beat, at the interval) and held no clean-up off."""
     import redis
+
+    error = {
+        "down": redis.exceptions.ConnectionError("Connection refused"),
+        "MISCONF": redis.exceptions.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's "
+                                                  "currently unable to persist to disk"),
+        "BUSY": redis.exceptions.ResponseError("BUSY Redis is busy running a script."),
+    }[refusal]  # fmt: skip
 
     conn, worker, client = _worker_of_a_new_queue(redis_url, heartbeat_interval=10)
     queue, beats = worker.queues[0], []
@@ -3133,7 +3143,7 @@ def test_no_clean_up_takes_live_jobs_for_abandoned_while_redis_is_just_back(redi
     def beat():
         beats.append(time.monotonic())
         if len(beats) == 1:
-            raise redis.exceptions.ConnectionError("Connection refused")
+            raise error
 
     monkeypatch.setattr(worker._heartbeat, "beat", beat)
     monkeypatch.setattr(worker._heartbeat.due_retries, "enqueue", lambda: None)

@@ -13,7 +13,7 @@ import redis
 from rq.executions import ExecutionRegistry
 from rq.utils import now, utcformat
 
-from producer.connection import REDIS_UNAVAILABLE
+from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from worker.due_retries import DUE_JOBS_EVERY_S, DueRetries
 from worker.intake import load_script
 
@@ -78,23 +78,27 @@ class Heartbeat:
                 next_beat = time.monotonic() + interval
                 try:
                     self.beat()
-                except REDIS_UNAVAILABLE as exc:
-                    if not self.failing:
-                        log.warning("heartbeat: Redis unavailable (%s); beating again every second", exc)
-                    # Soon, not an interval later: the jobs' registry entries lapse meanwhile, and the first clean-up
-                    # after Redis is back (any worker's) took them for abandoned, failed or requeued while they ran.
-                    self.failing, next_beat = True, time.monotonic() + min(1.0, interval)
-                except Exception:
-                    log.exception("heartbeat failed")
+                except Exception as exc:
+                    # A full disk's MISCONF, a long script's BUSY are outages too (each was a traceback a beat, at the
+                    # interval, and the clean-up once Redis took writes again failed live jobs as abandoned).
+                    if not redis_waits(exc):
+                        log.exception("heartbeat failed")
+                    else:
+                        if not self.failing:
+                            log.warning("heartbeat: Redis unavailable (%s); beating again every second", exc)
+                        # Soon, not an interval later: the jobs' registry entries lapse meanwhile, and the first
+                        # clean-up after Redis is back (any worker's) took them for abandoned while they ran.
+                        self.failing, next_beat = True, time.monotonic() + min(1.0, interval)
                 else:
                     if self.failing:
                         self.failing, self.back_at = False, time.monotonic()
             try:
                 self.due_retries.enqueue()
-            except REDIS_UNAVAILABLE as exc:
-                log.debug("due retries: Redis unavailable (%s)", exc)
-            except Exception:
-                log.exception("moving due retries back to their queues failed")
+            except Exception as exc:
+                if redis_waits(exc):
+                    log.debug("due retries: Redis unavailable (%s)", exc)
+                else:
+                    log.exception("moving due retries back to their queues failed")
             self._stop.wait(max(0.0, min(DUE_JOBS_EVERY_S, next_beat - time.monotonic())))
 
     def beat(self) -> None:
