@@ -261,6 +261,7 @@ class EngineProcess:
         self._events: list[JobEvent] = []  # arrived while a cancel waited for its answer
         self._step_times: list[float] = []  # the child's engine steps, for the step histogram
         self._failure: str | None = None  # why the child is gone, once it is (``failure``)
+        self._failed_once = False  # a step met the child gone (its jobs failed; those never sent, not the first time)
         self._step_timeout = step_timeout
         self._quiet_since = time.monotonic()  # the child's last message, or when it last owed none
         self._sending_since: float | None = None  # when the send under way began
@@ -392,15 +393,20 @@ class EngineProcess:
             while self._conn.poll(0):
                 self._take(self._recv())
         except EngineProcessDied as exc:
-            log.error("%s: failing its %d jobs", exc, len(self._jobs))
+            # The jobs never sent to it (the last pulls') are left out the first time: ``unsent`` names them, to be
+            # handed back with their retries untouched (failed here, each spent a retry for a death not its own, and
+            # one with none left failed for good). A later step fails whatever of them is still here.
+            keep = set() if self._failed_once else {job[0] for job in self._outbox}
+            self._failed_once = True
+            log.error("%s: failing its %d jobs", exc, len(self._jobs - keep))
             error = f"{exc}; the job may run again elsewhere"
             done = {e.job_id for e in self._events if e.finished}
             self._events += [
                 JobEvent(j, finish_reason="error", error=error, retryable=True, error_type="server_error")
                 for j in self._jobs
-                if j not in done
+                if j not in done and j not in keep
             ]
-            self._outbox = []
+            self._outbox = [job for job in self._outbox if job[0] in keep]
         return self.pending_events()
 
     def unsent(self) -> list[str]:
