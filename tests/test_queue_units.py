@@ -2966,6 +2966,14 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     assert not conn.exists(lease) and not heartbeat._leased
     heartbeat.beat()
     assert conn.exists(lease)
+    # A stop hands jobs back to their queues: the sender's backlog of their events went out under the lease, unchecked
+    # (the heartbeat even renewed it, nothing held vetoing it), into the stream of an attempt elsewhere.
+    assert conn.exists(lease)
+    worker._requeue([second], {})
+    assert not conn.exists(lease) and second.job.get_status(refresh=True) == "queued"
+    worker._stop_requested = True
+    heartbeat.beat()
+    assert not conn.exists(lease) and not heartbeat._leased
 
 
 @pytest.mark.redis

@@ -121,6 +121,8 @@ class HandBack:
             else:
                 fresh = None
             with self.connection.pipeline() as pipe:  # MULTI: out of our registries and back in the queue, or neither
+                if self.sender.lease_key:  # (the sender's events of it still to go are checked, not sent under it)
+                    pipe.delete(self.sender.lease_key)
                 self.cleanup_execution(job.job, pipe, job.execution)
                 if fresh is not None and not getattr(fresh, "has_rate_limit", False):
                     job.queue._enqueue_job(fresh, pipeline=pipe, at_front=True)  # (as RQ's own requeues: no WATCH)

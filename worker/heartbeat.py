@@ -126,6 +126,9 @@ class Heartbeat:
         # between its read of the entry and its write (a failure, a requeue), and the job's status still says
         # started. No lease on this beat: it would let the events go out unchecked once the clean-up wrote.
         lapsed = any(mono - job.beat_at >= ttl - w.settings.heartbeat_grace / 2 for job in jobs)
+        # Nor once a stop began: it hands jobs back to their queues, and the sender's backlog of their events must
+        # meet the per-event check (a job another worker took since would get this attempt's events in its stream).
+        lapsed = lapsed or w._stop_requested
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
         try:
@@ -135,7 +138,7 @@ class Heartbeat:
             replies = self._beat(stale, jobs, ttl, rate, mono, lapsed)
         self.last_beat_at = time.time()
         if w.sender.lease_key:
-            if self._leased and not replies[-1]:
+            if self._leased and not replies[-1] and not w._stop_requested:
                 log.warning("lease not kept: a job held here belongs to another attempt now, or its heartbeat lapsed")
             self._leased = bool(replies[-1])
 
