@@ -542,6 +542,12 @@ def test_past_the_drain_timeout_a_stop_hands_back_what_still_runs(fake_worker):
     next(iter(job.events(timeout=10)))
     stopped_at = time.monotonic()
     worker.request_stop()
+    # The sender gives up on a Redis that refuses writes from the drain timeout on, set at the signal: set only by the
+    # loop's drain check, a loop held in the sender's put by an outage never reached it, and the worker never left.
+    from worker.hand_back import HAND_BACK_PATIENCE_S
+
+    assert worker.sender.give_up_at is not None
+    assert 0 <= worker.sender.give_up_at - (stopped_at + 0.5 + HAND_BACK_PATIENCE_S) < 1
     deadline = time.time() + 10
     while job.id not in client.queue.job_ids and time.time() < deadline:
         time.sleep(0.02)

@@ -230,6 +230,9 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self._stop_requested = True
             self._stop_at = time.monotonic()
             self._shutdown_requested_date = now()
+            if self.settings.drain_timeout is not None:  # what the drain check sets at the timeout, set now: a loop
+                # held in the sender's put by an outage never reached that check, and the worker never left
+                self.sender.give_up_at = self._stop_at + self.settings.drain_timeout + HAND_BACK_PATIENCE_S
 
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         self._on_stop_signal(signum, frame)
