@@ -373,10 +373,6 @@ def test_a_follower_sees_a_restarted_output_once_and_a_replay_skips_the_void_par
 def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_both_clients():
     """The restart past the first 1,024 entries: the void text was handed out, then StreamRestarted, and each call
     again did the same (``roseinfer submit --stream`` looped on it for good)."""
-    import asyncio
-
-    from producer import Client
-    from producer.aio import AsyncGenerationJob, StreamHub
 
     server = fakeredis.FakeServer()
     conn = fakeredis.FakeRedis(server=server)
@@ -388,17 +384,7 @@ def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_b
     pub.add(retry, " text", [2], "length", {})
     _send(conn, pub)
     conn.hset("rq:job:j", "status", "finished")
-    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "new text"
-
-    class Async:  # what AsyncGenerationJob reads through: an async connection, its hub and a sync client
-        connection = fakeredis.FakeAsyncRedis(server=server)
-        hub = StreamHub(connection)
-        sync = Client(connection=conn)
-
-    async def read() -> str:
-        return "".join([piece async for piece in AsyncGenerationJob(Async(), "j").stream(timeout=5)])
-
-    assert asyncio.run(read()) == "new text"
+    assert _streamed_by_both_clients(server, "j") == ("new text", "new text")
 
 
 @pytest.mark.parametrize("page", [3, 4, 1024])
@@ -454,15 +440,21 @@ def test_a_stream_trimmed_before_it_was_read_says_so_rather_than_give_part_of_th
 def test_a_finish_reason_of_null_does_not_end_a_stream():
     """The event schema allows ``"finish_reason": null`` on any event (another language's writer sets every field):
     the followers took it for the end and returned the text so far, where the cursor read it as none."""
-    from producer import Client
-    from producer.aio import AsyncGenerationJob, StreamHub
 
     server = fakeredis.FakeServer()
     conn = fakeredis.FakeRedis(server=server)
     conn.hset("rq:job:j", "status", "finished")
     conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps({**make_event(0, "Hello", [0]), "finish_reason": None})})
     conn.xadd(stream_key("j"), {STREAM_FIELD: json.dumps(make_event(1, " world", [1], "stop", {}))})
-    assert "".join(Client(connection=conn).job("j").stream(timeout=5)) == "Hello world"
+    assert _streamed_by_both_clients(server, "j") == ("Hello world", "Hello world")
+
+
+def _streamed_by_both_clients(server, job_id: str) -> tuple[str, str]:
+    """A job's text as ``stream()`` gives it in the sync client and in the async one, on a fakeredis server."""
+    from producer import Client
+    from producer.aio import AsyncGenerationJob, StreamHub
+
+    conn = fakeredis.FakeRedis(server=server)
 
     class Async:  # what AsyncGenerationJob reads through: an async connection, its hub and a sync client
         connection = fakeredis.FakeAsyncRedis(server=server)
@@ -470,9 +462,9 @@ def test_a_finish_reason_of_null_does_not_end_a_stream():
         sync = Client(connection=conn)
 
     async def read() -> str:
-        return "".join([piece async for piece in AsyncGenerationJob(Async(), "j").stream(timeout=5)])
+        return "".join([piece async for piece in AsyncGenerationJob(Async(), job_id).stream(timeout=5)])
 
-    assert asyncio.run(read()) == "Hello world"
+    return "".join(Client(connection=conn).job(job_id).stream(timeout=5)), asyncio.run(read())
 
 
 def test_an_event_written_twice_is_read_once():
