@@ -12,6 +12,7 @@ at temperature 0.7 and top_p 0.9 in 47 ms against 3 in the kernel); the PyTorch 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -165,7 +166,7 @@ class Sampler:
         for the device: only steps that compute such prompts pay it."""
         raw = torch.log_softmax(logits.float(), dim=-1)
         chosen = raw.gather(1, to_device(targets, torch.long, raw.device)[:, None]).squeeze(1).tolist()
-        k = max(nums)
+        k = min(max(nums), raw.shape[-1])  # (a vocabulary under 20 tokens: topk raised, and failed the step)
         top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
         return [
             _logprob_entry(ids, vals, n, target, value)
@@ -375,7 +376,7 @@ class Sampler:
     def _kernel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list) -> SamplerOutput:
         """The step's output with the requested logprobs of the model's logits, from the CPU kernel."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        nums = [params[i].logprobs for i in rows]
+        nums = [min(params[i].logprobs, logits.shape[-1]) for i in rows]  # (past the vocabulary: unset memory)
         every = len(rows) == len(params)  # (the usual case: no copy of the batch's logits)
         chosen, top_vals, top_ids = logprob_rows(
             logits if every else logits[rows], tokens if every else tokens[rows], nums
@@ -396,7 +397,7 @@ class Sampler:
         sub = raw[idx]
         picked = tokens[idx]
         chosen = sub.gather(1, picked[:, None]).squeeze(1)
-        k = max(params[i].logprobs for i in rows)
+        k = min(max(params[i].logprobs for i in rows), sub.shape[-1])  # (topk past the vocabulary raised)
         top_vals, top_ids = sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long())
 
         def finish(lists: list[list]) -> SamplerOutput:
@@ -416,9 +417,10 @@ def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int
     # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n: topk's order among equals
     # is its own, so which tied token a row kept depended on its neighbours' widest top.
     ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))[:n]
-    # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative.
-    entry = {t: v for t, v in ranked if v != float("-inf")}
-    entry[token] = max(value, -9999.0)  # finite, as vLLM keeps it: JSON has no -Infinity
+    # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative; nor is a
+    # NaN or infinite logprob of a model's NaN or infinite logit (JSON has neither).
+    entry = {t: v for t, v in ranked if math.isfinite(v)}
+    entry[token] = value if math.isfinite(value) else -9999.0  # finite, as vLLM keeps it (max() let a NaN through)
     return entry
 
 

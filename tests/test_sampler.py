@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -533,3 +535,19 @@ def test_a_row_whose_logits_overflowed_takes_its_argmax_on_every_path(monkeypatc
     monkeypatch.undo()
     if can_sample_rows(logits):  # the CPU kernel agrees on the overflowed row
         assert Sampler([0], 0, torch.device("cpu"))(logits[[0, 2]], [rows[0], rows[2]]).token_ids == [0, 5]
+
+
+@pytest.mark.parametrize("path", ["kernel", "pytorch"])
+def test_logprobs_past_a_small_vocabulary_and_of_nan_logits_are_finite_real_tokens(path, monkeypatch):
+    """More alternatives asked than a tiny model has tokens: the kernel gave ids out of unset memory
+    (4294967394: 0.0), PyTorch's topk raised and failed the step of every request. A NaN or infinite logit: NaN
+    logprobs went out (max(nan, -9999) is nan), which JSON has not, and the two paths named other tokens."""
+    if path == "pytorch":
+        monkeypatch.setattr(sampler_module, "can_sample_rows", lambda logits: False)
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    out = Sampler([0], 0, torch.device("cpu"))(logits, [seq(SamplingParams(temperature=0, logprobs=20))] * 2)
+    assert all(set(entry) == set(range(16)) for entry in out.logprobs)
+    assert all(math.isfinite(v) for entry in out.logprobs for v in entry.values())
+    logits[0, 5], logits[1, 3] = float("nan"), float("inf")
+    out = Sampler([0], 0, torch.device("cpu"))(logits, [seq(SamplingParams(temperature=0, logprobs=2))] * 2)
+    assert all(math.isfinite(v) for entry in out.logprobs for v in entry.values())
