@@ -685,7 +685,8 @@ class LLMEngine:
         if seq.grammar is not None and (dead_end := self.structured.dead_end(seq)) is not None:
             # Met while filling its mask, which then allowed EOS alone: not a complete output, as "stop" said.
             log.error("request %s: its structured output can go no further: %s", seq.request_id, dead_end)
-            reason, seq.abort_cause = "abort", AbortCause(True, dead_end)
+            limit = self.structured.past_limits(dead_end)
+            reason, seq.abort_cause = "abort", AbortCause(not limit, dead_end, limit)
         elif seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 # An EOS the generation config adds to the tokenizer's is named, as vLLM's stop ids name theirs.

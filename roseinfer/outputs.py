@@ -13,6 +13,7 @@ class AbortCause:
 
     dead_end: bool
     why: str
+    limit: bool = False  # the grammar library's own limits, not its constraint's: the server's, worth a retry
 
 
 @dataclass(slots=True)

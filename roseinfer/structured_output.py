@@ -227,6 +227,16 @@ class StructuredOutputManager:
         """Feed a sampled token to the request's matcher. False when the matcher refuses it (it then stays in error)."""
         return bool(seq.grammar.consume_token(token))
 
+    def past_limits(self, why: str) -> bool:
+        """Whether a matcher's error (``dead_end``'s) is one of llguidance's limits, not its constraint's: the
+        copies of a template share its lexer's states and their budget, so a constraint's earlier requests used it
+        up for the later ones (each failed as a dead end for the worker's life, the template reused). The templates
+        are compiled afresh from then on."""
+        if "TooComplex" not in why and "too many expressions constructed" not in why:
+            return False
+        self._templates.clear()
+        return True
+
     @staticmethod
     def dead_end(seq: Sequence) -> str | None:
         """Why the request's matcher can go no further (a schema or pattern no text completes: it met that filling

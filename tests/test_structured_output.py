@@ -387,3 +387,43 @@ def test_a_format_llguidance_does_not_know_is_an_annotation_not_a_refusal(llm):
     assert matcher.consume_tokens(llm.get_tokenizer().encode(text)) and matcher.is_stopped()
     bad_date = manager.matcher_for(StructuredOutputsParams(json=schema), [])
     assert not bad_date.consume_tokens(llm.get_tokenizer().encode(text.replace("2026-11-30", "tomorrow")))
+
+
+@pytest.mark.slow  # seconds: the grammar library's lexer blows up once, as it does in the wild
+def test_a_constraint_whose_earlier_requests_used_up_the_grammar_librarys_limits_is_compiled_afresh(llm):
+    """The copies of a compiled constraint share its lexer's states and their budget: earlier requests of a regex
+    whose lexer blows up used it up, and every later request of it failed as a dead end (the client's fault, not
+    retried) for the worker's life. Said as the server's, worth a retry, and the next request compiles afresh."""
+    import random
+
+    from roseinfer.sampling_params import StructuredOutputsParams
+
+    regex = "(a|b)*a(a|b){20}"
+    tok, manager = llm.get_tokenizer(), llm.engine.structured
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    rng = random.Random(0)
+    for _ in range(25):  # earlier requests of the same regex, driven through the engine's own matchers
+        matcher = manager.matcher_for(StructuredOutputsParams(regex=regex), [])
+        for _ in range(2000):
+            if not matcher.consume_token(rng.choice((a, b))):
+                break
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, structured_outputs={"regex": regex})
+    [out] = llm.generate(["Hi"], params, use_tqdm=False)
+    cause = out.outputs[0].abort_cause
+    assert out.outputs[0].finish_reason == "abort" and cause.limit and not cause.dead_end, cause
+    [again] = llm.generate(["Hi"], params, use_tqdm=False)
+    assert again.outputs[0].finish_reason != "abort" and again.outputs[0].text, again.outputs[0]
+
+
+def test_a_job_past_the_grammar_librarys_limits_fails_as_the_servers_and_may_run_again():
+    """Its abort said "dead end" (the request's fault, not retried) where no fault of the request's was met."""
+    from types import SimpleNamespace
+
+    from roseinfer.outputs import AbortCause
+    from worker.pump import _refused_by_grammar
+
+    why = "lexer error: too many expressions constructed; Stop: LexerTooComplex"
+    sample = SimpleNamespace(abort_cause=AbortCause(False, why, limit=True), index=0, logprobs=None)
+    out = SimpleNamespace(outputs=[sample], request_id="j", delta_text="", delta_token_ids=[], delta_index=0)
+    event = _refused_by_grammar(out)
+    assert (event.error_type, event.retryable) == ("server_error", True) and "limits" in event.error

@@ -363,7 +363,11 @@ def _refused_by_grammar(out: Any) -> JobEvent:
     tokenizer whose end token the grammar library does not know, say: the server's). It failed as a job its client
     canceled: a canceled result, RQ's status left "started" for good, a batch waiting on it for a day."""
     cause = out.outputs[0].abort_cause
-    if cause is not None and cause.dead_end:
+    retryable = cause is not None and cause.limit
+    if retryable:  # (an earlier job of the same constraint used up the grammar library's budget: compiled afresh)
+        error = f"the job's structured output passed the grammar library's limits ({cause.why}): may run again"
+        fault = "server_error"
+    elif cause is not None and cause.dead_end:
         error = (
             f"the job's structured output reached a dead end: no text completes its schema or pattern ({cause.why}); "
             "not retried"
@@ -377,5 +381,5 @@ def _refused_by_grammar(out: Any) -> JobEvent:
         fault = "server_error"
     return JobEvent(
         out.request_id, out.delta_text, out.delta_token_ids, "error", out, index=out.delta_index,
-        error=error, error_type=fault, logprobs=delta_logprobs(out),
+        error=error, error_type=fault, logprobs=delta_logprobs(out), retryable=retryable,
     )  # fmt: skip
