@@ -166,9 +166,9 @@ class StructuredOutputManager:
             raise ValueError(f"structured outputs need the llguidance package: {exc}") from exc
         if self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer, and this model has none")
-        self._ll_tokenizer = llguidance.hf.from_tokenizer(
-            self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
-        )
+        # (an EOS past the model's table, a config's, is never sampled: llguidance refused every constraint for it)
+        eos = [token for token in self.eos_token_ids if token < self.vocab_size]
+        self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         self._executor = llguidance.LLExecutor(num_threads=1 if self.overlap else max(1, torch.get_num_threads()))
         if self.overlap:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")

@@ -427,3 +427,14 @@ def test_a_job_past_the_grammar_librarys_limits_fails_as_the_servers_and_may_run
     out = SimpleNamespace(outputs=[sample], request_id="j", delta_text="", delta_token_ids=[], delta_index=0)
     event = _refused_by_grammar(out)
     assert (event.error_type, event.retryable) == ("server_error", True) and "limits" in event.error
+
+
+def test_an_end_token_past_the_models_table_refuses_no_constraint(smol_tokenizer):
+    """A generation config may name an end token past the model's table (never sampled): llguidance refused every
+    constraint for it ("EOS token ID ... is out of range"), each a failure of the client's."""
+    from roseinfer.sampling_params import StructuredOutputsParams
+    from roseinfer.structured_output import StructuredOutputManager
+
+    vocab = len(smol_tokenizer)
+    manager = StructuredOutputManager(smol_tokenizer, vocab, [smol_tokenizer.eos_token_id, vocab + 5])
+    assert not manager.matcher_for(StructuredOutputsParams(regex="a+"), []).is_error()
