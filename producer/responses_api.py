@@ -303,6 +303,7 @@ class ResponseWriter:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items, as they come
         self.text = ""  # the job's text so far
+        self.fed = False  # any text or logprobs taken in (a parser may hold it: a job's restart cannot void it)
         self.calls: CallStream | FormatStream | None = None
         self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
         self.message_index = 0
@@ -446,6 +447,7 @@ class ResponseWriter:
     def piece(self, text: str, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The events of the job's next text; ``event``: the job's event it came in (its tokens' logprobs)."""
         self.unsent += self._logprobs(event or {})
+        self.fed = self.fed or bool(text) or bool(self.unsent)
         if not text:
             return []
         events = []
@@ -519,6 +521,7 @@ class ResponseWriter:
             thinking, text = self.thoughts.finish()
             events += self._think(thinking) if thinking else []
             events += self._thought_done(status if not text else "completed")
+            self.text += text  # (as piece's: a named call's arguments are read from it)
             events += self._feed(text) if text else []
         events += self._out(*self.calls.finish()) if self.calls is not None else []
         text_answers = self.tools is None or self.tools.parser is not None  # ("required" and a named call: calls only)

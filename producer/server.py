@@ -732,7 +732,7 @@ async def _response_sse(
                 yield PING
                 continue
             event = got[1]
-            if event.get("reset") and (writer.text or writer.thinking):
+            if event.get("reset") and writer.fed:  # (the reasoning parser's held "<think>" and logprobs too)
                 raise StreamRestarted(job.id)  # text already sent (thinking too) cannot be taken back
             reason = event.get("finish_reason")
             if reason == "error":

@@ -317,3 +317,30 @@ def test_required_calls_cut_before_any_stream_no_empty_message_the_whole_respons
     events = writer.opening() + writer.piece(text) + writer.closing("length", usage)
     assert whole["output"] == [] and events[-1]["response"]["output"] == []
     assert not [e for e in events if e["type"] == "response.output_item.added"]
+
+
+def test_a_named_functions_arguments_held_to_the_end_by_the_reasoning_parser_are_in_its_done_event():
+    """Text the reasoning parser held until the output ended (whitespace that might begin a <think>) went out as a
+    delta, but the call's done event and item read arguments without it, where the whole response had them."""
+    named = {"type": "function", "name": "get_weather"}
+    body = {"model": "m", "input": "Weather?", "tools": TOOLS, "tool_choice": named, "stream": True}
+    req, chat, _ = parse_responses(body, None, "qwen3")
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
+        {"text": "\n", "finish_reason": "length", "usage": usage}
+    )
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    events = [*writer.opening(), *writer.piece("\n"), *writer.closing("length", usage)]
+    [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert done["arguments"] == "\n" == events[-1]["response"]["output"][-1]["arguments"]
+    assert whole["output"][-1]["arguments"] == "\n"
+
+
+def test_a_writer_that_took_in_text_its_reasoning_parser_holds_cannot_restart():
+    """A job's restart (a reset event) was let through where no text had gone out, though the parser held "<think>"
+    (one token in Qwen3): the writer went on with it, and the stream's thinking began "<think>"."""
+    body = {"model": "m", "input": "Sum?", "stream": True}
+    req, chat, _ = parse_responses(body, None, "qwen3")
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    writer.opening()
+    assert not writer.piece("<think>") and writer.fed and not writer.text
