@@ -918,8 +918,8 @@ class GenerationJob:
             if is_last(event):
                 return
         looked = False  # the first read does not block: a job long over says so at once
+        longest = max(1, int(1000 * longest_block_s(conn)))  # (0 blocks for good)
         while True:
-            longest = max(1, int(1000 * longest_block_s(conn)))  # (0 blocks for good)
             wait_ms = longest if deadline is None else max(1, min(longest, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
@@ -999,6 +999,7 @@ class GenerationJob:
         grace: float | None = None
         pubsub = None
         channels = True  # False: an ACL user without channel rights (Redis 7's default for new users)
+        longest = longest_block_s(conn)
         blocking = True  # False: nor the right to a blocking XREAD
         try:
             while True:
@@ -1035,7 +1036,7 @@ class GenerationJob:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id}: no result within {timeout:g} s (status {status})")
-                wait = longest_block_s(conn) if left is None else min(longest_block_s(conn), left)
+                wait = longest if left is None else min(longest, left)
                 try:
                     if not channels and not blocking:  # neither a channel nor a blocking read: looked at again
                         time.sleep(min(wait, POLL_WITHOUT_BLOCKING_S))

@@ -614,3 +614,21 @@ def test_webhook_hosts_are_bare_hosts_compared_as_a_webhooks_url_is_read():
     for bad in ("hooks.example.com:8443", "https://hooks.example.com", "", "hooks.example.com/path"):
         with pytest.raises(ValueError, match="a host name or address alone"):
             WorkerSettings(allow_webhook_host=[bad])
+
+
+@pytest.mark.redis
+def test_a_pull_blocks_the_bound_the_socket_timeout_counts_on_whatever_it_is_asked(redis_url):
+    """One lane blocked the whole wait asked (up to 60 s), past the worker's socket timeout (taken for an outage)."""
+    import time
+
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from worker.intake import MULTI_LANE_WAIT_S, pull
+
+    conn = Redis.from_url(redis_url)
+    started = time.monotonic()
+    assert pull([Queue("empty-lane", connection=conn)], 1, 5, conn, Job, JSONSerializer) == ([], [])
+    assert time.monotonic() - started < MULTI_LANE_WAIT_S + 1

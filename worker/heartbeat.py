@@ -128,21 +128,21 @@ class Heartbeat:
         lapsed = any(mono - job.beat_at >= ttl - w.settings.heartbeat_grace / 2 for job in jobs)
         # Nor once a stop began: it hands jobs back to their queues, and the sender's backlog of their events must
         # meet the per-event check (a job another worker took since would get this attempt's events in its stream).
-        lapsed = lapsed or w._stop_requested
+        no_lease = lapsed or w._stop_requested
         if stale and w.sender.runs_scripts and self._beat_jobs is None:
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
         try:
-            replies = self._beat(stale, jobs, ttl, rate, mono, lapsed)
+            replies = self._beat(stale, jobs, ttl, rate, mono, no_lease)
         except redis.exceptions.NoScriptError:  # Redis restarted and forgot it
             self._beat_jobs = load_script(w.connection, _BEAT_JOBS)
-            replies = self._beat(stale, jobs, ttl, rate, mono, lapsed)
+            replies = self._beat(stale, jobs, ttl, rate, mono, no_lease)
         self.last_beat_at = time.time()
         if w.sender.lease_key:
             if self._leased and not replies[-1] and not w._stop_requested:
                 log.warning("lease not kept: a job held here belongs to another attempt now, or its heartbeat lapsed")
             self._leased = bool(replies[-1])
 
-    def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float, lapsed: bool = False) -> list:
+    def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float, no_lease: bool = False) -> list:
         w = self.worker
         with w.connection.pipeline(transaction=False) as pipe:
             # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis
@@ -171,7 +171,7 @@ class Heartbeat:
             pipe.hset(key, mapping={**w.stats(), "generated_tokens": w.tokens, "tokens_per_s": f"{rate:.1f}"})
             # The statistics lapse with the heartbeat: a dead worker drops out of `roseinfer status`.
             pipe.expire(key, ttl)
-            if w.sender.lease_key and lapsed:
+            if w.sender.lease_key and no_lease:
                 pipe.delete(w.sender.lease_key)
                 pipe.exists(w.sender.lease_key)  # (the lease's place in the replies: 0, not set)
             elif w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries

@@ -162,9 +162,9 @@ def load_script(connection: redis.Redis, source: str):
     return script
 
 
-# An idle worker serving several lanes waits on one (the queue itself) this long at a time, and looks at every
-# lane in between: a job of another lane waits at most as long; 5 BLMOVEs and 5 scripts a lane a second per idle
-# worker.
+# An idle worker waits on one lane (the queue itself) this long at a time, and looks at every lane in between: a job
+# of another lane waits at most as long; 5 BLMOVEs and 5 scripts a lane a second per idle worker. A worker always
+# serves two lanes or more, and its socket timeout counts on this bound (``WorkerSettings.socket_timeout``).
 MULTI_LANE_WAIT_S = 0.2
 
 
@@ -179,8 +179,9 @@ def pull(
     max_data_bytes: int | None = None,
     wait_on: int = 0,
 ) -> tuple[list[tuple[Job, Queue]], list[Unreadable]]:
-    """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds for the first one only (None: not at all),
-    on ``queues[wait_on]``. Jobs RQ cannot read come back apart, already off the queue; Redis errors propagate.
+    """Up to ``limit`` jobs off ``queues``, blocking ``block`` seconds (``MULTI_LANE_WAIT_S`` at most; None: not at
+    all) for the first one only, on ``queues[wait_on]``. Jobs RQ cannot read come back apart, already off the
+    queue; Redis errors propagate.
     ``move_script``: the registered ``MOVE_SCRIPT`` (None where Redis runs no Lua: a pipeline of ``limit`` LMOVEs
     then). ``max_data_bytes``: a job with a field RQ inflates (its data, its exc_info) that would inflate past it
     comes back apart too, unread."""
@@ -192,7 +193,7 @@ def pull(
             return pulled, unreadable
     if block:  # a blocking wait for the first job; the burst it woke for comes in batches below
         queue = queues[wait_on]
-        wait = block if len(queues) == 1 else min(block, MULTI_LANE_WAIT_S)
+        wait = min(block, MULTI_LANE_WAIT_S)
         try:
             raw_id = _wait_for_one(queue, wait, connection)
         except redis.ResponseError as exc:
@@ -373,7 +374,7 @@ def _restore(
             unreadable.append(Unreadable(job_id, queue, beyond))
             continue
         pulled.append((job, queue))
-    raw_of = dict(zip(raw_ids, raws))
+    raw_of = dict(zip(raw_ids, raws)) if unreadable else {}
     for item in unreadable:  # (ends as it asks, as a refused job RQ could read does: its list waited for good)
         raw = raw_of.get(item.job_id.encode()) if item.raw_id is None else None
         if isinstance(raw, dict):

@@ -234,11 +234,11 @@ def known_env_vars() -> set[str]:
 def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
     """Warnings for ``ROSEINFER_`` variables nothing reads (a misspelt one would otherwise be silently ignored)."""
     known = known_env_vars()
+    settings = {ENV_PREFIX + field.upper() for field in WorkerSettings.model_fields}  # (read in any case)
     warnings = []
     for name in sorted(environ if environ is not None else os.environ):
         if not name.upper().startswith(ENV_PREFIX) or name in known:
             continue
-        settings = {ENV_PREFIX + field.upper() for field in WorkerSettings.model_fields}
         if name.upper() in settings:  # pydantic's settings read names in any case; os.environ.get does not
             warnings.append(
                 f"warning: {name} is read by the worker as {name.upper()}, but not by every command (the producer's "
