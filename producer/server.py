@@ -29,9 +29,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from producer.aio import AsyncClient, AsyncGenerationJob
+from producer.aio import AsyncClient
 from producer.chat_render import ChatRenderer, ChatRenderers, chat_digests
-from producer.client import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
+from producer.client import ProtocolError, StreamGap
 from producer.connection import REDIS_UNAVAILABLE, connect, redacted_url
 from producer.openai_api import (
     APIError,
@@ -46,28 +46,17 @@ from producer.openai_api import (
     parse,
     parse_completions,
     parse_request,
-    total_usage,
-    without_output,
 )
 from producer.protocol import installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.schema import lone_surrogate
+from producer.server_jobs import CANCELING, answer_within, job_headers, results_unless_gone
+from producer.server_sse import PROMPT_FIELDS, chunk_stream, response_stream, start_stream
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
 
 log = logging.getLogger("roseinfer.server")
-
-# A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
-# but once one came, no longer than this: a job queued behind a full worker streams when it starts.
-FIRST_EVENTS_GRACE_S = 1.0
-# A stream whose jobs sent nothing yet (queued behind others) gets its headers after this, then a comment line
-# every PING_EVERY_S while nothing comes: a proxy's read timeout (nginx's 60 s) cut it, and with it the job.
-HEADERS_HOLD_S = 5.0
-PING_EVERY_S = 15.0
-# The request field a context_length_exceeded error names, by endpoint (behind a proxy's path prefix too).
-_PROMPT_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
-MAX_IDS_IN_HEADER = 32  # more: the first id and the count (256 ids, ~9.5 KB, passed a proxy's header buffer)
 
 
 class Workers:
@@ -213,7 +202,7 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.code == "context_length_exceeded" and exc.param is None:  # the field to shorten, as OpenAI names it
-            exc.param = next((f for path, f in _PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
+            exc.param = next((f for path, f in PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -355,7 +344,7 @@ def create_app(
         return await _complete(request, CompletionRequest)
 
     async def _complete(request: Request, kind: type) -> Any:
-        wait = _answer_within(request, timeout)
+        wait = answer_within(request, timeout)
         body = await _body(request)
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
@@ -369,7 +358,7 @@ def create_app(
         # (Before the submit: a Redis error here left the jobs of a request answered 503 running for nobody.)
         names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
         jobs = list(await asyncio.gather(*(client.submit(**fit_to_context(f)) for f in jobs_fields)))  # one batch
-        job, ids = jobs[0], _job_headers(jobs)
+        job, ids = jobs[0], job_headers(jobs)
         chat = kind is ChatCompletionRequest
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -392,13 +381,13 @@ def create_app(
                 echo_only=not chat and req.echo_only,
             )
             try:
-                early, events = await _start_stream(request, jobs, wait)
+                early, events = await start_stream(request, jobs, wait, timeout)
             except ConnectionAbortedError:  # (its jobs canceled already)
                 return Response(status_code=499, headers=ids)
-            stream = _sse(jobs, chunks, timeout, metrics.streams, early, events)
+            stream = chunk_stream(jobs, chunks, timeout, metrics.streams, early, events)
             return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
         try:
-            results = await _results_unless_gone(request, jobs, wait)
+            results = await results_unless_gone(request, jobs, wait)
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
             return Response(status_code=499, headers=ids)
         if chat:
@@ -410,20 +399,20 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
         """OpenAI's Responses API: the chat job its request means, answered as a response or its events."""
-        wait = _answer_within(request, timeout)
+        wait = answer_within(request, timeout)
         req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
         names = await _token_names(req.model, chat.num_logprobs is not None)  # (before the submit, as the chat's)
         job = await client.submit(**fit_to_context(fields))
-        ids = _job_headers([job])
+        ids = job_headers([job])
         plans = chat.tool_plan(), chat.num_logprobs, names, chat.reasoning_plan()
         writer = ResponseWriter(job.id, req.model, req, *plans)
         try:
             if req.stream:
-                early, events = await _start_stream(request, [job], wait)
-                stream = _response_sse(job, writer, timeout, metrics.streams, early, events)
+                early, events = await start_stream(request, [job], wait, timeout)
+                stream = response_stream(job, writer, timeout, metrics.streams, early, events)
                 return StreamingResponse(stream, media_type="text/event-stream", headers=ids)
-            [result] = await _results_unless_gone(request, [job], wait)
+            [result] = await results_unless_gone(request, [job], wait)
         except ConnectionAbortedError:  # (its job canceled already)
             return Response(status_code=499, headers=ids)
         return JSONResponse(writer.whole(result), headers=ids)
@@ -432,113 +421,7 @@ def create_app(
         """The tokens of ``model`` by their text where a response shows tokens (no lookup otherwise: by id)."""
         return await tokenizers.names(await workers.tokenizer_of(model)) if wanted else BY_ID
 
-    async def _start_stream(
-        request: Request, jobs: list[AsyncGenerationJob], wait: float
-    ) -> tuple[list[tuple[int, dict[str, Any]]], MergedEvents]:
-        """The jobs' events, those before the headers read: a job refused among them is the request's status.
-        ``--timeout`` counts from each job's last event: a stream that goes on is not cut (OpenAI's and vLLM's are
-        not; a client's read timeout counts between chunks too). The first events wait ``wait`` at most, but where
-        the stream's pings come sooner than the client stops reading: they keep it, and ``--timeout`` bounds them."""
-        events = MergedEvents([each.events(timeout, skip_void=True, idle=True) for each in jobs])
-        # (where the headers go before any event: the 504 comes in-stream)
-        events.expect_first_within(timeout if wait > PING_EVERY_S else wait)
-        try:
-            first = asyncio.wait_for(_first_events(jobs, events, HEADERS_HOLD_S), wait)  # (the client waits)
-            return await _unless_gone(request, jobs, first, wait), events
-        except BaseException:  # (its jobs canceled already where they should be)
-            events.close()
-            raise
-
     return app
-
-
-def _answer_within(request: Request, timeout: float) -> float:
-    """Seconds the server waits for an answer's first byte: ``--timeout``, or less where the client says it stops
-    reading sooner (the official clients send ``x-stainless-read-timeout``, 600 s by default, ``--timeout``'s own).
-    The 504 must reach it first: a client that gave up on its own retried, submitting the job again each time."""
-    try:
-        read = float(request.headers.get("x-stainless-read-timeout", "inf"))
-    except ValueError:
-        return timeout
-    if not 0 < read < float("inf"):
-        return timeout
-    return min(timeout, read - max(0.05 * read, min(1.0, 0.2 * read)))  # (the answer's own way back, and skew)
-
-
-async def _results_unless_gone(
-    request: Request, jobs: list[AsyncGenerationJob], timeout: float
-) -> list[dict[str, Any]]:
-    """The jobs' results; their cancel if the client goes away first; a job's failure as an API error."""
-    waits = [asyncio.ensure_future(job.result(timeout)) for job in jobs]
-    try:
-        return await _unless_gone(request, jobs, asyncio.gather(*waits), timeout)
-    finally:  # one failed: the others' polls stop too (a failed gather leaves its children running)
-        for wait in waits:
-            wait.cancel()
-
-
-async def _first_events(
-    jobs: list[AsyncGenerationJob], events: MergedEvents, hold: float
-) -> list[tuple[int, dict[str, Any]]]:
-    """The events that come before any byte of the response: every job's first, or once one came, those within
-    ``FIRST_EVENTS_GRACE_S``; none if none came within ``hold`` (jobs queued behind others). A job the worker
-    refuses among them (a prompt too long) is the request's status, 400, as without streaming (OpenAI and vLLM
-    check before they stream), not 200 and an error chunk."""
-    early: list[tuple[int, dict[str, Any]]] = []
-    seen: set[int] = set()
-    deadline = time.monotonic() + hold
-    while len(seen) < len(jobs):
-        wait = deadline - time.monotonic()
-        if wait <= 0:
-            break
-        try:
-            got = await events.get(wait)
-        except NothingYet:  # (a stream's own TimeoutError, its job past --timeout, is the request's 504)
-            break
-        if got is None:
-            break
-        i, event = got
-        reason = event.get("finish_reason")
-        if reason == "error":
-            raise JobFailed.of_event(jobs[i].id, event)
-        if reason == "abort" and not event["text"]:
-            raise JobCanceled(jobs[i].id, "the job was canceled")
-        if not early:
-            deadline = time.monotonic() + FIRST_EVENTS_GRACE_S
-        early.append(got)
-        seen.add(i)
-    return early
-
-
-async def _unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: Any, timeout: float) -> Any:
-    """What ``wait`` (an awaitable about ``jobs``) gives; their cancel if the client goes away first (or one
-    fails: no one will read the others); a job's failure as an API error."""
-    waiting = asyncio.ensure_future(wait)
-    try:
-        while True:
-            done, _ = await asyncio.wait({waiting}, timeout=0.25)
-            if done:
-                return waiting.result()
-            if await request.is_disconnected():
-                raise ConnectionAbortedError
-    except (TimeoutError, asyncio.TimeoutError):  # (wait_for's is not the builtin before Python 3.11)
-        _cancel_all_soon(jobs)
-        raise _with_jobs(_timed_out(timeout), jobs) from None
-    except (JobFailed, JobCanceled) as exc:
-        if len(jobs) > 1:
-            _cancel_all_soon(jobs)
-        raise _with_jobs(_job_error(exc), jobs) from None
-    except (ConnectionAbortedError, asyncio.CancelledError):
-        _cancel_all_soon(jobs)
-        raise
-    except Exception:  # Redis away, events that cannot be read: no one will read the jobs
-        _cancel_all_soon(jobs)
-        raise
-    finally:
-        waiting.cancel()
-        # Retrieved, whatever it ended with: a gather cancelled after a child failed (or that a child's failure ends
-        # as the cancel lands) logged "exception was never retrieved" with its traceback, a disconnect each.
-        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _mixed_models(queue: str, served: list[str]) -> str:
@@ -548,41 +431,6 @@ def _mixed_models(queue: str, served: list[str]) -> str:
         f"the workers on queue {queue!r} serve several models ({', '.join(served)}), and a job runs on whichever "
         "takes it: give each model a queue of its own, and one model at several paths one --served-model-name"
     )
-
-
-def _with_jobs(err: APIError, jobs: list[AsyncGenerationJob]) -> APIError:
-    err.headers.update(_job_headers(jobs))
-    return err
-
-
-def _job_headers(jobs: list[AsyncGenerationJob]) -> dict[str, str]:
-    """``x-roseinfer-job-id``: the jobs' ids; past ``MAX_IDS_IN_HEADER`` the first (``<base>-0``) and their count.
-    ``x-request-id`` (OpenAI's, which its clients keep as ``_request_id``): the first job's id."""
-    first = {"x-request-id": jobs[0].id}
-    if len(jobs) <= MAX_IDS_IN_HEADER:
-        return {**first, "x-roseinfer-job-id": ",".join(job.id for job in jobs)}
-    return {**first, "x-roseinfer-job-id": jobs[0].id, "x-roseinfer-job-count": str(len(jobs))}
-
-
-def _cancel_all_soon(jobs: list[AsyncGenerationJob]) -> None:
-    for job in jobs:
-        _cancel_soon(job)
-
-
-def _job_error(exc: JobFailed | JobCanceled) -> APIError:
-    if isinstance(exc, JobCanceled):
-        return _not_to_retry(APIError(500, "the job was canceled", "server_error"))
-    # Only a job the worker found at fault is the client's (400): a timeout, a failed step, an abandoned job are not.
-    if exc.error_type == "invalid_request":
-        return APIError(400, exc.reason, code=exc.error_code)
-    if exc.error_type == "timeout":
-        return _not_to_retry(APIError(504, exc.reason, "timeout"))
-    return APIError(500, exc.reason, "server_error")
-
-
-def _timed_out(timeout: float) -> APIError:
-    """The request outlived ``--timeout`` (its jobs are canceled)."""
-    return _not_to_retry(APIError(504, f"no result within {timeout:g} s", "timeout"))
 
 
 MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB prompt to /tokenize took 2.6 GB
@@ -611,251 +459,6 @@ async def _body(request: Request) -> Any:
     return body
 
 
-def _not_to_retry(err: APIError) -> APIError:
-    """The official clients retry a status >= 500 twice unless told not to: a request that timed out (or whose job
-    an operator canceled) would be submitted twice more, adding load to a queue already behind."""
-    err.headers["x-should-retry"] = "false"
-    return err
-
-
-async def _sse(
-    jobs: list[AsyncGenerationJob],
-    chunks: ChunkWriter,
-    timeout: float,
-    open_streams: Gauge,
-    early: list[tuple[int, dict[str, Any]]],
-    events: MergedEvents,
-) -> AsyncIterator[str]:
-    """The chunks of the jobs' events, ``(job i, event)``: those that came before the headers, then the others as
-    they come. Job i's samples are choices i * n .. i * n + n - 1 (one job but for a completion of several prompts);
-    the usage of them all at the end. A job's error ends the stream and cancels the others."""
-    finished, finals = False, []  # the jobs' final events, for the usage of them all
-    sent: set[int] = set()  # the jobs some of whose text went out
-    ended: set[int] = set()  # the choices whose finish went out (a sample of n > 1 ends before its job)
-    open_streams.inc()
-    try:
-        for i, event in early:
-            chunks.note_prompt(i, event)
-        for index in range(len(jobs) * chunks.n):
-            yield _data(chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index))
-        async for got in events.after(early):
-            if got is None:  # nothing for a while (jobs queued): a comment line, which clients skip, keeps it open
-                yield PING
-                continue
-            i, event = got
-            job, base = jobs[i], i * chunks.n
-            if chunks.echo_only:
-                event = without_output(event)
-            if event.get("reset") and i in sent:
-                raise StreamRestarted(job.id)  # text already sent cannot be taken back
-            reason = event.get("finish_reason")
-            if reason == "error":
-                raise JobFailed.of_event(job.id, event)
-            if event["text"] or event.get("logprobs"):
-                sent.add(i)
-            chunks.count(i, event)
-            index = base + event.get("index", 0)
-            if reason == "abort":  # canceled (or stopped): an error, as without streaming, not a whole answer
-                if event["text"] and (chunk := chunks.piece(event["text"], index=index, event=event)):
-                    yield _data(chunk)
-                raise JobCanceled(job.id, "the job was canceled")
-            shows_logprobs = chunks.logprobs is not None and event.get("logprobs")  # tokens whose text waits
-            if event["text"] or shows_logprobs or (reason is not None and chunks.n == 1):
-                end = None if chunks.n > 1 else reason
-                if (chunk := chunks.piece(event["text"], end, index=index, event=event)) is not None:
-                    yield _data(chunk)
-            if event.get("sample_finish_reason") and reason is None and index not in ended:  # as OpenAI, at once
-                ended.add(index)
-                yield _data(chunks.piece("", event["sample_finish_reason"], index=index))
-            if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
-                result = await job.result(timeout)
-                result = without_output(result) if chunks.echo_only else result
-                for choice in result.get("choices") or []:
-                    if base + choice["index"] not in ended:
-                        yield _data(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
-            if reason is not None:
-                finals.append(event)
-                if len(finals) == len(jobs):
-                    break
-        if chunks.include_usage:
-            yield _data(chunks.usage(total_usage(finals)))
-        yield "data: [DONE]\n\n"
-        finished = True
-    except STREAM_ERRORS as exc:
-        path = "/v1/chat/completions" if chunks.chat else "/v1/completions"
-        yield _data(_stream_error(exc, timeout, _PROMPT_FIELDS[path]).body())
-        yield "data: [DONE]\n\n"
-    finally:
-        open_streams.dec()
-        events.close()
-        if not finished:
-            _cancel_all_soon(jobs)
-
-
-STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
-
-
-def _stream_error(exc: Exception, timeout: float, prompt_field: str | None = None) -> APIError:
-    """What ends a stream once its headers went out, as the error it sends (a prompt too long names
-    ``prompt_field``, as the status it would have been names it)."""
-    if isinstance(exc, (JobFailed, JobCanceled)):
-        err = _job_error(exc)
-        if err.code == "context_length_exceeded" and err.param is None:
-            err.param = prompt_field
-        return err
-    if isinstance(exc, NoFirstEvent):  # (the headers went ahead of the first event, which never came)
-        return _not_to_retry(APIError(504, str(exc), "timeout"))
-    if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
-        return _not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
-    if isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
-        return APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
-    return APIError(500, str(exc), "server_error")
-
-
-async def _response_sse(
-    job: AsyncGenerationJob,
-    writer: ResponseWriter,
-    timeout: float,
-    open_streams: Gauge,
-    early: list[tuple[int, dict[str, Any]]],
-    events: MergedEvents,
-) -> AsyncIterator[str]:
-    """A response's typed events from its job's: created, the text (or calls) as it comes, completed; an error
-    event where the job fails, and its cancel where the client goes away."""
-    finished = False
-    open_streams.inc()
-    try:
-        for event in writer.opening():
-            yield _typed(event)
-        async for got in events.after(early):
-            if got is None:
-                yield PING
-                continue
-            event = got[1]
-            if event.get("reset") and writer.fed:  # (the reasoning parser's held "<think>" and logprobs too)
-                raise StreamRestarted(job.id)  # text already sent (thinking too) cannot be taken back
-            reason = event.get("finish_reason")
-            if reason == "error":
-                raise JobFailed.of_event(job.id, event)
-            for out in writer.piece(event["text"], event):
-                yield _typed(out)
-            if reason == "abort":  # canceled: an error, as without streaming
-                raise JobCanceled(job.id, "the job was canceled")
-            if reason is not None:
-                for out in writer.closing(reason, event.get("usage") or {}):
-                    yield _typed(out)
-                break
-        finished = True
-    except STREAM_ERRORS as exc:
-        for out in writer.failed(_stream_error(exc, timeout, _PROMPT_FIELDS["/v1/responses"])):
-            yield _typed(out)
-    finally:
-        open_streams.dec()
-        events.close()
-        if not finished:
-            _cancel_soon(job)
-
-
-def _typed(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-class NoFirstEvent(TimeoutError):
-    """A stream whose headers went before any event of its jobs (queued behind others) got none in time."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"no result within {seconds:g} s")
-
-
-class NothingYet(Exception):
-    """``MergedEvents.get``'s own wait ran out: not a stream's TimeoutError, which is its job past ``--timeout``."""
-
-
-class MergedEvents:
-    """``(i, event)`` of each stream i as its events come, each read by a task of its own (a wait for the next one
-    can time out without losing any); a stream's error once it comes."""
-
-    def __init__(self, streams: list[AsyncIterator[dict[str, Any]]]) -> None:
-        self._first_within: tuple[float, float] | None = None  # (seconds, by when: monotonic) for ``after``
-        self._arrived: asyncio.Queue = asyncio.Queue()
-        self._left = len(streams)
-        self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
-
-    async def _read(self, i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for event in stream:
-                self._arrived.put_nowait((i, event, None))
-        except Exception as exc:
-            self._arrived.put_nowait((i, None, exc))
-            return
-        self._arrived.put_nowait((i, None, None))
-
-    async def get(self, timeout: float | None = None) -> tuple[int, dict[str, Any]] | None:
-        """The next ``(i, event)``; None once every stream ended; ``NothingYet`` past ``timeout`` seconds."""
-        while self._left:
-            arrived = self._arrived.get()
-            try:
-                i, event, exc = await (arrived if timeout is None else asyncio.wait_for(arrived, timeout))
-            except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
-                raise NothingYet from None
-            if exc is not None:
-                raise exc
-            if event is not None:
-                return i, event
-            self._left -= 1
-        return None
-
-    def expect_first_within(self, seconds: float) -> None:
-        """``after`` raises ``NoFirstEvent`` where no event came within ``seconds`` from now."""
-        self._first_within = seconds, time.monotonic() + seconds
-
-    async def after(self, early: list[tuple[int, dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]] | None]:
-        """``early`` (events already taken), then the rest as they come; None each ``PING_EVERY_S`` seconds nothing
-        came (the stream's keep-alive). ``NoFirstEvent`` where none came at all in time (``expect_first_within``)."""
-        for got in early:
-            yield got
-        first = self._first_within if not early else None
-        while True:
-            wait = PING_EVERY_S
-            if first is not None:
-                left = first[1] - time.monotonic()
-                if left <= 0:
-                    raise NoFirstEvent(first[0])
-                wait = min(wait, left)
-            try:
-                got = await self.get(wait)
-            except NothingYet:
-                yield None
-                continue
-            if got is None:
-                return
-            first = None
-            yield got
-
-    def close(self) -> None:
-        for reader in self._readers:
-            reader.cancel()
-
-
-PING = ": ping\n\n"  # an SSE comment: every client skips it
-
-
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-_CANCELING: set[asyncio.Future] = set()  # the cancels on their threads, which a stop waits for (``_lifespan``)
-
-
-def _cancel_soon(job: AsyncGenerationJob) -> None:
-    """Cancel the job on a thread, not awaited: this runs while the request's task is being cancelled."""
-    loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(None, job._sync.cancel)
-    _CANCELING.add(done)
-    done.add_done_callback(_CANCELING.discard)
-    log.info("job %s canceled: its client went away", job.id)
-
-
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """At a stop: the requests the server cancelled (its grace over) cancel their jobs before the process ends (uvicorn
@@ -863,10 +466,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     for _ in range(10):  # (the cancelled requests' clean-up runs on the loop: a few turns of it, 0.1 s at most)
         await asyncio.sleep(0.01)
-        if _CANCELING:
+        if CANCELING:
             break
-    if _CANCELING:
-        await asyncio.wait(set(_CANCELING), timeout=5)
+    if CANCELING:
+        await asyncio.wait(set(CANCELING), timeout=5)
 
 
 # ----- the command -------------------------------------------------------------------------------------

@@ -1297,7 +1297,7 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     (RQ's abandoned job, say) is the server's (500), which the openai client retries."""
     from producer.client import JobCanceled as Canceled
     from producer.client import JobFailed as Failed
-    from producer.server import _job_error
+    from producer.server_jobs import job_error
 
     _, _, model = served
     with pytest.raises(openai.BadRequestError) as err:
@@ -1308,11 +1308,11 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "sea " * 3000}], stream=True)
     assert "this model allows at most" in err.value.message and err.value.code == "context_length_exceeded"
     timed_out = Failed("j", "job exceeded its timeout of 1 s", {"error_type": "timeout"})
-    assert (_job_error(timed_out).status, _job_error(timed_out).type) == (504, "timeout")
-    assert _job_error(timed_out).headers == {"x-should-retry": "false"} == _job_error(Canceled("j", "x")).headers
-    died = _job_error(Failed("j", "AbandonedJobError: the worker died"))
+    assert (job_error(timed_out).status, job_error(timed_out).type) == (504, "timeout")
+    assert job_error(timed_out).headers == {"x-should-retry": "false"} == job_error(Canceled("j", "x")).headers
+    died = job_error(Failed("j", "AbandonedJobError: the worker died"))
     assert died.status == 500 and died.headers == {}  # the openai client's retry may meet a live worker
-    assert died.code is None and _job_error(Failed("j", "bad", {"error_type": "invalid_request"})).code is None
+    assert died.code is None and job_error(Failed("j", "bad", {"error_type": "invalid_request"})).code is None
 
 
 def test_a_stream_whose_job_is_canceled_ends_with_an_error_not_a_whole_answer(served, redis_url, slow_steps):

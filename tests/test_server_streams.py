@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from producer import server as server_module
+from producer import server_sse
 from producer.server import create_app
 
 
@@ -132,7 +133,7 @@ def test_an_error_mid_stream_ends_it_and_cancels_the_other_prompts_jobs():
 def test_a_prompt_queued_behind_others_does_not_hold_the_stream_of_the_first(monkeypatch):
     """The headers wait for every job's first event (a refused job is the request's status), but once one came, only
     a grace: a job that starts later (queued behind a full worker) streams when it starts."""
-    monkeypatch.setattr(server_module, "FIRST_EVENTS_GRACE_S", 0.05)
+    monkeypatch.setattr(server_sse, "FIRST_EVENTS_GRACE_S", 0.05)
     first = [(0.01, event(0, "a")), (0.01, event(1, "a", "stop"))]
     later = [(0.5, event(0, "b")), (0.01, event(1, "b", "stop"))]
     client = ScriptedClient([first, later])
@@ -522,8 +523,8 @@ def test_a_stream_queued_behind_others_gets_its_headers_and_keep_alives_before_i
     """Its headers waited for the job's first event, for as long as the job stayed queued (5.4 s behind 14 jobs): a
     proxy's read timeout (nginx's 60 s) cut such a stream, and with it the job. Now they go after a hold, then a
     comment line while nothing comes; a first event that never comes is the 504 in the stream, the job canceled."""
-    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.1)
-    monkeypatch.setattr(server_module, "PING_EVERY_S", 0.1)
+    monkeypatch.setattr(server_sse, "HEADERS_HOLD_S", 0.1)
+    monkeypatch.setattr(server_sse, "PING_EVERY_S", 0.1)
     late = [(1.0, event(0, "a")), (0.01, event(1, "b", "stop"))]
     for path, body in (
         ("/v1/completions", {"model": "m", "prompt": "p", "stream": True}),
@@ -547,7 +548,7 @@ def test_a_stream_queued_behind_others_gets_its_headers_and_keep_alives_before_i
 def test_a_prompt_refused_after_the_headers_went_is_an_error_chunk_naming_the_field(monkeypatch):
     """Queued past the hold, a job refused as too long can no longer be the request's 400: its error chunk says it,
     naming the field to shorten as the status would have."""
-    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.05)
+    monkeypatch.setattr(server_sse, "HEADERS_HOLD_S", 0.05)
     too_long = event(
         0, "", "error", error="too long", error_type="invalid_request", error_code="context_length_exceeded"
     )
@@ -587,15 +588,15 @@ def test_a_queued_stream_whose_pings_keep_the_client_reading_is_not_cut_at_its_r
     """A stream's first event waited at most the client's read timeout (x-stainless-read-timeout), as a whole answer
     does; but the pings reach the client sooner than that, so a job queued past it was canceled for nothing (a
     client reading 60 s got a 504 at 57 s). A client that reads less than the pings' interval still gets its 504."""
-    monkeypatch.setattr(server_module, "HEADERS_HOLD_S", 0.05)
-    monkeypatch.setattr(server_module, "PING_EVERY_S", 0.1)
+    monkeypatch.setattr(server_sse, "HEADERS_HOLD_S", 0.05)
+    monkeypatch.setattr(server_sse, "PING_EVERY_S", 0.1)
     late = [(1.2, event(0, "a")), (0.01, event(1, "b", "stop"))]
     client = ScriptedClient([late])
     body = {"model": "m", "prompt": "p", "stream": True}
     start, chunks = post(client, body, headers={"x-stainless-read-timeout": "1"})  # (waited 0.8 s)
     assert start["status"] == 200 and client.canceled == []
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "ab" and chunks[-1] == "[DONE]"
-    monkeypatch.setattr(server_module, "PING_EVERY_S", 1.0)  # slower than the client reads: it would give up first
+    monkeypatch.setattr(server_sse, "PING_EVERY_S", 1.0)  # slower than the client reads: it would give up first
     client = ScriptedClient([late])
     start, chunks = post(client, body, headers={"x-stainless-read-timeout": "1"})
     assert start["status"] == 200 and chunks[-2]["error"]["type"] == "timeout" and client.canceled == ["job0"]
