@@ -86,7 +86,7 @@ def _status_within(connection, job_id: str, wanted: bytes, seconds: float) -> by
 
 
 def _outcome(job, timeout: float) -> str:
-    from producer.client import JobCanceled, JobFailed
+    from producer.job_errors import JobCanceled, JobFailed
 
     try:
         result = job.result(timeout=timeout)

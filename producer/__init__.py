@@ -5,9 +5,9 @@ inside any service.
 """
 
 from producer.aio import AsyncClient, AsyncGenerationJob
-from producer.client import (
-    Client,
-    GenerationJob,
+from producer.client import Client
+from producer.generation_job import GenerationJob
+from producer.job_errors import (
     InvalidRequest,
     JobCanceled,
     JobError,

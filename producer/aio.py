@@ -18,22 +18,14 @@ from typing import Any
 from redis.asyncio import Redis as AsyncRedis
 from rq.job import Job
 
-from producer.client import (
-    _ENDED,
-    DEFAULT_REDIS_URL,
+from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
+from producer.connection import REDIS_DOWN, connect_async, wrong_type
+from producer.event_reading import (
     FINAL_EVENT_GRACE_S,
     REDIS_PATIENCE_S,
     REPLAY_PAGE,
-    Client,
     EventCursor,
-    GenerationJob,
-    JobCanceled,
-    JobFailed,
-    JobIdTaken,
     Outage,
-    StreamExpired,
-    check_job_id,
-    checked,
     deadline_after,
     ends_sample,
     final_event_may_come,
@@ -41,12 +33,11 @@ from producer.client import (
     queue_end_reads,
     raise_at_a_bad_end,
     sample_text,
-    stream_expired,
     stream_wait_ends,
     time_left,
-    validate,
 )
-from producer.connection import REDIS_DOWN, connect_async, wrong_type
+from producer.generation_job import ENDED, GenerationJob
+from producer.job_errors import JobCanceled, JobFailed, JobIdTaken, StreamExpired, checked, stream_expired
 from producer.protocol import DEFAULT_QUEUE, event_from_stream, is_last, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
@@ -406,7 +397,7 @@ class AsyncGenerationJob:
         landed just now or a final one is still due. Raises the job's ending once no final event can come."""
         conn = self.client.connection
         status = await self.status()
-        if status in _ENDED or status == "missing":
+        if status in ENDED or status == "missing":
             if await conn.xread({key: cursor.last_id}, count=1):
                 return "more", expired_at
             if status in ("canceled", "stopped", "failed") and (
@@ -470,7 +461,7 @@ class AsyncGenerationJob:
                 result = result_from_entries(entries)
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
-                if status in _ENDED or status in ("finished", "missing"):
+                if status in ENDED or status in ("finished", "missing"):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
                     try:

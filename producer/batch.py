@@ -48,8 +48,9 @@ from producer.batch_lines import ID_FIELD, UNREAD_ID, BadLine, Line, error_line,
 from producer.batch_lines import REQUESTS as REQUESTS
 from producer.batch_lines import job_id_for as job_id_for
 from producer.chat_render import template_messages
-from producer.client import Client, JobIdTaken
+from producer.client import Client
 from producer.connection import REDIS_UNAVAILABLE, longest_block_s, redis_waits
+from producer.job_errors import JobIdTaken
 from producer.protocol import (
     BULK_PRIORITY,
     DEFAULT_QUEUE,
@@ -921,7 +922,7 @@ def _failure_reason(client: Client, job_id: str, status: str) -> str:
         return "the job disappeared from Redis (expired or deleted)"
     if status == "finished":  # RQ writes a result with the status: this one is gone
         return "the job finished, but its result expired"
-    from producer.client import JobError
+    from producer.job_errors import JobError
 
     try:
         client.job(job_id)._raise_ended(status)

@@ -17,17 +17,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from rq.job import Job
 
 from producer.batch_io import at_least
-from producer.client import (
-    DEFAULT_REDIS_URL,
-    Client,
-    GenerationJob,
-    InvalidRequest,
-    JobError,
-    ResultNotKept,
-    StreamRestarted,
-    validate,
-)
+from producer.client import DEFAULT_REDIS_URL, Client, validate
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
+from producer.generation_job import GenerationJob
+from producer.job_errors import InvalidRequest, JobError, ResultNotKept, StreamRestarted
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane, stream_key
 from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest

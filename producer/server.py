@@ -31,8 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer.aio import AsyncClient
 from producer.chat_render import ChatRenderer, ChatRenderers, chat_digests
-from producer.client import ProtocolError, StreamGap
 from producer.connection import REDIS_UNAVAILABLE, connect, redacted_url
+from producer.job_errors import ProtocolError, StreamGap
 from producer.openai_api import (
     APIError,
     ChatCompletionRequest,

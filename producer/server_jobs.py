@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from producer.aio import AsyncGenerationJob
-from producer.client import JobCanceled, JobFailed
+from producer.job_errors import JobCanceled, JobFailed
 from producer.openai_api import APIError
 
 log = logging.getLogger("roseinfer.server")

@@ -15,7 +15,7 @@ from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
 from producer.aio import AsyncGenerationJob
-from producer.client import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
+from producer.job_errors import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
 from producer.openai_api import APIError, ChunkWriter, total_usage, without_output
 from producer.responses_api import ResponseWriter
 from producer.server_jobs import cancel_all_soon, cancel_soon, job_error, not_to_retry, unless_gone

@@ -18,7 +18,7 @@ from producer import Client, JobRequest
 from producer import batch as batch_mod
 from producer import cli as producer_cli
 from producer.batch import Progress
-from producer.client import InvalidRequest
+from producer.job_errors import InvalidRequest
 from producer.protocol import encode_result, result_key
 
 
@@ -242,7 +242,7 @@ def test_redis_lost_during_a_wait_says_the_job_goes_on_not_to_check_the_url(monk
     answered): it said "cannot reach Redis ...; check --redis-url" with exit 2, as for a wrong URL."""
     import redis
 
-    from producer.client import GenerationJob
+    from producer.generation_job import GenerationJob
 
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
     monkeypatch.setattr(producer_cli, "_client", lambda args: client)
@@ -551,7 +551,7 @@ def test_a_streamed_result_without_a_first_token_time_still_prints_its_summary(m
 
 def test_a_streamed_output_that_restarts_says_stdout_holds_void_text_and_exits_1(monkeypatch, capsys):
     """Its void text was already on stdout (a file, a pipe) and the new answer was appended to it, exit 0."""
-    from producer.client import StreamRestarted
+    from producer.job_errors import StreamRestarted
 
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
 

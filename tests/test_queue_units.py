@@ -391,10 +391,10 @@ def test_a_replay_of_a_long_stream_restarted_late_gives_the_new_output_only_in_b
 def test_a_replay_read_in_pages_hands_out_what_follows_the_last_reset_only(page, monkeypatch):
     """The backlog is read a page at a time (one XRANGE of 100,000 entries held Redis 40 ms): a reset in any page
     voids what the pages before held, and the new output's events after it, over later pages, all come out."""
-    import producer.client as client_module
+    import producer.generation_job as generation_job
     from producer import Client
 
-    monkeypatch.setattr(client_module, "REPLAY_PAGE", page)
+    monkeypatch.setattr(generation_job, "REPLAY_PAGE", page)
     conn = fakeredis.FakeRedis()
     pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
     _stream_with(conn, pub, [("old", [7])] * 6)
@@ -527,10 +527,10 @@ def test_a_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
 def test_a_follower_on_a_url_with_a_short_socket_timeout_waits_its_own_timeout_not_a_lost_redis(redis_url, monkeypatch):
     """``?socket_timeout=0.5`` in the URL: each blocking read of a second timed out, taken for an outage, and a
     follower of a job still queued raised "lost Redis" once its patience ran out (30 s) though Redis answered."""
-    import producer.client as client_mod
+    import producer.event_reading as event_reading
     from producer import Client
 
-    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 0.8)  # (30 s: the outage it was taken for ended it sooner)
+    monkeypatch.setattr(event_reading, "REDIS_PATIENCE_S", 0.8)  # (30 s: the outage it was taken for ended it sooner)
     job = Client(redis_url + "?socket_timeout=0.5", queue=f"nobody-{uuid.uuid4().hex[:6]}").submit("hi")
     for follow in (lambda: list(job.stream(timeout=2)), lambda: job.result(timeout=2)):
         started = time.monotonic()
@@ -689,7 +689,7 @@ def test_a_sample_index_the_job_does_not_make_is_refused_and_a_cancel_before_any
 
     from producer import Client, JobCanceled
     from producer.aio import AsyncGenerationJob
-    from producer.client import InvalidRequest
+    from producer.job_errors import InvalidRequest
 
     conn = fakeredis.FakeRedis()
     client = Client(connection=conn)
@@ -760,7 +760,7 @@ def test_an_async_result_without_a_timeout_waits_on_for_a_job_that_went_on_after
 
     from producer import Client
     from producer.aio import AsyncGenerationJob, StreamHub
-    from producer.client import GenerationJob
+    from producer.generation_job import GenerationJob
     from producer.protocol import result_entry, result_key, usage_of
 
     server = fakeredis.FakeServer()
@@ -3403,7 +3403,7 @@ def test_an_id_of_a_job_still_queued_or_running_is_refused_and_the_job_left_as_i
     """Enqueued again, the live job's payload was written over and its id pushed twice: both callers got the first
     job's result and the second request was lost without a word."""
     from producer import Client
-    from producer.client import InvalidRequest
+    from producer.job_errors import InvalidRequest
 
     conn = fakeredis.FakeRedis()
     client = Client(connection=conn)
@@ -3425,7 +3425,7 @@ def test_a_job_of_the_id_enqueued_between_the_look_and_the_write_makes_the_secon
     """Two producers giving one id at once: the look saw no job, another client's enqueue came next; the watched
     transaction fails and the look again refuses the id instead of writing over the other job."""
     from producer import Client
-    from producer.client import InvalidRequest
+    from producer.job_errors import InvalidRequest
 
     conn = fakeredis.FakeRedis()
     client, other = Client(connection=conn), Client(connection=conn)
@@ -3478,7 +3478,7 @@ def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_wai
 
     import redis
 
-    import producer.client as client_mod
+    import producer.event_reading as event_reading
     from producer import Client
 
     never = Client("redis://127.0.0.1:1/0").job("x")
@@ -3486,7 +3486,7 @@ def test_a_redis_never_reached_is_an_error_at_once_and_one_that_went_away_is_wai
     with pytest.raises(redis.exceptions.ConnectionError):
         never.result(timeout=None)
     assert time.monotonic() - began < 5
-    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 10.0)
+    monkeypatch.setattr(event_reading, "REDIS_PATIENCE_S", 10.0)
     server = fakeredis.FakeServer()
     client = Client(connection=fakeredis.FakeRedis(server=server))
     job = client.submit("hello", job_id="w")
@@ -3513,11 +3513,11 @@ def test_an_async_follower_has_its_whole_patience_for_each_outage_not_one_for_al
     from redis import Redis
 
     import producer.aio as aio_mod
-    import producer.client as client_mod
+    import producer.event_reading as event_reading
     from producer import AsyncClient
     from producer.protocol import stream_key
 
-    monkeypatch.setattr(client_mod, "REDIS_PATIENCE_S", 1.0)
+    monkeypatch.setattr(event_reading, "REDIS_PATIENCE_S", 1.0)
     conn = Redis.from_url(redis_url)
     job_id = f"outages-{uuid.uuid4().hex[:8]}"
     conn.hset(f"rq:job:{job_id}", "status", "started")
@@ -3676,7 +3676,7 @@ def test_events_and_results_with_fields_a_newer_worker_adds_are_read_and_resumed
     them now, as OpenAI's clients read responses with fields they do not know. A known field of the wrong type is
     still off the protocol."""
     from producer import Client
-    from producer.client import ProtocolError
+    from producer.job_errors import ProtocolError
     from producer.protocol import encode_result, result_key
 
     conn = fakeredis.FakeRedis()

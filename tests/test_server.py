@@ -23,7 +23,7 @@ from conftest import ThreadWorker, slow_engine_steps
 
 from producer import Client, JobFailed
 from producer.aio import AsyncClient
-from producer.client import GenerationJob
+from producer.generation_job import GenerationJob
 from producer.protocol import installed_version
 from producer.server import create_app
 from worker.local_redis import free_port
@@ -1199,7 +1199,7 @@ def _three_async_submits(redis_url: str, queue_name: str, second_id: str, third_
 
 
 def test_a_bad_job_id_fails_its_own_async_submit_not_the_batch_sent_with_it(redis_url):
-    from producer.client import InvalidRequest
+    from producer.job_errors import InvalidRequest
 
     queue_name = f"bad-id-{uuid.uuid4().hex[:6]}"
     first, bad, good = _three_async_submits(redis_url, queue_name, "bad id!", "good-id")
@@ -1211,7 +1211,7 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_the_secon
     """Sent in one batch they failed every submission with it ("request 2: job id 'same' is given twice"), the one
     that named no id too; as with two ``Client.submit`` calls, the second comes after the first, and finds the id
     taken by a job still queued."""
-    from producer.client import InvalidRequest
+    from producer.job_errors import InvalidRequest
 
     queue_name, same = f"same-id-{uuid.uuid4().hex[:6]}", f"same-{uuid.uuid4().hex[:6]}"
     first, one, two = _three_async_submits(redis_url, queue_name, same, same)
@@ -1225,7 +1225,7 @@ def test_two_async_submits_of_one_job_id_go_in_one_after_the_other_and_the_secon
 def test_an_async_submit_of_a_job_id_a_live_job_holds_fails_alone_not_the_submits_batched_with_it(redis_url):
     """One batch: a submit naming the id of a job still queued failed every submission sent with it, those that
     named no id too, with an error about someone else's id; nothing of theirs went in."""
-    from producer.client import JobIdTaken
+    from producer.job_errors import JobIdTaken
 
     queue_name, held, fresh = f"held-id-{uuid.uuid4().hex[:6]}", f"held-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     Client(redis_url, queue=queue_name).submit("already here", max_tokens=4, job_id=held)
@@ -1295,8 +1295,8 @@ def test_a_failed_job_is_a_400_only_when_the_job_was_at_fault(served, oai, redis
     """The worker says whose fault a failure was (``error_type``): a prompt longer than the model allows is the
     request's (400, as vLLM answers it); a job past its own timeout is a 504; a failure the worker never explained
     (RQ's abandoned job, say) is the server's (500), which the openai client retries."""
-    from producer.client import JobCanceled as Canceled
-    from producer.client import JobFailed as Failed
+    from producer.job_errors import JobCanceled as Canceled
+    from producer.job_errors import JobFailed as Failed
     from producer.server_jobs import job_error
 
     _, _, model = served

@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic_settings import SettingsError
     from redis.sentinel import MasterNotFoundError
 
-    from producer.client import InvalidRequest, StreamGap
     from producer.connection import REDIS_DOWN, InvalidRedisURL
+    from producer.job_errors import InvalidRequest, StreamGap
     from roseinfer.config import ConfigError
     from worker.main import UnsafeRedis
 
