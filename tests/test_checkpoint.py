@@ -183,6 +183,8 @@ def test_each_family_runs_in_int8_and_scores_text_near_its_float_model(case, tmp
     assert layers and all(layer._qweight is not None for layer in layers)
     floats = [v for v in _objects(model) if isinstance(v, Linear) and v._qweight is None]
     assert model.lm_head in floats and all(v is model.lm_head or v.out_features <= 4 for v in floats)  # routers
+    shared_gates = [v.shared_expert_gate for v in _objects(model) if getattr(v, "shared_expert_gate", None)]
+    assert all(gate in floats for gate in shared_gates) and bool(shared_gates) == ("shared" in case)  # a gate too
     gap = sum(abs(a - b) for a, b in zip(*scores)) / sum(abs(a) for a in scores[0])
     assert 0 < gap < 0.05, gap
 
@@ -578,6 +580,59 @@ def test_a_bias_is_read_exactly_where_the_config_gives_the_layer_one(tmp_path):
     save_file(tensors, path / "model.safetensors")
     outs = LLM(str(path), dtype="float32").generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(str(path), PROMPTS, 16)
+
+
+@pytest.mark.slow  # three conversions
+def test_a_gguf_converted_by_an_older_roseinfer_is_converted_again(tmp_path, monkeypatch):
+    """A converted folder was never checked again: one written before the end-token check (transformers before 5.18
+    made SmolLM2's end token <|im_start|>) was served on every later start. A folder without this conversion's
+    mark, or made from another source, is converted again and replaced."""
+    from roseinfer.model_loader import CONVERSION_MARK, convert_gguf
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-llama.gguf"
+    _write_tiny_llama_gguf(path)
+    folder = convert_gguf(path, "tiny", source="one")
+    mark = json.loads((folder / CONVERSION_MARK).read_text())
+    assert mark["source"] == "one" and json.loads((folder / "tokenizer_config.json").read_text())["eos_token"]
+    (folder / CONVERSION_MARK).unlink()  # as an older roseinfer left it, with its wrong end token
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))
+    assert convert_gguf(path, "tiny", source="one") == folder
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|end|>"
+    written = (folder / "config.json").stat().st_mtime_ns
+    assert convert_gguf(path, "tiny", source="one") == folder  # marked now: read as it is
+    assert (folder / "config.json").stat().st_mtime_ns == written
+    convert_gguf(path, "tiny", source="two")  # (an upgrade of the package that ships the file)
+    assert json.loads((folder / CONVERSION_MARK).read_text())["source"] == "two"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".tiny.lock", "tiny"]
+
+
+def test_a_cache_write_removes_what_a_killed_writer_left_and_keeps_the_umasks_modes(tmp_path, monkeypatch):
+    """A writer killed midway (its clean-up never ran) left its folder, hundreds of megabytes, for good; the next
+    writer of that name removes it, and no other name's. ``mkdtemp``'s folder was 0700: another user (a service
+    account, a cache filled at the image's build) could not read the model."""
+    from roseinfer.model_loader import save_in_cache
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(cache))
+    for leftover in (".m.part-k3j9x0a_", ".m.old-abcdefgh", ".m-other.part-abcdefgh", ".mm.part-abcdefgh"):
+        (cache / leftover).mkdir(parents=True)
+        (cache / leftover / "model.safetensors").write_bytes(b"x")
+    old_umask = os.umask(0o022)
+    try:
+        folder = save_in_cache("m", lambda tmp: (tmp / "config.json").write_text("{}"))
+    finally:
+        os.umask(old_umask)
+    assert sorted(p.name for p in cache.iterdir()) == [".m-other.part-abcdefgh", ".m.lock", ".mm.part-abcdefgh", "m"]
+    assert (folder.stat().st_mode & 0o777, (folder / "config.json").stat().st_mode & 0o777) == (0o755, 0o644)
+
+
+def test_a_tokenizer_folder_named_that_holds_no_tokenizer_is_refused(tiny_llama, tmp_path):
+    """Named on purpose, a folder with no tokenizer files was taken for "no tokenizer": the engine started without
+    the model's end token, and every text prompt failed later ("this model has no tokenizer")."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"cannot load tokenizer .*empty.*: the folder holds none of tokenizer\.json"):
+        LLM(tiny_llama, tokenizer=str(tmp_path / "empty"), dtype="float32")
 
 
 def test_workers_starting_together_convert_a_model_once_and_all_get_the_whole_folder(tmp_path, monkeypatch):

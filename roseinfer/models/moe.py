@@ -52,15 +52,16 @@ class SparseMoe:
         # configs say, and weigh in the model's dtype.
         self.normalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
         self.weigh_in_dtype = cfg.model_type != "mixtral"
-        self.shared = None  # Qwen2-MoE's shared expert: (its gate/up and down layers, its gate's layer)
+        self.shared = None  # Qwen2-MoE's shared expert: (its gate/up and down layers)
+        self.shared_expert_gate = None  # its sigmoid gate's layer (by this name, int8 leaves it in float)
         shared_inter = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
         if shared_inter:
             names = [f"{prefix}.shared_expert.{gate}", f"{prefix}.shared_expert.{up}"]
             self.shared = (
                 Linear.fused(weights, names, [shared_inter] * 2, hidden),
                 Linear.from_checkpoint(weights, f"{prefix}.shared_expert.{down}", hidden, shared_inter),
-                Linear.from_checkpoint(weights, f"{prefix}.shared_expert_gate", 1, hidden),
             )
+            self.shared_expert_gate = Linear.from_checkpoint(weights, f"{prefix}.shared_expert_gate", 1, hidden)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
@@ -76,6 +77,6 @@ class SparseMoe:
             y = down(self.act(gate_up(x[tokens])))
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         if self.shared is not None:
-            gate_up, down, gate = self.shared
-            out = out + torch.sigmoid(gate(x)) * down(self.act(gate_up(x)))
+            gate_up, down = self.shared
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * down(self.act(gate_up(x)))
         return out
