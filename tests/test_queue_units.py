@@ -3179,6 +3179,38 @@ def test_a_lapsed_started_entry_whose_job_key_is_no_hash_does_not_stop_the_queue
     assert abandoned.status() == "queued" and abandoned.rq_job.retries_left == 1  # RQ's handling of the abandoned
 
 
+@pytest.mark.redis
+def test_a_job_rq_fails_as_abandoned_gets_its_last_event_and_its_completion_entry(redis_url):
+    """Its worker died (killed, out of memory) with no retry left: RQ's clean-up failed it, and its stream never got
+    a last event (a follower of the protocol waited for good) nor its id the completion list it named. Both come
+    now, once; a job RQ retries gets neither (its next attempt streams on)."""
+    from producer import Client, JobFailed
+    from producer.protocol import done_key, stream_key
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    notify = f"done-{queue.name}"
+    died = Client(redis_url, queue=queue.name, retries=0).submit("its worker died", max_tokens=8, notify=notify)
+    retried = client.submit("its worker died too", max_tokens=8, notify=notify)  # (a retry left)
+    for job in (died, retried):
+        conn.lrem(queue.key, 0, job.id)
+        conn.hset(job.rq_job.key, "status", "started")
+        for n in range(2):  # what the dead worker streamed
+            event = {"v": 1, "n": n, "text": f"t{n}", "token_ids": [n]}
+            conn.xadd(stream_key(job.id), {"event": json.dumps(event)})
+    conn.zadd(queue.started_job_registry.key, {f"{died.id}:e0": 1, f"{retried.id}:e1": 1})
+    worker.clean_registries()
+    events = [json.loads(fields[b"event"]) for _id, fields in conn.xrange(stream_key(died.id))]
+    assert [e["n"] for e in events] == [0, 1, 2] and events[-1]["finish_reason"] == "error"
+    assert "died" in events[-1]["error"] and died.status() == "failed"
+    assert conn.lrange(done_key(notify), 0, -1) == [died.id.encode()]
+    assert conn.xlen(stream_key(retried.id)) == 2 and retried.status() == "queued"
+    with pytest.raises(JobFailed, match="AbandonedJobError"):
+        died.result(timeout=5)
+    worker.clean_registries()  # (nothing lapsed left: nothing written twice)
+    assert conn.xlen(stream_key(died.id)) == 3 and conn.llen(done_key(notify)) == 1
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

@@ -1,6 +1,7 @@
 """RQ's housekeeping of the queues this worker serves, made safe: RQ's clean-up of its registries, workers and groups,
 which raised on a key it could not read (here: logged, never fatal); lapsed started entries of keys that hold no
-job; a canceled registry pruned of jobs gone; jobs a pull left in RQ's intermediate list put back in their queue.
+job; a canceled registry pruned of jobs gone; jobs a pull left in RQ's intermediate list put back in their queue;
+the stream's last event and the completion list's entry of a job RQ failed as abandoned (its worker died).
 Each queue's pass under RQ's own lock, held a maintenance interval; none while Redis is just back from an outage."""
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ import time
 
 import redis
 from rq import worker_registration
+from rq.exceptions import AbandonedJobError
 from rq.group import Group
 from rq.job import Job
 from rq.queue import Queue
 from rq.registry import clean_registries
 
 from producer.connection import REDIS_DOWN
+from producer.schema import job_ending
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
+from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
@@ -39,7 +43,7 @@ class Maintenance:
             return False
         steps = (
             self.drop_unreadable_started,
-            lambda queue: clean_registries(queue, exc_handlers),
+            lambda queue: self.clean_registries(queue, exc_handlers),
             worker_registration.clean_worker_registry,
             self.requeue_stranded,
             self.prune_canceled,
@@ -59,6 +63,43 @@ class Maintenance:
             finally:
                 queue.release_maintenance_lock()
         return True
+
+    def clean_registries(self, queue: Queue, exc_handlers: list) -> None:
+        """RQ's clean-up of the queue's registries; then the jobs it failed as abandoned (their worker died with no
+        retry left) get what a failed job's end writes and RQ's does not: the last event of their stream (a
+        follower of it waited for good) and their id on the completion list they named (a waiter there too)."""
+        failing: list[Job] = []
+
+        def note(job: Job, exc_type: type, *_exc: object) -> bool:
+            if exc_type is AbandonedJobError and not (job.retries_left and job.retries_left > 0):
+                failing.append(job)
+            return True  # (the worker's own handlers run after it)
+
+        clean_registries(queue, [note, *exc_handlers])
+        if failing:
+            self.end_abandoned(failing)
+
+    def end_abandoned(self, jobs: list[Job]) -> None:
+        """The last event and completion entry of ``jobs``, which RQ's clean-up failed as abandoned (those it did
+        fail: its writes went in one transaction after its handlers ran). A stream that ended already keeps its end."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.hget(job.key, "status")
+            failed = [job for job, status in zip(jobs, pipe.execute()) if status == b"failed"]
+        if not failed:
+            return
+        publisher = Publisher.from_settings(self.settings)  # its own: the worker's holds the running jobs' events
+        streams = publisher.resume(self.connection, [job.id for job in failed])
+        error = "the worker running the job died (AbandonedJobError), and it had no retry left"
+        for job in failed:
+            publisher.add(streams[job.id], "", [], "error", {}, error)
+        _events, finals = publisher.take()
+        with self.connection.pipeline(transaction=False) as pipe:
+            publisher.queue_writes(pipe, finals)
+            for job in failed:  # (RQ's record, its result, is there: the list's entry follows it, as for every end)
+                publisher.notify(pipe, job.id, job_ending(job).notify)
+            pipe.execute()
+        log.warning("%d jobs failed as abandoned: their last events written", len(failed))
 
     @property
     def redis_back_s(self) -> float:
