@@ -431,6 +431,28 @@ def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_o
         assert result["custom_id"] == f"mine-{name}" and result["status"] in ("failed", "canceled"), result
 
 
+def test_a_job_canceled_by_hand_while_it_waits_for_its_retry_keeps_what_its_earlier_attempt_streamed(served):
+    """The protocol's cancel (``HSET ... status canceled``, any language) of a job queued again for its retry: the
+    worker that reached it wrote a reset (followers dropped what they had) and a result without text, where a
+    client's cancel of the same job keeps what the earlier attempt streamed, as README says."""
+    from producer.protocol import make_event, stream_key
+
+    w, _, conn = served
+    job_id = f"retry-canceled-{uuid.uuid4().hex[:6]}"
+    for event in (make_event(0, "Hel", [5]), make_event(1, "lo", [6, 7])):  # the attempt whose worker died
+        conn.xadd(stream_key(job_id), {"event": json.dumps(event)})
+    payload = {"prompt": "hi", "max_tokens": 8, "temperature": 0, "notify": job_id}
+    _raw_job(conn, w.queue, job_id, payload, status="canceled")
+    assert conn.blpop([f"roseinfer:done:{job_id}"], timeout=30) is not None
+    result = result_from_entries(read_result(conn, job_id))
+    assert (result["status"], result["text"], result["token_ids"]) == ("canceled", "Hello", [5, 6, 7])
+    assert result["usage"]["completion_tokens"] == 3 and "next attempt" in result["error"]
+    events = [json.loads(fields[b"event"]) for _id, fields in conn.xrange(stream_key(job_id))]
+    assert [(e["n"], e.get("reset"), e.get("finish_reason")) for e in events] == [
+        (0, None, None), (1, None, None), (2, None, "abort")
+    ]  # fmt: skip
+
+
 def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_refused_for_it(served):
     """RQ enqueues a finished job's dependents through the worker's job class, which had taken the refused callback
     off the dependent it read and saved it so: the dependent then ran here, its callback gone for good (a stock

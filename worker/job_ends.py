@@ -20,7 +20,7 @@ from rq.rate_limit import RateLimitRegistry
 from rq.results import Result
 from rq.utils import now
 
-from producer.protocol import canceled_result, failure_result, result_entry
+from producer.protocol import canceled_result, failure_result, result_entry, usage_of
 from producer.schema import job_ending
 from worker.end_records import failure_ttl
 from worker.in_flight import NO_USAGE, InFlight
@@ -220,17 +220,25 @@ class JobEnds:
 
     def _never_ran(self, job: Job, queue: Queue, stream: JobStream) -> None:
         """A job canceled while it was queued (``HSET rq:job:<id> status canceled``, from any language): it does
-        not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event."""
+        not run; it ends as RQ's cancel ends a job, in the canceled registry, with a result and a last event. One
+        that waited for its next attempt keeps what the earlier ones streamed as its partial output (as a client's
+        cancel of it keeps it, and a canceled running job's)."""
         status = JobStatus(job.get_status(refresh=False)).value  # "canceled", not "JobStatus.CANCELED"
         log.info("job %s was %s while queued: not run", job.id, status)
-        stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
-        self.publisher.add(stream, "", [], "abort", dict(NO_USAGE))
+        made = stream.resume_output
+        spent = usage_of(stream.resume_prompt_tokens, sum(len(ids) for _text, ids in made.values()))
+        if not made:
+            stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
+        self.publisher.add(stream, "", [], "abort", spent if made else dict(NO_USAGE))
         ended, tries = now(), []
+        reason = f"job {status} while it waited for its next attempt" if made else f"job {status} before it ran"
 
         def end() -> None:
             if not self._written_before(tries, job.id, b"execution_ended_at", str(ended.timestamp())):
                 ending = job_ending(job)
-                result = canceled_result(job.id, ending, f"job {status} before it ran")
+                result = canceled_result(job.id, ending, reason, made)
+                if made:
+                    result["usage"] = spent
                 with self.connection.pipeline() as pipe:
                     entry = result_entry(result, Result.Type.STOPPED, self.name, ended=ended)
                     self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)

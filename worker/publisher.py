@@ -23,6 +23,7 @@ from producer.protocol import (
     make_event,
     result_key,
     stream_key,
+    streamed_output,
     usage_of,
 )
 from producer.wire import StreamEvent, read_check
@@ -44,6 +45,10 @@ class JobStream:
     resume_ids: list[int] = field(default_factory=list)
     resume_text: str = ""
     resume_logprobs: list[dict[int, float]] | None = None  # theirs, when every event since carried them
+    # Per sample, the text and token ids the stream holds since (``streamed_output``): a job canceled before its
+    # next attempt keeps them as its partial output; and the prompt's length where an event said it.
+    resume_output: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    resume_prompt_tokens: int = 0
     # The stream cannot serve as a prefix (trimmed, or with a final event): a retry starts over, after a reset.
     whole: bool = True
     # Not sent yet: per sample (0 unless the job has n > 1) the text pieces and token ids since its last event, and
@@ -80,6 +85,9 @@ class JobStream:
         steps = [step for e in since for step in e.get("logprobs") or ()]
         aligned = len(steps) == len(self.resume_ids)
         self.resume_logprobs = [{int(t): lp for t, lp in step} for step in steps] if aligned else None
+        self.resume_output = (streamed_output(since) or {}) if self.whole else {}
+        said = [e["usage"].get("prompt_tokens", 0) for e in since if e.get("usage")]
+        self.resume_prompt_tokens = said[-1] if said else 0
 
     def start(self, can_resume: bool, with_logprobs: bool = False) -> list[int]:
         """Plan this attempt: the output it resumes from (its stream is whole, the job allows it, and it holds the
@@ -95,7 +103,7 @@ class JobStream:
     def restart(self) -> None:
         """The job starts over: its next event tells followers to drop what they have."""
         self.pending_reset, self.ended = True, False
-        self.resume_ids, self.resume_text, self.resume_logprobs = [], "", None
+        self.resume_ids, self.resume_text, self.resume_logprobs, self.resume_output = [], "", None, {}
         self.completion_tokens = 0
 
 
