@@ -183,6 +183,7 @@ class Sender:
         self.status_list = f"roseinfer:statuses:{uuid.uuid4().hex}"
         self.sent_key = f"roseinfer:sent:{uuid.uuid4().hex}"  # the number of the last send the event script wrote
         self._sends = 0
+        self._last_try = ""  # the send last tried without Lua: tried again, its number says whether it landed
         self.sorts_statuses = True  # statuses read by one SORT (``_probe_sort``), else an HGET per job
         self.publishes = True  # events published on their jobs' channels too (``_probe_publish``)
         self.error: BaseException | None = None  # what stopped the thread, re-raised on the step loop
@@ -603,8 +604,11 @@ class Sender:
     def _queue_events(
         self, pipe, events: list[Event], send: str, lease: str | None = None, finals: bool = False
     ) -> None:
-        if self._emit is None:
-            self.publisher.queue_writes(pipe, events, self.publishes)
+        if self._emit is None:  # (without Lua, in MULTI: the send's number goes in with its events, as the script's)
+            retried, self._last_try = send == self._last_try, send
+            if events and not (retried and self.connection.get(self.sent_key) == send.encode()):  # (it landed)
+                pipe.set(self.sent_key, send, ex=3600)
+                self.publisher.queue_writes(pipe, events, self.publishes)
         elif events:
             keys, args = self.publisher.script_args(events)
             lease = self.lease_key if lease is None else lease
