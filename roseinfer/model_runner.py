@@ -130,8 +130,9 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
             seqs.append(seq)
-            # A preempted request's table is rebuilt from scratch: its owner changes with its preemption count.
-            owners.append((seq, seq.num_preemptions))
+            # A preempted request's table (or one a failed step's undone admission freed) is rebuilt from scratch:
+            # its owner changes with its table's epoch.
+            owners.append((seq, seq.table_epoch))
         rows = None
         if self.model.long_rope_from:
             rows = [p + rope_row_offset(s.long_rope, self.model.long_rope_from) for p, s in zip(positions, seqs)]

@@ -324,6 +324,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         self._running.remove(seq)
         self.kv.free(seq.request_id)
+        seq.table_epoch += 1  # (counted or not: its next table is a new one)
         seq.num_computed_tokens = 0  # its K/V are gone: recomputed from the start when it is admitted again
         seq.status = SequenceStatus.WAITING
         if counted:  # (a step that never ran undoes an admission: no preemption)

@@ -71,6 +71,9 @@ class Sequence:
         # factors, so its blocks' K differ from a shorter request's with the same tokens (they hash from another root).
         self.long_rope = False
         self.num_preemptions = 0
+        # Bumped whenever its blocks are freed for a rebuilt table (a preemption, a failed step's undone admission):
+        # the CUDA-graph runner's kept copy of a table belongs to one epoch of it.
+        self.table_epoch = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.abort_cause: AbortCause | None = None

@@ -351,3 +351,49 @@ def test_preempted_requests_decode_through_the_graph_buffers_with_rebuilt_tables
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(graphs.replays.values()) > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, prompts, 28, device=DEVICE)
+
+
+@pytest.mark.slow
+def test_a_request_a_failed_step_sent_back_decodes_through_the_graph_buffers_with_its_new_table(
+    tiny_llama, triton_engine
+):
+    """A request admitted on a prefix hit whose first (decode-only) step failed goes back to waiting, its blocks
+    freed, uncounted as a preemption: its row's owner stayed the same, so its new table was patched onto the old
+    one, and it attended over freed blocks (another request's, by then). Its table's epoch changes now."""
+    from roseinfer import LLMEngine, SamplingParams
+    from roseinfer.config import EngineConfig
+
+    prompt = [7, 3, 99, 42, 5, 17, 200, 8, 61]  # 9 tokens in blocks of 4: a hit leaves one token to compute
+    config = EngineConfig(model=tiny_llama, dtype="float32", device=DEVICE, max_model_len=24, block_size=4,
+                          kv_cache_memory=6 * 2 * 2 * 4 * 2 * 16 * 4, max_num_seqs=2)  # fmt: skip
+    wanted = []
+    for fail in (False, True):
+        engine = LLMEngine(config)
+        assert engine.kv.num_blocks == 6
+        graphs = _graph_buffers_run_eagerly(type("LLM", (), {"engine": engine})())
+        greedy = SamplingParams(max_tokens=6, temperature=0)
+        engine.add_request("first", prompt, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():  # its blocks stay in the prefix cache
+            engine.step()
+        start, calls = engine.runner.sampler.start, []
+
+        def failing_once(*args, start=start, calls=calls, fail=fail, **kwargs):
+            calls.append(1)
+            if fail and len(calls) == 1:
+                raise RuntimeError("out of memory while sampling")
+            return start(*args, **kwargs)
+
+        engine.runner.sampler.start = failing_once
+        engine.add_request("again", prompt, greedy)
+        tokens = None
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                outputs = engine.take_undelivered()
+            for out in outputs:
+                if out.finished:
+                    tokens = out.outputs[0].token_ids
+        assert sum(graphs.replays.values()) > 0
+        wanted.append(tokens)
+    assert wanted[1] == wanted[0] and len(wanted[0]) == 6
