@@ -600,7 +600,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        """Requests, not samples (one of n = 4 is one, as vLLM counts it), not finished or whose last output is still
+        to come (``has_unfinished_requests`` says True exactly when this is not 0)."""
+        held = (seq.parent_id for seq in (*self.scheduler.running(), *self.scheduler.waiting()))
+        return len({*held, *self._groups, *(entry[0].parent_id for entry in self._pending)})
 
     # ----- the step ------------------------------------------------------------------------------
     def step(self, flush: bool = True) -> list[RequestOutput]:
@@ -837,7 +840,7 @@ class LLMEngine:
                 lead.arrival_time,
                 min(first_times) if first_times else None,
                 max(s.finish_time for s in samples) if finished else None,
-                sum(s.num_cached_tokens for s in samples),
+                lead.num_cached_tokens,  # (the prompt's, as vLLM's: the other samples' hits are on its own blocks)
                 sum(s.num_preemptions for s in samples),
             ),
             prompt_logprobs=lead.prompt_logprobs,

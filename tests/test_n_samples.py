@@ -58,6 +58,21 @@ def test_n_samples_share_the_prompt_computed_once(llm):
     for c in final.outputs:  # each sample's deltas add up to its output
         assert [t for i, ids in deltas if i == c.index for t in ids] == c.token_ids
     assert final.request_id == "story" and engine.kv.num_block_tables == 0
+    # The request's metrics say its prompt's hits: the other samples' on the first one's blocks are not the cache's
+    # (their sum, 384 here, was more than the prompt; the stats said 0).
+    assert final.metrics.num_cached_tokens == 0
+
+
+def test_unfinished_requests_are_counted_as_requests_not_samples(llm):
+    """vLLM's count: an n = 4 request is one (it was 4), until its last output is out."""
+    engine = llm.engine
+    engine.add_request("four", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, n=4))
+    engine.add_request("one", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    counts = []
+    while engine.has_unfinished_requests():
+        counts.append(engine.get_num_unfinished_requests())
+        engine.step()
+    assert counts[0] == 2 and counts[-1] == 1 and engine.get_num_unfinished_requests() == 0
 
 
 @pytest.mark.slow
