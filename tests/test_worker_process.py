@@ -506,3 +506,52 @@ def test_a_simple_worker_tries_a_failed_attempt_again_in_the_engine_it_keeps(
     assert blips and job.get_status(refresh=True) == "finished"
     assert job.return_value()["usage"]["completion_tokens"] == 4
     assert not jobs._ENGINE.has_unfinished_requests()
+
+
+def test_a_simple_worker_ends_no_stream_at_a_failure_rq_retries_and_ends_a_timeout_as_one(
+    redis_url, tiny_chat_model, queue_name, monkeypatch
+):
+    """Under a stock RQ worker a failed step wrote the stream's last event ("error") and then RQ retried the job: a
+    follower stopped there while the job went on to finish. And RQ's alarm interrupted a step, which failed as a
+    broken one (server_error, retried), not as the job's timeout. As the batch worker: no end for a failure that is
+    retried, and the job's own timeout, between steps, ahead of the alarm."""
+    from rq import Queue, Retry, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import channel_key, stream_key
+    from roseinfer.llm_engine import LLMEngine
+    from worker import jobs
+
+    monkeypatch.setenv("ROSEINFER_MODEL", tiny_chat_model)
+    monkeypatch.setattr(jobs, "_ENGINE", None)
+    jobs._engine()  # (loaded before the jobs: its load is no part of their timeouts)
+    conn = Redis.from_url(redis_url)
+    queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    fn = "worker.jobs.generate"
+    retried = queue.enqueue(fn, prompt="hi", max_tokens=6, ignore_eos=True, temperature=0, retry=Retry(max=1))
+    step, calls = LLMEngine.step, []
+
+    def failing_once(self, *args, **kwargs):
+        calls.append(True)
+        if len(calls) == 3:  # (the job running: its prompt and first tokens went out)
+            raise RuntimeError("a step that broke")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", failing_once)
+    live = conn.pubsub()
+    live.subscribe(channel_key(retried.id))  # what a follower heard (a retry's start clears an ended stream)
+    SimpleWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+    heard = []
+    while (message := live.get_message(timeout=0.1)) is not None:
+        if message["type"] == "message":
+            heard.append(json.loads(message["data"]))
+    live.close()
+    assert len(calls) > 3 and retried.get_status(refresh=True) == "finished"
+    assert [e.get("finish_reason") for e in heard if e.get("finish_reason")] == ["length"]
+    assert [e["n"] for e in heard] == list(range(len(heard)))  # the retry resumed where the failed attempt stopped
+    slow = queue.enqueue(fn, prompt="hi", max_tokens=100_000, ignore_eos=True, job_timeout=3)
+    monkeypatch.setattr(LLMEngine, "step", lambda self, *a, **k: time.sleep(0.05) or step(self, *a, **k))
+    SimpleWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+    last = json.loads(conn.xrevrange(stream_key(slow.id), count=1)[0][1][b"event"])
+    assert slow.get_status(refresh=True) == "failed"
+    assert (last["finish_reason"], last["error_type"]) == ("error", "timeout"), last

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from rq.job import Job
+from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
 from producer.protocol import (
@@ -223,6 +224,9 @@ def _engine() -> LLMEngine:
     return _ENGINE
 
 
+ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length)
+
+
 def generate(**payload: Any) -> dict[str, Any]:
     """One job on its own, for a stock RQ worker: streams and stores results like ``roseinfer worker`` (the same
     pump drives the engine; events are sent after each step)."""
@@ -233,6 +237,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     from worker.pump import Pump
     from worker.settings import WorkerSettings
 
+    began = time.monotonic()  # (RQ's alarm for the job's timeout was set just before)
     job = get_current_job()
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
@@ -257,7 +262,12 @@ def generate(**payload: Any) -> dict[str, Any]:
     params = sampling_params(job.id, req, engine.sampling_defaults)
     prefix, prefix_logprobs = resume_from(stream, params)
     pump = Pump(engine, tokenize_in_thread=False)
-    pump.submit(job.id, req.engine_prompt(), params, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
+    # The pump ends the job at its timeout itself, between steps, ahead of RQ's alarm: the alarm interrupted a step,
+    # which failed as a broken step ("server_error", retried), not a timeout, and one landing between steps wrote
+    # no last event.
+    limit = run_limit(job, Queue.DEFAULT_TIMEOUT)
+    timeout = None if limit is None else max(limit - (time.monotonic() - began) - ALARM_MARGIN_S, 0.001)
+    pump.submit(job.id, req.engine_prompt(), params, timeout, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final = time.time(), None, None
     try:
         while final is None:
@@ -278,11 +288,16 @@ def generate(**payload: Any) -> dict[str, Any]:
                     pipe.execute()
     finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
         pump.cancel(job.id)
+    # A failure RQ will retry is not the job's end (as the batch worker has it): no final event, no completion entry;
+    # the next attempt resumes from what this one streamed.
+    retrying = (final.retryable or final.timed_out) and (job.retries_left or 0) > 0
     if final.finish_reason == "error":
         result = None  # RQ records the failure it raises
-        publisher.add(
-            stream, final.text, [], "error", {}, final.error, error_type=final.error_type, error_code=final.error_code
-        )
+        if not retrying:
+            publisher.add(
+                stream, final.text, final.token_ids, "error", {}, final.error, error_type=final.error_type,
+                logprobs=final.logprobs, error_code=final.error_code,
+            )  # fmt: skip
     else:
         result = build_result(
             job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at,
@@ -294,7 +309,8 @@ def generate(**payload: Any) -> dict[str, Any]:
         )  # fmt: skip
     with job.connection.pipeline(transaction=False) as pipe:
         publisher.flush(pipe)
-        publisher.notify(pipe, job.id, req.notify)
+        if not (final.finish_reason == "error" and retrying):
+            publisher.notify(pipe, job.id, req.notify)
         pipe.execute()
     if final.finish_reason == "error":
         if not (final.retryable or final.timed_out):  # refused by the engine (a prompt too long): it would be again
