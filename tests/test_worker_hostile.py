@@ -444,6 +444,9 @@ def test_a_job_canceled_by_hand_while_it_waits_for_its_retry_keeps_what_its_earl
     payload = {"prompt": "hi", "max_tokens": 8, "temperature": 0, "notify": job_id}
     _raw_job(conn, w.queue, job_id, payload, status="canceled")
     assert conn.blpop([f"roseinfer:done:{job_id}"], timeout=30) is not None
+    deadline = time.time() + 10
+    while conn.xlen(stream_key(job_id)) < 3 and time.time() < deadline:  # (the last event follows the result)
+        time.sleep(0.02)
     result = result_from_entries(read_result(conn, job_id))
     assert (result["status"], result["text"], result["token_ids"]) == ("canceled", "Hello", [5, 6, 7])
     assert result["usage"]["completion_tokens"] == 3 and "next attempt" in result["error"]
@@ -451,6 +454,24 @@ def test_a_job_canceled_by_hand_while_it_waits_for_its_retry_keeps_what_its_earl
     assert [(e["n"], e.get("reset"), e.get("finish_reason")) for e in events] == [
         (0, None, None), (1, None, None), (2, None, "abort")
     ]  # fmt: skip
+
+
+def test_a_requeued_job_refused_as_it_comes_ends_its_stream_again(served):
+    """A failed job requeued by hand (``rq requeue``) whose payload is now refused: its stream held the earlier
+    attempt's end, so the refusal wrote no event at all (the result said invalid_request, the stream timeout)."""
+    from producer.protocol import make_event, stream_key
+
+    w, _, conn = served
+    job_id = f"requeued-refused-{uuid.uuid4().hex[:6]}"
+    for event in (make_event(0, "Hel", [5]), make_event(1, "", [], "error", error="timed out", error_type="timeout")):
+        conn.xadd(stream_key(job_id), {"event": json.dumps(event)})
+    _raw_job(conn, w.queue, job_id, {"prompt": "hi", "max_tokens": 2, "colour": "red", "notify": job_id})
+    assert conn.blpop([f"roseinfer:done:{job_id}"], timeout=30) is not None
+    deadline = time.time() + 10
+    while conn.xlen(stream_key(job_id)) < 3 and time.time() < deadline:  # (the last event follows the result)
+        time.sleep(0.02)
+    events = [json.loads(fields[b"event"]) for _id, fields in conn.xrange(stream_key(job_id))]
+    assert (events[-1]["n"], events[-1].get("reset"), events[-1]["error_type"]) == (2, True, "invalid_request")
 
 
 def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_refused_for_it(served):

@@ -203,6 +203,7 @@ class JobEnds:
         """A job that can never run (``a.error``): fails alone, with its reason in RQ's failed registry, no retry.
         Started already: beaten until its end is written, as any job's end (``_end_later``)."""
         job, queue, execution, req, error = a.job, a.queue, a.execution, a.request, a.error or ""
+        a.stream.start(can_resume=False)  # (an earlier attempt's end, requeued since: this end follows a reset)
         self.publisher.add(a.stream, "", [], "error", {}, error, error_type="invalid_request")
         tries: list[bool] = []
 
