@@ -687,12 +687,12 @@ def test_a_sliding_window_slides_only_where_transformers_slides_and_never_cuts_t
     }
     for name, (config, windows) in cases.items():
         path = _model_of(config, tmp_path / name.replace(" ", "-").replace(",", ""))
-        engine = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_seqs=1).engine
+        engine = LLM(path, dtype="float32", max_num_seqs=1).engine
         assert engine.max_model_len == 256, name
         assert [layer.window for layer in engine.runner.model.layers] == windows, name
 
 
-def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tiny_longrope, tiny_llama):
+def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tiny_longrope):
     """transformers rotates a sequence longer than LongRoPE's original length by the long factors, and recomputes
     its cache when one grows past it. The engine served only the original length; now its whole context, greedy
     tokens as transformers' ``generate``: prompts within the original length decoded past it (recomputed once),
@@ -713,7 +713,7 @@ def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tin
             if not c_kernels:
                 m.setattr(kernels, "_lib", None)
                 m.setattr(kernels, "_tried", True)
-            llm = LLM(tiny_longrope, dtype="float32", tokenizer=tiny_llama, max_num_batched_tokens=48)
+            llm = LLM(tiny_longrope, dtype="float32", max_num_batched_tokens=48)
             assert llm.engine.max_model_len == 256
             outs = llm.generate(
                 [{"prompt_token_ids": p} for p in prompts],
@@ -730,7 +730,7 @@ def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tin
             assert again[0].metrics.num_cached_tokens == 0 and again[1].metrics.num_cached_tokens >= 64
 
 
-def test_a_yarn_model_serves_its_original_length_times_its_factor_as_transformers_generates(tmp_path, tiny_llama):
+def test_a_yarn_model_serves_its_original_length_times_its_factor_as_transformers_generates(tmp_path):
     """Qwen's instructions add YaRN to a config and leave ``max_position_embeddings`` at the original length; vLLM
     serves the original length times the factor, and transformers generates past it. The engine served only the
     original 64 tokens (a longer prompt refused); now 256, greedy tokens as transformers'."""
@@ -754,7 +754,7 @@ def test_a_yarn_model_serves_its_original_length_times_its_factor_as_transformer
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n, _ in cases]
     expected = [hf_greedy(path, [p], new)[0] for p, (_, new) in zip(prompts, cases)]
     assert all(len(set(e)) > 3 for e in expected)
-    llm = LLM(path, dtype="float32", tokenizer=tiny_llama, max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=64)
     assert llm.engine.max_model_len == 256
     params = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True) for _, new in cases]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
