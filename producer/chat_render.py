@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def template_messages(tokenizer: Any, job: JobRequest) -> list[dict[str, Any]]:
-    """The job's messages as the engine gives its chat template (``roseinfer.llm_engine.developer_as_system``, across
+    """The job's messages as the engine gives its chat template (``roseinfer.prompts.developer_as_system``, across
     the border): "developer" as "system" where the template does not name that role."""
     messages = job.engine_prompt()["messages"]
     if "developer" in str(getattr(tokenizer, "chat_template", None)):

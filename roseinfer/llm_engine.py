@@ -6,8 +6,6 @@ import atexit
 import dataclasses
 import functools
 import gc
-import inspect
-import json
 import logging
 import sys
 import time
@@ -27,6 +25,7 @@ from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model, kv_window, model_class
 from roseinfer.models.linear import int8_gemm_speedup
 from roseinfer.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
+from roseinfer.prompts import PromptInput, PromptInputs
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -35,10 +34,6 @@ from roseinfer.sequence import Sequence
 from roseinfer.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
-
-PromptInput = str | list[int] | dict
-# A chat prompt's keys: its messages, and the chat template's options beside them (vLLM's chat request's names).
-CHAT_KEYS = frozenset(("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"))
 
 
 class ContextLengthExceeded(ValueError):
@@ -62,7 +57,7 @@ class EngineStats:
 GC_YOUNG_THRESHOLD = 10_000  # allocations between two collections of the youngest generation
 
 
-class LLMEngine:
+class LLMEngine(PromptInputs):
     def __init__(self, config: EngineConfig) -> None:
         check_engine_env()
         self.config = config
@@ -235,157 +230,6 @@ class LLMEngine:
         return 1 << 30
 
     # ----- requests ------------------------------------------------------------------------------
-    def tokenizer_json(self) -> str | None:
-        """The tokenizer as a ``tokenizers`` JSON document (a fast tokenizer's), for readers without the model."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        return backend.to_str() if backend is not None else None
-
-    def chat_template_doc(self) -> str | None:
-        """The chat template this engine renders chats with (the operator's, where given) and the special tokens it
-        reads (``bos_token`` ...), as JSON, for readers without the model (the server's ``/tokenize`` of messages);
-        None for a model without one."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        if self.tokenizer is None or not template:
-            return None
-        special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
-        return json.dumps({"chat_template": template, "special_tokens": special}, sort_keys=True)
-
-    def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
-        """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
-        or {"messages": [...]} (chat template applied; beside them the template's options, as vLLM's chat takes them:
-        "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs").
-        {"prompt_token_ids": ..., "prompt": text} is a prompt
-        tokenized already (as vLLM's TokensPrompt): the ids are used, the text kept for the output. ``tokenizer``
-        replaces the engine's own (a thread that tokenizes beside the step loop brings its own copy)."""
-        tokenizer = tokenizer or self.tokenizer
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", *CHAT_KEYS}
-            tokenized = set(prompt) == {"prompt", "prompt_token_ids"}
-            if unknown or (len(prompt) != 1 and not tokenized and not _is_chat(prompt)):
-                raise ValueError(
-                    "a prompt dict takes exactly one of 'prompt', 'prompt_token_ids', 'messages' (or "
-                    f"'prompt_token_ids' with the 'prompt' they came from, 'messages' with the template's options "
-                    f"{sorted(CHAT_KEYS - {'messages'})}); got keys {sorted(prompt)}"
-                )
-            if tokenized:
-                return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
-            if "messages" in prompt:
-                options = {k: v for k, v in prompt.items() if k != "messages"}
-                return None, self.apply_chat_template(prompt["messages"], tokenizer, **options)
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            vocab = self.model.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-            return None, list(prompt)
-        raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
-
-    def tokenize_many(
-        self, prompts: list[PromptInput], tokenizer=None
-    ) -> list[tuple[str | None, list[int]] | Exception]:
-        """``tokenize`` of each prompt, text prompts and chats encoded in one batch (the tokenizer's Rust side
-        encodes them in parallel, outside the GIL); a prompt it refuses gets its exception in its place."""
-        tokenizer = tokenizer or self.tokenizer
-        results: list = [None] * len(prompts)
-        batches: dict[bool, list[tuple[int, str, str | None]]] = {True: [], False: []}  # by add_special_tokens
-        chats: list[tuple[int, dict]] = []
-        for i, prompt in enumerate(prompts):
-            try:
-                if tokenizer is not None and isinstance(prompt, str) and prompt:
-                    batches[True].append((i, prompt, prompt))
-                elif tokenizer is not None and isinstance(prompt, dict) and _is_chat(prompt):
-                    self._check_chat(tokenizer, **prompt)
-                    chats.append((i, prompt))
-                else:
-                    results[i] = self.tokenize(prompt, tokenizer)
-            except Exception as exc:  # this prompt's own fault, reported in its place
-                results[i] = exc
-        for (i, _), text in zip(chats, _render_chats(tokenizer, [chat for _, chat in chats])):
-            if isinstance(text, Exception):
-                results[i] = text
-            else:
-                batches[False].append((i, text, None))  # as apply_chat_template encodes its text
-        for special, items in batches.items():
-            if not items:
-                continue
-            try:
-                encoded: list = _encode_batch(tokenizer, [text for _, text, _ in items], special)
-            except Exception:  # one text the tokenizer refuses (a lone surrogate): each alone, its fault its own
-                encoded = [_encode_alone(tokenizer, text, special) for _, text, _ in items]
-            for (i, _, kept), ids in zip(items, encoded):
-                results[i] = ids if isinstance(ids, Exception) else (kept, list(ids))
-        return results
-
-    def _check_chat(
-        self,
-        tokenizer,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
-    ) -> None:
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: send a plain prompt instead of messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
-            if not isinstance(m.get("name", ""), str):
-                raise ValueError(f"a message's 'name' must be a string, got {m['name']!r}")
-            if not isinstance(m.get("tool_calls", []), list):
-                raise ValueError(f"a message's 'tool_calls' must be a list, got {m['tool_calls']!r}")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"tools must be a list of dicts, got {tools!r}")
-        if not isinstance(continue_final_message, bool) or not isinstance(add_generation_prompt, (bool, type(None))):
-            raise ValueError("add_generation_prompt and continue_final_message are true or false")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message goes on with the last message, add_generation_prompt opens a new "
-                             "one: not both")  # fmt: skip
-        if chat_template_kwargs is not None:
-            if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
-                raise ValueError(f"chat_template_kwargs must be a dict of names, got {chat_template_kwargs!r}")
-            # The call's own arguments are the request's to say: a "chat_template" would run a template of its choosing.
-            own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
-            if taken := sorted(own & set(chat_template_kwargs)):
-                raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: those are the request's")
-
-    def apply_chat_template(
-        self,
-        messages: list[dict],
-        tokenizer=None,
-        tools: list[dict] | None = None,
-        add_generation_prompt: bool | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
-    ) -> list[int]:
-        """The chat's prompt tokens by the model's template, as vLLM's chat renders it: the assistant's turn opened
-        after the messages (``add_generation_prompt``, by default unless ``continue_final_message`` leaves the last
-        message open to go on with), ``tools`` and the template's own options (``chat_template_kwargs``) given."""
-        tokenizer = tokenizer or self.tokenizer
-        chat = {
-            "messages": messages,
-            "tools": tools,
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "chat_template_kwargs": chat_template_kwargs,
-        }
-        self._check_chat(tokenizer, **chat)
-        messages = developer_as_system(tokenizer, messages)
-        try:
-            return list(
-                tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat))
-            )
-        except Exception as exc:
-            raise _refused_by_template(exc) from None
-
     def add_request(
         self,
         request_id: str,
@@ -858,88 +702,6 @@ def _shown(seq: Sequence, token: int, by_token: bool) -> int | None:
     if not by_token or (seq.params.include_stop_str_in_output and seq.finish_reason == "stop"):
         return token
     return None
-
-
-def _is_chat(prompt: dict) -> bool:
-    return "messages" in prompt and set(prompt) <= CHAT_KEYS
-
-
-def _template_args(chat: dict) -> dict:
-    """The chat template call's arguments of a chat ``{"messages", <options>}`` (but for its messages)."""
-    continuing = bool(chat.get("continue_final_message"))
-    opened = chat.get("add_generation_prompt")
-    return {
-        **(chat.get("chat_template_kwargs") or {}),
-        "tools": chat.get("tools"),
-        "add_generation_prompt": not continuing if opened is None else opened,
-        "continue_final_message": continuing,
-    }
-
-
-def developer_as_system(tokenizer, messages: list[dict]) -> list[dict]:
-    """OpenAI's "developer" messages as "system" ones where the chat template does not know the role (it stands for
-    the system's instructions there): Qwen's templates left them out without a word, others showed a header the
-    model never saw in training. A template that names the role gets them as they are."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) or "developer" in str(template):
-        return messages
-    return [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
-
-
-def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
-    """Each chat's (``{"messages", <options>}``) prompt text by the chat template: those of messages alone in one
-    call (a quarter less time than one call each), or, when the template refuses one of them, one call each, so that
-    only that one gets its exception; those with options one call each (a call takes one set of them)."""
-    chats = [{**chat, "messages": developer_as_system(tokenizer, chat["messages"])} for chat in chats]
-    texts: list[str | Exception | None] = [None] * len(chats)
-    plain = [i for i, chat in enumerate(chats) if set(chat) == {"messages"}]
-    if plain:
-        try:
-            rendered = tokenizer.apply_chat_template(
-                [chats[i]["messages"] for i in plain], add_generation_prompt=True, tokenize=False
-            )
-            for i, text in zip(plain, rendered):
-                texts[i] = text
-        except Exception:
-            pass
-    for i, chat in enumerate(chats):
-        if texts[i] is not None:
-            continue
-        try:
-            texts[i] = tokenizer.apply_chat_template(chat["messages"], tokenize=False, **_template_args(chat))
-        except Exception as exc:
-            texts[i] = _refused_by_template(exc)
-    return texts  # type: ignore[return-value]
-
-
-def _refused_by_template(exc: Exception) -> Exception:
-    """A chat template's own refusal (its ``raise_exception``: "roles must alternate", "System role not supported")
-    as the request's fault, a ValueError (a 400, not a 500 with a traceback); any other error as it is."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # (no template was rendered without it)
-        return exc
-    if isinstance(exc, TemplateError) and not isinstance(exc, ValueError):
-        return ValueError(f"the model's chat template refuses these messages: {exc}")
-    return exc
-
-
-def _encode_batch(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """The token ids of ``texts``, as ``tokenizer(texts)`` gives them. A fast tokenizer's Rust side is called
-    directly (without offsets), which halves the cost of a burst of short prompts; where its backend truncates or
-    pads (the transformers call turns both off first), through the transformers call."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    encode = getattr(backend, "encode_batch_fast", None)
-    if encode is None or backend.truncation is not None or backend.padding is not None:
-        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
-    return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
-
-
-def _encode_alone(tokenizer, text: str, add_special_tokens: bool) -> list[int] | Exception:
-    try:
-        return _encode_batch(tokenizer, [text], add_special_tokens)[0]
-    except Exception as exc:
-        return ValueError(f"the tokenizer cannot encode this prompt: {exc}")
 
 
 def settle_garbage_collector() -> None:
