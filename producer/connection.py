@@ -73,6 +73,10 @@ class InvalidRedisURL(ValueError):
     """A Redis URL that cannot be read (the message says why, without its password)."""
 
 
+class UnsafeRedis(RuntimeError):
+    """Redis may evict the queue's keys, and the operator asked for a Redis that never does."""
+
+
 @dataclass
 class SentinelURL:
     hosts: list[tuple[str, int]]

@@ -150,3 +150,29 @@ def test_the_engine_has_no_import_cycle():
         "roseinfer.kernels.triton_kernels",
     }
     assert graph["roseinfer.kernels.triton_kernels"] == set()
+
+
+# The extras' packages (pyproject.toml): a plain `pip install roseinfer` has none of them.
+EXTRAS_ONLY = ("torch", "transformers", "prometheus_client", "fastapi", "uvicorn", "tokenizers", "llguidance",
+               "fakeredis", "safetensors", "gguf", "accelerate", "huggingface_hub", "pyarrow", "datasets")  # fmt: skip
+
+
+@pytest.mark.slow  # an interpreter per command
+@pytest.mark.parametrize("command", [["status"], ["submit", "hi"], ["result", "some-id"]])
+def test_the_producers_commands_run_without_the_extras(command):
+    """A plain ``pip install roseinfer`` is the producer's: every command raised ModuleNotFoundError
+    (prometheus_client, through the worker's module the error handling imported) before it did anything."""
+    blocked = repr(EXTRAS_ONLY)
+    code = (
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name.split('.')[0] in {blocked}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from worker.cli import main\n"
+        f"sys.exit(main({[*command, '--redis-url', 'redis://127.0.0.1:1/0']!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "ModuleNotFoundError" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 2 and "cannot reach Redis" in out.stderr, out.stderr

@@ -256,10 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic_settings import SettingsError
     from redis.sentinel import MasterNotFoundError
 
-    from producer.connection import REDIS_DOWN, InvalidRedisURL
+    from producer.connection import REDIS_DOWN, InvalidRedisURL, UnsafeRedis
     from producer.job_errors import InvalidRequest, StreamGap
     from roseinfer.config import ConfigError
-    from worker.main import UnsafeRedis
 
     try:
         with warnings.catch_warnings():  # a library's warning (Redis may evict the queue) as one line, as ours are

@@ -11,7 +11,7 @@ import redis
 from redis import Redis
 
 from producer.client import eviction_policy, eviction_warning
-from producer.connection import REDIS_DOWN, InvalidRedisURL, connect
+from producer.connection import REDIS_DOWN, InvalidRedisURL, UnsafeRedis, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
 from worker.metrics import WorkerMetrics
@@ -97,10 +97,6 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
     if not checked:
         check_eviction_policy(connection, settings.require_noeviction)
     return BatchWorker(engine, settings, connection, pump)
-
-
-class UnsafeRedis(RuntimeError):
-    """Redis may evict the queue's keys, and the operator asked for a Redis that never does."""
 
 
 def check_eviction_policy(connection: Redis, required: bool) -> None:
