@@ -18,7 +18,7 @@ from rq.job import Job
 
 from producer.batch_io import at_least
 from producer.client import DEFAULT_REDIS_URL, Client, validate
-from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls
+from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls, redacted_url
 from producer.generation_job import GenerationJob
 from producer.job_errors import InvalidRequest, JobError, ResultNotKept, StreamRestarted
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane, stream_key
@@ -300,13 +300,14 @@ def _follow(
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
         return _lost_redis(job.id, exc, args)
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
-        print(f"\ninterrupted: job {job.id} goes on in the workers; {_follow_or_cancel(job.id, args)}", file=sys.stderr)
+        again = _follow_or_cancel(job.id, args, streamed)
+        print(f"\ninterrupted: job {job.id} goes on in the workers; {again}", file=sys.stderr)
         return 130
     except TimeoutError as exc:  # --timeout ran out: the job goes on all the same
         said = str(exc)
         if timeout is not None:  # the --timeout given, not what was left of it for the last wait
             said = re.sub(r"within \S+ s", f"within {timeout:g} s", said, count=1)
-        print(f"error: {said}; it goes on in the workers: {_follow_or_cancel(job.id, args)}", file=sys.stderr)
+        print(f"error: {said}; it goes on in the workers: {_follow_or_cancel(job.id, args, streamed)}", file=sys.stderr)
         return 124  # as timeout(1)
     if restarted:  # stdout (a file, a pipe) holds void text before the answer: not a clean success
         print(f"error: job {job.id}'s output restarted after some of it went out: stdout holds void text before its "
@@ -334,17 +335,21 @@ def _lost_redis(job_id: str, exc: Exception, args: argparse.Namespace | None) ->
     return 1
 
 
-def _follow_or_cancel(job_id: str, args: argparse.Namespace | None) -> str:
-    return f"`{_command('stream', job_id, args)}` follows it again, `{_command('cancel', job_id, args)}` stops it"
+def _follow_or_cancel(job_id: str, args: argparse.Namespace | None, streamed: bool) -> str:
+    """How to take up the wait again, as it was (``streamed``: its text, else its result: a job of n > 1 samples
+    has no stream to follow, and ``stream`` refused it), and how to stop the job."""
+    again = "follows it again" if streamed else "waits for its result again"
+    verb = "stream" if streamed else "result"
+    return f"`{_command(verb, job_id, args)}` {again}, `{_command('cancel', job_id, args)}` stops it"
 
 
 def _command(verb: str, job_id: str, args: argparse.Namespace | None) -> str:
     """``roseinfer VERB JOB_ID`` with the --redis-url and --queue this command was given: pasted as printed, it
-    reaches the same Redis."""
+    reaches the same Redis (but for a password in the URL, left out: stderr goes to logs)."""
     argv = ["roseinfer", verb, job_id]
     for flag, value in (("--redis-url", getattr(args, "redis_url", None)), ("--queue", getattr(args, "queue", None))):
         if value:
-            argv += [flag, value]
+            argv += [flag, redacted_url(value) if flag == "--redis-url" else value]
     return shlex.join(argv)
 
 
@@ -355,7 +360,9 @@ def result(args: argparse.Namespace) -> int:
     except JobError as exc:
         return _report(exc)
     except TimeoutError as exc:
-        print(f"error: {exc}; it goes on in the workers: {_follow_or_cancel(args.job_id, args)}", file=sys.stderr)
+        print(
+            f"error: {exc}; it goes on in the workers: {_follow_or_cancel(args.job_id, args, False)}", file=sys.stderr
+        )
         return 124
     except REDIS_UNAVAILABLE as exc:
         if not client.reached:  # (never answered: a wrong URL, said as such)
@@ -431,7 +438,7 @@ def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
         ("--tool-call-parser", args.tool_call_parser, None),
         ("--reasoning-parser", args.reasoning_parser, None),
         ("--priority", args.priority, BULK_PRIORITY),
-        ("--redis-url", args.redis_url, None),
+        ("--redis-url", args.redis_url and redacted_url(args.redis_url), None),  # (a password left out: logs)
         ("--queue", args.queue, None),
     )
     for flag, value, default in options:

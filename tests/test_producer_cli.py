@@ -498,7 +498,7 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["result", job.id, "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no result within 0.3 s" in err and job.status() == "queued"
-    assert f"it goes on in the workers: `roseinfer stream {job.id} --redis-url" in err  # and how to stop it
+    assert f"it goes on in the workers: `roseinfer result {job.id} --redis-url" in err  # and how to stop it
     # A wait on a queue no worker serves says so (it waited in silence, for good without --timeout).
     assert main(["submit", "x", "--wait", "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
@@ -620,12 +620,23 @@ def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(mon
     monkeypatch.setattr(client, "submit", lambda *a, **k: Job())
     assert producer_cli.submit(_parse("submit", "hi", "--wait")) == 130
     err = capsys.readouterr().err
-    assert "job j7 goes on in the workers" in err and "`roseinfer cancel j7`" in err and "`roseinfer stream j7`" in err
-    # The commands it prints reach the Redis and queue this one was given: pasted as printed, they found no job.
+    assert "job j7 goes on in the workers" in err and "`roseinfer cancel j7`" in err
+    # A wait for the result is taken up by `result` (`stream` printed text where JSON was asked for, and refused a
+    # job of n > 1 samples, pointing back to `result`: a circle); a streamed one by `stream`.
+    assert "`roseinfer result j7` waits for its result again" in err
+    Job.stream = lambda self, timeout=None: (_ for _ in ()).throw(KeyboardInterrupt)
+    assert producer_cli.submit(_parse("submit", "hi", "--stream")) == 130
+    assert "`roseinfer stream j7` follows it again" in capsys.readouterr().err
+    # The commands it prints reach the Redis and queue this one was given: pasted as printed, they found no job. A
+    # password in the URL is left out (stderr goes to logs).
     url = "redis://10.0.0.5:6379/3"
     assert producer_cli.submit(_parse("submit", "hi", "--wait", "--redis-url", url, "--queue", "my q")) == 130
     err = capsys.readouterr().err
     assert f"`roseinfer cancel j7 --redis-url {url} --queue 'my q'` stops it" in err
+    secret = "redis://default:s3cret@10.0.0.5:6379/3"
+    assert producer_cli.submit(_parse("submit", "hi", "--wait", "--redis-url", secret)) == 130
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "--redis-url 'redis://***@10.0.0.5:6379/3'" in err
 
 
 def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monkeypatch):
