@@ -18,15 +18,29 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    # (a file written on Windows: its line ends and byte order mark are not the prompt's)
-    lines = [line.rstrip("\r\n").lstrip("\ufeff") for line in sys.stdin] if not args.prompt else []
-    prompts = args.prompt or [line for line in lines if line.strip()]
+    prompts = [_utf8(p, "a prompt argument") for p in args.prompt] or _stdin_prompts()
     llm = LLM.from_config(config)
     convs = [[{"role": "user", "content": p}] for p in prompts]
     for out in llm.chat(convs, params, use_tqdm=len(convs) > 1):
         c = out.outputs[0]
         print(json.dumps({"text": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}))
     return 0
+
+
+def _stdin_prompts() -> list[str]:
+    """A prompt per line of stdin, read as UTF-8 before the model loads (other bytes reached the tokenizer as lone
+    surrogates: a TypeError after the load); a file written on Windows: its line ends and BOM are not the prompt's."""
+    raw = getattr(sys.stdin, "buffer", None)  # (a stdin of text already, as a test's, has none)
+    text = sys.stdin.read() if raw is None else _utf8(raw.read(), "stdin")
+    lines = [line.rstrip("\r").lstrip("\ufeff") for line in text.split("\n")]
+    return [line for line in lines if line.strip()]
+
+
+def _utf8(value: str | bytes, where: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else value.encode("utf-8").decode("utf-8")
+    except UnicodeError as exc:
+        raise ConfigError(f"{where} is not UTF-8 text ({exc.reason})") from None
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -401,6 +401,24 @@ def test_generate_reads_prompts_from_stdin_without_their_line_ends_or_byte_order
     assert first == second == json.loads(capsys.readouterr().out)  # the same prompt: "Hello"
 
 
+def test_generate_refuses_a_prompt_that_is_not_utf8_before_the_model_loads(tiny_chat_model, capsys, monkeypatch):
+    """Bytes on stdin that are not UTF-8 came through as lone surrogates: the model loaded, then the tokenizer's
+    TypeError, a traceback and exit 1."""
+    import io
+
+    from roseinfer import LLM
+    from worker.cli import main
+
+    monkeypatch.setattr(LLM, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["generate", "--model", tiny_chat_model]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stdin is not UTF-8 text" in err
+    assert main(["generate", b"caf\xe9".decode("utf-8", "surrogateescape"), "--model", tiny_chat_model]) == 2
+    assert "a prompt argument is not UTF-8 text" in capsys.readouterr().err
+
+
 def test_a_file_that_is_no_model_or_a_tokenizer_that_is_not_there_is_one_line(tiny_chat_model, tmp_path, capsys):
     """Both were a traceback and exit 1, where every other configuration error is one line and exit 2."""
     from worker.cli import main
