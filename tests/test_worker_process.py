@@ -430,6 +430,13 @@ def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
     plain = [c for c in cmd if c not in ("--model", tiny_chat_model)]
     from_env = subprocess.run(plain, capture_output=True, text=True, timeout=120, env={**env, **settings})
     assert from_env.returncode == 0 and "2 finished, 0 failed" in from_env.stderr, from_env.stderr[-2000:]
+    # A job that fails (a prompt past the model's context) is said in its place, the others' results after it: a
+    # traceback of the consumer's thread ended the output there.
+    failing = [*cmd[:-2], "word " * 3000, "two"]
+    failed = subprocess.run(failing, capture_output=True, text=True, timeout=120, env=env)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert "allows at most 255 prompt tokens" in failed.stdout and len(re.findall(r"--- job \S+: (length|stop)", failed.stdout)) == 1
+    assert "1 finished, 1 failed" in failed.stderr
 
 
 def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):

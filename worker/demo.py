@@ -19,7 +19,7 @@ DEMO_PROMPTS = [
 
 
 def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_tokens: int) -> int:
-    from producer import Client
+    from producer import Client, JobError
     from worker.local_redis import embedded_connection, start_embedded_redis
     from worker.main import build_worker
     from worker.settings import WorkerSettings
@@ -41,15 +41,23 @@ def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_token
     def consume() -> None:
         first = jobs[0]
         print(f"--- job {first.id}, streaming live ---")
-        for piece in first.stream():
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in first.stream():
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except JobError as exc:  # (a prompt past the context, say: its line below says why)
+            print(f"[{type(exc).__name__}]", end="")
         print("\n")
         for job in jobs:
-            r = job.result()
+            try:
+                r = job.result()
+            except JobError as exc:  # one job's end, said in its place: the others' results still come
+                print(f"--- job {job.id}: {exc} ---\n")
+                continue
+            ttft = (r.get("timings") or {}).get("ttft_s")
             print(
                 f"--- job {job.id}: {r['finish_reason']}, {r['usage']['completion_tokens']} tokens, "
-                f"ttft {r['timings']['ttft_s']:.2f} s ---\n{r['text']}\n"
+                f"ttft {'-' if ttft is None else f'{ttft:.2f} s'} ---\n{r['text']}\n"
             )
 
     consumer = threading.Thread(target=consume, daemon=True)  # a worker that fails must not leave it waiting
