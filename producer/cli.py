@@ -189,6 +189,8 @@ def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequest("give a prompt (or - to read it from stdin), --messages JSON, or --prompt-token-id ...")
     if args.prompt is not None and args.messages is not None:  # (which one was meant is not ours to guess)
         raise InvalidRequest("give a prompt or --messages, not both")
+    if args.raw and args.messages is not None:  # (it was dropped without a word)
+        raise InvalidRequest("--raw sends the prompt argument without the chat template: it takes no --messages")
     request: dict[str, Any] = {}
     if args.prompt is not None:  # none with --prompt-token-id: the ids are the prompt
         prompt = args.prompt if args.prompt != "-" else _stdin_text()
@@ -229,6 +231,8 @@ def _report(exc: JobError, print_result: bool = True) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     request = request_from_args(args)
+    if args.timeout is not None and not (args.stream or args.wait):  # (a submit alone waits for nothing)
+        raise InvalidRequest("--timeout bounds the wait of --stream or --wait: give one of them")
     if args.stream and request.get("n", 1) > 1:  # it printed sample 0 alone, and exited 0
         raise InvalidRequest("--stream prints one sample; with --n over 1 use --wait (the result holds every sample)")
     client = _client(args)

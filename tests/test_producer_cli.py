@@ -842,3 +842,14 @@ def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--max-tokens", "-1", "hi"])
     assert exited.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_submit_option_that_would_do_nothing_is_refused():
+    """``--timeout`` without --stream or --wait, and ``--raw`` with --messages, were dropped without a word (exit 0)."""
+    with pytest.raises(InvalidRequest, match="--timeout bounds the wait of --stream or --wait"):
+        producer_cli.submit(_parse("submit", "hi", "--timeout", "5"))
+    with pytest.raises(InvalidRequest, match=r"--raw .* takes no --messages"):
+        producer_cli.request_from_args(_parse("submit", "--raw", "--messages", '[{"role": "user", "content": "x"}]'))
+    assert producer_cli.request_from_args(_parse("submit", "--raw", "--prompt-token-id", "5")) == {
+        "prompt_token_ids": [5]
+    }
