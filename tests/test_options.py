@@ -266,6 +266,8 @@ def test_every_roseinfer_variable_the_code_reads_is_known():
         (["worker"], {"ROSEINFER_ALLOW_CALLBACK": "a.b"}, "error: ROSEINFER_ALLOW_CALLBACK does not parse"),
         # Taken, and never used: the server serves what the queue's workers hold.
         (["serve", "--model", "other-model"], {}, "error: --model is for --embedded"),
+        # (it served its own Redis all the same, the one named left alone)
+        (["serve", "--embedded", "--redis-url", "redis://10.0.0.5:6379/0"], {}, "error: --redis-url is for a server"),
     ],
 )
 def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, env, phrase, monkeypatch, capsys):
