@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins,
         )  # fmt: skip
     if args.redis_url is not None:  # (it served its own Redis all the same, the one named left alone)
-        raise ConfigError("--redis-url is for a server in front of a queue's workers; --embedded runs its own: not both")
+        raise ConfigError("--redis-url is for a server in front of a queue's workers; --embedded runs its own")
     from worker.embedded import serve_embedded
 
     return serve_embedded(args)
