@@ -1155,3 +1155,62 @@ def test_a_job_deleted_as_it_finishes_stays_deleted():
     assert not thread.is_alive()
     assert job.status() == "missing" and not conn.exists(f"rq:results:{job.id}")
     assert not client.lane(0).finished_job_registry.get_job_ids()
+
+
+def test_rq_suspend_sends_back_the_jobs_a_worker_holds_that_made_no_token_yet():
+    """``rq suspend`` held back nothing the worker had taken: jobs waiting behind max_num_seqs all started, one
+    after another, as the running ones ended (RQ's suspension leaves queued jobs queued). They go back to their
+    queue now; the generating one runs to its end; on ``rq resume`` they run."""
+    from rq.suspension import resume, suspend
+
+    worker, engine, client, thread, conn = _fakeredis_worker("suspended", step_s=0.02)
+    engine.waiting.add("held-b")  # (behind max_num_seqs: no token until let in)
+    thread.start()
+    try:
+        running = client.submit("x", max_tokens=60)
+        held = client.submit("y", max_tokens=3, job_id="held-b")
+        deadline = time.monotonic() + 10
+        while not (held.id in worker.in_flight and running.id in worker.in_flight):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        suspend(conn)
+        while held.id in worker.in_flight or held.status() != "queued":
+            assert time.monotonic() < deadline, held.status()
+            time.sleep(0.01)
+        assert running.result(timeout=20)["finish_reason"] == "length"
+        assert held.status() == "queued"
+        engine.waiting.discard(held.id)
+        resume(conn)
+        assert held.result(timeout=10)["usage"]["completion_tokens"] == 3
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_burst_worker_exits_when_suspended_and_runs_the_scheduled_jobs_already_due():
+    """A burst worker waited out a suspension (RQ's exits: "suspended in burst mode"); and a scheduled job already
+    due was moved to its queue only as it exited, not run (RQ's burst with its scheduler moves them first)."""
+    from datetime import datetime, timedelta, timezone
+
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+    from rq.suspension import resume, suspend
+
+    from producer.protocol import JOB_FUNCTION
+
+    worker, _, client, thread, conn = _fakeredis_worker("bursting", burst=True)
+    suspend(conn)
+    queued = client.submit("x", max_tokens=2)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and queued.status() == "queued"
+    resume(conn)
+    worker, _, client, thread, conn = _fakeredis_worker("bursting", burst=True)
+    lane = Queue(client.queue.name, connection=conn, serializer=JSONSerializer)
+    due = lane.enqueue_at(datetime.now(timezone.utc) - timedelta(seconds=1), JOB_FUNCTION, prompt="due", max_tokens=2)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and due.get_status(refresh=True) == "finished"
+    with pytest.raises(ValueError, match="takes no max_jobs"):
+        worker.work(max_jobs=1)

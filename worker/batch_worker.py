@@ -279,7 +279,25 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self.maintenance.clean_groups()
 
     # ----- the loop ----------------------------------------------------------------------------------
-    def work(self, burst: bool = False, logging_level: str | None = "INFO", **_: Any) -> bool:
+    def work(
+        self, burst: bool = False, logging_level: str | None = "INFO", max_jobs: int | None = None,
+        max_idle_time: int | None = None, with_scheduler: bool = True, **_formats: Any,
+    ) -> bool:  # fmt: skip
+        """RQ's ``Worker.work``: ``burst`` ends once the queues are empty (or suspended). Due scheduled jobs and
+        retries are moved to their queues always (``with_scheduler`` is taken, and cannot be turned off). RQ's
+        ``max_jobs`` and ``max_idle_time`` have no meaning for a worker that holds many jobs at once: refused, not
+        dropped without a word (``work(max_jobs=1)`` ran every job and never stopped)."""
+        if max_jobs is not None or max_idle_time is not None or not with_scheduler:
+            given = "max_jobs" if max_jobs is not None else "max_idle_time" if max_idle_time is not None else None
+            raise ValueError(
+                f"the batching worker takes no {given}: it holds many jobs at once (use burst=True to stop once the "
+                "queues are empty)"
+                if given
+                else "the batching worker always moves due scheduled jobs to their queues"
+            )
+        unknown = set(_formats) - {"date_format", "log_format", "dequeue_strategy"}
+        if unknown:
+            raise TypeError(f"work() got unexpected arguments {sorted(unknown)}")
         try:
             self._start(burst, logging_level)
         except BaseException:  # (a name in use, a metrics port taken): an engine process must not outlive it
@@ -390,6 +408,11 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
             self.sender.lease_key = LEASE_KEY.format(worker=self.name)
         self.puller.burst = burst
+        if burst:  # due scheduled jobs run in this burst, as RQ's burst with its scheduler moves them before its loop
+            try:
+                self._heartbeat.due_retries.enqueue()
+            except REDIS_UNAVAILABLE as exc:
+                log.error("due scheduled jobs not moved to their queues: Redis unavailable (%s)", exc)
         self.puller.start()
         self._heartbeat.start()
         self._watchdog.start()
@@ -418,8 +441,12 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             return False
         if not self._lost.empty() or self.sender.holds_events:  # (events held for a word on their job: said next)
             return False
-        # Burst: the queues found empty. Or a burst's puller stopped already, its last pull having taken a job that
-        # came at that moment: that pull left ``dry`` False, and no pull could set it again.
+        # Burst: the queues found empty, or suspended (as RQ's burst exits then). Or a burst's puller stopped
+        # already, its last pull having taken a job that came at that moment: that pull left ``dry`` False, and no
+        # pull could set it again.
+        if burst and self._suspended:
+            log.warning("queues suspended (`rq suspend`) in burst mode: exiting")
+            return True
         return self._stop_requested or (burst and (self.puller.stopped or (self.puller.dry and not self.sender.queued)))
 
     def _loop_once(self) -> bool:
@@ -434,6 +461,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 log.error("maintenance skipped: Redis unavailable (%s)", exc)
         self._apply_arrivals()
         self._apply_stop_requests()  # after the arrivals: a job just taken can be stopped
+        if self._suspended and not self._stop_requested:
+            self._hand_back_unstarted()
         if self.pump.has_work():
             started = time.perf_counter()
             # Running jobs' new text is only wanted when the hand-over after this step sends it: when the hand-over

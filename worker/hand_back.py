@@ -69,6 +69,15 @@ class HandBack:
             self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S
             self._force_stop = True
 
+    def _hand_back_unstarted(self) -> None:
+        """Suspended (``rq suspend``): the jobs taken that made no token yet go back to their queue, as queued jobs
+        stay queued under RQ's suspension (they all started, one after another, as the running ones ended); those
+        generating run to their ends."""
+        waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
+        if waiting:
+            log.warning("suspended: %d jobs that made no token yet go back to their queues", len(waiting))
+            self._hand_back_cold(only=waiting)
+
     def _hand_back_all(self, only: list[str] | None = None) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched; ``only``:
         those jobs (the first signal's, not generating yet), the others running on."""
