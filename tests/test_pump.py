@@ -1214,3 +1214,31 @@ def test_a_burst_worker_exits_when_suspended_and_runs_the_scheduled_jobs_already
     assert not thread.is_alive() and due.get_status(refresh=True) == "finished"
     with pytest.raises(ValueError, match="takes no max_jobs"):
         worker.work(max_jobs=1)
+
+
+def test_a_result_past_max_result_bytes_fails_its_job_alone_and_the_others_finish(monkeypatch):
+    """One result is one Redis write: n=64 x 1,900 tokens x 20 logprobs made 100 MB; past 512 MB Redis resets the
+    connection, which the worker took for an outage and tried again for good, the jobs ended beside it never
+    written. A job whose result would be past --max-result-bytes fails alone, not retried; large results beside each
+    other are written in parts."""
+    import worker.batch_worker as batch_worker
+    import worker.success_path as success_path
+
+    sizes = {"big": 2**30, "large-1": 40 * 2**20, "large-2": 40 * 2**20}
+    fake_size = lambda out: sizes.get(out.request_id, 0) if out is not None else 0  # noqa: E731
+    monkeypatch.setattr(batch_worker, "result_bytes", fake_size)
+    monkeypatch.setattr(success_path, "result_bytes", fake_size)
+    parts, real_parts = [], success_path._parts
+    monkeypatch.setattr(success_path, "_parts", lambda *a: parts.append(real_parts(*a)) or parts[-1])
+    _, _, client, thread, _ = _fakeredis_worker("results", burst=True)
+    jobs = {name: client.submit("x", max_tokens=3, job_id=name) for name in ("big", "large-1", "large-2", "small")}
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    with pytest.raises(JobFailed, match=r"about 1024 MB, past this worker's --max-result-bytes \(64 MB\)") as err:
+        jobs["big"].result(timeout=5)
+    assert (err.value.result["error_type"], err.value.result["error_code"]) == ("invalid_request", "result_too_large")
+    assert jobs["big"].rq_job.get_status(refresh=True) == "failed"  # (not retried: it would make the same again)
+    assert all(jobs[name].result(timeout=5)["status"] == "finished" for name in ("large-1", "large-2", "small"))
+    written = [[job.job.id for job, _ in part] for call in parts for part in call]
+    assert ["large-1"] in written and "large-2" in written[written.index(["large-1"]) + 1]  # (40 + 40 MB: two writes)

@@ -68,6 +68,7 @@ from worker.job_ends import JobEnds
 from worker.job_start import queue_start, start_jobs
 from worker.job_start import register as register_start_script
 from worker.jobs import (
+    result_bytes,
     run_limit,
     system_fingerprint,
     usage,
@@ -770,6 +771,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 self._took(job, event, wall)
             if event.finish_reason is None:
                 self._piece(job, event)
+            elif event.finish_reason in ("stop", "length") and self._too_large(event):
+                self._errored(job, event)  # (it fails alone: its result would not fit one Redis write)
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
                 out = event.output
@@ -785,6 +788,19 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         if done:
             self._end_later([job for job, _ in done], lambda: self._succeed(done))
         return len(self.in_flight) < held
+
+    def _too_large(self, event: JobEvent) -> bool:
+        """Whether the finished job's result is past ``--max-result-bytes``: then ``event`` says so, as the job's
+        own failure (not retried: it would make the same again)."""
+        size = result_bytes(event.output)
+        if size <= self.settings.max_result_bytes:
+            return False
+        event.finish_reason, event.error_type, event.error_code = "error", "invalid_request", "result_too_large"
+        event.error = (
+            f"the job's result would take about {size / 2**20:.0f} MB, past this worker's --max-result-bytes "
+            f"({self.settings.max_result_bytes / 2**20:.0f} MB): ask for fewer tokens, samples or logprobs"
+        )
+        return True
 
     def _took(self, job: InFlight, event: JobEvent, wall: float) -> None:
         """What an event of ``job`` says besides its text: its first token, its tokens, a restart."""

@@ -134,6 +134,17 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return usage_of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
+def result_bytes(out: RequestOutput | None) -> int:
+    """About how many bytes an ended job's result takes in Redis, from its output, without encoding it (100 MB of
+    JSON took a second of the step loop): its text, token ids and logprobs (each logprob entry ~30 bytes as JSON),
+    in base64 as RQ stores a return value. An upper bound within a factor of ~1.5."""
+    size = 0
+    for c in out.outputs if out is not None else ():
+        size += 2 * len(c.text) + 8 * len(c.token_ids) + 32 * sum(len(step) for step in c.logprobs or ())
+    size += 32 * sum(len(step) for step in getattr(out, "prompt_logprobs", None) or () if step)
+    return size * 4 // 3
+
+
 def system_fingerprint(settings: Any) -> str:
     """What a seeded job's text depends on beside the model (OpenAI's ``system_fingerprint``): roseinfer's version,
     the device kind, the dtype and the quantization, e.g. ``roseinfer-0.1.0-cpu-bfloat16-int8``. Workers whose
@@ -288,6 +299,9 @@ def generate(**payload: Any) -> dict[str, Any]:
                     pipe.execute()
     finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
         pump.cancel(job.id)
+    if final.finish_reason != "error" and (size := result_bytes(final.output)) > settings.max_result_bytes:
+        final.finish_reason, final.error_type, final.error_code = "error", "invalid_request", "result_too_large"
+        final.error = f"the job's result would take about {size / 2**20:.0f} MB, past --max-result-bytes"
     # A failure RQ will retry is not the job's end (as the batch worker has it): no final event, no completion entry;
     # the next attempt resumes from what this one streamed.
     retrying = (final.retryable or final.timed_out) and (job.retries_left or 0) > 0

@@ -135,6 +135,12 @@ class QueueSettings(BaseSettings):
     max_job_bytes: int = Field(
         4 * 2**20, ge=1024, description="largest job payload, in bytes, read before anything is tokenized"
     )
+    # One result is one Redis write: past Redis's 512 MB an argument resets the connection, which the worker took for
+    # an outage and tried again for good (n=64 x 1,900 tokens x 20 logprobs: 100 MB). Past this the job fails alone.
+    max_result_bytes: int = Field(
+        64 * 2**20, ge=2**20, le=256 * 2**20, description="largest result a job may leave in Redis, in bytes "
+        "(about: its text, token ids and logprobs); a job past it fails with error_code result_too_large",
+    )  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod

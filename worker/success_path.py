@@ -31,8 +31,10 @@ from producer.protocol import OWNER_FIELD, encode_result, failure_result, result
 from worker.in_flight import InFlight, jobs_named
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
+from worker.jobs import result_bytes
 
 log = logging.getLogger("roseinfer.worker")
+WRITE_BYTES = 64 * 2**20  # the results one call writes at most (about), but for a single larger one
 
 
 class SuccessPath:
@@ -43,21 +45,26 @@ class SuccessPath:
         callback, webhook, rate limit or result_ttl 0) the same writes as RQ's ``handle_job_success``, for all of
         them in one script call, each taking effect only while this attempt still owns the job; the others one by
         one through RQ's own code. A job another attempt owns now is dropped without a write."""
-        plain, through_rq = [], []
+        plain, through_rq, sizes = [], [], []
         for job, out in done:
             result = self._result(job, out)
             j = job.job
             special = j._success_callback_name or j.webhooks or j.repeats_left or j.has_rate_limit  # RQ frees its slot
-            (through_rq if special or j.get_result_ttl(self.default_result_ttl) == 0 else plain).append((job, result))
+            if special or j.get_result_ttl(self.default_result_ttl) == 0:
+                through_rq.append((job, result))
+            else:
+                plain.append((job, result))
+                sizes.append(result_bytes(out))
         finished: list[tuple[InFlight, dict[str, Any]]] = []
-        while plain:
-            try:
-                written, with_dependents = self._succeed_plain(plain)
-            except redis.WatchError:
-                continue  # a job hash changed meanwhile (a heartbeat, a cancel): check ownership again
-            finished += written
-            through_rq += with_dependents
-            break
+        for part in _parts(plain, sizes, WRITE_BYTES):  # (one script call's arguments: not past Redis's 512 MB)
+            while True:
+                try:
+                    written, with_dependents = self._succeed_plain(part)
+                except redis.WatchError:
+                    continue  # a job hash changed meanwhile (a heartbeat, a cancel): check ownership again
+                finished += written
+                through_rq += with_dependents
+                break
         # A retry of this end (Redis failed on a later job) writes again none that it wrote: RQ's path deletes a
         # result_ttl 0 job, whose missing hash then read as a Redis that lost it (reopened, its callback run twice).
         # (one handed to a callback thread is that thread's to end and count)
@@ -269,3 +276,16 @@ class SuccessPath:
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job.job, pipe, job.execution)
             pipe.execute()
+
+
+def _parts(items: list, sizes: list[int], budget: int) -> list[list]:
+    """``items`` in order, in runs whose ``sizes`` add up to ``budget`` at most (an item larger alone by itself)."""
+    parts: list[list] = []
+    total = budget + 1
+    for item, size in zip(items, sizes):
+        if total + size > budget:
+            parts.append([])
+            total = 0
+        parts[-1].append(item)
+        total += size
+    return parts
