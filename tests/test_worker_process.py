@@ -563,3 +563,28 @@ def test_a_simple_worker_ends_no_stream_at_a_failure_rq_retries_and_ends_a_timeo
     last = json.loads(conn.xrevrange(stream_key(slow.id), count=1)[0][1][b"event"])
     assert slow.get_status(refresh=True) == "failed"
     assert (last["finish_reason"], last["error_type"]) == ("error", "timeout"), last
+
+
+def test_a_simple_worker_fails_a_job_whose_result_is_past_max_result_bytes(
+    redis_url, tiny_chat_model, queue_name, monkeypatch
+):
+    """The stock path writes a result as RQ stores a return value: one past --max-result-bytes fails its job, said
+    on its stream and in its result, as the batch worker fails it."""
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    from producer import Client, JobFailed
+    from producer.protocol import stream_key
+    from worker import jobs
+
+    monkeypatch.setenv("ROSEINFER_MODEL", tiny_chat_model)
+    monkeypatch.setattr(jobs, "_ENGINE", None)
+    monkeypatch.setattr(jobs, "result_bytes", lambda out: 2**30)
+    conn = Redis.from_url(redis_url)
+    queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=3)
+    SimpleWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
+    last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
+    assert (last["finish_reason"], last["error_code"]) == ("error", "result_too_large")
+    with pytest.raises(JobFailed, match="past --max-result-bytes"):
+        Client(redis_url, queue=queue_name).job(job.id).result(timeout=5)
