@@ -198,6 +198,7 @@ def create_app(
     renderers = ChatRenderers(client)
     metrics = ServerMetrics()
     app.state.metrics = metrics
+    tokenizing = asyncio.Semaphore(TOKENIZE_AT_ONCE)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -286,9 +287,11 @@ def create_app(
                 ids = await asyncio.to_thread(renderer.tokenize, job, bool(req.add_special_tokens))
             except Exception as exc:  # the template's own refusal (roles out of order ...), as the job would fail
                 raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-        else:  # (off the event loop: a long prompt's encoding would hold every other request)
+        else:  # off the event loop, and without the GIL (encode held it: a 15 MB text stopped the server 10 s)
             special = req.add_special_tokens is not False
-            ids = (await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=special)).ids
+            async with tokenizing:  # (a few at once: one such text took 2 GB)
+                [encoded] = await asyncio.to_thread(tokenizer.encode_batch, [req.prompt], add_special_tokens=special)
+            ids = encoded.ids
         strs = [tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": await workers.max_model_len(req.model), "tokens": ids,
                 "token_strs": strs}  # fmt: skip
@@ -433,6 +436,7 @@ def _mixed_models(queue: str, served: list[str]) -> str:
     )
 
 
+TOKENIZE_AT_ONCE = 2  # /tokenize requests encoding at once (a text of the largest body took ~2 GB to encode)
 MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB prompt to /tokenize took 2.6 GB
 
 
