@@ -25,7 +25,7 @@ from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model, kv_window, model_class
 from roseinfer.models.linear import int8_gemm_speedup
 from roseinfer.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
-from roseinfer.prompts import PromptInput, PromptInputs
+from roseinfer.prompts import ContextLengthExceeded, PromptInput, PromptInputs
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
 from roseinfer.sampler import Sampler, advance_generator, seeded_generator
 from roseinfer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -34,13 +34,6 @@ from roseinfer.sequence import Sequence
 from roseinfer.structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
-
-
-class ContextLengthExceeded(ValueError):
-    """A request that does not fit the model's context: its prompt, or (asked to be refused, not cut) its prompt
-    plus ``max_tokens``. ``code`` is OpenAI's for it, which clients read to shorten a conversation and retry."""
-
-    code = "context_length_exceeded"
 
 
 @dataclass

@@ -922,3 +922,21 @@ def test_a_request_has_its_first_scheduled_time_once_it_gets_a_place_in_the_batc
         engine.step()
     assert engine.first_scheduled_time("second") > first
     assert engine.first_scheduled_time("unknown") is None and engine.first_scheduled_time("first") is None  # ended
+
+
+def test_a_prompt_of_more_characters_than_the_context_could_hold_is_refused_before_it_is_tokenized(chat_engine):
+    """A 3.9 MB prompt took the tokenizing thread 3.3 s (the next jobs' admissions waited) to be refused for its
+    803,276 tokens. Past the context's tokens at the longest token's length it cannot fit: refused at once, text or
+    chat, with OpenAI's code."""
+    from roseinfer.llm_engine import ContextLengthExceeded
+
+    bound = chat_engine.max_model_len * chat_engine.longest_token_chars
+    assert chat_engine.longest_token_chars >= max(len(t) for t in chat_engine.tokenizer.get_vocab())
+    kept = {"get_vocab": chat_engine.tokenizer.get_vocab, "chat_template": chat_engine.tokenizer.chat_template}
+    tokenizer = type("Refusing", (), kept)()  # (no encode, no template's render: neither is called)
+    too_long = "x" * (bound + 1)
+    for prompt in (too_long, {"messages": [{"role": "user", "content": too_long}]}):
+        [got] = chat_engine.tokenize_many([prompt], tokenizer)
+        assert isinstance(got, ContextLengthExceeded) and got.code == "context_length_exceeded", got
+        assert f"{bound + 1} characters" in str(got)
+    assert chat_engine.tokenize_many(["x" * bound])[0][1]  # (at the bound: tokenized, its tokens counted later)
