@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Bounds shared with the job payload (producer/schema.py; tests/test_options.py checks that the two agree).
@@ -24,6 +26,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # A grammar, regex or choice's characters: llguidance converts a GBNF grammar in time that grows with the square of
 # its size, on the step loop (a 218 KB one took 30 s, every other request stalled).
 MAX_CONSTRAINT_CHARS = 32 * 1024
+# A JSON schema's text, and each regex it holds (``pattern``, ``patternProperties``' keys): a 3.3 MB pattern of 400k
+# alternatives spent 1.7 s of the step loop before llguidance refused it.
+MAX_SCHEMA_CHARS = 256 * 1024
 
 
 @dataclass
@@ -54,6 +59,8 @@ class StructuredOutputsParams:
             fail(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             fail(f"json must be a JSON schema (an object, or its text), got {type(self.json).__name__}")
+        if self.json is not None:
+            _check_schema_size(self.json, fail)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -239,3 +246,26 @@ def _normalise_stop(stop: str | list[str] | tuple[str, ...] | None) -> tuple[str
     if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
         return tuple(stop)
     raise ValueError(f"invalid sampling parameter: stop must be a string or a list of strings, got {stop!r}")
+
+
+def _check_schema_size(schema: dict | str, fail: Callable[[str], None]) -> None:
+    """A JSON schema within ``MAX_SCHEMA_CHARS``, each regex in it within ``MAX_CONSTRAINT_CHARS`` (as a regex of
+    its own is): both are compiled on the step loop."""
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        tree = json.loads(schema) if isinstance(schema, str) else schema
+    except (TypeError, ValueError, RecursionError):
+        return  # (not JSON: the grammar library says so, as for any schema it cannot read)
+    if len(text) > MAX_SCHEMA_CHARS:
+        fail(f"json (the schema) has {len(text)} characters; at most {MAX_SCHEMA_CHARS} are taken")
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            patterns = [node.get("pattern"), *(node.get("patternProperties") or {})]
+            for pattern in patterns:
+                if isinstance(pattern, str) and len(pattern) > MAX_CONSTRAINT_CHARS:
+                    fail(f"a pattern in json has {len(pattern)} characters; at most {MAX_CONSTRAINT_CHARS} are taken")
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)

@@ -58,3 +58,22 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
     """1e-50 overflowed the logits to inf and the softmax to NaN (token 0 every time): below 1e-5 it is greedy."""
     assert SamplingParams(temperature=1e-50).temperature == 0.0
     assert SamplingParams(temperature=1e-3).temperature == 1e-3
+
+
+def test_a_json_schema_is_held_to_its_own_bound_and_its_patterns_to_a_regexs():
+    """A regex in a schema's ``pattern`` took no bound (a regex of its own is held to 32 KB): a 3.3 MB one spent 1.7 s
+    of the step loop before llguidance refused it; nor did the schema itself."""
+    import pytest
+
+    from roseinfer.sampling_params import MAX_CONSTRAINT_CHARS, MAX_SCHEMA_CHARS, StructuredOutputsParams
+
+    long = "a" * (MAX_CONSTRAINT_CHARS + 1)
+    for schema in ({"type": "string", "pattern": long},
+                   {"type": "object", "patternProperties": {long: {"type": "string"}}},
+                   {"anyOf": [{"type": "string"}, {"items": {"pattern": long}}]}):  # fmt: skip
+        with pytest.raises(ValueError, match=f"a pattern in json has {len(long)} characters"):
+            StructuredOutputsParams(json=schema)
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_CHARS // 20)}}
+    with pytest.raises(ValueError, match=r"json \(the schema\) has \d+ characters; at most 262144"):
+        StructuredOutputsParams(json=many)
+    StructuredOutputsParams(json={"type": "string", "pattern": "a" * MAX_CONSTRAINT_CHARS})  # (at the bound: taken)
