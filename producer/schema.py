@@ -20,6 +20,7 @@ MAX_N = 64
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # a stop string's
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CONSTRAINT_CHARS = 32 * 1024  # a grammar's, a regex's, a choice's in all
 MAX_TOOLS = 128  # OpenAI's
@@ -308,8 +309,14 @@ class JobRequest(BaseModel):
     )
     stop: str | list[str] | None = Field(
         None,
-        description=f"strings that end the output (cut from it); at most {MAX_STOP_STRINGS}",
-        json_schema_extra={"minLength": 1, "items": {"minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+        description=f"strings that end the output (cut from it); at most {MAX_STOP_STRINGS}, of {MAX_STOP_CHARS} "
+        "characters each at most",
+        json_schema_extra={
+            "minLength": 1,
+            "maxLength": MAX_STOP_CHARS,
+            "items": {"minLength": 1, "maxLength": MAX_STOP_CHARS},
+            "maxItems": MAX_STOP_STRINGS,
+        },
     )
     stop_token_ids: list[TokenId] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end the output"
@@ -420,6 +427,8 @@ class JobRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         if len(strings) > MAX_STOP_STRINGS:
             raise ValueError(f"stop holds {len(strings)} strings; at most {MAX_STOP_STRINGS} are taken")
+        if (longest := max(map(len, strings), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are taken")
         return value
 
     @field_validator("logprobs")

@@ -22,6 +22,9 @@ MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: each is host work a
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # Lists checked at every step of a request: bounded so one request cannot slow every other one's steps.
 MAX_STOP_STRINGS = 64  # (OpenAI takes 4)
+# A stop string's characters: each new token's text is matched against every tail of every stop string (64 of 15 KB
+# held a step 4 s where the output broke a long prefix of them).
+MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 # A grammar, regex or choice's characters: llguidance converts a GBNF grammar in time that grows with the square of
 # its size, on the step loop (a 218 KB one took 30 s, every other request stalled).
@@ -191,6 +194,8 @@ class SamplingParams:
             fail(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are taken")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             fail(f"stop holds {len(self.stop_strings)} strings; at most {MAX_STOP_STRINGS} are taken")
+        if (longest := max((len(s) for s in self.stop_strings if isinstance(s, str)), default=0)) > MAX_STOP_CHARS:
+            fail(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are taken")
         for tid in self.stop_token_ids:
             if not is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID:
                 fail(f"stop_token_ids must hold integers in [0, {MAX_TOKEN_ID}], got {tid!r}")

@@ -571,7 +571,9 @@ def test_the_payloads_list_and_constraint_bounds_are_the_engines():
     import producer.schema as payload
     import roseinfer.sampling_params as engine
 
-    for name in ("MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_CONSTRAINT_CHARS", "MAX_LOGIT_BIAS_TOKENS", "MAX_N"):
+    stops = ("MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS")
+    names = (*stops, "MAX_CONSTRAINT_CHARS", "MAX_LOGIT_BIAS_TOKENS")
+    for name in (*names, "MAX_N"):
         assert getattr(payload, name) == getattr(engine, name), name
 
 

@@ -77,3 +77,19 @@ def test_a_json_schema_is_held_to_its_own_bound_and_its_patterns_to_a_regexs():
     with pytest.raises(ValueError, match=r"json \(the schema\) has \d+ characters; at most 262144"):
         StructuredOutputsParams(json=many)
     StructuredOutputsParams(json={"type": "string", "pattern": "a" * MAX_CONSTRAINT_CHARS})  # (at the bound: taken)
+
+
+def test_a_stop_string_is_held_to_a_kilobyte_by_the_engine_and_the_payload():
+    """Each new token's text was matched against every tail of every stop string: 64 of 15 KB held a step 4 s."""
+    import pytest
+
+    from producer.schema import JobRequest
+    from roseinfer.sampling_params import MAX_STOP_CHARS, SamplingParams
+
+    long = "x" * (MAX_STOP_CHARS + 1)
+    with pytest.raises(ValueError, match=f"a stop string has {len(long)} characters; at most 1024"):
+        SamplingParams(stop=["ok", long])
+    for stop in (long, ["ok", long]):
+        with pytest.raises(ValueError, match=f"a stop string has {len(long)} characters"):
+            JobRequest.model_validate({"prompt": "x", "stop": stop})
+    SamplingParams(stop=["x" * MAX_STOP_CHARS])  # (at the bound: taken)
