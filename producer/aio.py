@@ -160,6 +160,11 @@ class ClientClosed(RuntimeError):
     """The AsyncClient a job is followed through was closed meanwhile."""
 
 
+# Reads handed to a follower and not taken yet: past this it is left out of the hub's read until it has taken them,
+# then reads on from its last entry (a client that stopped reading held every event of its job in memory: ~475 MB).
+MAX_QUEUED = 256
+
+
 class StreamHub:
     """One reader for the streams of every job followed through a client: a single ``XREAD BLOCK`` over all of
     them (one command per wake-up for hundreds of streams, not one per job and event), handing each follower the
@@ -199,6 +204,18 @@ class StreamHub:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._read())
         return follower
+
+    async def entries(self, follower: _Follower, wait: float) -> Any:
+        """The next entries (or error) handed to ``follower``, waiting ``wait`` seconds at most; one left out of the
+        read for lagging is taken back into it once it has taken what it had."""
+        if follower.detached and follower.entries.empty():
+            if self._closed:
+                raise ClientClosed("this AsyncClient was closed")
+            follower.detached = False
+            self._by_key.setdefault(follower.key, {})[follower.id] = follower
+            if self._task is None or self._task.done():
+                self._task = asyncio.create_task(self._read())
+        return await asyncio.wait_for(follower.entries.get(), wait)
 
     def leave(self, follower: _Follower) -> None:
         followers = self._by_key.get(follower.key, {})
@@ -242,6 +259,10 @@ class StreamHub:
                 for f in list(self._by_key.get(key, {}).values()):
                     if f.last < streams[key]:  # it came during this read: the next one starts from its own last
                         continue
+                    if f.entries.qsize() >= MAX_QUEUED:  # it does not read: out of the read until it catches up
+                        self.leave(f)
+                        f.detached = True
+                        continue
                     new = [entry for entry, entry_id in zip(found, ids) if entry_id > f.last]
                     if new:
                         f.last = ids[-1]
@@ -263,12 +284,12 @@ class StreamHub:
         return bool(bad)
 
 
-async def _final_event(follower: _Follower, seconds: float) -> None:
+async def _final_event(hub: StreamHub, follower: _Follower, seconds: float) -> None:
     """Read a job's stream until its final event, or for ``seconds`` (or until Redis fails: the caller looks)."""
     until = time.monotonic() + seconds
     while (wait := until - time.monotonic()) > 0:
         try:
-            found = await asyncio.wait_for(follower.entries.get(), wait)
+            found = await hub.entries(follower, wait)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             return
         if isinstance(found, ClientClosed):  # (a result waited for: it polled on, on connections opened again)
@@ -289,6 +310,7 @@ class _Follower:
         self.id, self.key = id_, key
         self.last = (0, 0)  # the last entry id handed over
         self.entries: asyncio.Queue = asyncio.Queue()
+        self.detached = False  # left out of the hub's read: it lagged ``MAX_QUEUED`` reads behind
 
 
 def _entry_id(value: bytes | str) -> tuple[int, int]:
@@ -354,7 +376,7 @@ class AsyncGenerationJob:
                 if expired_at is not None:
                     wait = max(0.001, min(wait, expired_at - time.monotonic()))
                 try:
-                    found = await asyncio.wait_for(follower.entries.get(), wait) if looked else None
+                    found = await self.client.hub.entries(follower, wait) if looked else None
                 except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                     found = None
                 looked = True
@@ -485,7 +507,7 @@ class AsyncGenerationJob:
                     if newest:
                         follower.last = _entry_id(newest[0][0])
                     continue
-                await _final_event(follower, 1.0 if left is None else min(1.0, left))
+                await _final_event(self.client.hub, follower, 1.0 if left is None else min(1.0, left))
         finally:
             if follower is not None:
                 self.client.hub.leave(follower)

@@ -4166,3 +4166,38 @@ def test_an_empty_list_of_intervals_is_refused_only_where_rq_would_index_it():
     spent = read(retry=Retry(max=1, interval=[]))
     spent.retries_left = 0
     assert out_of_bounds(spent) is None
+
+
+@pytest.mark.redis
+def test_a_follower_that_does_not_read_is_left_out_of_the_hubs_read_and_loses_nothing(redis_url, monkeypatch):
+    """The hub handed every entry to every follower whether it read or not: a client that stopped reading a job's
+    stream held all of it in memory (~475 MB a stalled client). Past MAX_QUEUED reads it is left out of the read,
+    and taken back from its last entry once it has taken what it had: every event, in order, once."""
+    import asyncio
+
+    import producer.aio as aio
+    from producer import AsyncClient
+    from producer.protocol import make_event, stream_key
+
+    monkeypatch.setattr(aio, "MAX_QUEUED", 3)
+    job_id = f"lagging-{uuid.uuid4().hex[:8]}"
+    key = stream_key(job_id)
+
+    async def run() -> list[int]:
+        client = AsyncClient(redis_url, queue="lagging")
+        try:
+            follower = client.hub.follow(key)
+            for n in range(40):  # one read each (the hub wakes for each): the follower takes none meanwhile
+                await client.connection.xadd(key, {"event": json.dumps(make_event(n, f"t{n}", [n]))})
+                await asyncio.sleep(0.02)
+            assert follower.detached and follower.entries.qsize() <= 3
+            got = []
+            while len(got) < 40:
+                got += [json.loads(fields[b"event"])["n"] for _id, fields in await client.hub.entries(follower, 5)]
+            client.hub.leave(follower)
+            return got
+        finally:
+            await client.connection.delete(key)
+            await client.close()
+
+    assert asyncio.run(run()) == list(range(40))
