@@ -4201,3 +4201,31 @@ def test_a_follower_that_does_not_read_is_left_out_of_the_hubs_read_and_loses_no
             await client.close()
 
     assert asyncio.run(run()) == list(range(40))
+
+
+@pytest.mark.redis
+def test_a_pull_leaves_a_job_hash_larger_than_a_worker_reads_unread(redis_url):
+    """The move script read every moved hash whole (HGETALL) before any bound was looked at: eight written by hand
+    with a 128 MB field each held a pull 7 s and took the worker 1.2 GB. Past what a worker reads, a hash comes
+    back as its size, unread; by the script and by the blocking wait's own read alike."""
+    from redis import Redis
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from worker.intake import MOVE_SCRIPT, load_script, pull
+
+    conn, name = Redis.from_url(redis_url), f"fat-{uuid.uuid4().hex[:6]}"
+    client = Client(redis_url, queue=name)
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    for script, block in ((load_script(conn, MOVE_SCRIPT), None), (None, 1)):
+        fat, good = client.submit("fat", max_tokens=2), client.submit("good", max_tokens=2)
+        conn.hset(fat.rq_job.key, "description", "x" * 3_000_000)
+        pulled, unreadable = pull([queue], 8, block, conn, Job, JSONSerializer, script, max_data_bytes=64 * 1024)
+        if block:  # (the blocking wait took the first alone: the rest come with the next pull)
+            pulled += pull([queue], 8, None, conn, Job, JSONSerializer, script, max_data_bytes=64 * 1024)[0]
+        assert [job.id for job, _ in pulled] == [good.id]
+        [refused] = unreadable
+        assert refused.job_id == fat.id and "more than this worker reads" in refused.reason
+        conn.delete(fat.rq_job.key, good.rq_job.key, queue.intermediate_queue_key)

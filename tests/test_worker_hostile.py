@@ -474,6 +474,20 @@ def test_a_requeued_job_refused_as_it_comes_ends_its_stream_again(served):
     assert (events[-1]["n"], events[-1].get("reset"), events[-1]["error_type"]) == (2, True, "invalid_request")
 
 
+def test_a_job_hash_too_large_to_read_is_refused_unread_and_the_jobs_beside_it_run(served):
+    """A hash written by hand with a huge field (a 128 MB description) was read whole by the pull before any bound
+    was looked at: eight held the pull 7 s and took the worker 1.2 GB. Past what a worker reads it is refused
+    unread, with its size; the jobs beside it run."""
+    w, client, conn = served
+    job_id = f"fat-{uuid.uuid4().hex[:6]}"
+    _raw_job(conn, w.queue, job_id, {"prompt": "hi", "max_tokens": 2}, description="x" * 4_000_000)
+    good = client.submit("beside it", max_tokens=2, temperature=0)
+    assert good.result(timeout=30)["status"] == "finished"
+    with pytest.raises(JobFailed, match=r"the job hash takes \d+ bytes in Redis, more than this worker reads"):
+        client.job(job_id).result(timeout=30)
+    conn.delete(f"rq:job:{job_id}")
+
+
 def test_a_dependent_enqueued_by_the_worker_keeps_the_callback_it_names_and_is_refused_for_it(served):
     """RQ enqueues a finished job's dependents through the worker's job class, which had taken the refused callback
     off the dependent it read and saved it so: the dependent then ran here, its callback gone for good (a stock
