@@ -313,6 +313,19 @@ class _Follower:
         self.detached = False  # left out of the hub's read: it lagged ``MAX_QUEUED`` reads behind
 
 
+OFF_LOOP_BYTES = 256 * 1024  # a result stored larger is decoded and checked on a thread, not the event loop
+
+
+def _stored_bytes(entries: list[Any]) -> int:
+    return sum(len(value) for _id, fields in entries or () for value in fields.values())
+
+
+def _finished_result(entries: list[Any], job_id: str) -> dict[str, Any] | None:
+    """The finished result the entries hold, checked; None for any other (or none yet)."""
+    result = result_from_entries(entries)
+    return checked(JobResult, result, job_id) if result is not None and result.get("status") == "finished" else None
+
+
 def _entry_id(value: bytes | str) -> tuple[int, int]:
     ms, _, seq = (value.decode() if isinstance(value, bytes) else value).partition("-")
     return int(ms), int(seq or 0)
@@ -480,9 +493,12 @@ class AsyncGenerationJob:
                     continue
                 outage.over()
                 status = status.decode() if status else "missing"
-                result = result_from_entries(entries)
-                if result is not None and result.get("status") == "finished":
-                    return checked(JobResult, result, self.id)
+                if _stored_bytes(entries) > OFF_LOOP_BYTES:  # (a result of 60 MB read on the loop held it seconds)
+                    result = await asyncio.to_thread(_finished_result, entries, self.id)
+                else:
+                    result = _finished_result(entries, self.id)
+                if result is not None:
+                    return result
                 if status in ENDED or status in ("finished", "missing"):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))

@@ -393,11 +393,12 @@ def create_app(
             results = await results_unless_gone(request, jobs, wait)
         except ConnectionAbortedError:  # its jobs are canceled; the status (nginx's "client closed request") is logged
             return Response(status_code=499, headers=ids)
+        # (off the event loop: a result of n = 64 samples with their logprobs took it seconds to shape and encode)
         if chat:
-            body = chat_response(job.id, req.model, req, results[0], names)
+            body = await asyncio.to_thread(chat_response, job.id, req.model, req, results[0], names)
         else:
-            body = completion_response(job.id, req.model, req, results, names)
-        return JSONResponse(body, headers=ids)
+            body = await asyncio.to_thread(completion_response, job.id, req.model, req, results, names)
+        return await asyncio.to_thread(JSONResponse, body, headers=ids)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Any:
@@ -418,7 +419,7 @@ def create_app(
             [result] = await results_unless_gone(request, [job], wait)
         except ConnectionAbortedError:  # (its job canceled already)
             return Response(status_code=499, headers=ids)
-        return JSONResponse(writer.whole(result), headers=ids)
+        return await asyncio.to_thread(lambda: JSONResponse(writer.whole(result), headers=ids))
 
     async def _token_names(model: str, wanted: bool) -> TokenNames:
         """The tokens of ``model`` by their text where a response shows tokens (no lookup otherwise: by id)."""

@@ -4229,3 +4229,35 @@ def test_a_pull_leaves_a_job_hash_larger_than_a_worker_reads_unread(redis_url):
         [refused] = unreadable
         assert refused.job_id == fat.id and "more than this worker reads" in refused.reason
         conn.delete(fat.rq_job.key, good.rq_job.key, queue.intermediate_queue_key)
+
+
+@pytest.mark.redis
+def test_an_async_result_too_large_for_the_event_loop_is_read_on_a_thread(redis_url, monkeypatch):
+    """A result of tens of MB (n = 64 samples with their logprobs) was decoded and checked on the event loop: the
+    server answered nothing else meanwhile (/health took 14 s). One past OFF_LOOP_BYTES is read on a thread, whole."""
+    from rq.results import Result
+
+    import producer.aio as aio
+    from producer import AsyncClient, Client
+    from producer.protocol import result_entry, result_key, usage_of
+
+    threads = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(aio.asyncio, "to_thread", lambda f, *a, **k: threads.append(f) or to_thread(f, *a, **k))
+    client = Client(redis_url)
+    job = client.submit("hi", max_tokens=3)
+    client.connection.lrem(client.queue.key, 0, job.id)
+    text = "word " * 100_000  # 500 KB
+    result = {"v": 3, "id": job.id, "status": "finished", "finish_reason": "length", "text": text,
+              "token_ids": list(range(1000)), "usage": usage_of(1, 1000)}  # fmt: skip
+    client.connection.xadd(result_key(job.id), result_entry(result, Result.Type.SUCCESSFUL, "w"))
+    client.connection.hset(job.rq_job.key, "status", "finished")
+
+    async def read() -> dict:
+        aclient = AsyncClient(redis_url)
+        try:
+            return await aclient.job(job.id).result(timeout=5)
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(read())["text"] == text and aio._finished_result in threads
