@@ -192,6 +192,10 @@ def convert_gguf(gguf: Path, name: str, source: str) -> Path:
     target = cache_dir() / name
     if _converted(target, source):
         return target
+    if (target / "config.json").is_file() and not os.access(target.parent, os.W_OK):  # (a read-only volume)
+        log.warning("%s was converted by an older roseinfer or from another file, and the cache cannot be written: "
+                    "served as it is", target)  # fmt: skip
+        return target
     from transformers import AutoConfig
 
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
@@ -309,10 +313,18 @@ def _open_as_umask_says(folder: Path) -> None:
     """``mkdtemp`` makes its folder 0700 (and transformers writes weights 0600), whatever the umask: another user
     (a service account reading a cache filled at the image's build) could not read the model and failed on the
     lock's file instead. The folder and its files get the modes the umask gives new ones."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~_UMASK)
+
+
+def _read_umask() -> int:
+    """The process's umask, read once at import (setting it to read it, later, raced other threads' new files)."""
     umask = os.umask(0)
     os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    return umask
+
+
+_UMASK = _read_umask()
 
 
 @contextlib.contextmanager

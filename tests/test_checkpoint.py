@@ -605,12 +605,17 @@ def test_a_gguf_converted_by_an_older_roseinfer_is_converted_again(tmp_path, mon
     convert_gguf(path, "tiny", source="two")  # (an upgrade of the package that ships the file)
     assert json.loads((folder / CONVERSION_MARK).read_text())["source"] == "two"
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [".tiny.lock", "tiny"]
+    # On a cache that cannot be written (a read-only volume), a folder without this mark is served as it is.
+    (folder / CONVERSION_MARK).unlink()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert convert_gguf(path, "tiny", source="two") == folder and not (folder / CONVERSION_MARK).exists()
 
 
 def test_a_cache_write_removes_what_a_killed_writer_left_and_keeps_the_umasks_modes(tmp_path, monkeypatch):
     """A writer killed midway (its clean-up never ran) left its folder, hundreds of megabytes, for good; the next
     writer of that name removes it, and no other name's. ``mkdtemp``'s folder was 0700: another user (a service
     account, a cache filled at the image's build) could not read the model."""
+    from roseinfer import model_loader
     from roseinfer.model_loader import save_in_cache
 
     cache = tmp_path / "cache"
@@ -618,11 +623,8 @@ def test_a_cache_write_removes_what_a_killed_writer_left_and_keeps_the_umasks_mo
     for leftover in (".m.part-k3j9x0a_", ".m.old-abcdefgh", ".m-other.part-abcdefgh", ".mm.part-abcdefgh"):
         (cache / leftover).mkdir(parents=True)
         (cache / leftover / "model.safetensors").write_bytes(b"x")
-    old_umask = os.umask(0o022)
-    try:
-        folder = save_in_cache("m", lambda tmp: (tmp / "config.json").write_text("{}"))
-    finally:
-        os.umask(old_umask)
+    monkeypatch.setattr(model_loader, "_UMASK", 0o022)  # (the process's, read at import)
+    folder = save_in_cache("m", lambda tmp: (tmp / "config.json").write_text("{}"))
     assert sorted(p.name for p in cache.iterdir()) == [".m-other.part-abcdefgh", ".m.lock", ".mm.part-abcdefgh", "m"]
     assert (folder.stat().st_mode & 0o777, (folder / "config.json").stat().st_mode & 0o777) == (0o755, 0o644)
 

@@ -1294,8 +1294,9 @@ def test_events_are_published_only_where_someone_listens_and_always_streamed(red
 @pytest.mark.parametrize("lua", [True, False])
 def test_a_send_tried_again_after_its_reply_was_lost_writes_no_event_twice(redis_url, lua):
     """The connection drops after Redis ran the event script, before its reply: the sender tries the same send
-    again (so does redis-py's own retry). The send's number makes that second run write nothing; without Lua too
-    (a MULTI's events went in twice: a raw follower read the text twice, a resume found the stream out of order)."""
+    again (so does redis-py's own retry, where a connection has one: the worker's have none). The send's number makes
+    that second run write nothing; without Lua too, where the sender's own try looks at it first (a MULTI's events
+    went in twice: a raw follower read the text twice, a resume found the stream out of order)."""
     import uuid
 
     from redis import Redis

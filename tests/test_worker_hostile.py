@@ -454,6 +454,14 @@ def test_a_job_canceled_by_hand_while_it_waits_for_its_retry_keeps_what_its_earl
     assert [(e["n"], e.get("reset"), e.get("finish_reason")) for e in events] == [
         (0, None, None), (1, None, None), (2, None, "abort")
     ]  # fmt: skip
+    # An earlier job's stream under a reused id (its entries older than this job): none of its output is this one's.
+    reused = f"retry-canceled-{uuid.uuid4().hex[:6]}"
+    conn.xadd(stream_key(reused), {"event": json.dumps(make_event(0, "Old", [5]))})
+    later = {"prompt": "hi", "max_tokens": 8, "notify": reused}
+    _raw_job(conn, w.queue, reused, later, status="canceled", created_at="2099-01-01T00:00:00.000000Z")
+    assert conn.blpop([f"roseinfer:done:{reused}"], timeout=30) is not None
+    result = result_from_entries(read_result(conn, reused))
+    assert "text" not in result and "before it ran" in result["error"], result
 
 
 def test_a_requeued_job_refused_as_it_comes_ends_its_stream_again(served):
@@ -480,11 +488,12 @@ def test_a_job_hash_too_large_to_read_is_refused_unread_and_the_jobs_beside_it_r
     unread, with its size; the jobs beside it run."""
     w, client, conn = served
     job_id = f"fat-{uuid.uuid4().hex[:6]}"
-    _raw_job(conn, w.queue, job_id, {"prompt": "hi", "max_tokens": 2}, description="x" * 4_000_000)
+    _raw_job(conn, w.queue, job_id, {"prompt": "hi", "max_tokens": 2, "notify": job_id}, description="x" * 4_000_000)
     good = client.submit("beside it", max_tokens=2, temperature=0)
     assert good.result(timeout=30)["status"] == "finished"
     with pytest.raises(JobFailed, match=r"the job hash takes \d+ bytes in Redis, more than this worker reads"):
         client.job(job_id).result(timeout=30)
+    assert conn.blpop([f"roseinfer:done:{job_id}"], timeout=5) is not None  # (its data read alone: its list named)
     conn.delete(f"rq:job:{job_id}")
 
 

@@ -585,6 +585,6 @@ def test_a_simple_worker_fails_a_job_whose_result_is_past_max_result_bytes(
     job = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=3)
     SimpleWorker([queue], connection=conn, serializer=JSONSerializer).work(burst=True)
     last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
-    assert (last["finish_reason"], last["error_code"]) == ("error", "result_too_large")
+    assert (last["finish_reason"], last["error_type"]) == ("error", "invalid_request") and "error_code" not in last
     with pytest.raises(JobFailed, match="past --max-result-bytes"):
         Client(redis_url, queue=queue_name).job(job.id).result(timeout=5)

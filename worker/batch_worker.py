@@ -795,7 +795,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         size = result_bytes(event.output)
         if size <= self.settings.max_result_bytes:
             return False
-        event.finish_reason, event.error_type, event.error_code = "error", "invalid_request", "result_too_large"
+        event.finish_reason, event.error_type = "error", "invalid_request"  # (no error code: v3 has only one)
         event.error = (
             f"the job's result would take about {size / 2**20:.0f} MB, past this worker's --max-result-bytes "
             f"({self.settings.max_result_bytes / 2**20:.0f} MB): ask for fewer tokens, samples or logprobs"

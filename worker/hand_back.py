@@ -74,9 +74,11 @@ class HandBack:
         stay queued under RQ's suspension (they all started, one after another, as the running ones ended); those
         generating run to their ends."""
         waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
-        if waiting:
-            log.warning("suspended: %d jobs that made no token yet go back to their queues", len(waiting))
-            self._hand_back_cold(only=waiting)
+        if not waiting or self._heartbeat.failing:  # (Redis away: they go on here, not back, until it answers)
+            return
+        log.warning("suspended: %d jobs that made no token yet go back to their queues", len(waiting))
+        if not self._hand_back_cold(only=waiting):  # canceled in the engine, not requeued: nothing runs them here
+            self._force_stop = True  # (the stop hands back what it can; RQ's clean-up the rest)
 
     def _hand_back_all(self, only: list[str] | None = None) -> None:
         """Second stop signal: every job in flight goes back to the front of its queue, retries untouched; ``only``:

@@ -420,9 +420,18 @@ def _restore(
     raw_of = dict(zip(raw_ids, raws)) if unreadable else {}
     for item in unreadable:  # (ends as it asks, as a refused job RQ could read does: its list waited for good)
         raw = raw_of.get(item.job_id.encode()) if item.raw_id is None else None
+        if isinstance(raw, Oversized):  # its data alone, where that is within bounds (its list waits for its end)
+            raw = _data_alone(connection, Job.key_for(item.job_id), max_data_bytes)
         if isinstance(raw, dict):
             item.ending = _ending_of_hash(raw, max_data_bytes)
     return pulled, unreadable
+
+
+def _data_alone(connection: redis.Redis, key: str, max_data_bytes: int | None) -> dict | None:
+    """The ``data`` field of a hash too large to read whole, where it is no larger than ``max_data_bytes``."""
+    if max_data_bytes is None or connection.hstrlen(key, "data") > max_data_bytes:
+        return None
+    return {b"data": connection.hget(key, "data")}
 
 
 def _ending_of_hash(raw: dict, max_data_bytes: int | None) -> Ending:

@@ -20,7 +20,14 @@ from rq.rate_limit import RateLimitRegistry
 from rq.results import Result
 from rq.utils import now
 
-from producer.protocol import canceled_result, failure_result, result_entry, usage_of
+from producer.protocol import (
+    canceled_result,
+    failure_result,
+    queue_stream_check,
+    result_entry,
+    stream_check,
+    usage_of,
+)
 from producer.schema import job_ending
 from worker.end_records import failure_ttl
 from worker.in_flight import NO_USAGE, InFlight
@@ -172,7 +179,7 @@ class JobEnds:
             end_usage = usage(event.output) if event.output else {}
             self.publisher.add(
                 job.stream, event.text, event.token_ids, "error", end_usage, str(error), error_type=error_type,
-                logprobs=event.logprobs, error_code=event.error_code,
+                logprobs=event.logprobs, error_code=event.error_code, index=event.index,
             )  # fmt: skip
         else:  # what it streamed so far lands before RQ requeues it (the next attempt resumes from there)
             self.publisher.expedite(job.stream)
@@ -226,7 +233,7 @@ class JobEnds:
         cancel of it keeps it, and a canceled running job's)."""
         status = JobStatus(job.get_status(refresh=False)).value  # "canceled", not "JobStatus.CANCELED"
         log.info("job %s was %s while queued: not run", job.id, status)
-        made = stream.resume_output
+        made = stream.resume_output if not (stream.resume_output and self._earlier_jobs_stream(job)) else {}
         spent = usage_of(stream.resume_prompt_tokens, sum(len(ids) for _text, ids in made.values()))
         if not made:
             stream.start(can_resume=False)  # what an earlier attempt streamed (its end, too) is void: a reset first
@@ -251,6 +258,13 @@ class JobEnds:
             self.metrics.job_ended("canceled", None)
 
         self._tasks.append(end)
+
+    def _earlier_jobs_stream(self, job: Job) -> bool:
+        """Whether the job's stream is an earlier job's of its id (a stock enqueue reused it), as a start reads it:
+        none of its output is this job's."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            queue_stream_check(pipe, job)
+            return stream_check(job.created_at, *pipe.execute(raise_on_error=False))[0]
 
     def _free_slot(self, job: Job) -> None:
         """A canceled job's RQ rate-limit slot, freed as RQ's own ends free one: the next job of its limit runs now,

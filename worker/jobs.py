@@ -235,7 +235,7 @@ def _engine() -> LLMEngine:
     return _ENGINE
 
 
-ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length)
+ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length), at most
 
 
 def generate(**payload: Any) -> dict[str, Any]:
@@ -277,7 +277,8 @@ def generate(**payload: Any) -> dict[str, Any]:
     # which failed as a broken step ("server_error", retried), not a timeout, and one landing between steps wrote
     # no last event.
     limit = run_limit(job, Queue.DEFAULT_TIMEOUT)
-    timeout = None if limit is None else max(limit - (time.monotonic() - began) - ALARM_MARGIN_S, 0.001)
+    margin = None if limit is None else min(ALARM_MARGIN_S, limit / 4)  # (a 2 s job kept 1.5 s of its own)
+    timeout = None if limit is None else max(limit - (time.monotonic() - began) - margin, 0.001)
     pump.submit(job.id, req.engine_prompt(), params, timeout, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final = time.time(), None, None
     try:
@@ -300,7 +301,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
         pump.cancel(job.id)
     if final.finish_reason != "error" and (size := result_bytes(final.output)) > settings.max_result_bytes:
-        final.finish_reason, final.error_type, final.error_code = "error", "invalid_request", "result_too_large"
+        final.finish_reason, final.error_type = "error", "invalid_request"  # (no error code: the protocol's v3 has one)
         final.error = f"the job's result would take about {size / 2**20:.0f} MB, past --max-result-bytes"
     # A failure RQ will retry is not the job's end (as the batch worker has it): no final event, no completion entry;
     # the next attempt resumes from what this one streamed.
@@ -310,7 +311,7 @@ def generate(**payload: Any) -> dict[str, Any]:
         if not retrying:
             publisher.add(
                 stream, final.text, final.token_ids, "error", {}, final.error, error_type=final.error_type,
-                logprobs=final.logprobs, error_code=final.error_code,
+                logprobs=final.logprobs, error_code=final.error_code, index=final.index,
             )  # fmt: skip
     else:
         result = build_result(
