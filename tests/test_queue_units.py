@@ -4262,3 +4262,30 @@ def test_an_async_result_too_large_for_the_event_loop_is_read_on_a_thread(redis_
             await aclient.close()
 
     assert asyncio.run(read())["text"] == text and aio._finished_result in threads
+
+
+@pytest.mark.redis
+def test_a_job_canceled_by_hand_while_its_worker_is_dead_is_ended_by_the_maintenance(redis_url):
+    """HSET status canceled (the protocol's cancel, from any language) on a job whose worker died: RQ's clean-up
+    passes over a job that is not "started", so it was never ended: no result, no last event, its hash (the
+    prompt) kept for good. The maintenance ends it as a client's cancel of a job no worker runs ends it."""
+    from producer import JobCanceled
+    from producer.protocol import done_key, make_event, stream_key
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    notify = f"done-{queue.name}"
+    job = client.submit("its worker died", max_tokens=8, notify=notify)
+    conn.lrem(queue.key, 0, job.id)
+    conn.hset(job.rq_job.key, "status", "canceled")  # by hand, once its worker was gone
+    conn.persist(job.rq_job.key)  # (a start persists the hash)
+    conn.xadd(stream_key(job.id), {"event": json.dumps(make_event(0, "Hel", [5]))})
+    conn.zadd(queue.started_job_registry.key, {f"{job.id}:e0": 1})
+    worker.clean_registries()
+    with pytest.raises(JobCanceled) as err:
+        job.result(timeout=5)
+    assert err.value.result["text"] == "Hel" and conn.ttl(job.rq_job.key) > 0
+    last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
+    assert (last["n"], last["finish_reason"]) == (1, "abort")
+    assert conn.lrange(done_key(notify), 0, -1) == [job.id.encode()]
+    assert conn.zcard(queue.started_job_registry.key) == 0

@@ -43,6 +43,7 @@ class Maintenance:
             return False
         steps = (
             self.drop_unreadable_started,
+            self.end_canceled_orphans,
             lambda queue: self.clean_registries(queue, exc_handlers),
             worker_registration.clean_worker_registry,
             self.requeue_stranded,
@@ -124,6 +125,35 @@ class Maintenance:
             self.connection.zrem(key, *bad)
             log.warning("%d lapsed jobs of queue %s whose key holds no job hash (set by hand?) left its started "
                         "registry", len(bad), queue.name)  # fmt: skip
+
+    def end_canceled_orphans(self, queue: Queue) -> None:
+        """Lapsed entries of the started registry whose job was canceled (or stopped) by hand while its worker was
+        dead: RQ's clean-up passes over a job that is not "started", so it was never ended (no result, no last
+        event, its hash kept for good). It ends as a client's cancel of a job no worker runs ends it."""
+        from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
+
+        key = queue.started_job_registry.key
+        lapsed = self.connection.zrangebyscore(key, 0, time.time())
+        if not lapsed:
+            return
+        ids = [member.decode(errors="replace").rsplit(":", 1)[0] for member in lapsed]
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            statuses = pipe.execute(raise_on_error=False)
+        client = Client(connection=self.connection, queue=queue.name)
+        for member, job_id, status in zip(lapsed, ids, statuses):
+            if status not in (b"canceled", b"stopped"):
+                continue
+            try:
+                job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
+            except REDIS_DOWN:
+                raise
+            except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
+                continue
+            client.job(job_id)._end_unrun(job)
+            self.connection.zrem(key, member)
+            log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
     def lock(self, queue: Queue) -> bool:
         """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a
