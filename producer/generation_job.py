@@ -196,9 +196,9 @@ class GenerationJob:
             pipe.hset(job.key, OWNER_FIELD, CANCELER)
             pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
             keys = [result_key(self.id), job.key]
-            if ending.notify:
+            if ending.notify:  # (the list is every job's that names it: a worker's TTL, not this job's own)
                 pipe.rpush(done_key(ending.notify), self.id)
-                keys.append(done_key(ending.notify))
+                pipe.expire(done_key(ending.notify), DEFAULT_RESULT_TTL)
             for held in keys:
                 if ttl == -1:
                     pipe.persist(held)

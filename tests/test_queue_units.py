@@ -4289,3 +4289,17 @@ def test_a_job_canceled_by_hand_while_its_worker_is_dead_is_ended_by_the_mainten
     assert (last["n"], last["finish_reason"]) == (1, "abort")
     assert conn.lrange(done_key(notify), 0, -1) == [job.id.encode()]
     assert conn.zcard(queue.started_job_registry.key) == 0
+
+
+def test_a_client_cancel_of_a_queued_job_keeps_its_completion_lists_own_ttl():
+    """The list a job names is every job's that names it: a cancel set it to the canceled job's result_ttl (a
+    short one expired the ids other jobs had pushed; -1 kept the list for good). It gets a worker's TTL, as a push."""
+    from producer import Client
+    from producer.client import DEFAULT_RESULT_TTL
+    from producer.protocol import done_key
+
+    conn = fakeredis.FakeRedis()
+    for result_ttl in (30, -1):
+        job = Client(connection=conn, result_ttl=result_ttl).submit("x", notify="shared")
+        assert job.cancel()
+        assert DEFAULT_RESULT_TTL - 5 < conn.ttl(done_key("shared")) <= DEFAULT_RESULT_TTL, result_ttl
