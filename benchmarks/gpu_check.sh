@@ -1,24 +1,38 @@
 #!/bin/bash
 # On a lent GPU machine: the CUDA tests, `roseinfer bench --device cuda` on the issue's workloads, and the queue
 # through a redis-server. Usage: bash benchmarks/gpu_check.sh [all|queue|tests|smol|1b|timeline|queue-profile] ...
-# (several parts in one call run in the order given); logs under $OUT (or ./out). Made beforehand on this machine by
+# (several parts in one call run in the order given); logs packed into $OUT/gpu-check.tgz. Made beforehand here by
 # `bash benchmarks/gpu_prepare.sh`, and carried: .gpu-pack, .gpu-model.
 #
 # A session's device time is short (15 minutes, the machine's start included), so the whole call keeps within
 # GPU_CHECK_BUDGET seconds (default 500, under the tool's 600 s limit): `all` runs the parts in the order of what is
 # still unmeasured (the queue, then parity, then the engine's rows, then the queue's timeline), each with a cap of its own, and a part that
 # would not fit in what is left is skipped, saying so, rather than cut off with nothing written.
+# The logs go to a folder of their own, packed into $OUT/gpu-check.tgz after every part: the device tool brings back
+# 8 files at most (a run writes a dozen), and a run cut off at its limit still brings back every part before.
+# GPU_CHECK_PARSE_ONLY=1 (here, in gpu_prepare.sh, and in the tests): each roseinfer command line parsed, nothing
+# run: a flag a command no longer takes failed both queue runs on the device in 2 s.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
+parse_only=${GPU_CHECK_PARSE_ONLY:-}
+logs=${GPU_CHECK_LOGS:-/tmp/gpu-check}; [[ -n $parse_only ]] && logs=$(mktemp -d); mkdir -p "$logs"
 budget=${GPU_CHECK_BUDGET:-500}
 start=$SECONDS
-source .gpu-pack/activate.sh
-export PYTHONPATH=$PYTHONPATH:$PWD PYTHONUNBUFFERED=1
+[[ -z $parse_only ]] && source .gpu-pack/activate.sh
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 # The random models (built once per shape and dtype) and compiled kernels: a place sure to be writable there.
 export ROSEINFER_CACHE_DIR=${ROSEINFER_CACHE_DIR:-/tmp/roseinfer-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b timeline)
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,compute_mode --format=csv,noheader | tee "$out/gpu.txt"
+pack() { tar czf "$out/gpu-check.tgz" -C "$logs" . 2>/dev/null; }
+# What a part cut at its cap leaves running (its workers, their engine processes, its redis-server) is ended before
+# the next: a cut run's workers held their GPU memory and CPU under the parts after it.
+leftovers() { pkill -9 -f "worker.cli worker|multiprocessing.spawn|redis-server" 2>/dev/null; true; }
+if [[ -n $parse_only ]]; then
+  roseinfer=(python3 -c "import sys; from worker.cli import build_parser; build_parser().parse_args(sys.argv[1:])")
+  timeout() { while [[ $1 == -* ]]; do shift 2; done; shift; "$@"; }  # (no caps: nothing runs)
+else
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,compute_mode --format=csv,noheader | tee "$logs/gpu.txt"
 # What the parts need of the machine, said in a second rather than found out minutes in: Triton compiles its
 # launcher with a C compiler and Python's headers; the queue's parts need the carried redis-server to start.
 {
@@ -26,53 +40,72 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,compute_mode --for
   python3 -c "import sysconfig, os; h = sysconfig.get_paths()['include']; print(h if os.path.exists(h + '/Python.h') else 'no Python.h: Triton cannot build')"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   redis-server --version || echo "the carried redis-server does not start here: the queue parts will fail"
-} 2>&1 | tee "$out/preflight.txt"
+} 2>&1 | tee "$logs/preflight.txt"
+# The pack itself, in a second: without its packages or the tokenizer every part would fail in turn, the lease spent.
+if ! python3 -c "import redis, rq, pydantic, pydantic_settings, hiredis, llguidance, prometheus_client, xdist" \
+    2>&1 | tee -a "$logs/preflight.txt" || [[ ! -f .gpu-model/smollm2-tok/tokenizer.json ]]; then
+  echo "the pack did not install, or .gpu-model was not carried: carry [\".gpu-pack\", \".gpu-model\"]" | tee -a "$logs/preflight.txt"
+  pack; exit 3
+fi
 roseinfer=(python3 -c "import sys; from worker.cli import main; sys.exit(main(sys.argv[1:]))")
+fi
 # within NEED CAP: the seconds this part may take (CAP, or what is left of the budget), or nothing when fewer than
 # NEED are left.
 within() {
   local left=$((budget - (SECONDS - start)))
-  if ((left < $1)); then echo "skipped: ${left}s left of ${budget}s, the part needs ${1}s" | tee -a "$out/skipped.log" >&2; return 1; fi
+  if ((left < $1)); then echo "skipped: ${left}s left of ${budget}s, the part needs ${1}s" | tee -a "$logs/parts.log" >&2; return 1; fi
   echo $((left < $2 ? left : $2))
 }
-bench() { local t; t=$(within "$1" "$2") || return; timeout "$t" "${roseinfer[@]}" bench --device cuda "${@:3}" 2>&1 | grep -v "Loading weights" | tee -a "$out/bench.log"; }
+bench() {
+  local t; t=$(within "$1" "$2") || return
+  timeout "$t" "${roseinfer[@]}" bench --device cuda "${@:3}" 2>&1 | grep -v "Loading weights" | tee -a "$logs/bench.log"
+  echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"
+}
 queue() {  # SmolLM2's shape with its real tokenizer (carried in .gpu-model), 256 chat jobs x 128 tokens
   local t; t=$(within "$1" "$2") || return
   timeout "$t" "${roseinfer[@]}" bench-queue --device cuda --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok \
     --dtype bfloat16 --num-prompts 256 --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 \
-    --arrival-interval 0.1 --skip-hf --worker-log "$out/queue-workers.log" "${@:3}" 2>&1 \
-    | grep -v -E "Loading weights|Writing model" | tee -a "$out/queue.log"
+    --arrival-interval 0.1 --worker-log "$logs/queue-workers.log" "${@:3}" 2>&1 \
+    | grep -v -E "Loading weights|Writing model" | tee -a "$logs/queue.log"
+  echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"
 }
 for part in "${parts[@]}"; do
-  echo "== $part at $((SECONDS - start))s" | tee -a "$out/parts.log"
+  echo "== $part at $((SECONDS - start))s" | tee -a "$logs/parts.log"
   case $part in
     queue)  # the worker as one process, then with its engine in a process of its own
-      queue 60 150 --json "$out/queue.json"
-      queue 60 150 --worker-flag=--engine-process --json "$out/queue-engine-process.json" ;;
+      queue 60 150 --json "$logs/queue.json"
+      queue 60 150 --worker-flag=--engine-process --json "$logs/queue-engine-process.json" ;;
     tests)  # -v, the whole log kept: a run cut off at its cap still names every test that ran; no -x: one failure
-      # must not hide what the others would have said, on a machine lent for minutes
-      t=$(within 60 200) && timeout "$t" python3 -m pytest -p no:cacheprovider tests/test_triton_kernels.py \
-        tests/test_cuda.py -v 2>&1 | tee "$out/tests.log" | tail -30 ;;
+      # must not hide what the others would have said, on a machine lent for minutes. The CUDA tests first (never
+      # run on a GPU yet); a test stuck on a worker gives up at 60 s, not the ini's 300
+      [[ -n $parse_only ]] || { t=$(within 60 200) && timeout "$t" python3 -m pytest -p no:cacheprovider --timeout 60 \
+        tests/test_cuda.py tests/test_triton_kernels.py -v 2>&1 | tee "$logs/tests.log" | tail -30; } ;;
     smol)
       bench 60 150 --model random:smollm2-135m --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 \
-        --json "$out/smol64.json" ;;
+        --json "$logs/smol64.json" ;;
     1b)
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 --latency \
         --skip-hf
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 256 --max-tokens 256 --max-num-seqs 256 \
         --skip-hf ;;
     timeline)  # where a 256-job burst's time goes inside the worker: its pulls, reads, steps and sends, timed
-      t=$(within 60 120) && timeout "$t" python3 benchmarks/worker_timeline.py --device cuda --model random:smollm2-135m \
-        --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 --max-num-seqs 256 \
-        --worker-log "$out/timeline-worker.log" 2>&1 \
-        | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$out/timeline.log" ;;
+      [[ -n $parse_only ]] || { t=$(within 60 120) && timeout "$t" python3 benchmarks/worker_timeline.py --device cuda \
+        --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 \
+        --max-num-seqs 256 --worker-log "$logs/timeline-worker.log" 2>&1 \
+        | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$logs/timeline.log"; } ;;
     queue-profile)  # the queue under py-spy (carried in .gpu-pack): every thread of the bench and of its worker
-      t=$(within 90 300) && timeout "$t" py-spy record --subprocesses --threads --nonblocking --format raw \
-        -o "$out/queue-profile.txt" -- "${roseinfer[@]}" bench-queue --device cuda --model random:smollm2-135m \
-        --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 \
+      # (SIGINT at the cap: py-spy writes its file then; SIGTERM stopped it first)
+      profile=(py-spy record --subprocesses --threads --nonblocking --format raw -o "$logs/queue-profile.txt" --)
+      [[ -n $parse_only ]] && profile=()
+      t=$(within 90 300) && timeout -s INT "$t" "${profile[@]}" "${roseinfer[@]}" bench-queue --device cuda \
+        --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 \
         --num-prompts 256 --max-tokens 128 --max-num-seqs 256 --stock-jobs 0 --repeats 2 --arrivals 16 \
-        --arrival-interval 0.1 --skip-hf 2>&1 | grep -v -E "Loading weights|Writing model" | tail -12 ;;
+        --arrival-interval 0.1 2>&1 | grep -v -E "Loading weights|Writing model" | tail -12
+      echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log" ;;
     *) echo "unknown part: $part (all, queue, tests, smol, 1b, timeline, queue-profile)" >&2; exit 2 ;;
   esac
+  [[ -n $parse_only ]] || { leftovers; pack; }
 done
-echo "== done at $((SECONDS - start))s of ${budget}s" | tee -a "$out/parts.log"
+echo "== done at $((SECONDS - start))s of ${budget}s" | tee -a "$logs/parts.log"
+if [[ -n $parse_only ]]; then ! grep -q "^rc [1-9]" "$logs/parts.log"; exit; fi
+pack

@@ -52,3 +52,6 @@ from roseinfer.model_loader import resolve_model
 AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL)).save_pretrained(".gpu-model/smollm2-tok")
 PY
 du -sh "$pack" .gpu-model
+# Every command line gpu_check.sh will run, parsed here: a flag a command no longer takes is found now, not on the GPU.
+GPU_CHECK_PARSE_ONLY=1 bash benchmarks/gpu_check.sh queue tests smol 1b timeline queue-profile >/dev/null
+echo "gpu_check.sh's command lines parse"

@@ -108,3 +108,19 @@ def test_a_random_shape_is_built_once_into_the_model_cache(tmp_path, monkeypatch
     folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert folders == ["random-test-tiny-bfloat16"]  # (no half-written folder)
     assert json.loads((tmp_path / paths[0] / "config.json").read_text())["hidden_size"] == 32
+
+
+@pytest.mark.slow  # a Python process per command line
+def test_every_command_line_of_the_gpu_check_parses():
+    """``bench-queue`` had stopped taking ``--skip-hf`` while gpu_check.sh still passed it: both queue runs, the
+    first thing a rare GPU session measures, would have ended in 2 s with a usage error. Parsed here on every CI."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parts = ["queue", "tests", "smol", "1b", "timeline", "queue-profile"]
+    env = {**os.environ, "GPU_CHECK_PARSE_ONLY": "1"}
+    out = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "error:" not in out.stderr, out.stderr
+    assert out.stdout.count("== ") == len(parts) + 1  # (each part, then done)
