@@ -4,8 +4,9 @@ The step loop hands over, after each step, the events it produced (stream entrie
 job-ending work in order behind them (results, RQ's success and failure paths), and the jobs whose status to
 watch. The thread sends everything that piled up since its last round trip in one pipeline, reads the statuses in
 the same round trip, then runs the job-ending work; a job's last event is held back and sent after that work wrote
-its status and result, so a follower that sees the last event finds the result there. The queue between them is bounded: when Redis falls behind (or is away),
-the step loop waits instead of dropping anything; unsent work is kept and retried with backoff.
+its status and result, so a follower that sees the last event finds the result there. The queue between them is
+bounded: when Redis falls behind (or is away), the step loop waits instead of dropping anything; unsent work is kept
+and retried with backoff.
 """
 
 from __future__ import annotations
