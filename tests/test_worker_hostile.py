@@ -289,6 +289,18 @@ def test_a_success_callback_that_raises_fails_its_job_alone(served):
         client.job(boom).result(timeout=30)
     assert "boom from the success callback" in err.value.reason
     assert Job.fetch(boom, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+    # Its stream's last event says so too: it said "stop", a follower of the stream took the failed job for done.
+    with pytest.raises(JobFailed, match="boom from the success callback"):
+        list(client.job(boom).stream(timeout=30))
+    # One RQ retries: no last event for the attempt that failed (its next goes on), one for the last attempt.
+    again = f"cb-again-{tag}"
+    _raw_job(conn, w.queue, again, payload, success_callback_name="hook_probe.boom", retries_left="1")
+    with pytest.raises(JobFailed, match="boom from the success callback"):
+        client.job(again).result(timeout=30)
+    deadline = time.time() + 10
+    while not (ends := [e for e in _events(conn, again) if e.get("finish_reason")]) and time.time() < deadline:
+        time.sleep(0.02)
+    assert [e["finish_reason"] for e in ends] == ["error"], _events(conn, again)
     assert client.job(fine).result(timeout=30)["status"] == "finished"
     assert Job.fetch(fine, connection=conn, serializer=JSONSerializer).get_status() == "finished"
     assert conn.get(f"hook-probe:{fine}") == b"ran"
@@ -1273,3 +1285,7 @@ def test_a_stop_whose_last_writes_redis_refuses_still_stops_the_heartbeat(redis_
     assert not w.thread.is_alive() and isinstance(w.errors[0], redis.exceptions.ResponseError)
     w.worker._heartbeat._thread.join(timeout=15)
     assert not w.worker._heartbeat._thread.is_alive()
+
+
+def _events(conn: Redis, job_id: str) -> list[dict]:
+    return [json.loads(fields[b"event"]) for _id, fields in conn.xrange(f"roseinfer:stream:{job_id}")]

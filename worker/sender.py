@@ -214,6 +214,7 @@ class Sender:
         self._listed: frozenset[bytes] = frozenset()  # the job ids in the scratch list of statuses
         # (job id, attempt) whose end here was dropped: its last event, in the same round trip, is not sent
         self._dropped_finals: set[tuple[str, str]] = set()
+        self._amends: dict[tuple[str, str], dict[str, Any] | None] = {}  # last events to change before they go out
         # (job id, attempt) -> its events the script refused, and those of it that came after, in order: held until
         # the step loop says whether the job is still that attempt's (``release_held``: sent again, checked) or not
         # (``discard_held``). A job requeued while it ran here and taken back by this worker went on with a gap.
@@ -378,7 +379,7 @@ class Sender:
             except Exception:
                 log.exception("ending a job failed")
         with self._held_lock:  # (a job held since the look above, its event refused this round trip: its last
-            finals = self._divert(finals)  # event waits behind that one, not before it)
+            finals = self._amended(self._divert(finals))  # event waits behind that one, not before it)
             released, self._released = self._released, []  # (let go by a task here, or by a callback thread)
         if released:
             self._send_released(released)
@@ -411,6 +412,34 @@ class Sender:
         if threading.current_thread() is not self._thread:  # (this thread sends them after its tasks: a put of its
             self.put(Batch(tasks=[_nothing]))  # own would wait on a full queue for good) wakes the thread
 
+    def amend_final(self, job_id: str, owner: str, fields: dict[str, Any] | None) -> None:
+        """The last event of ``job_id`` by attempt ``owner``, not sent yet, goes out with ``fields`` (a field given
+        None is taken out), or not at all where ``fields`` is None: its end changed after the event was made (a
+        success callback that raised failed the job: its "stop" said otherwise)."""
+        with self._held_lock:
+            self._amends[(job_id, owner)] = fields
+            held = self._held.get((job_id, owner))
+            if held is not None:
+                held[:] = self._amended(held)
+
+    def _amended(self, events: list[Event]) -> list[Event]:
+        """``events`` with the amendments of their last events made (under ``_held_lock``)."""
+        if not self._amends:
+            return events
+        out = []
+        for event in events:
+            if _is_final(event) and (event[0], event[3]) in self._amends:
+                fields = self._amends.pop((event[0], event[3]))
+                if fields is None:
+                    continue
+                for name, value in fields.items():
+                    if value is None:
+                        event[1].pop(name, None)
+                    else:
+                        event[1][name] = value
+            out.append(event)
+        return out
+
     def discard_held(self, job_id: str, owner: str) -> None:
         """The events held for ``job_id`` of attempt ``owner`` are dropped: the job is another attempt's now."""
         with self._held_lock:
@@ -435,7 +464,7 @@ class Sender:
             part = [e for e in released if _is_final(e) == finals]
             if finals:  # (held again if the running ones were refused again: behind them)
                 with self._held_lock:
-                    part = self._divert(part)
+                    part = self._amended(self._divert(part))
             if not part:
                 continue
             send = self._next_send()

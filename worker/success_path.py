@@ -154,12 +154,15 @@ class SuccessPath:
 
     def _success_callback_failed(self, job: InFlight, exc: Exception) -> None:
         """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
-        this worker. Its followers had its last event already; its result is the failure."""
+        this worker. Its last event, held until now, says so (it went out as "stop" on a failed job); a job RQ
+        retries gets none (its next attempt goes on from what this one streamed)."""
         log.error("job %s: its success callback failed (%s): the job fails, as RQ fails it", job.job.id, exc)
         error = f"the job's success callback failed: {exc}"
         result = failure_result(job.job.id, job.request, error, error_type="server_error")
         self._record_failure(job.job, job.queue, job.execution, exc, result, job.request.notify)
         failed = job.job.get_status(refresh=False) == JobStatus.FAILED
+        ending = {"finish_reason": "error", "error": error, "error_type": "server_error", "stop_reason": None}
+        self.sender.amend_final(job.job.id, job.execution.id, ending if failed else None)
         self.metrics.job_ended("failed" if failed else "retried", None)
 
     def _succeed_plain(
