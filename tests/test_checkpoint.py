@@ -183,8 +183,8 @@ def test_each_family_runs_in_int8_and_scores_text_near_its_float_model(case, tmp
     assert layers and all(layer._qweight is not None for layer in layers)
     floats = [v for v in _objects(model) if isinstance(v, Linear) and v._qweight is None]
     assert model.lm_head in floats and all(v is model.lm_head or v.out_features <= 4 for v in floats)  # routers
-    shared_gates = [v.shared_expert_gate for v in _objects(model) if getattr(v, "shared_expert_gate", None)]
-    assert all(gate in floats for gate in shared_gates) and bool(shared_gates) == ("shared" in case)  # a gate too
+    expert_gates = [v.shared_expert_gate for v in _objects(model) if getattr(v, "shared_expert_gate", None)]
+    assert all(gate in floats for gate in expert_gates) and bool(expert_gates) == ("a shared expert" in case)
     gap = sum(abs(a - b) for a, b in zip(*scores)) / sum(abs(a) for a in scores[0])
     assert 0 < gap < 0.05, gap
 

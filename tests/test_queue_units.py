@@ -4300,6 +4300,6 @@ def test_a_client_cancel_of_a_queued_job_keeps_its_completion_lists_own_ttl():
 
     conn = fakeredis.FakeRedis()
     for result_ttl in (30, -1):
-        job = Client(connection=conn, result_ttl=result_ttl).submit("x", notify="shared")
+        job = Client(connection=conn, result_ttl=result_ttl).submit("x", notify="everyones")
         assert job.cancel()
-        assert DEFAULT_RESULT_TTL - 5 < conn.ttl(done_key("shared")) <= DEFAULT_RESULT_TTL, result_ttl
+        assert DEFAULT_RESULT_TTL - 5 < conn.ttl(done_key("everyones")) <= DEFAULT_RESULT_TTL, result_ttl

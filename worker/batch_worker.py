@@ -771,7 +771,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 self._took(job, event, wall)
             if event.finish_reason is None:
                 self._piece(job, event)
-            elif event.finish_reason in ("stop", "length") and self._too_large(event):
+            elif event.finish_reason in ("stop", "length") and self._too_large(job, event):
                 self._errored(job, event)  # (it fails alone: its result would not fit one Redis write)
             elif event.finish_reason in ("stop", "length"):
                 del self.in_flight[event.job_id]
@@ -789,10 +789,10 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self._end_later([job for job, _ in done], lambda: self._succeed(done))
         return len(self.in_flight) < held
 
-    def _too_large(self, event: JobEvent) -> bool:
+    def _too_large(self, job: InFlight, event: JobEvent) -> bool:
         """Whether the finished job's result is past ``--max-result-bytes``: then ``event`` says so, as the job's
-        own failure (not retried: it would make the same again)."""
-        size = result_bytes(event.output)
+        own failure (not retried: it would make the same again). Its size is kept for its write (``_succeed``)."""
+        size = job.result_size = result_bytes(event.output)
         if size <= self.settings.max_result_bytes:
             return False
         event.finish_reason, event.error_type = "error", "invalid_request"  # (no error code: v3 has only one)

@@ -30,6 +30,7 @@ class InFlight:
     # Its success written through RQ's path (and its completion list pushed): a retry of the end skips those.
     success_written: bool = False
     notified: bool = False
+    result_size: int = 0  # about how many bytes its result takes in Redis (``result_bytes``), once it finished
     ended_elsewhere: bool = False  # its end handed to a callback thread: a retry of this end leaves it there
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)

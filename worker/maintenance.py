@@ -108,19 +108,24 @@ class Maintenance:
         return (a second, once a beat failed), plus slack for a beat a step held up."""
         return self.settings.heartbeat_interval + LEASE_SLACK_S
 
+    def _lapsed(self, queue: Queue) -> list[tuple[bytes, str]]:
+        """The started registry's lapsed entries (``<job id>:<execution id>``) of ``queue``, with their job ids."""
+        lapsed = self.connection.zrangebyscore(queue.started_job_registry.key, 0, time.time())
+        return [(member, member.decode(errors="replace").rsplit(":", 1)[0]) for member in lapsed]
+
     def drop_unreadable_started(self, queue: Queue) -> None:
         """Lapsed entries of the started registry whose job key holds another type (set by hand): RQ's clean-up of
         the queue failed on the first of them at every pass, and cleaned nothing behind it (a dead worker's jobs
         stayed started for good). There is no job to fail: the entry goes, said once."""
         key = queue.started_job_registry.key
-        lapsed = self.connection.zrangebyscore(key, 0, time.time())
+        lapsed = self._lapsed(queue)
         if not lapsed:
             return
         with self.connection.pipeline(transaction=False) as pipe:
-            for member in lapsed:
-                pipe.type(Job.key_for(member.decode(errors="replace").rsplit(":", 1)[0]))
+            for _member, job_id in lapsed:
+                pipe.type(Job.key_for(job_id))
             kinds = pipe.execute()
-        bad = [member for member, kind in zip(lapsed, kinds) if kind not in (b"hash", b"none", "hash", "none")]
+        bad = [member for (member, _), kind in zip(lapsed, kinds) if kind not in (b"hash", b"none", "hash", "none")]
         if bad:
             self.connection.zrem(key, *bad)
             log.warning("%d lapsed jobs of queue %s whose key holds no job hash (set by hand?) left its started "
@@ -133,16 +138,15 @@ class Maintenance:
         from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
 
         key = queue.started_job_registry.key
-        lapsed = self.connection.zrangebyscore(key, 0, time.time())
+        lapsed = self._lapsed(queue)
         if not lapsed:
             return
-        ids = [member.decode(errors="replace").rsplit(":", 1)[0] for member in lapsed]
         with self.connection.pipeline(transaction=False) as pipe:
-            for job_id in ids:
+            for _member, job_id in lapsed:
                 pipe.hget(Job.key_for(job_id), "status")
             statuses = pipe.execute(raise_on_error=False)
         client = Client(connection=self.connection, queue=queue.name)
-        for member, job_id, status in zip(lapsed, ids, statuses):
+        for (member, job_id), status in zip(lapsed, statuses):
             if status not in (b"canceled", b"stopped"):
                 continue
             try:

@@ -31,7 +31,6 @@ from producer.protocol import OWNER_FIELD, encode_result, failure_result, result
 from worker.in_flight import InFlight, jobs_named
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
-from worker.jobs import result_bytes
 
 log = logging.getLogger("roseinfer.worker")
 WRITE_BYTES = 64 * 2**20  # the results one call writes at most (about), but for a single larger one
@@ -54,7 +53,7 @@ class SuccessPath:
                 through_rq.append((job, result))
             else:
                 plain.append((job, result))
-                sizes.append(result_bytes(out))
+                sizes.append(job.result_size)  # (measured as it finished: ``_too_large``)
         finished: list[tuple[InFlight, dict[str, Any]]] = []
         for part in _parts(plain, sizes, WRITE_BYTES):  # (one script call's arguments: not past Redis's 512 MB)
             while True:
