@@ -155,6 +155,8 @@ def parse_line(
             url, payload, api_defaults, asked_as = _payload(
                 obj, options.tool_call_parser, options.reasoning_parser, options.defaults.get("response_format")
             )
+        if url == "/v1/responses" and options.defaults.get("n", 1) > 1:  # (its output holds one sample alone)
+            raise ValueError("/v1/responses makes one sample a request: run its lines without --n")
         _apply_defaults(payload, options.defaults)
         payload.update((k, v) for k, v in api_defaults.items() if k not in payload)  # (the run's came first)
         payload["custom_id"] = custom_id

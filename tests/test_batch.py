@@ -1025,6 +1025,18 @@ def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_u
     assert payload.get("n", 1) == 1 and payload["max_tokens"] == 16
 
 
+def test_a_responses_line_under_a_runs_n_is_refused_not_cut_to_one_sample():
+    """--n applied to /v1/responses lines too: the worker made (and counted in usage) n samples, and the output
+    line, a Response, showed the first alone. The line is refused, as a body's own n is."""
+    from producer.batch_io import RowOptions
+
+    line = json.dumps({"custom_id": "r", "url": "/v1/responses", "body": {"model": "m", "input": "hi"}})
+    with pytest.raises(BadLine, match="without --n") as caught:
+        parse_line(1, line, options=RowOptions(defaults={"n": 2}))
+    assert caught.value.custom_id == "r"
+    assert parse_line(1, line, options=RowOptions(defaults={"n": 1})).payload.get("n", 1) == 1
+
+
 def test_a_rerun_resumes_the_run_id_of_a_fresh_run_the_output_keeps(tmp_path):
     """A --fresh run killed outright (kill -9, the OOM killer) never printed its run id, and a rerun gave its rows
     other job ids: a Parquet output, whose rows of a killed run come back only from their jobs, lost them all. The
