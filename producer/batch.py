@@ -666,7 +666,8 @@ def _run(
                     raise
                 outage.wait(exc)
     finally:
-        with contextlib.suppress(*REDIS_UNAVAILABLE):  # (a list of ids; it expires) not an error on top of Redis gone
+        # (a list of ids; it expires) not an error on top of Redis gone or busy: that would hide a Ctrl-C
+        with contextlib.suppress(*REDIS_UNAVAILABLE, ResponseError):
             conn.delete(done_key(notify))
 
 

@@ -359,10 +359,16 @@ class ParquetSink:
             return
         _, pq = _pyarrow()
         self._writer = pq.ParquetWriter(self.tmp, self.schema)
-        for batch in self._previous_batches():
-            for row in batch.to_pylist():
-                if row["error"] is None:
-                    self._add(row)
+        try:
+            for batch in self._previous_batches():
+                for row in batch.to_pylist():
+                    if row["error"] is None:
+                        self._add(row)
+        except BaseException:  # (Ctrl-C in a long carry-over) the output stays as it was, no .partial beside it
+            self._writer.close()
+            self._writer = None
+            self.tmp.unlink(missing_ok=True)
+            raise
 
     def result(self, line: Any, out_line: dict[str, Any], result: dict[str, Any]) -> None:
         samples = result.get("choices") or [result]

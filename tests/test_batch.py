@@ -1025,6 +1025,29 @@ def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_u
     assert payload.get("n", 1) == 1 and payload["max_tokens"] == 16
 
 
+def test_ctrl_c_during_a_busy_redis_is_an_interrupt_not_redis_lost(tmp_path, monkeypatch):
+    """The run's last clean-up swallowed Redis gone but not Redis busy (MISCONF, BUSY): its error replaced a Ctrl-C,
+    which was then told as "Redis unavailable for over 600 s", exit 1 instead of 130."""
+    from redis.exceptions import ResponseError
+
+    import producer.batch as batch_mod
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "p"}) + "\n")
+    client = Client(connection=fakeredis.FakeRedis())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def misconf(*names):
+        raise ResponseError("MISCONF Redis is configured to save RDB snapshots, but it is unable to persist")
+
+    monkeypatch.setattr(batch_mod, "_submit", interrupted)
+    monkeypatch.setattr(client.connection, "delete", misconf)
+    with pytest.raises(batch_mod.BatchInterrupted):
+        run_batch(client, src, out, log_interval=1e9)
+
+
 def test_a_responses_line_under_a_runs_n_is_refused_not_cut_to_one_sample():
     """--n applied to /v1/responses lines too: the worker made (and counted in usage) n samples, and the output
     line, a Response, showed the first alone. The line is refused, as a body's own n is."""

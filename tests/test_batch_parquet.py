@@ -340,6 +340,28 @@ def test_a_parquet_output_gets_a_row_group_each_1024_rows_not_each_poll(tmp_path
     assert (meta.num_rows, meta.num_row_groups, meta.row_group(1).num_rows) == (1510, 2, 486)
 
 
+def test_ctrl_c_while_the_earlier_rows_are_carried_over_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    """The carry-over of a large output's earlier rows ran before the run's try: a Ctrl-C there left the writer
+    open and a .partial beside the output. The output stays whole and nothing is left beside it."""
+    from producer.batch_io import open_lines
+
+    out = tmp_path / "out.parquet"
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = ParquetSink(out, None, "custom_id", 1)
+        sink.open(err)
+        _write_rows(sink, 1, 20)
+        sink.close()
+    before = out.read_bytes()
+
+    def interrupted(self, row):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ParquetSink, "_add", interrupted)
+    with open_lines(tmp_path / "errors.jsonl", "w") as err, pytest.raises(KeyboardInterrupt):
+        ParquetSink(out, None, "custom_id", 1).open(err)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.parquet"]
+
+
 @pytest.mark.slow
 def test_rows_a_killed_parquet_run_had_not_written_come_back_from_redis(served, tmp_path, monkeypatch):
     """Rows wait in memory for a whole row group; a run killed outright (no footer: its .partial is not read)
