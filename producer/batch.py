@@ -280,7 +280,7 @@ def _check_settings(
 
 
 def _formats(input_path: Path, input_format: str | None, output_path: Path, output_format: str | None):
-    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format)
+    in_fmt, out_fmt = format_of(input_path, input_format), format_of(output_path, output_format, "--output-format")
     if out_fmt not in OUTPUT_FORMATS:
         raise ValueError(f"an output is one of {OUTPUT_FORMATS} (datasets loads Parquet: Dataset.from_parquet)")
     return in_fmt, out_fmt

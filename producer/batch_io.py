@@ -49,8 +49,8 @@ def at_least(kind: Callable[[str], float], low: float, inclusive: bool = True) -
     return parse
 
 
-def format_of(path: str | Path, given: str | None = None) -> str:
-    """The file's format: ``given`` (``--format``), else its extension."""
+def format_of(path: str | Path, given: str | None = None, flag: str = "--format") -> str:
+    """The file's format: ``given`` (``flag``), else its extension."""
     if given is not None:
         if given not in FORMATS:
             raise ValueError(f"the format is one of {FORMATS}, got {given!r}")
@@ -59,7 +59,7 @@ def format_of(path: str | Path, given: str | None = None) -> str:
         return "hf"
     suffix = Path(path).suffix.lower()
     if suffix not in _EXTENSIONS:
-        raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass --format")
+        raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass {flag}")
     return _EXTENSIONS[suffix]
 
 

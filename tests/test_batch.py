@@ -1025,6 +1025,16 @@ def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_u
     assert payload.get("n", 1) == 1 and payload["max_tokens"] == 16
 
 
+def test_an_output_of_no_known_format_points_at_output_format_not_format(tmp_path):
+    """-o out.txt was told to pass --format, which sets the input's format too: a Parquet input then misread."""
+    import producer.batch as batch_mod
+
+    with pytest.raises(ValueError, match=r"pass --output-format$"):
+        batch_mod._formats(tmp_path / "in.jsonl", None, tmp_path / "out.txt", None)
+    with pytest.raises(ValueError, match=r"pass --format$"):
+        batch_mod._formats(tmp_path / "in.txt", None, tmp_path / "out.jsonl", None)
+
+
 def test_ctrl_c_during_a_busy_redis_is_an_interrupt_not_redis_lost(tmp_path, monkeypatch):
     """The run's last clean-up swallowed Redis gone but not Redis busy (MISCONF, BUSY): its error replaced a Ctrl-C,
     which was then told as "Redis unavailable for over 600 s", exit 1 instead of 130."""
