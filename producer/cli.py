@@ -748,7 +748,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--fresh",
         action="store_true",
         help="generate every row not yet in the output again, even where an earlier run's job for the same line "
-        "still holds a result in Redis (new job ids, so sampled lines get new samples)",
+        "still holds a result in Redis (new job ids, so sampled lines without a seed get new samples)",
     )
     again.add_argument(
         "--run-id", type=_run_id, default=None, help="resume a --fresh run: the id its interrupted-run message printed"
