@@ -216,17 +216,25 @@ def _json(text: str) -> Any:
 def _row_payload(row: dict[str, Any], options: RowOptions) -> tuple[str, dict[str, Any]]:
     """A plain row's prompt (or messages) column; its other columns are data, not settings."""
     if options.messages_column is not None:
-        messages = _text_cells(row.get(options.messages_column))
+        messages = _column_text(row, options.messages_column)
         if not isinstance(messages, list):
             raise ValueError(f"the messages column {options.messages_column!r} must hold a list of messages")
         return "/v1/chat/completions", {"messages": messages}
-    prompt = _text_cells(row.get(options.prompt_column))  # type: ignore[arg-type]
+    prompt = _column_text(row, options.prompt_column)  # type: ignore[arg-type]
     if not isinstance(prompt, str):
         raise ValueError(f"the prompt column {options.prompt_column!r} must hold text, got {type(prompt).__name__}")
     if options.chat:  # an instruct model's chat template around it (a raw prompt only continues the text)
         system = [{"role": "system", "content": options.system}] if options.system else []
         return "/v1/chat/completions", {"messages": [*system, {"role": "user", "content": prompt}]}
     return "/v1/completions", {"prompt": prompt}
+
+
+def _column_text(row: dict[str, Any], column: str) -> Any:
+    """A row's cell, binary text as str; a cell that is not UTF-8 is refused naming its column (as a string one)."""
+    try:
+        return _text_cells(row.get(column))
+    except BadLine as exc:
+        raise BadLine(f"column {column!r} is {exc}") from None
 
 
 def _text_cells(value: Any) -> Any:
