@@ -94,10 +94,10 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
     if not sep or scheme not in SENTINEL_SCHEMES:
         return None
     rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    credentials, at, hostlist = netloc.rpartition("@")
+    credentials, at, rest = rest.rpartition("@")  # (a password may hold a '/': the login ends at the last '@')
+    hostlist, _, path = rest.partition("/")
     if not at:
-        credentials, hostlist = "", netloc
+        credentials = ""
     username = password = None
     if credentials:
         user, colon, secret = credentials.partition(":")
@@ -142,9 +142,14 @@ def queue_urls(spec: str | None) -> dict[str, str]:
 
 
 def redacted_url(url: str) -> str:
-    """``url`` without its login, in its user info or as a ``password=`` option."""
+    """``url`` without its login, in its user info (also of a URL without its scheme) or as a ``password=``
+    option."""
     scheme, sep, rest = url.partition("://")
-    url = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+    if not sep:
+        scheme, rest = "", url
+    address, query = rest.partition("?")[::2]
+    url = f"{scheme}{sep}***@{address.rpartition('@')[2]}" if "@" in address else f"{scheme}{sep}{address}"
+    url += f"?{query}" if "?" in rest else ""
     return re.sub(r"(?i)([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
 
@@ -206,7 +211,11 @@ def connect_async(url: str, **kwargs: Any) -> AsyncRedis:
 def _check_timeouts(url: str) -> None:
     """A URL's socket timeouts (they win over the worker's), as seconds above 0: 0 made every socket non-blocking,
     each command failed as a Redis still starting, and a worker waited for it for good; -1 was a traceback."""
-    for name, values in parse_qs(urlsplit(url).query).items():
+    try:
+        query = urlsplit(url).query
+    except ValueError as exc:  # ("Invalid IPv6 URL") a traceback
+        raise InvalidRedisURL(f"{exc} (got {redacted_url(url)})") from None
+    for name, values in parse_qs(query).items():
         if name not in ("socket_timeout", "socket_connect_timeout"):
             continue
         for value in values:
@@ -227,6 +236,8 @@ def _connect(
         parts = urlsplit(url)
         if parts.scheme in ("redis", "rediss") and parts.path.strip("/") and not parts.path.strip("/").isdigit():
             # redis-py ignores a path it cannot read: the jobs went to database 0
+            if "@" in parts.path:  # (a '/' in the password: what follows it is no database, and no message's)
+                raise InvalidRedisURL(f"{redacted_url(url)}: a '/' in the login is written %2F")
             raise InvalidRedisURL(f"the database in {redacted_url(url)} is not a number ({parts.path.strip('/')!r})")
         try:
             if pool_class is None:

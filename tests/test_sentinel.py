@@ -27,6 +27,7 @@ from worker.local_redis import free_port, serves
             SentinelURL([("h1", 26379), ("h2", 26380)], "svc", 3, None, "s@cret", False, "pw"),
         ),
         ("rediss+sentinel://user:pw@[::1]:26379/svc", SentinelURL([("::1", 26379)], "svc", 0, "user", "pw", True)),
+        ("redis+sentinel://:pa/ss@h:26379/svc", SentinelURL([("h", 26379)], "svc", 0, None, "pa/ss")),  # (was ':pa')
     ],
 )
 def test_sentinel_urls_are_read(url, parsed):
@@ -44,6 +45,27 @@ def test_sentinel_urls_are_read(url, parsed):
 def test_a_bad_sentinel_url_says_why_without_its_password(url, phrase):
     with pytest.raises(InvalidRedisURL, match=phrase) as info:
         parse_sentinel_url(url)
+    assert "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "default:secret@myhost:6379/0",  # (no scheme: the whole URL was said)
+        "redis://:Xy/secret@redis.example:6379/0",  # (a '/' in the password: its rest was said as the database)
+        "redis://:secret@[::1/0",  # (a traceback)
+        "redis+sentinel://:x/secret@h/svc",  # (the sentinel address said was the password's start)
+    ],
+)
+def test_a_malformed_redis_url_is_one_error_that_never_says_its_password(url):
+    from producer.connection import connect, connect_async, queue_urls
+
+    for make in (connect, connect_async):
+        with pytest.raises(InvalidRedisURL) as info:
+            make(url)
+        assert "secret" not in str(info.value) and "***@" in str(info.value)
+    with pytest.raises(InvalidRedisURL) as info:  # (a ';' in a password split the list there)
+        queue_urls("chat=redis://:top;secret@h:6379/0")
     assert "secret" not in str(info.value)
 
 
