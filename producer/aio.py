@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import NoPermissionError
 from rq.job import Job
 
 from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
@@ -177,6 +178,7 @@ class StreamHub:
         self._by_key: dict[str, dict[int, _Follower]] = {}
         self._not_streams: set[str] = set()  # keys of another type (written by hand): left out of the read
         self.down_since: float | None = None  # when Redis stopped answering the read (None: it answers)
+        self.polling = False  # Redis refuses XREAD (an ACL without @blocking): each stream looked at every wait_ms
         self._next = 0
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -235,9 +237,12 @@ class StreamHub:
                 await asyncio.sleep(self.wait_ms / 1000)
                 continue
             try:
-                reply = await self.connection.xread(
-                    {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}, count=1024, block=self.wait_ms
-                )
+                reply = await self._read_streams(streams)
+            except NoPermissionError:
+                if self.polling:
+                    raise
+                self.polling = True  # (the sync client's reader does the same)
+                continue
             except Exception as exc:
                 try:
                     if wrong_type(exc) and await self._left_out(list(streams), exc):
@@ -267,6 +272,19 @@ class StreamHub:
                     if new:
                         f.last = ids[-1]
                         f.entries.put_nowait(new)
+
+    async def _read_streams(self, streams: dict[str, tuple[int, int]]) -> Any:
+        """The entries past each stream's position, as XREAD gives them: one XREAD BLOCK, or where Redis refuses it
+        a wait and one XRANGE each."""
+        if not self.polling:
+            since = {key: f"{ms}-{seq}" for key, (ms, seq) in streams.items()}
+            return await self.connection.xread(since, count=1024, block=self.wait_ms)
+        await asyncio.sleep(self.wait_ms / 1000)
+        async with self.connection.pipeline(transaction=False) as pipe:
+            for key, (ms, seq) in streams.items():
+                pipe.xrange(key, min=f"{ms}-{seq + 1}", count=1024)
+            pages = await pipe.execute()
+        return [(key, page) for key, page in zip(streams, pages) if page]
 
     async def _left_out(self, keys: list[str], exc: Exception) -> bool:
         """The keys among ``keys`` that hold another type than a stream, left out of the read, their followers
@@ -433,7 +451,7 @@ class AsyncGenerationJob:
         conn = self.client.connection
         status = await self.status()
         if status in ENDED or status == "missing":
-            if await conn.xread({key: cursor.last_id}, count=1):
+            if await conn.xrange(key, min=cursor.next_entry(), count=1):  # (XREAD: refused without @blocking)
                 return "more", expired_at
             if status in ("canceled", "stopped", "failed") and (
                 expired_at or await conn.hget(Job.key_for(self.id), "started_at")

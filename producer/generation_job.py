@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from producer.client import Client
 
 ENDED = ("failed", "canceled", "stopped")
+STREAM_POLL_S = 0.05  # how often a stream is looked at where Redis refuses XREAD (its pieces come late by this)
 POLL_WITHOUT_BLOCKING_S = 0.5  # how often a result is looked for where Redis refuses channels and blocking reads
 DEFAULT_RESULT_TTL = 24 * 3600  # a day, as the worker's --result-ttl
 NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expired)"
@@ -238,17 +239,32 @@ class GenerationJob:
             if is_last(event):
                 return
         looked = False  # the first read does not block: a job long over says so at once
+        polling = False  # Redis refuses XREAD (an ACL without @blocking): the stream is looked at every so often
         longest = max(1, int(1000 * longest_block_s(conn)))  # (0 blocks for good)
+
+        def read(count: int, block_ms: int | None) -> list:
+            if not polling:
+                return conn.xread({key: cursor.last_id}, count=count, block=block_ms)
+            if block_ms is not None:
+                time.sleep(min(block_ms / 1000, STREAM_POLL_S))
+            page = conn.xrange(key, min=cursor.next_entry(), count=count)
+            return [(key, page)] if page else []
+
         while True:
             wait_ms = longest if deadline is None else max(1, min(longest, int((deadline - time.monotonic()) * 1000)))
             if expired_at is not None:
                 wait_ms = max(1, min(wait_ms, int((expired_at - time.monotonic()) * 1000)))
             try:
-                reply = conn.xread({key: cursor.last_id}, count=1024, block=wait_ms if looked else None)
+                reply = read(1024, wait_ms if looked else None)
                 looked = True
                 status = None if reply else self.status()
-                if (status in ENDED or status == "missing") and conn.xread({key: cursor.last_id}, count=1):
+                if (status in ENDED or status == "missing") and read(1, None):
                     continue  # the last events landed just now
+            except NoPermissionError:
+                if polling:
+                    raise
+                polling = True  # (result() reads on without blocking reads too)
+                continue
             except REDIS_DOWN as exc:
                 outage.wait(exc)  # a restart, a failover: read on from the same place once it answers
                 continue

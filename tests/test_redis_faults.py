@@ -543,6 +543,50 @@ def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
         stop_private_redis(proc)
 
 
+@pytest.mark.slow  # a second or so: the full suite's
+def test_a_client_whose_acl_user_has_no_blocking_reads_follows_a_stream_by_looking():
+    """Redis refuses XREAD to a user without @blocking (non-blocking too): result() waited by looking, but stream()
+    and the async client's events raised NoPermissionError, after the job was submitted. Both look now."""
+    import asyncio
+
+    from producer import AsyncClient
+    from producer.protocol import STREAM_FIELD, make_event, stream_key
+
+    url, proc = start_private_redis()
+    if proc is None:
+        pytest.skip("could not start redis-server")
+    try:
+        admin = Redis.from_url(url)
+        admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-@blocking")
+        app_url = url.replace("redis://", "redis://app:pw@")
+        pieces = ["Hello", ",", " world"]
+
+        def work(job_id: str) -> None:  # a worker's events, written by hand as the text comes
+            admin.hset(f"rq:job:{job_id}", "status", "started")
+            for n, text in enumerate(pieces):
+                time.sleep(0.1)
+                end = ("stop", {}) if n == len(pieces) - 1 else ()
+                admin.xadd(stream_key(job_id), {STREAM_FIELD: json.dumps(make_event(n, text, [n], *end))})
+            admin.hset(f"rq:job:{job_id}", "status", "finished")
+
+        job = Client(app_url, queue="nobody").submit("hi")
+        threading.Thread(target=work, args=(job.id,), daemon=True).start()
+        assert "".join(job.stream(timeout=10)) == "Hello, world"
+
+        async def follow() -> str:
+            client = AsyncClient(app_url, queue="nobody")
+            try:
+                job = await client.submit("hi")
+                threading.Thread(target=work, args=(job.id,), daemon=True).start()
+                return "".join([piece async for piece in job.stream(timeout=10)])
+            finally:
+                await client.close()
+
+        assert asyncio.run(follow()) == "Hello, world"
+    finally:
+        stop_private_redis(proc)
+
+
 def test_the_eviction_policy_is_read_where_config_is_refused_and_an_unknown_one_refuses_require(own_redis):
     """A managed Redis refuses CONFIG (ElastiCache's default policy: volatile-lru): the check said nothing and
     ``--require-noeviction`` let the worker start. INFO tells the policy; a Redis telling neither refuses the flag."""
