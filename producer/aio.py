@@ -101,6 +101,9 @@ class AsyncClient:
         try:
             while self._pending:
                 batch, self._pending = _one_per_id(self._pending)
+                batch = [(request, future) for request, future in batch if not future.done()]  # (cancelled: left out)
+                if not batch:
+                    continue
                 try:
                     jobs = await asyncio.to_thread(self.sync.submit_many, [request for request, _ in batch])
                 except Exception as exc:

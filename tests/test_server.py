@@ -1261,6 +1261,27 @@ def test_an_async_submit_cancelled_as_its_job_went_in_cancels_that_job(redis_url
     assert len(queue.job_ids) == 1  # (the first, still queued: no worker serves this queue)
 
 
+def test_an_async_submit_cancelled_before_its_batch_went_in_enqueues_nothing(redis_url):
+    """A caller cancelled while its request still waited for the batch (a timeout around ``submit``): it went in
+    anyway, then was canceled, its prompt kept for the result TTL and its id pushed to its completion list."""
+    queue_name = f"gone-{uuid.uuid4().hex[:6]}"
+
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            gone = asyncio.create_task(client.submit("one", max_tokens=4, notify=queue_name))
+            await asyncio.sleep(0)  # (in the waiting list, the batch not sent yet)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            await client.submit("two", max_tokens=4)
+
+    asyncio.run(main())
+    queue = Client(redis_url, queue=queue_name).queue
+    assert [queue.fetch_job(j).kwargs["prompt"] for j in queue.job_ids] == ["two"]
+    assert queue.canceled_job_registry.get_job_ids() == []
+    assert not queue.connection.exists(f"roseinfer:done:{queue_name}")
+
+
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):
     """As OpenAI's and vLLM's servers: a prompt plus an explicit max_tokens (max_completion_tokens, max_output_tokens,
     or the legacy default of 16) past the model's context is a 400 naming both, streamed or not. A queue job keeps
