@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,12 +21,12 @@ from rq.job import Job
 from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
 from producer.connection import REDIS_DOWN, connect_async, wrong_type
 from producer.event_reading import (
-    FINAL_EVENT_GRACE_S,
     REDIS_PATIENCE_S,
     REPLAY_PAGE,
     EventCursor,
     Outage,
     deadline_after,
+    ending_event_may_come,
     ends_sample,
     final_event_may_come,
     piece_of,
@@ -459,7 +458,10 @@ class AsyncGenerationJob:
             if status in ("canceled", "stopped", "failed") and (
                 expired_at or await conn.hget(Job.key_for(self.id), "started_at")
             ):  # its final event (an abort's last text and usage, a failure's error) lands after the status
-                expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
+                if expired_at is None:  # (not for a job long over: every stream() of it waited the grace)
+                    async with conn.pipeline(transaction=False) as pipe:
+                        queue_end_reads(pipe, self.id)
+                        expired_at = stream_wait_ends(deadline, ending_event_may_come(await pipe.execute()))
                 if time.monotonic() < expired_at:
                     return "more", expired_at
             await asyncio.to_thread(self._sync._raise_ended, status)

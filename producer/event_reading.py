@@ -153,6 +153,12 @@ def final_event_may_come(replies: list[Any]) -> bool:
     return bool(entries) and seconds * 1000 + micros // 1000 - _entry_millis(entries) < FINAL_EVENT_GRACE_S * 1000
 
 
+def ending_event_may_come(replies: list[Any]) -> bool:
+    """As ``final_event_may_come``, for a job that was running and ended otherwise (canceled, stopped, failed): also
+    while it has no result yet (its worker writes the result and last event a step after the status)."""
+    return not replies[2] or final_event_may_come(replies)
+
+
 def time_left(deadline: float | None) -> float | None:
     """Seconds to ``deadline`` (None: no end), at least a millisecond: a last read still goes out."""
     return None if deadline is None else max(0.001, deadline - time.monotonic())

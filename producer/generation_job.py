@@ -24,6 +24,7 @@ from producer.event_reading import (
     EventCursor,
     Outage,
     deadline_after,
+    ending_event_may_come,
     ends_sample,
     failed_just_now,
     final_event_may_come,
@@ -284,7 +285,14 @@ class GenerationJob:
             if status in ENDED or status == "missing":
                 if status in ("canceled", "stopped", "failed") and (expired_at or self._was_running()):
                     # its final event (an abort's last text and usage, a failure's error) lands after the status
-                    expired_at = expired_at or min(time.monotonic() + FINAL_EVENT_GRACE_S, deadline or math.inf)
+                    if expired_at is None:  # (not for a job long over: every stream() of it waited the grace)
+                        try:
+                            with conn.pipeline(transaction=False) as pipe:
+                                queue_end_reads(pipe, self.id)
+                                expired_at = stream_wait_ends(deadline, ending_event_may_come(pipe.execute()))
+                        except REDIS_DOWN as exc:
+                            outage.wait(exc)
+                            continue
                     if time.monotonic() < expired_at:
                         continue
                 self._raise_ended(status)

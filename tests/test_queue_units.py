@@ -607,6 +607,45 @@ def test_a_result_waiter_looks_again_only_once_redis_holds_its_subscription(redi
     assert subscribers[:2] == [0, 1]  # the first look, then the look once subscribed
 
 
+@pytest.mark.redis
+def test_a_stream_of_a_job_that_failed_long_ago_says_so_at_once(redis_url):
+    """A job that ran and failed (or was canceled) long ago, its stream expired: every stream() of it, sync and
+    async, waited 2 s for a final event that could not come, where result() said so at once."""
+    import asyncio
+    import uuid
+
+    from redis import Redis
+
+    from producer import AsyncClient, Client, JobFailed
+    from producer.protocol import encode_result, result_key
+
+    conn, job_id = Redis.from_url(redis_url), f"old-{uuid.uuid4().hex[:8]}"
+    conn.hset(f"rq:job:{job_id}", mapping={"status": "failed", "started_at": "2026-11-30T10:00:00.000000Z"})
+    result = {"v": 3, "id": job_id, "status": "failed", "error": "it broke", "finish_reason": "error"}
+    written_ms = int(conn.time()[0] * 1000) - 3_600_000  # an hour ago, by Redis's clock
+    conn.xadd(result_key(job_id), {"type": "2", "return_value": encode_result(result)}, id=f"{written_ms}-0")
+
+    async def async_stream() -> None:
+        client = AsyncClient(redis_url)
+        try:
+            async for _ in client.job(job_id).stream(timeout=5):
+                pass
+        finally:
+            await client.close()
+
+    try:
+        for follow in (
+            lambda: list(Client(redis_url).job(job_id).stream(timeout=5)),
+            lambda: asyncio.run(async_stream()),
+        ):
+            started = time.monotonic()
+            with pytest.raises(JobFailed, match="it broke"):
+                follow()
+            assert time.monotonic() - started < 1.0
+    finally:
+        conn.delete(f"rq:job:{job_id}", result_key(job_id))
+
+
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
 @pytest.mark.redis
 @pytest.mark.parametrize(("ended", "raised"), [("canceled", "JobCanceled"), ("failed", "JobFailed")])
