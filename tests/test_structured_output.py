@@ -425,8 +425,29 @@ def test_a_job_past_the_grammar_librarys_limits_fails_as_the_servers_and_may_run
     why = "lexer error: too many expressions constructed; Stop: LexerTooComplex"
     sample = SimpleNamespace(abort_cause=AbortCause(False, why, limit=True), index=0, logprobs=None)
     out = SimpleNamespace(outputs=[sample], request_id="j", delta_text="", delta_token_ids=[], delta_index=0)
-    event = _refused_by_grammar(out)
+    event = _refused_by_grammar(out, sample.abort_cause)
     assert (event.error_type, event.retryable) == ("server_error", True) and "limits" in event.error
+
+
+def test_a_job_of_n_samples_one_of_which_reached_a_dead_end_fails_as_one_sample_would():
+    """Sample 0's dead end failed the job (the request's fault); another sample's left it finished, that choice
+    cut short and said "stop" by the OpenAI shape."""
+    from types import SimpleNamespace
+
+    from roseinfer.outputs import AbortCause
+    from worker.pump import Pump
+
+    def sample(index: int, reason: str, cause: AbortCause | None = None) -> SimpleNamespace:
+        return SimpleNamespace(index=index, finish_reason=reason, abort_cause=cause, logprobs=None)
+
+    dead_end = AbortCause(True, "no text completes it")
+    out = SimpleNamespace(
+        request_id="j", finished=True, outputs=[sample(0, "stop"), sample(1, "abort", dead_end)], delta_text="",
+        delta_token_ids=[], delta_index=0, prompt_token_ids=[1],
+    )  # fmt: skip
+    [event] = Pump._events_of(SimpleNamespace(_jobs={"j": object()}), [out])
+    assert (event.finish_reason, event.error_type, event.retryable) == ("error", "invalid_request", False)
+    assert "dead end" in event.error
 
 
 def test_an_end_token_past_the_models_table_refuses_no_constraint(smol_tokenizer):

@@ -327,8 +327,9 @@ class Pump:
             reason = out.outputs[0].finish_reason if out.finished else None
             if out.finished:
                 del self._jobs[out.request_id]
-            if reason == "abort":  # the engine ended it itself (a cancel takes the job out of this pump first)
-                events.append(_refused_by_grammar(out))
+            aborted = next((o for o in out.outputs if o.finish_reason == "abort"), None) if out.finished else None
+            if aborted is not None:  # the engine ended a sample itself (a cancel takes the job out of this pump first)
+                events.append(_refused_by_grammar(out, aborted.abort_cause))  # (any sample: one of n said "stop")
                 continue
             events.append(
                 JobEvent(
@@ -357,12 +358,11 @@ class Pump:
         return events
 
 
-def _refused_by_grammar(out: Any) -> JobEvent:
+def _refused_by_grammar(out: Any, cause: Any) -> JobEvent:
     """A job the engine aborted on its own: its structured output could go no further (a schema or pattern no
     text completes: the request's fault, as a schema refused up front), or refused a token the model chose (a
     tokenizer whose end token the grammar library does not know, say: the server's). It failed as a job its client
     canceled: a canceled result, RQ's status left "started" for good, a batch waiting on it for a day."""
-    cause = out.outputs[0].abort_cause
     retryable = cause is not None and cause.limit
     if retryable:  # (an earlier job of the same constraint used up the grammar library's budget: compiled afresh)
         error = f"the job's structured output passed the grammar library's limits ({cause.why}): may run again"
