@@ -7,11 +7,11 @@ formats are in ``producer/tool_formats.py``). No HTTP, no Redis."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.tool_formats import FORMATS, FormatStream, function_call
+from producer.tool_formats import FORMATS, FormatStream, call_id, function_call
 
 # OpenAI's: a function without parameters takes none (its arguments are "{}").
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -37,6 +37,7 @@ class ToolChoice:
     name: str | None = None
     parallel: bool = True  # several calls may come (OpenAI's parallel_tool_calls); False: one
     parser: str | None = None  # "auto": the model's own format its calls are read in
+    id_format: str | None = None  # "required" and named: the server's parser, whose call ids its model's template takes
 
     @classmethod
     def of(
@@ -70,11 +71,11 @@ class ToolChoice:
                 )
             return cls(parameters, parallel=parallel, parser=parser)
         if choice == "required":
-            return cls(parameters, parallel=parallel)
+            return cls(parameters, parallel=parallel, id_format=parser)
         name = choice["function"]["name"]  # (a named choice's shape is the request model's to check)
         if name not in parameters:
             raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not among the tools")
-        return cls(parameters, name)
+        return cls(parameters, name, id_format=parser)
 
     @property
     def auto(self) -> bool:
@@ -129,14 +130,15 @@ class ToolChoice:
             content, calls = FORMATS[self.parser].read(text, frozenset(self.parameters))
             return content, calls if self.parallel else calls[:1]  # (parallel_tool_calls false: the first)
         if self.name is not None:
-            return None, [function_call(self.name, text)]
+            return None, [function_call(self.name, text, self.stream().make_id())]
         _, deltas = self.stream().feed(text)
-        return None, [function_call(delta["function"]["name"], delta["function"]["arguments"]) for delta in deltas]
+        return None, [{k: v for k, v in delta.items() if k != "index"} for delta in deltas]
 
     def stream(self) -> CallStream | FormatStream:
         if self.parser is not None:
             return FORMATS[self.parser].stream(None if self.parallel else 1, frozenset(self.parameters))
-        return CallStream(self.name)
+        # (Mistral's templates refuse another id than its own 9 characters: the next turn, sent back, was a 400)
+        return CallStream(self.name, FORMATS[self.id_format].make_id if self.id_format is not None else call_id)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class CallStream:
     closes (a JSON array read as it comes: strings, escapes and nesting followed). ("auto": ``FormatStream``.)"""
 
     name: str | None
+    make_id: Callable[[], str] = call_id
     made: int = 0  # calls sent
     _text: list[str] = field(default_factory=list)  # the object being read, "required"
     _depth: int = 0
@@ -157,7 +160,7 @@ class CallStream:
         if self.name is None:
             return []
         self.made = 1
-        return [{"index": 0, **function_call(self.name, "")}]
+        return [{"index": 0, **function_call(self.name, "", self.make_id())}]
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The text (none: the output is the calls) and the tool call deltas the next piece of output lets out."""
@@ -175,7 +178,7 @@ class CallStream:
                 # The parameters as the model wrote them: written again from Python, a number past a float's range
                 # (1e999, which the grammar's "number" takes) raised and failed the response, and others changed.
                 arguments = member_text(done, "parameters") or "{}"
-                deltas.append({"index": self.made, **function_call(call["name"], arguments)})
+                deltas.append({"index": self.made, **function_call(call["name"], arguments, self.make_id())})
                 self.made += 1
         return "", deltas
 

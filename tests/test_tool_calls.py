@@ -420,6 +420,13 @@ def test_mistrals_call_ids_are_the_nine_letters_and_digits_its_templates_take():
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]
     _, calls = ToolChoice.of(TOOLS, "auto", parser="hermes").read(HERMES)
     assert all(c["id"].startswith("chatcmpl-tool-") for c in calls)  # (the others': vLLM's form)
+    # "required" and named calls too, under a server of Mistral's format: theirs were vLLM's form, streamed or not.
+    required = ToolChoice.of(TOOLS, "required", parser="mistral")
+    _, calls = required.read('[{"name": "now", "parameters": {}}]')
+    [streamed] = required.stream().feed('[{"name": "now", "parameters": {}}]')[1]
+    named = ToolChoice.of(TOOLS, NAMED, parser="mistral")
+    ids = [c["id"] for c in (*calls, streamed, *named.read('{"city": "Oslo"}')[1], *named.stream().opening())]
+    assert len(ids) == 4 and all(len(i) == 9 and i.isalnum() for i in ids), ids
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
