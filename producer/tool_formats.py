@@ -23,7 +23,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from producer.schema import lone_surrogate
@@ -262,6 +262,11 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
+def _last(text: str, count: int) -> str:
+    """The last ``count`` characters of ``text`` (none for 0)."""
+    return text[len(text) - count :] if len(text) > count else text
+
+
 @dataclass
 class FormatStream:
     """One choice's output in a model's format, piece by piece: its text as it comes (but what may begin a marker,
@@ -277,6 +282,8 @@ class FormatStream:
     _began: bool = False  # anything but white space came (a leading character begins a block no more)
     _gap: str = ""  # the white space alone before the open block: the format's if it reads, text if not
     _failed: bool = False  # a block did not read: the output is text from there on (as whole, all of it)
+    _parts: list[str] = field(default_factory=list)  # an open block's pieces past ``_held``, joined once it may close
+    _tail: str = ""  # the open block's last characters, fewer than its close's: a close may begin there
 
     def opening(self) -> list[Call]:
         """The deltas before any output: none (the model chooses)."""
@@ -284,9 +291,19 @@ class FormatStream:
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
         """The text and the tool call deltas the next piece of output lets out."""
-        self._held += text
-        content, deltas = "", []
         fmt = self.format
+        if self._in_block():  # (each piece added to the whole block and searched again: a long call took seconds)
+            close = fmt.close
+            keep = len(close) - 1 if close else 0
+            if not self._parts:
+                self._tail = _last(self._held, keep)
+            if close is None or close not in self._tail + text:
+                self._parts.append(text)
+                self._tail = _last(self._tail + text, keep)
+                return "", []
+        self._held += "".join(self._parts) + text
+        self._parts.clear()
+        content, deltas = "", []
         while True:
             if self._failed:
                 content, self._held = content + self._held, ""
@@ -324,6 +341,17 @@ class FormatStream:
             content, deltas = self._add(body, True, content, deltas)
             self._said = False  # (a new stretch of text begins)
 
+    def _in_block(self) -> bool:
+        """A block is open, and known to be one (a leading character's block: its start read, not only a piece of
+        it that the output's end could still leave as it is)."""
+        if self._marker is None or self._failed:
+            return False
+        start = self.format.start
+        if self._parts or self._marker != "" or start is None:
+            return True
+        read = start.match(self._held)
+        return read is not None and read.end() < len(self._held)
+
     def _add(self, body: str, closed: bool, content: str, deltas: list[Call]) -> tuple[str, list[Call]]:
         marker, self._marker, gap, self._gap = self._marker or "", None, self._gap, ""
         read = _of(self.format.read_block(body), self.names)
@@ -338,7 +366,8 @@ class FormatStream:
 
     def finish(self) -> tuple[str, list[Call]]:
         """What the output's end lets out: text held back, the calls of a block left open."""
-        held, self._held = self._held, ""
+        held, self._held = self._held + "".join(self._parts), ""
+        self._parts.clear()
         if self._marker is None:
             return ("" if self.made and not self._said and not held.strip() else held), []
         return self._add(held, False, "", [])
