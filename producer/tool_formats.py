@@ -49,15 +49,22 @@ def _json_arguments(value: Any) -> str | None:
     word for, or nested past what Python's JSON writes): the client parses what it gets as JSON."""
     if isinstance(value, str):
         try:
-            return value if isinstance(_json(value), dict) else None
-        except ValueError:
+            parsed = json.loads(value, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
             return None
+        if not isinstance(parsed, dict):
+            return None
+        return value if lone_surrogate(value) is None else arguments_json(parsed)  # (its UTF-8 form: a 500)
     if not isinstance(value, dict):
         return None
     try:
         return arguments_json(value)
     except (ValueError, RecursionError):
         return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def arguments_json(value: Any) -> str:

@@ -414,6 +414,17 @@ def test_arguments_nested_past_what_python_writes_are_text_not_an_error(parser):
         stream.finish()
 
 
+def test_arguments_given_as_a_string_are_sent_as_json_a_client_reads():
+    """Arguments a model writes as a string of JSON went out as they were: one holding a lone surrogate (half a
+    UTF-16 pair, from a \\u escape) could not be encoded, a 500; one holding NaN was no JSON to the client."""
+    plan = ToolChoice.of(TOOLS, "auto", parser="hermes")
+    surrogate = '<tool_call>{"name": "now", "arguments": "{\\"a\\": \\"\\ud83d\\"}"}</tool_call>'
+    _, [call] = plan.read(surrogate)
+    assert call["function"]["arguments"].encode() == b'{"a": "\\ud83d"}'
+    content, calls = plan.read('<tool_call>{"name": "now", "arguments": "{\\"a\\": NaN}"}</tool_call>')
+    assert calls == [] and "NaN" in content  # (text, as a call whose object holds NaN)
+
+
 def test_mistrals_call_ids_are_the_nine_letters_and_digits_its_templates_take():
     plan = ToolChoice.of(TOOLS, "auto", parser="mistral")
     _, calls = plan.read('[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]')
