@@ -109,6 +109,15 @@ class TextFormat(APIShape):
     strict: bool | None = None
 
 
+class ReasoningConfig(APIShape):
+    """OpenAI's ``reasoning``: its effort goes to the chat template (as a chat's ``reasoning_effort``); a summary is
+    taken, and echoed (the reasoning item holds the whole thinking)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # (summary's older name)
+
+
 class TextConfig(APIShape):
     format: TextFormat | None = None
     verbosity: str | None = None  # (a reasoning model's; taken, as nothing here reads it)
@@ -144,7 +153,7 @@ class ResponsesRequest(APIShape):
     # Asking for what is not here: a 400 (``chat_body``)
     previous_response_id: str | None = None
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     # vLLM's extras (the openai client sends them through extra_body)
     top_k: int | None = None
     min_p: float | None = None
@@ -160,10 +169,8 @@ class ResponsesRequest(APIShape):
                            param="previous_response_id")  # fmt: skip
         if self.background:
             raise APIError(400, "background responses are not supported: stream, or wait", param="background")
-        if self.reasoning and not reasons:
+        if self.reasoning and self.reasoning.model_fields_set and not reasons:
             raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
-        if self.reasoning and set(self.reasoning) - {"effort", "summary", "generate_summary"}:
-            raise APIError(400, "reasoning takes effort and summary", param="reasoning")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if other := [kind for kind in self.include or () if kind != LOGPROBS]:
@@ -176,8 +183,8 @@ class ResponsesRequest(APIShape):
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
-        if self.reasoning and self.reasoning.get("effort") is not None:  # (the template's, as the chat's)
-            body["reasoning_effort"] = self.reasoning["effort"]
+        if self.reasoning and self.reasoning.effort is not None:  # (the template's, as the chat's)
+            body["reasoning_effort"] = self.reasoning.effort
         if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
@@ -326,7 +333,7 @@ class ResponseWriter:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": req.reasoning,
+            "reasoning": req.reasoning.model_dump(exclude_unset=True) if req.reasoning is not None else None,
             "store": False,  # (nothing is kept: a later previous_response_id could not find it)
             "temperature": req.temperature,
             "text": {"format": fmt or {"type": "text"}},

@@ -219,8 +219,13 @@ def test_thinking_sent_back_and_asked_for():
     with pytest.raises(APIError) as err:
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "extreme"}}, None, "qwen3")
     assert err.value.param == "reasoning.effort"
-    with pytest.raises(APIError, match="reasoning takes effort and summary"):
+    with pytest.raises(APIError, match=r"unsupported parameter: reasoning\.budget"):
         parse_responses({"model": "m", "input": "Hi", "reasoning": {"budget": 5}}, None, "qwen3")
+    # Its values are OpenAI's: a summary of NaN was echoed into the response, a 500 (and NaN in a stream's JSON).
+    for summary in (float("nan"), "everything", {"a": 1}):
+        with pytest.raises(APIError) as err:
+            parse_responses({"model": "m", "input": "Hi", "reasoning": {"summary": summary}}, None, "qwen3")
+        assert err.value.param == "reasoning.summary"
 
 
 OSLO = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
