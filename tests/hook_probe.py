@@ -17,6 +17,15 @@ def boom(job, connection, *args) -> None:
     raise RuntimeError("boom from the success callback")
 
 
+def refused_once(job, connection, *args) -> None:
+    """Redis refusing the write once (full memory), as RQ's success pipeline meets it; then it takes it."""
+    from redis.exceptions import ResponseError
+
+    if connection.set(f"hook-probe-refused:{job.id}", "1", nx=True):
+        raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    connection.set(f"hook-probe:{job.id}", "ran")
+
+
 def record_failure(job, connection, *args) -> None:
     """A mark of its own, for a test that tells a job's failure callback from its other ones."""
     connection.set(f"hook-probe-failure:{job.id}", "ran")

@@ -40,7 +40,10 @@ def _raw_job(conn: Redis, queue: str, job_id: str, payload: dict | None = None, 
 def served(redis_url, tiny_chat_model):
     w = ThreadWorker(
         redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
-        allow_callback=["hook_probe.record", "hook_probe.boom", "hook_probe.record_failure", "hook_probe.held"],
+        allow_callback=[
+            "hook_probe.record", "hook_probe.boom", "hook_probe.record_failure", "hook_probe.held",
+            "hook_probe.refused_once",
+        ],
         allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
     )  # fmt: skip
     yield w, Client(redis_url, queue=w.queue), Redis.from_url(redis_url)
@@ -305,6 +308,19 @@ def test_a_success_callback_that_raises_fails_its_job_alone(served):
     assert Job.fetch(fine, connection=conn, serializer=JSONSerializer).get_status() == "finished"
     assert conn.get(f"hook-probe:{fine}") == b"ran"
     assert w.thread.is_alive()
+
+
+def test_redis_refusing_rqs_success_write_for_now_is_waited_out_not_a_failed_callback(served):
+    """An OOM (READONLY, MISCONF) from RQ's success path was taken for the job's success callback raising: the
+    finished job was failed (or run again), its failure callback run."""
+    w, client, conn = served
+    job_id = f"cb-refused-{uuid.uuid4().hex[:6]}"
+    payload = {"prompt": "twins", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.refused_once",
+             failure_callback_name="hook_probe.record_failure")  # fmt: skip
+    assert client.job(job_id).result(timeout=30)["status"] == "finished"
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "finished"
+    assert conn.get(f"hook-probe:{job_id}") == b"ran" and not conn.exists(f"hook-probe-failure:{job_id}")
 
 
 def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_callback(served):

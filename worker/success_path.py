@@ -26,7 +26,7 @@ from rq.registry import (
 from rq.results import Result
 from rq.utils import current_timestamp, now, utcformat
 
-from producer.connection import REDIS_DOWN
+from producer.connection import redis_waits
 from producer.protocol import OWNER_FIELD, encode_result, failure_result, result_entry
 from worker.in_flight import InFlight, jobs_named
 from worker.job_finish import finish_jobs
@@ -96,9 +96,9 @@ class SuccessPath:
         self._reclaim(job)
         try:
             self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-        except REDIS_DOWN:
-            raise
         except Exception as exc:
+            if redis_waits(exc):  # (down, or refusing writes for now: OOM, READONLY, MISCONF) waited out, as any write
+                raise
             self._success_callback_failed(job, exc)
             return False
         job.success_written = True
