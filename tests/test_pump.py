@@ -1216,6 +1216,25 @@ def test_a_burst_worker_exits_when_suspended_and_runs_the_scheduled_jobs_already
         worker.work(max_jobs=1)
 
 
+def test_a_jobs_metadata_counts_in_its_results_size(monkeypatch):
+    """Metadata (up to --max-job-bytes a job) is echoed in the result but was not counted: a step's results went
+    in one script call past the bound of a write (past Redis's query buffer, a call sent again for good)."""
+    import worker.success_path as success_path
+
+    monkeypatch.setattr(success_path, "WRITE_BYTES", 2**20)
+    parts, real_parts = [], success_path._parts
+    monkeypatch.setattr(success_path, "_parts", lambda *a: parts.append(real_parts(*a)) or parts[-1])
+    _, _, client, thread, _ = _fakeredis_worker("metadata", burst=True)
+    note = {"note": "x" * 600_000}
+    jobs = [client.submit("x", max_tokens=2, metadata=note, job_id=f"m{i}") for i in range(2)]
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert all(job.result(timeout=5)["metadata"] == note for job in jobs)
+    written = [[job.job.id for job, _ in part] for call in parts for part in call]
+    assert ["m0"] in written and ["m1"] in written, written  # (600 KB each, against 1 MB a call: two calls)
+
+
 def test_a_result_past_max_result_bytes_fails_its_job_alone_and_the_others_finish(monkeypatch):
     """One result is one Redis write: n=64 x 1,900 tokens x 20 logprobs made 100 MB; past 512 MB Redis resets the
     connection, which the worker took for an outage and tried again for good, the jobs ended beside it never

@@ -19,6 +19,7 @@ mixins of their own files, since they call RQ's ``BaseWorker`` and the worker's 
 
 from __future__ import annotations
 
+import json
 import logging
 import queue as queue_mod
 import signal
@@ -792,7 +793,10 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
     def _too_large(self, job: InFlight, event: JobEvent) -> bool:
         """Whether the finished job's result is past ``--max-result-bytes``: then ``event`` says so, as the job's
         own failure (not retried: it would make the same again). Its size is kept for its write (``_succeed``)."""
-        size = job.result_size = result_bytes(event.output)
+        size = result_bytes(event.output)
+        if job.request.metadata is not None:  # (echoed in the result: up to --max-job-bytes of each job's)
+            size += len(json.dumps(job.request.metadata)) * 4 // 3
+        job.result_size = size
         if size <= self.settings.max_result_bytes:
             return False
         event.finish_reason, event.error_type = "error", "invalid_request"  # (no error code: v3 has only one)
