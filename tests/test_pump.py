@@ -783,6 +783,37 @@ def test_a_cancel_landing_between_the_pull_and_the_start_is_kept_without_lua(fak
     assert job.status() == "canceled" and canceled == [job.id]
 
 
+def test_a_start_whose_exec_reply_was_lost_is_not_made_twice_without_lua(fake_worker, monkeypatch):
+    """redis-py says a reply lost while watching as a WatchError: the start (Redis without Lua) was made again under
+    a second execution, the first left in the started registry to lapse, and RQ's clean-up then failed the job as
+    abandoned while it ran. The start that landed is taken for this one."""
+    from redis.client import Pipeline
+
+    from producer.protocol import OWNER_FIELD
+
+    _, _, client = fake_worker
+    execute, lost = Pipeline.execute, []
+
+    def reply_lost(self, raise_on_error=True):
+        starts = self.transaction and any(OWNER_FIELD in args for args, _ in self.command_stack)
+        replies = execute(self, raise_on_error)
+        if starts and not lost:
+            lost.append(True)
+            raise redis.WatchError("A ConnectionError occurred on while watching one or more keys")
+        return replies
+
+    monkeypatch.setattr(Pipeline, "execute", reply_lost)
+    job = client.submit("long", max_tokens=10**6)
+    deadline = time.monotonic() + 10
+    while job.status() != "started" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = client.connection.zrange("rq:wip:fake", 0, -1)
+    assert lost and len(started) == 1 and started[0].decode().startswith(job.id), started
+    owner = client.connection.hget(f"rq:job:{job.id}", OWNER_FIELD).decode()
+    assert started[0].decode() == f"{job.id}:{owner}"
+    job.cancel()
+
+
 def test_a_results_metadata_is_the_submitted_one_with_one_sample_or_many(fake_worker):
     _, _, client = fake_worker
     one = client.submit("a", max_tokens=2, metadata={"user": "alice"})

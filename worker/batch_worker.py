@@ -673,13 +673,14 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 self.sender.start_script = register_start_script(self.connection)
                 return self._start_by_script(pulled, stream_ids, ttl)
         keys = [job.key for job, _ in pulled]
+        tried: list[list[Execution]] = []  # each try's executions: a lost EXEC reply may hide a start that landed
         with self.connection.pipeline() as pipe:  # Redis without Lua: RQ's own writes, in one transaction
             while True:
                 try:
-                    executions, replies = self._start_in_transaction(pipe, pulled, keys, stream_ids, ttl)
+                    executions, replies = self._start_in_transaction(pipe, pulled, keys, stream_ids, ttl, tried)
                     break
-                except redis.WatchError:  # a job hash changed since the look at the statuses: look again
-                    continue
+                except redis.WatchError:  # a job hash changed since the look at the statuses (or the reply was
+                    continue  # lost, which redis-py says so while watching): look again
         self.executions.update((execution.id, execution) for execution in executions)
         return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
 
@@ -690,21 +691,33 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         keys: list[str],
         stream_ids: Sequence[str],
         ttl: int,
+        tried: list[list[Execution]],
     ) -> tuple[list[Execution], list]:
         """The start script's writes as RQ's objects make them, under WATCH: a cancel that landed since the pull
-        keeps its status, as the script keeps it (RQ's own HSET of status started overwrote it; the job ran)."""
+        keeps its status, as the script keeps it (RQ's own HSET of status started overwrote it; the job ran).
+        ``tried``: the executions of the tries before this one; one whose start landed is this start (its reply was
+        lost: a second start made a second execution, whose first lapsed and RQ's clean-up failed the job)."""
         pipe.watch(*keys)
         with self.connection.pipeline(transaction=False) as look:
             for (job, _queue), key in zip(pulled, keys):
-                look.hget(key, "status")
+                look.hmget(key, "status", OWNER_FIELD)
                 queue_stream_check(look, job)
             found = look.execute(raise_on_error=False)  # (a stream key of another type: read as none)
         for reply in found[::3] + found[1::3]:
             if isinstance(reply, Exception):
                 raise reply
+        owners = [owner.decode() if owner else None for _status, owner in found[::3]]
+        for earlier in tried:  # (one transaction: where a job's owner is that try's, the whole of it landed)
+            if any(owner == execution.id for owner, execution in zip(owners, earlier)):
+                pipe.unwatch()
+                with self.connection.pipeline(transaction=False) as reads:
+                    self.publisher.queue_stream_reads(reads, stream_ids)
+                    return earlier, reads.execute(raise_on_error=False)
         pipe.multi()
-        executions = []
-        for (job, queue), status, fields, first in zip(pulled, found[::3], found[1::3], found[2::3]):
+        executions: list[Execution] = []
+        tried.append(executions)
+        statuses = [status for status, _owner in found[::3]]
+        for (job, queue), status, fields, first in zip(pulled, statuses, found[1::3], found[2::3]):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
