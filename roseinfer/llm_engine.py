@@ -137,6 +137,7 @@ class LLMEngine(PromptInputs):
         # Tokens sampled whose outputs are not made yet: (request, token, whether the token itself stopped it,
         # whether the request ended at it).
         self._pending: list[tuple[Sequence, int, bool, bool]] = []
+        self._token_taken = False  # (``_emit_pending``: the token in hand went into its detokenizer)
         self.undelivered: list[RequestOutput] = []  # see ``take_undelivered``
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
@@ -461,7 +462,7 @@ class LLMEngine(PromptInputs):
             if not sched.is_empty:
                 masks = self.structured.start_masks([item.seq for item in sched.scheduled if item.samples])
                 pending = self.runner.launch(sched, masks)
-                outputs = self._emit_pending()  # the previous step's, while the device runs this one
+                self._emit_pending(outputs)  # the previous step's, while the device runs this one
                 sampled = pending.result()
         except BaseException:
             # The blocks this step registered in the prefix cache were never filled (out of memory, an interrupt
@@ -472,7 +473,7 @@ class LLMEngine(PromptInputs):
                 self._take_back_draws(sched)
             raise
         if sched.is_empty:
-            return self._emit_pending()
+            return self._emit_pending([])
         for item in sched.scheduled:  # the prompt tokens computed (not cached), counted once the step ran
             known = item.seq.num_prompt_tokens + item.seq.num_resumed_tokens
             if item.start < known:
@@ -489,7 +490,7 @@ class LLMEngine(PromptInputs):
             by_token = self._end_check(seq, token, now)
             self._pending.append((seq, token, by_token, seq.is_finished))
         if not self._overlap:
-            outputs += self._emit_pending()
+            self._emit_pending(outputs)
         return outputs
 
     def _take_back_draws(self, sched: SchedulerOutput) -> None:
@@ -551,45 +552,58 @@ class LLMEngine(PromptInputs):
             seq.finish_time = now
         return bool(by_token)
 
-    def _emit_pending(self) -> list[RequestOutput]:
-        """Text and outputs of the tokens the last step sampled; a stop string in the text ends its request."""
-        outputs = []
+    def _emit_pending(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Text and outputs of the tokens the last step sampled, added to ``outputs`` as each is made (an error
+        midway, an interrupt, leaves those made for ``take_undelivered`` and the tokens after it for the next
+        step: they were lost, a finished request's output never given and the others' text short of their tokens);
+        a stop string in the text ends its request."""
         pending, self._pending = self._pending, []
         # A request with n > 1 ends once, at its last sample's output of the batch (they may all end in one step).
         last = {entry[0].parent_id: i for i, entry in enumerate(pending)} if self._groups else None
-        for i, (seq, token, by_token, ended_at_token) in enumerate(pending):
-            if seq.is_finished and not ended_at_token:
-                continue  # aborted since: its last output was given then
-            detok = seq.detokenizer
-            if detok is not None:
-                # A stopping token's own text stays out of the output (``_shown``).
-                detok.push(_shown(seq, token, by_token))
-                hit = detok.stop_hit
-                if hit is not None:  # a stop string wins over the length, a complete output or a stop token whose
-                    # shown text holds it (the text is cut there: as vLLM's, the string is the reason)
-                    if not seq.is_finished:
-                        self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
-                        seq.finish_time = time.perf_counter()
-                    seq.finish_reason, seq.stop_reason = "stop", hit
-            kind = seq.params.output_kind
-            if not seq.is_finished and (
-                kind == "final_only"
-                or (kind == "delta" and not self._flush and seq.streamed and seq.parent_id == seq.request_id)
-            ):
-                if kind == "delta":
-                    seq.held_ids.append(token)  # its text waits in the detokenizer, as a final_only request's does
-                continue
-            delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
-            ids = [token]
-            if kind == "final_only":  # its one output: every token this run made, as its text
-                ids = seq.output_token_ids[seq.num_resumed_tokens :]
-            elif seq.held_ids:
-                ids, seq.held_ids = seq.held_ids + ids, []
-            seq.streamed = True
-            out = self._output(seq, delta, ids, group_may_end=last is None or last[seq.parent_id] == i)
-            if out.finished or kind != "final_only":  # a sample of n ending before the others: not yet
-                outputs.append(out)
+        for i, entry in enumerate(pending):
+            self._token_taken = False
+            try:
+                self._emit(entry, outputs, last is None or last[entry[0].parent_id] == i)
+            except BaseException:  # (a token its detokenizer took is not taken twice)
+                self._pending = pending[i + self._token_taken :] + self._pending
+                raise
         return outputs
+
+    def _emit(self, entry: tuple, outputs: list[RequestOutput], group_may_end: bool) -> None:
+        """One sampled token's text and output (``_emit_pending``)."""
+        seq, token, by_token, ended_at_token = entry
+        if seq.is_finished and not ended_at_token:
+            return  # aborted since: its last output was given then
+        detok = seq.detokenizer
+        if detok is not None:
+            # A stopping token's own text stays out of the output (``_shown``).
+            detok.push(_shown(seq, token, by_token))
+            hit = detok.stop_hit
+            if hit is not None:  # a stop string wins over the length, a complete output or a stop token whose
+                # shown text holds it (the text is cut there: as vLLM's, the string is the reason)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
+                    seq.finish_time = time.perf_counter()
+                seq.finish_reason, seq.stop_reason = "stop", hit
+        self._token_taken = True
+        kind = seq.params.output_kind
+        if not seq.is_finished and (
+            kind == "final_only"
+            or (kind == "delta" and not self._flush and seq.streamed and seq.parent_id == seq.request_id)
+        ):
+            if kind == "delta":
+                seq.held_ids.append(token)  # its text waits in the detokenizer, as a final_only request's does
+            return
+        delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
+        ids = [token]
+        if kind == "final_only":  # its one output: every token this run made, as its text
+            ids = seq.output_token_ids[seq.num_resumed_tokens :]
+        elif seq.held_ids:
+            ids, seq.held_ids = seq.held_ids + ids, []
+        seq.streamed = True
+        out = self._output(seq, delta, ids, group_may_end=group_may_end)
+        if out.finished or kind != "final_only":  # a sample of n ending before the others: not yet
+            outputs.append(out)
 
     def _output(
         self, seq: Sequence, delta_text: str, delta_ids: list[int], group_may_end: bool = True

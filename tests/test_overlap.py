@@ -180,3 +180,49 @@ def test_an_interrupt_between_the_schedule_and_the_forward_leaves_no_unwritten_b
     assert len(again.prompt_token_ids) > 2 * engine.kv.block_size  # whole blocks to hit
     assert again.metrics.num_cached_tokens == 0
     assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_while_outputs_are_made_loses_none_of_them(tiny_chat_model, monkeypatch, when):
+    """The previous step's outputs are made inside the next step's try: an interrupt (a signal) midway lost all of
+    them, a request that ended there never gave its last output and the others' text missed a token. Those made
+    go to ``take_undelivered``, the rest come with the next step, the token in hand taken once."""
+    import roseinfer.detokenizer as detokenizer
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    requests = [
+        ("short", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+        ("long", {"prompt": "What is"}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+    ]
+    plain = _run(engine, requests, overlap=False)
+    push, calls = detokenizer.IncrementalDetokenizer.push, []
+
+    def interrupted(self, token, *args, **kwargs):
+        if when == "after":
+            push(self, token, *args, **kwargs)
+        calls.append(token)
+        if len(calls) == 4:  # (a token of the second batch of outputs, not its first)
+            raise KeyboardInterrupt
+        if when == "before":
+            push(self, token, *args, **kwargs)
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "push", interrupted)
+    engine._overlap = True
+    engine.kv.reset_prefix_cache()
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    deltas, finals = {}, {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            outs = engine.take_undelivered()
+        for out in outs:
+            key = (out.request_id, out.delta_index)
+            deltas[key] = deltas.get(key, "") + out.delta_text
+            if out.finished:
+                finals[out.request_id] = [
+                    (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs
+                ]
+    assert len(calls) > 4 and (deltas, finals) == plain
