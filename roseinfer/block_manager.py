@@ -123,6 +123,13 @@ class KVCacheManager:
         if self.enable_prefix_caching and seq.num_preemptions == 0:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
+            seq.admission_hit_tokens = hit.num_tokens
+
+    def uncount_admission(self, seq: Sequence) -> None:
+        """Take back ``count_admission`` of an admission whose step never ran (``Scheduler.forget_step``)."""
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
+            self.prefix_query_tokens -= seq.num_tokens
+            self.prefix_hit_tokens -= seq.admission_hit_tokens
 
     def lookup_computed_blocks(self, seq: Sequence) -> PrefixHit:
         """Leading blocks of ``seq`` already in the cache, left out of the stats (a look ahead, not an admission).

@@ -126,6 +126,10 @@ class Scheduler:
         self.kv.reset_prefix_cache()
         for seq in self._admitted:
             if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens > 0:
+                if seq.num_preemptions == 0:  # admitted again, and counted then: not twice in the hit rate
+                    self.kv.uncount_admission(seq)
+                if seq.first_scheduled_at_step:  # (its time in the queue goes on: a job's timeout began at it)
+                    seq.first_scheduled_time = None
                 self._preempt(seq, counted=False)
         self._admitted = []
 
@@ -281,12 +285,13 @@ class Scheduler:
     ) -> None:
         self._waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled_time is None:
+        seq.first_scheduled_at_step = seq.first_scheduled_time is None
+        if seq.first_scheduled_at_step:
             seq.first_scheduled_time = time.monotonic()
         # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
         seq.num_computed_tokens = hit.num_tokens
         if seq.num_preemptions == 0:  # set once, as vLLM: a recompute's hit on its own freed blocks is no cache hit
-            seq.num_cached_tokens = hit.num_tokens
+            seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)  # (a resumed output's hit is not)
         self._running.append(seq)
         self._admitted.append(seq)
         self._add_scheduled(seq, n, decodes, prefills)

@@ -264,6 +264,22 @@ def test_a_step_that_never_ran_leaves_no_prefix_hit_and_restarts_who_hit_its_blo
     out = run_step(sched)  # the step runs now: both whole, b on a's blocks written in that same step
     assert {x.seq.request_id: x.start for x in out.scheduled} == {"a": 0, "b": 8}
     assert kv.lookup_computed_blocks(probe).num_tokens == 8
+    # b's undone admission is out of the hit-rate stats (it was counted again, readmitted), and its queueing time
+    # goes on from before (a job's timeout began at an admission that never ran).
+    assert (kv.prefix_query_tokens, kv.prefix_hit_tokens) == (18, 8)
+    assert b.first_scheduled_time > a.first_scheduled_time  # (b's: of its admission that ran)
+
+
+def test_the_cached_tokens_of_a_resumed_request_are_its_prompts_at_most():
+    """A resumed request's prefix hit covers its earlier output too: num_cached_tokens said 20 of a 6-token prompt."""
+    _, sched = make(block_size=4, budget=64)
+    first = add(sched, "first", 20)
+    run_step(sched)
+    resumed = Sequence("resumed", first.token_ids[:6], SamplingParams(), None, None)
+    resumed.token_ids += first.token_ids[6:]  # (its earlier attempt's output, resumed)
+    sched.add(resumed)
+    run_step(sched)
+    assert resumed.num_prompt_tokens == 6 and resumed.num_cached_tokens == 6
 
 
 def test_no_request_is_preempted_for_a_waiting_one_that_could_not_be_admitted_anyway():
