@@ -203,22 +203,10 @@ def no_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "_tried", True)
 
 
-def redis_server_version(server: str) -> tuple[int, ...] | None:
-    """``redis-server --version``'s version (``v=7.0.15``), or None where it cannot be read."""
-    import subprocess
-
-    try:
-        said = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"v=(\d+)\.(\d+)", said)
-    return (int(found[1]), int(found[2])) if found else None
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> str:
     """A real Redis server of the tests' own, on a free port (none is shared with anything else)."""
-    from worker.local_redis import start_private_redis, stop_private_redis
+    from worker.local_redis import redis_server_version, start_private_redis, stop_private_redis
 
     server = os.environ.get("ROSEINFER_TEST_REDIS_SERVER", "redis-server")
     if (version := redis_server_version(server)) is not None and version < (6, 2):  # (LMOVE, GETDEL: 6.2)

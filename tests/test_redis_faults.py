@@ -587,6 +587,35 @@ def test_a_client_whose_acl_user_has_no_blocking_reads_follows_a_stream_by_looki
         stop_private_redis(proc)
 
 
+def test_a_redis_older_than_6_2_is_refused_at_the_start_not_failed_at_every_pull(tmp_path):
+    """Ubuntu 22.04's Redis is 6.0: the worker loaded its model, said it served, and every pull failed (no
+    BLMOVE), a traceback a second for good. ``serve --embedded`` started such a redis-server too."""
+    from redis.exceptions import NoPermissionError
+
+    from roseinfer.config import ConfigError
+    from worker.local_redis import start_private_redis
+    from worker.main import check_redis_version
+
+    class Said:
+        def __init__(self, version):
+            self.version = version
+            self.connection_pool = Redis().connection_pool
+
+        def info(self, section):
+            if self.version is None:
+                raise NoPermissionError("this user has no permissions to run the 'info' command")
+            return {"redis_version": self.version}
+
+    with pytest.raises(ConfigError, match=r"is 6\.0\.16: the worker needs Redis 6\.2 or later"):
+        check_redis_version(Said("6.0.16"))
+    for fine in ("6.2.0", "7.0.15", "8.2.1", None):  # (None: INFO refused, the version not known)
+        check_redis_version(Said(fine))
+    old = tmp_path / "redis-server"
+    old.write_text("#!/bin/sh\necho 'Redis server v=6.0.16 sha=00000000:0 malloc=jemalloc-5.2.1 bits=64'\n")
+    old.chmod(0o755)
+    assert start_private_redis(str(old))[1] is None  # (fakeredis serves instead)
+
+
 def test_the_eviction_policy_is_read_where_config_is_refused_and_an_unknown_one_refuses_require(own_redis):
     """A managed Redis refuses CONFIG (ElastiCache's default policy: volatile-lru): the check said nothing and
     ``--require-noeviction`` let the worker start. INFO tells the policy; a Redis telling neither refuses the flag."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -15,6 +16,17 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 _FOLDER_PREFIX = "roseinfer-redis-"  # a private server's folder: the one name stop_private_redis removes
+MIN_REDIS = (6, 2)  # LMOVE and BLMOVE (the pull), GETDEL, XADD's NOMKSTREAM, exclusive XRANGE starts
+
+
+def redis_server_version(server: str) -> tuple[int, ...] | None:
+    """``redis-server --version``'s version (``v=7.0.15``), or None where it cannot be read."""
+    try:
+        said = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"v=(\d+)\.(\d+)", said)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def free_port() -> int:
@@ -25,8 +37,8 @@ def free_port() -> int:
 
 def start_private_redis(server: str = "redis-server", port: int | None = None) -> tuple[str, subprocess.Popen | None]:
     """A throwaway redis-server (nothing saved) on ``port`` (default: a free one); (url, process), or (url, None)
-    when it cannot start."""
-    if shutil.which(server) is None:
+    when it cannot start (or is older than ``MIN_REDIS``: fakeredis serves then)."""
+    if shutil.which(server) is None or (redis_server_version(server) or MIN_REDIS) < MIN_REDIS:
         return f"redis://127.0.0.1:{port or free_port()}/0", None
     for _ in range(1 if port else 5):  # a free port can be taken by another process before ours binds it
         url, proc = _start_redis_on(server, port or free_port())

@@ -14,6 +14,7 @@ from producer.client import eviction_policy, eviction_warning
 from producer.connection import REDIS_DOWN, InvalidRedisURL, UnsafeRedis, connect
 from roseinfer.config import ConfigError
 from worker.engine_process import EngineProcess, EngineProcessDied, build_engine
+from worker.local_redis import MIN_REDIS
 from worker.metrics import WorkerMetrics
 from worker.pump import EngineBroken
 from worker.settings import WorkerSettings
@@ -82,6 +83,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
                 taken = name_in_use(connection, settings.name, settings.heartbeat_interval + settings.heartbeat_grace)
                 if taken:
                     raise ConfigError(taken)
+            check_redis_version(connection)
             check_eviction_policy(connection, settings.require_noeviction)
             checked = True
     if settings.metrics_port:  # (found at the start, it came after the model's load: minutes of a GPU's)
@@ -95,8 +97,24 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
         engine, pump = build_engine(settings.model, settings.engine_options()), None
     wait_for_redis(connection)
     if not checked:
+        check_redis_version(connection)
         check_eviction_policy(connection, settings.require_noeviction)
     return BatchWorker(engine, settings, connection, pump)
+
+
+def check_redis_version(connection: Redis) -> None:
+    """A Redis older than ``MIN_REDIS`` refused: the worker said it served, and every pull failed (no BLMOVE),
+    logged each second for good. One that keeps INFO from this login is not refused (its version is not known)."""
+    try:
+        said = str(connection.info("server").get("redis_version", ""))
+    except redis.exceptions.ResponseError:
+        return
+    version = tuple(int(part) for part in said.split(".")[:2] if part.isdigit())
+    if len(version) == 2 and version < MIN_REDIS:
+        raise ConfigError(
+            f"Redis at {_address(connection)} is {said}: the worker needs Redis "
+            f"{'.'.join(map(str, MIN_REDIS))} or later (BLMOVE, GETDEL)"
+        )
 
 
 def check_eviction_policy(connection: Redis, required: bool) -> None:
