@@ -111,6 +111,8 @@ def test_none_unsets_a_setting_its_help_says_may_be_unset(monkeypatch):
     assert settings.drain_timeout is None and settings.max_in_flight is None
     with pytest.raises(ValidationError, match="drain_timeout"):
         WorkerSettings(drain_timeout="never")
+    with pytest.raises(ValidationError, match="drain_timeout"):  # (past a thread's longest wait: the stop raised)
+        WorkerSettings(drain_timeout=1e10)
 
 
 @pytest.mark.parametrize(

@@ -534,6 +534,18 @@ def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_
     assert running.result(timeout=10)["usage"]["completion_tokens"] == 150  # the one generating finished
 
 
+def test_a_third_stop_signal_does_not_put_off_the_cold_stops_patience(fake_worker):
+    """Each signal after the first set the sender's patience anew: one repeated (a supervisor, Ctrl-C held) kept the
+    cold stop waiting on Redis."""
+    worker, _, _ = fake_worker
+    worker.request_stop()
+    worker.request_stop()
+    second = worker.sender.give_up_at
+    time.sleep(0.05)
+    worker.request_stop()
+    assert second is not None and worker.sender.give_up_at == second
+
+
 @pytest.mark.worker_settings(drain_timeout=0.5)
 def test_past_the_drain_timeout_a_stop_hands_back_what_still_runs(fake_worker):
     worker, engine, client = fake_worker

@@ -222,8 +222,10 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         # Flags only: raising here could strand a job between dequeue and start.
         if self._stop_requested:
             log.warning("second stop signal: handing %d jobs back to the queue", len(self.in_flight))
-            # (the patience first: a stop from another thread's command may be seen by the loop between the two)
-            self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S  # a blip is waited out, no more
+            # (the patience first: a stop from another thread's command may be seen by the loop between the two; a
+            # third signal keeps the second's, else each one put it off)
+            if not (self._force_stop and self.sender.give_up_at is not None):
+                self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S  # a blip is waited out, no more
             self._force_stop = True
         else:
             log.warning(

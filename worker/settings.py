@@ -112,7 +112,7 @@ class QueueSettings(BaseSettings):
         default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
     )
     drain_timeout: float | None = Field(
-        None, gt=0, allow_inf_nan=False,
+        None, gt=0, le=DAY, allow_inf_nan=False,
         description="seconds a stop waits for the jobs generating to end before it hands the rest back to the queue "
         "(as a second signal does); none: no limit. Give less than the orchestrator's grace before its kill",
     )  # fmt: skip
