@@ -440,6 +440,25 @@ def test_the_demo_runs_the_whole_flow_on_its_embedded_redis(tiny_chat_model):
     assert "1 finished, 1 failed" in failed.stderr
 
 
+def test_ctrl_c_twice_ends_the_demo(tiny_chat_model):
+    """The cold stop handed the jobs back and the worker returned, but the demo waited for their results for good,
+    and a third Ctrl-C only said "second stop signal" again."""
+    cmd = [sys.executable, "-m", "worker.cli", "demo", "--model", tiny_chat_model, "--max-tokens", "100000", "one"]
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "streaming live" in proc.stdout.readline()
+        assert proc.stdout.read(1)  # (its first text: the worker runs, and took Ctrl-C for a stop)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # (its job handed back: it ran on no more)
+        assert proc.wait(timeout=30) == 130
+        assert "interrupted: 0 of 1 jobs finished" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):
     """A metrics port in use: the worker had taken jobs off the queue (its puller runs first), then crashed with a
     traceback, leaving them in RQ's intermediate list a minute and its registration for 8. A name in use: a

@@ -238,6 +238,11 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 # held in the sender's put by an outage never reached that check, and the worker never left
                 self.sender.give_up_at = self._stop_at + self.settings.drain_timeout + HAND_BACK_PATIENCE_S
 
+    @property
+    def stop_requested(self) -> bool:
+        """A stop signal (or ``request_stop``) came: ``work`` returned for it, not for a burst's end."""
+        return self._stop_requested
+
     def request_stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
         self._on_stop_signal(signum, frame)
 

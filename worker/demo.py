@@ -6,6 +6,7 @@ one job's tokens printed live as they stream, then every result.
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -64,6 +65,11 @@ def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_token
     consumer.start()
     start = time.perf_counter()
     worker.work(burst=True, logging_level="WARNING")
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the worker's: a Ctrl-C now only said "stop" again)
+    if worker.stop_requested:  # stopped by Ctrl-C: the jobs it handed back have no worker left to run them
+        st = client.status()
+        print(f"\ninterrupted: {st['finished']} of {len(jobs)} jobs finished", file=sys.stderr)
+        return 130
     consumer.join()
     st = client.status()
     print(f"{st['finished']} finished, {st['failed']} failed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
