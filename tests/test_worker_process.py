@@ -290,6 +290,24 @@ def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_n
     assert sum("waiting for Redis" in line for line in lines) == 1  # logged once, not at every retry
 
 
+def test_a_sigterm_while_the_worker_starts_ends_it(tiny_chat_model, queue_name):
+    """Before the worker's own handlers (taken in ``work``) a SIGTERM had none: as a container's PID 1 it was
+    ignored, and a stop while the model loaded or the worker waited for Redis waited for the kill. It ends the
+    start, exit 143."""
+    from worker.local_redis import free_port
+
+    proc = _start_worker(f"redis://127.0.0.1:{free_port()}/0", queue_name, tiny_chat_model)
+    try:
+        deadline = time.time() + 120
+        while "waiting for Redis" not in proc.stderr.readline() and time.time() < deadline:
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_frozen_worker_that_lost_its_jobs_writes_nothing_for_them(redis_url, default_model_path, queue_name):
     """Fencing: a worker stopped (SIGSTOP) past its heartbeat loses its jobs to a second worker, which resumes
     them; thawed, the first one's events, results and statuses for them never land: one final event per job, one

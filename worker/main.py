@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import time
 from functools import partial
+from typing import Any
 
 import redis
 from redis import Redis
@@ -131,7 +134,15 @@ def check_eviction_policy(connection: Redis, required: bool) -> None:
         log.warning("WARNING: %s", warning)
 
 
+def _stop_starting(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
+    if threading.current_thread() is threading.main_thread():
+        # Until the worker's own handlers (in ``work``), a SIGTERM ends the start: as a container's PID 1 a signal
+        # without a handler is ignored, and a stop during the model's load or a wait for Redis waited for the kill.
+        signal.signal(signal.SIGTERM, _stop_starting)
     try:
         worker = build_worker(settings)
     except EngineProcessDied as exc:  # its own traceback is in the log above
