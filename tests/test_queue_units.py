@@ -4342,3 +4342,18 @@ def test_a_client_cancel_of_a_queued_job_keeps_its_completion_lists_own_ttl():
         job = Client(connection=conn, result_ttl=result_ttl).submit("x", notify="everyones")
         assert job.cancel()
         assert DEFAULT_RESULT_TTL - 5 < conn.ttl(done_key("everyones")) <= DEFAULT_RESULT_TTL, result_ttl
+
+
+def test_every_job_end_has_its_series_from_the_start_and_no_time_is_negative():
+    """A labelled series came at its first job (rate() and increase() miss that increment: an alert on the first
+    failed job never fired); times across a clock skew (the producer's enqueue, this host's end) were observed
+    negative, and a histogram's sum went back."""
+    from worker.metrics import JOB_ENDS, WorkerMetrics
+
+    metrics = WorkerMetrics()
+    value = metrics.registry.get_sample_value
+    assert all(value("roseinfer_jobs_total", {"status": status}) == 0 for status in JOB_ENDS)
+    metrics.job_ended("finished", {"queue_s": -0.5, "ttft_s": -0.25, "total_s": -0.1, "first_token_at": None})
+    assert value("roseinfer_jobs_total", {"status": "finished"}) == 1
+    for name in ("roseinfer_queue_time_seconds", "roseinfer_ttft_seconds", "roseinfer_e2e_latency_seconds"):
+        assert value(f"{name}_sum") == 0 and value(f"{name}_count") == 1

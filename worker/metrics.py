@@ -25,12 +25,17 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+JOB_ENDS = ("finished", "failed", "retried", "rejected", "canceled", "stopped", "lost")  # roseinfer_jobs_total's
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._server: Any = None  # the /metrics server, once ``serve`` started it
         r = self.registry
         self.jobs = Counter("roseinfer_jobs", "jobs ended here, by final status", ["status"], registry=r)
+        for status in JOB_ENDS:  # each series there from the start: rate() and increase() miss a first increment
+            self.jobs.labels(status)
         self.ttft = Histogram("roseinfer_ttft_seconds", "enqueue to first token", buckets=_LATENCY, registry=r)
         self.tpot = Histogram(
             "roseinfer_time_per_output_token_seconds", "first token to last, per later token", buckets=_PER_TOKEN,
@@ -73,13 +78,14 @@ class WorkerMetrics:
         self.jobs.labels(status).inc()
         if not timings:
             return
+        # (times from the producer's clock to this host's: a skew made them negative, and a histogram's sum fell)
         if timings.get("queue_s") is not None:
-            self.queue_time.observe(timings["queue_s"])
+            self.queue_time.observe(max(0.0, timings["queue_s"]))
         if timings.get("ttft_s") is not None:
-            self.ttft.observe(timings["ttft_s"])
+            self.ttft.observe(max(0.0, timings["ttft_s"]))
             if completion_tokens > 1 and timings.get("first_token_at") is not None:
                 self.tpot.observe((timings["finished_at"] - timings["first_token_at"]) / (completion_tokens - 1))
-        self.e2e.observe(timings["total_s"])
+        self.e2e.observe(max(0.0, timings["total_s"]))
 
 
 class _WorkerState(Collector):
