@@ -547,8 +547,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self.sender.canceled_keys = [q.canceled_job_registry.key for q in queues]
 
     def idle_wait_arg(self) -> float | int:
-        """How long an idle pull blocks, as BLMOVE takes it: whole seconds as an integer, which every Redis takes
-        (fractions need Redis 6)."""
+        """How long an idle pull blocks (``MULTI_LANE_WAIT_S`` at most, taken there), as BLMOVE takes it: whole
+        seconds as an integer."""
         seconds = self.settings.idle_wait
         return int(seconds) if float(seconds).is_integer() else seconds
 

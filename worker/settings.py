@@ -80,8 +80,8 @@ class QueueSettings(BaseSettings):
         1.0,
         gt=0,
         le=60,
-        description="seconds to block on an empty queue when nothing runs, at most 0.2 at a time: a worker serves two "
-        "lanes or more (interactive, bulk) and looks at each in between (under 1 needs Redis 6)",
+        description="seconds a pull blocks on an empty queue when nothing runs, 0.2 at most (a larger value waits "
+        "0.2): a worker serves two lanes or more (interactive, bulk) and looks at each in between",
     )
     burst: bool = Field(False, description="quit when the queue is empty and every job is done")
     # The worker's threads and the step loop share one interpreter lock in one process: apart, neither waits.
