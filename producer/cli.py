@@ -151,7 +151,8 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
         default=None,
-        help=f"the Redis the workers serve (default: $ROSEINFER_REDIS_URL if set, else {DEFAULT_REDIS_URL})",
+        help="the Redis the workers serve (default: the queue's in $ROSEINFER_QUEUE_URLS, else "
+        f"$ROSEINFER_REDIS_URL, else {DEFAULT_REDIS_URL})",
     )
     p.add_argument(
         "--queue", default=None, help=f"the queue name (default: $ROSEINFER_QUEUE if set, else {DEFAULT_QUEUE})"

@@ -259,7 +259,11 @@ def counting(low: int) -> Callable[[str], int]:
 def add_workload_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     """The engine's options and the workload's: what every benchmark of the engine takes."""
     add_engine_arguments(p)
-    p.add_argument("--prompts", help="JSON list of prompt strings (default: the 64 shipped in roseinfer/data)")
+    p.add_argument(
+        "--prompts",
+        help="JSON list of prompt strings (default: $ROSEINFER_BENCH_PROMPTS if set, else the 64 shipped in "
+        "roseinfer/data)",
+    )
     p.add_argument("--num-prompts", type=counting(1), default=64)
     p.add_argument("--input-len", type=counting(0), default=0, help="synthetic prompts of this many words instead")
     p.add_argument("--max-tokens", type=counting(1), default=64, help="new tokens per prompt (EOS ignored)")

@@ -219,6 +219,8 @@ def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_c
     queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
     too_long = queue.enqueue("worker.jobs.generate", prompt="word " * 400, max_tokens=4, retry=Retry(max=2))
     invalid = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=-4, retry=Retry(max=2))
+    dead_end = {"regex": "ab[^\\s\\S]"}  # (its text made, then no token completes it)
+    dead = queue.enqueue("worker.jobs.generate", prompt="A word:", max_tokens=8, structured_outputs=dead_end)
     _stock_worker(redis_url, queue_name, tiny_chat_model)
     for job in (too_long, invalid):
         assert job.get_status(refresh=True) == "failed"
@@ -226,6 +228,9 @@ def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_c
         assert [e.get("finish_reason") for e in ends] == ["error"]  # one attempt
         assert ends[0]["error_type"] == "invalid_request"
         assert ends[0].get("error_code") == ("context_length_exceeded" if job is too_long else None)
+    # A failure after tokens: its last event's usage counts them, as the batch worker's (it was {}).
+    [*_, end] = [json.loads(f[b"event"]) for _, f in conn.xrange(f"roseinfer:stream:{dead.id}")]
+    assert end["finish_reason"] == "error" and end["usage"]["completion_tokens"] >= 1, end
 
 
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):

@@ -310,8 +310,8 @@ def generate(**payload: Any) -> dict[str, Any]:
         result = None  # RQ records the failure it raises
         if not retrying:
             publisher.add(
-                stream, final.text, final.token_ids, "error", {}, final.error, error_type=final.error_type,
-                logprobs=final.logprobs, error_code=final.error_code, index=final.index,
+                stream, final.text, final.token_ids, "error", usage(final.output) if final.output else {}, final.error,
+                error_type=final.error_type, logprobs=final.logprobs, error_code=final.error_code, index=final.index,
             )  # fmt: skip
     else:
         result = build_result(
