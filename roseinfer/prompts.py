@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from typing import Any
 
 PromptInput = str | list[int] | dict
 # A chat prompt's keys: its messages, and the chat template's options beside them (vLLM's chat request's names).
@@ -187,7 +188,7 @@ class PromptInputs:
             "chat_template_kwargs": chat_template_kwargs,
         }
         self._check_chat(tokenizer, **chat)
-        messages = developer_as_system(tokenizer, messages)
+        messages = for_template(tokenizer, messages)
         try:
             return list(
                 tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat))
@@ -212,6 +213,34 @@ def _template_args(chat: dict) -> dict:
     }
 
 
+def for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """A chat's messages as its template reads them: "developer" as "system" where it does not know the role
+    (``developer_as_system``), tool calls' arguments as objects (``calls_as_objects``)."""
+    return calls_as_objects(developer_as_system(tokenizer, messages))
+
+
+def calls_as_objects(messages: list[dict]) -> list[dict]:
+    """OpenAI's tool calls hold their arguments as JSON text; chat templates write them out as an object
+    (``tojson``): given as text, the model saw its earlier calls as a quoted, escaped string. Text that is a JSON
+    object is given as that object (as vLLM's chat gives it, and the queue's jobs); anything else as it is."""
+    if not any(isinstance(m, dict) and m.get("tool_calls") for m in messages):
+        return messages
+    return [{**m, "tool_calls": [_call_as_object(c) for c in m["tool_calls"]]}
+            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list) else m for m in messages]  # fmt: skip
+
+
+def _call_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
+
+
 def developer_as_system(tokenizer, messages: list[dict]) -> list[dict]:
     """OpenAI's "developer" messages as "system" ones where the chat template does not know the role (it stands for
     the system's instructions there): Qwen's templates left them out without a word, others showed a header the
@@ -226,7 +255,7 @@ def _render_chats(tokenizer, chats: list[dict]) -> list[str | Exception]:
     """Each chat's (``{"messages", <options>}``) prompt text by the chat template: those of messages alone in one
     call (a quarter less time than one call each), or, when the template refuses one of them, one call each, so that
     only that one gets its exception; those with options one call each (a call takes one set of them)."""
-    chats = [{**chat, "messages": developer_as_system(tokenizer, chat["messages"])} for chat in chats]
+    chats = [{**chat, "messages": for_template(tokenizer, chat["messages"])} for chat in chats]
     texts: list[str | Exception | None] = [None] * len(chats)
     plain = [i for i, chat in enumerate(chats) if set(chat) == {"messages"}]
     if plain:

@@ -279,6 +279,11 @@ def test_tools_and_tool_calls_reach_a_chat_template_that_shows_them(chat_engine)
         got = chat_engine.tokenize_many([plain, prompt, plain], shows)
         assert got[1] == (None, expected)
         assert got[0] == got[2] == chat_engine.tokenize(plain, shows)
+    # The engine's own chats (LLM.chat, a {"messages"} prompt) in OpenAI's form, arguments as JSON text: the
+    # template got the text, its ``arguments.city`` nothing (and a ``tojson`` a quoted, escaped string).
+    direct = {"messages": [messages[0], {**messages[1], "content": ""}, messages[2]], "tools": tools}
+    assert chat_engine.tokenize(direct, shows)[1] == expected
+    assert chat_engine.tokenize_many([plain, direct], shows)[1] == (None, expected)
     with pytest.raises(ValueError, match="'messages' with the template's options"):
         chat_engine.tokenize({"prompt": "x", "tools": tools})
 
