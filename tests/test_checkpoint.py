@@ -104,6 +104,9 @@ FAMILIES = {
     # Sliding and full layers by turns, scores capped at 2 (tight enough to change them) and logits at 3.
     "gemma2": ("gemma2", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": None}),
+    # A Gemma fine-tune with a head of its own: the embedding served as the head, its logits wrong without a word.
+    "gemma2, its own head": ("gemma2", {"num_hidden_layers": 2, "head_dim": 32, "tie_word_embeddings": False,
+                                        "pad_token_id": None}),
     # Two sliding layers (window 6, rotary base 10,000) then a full one (base 1,000,000, linear scaling).
     "gemma3": ("gemma3", {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                           "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from roseinfer.attention import AttentionBackend, AttentionMetadata
 from roseinfer.checkpoint import Checkpoint
 from roseinfer.kernels import add_rms_norm, rms_norm, rope_
-from roseinfer.models.linear import Linear
 from roseinfer.models.llama import (
     activation,
     attention_projections,
     glu,
     mlp_projections,
+    output_layer,
     rope_frequencies,
     rope_tables,
     sliding_windows,
@@ -119,7 +119,7 @@ class Gemma:
             for i in range(self.num_layers)
         ]
         self.norm = _norm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(self.embed)  # tied: Gemma has no lm_head of its own
+        self.lm_head = output_layer(weights, cfg, self.embed)  # (tied, as Gemma's are, unless its config says not)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
