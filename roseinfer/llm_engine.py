@@ -87,7 +87,7 @@ class LLMEngine(PromptInputs):
                 "at most that"
             )
         try:
-            self.model = build_model(loaded.config, loaded.weights, self.attn_backend)
+            self.model = build_model(loaded.config, loaded.weights, self.attn_backend, config.max_model_len)
         except CheckpointError as exc:
             raise ConfigError(f"cannot load model {config.model!r}: {exc}") from None
         del loaded  # the checkpoint's files, and any tensor only it held

@@ -735,6 +735,23 @@ def test_a_longrope_model_serves_its_whole_context_as_transformers_generates(tin
             assert again[0].metrics.num_cached_tokens == 0 and again[1].metrics.num_cached_tokens >= 64
 
 
+def test_the_rotary_tables_hold_the_engines_longest_sequence_not_the_models_whole_context(tiny_longrope):
+    """They were built for the model's whole context whatever max_model_len said (256 MiB of them for Gemma 3's
+    131k tokens), LongRoPE's long rows too where no sequence could go past the original length."""
+    import torch
+    from conftest import hf_greedy
+
+    prompt = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = hf_greedy(tiny_longrope, [prompt], 20, use_cache=False)[0]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for max_len, long_from, rows in ((60, 0, 60), (100, 64, 64 + 100), (None, 64, 64 + 256)):
+        llm = LLM(tiny_longrope, dtype="float32", max_model_len=max_len)
+        model = llm.engine.model
+        assert (model.long_rope_from, model.cos.shape[0]) == (long_from, rows), max_len
+        [out] = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected, max_len
+
+
 def test_a_yarn_model_serves_its_original_length_times_its_factor_as_transformers_generates(tmp_path):
     """Qwen's instructions add YaRN to a config and leave ``max_position_embeddings`` at the original length; vLLM
     serves the original length times the factor, and transformers generates past it. The engine served only the

@@ -90,8 +90,9 @@ def model_class(config) -> type:
     return Llama
 
 
-def build_model(config, weights: Checkpoint, attn: AttentionBackend) -> CausalLM:
+def build_model(config, weights: Checkpoint, attn: AttentionBackend, max_len: int | None = None) -> CausalLM:
     """The engine's forward for a model's architecture (its transformers ``config``) over its checkpoint's
     ``weights``, its attention run by ``attn`` (the engine's backend, which also laid out the KV caches it is
-    given)."""
-    return model_class(config)(config, weights, attn)
+    given); ``max_len``: the engine's longest sequence (its rotary tables hold no more rows: a 131k-token model's
+    took hundreds of MB), None for the model's whole context."""
+    return model_class(config)(config, weights, attn, max_len)

@@ -19,6 +19,7 @@ from roseinfer.models.llama import (
     rope_frequencies,
     rope_tables,
     sliding_windows,
+    table_rows,
 )
 
 Norm = tuple[torch.Tensor, float]  # (1 + weight in float32, eps)
@@ -95,7 +96,7 @@ class Gemma:
     def context_length(cfg) -> int:
         return cfg.max_position_embeddings
 
-    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend, max_len: int | None = None) -> None:
         if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder, not a causal LM
             raise ValueError("a Gemma config with use_bidirectional_attention is not supported")
         self.num_layers = cfg.num_hidden_layers
@@ -110,7 +111,9 @@ class Gemma:
         # transformers' scale is a float32 tensor cast to the weights' dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(self.embed.device, self.embed.dtype)
         tables = {
-            kind: rope_tables(*f, self.max_position_embeddings, self.embed.dtype, self.embed.device)
+            kind: rope_tables(
+                *f, table_rows(self.max_position_embeddings, max_len), self.embed.dtype, self.embed.device
+            )
             for kind, f in frequencies.items()
         }
         windows = sliding_windows(cfg)

@@ -56,7 +56,7 @@ class GPT2:
     def context_length(cfg) -> int:
         return cfg.n_positions
 
-    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend, max_len: int | None = None) -> None:
         # Saved by GPT2LMHeadModel, the names start "transformer."; the hub's original checkpoint has none.
         root = "transformer." if "transformer.wte.weight" in weights else ""
         self.num_layers = cfg.n_layer

@@ -201,6 +201,12 @@ def rope_frequencies(cfg, layer_type: str | None = None, seq_len: int | None = N
     return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
+def table_rows(context_length: int, max_len: int | None) -> int:
+    """The rotary tables' rows: a position for each token of the engine's longest sequence (``max_len``; None: the
+    model's whole context)."""
+    return min(context_length, max_len) if max_len else context_length
+
+
 def rope_tables(
     inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +221,7 @@ def rope_tables(
 class Llama:
     context_length = staticmethod(context_length)
 
-    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend, max_len: int | None = None) -> None:
         self.num_layers = cfg.num_hidden_layers
         num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -232,8 +238,8 @@ class Llama:
             original = params.get("original_max_position_embeddings") or getattr(
                 cfg, "original_max_position_embeddings", 0
             )
-            if original and original < self.max_position_embeddings:
-                self.long_rope_from = original
+            if original and original < min(self.max_position_embeddings, max_len or self.max_position_embeddings):
+                self.long_rope_from = original  # (an engine held within the original length never goes long)
         inv_freq, attention_scaling = rope_frequencies(cfg)  # before the weights: a refused model reads none
         self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
         # SmolLM3 leaves out the rotation in some layers (1 in ``no_rope_layers``: rotated).
@@ -262,12 +268,11 @@ class Llama:
         self.embedding_multiplier = cfg.embedding_multiplier if granite else 1.0
         self.logits_scaling = cfg.logits_scaling if granite else 1.0
         self.lm_head = output_layer(weights, cfg, self.embed)
-        self.cos, self.sin = rope_tables(
-            inv_freq, attention_scaling, self.long_rope_from or self.max_position_embeddings, *self.embed_place
-        )
+        rows = table_rows(self.max_position_embeddings, max_len)
+        self.cos, self.sin = rope_tables(inv_freq, attention_scaling, self.long_rope_from or rows, *self.embed_place)
         if self.long_rope_from:
             long_freq, long_scaling = rope_frequencies(cfg, seq_len=self.long_rope_from + 1)
-            long_cos, long_sin = rope_tables(long_freq, long_scaling, self.max_position_embeddings, *self.embed_place)
+            long_cos, long_sin = rope_tables(long_freq, long_scaling, rows, *self.embed_place)
             self.cos, self.sin = torch.cat([self.cos, long_cos]), torch.cat([self.sin, long_sin])
 
     @property

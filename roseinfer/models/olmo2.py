@@ -19,6 +19,7 @@ from roseinfer.models.llama import (
     output_layer,
     rope_frequencies,
     rope_tables,
+    table_rows,
 )
 
 
@@ -64,7 +65,7 @@ class Olmo2:
     long_rope_from = 0
     context_length = staticmethod(context_length)
 
-    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend) -> None:
+    def __init__(self, cfg, weights: Checkpoint, attn: AttentionBackend, max_len: int | None = None) -> None:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -75,9 +76,8 @@ class Olmo2:
         self.layers = [Olmo2Layer(weights, f"model.layers.{i}", cfg, attn) for i in range(self.num_layers)]
         self.norm = _norm(weights, "model.norm.weight", cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = output_layer(weights, cfg, self.embed)
-        self.rope = rope_tables(
-            inv_freq, attention_scaling, self.max_position_embeddings, self.embed.dtype, self.embed.device
-        )
+        rows = table_rows(self.max_position_embeddings, max_len)
+        self.rope = rope_tables(inv_freq, attention_scaling, rows, self.embed.dtype, self.embed.device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
