@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -354,8 +354,10 @@ def run_batch(
     options: RowOptions | None = None,
     input_format: str | None = None,
     output_format: str | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every row of ``input_path`` as a job; returns ``total``, ``skipped`` (already in the output),
+    """Run every row of ``input_path`` as a job (``on_start`` called once the run is taken, its settings kept beside
+    the output, before any job); returns ``total``, ``skipped`` (already in the output),
     ``succeeded``, ``failed``, ``reused`` (succeeded rows whose job an earlier run had submitted) and ``failures``
     (failed rows by reason).
 
@@ -384,6 +386,8 @@ def run_batch(
             settings, queue = _settings_on(output_path, options, queue)
             run_id = _run_id_of(output_path, run_id)
             _check_settings(output_path, settings, bool(done), run_id=run_id)  # a refused run leaves the last errors
+            if on_start is not None:
+                on_start()
             with open_lines(errors_path, "w") as err, _signals_interrupt():
                 progress = Progress(summary["total"], 0, 0, log_interval)
                 sink.open(err)

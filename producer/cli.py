@@ -557,8 +557,10 @@ def batch(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )  # fmt: skip
         return 1 if counts["failed"] else 0
-    if args.fresh:  # (said now: a run killed outright says nothing more; the output keeps the id for a rerun)
+
+    def fresh_run_taken() -> None:  # (said then: a run killed outright says nothing more; a refused one has no id)
         print(f"a fresh run: its jobs' ids name run {run_id}; a rerun without --fresh resumes it", file=sys.stderr)
+
     try:
         summary = run_batch(
             _client(args),
@@ -571,6 +573,7 @@ def batch(args: argparse.Namespace) -> int:
             run_id=run_id,
             priority=args.priority,
             options=options,
+            on_start=fresh_run_taken if args.fresh else None,
             **formats,
         )
     except (KeyboardInterrupt, RedisLost) as exc:

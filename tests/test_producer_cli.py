@@ -11,6 +11,7 @@ import shlex
 
 import fakeredis
 import pytest
+import redis
 from conftest import ThreadWorker, slow_engine_steps
 from pydantic import Field
 
@@ -379,6 +380,19 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     if fresh:  # the resumed --fresh run kept its own job ids
         run_id = argv[argv.index("--run-id") + 1]
         assert all(r["response"]["request_id"].startswith(f"batch-{run_id}-") for r in rows)
+
+
+def test_a_fresh_run_says_its_id_only_once_it_is_taken(tmp_path, capsys):
+    """--fresh said "its jobs' ids name run X; a rerun without --fresh resumes it" before anything was checked: a run
+    then refused (Redis unreachable, other settings) had no id kept, and nothing to resume."""
+    from worker.local_redis import free_port
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "p"}) + "\n")
+    argv = ["batch", str(src), "-o", str(out), "--fresh", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    with pytest.raises(redis.exceptions.ConnectionError):  # (one line from the command's main)
+        producer_cli.batch(_parse(*argv))
+    assert "a fresh run" not in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
