@@ -160,6 +160,10 @@ def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them
         "no_interval": ({"retry_intervals": "[]", "retries_left": "1"}, "'retry_intervals' holds []"),
         "meta": ({"meta": "[1]", "retries_left": "1"}, "'meta' holds [1]; a JSON object"),
         "dependency_ids": ({"dependency_ids": "5", "retries_left": "1"}, "'dependency_ids' holds 5"),
+        # RQ's write of a meta nested 970 deep recursed past Python's limit at the retry (and at every clean-up of the
+        # registry, which then left every other abandoned job of the queue started); a year RQ writes in 3 digits.
+        "deep_meta": ({"meta": '{"a":' * 970 + "1" + "}" * 970, "retries_left": "1"}, "'meta' nests deeper than 100"),
+        "year_999": ({"created_at": "0999-01-01T00:00:00.000000Z"}, "'created_at' holds the year 999"),
     }
     good = [client.submit(f"beside {i}", max_tokens=3, temperature=0) for i in range(2)]
     ids = {}

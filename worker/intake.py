@@ -30,7 +30,7 @@ from rq.utils import parse_timeout, str_to_date
 
 from producer.connection import wrong_type
 from producer.protocol import rejected_key
-from producer.schema import Ending, ending_of
+from producer.schema import MAX_JSON_DEPTH, Ending, ending_of, json_depth
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -382,7 +382,7 @@ def _restore(
             )
             unreadable.append(Unreadable(job_id, queue, reason))
             continue
-        if not JOB_ID.match(job_id):
+        if not JOB_ID.fullmatch(job_id):  # (match: "$" takes a trailing newline, which RQ's own check refuses)
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
         missing = [name for name in (b"data", b"status") if name not in raw and name.decode() not in raw]
@@ -477,6 +477,12 @@ def out_of_bounds(job: Job) -> str | None:
     # the job stayed started, and every clean-up of its queue's registry raised on it.
     if not isinstance(job.meta, dict):
         return f"RQ cannot use this job: its field 'meta' holds {json.dumps(job.meta)[:60]}; a JSON object"
+    if json_depth(job.meta) > MAX_JSON_DEPTH:  # (RQ's write of it, deeper in the stack, recursed past Python's limit)
+        return f"RQ cannot use this job: its field 'meta' nests deeper than {MAX_JSON_DEPTH} levels"
+    for name in _DATES:  # (RQ writes a year before 1000 in three digits, and cannot read it back)
+        stamp = getattr(job, name, None)
+        if stamp is not None and not 1000 <= stamp.year <= 9999:
+            return f"RQ cannot use this job: its field {name!r} holds the year {stamp.year}; 1000 to 9999"
     dependencies = job._dependency_ids
     if not isinstance(dependencies, list) or not all(isinstance(x, str) for x in dependencies):
         shown = json.dumps(dependencies)[:60]
@@ -502,7 +508,7 @@ def _inflates_past(data: bytes | None, limit: int | None) -> bool:
 def diagnose(raw: dict, job_id: str, exc: Exception) -> str:
     """Which field of the hash (``raw``, as HGETALL gives it) RQ could not read, in words (RQ's own errors rarely
     name it)."""
-    if not JOB_ID.match(job_id):
+    if not JOB_ID.fullmatch(job_id):
         return BAD_ID
     fields = {k.decode("utf-8", "replace"): v for k, v in (raw or {}).items()}
     checks = [(name, str_to_date) for name in _DATES] + [(name, int) for name in _INTS]
