@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 from rq.job import Job
@@ -258,19 +258,25 @@ def generate(**payload: Any) -> dict[str, Any]:
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     forget_earlier_jobs_stream(job.connection, job)  # (not resumed: another job's output)
     stream = publisher.resume(job.connection, [job.id])[job.id]
-    try:
-        req = JobRequest.model_validate(payload)
-    except ValidationError as exc:
-        error = f"invalid job payload: {describe_validation_error(exc)}"
+
+    def refuse(error: str) -> NoReturn:
         publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")  # as the batch worker's
         with job.connection.pipeline(transaction=False) as pipe:
             publisher.flush(pipe)
             pipe.execute()
         job.retries_left = None  # RQ reads it as it fails the job: one that can never run is not tried again
         raise JobRejected(error) from None
+
+    try:
+        req = JobRequest.model_validate(payload)
+    except ValidationError as exc:
+        refuse(f"invalid job payload: {describe_validation_error(exc)}")
     stream.usage_each_event = req.usage_each_event
     engine = _engine()
-    params = sampling_params(job.id, req, engine.sampling_defaults)
+    try:
+        params = sampling_params(job.id, req, engine.sampling_defaults)
+    except JobRejected as exc:  # (what the engine refuses: a schema past its bounds; it was retried, without a word)
+        refuse(str(exc))
     prefix, prefix_logprobs = resume_from(stream, params)
     pump = Pump(engine, tokenize_in_thread=False)
     # The pump ends the job at its timeout itself, between steps, ahead of RQ's alarm: the alarm interrupted a step,
