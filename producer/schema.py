@@ -455,6 +455,10 @@ class JobRequest(BaseModel):
                     f"the prompt is not valid Unicode: a lone surrogate {surrogate!r} in its {where} (text that was "
                     "not UTF-8?)"
                 )
+        # And what the result echoes: written as a \u escape of half a pair, which strict JSON readers refuse.
+        for name in ("stop", "metadata"):  # (custom_id: a string pydantic checks itself)
+            if (value := getattr(self, name)) and (surrogate := lone_surrogate(value)) is not None:
+                raise ValueError(f"{name} is not valid Unicode: a lone surrogate {surrogate!r} (not UTF-8?)")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         if self.messages is not None and not self.messages:

@@ -376,6 +376,10 @@ def test_text_no_tokenizer_can_encode_fails_its_own_prompt_not_the_batch_and_is_
     for payload, where in refused:
         with pytest.raises(ValueError, match=f"not valid Unicode: a lone surrogate .* {where}"):
             JobRequest.model_validate(payload)
+    # What the result echoes too: written as a \u escape of half a pair, which strict JSON readers (serde) refuse.
+    for name, value in (("stop", ["\udc00"]), ("metadata", {"k": "\ud800"})):
+        with pytest.raises(ValueError, match=f"{name} is not valid Unicode: a lone surrogate"):
+            JobRequest.model_validate({"prompt": "hi", name: value})
 
 
 def test_a_chat_templates_own_refusal_is_the_requests_fault(chat_engine):
