@@ -250,15 +250,11 @@ class LLMEngine(PromptInputs):
             text = self.tokenizer.decode(token_ids)  # the text those logprobs score (as vLLM gives it)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        self.check_prompt_tokens(len(token_ids))
         if max(token_ids) >= self.model.vocab_size:  # a tokenizer larger than the model's table: the step would fail
             raise ValueError(
                 f"the prompt holds token id {max(token_ids)}, past the model's vocabulary [0, {self.model.vocab_size})"
                 " (its tokenizer has more tokens than the model)"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(token_ids)} tokens, but this model allows at most "
-                f"{self.max_model_len - 1} prompt tokens ({self.max_model_len} in all, with the output)"
             )
         if (
             params.context_overflow == "error"
@@ -330,7 +326,7 @@ class LLMEngine(PromptInputs):
     ) -> list[int]:
         if not prefix:
             return []
-        ids = self.tokenize(list(prefix))[1]  # the same checks as prompt token ids
+        ids = self.checked_ids(prefix)  # the same checks as prompt token ids
         if params.logprobs is not None and (
             logprobs is None
             or len(logprobs) != len(ids)

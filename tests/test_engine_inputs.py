@@ -966,3 +966,15 @@ def test_a_prompt_of_more_characters_than_the_context_could_hold_is_refused_befo
         assert isinstance(got, ContextLengthExceeded) and got.code == "context_length_exceeded", got
         assert f"{bound + 1} characters" in str(got)
     assert chat_engine.tokenize_many(["x" * bound])[0][1]  # (at the bound: tokenized, its tokens counted later)
+
+
+def test_token_ids_past_the_context_are_refused_by_their_count_before_each_is_checked(chat_engine):
+    """Each id was checked (0.3 s a scan for 2M of them, and three scans a job, one on the step loop) before the
+    count that refuses them anyway."""
+    from roseinfer.prompts import ContextLengthExceeded
+
+    too_many = [10**9] * chat_engine.max_model_len  # (ids past the vocabulary too: the count is said first)
+    with pytest.raises(ContextLengthExceeded, match=f"the prompt has {chat_engine.max_model_len} tokens"):
+        chat_engine.tokenize(too_many)
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        chat_engine.tokenize([10**9])
