@@ -129,6 +129,11 @@ class PromptInputs:
             except Exception as exc:  # this prompt's own fault, reported in its place
                 results[i] = exc
         for (i, _), text in zip(chats, _render_chats(tokenizer, [chat for _, chat in chats])):
+            if not isinstance(text, Exception):
+                try:  # (the template's text, all it shows: 130,000 one-character messages passed the contents' count)
+                    self.check_chars(len(text))
+                except ContextLengthExceeded as exc:
+                    text = exc
             if isinstance(text, Exception):
                 results[i] = text
             else:

@@ -978,3 +978,16 @@ def test_token_ids_past_the_context_are_refused_by_their_count_before_each_is_ch
         chat_engine.tokenize(too_many)
     with pytest.raises(ValueError, match="prompt token ids must be integers"):
         chat_engine.tokenize([10**9])
+
+
+def test_a_chat_whose_rendered_text_the_context_could_not_hold_is_refused_before_it_is_encoded(chat_engine):
+    """Only the messages' contents were counted: 130,000 one-character messages (4 MB of job) passed, and their
+    rendered text took seconds to encode, every job tokenized beside it waiting, to be refused for its length."""
+    from roseinfer.prompts import ContextLengthExceeded
+
+    bound = chat_engine.max_model_len * chat_engine.longest_token_chars
+    many = {"messages": [{"role": "user", "content": "a"} for _ in range(bound // 2)]}  # (contents under the bound)
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    refused, fine = chat_engine.tokenize_many([many, plain])
+    assert isinstance(refused, ContextLengthExceeded) and "characters" in str(refused)
+    assert fine == chat_engine.tokenize(plain)
