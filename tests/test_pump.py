@@ -1278,6 +1278,24 @@ def test_a_jobs_metadata_counts_in_its_results_size(monkeypatch):
     assert ["m0"] in written and ["m1"] in written, written  # (600 KB each, against 1 MB a call: two calls)
 
 
+@pytest.mark.worker_settings(max_result_bytes=2**20)
+def test_a_job_whose_output_outgrows_max_result_bytes_fails_as_it_runs_not_at_its_end(fake_worker, monkeypatch):
+    """The size was measured at the end only: n = 64 samples with 20 logprobs each and no max_tokens held gigabytes
+    in the engine before the job failed (and a few of them took the worker down). It fails once it passes."""
+    import worker.batch_worker as batch_worker
+
+    _, _, client = fake_worker
+    monkeypatch.setattr(batch_worker, "piece_bytes", lambda *args: 2**19)  # (each piece half the bound)
+    job = client.submit("endless", max_tokens=10**6)
+    with pytest.raises(JobFailed, match="more than this worker's --max-result-bytes") as err:
+        job.result(timeout=10)
+    assert err.value.result["error_type"] == "invalid_request" and job.rq_job.get_status(refresh=True) == "failed"
+    *_, end = job.events(timeout=5)
+    assert end["finish_reason"] == "error" and end["usage"]["completion_tokens"] < 10**4  # (not at max_tokens)
+    monkeypatch.undo()
+    assert client.submit("after", max_tokens=5).result(timeout=10)["status"] == "finished"
+
+
 def test_a_result_past_max_result_bytes_fails_its_job_alone_and_the_others_finish(monkeypatch):
     """One result is one Redis write: n=64 x 1,900 tokens x 20 logprobs made 100 MB; past 512 MB Redis resets the
     connection, which the worker took for an outage and tried again for good, the jobs ended beside it never

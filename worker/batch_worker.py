@@ -69,6 +69,7 @@ from worker.job_ends import JobEnds
 from worker.job_start import queue_start, start_jobs
 from worker.job_start import register as register_start_script
 from worker.jobs import (
+    piece_bytes,
     result_bytes,
     run_limit,
     system_fingerprint,
@@ -792,6 +793,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 self._took(job, event, wall)
             if event.finish_reason is None:
                 self._piece(job, event)
+                if job.made_bytes > self.settings.max_result_bytes:  # (its end would be refused: ended now, before
+                    self._outgrown(job)  # n = 64 samples with 20 logprobs each held gigabytes in the engine)
             elif event.finish_reason in ("stop", "length") and self._too_large(job, event):
                 self._errored(job, event)  # (it fails alone: its result would not fit one Redis write)
             elif event.finish_reason in ("stop", "length"):
@@ -826,14 +829,27 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         )
         return True
 
+    def _outgrown(self, job: InFlight) -> None:
+        """A running job whose output already passes ``--max-result-bytes``: failed now, as its end would be."""
+        reason = (
+            f"the job's result would take more than this worker's --max-result-bytes "
+            f"({self.settings.max_result_bytes / 2**20:.0f} MB): ask for fewer tokens, samples or logprobs"
+        )
+        *pieces, last = self.pump.cancel(job.job.id, reason)
+        for piece in pieces:
+            self._piece(job, piece)
+        last.error_type = "invalid_request"  # (not retried: it would make the same again)
+        self._errored(job, last)
+
     def _took(self, job: InFlight, event: JobEvent, wall: float) -> None:
-        """What an event of ``job`` says besides its text: its first token, its tokens, a restart."""
+        """What an event of ``job`` says besides its text: its first token, its tokens, a restart, its size."""
         if job.first_token_at is None and event.token_ids:
             job.first_token_at = wall
         self.tokens += len(event.token_ids)
         if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
             job.stream.restart()
-            job.resumed_tokens = 0
+            job.resumed_tokens = job.made_bytes = 0
+        job.made_bytes += piece_bytes(event.text, event.token_ids, event.logprobs)
 
     def _piece(self, job: InFlight, event: JobEvent) -> None:
         """A running job's piece of output (not its end) to its stream."""

@@ -31,6 +31,7 @@ class InFlight:
     success_written: bool = False
     notified: bool = False
     result_size: int = 0  # about how many bytes its result takes in Redis (``result_bytes``), once it finished
+    made_bytes: int = 0  # what its output so far adds to its result (``piece_bytes``): past the bound, it ends
     ended_elsewhere: bool = False  # its end handed to a callback thread: a retry of this end leaves it there
     # When its heartbeat was last written (this host's monotonic clock): at its start, then by the heartbeats.
     beat_at: float = field(default_factory=time.monotonic)

@@ -145,6 +145,11 @@ def result_bytes(out: RequestOutput | None) -> int:
     return size * 4 // 3
 
 
+def piece_bytes(text: str, token_ids: list[int], logprobs: list | None) -> int:
+    """``result_bytes`` of a piece of output (an event's): what it adds to its job's result."""
+    return (2 * len(text) + 8 * len(token_ids) + 32 * sum(len(step) for step in logprobs or ())) * 4 // 3
+
+
 def system_fingerprint(settings: Any) -> str:
     """What a seeded job's text depends on beside the model (OpenAI's ``system_fingerprint``): roseinfer's version,
     the device kind, the dtype and the quantization, e.g. ``roseinfer-0.1.0-cpu-bfloat16-int8``. Workers whose

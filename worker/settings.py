@@ -139,7 +139,7 @@ class QueueSettings(BaseSettings):
     # an outage and tried again for good (n=64 x 1,900 tokens x 20 logprobs: 100 MB). Past this the job fails alone.
     max_result_bytes: int = Field(
         64 * 2**20, ge=2**20, le=256 * 2**20, description="largest result a job may leave in Redis, in bytes "
-        "(about: its text, token ids and logprobs); a job past it fails alone, not retried",
+        "(about: its text, token ids and logprobs); a job past it fails alone once its output passes it, not retried",
     )  # fmt: skip
 
     @model_validator(mode="before")
