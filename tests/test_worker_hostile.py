@@ -184,6 +184,27 @@ def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them
     assert w.thread.is_alive()
 
 
+def test_a_data_list_of_another_shape_than_the_protocols_fails_alone(served):
+    """docs/protocol.md says [function, null, [], {payload}]: an instance there (RQ calls a method of it) or
+    arguments of {} or 0 were taken."""
+    w, client, conn = served
+    shapes = {
+        "instance": ([FN, {"x": 1}, [], {"prompt": "hi"}], "names an instance"),
+        "args": ([FN, None, {}, {"prompt": "hi"}], "has \\[\\] as its third element"),
+    }
+    ids = {}
+    for name, (data, _) in shapes.items():
+        ids[name] = f"shape-{name}-{uuid.uuid4().hex[:6]}"
+        conn.hset(f"rq:job:{ids[name]}", mapping={"data": json.dumps(data), "origin": w.queue, "status": "queued",
+                                                  "created_at": NOW, "enqueued_at": NOW})  # fmt: skip
+        conn.rpush(f"rq:queue:{w.queue}", ids[name])
+    good = client.submit("after", max_tokens=3, temperature=0)
+    assert good.result(timeout=60)["usage"]["completion_tokens"] == 3
+    for name, (_, phrase) in shapes.items():
+        with pytest.raises(JobFailed, match=phrase):
+            client.job(ids[name]).result(timeout=30)
+
+
 def test_an_id_that_is_not_text_is_moved_aside_and_the_jobs_around_it_finish(served):
     """RQ's dequeue raised on it and stranded every job of the same pull in the intermediate list, queued forever."""
     w, client, conn = served

@@ -67,7 +67,7 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
         raise JobRejected(f"the job's data is {len(job.data)} bytes; this worker takes at most {max_bytes}")
     try:
         func_name = job.func_name
-        args, kwargs = job.args, job.kwargs
+        instance, args, kwargs = job.instance, job.args, job.kwargs
     except Exception as exc:  # DeserializationError, or a payload of the wrong shape
         if _raised_from(exc, RecursionError):  # JSON, but nested past what the parser reads
             raise JobRejected("the job's data is JSON nested too deeply to read") from exc
@@ -79,8 +79,10 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
         ) from exc
     if func_name != JOB_FUNCTION:
         raise JobRejected(f"this worker runs only {JOB_FUNCTION} jobs, not {func_name!r}")
-    if args:
-        raise JobRejected("pass the payload as keyword arguments, not positional arguments")
+    if instance is not None:  # (RQ would call a method of it)
+        raise JobRejected("the job's data names an instance (its second element): a roseinfer job has null there")
+    if not isinstance(args, (list, tuple)) or args:  # ([] as docs/protocol.md has it: {} or 0 read as none)
+        raise JobRejected("pass the payload as keyword arguments: the job's data has [] as its third element")
     if not isinstance(kwargs, dict):
         raise JobRejected("the job's keyword arguments must be a JSON object")
     try:
