@@ -167,7 +167,7 @@ class Sampler:
         raw = torch.log_softmax(logits.float(), dim=-1)
         chosen = raw.gather(1, to_device(targets, torch.long, raw.device)[:, None]).squeeze(1).tolist()
         k = min(max(nums), raw.shape[-1])  # (a vocabulary under 20 tokens: topk raised, and failed the step)
-        top_vals, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        top_vals, top_ids = _top_with_ties(raw, k)
         return [
             _logprob_entry(ids, vals, n, target, value)
             for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist())
@@ -398,7 +398,7 @@ class Sampler:
         picked = tokens[idx]
         chosen = sub.gather(1, picked[:, None]).squeeze(1)
         k = min(max(params[i].logprobs for i in rows), sub.shape[-1])  # (topk past the vocabulary raised)
-        top_vals, top_ids = sub.topk(k, dim=-1) if k else (sub[:, :0], sub[:, :0].long())
+        top_vals, top_ids = _top_with_ties(sub, k)
 
         def finish(lists: list[list]) -> SamplerOutput:
             token_list, chosen_l, vals_l, ids_l = lists
@@ -411,11 +411,26 @@ class Sampler:
         return [chosen, top_vals, top_ids], finish
 
 
+def _top_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest values and their ids, and every value tied with a row's k-th too: topk keeps some
+    of the tied ones, its own choice, so which tied token a row's top n kept (``_logprob_entry`` ranks them by id,
+    as the CPU kernel does) depended on its neighbours' widest k. (On a GPU, a wait for the count.)"""
+    if k == 0:
+        return x[:, :0], x[:, :0].long()
+    vals, ids = x.topk(k, dim=-1)
+    if k < x.shape[-1]:
+        kth = vals[:, -1:]
+        widest = int(((x >= kth) & torch.isfinite(kth)).sum(dim=-1).max())  # (-inf ties are no alternatives)
+        if widest > k:
+            vals, ids = x.topk(min(widest, x.shape[-1]), dim=-1)
+    return vals, ids
+
+
 def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int, value: float) -> dict[int, float]:
     """{token id: logprob}: the top ``n`` alternatives (of the batch's widest top, ``top_ids``), then ``token`` (the
     sampled or the prompt's) where it is not one."""
-    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n: topk's order among equals
-    # is its own, so which tied token a row kept depended on its neighbours' widest top.
+    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n (``_top_with_ties`` holds
+    # every token tied at the cut).
     ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))[:n]
     # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative; nor is a
     # NaN or infinite logprob of a model's NaN or infinite logit (JSON has neither).

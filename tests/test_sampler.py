@@ -126,15 +126,18 @@ def test_tied_alternatives_come_in_the_order_of_their_ids_on_either_path(path, m
     logits[0, 9] = 1.0
     out = Sampler([0], 0, torch.device("cpu"))(logits, [seq(SamplingParams(temperature=0, logprobs=4))])
     assert out.token_ids == [7] and list(out.logprobs[0]) == [7, 40, 300, 9]
-    # A tie across a row's cut keeps its lowest ids, whatever top its neighbours ask for (topk of the widest).
-    # (A tie wider than the widest top: which of it topk keeps is still its own.)
+    # A tie across a row's cut keeps its lowest ids, whatever top its neighbours ask for, a tie wider than the
+    # widest top too (topk kept its own choice of it: the third alternative changed with the batch).
     logits[0, [461, 462]] = 2.0
+    logits[0, 100:160] = 2.0
     for others in (0, 1, 8):
         batch = [seq(SamplingParams(temperature=0, logprobs=2))] + [
             seq(SamplingParams(temperature=0, logprobs=others)) for _ in range(1 if others else 0)
         ]
         out = Sampler([0], 0, torch.device("cpu"))(logits.expand(len(batch), -1).contiguous(), batch)
         assert list(out.logprobs[0]) == [7, 40], others
+        if others:
+            assert list(out.logprobs[1]) == [7, 40, 100, 101, 102, 103, 104, 105][:others], others
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
