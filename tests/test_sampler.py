@@ -460,6 +460,11 @@ def test_kernel_logprobs_are_the_log_softmax_and_its_largest_entries():
             order = sorted(range(5000), key=lambda i: (-ref[r, i].item(), i))[:k]
             assert ids[r, :k].tolist() == order, (dtype, r)
             assert torch.allclose(vals[r, :k], ref[r, order], atol=2e-5, rtol=0)
+    # A NaN logit: every logprob NaN, as log_softmax gives them (its maximum skipped the NaN: finite alternatives)
+    nan = torch.randn(2, 300, generator=gen)
+    nan[0, 0], nan[1, 150] = float("nan"), float("nan")
+    chosen, vals, _ = logprob_rows(nan, torch.tensor([5, 5]), [3, 3])
+    assert torch.isnan(chosen).all() and torch.isnan(vals).all()
     logits = torch.randn(4, 300, generator=gen) * 3
     params = SamplingParams(temperature=0.5, logprobs=4, repetition_penalty=1.5, logit_bias={7: 5.0})
     out = Sampler([0], 1, torch.device("cpu"))(logits, [seq(params, tokens=(7, 8, 9)) for _ in range(4)])

@@ -856,10 +856,16 @@ void logprob_rows(const void* logits, int64_t rows, int64_t n, int64_t row_strid
         for (int64_t r = 0; r < rows; r++) {
             load_row((const char*)logits + r * row_stride * (bf16 ? 2 : 4), bf16, n, x);
             float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-            for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+            int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+            for (int64_t i = 0; i < n; i++) {
+                top = x[i] > top ? x[i] : top;
+                nan |= x[i] != x[i];
+            }
             const double sum = kept_weights(x, n, top, -INFINITY, -INFINITY, e);
-            const float log_sum = (float)log(sum);  // a NaN or infinite maximum gives NaN, as PyTorch's would
+            // A NaN logit makes every logprob NaN, as PyTorch's log_softmax: the maximum skips it, and the row's
+            // others came out finite and plausible. (An infinite maximum gives NaN by itself.)
+            const float log_sum = nan ? NAN : (float)log(sum);
             const int64_t t = tokens[r];
             chosen[r] = t >= 0 && t < n ? (x[t] - top) - log_sum : NAN;
             const int64_t k = num[r] < n ? num[r] : n;
