@@ -412,18 +412,18 @@ class Sampler:
 
 
 def _top_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` largest values and their ids, and every value tied with a row's k-th too: topk keeps some
-    of the tied ones, its own choice, so which tied token a row's top n kept (``_logprob_entry`` ranks them by id,
-    as the CPU kernel does) depended on its neighbours' widest k. (On a GPU, a wait for the count.)"""
+    """Each row's ``k`` largest values and their ids, equal values in the order of their ids (the CPU kernel's):
+    topk kept its own choice among tokens tied at its cut, so which tied token a row's top n held depended on its
+    neighbours' widest k. Taken by one topk over a key of (value, id) in an integer, reading nothing back."""
     if k == 0:
         return x[:, :0], x[:, :0].long()
-    vals, ids = x.topk(k, dim=-1)
-    if k < x.shape[-1]:
-        kth = vals[:, -1:]
-        widest = int(((x >= kth) & torch.isfinite(kth)).sum(dim=-1).max())  # (-inf ties are no alternatives)
-        if widest > k:
-            vals, ids = x.topk(min(widest, x.shape[-1]), dim=-1)
-    return vals, ids
+    bits = x.float().contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # (the floats' order, as integers)
+    vocab = x.shape[-1]
+    shift = max(1, (vocab - 1).bit_length())
+    reverse_ids = torch.arange(vocab - 1, -1, -1, device=x.device)  # (the lower id the larger, among equals)
+    ids = ((ordered << shift) | reverse_ids).topk(k, dim=-1).indices
+    return x.gather(1, ids), ids
 
 
 def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int, value: float) -> dict[int, float]:
@@ -487,6 +487,11 @@ def _filters_over_candidates(
     of them, and every filter drops by value or by rank, so a row that drops its last candidate drops all after it."""
     device = logits.device
     vals, ids = logits.topk(width, dim=-1)
+    # Equal values in the order of their ids, as the CPU kernel and the sorted vocabulary take them: top-p keeps the
+    # first of equal tokens, and topk's order among them is its own (the same seed drew another token there).
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_value = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
     top = vals[:, :1]
     # top-k and min-p keep by value: at least the k-th largest, and within log(min_p) of the largest.
     k = to_device([min(x, width) for x in top_k], torch.long, device)
@@ -509,7 +514,7 @@ def _filters_over_sorted_vocabulary(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
 ) -> torch.Tensor:
     device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (equal values in the order of their ids)
     vocab = logits.shape[1]
     ranks = torch.arange(vocab, device=device)[None, :]
     k = to_device(top_k, torch.long, device)

@@ -140,6 +140,30 @@ def test_tied_alternatives_come_in_the_order_of_their_ids_on_either_path(path, m
             assert list(out.logprobs[1]) == [7, 40, 100, 101, 102, 103, 104, 105][:others], others
 
 
+def test_top_p_keeps_the_same_tied_tokens_on_every_path():
+    """bfloat16 logits tie often: where top-p's cut fell among equal tokens, the CPU kernel kept them in id order and
+    the PyTorch paths in topk's or an unstable sort's: the same seed drew other tokens on a CPU with a compiler,
+    without one, and on a GPU (59 and 124 of 800 rows here kept other members)."""
+    import random
+
+    from roseinfer.kernels import can_sample_rows, filter_rows
+    from roseinfer.sampler import _filters_over_sorted_vocabulary, apply_filters
+
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        vocab = rng.choice([300, 5000, 20000])
+        logits = (torch.randn(4, vocab, generator=gen) * rng.choice([0.3, 1, 3, 10])).bfloat16().float()
+        k = [rng.choice([0, 1, 3, 50, 256, 300, 4096]) for _ in range(4)]
+        p = [rng.choice([1.0, 0.99, 0.9, 0.5, 0.1]) for _ in range(4)]
+        min_p = [rng.choice([0.0, 0.0, 0.01, 0.2]) for _ in range(4)]
+        kept = [apply_filters(logits, k, p, min_p), _filters_over_sorted_vocabulary(logits, k, p, min_p)]
+        if can_sample_rows(logits):
+            kept.append(filter_rows(logits, k, p, min_p))
+        masks = [torch.isfinite(x) for x in kept]
+        assert all(torch.equal(m, masks[0]) for m in masks[1:]), (vocab, k, p, min_p)
+
+
 def test_top_p_one_keeps_the_whole_vocabulary():
     """In float32 the running mass reaches 1.0 before a 49,152-token vocabulary ends: top_p 1 (off) cut the
     tail of every row whenever another row of the batch used a filter."""
