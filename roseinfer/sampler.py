@@ -411,26 +411,33 @@ class Sampler:
         return [chosen, top_vals, top_ids], finish
 
 
+TIE_MARGIN = 64  # tokens past a top k taken too: equal to the k-th, the lowest ids of them are kept
+
+
 def _top_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``k`` largest values and their ids, equal values in the order of their ids (the CPU kernel's):
     topk kept its own choice among tokens tied at its cut, so which tied token a row's top n held depended on its
-    neighbours' widest k. Taken by one topk over a key of (value, id) in an integer, reading nothing back."""
+    neighbours' widest k. From ``TIE_MARGIN`` more candidates, sorted by (value, id), reading nothing back (a tie of
+    more tokens than that at the cut is still topk's to choose from)."""
     if k == 0:
         return x[:, :0], x[:, :0].long()
-    bits = x.float().contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # (the floats' order, as integers)
-    vocab = x.shape[-1]
-    shift = max(1, (vocab - 1).bit_length())
-    reverse_ids = torch.arange(vocab - 1, -1, -1, device=x.device)  # (the lower id the larger, among equals)
-    ids = ((ordered << shift) | reverse_ids).topk(k, dim=-1).indices
-    return x.gather(1, ids), ids
+    vals, ids = x.topk(min(k + TIE_MARGIN, x.shape[-1]), dim=-1)
+    return _in_id_order(vals, ids, k)
+
+
+def _in_id_order(vals: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk``'s values and ids (largest first) with equal values in the order of their ids; the first ``k``."""
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_value = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    return (vals, ids) if k is None else (vals[:, :k], ids[:, :k])
 
 
 def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int, value: float) -> dict[int, float]:
     """{token id: logprob}: the top ``n`` alternatives (of the batch's widest top, ``top_ids``), then ``token`` (the
     sampled or the prompt's) where it is not one."""
-    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n (``_top_with_ties`` holds
-    # every token tied at the cut).
+    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n (``_top_with_ties`` took the
+    # lowest ids of a tie at its cut).
     ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))[:n]
     # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative; nor is a
     # NaN or infinite logprob of a model's NaN or infinite logit (JSON has neither).
@@ -486,12 +493,9 @@ def _filters_over_candidates(
     sort cost ~3.6 ms a row, some 15 times its top 256. A token past the candidates is never larger than the last
     of them, and every filter drops by value or by rank, so a row that drops its last candidate drops all after it."""
     device = logits.device
-    vals, ids = logits.topk(width, dim=-1)
     # Equal values in the order of their ids, as the CPU kernel and the sorted vocabulary take them: top-p keeps the
     # first of equal tokens, and topk's order among them is its own (the same seed drew another token there).
-    ids, by_id = ids.sort(dim=-1)
-    vals, by_value = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, by_value)
+    vals, ids = _in_id_order(*logits.topk(width, dim=-1))
     top = vals[:, :1]
     # top-k and min-p keep by value: at least the k-th largest, and within log(min_p) of the largest.
     k = to_device([min(x, width) for x in top_k], torch.long, device)
