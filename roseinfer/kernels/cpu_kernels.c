@@ -71,7 +71,9 @@ static inline v8f load8(const void* p, int bf16) {  // 8 consecutive float32 or 
 
 // The widest vector of floats the build's target has: 16 with AVX-512 (its full-width units halve the
 // instructions of the loops below: 16% less attention time on a Zen 5 EPYC), else 8. The width is over keys
-// (scores) or over dims (values), never over a sum, so every result is the same at either width.
+// (scores) or over dims (values), never over a sum, so these loops give the same results at either width. (The
+// ``omp simd reduction(+)`` sums elsewhere, a softmax's and the sampler's weights, are ordered by the width the
+// compiler picks: a machine of another width may round them an ulp apart.)
 #if defined(__AVX512F__)
 #define VW 16
 #else
