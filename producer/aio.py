@@ -240,12 +240,10 @@ class StreamHub:
                 continue
             try:
                 reply = await self._read_streams(streams)
-            except NoPermissionError:
-                if self.polling:
-                    raise
-                self.polling = True  # (the sync client's reader does the same)
-                continue
             except Exception as exc:
+                if isinstance(exc, NoPermissionError) and not self.polling:
+                    self.polling = True  # (the sync client's reader does the same; refused again: its followers hear)
+                    continue
                 try:
                     if wrong_type(exc) and await self._left_out(list(streams), exc):
                         continue  # one key's type failed the read of all: only its followers hear it

@@ -147,9 +147,8 @@ def redacted_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    address, query = rest.partition("?")[::2]
-    url = f"{scheme}{sep}***@{address.rpartition('@')[2]}" if "@" in address else f"{scheme}{sep}{address}"
-    url += f"?{query}" if "?" in rest else ""
+    # Up to the last '@' of all (a password may hold '/', '?' or '@'): a query's '@' hides the host too, never a login.
+    url = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else f"{scheme}{sep}{rest}"
     return re.sub(r"(?i)([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url)
 
 

@@ -1284,7 +1284,7 @@ def test_a_job_whose_output_outgrows_max_result_bytes_fails_as_it_runs_not_at_it
     in the engine before the job failed (and a few of them took the worker down). It fails once it passes."""
     import worker.batch_worker as batch_worker
 
-    _, _, client = fake_worker
+    worker, _, client = fake_worker
     monkeypatch.setattr(batch_worker, "piece_bytes", lambda *args: 2**19)  # (each piece half the bound)
     job = client.submit("endless", max_tokens=10**6)
     with pytest.raises(JobFailed, match="more than this worker's --max-result-bytes") as err:
@@ -1294,6 +1294,12 @@ def test_a_job_whose_output_outgrows_max_result_bytes_fails_as_it_runs_not_at_it
     assert end["finish_reason"] == "error" and end["usage"]["completion_tokens"] < 10**4  # (not at max_tokens)
     monkeypatch.undo()
     assert client.submit("after", max_tokens=5).result(timeout=10)["status"] == "finished"
+    # Past it with its end in the same batch (a sample's last piece before the end of n > 1, or an engine process's
+    # batch): the pump has handed the job out already and its cancel gives nothing. The unpacking of that raised,
+    # the worker died, and the job, requeued, did the same to the next one. The end's own check decides.
+    monkeypatch.setattr(batch_worker, "piece_bytes", lambda *args: 2**21)
+    monkeypatch.setattr(worker.pump, "cancel", lambda job_id, reason=None: [])
+    assert client.submit("ends", max_tokens=5).result(timeout=10)["status"] == "finished"  # (the worker lives on)
 
 
 def test_a_result_past_max_result_bytes_fails_its_job_alone_and_the_others_finish(monkeypatch):

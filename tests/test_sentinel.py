@@ -55,6 +55,7 @@ def test_a_bad_sentinel_url_says_why_without_its_password(url, phrase):
         "redis://:Xy/secret@redis.example:6379/0",  # (a '/' in the password: its rest was said as the database)
         "redis://:secret@[::1/0",  # (a traceback)
         "redis+sentinel://:x/secret@h/svc",  # (the sentinel address said was the password's start)
+        "redis://user:pa?secret@127.0.0.1:1/0",  # (a '?' in the password: read as the query's start)
     ],
 )
 def test_a_malformed_redis_url_is_one_error_that_never_says_its_password(url):

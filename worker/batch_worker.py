@@ -835,7 +835,10 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             f"the job's result would take more than this worker's --max-result-bytes "
             f"({self.settings.max_result_bytes / 2**20:.0f} MB): ask for fewer tokens, samples or logprobs"
         )
-        *pieces, last = self.pump.cancel(job.job.id, reason)
+        ended = self.pump.cancel(job.job.id, reason)
+        if not ended:  # (its end is in this batch already, a sample's last piece before it: the end's check decides)
+            return
+        *pieces, last = ended
         for piece in pieces:
             self._piece(job, piece)
         last.error_type = "invalid_request"  # (not retried: it would make the same again)
