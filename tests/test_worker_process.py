@@ -485,6 +485,16 @@ def test_ctrl_c_twice_ends_the_demo(tiny_chat_model):
     finally:
         proc.kill()
         proc.wait()
+    # Once: a warm stop, the job generating finishes, and the demo shows it as ever (not "interrupted", exit 130).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "streaming live" in proc.stdout.readline() and proc.stdout.read(1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "1 finished, 0 failed" in proc.stderr.read() and re.search(r"--- job \S+: length", proc.stdout.read())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_worker_that_cannot_start_takes_no_job_and_says_why_in_one_line(redis_url, tiny_chat_model, queue_name):

@@ -66,9 +66,9 @@ def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_token
     start = time.perf_counter()
     worker.work(burst=True, logging_level="WARNING")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (the worker's: a Ctrl-C now only said "stop" again)
-    if worker.stop_requested:  # stopped by Ctrl-C: the jobs it handed back have no worker left to run them
-        st = client.status()
-        print(f"\ninterrupted: {st['finished']} of {len(jobs)} jobs finished", file=sys.stderr)
+    st = client.status()
+    if worker.stop_requested and st["finished"] + st["failed"] < len(jobs):  # (Ctrl-C: what it handed back, no
+        print(f"\ninterrupted: {st['finished']} of {len(jobs)} jobs finished", file=sys.stderr)  # worker runs)
         return 130
     consumer.join()
     st = client.status()
