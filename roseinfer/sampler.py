@@ -509,7 +509,9 @@ def _filters_over_candidates(
     p = to_device(top_p, torch.float32, device)[:, None]
     kept &= ~((probs.cumsum(dim=-1) - probs >= p) & (p < 1))
     kept[:, 0] = True
-    settled = [not last and k < width for last, k in zip(kept[:, -1].tolist(), top_k)]
+    # (a cut among tokens equal to the last candidate: topk chose which of them are candidates, so looked at wider)
+    edge = (torch.where(kept, vals, float("inf")).min(dim=-1).values == vals[:, -1]).tolist()
+    settled = [not last and not tied and k < width for last, tied, k in zip(kept[:, -1].tolist(), edge, top_k)]
     filtered = vals.masked_fill(~kept, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, ids, filtered), settled
 

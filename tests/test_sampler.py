@@ -162,6 +162,13 @@ def test_top_p_keeps_the_same_tied_tokens_on_every_path():
             kept.append(filter_rows(logits, k, p, min_p))
         masks = [torch.isfinite(x) for x in kept]
         assert all(torch.equal(m, masks[0]) for m in masks[1:]), (vocab, k, p, min_p)
+    # A tie across the first look's 256 candidates, cut by top-p: topk chose which of it were candidates.
+    logits = torch.full((1, 5000), -20.0)
+    order = torch.randperm(5000, generator=gen)
+    logits[0, order[:200]] = torch.linspace(5, 4, 200)
+    logits[0, order[200:400]] = 3.0
+    kept = [apply_filters(logits, [0], [0.85], [0.0]), _filters_over_sorted_vocabulary(logits, [0], [0.85], [0.0])]
+    assert torch.equal(torch.isfinite(kept[0]), torch.isfinite(kept[1]))
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
