@@ -208,11 +208,11 @@ class PromptInputs:
         self._check_chat(tokenizer, **chat)
         messages = for_template(tokenizer, messages)
         try:
-            return list(
-                tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **_template_args(chat))
-            )
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **_template_args(chat))
         except Exception as exc:
             raise _refused_by_template(exc) from None
+        self.check_chars(len(text))  # (its rendered text, before it is encoded: as ``tokenize_many``'s)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # (as the template's own encoding)
 
 
 def _is_chat(prompt: dict) -> bool:

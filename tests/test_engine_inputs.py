@@ -991,3 +991,5 @@ def test_a_chat_whose_rendered_text_the_context_could_not_hold_is_refused_before
     refused, fine = chat_engine.tokenize_many([many, plain])
     assert isinstance(refused, ContextLengthExceeded) and "characters" in str(refused)
     assert fine == chat_engine.tokenize(plain)
+    with pytest.raises(ContextLengthExceeded, match="characters"):  # (alone too: LLM.chat, a stock rq worker's job)
+        chat_engine.tokenize(many)
