@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -137,7 +138,6 @@ class LLMEngine(PromptInputs):
         # Tokens sampled whose outputs are not made yet: (request, token, whether the token itself stopped it,
         # whether the request ended at it).
         self._pending: list[tuple[Sequence, int, bool, bool]] = []
-        self._token_taken = False  # (``_emit_pending``: the token in hand went into its detokenizer)
         self.undelivered: list[RequestOutput] = []  # see ``take_undelivered``
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
@@ -549,19 +549,24 @@ class LLMEngine(PromptInputs):
         return bool(by_token)
 
     def _emit_pending(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Text and outputs of the tokens the last step sampled, added to ``outputs`` as each is made (an error
-        midway, an interrupt, leaves those made for ``take_undelivered`` and the tokens after it for the next
-        step: they were lost, a finished request's output never given and the others' text short of their tokens);
-        a stop string in the text ends its request."""
+        """Text and outputs of the tokens the last step sampled, added to ``outputs`` as each is made; a stop string
+        in the text ends its request. An error midway (an interrupt) leaves those made for ``take_undelivered`` and
+        the tokens after it for the next step (all were lost: a finished request's last output never came, the
+        others' text short of their tokens). The token in hand is not taken again (an error of its own would come
+        back at every step), but a request it finished still gets its last output where one can be made."""
         pending, self._pending = self._pending, []
         # A request with n > 1 ends once, at its last sample's output of the batch (they may all end in one step).
         last = {entry[0].parent_id: i for i, entry in enumerate(pending)} if self._groups else None
         for i, entry in enumerate(pending):
-            self._token_taken = False
+            may_end = last is None or last[entry[0].parent_id] == i
             try:
-                self._emit(entry, outputs, last is None or last[entry[0].parent_id] == i)
-            except BaseException:  # (a token its detokenizer took is not taken twice)
-                self._pending = pending[i + self._token_taken :] + self._pending
+                self._emit(entry, outputs, may_end)
+            except BaseException:
+                self._pending = pending[i + 1 :] + self._pending
+                if entry[0].is_finished:  # (its output is the last thing ``_emit`` adds: not there)
+                    with contextlib.suppress(Exception):
+                        if (out := self._output(entry[0], "", [], group_may_end=may_end)).finished:
+                            outputs.append(out)
                 raise
         return outputs
 
@@ -581,7 +586,6 @@ class LLMEngine(PromptInputs):
                     self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
                     seq.finish_time = time.perf_counter()
                 seq.finish_reason, seq.stop_reason = "stop", hit
-        self._token_taken = True
         kind = seq.params.output_kind
         if not seq.is_finished and (
             kind == "final_only"
