@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoPermissionError, WatchError
@@ -287,9 +287,7 @@ class GenerationJob:
                     # its final event (an abort's last text and usage, a failure's error) lands after the status
                     if expired_at is None:  # (not for a job long over: every stream() of it waited the grace)
                         try:
-                            with conn.pipeline(transaction=False) as pipe:
-                                queue_end_reads(pipe, self.id)
-                                expired_at = stream_wait_ends(deadline, ending_event_may_come(pipe.execute()))
+                            expired_at = self._final_event_wait(deadline, ending_event_may_come)
                         except REDIS_DOWN as exc:
                             outage.wait(exc)
                             continue
@@ -299,9 +297,7 @@ class GenerationJob:
             if status == "finished":
                 if expired_at is None:
                     try:
-                        with conn.pipeline(transaction=False) as pipe:
-                            queue_end_reads(pipe, self.id)
-                            expired_at = stream_wait_ends(deadline, final_event_may_come(pipe.execute()))
+                        expired_at = self._final_event_wait(deadline, final_event_may_come)
                     except REDIS_DOWN as exc:
                         outage.wait(exc)
                         continue
@@ -309,6 +305,13 @@ class GenerationJob:
                     raise stream_expired(self.id)
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
+
+    def _final_event_wait(self, deadline: float | None, may_come: Callable[[list[Any]], bool]) -> float:
+        """Until when a follower that read no final event waits for one (``stream_wait_ends``), by ``may_come`` of
+        ``queue_end_reads``' replies."""
+        with self.client.connection.pipeline(transaction=False) as pipe:
+            queue_end_reads(pipe, self.id)
+            return stream_wait_ends(deadline, may_come(pipe.execute()))
 
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
