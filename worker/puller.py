@@ -39,6 +39,7 @@ HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step l
 LOOK_AGAIN_S = 0.05  # after a pull that could not block and found nothing, with no job in flight
 DID_NOT_BLOCK_S = 0.02  # after a blocking pull that the server answered at once (an idle worker spun a core so)
 POLL_S = 0.2  # an idle worker whose Redis user may not block (no @blocking): a look this often, a job's wait at most
+STALE_DEPTHS_S = 1.0  # lanes seen empty longer ago than this are looked at again (the sender reads them as it sends)
 
 
 def _blocked_at_least(block: float) -> float:
@@ -215,8 +216,11 @@ class Puller:
         # in before it counts it taken, so a job moving meanwhile counts twice (room for one less), never not at all.
         on_its_way = self._handed - self._taken
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
-        # Lanes the sender saw empty are skipped; an idle worker blocks on all of them.
-        lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or depth is None or depth > 0]
+        # Lanes the sender saw empty are skipped; an idle worker blocks on all of them, and so does a pull when the
+        # sender read no depths for a second (it reads them as it sends: during a long step, a job that came waited
+        # for the step's end, its lane seen empty before it).
+        stale = mono - w.sender.depths_read_at > STALE_DEPTHS_S
+        lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or stale or depth is None or depth > 0]
         if len(held) + on_its_way >= limit and held:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
             # engine preempts the later ones for them.

@@ -200,6 +200,7 @@ class Sender:
         self._canceled_counts: dict[str, int] = {}
         self.queued = 0
         self.queued_by_key: dict[str, int] = {}  # jobs waiting per queue key, as last read
+        self.depths_read_at = 0.0  # when (monotonic) those were read
         self.on_round_trip: Callable[[float], None] | None = None  # seconds of each reading round trip
         self.on_jobs_waiting: Callable[[], None] | None = None  # called when a round trip saw jobs in the queues
         self.on_idle: Callable[[], None] | None = None  # called when everything handed over is sent
@@ -570,6 +571,7 @@ class Sender:
         tail = len(queue_keys) + len(canceled_keys) + check_birth
         depths = replies[len(replies) - tail : len(replies) - check_birth]
         self.queued_by_key = dict(zip(queue_keys, depths))
+        self.depths_read_at = time.monotonic()
         self.queued = sum(self.queued_by_key.values())
         if self.queued and self.on_jobs_waiting is not None:
             self.on_jobs_waiting()
