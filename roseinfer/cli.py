@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args
+from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args, set_engine_defaults
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -76,4 +77,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     # Not the engine's seed option (left out below): its own name, or the engine would take None as its seed.
     p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed (default: none)")
     add_engine_arguments(p, exclude=("seed",))
+    # As ``demo`` and the worker read them (``docker compose exec worker roseinfer generate hi`` ran the default
+    # model in float32 on the CPU, saying nothing): under the flags, over the engine's defaults.
+    given = {name: os.environ.get(f"ROSEINFER_{name.upper()}", "") for name in ("model", "device", "dtype")}
+    set_engine_defaults(p, **{name: value for name, value in given.items() if value})
     p.set_defaults(func=_generate)

@@ -389,6 +389,20 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert err.count("\n") == 1 and err.rstrip().endswith("or tiny; did you mean tiny?)"), err
 
 
+def test_generate_reads_the_model_device_and_dtype_settings_under_its_flags(tiny_chat_model, monkeypatch, capsys):
+    """``demo`` and the worker read ROSEINFER_MODEL, _DEVICE and _DTYPE; ``generate`` ran the default model in float32
+    on the CPU whatever they said (``docker compose exec worker roseinfer generate hi``)."""
+    from worker.cli import build_parser
+
+    monkeypatch.setenv("ROSEINFER_MODEL", tiny_chat_model)
+    monkeypatch.setenv("ROSEINFER_DTYPE", "bfloat16")
+    args = build_parser().parse_args(["generate", "Hello"])
+    assert (args.model, args.dtype, args.device) == (tiny_chat_model, "bfloat16", "cpu")
+    assert build_parser().parse_args(["generate", "Hello", "--dtype", "float32"]).dtype == "float32"  # (flags win)
+    monkeypatch.delenv("ROSEINFER_MODEL")
+    assert build_parser().parse_args(["generate", "Hello"]).model != tiny_chat_model
+
+
 @pytest.mark.slow  # two engines
 def test_generate_reads_prompts_from_stdin_without_their_line_ends_or_byte_order_mark(
     tiny_chat_model, capsys, monkeypatch
