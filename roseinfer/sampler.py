@@ -167,7 +167,7 @@ class Sampler:
         raw = torch.log_softmax(logits.float(), dim=-1)
         chosen = raw.gather(1, to_device(targets, torch.long, raw.device)[:, None]).squeeze(1).tolist()
         k = min(max(nums), raw.shape[-1])  # (a vocabulary under 20 tokens: topk raised, and failed the step)
-        top_vals, top_ids = _top_with_ties(raw, k)
+        top_vals, top_ids = _top_in_id_order(raw, k)
         return [
             _logprob_entry(ids, vals, n, target, value)
             for target, value, n, vals, ids in zip(targets, chosen, nums, top_vals.tolist(), top_ids.tolist())
@@ -398,7 +398,7 @@ class Sampler:
         picked = tokens[idx]
         chosen = sub.gather(1, picked[:, None]).squeeze(1)
         k = min(max(params[i].logprobs for i in rows), sub.shape[-1])  # (topk past the vocabulary raised)
-        top_vals, top_ids = _top_with_ties(sub, k)
+        top_vals, top_ids = _top_in_id_order(sub, k)
 
         def finish(lists: list[list]) -> SamplerOutput:
             token_list, chosen_l, vals_l, ids_l = lists
@@ -414,7 +414,7 @@ class Sampler:
 TIE_MARGIN = 64  # tokens past a top k taken too: equal to the k-th, the lowest ids of them are kept
 
 
-def _top_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_in_id_order(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``k`` largest values and their ids, equal values in the order of their ids (the CPU kernel's):
     topk kept its own choice among tokens tied at its cut, so which tied token a row's top n held depended on its
     neighbours' widest k. From ``TIE_MARGIN`` more candidates, sorted by (value, id), reading nothing back (a tie of
@@ -436,7 +436,7 @@ def _in_id_order(vals: torch.Tensor, ids: torch.Tensor, k: int | None = None) ->
 def _logprob_entry(top_ids: list[int], top_vals: list[float], n: int, token: int, value: float) -> dict[int, float]:
     """{token id: logprob}: the top ``n`` alternatives (of the batch's widest top, ``top_ids``), then ``token`` (the
     sampled or the prompt's) where it is not one."""
-    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n (``_top_with_ties`` took the
+    # Ties in the order of their ids, as the CPU kernel gives them, before the cut at n (``_top_in_id_order`` took the
     # lowest ids of a tie at its cut).
     ranked = sorted(zip(top_ids, top_vals), key=lambda pair: (-pair[1], pair[0]))[:n]
     # A structured output may allow fewer tokens than asked for: what it forbids (-inf) is no alternative; nor is a

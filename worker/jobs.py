@@ -140,16 +140,19 @@ def result_bytes(out: RequestOutput | None) -> int:
     """About how many bytes an ended job's result takes in Redis, from its output, without encoding it (100 MB of
     JSON took a second of the step loop): its text, token ids and logprobs (each logprob entry ~30 bytes as JSON),
     in base64 as RQ stores a return value. An upper bound within a factor of ~1.5."""
-    size = 0
-    for c in out.outputs if out is not None else ():
-        size += 2 * len(c.text) + 8 * len(c.token_ids) + 32 * sum(len(step) for step in c.logprobs or ())
-    size += 32 * sum(len(step) for step in getattr(out, "prompt_logprobs", None) or () if step)
+    size = sum(_json_bytes(c.text, c.token_ids, c.logprobs) for c in out.outputs) if out is not None else 0
+    size += _json_bytes("", [], [step for step in getattr(out, "prompt_logprobs", None) or () if step])
     return size * 4 // 3
 
 
 def piece_bytes(text: str, token_ids: list[int], logprobs: list | None) -> int:
     """``result_bytes`` of a piece of output (an event's): what it adds to its job's result."""
-    return (2 * len(text) + 8 * len(token_ids) + 32 * sum(len(step) for step in logprobs or ())) * 4 // 3
+    return _json_bytes(text, token_ids, logprobs) * 4 // 3
+
+
+def _json_bytes(text: str, token_ids: list[int], logprobs: list | None) -> int:
+    """About the JSON bytes of text, token ids and logprobs (each logprob entry ~30 bytes)."""
+    return 2 * len(text) + 8 * len(token_ids) + 32 * sum(len(step) for step in logprobs or ())
 
 
 def system_fingerprint(settings: Any) -> str:
