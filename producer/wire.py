@@ -4,8 +4,8 @@ test fails when the shipped files drift from these models."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -163,5 +163,13 @@ def write_schemas(folder: Path = SCHEMA_DIR) -> None:
         (folder / name).write_text(render(schema))
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m producer.wire", description="Write the protocol's JSON Schemas (job payload, event, result)."
+    )
+    parser.add_argument("folder", nargs="?", type=Path, default=SCHEMA_DIR, help=f"where to (default: {SCHEMA_DIR})")
+    write_schemas(parser.parse_args(argv).folder)
+
+
 if __name__ == "__main__":
-    write_schemas(Path(sys.argv[1]) if len(sys.argv) > 1 else SCHEMA_DIR)
+    main()

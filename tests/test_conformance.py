@@ -25,6 +25,19 @@ def test_the_shipped_schemas_are_the_models_schemas():
         assert (SCHEMA_DIR / name).read_text() == render(schema), f"{name} drifted: run python3 -m producer.wire"
 
 
+def test_the_schema_writer_takes_a_folder_and_help_is_help(tmp_path, monkeypatch, capsys):
+    """``python -m producer.wire --help`` wrote the schemas into a folder named ``--help`` (one was committed)."""
+    from producer.wire import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "usage" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    main([str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(schemas())
+
+
 @pytest.mark.parametrize(
     "payload",
     [{}, {"prompt": "x", "prompt_token_ids": [1]}, {"prompt": ""}, {"messages": []}, {"prompt_token_ids": []},
