@@ -499,7 +499,6 @@ def _named_first(message: str) -> str | None:
 
 
 # ----- responses -----------------------------------------------------------------------------------------
-USAGE_KEYS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
 
 def without_output(result: dict[str, Any]) -> dict[str, Any]:
@@ -520,15 +519,24 @@ def without_output(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def usage(result: dict[str, Any]) -> dict[str, int]:
+def usage(result: dict[str, Any]) -> dict[str, Any]:
+    """A job's usage in OpenAI's shape: its counts, and its prompt's cached tokens (0 where a job did not say)."""
     u = result.get("usage") or {}
-    return {k: int(u.get(k, 0)) for k in USAGE_KEYS}
+    return usage_of(int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)), cached_tokens(u))
 
 
-def total_usage(results: list[dict[str, Any]]) -> dict[str, int]:
+def cached_tokens(usage: dict[str, Any]) -> int:
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+
+
+def total_usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The usage of several jobs (results, or their final events) together."""
     each = [usage(result) for result in results]
-    return {k: sum(u[k] for u in each) for k in USAGE_KEYS}
+    return usage_of(
+        sum(u["prompt_tokens"] for u in each),
+        sum(u["completion_tokens"] for u in each),
+        sum(cached_tokens(u) for u in each),
+    )
 
 
 def chat_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID) -> dict[str, Any] | None:

@@ -299,13 +299,17 @@ def encode_logprobs(steps: list[dict[int, float]]) -> list[list[list[float]]]:
     return [[[tid, lp] for tid, lp in step.items()] for step in steps]
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """A job's ``usage``: its prompt counts once, however many samples share it."""
-    return {
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A job's ``usage``: its prompt counts once, however many samples share it. ``cached_tokens``: of the prompt's,
+    those the prefix cache held (OpenAI's ``prompt_tokens_details``), where known."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 def make_event(

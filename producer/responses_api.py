@@ -13,7 +13,16 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from producer.openai_api import APIError, APIShape, ChatCompletionRequest, chat_logprobs, parse, parse_request, samples
+from producer.openai_api import (
+    APIError,
+    APIShape,
+    ChatCompletionRequest,
+    cached_tokens,
+    chat_logprobs,
+    parse,
+    parse_request,
+    samples,
+)
 from producer.reasoning import ReasoningFormat, ReasoningStream
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
@@ -257,7 +266,7 @@ def _usage(values: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = int(values.get("prompt_tokens", 0)), int(values.get("completion_tokens", 0))
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens(values)},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

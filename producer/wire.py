@@ -31,12 +31,21 @@ ERROR_CODE_DOC = (
 )
 
 
+class PromptTokensDetails(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cached_tokens: int = Field(0, ge=0, description="the prompt's tokens the prefix cache held, not computed again")
+
+
 class Usage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
     total_tokens: int = Field(0, ge=0)
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="on a job's last event and its result (OpenAI's field); absent on a job failed before it ran"
+    )
 
 
 class StreamEvent(BaseModel):

@@ -657,3 +657,17 @@ def test_an_int8_worker_serves_jobs_whose_stream_is_their_result(redis_url, tiny
         assert client.workers()[0]["quantization"] == "int8+output_layer"  # operators see it in `roseinfer status`
     finally:
         worker.stop()
+
+
+def test_a_jobs_usage_says_how_many_of_its_prompt_tokens_the_prefix_cache_held(served):
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``, on the last event and in the result: 0 for a prompt
+    first seen, its full blocks for the same prompt again (the engine counted them; the result said nothing)."""
+    _, client = served
+    ids = [5 + (uuid.uuid4().int >> k) % 200 for k in range(70)]  # (a prompt no other test sent)
+    first = client.submit(prompt_token_ids=ids, max_tokens=2, temperature=0).result(timeout=60)
+    job = client.submit(prompt_token_ids=ids, max_tokens=2, temperature=0)
+    again, last = job.result(timeout=60), list(job.events(timeout=60))[-1]
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < 70 and cached % 8 == 0, cached
+    assert last["usage"] == again["usage"] and again["usage"]["prompt_tokens"] == 70

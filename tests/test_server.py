@@ -191,6 +191,32 @@ def test_streamed_chat_gives_the_same_text_then_usage(served, oai):
     assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])  # OpenAI's null on the others
 
 
+def test_usage_says_the_prompt_tokens_the_prefix_cache_held_in_every_api(served, oai):
+    """OpenAI's ``prompt_tokens_details.cached_tokens`` (the Responses API's ``input_tokens_details``): it was left
+    out of chat and completions, and always 0 in a response, while the engine counted the prefix cache's hits."""
+    _, _, model = served
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} " * 3}]  # (a prompt no other test sent)
+    first = oai.chat.completions.create(model=model, messages=messages, max_completion_tokens=2)
+    again = oai.chat.completions.create(model=model, messages=messages, max_completion_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 8 == 0
+    chunks = list(
+        oai.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=2, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    response = oai.responses.create(model=model, input=messages[0]["content"], max_output_tokens=16)
+    assert response.usage.input_tokens_details.cached_tokens == cached
+    one = oai.completions.create(model=model, prompt=messages[0]["content"], max_tokens=1)
+    two = oai.completions.create(model=model, prompt=[messages[0]["content"]] * 2, max_tokens=1)
+    hit = (one.usage.prompt_tokens - 1) // 8 * 8  # (its whole blocks, short of the token computed for its logits)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    assert two.usage.prompt_tokens_details.cached_tokens == 2 * hit  # (the jobs' together)
+
+
 def test_text_completion_streamed_and_not(served, oai):
     _, _, model = served
     prompt = "The capital of France is"

@@ -131,9 +131,10 @@ def resume_from(stream: JobStream, params: Any) -> tuple[list[int], list[dict[in
     return prefix, stream.resume_logprobs if prefix and wants else None
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    """An ended job's (each sample's tokens together)."""
-    return usage_of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """An ended job's (each sample's tokens together, the prompt's cached tokens once)."""
+    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+    return usage_of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), cached)
 
 
 def result_bytes(out: RequestOutput | None) -> int:
