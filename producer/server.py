@@ -442,7 +442,12 @@ MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB pro
 
 
 async def _body(request: Request) -> Any:
-    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``)."""
+    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``; a 415, a body not sent as JSON)."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        # A web page may POST text/plain or a form to any origin without asking first (no CORS preflight): taken as
+        # JSON, any page a user opened could run jobs on a server on their machine.
+        raise APIError(415, f"the request body must be sent as JSON (Content-Type: application/json), not {media!r}")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # (refused before it is read)
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
