@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -585,7 +584,7 @@ def _legacy_logprobs(
     tokens = [names(t) for t in token_ids]
     out = {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top_logprobs}
     if names.tokenizer is not None:  # ("token_id:N" has no place in the text)
-        out["text_offset"] = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[: len(tokens)]
+        out["text_offset"] = names.offsets(token_ids, offset)
     return out
 
 

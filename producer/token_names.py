@@ -6,7 +6,10 @@ Redis (``TOKENIZER_KEY``, named by the digest in its statistics) and the server 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import itertools
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
@@ -19,6 +22,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("roseinfer.server")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's, Llama 3's, Qwen's) character for each byte, reversed: printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+_FALLBACK_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # (SentencePiece's byte fallback: Llama 2's, Mistral's)
+
+
 class TokenNames:
     """A token's text (as vLLM's ``decoded_token``: decoded alone, special tokens kept) and its UTF-8 bytes; by id
     without a tokenizer, bytes then None."""
@@ -26,6 +41,7 @@ class TokenNames:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -36,7 +52,32 @@ class TokenNames:
         return text
 
     def bytes(self, token_id: int) -> list[int] | None:
-        return None if self.tokenizer is None else list(self(token_id).encode())
+        """The token's own bytes (OpenAI's ``bytes``: a client joins a character's tokens by them): a token holding
+        part of a character decodes alone to U+FFFD, whose bytes are no part of the text."""
+        if self.tokenizer is None:
+            return None
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._raw(token_id)
+        return list(raw)
+
+    def _raw(self, token_id: int) -> bytes:
+        text = self(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if fallback := _FALLBACK_BYTE.fullmatch(piece):
+            return bytes([int(fallback[1], 16)])
+        if piece and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return text.encode()
+
+    def offsets(self, token_ids: list[int], start: int = 0) -> list[int]:
+        """Each token's place in the text they decode to, from ``start``: a character split over tokens is at the
+        token that completes it (the tokens' texts alone counted U+FFFD for each part)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        lengths = (len(decoder.decode(bytes(self.bytes(t) or b""))) for t in token_ids[:-1])
+        return list(itertools.accumulate(lengths, initial=start))[: len(token_ids)]
 
 
 BY_ID = TokenNames()

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import redis
+import torch
 import uvicorn
 from conftest import ThreadWorker, slow_engine_steps
 
@@ -378,6 +379,27 @@ def test_tokenize_and_detokenize_as_vllm_with_the_workers_tokenizer(served, redi
     ]:
         reply = http.post(path, json=body)
         assert (reply.status_code, reply.json()["error"]["param"]) == (status, param), (path, body, reply.text)
+
+
+def test_logprobs_bytes_and_offsets_of_tokens_that_split_a_character(served, oai, smol_tokenizer):
+    """A token holding part of a character decodes alone to U+FFFD: its ``bytes`` were that sign's, not its own (a
+    client joins a character's tokens by them), and ``text_offset`` counted one sign per part, past the text's end."""
+    from producer.token_names import TokenNames
+
+    _, _, model = served
+    names = TokenNames(smol_tokenizer.backend_tokenizer)
+    text = "🙂你好, a"
+    ids = smol_tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(bytes(names.bytes(t)) for t in ids) == text.encode()
+    for _ in range(200):  # (any tokens: their bytes join to what they decode to together)
+        some = [int(t) for t in torch.randint(0, smol_tokenizer.vocab_size, (5,))]
+        joined = b"".join(bytes(names.bytes(t)) for t in some).decode(errors="replace")
+        assert joined == smol_tokenizer.decode(some), some
+    echoed = oai.completions.create(model=model, prompt=ids, echo=True, max_tokens=0, logprobs=0)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == text and max(lp.text_offset) < len(text)
+    assert [text[o] for o in lp.text_offset[1:]] == [text[names.offsets(ids)[i]] for i in range(1, len(ids))]
+    assert lp.text_offset[-2:] == [text.index(","), text.index(" a")]
 
 
 def test_logprobs_streamed_are_the_ones_of_the_whole_answer(served, oai):
