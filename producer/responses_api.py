@@ -312,7 +312,7 @@ class ResponseWriter:
         self.thoughts: ReasoningStream | None = None
         self.thought: dict[str, Any] | None = None  # the reasoning item, while its text comes
         self.thinking = ""
-        self.top, self.names = (top_logprobs, names) if tools is None else (None, names)  # (a text answer's)
+        self.top, self.names = top_logprobs, names  # (a text answer's: as a chat's, every token's, calls' too)
         self.logprobs: list[dict[str, Any]] = []  # the text's tokens' so far
         self.unsent: list[dict[str, Any]] = []  # those of tokens whose text has not gone out yet
         self.head = {"id": f"resp_{job_id}", "object": "response", "created_at": int(time.time()), "model": model}

@@ -349,3 +349,25 @@ def test_a_writer_that_took_in_text_its_reasoning_parser_holds_cannot_restart():
     writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
     writer.opening()
     assert not writer.piece("<think>") and writer.fed and not writer.text
+
+
+def test_a_text_answer_with_tools_offered_has_the_logprobs_asked_for_whole_and_streamed():
+    """include logprobs with tools ("auto"): the message's text came with no logprobs, where a chat's has them."""
+    include = ["message.output_text.logprobs"]
+    body = {"model": "m", "input": "2+2?", "tools": TOOLS, "top_logprobs": 1, "include": include}
+    req, chat, _ = parse_responses(body, "hermes")
+    steps = [[[7, -0.5], [8, -1.5]], [[9, -0.25], [7, -2.0]], [[10, -0.125], [7, -3.0]]]
+    result = {"text": "It is 4.", "token_ids": [7, 9, 10], "logprobs": steps, "finish_reason": "stop", "usage": {}}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan(), top_logprobs=1).whole(result)
+    [message] = whole["output"]
+    logprobs = message["content"][0]["logprobs"]
+    assert [(t["token"], t["logprob"], len(t["top_logprobs"])) for t in logprobs] == [
+        ("token_id:7", -0.5, 1), ("token_id:9", -0.25, 1), ("token_id:10", -0.125, 1)
+    ]  # fmt: skip
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), top_logprobs=1)
+    events = writer.opening()
+    for piece, token, step in zip(("It ", "is ", "4."), result["token_ids"], steps):
+        events += writer.piece(piece, {"token_ids": [token], "logprobs": [step]})
+    events += writer.closing("stop", {})
+    deltas = [t for e in events if e["type"] == "response.output_text.delta" for t in e["logprobs"]]
+    assert deltas == logprobs == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
