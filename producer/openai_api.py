@@ -721,12 +721,18 @@ def prompt_logprobs(result: dict[str, Any], top: int, names: TokenNames = BY_ID)
 
 
 def chat_response(
-    job_id: str, model: str, request: ChatCompletionRequest, result: dict[str, Any], names: TokenNames = BY_ID
+    job_id: str,
+    model: str,
+    request: ChatCompletionRequest,
+    result: dict[str, Any],
+    names: TokenNames = BY_ID,
+    created: int | None = None,
 ) -> dict[str, Any]:
+    """``created``: when the request came (OpenAI's, and a streamed answer's); now where not given."""
     body = {
         "id": f"chatcmpl-{job_id}",
         "object": "chat.completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": model,
         "system_fingerprint": result.get("system_fingerprint"),
         "choices": chat_choices(result, request, names),
@@ -738,10 +744,15 @@ def chat_response(
 
 
 def completion_response(
-    job_id: str, model: str, request: CompletionRequest, results: list[dict[str, Any]], names: TokenNames = BY_ID
+    job_id: str,
+    model: str,
+    request: CompletionRequest,
+    results: list[dict[str, Any]],
+    names: TokenNames = BY_ID,
+    created: int | None = None,
 ) -> dict[str, Any]:
     """The response to the jobs of a request's prompts, in order: prompt i's samples are choices i * n to
-    i * n + n - 1, as OpenAI numbers them, and the usage is theirs together."""
+    i * n + n - 1, as OpenAI numbers them, and the usage is theirs together. ``created``: as ``chat_response``'s."""
     prompts = request.prompts()
     if request.echo_only:
         results = [without_output(result) for result in results]
@@ -757,7 +768,7 @@ def completion_response(
     return {
         "id": f"cmpl-{job_id}",
         "object": "text_completion",
-        "created": int(time.time()),
+        "created": int(time.time()) if created is None else created,
         "model": model,
         "system_fingerprint": results[0].get("system_fingerprint"),
         "choices": choices,

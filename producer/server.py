@@ -347,7 +347,7 @@ def create_app(
         return await _complete(request, CompletionRequest)
 
     async def _complete(request: Request, kind: type) -> Any:
-        wait = answer_within(request, timeout)
+        wait, created = answer_within(request, timeout), int(time.time())  # (OpenAI's created: the request's time)
         body = await _body(request)
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
             req, jobs_fields = parse_completions(body)
@@ -395,9 +395,9 @@ def create_app(
             return Response(status_code=499, headers=ids)
         # (off the event loop: a result of n = 64 samples with their logprobs took it seconds to shape and encode)
         if chat:
-            body = await asyncio.to_thread(chat_response, job.id, req.model, req, results[0], names)
+            body = await asyncio.to_thread(chat_response, job.id, req.model, req, results[0], names, created)
         else:
-            body = await asyncio.to_thread(completion_response, job.id, req.model, req, results, names)
+            body = await asyncio.to_thread(completion_response, job.id, req.model, req, results, names, created)
         return await asyncio.to_thread(JSONResponse, body, headers=ids)
 
     @app.post("/v1/responses")

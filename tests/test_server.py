@@ -218,6 +218,19 @@ def test_usage_says_the_prompt_tokens_the_prefix_cache_held_in_every_api(served,
     assert two.usage.prompt_tokens_details.cached_tokens == 2 * hit  # (the jobs' together)
 
 
+def test_created_is_when_the_request_came_not_when_its_answer_was_done(served, oai, slow_steps):
+    """OpenAI's ``created`` (and a streamed answer's, and a response's ``created_at``) is the request's time: a
+    non-streamed chat or completion took the time its job ended, seconds later for a queued or long job."""
+    _, _, model = served
+    ask = {"model": model, "max_tokens": 150, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    for create, prompt in ((oai.chat.completions.create, {"messages": MESSAGES}),
+                           (oai.completions.create, {"prompt": "The sea is"})):  # fmt: skip
+        sent = time.time()
+        created = create(**prompt, **ask).created
+        assert time.time() - sent > 2.5  # (150 steps of 20 ms at least)
+        assert int(sent) <= created <= int(sent) + 1
+
+
 def test_text_completion_streamed_and_not(served, oai):
     _, _, model = served
     prompt = "The capital of France is"
