@@ -20,6 +20,7 @@ from producer.tool_formats import FormatStream
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
 IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "verbosity",
+    "prompt_cache_retention", "prompt_cache_options",  # (the prefix cache here keeps what it can, unasked)
     "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
 )  # fmt: skip
 
@@ -211,6 +212,8 @@ class _Common(APIShape):
     user: str | None = None
     metadata: dict[str, str] | None = None  # OpenAI's tags of a request: the job's metadata, echoed in its result
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool | None = None

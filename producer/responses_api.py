@@ -155,6 +155,8 @@ class ResponsesRequest(APIShape):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     stream_options: ResponsesStreamOptions | None = None
     include: list[str] | None = None  # (of what OpenAI's takes, the output text's logprobs alone are here)

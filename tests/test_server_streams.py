@@ -249,11 +249,18 @@ def test_openais_metadata_tags_the_job_and_its_cache_and_safety_ids_are_taken_an
     """``metadata`` (a request's tags, in OpenAI's API and taken by vLLM) was a 400 "unsupported parameter", where
     ``user`` and ``store`` were taken: it is the job's metadata now, echoed in its result."""
     from producer.openai_api import ChatCompletionRequest, parse
+    from producer.responses_api import parse_responses
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "metadata": {"team": "search"}}
     _, fields = parse(ChatCompletionRequest, {**body, "prompt_cache_key": "k1", "safety_identifier": "u1"})
     assert fields["metadata"] == {"team": "search"} and "prompt_cache_key" not in fields
     assert "safety_identifier" not in fields
+    # The prompt cache's retention and options (newer fields of OpenAI's chat and Responses APIs) were a 400.
+    cache = {"prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"}}
+    _, fields = parse(ChatCompletionRequest, {**body, **cache})
+    assert not set(cache) & set(fields)
+    _, _, job = parse_responses({"model": "m", "input": "hi", **cache})
+    assert not set(cache) & set(job)
 
 
 HERMES_PIECES = [
