@@ -100,7 +100,7 @@ async def chunk_stream(
     try:
         for i, event in early:
             chunks.note_prompt(i, event)
-        for index in range(len(jobs) * chunks.n):
+        for index in range(len(jobs) * chunks.n if chunks.chat or chunks.echo else 0):  # (a chat's role; an echo)
             yield data_event(
                 chunks.piece(chunks.echo[index // chunks.n] if chunks.echo else "", first=True, index=index)
             )

@@ -116,6 +116,20 @@ def post(
     return start, [line if line == "[DONE]" else json.loads(line) for line in sent]
 
 
+def test_a_streamed_completion_opens_with_text_as_openais_and_a_chat_with_its_role():
+    """A completion's stream began with an empty text chunk per choice, which OpenAI's legacy stream and vLLM do not
+    send (tools counting chunks, or timing the first one, saw it); a chat's first chunk says its role, as OpenAI's;
+    an echo's first chunk is the prompt."""
+    script = [(0.01, event(0, "The")), (0.01, event(1, " sea", "stop"))]
+    _, chunks = post(ScriptedClient([script]), {"model": "m", "prompt": "p", "stream": True})
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["The", " sea"]
+    _, chunks = post(ScriptedClient([script]), {"model": "m", "prompt": "p", "echo": True, "stream": True})
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["p", "The", " sea"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    _, chunks = post(ScriptedClient([script]), chat, path="/v1/chat/completions")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
 def test_an_error_mid_stream_ends_it_and_cancels_the_other_prompts_jobs():
     """One job of a several-prompt stream fails after the headers: an error chunk, then [DONE], no usage chunk;
     the other job, which no one will read, is canceled rather than left to run to its end."""
