@@ -253,12 +253,13 @@ def parse_responses(
         body = request.chat_body(reasons=reasoning_parser is not None)
         chat, fields = parse(ChatCompletionRequest, body, tool_parser, reasoning_parser)
     except APIError as exc:
-        exc.message, exc.param = _renamed(exc.message), _renamed(exc.param)
+        exc.message, exc.param = in_responses_terms(exc.message), in_responses_terms(exc.param)
         raise
     return request, chat, fields
 
 
-def _renamed(text: str | None) -> str | None:
+def in_responses_terms(text: str | None) -> str | None:
+    """A chat request's field names in ``text`` as the Responses API names them."""
     for pattern, name in _RENAMES:
         text = pattern.sub(name, text) if text is not None else None
     return text

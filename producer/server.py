@@ -52,7 +52,7 @@ from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.schema import lone_surrogate
 from producer.server_jobs import CANCELING, answer_within, job_headers, results_unless_gone
-from producer.server_sse import PROMPT_FIELDS, chunk_stream, response_stream, start_stream
+from producer.server_sse import PROMPT_FIELDS, chunk_stream, context_error_named, response_stream, start_stream
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
 
@@ -202,8 +202,8 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.code == "context_length_exceeded" and exc.param is None:  # the field to shorten, as OpenAI names it
-            exc.param = next((f for path, f in PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
+        field = next((f for path, f in PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
+        context_error_named(exc, field)  # (a prompt too long: the field to shorten, as OpenAI names it)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from producer.aio import AsyncGenerationJob
 from producer.job_errors import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
 from producer.openai_api import APIError, ChunkWriter, total_usage, without_output
-from producer.responses_api import ResponseWriter
+from producer.responses_api import ResponseWriter, in_responses_terms
 from producer.server_jobs import cancel_all_soon, cancel_soon, job_error, not_to_retry, unless_gone
 
 # A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
@@ -205,14 +205,20 @@ async def response_stream(
 STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
 
 
+def context_error_named(err: APIError, prompt_field: str | None) -> APIError:
+    """A prompt too long names ``prompt_field`` as its param, and in a response's error the Responses API's fields."""
+    if err.code == "context_length_exceeded":
+        err.param = err.param or prompt_field
+        if prompt_field == PROMPT_FIELDS["/v1/responses"]:
+            err.message = in_responses_terms(err.message) or err.message  # (its max_tokens: max_output_tokens)
+    return err
+
+
 def stream_error(exc: Exception, timeout: float, prompt_field: str | None = None) -> APIError:
     """What ends a stream once its headers went out, as the error it sends (a prompt too long names
     ``prompt_field``, as the status it would have been names it)."""
     if isinstance(exc, (JobFailed, JobCanceled)):
-        err = job_error(exc)
-        if err.code == "context_length_exceeded" and err.param is None:
-            err.param = prompt_field
-        return err
+        return context_error_named(job_error(exc), prompt_field)
     if isinstance(exc, NoFirstEvent):  # (the headers went ahead of the first event, which never came)
         return not_to_retry(APIError(504, str(exc), "timeout"))
     if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout

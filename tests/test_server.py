@@ -1383,9 +1383,11 @@ def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_q
     with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
         oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=length)
     assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
-    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
-        oai.responses.create(model=model, input="Hi", max_output_tokens=length)
-    assert (err.value.code, err.value.param) == ("context_length_exceeded", "input")
+    for stream in (False, True):  # (in the Responses API's words: it has no max_tokens)
+        with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
+            oai.responses.create(model=model, input="Hi", max_output_tokens=length, stream=stream)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "input")
+        assert f"plus {length} 'max_output_tokens'" in err.value.message
     fits = oai.completions.create(model=model, prompt=prompt_ids, max_tokens=3, temperature=0, extra_body={
         "ignore_eos": True})  # fmt: skip
     assert fits.usage.completion_tokens == 3
