@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import re
+import threading
 import time
 import uuid
 
@@ -3253,6 +3254,35 @@ def test_a_job_rq_fails_as_abandoned_gets_its_last_event_and_its_completion_entr
         died.result(timeout=5)
     worker.clean_registries()  # (nothing lapsed left: nothing written twice)
     assert conn.xlen(stream_key(died.id)) == 3 and conn.llen(done_key(notify)) == 1
+
+
+@pytest.mark.redis
+def test_an_abandoned_jobs_allowed_failure_callback_runs_on_a_callback_thread_not_in_the_clean_up(redis_url):
+    """RQ's clean-up ran a dead worker's job's failure callback itself, on the step loop: every running job's
+    tokens waited for it (up to its timeout), and a loop off the main thread could not set its SIGALRM (it never
+    ran). It runs on a callback thread now, under a timer; a callback the worker does not allow still never runs."""
+    conn, worker, client = _worker_of_a_new_queue(redis_url, allow_callback=["hook_probe.held"])
+    queue = worker.queues[0]
+    held, unlisted = client.submit("its worker died", max_tokens=2), client.submit("so did this", max_tokens=2)
+    for job, name in ((held, "hook_probe.held"), (unlisted, "hook_probe.record_unlisted")):
+        conn.lrem(queue.key, 0, job.id)
+        conn.hset(job.rq_job.key, mapping={"status": "started", "failure_callback_name": name})
+        conn.zadd(queue.started_job_registry.key, {f"{job.id}:e0": 1})
+    cleaning = threading.Thread(target=worker.clean_registries, daemon=True)  # (off the main thread, as embedded)
+    cleaning.start()
+    cleaning.join(timeout=10)
+    try:
+        assert not cleaning.is_alive()  # (it waited for the callback, 30 s)
+        deadline = time.monotonic() + 10
+        while conn.get(f"hook-probe:{held.id}") != b"running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn.get(f"hook-probe:{held.id}") == b"running"  # (it ran: under SIGALRM off the main thread, never)
+        assert held.status() == "queued" == unlisted.status()  # RQ's handling of the abandoned: a retry spent
+        assert not conn.exists(f"hook-probe:{unlisted.id}")
+        assert conn.hget(unlisted.rq_job.key, "failure_callback_name") == b"hook_probe.record_unlisted"  # kept
+    finally:
+        conn.set(f"hook-probe-release:{held.id}", 1)
+        worker._callback_ends.shutdown(wait=True)
 
 
 def _worker_of_a_new_queue(redis_url: str, **settings):

@@ -181,7 +181,9 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self._watching = False
         self.tokens = 0  # generated so far (read by the heartbeat thread for tokens/s)
         self._heartbeat = Heartbeat(self)
-        self.maintenance = Maintenance(self.connection, self._heartbeat, settings)
+        self.maintenance = Maintenance(
+            self.connection, self._heartbeat, settings, self.hooks, self._callback_ends.submit
+        )
         self.puller = Puller(self)
         self.sender.on_jobs_waiting = self.puller.wake
         self.sender.on_idle = self._on_sender_idle

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 from rq import worker_registration
+from rq.callbacks import execute_failure_callback
 from rq.exceptions import AbandonedJobError
 from rq.group import Group
 from rq.job import Job
 from rq.queue import Queue
 from rq.registry import clean_registries
+from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
 from producer.schema import job_ending
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
+from worker.intake import HookPolicy
 from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
@@ -29,8 +33,22 @@ log = logging.getLogger("roseinfer.worker")
 class Maintenance:
     """The periodic clean-up ``BatchWorker`` runs as RQ's ``run_maintenance_tasks``, on its step loop."""
 
-    def __init__(self, connection: redis.Redis, heartbeat: Heartbeat, settings: WorkerSettings) -> None:
+    def __init__(
+        self,
+        connection: redis.Redis,
+        heartbeat: Heartbeat,
+        settings: WorkerSettings,
+        hooks: HookPolicy | None = None,
+        run_callback: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
+        """``hooks`` and ``run_callback`` (where given): the failure callbacks a job the clean-up fails as abandoned
+        names and ``hooks`` allows are run by ``run_callback`` (the worker's callback threads), not by RQ's clean-up:
+        there one ran on the step loop, every running job's tokens held up for as long as it took (up to its
+        timeout), and under SIGALRM, which a loop off the main thread cannot set (it never ran)."""
         self.connection, self.heartbeat, self.settings = connection, heartbeat, settings
+        self.hooks, self.run_callback = hooks, run_callback
+        # (the clean-up's jobs are read with every callback taken off: RQ's clean-up then runs none itself)
+        self._silenced = HookPolicy(frozenset(), hooks.webhook_hosts).job_class() if hooks is not None else None
         self._canceled_scan: dict[str, int] = {}  # per queue, where the walk of its canceled registry goes on
 
     def clean(self, queues: list[Queue], exc_handlers: list) -> bool:
@@ -70,15 +88,42 @@ class Maintenance:
         retry left) get what a failed job's end writes and RQ's does not: the last event of their stream (a
         follower of it waited for good) and their id on the completion list they named (a waiter there too)."""
         failing: list[Job] = []
+        callbacks: list[str] = []  # jobs whose allowed failure callback is for us to run
 
         def note(job: Job, exc_type: type, *_exc: object) -> bool:
             if exc_type is AbandonedJobError and not (job.retries_left and job.retries_left > 0):
                 failing.append(job)
+            named = getattr(job, "named_hooks", {}).get("failure_callback_name")
+            if exc_type is AbandonedJobError and self.hooks is not None and named in self.hooks.callbacks:
+                callbacks.append(job.id)
             return True  # (the worker's own handlers run after it)
 
+        if self._silenced is not None and self.run_callback is not None:
+            queue = Queue(
+                queue.name, connection=queue.connection, serializer=queue.serializer, job_class=self._silenced
+            )
         clean_registries(queue, [note, *exc_handlers])
+        for job_id in callbacks:
+            self._run_failure_callback(queue, job_id)
         if failing:
             self.end_abandoned(failing)
+
+    def _run_failure_callback(self, queue: Queue, job_id: str) -> None:
+        """The allowed failure callback of a job the clean-up found abandoned, on a callback thread, as RQ's clean-up
+        runs it (whether or not a retry is left), under its timeout by a timer."""
+        assert self.hooks is not None and self.run_callback is not None
+
+        def run() -> None:
+            try:
+                job = self.hooks.job_class().fetch(job_id, connection=self.connection, serializer=queue.serializer)
+                execute_failure_callback(job, TimerDeathPenalty, AbandonedJobError, AbandonedJobError(), None)
+            except Exception:
+                log.exception("the failure callback of job %s, failed as abandoned, raised", job_id)
+
+        try:
+            self.run_callback(run)
+        except RuntimeError:  # (the callback threads shut down: the worker is stopping)
+            log.warning("the failure callback of job %s, failed as abandoned, was not run: stopping", job_id)
 
     def end_abandoned(self, jobs: list[Job]) -> None:
         """The last event and completion entry of ``jobs``, which RQ's clean-up failed as abandoned (those it did
