@@ -290,6 +290,31 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     assert worker.worker.tokens - counted == len(partial["token_ids"]) + 3 * 8
 
 
+def test_a_canceled_job_s_dependency_sets_expire_with_it(served, monkeypatch):
+    """RQ's cancel of a running job whose ``depends_on`` was met, and of a parent with a deferred child: the job
+    hash expired with its result, its dependency set (``rq:job::<id>:dependencies``) and dependents set stayed for
+    good (RQ's own cleanup, and a finished job's end here, expire them with the hash)."""
+    worker, client = served
+    slow_engine_steps(monkeypatch, worker.worker.engine)
+    queue = Queue(worker.queue, connection=client.connection, serializer=JSONSerializer)
+    long = {"prompt": "Write forever", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    first = queue.enqueue("worker.jobs.generate", prompt="first", max_tokens=20, ignore_eos=True)
+    child = queue.enqueue("worker.jobs.generate", **long, depends_on=first)  # (deferred until first ends)
+    parent = queue.enqueue("worker.jobs.generate", **long)
+    deferred = queue.enqueue("worker.jobs.generate", prompt="then", max_tokens=2, depends_on=parent)
+    conn = client.connection
+    assert conn.exists(child.dependencies_key, parent.dependents_key) == 2
+    assert client.job(first.id).result(timeout=30)["status"] == "finished"
+    for job in (child, parent):
+        _first_event(client.job(job.id))
+        job.cancel()
+        with pytest.raises(JobCanceled):
+            client.job(job.id).result(timeout=30)
+    assert deferred.get_status() == "deferred"
+    for job, key in ((child, child.dependencies_key), (parent, parent.dependents_key)):
+        assert 0 < conn.ttl(key) <= conn.ttl(job.key), key
+
+
 def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served):
     """RQ's ``job.delete()`` on a running job: it stops within a step and its followers get a last event, but no
     result, registry entry or hash of it comes back (it was written as a canceled job's)."""

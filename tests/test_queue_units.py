@@ -2867,6 +2867,15 @@ def test_a_stop_written_from_outside_is_ended_as_a_stop_not_taken_for_an_earlier
         end()
     assert len(held.job.results()) == 1 and conn.llen("roseinfer:done:done-list") == 1
     conn.delete("roseinfer:done:done-list")
+    # A job whose failure_ttl is -1 (RQ: kept for good): an EXPIRE of -1 after the failed registry's deleted its hash.
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    held.job.failure_ttl = -1
+    conn.delete(held.execution.key)  # (lapsed: the end writes RQ's record of the stop itself)
+    conn.hset(held.job.key, mapping={"failure_ttl": -1, "status": "stopped"})
+    worker._canceled(held, [JobEvent(held.job.id, finish_reason="abort")], stopped=True)
+    for end in worker._tasks:
+        end()
+    assert conn.hget(held.job.key, "status") == b"stopped" and conn.ttl(held.job.key) == -1
 
 
 @pytest.mark.redis

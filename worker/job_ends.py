@@ -142,11 +142,12 @@ class JobEnds:
                 if not stopped and not deleted:
                     # RQ's job.cancel() put it there already; a raw `HSET status canceled` did not.
                     job.queue.canceled_job_registry.add(job.job, self.settings.result_ttl, pipeline=pipe)
-                    pipe.expire(job.job.key, self.settings.result_ttl)  # the start made it last for good
+                    # (the start made it last for good; RQ's cleanup: its dependency sets with it, not left for good)
+                    job.job.cleanup(self.settings.result_ttl, pipeline=pipe)
                 if stopped and unrecorded:  # (the registry's add saves the job: its status as it stands)
                     job.job._status, job.job.ended_at = JobStatus.STOPPED, now()
+                    # (the add expires it by RQ's rule, -1 kept for good: an EXPIRE of -1 deleted it)
                     job.queue.failed_job_registry.add(job.job, failure_ttl(job.job), str(reason), pipeline=pipe)
-                    pipe.expire(job.job.key, failure_ttl(job.job))
                 if unrecorded:  # the partial result
                     entry = result_entry(result, Result.Type.STOPPED, self.name, error=str(reason),
                                          execution=job.execution, ended=now())  # fmt: skip
@@ -252,7 +253,7 @@ class JobEnds:
                     self.publisher.write_result(pipe, job.id, entry, self.settings.result_ttl, ending.notify)
                     pipe.lrem(queue.intermediate_queue_key, 1, job.id)
                     queue.canceled_job_registry.add(job, self.settings.result_ttl, pipeline=pipe)
-                    pipe.expire(job.key, self.settings.result_ttl)
+                    job.cleanup(self.settings.result_ttl, pipeline=pipe)  # (its dependency sets too, as RQ's)
                     pipe.execute()
             self._free_slot(job)
             self.metrics.job_ended("canceled", None)
