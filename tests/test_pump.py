@@ -534,6 +534,26 @@ def test_a_stop_hands_back_at_once_the_jobs_not_generating_yet_and_finishes_the_
     assert running.result(timeout=10)["usage"]["completion_tokens"] == 150  # the one generating finished
 
 
+def test_a_warm_stop_of_a_busy_worker_is_recorded_as_rqs_is(fake_worker):
+    """RQ's worker writes when a warm stop came while it was busy (``Worker.shutdown_requested_date``, shown by
+    rq-dashboard); this one kept it to itself while it drained."""
+    from rq import Worker
+    from rq.utils import now
+
+    worker, engine, client = fake_worker
+    engine.step_s = 0.005
+    job = client.submit("endless", max_tokens=10**6)
+    next(iter(job.events(timeout=10)))
+    before = now()
+    worker.request_stop()
+    deadline = time.time() + 10
+    while Worker.find_by_key(worker.key, connection=client.connection).shutdown_requested_date is None:
+        assert time.time() < deadline, "no shutdown_requested_date"
+        time.sleep(0.02)
+    said = Worker.find_by_key(worker.key, connection=client.connection).shutdown_requested_date
+    assert abs((said - before).total_seconds()) < 5
+
+
 def test_a_third_stop_signal_does_not_put_off_the_cold_stops_patience(fake_worker):
     """Each signal after the first set the sender's patience anew: one repeated (a supervisor, Ctrl-C held) kept the
     cold stop waiting on Redis."""

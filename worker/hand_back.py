@@ -8,6 +8,7 @@ A part of ``BatchWorker`` (a mixin, as ``success_path``); it uses the worker's `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -57,6 +58,8 @@ class HandBack:
         in their prompt) go back to their queue at once, for another worker, as RQ's warm stop leaves queued jobs;
         past ``--drain-timeout`` the rest go back too, before the orchestrator's kill."""
         if not self._unstarted_handed_back:
+            with contextlib.suppress(*REDIS_UNAVAILABLE, redis.exceptions.ResponseError):  # (a record: not waited for)
+                self.set_shutdown_requested_date()  # RQ's of a warm stop while busy (rq-dashboard, Worker.all show it)
             self.puller.stop()  # (a pull under way hands over what it took: those go back too)
             self._apply_arrivals()
             waiting = [job_id for job_id, job in self.in_flight.items() if job.first_token_at is None]
