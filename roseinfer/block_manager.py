@@ -150,7 +150,11 @@ class KVCacheManager:
 
     def _register_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
-        num_registered = self._num_registered_blocks.get(seq.request_id, 0)
+        # (never below the window's dropped entries: they name another block, and the count set at a reset of the
+        # prefix cache falls behind them once the window moves on)
+        num_registered = max(
+            self._num_registered_blocks.get(seq.request_id, 0), self._num_dropped_blocks.get(seq.request_id, 0)
+        )
         if num_full <= num_registered:
             return
         hashes = self._block_hashes(seq, num_full)

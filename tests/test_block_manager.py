@@ -109,6 +109,23 @@ def test_blocks_out_of_the_sliding_window_are_freed_keep_their_hash_and_are_not_
     assert kv.num_used_blocks == 0 and all(block.ref_count == 0 for block in kv.blocks)
 
 
+def test_a_prefix_cache_reset_then_a_window_move_registers_no_block_under_another_blocks_tokens():
+    """After a reset of the prefix cache a request registers its blocks again from its first one still held; the
+    window moving on before its next allocation left that count behind the dropped entries, which name another
+    block: that block was registered as holding the dropped blocks' tokens (a later prompt would read them)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=5)
+    a = seq(list(range(12)), "a")
+    assert kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    a.token_ids.append(12)
+    kv.reset_prefix_cache()
+    kv.free_outside_window(a)  # (blocks 0 and 1 leave the window: their entries name block 2 now)
+    assert kv.allocate_slots(a, 1)
+    table = kv.get_block_ids("a")
+    registered = {b.block_id: b.token_ids for b in kv.blocks if b.block_hash is not None}
+    assert registered == {table[2]: (8, 9, 10, 11)}
+
+
 def test_without_a_sliding_window_nothing_is_freed_early():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = seq(list(range(14)), "a")
