@@ -564,11 +564,23 @@ class LLMEngine(PromptInputs):
             except BaseException:
                 self._pending = pending[i + 1 :] + self._pending
                 if entry[0].is_finished:  # (its output is the last thing ``_emit`` adds: not there)
-                    with contextlib.suppress(Exception):
-                        if (out := self._output(entry[0], "", [], group_may_end=may_end)).finished:
-                            outputs.append(out)
+                    self._salvage_last_output(entry[0], outputs, may_end)
+                # (for ``take_undelivered``: a step's own call was the only one whose outputs were kept; the CPU's,
+                # after its step, and an empty step's, on a GPU, lost a request's last output made here)
+                self.undelivered = outputs
                 raise
         return outputs
+
+    def _salvage_last_output(self, seq: Sequence, outputs: list[RequestOutput], group_may_end: bool) -> None:
+        """The last output of ``seq``, which ended at the token whose output failed: its text's rest where the
+        detokenizer still gives it, and the ids held for it (a delta's), else its output whole without them."""
+        text = ""
+        with contextlib.suppress(Exception):
+            text = seq.detokenizer.finish() if seq.detokenizer is not None else ""
+        with contextlib.suppress(Exception):
+            if (out := self._output(seq, text, seq.held_ids, group_may_end=group_may_end)).finished:
+                outputs.append(out)
+                seq.held_ids = []
 
     def _emit(self, entry: tuple, outputs: list[RequestOutput], group_may_end: bool) -> None:
         """One sampled token's text and output (``_emit_pending``)."""
@@ -576,6 +588,9 @@ class LLMEngine(PromptInputs):
         if seq.is_finished and not ended_at_token:
             return  # aborted since: its last output was given then
         detok = seq.detokenizer
+        kind = seq.params.output_kind
+        if kind == "delta":  # held until its output is made: an error before then leaves its id to the next output,
+            seq.held_ids.append(token)  # whose text holds its text (the detokenizer took it: not pushed again)
         if detok is not None:
             # A stopping token's own text stays out of the output (``_shown``).
             detok.push(_shown(seq, token, by_token))
@@ -586,22 +601,23 @@ class LLMEngine(PromptInputs):
                     self.scheduler.finish(seq, "stop")  # a token computed for it since is dropped
                     seq.finish_time = time.perf_counter()
                 seq.finish_reason, seq.stop_reason = "stop", hit
-        kind = seq.params.output_kind
         if not seq.is_finished and (
             kind == "final_only"
             or (kind == "delta" and not self._flush and seq.streamed and seq.parent_id == seq.request_id)
         ):
-            if kind == "delta":
-                seq.held_ids.append(token)  # its text waits in the detokenizer, as a final_only request's does
-            return
+            return  # (a delta's id held above: its text waits in the detokenizer, as a final_only request's does)
         delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
         ids = [token]
         if kind == "final_only":  # its one output: every token this run made, as its text
             ids = seq.output_token_ids[seq.num_resumed_tokens :]
+        elif kind == "delta":  # (held since its last output, this one's too)
+            ids = seq.held_ids
         elif seq.held_ids:
             ids, seq.held_ids = seq.held_ids + ids, []
         seq.streamed = True
         out = self._output(seq, delta, ids, group_may_end=group_may_end)
+        if kind == "delta":
+            seq.held_ids = []  # (taken once its output is made)
         if out.finished or kind != "final_only":  # a sample of n ending before the others: not yet
             outputs.append(out)
 

@@ -238,3 +238,57 @@ def test_an_interrupt_while_outputs_are_made_loses_none_of_them(tiny_chat_model,
     assert raised and finals == plain[1]
     if where == "after a token's push":  # (in the finished one's case its last delta is given up: its final whole)
         assert deltas == plain[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_interrupt_in_outputs_made_after_the_step_loses_no_last_output_nor_id(tiny_chat_model, monkeypatch, overlap):
+    """Outputs made outside the step's try (on a CPU after the step; on a GPU in a call whose schedule is empty,
+    every request ended) were lost with an interrupt there: a request that ended in them never gave its last output.
+    And a delta's token whose text the detokenizer took before the interrupt came with no id (text and ids apart)."""
+    import roseinfer.detokenizer as detokenizer
+
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    delta = {"temperature": 0, "ignore_eos": True, "output_kind": "delta", "logprobs": 1}
+    long = 3 if overlap else 8  # (on a GPU both end in one step: the next call's schedule is empty)
+    requests = [
+        ("a", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=3, **delta)),
+        ("b", {"prompt": "What is"}, SamplingParams(max_tokens=long, **delta)),
+    ]
+
+    b_detokenizer = []
+
+    def run() -> tuple[dict, dict, dict]:
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        b_detokenizer.append(engine.scheduler.get("b").detokenizer)
+        texts, ids, finals = {"a": "", "b": ""}, {"a": [], "b": []}, {}
+        while engine.has_unfinished_requests():
+            try:
+                outs = engine.step()
+            except KeyboardInterrupt:
+                outs = engine.take_undelivered()
+            for out in outs:
+                texts[out.request_id] += out.delta_text
+                ids[out.request_id] += out.delta_token_ids
+                if out.finished:
+                    finals[out.request_id] = [(c.text, c.token_ids, c.finish_reason) for c in out.outputs]
+        return texts, ids, finals
+
+    engine._overlap = overlap
+    engine.kv.reset_prefix_cache()
+    plain = run()
+    push, raised = detokenizer.IncrementalDetokenizer.push, []
+
+    def interrupted(self, token, *args, **kwargs):  # b's token, in the outputs of the step "a" ended in
+        push(self, token, *args, **kwargs)
+        if token is not None and not raised and engine.scheduler.get("a") is None and self is b_detokenizer[-1]:
+            raised.append(token)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "push", interrupted)
+    engine.kv.reset_prefix_cache()
+    texts, ids, finals = run()
+    assert raised and finals == plain[2] and set(finals) == {"a", "b"}
+    assert ids == plain[1] and texts == plain[0]
+    assert engine.kv.num_used_blocks == 0
