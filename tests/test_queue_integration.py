@@ -220,7 +220,8 @@ def _usage_so_far(events: list[dict], before: int = 0) -> list[dict]:
     for e in events:
         made += len(e["token_ids"])
         out.append({"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made})
-    return out
+    out[-1]["prompt_tokens_details"] = {"cached_tokens": events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    return out  # (the last one's, as the result's, with the prompt's cached tokens)
 
 
 def test_a_job_asking_for_continuous_usage_has_it_on_every_event_resumed_or_not(served):
