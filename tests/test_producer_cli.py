@@ -757,6 +757,17 @@ def test_first_hour_mistakes_get_one_line_each(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_fastapi)
     assert cli.main(["serve", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert "roseinfer serve needs fastapi: pip install 'roseinfer[server]'" in capsys.readouterr().err
+
+    def no_metrics(name, *args, **kwargs):  # (a worker imports prometheus_client before torch)
+        if name.split(".")[0] == "prometheus_client":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for name in ("worker.main", "worker.metrics"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_metrics)
+    assert cli.main(["worker", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert "needs prometheus_client: pip install 'roseinfer[engine]'" in capsys.readouterr().err  # (was [server])
     monkeypatch.setattr(builtins, "__import__", real_import)
 
     monkeypatch.setenv("ROSEINFER_QUANTIZATION", "int8")

@@ -300,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 124  # as timeout(1)
     except ModuleNotFoundError as exc:  # a plain `pip install roseinfer` is the producer's: the rest are extras
-        extra = next((e for e, names in EXTRAS.items() if (exc.name or "").split(".")[0] in names), None)
+        # (a module in two extras: the engine's but for serve, which runs no engine unless --embedded)
+        order = sorted(EXTRAS, key=lambda e: e != ("server" if args.command == "serve" else "engine"))
+        extra = next((e for e in order if (exc.name or "").split(".")[0] in EXTRAS[e]), None)
         if extra is None:
             raise
         print(f"error: roseinfer {args.command} needs {exc.name}: pip install 'roseinfer[{extra}]'", file=sys.stderr)
@@ -326,10 +328,10 @@ def _refused_login(exc: Exception) -> str | None:
 
 
 # Which extra installs the packages a command imports (pyproject.toml's optional dependencies).
-EXTRAS = {  # (prometheus_client is in both: the server's, where the engine's would fail on torch first)
+EXTRAS = {  # (prometheus_client is in both: a worker imports it before torch)
     "server": ("fastapi", "uvicorn", "tokenizers", "prometheus_client"),
     "engine": ("torch", "transformers", "safetensors", "huggingface_hub", "gguf", "accelerate", "llguidance",
-               "fakeredis", "lupa"),
+               "fakeredis", "lupa", "prometheus_client"),
     "parquet": ("pyarrow",),
     "datasets": ("datasets",),
 }  # fmt: skip
