@@ -20,12 +20,28 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     prompts = [_utf8(p, "a prompt argument") for p in args.prompt] or _stdin_prompts()
+    if not prompts:  # (before the model loads)
+        raise ConfigError("no prompts: give them as arguments, or one a line on stdin")
     llm = LLM.from_config(config)
-    convs = [[{"role": "user", "content": p}] for p in prompts]
-    for out in llm.chat(convs, params, use_tqdm=len(convs) > 1):
-        c = out.outputs[0]
+    # A line per prompt, in order: one the model cannot take (past its context) is an error line of its own, not a
+    # traceback that lost every answer.
+    chats = llm.engine.tokenize_many([{"messages": [{"role": "user", "content": p}]} for p in prompts])
+    taken = [(i, chat[1]) for i, chat in enumerate(chats) if not isinstance(chat, Exception)]
+    refused = {i: str(chat) for i, chat in enumerate(chats) if isinstance(chat, Exception)}
+    for i, ids in taken:
+        try:
+            llm.engine.check_prompt_tokens(len(ids))
+        except ValueError as exc:
+            refused[i] = str(exc)
+    runs = [{"prompt_token_ids": ids} for i, ids in taken if i not in refused]
+    outs = iter(llm.generate(runs, params, use_tqdm=len(runs) > 1))
+    for i in range(len(prompts)):
+        if i in refused:
+            print(json.dumps({"error": refused[i]}))
+            continue
+        c = next(outs).outputs[0]
         print(json.dumps({"text": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}))
-    return 0
+    return 0 if not refused else 1
 
 
 def _stdin_prompts() -> list[str]:

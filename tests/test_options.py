@@ -389,6 +389,24 @@ def test_generate_runs_without_a_seed_and_a_model_that_is_not_there_is_one_line(
     assert err.count("\n") == 1 and err.rstrip().endswith("or tiny; did you mean tiny?)"), err
 
 
+def test_generate_answers_every_prompt_it_can_and_says_which_it_cannot(tiny_chat_model, capsys, monkeypatch):
+    """A prompt past the context was a traceback that lost every other prompt's answer; no prompt at all loaded the
+    model, printed nothing and exited 0."""
+    import io
+
+    from worker.cli import main
+
+    long = "sea " * 3000
+    assert main(["generate", "Hi", long, "There", "--model", tiny_chat_model, "--max-tokens", "2"]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [sorted(line) for line in lines] == [["completion_tokens", "finish_reason", "text"], ["error"],
+                                                ["completion_tokens", "finish_reason", "text"]]  # fmt: skip
+    assert "this model allows at most" in lines[1]["error"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n \n"))
+    assert main(["generate", "--model", "/nonexistent/model"]) == 2  # (said before the model loads)
+    assert "no prompts" in capsys.readouterr().err
+
+
 def test_generate_reads_the_model_device_and_dtype_settings_under_its_flags(tiny_chat_model, monkeypatch, capsys):
     """``demo`` and the worker read ROSEINFER_MODEL, _DEVICE and _DTYPE; ``generate`` ran the default model in float32
     on the CPU whatever they said (``docker compose exec worker roseinfer generate hi``)."""
