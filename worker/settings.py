@@ -77,7 +77,7 @@ class QueueSettings(BaseSettings):
     )
     # Short, so signals and maintenance stay prompt.
     idle_wait: float = Field(
-        1.0,
+        MULTI_LANE_WAIT_S,  # (the default was 1.0, which waited 0.2: the help said so beside a default of 1.0)
         gt=0,
         le=60,
         description="seconds a pull blocks on an empty queue when nothing runs, 0.2 at most (a larger value waits "
