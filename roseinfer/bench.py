@@ -110,7 +110,13 @@ def load_prompts(args) -> list[list[dict]]:
         words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
         texts = [" ".join(words[(i + j) % len(words)] for j in range(args.input_len)) for i in range(args.num_prompts)]
     else:
-        texts = json.loads(find_workload(args.prompts).read_text())
+        chosen = find_workload(args.prompts)
+        try:
+            texts = json.loads(chosen.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeError) as exc:  # (a traceback before)
+            raise ConfigError(f"prompts file {chosen} is not JSON ({exc}): a list of prompt strings") from None
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ConfigError(f"prompts file {chosen} must hold a non-empty JSON list of non-empty prompt strings")
         texts = (texts * (args.num_prompts // len(texts) + 1))[: args.num_prompts]
     return [[{"role": "user", "content": t}] for t in texts]
 

@@ -688,3 +688,20 @@ def test_a_pull_blocks_the_bound_the_socket_timeout_counts_on_whatever_it_is_ask
     started = time.monotonic()
     assert pull([Queue("empty-lane", connection=conn)], 1, 5, conn, Job, JSONSerializer) == ([], [])
     assert time.monotonic() - started < MULTI_LANE_WAIT_S + 1
+
+
+@pytest.mark.parametrize("text", ["not json", '{"a": 1}', "[]", '["a", 3]', '["a", ""]'])
+def test_a_bench_prompts_file_that_is_no_list_of_prompts_is_one_line(tmp_path, text):
+    """``--prompts`` (and bench-queue's, bench-redis's) of no list of prompt strings: a JSONDecodeError, a TypeError
+    or a ZeroDivisionError traceback."""
+    import argparse
+
+    from roseinfer.bench import load_prompts
+    from roseinfer.config import ConfigError
+
+    path = tmp_path / "prompts.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"prompts file {path}"):
+        load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=4))
+    path.write_text('["one", "two"]')
+    assert load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=3))[2][0]["content"] == "one"
