@@ -221,8 +221,10 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs its json_schema: {'name': ..., 'schema': {...}}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema goes with type 'json_schema', not {self.type!r}")
         return self
 
     def engine_form(self) -> dict[str, Any] | None:

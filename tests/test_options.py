@@ -705,3 +705,16 @@ def test_a_bench_prompts_file_that_is_no_list_of_prompts_is_one_line(tmp_path, t
         load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=4))
     path.write_text('["one", "two"]')
     assert load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=3))[2][0]["content"] == "one"
+
+
+@pytest.mark.parametrize(
+    ("response_format", "said"),
+    [({"type": "json_schema"}, "type 'json_schema' needs its json_schema"),
+     ({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "not 'json_object'")],
+)  # fmt: skip
+def test_a_response_format_of_a_type_without_its_schema_or_the_other_way_round_says_which(response_format, said):
+    """The same words stood for both mistakes (a json_schema type with no schema, a schema under json_object)."""
+    from producer.schema import JobRequest
+
+    with pytest.raises(ValueError, match=said):
+        JobRequest.model_validate({"prompt": "x", "response_format": response_format})
