@@ -518,6 +518,8 @@ def batch_options(args: argparse.Namespace):
         raise InvalidRequest("--system goes with --chat (a raw prompt has no system message)")
     if args.chat and args.messages_column is not None:
         raise InvalidRequest("--chat makes the prompt column a chat; a messages column is one already")
+    if args.prompt_column is not None and args.messages_column is not None:  # (the messages column won, unsaid)
+        raise InvalidRequest("--prompt-column or --messages-column: a row's input is one column, not both")
     return RowOptions(
         args.prompt_column, args.messages_column, args.id_column, defaults, args.chat, args.system,
         args.tool_call_parser, args.reasoning_parser,

@@ -745,6 +745,10 @@ def test_first_hour_mistakes_get_one_line_each(tmp_path, monkeypatch, capsys):
     assert cli.main(["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "--count-tokens", "tiny"]) == 2
     assert "--count-tokens goes with --dry-run" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+    both = ["--prompt-column", "q", "--messages-column", "q"]  # (the messages column won, every row then failing)
+    assert cli.main(["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), *both]) == 2
+    assert "--prompt-column or --messages-column" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
 
     real_import = builtins.__import__
 
