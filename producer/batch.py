@@ -242,6 +242,21 @@ def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
     return stored if isinstance(stored, str) and RUN_ID.fullmatch(stored) else None
 
 
+def check_resumed_run(output_path: Path, run_id: str) -> None:
+    """``--run-id`` (without ``--fresh``) names the run the output's settings keep, where they keep one: a typo was
+    taken as a new run, every row left submitted again under new job ids (the interrupted run's jobs orphaned)."""
+    before = _stored_settings(output_path)
+    if not isinstance(before, dict):
+        return  # (a new output: the run id is this run's)
+    stored = before.get("run_id")
+    if stored != run_id:
+        kept = f"run {stored}" if stored else "a run of no run id (rerun it without --run-id)"
+        raise ValueError(
+            f"{output_path} was made by {kept}, not run {run_id}: --run-id resumes the output's own run (a new run "
+            "of it is --fresh)"
+        )
+
+
 def _differences(before: dict[str, Any], now: dict[str, Any], where: str = "") -> list[str]:
     """Where two settings differ, each as 'defaults.max_tokens: 64 in the output, 32 now' (the whole of both, a
     schema and all, buried the one difference in a kilobyte)."""

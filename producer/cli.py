@@ -527,7 +527,15 @@ def batch_options(args: argparse.Namespace):
 
 
 def batch(args: argparse.Namespace) -> int:
-    from producer.batch import BatchInterrupted, RedisLost, default_errors_path, dry_run, new_run_id, run_batch
+    from producer.batch import (
+        BatchInterrupted,
+        RedisLost,
+        check_resumed_run,
+        default_errors_path,
+        dry_run,
+        new_run_id,
+        run_batch,
+    )
 
     if args.count_tokens and not args.dry_run:  # (it counts what a run would take; a run it started instead)
         print("error: --count-tokens goes with --dry-run", file=sys.stderr)
@@ -536,7 +544,9 @@ def batch(args: argparse.Namespace) -> int:
     errors = args.errors or default_errors_path(args.output, dry=args.dry_run)
     try:
         options = batch_options(args)
-    except InvalidRequest as exc:
+        if args.run_id is not None and not args.fresh:
+            check_resumed_run(Path(args.output), args.run_id)
+    except (InvalidRequest, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     same = args.format if args.format != "hf" else None  # a datasets folder is an input only

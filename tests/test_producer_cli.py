@@ -380,6 +380,11 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     if fresh:  # the resumed --fresh run kept its own job ids
         run_id = argv[argv.index("--run-id") + 1]
         assert all(r["response"]["request_id"].startswith(f"batch-{run_id}-") for r in rows)
+    # A mistyped --run-id was a new run: every row left submitted again under new ids (none left here: still said).
+    typo = [a if a != run_id else "typo123" for a in argv[1:]] if fresh else [*argv[1:], "--run-id", "typo123"]
+    assert producer_cli.batch(_parse(*typo)) == 2
+    said = f"was made by run {run_id}, not run typo123" if fresh else "a run of no run id"
+    assert said in capsys.readouterr().err
 
 
 def test_a_fresh_run_says_its_id_only_once_it_is_taken(tmp_path, capsys):
