@@ -377,6 +377,13 @@ def has_tokenizer(path: str) -> bool:
 _GENERATOR_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
+def _within(path: Path, folder: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):
+        return False
+
+
 def load_model(
     model: str, dtype: str, device: str, tokenizer: str | None = None, chat_template: str | None = None
 ) -> LoadedModel:
@@ -389,10 +396,16 @@ def load_model(
         raise  # (a ValueError that says it all)
     except (OSError, ValueError) as exc:  # no such file, folder or hub id (transformers' 50-line traceback says
         reason = _first_line(exc)  # no more), or a file that is no model
+        if isinstance(exc, OSError) and exc.filename and _within(Path(exc.filename), cache_dir()):
+            raise ConfigError(  # (it was said to be the model's fault, with a "did you mean" of its own name)
+                f"the model cache {cache_dir()} cannot be used ({reason}): set ROSEINFER_CACHE_DIR to a folder this "
+                "user can write (default ~/.cache/roseinfer)"
+            ) from None
         if "ConnectError" in reason or "ConnectionError" in reason:  # (huggingface_hub's "Got: ConnectError: ...")
             reason = f"no such folder or file here, and the Hugging Face hub cannot be reached ({reason})"
         close = difflib.get_close_matches(model.lower(), (DEFAULT_MODEL, TINY_MODEL, "smollm2"), n=1, cutoff=0.6)
-        hint = f"; did you mean {DEFAULT_MODEL if close[0] == 'smollm2' else close[0]}?" if close else ""
+        meant = (DEFAULT_MODEL if close[0] == "smollm2" else close[0]) if close else None
+        hint = f"; did you mean {meant}?" if meant and meant != model.lower() else ""
         raise ConfigError(
             f"cannot load model {model!r}: {reason} (a model is a transformers folder, a .gguf file, a hub id in the "
             f"local Hugging Face cache, {DEFAULT_MODEL} or {TINY_MODEL}{hint})"

@@ -407,6 +407,20 @@ def test_generate_answers_every_prompt_it_can_and_says_which_it_cannot(tiny_chat
     assert "no prompts" in capsys.readouterr().err
 
 
+def test_a_model_cache_that_cannot_be_used_is_said_to_be_the_cache_not_the_model(tmp_path, monkeypatch, capsys):
+    """ROSEINFER_CACHE_DIR naming a file was "cannot load model 'smollm2-135m-instruct' ... did you mean
+    smollm2-135m-instruct?": the name given, suggested back, and the variable never named."""
+    from worker.cli import main
+
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(taken))
+    assert main(["generate", "hi", "--model", "smollm2-135m-instruct"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model cache {taken} cannot be used" in err and "ROSEINFER_CACHE_DIR" in err
+    assert "did you mean" not in err
+
+
 def test_generate_reads_the_model_device_and_dtype_settings_under_its_flags(tiny_chat_model, monkeypatch, capsys):
     """``demo`` and the worker read ROSEINFER_MODEL, _DEVICE and _DTYPE; ``generate`` ran the default model in float32
     on the CPU whatever they said (``docker compose exec worker roseinfer generate hi``)."""
