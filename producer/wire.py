@@ -1,6 +1,6 @@
 """The protocol's outputs as models: a token event and a job's result. Their JSON Schemas (and the job payload's)
-are shipped in ``docs/schemas/`` for producers in other languages; ``python -m producer.wire`` writes them, and a
-test fails when the shipped files drift from these models."""
+are shipped in ``docs/schemas/`` for producers in other languages; ``python -m producer.write_schemas`` writes
+them, and a test fails when the shipped files drift from these models."""
 
 from __future__ import annotations
 
@@ -174,7 +174,8 @@ def write_schemas(folder: Path = SCHEMA_DIR) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m producer.wire", description="Write the protocol's JSON Schemas (job payload, event, result)."
+        prog="python -m producer.write_schemas",
+        description="Write the protocol's JSON Schemas (job payload, event, result).",
     )
     parser.add_argument("folder", nargs="?", type=Path, default=SCHEMA_DIR, help=f"where to (default: {SCHEMA_DIR})")
     write_schemas(parser.parse_args(argv).folder)
