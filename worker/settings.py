@@ -60,7 +60,9 @@ class QueueSettings(BaseSettings):
         24 * 3600,
         ge=1,
         le=MAX_SECONDS,
-        description="seconds a result is kept: a job's without result_ttl, a canceled or rejected job's",
+        description="seconds a result is kept: a job's that sets no result_ttl (a producer's in another language; the "
+        "Python client and the roseinfer commands set their own, Client(result_ttl=), a day), a canceled or rejected "
+        "job's",
     )
     # XADD's MAXLEN is a signed 64-bit count: past it every event write failed.
     stream_maxlen: int = Field(100_000, ge=16, le=2**63 - 1, description="events kept per replay stream")
