@@ -17,15 +17,6 @@ def boom(job, connection, *args) -> None:
     raise RuntimeError("boom from the success callback")
 
 
-def refused_once(job, connection, *args) -> None:
-    """Redis refusing the write once (full memory), as RQ's success pipeline meets it; then it takes it."""
-    from redis.exceptions import ResponseError
-
-    if connection.set(f"hook-probe-refused:{job.id}", "1", nx=True):
-        raise ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
-    connection.set(f"hook-probe:{job.id}", "ran")
-
-
 def record_failure(job, connection, *args) -> None:
     """A mark of its own, for a test that tells a job's failure callback from its other ones."""
     connection.set(f"hook-probe-failure:{job.id}", "ran")
@@ -53,3 +44,16 @@ def record_thread(job, connection, *args) -> None:
     import threading
 
     connection.set(f"hook-probe-thread:{job.id}", threading.current_thread().name)
+
+
+def count(job, connection, *args) -> None:
+    """Counts its runs: a test tells a callback run once from one run again."""
+    connection.incr(f"hook-probe-count:{job.id}")
+
+
+def redis_of_its_own_down(job, connection, *args) -> None:
+    """A callback whose own Redis (not the worker's) is unreachable: a redis-py error of the callback's."""
+    import redis
+
+    connection.incr(f"hook-probe-count:{job.id}")
+    redis.Redis(port=1, socket_connect_timeout=0.2).ping()

@@ -42,7 +42,7 @@ def served(redis_url, tiny_chat_model):
         redis_url, tiny_chat_model, max_num_seqs=8, heartbeat_interval=1, maintenance_interval=1,
         allow_callback=[
             "hook_probe.record", "hook_probe.boom", "hook_probe.record_failure", "hook_probe.held",
-            "hook_probe.refused_once",
+            "hook_probe.count", "hook_probe.redis_of_its_own_down",
         ],
         allow_webhook_host=["allowed.invalid"], max_job_bytes=64 * 1024,
     )  # fmt: skip
@@ -335,17 +335,46 @@ def test_a_success_callback_that_raises_fails_its_job_alone(served):
     assert w.thread.is_alive()
 
 
-def test_redis_refusing_rqs_success_write_for_now_is_waited_out_not_a_failed_callback(served):
+def test_redis_refusing_rqs_success_write_for_now_is_waited_out_not_a_failed_callback(served, monkeypatch):
     """An OOM (READONLY, MISCONF) from RQ's success path was taken for the job's success callback raising: the
-    finished job was failed (or run again), its failure callback run."""
+    finished job was failed (or run again), its failure callback run. Waited out, the write after the callback is
+    tried again, and the callback, which ran, is not run again."""
+    from redis.exceptions import OutOfMemoryError
+
     w, client, conn = served
     job_id = f"cb-refused-{uuid.uuid4().hex[:6]}"
+    real, refused = w.worker.handle_job_success, []
+
+    def refused_once(*args, **kwargs):
+        if not refused:
+            refused.append(True)
+            raise OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(w.worker, "handle_job_success", refused_once)
     payload = {"prompt": "twins", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.refused_once",
+    _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.count",
              failure_callback_name="hook_probe.record_failure")  # fmt: skip
     assert client.job(job_id).result(timeout=30)["status"] == "finished"
     assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "finished"
-    assert conn.get(f"hook-probe:{job_id}") == b"ran" and not conn.exists(f"hook-probe-failure:{job_id}")
+    assert refused and conn.get(f"hook-probe-count:{job_id}") == b"1"
+    assert not conn.exists(f"hook-probe-failure:{job_id}")
+
+
+def test_a_success_callback_failing_on_a_redis_of_its_own_fails_its_job_once_as_rq_does(served):
+    """A redis-py error raised by the callback itself was taken for the worker's Redis refusing its write: the end
+    was tried again for good, the callback run again at every try (7 in 40 s), the worker said Redis was
+    unavailable, and the job stayed started. As RQ, the job fails with that error, its failure callback run."""
+    w, client, conn = served
+    job_id = f"cb-own-redis-{uuid.uuid4().hex[:6]}"
+    payload = {"prompt": "twins", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.redis_of_its_own_down",
+             failure_callback_name="hook_probe.record_failure")  # fmt: skip
+    with pytest.raises(JobFailed, match="success callback failed"):
+        client.job(job_id).result(timeout=30)
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).get_status() == "failed"
+    assert conn.get(f"hook-probe-count:{job_id}") == b"1" and conn.get(f"hook-probe-failure:{job_id}") == b"ran"
+    assert client.submit("still serving", max_tokens=2, temperature=0).result(timeout=30)["status"] == "finished"
 
 
 def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_callback(served):

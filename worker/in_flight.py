@@ -29,6 +29,10 @@ class InFlight:
     resumed_tokens: int = 0  # output tokens an earlier attempt made (its stream's), not timed by this one
     # Its success written through RQ's path (and its completion list pushed): a retry of the end skips those.
     success_written: bool = False
+    # Its success callback ran (returned, or raised this): a retry of its end after Redis failed a write does not
+    # run it again.
+    called_back: bool = False
+    callback_error: Exception | None = None
     notified: bool = False
     result_size: int = 0  # about how many bytes its result takes in Redis (``result_bytes``), once it finished
     made_bytes: int = 0  # what its output so far adds to its result (``piece_bytes``): past the bound, it ends

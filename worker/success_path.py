@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import redis
+from rq.callbacks import execute_success_callback
 from rq.executions import ExecutionRegistry
 from rq.job import JobStatus
 from rq.registry import (
@@ -26,7 +27,6 @@ from rq.registry import (
 from rq.results import Result
 from rq.utils import current_timestamp, now, utcformat
 
-from producer.connection import redis_waits
 from producer.protocol import OWNER_FIELD, encode_result, failure_result, result_entry
 from worker.in_flight import InFlight, jobs_named
 from worker.job_finish import finish_jobs
@@ -91,16 +91,28 @@ class SuccessPath:
             log.info("%s finished", jobs_named([job.job.id for job, _ in finished]))
 
     def _through_rq_success(self, job: InFlight, result: dict[str, Any]) -> bool:
-        """RQ's success path for a job this attempt owns (its callback, its dependents, its webhooks); False where
-        its success callback raised, or outlived its timeout: then it failed, as RQ fails it."""
+        """RQ's success path for a job this attempt owns (``_finalize_success``'s steps: its callback, then its
+        result, dependents and webhooks); False where its success callback raised, or outlived its timeout: then it
+        failed, as RQ fails it. Only this worker's own writes are waited out when Redis fails them (a raise from
+        here): a callback's error, a Redis error of its own included, is the job's (retried, it ran the callback
+        again at every try, for good), and a callback that ran is not run again by a retry of the writes after it."""
+        j = job.job
         self._reclaim(job)
-        try:
-            self._finalize_success(job.job, job.queue, job.execution, result)  # RQ stores the result
-        except Exception as exc:
-            if redis_waits(exc):  # (down, or refusing writes for now: OOM, READONLY, MISCONF) waited out, as any write
-                raise
-            self._success_callback_failed(job, exc)
+        if not job.called_back:
+            self.handle_execution_ended(j, job.queue, j.success_callback_timeout)
+            j._result, j._status = result, JobStatus.FINISHED
+            try:
+                execute_success_callback(j, self.death_penalty_class, result)
+            except Exception as exc:
+                job.callback_error = exc
+            job.called_back = True
+        if job.callback_error is not None:
+            self._success_callback_failed(job, job.callback_error)
             return False
+        j._result, j._status = result, JobStatus.FINISHED
+        self.handle_job_success(job=j, queue=job.queue, started_job_registry=job.queue.started_job_registry,
+                                execution=job.execution)  # fmt: skip  # RQ stores the result
+        j.send_webhooks(JobStatus.FINISHED)
         job.success_written = True
         return True
 
