@@ -23,11 +23,14 @@ from worker.cli import worker_command
 pytestmark = pytest.mark.slow  # real worker processes, each loading a model
 
 
-def _start_worker(redis_url: str, queue: str, model: str, *extra: str, slow: bool = False) -> subprocess.Popen:
+def _start_worker(
+    redis_url: str, queue: str, model: str, *extra: str, slow: bool = False, env: dict | None = None
+) -> subprocess.Popen:
     env = {
         **os.environ,
         # Short heartbeats and maintenance so recovery takes seconds here (defaults: well under two minutes).
         "ROSEINFER_HEARTBEAT_GRACE": "2",
+        **(env or {}),
     }
     cmd = worker_command(
         redis_url,
@@ -645,3 +648,42 @@ def test_a_simple_worker_fails_a_job_whose_result_is_past_max_result_bytes(
     assert (last["finish_reason"], last["error_type"]) == ("error", "invalid_request") and "error_code" not in last
     with pytest.raises(JobFailed, match="past --max-result-bytes"):
         Client(redis_url, queue=queue_name).job(job.id).result(timeout=5)
+
+
+def test_a_stop_signal_once_the_worker_stopped_ends_the_process_at_once(redis_url, tiny_chat_model, queue_name):
+    """After a cold stop the exit waits for threads still running (an allowed callback blocked in a call); the
+    worker's handlers, still in place, only set flags: SIGTERM and Ctrl-C did nothing until the callback ended (up
+    to its timeout, or for good). Now a signal then ends the process."""
+    from rq import Callback, Queue
+    from rq.serializers import JSONSerializer
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = _start_worker(redis_url, queue_name, tiny_chat_model, "--allow-callback", "hook_probe.held",
+                         env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    client = Client(redis_url, queue=queue_name)
+    try:
+        job = Queue(queue_name, connection=client.connection, serializer=JSONSerializer).enqueue(
+            "worker.jobs.generate", prompt="hi", max_tokens=2, on_success=Callback("hook_probe.held", timeout=60)
+        )
+        deadline = time.time() + 60
+        while client.connection.get(f"hook-probe:{job.id}") != b"running":  # (its callback holds on, 30 s)
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # a cold stop: the callback is not waited for, the exit waits for it
+        deadline = time.time() + 30
+        while not any("stopped" in line for line in lines):
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.poll() is None  # (the callback's thread: the exit waits for it)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        client.connection.set(f"hook-probe-release:{job.id}", 1)
+        proc.kill()
+        proc.wait(timeout=10)

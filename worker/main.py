@@ -157,4 +157,10 @@ def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
     except EngineBroken as exc:  # (in process) its jobs handed back to their queues: a supervisor restarts us
         log.error("worker %s stops: %s", worker.name, exc)
         return 1
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            # Stopped: a signal now ends the process at once. The worker's handlers only set flags, and the exit
+            # waits for threads still running (an allowed callback blocked in a call): SIGTERM did nothing then.
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_DFL)
     return 0
