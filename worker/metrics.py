@@ -84,7 +84,9 @@ class WorkerMetrics:
         if timings.get("ttft_s") is not None:
             self.ttft.observe(max(0.0, timings["ttft_s"]))
             if completion_tokens > 1 and timings.get("first_token_at") is not None:
-                self.tpot.observe((timings["finished_at"] - timings["first_token_at"]) / (completion_tokens - 1))
+                # (this host's wall clock at both ends: a step back of it between them, NTP's, made it negative)
+                spent = max(0.0, timings["finished_at"] - timings["first_token_at"])
+                self.tpot.observe(spent / (completion_tokens - 1))
         self.e2e.observe(max(0.0, timings["total_s"]))
 
 
