@@ -1359,3 +1359,31 @@ def test_a_stop_whose_last_writes_redis_refuses_still_stops_the_heartbeat(redis_
 
 def _events(conn: Redis, job_id: str) -> list[dict]:
     return [json.loads(fields[b"event"]) for _id, fields in conn.xrange(f"roseinfer:stream:{job_id}")]
+
+
+def test_jobs_ending_behind_their_callbacks_count_against_the_jobs_a_worker_holds(redis_url, tiny_chat_model):
+    """Jobs whose ends waited behind slow allowed callbacks left ``in_flight``, and the worker took more in: a burst of
+    them was pulled whole (80 started at once, their results held in memory, a warm stop waiting for them all).
+    They count now: past --max-in-flight, the others stay queued for another worker."""
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=4, max_in_flight=2, allow_callback=["hook_probe.held"])
+    conn = Redis.from_url(redis_url)
+    try:
+        payload = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+        ids = [f"cb-room-{i}-{uuid.uuid4().hex[:6]}" for i in range(5)]
+        for job_id in ids:
+            _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.held")
+        deadline = time.monotonic() + 30
+        while sum(conn.get(f"hook-probe:{job_id}") == b"running" for job_id in ids) < 2:
+            assert time.monotonic() < deadline, "the callbacks never ran"
+            time.sleep(0.01)
+        time.sleep(1.5)  # (a pull looks at least once a second)
+        assert conn.llen(f"rq:queue:{w.queue}") == 3
+        assert sum(conn.exists(f"hook-probe:{job_id}") for job_id in ids) == 2
+        for job_id in ids:
+            conn.set(f"hook-probe-release:{job_id}", 1)
+        client = Client(redis_url, queue=w.queue)
+        assert [client.job(job_id).result(timeout=60)["status"] for job_id in ids] == ["finished"] * 5
+    finally:
+        for job_id in ids:
+            conn.set(f"hook-probe-release:{job_id}", 1)
+        w.stop()

@@ -215,6 +215,10 @@ class Puller:
         # Jobs handed over, not yet taken in, read before the snapshot of those in flight: the step loop takes a job
         # in before it counts it taken, so a job moving meanwhile counts twice (room for one less), never not at all.
         on_its_way = self._handed - self._taken
+        # Jobs whose ends are not written yet count too (those behind allowed callbacks wait their turn): without
+        # them, a burst of slow callbacks let the worker take the whole queue in, every job started and its result
+        # held in memory.
+        on_its_way += len(w._ending)
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
         # Lanes the sender saw empty are skipped; an idle worker blocks on all of them, and so does a pull when the
         # sender read no depths for a second (it reads them as it sends: during a long step, a job that came waited
