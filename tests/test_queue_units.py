@@ -3294,6 +3294,31 @@ def test_an_abandoned_jobs_allowed_failure_callback_runs_on_a_callback_thread_no
         worker._callback_ends.shutdown(wait=True)
 
 
+@pytest.mark.redis
+def test_a_start_tried_again_gives_up_once_a_cold_stop_spent_its_patience(redis_url, monkeypatch):
+    """A start whose Redis answered nothing was sent again for up to 20 s (half the heartbeat TTL), whatever the
+    worker was told: a first SIGTERM's drain waits for the pull under way, so a cold stop took 34 s, not 15."""
+    import redis
+
+    import worker.batch_worker as batch_worker
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url, heartbeat_interval=30)
+    job = client.submit("x", max_tokens=2)
+    tries = []
+
+    def unanswered(*args, **kwargs):
+        tries.append(time.monotonic())
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    worker.sender.start_script = batch_worker.register_start_script(conn)  # (the Lua path, as a started worker's)
+    monkeypatch.setattr(batch_worker, "queue_start", unanswered)
+    worker._force_stop, worker.sender.give_up_at = True, time.monotonic() + 0.3
+    started = time.monotonic()
+    with pytest.raises(redis.exceptions.TimeoutError):
+        worker.mark_started([(job.rq_job, worker.queues[0])], [job.id])
+    assert time.monotonic() - started < 2 and len(tries) >= 2  # (tried again until then: a blip is waited out)
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid
