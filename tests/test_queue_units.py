@@ -2658,15 +2658,15 @@ def test_an_end_tried_again_after_a_redis_error_writes_no_job_of_it_twice(redis_
         job.job.result_ttl = 0  # through RQ's own success path, which deletes the job
     worker._result = lambda job, out: {"status": "finished", "text": "ok", "token_ids": [1], "timings": {}}
     worker.metrics = SimpleNamespace(job_ended=lambda *a: None)
-    finalize, calls = worker._finalize_success, []
+    write, calls = worker.handle_job_success, []
 
-    def flaky(job, *args, **kwargs):
+    def flaky(job, *args, **kwargs):  # (RQ's success write, after the callback)
         calls.append(job.id)
         if len(calls) == 2:
             raise redis.exceptions.ConnectionError("Redis went away")
-        return finalize(job, *args, **kwargs)
+        return write(job, *args, **kwargs)
 
-    worker._finalize_success = flaky
+    worker.handle_job_success = flaky
     with pytest.raises(redis.exceptions.ConnectionError):
         worker._succeed([(job, None) for job in held])
     worker._succeed([(job, None) for job in held])  # the sender's retry
