@@ -107,6 +107,9 @@ def stream_check(created_at: datetime, hash_fields: Any, first: Any) -> tuple[bo
 # per-event ownership check. Extended only while it exists; once lapsed, set again only after every job held is
 # found still owned.
 LEASE_KEY = "roseinfer:lease:{worker}"
+# In RQ's worker hash: which start of the worker of that name registered it (a frozen worker, thawed after another
+# took its name over, finds another's there: it stops).
+START_FIELD = "roseinfer_start"
 # Worker statistics (a hash per worker, expiring with it): generated tokens, steps, jobs in flight.
 STATS_KEY = "roseinfer:stats:{worker}"
 # A worker's tokenizer (its tokenizer.json), by the digest its statistics name: the server names logprobs' tokens

@@ -3319,6 +3319,37 @@ def test_a_start_tried_again_gives_up_once_a_cold_stop_spent_its_patience(redis_
     assert time.monotonic() - started < 2 and len(tries) >= 2  # (tried again until then: a blip is waited out)
 
 
+@pytest.mark.redis
+def test_a_worker_thawed_after_another_took_its_name_over_stops_and_leaves_the_others_registration(redis_url):
+    """A worker frozen past its heartbeat (SIGSTOP, a paused VM) was taken for dead and a new start took its name
+    over; thawed, it ran on beside it under one name, one registration, one statistics key and one lease: either's
+    stop unregistered both, and its events could go out under the other's lease. It stops at its next beat now,
+    writing nothing of the other's, and each start has a lease of its own."""
+    from rq import Worker
+
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    name = f"w-{uuid.uuid4().hex[:8]}"
+    conn, first, _ = _worker_of_a_new_queue(redis_url, name=name)
+    first.register_birth()
+    conn.delete(first.key)  # its registration lapsed while it was frozen
+
+    class Engine:
+        tokenizer = None
+
+    settings = WorkerSettings(redis_url=redis_url, queue=first.queues[0].name, model="fake", name=name)
+    second = BatchWorker(Engine(), settings, conn)
+    second.register_birth()
+    second._heartbeat.beat()
+    first._heartbeat.beat()  # thawed
+    assert first.name_taken and first._force_stop and not second.name_taken
+    first._heartbeat.stop()
+    assert conn.exists(second.stats_key()) and name in [w.name for w in Worker.all(connection=conn)]
+    second._heartbeat.beat()
+    assert not second.name_taken and first.start_token != second.start_token  # (each start's lease key has its own)
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

@@ -25,6 +25,7 @@ import queue as queue_mod
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,6 +48,7 @@ from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
     OWNER_FIELD,
+    START_FIELD,
     STATS_KEY,
     STREAM_OF_FIELD,
     TEMPLATE_KEY,
@@ -166,6 +168,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self._next_hand_over = 0.0
         self._pubsub_log_after = 0.0  # the command listener's next line about Redis being unavailable
         self.fingerprint = system_fingerprint(self.settings)  # in every result (OpenAI's system_fingerprint)
+        self.start_token = uuid.uuid4().hex  # this start's, in its registration (``START_FIELD``) and lease key
+        self.name_taken = False  # another start registered under this worker's name (this one taken for dead)
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
         self.template_digest = ""  # of its chat template (TEMPLATE_KEY)
         self._step_s = 0.0  # how long the last engine step took
@@ -324,7 +328,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                     if self._stop_requested and not self._force_stop:
                         self._drain_check()
                     if self._force_stop:
-                        self._hand_back_cold()
+                        if not self.name_taken:  # (taken for dead: its jobs are RQ's clean-up's, maybe another's)
+                            self._hand_back_cold()
                         break
                     if self._loop_once():
                         worked = True
@@ -387,6 +392,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self.sender.stop()
         finally:
             self._heartbeat.stop()
+        if self.name_taken:  # (the registration is the other start's)
+            return
         try:
             self.teardown()
         except REDIS_UNAVAILABLE as exc:
@@ -418,7 +425,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self.sender.canceled_keys = [queue.canceled_job_registry.key for queue in self.queues]
         self.sender.start()
         if self.sender.runs_scripts:  # fencing needs the scripts; so does the lease that makes it cheap
-            self.sender.lease_key = LEASE_KEY.format(worker=self.name)
+            # (per start: a worker thawed after another took its name over must not keep, or delete, the other's)
+            self.sender.lease_key = LEASE_KEY.format(worker=f"{self.name}:{self.start_token}")
         self.puller.burst = burst
         if burst:  # due scheduled jobs run in this burst, as RQ's burst with its scheduler moves them before its loop
             try:
@@ -895,6 +903,21 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 pipe.hset(self.stats_key(), "in_flight", len(self.in_flight))
                 pipe.expire(self.stats_key(), self.get_heartbeat_ttl(None))  # type: ignore[arg-type]
                 pipe.execute()
+
+    def serialize(self) -> dict[str, Any]:
+        """RQ's registration, with this start's token (``START_FIELD``)."""
+        return {**super().serialize(), START_FIELD: self.start_token}
+
+    def name_taken_over(self) -> None:
+        """Another start registered under this worker's name: this one was taken for dead (frozen, cut off past its
+        heartbeat) and its jobs went to RQ's clean-up. It stops at once, writes nothing of the other's (registration,
+        statistics) and hands nothing back: two workers of one name ran on, and either's stop unregistered both."""
+        if not self.name_taken:
+            log.error("worker name %r was taken over by another start (this one was taken for dead): stopping; its "
+                      "jobs are RQ's clean-up's", self.name)  # fmt: skip
+        self.name_taken = True
+        self.sender.give_up_at = time.monotonic()
+        self._stop_requested = self._force_stop = True
 
     def stats(self) -> dict[str, Any]:
         """What `roseinfer status` shows of this worker (read by the heartbeat thread)."""

@@ -14,6 +14,7 @@ from rq.executions import ExecutionRegistry
 from rq.utils import now, utcformat
 
 from producer.connection import REDIS_UNAVAILABLE, redis_waits
+from producer.protocol import START_FIELD
 from worker.due_retries import DUE_JOBS_EVERY_S, DueRetries
 from worker.intake import load_script
 
@@ -67,8 +68,10 @@ class Heartbeat:
         self.due_retries.stop()
         # (a replica after a failover, a full or busy Redis: it lapses; the stop goes on whatever Redis says)
         with contextlib.suppress(*REDIS_UNAVAILABLE, redis.exceptions.ResponseError):
-            # A stopped worker shows nothing in flight, and holds no lease.
-            self.worker.connection.delete(self.worker.stats_key(), *[k for k in [self.worker.sender.lease_key] if k])
+            # A stopped worker shows nothing in flight, and holds no lease (its statistics are another start's, under
+            # its name, once that start took it over).
+            stats = [] if self.worker.name_taken else [self.worker.stats_key()]
+            self.worker.connection.delete(*stats, *[k for k in [self.worker.sender.lease_key] if k])
 
     def _run(self) -> None:
         interval = self.worker.settings.heartbeat_interval
@@ -147,7 +150,7 @@ class Heartbeat:
         with w.connection.pipeline(transaction=False) as pipe:
             # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis
             # lost its data. The sender looks too, but an idle worker sends nothing: it stayed unlisted for good.
-            pipe.hexists(w.key, "birth")
+            pipe.hmget(w.key, "birth", START_FIELD)
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             stamp = now()
             for job in stale:
@@ -177,8 +180,11 @@ class Heartbeat:
             elif w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
             replies = pipe.execute()
-        if not replies[0]:
+        birth, start = replies[0]
+        if birth is None:
             w._on_statuses([], registered=False)  # the step loop registers again
+        elif start is not None and start.decode() != w.start_token:
+            w.name_taken_over()
         if gone := [key for at, key in looks if not replies[at]]:
             # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete(), the end of an execution).
             # Deleted again, as RQ's own heartbeat does: else a job's hash of one field stayed for good, and the
