@@ -2676,6 +2676,28 @@ def test_an_end_tried_again_after_a_redis_error_writes_no_job_of_it_twice(redis_
 
 
 @pytest.mark.redis
+def test_a_success_write_refused_for_good_fails_that_job_alone_and_the_others_end(redis_url):
+    """An error of RQ's success write that waiting will not mend (a key of another type, a refused command) fails
+    that job, as RQ's perform_job fails it, and the jobs ended beside it go on: raised, it left them all started,
+    with no result."""
+    from types import SimpleNamespace
+
+    conn, worker, _, held = _running_jobs(redis_url, count=2)
+    for job in held:
+        job.job.result_ttl = 0  # (through RQ's own success path)
+    worker._result = lambda job, out: {"status": "finished", "text": "ok", "token_ids": [1], "timings": {}}
+    ended = []
+    worker.metrics = SimpleNamespace(job_ended=lambda status, *a: ended.append(status))
+    conn.set(held[0].job.dependents_key, "not a set")  # (RQ's write of the first job meets WRONGTYPE)
+    try:
+        worker._succeed([(job, None) for job in held])
+    finally:
+        conn.delete(held[0].job.dependents_key)
+    assert conn.hget(held[0].job.key, "status") == b"queued"  # failed, and retried (a retry left), as RQ's
+    assert not conn.exists(held[1].job.key) and sorted(ended) == ["finished", "retried"]  # (result_ttl 0: gone)
+
+
+@pytest.mark.redis
 def test_a_job_with_a_dependent_that_rq_failed_while_it_ran_here_stays_failed_its_dependent_as_rq_left_it(
     redis_url,
 ):

@@ -27,6 +27,7 @@ from rq.registry import (
 from rq.results import Result
 from rq.utils import current_timestamp, now, utcformat
 
+from producer.connection import redis_waits
 from producer.protocol import OWNER_FIELD, encode_result, failure_result, result_entry
 from worker.in_flight import InFlight, jobs_named
 from worker.job_finish import finish_jobs
@@ -107,12 +108,20 @@ class SuccessPath:
                 job.callback_error = exc
             job.called_back = True
         if job.callback_error is not None:
-            self._success_callback_failed(job, job.callback_error)
+            self._success_failed(job, job.callback_error)
             return False
         j._result, j._status = result, JobStatus.FINISHED
-        self.handle_job_success(job=j, queue=job.queue, started_job_registry=job.queue.started_job_registry,
-                                execution=job.execution)  # fmt: skip  # RQ stores the result
-        j.send_webhooks(JobStatus.FINISHED)
+        try:
+            self.handle_job_success(job=j, queue=job.queue, started_job_registry=job.queue.started_job_registry,
+                                    execution=job.execution)  # fmt: skip  # RQ stores the result
+            j.send_webhooks(JobStatus.FINISHED)
+        except Exception as exc:
+            if redis_waits(exc):  # (down, or refusing writes for now: OOM, READONLY, MISCONF) waited out
+                raise
+            # Another error (a key of another type, a refused command) fails this job alone, as RQ's perform_job
+            # fails it; the jobs ended beside it go on (raised, it left them all unended).
+            self._success_failed(job, exc, "its success could not be written")
+            return False
         job.success_written = True
         return True
 
@@ -163,12 +172,12 @@ class SuccessPath:
                 registry.remove(job.job.id, pipeline=pipe)
             pipe.execute()
 
-    def _success_callback_failed(self, job: InFlight, exc: Exception) -> None:
+    def _success_failed(self, job: InFlight, exc: Exception, why: str = "its success callback failed") -> None:
         """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
         this worker. Its last event, held until now, says so (it went out as "stop" on a failed job); a job RQ
         retries gets none (its next attempt goes on from what this one streamed)."""
-        log.error("job %s: its success callback failed (%s): the job fails, as RQ fails it", job.job.id, exc)
-        error = f"the job's success callback failed: {exc}"
+        log.error("job %s: %s (%s): the job fails, as RQ fails it", job.job.id, why, exc)
+        error = f"the job's {why.removeprefix('its ')}: {exc}"
         result = failure_result(job.job.id, job.request, error, error_type="server_error")
         self._record_failure(job.job, job.queue, job.execution, exc, result, job.request.notify)
         failed = job.job.get_status(refresh=False) == JobStatus.FAILED
