@@ -123,14 +123,25 @@ def _route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root + "/") else path
 
 
+SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))  # (the others may run a job: a page's are refused)
+
+
 class AuthAndCount:
     """The API key's check and the requests' counts, as plain ASGI: ``@app.middleware("http")`` hands the endpoint
     a stream of its own, on which a client's disconnect never shows, so a client that left a non-streamed request
     never canceled its job."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, routes: list[BaseRoute]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        metrics: ServerMetrics,
+        routes: list[BaseRoute],
+        allowed_origins: list[str] | None = None,
+    ) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.origins = {o.encode() for o in allowed_origins or ()}
 
     def endpoint(self, scope: Scope) -> str:
         """The route's template (``/v1/models/{model:path}``), or "other": any path a client makes up would be a
@@ -146,6 +157,15 @@ class AuthAndCount:
             return
         path, started = _route_path(scope), time.perf_counter()
         label = self.endpoint(scope)
+        origin = dict(scope["headers"]).get(b"origin")
+        if origin is not None and scope["method"] not in SAFE_METHODS and not self.origins & {origin, b"*"}:
+            # A web page's request (a browser names its page's origin): CORS keeps the page from reading the answer,
+            # not from sending it (a form, text/plain, a body of no type: no preflight), and a job would run.
+            err = APIError(403, f"requests from web pages of {origin.decode(errors='replace')} are refused: "
+                           "--allowed-origins names the origins whose pages may call this API")  # fmt: skip
+            self.metrics.requests.labels(label, "403").inc()
+            await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+            return
         if self.expected is not None and (path.startswith("/v1/") or scope["path"].startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
@@ -230,7 +250,9 @@ def create_app(
         """A fault of the server's own: OpenAI's shape, not plain text (Starlette still logs its traceback)."""
         return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
-    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
+    app.add_middleware(
+        AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes, allowed_origins=allowed_origins
+    )
     if allowed_origins:  # (added last, so outermost: a preflight carries no key, and is answered before the check)
         app.add_middleware(
             CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"],
@@ -442,12 +464,7 @@ MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB pro
 
 
 async def _body(request: Request) -> Any:
-    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``; a 415, a body not sent as JSON)."""
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media and media != "application/json" and not media.endswith("+json"):
-        # A web page may POST text/plain or a form to any origin without asking first (no CORS preflight): taken as
-        # JSON, any page a user opened could run jobs on a server on their machine.
-        raise APIError(415, f"the request body must be sent as JSON (Content-Type: application/json), not {media!r}")
+    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # (refused before it is read)
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")

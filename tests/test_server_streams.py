@@ -493,6 +493,25 @@ def test_browser_origins_are_allowed_only_where_named():
     assert not any("access-control-allow-origin" in r.headers for r in (preflight, keyless))
 
 
+def test_a_web_pages_post_is_refused_unless_its_origin_is_allowed_whatever_its_body():
+    """CORS keeps a page from reading an answer, not from sending its request: a form, text/plain or a body of no
+    type goes cross-origin with no preflight, and the job ran (CORS off, no key: any page a user opened could run
+    jobs on a server on their machine). A browser names the page's origin: unless --allowed-origins names it, the
+    POST is refused before anything runs. Requests with no origin (curl, the SDKs) are served as before."""
+    body = json.dumps({"model": "m", "prompt": "p", "max_tokens": 1}).encode()
+    for media in ("text/plain", "application/x-www-form-urlencoded", None):
+        client = ScriptedClient([[(0.01, event(0, "a", "stop"))]])
+        headers = {"origin": "http://elsewhere.example", **({"content-type": media} if media else {})}
+        start, _ = post(client, body, headers=headers)
+        assert start["status"] == 403 and not client.jobs
+        assert "--allowed-origins" in json.loads(start["body"])["error"]["message"]
+    for headers, options in (({}, {}), ({"origin": "http://ui.example"}, {"allowed_origins": ["http://ui.example"]}),
+                             ({"origin": "http://any.example"}, {"allowed_origins": ["*"]})):  # fmt: skip
+        client = ScriptedClient([[(0.01, event(0, "a", "stop"))]])
+        start, _ = post(client, body, headers={"content-type": "text/plain", **headers}, **options)
+        assert start["status"] == 200 and len(client.jobs) == 1, (headers, start)
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
