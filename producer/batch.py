@@ -245,9 +245,9 @@ def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
 def check_resumed_run(output_path: Path, run_id: str) -> None:
     """``--run-id`` (without ``--fresh``) names the run the output's settings keep, where they keep one: a typo was
     taken as a new run, every row left submitted again under new job ids (the interrupted run's jobs orphaned)."""
-    before = _stored_settings(output_path)
+    before = _stored_settings(output_path) if output_path.exists() else None
     if not isinstance(before, dict):
-        return  # (a new output: the run id is this run's)
+        return  # (a new output, or settings left beside one deleted: the run id is this run's)
     stored = before.get("run_id")
     if stored != run_id:
         kept = f"run {stored}" if stored else "a run of no run id (rerun it without --run-id)"

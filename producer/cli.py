@@ -419,9 +419,10 @@ def _run_id(text: str) -> str:
     return text
 
 
-def resume_command(args: argparse.Namespace, run_id: str | None) -> str:
-    """The command that resumes this batch: the same one, a --fresh run's id pinned so its jobs are picked up."""
-    argv = ["roseinfer", "batch", args.input, "-o", args.output]
+def resume_command(args: argparse.Namespace, run_id: str | None, fresh: bool = False) -> str:
+    """The command that resumes this batch: the same one, a --fresh run's id pinned so its jobs are picked up
+    (``fresh``: a --fresh run stopped before it began, run again as it was)."""
+    argv = ["roseinfer", "batch", args.input, "-o", args.output, *(["--fresh"] if fresh else [])]
     options = (
         ("--errors", args.errors, None),
         ("--max-in-flight", args.max_in_flight, DEFAULT_MAX_IN_FLIGHT),
@@ -570,7 +571,10 @@ def batch(args: argparse.Namespace) -> int:
         )  # fmt: skip
         return 1 if counts["failed"] else 0
 
+    began: list[bool] = []  # (a --fresh run's id is its output's once it began: before, a resume names the old one)
+
     def fresh_run_taken() -> None:  # (said then: a run killed outright says nothing more; a refused one has no id)
+        began.append(True)
         print(f"a fresh run: its jobs' ids name run {run_id}; a rerun without --fresh resumes it", file=sys.stderr)
 
     try:
@@ -593,13 +597,15 @@ def batch(args: argparse.Namespace) -> int:
         done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
         detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
         lost = isinstance(exc, RedisLost)
-        # (a --fresh run's literal command again would start another run: this one is its id pinned instead)
-        again = "this command (the run's --run-id, not --fresh)" if args.fresh else "the same command again"
+        # (a --fresh run's literal command again would start another run: this one is its id pinned instead; stopped
+        # before it began, it is the --fresh command again, its id never the output's)
+        pinned = args.fresh and bool(began)
+        again = "this command (the run's --run-id, not --fresh)" if pinned else "the same command again"
         print(
             f"{exc if lost else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the workers.\n"
             f"To resume{' once Redis answers' if lost else ''}, run {again}: it skips the custom_ids already in "
             f"{args.output} and picks up the jobs still queued or finished in Redis:\n"
-            f"  {resume_command(args, run_id)}",
+            f"  {resume_command(args, run_id if pinned else None, fresh=args.fresh and not pinned)}",
             file=sys.stderr,
         )
         # 128 plus the signal, as a shell reports a process it ended: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP

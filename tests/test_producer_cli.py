@@ -887,3 +887,25 @@ def test_a_submit_option_that_would_do_nothing_is_refused():
     assert producer_cli.request_from_args(_parse("submit", "--raw", "--prompt-token-id", "5")) == {
         "prompt_token_ids": [5]
     }
+
+
+def test_a_fresh_run_stopped_before_it_began_says_to_run_it_fresh_again(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a --fresh run's first pass (counting a large input's rows), before its id was the output's: the
+    command it printed pinned that id, which the output (an earlier run's) does not keep, and was refused."""
+    from producer.batch import settings_path
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "p"}) + "\n")
+    out.write_text(json.dumps({"custom_id": "z", "response": {}}) + "\n")
+    settings_path(out).write_text(json.dumps({"run_id": "aaaa1111"}) + "\n")  # (an earlier --fresh run's)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_mod, "count_rows", interrupted)
+    assert producer_cli.batch(_parse("batch", str(src), "-o", str(out), "--fresh")) == 130
+    command = capsys.readouterr().err.strip().splitlines()[-1].strip()
+    assert "--fresh" in command.split() and "--run-id" not in command
+    assert json.loads(settings_path(out).read_text())["run_id"] == "aaaa1111"
+    out.unlink()  # (its settings left beside no output: a first --run-id run of it is its own)
+    batch_mod.check_resumed_run(out, "other1")
