@@ -3363,9 +3363,12 @@ def test_a_worker_thawed_after_another_took_its_name_over_stops_and_leaves_the_o
     settings = WorkerSettings(redis_url=redis_url, queue=first.queues[0].name, model="fake", name=name)
     second = BatchWorker(Engine(), settings, conn)
     second.register_birth()
+    second.tokens = 12345  # (what its statistics say: the thawed one's beat wrote its own over them)
     second._heartbeat.beat()
+    stats, registration = conn.hgetall(second.stats_key()), conn.hgetall(second.key)
     first._heartbeat.beat()  # thawed
     assert first.name_taken and first._force_stop and not second.name_taken
+    assert conn.hgetall(second.stats_key()) == stats and conn.hgetall(second.key) == registration
     first._heartbeat.stop()
     assert conn.exists(second.stats_key()) and name in [w.name for w in Worker.all(connection=conn)]
     second._heartbeat.beat()

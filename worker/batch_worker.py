@@ -19,6 +19,7 @@ mixins of their own files, since they call RQ's ``BaseWorker`` and the worker's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue as queue_mod
@@ -328,8 +329,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                     if self._stop_requested and not self._force_stop:
                         self._drain_check()
                     if self._force_stop:
-                        if not self.name_taken:  # (taken for dead: its jobs are RQ's clean-up's, maybe another's)
-                            self._hand_back_cold()
+                        self._hand_back_cold()  # (fenced: a job another attempt owns now is not touched)
                         break
                     if self._loop_once():
                         worked = True
@@ -392,7 +392,9 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self.sender.stop()
         finally:
             self._heartbeat.stop()
-        if self.name_taken:  # (the registration is the other start's)
+        if self.name_taken:  # (the registration is the other start's: its channel let go, nothing written)
+            with contextlib.suppress(*REDIS_UNAVAILABLE):
+                self.unsubscribe()
             return
         try:
             self.teardown()
@@ -910,11 +912,12 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
 
     def name_taken_over(self) -> None:
         """Another start registered under this worker's name: this one was taken for dead (frozen, cut off past its
-        heartbeat) and its jobs went to RQ's clean-up. It stops at once, writes nothing of the other's (registration,
-        statistics) and hands nothing back: two workers of one name ran on, and either's stop unregistered both."""
+        heartbeat) and its jobs went to RQ's clean-up. It stops at once (the jobs still its own go back to their
+        queues, fenced) and writes nothing of the other's (registration, statistics): two workers of one name ran on,
+        and either's stop unregistered both."""
         if not self.name_taken:
-            log.error("worker name %r was taken over by another start (this one was taken for dead): stopping; its "
-                      "jobs are RQ's clean-up's", self.name)  # fmt: skip
+            log.error("worker name %r was taken over by another start (this one was taken for dead): stopping",
+                      self.name)  # fmt: skip
         self.name_taken = True
         self.sender.give_up_at = time.monotonic()
         self._stop_requested = self._force_stop = True

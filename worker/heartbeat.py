@@ -147,10 +147,14 @@ class Heartbeat:
 
     def _beat(self, stale: list, jobs: list, ttl: int, rate: float, mono: float, no_lease: bool = False) -> list:
         w = self.worker
+        # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis lost
+        # its data. The sender looks too, but an idle worker sends nothing: it stayed unlisted for good. Looked at
+        # before the beat's writes: under another start's registration (its name taken over) they are not made.
+        birth, start = w.connection.hmget(w.key, "birth", START_FIELD)
+        if birth is not None and start is not None and start.decode() != w.start_token:
+            w.name_taken_over()
+            return [None]
         with w.connection.pipeline(transaction=False) as pipe:
-            # ``birth`` is written by registration only (the beat below recreates the key without it): gone, Redis
-            # lost its data. The sender looks too, but an idle worker sends nothing: it stayed unlisted for good.
-            pipe.hmget(w.key, "birth", START_FIELD)
             w.heartbeat(max(ttl, w.worker_ttl) + 60, pipeline=pipe)
             stamp = now()
             for job in stale:
@@ -180,11 +184,8 @@ class Heartbeat:
             elif w.sender.lease_key:  # after the jobs' beats: the lease reads their registry entries
                 self._lease(jobs, pipe)
             replies = pipe.execute()
-        birth, start = replies[0]
         if birth is None:
             w._on_statuses([], registered=False)  # the step loop registers again
-        elif start is not None and start.decode() != w.start_token:
-            w.name_taken_over()
         if gone := [key for at, key in looks if not replies[at]]:
             # The HSET made the hash: it had been deleted meanwhile (RQ's job.delete(), the end of an execution).
             # Deleted again, as RQ's own heartbeat does: else a job's hash of one field stayed for good, and the
