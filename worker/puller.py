@@ -95,6 +95,11 @@ class Rejected:
     stream: JobStream | None  # None: an id that is not text has no stream
 
 
+def _names_a_callback(job: Job) -> bool:
+    """Whether the job names an allowed callback (the policy took the others off it as it was read)."""
+    return bool(job._success_callback_name or job._failure_callback_name or job._stopped_callback_name)
+
+
 class Puller:
     def __init__(self, worker: BatchWorker) -> None:
         self.worker = worker
@@ -215,10 +220,10 @@ class Puller:
         # Jobs handed over, not yet taken in, read before the snapshot of those in flight: the step loop takes a job
         # in before it counts it taken, so a job moving meanwhile counts twice (room for one less), never not at all.
         on_its_way = self._handed - self._taken
-        # Jobs whose ends are not written yet count too (those behind allowed callbacks wait their turn): without
-        # them, a burst of slow callbacks let the worker take the whole queue in, every job started and its result
-        # held in memory.
-        on_its_way += len(w._ending)
+        # Jobs ended whose ends may wait behind their allowed callbacks count too: without them, a burst of slow
+        # callbacks let the worker take the whole queue in, every job started and its result held in memory. (Not
+        # every end not yet written: a finished job's slot came free only a round trip later, or a second.)
+        on_its_way += sum(_names_a_callback(job.job) for job in list(w._ending.values()))
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
         # Lanes the sender saw empty are skipped; an idle worker blocks on all of them, and so does a pull when the
         # sender read no depths for a second (it reads them as it sends: during a long step, a job that came waited
