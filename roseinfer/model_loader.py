@@ -396,7 +396,8 @@ def load_model(
         raise  # (a ValueError that says it all)
     except (OSError, ValueError) as exc:  # no such file, folder or hub id (transformers' 50-line traceback says
         reason = _first_line(exc)  # no more), or a file that is no model
-        if isinstance(exc, OSError) and exc.filename and _within(Path(exc.filename), cache_dir()):
+        # (the cache folder itself, or a folder above it: not a model's files inside it, a half-converted one, say)
+        if isinstance(exc, OSError) and exc.filename and _within(cache_dir(), Path(exc.filename)):
             raise ConfigError(  # (it was said to be the model's fault, with a "did you mean" of its own name)
                 f"the model cache {cache_dir()} cannot be used ({reason}): set ROSEINFER_CACHE_DIR to a folder this "
                 "user can write (default ~/.cache/roseinfer)"
