@@ -249,6 +249,74 @@ def test_an_error_of_the_childs_loop_fails_every_job_at_once():
         pump.close()
 
 
+def engine_whose_steps_keep_failing() -> FakeEngine:
+    engine = FakeEngine()
+    engine.fail_steps = 100
+    return engine
+
+
+def engine_that_fails_then_exits_slowly() -> FakeEngine:
+    """Its loop fails at its fifth step (an error, not a crash); then its exit takes 3 s (a real engine's teardown)."""
+    engine = FakeEngine()
+    engine.step_s = 0.01
+    has_work = engine.has_unfinished_requests
+
+    def failing() -> bool:
+        if engine.steps == 5:
+            threading.Thread(target=time.sleep, args=(3,)).start()  # (holds the exit, as a CUDA teardown would)
+            raise RuntimeError("the loop's own error, outside a step")
+        return has_work()
+
+    engine.has_unfinished_requests = failing
+    return engine
+
+
+@pytest.mark.slow  # (seconds: the engines' failed steps)
+def test_an_engine_process_whose_steps_keep_failing_is_broken_as_an_engine_in_process_is():
+    """In process, three failed steps in a row raise EngineBroken and the worker hands the jobs left back with their
+    retries untouched; in the child the error failed every job held, retryably, each spending a retry."""
+    from worker.pump import EngineBroken
+
+    def drive(pump) -> tuple[list, list[str]]:
+        ended = []
+        for i in range(4):
+            pump.submit(f"j{i}", {"prompt": "x"}, _params(5))
+            try:
+                deadline = time.monotonic() + 10
+                while pump.has_work() and time.monotonic() < deadline:
+                    ended += [(e.job_id, e.finish_reason, e.retryable) for e in pump.step() if e.finished]
+            except EngineBroken:
+                return ended, pump.job_ids()
+        raise AssertionError(f"never broken: {ended}")
+
+    in_process = drive(Pump(engine_whose_steps_keep_failing()))
+    child = EngineProcess(partial(engine_whose_steps_keep_failing))
+    try:
+        assert drive(child) == in_process and in_process[1] == ["j2"]
+        assert not child.cancel_many(["j2"])["j2"][-1].retryable  # (handed back: the worker's cold hand-back)
+    finally:
+        child.close()
+
+
+@pytest.mark.slow  # (seconds: the child's slow exit)
+def test_jobs_submitted_once_the_childs_error_came_are_never_sent_and_a_cancel_does_not_wait_for_its_exit():
+    """The child's error sat in the pipe while the child exited (seconds, for a real engine): the jobs pulled
+    meanwhile were sent to it first and failed, each spending a retry, and a cancel waited for the exit."""
+    pump = EngineProcess(partial(engine_that_fails_then_exits_slowly))
+    try:
+        pump.submit("a", {"prompt": "x"}, _params(10_000))
+        pump.step()  # (sent)
+        time.sleep(1.0)  # (its error in the pipe, the child still exiting)
+        pump.submit("b", {"prompt": "y"}, _params(3))
+        ended = {e.job_id: e for e in pump.step() if e.finished}
+        assert ended["a"].retryable and "b" not in ended and pump.unsent() == ["b"]
+        started = time.monotonic()
+        assert pump.cancel_many(["b"])["b"][-1].finish_reason == "abort"
+        assert time.monotonic() - started < 1
+    finally:
+        pump.close()
+
+
 @pytest.mark.slow
 def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
     pump = EngineProcess(partial(fake_engine, 0.01))

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from roseinfer.config import ConfigError
-from worker.pump import JobEvent, Pump
+from worker.pump import EngineBroken, JobEvent, Pump
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -213,6 +213,9 @@ def _serve(
             said_alive = time.monotonic()
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
         return
+    except EngineBroken as exc:  # (the parent raises it again: its jobs go back untouched, as in process)
+        with contextlib.suppress(OSError):
+            conn.send(("broken", str(exc)))
     except Exception as exc:
         log.exception("the engine process failed")
         with contextlib.suppress(OSError):
@@ -350,6 +353,8 @@ class EngineProcess:
         self._jobs.difference_update(here)
         answers = None
         try:
+            if self.failure is not None:  # (a child still exiting reads on, and answers nothing: no wait for it)
+                raise EngineProcessDied(self.failure)
             self._send_outbox()
             self._send(("cancel", here, reason))
             while answers is None:
@@ -383,7 +388,9 @@ class EngineProcess:
             if self.failure is not None:  # (it may still be exiting: no end of the pipe to wait for)
                 self._read_what_is_left()
                 raise EngineProcessDied(self.failure)
-            self._send_outbox()  # first: the watchdog's clock starts when the child is sent jobs, not at a submit
+            while self._conn.poll(0):  # what came first: an error there, jobs sent after it would have spent a retry
+                self._take(self._recv())
+            self._send_outbox()  # the watchdog's clock starts when the child is sent jobs, not at a submit
             if not self._jobs:
                 self._quiet_since = time.monotonic()  # it owes nothing
             elif self._overdue(time.monotonic()):
@@ -566,6 +573,9 @@ class EngineProcess:
         elif kind == "error":
             self._failure = message[1]
             raise EngineProcessDied(message[1])
+        elif kind == "broken":  # steps kept failing: the worker hands its jobs back, as with an engine in process
+            self._failure = message[1]
+            raise EngineBroken(message[1])
 
     def _read_what_is_left(self) -> None:
         """What a child that is gone sent before it went, in order: its last steps' events (jobs they ended end so,
@@ -573,7 +583,7 @@ class EngineProcess:
         with contextlib.suppress(EOFError, OSError):
             while self._conn.poll(0):
                 message = self._conn.recv()
-                if message[0] == "error":
+                if message[0] in ("error", "broken"):
                     self._failure = message[1]
                 elif message[0] == "step":
                     self._take(message)

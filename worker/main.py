@@ -154,7 +154,7 @@ def run_worker(settings: WorkerSettings, logging_level: str = "INFO") -> int:
     except EngineProcessDied as exc:  # its jobs failed (retryably) and were written: a supervisor restarts us
         log.error("worker %s stops: %s", worker.name, exc)
         return 1
-    except EngineBroken as exc:  # (in process) its jobs handed back to their queues: a supervisor restarts us
+    except EngineBroken as exc:  # its jobs handed back to their queues (an engine process's too): restart us
         log.error("worker %s stops: %s", worker.name, exc)
         return 1
     finally:
