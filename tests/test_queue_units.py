@@ -2755,7 +2755,7 @@ def test_a_stop_execution_command_stops_only_the_execution_it_names(redis_url):
 
     _conn, worker, _name, [held] = _running_jobs(redis_url)
     canceled: list[str] = []
-    worker.pump = SimpleNamespace(cancel=lambda job_id: canceled.append(job_id) or [])
+    worker.pump = SimpleNamespace(cancel_many=lambda job_ids: canceled.extend(job_ids) or {})
 
     def command(**payload) -> None:
         data = json.dumps({"command": "stop-execution", "job_id": held.job.id, **payload}).encode()
@@ -2766,6 +2766,21 @@ def test_a_stop_execution_command_stops_only_the_execution_it_names(redis_url):
     assert canceled == []
     command(execution_id=held.execution.id)
     assert canceled == [held.job.id]
+
+
+@pytest.mark.redis
+def test_stop_job_commands_that_come_together_reach_the_engine_in_one_cancel(redis_url):
+    """Each stop-job command was its own cancel: an engine process answers one after its step, so ten commands held
+    the step loop ten steps (no events handed on, no jobs taken in)."""
+    from types import SimpleNamespace
+
+    _conn, worker, _name, held = _running_jobs(redis_url, count=3)
+    calls: list[list[str]] = []
+    worker.pump = SimpleNamespace(cancel_many=lambda job_ids: calls.append(list(job_ids)) or {})
+    for job in (*held, held[0]):  # (the first twice)
+        worker._stop_jobs.put((job.job.id, None, time.monotonic()))
+    worker._apply_stop_requests()
+    assert calls == [[job.job.id for job in held]]
 
 
 @pytest.mark.redis

@@ -120,7 +120,12 @@ class Reports:
         asked, self._stops_waiting = self._stops_waiting, []
         while not self._stop_jobs.empty():
             asked.append(self._stop_jobs.get())
+        # (job, its last events where its failed step gave them, else None: the engine's cancel, one for them all: an
+        # engine process answers a cancel after its step, and one at a time held the loop a step per command)
+        stopping: dict[str, tuple[InFlight | None, list[JobEvent] | None]] = {}
         for job_id, execution, since in asked:
+            if job_id in stopping:
+                continue
             job = self.in_flight.get(job_id)
             # Ended here, its end being written (after its callback): not on its way, unless its next attempt is.
             if job is None and job_id in self._ending and not self.puller.handing_over(job_id):
@@ -136,11 +141,15 @@ class Reports:
             if job is not None and own and own[-1].retryable:  # (not one that ended before the step failed)
                 # Its failure as the cancel it would have been: what it made kept, no error, nothing to retry.
                 ended = replace(own[-1], finish_reason="abort", error=None, retryable=False, error_type=None)
-                events = [*own[:-1], ended]
+                stopping[job_id] = (job, [*own[:-1], ended])
                 died_in = [e for e in died_in if e.job_id != job_id]
             else:
-                events = self.pump.cancel(job_id) if job is not None else []
-            if not events:
+                stopping[job_id] = (job, None)
+        engine = [job_id for job_id, (job, events) in stopping.items() if job is not None and events is None]
+        answers = self.pump.cancel_many(engine) if engine else {}
+        for job_id, (job, events) in stopping.items():
+            events = answers.get(job_id, []) if events is None else events
+            if job is None or not events:
                 log.info("stop-job %s: not in flight here, ignored", job_id)
                 continue
             self._canceled(job, events, stopped=True)
