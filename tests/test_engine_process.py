@@ -686,13 +686,16 @@ def test_the_failure_callbacks_of_the_jobs_an_engine_death_failed_run_on_the_cal
     assert all(name is not None and name.startswith(b"roseinfer-callback") for name in threads), threads
 
 
-def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwise():
+def test_an_engine_process_on_a_cpu_leaves_the_worker_a_core_unless_told_otherwise(monkeypatch):
     import torch
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = torch.get_num_threads()
     assert sparing_a_core({"num_threads": None, "device": "cpu"})["num_threads"] == max(1, cores - 1)
     assert sparing_a_core({"num_threads": 3, "device": "cpu"})["num_threads"] == 3
     assert sparing_a_core({"num_threads": None, "device": "cuda"})["num_threads"] is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # (the operator's count: torch's default follows it)
+    assert sparing_a_core({"num_threads": None, "device": "cpu"})["num_threads"] is None
 
 
 @pytest.mark.slow  # seconds: the full suite's

@@ -85,8 +85,10 @@ def build_engine(model: str, options: dict[str, Any], spare_a_core: bool = False
 
 
 def sparing_a_core(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with one math thread fewer than torch's default, on a CPU where ``num_threads`` is not set."""
-    if options.get("num_threads") is not None or options.get("device", "cpu") != "cpu":
+    """``options`` with one math thread fewer than torch's default, on a CPU where ``num_threads`` is not set (nor
+    ``OMP_NUM_THREADS``, which torch's default follows: a count the operator set lost one)."""
+    told = options.get("num_threads") is not None or os.environ.get("OMP_NUM_THREADS", "").strip()
+    if told or options.get("device", "cpu") != "cpu":
         return options
     import torch
 
