@@ -10,9 +10,20 @@ import sys
 
 from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args, set_engine_defaults
 
+ENV_DEFAULTS = (
+    "model",
+    "device",
+    "dtype",
+)  # generate's flags that default to ROSEINFER_<NAME>, as demo's and the worker's
+
 
 def _generate(args: argparse.Namespace) -> int:
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ConfigError as exc:  # (a value from the environment, said so: the error named no variable)
+        env = {name: os.environ.get(f"ROSEINFER_{name.upper()}", "") for name in ENV_DEFAULTS}
+        taken = [f"ROSEINFER_{name.upper()}={v!r}" for name, v in env.items() if v and getattr(args, name) == v]
+        raise ConfigError(f"{exc} (from the environment: {', '.join(taken)})" if taken else str(exc)) from None
     from roseinfer import LLM, SamplingParams
 
     try:
@@ -95,6 +106,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_engine_arguments(p, exclude=("seed",))
     # As ``demo`` and the worker read them (``docker compose exec worker roseinfer generate hi`` ran the default
     # model in float32 on the CPU, saying nothing): under the flags, over the engine's defaults.
-    given = {name: os.environ.get(f"ROSEINFER_{name.upper()}", "") for name in ("model", "device", "dtype")}
+    given = {name: os.environ.get(f"ROSEINFER_{name.upper()}", "") for name in ENV_DEFAULTS}
     set_engine_defaults(p, **{name: value for name, value in given.items() if value})
     p.set_defaults(func=_generate)

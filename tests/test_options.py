@@ -421,6 +421,15 @@ def test_a_model_cache_that_cannot_be_used_is_said_to_be_the_cache_not_the_model
     assert "did you mean" not in err
 
 
+def test_a_bad_value_generate_took_from_the_environment_is_said_to_come_from_there(monkeypatch, capsys):
+    """ROSEINFER_DTYPE=bf16 said "dtype must be one of ...", no variable named: the command line had none."""
+    from worker.cli import main
+
+    monkeypatch.setenv("ROSEINFER_DTYPE", "bf16")
+    assert main(["generate", "hi"]) == 2
+    assert "from the environment: ROSEINFER_DTYPE='bf16'" in capsys.readouterr().err
+
+
 def test_generate_reads_the_model_device_and_dtype_settings_under_its_flags(tiny_chat_model, monkeypatch, capsys):
     """``demo`` and the worker read ROSEINFER_MODEL, _DEVICE and _DTYPE; ``generate`` ran the default model in float32
     on the CPU whatever they said (``docker compose exec worker roseinfer generate hi``)."""

@@ -838,8 +838,9 @@ def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch, c
     for slip in ("localhost:3000", "http://ui.example/", "http://ui.example/app"):  # (they matched no request)
         assert main(["serve", "--port", port, "--allowed-origins", slip]) == 2
         assert (
-            capsys.readouterr().err.strip() == f"error: --allowed-origins {slip!r}: an origin is scheme://host[:port]"
-            ", as a browser sends it (e.g. http://localhost:3000, no path or trailing slash), or *"
+            capsys.readouterr().err.strip() == f"error: --allowed-origins (or ROSEINFER_ALLOWED_ORIGINS) {slip!r}: an "
+            "origin is scheme://host[:port], as a browser sends it (e.g. http://localhost:3000, no path or trailing "
+            "slash), or *"
         )
     assert main(["serve", "--port", port, "--allowed-origins", "*", "chrome-extension://abc", "http://[::1]:8080"]) == 0
     assert len(given) == 3

@@ -115,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         for origin in args.allowed_origins:  # (a browser sends scheme://host[:port]: anything else matched nothing)
             if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
                 raise ConfigError(
-                    f"--allowed-origins {origin!r}: an origin is scheme://host[:port], as a browser sends it "
+                    f"--allowed-origins (or ROSEINFER_ALLOWED_ORIGINS) {origin!r}: an origin is scheme://host[:port], "
+                    "as a browser sends it "
                     "(e.g. http://localhost:3000, no path or trailing slash), or *"
                 )
     if not args.embedded:
