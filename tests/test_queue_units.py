@@ -3390,6 +3390,27 @@ def test_a_worker_thawed_after_another_took_its_name_over_stops_and_leaves_the_o
     assert not second.name_taken and first.start_token != second.start_token  # (each start's lease key has its own)
 
 
+@pytest.mark.redis
+def test_an_abandoned_job_deleted_before_its_failure_callback_ran_is_said_so(redis_url, caplog):
+    """Its callback runs after the clean-up, on a callback thread: a job deleted meanwhile was logged as a callback
+    that raised (NoSuchJobError's traceback)."""
+    conn, worker, client = _worker_of_a_new_queue(redis_url, allow_callback=["hook_probe.record"])
+    queue = worker.queues[0]
+    job = client.submit("its worker died", max_tokens=2)
+    conn.lrem(queue.key, 0, job.id)
+    conn.hset(job.rq_job.key, mapping={"status": "started", "failure_callback_name": "hook_probe.record"})
+    conn.zadd(queue.started_job_registry.key, {f"{job.id}:e0": 1})
+    later: list = []
+    worker.maintenance.run_callback = later.append
+    worker.clean_registries()
+    conn.delete(job.rq_job.key)
+    with caplog.at_level("WARNING", logger="roseinfer.worker"):
+        [run] = later
+        run()
+    assert "was deleted before its failure callback ran" in caplog.text and "Traceback" not in caplog.text
+    assert not conn.exists(f"hook-probe:{job.id}")
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

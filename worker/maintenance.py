@@ -13,7 +13,7 @@ from collections.abc import Callable
 import redis
 from rq import worker_registration
 from rq.callbacks import execute_failure_callback
-from rq.exceptions import AbandonedJobError
+from rq.exceptions import AbandonedJobError, NoSuchJobError
 from rq.group import Group
 from rq.job import Job
 from rq.queue import Queue
@@ -116,6 +116,13 @@ class Maintenance:
         def run() -> None:
             try:
                 job = self.hooks.job_class().fetch(job_id, connection=self.connection, serializer=queue.serializer)
+            except NoSuchJobError:  # (deleted since the clean-up failed it: no job to call it with)
+                log.warning("job %s, failed as abandoned, was deleted before its failure callback ran", job_id)
+                return
+            except Exception:
+                log.exception("job %s, failed as abandoned, could not be read for its failure callback", job_id)
+                return
+            try:
                 execute_failure_callback(job, TimerDeathPenalty, AbandonedJobError, AbandonedJobError(), None)
             except Exception:
                 log.exception("the failure callback of job %s, failed as abandoned, raised", job_id)
