@@ -54,14 +54,15 @@ class TokenNames:
     def bytes(self, token_id: int) -> list[int] | None:
         """The token's own bytes (OpenAI's ``bytes``: a client joins a character's tokens by them): a token holding
         part of a character decodes alone to U+FFFD, whose bytes are no part of the text."""
-        if self.tokenizer is None:
-            return None
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            raw = self._bytes[token_id] = self._raw(token_id)
-        return list(raw)
+        return None if self.tokenizer is None else list(self._raw(token_id))
 
     def _raw(self, token_id: int) -> bytes:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._own_bytes(token_id)
+        return raw
+
+    def _own_bytes(self, token_id: int) -> bytes:
         text = self(token_id)
         if "\ufffd" not in text:
             return text.encode()
@@ -76,7 +77,7 @@ class TokenNames:
         """Each token's place in the text they decode to, from ``start``: a character split over tokens is at the
         token that completes it (the tokens' texts alone counted U+FFFD for each part)."""
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        lengths = (len(decoder.decode(bytes(self.bytes(t) or b""))) for t in token_ids[:-1])
+        lengths = (len(decoder.decode(self._raw(t))) for t in token_ids[:-1])
         return list(itertools.accumulate(lengths, initial=start))[: len(token_ids)]
 
 

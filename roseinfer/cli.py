@@ -10,11 +10,8 @@ import sys
 
 from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args, set_engine_defaults
 
-ENV_DEFAULTS = (
-    "model",
-    "device",
-    "dtype",
-)  # generate's flags that default to ROSEINFER_<NAME>, as demo's and the worker's
+# generate's flags that default to ROSEINFER_<NAME>, as demo's and the worker's
+ENV_DEFAULTS = ("model", "device", "dtype")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -182,6 +182,17 @@ def test_an_interrupt_between_the_schedule_and_the_forward_leaves_no_unwritten_b
     assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
+def _outputs_through_interrupts(engine):
+    """Every output of the engine's steps until it is done, a step an interrupt ended answered by
+    ``take_undelivered`` (what it made before the interrupt)."""
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            outs = engine.take_undelivered()
+        yield from outs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["after a token's push", "in a finished request's output"])
 def test_an_interrupt_while_outputs_are_made_loses_none_of_them(tiny_chat_model, monkeypatch, where):
@@ -223,18 +234,13 @@ def test_an_interrupt_while_outputs_are_made_loses_none_of_them(tiny_chat_model,
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
     deltas, finals = {}, {}
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except KeyboardInterrupt:
-            outs = engine.take_undelivered()
-        for out in outs:
-            key = (out.request_id, out.delta_index)
-            deltas[key] = deltas.get(key, "") + out.delta_text
-            if out.finished:
-                finals[out.request_id] = [
-                    (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs
-                ]
+    for out in _outputs_through_interrupts(engine):
+        key = (out.request_id, out.delta_index)
+        deltas[key] = deltas.get(key, "") + out.delta_text
+        if out.finished:
+            finals[out.request_id] = [
+                (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs
+            ]
     assert raised and finals == plain[1]
     if where == "after a token's push":  # (in the finished one's case its last delta is given up: its final whole)
         assert deltas == plain[0]
@@ -263,16 +269,11 @@ def test_an_interrupt_in_outputs_made_after_the_step_loses_no_last_output_nor_id
             engine.add_request(rid, prompt, params)
         b_detokenizer.append(engine.scheduler.get("b").detokenizer)
         texts, ids, finals = {"a": "", "b": ""}, {"a": [], "b": []}, {}
-        while engine.has_unfinished_requests():
-            try:
-                outs = engine.step()
-            except KeyboardInterrupt:
-                outs = engine.take_undelivered()
-            for out in outs:
-                texts[out.request_id] += out.delta_text
-                ids[out.request_id] += out.delta_token_ids
-                if out.finished:
-                    finals[out.request_id] = [(c.text, c.token_ids, c.finish_reason) for c in out.outputs]
+        for out in _outputs_through_interrupts(engine):
+            texts[out.request_id] += out.delta_text
+            ids[out.request_id] += out.delta_token_ids
+            if out.finished:
+                finals[out.request_id] = [(c.text, c.token_ids, c.finish_reason) for c in out.outputs]
         return texts, ids, finals
 
     engine._overlap = overlap

@@ -70,8 +70,10 @@ class Heartbeat:
         with contextlib.suppress(*REDIS_UNAVAILABLE, redis.exceptions.ResponseError):
             # A stopped worker shows nothing in flight, and holds no lease (its statistics are another start's, under
             # its name, once that start took it over).
-            stats = [] if self.worker.name_taken else [self.worker.stats_key()]
-            self.worker.connection.delete(*stats, *[k for k in [self.worker.sender.lease_key] if k])
+            keys = [] if self.worker.name_taken else [self.worker.stats_key()]
+            keys += [k for k in [self.worker.sender.lease_key] if k]
+            if keys:
+                self.worker.connection.delete(*keys)
 
     def _run(self) -> None:
         interval = self.worker.settings.heartbeat_interval

@@ -99,9 +99,9 @@ class SuccessPath:
         again at every try, for good), and a callback that ran is not run again by a retry of the writes after it."""
         j = job.job
         self._reclaim(job)
+        j._result, j._status = result, JobStatus.FINISHED  # (as RQ's callback and its write read them)
         if not job.called_back:
             self.handle_execution_ended(j, job.queue, j.success_callback_timeout)
-            j._result, j._status = result, JobStatus.FINISHED
             try:
                 execute_success_callback(j, self.death_penalty_class, result)
             except Exception as exc:
@@ -110,7 +110,6 @@ class SuccessPath:
         if job.callback_error is not None:
             self._success_failed(job, job.callback_error)
             return False
-        j._result, j._status = result, JobStatus.FINISHED
         try:
             self.handle_job_success(job=j, queue=job.queue, started_job_registry=job.queue.started_job_registry,
                                     execution=job.execution)  # fmt: skip  # RQ stores the result
