@@ -28,37 +28,54 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     prompts = [_utf8(p, "a prompt argument") for p in args.prompt] or _stdin_prompts()
-    if not prompts:  # (before the model loads)
+    if not any(p.strip() for p in prompts):  # (before the model loads)
         raise ConfigError("no prompts: give them as arguments, or one a line on stdin")
     llm = LLM.from_config(config)
-    # A line per prompt, in order: one the model cannot take (past its context) is an error line of its own, not a
-    # traceback that lost every answer.
+    # A line per prompt, in order: one the model cannot take (past its context, a blank line of stdin) is an error
+    # line of its own, not a traceback that lost every answer nor a line left out that put the next answers a
+    # line up from their prompts.
     chats = llm.engine.tokenize_many([{"messages": [{"role": "user", "content": p}]} for p in prompts])
-    taken = [(i, chat[1]) for i, chat in enumerate(chats) if not isinstance(chat, Exception)]
-    refused = {i: str(chat) for i, chat in enumerate(chats) if isinstance(chat, Exception)}
+    refused = {i: "a blank prompt" for i, p in enumerate(prompts) if not p.strip()}
+    refused.update({i: str(chat) for i, chat in enumerate(chats) if isinstance(chat, Exception) and i not in refused})
+    taken = [(i, chat[1]) for i, chat in enumerate(chats) if i not in refused]
     for i, ids in taken:
         try:
             llm.engine.check_prompt_tokens(len(ids))
         except ValueError as exc:
             refused[i] = str(exc)
-    runs = [{"prompt_token_ids": ids} for i, ids in taken if i not in refused]
-    outs = iter(llm.generate(runs, params, use_tqdm=len(runs) > 1))
-    for i in range(len(prompts)):
-        if i in refused:
-            print(json.dumps({"error": refused[i]}))
-            continue
-        c = next(outs).outputs[0]
-        print(json.dumps({"text": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}))
+    runs = [(i, {"prompt_token_ids": ids}) for i, ids in taken if i not in refused]
+    # Each answer printed once those before it are, as they finish: Ctrl-C (or a crash) keeps every line written.
+    lines = {i: json.dumps({"error": why}) for i, why in refused.items()}
+    written = 0
+
+    def write_ready() -> None:
+        nonlocal written
+        while written in lines:
+            print(lines.pop(written), flush=True)
+            written += 1
+
+    try:
+        write_ready()
+        finished = llm.finished_in_turn([r for _, r in runs], params, use_tqdm=len(runs) > 1)
+        for k, out in finished:
+            c = out.outputs[0]
+            answer = {"text": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
+            lines[runs[k][0]] = json.dumps(answer)
+            write_ready()
+    except KeyboardInterrupt:
+        print(f"interrupted: the first {written} of {len(prompts)} prompts' answers were written", file=sys.stderr)
+        raise
     return 0 if not refused else 1
 
 
 def _stdin_prompts() -> list[str]:
-    """A prompt per line of stdin, read as UTF-8 before the model loads (other bytes reached the tokenizer as lone
-    surrogates: a TypeError after the load); a file written on Windows: its line ends and BOM are not the prompt's."""
+    """A prompt per line of stdin, blank ones too (answered by an error line, so that line N of the output is line
+    N's answer), read as UTF-8 before the model loads (other bytes reached the tokenizer as lone surrogates: a
+    TypeError after the load); a file written on Windows: its line ends and BOM are not the prompt's."""
     raw = getattr(sys.stdin, "buffer", None)  # (a stdin of text already, as a test's, has none)
     text = sys.stdin.read() if raw is None else _utf8(raw.read(), "stdin")
-    lines = [line.rstrip("\r").lstrip("\ufeff") for line in text.split("\n")]
-    return [line for line in lines if line.strip()]
+    lines = [line.rstrip("\r") for line in text.removeprefix("\ufeff").split("\n")]
+    return lines[:-1] if lines and not lines[-1] else lines  # (the last line's end ends no prompt)
 
 
 def _utf8(value: str | bytes, where: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -84,6 +85,16 @@ class LLM:
     def _run(
         self, prompts: list, sampling_params, use_tqdm: bool, lora_request: None = None, priority=None
     ) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.finished_in_turn(prompts, sampling_params, use_tqdm, lora_request, priority):
+            results[i] = out
+        return [r for r in results if r is not None]
+
+    def finished_in_turn(
+        self, prompts: list, sampling_params, use_tqdm: bool = False, lora_request: None = None, priority=None
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """(index, output) for each prompt as it finishes, in the order they finish: for a caller that writes each
+        answer out as it comes (``roseinfer generate``), so that Ctrl-C keeps the ones done."""
         if lora_request is not None:
             raise ValueError("LoRA adapters are not supported: lora_request must be None")
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -107,7 +118,6 @@ class LLM:
         except BaseException:
             self._abort(order)
             raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
         pending = set(order)
         try:
             with tqdm(total=len(prompts), desc="generating", unit="req", disable=not use_tqdm) as bar:
@@ -115,11 +125,10 @@ class LLM:
                     for out in self.engine.step():
                         if out.finished and out.request_id in pending:
                             pending.discard(out.request_id)
-                            results[order[out.request_id]] = out
                             bar.update(1)
-        finally:  # Ctrl-C, an error: this call's requests leave the engine (the next call ran them all to the end)
+                            yield order[out.request_id], out
+        finally:  # Ctrl-C, an error, a caller that stopped reading: this call's requests leave the engine
             self._abort(pending)
-        return [r for r in results if r is not None]
 
     def _abort(self, request_ids) -> None:
         for request_id in request_ids:

@@ -407,6 +407,37 @@ def test_generate_answers_every_prompt_it_can_and_says_which_it_cannot(tiny_chat
     assert "no prompts" in capsys.readouterr().err
 
 
+def test_generate_answers_a_line_per_stdin_line_and_keeps_the_answers_written_when_stopped(
+    tiny_chat_model, capsys, monkeypatch
+):
+    """A blank stdin line was dropped, putting every later answer a line up from its prompt; Ctrl-C lost every
+    answer already made (nothing was printed until the last prompt finished)."""
+    import io
+
+    from roseinfer.llm_engine import LLMEngine
+    from worker.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n\nThere\n"))
+    flags = ["--model", tiny_chat_model, "--max-tokens", "2", "--max-num-seqs", "1"]
+    assert main(["generate", *flags]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 3 and "text" in lines[0] and lines[1] == {"error": "a blank prompt"} and "text" in lines[2]
+    real_step, steps = LLMEngine.step, []
+
+    def interrupted(self, *args, **kwargs):
+        steps.append(1)
+        if len(steps) == 6:  # one request at a time, at most 3 steps each: the first is done, the third is not
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "step", interrupted)
+    assert main(["generate", "one", "two", "three", *flags]) == 130
+    captured = capsys.readouterr()
+    done = [json.loads(line) for line in captured.out.splitlines()]
+    assert 1 <= len(done) < 3 and all("text" in line for line in done)
+    assert f"the first {len(done)} of 3 prompts' answers were written" in captured.err
+
+
 def test_a_model_cache_that_cannot_be_used_is_said_to_be_the_cache_not_the_model(tmp_path, monkeypatch, capsys):
     """ROSEINFER_CACHE_DIR naming a file was "cannot load model 'smollm2-135m-instruct' ... did you mean
     smollm2-135m-instruct?": the name given, suggested back, and the variable never named."""
@@ -454,8 +485,9 @@ def test_generate_reads_prompts_from_stdin_without_their_line_ends_or_byte_order
     from worker.cli import main
 
     monkeypatch.setattr("sys.stdin", io.StringIO("\ufeffHello\r\n\r\nHello\r\n"))
-    assert main(["generate", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 0
-    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["generate", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 1
+    first, blank, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert blank == {"error": "a blank prompt"}  # (its line's "\r" is not a prompt)
     assert main(["generate", "Hello", "--model", tiny_chat_model, "--max-tokens", "3", "--temperature", "0"]) == 0
     assert first == second == json.loads(capsys.readouterr().out)  # the same prompt: "Hello"
 
