@@ -5,7 +5,7 @@
 # `bash benchmarks/gpu_prepare.sh`, and carried: .gpu-pack, .gpu-model.
 #
 # A session's device time is short (15 minutes, the machine's start included), so the whole call keeps within
-# GPU_CHECK_BUDGET seconds (default 500, under the tool's 600 s limit): `all` runs the parts in the order of what is
+# GPU_CHECK_BUDGET seconds (default 530: run it with timeout_s 570, under the tool's 600 s limit): `all` runs the parts in the order of what is
 # still unmeasured (the queue, then parity, then the engine's rows, then the queue's timeline), each with a cap of its own, and a part that
 # would not fit in what is left is skipped, saying so, rather than cut off with nothing written.
 # The logs go to a folder of their own, packed into $OUT/gpu-check.tgz after every part: the device tool brings back
@@ -16,7 +16,7 @@ set -u
 out=${OUT:-out}; mkdir -p "$out"
 parse_only=${GPU_CHECK_PARSE_ONLY:-}
 logs=${GPU_CHECK_LOGS:-/tmp/gpu-check}; [[ -n $parse_only ]] && logs=$(mktemp -d); mkdir -p "$logs"
-budget=${GPU_CHECK_BUDGET:-500}
+budget=${GPU_CHECK_BUDGET:-530}
 start=$SECONDS
 [[ -z $parse_only ]] && source .gpu-pack/activate.sh
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
@@ -27,7 +27,21 @@ parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue test
 pack() { tar czf "$out/gpu-check.tgz" -C "$logs" . 2>/dev/null; }
 # What a part cut at its cap leaves running (its workers, their engine processes, its redis-server) is ended before
 # the next: a cut run's workers held their GPU memory and CPU under the parts after it.
-leftovers() { pkill -9 -f "worker.cli worker|multiprocessing.spawn|redis-server" 2>/dev/null; true; }
+# (by /proc where the image has no pkill: its error was hidden, and nothing was ended)
+leftovers() {
+  local pattern="worker.cli worker|multiprocessing.spawn|redis-server"
+  if command -v pkill >/dev/null; then pkill -9 -f "$pattern"; true; return; fi
+  python3 - "$pattern" <<'PY'
+import os, re, signal, sys
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        if int(pid) != os.getpid() and re.search(sys.argv[1], cmdline):
+            os.kill(int(pid), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+PY
+}
 if [[ -n $parse_only ]]; then
   roseinfer=(python3 -c "import sys; from worker.cli import build_parser; build_parser().parse_args(sys.argv[1:])")
   timeout() { while [[ $1 == -* ]]; do shift 2; done; shift; "$@"; }  # (no caps: nothing runs)
@@ -42,8 +56,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,compute_mode --for
   redis-server --version || echo "the carried redis-server does not start here: the queue parts will fail"
 } 2>&1 | tee "$logs/preflight.txt"
 # The pack itself, in a second: without its packages or the tokenizer every part would fail in turn, the lease spent.
+# (not through a pipe: its status was tee's, and a pack that did not install went on into every part)
 if ! python3 -c "import redis, rq, pydantic, pydantic_settings, hiredis, llguidance, prometheus_client, xdist" \
-    2>&1 | tee -a "$logs/preflight.txt" || [[ ! -f .gpu-model/smollm2-tok/tokenizer.json ]]; then
+    >>"$logs/preflight.txt" 2>&1 || [[ ! -f .gpu-model/smollm2-tok/tokenizer.json ]]; then
+  tail -5 "$logs/preflight.txt"
   echo "the pack did not install, or .gpu-model was not carried: carry [\".gpu-pack\", \".gpu-model\"]" | tee -a "$logs/preflight.txt"
   pack; exit 3
 fi
@@ -77,9 +93,11 @@ for part in "${parts[@]}"; do
       queue 60 150 --worker-flag=--engine-process --json "$logs/queue-engine-process.json" ;;
     tests)  # -v, the whole log kept: a run cut off at its cap still names every test that ran; no -x: one failure
       # must not hide what the others would have said, on a machine lent for minutes. The CUDA tests first (never
-      # run on a GPU yet); a test stuck on a worker gives up at 60 s, not the ini's 300
-      [[ -n $parse_only ]] || { t=$(within 60 200) && timeout "$t" python3 -m pytest -p no:cacheprovider --timeout 60 \
-        tests/test_cuda.py tests/test_triton_kernels.py -v 2>&1 | tee "$logs/tests.log" | tail -30; } ;;
+      # run on a GPU yet), the kernels' own first: seconds, and what explains a parity failure; a test stuck on a
+      # worker gives up at 60 s, not the ini's 300
+      [[ -n $parse_only ]] || { t=$(within 60 150) && timeout "$t" python3 -m pytest -p no:cacheprovider --timeout 60 \
+        tests/test_triton_kernels.py tests/test_cuda.py -v 2>&1 | tee "$logs/tests.log" | tail -30
+        echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"; } ;;
     smol)
       bench 60 150 --model random:smollm2-135m --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 \
         --json "$logs/smol64.json" ;;
