@@ -181,9 +181,13 @@ def main(args: argparse.Namespace) -> int:
         per_token = latency(llm, vocab, args.max_tokens)
         bw = copy_bandwidth(args.device)
         floor = weight_bytes(llm) / bw
+        # Issue 14 counts a copy's bytes once (2.1 TB/s on the H200, a 1.17 ms floor for the 1B shape), its goal
+        # 1.5x that; the physical floor reads at the copy's read-plus-write rate: both said, neither misread.
         print(
             f"one sequence: {per_token * 1e3:.2f} ms a token; weights {weight_bytes(llm) / 1e9:.2f} GB read once at "
-            f"{bw / 1e12:.2f} TB/s: {floor * 1e3:.2f} ms ({per_token / floor:.2f}x the floor)"
+            f"{bw / 1e12:.2f} TB/s (a copy's read plus write): {floor * 1e3:.2f} ms ({per_token / floor:.2f}x the "
+            f"floor); at the copy's one-way {bw / 2e12:.2f} TB/s, as issue 14 counts it: {2 * floor * 1e3:.2f} ms "
+            f"({per_token / (2 * floor):.2f}x, its goal <= 1.5x)"
         )
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -215,6 +219,7 @@ def main(args: argparse.Namespace) -> int:
             "results": [r.summary() for r in results],
             "runs": [r.summary() for r in ours],
             "weight_floor_ms": None if floor is None else round(floor * 1e3, 3),
+            "weight_floor_one_way_ms": None if floor is None else round(2 * floor * 1e3, 3),
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
     return 0

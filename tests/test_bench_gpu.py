@@ -53,11 +53,17 @@ def test_the_gpu_benchmark_runs_every_row_on_token_prompts(cuda_calls_on_cpu, ti
     )
     assert bench_gpu.main(args) == 0
     text = capsys.readouterr().out
-    assert "run 2/2: roseinfer" in text and "a token; weights" in text and "x the floor)" in text
+    assert (
+        "run 2/2: roseinfer" in text
+        and "a token; weights" in text
+        and "x the floor)" in text
+        and "as issue 14 counts it" in text
+    )
     figures = json.loads(out.read_text())
     assert [r["system"] for r in figures["results"]] == ["roseinfer", "transformers eager, padded"]
     assert all(r["generated_tokens"] == 30 for r in figures["results"])
     assert len(figures["runs"]) == 2 and figures["weight_floor_ms"] > 0
+    assert figures["weight_floor_one_way_ms"] == pytest.approx(2 * figures["weight_floor_ms"], abs=2e-3)
     from roseinfer import LLM
 
     llm = LLM(tiny_llama, dtype="float32")
