@@ -170,6 +170,50 @@ def test_prefill_chunks_attend_causally_from_their_first_uncomputed_token(window
         assert torch.allclose(out[q0 : q0 + n].cpu().double(), ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
+# Every benchmark runs bfloat16, at the SmolLM2 and 1B shapes' heads (9/3 and 32/8, 64 wide), which no other kernel
+# test covers. bfloat16 on CUDA only: the interpreter's bfloat16 dot is wrong (float16's is exact).
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="CUDA only"))]
+)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (32, 8)])
+def test_half_precision_attention_at_the_benchmarks_shapes(dtype, heads, kv_heads):
+    gen = torch.Generator().manual_seed(heads)
+    d, bs, blocks = 64, 16, 40
+    k_cache, v_cache = (c.to(dtype) for c in _caches(blocks, bs, kv_heads, d, gen))
+    chunks = [(0, 33), (16, 17), (47, 1)]  # (tokens computed before, chunk length): whole blocks and odd ends
+    width = max(math.ceil((s + n) / bs) for s, n in chunks)
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for s, n in chunks:
+        m = math.ceil((s + n) / bs)
+        tables.append(perm[used : used + m] + [0] * (width - m))
+        used += m
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d).cpu(), v_cache.view(-1, kv_heads, d).cpu()
+    keys_of = [torch.tensor([t[p // bs] * bs + p % bs for p in range(s + n)]) for (s, n), t in zip(chunks, tables)]
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, d, generator=gen).to(DEVICE, dtype)
+    out = torch.full_like(q, float("nan"))
+    starts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    lens = [n for _, n in chunks]
+    tk.paged_prefill(
+        q, k_cache, v_cache, as_i32(tables), as_i32(starts), as_i32(lens), as_i32([s for s, _ in chunks]),
+        max(lens), d**-0.5, out, 0, 0.0,
+    )  # fmt: skip
+    for (s, n), idx, q0 in zip(chunks, keys_of, starts):
+        ref = _ref_attention(q[q0 : q0 + n].cpu(), flat_k[idx], flat_v[idx], d**-0.5, s)
+        assert torch.allclose(out[q0 : q0 + n].cpu().double(), ref, atol=2e-2, rtol=2e-2)
+    # A decode row per chunk's end: its last query against every key up to it.
+    last = torch.tensor([q0 + n - 1 for q0, (_, n) in zip(starts, chunks)], device=DEVICE)
+    decoded = torch.full_like(q[last], float("nan"))
+    ctx = [s + n for s, n in chunks]
+    tk.paged_decode(q[last], k_cache, v_cache, as_i32(tables), as_i32(ctx), d**-0.5, out=decoded)
+    for i, (idx, c) in enumerate(zip(keys_of, ctx)):
+        ref = _ref_attention(q[last][i : i + 1].cpu(), flat_k[idx], flat_v[idx], d**-0.5, c - 1)
+        assert torch.allclose(decoded[i].cpu().double(), ref[0], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_elementwise_ops_round_as_pytorch_does(dtype):
     gen = torch.Generator().manual_seed(5)
