@@ -452,7 +452,7 @@ class LLMEngine(PromptInputs):
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)  # the current device is per thread: a worker steps from its own
         outputs: list[RequestOutput] = []
-        sched = None
+        sched = pending = None
         try:
             sched = self.scheduler.schedule()
             if not sched.is_empty:
@@ -461,6 +461,9 @@ class LLMEngine(PromptInputs):
                 self._emit_pending(outputs)  # the previous step's, while the device runs this one
                 sampled = pending.result()
         except BaseException:
+            if pending is not None:  # (the next step refills the pinned inputs a queued copy of this one reads)
+                with contextlib.suppress(Exception):
+                    pending.wait()
             # The blocks this step registered in the prefix cache were never filled (out of memory, an interrupt
             # in the schedule or the masks): a later request with the same prefix would read them.
             self.scheduler.forget_step()

@@ -93,6 +93,11 @@ class PendingSample:
         self._done, self._host, self._event, self._finish = done, host, event, finish
         self.prompt_logprobs: list[tuple[Sequence, int, list[dict[int, float]]]] = []  # given to the result
 
+    def wait(self) -> None:
+        """Until the device is done with the step (its pinned inputs free to refill), its result left unread."""
+        if self._done is None and self._event is not None:
+            self._event.synchronize()
+
     def result(self) -> SamplerOutput:
         if self._done is None:
             if self._event is not None:

@@ -293,3 +293,32 @@ def test_an_interrupt_in_outputs_made_after_the_step_loses_no_last_output_nor_id
     assert raised and finals == plain[2] and set(finals) == {"a", "b"}
     assert ids == plain[1] and texts == plain[0]
     assert engine.kv.num_used_blocks == 0
+
+
+def test_a_step_that_fails_after_its_launch_waits_for_the_device_before_the_next(tiny_chat_model, monkeypatch):
+    """A step abandoned after its launch (an interrupt while the last step's outputs were made) left its copies of
+    the pinned inputs queued on the device; the next step refilled those buffers, and the abandoned decode graph
+    could store K/V at another request's slots. The step waits for its own device work before it gives up."""
+    engine = LLM(tiny_chat_model, dtype="float32").engine
+    engine._overlap = True
+    engine.add_request("a", {"prompt": "Once upon a time"}, SamplingParams(max_tokens=6, ignore_eos=True))
+    launch, emit, events = engine.runner.launch, type(engine)._emit_pending, []
+
+    def launched(*args, **kwargs):
+        pending = launch(*args, **kwargs)
+        wait = pending.wait
+        pending.wait = lambda: (events.append("waited"), wait())
+        events.append("launched")
+        return pending
+
+    def interrupted(self, outputs):
+        if len(events) == 2:  # the second step's launch: the first's outputs are being made
+            raise KeyboardInterrupt
+        return emit(self, outputs)
+
+    monkeypatch.setattr(engine.runner, "launch", launched)
+    monkeypatch.setattr(type(engine), "_emit_pending", interrupted)
+    engine.step()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert events == ["launched", "launched", "waited"]
