@@ -174,7 +174,7 @@ class IncrementalDetokenizer:
 
     def _flush(self, finished: bool) -> str:
         end = len(self.text)
-        if not finished and self.stop_hit is None:
+        if not finished and self.stop_hit is None and not self.include_stop:  # (a stop kept in cuts nothing shown)
             end -= self._held_back()
         end = max(end, self._emitted)
         delta = self.text[self._emitted : end]

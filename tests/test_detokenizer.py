@@ -77,6 +77,19 @@ def test_stop_string_kept_when_asked(smol_tokenizer):
     assert d.output_text == "a b c STOP" and "".join(pieces) == "a b c STOP"
 
 
+def test_text_that_may_begin_a_stop_string_kept_in_the_output_is_not_held_back(smol_tokenizer):
+    """Held back as if it might be cut (vLLM holds nothing back then): a stop string kept in the output never cuts
+    what came before it, so each token's text streams at once."""
+    params = SamplingParams(stop=["The answer is wrong, stop now"], include_stop_str_in_output=True)
+    ids, pieces, d = stream(smol_tokenizer, " The answer is fine.", params)
+    assert pieces[:-1] == [
+        smol_tokenizer.decode(ids[: i + 1])[len(smol_tokenizer.decode(ids[:i])) :] for i in range(len(ids))
+    ]
+    assert d.stop_hit is None and "".join(pieces) == " The answer is fine."
+    _, pieces, d = stream(smol_tokenizer, "a b STOP c", SamplingParams(stop="STOP", include_stop_str_in_output=True))
+    assert d.output_text == "".join(pieces) == "a b STOP"
+
+
 def test_partial_match_that_never_completes_is_released(smol_tokenizer):
     _, pieces, d = stream(smol_tokenizer, "we say THE EN and stop there", SamplingParams(stop=["THE END"]))
     assert d.stop_hit is None
