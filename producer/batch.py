@@ -88,14 +88,33 @@ class _Signaled(KeyboardInterrupt):
         self.signum = signum
 
 
-class RedisLost(RuntimeError):
-    """Redis went away during a batch for longer than ``REDIS_PATIENCE_S``. As after Ctrl-C, the output holds
-    complete lines only and ``summary`` counts what was done; the jobs submitted go on in the workers, and a rerun
-    resumes."""
+class BatchStopped(RuntimeError):
+    """A run stopped by a failure of no row's (Redis gone, a disk full). As after Ctrl-C, the output holds complete
+    lines only and ``summary`` counts what was done; the jobs submitted go on in the workers, and a rerun resumes
+    ``resume_when`` the failure is over."""
+
+    resume_when = "once that is fixed"
+
+    def __init__(self, summary: dict[str, int], message: str) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
+class RedisLost(BatchStopped):
+    """Redis went away during a batch for longer than ``REDIS_PATIENCE_S``."""
+
+    resume_when = "once Redis answers"
 
     def __init__(self, summary: dict[str, int], cause: Exception) -> None:
-        super().__init__(f"Redis unavailable for over {REDIS_PATIENCE_S:g} s during the run ({cause})")
-        self.summary = summary
+        super().__init__(summary, f"Redis unavailable for over {REDIS_PATIENCE_S:g} s during the run ({cause})")
+
+
+class FilesFailed(BatchStopped):
+    """The output or errors file could not be written mid-run (a disk full, a folder gone): said with the counts
+    and the command that resumes, not a bare errno read as a bad flag."""
+
+    def __init__(self, summary: dict[str, int], cause: OSError) -> None:
+        super().__init__(summary, f"the run stopped, its files could not be written ({cause})")
 
 
 def new_run_id() -> str:
@@ -385,10 +404,10 @@ def run_batch(
     options = options or RowOptions()
     check_run_settings(options, priority, max_in_flight)
     input_path, output_path = Path(input_path), Path(output_path)
-    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
-    options = options.for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path)
     _check_paths(errors_path, input_path, output_path)
+    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
+    options = options.for_format(in_fmt)
     _check_columns(input_path, in_fmt, options)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
@@ -403,7 +422,7 @@ def run_batch(
             _check_settings(output_path, settings, bool(done), run_id=run_id)  # a refused run leaves the last errors
             if on_start is not None:
                 on_start()
-            with open_lines(errors_path, "w") as err, _signals_interrupt():
+            with _files_failing_stop(summary), open_lines(errors_path, "w") as err, _signals_interrupt():
                 progress = Progress(summary["total"], 0, 0, log_interval)
                 sink.open(err)
                 try:
@@ -427,10 +446,34 @@ def run_batch(
     return summary
 
 
+@contextmanager
+def _files_failing_stop(summary: dict[str, Any]) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise FilesFailed(summary, exc) from exc
+
+
 def _check_paths(errors_path: Path, input_path: Path, output_path: Path) -> None:
     """The input is read twice (its rows counted first), so it is a file, not a pipe (the count would use it up
-    and the run would find no row); the output is appended to, and the errors file rewritten each run: neither is
-    the input, nor one the other."""
+    and the run would find no row); the output is read back to resume and appended to, so it is a file too (stdout
+    hung, read for rows done); the errors file is rewritten each run: neither is the input, nor one the other. Each
+    said before anything is written (a missing errors folder was found once a fresh run had taken its id)."""
+    for name, path in (("input", input_path), ("output", output_path)):
+        if str(path) == "-":  # (it was a file of that name, or its format could not be told)
+            raise ValueError(
+                f"the {name} cannot be stdin or stdout ('-'): the input is read twice, the output read back to "
+                "resume; give a file path"
+            )
+    if output_path.exists() and not output_path.is_file():
+        raise ValueError(
+            f"the output {output_path} is not a regular file: it is read back to resume and appended to; give a "
+            "file path"
+        )
+    if not output_path.parent.is_dir():
+        raise ValueError(f"the output's folder {output_path.parent} does not exist")
+    if not errors_path.parent.is_dir():
+        raise ValueError(f"the errors file's folder {errors_path.parent} does not exist: give --errors another path")
     if input_path.exists() and not (input_path.is_file() or input_path.is_dir()):  # (a folder: a saved dataset)
         raise ValueError(
             f"the input {input_path} is not a regular file (a pipe?): it is read twice, to count its rows first; "
@@ -532,10 +575,10 @@ def dry_run(
     options = options or RowOptions()
     check_run_settings(options, priority)
     input_path, output_path = Path(input_path), Path(output_path)
-    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
-    options = options.for_format(in_fmt)
     errors_path = Path(errors_path) if errors_path else default_errors_path(output_path, dry=True)
     _check_paths(errors_path, input_path, output_path)
+    in_fmt, out_fmt = _formats(input_path, input_format, output_path, output_format)
+    options = options.for_format(in_fmt)
     _check_columns(input_path, in_fmt, options)
     summary: dict[str, Any] = {"total": count_rows(input_path, in_fmt), "skipped": 0, "succeeded": 0, "failed": 0}
     summary.update(reused=0, failures={})

@@ -24,6 +24,7 @@ log = logging.getLogger("roseinfer.batch")
 FORMATS = ("jsonl", "parquet", "hf")
 OUTPUT_FORMATS = ("jsonl", "parquet")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+OUTPUT_EXTENSIONS = frozenset(_EXTENSIONS)  # (every format an extension names is an output's too)
 # Columns a Parquet output adds to the input's.
 ADDED_COLUMNS = ("output", "finish_reason", "prompt_tokens", "completion_tokens", "error", "job_id")
 # Payload defaults a run may set for every row that names none (``--max-tokens`` ...).
@@ -58,6 +59,8 @@ def format_of(path: str | Path, given: str | None = None, flag: str = "--format"
     if Path(path).is_dir():
         return "hf"
     suffix = Path(path).suffix.lower()
+    if suffix in (".csv", ".tsv"):  # (--format has no such choice: "pass --format" led nowhere)
+        raise ValueError(f"{path}: {suffix[1:].upper()} is not read; convert it to JSONL or Parquet")
     if suffix not in _EXTENSIONS:
         raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass {flag}")
     return _EXTENSIONS[suffix]

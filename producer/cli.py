@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from rq.job import Job
 
-from producer.batch_io import at_least
+from producer.batch_io import OUTPUT_EXTENSIONS, at_least
 from producer.client import DEFAULT_REDIS_URL, Client, validate
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls, redacted_url
 from producer.generation_job import GenerationJob
@@ -530,7 +530,7 @@ def batch_options(args: argparse.Namespace):
 def batch(args: argparse.Namespace) -> int:
     from producer.batch import (
         BatchInterrupted,
-        RedisLost,
+        BatchStopped,
         check_resumed_run,
         default_errors_path,
         dry_run,
@@ -551,6 +551,8 @@ def batch(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     same = args.format if args.format != "hf" else None  # a datasets folder is an input only
+    if Path(args.output).suffix.lower() in OUTPUT_EXTENSIONS:  # its name says (--format jsonl wrote JSONL to x.parquet)
+        same = None
     formats = {"input_format": args.format, "output_format": args.output_format or same}
     if args.dry_run:
         try:
@@ -592,18 +594,18 @@ def batch(args: argparse.Namespace) -> int:
             on_start=fresh_run_taken if args.fresh else None,
             **formats,
         )
-    except (KeyboardInterrupt, RedisLost) as exc:
-        s = exc.summary if isinstance(exc, (BatchInterrupted, RedisLost)) else None
+    except (KeyboardInterrupt, BatchStopped) as exc:
+        s = exc.summary if isinstance(exc, (BatchInterrupted, BatchStopped)) else None
         done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
         detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
-        lost = isinstance(exc, RedisLost)
+        lost = isinstance(exc, BatchStopped)
         # (a --fresh run's literal command again would start another run: this one is its id pinned instead; stopped
         # before it began, it is the --fresh command again, its id never the output's)
         pinned = args.fresh and bool(began)
         again = "this command (the run's --run-id, not --fresh)" if pinned else "the same command again"
         print(
             f"{exc if lost else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the workers.\n"
-            f"To resume{' once Redis answers' if lost else ''}, run {again}: it skips the custom_ids already in "
+            f"To resume{' ' + exc.resume_when if lost else ''}, run {again}: it skips the custom_ids already in "
             f"{args.output} and picks up the jobs still queued or finished in Redis:\n"
             f"  {resume_command(args, run_id if pinned else None, fresh=args.fresh and not pinned)}",
             file=sys.stderr,
@@ -725,8 +727,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--format",
         choices=("jsonl", "parquet", "hf"),
         default=None,
-        help="the input's format (and the output's, unless --output-format): jsonl, parquet, or hf (a datasets "
-        "folder, input only); default: from the extension (a folder is hf)",
+        help="the input's format (and the output's, unless --output-format or its extension says): jsonl, parquet, "
+        "or hf (a datasets folder, input only); default: from the extension (a folder is hf)",
     )
     rows.add_argument("--output-format", choices=("jsonl", "parquet"), default=None, help="the output's format")
     rows.add_argument(

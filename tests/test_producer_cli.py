@@ -8,6 +8,7 @@ import io
 import json
 import re
 import shlex
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -444,6 +445,77 @@ def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(
     assert len(calls) > 2  # (tried again before giving up)
     assert "To resume once Redis answers, run the same command again" in err
     assert err.strip().splitlines()[-1].strip().startswith(f"roseinfer batch {shlex.quote(str(src))} ")
+
+
+def test_a_disk_full_mid_run_says_what_was_done_and_how_to_resume(redis_url, tmp_path, monkeypatch, capsys):
+    """A write that failed mid-run (ENOSPC) was "error: [Errno 28] No space left on device", exit 2 (a bad flag's
+    code): no file, no count, no resume command."""
+    import errno
+    import uuid
+
+    from producer.batch_io import JSONLSink
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _batch_input(src, 3, max_tokens=4)
+    with src.open("a") as f:
+        f.write("not json\n")  # its error line is the write that fails
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(JSONLSink, "error", full)
+    queue = f"nobody-{uuid.uuid4().hex[:8]}"
+    argv = ["batch", str(src), "-o", str(out), "--redis-url", redis_url, "--queue", queue]
+    assert producer_cli.batch(_parse(*argv)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: [Errno" not in err
+    assert "the run stopped, its files could not be written ([Errno 28] No space left on device): " in err
+    assert "To resume once that is fixed, run the same command again" in err
+    assert err.strip().splitlines()[-1].strip().startswith(f"roseinfer batch {shlex.quote(str(src))} ")
+
+
+def test_paths_a_run_cannot_use_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """stdout as the output hung (read back for the rows done) and left /dev/stdout.lock behind; '-' was a file of
+    that name, or "pass --format"; a missing errors folder was found once a --fresh run had taken its id; a CSV
+    input was told to pass --format, which has no CSV."""
+    src = tmp_path / "in.jsonl"
+    _batch_input(src, 2)
+    (tmp_path / "in.csv").write_text("prompt\nhi\n")
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (["in.jsonl", "-o", "-", "--output-format", "jsonl"], "the output cannot be stdin or stdout ('-')"),
+        (["-", "-o", "out.jsonl", "--format", "jsonl"], "the input cannot be stdin or stdout ('-')"),
+        (["in.jsonl", "-o", "/dev/null", "--output-format", "jsonl"], "the output /dev/null is not a regular file"),
+        (["in.jsonl", "-o", "out.jsonl", "--errors", "gone/e.jsonl", "--fresh"], "the errors file's folder gone"),
+        (["in.csv", "-o", "out.jsonl"], "in.csv: CSV is not read; convert it to JSONL or Parquet"),
+    ]
+    for argv, said in cases:
+        assert producer_cli.batch(_parse("batch", *argv, "--redis-url", "redis://127.0.0.1:1/0")) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and "a fresh run" not in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.csv", "in.jsonl"]  # nothing written
+
+
+def test_an_outputs_extension_says_its_format_over_format(tmp_path, monkeypatch):
+    """--format jsonl with -o out.parquet wrote JSONL text into out.parquet (--format set both formats)."""
+    seen = {}
+
+    def run_batch(client, input_path, output_path, **kwargs):
+        seen.update(kwargs, output=Path(output_path))
+        return {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
+
+    monkeypatch.setattr(batch_mod, "run_batch", run_batch)
+    src = tmp_path / "in.txt"
+    src.write_text("")
+    for output, extra, expected in [
+        ("out.parquet", [], "parquet"),
+        ("out.data", [], "jsonl"),  # (no extension that says: --format's)
+        ("out.parquet", ["--output-format", "jsonl"], "jsonl"),  # (said outright)
+    ]:
+        argv = ["batch", str(src), "-o", str(tmp_path / output), "--format", "jsonl", *extra]
+        assert producer_cli.batch(_parse(*argv)) == 0
+        formats = batch_mod._formats(src, seen["input_format"], seen["output"], seen["output_format"])
+        assert formats == ("jsonl", expected), output
 
 
 @pytest.mark.slow
