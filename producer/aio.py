@@ -34,6 +34,7 @@ from producer.event_reading import (
     raise_at_a_bad_end,
     sample_text,
     stream_wait_ends,
+    text_before_its_end,
     time_left,
 )
 from producer.generation_job import ENDED, GenerationJob
@@ -489,6 +490,10 @@ class AsyncGenerationJob:
                     raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):
                         return
+        except (JobCanceled, JobFailed) as exc:  # (its stream gone: what it made is in its result)
+            if text := text_before_its_end(exc, index, read_any):
+                yield text
+            raise
         except StreamExpired:
             if read_any:
                 raise

@@ -170,6 +170,13 @@ def sample_text(result: dict[str, Any], index: int) -> str:
     return next((c.get("text", "") for c in choices if c.get("index", 0) == index), "")
 
 
+def text_before_its_end(exc: Exception, index: int, read_any: bool) -> str:
+    """What a job that was canceled or failed made (sample ``index``), from its result, for a stream that read none
+    of it: its stream expired (10 minutes after the end), that stream() gave no text at all, the result held it."""
+    result = getattr(exc, "result", None)
+    return "" if read_any or not isinstance(result, dict) else sample_text(result, index)
+
+
 REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises
 
 

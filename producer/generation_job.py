@@ -33,6 +33,7 @@ from producer.event_reading import (
     raise_at_a_bad_end,
     sample_text,
     stream_wait_ends,
+    text_before_its_end,
     time_left,
     wait_for_final_event,
     wait_for_subscribed,
@@ -331,6 +332,10 @@ class GenerationJob:
                     raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):  # its sample is whole: the others' tokens are not waited for
                         return
+        except (JobCanceled, JobFailed) as exc:  # (its stream gone: what it made is in its result)
+            if text := text_before_its_end(exc, index, read_any):
+                yield text
+            raise
         except StreamExpired:
             if read_any:
                 raise

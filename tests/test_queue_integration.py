@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -253,7 +254,7 @@ def _first_event(job, timeout=30.0):
     return next(iter(job.events(timeout=timeout)))
 
 
-def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
+def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served, redis_url):
     worker, client = served
     counted = worker.worker.tokens
     job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
@@ -275,6 +276,26 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served):
     # What the stream holds is the partial result, token ids included (those sampled since the last event too).
     assert "".join(e["text"] for e in events) == partial["text"]
     assert [t for e in events for t in e["token_ids"]] == partial["token_ids"]
+    # Its stream expired (10 minutes after the end): stream() gave no text at all, the result holding it.
+    client.connection.delete(stream_key(job.id))
+    again = []
+    with pytest.raises(JobCanceled):
+        again.extend(job.stream(timeout=10))
+    assert again == [partial["text"]]
+
+    async def stream_async() -> list[str]:
+        from producer.aio import AsyncClient
+
+        aclient, pieces = AsyncClient(redis_url, queue=worker.queue), []
+        try:
+            with pytest.raises(JobCanceled):
+                async for piece in aclient.job(job.id).stream(timeout=10):
+                    pieces.append(piece)
+        finally:
+            await aclient.close()
+        return pieces
+
+    assert asyncio.run(stream_async()) == [partial["text"]]
     # RQ's view: no return value (not finished), its latest result a stop holding the partial result.
     latest = job.rq_job.latest_result()
     assert latest.type == Result.Type.STOPPED and latest.return_value == partial
