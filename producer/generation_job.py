@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoPermissionError, WatchError
 from rq import Queue
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job
 from rq.registry import CanceledJobRegistry
 from rq.results import Result
@@ -100,8 +100,8 @@ class GenerationJob:
         """How many samples the job makes (its payload's ``n``); None if its hash is gone or cannot be read."""
         try:
             return int(self.rq_job.kwargs.get("n") or 1)
-        except (NoSuchJobError, ValueError, TypeError, AttributeError):
-            return None
+        except (NoSuchJobError, DeserializationError, ValueError, TypeError, AttributeError):
+            return None  # (DeserializationError: a payload RQ cannot read, as pickle's: ``stream`` was a traceback)
 
     def check_sample(self, index: int) -> None:
         """``InvalidRequest`` for a sample ``index`` the job does not make (its payload's ``n``): a stream of it

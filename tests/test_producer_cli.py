@@ -238,6 +238,41 @@ def test_result_of_a_failed_job_prints_what_the_worker_stored(monkeypatch, capsy
     assert capsys.readouterr().err.strip() == "error: job j1: boom (what the worker stored is on stdout)"
 
 
+def test_a_streamed_text_cut_by_an_error_ends_its_line_before_the_error(monkeypatch, capsys):
+    """A job canceled (or timed out, or Redis lost) mid-text: stdout had no line end, so the terminal showed
+    "...The every error: job ...". A stream's lost Redis pointed at ``result``, not at following it again."""
+    import redis
+
+    from producer.generation_job import GenerationJob
+    from producer.job_errors import JobCanceled
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    for error, said in [
+        (JobCanceled("j", "job canceled", {"text": "The every"}), "error: job j: job canceled"),
+        (redis.exceptions.ConnectionError("gone"), "`roseinfer stream "),
+        (TimeoutError("job j: no end of stream within 5 s"), "error: job j: no end of stream within"),
+    ]:
+
+        def cut(self, timeout=None, index=0, error=error):
+            yield "The every"
+            raise error
+
+        monkeypatch.setattr(GenerationJob, "stream", cut)
+        assert producer_cli.submit(_parse("submit", "hi", "--stream")) in (1, 124)
+        out, err = capsys.readouterr()
+        assert out == "The every\n" and said in err, (out, err)
+    with pytest.raises(InvalidRequest, match="give one of them"):  # (--wait was dropped unsaid)
+        producer_cli.submit(_parse("submit", "hi", "--stream", "--wait"))
+
+
+def test_submit_many_of_strings_says_what_a_request_is():
+    """A list of prompts, as vLLM's generate takes: "dictionary update sequence element #0 has length 1"."""
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    with pytest.raises(InvalidRequest, match=r"request 0: a payload dict, as \{'prompt': \.\.\.\}, got str"):
+        client.submit_many(["a", "b"])
+
+
 @pytest.mark.parametrize("command", ["submit", "result"])
 def test_redis_lost_during_a_wait_says_the_job_goes_on_not_to_check_the_url(monkeypatch, capsys, command):
     """Redis gone for longer than a follower waits it out, after the submit went in (or the result's first read
@@ -750,6 +785,18 @@ def test_a_prompt_that_is_not_utf8_or_starts_with_a_bom_is_read_as_its_text(monk
         producer_cli.request_from_args(_parse("submit", "-", "--raw"))
 
 
+def test_a_job_whose_payload_rq_cannot_read_has_no_sample_count_not_a_traceback():
+    """Enqueued by stock RQ (pickle): ``roseinfer stream`` died on RQ's DeserializationError asking its n, where
+    ``result`` said the worker's reason."""
+    from rq import Queue
+
+    conn = fakeredis.FakeRedis()
+    rq_job = Queue("q", connection=conn).enqueue("worker.jobs.generate", prompt="hi")  # (RQ's default: pickle)
+    job = Client(connection=conn, queue="q").job(rq_job.id)
+    assert job.samples() is None
+    job.check_sample(1)  # (n unknown: only a negative index is judged)
+
+
 def test_cancel_of_a_job_hash_rq_cannot_read_marks_it_canceled(monkeypatch, capsys):
     """A job written by hand in another language, with a stamp RQ cannot parse: ``roseinfer cancel`` marks it
     canceled as any language would (the worker honours the status), not a traceback with the job left queued."""
@@ -771,7 +818,9 @@ def test_a_negative_wait_timeout_is_refused_before_redis(command, value, capsys)
 
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--timeout", value, "--redis-url", "redis://127.0.0.1:1/0"])
-    assert exit_.value.code == 2 and "--timeout: must be at least 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--timeout: must be at least 0" in err
+    assert err.count("\n") == 1 and err.endswith(f"(see roseinfer {command[0]} --help)\n")  # (not 25 lines of usage)
 
 
 @pytest.mark.slow

@@ -233,11 +233,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=module.main)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag or value is one line on stderr, exit 2 (argparse's usage before it was 25 lines for ``submit``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from producer import cli as producer_cli
     from roseinfer import cli as engine_cli
 
-    parser = argparse.ArgumentParser(prog="roseinfer", description="roseinfer: a job-queue batch inference worker")
+    # (its commands' parsers are of its class: add_subparsers takes the parent's)
+    parser = _Parser(prog="roseinfer", description="roseinfer: a job-queue batch inference worker")
     parser.add_argument("--version", action="version", version=f"roseinfer {installed_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
