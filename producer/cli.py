@@ -234,6 +234,8 @@ def submit(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     if args.timeout is not None and not (args.stream or args.wait):  # (a submit alone waits for nothing)
         raise InvalidRequest("--timeout bounds the wait of --stream or --wait: give one of them")
+    if args.stream and args.wait:  # (--wait was dropped unsaid: the text streamed, no result printed)
+        raise InvalidRequest("--stream prints the text as it comes, --wait the result as JSON: give one of them")
     if args.stream and request.get("n", 1) > 1:  # it printed sample 0 alone, and exited 0
         raise InvalidRequest("--stream prints one sample; with --n over 1 use --wait (the result holds every sample)")
     client = _client(args)
@@ -279,7 +281,7 @@ def _follow(
     the command's, whose Redis and queue the hints printed after an interruption name."""
     if warn and (warning := client.no_worker_warning(queue)) is not None:
         print(warning, file=sys.stderr)
-    restarted = False
+    restarted = line_open = False  # line_open: text out on stdout with no line end after it
     deadline = None if timeout is None else time.monotonic() + timeout  # the stream and the result's wait
 
     def left() -> float | None:
@@ -291,24 +293,29 @@ def _follow(
                 for piece in job.stream(timeout=left()):
                     sys.stdout.write(piece)
                     sys.stdout.flush()
+                    line_open = not piece.endswith("\n")
             except StreamRestarted:
                 print("\n[the job restarted from the beginning; what is above is void]", file=sys.stderr)
                 restarted = True
                 continue
             sys.stdout.write("\n")
+            line_open = False
             break
         result = job.result(timeout=left())
     except JobError as exc:
         if not (streamed and isinstance(exc, ResultNotKept)):
+            _end_the_text_line(line_open)
             return _report(exc, print_result=not streamed)  # streamed: its text is already out
         result = None  # finished, its text out: result_ttl 0 keeps no result (it exited 1, as a failed job does)
     except REDIS_UNAVAILABLE as exc:  # (the submit went in: the URL is right, not to be checked)
-        return _lost_redis(job.id, exc, args)
+        _end_the_text_line(line_open)
+        return _lost_redis(job.id, exc, args, "stream" if streamed else "result")
     except KeyboardInterrupt:  # only the wait stops: said, with how to stop the job too
         again = _follow_or_cancel(job.id, args, streamed)
         print(f"\ninterrupted: job {job.id} goes on in the workers; {again}", file=sys.stderr)
         return 130
     except TimeoutError as exc:  # --timeout ran out: the job goes on all the same
+        _end_the_text_line(line_open)
         said = str(exc)
         if timeout is not None:  # the --timeout given, not what was left of it for the last wait
             said = re.sub(r"within \S+ s", f"within {timeout:g} s", said, count=1)
@@ -332,12 +339,20 @@ def _follow(
     return 0
 
 
-def _lost_redis(job_id: str, exc: Exception, args: argparse.Namespace | None) -> int:
+def _lost_redis(job_id: str, exc: Exception, args: argparse.Namespace | None, verb: str = "result") -> int:
     """Redis went away during a wait, for longer than a follower waits it out (or than ``--timeout``): the job goes
-    on in the workers. It said "cannot reach Redis; check --redis-url" with exit 2, as for a wrong URL."""
+    on in the workers. It said "cannot reach Redis; check --redis-url" with exit 2, as for a wrong URL. ``verb``:
+    the command that takes the wait up again (``stream`` for a stream's)."""
     print(f"error: lost Redis while waiting ({exc}); job {job_id} goes on in the workers: "
-          f"`{_command('result', job_id, args)}` once Redis answers", file=sys.stderr)  # fmt: skip
+          f"`{_command(verb, job_id, args)}` once Redis answers", file=sys.stderr)  # fmt: skip
     return 1
+
+
+def _end_the_text_line(line_open: bool) -> None:
+    """A streamed text's last line ended before an error is said (the error read as the text's last words)."""
+    if line_open:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def _follow_or_cancel(job_id: str, args: argparse.Namespace | None, streamed: bool) -> str:

@@ -8,7 +8,7 @@ import time
 import uuid
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,6 +239,8 @@ class Client:
         given: dict[str, None] = {}  # the ids the caller chose (maybe an ended job's); a dict: 100k ids, no scan
         stamp = utcformat(now())  # the jobs are enqueued together, in one transaction
         for i, fields in enumerate(requests):
+            if not isinstance(fields, Mapping):  # (a list of prompts, as vLLM's generate takes: dict()'s riddle)
+                raise InvalidRequest(f"request {i}: a payload dict, as {{'prompt': ...}}, got {type(fields).__name__}")
             fields = dict(fields)
             job_id = fields.pop("job_id", None)
             try:
