@@ -3303,6 +3303,45 @@ def test_a_job_rq_fails_as_abandoned_gets_its_last_event_and_its_completion_entr
 
 
 @pytest.mark.redis
+def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_retries(redis_url):
+    """A worker holds more jobs than it runs (waiting for the engine): killed, every one of them was abandoned to
+    RQ's clean-up, a retry spent each (failed, with none left: 4 of 6 jobs that never ran). Those that streamed
+    nothing go back to the front of their queue, retries untouched, a bounded number of times (a job that kills
+    every worker at its start then fails as RQ fails it); one that streamed goes RQ's way, as before."""
+    from producer import Client, JobFailed
+    from worker.maintenance import FREE_REQUEUES, UNRUN_FIELD
+
+    conn, worker, _ = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    client = Client(redis_url, queue=queue.name, retries=0)
+    waited, streamed = client.submit("it waited", max_tokens=8), client.submit("it streamed", max_tokens=8)
+    kept = client.submit("queued behind")
+
+    def died_holding(*jobs) -> None:
+        for job in jobs:
+            conn.lrem(queue.key, 0, job.id)
+            conn.hset(job.rq_job.key, "status", "started")
+            conn.zadd(queue.started_job_registry.key, {f"{job.id}:e{time.monotonic_ns()}": 1})
+
+    died_holding(waited, streamed)
+    _streamed_a_token(conn, streamed.id)
+    worker.clean_registries()
+    assert waited.status() == "queued" and conn.lrange(queue.key, 0, -1) == [waited.id.encode(), kept.id.encode()]
+    assert waited.rq_job.retries_left is None and conn.hget(waited.rq_job.key, UNRUN_FIELD) == b"1"
+    assert not conn.zrange(queue.started_job_registry.key, 0, -1)
+    assert streamed.status() == "failed"  # (no retry left: RQ's way)
+    with pytest.raises(JobFailed, match="AbandonedJobError"):
+        streamed.result(timeout=5)
+    for _ in range(FREE_REQUEUES - 1):
+        died_holding(waited)
+        worker.clean_registries()
+        assert waited.status() == "queued"
+    died_holding(waited)  # (a job that kills its workers: its free turns spent)
+    worker.clean_registries()
+    assert waited.status() == "failed"
+
+
+@pytest.mark.redis
 def test_an_abandoned_jobs_allowed_failure_callback_runs_on_a_callback_thread_not_in_the_clean_up(redis_url):
     """RQ's clean-up ran a dead worker's job's failure callback itself, on the step loop: every running job's
     tokens waited for it (up to its timeout), and a loop off the main thread could not set its SIGALRM (it never
@@ -3314,6 +3353,7 @@ def test_an_abandoned_jobs_allowed_failure_callback_runs_on_a_callback_thread_no
         conn.lrem(queue.key, 0, job.id)
         conn.hset(job.rq_job.key, mapping={"status": "started", "failure_callback_name": name})
         conn.zadd(queue.started_job_registry.key, {f"{job.id}:e0": 1})
+        _streamed_a_token(conn, job.id)  # (one that streamed nothing goes back unfailed: no callback)
     cleaning = threading.Thread(target=worker.clean_registries, daemon=True)  # (off the main thread, as embedded)
     cleaning.start()
     cleaning.join(timeout=10)
@@ -3400,6 +3440,7 @@ def test_an_abandoned_job_deleted_before_its_failure_callback_ran_is_said_so(red
     conn.lrem(queue.key, 0, job.id)
     conn.hset(job.rq_job.key, mapping={"status": "started", "failure_callback_name": "hook_probe.record"})
     conn.zadd(queue.started_job_registry.key, {f"{job.id}:e0": 1})
+    _streamed_a_token(conn, job.id)
     later: list = []
     worker.maintenance.run_callback = later.append
     worker.clean_registries()
@@ -3409,6 +3450,13 @@ def test_an_abandoned_job_deleted_before_its_failure_callback_ran_is_said_so(red
         run()
     assert "was deleted before its failure callback ran" in caplog.text and "Traceback" not in caplog.text
     assert not conn.exists(f"hook-probe:{job.id}")
+
+
+def _streamed_a_token(conn, job_id: str) -> None:
+    """What a dead worker streamed of the job: RQ's clean-up takes it (one that streamed nothing goes back)."""
+    from producer.protocol import stream_key
+
+    conn.xadd(stream_key(job_id), {"event": json.dumps({"v": 1, "n": 0, "text": "t", "token_ids": [0]})})
 
 
 def _worker_of_a_new_queue(redis_url: str, **settings):

@@ -21,6 +21,7 @@ from rq.registry import clean_registries
 from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
+from producer.protocol import stream_key
 from producer.schema import job_ending
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy
@@ -28,6 +29,9 @@ from worker.publisher import Publisher
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("roseinfer.worker")
+# A job whose worker died before its first token goes back to its queue, no retry spent, this many times at most.
+FREE_REQUEUES = 2
+UNRUN_FIELD = "roseinfer_unrun_requeues"  # (in the job's hash: how many times it did)
 
 
 class Maintenance:
@@ -62,6 +66,7 @@ class Maintenance:
         steps = (
             self.drop_unreadable_started,
             self.end_canceled_orphans,
+            self.requeue_unrun,
             lambda queue: self.clean_registries(queue, exc_handlers),
             worker_registration.clean_worker_registry,
             self.requeue_stranded,
@@ -210,6 +215,46 @@ class Maintenance:
             client.job(job_id)._end_unrun(job)
             self.connection.zrem(key, member)
             log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
+
+    def requeue_unrun(self, queue: Queue) -> None:
+        """Lapsed entries of the started registry whose job streamed nothing (it waited in its dead worker's queue
+        for the engine, or was in its prompt) go back to the front of their queue, retries untouched, as a stop's
+        hand-back puts them: RQ's clean-up spent a retry of each (failed those with none: 4 of 6 jobs that never
+        ran, at a worker's kill). ``FREE_REQUEUES`` times a job: one that kills every worker at its start then goes
+        RQ's way, not round for good."""
+        lapsed = self._lapsed(queue)
+        if not lapsed:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for _member, job_id in lapsed:
+                pipe.hmget(Job.key_for(job_id), "status", UNRUN_FIELD)
+                pipe.xlen(stream_key(job_id))
+            replies = pipe.execute(raise_on_error=False)
+        handed: list[str] = []
+        for i, (member, job_id) in enumerate(lapsed):
+            fields, streamed = replies[2 * i], replies[2 * i + 1]
+            if isinstance(fields, Exception) or isinstance(streamed, Exception) or streamed:
+                continue  # (a key of another type: the steps around take it)
+            status, count = fields
+            if status != b"started" or int(count or 0) >= FREE_REQUEUES:
+                continue
+            try:
+                job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
+            except REDIS_DOWN:
+                raise
+            except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
+                continue
+            if getattr(job, "has_rate_limit", False):  # (its slot is RQ's to free: its clean-up takes it)
+                continue
+            with self.connection.pipeline() as pipe:  # MULTI: out of the registry and back in the queue, or neither
+                pipe.zrem(queue.started_job_registry.key, member)
+                pipe.hincrby(job.key, UNRUN_FIELD, 1)
+                queue._enqueue_job(job, pipeline=pipe, at_front=True)  # (as RQ's own requeues, and the hand-back)
+                pipe.execute()
+            handed.append(job_id)
+        if handed:
+            log.warning("%d jobs of queue %s whose worker died before their first token went back to its front, "
+                        "retries untouched: %s", len(handed), queue.name, ", ".join(handed))  # fmt: skip
 
     def lock(self, queue: Queue) -> bool:
         """RQ's lock on a queue's clean-up (its key, so RQ's own workers take turns with these), held about a
