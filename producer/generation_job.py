@@ -13,7 +13,7 @@ from redis.exceptions import NoPermissionError, WatchError
 from rq import Queue
 from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job
-from rq.registry import CanceledJobRegistry
+from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
@@ -148,9 +148,16 @@ class GenerationJob:
                         pipe.unwatch()
                         job.cancel()
                         return True
+                    # A running job's started entry stays (RQ's cancel takes it out): its worker ends the job and
+                    # removes it; a dead worker's lapses, and maintenance ends the job (it kept no ending at all).
+                    started = StartedJobRegistry(job.origin, connection=self.client.connection).key
+                    member = f"{job.id}:{(pipe.hget(job.key, OWNER_FIELD) or b'').decode(errors='replace')}"
+                    score = pipe.zscore(started, member) if status == b"started" else None
                     pipe.multi()
                     pipe.lrem(Queue(job.origin, connection=pipe).key, 0, job.id)  # (RQ's own LREM then finds none)
                     job.cancel(pipeline=pipe)
+                    if score is not None:
+                        pipe.zadd(started, {member: score})
                     in_queue = pipe.execute()[0]
                     break
                 except WatchError:  # the job changed meanwhile (it started, it ended): look again

@@ -3342,6 +3342,35 @@ def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_ret
 
 
 @pytest.mark.redis
+def test_a_client_cancel_of_a_job_whose_worker_died_ends_it_once_its_entry_lapses(redis_url):
+    """RQ's cancel takes the job's started entry out: a job canceled while its worker was dead was never ended (no
+    result, no last event, a notify waiter waiting for good, the hash and its prompt kept for good), where a raw
+    ``HSET status canceled`` was. The entry stays; maintenance ends the job as for that one."""
+    from producer import JobCanceled
+    from producer.protocol import OWNER_FIELD, done_key, stream_key
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    notify = f"done-{queue.name}"
+    job = client.submit("its worker died", max_tokens=8, notify=notify)
+    conn.lrem(queue.key, 0, job.id)
+    worker.mark_started([(job.rq_job, queue)], [job.id])  # (its execution records, as a start writes them)
+    member = f"{job.id}:{conn.hget(job.rq_job.key, OWNER_FIELD).decode()}"
+    conn.zadd(queue.started_job_registry.key, {member: 1}, xx=True)  # its worker died: no beat since
+    _streamed_a_token(conn, job.id)
+    assert job.cancel() and job.status() == "canceled"
+    assert conn.zscore(queue.started_job_registry.key, member) == 1
+    worker.clean_registries()
+    events = [json.loads(fields[b"event"]) for _id, fields in conn.xrange(stream_key(job.id))]
+    assert [e["n"] for e in events] == [0, 1] and events[-1]["finish_reason"] == "abort"
+    with pytest.raises(JobCanceled) as ended:
+        job.result(timeout=5)
+    assert ended.value.result["text"] == "t"
+    assert conn.lrange(done_key(notify), 0, -1) == [job.id.encode()] and conn.ttl(job.rq_job.key) > 0
+    assert not conn.zrange(queue.started_job_registry.key, 0, -1)
+
+
+@pytest.mark.redis
 def test_an_abandoned_jobs_allowed_failure_callback_runs_on_a_callback_thread_not_in_the_clean_up(redis_url):
     """RQ's clean-up ran a dead worker's job's failure callback itself, on the step loop: every running job's
     tokens waited for it (up to its timeout), and a loop off the main thread could not set its SIGALRM (it never
