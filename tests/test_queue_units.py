@@ -4364,9 +4364,10 @@ def test_a_refusal_or_a_cancel_before_the_run_tried_again_after_a_lost_reply_is_
 
 
 @pytest.mark.parametrize("how", ["script", "no-lua"])
-def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how):
+def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how, caplog):
     """A queued id whose job was deleted meanwhile is skipped, as RQ skips it: off the intermediate list, and RQ's
-    mark of it there too (it outlived the id by a day)."""
+    mark of it there too (it outlived the id by a day). Said in a line: a job pushed before its HSET, or to another
+    database, went without a word (its follower waited for good)."""
     import uuid
 
     from redis import Redis
@@ -4382,8 +4383,10 @@ def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how):
     seen = queue.intermediate_queue.get_first_seen_key(gone)
     conn.set(seen, 1, ex=86400)
     script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
-    assert pull([queue], 10, None, conn, PulledJob, JSONSerializer, script) == ([], [])
+    with caplog.at_level("WARNING", logger="roseinfer.worker"):
+        assert pull([queue], 10, None, conn, PulledJob, JSONSerializer, script) == ([], [])
     assert conn.llen(queue.intermediate_queue_key) == 0 and not conn.exists(seen)
+    assert f"job {gone} was in queue {queue.name} with no job hash rq:job:<id>" in caplog.text
 
 
 def test_an_unreadable_job_moved_aside_again_after_a_lost_reply_has_one_record(redis_url):

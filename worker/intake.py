@@ -365,11 +365,16 @@ def _restore(
             shown = raw_id.decode(errors="backslashreplace")
             unreadable.append(Unreadable(shown, queue, NOT_TEXT_ID, raw_id, is_hash=is_hash))
             continue
-        if not raw:  # deleted meanwhile: RQ skips it too
+        if not raw:  # deleted meanwhile: RQ skips it too; said (a job pushed before its HSET, or to another
+            # database, went without a word, its follower waiting for good)
             with connection.pipeline() as pipe:
                 pipe.lrem(queue.intermediate_queue_key, 1, raw_id)
                 pipe.delete(first_seen_key(queue, raw_id))
                 pipe.execute()
+            log.warning(
+                "job %s was in queue %s with no job hash rq:job:<id> (deleted, or pushed before its HSET?): skipped",
+                job_id, queue.name,
+            )  # fmt: skip
             continue
         if isinstance(raw, OtherType):
             reason = f"the job's key rq:job:<id> holds a {raw.kind}, not a hash: write it with HSET (docs/protocol.md)"
