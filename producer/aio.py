@@ -38,7 +38,17 @@ from producer.event_reading import (
     time_left,
 )
 from producer.generation_job import ENDED, GenerationJob
-from producer.job_errors import JobCanceled, JobFailed, JobIdTaken, StreamExpired, checked, stream_expired
+from producer.job_errors import (
+    JobCanceled,
+    JobFailed,
+    JobIdTaken,
+    NoSuchJob,
+    ResultNotKept,
+    StreamExpired,
+    StreamGap,
+    checked,
+    stream_expired,
+)
 from producer.protocol import DEFAULT_QUEUE, event_from_stream, is_last, read_result, result_from_entries, stream_key
 from producer.wire import JobResult
 
@@ -494,10 +504,16 @@ class AsyncGenerationJob:
             if text := text_before_its_end(exc, index, read_any):
                 yield text
             raise
-        except StreamExpired:
+        except StreamGap as gap:  # expired, or trimmed (``--stream-maxlen``) before it was read: the result's text
             if read_any:
                 raise
-            yield sample_text(await self.result(timeout=time_left(deadline)), index)
+            try:
+                result = await self.result(timeout=time_left(deadline))
+            except (ResultNotKept, NoSuchJob):
+                if isinstance(gap, StreamExpired):
+                    raise
+                raise gap from None  # (no result to give: the stream's word stands)
+            yield sample_text(result, index)
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

@@ -45,6 +45,7 @@ from producer.job_errors import (
     NoSuchJob,
     ResultNotKept,
     StreamExpired,
+    StreamGap,
     checked,
     stream_expired,
 )
@@ -324,7 +325,8 @@ class GenerationJob:
     def stream(self, timeout: float | None = None, index: int = 0) -> Iterator[str]:
         """The generated text piece by piece, from the first token, whenever it is called (of sample ``index`` for a
         job with n > 1, ending at that sample's last piece): its stream replayed, then live; once that stream expired
-        (10 minutes after the end, by default), the result's text in one piece. Raises ``StreamRestarted`` if the
+        (10 minutes after the end, by default) or where it was trimmed before any was read, the result's text in one
+        piece. Raises ``StreamRestarted`` if the
         output starts over after text was read (call it again to follow the new one)."""
         self.check_sample(index)
         read_any = False
@@ -343,10 +345,16 @@ class GenerationJob:
             if text := text_before_its_end(exc, index, read_any):
                 yield text
             raise
-        except StreamExpired:
+        except StreamGap as gap:  # expired, or trimmed (``--stream-maxlen``) before it was read: the result's text
             if read_any:
                 raise
-            yield sample_text(self.result(timeout=time_left(deadline)), index)
+            try:
+                result = self.result(timeout=time_left(deadline))
+            except (ResultNotKept, NoSuchJob):
+                if isinstance(gap, StreamExpired):
+                    raise
+                raise gap from None  # (no result to give: the stream's word stands)
+            yield sample_text(result, index)
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.
