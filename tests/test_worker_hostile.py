@@ -184,13 +184,22 @@ def test_times_redis_or_rq_cannot_use_fail_alone_and_the_jobs_ending_beside_them
     assert w.thread.is_alive()
 
 
+def test_a_field_rq_cannot_read_is_shown_as_its_writer_wrote_it():
+    """As Python's bytes (``holds b'yesterday'``), to a writer in another language."""
+    from worker.intake import diagnose
+
+    reason = diagnose({b"created_at": b"yesterday", b"status": b"queued"}, "j", ValueError("x"))
+    assert reason == "RQ cannot read this job: its field 'created_at' holds \"yesterday\""
+
+
 def test_a_data_list_of_another_shape_than_the_protocols_fails_alone(served):
     """docs/protocol.md says [function, null, [], {payload}]: an instance there (RQ calls a method of it) or
     arguments of {} or 0 were taken."""
     w, client, conn = served
     shapes = {
         "instance": ([FN, {"x": 1}, [], {"prompt": "hi"}], "names an instance"),
-        "args": ([FN, None, {}, {"prompt": "hi"}], "has \\[\\] as its third element"),
+        # (it said "has [] as its third element" of ["x"] too)
+        "args": ([FN, None, {}, {"prompt": "hi"}], "has \\[\\] as its third element, not \\{\\}$"),
     }
     ids = {}
     for name, (data, _) in shapes.items():

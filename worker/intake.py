@@ -524,7 +524,8 @@ def diagnose(raw: dict, job_id: str, exc: Exception) -> str:
             try:
                 parse(fields[name])
             except Exception:
-                return f"RQ cannot read this job: its field {name!r} holds {fields[name][:60]!r}"
+                shown = json.dumps(fields[name][:60].decode("utf-8", "backslashreplace"))  # (not Python's b'...')
+                return f"RQ cannot read this job: its field {name!r} holds {shown}"
     for name, value in fields.items():
         if name != "data":
             try:

@@ -7,6 +7,7 @@ time (slowly, as a fallback); ``roseinfer worker`` runs many at once in one engi
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -82,13 +83,24 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     if instance is not None:  # (RQ would call a method of it)
         raise JobRejected("the job's data names an instance (its second element): a roseinfer job has null there")
     if not isinstance(args, (list, tuple)) or args:  # ([] as docs/protocol.md has it: {} or 0 read as none)
-        raise JobRejected("pass the payload as keyword arguments: the job's data has [] as its third element")
+        raise JobRejected(
+            f"pass the payload as keyword arguments: the job's data has [] as its third element, not {_shown(args)}"
+        )
     if not isinstance(kwargs, dict):
         raise JobRejected("the job's keyword arguments must be a JSON object")
     try:
         return JobRequest.model_validate(kwargs)
     except ValidationError as exc:
         raise JobRejected(f"invalid job payload: {describe_validation_error(exc)}") from None
+
+
+def _shown(value: object) -> str:
+    """A value of a job's data, as JSON (what its writer wrote), cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _raised_from(exc: BaseException | None, kind: type[BaseException]) -> bool:
