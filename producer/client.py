@@ -418,7 +418,7 @@ class Client:
         if req.prompt_token_ids is not None:
             text = f"<{len(req.prompt_token_ids)} token ids>"
         else:
-            text = req.prompt if req.prompt is not None else req.messages[-1].content  # type: ignore[index]
+            text = req.prompt if req.prompt is not None else req.messages[-1].text  # type: ignore[index]
         return {
             "timeout": self.job_timeout,
             "result_ttl": self.result_ttl,

@@ -86,11 +86,27 @@ class ToolCall(BaseModel):
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
+class TextPart(BaseModel):
+    """A part of a message's content in OpenAI's list form: text only (joined by newlines, as vLLM joins them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    # OpenAI's forms too: a list of text parts, or null for an assistant's message of tool calls (or reasoning)
+    # alone; read as the text, so that the rest of the worker sees a string (a client replaying a conversation, or
+    # a writer in another language, was refused them: "Input should be a valid string").
+    content: str | list[TextPart] | None = Field(
+        None,
+        description="the text; or a list of text parts (joined by newlines); null only for an assistant's message "
+        "of tool_calls or reasoning alone",
+    )
     name: str | None = Field(None, description="the speaker's name, given to the chat template (which may not use it)")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls of tools, for the chat template")
     tool_call_id: str | None = Field(None, description="a tool message's: the call it answers")
@@ -105,12 +121,23 @@ class ChatMessage(BaseModel):
         for name in ("tool_calls", "reasoning"):
             if getattr(self, name) is not None and self.role != "assistant":
                 raise ValueError(f"only an assistant message carries {name}")
+        if self.content is None:
+            if not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
+                raise ValueError("content is missing: only an assistant's message of tool_calls or reasoning has none")
+            self.content = ""
+        elif isinstance(self.content, list):
+            self.content = "\n".join(part.text for part in self.content)
         return self
+
+    @property
+    def text(self) -> str:
+        """Its content as the text it is once validated (the list and null forms read as text)."""
+        return self.content if isinstance(self.content, str) else ""
 
     def strings(self) -> list[Any]:
         """What of it the chat template reads as text."""
         calls = [call.model_dump() for call in self.tool_calls] if self.tool_calls else []
-        return [self.content, self.name, self.tool_call_id, self.reasoning, *calls]
+        return [self.text, self.name, self.tool_call_id, self.reasoning, *calls]
 
     def template_form(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True, exclude={"tool_calls"})

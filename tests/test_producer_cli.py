@@ -266,6 +266,29 @@ def test_a_streamed_text_cut_by_an_error_ends_its_line_before_the_error(monkeypa
         producer_cli.submit(_parse("submit", "hi", "--stream", "--wait"))
 
 
+def test_the_client_takes_openai_shaped_messages_as_the_server_and_llm_chat_do():
+    """Content as a list of text parts, and an assistant's turn of tool calls with content null (OpenAI's forms,
+    which LLM.chat and the server take): "messages.N.content: Input should be a valid string"."""
+    from producer.schema import JobRequest
+
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    job = client.submit(messages=conversation, max_tokens=4)
+    taken = JobRequest.model_validate(job.rq_job.kwargs)  # (as the worker reads it)
+    assert [m.content for m in taken.messages] == ["Weather\nin Paris?", "", "sunny"]
+    for bad, said in [
+        ({"role": "user", "content": None}, "content is missing"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content"),
+    ]:
+        with pytest.raises(InvalidRequest, match=said):
+            client.submit(messages=[bad])
+
+
 def test_submit_many_of_strings_says_what_a_request_is():
     """A list of prompts, as vLLM's generate takes: "dictionary update sequence element #0 has length 1"."""
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
