@@ -1054,3 +1054,17 @@ def test_a_fresh_run_stopped_before_it_began_says_to_run_it_fresh_again(tmp_path
     assert json.loads(settings_path(out).read_text())["run_id"] == "aaaa1111"
     out.unlink()  # (its settings left beside no output: a first --run-id run of it is its own)
     batch_mod.check_resumed_run(out, "other1")
+
+
+def test_a_stdout_that_is_not_utf8_writes_what_it_lacks_as_question_marks(monkeypatch):
+    """``PYTHONIOENCODING=ascii`` (or a Windows console's cp1252): a streamed text's first character the encoding
+    lacks was a UnicodeEncodeError traceback mid-job, the job going on unsaid."""
+    from worker.cli import _tolerant_output
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr("sys.stdout", out)
+    _tolerant_output()
+    out.write("café ☕\n")
+    out.flush()
+    assert raw.getvalue() == b"caf? ?\n"
