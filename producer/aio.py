@@ -32,7 +32,7 @@ from producer.event_reading import (
     piece_of,
     queue_end_reads,
     raise_at_a_bad_end,
-    sample_text,
+    rest_from_result,
     stream_wait_ends,
     text_before_its_end,
     time_left,
@@ -488,7 +488,7 @@ class AsyncGenerationJob:
         ``StreamRestarted`` if the output starts over after some."""
         if index != 0:
             await asyncio.to_thread(self._sync.check_sample, index)
-        read_any = False
+        read_any, read = False, []  # (the text given: a stream that falls short is made whole from the result)
         deadline = deadline_after(timeout)
         try:
             async with contextlib.aclosing(self.events(timeout, skip_void=True)) as events:
@@ -496,6 +496,7 @@ class AsyncGenerationJob:
                     piece = piece_of(self.id, event, index, read_any)
                     if piece:
                         read_any = True
+                        read.append(piece)
                         yield piece
                     raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):
@@ -504,16 +505,15 @@ class AsyncGenerationJob:
             if text := text_before_its_end(exc, index, read_any):
                 yield text
             raise
-        except StreamGap as gap:  # expired, or trimmed (``--stream-maxlen``) before it was read: the result's text
-            if read_any:
-                raise
+        except StreamGap as gap:  # expired, trimmed, or short of its end: the rest from the result, where it is whole
             try:
                 result = await self.result(timeout=time_left(deadline))
             except (ResultNotKept, NoSuchJob):
-                if isinstance(gap, StreamExpired):
+                if isinstance(gap, StreamExpired) and not read:
                     raise
                 raise gap from None  # (no result to give: the stream's word stands)
-            yield sample_text(result, index)
+            if rest := rest_from_result(result, index, "".join(read), gap):
+                yield rest
 
     async def result(self, timeout: float | None = None) -> dict[str, Any]:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits

@@ -170,6 +170,16 @@ def sample_text(result: dict[str, Any], index: int) -> str:
     return next((c.get("text", "") for c in choices if c.get("index", 0) == index), "")
 
 
+def rest_from_result(result: dict[str, Any], index: int, read: str, gap: StreamGap) -> str:
+    """What the result of sample ``index`` holds past ``read``, the text a stream gave before it fell short (it
+    expired, was trimmed, or never got its last events: a worker that died between its result and them); ``gap``
+    raised where ``read`` is not the output's start (a hole in it)."""
+    text = sample_text(result, index)
+    if not text.startswith(read):
+        raise gap
+    return text[len(read) :]
+
+
 def text_before_its_end(exc: Exception, index: int, read_any: bool) -> str:
     """What a job that was canceled or failed made (sample ``index``), from its result, for a stream that read none
     of it: its stream expired (10 minutes after the end), that stream() gave no text at all, the result held it."""

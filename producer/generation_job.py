@@ -31,7 +31,7 @@ from producer.event_reading import (
     piece_of,
     queue_end_reads,
     raise_at_a_bad_end,
-    sample_text,
+    rest_from_result,
     stream_wait_ends,
     text_before_its_end,
     time_left,
@@ -329,7 +329,7 @@ class GenerationJob:
         piece. Raises ``StreamRestarted`` if the
         output starts over after text was read (call it again to follow the new one)."""
         self.check_sample(index)
-        read_any = False
+        read_any, read = False, []  # (the text given: a stream that falls short is made whole from the result)
         deadline = deadline_after(timeout)
         try:
             with contextlib.closing(self.events(timeout, skip_void=True)) as events:
@@ -337,6 +337,7 @@ class GenerationJob:
                     piece = piece_of(self.id, event, index, read_any)
                     if piece:
                         read_any = True
+                        read.append(piece)
                         yield piece
                     raise_at_a_bad_end(self.id, event, read_any)
                     if ends_sample(event, index):  # its sample is whole: the others' tokens are not waited for
@@ -345,16 +346,15 @@ class GenerationJob:
             if text := text_before_its_end(exc, index, read_any):
                 yield text
             raise
-        except StreamGap as gap:  # expired, or trimmed (``--stream-maxlen``) before it was read: the result's text
-            if read_any:
-                raise
+        except StreamGap as gap:  # expired, trimmed, or short of its end: the rest from the result, where it is whole
             try:
                 result = self.result(timeout=time_left(deadline))
             except (ResultNotKept, NoSuchJob):
-                if isinstance(gap, StreamExpired):
+                if isinstance(gap, StreamExpired) and not read:
                     raise
                 raise gap from None  # (no result to give: the stream's word stands)
-            yield sample_text(result, index)
+            if rest := rest_from_result(result, index, "".join(read), gap):
+                yield rest
 
     def result(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the result: text, token_ids, finish_reason, usage, timings. Raises JobFailed or JobCanceled.

@@ -1148,6 +1148,17 @@ def test_a_final_event_written_just_after_the_finished_status_still_ends_the_str
     stored = {"id": "k", "status": "finished", "finish_reason": "stop", "text": "Kept", "token_ids": [3]}
     conn.xadd("rq:results:k", {"type": 1, "return_value": encode_result(stored)})
     assert list(Client(connection=conn).job("k").stream(timeout=10)) == ["Kept"]
+    # A worker that died between its result and its last events: the stream stops short, the result is whole. The
+    # reader got the text up to there, then StreamExpired; it gets the rest from the result now.
+    conn.hset("rq:job:m", "status", "finished")
+    for n, piece in enumerate(["Kept ", "in "]):
+        conn.xadd(stream_key("m"), {STREAM_FIELD: json.dumps(make_event(n, piece, [n]))})
+    whole = {**stored, "id": "m", "text": "Kept in full", "token_ids": [0, 1, 2]}
+    conn.xadd("rq:results:m", {"type": 1, "return_value": encode_result(whole)})
+    assert list(Client(connection=conn).job("m").stream(timeout=10)) == ["Kept ", "in ", "full"]
+    conn.xadd("rq:results:m", {"type": 1, "return_value": encode_result({**whole, "text": "Other text"})})
+    with pytest.raises(StreamExpired):  # (what was read is not the result's start: not made up)
+        list(Client(connection=conn).job("m").stream(timeout=10))
 
 
 def test_the_cli_reports_a_dead_redis_and_a_bad_request_in_one_line(capsys):
