@@ -312,6 +312,28 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served, redi
     assert worker.worker.tokens - counted == len(partial["token_ids"]) + 3 * 8
 
 
+def test_a_canceled_job_is_in_the_latency_histograms_and_a_job_waiting_in_the_engine_is_counted(served, monkeypatch):
+    """Latencies were observed at a finished job's end only: a canceled (or timed-out, or stopped) job was in no
+    histogram, and a first token counted once the job ended. Jobs a worker holds beyond its batch were in no gauge."""
+    worker, client = served
+    value = worker.worker.metrics.registry.get_sample_value
+    names = [f"roseinfer_{name}_seconds_count" for name in ("queue_time", "ttft", "e2e_latency")]
+    before = [value(name) for name in names]
+    slow_engine_steps(monkeypatch, worker.worker.engine)
+    job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
+    _first_event(job)
+    assert [value(name) - b for name, b in zip(names, before)] == [1, 1, 0]  # (as they happened)
+    collected = {m.name: m.samples[0].value for m in worker.worker.metrics.registry.collect() if m.samples}
+    assert collected["roseinfer_requests_running"] >= 1 and collected["roseinfer_requests_waiting"] >= 0
+    assert job.cancel()
+    with pytest.raises(JobCanceled):
+        job.result(timeout=30)
+    deadline = time.time() + 10
+    while value(names[2]) == before[2] and time.time() < deadline:
+        time.sleep(0.05)
+    assert [value(name) - b for name, b in zip(names, before)] == [1, 1, 1]
+
+
 def test_a_canceled_job_s_dependency_sets_expire_with_it(served, monkeypatch):
     """RQ's cancel of a running job whose ``depends_on`` was met, and of a parent with a deferred child: the job
     hash expired with its result, its dependency set (``rq:job::<id>:dependencies``) and dependents set stayed for

@@ -4608,10 +4608,12 @@ def test_every_job_end_has_its_series_from_the_start_and_no_time_is_negative():
     metrics = WorkerMetrics()
     value = metrics.registry.get_sample_value
     assert all(value("roseinfer_jobs_total", {"status": status}) == 0 for status in JOB_ENDS)
-    metrics.job_ended("finished", {"queue_s": -0.5, "ttft_s": -0.25, "total_s": -0.1, "first_token_at": None})
+    metrics.job_started(-0.5)
+    metrics.first_token(-0.25)
+    metrics.job_ended("finished", {"total_s": -0.1, "first_token_at": None})
     assert value("roseinfer_jobs_total", {"status": "finished"}) == 1
     for name in ("roseinfer_queue_time_seconds", "roseinfer_ttft_seconds", "roseinfer_e2e_latency_seconds"):
         assert value(f"{name}_sum") == 0 and value(f"{name}_count") == 1
     # The time per output token, between two stamps of this host's wall clock, which NTP may step back between them.
-    metrics.job_ended("finished", {"ttft_s": 0.1, "total_s": 0.2, "first_token_at": 100.0, "finished_at": 99.0}, 3)
+    metrics.job_ended("finished", {"total_s": 0.2, "first_token_at": 100.0, "finished_at": 99.0}, 3)
     assert value("roseinfer_time_per_output_token_seconds_sum") == 0

@@ -880,6 +880,7 @@ def test_the_server_and_the_worker_serve_prometheus_metrics(served, oai, redis_u
     assert got[("roseinfer_redis_round_trip_seconds_count", ())] >= 1
     assert got[("roseinfer_queue_depth", (("lane", worker.queue),))] == 0
     assert got[("roseinfer_jobs_in_flight", ())] == 0 and got[("roseinfer_redis_up", ())] == 1
+    assert got[("roseinfer_requests_running", ())] == 0 == got[("roseinfer_requests_waiting", ())]
     assert 0 <= time.time() - got[("roseinfer_last_heartbeat_timestamp_seconds", ())] < 60
     assert 0 <= got[("roseinfer_kv_cache_usage_ratio", ())] <= 1
     assert ("roseinfer_preemptions_total", ()) in got and got[("roseinfer_prompt_tokens_total", ())] > 0

@@ -66,7 +66,7 @@ from worker.end_records import EndRecords
 from worker.engine_process import EngineProcessDied
 from worker.hand_back import HAND_BACK_PATIENCE_S, HandBack
 from worker.heartbeat import Heartbeat
-from worker.in_flight import InFlight, jobs_named
+from worker.in_flight import InFlight, enqueued_at, jobs_named
 from worker.intake import HookPolicy
 from worker.job_ends import JobEnds
 from worker.job_start import queue_start, start_jobs
@@ -674,6 +674,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             a.stream.usage_each_event = req.usage_each_event
             held = InFlight(job, a.queue, a.execution, req, a.stream, wall, beat_at=a.beat_at)
             held.resumed_tokens = len(a.prefix or ())
+            self.metrics.job_started(wall - enqueued_at(held))
             self.in_flight[job.id] = held
             started.append(job.id)
         return []
@@ -866,6 +867,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         """What an event of ``job`` says besides its text: its first token, its tokens, a restart, its size."""
         if job.first_token_at is None and event.token_ids:
             job.first_token_at = wall
+            if not job.resumed_tokens:  # (a resumed job's first token was an earlier attempt's)
+                self.metrics.first_token(wall - enqueued_at(job))
         self.tokens += len(event.token_ids)
         if event.restarted:  # the engine refused the prefix: the output (and its timing) starts over
             job.stream.restart()

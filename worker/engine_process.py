@@ -58,6 +58,8 @@ class EngineFacts:
     kv_free_blocks: int = 0
     kv_blocks: int = 1
     preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
 
 
 def _facts(engine: Any) -> EngineFacts:
@@ -70,6 +72,8 @@ def _facts(engine: Any) -> EngineFacts:
         getattr(kv, "num_free_blocks", 0),
         getattr(kv, "num_blocks", 1),
         getattr(scheduler, "num_preemptions", 0),
+        getattr(scheduler, "num_running", 0),
+        getattr(scheduler, "num_waiting", 0),
     )
 
 
@@ -470,7 +474,8 @@ class EngineProcess:
 
     @property
     def scheduler(self) -> SimpleNamespace:
-        return SimpleNamespace(num_preemptions=self.facts.preemptions)
+        f = self.facts
+        return SimpleNamespace(num_preemptions=f.preemptions, num_running=f.running, num_waiting=f.waiting)
 
     @property
     def pid(self) -> int | None:

@@ -45,6 +45,16 @@ class InFlight:
         return self.request.priority
 
 
+def enqueued_at(job: InFlight) -> float:
+    """When its attempt was enqueued (RQ's stamp; a job without one: its start), as a Unix time."""
+    return job.job.enqueued_at.timestamp() if job.job.enqueued_at else job.started_at
+
+
+def ended_timings(job: InFlight) -> dict[str, float]:
+    """What the metrics take of a job that ran here and ended other than finished: its time since its enqueue."""
+    return {"total_s": time.time() - enqueued_at(job)}
+
+
 def jobs_named(ids: list[str]) -> str:
     """A log line's subject for a batch of jobs (``job <id>``, or ``<n> jobs: <id>, <id>, ...``): one line per batch,
     still found by any job's id."""

@@ -30,7 +30,7 @@ from producer.protocol import (
 )
 from producer.schema import job_ending
 from worker.end_records import failure_ttl
-from worker.in_flight import NO_USAGE, InFlight
+from worker.in_flight import NO_USAGE, InFlight, ended_timings
 from worker.intake import Unreadable, quarantine
 from worker.jobs import JobRejected, JobStopped, JobTimedOut, StepFailed, build_result, run_limit, usage
 from worker.publisher import JobStream
@@ -157,7 +157,7 @@ class JobEnds:
             if not stopped or unrecorded:  # (a stop through RQ's failure path was freed there)
                 self._free_slot(job.job)
             log.info("job %s: %s", job.job.id, reason)
-            self.metrics.job_ended("stopped" if stopped else "canceled", None)
+            self.metrics.job_ended("stopped" if stopped else "canceled", ended_timings(job))
 
         self._end_later([job], end, job.job._stopped_callback_name if stopped else None)
 
@@ -203,7 +203,8 @@ class JobEnds:
             # Refused by the engine before it made anything (a prompt past the context): the job's own, as a payload
             # refused at the pull is (the same error type had two labels).
             refused = error_type == "invalid_request" and event.output is None
-            self.metrics.job_ended("retried" if retrying else "rejected" if refused else "failed", None)
+            status = "retried" if retrying else "rejected" if refused else "failed"
+            self.metrics.job_ended(status, ended_timings(job) if status == "failed" else None)
 
         self._end_later([job], end, job.job._failure_callback_name)
 

@@ -73,20 +73,26 @@ class WorkerMetrics:
             server.shutdown()
             server.server_close()
 
+    # Each as it happens, whatever the job's end (observed at a finished job's end only, a canceled or timed-out
+    # job was in no histogram, and a long job's first token was counted minutes late). Times from the producer's
+    # clock to this host's: a skew made them negative, and a histogram's sum fell.
+    def job_started(self, queue_s: float) -> None:
+        self.queue_time.observe(max(0.0, queue_s))
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(max(0.0, ttft_s))
+
     def job_ended(self, status: str, timings: dict | None, completion_tokens: int = 0) -> None:
-        """``completion_tokens``: those this attempt made of its longest sample, whose time the job's end is."""
+        """``timings``: the job's ``total_s`` (a job that ran here and ended: finished, failed, canceled, stopped),
+        and for its time per token ``first_token_at`` and ``finished_at``, with ``completion_tokens`` those this
+        attempt made of its longest sample."""
         self.jobs.labels(status).inc()
         if not timings:
             return
-        # (times from the producer's clock to this host's: a skew made them negative, and a histogram's sum fell)
-        if timings.get("queue_s") is not None:
-            self.queue_time.observe(max(0.0, timings["queue_s"]))
-        if timings.get("ttft_s") is not None:
-            self.ttft.observe(max(0.0, timings["ttft_s"]))
-            if completion_tokens > 1 and timings.get("first_token_at") is not None:
-                # (this host's wall clock at both ends: a step back of it between them, NTP's, made it negative)
-                spent = max(0.0, timings["finished_at"] - timings["first_token_at"])
-                self.tpot.observe(spent / (completion_tokens - 1))
+        if completion_tokens > 1 and timings.get("first_token_at") is not None:
+            # (this host's wall clock at both ends: a step back of it between them, NTP's, made it negative)
+            spent = max(0.0, timings["finished_at"] - timings["first_token_at"])
+            self.tpot.observe(spent / (completion_tokens - 1))
         self.e2e.observe(max(0.0, timings["total_s"]))
 
 
@@ -98,6 +104,17 @@ class _WorkerState(Collector):
         w = self.worker
         engine = w.engine
         yield GaugeMetricFamily("roseinfer_jobs_in_flight", "jobs held by this worker", value=len(w.in_flight))
+        # vLLM's num_requests_running and _waiting: of those held, the ones in the batch and those waiting for a
+        # place in it (a worker holds a quarter more than its batch: they were in no gauge, and their wait in no
+        # queue's depth). Sequences: a job of n samples counts n.
+        scheduler = engine.scheduler
+        yield GaugeMetricFamily(
+            "roseinfer_requests_running", "sequences in the engine's running batch", value=scheduler.num_running
+        )
+        yield GaugeMetricFamily(
+            "roseinfer_requests_waiting", "sequences waiting in the engine for a place in its batch (preempted too)",
+            value=scheduler.num_waiting,
+        )  # fmt: skip
         yield GaugeMetricFamily(
             "roseinfer_jobs_ending", "jobs ended here whose ends are still being written (behind allowed callbacks)",
             value=len(w._ending),

@@ -29,7 +29,7 @@ from rq.utils import current_timestamp, now, utcformat
 
 from producer.connection import redis_waits
 from producer.protocol import OWNER_FIELD, encode_result, failure_result, result_entry
-from worker.in_flight import InFlight, jobs_named
+from worker.in_flight import InFlight, ended_timings, jobs_named
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
 
@@ -182,7 +182,7 @@ class SuccessPath:
         failed = job.job.get_status(refresh=False) == JobStatus.FAILED
         ending = {"finish_reason": "error", "error": error, "error_type": "server_error", "stop_reason": None}
         self.sender.amend_final(job.job.id, job.execution.id, ending if failed else None)
-        self.metrics.job_ended("failed" if failed else "retried", None)
+        self.metrics.job_ended("failed" if failed else "retried", ended_timings(job) if failed else None)
 
     def _succeed_plain(
         self, plain: list[tuple[InFlight, dict[str, Any]]], ended: datetime | None = None
