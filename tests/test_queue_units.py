@@ -4127,6 +4127,23 @@ def test_a_timeout_is_rqs_job_timeout_exception_with_its_own_message():
     assert isinstance(error, JobTimeoutException) and str(error) == "job exceeded its timeout of 1 s"
 
 
+@pytest.mark.redis
+def test_a_failure_rq_retries_is_logged_as_retried(redis_url, caplog):
+    """ "job ... failed: job exceeded its timeout" of a job RQ then retried: counted as a failure by anyone counting
+    the log's failures (the metric said retried)."""
+    from worker.jobs import JobTimedOut
+
+    _conn, worker, client = _worker_of_a_new_queue(redis_url)
+    error = JobTimedOut("job exceeded its timeout of 1 s")
+    for retries, said in [(2, "(retried: 1 retries left after this one)"), (None, "timeout of 1 s\n")]:
+        job = client.submit("x", max_tokens=2).rq_job
+        job.retries_left = retries
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="roseinfer.worker"):
+            worker.handle_exception(job, JobTimedOut, error, None)
+        assert f"job {job.id} failed: job exceeded its timeout of 1 s" in caplog.text and said in caplog.text + "\n"
+
+
 def test_the_metrics_read_the_queue_depth_at_the_scrape_and_say_when_redis_did_not_answer():
     from types import SimpleNamespace
 

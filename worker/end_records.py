@@ -100,7 +100,10 @@ class EndRecords:
             super().handle_exception(job, *exc_info)
             return
         level = logging.ERROR if isinstance(error, StepFailed) else logging.WARNING  # the worker's fault, or the job's
-        log.log(level, "job %s failed: %s", job.id, error)
+        # A retry said so (a line of "failed" alone was counted as a failure); RQ spends the retry after this line.
+        left = job.retries_left or 0
+        retry = f" (retried: {left - 1} retries left after this one)" if left > 0 else ""
+        log.log(level, "job %s failed: %s%s", job.id, error, retry)
         call_exception_handlers(self._exc_handlers, job, *exc_info)
 
     def _record_failure(
