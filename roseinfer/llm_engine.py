@@ -535,10 +535,11 @@ class LLMEngine(PromptInputs):
                 reason, stop_reason = "stop", token
         by_token = reason is not None
         if seq.grammar is not None and reason is None:
-            if not self.structured.accept(seq, token):  # the mask forbids this; a library fault if it happens
-                log.error("request %s: its structured output refused token %d", seq.request_id, token)
+            if not self.structured.accept(seq, token):  # the mask allowed it: a dead end, a limit or a library fault
+                seq.abort_cause = self.structured.refused(seq, token)
+                log.error("request %s: its structured output refused token %d: %s", seq.request_id, token,
+                          seq.abort_cause.why)  # fmt: skip
                 reason = by_token = "abort"
-                seq.abort_cause = AbortCause(False, f"its structured output refused token {token}, its mask allowed")
             elif self.structured.is_done(seq):  # complete, nothing may follow: it ends after this token
                 reason = "stop"
         if reason is None and (

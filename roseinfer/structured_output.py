@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from roseinfer.outputs import AbortCause
 from roseinfer.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -226,6 +227,18 @@ class StructuredOutputManager:
     def accept(seq: Sequence, token: int) -> bool:
         """Feed a sampled token to the request's matcher. False when the matcher refuses it (it then stays in error)."""
         return bool(seq.grammar.consume_token(token))
+
+    def refused(self, seq: Sequence, token: int) -> AbortCause:
+        """Why the request's matcher refused a token its mask allowed: its constraint's forced expansion never ends
+        (a schema that requires itself, as ``{"items": {"$ref": "#"}, "minItems": 1}``: no text completes it, the
+        request's fault, where it was called the server's and the official clients sent the job twice more); the
+        library's limits (the server's, worth a retry); else the library and the tokenizer disagree."""
+        why = self.dead_end(seq)
+        if why is not None and "ff_tokens" in why:
+            return AbortCause(True, why)
+        if why is not None and self.past_limits(why):
+            return AbortCause(False, why, limit=True)
+        return AbortCause(False, f"its structured output refused token {token}, its mask allowed")
 
     def past_limits(self, why: str) -> bool:
         """Whether a matcher's error (``dead_end``'s) is one of llguidance's limits, not its constraint's: the

@@ -347,8 +347,12 @@ def test_a_dead_end_fails_the_job_as_the_requests_fault(llm):
         {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
                   "$defs": {"x": {"$ref": "#/$defs/x"}}}},
         {"regex": "ab[^\\s\\S]"},
+        # Met as a refused token (the parser's forced expansion never ends): it was a server error, retried.
+        {"json": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+        {"json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"],
+                  "additionalProperties": False}},
     ],
-    ids=["schema-that-no-json-completes", "regex-with-an-empty-class"],
+    ids=["schema-that-no-json-completes", "regex-with-an-empty-class", "array-of-itself", "object-of-itself"],
 )  # fmt: skip
 def test_a_constraint_that_reaches_a_dead_end_ends_abort_not_stop(llm, so):
     """llguidance met the dead end while filling the mask, which then allowed EOS alone: the request ended "stop",
