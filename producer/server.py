@@ -306,7 +306,8 @@ def create_app(
             job = req.chat_job()
             renderer = await _renderer(req.model)
             try:
-                ids = await asyncio.to_thread(renderer.tokenize, job, bool(req.add_special_tokens))
+                async with tokenizing:  # (as the prompt form: a few at once)
+                    ids = await asyncio.to_thread(renderer.tokenize, job, bool(req.add_special_tokens))
             except Exception as exc:  # the template's own refusal (roles out of order ...), as the job would fail
                 raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         else:  # off the event loop, and without the GIL (encode held it: a 15 MB text stopped the server 10 s)
