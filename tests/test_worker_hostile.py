@@ -12,6 +12,7 @@ import uuid
 import zlib
 from typing import ClassVar
 
+import fakeredis
 import pytest
 from conftest import ThreadWorker, slow_engine_steps
 from redis import Redis
@@ -774,6 +775,42 @@ def test_webhooks_named_by_a_job_are_never_called_unless_the_host_is_allowed(ser
         assert _Recorder.hits == []
     finally:
         server.shutdown()
+
+
+def test_an_allowed_webhooks_redirect_is_not_followed_and_its_time_is_bounded():
+    """RQ's send follows a 30x to any host: the allowed host's redirect reached one never allowed (a cloud's
+    metadata address, say). A webhook's timeout was the job's to set, unbounded: one of 10**5 s held the worker's
+    exit."""
+    from rq.job import Job as RQJob
+    from rq.webhook import Webhook
+
+    from worker.intake import MAX_CALLBACK_S, _send_webhooks, out_of_bounds
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{target.server_port}/latest/meta-data")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    _Recorder.hits = []
+    target = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
+    allowed = http.server.HTTPServer(("127.0.0.1", 0), Redirect)
+    for server in (target, allowed):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        job = RQJob.create("worker.jobs.generate", connection=fakeredis.FakeRedis(), kwargs={"prompt": "hi"})
+        _send_webhooks(job, [Webhook(f"http://localhost:{allowed.server_port}/hook", "finished")], None)
+        assert _Recorder.hits == []
+    finally:
+        target.shutdown()
+        allowed.shutdown()
+    job.webhooks = [Webhook("http://localhost/hook", "finished", timeout=10**5)]
+    assert f"has a timeout of 100000; 1 to {MAX_CALLBACK_S} s" in out_of_bounds(job)
+    job.webhooks = [Webhook("http://localhost/hook", "finished", timeout=30)]
+    assert out_of_bounds(job) is None
 
 
 @pytest.mark.slow  # a worker of its own

@@ -15,6 +15,8 @@ import logging
 import math
 import re
 import time
+import urllib.error
+import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import resolve_serializer
 from rq.utils import parse_timeout, str_to_date
+from rq.webhook import Webhook
 
 from producer.connection import wrong_type
 from producer.protocol import rejected_key
@@ -92,8 +95,9 @@ class PulledJob(Job):
         went out on the thread that writes every job's events and ends (and RQ's clean-up's on the step loop), and a
         host slow to answer (10 s a hook by default) held all of those behind it. Errors are logged there, as RQ's
         are; the sends still waiting go out before the process exits."""
-        if any(hook.job_status == status for hook in self.webhooks or ()):
-            _webhook_senders().submit(Job.send_webhooks, self, status, exc_string=exc_string)
+        hooks = [hook for hook in self.webhooks or () if hook.job_status == status]
+        if hooks:
+            _webhook_senders().submit(_send_webhooks, self, hooks, exc_string)
 
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         """RQ's, with what the policy took off the job as the job named it: RQ saves jobs it read (a dependent it
@@ -102,6 +106,38 @@ class PulledJob(Job):
         obj = super().to_dict(include_meta=include_meta, include_result=include_result)
         obj.update(getattr(self, "named_hooks", {}))
         return obj
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # (urllib then raises the 30x as an HTTPError: logged as a send that failed)
+
+
+_WEBHOOK_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _send_webhooks(job: Job, hooks: list[Webhook], exc_string: str | None) -> None:
+    """RQ's ``Webhook.send`` of each, but a redirect is not followed (its target's host was never checked against
+    the allowed ones: a 302 from an allowed host reached any other) and none waits past ``MAX_CALLBACK_S``."""
+    for hook in hooks:
+        try:
+            if hook.method == "GET":
+                request = urllib.request.Request(hook.url, headers=hook.headers or {}, method="GET")
+            else:
+                body = json.dumps(hook.get_payload(job, exc_string=exc_string)).encode("utf-8")
+                headers = {"Content-Type": "application/json", **(hook.headers or {})}
+                request = urllib.request.Request(hook.url, data=body, headers=headers, method="POST")
+            with _WEBHOOK_OPENER.open(request, timeout=min(hook.timeout, MAX_CALLBACK_S)):
+                pass
+        except urllib.error.HTTPError as exc:  # (an answer, said in a line: a redirect is one, not followed)
+            logging.getLogger("rq.webhook").warning(
+                "webhook to %s for job %s answered %d %s (a redirect is not followed)", hook.url, job.id, exc.code,
+                exc.reason,
+            )  # fmt: skip
+        except Exception:  # (logged, never raised: RQ's way, an endpoint down fails no job)
+            logging.getLogger("rq.webhook").warning(
+                "Failed to send webhook to %s for job %s", hook.url, job.id, exc_info=True
+            )
 
 
 @functools.cache
@@ -465,6 +501,9 @@ def out_of_bounds(job: Job) -> str | None:
         if getattr(job, f"_{kind}_callback_name", None) and value is not None and not 1 <= value <= MAX_CALLBACK_S:
             name = f"{kind}_callback_timeout"
             return f"this job's field {name!r} holds {value!r}; a callback's time limit is 1 to {MAX_CALLBACK_S} s"
+    for hook in getattr(job, "webhooks", None) or ():  # (RQ takes any positive time: one of 10**5 s held the exit)
+        if not 1 <= hook.timeout <= MAX_CALLBACK_S:
+            return f"this job's webhook to {hook.url!r} has a timeout of {hook.timeout!r}; 1 to {MAX_CALLBACK_S} s"
     for name in _SECONDS:
         value = getattr(job, name, None)
         if value is not None and not (isinstance(value, int) and -1 <= value <= MAX_SECONDS):
