@@ -78,9 +78,13 @@ _THINKING = {
 _THOUGHT = 'thought: body\nbody[stop="</think>"]: /(.|\\n)*/'
 
 
-def enforceable(schema: Any) -> Any:
+def enforceable(schema: Any, closed: bool = True) -> Any:
     """``schema`` without the ``format`` annotations llguidance does not know (``KNOWN_FORMATS``), walked as a
-    schema: a property named "format" is a property, an ``enum`` or ``default`` value is left as it is."""
+    schema: a property named "format" is a property, an ``enum`` or ``default`` value is left as it is. An object
+    that lists its properties and says nothing of others takes no others (``closed``: not a part of an ``allOf``,
+    whose parts' properties add up), as vLLM's default backend (xgrammar) and OpenAI's strict mode: llguidance
+    reads JSON Schema's default, any key, and a small model wrote keys of noise until ``max_tokens`` (a pydantic
+    model's schema names none: 8 seeds of 8, the text no JSON)."""
     if isinstance(schema, list):  # (``items`` as a list: a tuple's schemas)
         return [enforceable(item) for item in schema]
     if not isinstance(schema, dict):
@@ -91,9 +95,14 @@ def enforceable(schema: Any) -> Any:
             continue
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             value = {name: enforceable(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            value = [enforceable(part, closed=False) for part in value]
         elif (key in _SCHEMA_LISTS and isinstance(value, list)) or key in _SCHEMA_ONE:
             value = enforceable(value)
         out[key] = value
+    others = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if closed and isinstance(out.get("properties"), dict) and not any(key in out for key in others):
+        out["additionalProperties"] = False
     return out
 
 

@@ -463,3 +463,27 @@ def test_an_end_token_past_the_models_table_refuses_no_constraint(smol_tokenizer
     vocab = len(smol_tokenizer)
     manager = StructuredOutputManager(smol_tokenizer, vocab, [smol_tokenizer.eos_token_id, vocab + 5])
     assert not manager.matcher_for(StructuredOutputsParams(regex="a+"), []).is_error()
+
+
+def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(llm):
+    """A pydantic model's schema says nothing of other keys, which JSON Schema then allows: llguidance let a small
+    model write keys of noise until max_tokens (8 seeds of 8: no JSON at all). As vLLM's default backend and
+    OpenAI's strict mode, such an object takes its own properties only; one that says otherwise keeps that, and
+    the parts of an allOf (whose properties add up) are not closed each."""
+    from roseinfer.structured_output import enforceable
+
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}, "n": {"type": "boolean"}},
+              "required": ["c", "n"]}  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs={"json": schema})
+        for seed in range(8)
+    ]
+    for out in llm.generate([PROMPTS[0]] * 8, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        assert set(json.loads(out.outputs[0].text)) == {"c", "n"}
+    opened = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}
+    assert enforceable(opened) == opened
+    parts = {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {"type": "string"}}}]}
+    assert enforceable(parts) == parts
+    nested = enforceable({"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}})
+    assert nested["additionalProperties"] is False and nested["properties"]["inner"]["additionalProperties"] is False
