@@ -100,7 +100,8 @@ def enforceable(schema: Any, closed: bool = True) -> Any:
         elif (key in _SCHEMA_LISTS and isinstance(value, list)) or key in _SCHEMA_ONE:
             value = enforceable(value)
         out[key] = value
-    others = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    # (nor one composed with others beside its properties: theirs would add up with its own)
+    others = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "if", *_SCHEMA_LISTS)
     if closed and isinstance(out.get("properties"), dict) and not any(key in out for key in others):
         out["additionalProperties"] = False
     return out

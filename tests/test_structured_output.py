@@ -485,5 +485,7 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(l
     assert enforceable(opened) == opened
     parts = {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {"type": "string"}}}]}
     assert enforceable(parts) == parts
+    beside = {"properties": {"a": {"type": "string"}}, "allOf": [{"properties": {"b": {"type": "string"}}}]}
+    assert enforceable(beside) == beside
     nested = enforceable({"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}})
     assert nested["additionalProperties"] is False and nested["properties"]["inner"]["additionalProperties"] is False
