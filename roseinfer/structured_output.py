@@ -37,6 +37,7 @@ _CACHE_SIZE = 64  # compiled grammars kept (a dataset run uses one schema for ev
 # non-strict requests and pydantic's schemas (``path``, ``decimal``, ``password``, ``binary``) use: llguidance
 # refused the whole schema for one ("Unknown format: path"), so they are dropped before it compiles.
 KNOWN_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"))
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -93,6 +94,9 @@ def enforceable(schema: Any, closed: bool = True) -> Any:
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
             continue
+        if key in _BOUNDS and isinstance(value, (int, float)) and abs(value) > 2**53:
+            # (llguidance holds bounds as doubles: 2**53 - 1 < x <= 2**53 + 8 let 9007199254741000 through)
+            raise ValueError(f"a bound of {value} ({key}) is past 2**53, where JSON numbers are not exact")
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             value = {name: enforceable(sub) for name, sub in value.items()}
         elif key == "allOf" and isinstance(value, list):

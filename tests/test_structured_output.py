@@ -489,3 +489,14 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(l
     assert enforceable(beside) == beside
     nested = enforceable({"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}})
     assert nested["additionalProperties"] is False and nested["properties"]["inner"]["additionalProperties"] is False
+
+
+def test_a_bound_past_2_to_the_53_is_refused_not_enforced_as_a_double():
+    """llguidance holds bounds as doubles: an integer within [2**53 - 2, 2**53 + 7] came out as 9007199254741000,
+    past its maximum, 14 seeds of 16, and ended "stop" as if it matched."""
+    from roseinfer.structured_output import enforceable
+
+    big = {"type": "object", "properties": {"x": {"type": "integer", "maximum": 2**53 + 7}}}
+    with pytest.raises(ValueError, match=r"a bound of 9007199254740999 \(maximum\) is past 2\*\*53"):
+        enforceable(big)
+    assert enforceable({"type": "integer", "minimum": -(2**53)}) == {"type": "integer", "minimum": -(2**53)}
