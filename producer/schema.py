@@ -508,7 +508,9 @@ class JobRequest(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.top_logprobs is not None and self.logprobs is not True:  # OpenAI's rule: none would come back
             raise ValueError("top_logprobs goes with logprobs: true (or give logprobs the number alone)")
-        if self.structured_outputs is not None and self.response_format is not None:
+        # (response_format "text" asks for nothing: beside structured_outputs it was refused, as vLLM takes it)
+        text_only = self.response_format is not None and self.response_format.type == "text"
+        if self.structured_outputs is not None and self.response_format is not None and not text_only:
             raise ValueError("give structured_outputs or response_format, not both")
         if self.thinking is not None and not {"json", "json_object", "choice"} & set(self.structured_form() or ()):
             raise ValueError("thinking says where a constraint begins: give a JSON schema, any JSON object or a choice "

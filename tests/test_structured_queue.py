@@ -157,3 +157,17 @@ def test_tool_calls_through_roseinfer_batch(served, tmp_path):
             assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
                 (c["name"], c["parameters"]) for c in json.loads(text)
             ]
+
+
+def test_response_format_text_beside_structured_outputs_asks_for_nothing():
+    """``response_format: {"type": "text"}`` (a writer that sends every field's default) beside vLLM's
+    ``structured_outputs`` was refused as two constraints; a real second one still is."""
+    from producer.schema import JobRequest
+
+    choice = {"choice": ["a", "b"]}
+    job = JobRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}, "structured_outputs": choice})
+    assert job.structured_form() == {"choice": ["a", "b"]}
+    with pytest.raises(ValueError, match="not both"):
+        JobRequest.model_validate(
+            {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": choice}
+        )
