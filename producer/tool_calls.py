@@ -95,7 +95,8 @@ class ToolChoice:
             # Each tool's parameters in the root's $defs, their references made to point there: nested in the array,
             # "#" (a recursive tree, as zod writes it) pointed at the array of calls, "#/properties/..." nowhere.
             home = f"#/$defs/{_TOOL_DEF}{i}"
-            params = _rebased(params, home)
+            # (its own $id, moved under the root's $defs, made its "#/..." references resolve against itself)
+            params = _rebased({k: v for k, v in params.items() if k not in ("$id", "$schema")}, home)
             for key in _DEFS_KEYS:
                 found = params.pop(key, None) or {}
                 if not isinstance(found, dict):  # (an AttributeError: a 500 where the request is at fault)
@@ -211,6 +212,7 @@ class CallStream:
 
 _TOOL_DEF = "__roseinfer_tool_"
 _NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, not schemas: their "$ref" keys are data
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _rebased(schema: Any, home: str) -> Any:
@@ -225,6 +227,8 @@ def _rebased(schema: Any, home: str) -> Any:
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             if not value.startswith(tuple(f"#/{k}/" for k in _DEFS_KEYS)):
                 value = home + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names, each a schema (a property "default" too)
+            value = {name: _rebased(sub, home) for name, sub in value.items()}
         elif key not in _NOT_SCHEMAS:
             value = _rebased(value, home)
         out[key] = value

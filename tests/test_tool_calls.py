@@ -98,6 +98,30 @@ def test_required_keeps_what_a_tools_own_references_point_at():
         jsonschema.validate([{"name": "f", "parameters": {"kids": [[{"name": "f", "parameters": {}}]]}}], schema)
 
 
+def test_required_reads_a_tools_own_id_and_properties_named_as_keywords():
+    """A tool's parameters with an "$id" (re-basing its "#/..." references where they were moved) and a property
+    named "default" (taken for a value, its "$ref" left pointing at the tool's old root) were refused under
+    "required" ("Pointer ... does not exist"), where a named tool_choice took them."""
+    from roseinfer.structured_output import enforceable
+
+    a = {"type": "object", "properties": {"v": {"type": "string"}}, "required": ["v"], "additionalProperties": False}
+    params = {
+        "$id": "https://example.com/tool.json", "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}, "default": {"$ref": "#/properties/a"}},
+        "required": ["a", "default"], "additionalProperties": False, "$defs": {"A": a},
+    }  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    schema = ToolChoice.of(tools, "required").schema()
+    jsonschema.validate([{"name": "f", "parameters": {"a": {"v": "x"}, "default": {"v": "y"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"a": {"v": "x"}, "default": 3}}], schema)
+    import llguidance
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_json_schema(enforceable(schema))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == "", "llguidance refuses it"
+
+
 def test_none_asks_for_no_call():
     assert ToolChoice.of(TOOLS, "none") is None and ToolChoice.of(None, None) is None
 
