@@ -409,6 +409,11 @@ def status(args: argparse.Namespace) -> int:
         f"queue {st['queue']}: {st['queued']} queued, {st['in_flight']} in flight, {st['finished']} finished, "
         f"{st['failed']} failed, {st['canceled']} canceled"
     )
+    if st["stalled"]:
+        print(f"{st['stalled']} started jobs whose worker stopped beating (dead or frozen): a live worker's "
+              "maintenance takes them back")  # fmt: skip
+    if st["rejected"]:
+        print(f"{st['rejected']} jobs put aside unread (a job hash RQ cannot read), each failed with its reason")
     if len(st["lanes"]) > 1:  # queued per priority lane, lowest (first served) first
         print(
             "lanes: " + ", ".join(f"priority {p}: {n}" for p, n in sorted(st["lanes"].items(), key=lambda x: int(x[0])))

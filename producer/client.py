@@ -32,6 +32,7 @@ from producer.protocol import (
     STATS_KEY,
     lane_name,
     lanes,
+    rejected_key,
     result_key,
     stream_key,
 )
@@ -337,12 +338,19 @@ class Client:
         kinds = ("started_job_registry", "finished_job_registry", "failed_job_registry", "canceled_job_registry")
         # Entries not yet expired, counted without RQ's cleanup (``registry.count`` runs it): that fails a dead
         # worker's jobs here, through RQ's plain Job, running the failure callbacks the workers refuse.
+        now = time.time()
         with self.connection.pipeline(transaction=False) as pipe:
             for q in queues:
                 for kind in kinds:
-                    pipe.zcount(getattr(q, kind).key, time.time(), "+inf")
+                    pipe.zcount(getattr(q, kind).key, now, "+inf")
+            for q in queues:  # started, their worker's heartbeat lapsed: a dead worker's, until a live one's
+                pipe.zcount(q.started_job_registry.key, "-inf", f"({now}")  # maintenance takes them back
+            for q in queues:  # put aside unread (a hash RQ cannot read), each failed with its reason
+                pipe.zcard(rejected_key(q.name))
             counts = pipe.execute()
-        per_kind = [sum(counts[i :: len(kinds)]) for i in range(len(kinds))]
+        per_kind = [sum(counts[i : len(kinds) * len(queues) : len(kinds)]) for i in range(len(kinds))]
+        stalled = sum(counts[len(kinds) * len(queues) : (len(kinds) + 1) * len(queues)])
+        rejected = sum(counts[(len(kinds) + 1) * len(queues) :])
         return {
             "queue": self.queue.name,
             "queued": sum(q.count for q in queues),
@@ -351,6 +359,9 @@ class Client:
             "finished": per_kind[1],
             "failed": per_kind[2],
             "canceled": per_kind[3],
+            # (both were counted nowhere: a dead worker's jobs read as none in flight, with no worker left)
+            "stalled": stalled,
+            "rejected": rejected,
             "workers": rows,
             "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
             "redis": self._memory_state(),

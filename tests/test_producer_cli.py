@@ -8,6 +8,7 @@ import io
 import json
 import re
 import shlex
+import time
 from pathlib import Path
 
 import fakeredis
@@ -205,6 +206,27 @@ def test_status_lists_the_lanes_once_there_are_several(monkeypatch, capsys):
     monkeypatch.setattr(producer_cli, "_client", lambda args: client)
     assert producer_cli.status(_parse("status")) == 0
     assert "lanes: priority 0: 1, priority 10: 2" in capsys.readouterr().out
+
+
+def test_status_counts_a_dead_workers_jobs_and_those_put_aside_unread(monkeypatch, capsys):
+    """A job started by a worker since killed read as none in flight (its registry entry lapsed), no worker left
+    to say it; a job hash RQ cannot read, failed and put aside, was in no count."""
+    from producer.protocol import rejected_key
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    jobs = client.submit_many([{"prompt": "x", "max_tokens": 2}] * 3)
+    conn = client.connection
+    lapsed, live = jobs[0].id, jobs[1].id
+    conn.lrem(client.queue.key, 0, lapsed)
+    conn.lrem(client.queue.key, 0, live)
+    conn.zadd(client.queue.started_job_registry.key, {f"{lapsed}:e0": 1, f"{live}:e1": time.time() + 60})
+    conn.zadd(rejected_key("q"), {"bad-hash": time.time()})
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    st = client.status()
+    assert (st["queued"], st["in_flight"], st["stalled"], st["rejected"]) == (1, 1, 1, 1)
+    assert producer_cli.status(_parse("status")) == 0
+    out = capsys.readouterr().out
+    assert "1 started jobs whose worker stopped beating" in out and "1 jobs put aside unread" in out
 
 
 def test_status_shows_each_workers_numerics(monkeypatch, capsys):
