@@ -107,10 +107,12 @@ for part in "${parts[@]}"; do
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 256 --max-tokens 256 --max-num-seqs 256 \
         --skip-hf ;;
     timeline)  # where a 256-job burst's time goes inside the worker: its pulls, reads, steps and sends, timed
-      [[ -n $parse_only ]] || { t=$(within 60 120) && timeout "$t" python3 benchmarks/worker_timeline.py --device cuda \
+      # (parse-only too: the script parses its flags and stops)
+      t=$(within 60 120) && { timeout "$t" python3 benchmarks/worker_timeline.py --device cuda \
         --model random:smollm2-135m --tokenizer .gpu-model/smollm2-tok --dtype bfloat16 --jobs 256 --tokens 128 \
         --max-num-seqs 256 --worker-log "$logs/timeline-worker.log" 2>&1 \
-        | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$logs/timeline.log"; } ;;
+        | grep -v -E "Loading weights|Writing model|Acquired" | tee -a "$logs/timeline.log"
+        echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"; } ;;
     queue-profile)  # the queue under py-spy (carried in .gpu-pack): every thread of the bench and of its worker
       # (SIGINT at the cap: py-spy writes its file then; SIGTERM stopped it first)
       profile=(py-spy record --subprocesses --threads --nonblocking --format raw -o "$logs/queue-profile.txt" --)

@@ -19,6 +19,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,8 @@ def main() -> int:
     p.add_argument("--worker-log", metavar="PATH", help="append the worker's output here (default: dropped)")
     p.add_argument("--serve", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # the child: OUT, then worker argv
     args = p.parse_args()
+    if os.environ.get("GPU_CHECK_PARSE_ONLY"):  # (gpu_check.sh's check of its command lines: parsed, nothing run)
+        return 0
     if args.serve:
         return serve(args.serve[0], args.serve[1:])
 
