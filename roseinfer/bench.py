@@ -55,8 +55,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def median_run(runs: list, rate=lambda r: r.tokens_per_s):
-    """The run with the median tokens/s (its other figures come with it)."""
-    return sorted(runs, key=rate)[len(runs) // 2]
+    """The run with the median tokens/s (its other figures come with it): of an even count, the lower of the two
+    middle ones (a run, not an average of two; the upper one made the median of two runs their best)."""
+    return sorted(runs, key=rate)[(len(runs) - 1) // 2]
 
 
 def resolve_model_arg(args: argparse.Namespace, chat: bool = True) -> None:
@@ -299,7 +300,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="also print where a decode step of the whole batch goes (dense layers, output layer, attention, "
-        "elementwise kernels, sampling, Python) and the step's cost over its dense layers",
+        "elementwise kernels, sampling, Python) and the step's cost over its matrix products (step_over_dense: the "
+        "dense layers and the output layer) and over the dense layers alone (step_over_dense_layers)",
     )
 
 

@@ -86,5 +86,8 @@ def profile_decode(engine: Any, prompts: list[Any], params: Any, steps: int = 16
         "step_ms": round(1e3 * wall / done, 2),
         "ms_per_step": per_step,
         "dense_share": round(dense / wall, 3),
+        # Over the matrix products, the output layer's too (the figure README's tables call "step / dense"); and
+        # over the dense layers alone, the output layer left out.
         "step_over_dense": round(wall / dense, 2) if dense else None,
+        "step_over_dense_layers": round(wall / totals["dense layers"], 2) if totals["dense layers"] else None,
     }
