@@ -129,7 +129,8 @@ payload = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": tok
 start = time.time()
 submitted = client.submit_many([payload] * jobs)
 results = [job.result(timeout=600) for job in submitted]
-print(json.dumps({"start": start, "end": max(r["timings"]["finished_at"] for r in results),
+from worker.bench_queue import last_result_written
+print(json.dumps({"start": start, "end": last_result_written(client, submitted),
                   "ttft": sorted(r["timings"]["ttft_s"] for r in results),
                   "tokens": sum(r["usage"]["completion_tokens"] for r in results)}))
 """

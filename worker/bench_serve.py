@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from roseinfer.bench import DEFAULT_WORKLOAD, counting, percentile
-from worker.bench_queue import _wait_for_worker
+from worker.bench_queue import _wait_for_worker, last_result_written
 from worker.cli import worker_command
 from worker.local_redis import free_port, start_private_redis, stop_private_redis
 
@@ -52,8 +52,8 @@ def _direct(client, args, round_: int) -> tuple[float, list[float]]:
         ]
     )
     results = [job.result(timeout=600) for job in jobs]
-    # The last result's end, not when this loop read it (result() polls).
-    seconds = max(r["timings"]["finished_at"] for r in results) - start
+    # The last result's write, not when this loop read it (result() polls).
+    seconds = last_result_written(client, jobs) - start
     rate = sum(r["usage"]["completion_tokens"] for r in results) / seconds
     return rate, [r["timings"]["first_token_at"] - start for r in results]
 
