@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,36 +80,83 @@ _THINKING = {
 _THOUGHT = 'thought: body\nbody[stop="</think>"]: /(.|\\n)*/'
 
 
-def enforceable(schema: Any, closed: bool = True) -> Any:
+def enforceable(schema: Any) -> Any:
     """``schema`` without the ``format`` annotations llguidance does not know (``KNOWN_FORMATS``), walked as a
     schema: a property named "format" is a property, an ``enum`` or ``default`` value is left as it is. An object
-    that lists its properties and says nothing of others takes no others (``closed``: not a part of an ``allOf``,
-    whose parts' properties add up), as vLLM's default backend (xgrammar) and OpenAI's strict mode: llguidance
-    reads JSON Schema's default, any key, and a small model wrote keys of noise until ``max_tokens`` (a pydantic
-    model's schema names none: 8 seeds of 8, the text no JSON)."""
+    that lists its properties and says nothing of others takes no others, as vLLM's default backend (xgrammar) and
+    OpenAI's strict mode: llguidance reads JSON Schema's default, any key, and a small model wrote keys of noise
+    until ``max_tokens`` (a pydantic model's schema names none: 8 seeds of 8, the text no JSON). Not an object
+    whose properties add up with others' (a part of a composition, one composed beside its properties, one a
+    composition refers to, one that requires a key it does not list): closed, those could match nothing."""
+    return _enforceable(schema, True, _composed_refs(schema))
+
+
+def _enforceable(schema: Any, closed: bool, open_refs: set[str]) -> Any:
     if isinstance(schema, list):  # (``items`` as a list: a tuple's schemas)
-        return [enforceable(item) for item in schema]
+        return [_enforceable(item, True, open_refs) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
             continue
-        if key in _BOUNDS and isinstance(value, (int, float)) and abs(value) > 2**53:
-            # (llguidance holds bounds as doubles: 2**53 - 1 < x <= 2**53 + 8 let 9007199254741000 through)
-            raise ValueError(f"a bound of {value} ({key}) is past 2**53, where JSON numbers are not exact")
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            value = {name: enforceable(sub) for name, sub in value.items()}
-        elif key == "allOf" and isinstance(value, list):
-            value = [enforceable(part, closed=False) for part in value]
-        elif (key in _SCHEMA_LISTS and isinstance(value, list)) or key in _SCHEMA_ONE:
-            value = enforceable(value)
+        if key in _BOUNDS and isinstance(value, int) and not isinstance(value, bool):
+            value = _bound_inside(key, value)
+        if key in ("$defs", "definitions") and isinstance(value, dict):
+            value = {
+                name: _enforceable(sub, f"#/{key}/{name}" not in open_refs, open_refs) for name, sub in value.items()
+            }
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _enforceable(sub, True, open_refs) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):  # (the parts of one beside properties add up)
+            part_closed = key != "allOf" and "properties" not in schema
+            value = [_enforceable(part, part_closed, open_refs) for part in value]
+        elif key in _SCHEMA_ONE:
+            value = _enforceable(value, True, open_refs)
         out[key] = value
-    # (nor one composed with others beside its properties: theirs would add up with its own)
+    properties = out.get("properties")
     others = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "if", *_SCHEMA_LISTS)
-    if closed and isinstance(out.get("properties"), dict) and not any(key in out for key in others):
+    listed = isinstance(properties, dict) and all(name in properties for name in out.get("required") or ())
+    if closed and listed and not any(key in out for key in others):
         out["additionalProperties"] = False
     return out
+
+
+def _bound_inside(key: str, value: int) -> int:
+    """An integer bound as llguidance holds it, a double, moved to the nearest one inside the bound where it is not
+    one exactly: rounded outward, 2**53 + 7 let 9007199254741000 through, past its maximum (14 seeds of 16)."""
+    near = float(value)
+    if near == value:
+        return value
+    upper = key in ("maximum", "exclusiveMaximum")
+    if (near > value) == upper:  # rounded past it: the next double back in
+        near = math.nextafter(near, -math.inf if upper else math.inf)
+    return int(near)
+
+
+def _composed_refs(schema: Any) -> set[str]:
+    """The references whose targets are composed with others (a part of an ``allOf``/``anyOf``/``oneOf``, or a
+    ``$ref`` beside other keys): left open, their properties adding up with the others'."""
+    found: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+            return
+        if not isinstance(node, dict):
+            return
+        if isinstance(node.get("$ref"), str) and len(node) > 1:
+            found.add(node["$ref"])
+        for key in _SCHEMA_LISTS:
+            for part in node.get(key) if isinstance(node.get(key), list) else ():
+                if isinstance(part, dict) and isinstance(part.get("$ref"), str):
+                    found.add(part["$ref"])
+        for value in node.values():
+            visit(value)
+
+    visit(schema)
+    return found
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:

@@ -487,16 +487,39 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(l
     assert enforceable(parts) == parts
     beside = {"properties": {"a": {"type": "string"}}, "allOf": [{"properties": {"b": {"type": "string"}}}]}
     assert enforceable(beside) == beside
+    # Objects whose properties add up with others' stay open (closed, each of these matched nothing).
+    from llguidance import LLMatcher
+
+    a, b, c = ({"type": "string"},) * 3
+    composed = [
+        {"$defs": {"Base": {"type": "object", "properties": {"a": a}, "required": ["a"]}},
+         "allOf": [{"$ref": "#/$defs/Base"}, {"type": "object", "properties": {"b": b}, "required": ["b"]}]},
+        {"type": "object", "properties": {"kind": a}, "required": ["kind"],
+         "anyOf": [{"properties": {"b": b}, "required": ["b"]}, {"properties": {"c": c}, "required": ["c"]}]},
+        {"type": "object", "properties": {"a": a}, "required": ["a", "b"]},
+    ]  # fmt: skip
+    for schema in composed:
+        grammar = LLMatcher.grammar_from_json_schema(enforceable(schema))
+        assert LLMatcher.validate_grammar(grammar) == "", schema
     nested = enforceable({"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}})
     assert nested["additionalProperties"] is False and nested["properties"]["inner"]["additionalProperties"] is False
 
 
-def test_a_bound_past_2_to_the_53_is_refused_not_enforced_as_a_double():
+def test_an_integer_bound_no_double_holds_is_moved_inside_not_rounded_outward(llm):
     """llguidance holds bounds as doubles: an integer within [2**53 - 2, 2**53 + 7] came out as 9007199254741000,
-    past its maximum, 14 seeds of 16, and ended "stop" as if it matched."""
+    past its maximum, 14 seeds of 16, and ended "stop" as if it matched. (An int64's 2**63 - 1, a schema
+    generator's usual bound, stays a bound: the nearest double below it.)"""
     from roseinfer.structured_output import enforceable
 
-    big = {"type": "object", "properties": {"x": {"type": "integer", "maximum": 2**53 + 7}}}
-    with pytest.raises(ValueError, match=r"a bound of 9007199254740999 \(maximum\) is past 2\*\*53"):
-        enforceable(big)
-    assert enforceable({"type": "integer", "minimum": -(2**53)}) == {"type": "integer", "minimum": -(2**53)}
+    narrow = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 2**53 - 2, "maximum": 2**53 + 7}},
+              "required": ["x"]}  # fmt: skip
+    bounds = enforceable(narrow)["properties"]["x"]
+    assert (bounds["minimum"], bounds["maximum"]) == (2**53 - 2, 2**53 + 6)
+    assert enforceable({"type": "integer", "maximum": 2**63 - 1})["maximum"] == 2**63 - 1024
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=30, structured_outputs={"json": narrow})
+        for seed in range(8)
+    ]
+    for out in llm.generate([PROMPTS[0]] * 8, params, use_tqdm=False):
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), narrow)
