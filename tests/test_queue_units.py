@@ -3361,6 +3361,31 @@ def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_ret
 
 
 @pytest.mark.redis
+def test_a_cancel_between_the_requeues_look_and_its_write_stands(redis_url, monkeypatch):
+    """The requeue of a dead worker's unrun job read its status, then saved the job whole, status queued: a client's
+    cancel between the two (it keeps the started entry) was written over, and the canceled job ran."""
+    from producer.protocol import OWNER_FIELD
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    queue = worker.queues[0]
+    job = client.submit("its worker died before it ran", max_tokens=8)
+    conn.lrem(queue.key, 0, job.id)
+    worker.mark_started([(job.rq_job, queue)], [job.id])
+    member = f"{job.id}:{conn.hget(job.rq_job.key, OWNER_FIELD).decode()}"
+    conn.zadd(queue.started_job_registry.key, {member: 1}, xx=True)
+    fetch = queue.job_class.fetch
+
+    def fetched_then_canceled(job_id, **kwargs):
+        read = fetch(job_id, **kwargs)
+        assert client.job(job_id).cancel()
+        return read
+
+    monkeypatch.setattr(queue.job_class, "fetch", staticmethod(fetched_then_canceled))
+    worker.maintenance.requeue_unrun(queue)
+    assert job.status() == "canceled" and job.id.encode() not in conn.lrange(queue.key, 0, -1)
+
+
+@pytest.mark.redis
 def test_a_client_cancel_of_a_job_whose_worker_died_ends_it_once_its_entry_lapses(redis_url):
     """RQ's cancel takes the job's started entry out: a job canceled while its worker was dead was never ended (no
     result, no last event, a notify waiter waiting for good, the hash and its prompt kept for good), where a raw

@@ -247,10 +247,20 @@ class Maintenance:
             if getattr(job, "has_rate_limit", False):  # (its slot is RQ's to free: its clean-up takes it)
                 continue
             with self.connection.pipeline() as pipe:  # MULTI: out of the registry and back in the queue, or neither
-                pipe.zrem(queue.started_job_registry.key, member)
-                pipe.hincrby(job.key, UNRUN_FIELD, 1)
-                queue._enqueue_job(job, pipeline=pipe, at_front=True)  # (as RQ's own requeues, and the hand-back)
-                pipe.execute()
+                try:
+                    # Still so, watched: a client's cancel since the look above (it keeps the entry now) was written
+                    # over by the job's save, and the job run again.
+                    pipe.watch(job.key)
+                    key = queue.started_job_registry.key
+                    if pipe.hget(job.key, "status") != b"started" or pipe.zscore(key, member) is None:
+                        continue
+                    pipe.multi()
+                    pipe.zrem(key, member)
+                    pipe.hincrby(job.key, UNRUN_FIELD, 1)
+                    queue._enqueue_job(job, pipeline=pipe, at_front=True)  # (as RQ's own requeues, the hand-back)
+                    pipe.execute()
+                except redis.WatchError:  # (it changed meanwhile: the steps after, or the next pass, take it)
+                    continue
             handed.append(job_id)
         if handed:
             log.warning("%d jobs of queue %s whose worker died before their first token went back to its front, "
