@@ -502,7 +502,7 @@ class AsyncGenerationJob:
                     if ends_sample(event, index):
                         return
         except (JobCanceled, JobFailed) as exc:  # (its stream gone: what it made is in its result)
-            if text := text_before_its_end(exc, index, read_any):
+            if text := text_before_its_end(exc, index, "".join(read)):
                 yield text
             raise
         except StreamGap as gap:  # expired, trimmed, or short of its end: the rest from the result, where it is whole

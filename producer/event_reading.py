@@ -180,11 +180,13 @@ def rest_from_result(result: dict[str, Any], index: int, read: str, gap: StreamG
     return text[len(read) :]
 
 
-def text_before_its_end(exc: Exception, index: int, read_any: bool) -> str:
-    """What a job that was canceled or failed made (sample ``index``), from its result, for a stream that read none
-    of it: its stream expired (10 minutes after the end), that stream() gave no text at all, the result held it."""
+def text_before_its_end(exc: Exception, index: int, read: str) -> str:
+    """What a job that was canceled or failed made (sample ``index``) past ``read``, the text its stream gave, from
+    its result: its stream expired (10 minutes after the end) or stopped short of it, and the result held the rest
+    (or all of it, where none was read); nothing where ``read`` is not that text's start."""
     result = getattr(exc, "result", None)
-    return "" if read_any or not isinstance(result, dict) else sample_text(result, index)
+    text = sample_text(result, index) if isinstance(result, dict) else ""
+    return text[len(read) :] if text.startswith(read) else ""
 
 
 REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises

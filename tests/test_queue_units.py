@@ -1159,6 +1159,16 @@ def test_a_final_event_written_just_after_the_finished_status_still_ends_the_str
     conn.xadd("rq:results:m", {"type": 1, "return_value": encode_result({**whole, "text": "Other text"})})
     with pytest.raises(StreamExpired):  # (what was read is not the result's start: not made up)
         list(Client(connection=conn).job("m").stream(timeout=10))
+    # So for a job canceled there (its result the partial text): the rest, then JobCanceled.
+    from producer import JobCanceled
+
+    conn.hset("rq:job:m", "status", "canceled")
+    partial = {**whole, "status": "canceled", "finish_reason": "abort", "text": "Kept in part"}
+    conn.xadd("rq:results:m", {"type": 3, "return_value": encode_result(partial)})
+    pieces = []
+    with pytest.raises(JobCanceled):
+        pieces.extend(Client(connection=conn).job("m").stream(timeout=10))
+    assert pieces == ["Kept ", "in ", "part"]
 
 
 def test_the_cli_reports_a_dead_redis_and_a_bad_request_in_one_line(capsys):
