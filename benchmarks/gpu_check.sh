@@ -95,9 +95,9 @@ for part in "${parts[@]}"; do
       # must not hide what the others would have said, on a machine lent for minutes. The CUDA tests first (never
       # run on a GPU yet), the kernels' own first: seconds, and what explains a parity failure; a test stuck on a
       # worker gives up at 60 s, not the ini's 300
-      [[ -n $parse_only ]] || { t=$(within 60 150) && timeout "$t" python3 -m pytest -p no:cacheprovider --timeout 60 \
-        tests/test_triton_kernels.py tests/test_cuda.py -v 2>&1 | tee "$logs/tests.log" | tail -30
-        echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"; } ;;
+      [[ -n $parse_only ]] || { t=$(within 60 150) && { timeout "$t" python3 -m pytest -p no:cacheprovider \
+        --timeout 60 tests/test_triton_kernels.py tests/test_cuda.py -v 2>&1 | tee "$logs/tests.log" | tail -30
+        echo "rc ${PIPESTATUS[0]} (124: cut at its cap)" >>"$logs/parts.log"; }; } ;;
     smol)
       bench 60 150 --model random:smollm2-135m --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 \
         --json "$logs/smol64.json" ;;

@@ -110,11 +110,11 @@ class RedisLost(BatchStopped):
 
 
 class FilesFailed(BatchStopped):
-    """The output or errors file could not be written mid-run (a disk full, a folder gone): said with the counts
-    and the command that resumes, not a bare errno read as a bad flag."""
+    """The system failed the run midway (its output or errors file unwritable: a disk full, a folder gone; its
+    input unreadable): said with the counts and the command that resumes, not a bare errno read as a bad flag."""
 
     def __init__(self, summary: dict[str, int], cause: OSError) -> None:
-        super().__init__(summary, f"the run stopped, its files could not be written ({cause})")
+        super().__init__(summary, f"the run stopped on the system's error ({cause})")
 
 
 def new_run_id() -> str:

@@ -549,7 +549,7 @@ def test_a_disk_full_mid_run_says_what_was_done_and_how_to_resume(redis_url, tmp
     assert producer_cli.batch(_parse(*argv)) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error: [Errno" not in err
-    assert "the run stopped, its files could not be written ([Errno 28] No space left on device): " in err
+    assert "the run stopped on the system's error ([Errno 28] No space left on device): " in err
     assert "To resume once that is fixed, run the same command again" in err
     assert err.strip().splitlines()[-1].strip().startswith(f"roseinfer batch {shlex.quote(str(src))} ")
 

@@ -256,12 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _tolerant_output() -> None:
-    """A stdout or stderr that is not UTF-8 (a Windows console's cp1252, ``PYTHONIOENCODING=ascii``) writes a
-    character it lacks as "?": a streamed text's first such character was a UnicodeEncodeError mid-job."""
-    for stream in (sys.stdout, sys.stderr):
-        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
-        if encoding not in ("utf8", "utf8sig") and hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="replace")
+    """A stdout that is not UTF-8 (a Windows console's cp1252, ``PYTHONIOENCODING=ascii``) writes a character it
+    lacks as "?": a streamed text's first such character was a UnicodeEncodeError mid-job. (stderr escapes them
+    already, Python's default there.)"""
+    stream = sys.stdout
+    encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+    if encoding not in ("utf8", "utf8sig") and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:
