@@ -426,6 +426,19 @@ class LLMEngine(PromptInputs):
         times = [s.first_scheduled_time for s in seqs if s is not None and s.first_scheduled_time is not None]
         return min(times, default=None)
 
+    def running_since(self, request_id: str) -> float | None:
+        """When the request's running time began (``time.monotonic()``): its first step, moved on by every wait it
+        had for a place again after a preemption (running behind interactive work, a bulk job was timed out for
+        the time it spent preempted). None while it waits for its first step, or once it ended."""
+        seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
+        now = time.monotonic()
+        starts = [
+            s.first_scheduled_time + s.preempted_s + (now - s.preempted_at if s.preempted_at is not None else 0.0)
+            for s in seqs
+            if s is not None and s.first_scheduled_time is not None
+        ]
+        return min(starts, default=None)
+
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's accessor; ``tokenizer`` here)."""
         return self.tokenizer

@@ -288,6 +288,9 @@ class Scheduler:
         seq.first_scheduled_at_step = seq.first_scheduled_time is None
         if seq.first_scheduled_at_step:
             seq.first_scheduled_time = time.monotonic()
+        if seq.preempted_at is not None:  # its wait after a preemption is over
+            seq.preempted_s += time.monotonic() - seq.preempted_at
+            seq.preempted_at = None
         # The KV manager reports the prefix hit; recording it as computed is the scheduler's job.
         seq.num_computed_tokens = hit.num_tokens
         if seq.num_preemptions == 0:  # set once, as vLLM: a recompute's hit on its own freed blocks is no cache hit
@@ -335,6 +338,8 @@ class Scheduler:
         if counted:  # (a step that never ran undoes an admission: no preemption)
             seq.num_preemptions += 1
             self.num_preemptions += 1
+        if seq.num_preemptions:  # waiting again for a place: not its running time (a job's timeout)
+            seq.preempted_at = time.monotonic()
         self._wait(seq)
 
     def update_from_output(

@@ -98,6 +98,9 @@ class Sequence:
         # When the scheduler first gave it a step (time.monotonic()): a job's timeout counts from there, not its wait.
         self.first_scheduled_time: float | None = None
         self.first_scheduled_at_step = False  # set by the last schedule (a step that never ran takes it back)
+        # Time spent waiting again after a preemption (and since when, while it waits): not the job's running time.
+        self.preempted_s = 0.0
+        self.preempted_at: float | None = None
         self.admission_hit_tokens = 0  # the prefix hit its admission counted in the hit-rate stats
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

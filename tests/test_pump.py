@@ -62,7 +62,7 @@ class FakeEngine:
     def running_request_ids(self) -> list[str]:
         return [rid for rid in self.requests if rid not in self.waiting]
 
-    def first_scheduled_time(self, request_id):
+    def running_since(self, request_id):
         return self.requests[request_id]["began"] if request_id in self.requests else None
 
     def abort_request(self, request_id):

@@ -146,6 +146,32 @@ def test_a_higher_priority_request_short_of_blocks_preempts_a_lower_one_schedule
     assert out.preempted == [] and high.num_preemptions == 0 and high.status is SequenceStatus.RUNNING
 
 
+def test_a_preempted_requests_wait_for_a_place_again_is_not_its_running_time():
+    """A job's timeout counted from its first step through every wait it had preempted: a bulk job behind
+    interactive work timed out (3 s) having run a fraction of that."""
+    import time
+    from types import SimpleNamespace
+
+    from roseinfer.llm_engine import LLMEngine
+
+    _, sched = make(num_blocks=4, block_size=4, budget=64)
+    low = add_p(sched, "low", 1, 5)
+    run_step(sched)
+    began = low.first_scheduled_time
+    high = add_p(sched, "high", 4, 0)
+    while low.status is not SequenceStatus.WAITING:
+        run_step(sched)
+    engine = SimpleNamespace(_groups={}, scheduler=sched)
+    time.sleep(0.05)
+    assert LLMEngine.running_since(engine, "low") >= began + 0.05  # (moves on while it waits)
+    sched.finish(high, "length")  # high ends: low is admitted again
+    run_step(sched)
+    assert low.status is SequenceStatus.RUNNING
+    assert low.preempted_at is None and low.preempted_s >= 0.05
+    assert low.first_scheduled_time == began  # (its first step's time stays)
+    assert LLMEngine.running_since(engine, "low") == began + low.preempted_s
+
+
 def test_an_unscheduled_request_leaves_no_unwritten_block_in_the_prefix_cache():
     kv, sched = make(num_blocks=5, block_size=4, budget=11)
     high = add_p(sched, "high", 2, 0)

@@ -224,9 +224,10 @@ class Pump:
             job = self._jobs.get(job_id)
             if job is None or job.deadline != deadline:  # ended already (or a new job under the same id)
                 continue
-            # The timeout counts from the job's first step, as RQ's from a job's start: not its wait for a place in
-            # the batch behind max_num_seqs (looked for again shortly until it has one).
-            began = self.engine.first_scheduled_time(job_id) if job.admitted else None
+            # The timeout counts the job's running time from its first step, as RQ's from a job's start: not its
+            # wait for a place in the batch behind max_num_seqs, nor for one again once preempted (looked for again
+            # shortly until it has one).
+            began = self.engine.running_since(job_id) if job.admitted else None
             if began is None or began + job.timeout > now:
                 self._arm(job_id, job, now + START_POLL_S if began is None else began + job.timeout)
                 continue
