@@ -3542,6 +3542,24 @@ def _streamed_a_token(conn, job_id: str) -> None:
     conn.xadd(stream_key(job_id), {"event": json.dumps({"v": 1, "n": 0, "text": "t", "token_ids": [0]})})
 
 
+@pytest.mark.redis
+def test_a_lane_before_every_job_held_is_pulled_past_twice_the_limit(redis_url):
+    """A worker full past twice its limit (interactive jobs taken for the bulk ones held) took no more, an urgent
+    lane's job too: it waited for an interactive job's whole run. A lane before every job held still comes in; one
+    no better than the best held does not."""
+    from types import SimpleNamespace
+
+    _conn, worker, client = _worker_of_a_new_queue(redis_url, max_num_seqs=2)
+    limit = worker.settings.in_flight_limit
+    for i in range(2 * limit):
+        worker.in_flight[f"held-{i}"] = SimpleNamespace(priority=0, job=None)
+    same = client.submit("as urgent as those held", max_tokens=2)
+    client.submit("more urgent than every job held", max_tokens=2, priority=-10)
+    assert worker.puller._pull_once() and worker.puller._handed == 1
+    [arrival] = worker.puller.unapplied()
+    assert arrival.job.kwargs["priority"] == -10 and same.status() == "queued"
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

@@ -232,10 +232,16 @@ class Puller:
         lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or stale or depth is None or depth > 0]
         if len(held) + on_its_way >= limit and held:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
-            # engine preempts the later ones for them.
-            worst = max(job.priority for job in held)
+            # engine preempts the later ones for them. Past that, a lane before every job held still does (a limit's
+            # worth more): at twice, an urgent job waited for an interactive one's whole run. Bounded: once one is
+            # held, only a lane before it qualifies.
+            worst, best = max(job.priority for job in held), min(job.priority for job in held)
+            urgent = [(p, q) for p, q in lanes if p < best]
             lanes = [(p, q) for p, q in lanes if p < worst]
-            limit *= 2
+            if len(held) + on_its_way >= 2 * limit and urgent:
+                lanes, limit = urgent, len(held) + on_its_way + limit
+            else:
+                limit *= 2
         room = limit - len(held) - on_its_way
         if room <= 0 or not lanes:
             return False
