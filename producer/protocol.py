@@ -156,15 +156,18 @@ def queue_of_lane(name: str) -> str:
     return name
 
 
-def lanes(connection: Any, queue: str) -> list[tuple[int, str]]:
+def lanes(connection: Any, queue: str, odd: list[str] | None = None) -> list[tuple[int, str]]:
     """(priority, queue name) of every lane of ``queue`` RQ knows (``rq:queues``), first-served first. The
-    interactive (0) and bulk lanes are always there, so a worker serves both from its start."""
+    interactive (0) and bulk lanes are always there, so a worker serves both from its start. ``odd``: given, the
+    names that look like lanes of ``queue`` but are none (``:p05``, ``:p0``, ``:p101``) are added to it."""
     found = {0: queue, BULK_PRIORITY: lane_name(queue, BULK_PRIORITY)}
     for key in connection.smembers("rq:queues"):
         name = (key.decode() if isinstance(key, bytes) else key).removeprefix("rq:queue:")
         priority = lane_priority(queue, name)
         if priority is not None:
             found[priority] = name
+        elif odd is not None and name.startswith(f"{queue}:p"):
+            odd.append(name)
     return sorted(found.items())
 
 

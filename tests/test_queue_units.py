@@ -4361,6 +4361,23 @@ def test_a_client_sets_how_long_failed_jobs_are_kept():
 
 
 @pytest.mark.redis
+def test_a_queue_that_looks_like_a_lane_but_is_none_is_said_once(redis_url, caplog):
+    """A producer in another language writing "<queue>:p0" (or :p05, :p101) for its jobs: they waited for good, no
+    worker serving them and nothing said."""
+    conn, name, worker = _worker_without_engine(redis_url)
+    for odd in ("p0", "p05", "p101"):
+        conn.sadd("rq:queues", f"rq:queue:{name}:{odd}")
+    try:
+        with caplog.at_level("WARNING", logger="roseinfer.worker"):
+            worker._refresh_lanes()
+            worker._refresh_lanes()
+        said = [r.getMessage() for r in caplog.records if "looks like a lane" in r.getMessage()]
+        assert sorted(line.split()[1] for line in said) == sorted(f"{name}:{odd}" for odd in ("p0", "p05", "p101"))
+    finally:
+        conn.srem("rq:queues", *[f"rq:queue:{name}:{odd}" for odd in ("p0", "p05", "p101")])
+        worker.register_death()
+
+
 def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves(redis_url, monkeypatch):
     """`rq info` (and RQ's Worker.all(queue=...)) listed the worker under the lanes it started with only, though it
     served the ones a producer made later too."""

@@ -195,6 +195,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         # (priority, queue) of the lanes served, first-served first: the default ones now, more found each second.
         self._lanes: list[tuple[int, Queue]] = [(0, self.queues[0])]
         self._set_lanes([(0, settings.queue), (BULK_PRIORITY, lane_name(settings.queue, BULK_PRIORITY))])
+        self._odd_lanes_said: set[str] = set()  # names in rq:queues that look like lanes but are none, said once
         self.metrics = WorkerMetrics()
         self.metrics.watch(self)
         self.sender.on_round_trip = self.metrics.redis_rtt.observe
@@ -531,7 +532,14 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
 
     def _refresh_lanes(self) -> None:
         """The queue's priority lanes RQ knows, first-served first: pulled in that order, watched and maintained."""
-        found = lanes(self.connection, self.settings.queue)
+        odd: list[str] = []
+        found = lanes(self.connection, self.settings.queue, odd)
+        for name in set(odd) - self._odd_lanes_said:  # (its jobs waited for good, said nowhere)
+            self._odd_lanes_said.add(name)
+            log.warning(
+                "queue %s looks like a lane of %s but is none (lanes are %s:p<priority>, -100 to 100, no zero, sign "
+                "or leading zero): its jobs are not served here", name, self.settings.queue, self.settings.queue,
+            )  # fmt: skip
         if [p for p, _ in found] != [p for p, _ in self._lanes]:
             before, had = set(self.queue_names()), [(p, q.name) for p, q in self._lanes]
             self._set_lanes(found)
