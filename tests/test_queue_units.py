@@ -3560,6 +3560,20 @@ def test_a_lane_before_every_job_held_is_pulled_past_twice_the_limit(redis_url):
     assert arrival.job.kwargs["priority"] == -10 and same.status() == "queued"
 
 
+@pytest.mark.redis
+def test_a_worker_counts_the_places_its_jobs_take_not_the_jobs(redis_url):
+    """Five jobs of n = 8 went to one worker of 4 places (it counted jobs), run one after another while another
+    worker sat idle. A job of n samples takes n places."""
+    from types import SimpleNamespace
+
+    _conn, worker, client = _worker_of_a_new_queue(redis_url, max_num_seqs=4)
+    worker.in_flight["held"] = SimpleNamespace(priority=0, job=None, request=SimpleNamespace(n=8))
+    waiting = client.submit("another", max_tokens=2)
+    assert not worker.puller._pull_once() and waiting.status() == "queued"
+    worker.in_flight["held"].request.n = 1
+    assert worker.puller._pull_once() and worker.puller._handed == 1
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

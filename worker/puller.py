@@ -95,6 +95,12 @@ class Rejected:
     stream: JobStream | None  # None: an id that is not text has no stream
 
 
+def _samples(job: object) -> int:
+    """The places in the batch a job held takes: its ``n``."""
+    request = getattr(job, "request", None)
+    return max(1, getattr(request, "n", 1) or 1)
+
+
 def _names_a_callback(job: Job) -> bool:
     """Whether the job names an allowed callback (the policy took the others off it as it was read)."""
     return bool(job._success_callback_name or job._failure_callback_name or job._stopped_callback_name)
@@ -225,12 +231,15 @@ class Puller:
         # every end not yet written: a finished job's slot came free only a round trip later, or a second.)
         on_its_way += sum(_names_a_callback(job.job) for job in list(w._ending.values()))
         held = list(w.in_flight.values())  # a snapshot: the step loop adds and removes jobs meanwhile
+        # Sequences, not jobs: a job of n samples takes n places in the batch (five jobs of n = 8 went to one worker
+        # of 4 places, run one after another, while another sat idle).
+        taken = sum(_samples(job) for job in held)
         # Lanes the sender saw empty are skipped; an idle worker blocks on all of them, and so does a pull when the
         # sender read no depths for a second (it reads them as it sends: during a long step, a job that came waited
         # for the step's end, its lane seen empty before it).
         stale = mono - w.sender.depths_read_at > STALE_DEPTHS_S
         lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or stale or depth is None or depth > 0]
-        if len(held) + on_its_way >= limit and held:
+        if taken + on_its_way >= limit and held:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
             # engine preempts the later ones for them. Past that, a lane before every job held still does (a limit's
             # worth more): at twice, an urgent job waited for an interactive one's whole run. Bounded: once one is
@@ -238,11 +247,11 @@ class Puller:
             worst, best = max(job.priority for job in held), min(job.priority for job in held)
             urgent = [(p, q) for p, q in lanes if p < best]
             lanes = [(p, q) for p, q in lanes if p < worst]
-            if len(held) + on_its_way >= 2 * limit and urgent:
-                lanes, limit = urgent, len(held) + on_its_way + limit
+            if taken + on_its_way >= 2 * limit and urgent:
+                lanes, limit = urgent, taken + on_its_way + limit
             else:
                 limit *= 2
-        room = limit - len(held) - on_its_way
+        room = limit - taken - on_its_way
         if room <= 0 or not lanes:
             return False
         self._pulling = True
