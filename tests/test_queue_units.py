@@ -3331,6 +3331,7 @@ def test_a_job_rq_fails_as_abandoned_gets_its_last_event_and_its_completion_entr
     assert conn.xlen(stream_key(died.id)) == 3 and conn.llen(done_key(notify)) == 1
 
 
+@pytest.mark.slow  # two seconds: three clean-ups (the fast lane stays under a minute)
 @pytest.mark.redis
 def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_retries(redis_url):
     """A worker holds more jobs than it runs (waiting for the engine): killed, every one of them was abandoned to
