@@ -167,7 +167,7 @@ class GenerationJob:
             self._end_unrun(job)
         return True
 
-    def _end_unrun(self, job: Job) -> None:
+    def _end_unrun(self, job: Job, its_worker_died: bool = False) -> None:
         """The ending a worker writes for a job canceled before it ran (a final ``abort`` event, a canceled result,
         the job hash and its canceled-registry entry kept for the result's TTL), for a job canceled while still in
         its queue: RQ's cancel took it out, so no worker reaches it, and its hash (with the prompt) stayed for
@@ -198,6 +198,8 @@ class GenerationJob:
         spent = usage_of(prompt, sum(len(ids) for _text, ids in made.values()))
         event = json.dumps(make_event(n, "", [], "abort", spent, reset=ended_before))
         reason = "job canceled before it ran" if not made else "job canceled while it waited for its next attempt"
+        if its_worker_died:  # (maintenance's end of one canceled while its worker was dead: it was running)
+            reason = "job canceled while the worker running it was dead"
         result = canceled_result(self.id, ending, reason, made)
         if made:
             result["usage"] = spent

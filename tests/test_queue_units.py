@@ -3421,6 +3421,7 @@ def test_a_client_cancel_of_a_job_whose_worker_died_ends_it_once_its_entry_lapse
     with pytest.raises(JobCanceled) as ended:
         job.result(timeout=5)
     assert ended.value.result["text"] == "t"
+    assert ended.value.result["error"] == "job canceled while the worker running it was dead"
     assert conn.lrange(done_key(notify), 0, -1) == [job.id.encode()] and conn.ttl(job.rq_job.key) > 0
     assert not conn.zrange(queue.started_job_registry.key, 0, -1)
 

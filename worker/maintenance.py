@@ -212,7 +212,7 @@ class Maintenance:
                 raise
             except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
                 continue
-            client.job(job_id)._end_unrun(job)
+            client.job(job_id)._end_unrun(job, its_worker_died=True)
             self.connection.zrem(key, member)
             log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
