@@ -105,7 +105,7 @@ for part in "${parts[@]}"; do
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 64 --max-tokens 64 --repeats 3 --latency \
         --skip-hf
       bench 45 100 --model random:llama-1b --dtype bfloat16 --num-prompts 256 --max-tokens 256 --max-num-seqs 256 \
-        --skip-hf ;;
+        --skip-hf --repeats 3 ;;
     timeline)  # where a 256-job burst's time goes inside the worker: its pulls, reads, steps and sends, timed
       # (parse-only too: the script parses its flags and stops)
       t=$(within 60 120) && { timeout "$t" python3 benchmarks/worker_timeline.py --device cuda \
