@@ -43,6 +43,9 @@ def main() -> None:
     llm.chat(convs[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     rates = []
     for rep in range(args.repeats):
+        # Each run computes its prompts, as roseinfer's bench (its prefix cache reset before each run): vLLM's cache
+        # kept every prompt from the warm-up and the run before.
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outs = llm.chat(convs, params, use_tqdm=False)
         seconds = time.perf_counter() - start
