@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -48,10 +49,12 @@ class RunResult:
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank percentile: the smallest value with at least ``q`` of them at or below it (of 64 values,
+    p99 is the largest; the rounded index made it the second largest)."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def median_run(runs: list, rate=lambda r: r.tokens_per_s):

@@ -48,3 +48,11 @@ def test_the_median_of_an_even_count_of_runs_is_not_their_best():
     assert median_run([3.0, 1.0], rate=float) == 1.0
     assert median_run([5.0, 1.0, 3.0], rate=float) == 3.0
     assert median_run([4.0, 1.0, 3.0, 2.0], rate=float) == 2.0
+
+
+def test_a_percentile_is_the_nearest_rank():
+    """Of 64 values p99 was the second largest (a rounded index)."""
+    from roseinfer.bench import percentile
+
+    assert percentile(list(range(64)), 0.99) == 63 and percentile(list(range(64)), 0.5) == 31
+    assert percentile([5.0], 0.5) == 5.0 and percentile([], 0.5) is None
