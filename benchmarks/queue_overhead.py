@@ -72,7 +72,7 @@ class SleepingEngine:
     def running_request_ids(self) -> list[str]:
         return list(self.requests)
 
-    def first_scheduled_time(self, request_id):
+    def running_since(self, request_id):
         return self.requests[request_id]["began"] if request_id in self.requests else None  # (each runs at once)
 
     def abort_request(self, request_id):

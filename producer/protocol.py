@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import re
 import zlib
 from base64 import b64decode, b64encode
 from datetime import datetime
@@ -166,7 +167,7 @@ def lanes(connection: Any, queue: str, odd: list[str] | None = None) -> list[tup
         priority = lane_priority(queue, name)
         if priority is not None:
             found[priority] = name
-        elif odd is not None and name.startswith(f"{queue}:p"):
+        elif odd is not None and re.fullmatch(rf"{re.escape(queue)}:p[+-]?\d+", name):  # (not roseinfer:prod)
             odd.append(name)
     return sorted(found.items())
 

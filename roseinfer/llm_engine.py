@@ -430,7 +430,8 @@ class LLMEngine(PromptInputs):
         """When the request's running time began (``time.monotonic()``): its first step, moved on by every wait it
         had for a place again after a preemption (running behind interactive work, a bulk job was timed out for
         the time it spent preempted). None while it waits for its first step, or once it ended."""
-        seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
+        seqs = [s for s in self._groups.get(request_id) or [self.scheduler.get(request_id)] if s is not None]
+        seqs = [s for s in seqs if not s.is_finished] or seqs  # (a sample that ended no longer runs)
         now = time.monotonic()
         starts = [
             s.first_scheduled_time + s.preempted_s + (now - s.preempted_at if s.preempted_at is not None else 0.0)

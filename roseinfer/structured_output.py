@@ -125,7 +125,10 @@ def _enforceable(schema: Any, closed: bool, open_refs: set[str]) -> Any:
 def _bound_inside(key: str, value: int) -> int:
     """An integer bound as llguidance holds it, a double, moved to the nearest one inside the bound where it is not
     one exactly: rounded outward, 2**53 + 7 let 9007199254741000 through, past its maximum (14 seeds of 16)."""
-    near = float(value)
+    try:
+        near = float(value)
+    except OverflowError:  # (10**400: past every double; a server error where the request is at fault)
+        raise ValueError(f"the bound {key} {value} is past what a JSON number holds") from None
     if near == value:
         return value
     upper = key in ("maximum", "exclusiveMaximum")
@@ -134,28 +137,51 @@ def _bound_inside(key: str, value: int) -> int:
     return int(near)
 
 
-def _composed_refs(schema: Any) -> set[str]:
-    """The references whose targets are composed with others (a part of an ``allOf``/``anyOf``/``oneOf``, or a
-    ``$ref`` beside other keys): left open, their properties adding up with the others'."""
-    found: set[str] = set()
+_COMPOSING = ("properties", "patternProperties", "additionalProperties", "allOf", "anyOf", "oneOf", "required")
 
-    def visit(node: Any) -> None:
+
+def _composed_refs(schema: Any) -> set[str]:
+    """The references whose targets are composed with others, left open (their properties add up with the
+    others'): an ``allOf`` part's, an ``anyOf``/``oneOf`` part's beside properties, a ``$ref`` beside properties
+    or a composition; and what those point at in turn. Not a union's alternatives, a tuple's items, nor a ``$ref``
+    beside annotations (``description``, ``default``): pydantic's Optional, unions and described fields stay
+    closed."""
+    found: set[str] = set()
+    aliases: dict[str, str] = {}  # a definition that is a reference alone: opening it opens what it names
+
+    def visit(node: Any, path: str) -> None:
         if isinstance(node, list):
             for item in node:
-                visit(item)
+                visit(item, "")
             return
         if not isinstance(node, dict):
             return
-        if isinstance(node.get("$ref"), str) and len(node) > 1:
-            found.add(node["$ref"])
-        for key in _SCHEMA_LISTS:
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if any(key in node for key in _COMPOSING):
+                found.add(ref)
+            elif path and len(node) == 1:
+                aliases[path] = ref
+        for key in ("allOf", "anyOf", "oneOf"):
+            if key != "allOf" and "properties" not in node:
+                continue
             for part in node.get(key) if isinstance(node.get(key), list) else ():
                 if isinstance(part, dict) and isinstance(part.get("$ref"), str):
                     found.add(part["$ref"])
-        for value in node.values():
-            visit(value)
+        for key, value in node.items():
+            if key in ("$defs", "definitions") and isinstance(value, dict):
+                for name, sub in value.items():
+                    visit(sub, f"#/{key}/{name}")
+            else:
+                visit(value, "")
 
-    visit(schema)
+    visit(schema, "")
+    pending = list(found)
+    while pending:  # (through a chain of references: each target opened)
+        target = aliases.get(pending.pop())
+        if target is not None and target not in found:
+            found.add(target)
+            pending.append(target)
     return found
 
 

@@ -3375,6 +3375,7 @@ def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_ret
 def test_a_cancel_between_the_requeues_look_and_its_write_stands(redis_url, monkeypatch):
     """The requeue of a dead worker's unrun job read its status, then saved the job whole, status queued: a client's
     cancel between the two (it keeps the started entry) was written over, and the canceled job ran."""
+    from producer import JobCanceled
     from producer.protocol import OWNER_FIELD
 
     conn, worker, client = _worker_of_a_new_queue(redis_url)
@@ -3388,12 +3389,17 @@ def test_a_cancel_between_the_requeues_look_and_its_write_stands(redis_url, monk
 
     def fetched_then_canceled(job_id, **kwargs):
         read = fetch(job_id, **kwargs)
-        assert client.job(job_id).cancel()
+        if read.get_status(refresh=False) == "started":  # (the requeue's read: the cancel lands after it)
+            assert client.job(job_id).cancel()
         return read
 
     monkeypatch.setattr(queue.job_class, "fetch", staticmethod(fetched_then_canceled))
-    worker.maintenance.requeue_unrun(queue)
+    worker.clean_registries()  # (the whole pass: RQ's clean-up after the requeue dropped the entry, the job unended)
     assert job.status() == "canceled" and job.id.encode() not in conn.lrange(queue.key, 0, -1)
+    with pytest.raises(JobCanceled) as ended:
+        job.result(timeout=5)
+    assert ended.value.result["error"] == "job canceled while the worker running it was dead"
+    assert conn.ttl(job.rq_job.key) > 0 and not conn.zrange(queue.started_job_registry.key, 0, -1)
 
 
 @pytest.mark.redis
@@ -4383,6 +4389,7 @@ def test_a_queue_that_looks_like_a_lane_but_is_none_is_said_once(redis_url, capl
     conn, name, worker = _worker_without_engine(redis_url)
     for odd in ("p0", "p05", "p101"):
         conn.sadd("rq:queues", f"rq:queue:{name}:{odd}")
+    conn.sadd("rq:queues", f"rq:queue:{name}:prod")  # (a queue of its own, not a lane: nothing to say)
     try:
         with caplog.at_level("WARNING", logger="roseinfer.worker"):
             worker._refresh_lanes()
@@ -4390,7 +4397,7 @@ def test_a_queue_that_looks_like_a_lane_but_is_none_is_said_once(redis_url, capl
         said = [r.getMessage() for r in caplog.records if "looks like a lane" in r.getMessage()]
         assert sorted(line.split()[1] for line in said) == sorted(f"{name}:{odd}" for odd in ("p0", "p05", "p101"))
     finally:
-        conn.srem("rq:queues", *[f"rq:queue:{name}:{odd}" for odd in ("p0", "p05", "p101")])
+        conn.srem("rq:queues", *[f"rq:queue:{name}:{odd}" for odd in ("p0", "p05", "p101", "prod")])
         worker.register_death()
 
 

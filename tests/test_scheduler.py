@@ -369,3 +369,18 @@ def test_room_made_for_a_waiting_requests_budget_is_taken_from_a_prefill_not_fro
     assert out.preempted == [a] and head.status is SequenceStatus.RUNNING
     assert {x.seq.request_id: x.num_tokens for x in out.scheduled} == {"C": 1, "D": 1, "H": 5, "A": 1}
     assert c.num_preemptions == d.num_preemptions == 0
+
+
+def test_a_groups_running_time_is_its_unfinished_samples():
+    """A sample that had ended still counted: its start won, and an n = 2 job whose other sample waited preempted
+    timed out for that wait."""
+    from types import SimpleNamespace
+
+    from roseinfer.llm_engine import LLMEngine
+
+    ended = SimpleNamespace(first_scheduled_time=0.0, preempted_s=0.0, preempted_at=None, is_finished=True)
+    waiting = SimpleNamespace(first_scheduled_time=0.0, preempted_s=9.0, preempted_at=None, is_finished=False)
+    engine = SimpleNamespace(_groups={"g": [ended, waiting]}, scheduler=None)
+    assert LLMEngine.running_since(engine, "g") == 9.0
+    waiting.is_finished = True  # (every sample ended: the earliest, as before)
+    assert LLMEngine.running_since(engine, "g") == 0.0

@@ -498,9 +498,34 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(l
          "anyOf": [{"properties": {"b": b}, "required": ["b"]}, {"properties": {"c": c}, "required": ["c"]}]},
         {"type": "object", "properties": {"a": a}, "required": ["a", "b"]},
     ]  # fmt: skip
-    for schema in composed:
+    chain = {"$defs": {"Base": {"$ref": "#/$defs/Real"}, "Real": {"properties": {"a": a}, "required": ["a"]}},
+             "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": b}, "required": ["b"]}]}  # fmt: skip
+    for schema in [*composed, chain]:
         grammar = LLMatcher.grammar_from_json_schema(enforceable(schema))
         assert LLMatcher.validate_grammar(grammar) == "", schema
+    # And pydantic's own forms of a nested model stay closed: Optional, a (discriminated) union, a tuple, a field
+    # with a description (a union's alternatives, a $ref beside annotations: none composed).
+    from typing import Literal
+
+    import pydantic
+
+    class Inner(pydantic.BaseModel):
+        a: int
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+
+    class Outer(pydantic.BaseModel):
+        inner: Inner | None
+        pet: Cat | Dog = pydantic.Field(discriminator="kind")
+        pair: tuple[Inner, int]
+        described: Inner = pydantic.Field(description="an inner one")
+
+    closed = enforceable(Outer.model_json_schema())
+    assert [d["additionalProperties"] for d in closed["$defs"].values()] == [False] * 3
     nested = enforceable({"type": "object", "properties": {"inner": {"type": "object", "properties": {}}}})
     assert nested["additionalProperties"] is False and nested["properties"]["inner"]["additionalProperties"] is False
 
@@ -516,6 +541,8 @@ def test_an_integer_bound_no_double_holds_is_moved_inside_not_rounded_outward(ll
     bounds = enforceable(narrow)["properties"]["x"]
     assert (bounds["minimum"], bounds["maximum"]) == (2**53 - 2, 2**53 + 6)
     assert enforceable({"type": "integer", "maximum": 2**63 - 1})["maximum"] == 2**63 - 1024
+    with pytest.raises(ValueError, match="past what a JSON number holds"):  # (an OverflowError: a server error)
+        enforceable({"type": "integer", "maximum": 10**400})
     params = [
         SamplingParams(temperature=1.0, seed=seed, max_tokens=30, structured_outputs={"json": narrow})
         for seed in range(8)

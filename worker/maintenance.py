@@ -192,9 +192,6 @@ class Maintenance:
         """Lapsed entries of the started registry whose job was canceled (or stopped) by hand while its worker was
         dead: RQ's clean-up passes over a job that is not "started", so it was never ended (no result, no last
         event, its hash kept for good). It ends as a client's cancel of a job no worker runs ends it."""
-        from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
-
-        key = queue.started_job_registry.key
         lapsed = self._lapsed(queue)
         if not lapsed:
             return
@@ -202,19 +199,24 @@ class Maintenance:
             for _member, job_id in lapsed:
                 pipe.hget(Job.key_for(job_id), "status")
             statuses = pipe.execute(raise_on_error=False)
-        client = Client(connection=self.connection, queue=queue.name)
         for (member, job_id), status in zip(lapsed, statuses):
-            if status not in (b"canceled", b"stopped"):
-                continue
-            try:
-                job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
-            except REDIS_DOWN:
-                raise
-            except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
-                continue
-            client.job(job_id)._end_unrun(job, its_worker_died=True)
-            self.connection.zrem(key, member)
-            log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
+            if status in (b"canceled", b"stopped"):
+                self._end_canceled(queue, member, job_id, status)
+
+    def _end_canceled(self, queue: Queue, member: bytes, job_id: str, status: bytes) -> None:
+        """The ending of a job canceled (or stopped) while its worker was dead, as a client's cancel of a job no
+        worker runs writes it, and its lapsed entry out."""
+        from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
+
+        try:
+            job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
+        except REDIS_DOWN:
+            raise
+        except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
+            return
+        Client(connection=self.connection, queue=queue.name).job(job_id)._end_unrun(job, its_worker_died=True)
+        self.connection.zrem(queue.started_job_registry.key, member)
+        log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
     def requeue_unrun(self, queue: Queue) -> None:
         """Lapsed entries of the started registry whose job streamed nothing (it waited in its dead worker's queue
@@ -252,7 +254,12 @@ class Maintenance:
                     # over by the job's save, and the job run again.
                     pipe.watch(job.key)
                     key = queue.started_job_registry.key
-                    if pipe.hget(job.key, "status") != b"started" or pipe.zscore(key, member) is None:
+                    status = pipe.hget(job.key, "status")
+                    if status in (b"canceled", b"stopped") and pipe.zscore(key, member) is not None:
+                        pipe.unwatch()  # canceled meanwhile: ended here (RQ's clean-up after would only drop it)
+                        self._end_canceled(queue, member, job_id, status)
+                        continue
+                    if status != b"started" or pipe.zscore(key, member) is None:
                         continue
                     pipe.multi()
                     pipe.zrem(key, member)

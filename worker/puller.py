@@ -248,7 +248,7 @@ class Puller:
             urgent = [(p, q) for p, q in lanes if p < best]
             lanes = [(p, q) for p, q in lanes if p < worst]
             if taken + on_its_way >= 2 * limit and urgent:
-                lanes, limit = urgent, taken + on_its_way + limit
+                lanes, limit = urgent, taken + limit  # (those on their way use it up: no limit more per pull)
             else:
                 limit *= 2
         room = limit - taken - on_its_way

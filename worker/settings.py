@@ -42,7 +42,10 @@ class QueueSettings(BaseSettings):
         None, description="worker name in RQ (default: a random one, as RQ gives; a name in use is refused)"
     )
     max_in_flight: int | None = Field(
-        None, ge=1, description="jobs held at once, running and waiting (default: max_num_seqs + a quarter)"
+        None,
+        ge=1,
+        description="places in the batch its jobs held at once take, running and waiting (a job of n "
+        "samples takes n; default: max_num_seqs + a quarter)",
     )
     # At most what RQ and Redis's EXPIRE take (past it, every write that sets a TTL failed, events with it).
     stream_ttl: int = Field(
