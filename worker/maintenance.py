@@ -203,16 +203,22 @@ class Maintenance:
             if status in (b"canceled", b"stopped"):
                 self._end_canceled(queue, member, job_id, status)
 
+    def _job_of(self, queue: Queue, job_id: str) -> Job | None:
+        """The job, or None where it is gone meanwhile or unreadable (RQ's clean-up and the steps before take those)."""
+        try:
+            return queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
+        except REDIS_DOWN:
+            raise
+        except Exception:
+            return None
+
     def _end_canceled(self, queue: Queue, member: bytes, job_id: str, status: bytes) -> None:
         """The ending of a job canceled (or stopped) while its worker was dead, as a client's cancel of a job no
         worker runs writes it, and its lapsed entry out."""
         from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
 
-        try:
-            job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
-        except REDIS_DOWN:
-            raise
-        except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
+        job = self._job_of(queue, job_id)
+        if job is None:
             return
         Client(connection=self.connection, queue=queue.name).job(job_id)._end_unrun(job, its_worker_died=True)
         self.connection.zrem(queue.started_job_registry.key, member)
@@ -240,13 +246,8 @@ class Maintenance:
             status, count = fields
             if status != b"started" or int(count or 0) >= FREE_REQUEUES:
                 continue
-            try:
-                job = queue.job_class.fetch(job_id, connection=self.connection, serializer=queue.serializer)
-            except REDIS_DOWN:
-                raise
-            except Exception:  # (gone meanwhile, or unreadable: RQ's clean-up and the steps before take those)
-                continue
-            if getattr(job, "has_rate_limit", False):  # (its slot is RQ's to free: its clean-up takes it)
+            job = self._job_of(queue, job_id)
+            if job is None or getattr(job, "has_rate_limit", False):  # (a rate limit's slot: RQ's clean-up frees it)
                 continue
             with self.connection.pipeline() as pipe:  # MULTI: out of the registry and back in the queue, or neither
                 try:
