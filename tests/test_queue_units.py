@@ -4727,3 +4727,7 @@ def test_every_job_end_has_its_series_from_the_start_and_no_time_is_negative():
     # The time per output token, between two stamps of this host's wall clock, which NTP may step back between them.
     metrics.job_ended("finished", {"total_s": 0.2, "first_token_at": 100.0, "finished_at": 99.0}, 3)
     assert value("roseinfer_time_per_output_token_seconds_sum") == 0
+    # A CPU's prefill step of 64 prompts (~3 s) and a slow token land in buckets of their own, not +Inf alone.
+    metrics.step.observe(3.0)
+    assert value("roseinfer_engine_step_seconds_bucket", {"le": "5.0"}) == 1
+    assert value("roseinfer_engine_step_seconds_bucket", {"le": "2.5"}) == 0
