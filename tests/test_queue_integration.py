@@ -334,6 +334,21 @@ def test_a_canceled_job_is_in_the_latency_histograms_and_a_job_waiting_in_the_en
     assert [value(name) - b for name, b in zip(names, before)] == [1, 1, 1]
 
 
+def test_a_job_pushed_to_another_lane_than_its_payload_says_runs_at_its_lanes_priority(served, caplog):
+    """Pull order went by the lane, the engine's order and the puller's room by the payload's priority: a bulk
+    payload moved into the interactive list was pulled first, then made way for every job, and counted as a
+    worse job let the worker hold twice its limit. One priority now, the lane's, said in the log."""
+    worker, client = served
+    job = client.submit("moved by hand", max_tokens=2, priority=10)
+    conn = client.connection
+    assert conn.lrem(f"rq:queue:{worker.queue}:p10", 0, job.id) == 1
+    conn.rpush(f"rq:queue:{worker.queue}", job.id)
+    with caplog.at_level("WARNING", logger="roseinfer.worker"):
+        assert job.result(timeout=30)["usage"]["completion_tokens"] == 2
+    said = f"job {job.id}: its payload's priority 10 is not its lane's, {worker.queue} (0): it runs at its lane's"
+    assert said in caplog.text
+
+
 def test_a_canceled_job_s_dependency_sets_expire_with_it(served, monkeypatch):
     """RQ's cancel of a running job whose ``depends_on`` was met, and of a parent with a deferred child: the job
     hash expired with its result, its dependency set (``rq:job::<id>:dependencies``) and dependents set stayed for

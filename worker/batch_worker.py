@@ -55,6 +55,7 @@ from producer.protocol import (
     TEMPLATE_KEY,
     TOKENIZER_KEY,
     lane_name,
+    lane_priority,
     lanes,
     queue_stream_check,
     stream_check,
@@ -674,6 +675,13 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self._drop_started_copy(a)
         else:
             job, req = a.job, a.request
+            lane = lane_priority(self.settings.queue, a.queue.name)
+            if lane is not None and lane != req.priority:  # (pushed by hand to another lane than its payload says)
+                # One priority: the lane's, which the pull went by (the engine's order, preemption and the puller's
+                # room went by the payload's, and a bulk payload in the interactive list let a worker hold twice).
+                log.warning("job %s: its payload's priority %d is not its lane's, %s (%d): it runs at its lane's",
+                            job.id, req.priority, a.queue.name, lane)  # fmt: skip
+                req = req.model_copy(update={"priority": lane})
             timeout = run_limit(job, self.queue_class.DEFAULT_TIMEOUT)
             self.pump.submit(
                 job.id, a.prompt, a.params, timeout, a.prefix, req.priority, a.tokenized,
