@@ -618,20 +618,21 @@ def batch(args: argparse.Namespace) -> int:
         s = exc.summary if isinstance(exc, (BatchInterrupted, BatchStopped)) else None
         done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
         detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
-        lost = isinstance(exc, BatchStopped)
+        stopped = isinstance(exc, BatchStopped)
         # (a --fresh run's literal command again would start another run: this one is its id pinned instead; stopped
         # before it began, it is the --fresh command again, its id never the output's)
         pinned = args.fresh and bool(began)
         again = "this command (the run's --run-id, not --fresh)" if pinned else "the same command again"
         print(
-            f"{exc if lost else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the workers.\n"
-            f"To resume{' ' + exc.resume_when if lost else ''}, run {again}: it skips the custom_ids already in "
+            f"{exc if stopped else 'interrupted'}: {done}{detail}; jobs already submitted keep running in the "
+            "workers.\n"
+            f"To resume{' ' + exc.resume_when if stopped else ''}, run {again}: it skips the custom_ids already in "
             f"{args.output} and picks up the jobs still queued or finished in Redis:\n"
             f"  {resume_command(args, run_id if pinned else None, fresh=args.fresh and not pinned)}",
             file=sys.stderr,
         )
         # 128 plus the signal, as a shell reports a process it ended: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP
-        return 1 if lost else 128 + int(getattr(exc, "signum", 2))
+        return 1 if stopped else 128 + int(getattr(exc, "signum", 2))
     except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2

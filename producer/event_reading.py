@@ -174,10 +174,10 @@ def rest_from_result(result: dict[str, Any], index: int, read: str, gap: StreamG
     """What the result of sample ``index`` holds past ``read``, the text a stream gave before it fell short (it
     expired, was trimmed, or never got its last events: a worker that died between its result and them); ``gap``
     raised where ``read`` is not the output's start (a hole in it)."""
-    text = sample_text(result, index)
-    if not text.startswith(read):
+    rest = _past(sample_text(result, index), read)
+    if rest is None:
         raise gap
-    return text[len(read) :]
+    return rest
 
 
 def text_before_its_end(exc: Exception, index: int, read: str) -> str:
@@ -185,8 +185,12 @@ def text_before_its_end(exc: Exception, index: int, read: str) -> str:
     its result: its stream expired (10 minutes after the end) or stopped short of it, and the result held the rest
     (or all of it, where none was read); nothing where ``read`` is not that text's start."""
     result = getattr(exc, "result", None)
-    text = sample_text(result, index) if isinstance(result, dict) else ""
-    return text[len(read) :] if text.startswith(read) else ""
+    return (_past(sample_text(result, index), read) or "") if isinstance(result, dict) else ""
+
+
+def _past(text: str, read: str) -> str | None:
+    """``text`` past ``read``, its start; None where ``read`` is not its start."""
+    return text[len(read) :] if text.startswith(read) else None
 
 
 REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises

@@ -419,24 +419,18 @@ class LLMEngine(PromptInputs):
         """The requests in the running batch (those a step computes), by the ids they were added with."""
         return list(dict.fromkeys(seq.parent_id for seq in self.scheduler.running()))
 
-    def first_scheduled_time(self, request_id: str) -> float | None:
-        """When the request was first scheduled (``time.monotonic()``, its first sample's); None while it waits
-        for a place in the batch, or once it ended."""
-        seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
-        times = [s.first_scheduled_time for s in seqs if s is not None and s.first_scheduled_time is not None]
-        return min(times, default=None)
-
     def running_since(self, request_id: str) -> float | None:
         """When the request's running time began (``time.monotonic()``): its first step, moved on by every wait it
         had for a place again after a preemption (running behind interactive work, a bulk job was timed out for
-        the time it spent preempted). None while it waits for its first step, or once it ended."""
+        the time it spent preempted). None while it waits for its first step, or once it ended. A job's timeout counts
+        from it (RQ's: from a job's start), not from its wait behind max_num_seqs."""
         seqs = [s for s in self._groups.get(request_id) or [self.scheduler.get(request_id)] if s is not None]
         seqs = [s for s in seqs if not s.is_finished] or seqs  # (a sample that ended no longer runs)
         now = time.monotonic()
         starts = [
             s.first_scheduled_time + s.preempted_s + (now - s.preempted_at if s.preempted_at is not None else 0.0)
             for s in seqs
-            if s is not None and s.first_scheduled_time is not None
+            if s.first_scheduled_time is not None
         ]
         return min(starts, default=None)
 

@@ -929,7 +929,7 @@ def test_a_delta_outputs_cumulative_logprob_is_the_samples_running_total(tiny_ch
     assert final.cumulative_logprob < totals[0] < 0
 
 
-def test_a_request_has_its_first_scheduled_time_once_it_gets_a_place_in_the_batch(tiny_chat_model):
+def test_a_requests_running_time_begins_once_it_gets_a_place_in_the_batch(tiny_chat_model):
     """The worker's job timeout counts from it (RQ's: from a job's start), not from the wait behind max_num_seqs."""
     import time
 
@@ -939,15 +939,15 @@ def test_a_request_has_its_first_scheduled_time_once_it_gets_a_place_in_the_batc
     engine.add_request("first", "Hello", params)
     engine.add_request("second", "Hello", params)
     engine.step()
-    first = engine.first_scheduled_time("first")
+    first = engine.running_since("first")
     assert before < first <= time.monotonic()
-    assert engine.first_scheduled_time("second") is None  # still waiting for the one place
+    assert engine.running_since("second") is None  # still waiting for the one place
     engine.step()
-    assert engine.first_scheduled_time("first") == first  # (once)
-    while engine.first_scheduled_time("second") is None:
+    assert engine.running_since("first") == first  # (once)
+    while engine.running_since("second") is None:
         engine.step()
-    assert engine.first_scheduled_time("second") > first
-    assert engine.first_scheduled_time("unknown") is None and engine.first_scheduled_time("first") is None  # ended
+    assert engine.running_since("second") > first
+    assert engine.running_since("unknown") is None and engine.running_since("first") is None  # ended
 
 
 def test_a_prompt_of_more_characters_than_the_context_could_hold_is_refused_before_it_is_tokenized(chat_engine):
