@@ -131,9 +131,15 @@ def test_batch_logprobs_name_tokens_by_their_text(served, tmp_path, tiny_chat_mo
     ids = client.job(row["response"]["request_id"]).result(timeout=10)["token_ids"]
     tokenizer = Tokenizer.from_file(str(Path(tiny_chat_model) / "tokenizer.json"))
     steps = row["response"]["body"]["choices"][0]["logprobs"]["content"]
-    assert [(s["token"], s["bytes"]) for s in steps] == [
-        (t, list(t.encode())) for t in (tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-    ]
+    names = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert [s["token"] for s in steps] == names
+    # A token's bytes are its own: a token holding part of a character (its name U+FFFD) has that part's bytes,
+    # and all of them join to the text (greedy tokens of the random model differ with the batch they ran in).
+    for step, name in zip(steps, names):
+        if "\ufffd" not in name:
+            assert step["bytes"] == list(name.encode()), name
+    joined = bytes(b for step in steps for b in step["bytes"])
+    assert joined.decode(errors="replace") == tokenizer.decode(ids, skip_special_tokens=False)
 
 
 @pytest.mark.redis
