@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import functools
 import hashlib
 import importlib.metadata
@@ -198,6 +199,7 @@ def convert_gguf(gguf: Path, name: str, source: str) -> Path:
         return target
     from transformers import AutoConfig
 
+    _check_writable(target.parent)  # a cache that cannot be used says so before seconds of parsing
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
         if _converted(target, source):  # (converted while this thread waited, too)
             return target
@@ -212,6 +214,12 @@ def convert_gguf(gguf: Path, name: str, source: str) -> Path:
                     log.warning("%s in the cache was converted by an older roseinfer or from another file: "
                                 "converting %s again", target, gguf)  # fmt: skip
                 return _convert_gguf(gguf, name, target, _conversion_mark(source))
+
+
+def _check_writable(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(errno.EACCES, "this user cannot write there", str(folder))
 
 
 def _convert_gguf(gguf: Path, name: str, target: Path, mark: dict[str, Any]) -> Path:

@@ -440,9 +440,16 @@ def test_generate_answers_a_line_per_stdin_line_and_keeps_the_answers_written_wh
 
 def test_a_model_cache_that_cannot_be_used_is_said_to_be_the_cache_not_the_model(tmp_path, monkeypatch, capsys):
     """ROSEINFER_CACHE_DIR naming a file was "cannot load model 'smollm2-135m-instruct' ... did you mean
-    smollm2-135m-instruct?": the name given, suggested back, and the variable never named."""
+    smollm2-135m-instruct?": the name given, suggested back, and the variable never named. It is said before the GGUF
+    file is read (that took 12 s on a slow CPU, to then fail on the cache)."""
+    import gguf
+
     from worker.cli import main
 
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the GGUF file was read before the cache was checked")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
     taken = tmp_path / "a-file"
     taken.write_text("x")
     monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(taken))
