@@ -868,6 +868,19 @@ def test_a_negative_wait_timeout_is_refused_before_redis(command, value, capsys)
     assert err.count("\n") == 1 and err.endswith(f"(see roseinfer {command[0]} --help)\n")  # (not 25 lines of usage)
 
 
+@pytest.mark.parametrize("command", [["submit", "hi"], ["worker"], ["bench-queue"]])
+def test_an_unknown_flag_is_said_by_the_command_it_was_given_to(command, capsys):
+    """``roseinfer submit hi --bogus`` said "see roseinfer --help", which lists no command's flags."""
+    from worker.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--bogus", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    name = f"roseinfer {command[0]}"
+    assert err == f"{name}: error: unrecognized arguments: --bogus x (see {name} --help)\n"
+
+
 @pytest.mark.slow
 @pytest.mark.redis
 def test_output_piped_to_a_reader_that_leaves_ends_quietly(redis_url):

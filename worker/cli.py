@@ -239,6 +239,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: typing.Any = None, namespace: typing.Any = None) -> argparse.Namespace:
+        # A flag no parser knows is said by the command's parser (argparse's top one said "see roseinfer --help",
+        # which lists no command's flags).
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            subparsers = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+            command = subparsers[0].choices.get(getattr(parsed, subparsers[0].dest, None)) if subparsers else None
+            (command or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     from producer import cli as producer_cli
