@@ -4,6 +4,7 @@ handle, to stream its tokens and wait for its result, is a ``GenerationJob`` (``
 from __future__ import annotations
 
 import json
+import shlex
 import time
 import uuid
 import warnings
@@ -22,7 +23,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import Worker
 
-from producer.connection import REDIS_DOWN, connect
+from producer.connection import REDIS_DOWN, connect, redacted_url
 from producer.generation_job import DEFAULT_RESULT_TTL, ENDED, GenerationJob
 from producer.job_errors import InvalidRequest, JobIdTaken
 from producer.protocol import (
@@ -151,6 +152,7 @@ class Client:
         self._policy_checked = False
         self.reached = False  # Redis answered this client once: a later error is an outage to wait out
         self._owns_connection = connection is None
+        self._url = None if connection is not None else redis_url  # (what a hint to start a worker names)
 
     def close(self) -> None:
         """Its connections to Redis closed (a connection passed in is the caller's to close), as AsyncClient's."""
@@ -417,9 +419,12 @@ class Client:
         if self.workers() if queue is None else self.workers(queue):
             return None
         name = self.queue.name if queue is None else queue
+        # (a worker started by the hint without the client's Redis would serve the default one)
+        named = self._url not in (None, DEFAULT_REDIS_URL)
+        url = f" --redis-url {shlex.quote(redacted_url(self._url))}" if named else ""
         return (
             f"warning: no live worker serves queue {name!r} (yet): its jobs wait there until one starts "
-            f"(roseinfer worker --queue {name}; roseinfer status lists the workers)"
+            f"(roseinfer worker{url} --queue {shlex.quote(name)}; roseinfer status lists the workers)"
         )
 
     def _payload(self, req: JobRequest) -> dict[str, Any]:

@@ -674,6 +674,8 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert main(["submit", "x", "--wait", "--redis-url", redis_url, "--queue", queue, "--timeout", "0.3"]) == 124
     err = capsys.readouterr().err
     assert f"no live worker serves queue {queue!r}" in err and err.count("\n") == 3
+    # (how to start one names this Redis: one started without it served the default)
+    assert f"(roseinfer worker --redis-url {redis_url} --queue {queue};" in err
     # ``stream`` of a job warns about the job's own queue (its lane's), whatever --queue says: an id is Redis-wide.
     lane = Client(redis_url, queue=queue).submit("x", max_tokens=2, priority=-5)
     assert main(["stream", lane.id, "--redis-url", redis_url, "--timeout", "0.3"]) == 124
