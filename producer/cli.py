@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from rq.job import Job
 
 from producer.batch_io import OUTPUT_EXTENSIONS, at_least
 from producer.client import DEFAULT_REDIS_URL, Client, validate
-from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, queue_urls, redacted_url
+from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, InvalidRedisURL, queue_urls, redacted_url
 from producer.generation_job import GenerationJob
 from producer.job_errors import InvalidRequest, JobError, ResultNotKept, StreamRestarted
 from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane, stream_key
@@ -166,6 +167,17 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
     mapped = queue_urls(os.environ.get(QUEUE_URLS_ENV)).get(queue)
     url = args.redis_url or mapped or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
     return url, queue
+
+
+def url_settings(args: argparse.Namespace) -> str:
+    """Where to fix the Redis URL a command could not reach: the queue's ROSEINFER_QUEUE_URLS entry where that gave
+    it (which an error naming only --redis-url and ROSEINFER_REDIS_URL left unsaid)."""
+    if getattr(getattr(args, "func", None), "__module__", None) == __name__ and not args.redis_url:
+        with contextlib.suppress(InvalidRedisURL):
+            queue = target(args)[1]
+            if queue in queue_urls(os.environ.get(QUEUE_URLS_ENV)):
+                return f"{QUEUE_URLS_ENV} (its entry for queue {queue!r})"
+    return "--redis-url or ROSEINFER_REDIS_URL"
 
 
 def _client(args: argparse.Namespace) -> Client:

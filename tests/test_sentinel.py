@@ -226,6 +226,17 @@ def test_each_queue_can_live_on_its_own_redis(monkeypatch):
         queue_urls("chat:redis://a")
 
 
+def test_a_queues_redis_that_cannot_be_reached_names_its_entry_in_the_map(monkeypatch, capsys):
+    """It said "check --redis-url or ROSEINFER_REDIS_URL", neither of which gave the URL."""
+    from worker.cli import main
+
+    monkeypatch.setenv("ROSEINFER_QUEUE_URLS", f"mapped=redis://127.0.0.1:{free_port()}/0")
+    assert main(["status", "--queue", "mapped"]) == 2
+    assert capsys.readouterr().err.endswith("; check ROSEINFER_QUEUE_URLS (its entry for queue 'mapped')\n")
+    assert main(["status", "--queue", "mapped", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]) == 2
+    assert capsys.readouterr().err.endswith("; check --redis-url or ROSEINFER_REDIS_URL\n")
+
+
 @pytest.mark.slow
 def test_a_bad_queue_url_map_is_one_line_and_exit_2():
     import os

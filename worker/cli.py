@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic_settings import SettingsError
     from redis.sentinel import MasterNotFoundError
 
+    from producer import cli as producer_cli
     from producer.connection import REDIS_DOWN, InvalidRedisURL, UnsafeRedis
     from producer.job_errors import InvalidRequest, StreamGap
     from roseinfer.config import ConfigError
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         # (a Sentinel's "no master" names every sentinel client it tried, pools and all: a line of 1.5 KB)
         why = str(exc).split(" : <")[0] if isinstance(exc, MasterNotFoundError) else str(exc)
         said = _refused_login(exc) or f"cannot reach Redis ({why})"
-        print(f"error: {said}; check --redis-url or ROSEINFER_REDIS_URL", file=sys.stderr)
+        print(f"error: {said}; check {producer_cli.url_settings(args)}", file=sys.stderr)
     except redis.exceptions.OutOfMemoryError as exc:  # (no URL at fault: the server is full)
         print(f"error: Redis is full ({exc}): it takes no writes until it has room (maxmemory); the jobs already "
               "queued go on", file=sys.stderr)  # fmt: skip
