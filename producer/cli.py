@@ -747,7 +747,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--timeout",
         type=at_least(float, 0, inclusive=False),
         default=None,
-        help="give up on a job after this many seconds (and cancel it)",
+        help="give up on a job this many seconds after it started running, time queued not counted (and cancel it)",
     )
     p.add_argument(
         "--log-interval",

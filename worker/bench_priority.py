@@ -22,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-num-seqs", type=counting(1), default=8)
-    p.add_argument("--bulk-jobs", type=counting(1), default=24, help="bulk jobs in the queue: three times the batch")
+    p.add_argument(
+        "--bulk-jobs", type=counting(1), default=None, help="bulk jobs in the queue (default: three times the batch)"
+    )
     p.add_argument("--bulk-tokens", type=counting(1), default=96)
     p.add_argument("--probe-tokens", type=counting(1), default=8)
     p.add_argument("--repeats", type=counting(1), default=3)
@@ -56,6 +58,9 @@ def _probe(client, args, priority: int, round_: int) -> tuple[float, list[list[i
 
 def main(args: argparse.Namespace) -> int:
     from producer import Client
+
+    if args.bulk_jobs is None:  # (the queue stays longer than the batch: a probe waits behind bulk jobs)
+        args.bulk_jobs = 3 * args.max_num_seqs
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
