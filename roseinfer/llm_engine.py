@@ -141,6 +141,7 @@ class LLMEngine(PromptInputs):
         self.undelivered: list[RequestOutput] = []  # see ``take_undelivered``
         self._overlap = self.device.type == "cuda"  # outputs made while the device runs the next step
         self._flush = True  # whether this step's outputs include every "delta" request's (``step``)
+        self._holding: dict[str, Sequence] = {}  # "delta" requests whose output a step without flush held back
         if config.quantization == "int8":
             self._quantize_int8()
         if self.device.type == "cpu":
@@ -480,7 +481,7 @@ class LLMEngine(PromptInputs):
                 self._take_back_draws(sched)
             raise
         if sched.is_empty:
-            return self._emit_pending([])
+            return self._release_held(self._emit_pending([]))
         for item in sched.scheduled:  # the prompt tokens computed (not cached), counted once the step ran
             known = item.seq.num_prompt_tokens + item.seq.num_resumed_tokens
             if item.start < known:
@@ -498,7 +499,7 @@ class LLMEngine(PromptInputs):
             self._pending.append((seq, token, by_token, seq.is_finished))
         if not self._overlap:
             self._emit_pending(outputs)
-        return outputs
+        return self._release_held(outputs)
 
     def _take_back_draws(self, sched: SchedulerOutput) -> None:
         """A failed step's draws taken back: a seeded request that runs on (sent back to waiting, or kept by a
@@ -583,6 +584,21 @@ class LLMEngine(PromptInputs):
                 raise
         return outputs
 
+    def _release_held(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs`` and, on a step with flush, the outputs held back by steps without it of "delta" requests that
+        sampled nothing since (preempted, waiting to run again): their text stayed in the engine until they ran
+        again, a bulk job's behind every interactive one that took its place."""
+        if not (self._flush and self._holding):
+            return outputs
+        holding, self._holding = self._holding, {}
+        for seq in holding.values():
+            if seq.is_finished or not seq.held_ids:  # (its last output, or one since, took them)
+                continue
+            delta = seq.detokenizer.update(None) if seq.detokenizer is not None else ""
+            outputs.append(self._output(seq, delta, seq.held_ids))
+            seq.held_ids = []
+        return outputs
+
     def _salvage_last_output(self, seq: Sequence, outputs: list[RequestOutput], group_may_end: bool) -> None:
         """The last output of ``seq``, which ended at the token whose output failed: its text's rest where the
         detokenizer still gives it, and the ids held for it (a delta's), else its output whole without them."""
@@ -617,6 +633,8 @@ class LLMEngine(PromptInputs):
             kind == "final_only"
             or (kind == "delta" and not self._flush and seq.streamed and seq.parent_id == seq.request_id)
         ):
+            if kind == "delta":
+                self._holding[seq.request_id] = seq
             return  # (a delta's id held above: its text waits in the detokenizer, as a final_only request's does)
         delta = "" if detok is None else detok.finish() if seq.is_finished else detok.update(None)
         ids = [token]

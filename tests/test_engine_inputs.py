@@ -542,6 +542,34 @@ def test_delta_outputs_add_up_to_the_cumulative_output(chat_engine, flush_every)
         assert running_outputs["delta-aborted"] == 1 and running_outputs.get("delta-stop", 1) == 1
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu", "gpu-overlap"])
+def test_a_flushed_step_gives_the_delta_output_a_preempted_request_held(tiny_llama, overlap):
+    """A "delta" request's tokens held by steps without flush came out only when it sampled again: preempted by a
+    more urgent request, its text stayed in the engine through every flushed step of its wait."""
+    engine = LLM(tiny_llama, dtype="float32", max_num_seqs=1).engine
+    engine._overlap = overlap  # (a GPU's flow: a step's outputs made during the next)
+    delta = SamplingParams(max_tokens=30, temperature=0.0, output_kind="delta")
+    engine.add_request("bulk", {"prompt_token_ids": [1, 2, 3]}, delta)
+    pieces: dict[str, list[int]] = {}
+
+    def step(flush: bool) -> None:
+        for out in engine.step(flush=flush):
+            pieces.setdefault(out.request_id, []).extend(out.delta_token_ids)
+
+    for i in range(5):
+        step(flush=i == 0)
+    assert len(pieces.get("bulk", [])) <= 1  # (4 tokens held)
+    engine.add_request("urgent", {"prompt_token_ids": [4, 5, 6]}, delta, priority=-1)
+    step(flush=False)  # (it takes the slot; on a GPU the last step's outputs are made now, held)
+    step(flush=True)
+    bulk = engine.scheduler.get("bulk")
+    assert bulk.status.value == "waiting" and bulk.num_preemptions == 1
+    assert pieces["bulk"] == bulk.output_token_ids  # its 5 tokens, while it waits
+    while engine.has_unfinished_requests():
+        step(flush=True)
+    assert len(pieces["bulk"]) == 30 and len(pieces["urgent"]) == 30
+
+
 def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama):
     import gc
 
