@@ -354,7 +354,12 @@ class LLMEngine(PromptInputs):
         last; [] if unknown. Output kind "delta" with n > 1: each sample that had text or tokens not yet given out
         gets an output of its own first (one output holds one sample's delta). A list of ids (vLLM's form): each."""
         if not isinstance(request_id, str):
-            return [out for one in request_id for out in self.abort_request(one)]
+            listed = isinstance(request_id, Iterable) and not isinstance(request_id, (bytes, bytearray))
+            ids = list(request_id) if listed else [request_id]
+            for one in ids:  # (checked before any ends: the outputs of those aborted before a bad one were lost)
+                if not isinstance(one, str):
+                    raise TypeError(f"a request id is a string, got {one!r}")
+            return [out for one in ids for out in self.abort_request(one)]
         seqs = self._groups.get(request_id) or [self.scheduler.get(request_id)]
         if seqs[0] is not None and seqs[0].parent_id != request_id:
             return []  # a sample's own id ("x[1]" of a request "x" with n > 1): not a request, nothing of it ends

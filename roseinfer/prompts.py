@@ -89,6 +89,13 @@ class PromptInputs:
                     f"'prompt_token_ids' with the 'prompt' they came from, 'messages' with the template's options "
                     f"{sorted(CHAT_KEYS - {'messages'})}); got keys {sorted(prompt)}"
                 )
+            # (ids under 'prompt' were taken as ids, text under 'prompt_token_ids' encoded, beside its own text)
+            if not isinstance(prompt.get("prompt", ""), str):
+                raise TypeError(f"'prompt' is a string, not {type(prompt['prompt']).__name__}")
+            if not isinstance(prompt.get("prompt_token_ids", []), (list, tuple)):
+                raise TypeError(
+                    f"'prompt_token_ids' is a list of token ids, not {type(prompt['prompt_token_ids']).__name__}"
+                )
             if tokenized:
                 return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
             if "messages" in prompt:

@@ -25,6 +25,9 @@ def llm(tiny_llama):
         ("text prompt", "no tokenizer"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no chat template"),
         ({"prompt": [1], "extra": 2}, "exactly one of"),
+        ({"prompt": [1, 2, 3]}, "'prompt' is a string, not list"),  # (ran as ids)
+        ({"prompt_token_ids": "1, 2, 3"}, "'prompt_token_ids' is a list of token ids, not str"),  # (encoded)
+        ({"prompt_token_ids": "hi", "prompt": "hello"}, "not str"),
         (3.5, "a prompt is a string"),
     ],
 )
@@ -47,6 +50,12 @@ def test_duplicate_id_and_abort(llm):
     with pytest.raises(TypeError, match="request_id must be a string, got int"):
         e.add_request(7, [1, 2, 3])
     assert not e.has_unfinished_requests()
+    # A list holding a bad id is refused whole: "y" was aborted, then its final output lost to the raise at 7.
+    e.add_request("y", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    for bad in (["y", 7], 7, None, b"y"):
+        with pytest.raises(TypeError, match="a request id is a string, got"):
+            e.abort_request(bad)
+    assert e.scheduler.get("y") is not None and [o.finished for o in e.abort_request(["y"])] == [True]
 
 
 def test_generation_stops_at_the_context_length(llm):
