@@ -71,7 +71,12 @@ class LLM:
         ``LLM.chat``: given ``tools`` (OpenAI's function definitions) and the template's own options
         (``chat_template_kwargs``); the assistant's turn opened after the messages (``add_generation_prompt``, by
         default unless ``continue_final_message`` leaves the last one open to go on with)."""
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Seq):  # ("hello": messages 'h', ...)
+            raise TypeError(f"chat takes a list of messages (dicts), or a list of such lists; got {messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:
+            if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Seq):
+                raise TypeError(f"a conversation is a list of messages (dicts), got {conversation!r:.80}")
         options = {
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,

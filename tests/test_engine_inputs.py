@@ -922,6 +922,9 @@ def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
     turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
              {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]  # fmt: skip
     assert llm.chat(turns, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for wrong in ("hello", ["hello"], {"role": "user", "content": "hi"}):  # (read as messages 'h', 'e', ...)
+        with pytest.raises(TypeError, match="list of messages"):
+            llm.chat(wrong, greedy, use_tqdm=False)
     for rid in ("x", "y"):
         engine.add_request(rid, "hello", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
