@@ -473,6 +473,8 @@ class LLMEngine(PromptInputs):
                 masks = self.structured.start_masks([item.seq for item in sched.scheduled if item.samples])
                 pending = self.runner.launch(sched, masks)
                 self._emit_pending(outputs)  # the previous step's, while the device runs this one
+                if self._overlap:  # (before this step's tokens join their requests: a delta's logprobs end at its ids)
+                    self._release_held(outputs)
                 sampled = pending.result()
         except BaseException:
             if pending is not None:  # (the next step refills the pinned inputs a queued copy of this one reads)
@@ -503,8 +505,8 @@ class LLMEngine(PromptInputs):
             by_token = self._end_check(seq, token, now)
             self._pending.append((seq, token, by_token, seq.is_finished))
         if not self._overlap:
-            self._emit_pending(outputs)
-        return self._release_held(outputs)
+            self._release_held(self._emit_pending(outputs))
+        return outputs
 
     def _take_back_draws(self, sched: SchedulerOutput) -> None:
         """A failed step's draws taken back: a seeded request that runs on (sent back to waiting, or kept by a

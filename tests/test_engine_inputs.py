@@ -579,6 +579,38 @@ def test_a_flushed_step_gives_the_delta_output_a_preempted_request_held(tiny_lla
     assert len(pieces["bulk"]) == 30 and len(pieces["urgent"]) == 30
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu", "gpu-overlap"])
+def test_held_delta_output_given_as_its_request_runs_again_keeps_its_logprobs_to_its_ids(tiny_llama, overlap):
+    """Held through a preemption by steps without flush, a request's output is given at the flushed step that runs it
+    again: on a GPU the one that sampled its next token, whose logprobs were then the pieces' last (one off)."""
+    engine = LLM(tiny_llama, dtype="float32", max_num_seqs=1).engine
+    engine._overlap = overlap
+    bulk = SamplingParams(max_tokens=12, temperature=0.0, output_kind="delta", logprobs=1)
+    engine.add_request("bulk", {"prompt_token_ids": [1, 2, 3]}, bulk)
+    ids, logprobs, final = [], [], None
+
+    def step(flush: bool) -> None:
+        nonlocal final
+        for out in engine.step(flush=flush):
+            if out.request_id == "bulk" and out.finished:
+                final = out.outputs[0]
+            elif out.request_id == "bulk":
+                ids.extend(out.delta_token_ids)
+                logprobs.extend(out.outputs[0].logprobs)
+
+    for i in range(4):
+        step(flush=i == 0)
+    urgent = SamplingParams(max_tokens=3, temperature=0.0, output_kind="delta")
+    engine.add_request("urgent", {"prompt_token_ids": [4, 5, 6]}, urgent, priority=-1)
+    while engine.scheduler.get("urgent") is not None:  # (all without flush: bulk's ids still held after)
+        step(flush=False)
+    assert engine.scheduler.get("bulk").held_ids
+    while engine.has_unfinished_requests():
+        step(flush=True)
+    assert ids == final.token_ids[: len(ids)] and len(ids) >= 4
+    assert logprobs == final.logprobs[: len(ids)]
+
+
 def test_an_engine_raises_the_young_gc_threshold_and_never_lowers_it(tiny_llama):
     import gc
 
