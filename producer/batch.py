@@ -147,8 +147,11 @@ class Progress:
             from tqdm import tqdm
 
             # (smoothing 0: the rate is the rows made over the time taken, which rows skipped stay out of; tqdm's
-            # moving average counted the skipped rows of a resumed run, thousands a second)
-            self.bar = tqdm(total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream, smoothing=0)
+            # moving average counted the skipped rows of a resumed run, thousands a second. miniters 1: with
+            # smoothing 0 tqdm's own only grows, and after a burst of skipped rows the bar stood still for 20 s)
+            self.bar = tqdm(
+                total=total, initial=already, unit="row", dynamic_ncols=True, file=self.stream, smoothing=0, miniters=1
+            )
 
     def update(self, tokens: int, failed: bool = False, made_before: bool = False) -> None:
         """A row whose job ended; ``made_before``: its job had ended before this run (its result taken, not made:

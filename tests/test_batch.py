@@ -403,6 +403,22 @@ def test_a_resumed_runs_bar_leaves_the_rows_it_skipped_out_of_its_rate():
     progress.close()
 
 
+def test_the_bar_keeps_moving_after_a_burst_of_skipped_rows():
+    """With smoothing 0, tqdm's dynamic miniters only grew: 15,000 rows skipped at once set it to 15,000, and the
+    bar showed 15000/20000 for 20 s while rows went on ending."""
+    import re
+
+    term = _Terminal()
+    progress = Progress(total=20000, already=0, stream=term)
+    for _ in range(15000):
+        progress.skip()
+    for _ in range(3):
+        time.sleep(0.15)  # (past tqdm's mininterval of 0.1 s)
+        progress.update(1)
+    assert re.findall(r"(\d+)/20000", term.getvalue())[-1] == "15003"
+    progress.close()
+
+
 def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     body = {
         "model": "any",
