@@ -40,6 +40,7 @@ from producer.batch_io import (
     input_columns,
     open_lines,
     opens_a_json_array,
+    partial_path,
     payload_digest,
     read_rows,
 )
@@ -267,7 +268,9 @@ def _run_id_of(output_path: Path, run_id: str | None) -> str | None:
 def check_resumed_run(output_path: Path, run_id: str) -> None:
     """``--run-id`` (without ``--fresh``) names the run the output's settings keep, where they keep one: a typo was
     taken as a new run, every row left submitted again under new job ids (the interrupted run's jobs orphaned)."""
-    before = _stored_settings(output_path) if output_path.exists() else None
+    # (a Parquet output appears when its run closes: one killed outright left its .partial alone)
+    begun = output_path.exists() or partial_path(output_path).exists()
+    before = _stored_settings(output_path) if begun else None
     if not isinstance(before, dict):
         return  # (a new output, or settings left beside one deleted: the run id is this run's)
     stored = before.get("run_id")

@@ -295,6 +295,11 @@ def _as_parquet_reads(schema: Any) -> Any:
     return pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema_arrow
 
 
+def partial_path(path: Path) -> Path:
+    """Where a Parquet output is written until its run closes it (a run killed outright leaves this alone)."""
+    return path.with_name(path.name + ".partial")
+
+
 class ParquetSink:
     """The input's columns with the run's added ones (``ADDED_COLUMNS``), a row per job as it ends. Failed rows
     are written with their ``error`` (and to the errors file) and run again on a rerun."""
@@ -305,7 +310,7 @@ class ParquetSink:
         pa, _ = _pyarrow()
         self.path = path
         self.errors: TextIO | None = None
-        self.tmp = path.with_name(path.name + ".partial")
+        self.tmp = partial_path(path)
         base = columns if columns is not None else pa.schema([])
         if id_column not in base.names:  # rows named by number (row-N), or JSONL rows: the id gets a column
             base = base.append(pa.field(id_column, pa.string()))

@@ -1091,6 +1091,13 @@ def test_a_fresh_run_stopped_before_it_began_says_to_run_it_fresh_again(tmp_path
     assert json.loads(settings_path(out).read_text())["run_id"] == "aaaa1111"
     out.unlink()  # (its settings left beside no output: a first --run-id run of it is its own)
     batch_mod.check_resumed_run(out, "other1")
+    # A Parquet output's run killed outright left its rows in a .partial, never closed: its run id is kept.
+    parquet = tmp_path / "out.parquet"
+    settings_path(parquet).write_text(json.dumps({"run_id": "aaaa1111"}) + "\n")
+    batch_mod.check_resumed_run(parquet, "other1")
+    parquet.with_name("out.parquet.partial").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match="made by run aaaa1111, not run other1"):
+        batch_mod.check_resumed_run(parquet, "other1")
 
 
 def test_a_stdout_that_is_not_utf8_writes_what_it_lacks_as_question_marks(monkeypatch):
