@@ -343,8 +343,9 @@ class ParquetSink:
         done: dict[str, int] = {}
         for batch in self._previous_batches():
             for cid, job_id, error in zip(*(batch.column(c).to_pylist() for c in (self.id_column, "job_id", "error"))):
-                if error is None and job_id:
-                    done[str(cid)] = payload_digest(job_id)
+                if error is None and job_id:  # (a binary id column, as Spark writes text: its text, as rows read it)
+                    name = cid.decode("utf-8", "replace") if isinstance(cid, bytes) else str(cid)
+                    done[name] = payload_digest(job_id)
         return done
 
     def _previous_batches(self) -> Iterator[Any]:

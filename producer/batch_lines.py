@@ -133,7 +133,8 @@ def parse_line(
         key = options.id_column
         if key is None and ID_FIELD in obj:
             raise BadLine(UNREAD_ID.format(what="this row has a field"), numbered)
-        given = obj.get(key) if key is not None else f"row-{number}"
+        # (an id column stored as binary, as Spark writes text, is read as its text, as the prompt column is)
+        given = _text_cells(obj.get(key)) if key is not None else f"row-{number}"
         custom_id = str(given) if isinstance(given, (int, str)) and not isinstance(given, bool) else None
         if key is not None and not custom_id:
             raise BadLine(f"the id column {key!r} must hold a non-empty string or integer, got {given!r}")

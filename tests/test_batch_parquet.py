@@ -314,6 +314,29 @@ def test_text_columns_stored_as_binary_are_read_as_text(tmp_path):
     assert parse_line(1, row, options=RowOptions(None, "chat", "qid", {})).payload["messages"][0]["content"] == "Hi"
 
 
+def test_an_id_column_stored_as_binary_names_its_rows_and_their_resume(tmp_path):
+    """A Spark-written table's prompts were read from binary, its ids not: every row failed ("the id column 'qid'
+    must hold a non-empty string or integer, got b'q1'"), and a rerun's rows done were named "b'q1'"."""
+    from producer.batch_io import open_lines
+
+    schema = pa.schema([("qid", pa.binary()), ("question", pa.binary())])
+    options = RowOptions("question", None, "qid", {})
+    line = parse_line(1, {"qid": b"q1", "question": b"Who?"}, options=options)
+    assert line.custom_id == "q1" and line.payload["prompt"] == "Who?"
+    with pytest.raises(ValueError, match="not UTF-8"):
+        parse_line(2, {"qid": b"bad \xff", "question": b"Who?"}, options=options)
+    out = tmp_path / "out.parquet"
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = ParquetSink(out, schema, "qid", 1)
+        sink.open(err)
+        line.row = {"qid": b"q1", "question": b"Who?"}  # (as a Parquet input's row comes)
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        sink.result(line, {}, {"id": line.job_id, "text": "t", "finish_reason": "stop", "usage": usage})
+        sink.close()
+    assert pq.read_table(out).column("qid").to_pylist() == [b"q1"]  # (the input's column, as it was)
+    assert list(ParquetSink(out, schema, "qid", 1).done()) == ["q1"]
+
+
 def _write_rows(sink: ParquetSink, first: int, count: int) -> None:
     for number in range(first, first + count):
         line = parse_line(number, {"prompt": f"p{number}"}, options=RowOptions("prompt"))
