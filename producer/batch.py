@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import secrets
-import shlex
 import signal
 import sys
 import threading
@@ -38,8 +37,8 @@ from producer.batch_io import (
     count_rows,
     format_of,
     input_columns,
+    jsonl_input_problem,
     open_lines,
-    opens_a_json_array,
     partial_path,
     payload_digest,
     read_rows,
@@ -328,14 +327,12 @@ def _formats(input_path: Path, input_format: str | None, output_path: Path, outp
 
 def _check_columns(input_path: Path, input_format: str, options: RowOptions) -> None:
     """The columns the run reads, in a table's schema (a JSONL file has none to look at): a missing one is one
-    error, not one failed row each. So is a JSONL input that is a JSON array."""
+    error, not one failed row each. So is a JSONL input that is no JSON Lines (see ``jsonl_input_problem``)."""
     if options.id_column is not None and not options.plain:
         raise ValueError("--id-column names the id column of plain rows: give --prompt-column or --messages-column")
-    if input_format == "jsonl" and opens_a_json_array(input_path):
-        raise ValueError(
-            f"{input_path} holds a JSON array, not JSON Lines (one object a line): convert it first, e.g. "
-            f"jq -c '.[]' {shlex.quote(str(input_path))} > rows.jsonl"
-        )
+    problem = jsonl_input_problem(input_path) if input_format == "jsonl" else None
+    if problem is not None:
+        raise ValueError(problem)
     columns = input_columns(input_path, input_format)
     if columns is None:
         return

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,11 @@ def format_of(path: str | Path, given: str | None = None, flag: str = "--format"
     suffix = Path(path).suffix.lower()
     if suffix in (".csv", ".tsv"):  # (--format has no such choice: "pass --format" led nowhere)
         raise ValueError(f"{path}: {suffix[1:].upper()} is not read; convert it to JSONL or Parquet")
+    if suffix in (".gz", ".zst", ".bz2", ".xz", ".zip"):  # ("pass --format jsonl" led to a bad row a line)
+        raise ValueError(
+            f"{path}: a compressed file ({suffix}) is neither read nor written: decompress an input first, and name "
+            "an output .jsonl or .parquet"
+        )
     if suffix not in _EXTENSIONS:
         raise ValueError(f"{path}: cannot tell its format from {suffix or 'no extension'!r}; pass {flag}")
     return _EXTENSIONS[suffix]
@@ -171,11 +177,40 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
-def opens_a_json_array(path: Path) -> bool:
-    """Whether a JSONL input's first line opens a JSON array (a ``.json`` file of rows, not one row a line): each of
-    its lines was a bad row, but for a last object without its comma, which ran alone."""
+# A JSONL input's first bytes that say it is no UTF-8 text at all: each of its lines was a bad row ("not UTF-8").
+_NOT_TEXT = {
+    b"\x1f\x8b": "is gzip-compressed: decompress it first, e.g. gunzip -k {path}",
+    b"\x28\xb5\x2f\xfd": "is zstd-compressed: decompress it first, e.g. zstd -d {path}",
+    b"BZh": "is bzip2-compressed: decompress it first, e.g. bunzip2 -k {path}",
+    b"\xfd7zXZ": "is xz-compressed: decompress it first, e.g. unxz -k {path}",
+    b"PK\x03\x04": "is a zip archive: unzip it first",
+    b"PAR1": "is a Parquet file: name it with a .parquet extension, or pass --format parquet",
+    b"\xff\xfe": "is UTF-16 text: convert it to UTF-8 first, e.g. iconv -f UTF-16 -t UTF-8 {path} > rows.jsonl",
+    b"\xfe\xff": "is UTF-16 text: convert it to UTF-8 first, e.g. iconv -f UTF-16 -t UTF-8 {path} > rows.jsonl",
+}
+
+
+def jsonl_input_problem(path: Path) -> str | None:
+    """Why a JSONL input is no JSON Lines at all, where its start shows it: compressed, UTF-16, a JSON array or
+    JSON written over many lines (each of its lines was a bad row, but for a last object, which ran alone)."""
+    shown = shlex.quote(str(path))
+    with path.open("rb") as f:
+        head = f.read(4)
+    for magic, why in _NOT_TEXT.items():
+        if head.startswith(magic):
+            return f"{path} {why.format(path=shown)}"
     first = next(_jsonl_lines(path), None)
-    return first is not None and first[1].lstrip().startswith(b"[")
+    if first is not None and first[1].lstrip().startswith(b"["):
+        return (
+            f"{path} holds a JSON array, not JSON Lines (one object a line): convert it first, e.g. "
+            f"jq -c '.[]' {shown} > rows.jsonl"
+        )
+    if first is not None and first[1].strip() == b"{":  # (no JSON Lines row is a lone brace)
+        return (
+            f"{path} holds JSON written over many lines, not JSON Lines (one object a line): convert it first, e.g. "
+            f"jq -c . {shown} > rows.jsonl"
+        )
+    return None
 
 
 def _dataset(path: Path) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -1285,6 +1286,32 @@ def test_a_signal_ignored_when_the_run_starts_stays_ignored_as_nohup_asks():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.parametrize(
+    "content, said",
+    [
+        (gzip.compress(b'{"prompt": "a"}\n'), r"is gzip-compressed: decompress it first, e.g. gunzip -k .*rows.json$"),
+        ('{"prompt": "a"}\n'.encode("utf-16"), r"is UTF-16 text: convert it to UTF-8 first, e.g. iconv -f UTF-16"),
+        (json.dumps({"prompt": "a"}, indent=2).encode(), r"holds JSON written over many lines.*jq -c \. "),
+        (b"PAR1\x15\x04", r"is a Parquet file: name it with a .parquet extension, or pass --format parquet"),
+    ],
+)
+def test_a_jsonl_input_that_is_no_json_lines_is_one_error_before_any_row(tmp_path, content, said):
+    """A gzip or UTF-16 file, or one object pretty-printed: every line was a bad row ("not UTF-8: invalid start
+    byte", "Expecting value"), which said nothing of why; .jsonl.gz could not even be named (pass --format)."""
+    from producer.batch import dry_run
+
+    src, out = tmp_path / "rows.json", tmp_path / "out.jsonl"
+    src.write_bytes(content)
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    for run in (lambda: dry_run(src, out), lambda: run_batch(client, src, out)):
+        with pytest.raises(ValueError, match=said):
+            run()
+    assert client.queue.count == 0 and not out.exists()
+    named = tmp_path / "rows.jsonl.gz"
+    with pytest.raises(ValueError, match=r"a compressed file \(\.gz\) is neither read nor written"):
+        dry_run(named, out)
 
 
 @pytest.mark.parametrize("dry", [False, True])
