@@ -12,6 +12,7 @@ lines, ``batch_io`` reads the input and writes the output (JSONL or Parquet).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -510,6 +511,14 @@ def _only_run_on(output_path: Path) -> Iterator[None]:
             raise ValueError(
                 f"another run is writing {output_path} (it holds {lock_path}); wait for it to end"
             ) from None
+        except OSError as exc:  # a filesystem without locks (a FUSE bucket mount, NFS without its lock daemon)
+            lock.close()
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK, errno.EINVAL):
+                raise
+            lock_path.unlink(missing_ok=True)
+            log.warning("cannot lock %s (%s): nothing keeps a second run off this output", lock_path, exc.strerror)
+            yield
+            return
         # The file locked must still be the one at the path: a run that ended removed it after this one opened it,
         # and a third run would lock a new file beside this one's lock of the removed one.
         try:

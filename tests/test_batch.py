@@ -1136,6 +1136,25 @@ def test_the_run_lock_is_taken_on_the_file_at_its_path_not_one_removed_meanwhile
     assert not lock_path.exists()
 
 
+def test_an_output_on_a_filesystem_without_locks_is_written_unlocked_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A FUSE bucket mount or NFS without its lock daemon refuses flock: the run stopped with a bare "[Errno 95]
+    Operation not supported", and left its lock file behind."""
+    import errno
+    import fcntl
+
+    import producer.batch as batch_mod
+
+    def refused(*args):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    out = tmp_path / "out.jsonl"
+    with caplog.at_level("WARNING", logger="roseinfer.batch"), batch_mod._only_run_on(out):
+        pass
+    assert "cannot lock" in caplog.text and "Operation not supported" in caplog.text
+    assert not (tmp_path / "out.jsonl.lock").exists()
+
+
 def test_rows_whose_jobs_ended_before_the_run_are_done_but_not_in_its_rates():
     """A resume took thousands of finished jobs' results in seconds, and counted them as made: the rows/s and
     tokens/s of the summary were absurd, and the ETA far too short."""
