@@ -175,6 +175,7 @@ class Progress:
         if self.bar is not None:
             self.bar.initial += 1  # (out of its rate and ETA, as the log lines keep it)
             self.bar.update(1)
+        self.tick()  # (a resume reads past its done rows in one go: hundreds of thousands, and no log line said so)
 
     def tick(self) -> None:
         """Called every poll: a log line off a terminal once ``log_interval`` has passed since the last."""

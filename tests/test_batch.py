@@ -404,6 +404,18 @@ def test_a_resumed_runs_bar_leaves_the_rows_it_skipped_out_of_its_rate():
     progress.close()
 
 
+def test_log_lines_go_on_while_a_resume_reads_past_its_done_rows():
+    """The rows a resume finds done are read past in one go, between two polls: off a terminal, no log line came
+    for as long as that took (minutes for millions of rows)."""
+    stream = io.StringIO()
+    progress = Progress(total=1000, already=0, log_interval=0.05, stream=stream)
+    for _ in range(3):
+        time.sleep(0.06)
+        progress.skip()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" rows done")[0] for line in lines] == ["batch: 1/1000", "batch: 2/1000", "batch: 3/1000"]
+
+
 def test_the_bar_keeps_moving_after_a_burst_of_skipped_rows():
     """With smoothing 0, tqdm's dynamic miniters only grew: 15,000 rows skipped at once set it to 15,000, and the
     bar showed 15000/20000 for 20 s while rows went on ending."""
