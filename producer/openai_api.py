@@ -7,14 +7,23 @@ import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
 from producer.protocol import usage_of
 from producer.reasoning import FORMATS as REASONING_FORMATS
 from producer.reasoning import ReasoningFormat, ReasoningStream, job_fields_of, plan_for
 from producer.schema import JobRequest, ResponseFormat, StructuredOutputs, describe_validation_error, field_path
 from producer.token_names import BY_ID, TokenNames
-from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError
+from producer.tool_calls import CallStream, ToolChoice, ToolChoiceError, object_parameters
 from producer.tool_formats import FormatStream
 
 # Fields of OpenAI's requests taken and not acted on (they change nothing a job does).
@@ -155,10 +164,14 @@ class Message(SentBack):
         return out
 
 
+# A function's parameters: a JSON schema of an object (the arguments of a call are a JSON object's text).
+ObjectSchema = Annotated[dict[str, Any], AfterValidator(object_parameters)]
+
+
 class FunctionDefinition(APIShape):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # (OpenAI's rule)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    parameters: ObjectSchema | None = None  # a JSON schema; none: the function takes no arguments
     strict: bool | None = None  # the arguments always follow the schema here, strict or not
 
 

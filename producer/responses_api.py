@@ -17,6 +17,7 @@ from producer.openai_api import (
     APIError,
     APIShape,
     ChatCompletionRequest,
+    ObjectSchema,
     cached_tokens,
     chat_logprobs,
     parse,
@@ -101,7 +102,7 @@ class FunctionTool(APIShape):
     type: Literal["function"]
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ObjectSchema | None = None
     strict: bool | None = None
 
 

@@ -19,6 +19,20 @@ _DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps what its "#/$defs/
 TOOL_CALL_PARSERS = tuple(FORMATS)  # the models' own formats "auto" reads
 
 
+def object_parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's ``parameters``, which must describe a JSON object (OpenAI refuses any other): a boolean or
+    enum schema was taken, its call's arguments made ``false`` or ``1``, and the call, sent back in the
+    conversation's next turn, refused there (arguments are a JSON object's text)."""
+    kind = schema.get("type")
+    if kind is not None and kind not in ("object", ["object"]):  # (["object", "null"] made the arguments "null")
+        raise ValueError(f'a function\'s parameters are a JSON schema of type "object", got type {json.dumps(kind)}')
+    for key in ("enum", "const"):
+        values = schema.get(key) if key == "enum" else [schema.get(key)] if key in schema else None
+        if isinstance(values, list) and not all(isinstance(v, dict) for v in values):
+            raise ValueError(f"a function's parameters are a JSON schema of an object: its {key} holds other values")
+    return schema
+
+
 class ToolChoiceError(ValueError):
     """A request's tools and tool_choice that cannot go together; ``param`` names the field at fault."""
 

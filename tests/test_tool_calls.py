@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -72,6 +73,34 @@ def test_a_named_function_is_its_parameters_and_one_without_is_an_empty_object()
 def test_what_cannot_be_done_is_refused_with_its_reason(tools, choice, message):
     with pytest.raises(ToolChoiceError, match=message):
         ToolChoice.of(tools, choice)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "said"),
+    [
+        ({"type": "boolean"}, 'type "object", got type "boolean"'),
+        ({"type": ["object", "null"]}, 'type "object", got type ["object", "null"]'),
+        ({"enum": [1, 2]}, "its enum holds other values"),
+        ({"const": "x"}, "its const holds other values"),
+    ],
+)
+def test_parameters_that_describe_no_object_are_refused_at_the_request(parameters, said):
+    """A boolean or enum schema was taken: the call's arguments came out ``false`` or ``1``, and the same call sent
+    back in the next turn was refused there (a call's arguments are a JSON object's text). OpenAI refuses the tool."""
+    from producer.openai_api import parse_request
+    from producer.responses_api import ResponsesRequest
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(APIError, match=re.escape(said)) as chat:
+        parse_request(ChatCompletionRequest, _request(tools=[tool]))
+    assert chat.value.param == "tools.0.function.parameters"
+    body = {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": parameters}]}
+    with pytest.raises(APIError, match=re.escape(said)) as responses:
+        parse_request(ResponsesRequest, body)
+    assert responses.value.param == "tools.0.parameters"
+    for fine in ({}, {"type": "object"}, {"type": ["object"]}, {"enum": [{"a": 1}]}):
+        parse_request(ChatCompletionRequest, _request(tools=[{"type": "function", "function": {"name": "f",
+                      "parameters": fine}}]))  # fmt: skip
 
 
 def test_two_tools_defining_one_name_differently_are_refused():
