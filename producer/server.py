@@ -223,7 +223,8 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         field = next((f for path, f in PROMPT_FIELDS.items() if request.url.path.endswith(path)), None)
-        context_error_named(exc, field)  # (a prompt too long: the field to shorten, as OpenAI names it)
+        # (a prompt too long: the field to shorten, as OpenAI names it, and max_tokens as the request named it)
+        context_error_named(exc, field, getattr(request.state, "max_tokens_field", "max_tokens"))
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -377,6 +378,8 @@ def create_app(
         else:
             req, fields = parse(kind, body, tool_call_parser, reasoning_parser)
             jobs_fields = [fields]
+            if req.max_completion_tokens is not None:  # (the name a context error gives it)
+                request.state.max_tokens_field = "max_completion_tokens"
         await _served(req.model)
         if len(jobs_fields) > 1:  # a request's jobs: <base>-0 .. <base>-<k-1>, so a header can name them all
             base = str(uuid.uuid4())

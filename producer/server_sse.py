@@ -205,10 +205,12 @@ async def response_stream(
 STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
 
 
-def context_error_named(err: APIError, prompt_field: str | None) -> APIError:
-    """A prompt too long names ``prompt_field`` as its param, and in a response's error the Responses API's fields."""
+def context_error_named(err: APIError, prompt_field: str | None, max_tokens_field: str = "max_tokens") -> APIError:
+    """A prompt too long names ``prompt_field`` as its param, the request's own name of max_tokens (a chat's may be
+    ``max_completion_tokens``), and in a response's error the Responses API's fields."""
     if err.code == "context_length_exceeded":
         err.param = err.param or prompt_field
+        err.message = err.message.replace("'max_tokens'", f"'{max_tokens_field}'")
         if prompt_field == PROMPT_FIELDS["/v1/responses"]:
             err.message = in_responses_terms(err.message) or err.message  # (its max_tokens: max_output_tokens)
     return err

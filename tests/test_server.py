@@ -1365,9 +1365,11 @@ def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_q
         wanted = kwargs.get("max_tokens", 16)
         assert f"{len(prompt_ids)} input tokens plus {wanted} 'max_tokens'" in err.value.message
         assert (err.value.code, err.value.param) == ("context_length_exceeded", "prompt")
-    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
-        oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=length)
-    assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+    for stream in (False, True):  # (named as the request named it: it sent no max_tokens)
+        with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
+            oai.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=length, stream=stream)
+        assert (err.value.code, err.value.param) == ("context_length_exceeded", "messages")
+        assert f"plus {length} 'max_completion_tokens'" in err.value.message
     for stream in (False, True):  # (in the Responses API's words: it has no max_tokens)
         with pytest.raises(openai.BadRequestError, match=f"maximum context length is {length} tokens") as err:
             oai.responses.create(model=model, input="Hi", max_output_tokens=length, stream=stream)
