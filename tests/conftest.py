@@ -17,6 +17,9 @@ import uuid
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# This machine sets PYTHONDONTWRITEBYTECODE: each test worker rewrote every test module's asserts and compiled the
+# project again on every run (some 7 s of CPU a worker before its first test). Kept in __pycache__, which git ignores.
+sys.dont_write_bytecode = False
 
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
