@@ -18,7 +18,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 from rq import Queue, Retry
 from rq.job import Job, validate_job_id
-from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import now, utcformat
 from rq.worker import Worker
@@ -195,17 +195,34 @@ class Client:
             return []
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(Job.key_for(job_id), "status", "origin")
+                pipe.hmget(Job.key_for(job_id), "status", "origin", OWNER_FIELD)
                 pipe.hkeys(Job.key_for(job_id))
             replies = pipe.execute()
-        taken = [(job_id, status) for job_id, (status, _) in zip(job_ids, replies[::2]) if status not in (None, *_OVER)]
+        looks = [(job_id, *look) for job_id, look in zip(job_ids, replies[::2])]
+        taken = [(job_id, status.decode(errors="replace")[:40]) for job_id, status, _, _ in looks
+                 if status not in (None, *_OVER)]  # fmt: skip
+        taken += [(job_id, "canceled, its run still stopping") for job_id in self._still_running(looks)]
         if taken:
-            raise JobIdTaken([job_id for job_id, _ in taken], taken[0][1].decode(errors="replace")[:40])
+            raise JobIdTaken([job_id for job_id, _ in taken], taken[0][1])
         return [
             EndedJob(job_id, origin.decode() if origin else None, fields)
-            for job_id, (status, origin), fields in zip(job_ids, replies[::2], replies[1::2])
-            if status is None or status in _OVER
+            for (job_id, _, origin, _), fields in zip(looks, replies[1::2])
         ]
+
+    def _still_running(self, looks: list[tuple[str, Any, Any, Any]]) -> list[str]:
+        """The ids of canceled (or stopped) jobs whose run still holds its started entry (kept by the cancel until
+        its worker ends the run, within a step): a new job of the id was taken for the running copy by that
+        worker, which ran the old request on, and streamed its tokens to the new job's followers."""
+        stopping = [(job_id, origin, owner) for job_id, status, origin, owner in looks
+                    if status in (b"canceled", b"stopped") and origin and owner]  # fmt: skip
+        if not stopping:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id, origin, owner in stopping:
+                started = StartedJobRegistry(origin.decode(errors="replace"), connection=self.connection).key
+                pipe.zscore(started, f"{job_id}:{owner.decode(errors='replace')}")
+            scores = pipe.execute()
+        return [job_id for (job_id, _, _), score in zip(stopping, scores) if score is not None]
 
     @staticmethod
     def _forget_ended(pipe: Any, ended: list[EndedJob], lanes: dict[str, str]) -> None:

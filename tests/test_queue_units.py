@@ -3824,6 +3824,35 @@ def test_an_id_of_a_job_still_queued_or_running_is_refused_and_the_job_left_as_i
     assert client.submit("second", job_id="order-1").status() == "queued"
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_an_id_of_a_canceled_job_whose_run_still_stops_is_refused_until_its_worker_ends_it(many):
+    """A running job's cancel sets its status at once; its worker stops the run within a step. Submitted again in
+    between, the new job was taken by that worker for its running copy: the old request ran on under the new job,
+    its tokens streamed to the new job's followers, and the new request was never run."""
+    from rq.registry import StartedJobRegistry
+
+    from producer import Client
+    from producer.job_errors import JobIdTaken
+    from producer.protocol import OWNER_FIELD
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn)
+    first = client.submit("first", job_id="order-1", max_tokens=400)
+    started = StartedJobRegistry("roseinfer", connection=conn).key
+    conn.lpop("rq:queue:roseinfer")  # (pulled by a worker, which runs it under its execution)
+    conn.hset(first.rq_job.key, mapping={"status": "canceled", OWNER_FIELD: "exec-1"})  # (the cancel's, as RQ's)
+    conn.zadd(started, {"order-1:exec-1": time.time() + 60})
+    with pytest.raises(JobIdTaken, match="'order-1' is taken by a job that is canceled, its run still stopping"):
+        if many:
+            client.submit_many([{"prompt": "other", "job_id": "fresh"}, {"prompt": "second", "job_id": "order-1"}])
+        else:
+            client.submit("second", job_id="order-1")
+    assert conn.llen("rq:queue:roseinfer") == 0 and not conn.exists("rq:job:fresh")
+    conn.zadd(started, {"order-1:exec-0": time.time() + 60})  # (an earlier attempt's entry: not this run's)
+    conn.zrem(started, "order-1:exec-1")  # its worker ended the run
+    assert client.submit("second", job_id="order-1").status() == "queued"
+
+
 def test_a_job_of_the_id_enqueued_between_the_look_and_the_write_makes_the_second_submit_refused(monkeypatch):
     """Two producers giving one id at once: the look saw no job, another client's enqueue came next; the watched
     transaction fails and the look again refuses the id instead of writing over the other job."""
