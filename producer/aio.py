@@ -127,7 +127,10 @@ class AsyncClient:
                     # Ids that live jobs hold (nothing went in): their callers hear it, the others go in again.
                     for request, future in refused:
                         if not future.done():
-                            future.set_exception(JobIdTaken([request["job_id"]], exc.status))
+                            job_id = request["job_id"]
+                            stopping = [job_id] if job_id in exc.stopping else []
+                            status = "canceled, its run still stopping" if stopping else exc.status
+                            future.set_exception(JobIdTaken([job_id], status, stopping))
                     self._pending = [item for item in batch if item[0].get("job_id") not in taken] + self._pending
                     continue
                 orphans = []  # jobs whose callers were cancelled while the batch went in: no one will follow them

@@ -723,6 +723,8 @@ def _run(
                 if len(reused) > picked_up:  # an earlier run's jobs: they announce their ends to it, so look now
                     sweep_every, next_sweep = poll_interval, 0.0
                 if not in_flight:
+                    if pending.taken_back:  # (rows whose ids canceled runs still hold: looked at each poll)
+                        time.sleep(poll_interval)
                     continue  # (the input used up: nothing to wait for)
                 if time.monotonic() >= next_sweep or outage.since is not None:  # (after an outage: every job)
                     ended = list(in_flight)
@@ -949,17 +951,20 @@ def _submit(
     if not take:
         return more
     try:
-        _submit_lines(client, take, in_flight, reused, notify, lines.tried)
+        stopping = _submit_lines(client, take, in_flight, reused, notify, lines.tried)
     except BaseException:  # (Redis went away) handed out again: a job that went in is then picked up, not doubled
         lines.take_back([line for line in take if line.job_id not in in_flight])
         raise
+    lines.taken_back.extend(reversed(stopping))  # (submitted again at the next poll; its submit never went in)
     return more
 
 
 def _submit_lines(
     client: Client, take: list[Line], in_flight: dict[str, tuple[Line, float | None]], reused: dict[str, bool],
     notify: str | None, tried: set[str],
-) -> None:  # fmt: skip
+) -> list[Line]:  # fmt: skip
+    """Submit ``take``'s lines, or follow the jobs of theirs live already; those whose id a canceled job's run still
+    being stopped holds are returned, to be submitted once it has ended."""
     with client.connection.pipeline(transaction=False) as pipe:
         for line in take:
             pipe.hget(f"rq:job:{line.job_id}", "status")
@@ -977,20 +982,24 @@ def _submit_lines(
         # job's stream and result but keeps its hash, whose owner field fences off a run of it still going.)
         fresh.append(line)
     extra = {"notify": notify} if notify else {}  # not part of the payload the job id is derived from
+    later: list[Line] = []
     while fresh:
         try:
             client.submit_many([{**line.payload, **extra, "job_id": line.job_id} for line in fresh])
             break
         except JobIdTaken as exc:  # another run of this input submitted them since the look: followed, as its jobs
-            taken = set(exc.job_ids)
+            taken, stopping = set(exc.job_ids), set(exc.stopping)
             for line in fresh:
-                if line.job_id in taken:
+                if line.job_id in stopping:  # (an interrupted run's, canceled: its worker ends it within a step)
+                    later.append(line)
+                elif line.job_id in taken:
                     in_flight[line.job_id] = (line, None)
                     if line.job_id not in tried:
                         reused[line.job_id] = False
             fresh = [line for line in fresh if line.job_id not in taken]
     for line in fresh:
         in_flight[line.job_id] = (line, None)
+    return later
 
 
 def _failure_reason(client: Client, job_id: str, status: str) -> str:

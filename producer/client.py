@@ -201,9 +201,10 @@ class Client:
         looks = [(job_id, *look) for job_id, look in zip(job_ids, replies[::2])]
         taken = [(job_id, status.decode(errors="replace")[:40]) for job_id, status, _, _ in looks
                  if status not in (None, *_OVER)]  # fmt: skip
-        taken += [(job_id, "canceled, its run still stopping") for job_id in self._still_running(looks)]
+        stopping = self._still_running(looks)
+        taken += [(job_id, "canceled, its run still stopping") for job_id in stopping]
         if taken:
-            raise JobIdTaken([job_id for job_id, _ in taken], taken[0][1])
+            raise JobIdTaken([job_id for job_id, _ in taken], taken[0][1], stopping)
         return [
             EndedJob(job_id, origin.decode() if origin else None, fields)
             for (job_id, _, origin, _), fields in zip(looks, replies[1::2])

@@ -60,12 +60,14 @@ class InvalidRequest(ValueError):
 class JobIdTaken(InvalidRequest):
     """Ids given for new jobs that name jobs still queued or running (``job_ids``: all of them)."""
 
-    def __init__(self, job_ids: list[str], status: str) -> None:
+    def __init__(self, job_ids: list[str], status: str, stopping: list[str] | None = None) -> None:
+        """``stopping``: those of ``job_ids`` whose job was canceled and whose run its worker is still stopping
+        (free again within a step or so)."""
         super().__init__(
             f"job id {job_ids[0]!r} is taken by a job that is {status}: wait for it to end or cancel it, or give "
             "another id" + (f" ({len(job_ids) - 1} more ids are taken too)" if len(job_ids) > 1 else "")
         )
-        self.job_ids, self.status = job_ids, status
+        self.job_ids, self.status, self.stopping = job_ids, status, stopping or []
 
 
 class StreamGap(Exception):

@@ -985,6 +985,35 @@ def test_a_row_another_run_of_the_input_submitted_since_the_look_is_followed_not
     assert client.connection.lrange(lane, 0, -1) == [raced.job_id.encode(), mine.job_id.encode()]  # each once
 
 
+def test_a_row_whose_interrupted_runs_job_is_still_stopping_is_submitted_once_it_stopped():
+    """A rerun right after Ctrl-C: the interrupted run canceled its jobs, and a worker was still stopping one. Its
+    id is refused for that step or so (the worker took a new job of it for its running copy): the row waits for the
+    next poll instead of following the canceled job, whose end would have failed it."""
+    from rq.registry import StartedJobRegistry
+
+    from producer.batch import Lines, _submit
+    from producer.protocol import OWNER_FIELD
+
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    conn = client.connection
+    stopping, mine = [parse_line(i, json.dumps({"prompt": f"row {i}"}), queue="q") for i in range(1, 3)]
+    client.submit_many([{**stopping.payload, "job_id": stopping.job_id}])  # (the interrupted run's)
+    [lane] = conn.keys("rq:queue:q*")
+    origin = lane.decode().removeprefix("rq:queue:")
+    conn.delete(lane)  # (taken by a worker: running, then canceled)
+    conn.hset(f"rq:job:{stopping.job_id}", mapping={"status": "canceled", OWNER_FIELD: "exec-1"})
+    started = StartedJobRegistry(origin, connection=conn).key
+    conn.zadd(started, {f"{stopping.job_id}:exec-1": time.time() + 60})
+    lines, in_flight, reused = Lines(iter([stopping, mine])), {}, {}
+    assert _submit(client, lines, in_flight, 8, reused) is False
+    assert set(in_flight) == {mine.job_id} and lines.taken_back == [stopping] and reused == {}
+    conn.zrem(started, f"{stopping.job_id}:exec-1")  # its worker ended the run
+    _submit(client, lines, in_flight, 8, reused)
+    assert set(in_flight) == {stopping.job_id, mine.job_id} and not lines.taken_back
+    assert conn.lrange(lane, 0, -1) == [mine.job_id.encode(), stopping.job_id.encode()]
+    assert client.job(stopping.job_id).status() == "queued"
+
+
 def test_a_job_redis_lost_is_submitted_again_once_not_failed_as_missing():
     """Redis restarted without persistence mid-run: the rows in flight failed ``job_missing`` (30 of 1,500), though
     their lines were at hand. Each is submitted again, once; lost a second time, its row is an error."""
