@@ -436,8 +436,9 @@ class AsyncGenerationJob:
                         yield event
                         if is_last(event):
                             return
-                        if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
-                            raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
+                    # (once the events in hand are given, as GenerationJob.events)
+                    if not idle and deadline is not None and time.monotonic() >= deadline:  # tokens still coming
+                        raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
                     if idle and timeout is not None:
                         deadline = outage.deadline = time.monotonic() + timeout
                     continue
@@ -464,9 +465,11 @@ class AsyncGenerationJob:
         landed just now or a final one is still due. Raises the job's ending once no final event can come."""
         conn = self.client.connection
         status = await self.status()
+        # Events past the cursor: the hub brings them (a finished job's whole stream, where the first look of a
+        # short timeout said it had expired)
+        if status in (*ENDED, "missing", "finished") and await conn.xrange(key, min=cursor.next_entry(), count=1):
+            return "more", expired_at  # (XRANGE: XREAD is refused without @blocking)
         if status in ENDED or status == "missing":
-            if await conn.xrange(key, min=cursor.next_entry(), count=1):  # (XREAD: refused without @blocking)
-                return "more", expired_at
             if status in ("canceled", "stopped", "failed") and (
                 expired_at or await conn.hget(Job.key_for(self.id), "started_at")
             ):  # its final event (an abort's last text and usage, a failure's error) lands after the status

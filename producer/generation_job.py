@@ -286,9 +286,10 @@ class GenerationJob:
                     yield event
                     if is_last(event):
                         return
-                    if deadline is not None and time.monotonic() >= deadline:  # tokens still coming: not the end
-                        raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
             if reply:
+                # (checked once the events in hand are given: a job long over gave one, then this error)
+                if deadline is not None and time.monotonic() >= deadline:  # tokens still coming: not the end
+                    raise TimeoutError(f"job {self.id}: no end of stream within {timeout:g} s")
                 continue
             # One reading of the clock for the checks below: a finished job's wait may end at the deadline itself, and
             # two readings could cross it between them (a TimeoutError where its stream had expired, its result there).

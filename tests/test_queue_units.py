@@ -1082,6 +1082,37 @@ def test_one_stream_key_of_another_type_fails_its_own_async_followers_only(redis
         conn.delete(*[f"rq:job:{j}" for j in (good, bad)], stream_key(good), stream_key(bad))
 
 
+@pytest.mark.redis
+def test_a_finished_jobs_whole_stream_is_given_under_a_short_timeout_sync_and_async(redis_url):
+    """The async client's first look at a finished job set the wait for its final event to end by the deadline: with
+    a timeout under the hub's first read, its intact stream of 80 events was StreamExpired. The sync one gave one
+    event, then "no end of stream within 0 s", the rest in hand."""
+    import asyncio
+
+    from redis import Redis
+
+    from producer import Client
+    from producer.aio import AsyncClient
+    from producer.protocol import make_event
+
+    conn, job_id = Redis.from_url(redis_url), f"over-{uuid.uuid4().hex[:6]}"
+    conn.hset(f"rq:job:{job_id}", "status", "finished")
+    for n in range(80):
+        end = "length" if n == 79 else None
+        conn.xadd(stream_key(job_id), {"event": json.dumps(make_event(n, f"t{n} ", [n], end, {}))})
+
+    async def follow(timeout: float) -> list:
+        async with AsyncClient(redis_url) as client:
+            return [event async for event in client.job(job_id).events(timeout=timeout)]
+
+    try:
+        for timeout in (0, 0.05):
+            assert len(asyncio.run(follow(timeout))) == 80
+            assert len(list(Client(redis_url).job(job_id).events(timeout=timeout))) == 80
+    finally:
+        conn.delete(f"rq:job:{job_id}", stream_key(job_id))
+
+
 def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     import asyncio
     import threading
