@@ -37,7 +37,7 @@ from producer.event_reading import (
     text_before_its_end,
     time_left,
 )
-from producer.generation_job import ENDED, GenerationJob
+from producer.generation_job import ENDED, GenerationJob, handle_id
 from producer.job_errors import (
     JobCanceled,
     JobFailed,
@@ -368,7 +368,7 @@ class AsyncGenerationJob:
 
     def __init__(self, client: AsyncClient, job_id: str) -> None:
         self.client = client
-        self.id = job_id
+        self.id = handle_id(job_id)
 
     def __repr__(self) -> str:
         return f"AsyncGenerationJob({self.id!r})"

@@ -27,8 +27,15 @@ FINAL_EVENT_GRACE_S = 2.0
 
 def deadline_after(timeout: float | None) -> float | None:
     """The monotonic time a wait of ``timeout`` seconds ends; None for no end (None, or infinity: a wait in
-    milliseconds of it was an OverflowError)."""
-    return None if timeout is None or timeout == math.inf else time.monotonic() + timeout
+    milliseconds of it was an OverflowError). A timeout of another type, or NaN (every wait against it went on for
+    ever), is refused in its own words."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
+    if math.isnan(timeout):
+        raise ValueError("timeout must be a number of seconds or None, got NaN")
+    return None if timeout == math.inf else time.monotonic() + timeout
 
 
 REPLAY_PAGE = 1024  # stream entries a read of the backlog takes (one XRANGE of 100,000 held Redis 40 ms)

@@ -83,12 +83,19 @@ NOT_KEPT = "the job finished, but its result is not kept (result_ttl 0, or expir
 CANCELER = "roseinfer-client"  # the worker name on the result of a job a client ended (canceled in its queue)
 
 
+def handle_id(job_id: Any) -> str:
+    """The id a job handle is made with, a string (an int failed later, inside RQ: "can only concatenate str")."""
+    if not isinstance(job_id, str):
+        raise TypeError(f"a job id is a string, got {type(job_id).__name__} {job_id!r}")
+    return job_id
+
+
 class GenerationJob:
     """A handle on one submitted job, by id: stream its text, wait for its result, cancel it."""
 
     def __init__(self, client: Client, job_id: str) -> None:
         self.client = client
-        self.id = job_id
+        self.id = handle_id(job_id)
 
     def __repr__(self) -> str:
         return f"GenerationJob({self.id!r})"
@@ -107,6 +114,8 @@ class GenerationJob:
     def check_sample(self, index: int) -> None:
         """``InvalidRequest`` for a sample ``index`` the job does not make (its payload's ``n``): a stream of it
         ended at once with no text and no error."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"a sample index is an int, got {type(index).__name__} {index!r}")
         if index == 0:
             return
         n = self.samples()  # (None: gone, or written by hand; only a negative index is judged then)

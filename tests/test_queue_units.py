@@ -1113,6 +1113,41 @@ def test_a_finished_jobs_whole_stream_is_given_under_a_short_timeout_sync_and_as
         conn.delete(f"rq:job:{job_id}", stream_key(job_id))
 
 
+def test_a_wait_of_a_timeout_of_nan_or_another_type_or_a_job_of_a_non_string_id_is_refused_at_once(redis_url):
+    """``timeout=float("nan")`` made every comparison with the deadline false: result() and the async stream() hung
+    for ever, the sync stream() raised "cannot convert float NaN to integer". ``timeout="1"``, ``index="1"`` and
+    ``client.job(123)`` failed deep inside (a TypeError of + on float and str, of <, of RQ's key making)."""
+    import asyncio
+
+    from producer import AsyncClient, Client
+
+    client = Client(connection=fakeredis.FakeRedis())
+    job = client.submit("hi", max_tokens=2)
+    for call in (lambda t: job.result(timeout=t), lambda t: list(job.stream(timeout=t)),
+                 lambda t: list(job.events(timeout=t))):  # fmt: skip
+        with pytest.raises(ValueError, match="timeout must be a number of seconds or None, got NaN"):
+            call(float("nan"))
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None, got str '1'"):
+            call("1")
+    with pytest.raises(TypeError, match="a sample index is an int, got str '1'"):
+        list(job.stream(timeout=1, index="1"))
+    with pytest.raises(TypeError, match="a job id is a string, got int 123"):
+        client.job(123)
+
+    async def main() -> None:
+        async with AsyncClient(redis_url) as aclient:
+            with pytest.raises(TypeError, match="a job id is a string"):
+                aclient.job(123)
+            handle = aclient.job(f"none-{uuid.uuid4().hex[:6]}")
+            with pytest.raises(ValueError, match="got NaN"):
+                await handle.result(timeout=float("nan"))
+            with pytest.raises(ValueError, match="got NaN"):
+                async for _ in handle.stream(timeout=float("nan")):
+                    pass
+
+    asyncio.run(main())
+
+
 def test_an_async_streams_timeout_runs_out_while_its_tokens_keep_coming(redis_url):
     import asyncio
     import threading
