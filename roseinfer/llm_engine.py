@@ -51,6 +51,19 @@ class EngineStats:
 GC_YOUNG_THRESHOLD = 10_000  # allocations between two collections of the youngest generation
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes the device has free for a new allocation: a GPU's free memory, a CPU's MemAvailable (None where it
+    cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return kib * 1024
+
+
 class LLMEngine(PromptInputs):
     def __init__(self, config: EngineConfig) -> None:
         check_engine_env()
@@ -218,10 +231,15 @@ class LLMEngine(PromptInputs):
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory != "auto":
-            return int(self.config.kv_cache_memory)
+            budget, free = int(self.config.kv_cache_memory), free_memory(self.device)
+            if free is not None and budget > free:  # (the cache is zeroed whole: past the memory, the OOM killer)
+                raise ConfigError(
+                    f"kv_cache_memory: {budget / 2**30:.2f} GiB is more than the {free / 2**30:.2f} GiB free on "
+                    f"{self.device.type} with the model loaded: give less, or auto"
+                )
+            return budget
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            return free // 2
+            return free_memory(self.device) // 2
         return 1 << 30
 
     # ----- requests ------------------------------------------------------------------------------

@@ -661,6 +661,20 @@ def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
         LLM(tiny_llama, dtype="float32", kv_cache_memory=100)  # it ran on one block, 16 tokens of context
 
 
+def test_a_kv_cache_memory_past_the_free_memory_is_a_config_error_before_any_block(tiny_llama, monkeypatch):
+    """64GiB on a machine of 23: the OOM killer took the worker after a minute (exit 137, nothing said); 1000TiB,
+    under the 1PiB cap, built block objects for minutes; 500GiB of large blocks was torch's allocation traceback."""
+    import roseinfer.llm_engine as llm_engine
+    from roseinfer.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_cache_memory: 1024000\.00 GiB is more than the .* GiB free on cpu"):
+        LLM(tiny_llama, dtype="float32", kv_cache_memory="1000TiB")  # (more than any machine has)
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device: 2**30)
+    with pytest.raises(ConfigError, match=r"2\.00 GiB is more than the 1\.00 GiB free on cpu with the model loaded"):
+        LLM(tiny_llama, dtype="float32", kv_cache_memory="2GiB")
+    assert LLM(tiny_llama, dtype="float32", kv_cache_memory="1MiB").engine.kv.num_blocks > 0
+
+
 def test_a_stop_tokens_text_is_kept_when_the_request_keeps_what_stopped_it(chat_engine):
     """``include_stop_str_in_output`` keeps the text of a stop id (and EOS) as of a stop string, as vLLM does: the
     token that stopped the request was always left out."""
