@@ -3207,6 +3207,34 @@ def test_step_events_met_on_the_way_to_a_cancel_keep_what_they_say(redis_url):
     worker.register_death()
 
 
+def test_writes_a_cold_stop_gives_up_on_with_redis_away_are_a_line_each_not_a_false_stack(caplog):
+    """Redis away at a cold stop: each write given up logged a 50-line stack saying "their jobs' results still
+    go", false there (the jobs are left for RQ's clean-up, said apart). Any other failure keeps its stack."""
+    import logging
+
+    import redis
+
+    from worker.sender import Sender
+
+    sender = object.__new__(Sender)  # (only its give-up time is read)
+    sender.give_up_at = time.monotonic() - 1
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        sender._failed(redis.ConnectionError("Connection refused"), "writing 3 events failed; (results still go)")
+    [record] = caplog.records
+    assert record.exc_info is None and "results still go" not in record.getMessage()
+    said = "Redis unavailable at the stop (ConnectionError: Connection refused): a write given up"
+    assert record.getMessage() == said
+    caplog.clear()
+    sender.give_up_at = None  # (not stopping: Redis's error, with its stack)
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        try:
+            raise redis.ConnectionError("Connection refused")
+        except redis.ConnectionError as exc:
+            sender._failed(exc, "writing 3 events failed")
+    [record] = caplog.records
+    assert record.exc_info is not None and record.getMessage() == "writing 3 events failed"
+
+
 @pytest.mark.redis
 def test_a_cold_stop_waits_for_a_pull_under_way_no_longer_than_its_patience(redis_url):
     """The second stop signal joined the puller for up to 120 s: one retrying a start through an outage (20 s, and

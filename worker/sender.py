@@ -372,13 +372,13 @@ class Sender:
         try:
             send = self._next_send()  # the same on every try: a try after a lost reply that ran writes nothing
             self.retrying(lambda: self._send(events, True, send), f"{len(events)} events kept")
-        except Exception:
-            log.exception("writing %d events failed; they are dropped (their jobs' results still go)", len(events))
+        except Exception as exc:
+            self._failed(exc, f"writing {len(events)} events failed; they are dropped (their jobs' results still go)")
         for task in tasks:
             try:
                 self.retrying(task, "while ending a job")
-            except Exception:
-                log.exception("ending a job failed")
+            except Exception as exc:
+                self._failed(exc, "ending a job failed")
         with self._held_lock:  # (a job held since the look above, its event refused this round trip: its last
             finals = self._amended(self._divert(finals))  # event waits behind that one, not before it)
             released, self._released = self._released, []  # (let go by a task here, or by a callback thread)
@@ -392,8 +392,16 @@ class Sender:
             try:
                 send = self._next_send()
                 self.retrying(lambda: self._send(finals, False, send), f"{len(finals)} final events kept")
-            except Exception:
-                log.exception("writing %d final events failed; they are dropped", len(finals))
+            except Exception as exc:
+                self._failed(exc, f"writing {len(finals)} final events failed; they are dropped")
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        """A write given up: with its stack, but Redis still away at a stop that gave up on it, in a line (the jobs
+        not handed back are said apart; "their results still go" was false there)."""
+        if self._giving_up() and isinstance(exc, (*REDIS_UNAVAILABLE, ResponseError)):
+            log.warning("Redis unavailable at the stop (%s: %s): a write given up", type(exc).__name__, exc)
+        else:
+            log.exception(what)
 
     @property
     def holds_events(self) -> bool:
