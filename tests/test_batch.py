@@ -1351,11 +1351,12 @@ def test_a_signal_ignored_when_the_run_starts_stays_ignored_as_nohup_asks():
 @pytest.mark.parametrize(
     "content, said",
     [
-        (gzip.compress(b'{"prompt": "a"}\n'), r"is gzip-compressed: decompress it first, e.g. gunzip -k .*rows.json$"),
+        (gzip.compress(b'{"prompt": "a"}\n', mtime=0), r"is gzip-compressed: decompress it first, e.g. gunzip -k .*rows.json$"),
         ('{"prompt": "a"}\n'.encode("utf-16"), r"is UTF-16 text: convert it to UTF-8 first, e.g. iconv -f UTF-16"),
         (json.dumps({"prompt": "a"}, indent=2).encode(), r"holds JSON written over many lines.*jq -c \. "),
         (b"PAR1\x15\x04", r"is a Parquet file: name it with a .parquet extension, or pass --format parquet"),
     ],
+    ids=["gzip", "utf-16", "pretty-printed", "parquet"],
 )
 def test_a_jsonl_input_that_is_no_json_lines_is_one_error_before_any_row(tmp_path, content, said):
     """A gzip or UTF-16 file, or one object pretty-printed: every line was a bad row ("not UTF-8: invalid start
