@@ -1282,6 +1282,19 @@ def test_a_hand_written_job_naming_another_origin_is_kept_in_its_own_queues_regi
     assert job_id in FinishedJobRegistry(queue, connection=conn).get_job_ids()
 
 
+def test_a_hand_written_jobs_plain_json_data_stays_plain_when_it_fails(served):
+    """RQ's save of a failed job wrote its ``data`` zlib-compressed: a client in another language that wrote plain
+    JSON and reads the hash as text (redis-py's decode_responses, Node's string replies) failed on it."""
+    _, client, conn = served
+    job_id = f"plain-{uuid.uuid4().hex[:8]}"
+    payload = {"prompt": "hi", "max_tokens": 3, "no_such_field": 1}
+    _raw_job(conn, client.queue.name, job_id, payload)
+    with pytest.raises(JobFailed, match="no_such_field"):
+        client.job(job_id).result(timeout=30)
+    assert json.loads(conn.hget(f"rq:job:{job_id}", "data"))[3] == payload
+    assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
+
+
 def test_a_bad_job_key_or_stream_fails_its_own_job_not_those_pulled_with_it(served, caplog):
     """Each of these failed a whole pull, its good jobs left started by nobody (failed as abandoned later), or came
     back with the jobs beside it at every clean-up: a job key that is not a hash (SET by hand), a canceled job's

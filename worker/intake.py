@@ -85,6 +85,10 @@ class PulledJob(Job):
             if stamps:
                 raw_data = {k: v for k, v in raw_data.items() if k not in stamps}
         super().restore(raw_data)
+        # Data written as plain JSON (by a client in another language) is saved back so: RQ's saves (a failure, a
+        # retry) wrote it zlib-compressed, and a reader of the hash as text failed on it (UnicodeDecodeError).
+        written = raw_data.get(b"data") if isinstance(raw_data, dict) else None
+        self.plain_data = written is not None and self._data is written
         for name, value in stamps.items():
             setattr(self, name.decode(), value)
         if self.hook_policy is not None:
@@ -105,6 +109,8 @@ class PulledJob(Job):
         or the requeue after an operator allows them, that would run them."""
         obj = super().to_dict(include_meta=include_meta, include_result=include_result)
         obj.update(getattr(self, "named_hooks", {}))
+        if getattr(self, "plain_data", False):
+            obj["data"] = self.data
         return obj
 
 
