@@ -2626,6 +2626,26 @@ def test_a_worker_cut_off_past_its_registration_takes_back_no_job_that_moved_on_
 
 
 @pytest.mark.redis
+def test_the_tokenizer_and_template_are_written_again_after_redis_lost_its_data(redis_url):
+    """Written once, at the start: after Redis restarted empty the worker's statistics still named their digests,
+    and a server without them in memory answered /tokenize 503 and named logprobs' tokens token_id:N."""
+    from producer.protocol import TEMPLATE_KEY, TOKENIZER_KEY, tokenizer_digest
+
+    conn, worker, _name, _held = _running_jobs(redis_url)
+    tag = uuid.uuid4().hex
+    worker.engine.tokenizer_json = lambda: f'{{"tokenizer": "{tag}"}}'
+    worker.engine.chat_template_doc = lambda: f"template {tag}"
+    worker._publish_tokenizer()
+    keys = [TOKENIZER_KEY.format(digest=tokenizer_digest(f'{{"tokenizer": "{tag}"}}')),
+            TEMPLATE_KEY.format(digest=tokenizer_digest(f"template {tag}"))]  # fmt: skip
+    assert conn.exists(*keys) == 2
+    conn.delete(*keys, worker.key)  # Redis restarted empty
+    worker._redis_lost_data()
+    assert conn.exists(*keys) == 2
+    conn.delete(*keys)
+
+
+@pytest.mark.redis
 def test_a_job_a_pull_started_but_the_step_loop_has_not_taken_in_gets_its_hash_back_after_redis_lost_its_data(
     redis_url,
 ):

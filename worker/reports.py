@@ -204,3 +204,6 @@ class Reports:
                 if attempt == 2:
                     raise
         self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
+        # Its tokenizer and chat template went with the data: a server without them in memory answered /tokenize
+        # 503 and named logprobs' tokens token_id:N until this worker was restarted.
+        self._publish_tokenizer()
