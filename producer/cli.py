@@ -22,7 +22,14 @@ from producer.client import DEFAULT_REDIS_URL, Client, validate
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, InvalidRedisURL, queue_urls, redacted_url
 from producer.generation_job import GenerationJob
 from producer.job_errors import InvalidRequest, JobError, ResultNotKept, StreamRestarted
-from producer.protocol import BULK_PRIORITY, DEFAULT_QUEUE, queue_of_lane, stream_key
+from producer.protocol import (
+    BULK_PRIORITY,
+    DEFAULT_QUEUE,
+    InvalidQueueName,
+    check_queue_name,
+    queue_of_lane,
+    stream_key,
+)
 from producer.reasoning import REASONING_PARSERS
 from producer.schema import JobRequest
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -163,7 +170,12 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
 def target(args: argparse.Namespace) -> tuple[str, str]:
     """(Redis URL, queue): the queue from --queue, else the environment, else the default; its Redis from
     --redis-url, else the queue's entry in ROSEINFER_QUEUE_URLS, else ROSEINFER_REDIS_URL, else the default."""
-    queue = args.queue or os.environ.get("ROSEINFER_QUEUE") or DEFAULT_QUEUE
+    # (an empty --queue or ROSEINFER_QUEUE is refused, as the worker refuses it: not the default queue)
+    queue = args.queue if args.queue is not None else os.environ.get("ROSEINFER_QUEUE", DEFAULT_QUEUE)
+    try:
+        check_queue_name(queue)
+    except InvalidQueueName as exc:
+        raise InvalidQueueName(f"--queue / ROSEINFER_QUEUE {queue!r}: {exc}") from None
     mapped = queue_urls(os.environ.get(QUEUE_URLS_ENV)).get(queue)
     url = args.redis_url or mapped or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
     return url, queue
@@ -173,7 +185,7 @@ def url_settings(args: argparse.Namespace) -> str:
     """Where to fix the Redis URL a command could not reach: the queue's ROSEINFER_QUEUE_URLS entry where that gave
     it (which an error naming only --redis-url and ROSEINFER_REDIS_URL left unsaid)."""
     if getattr(getattr(args, "func", None), "__module__", None) == __name__ and not args.redis_url:
-        with contextlib.suppress(InvalidRedisURL):
+        with contextlib.suppress(InvalidRedisURL, InvalidQueueName):
             queue = target(args)[1]
             if queue in queue_urls(os.environ.get(QUEUE_URLS_ENV)):
                 return f"{QUEUE_URLS_ENV} (its entry for queue {queue!r})"

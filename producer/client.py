@@ -31,6 +31,7 @@ from producer.protocol import (
     JOB_FUNCTION,
     OWNER_FIELD,
     STATS_KEY,
+    check_queue_name,
     lane_name,
     lanes,
     rejected_key,
@@ -138,6 +139,7 @@ class Client:
         _whole("result_ttl", result_ttl, 0, "seconds, 0 or more (0: not kept, -1: for good)", -1)
         if failure_ttl is not None:
             _whole("failure_ttl", failure_ttl, 1, "seconds, at least 1 (None: RQ's year)")
+        check_queue_name(queue)  # (one no worker serves: its jobs waited for good)
         if connection is not None and connection.get_connection_kwargs().get("decode_responses"):
             # (its submit went in, then every look at the job failed: 'str' object has no attribute 'decode')
             raise ValueError(

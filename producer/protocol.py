@@ -131,6 +131,22 @@ MIN_PRIORITY, MAX_PRIORITY = -100, 100
 BULK_PRIORITY = 10  # `roseinfer batch`'s default: bulk work makes way for interactive jobs (0)
 
 
+class InvalidQueueName(ValueError):
+    """A queue name no worker serves."""
+
+
+def check_queue_name(name: str) -> str:
+    """A queue's name as workers serve it (``InvalidQueueName`` otherwise): a name a worker refuses took jobs no
+    worker could ever run, and they waited for good."""
+    if not isinstance(name, str):
+        raise InvalidQueueName(f"a queue name is a string, got {type(name).__name__}")
+    if "," in name:  # (RQ lists a worker's queues joined by commas: `rq info` showed "hi,lo" as two queues)
+        raise InvalidQueueName("a queue name cannot hold a comma: a worker serves one queue (and its priority lanes)")
+    if not name.strip():  # (a queue no producer uses: the worker sat idle)
+        raise InvalidQueueName("a queue name cannot be empty or blank")
+    return name
+
+
 def lane_name(queue: str, priority: int) -> str:
     return queue if priority == 0 else f"{queue}:p{priority}"
 

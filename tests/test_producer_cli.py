@@ -1100,6 +1100,25 @@ def test_a_fresh_run_stopped_before_it_began_says_to_run_it_fresh_again(tmp_path
         batch_mod.check_resumed_run(parquet, "other1")
 
 
+def test_a_queue_name_no_worker_serves_is_refused_by_the_client_and_the_commands(monkeypatch, capsys):
+    """``submit --queue "a,b"`` took a job no worker can serve (a worker refuses the name), and ``--queue ""`` (or
+    ROSEINFER_QUEUE set empty) fell back to the default queue, where the worker given the same refuses it."""
+    import fakeredis
+
+    from producer import Client
+    from producer.protocol import InvalidQueueName
+    from worker.cli import main
+
+    for name in ("a,b", "", "  "):
+        with pytest.raises(InvalidQueueName):
+            Client(connection=fakeredis.FakeRedis(), queue=name)
+    assert main(["submit", "hi", "--queue", "a,b"]) == 2
+    assert "--queue / ROSEINFER_QUEUE 'a,b': a queue name cannot hold a comma" in capsys.readouterr().err
+    monkeypatch.setenv("ROSEINFER_QUEUE", "")
+    assert main(["status"]) == 2
+    assert "--queue / ROSEINFER_QUEUE '': a queue name cannot be empty or blank" in capsys.readouterr().err
+
+
 def test_a_stdout_that_is_not_utf8_writes_what_it_lacks_as_question_marks(monkeypatch):
     """``PYTHONIOENCODING=ascii`` (or a Windows console's cp1252): a streamed text's first character the encoding
     lacks was a UnicodeEncodeError traceback mid-job, the job going on unsaid."""

@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     from producer import cli as producer_cli
     from producer.connection import REDIS_DOWN, InvalidRedisURL, UnsafeRedis
     from producer.job_errors import InvalidRequest, StreamGap
+    from producer.protocol import InvalidQueueName
     from roseinfer.config import ConfigError
 
     try:
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         name = f"ROSEINFER_{field.group(1).upper()}" if field else "a ROSEINFER_* variable"
         print(f"error: {name} does not parse ({exc.__cause__}); list settings take JSON: '[\"a\", \"b\"]'",
               file=sys.stderr)  # fmt: skip
-    except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL) as exc:
+    except (ConfigError, InvalidRequest, UnsafeRedis, InvalidRedisURL, InvalidQueueName) as exc:
         print(f"error: {exc}", file=sys.stderr)
     except REDIS_DOWN as exc:
         # (a Sentinel's "no master" names every sentinel client it tried, pools and all: a line of 1.5 KB)

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S
+from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S, check_queue_name
 from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
 from worker.intake import MAX_SECONDS, MULTI_LANE_WAIT_S
 
@@ -167,11 +167,7 @@ class QueueSettings(BaseSettings):
     @field_validator("queue")
     @classmethod
     def _one_queue(cls, value: str) -> str:
-        if "," in value:  # (RQ lists a worker's queues joined by commas: `rq info` showed "hi,lo" as two queues)
-            raise ValueError("a queue name cannot hold a comma: a worker serves one queue (and its priority lanes)")
-        if not value.strip():  # (a queue no producer uses: the worker sat idle)
-            raise ValueError("a queue name cannot be empty or blank")
-        return value
+        return check_queue_name(value)
 
     @field_validator("allow_webhook_host")
     @classmethod
