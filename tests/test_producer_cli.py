@@ -1025,6 +1025,26 @@ def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch, c
         )
     assert main(["serve", "--port", port, "--allowed-origins", "*", "chrome-extension://abc", "http://[::1]:8080"]) == 0
     assert len(given) == 3
+    # As a browser writes its Origin (compared byte for byte): "HTTP://Good.Example" or a default port matched none.
+    origins = ["HTTP://Good.Example", "http://good.example:80", "https://x.example:443", "https://x.example:8443"]
+    assert main(["serve", "--port", port, "--allowed-origins", "http://a.example, http://b.example", *origins]) == 0
+    assert given[-1] == ["http://a.example", "http://b.example", "http://good.example", "http://good.example",
+                         "https://x.example", "https://x.example:8443"]  # fmt: skip
+
+
+def test_serve_refuses_an_empty_api_key(monkeypatch, capsys):
+    """``--api-key "$KEY"`` with KEY unset served every request, with no word of it."""
+    import socket
+
+    import producer.server
+    from worker.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = str(probe.getsockname()[1])
+    monkeypatch.setattr(producer.server, "run_server", lambda *a, **kw: 0)
+    assert main(["serve", "--port", port, "--api-key", ""]) == 2
+    assert "--api-key is empty (an unset variable?)" in capsys.readouterr().err
+    assert main(["serve", "--port", port, "--api-key", "k"]) == 0
 
 
 def test_a_batch_that_cannot_reach_redis_writes_nothing(tmp_path, capsys):

@@ -105,20 +105,33 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args.prompt, model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
+def _as_browsers_send(origin: str) -> str:
+    """An allowed origin as a browser's ``Origin`` header writes it (scheme and host in lower case, no default
+    port), which the server compares byte for byte: "HTTP://Good.Example" or "http://good.example:80" matched no
+    request. ConfigError for anything but scheme://host[:port] or *."""
+    if origin == "*":
+        return origin
+    found = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\s?#:]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?", origin)
+    if found is None:
+        raise ConfigError(
+            f"--allowed-origins (or ROSEINFER_ALLOWED_ORIGINS) {origin!r}: an origin is scheme://host[:port], as a "
+            "browser sends it (e.g. http://localhost:3000, no path or trailing slash), or *"
+        )
+    scheme, host, port = found.group(1).lower(), found.group(2).lower(), found.group(3)
+    default = {"http": "80", "https": "443"}.get(scheme)
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
 def serve(args: argparse.Namespace) -> int:
     from producer.cli import target
     from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
 
     _check_listen(args.host, args.port)  # (a port taken said in one line, before "serving", not after it)
+    if args.api_key is not None and not args.api_key.strip():  # (--api-key "$KEY", KEY unset: served open)
+        raise ConfigError("--api-key is empty (an unset variable?): give the key, or leave the flag out to serve open")
     if args.allowed_origins:  # ("a,b" as one value matched no origin)
-        args.allowed_origins = [o for value in args.allowed_origins for o in value.split(",") if o.strip()]
-        for origin in args.allowed_origins:  # (a browser sends scheme://host[:port]: anything else matched nothing)
-            if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+", origin):
-                raise ConfigError(
-                    f"--allowed-origins (or ROSEINFER_ALLOWED_ORIGINS) {origin!r}: an origin is scheme://host[:port], "
-                    "as a browser sends it "
-                    "(e.g. http://localhost:3000, no path or trailing slash), or *"
-                )
+        values = [o.strip() for value in args.allowed_origins for o in value.split(",") if o.strip()]
+        args.allowed_origins = [_as_browsers_send(origin) for origin in values]
     if not args.embedded:
         given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype)) if value is not None]
         if given:  # (they started a server all the same, serving whatever the queue's workers hold)
