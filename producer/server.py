@@ -285,7 +285,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [await _model_card(m) for m in await workers.models()]}
+        """The models the queue's live workers serve; 503 with none, as every other route answers then (an empty
+        list made a client's ``models.list().data[0]`` an IndexError, where it could tell a 503)."""
+        return {"object": "list", "data": [await _model_card(m) for m in await _live_models()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
@@ -351,11 +353,15 @@ def create_app(
             raise APIError(503, f"no live worker of {model!r} has its tokenizer in Redis", "service_unavailable")
         return names.tokenizer
 
-    async def _served(model: str) -> None:
-        """``model`` among the models the queue's live workers serve: else 503 (none alive) or 404."""
+    async def _live_models() -> list[str]:
         served = await workers.models()
         if not served:
             raise APIError(503, f"no live worker on queue {client.queue_name!r}", "service_unavailable")
+        return served
+
+    async def _served(model: str) -> None:
+        """``model`` among the models the queue's live workers serve: else 503 (none alive) or 404."""
+        served = await _live_models()
         if model not in served:
             raise APIError(404, f"model {model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip

@@ -598,6 +598,23 @@ def test_a_prompt_refused_after_the_headers_went_is_an_error_chunk_naming_the_fi
     assert chunks[-2]["error"]["code"] == "context_length_exceeded" and chunks[-2]["error"]["param"] == "prompt"
 
 
+def test_the_model_list_is_a_503_when_no_worker_is_alive_as_every_route_is():
+    """/v1/models answered 200 with an empty list while chat, /health and a model's own card answered 503: a
+    client's ``models.list().data[0].id`` (README's example) failed with an IndexError, not an error it could tell."""
+
+    async def get(path: str) -> httpx.Response:
+        client = ScriptedClient([])
+        client.models = ()
+        transport = httpx.ASGITransport(app=create_app(client))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            return await http.get(path)
+
+    for path in ("/v1/models", "/v1/models/m"):
+        response = asyncio.run(get(path))
+        assert response.status_code == 503, path
+        assert response.json()["error"]["message"] == "no live worker on queue 'q'"
+
+
 def test_the_api_key_is_asked_for_behind_a_path_prefix_too():
     """Mounted under a prefix (a Starlette ``Mount``, uvicorn's ``--root-path`` behind a proxy), ``scope["path"]``
     holds the prefix: ``/api/v1/models`` skipped the key check, which looked for paths starting ``/v1/``."""
