@@ -147,9 +147,11 @@ def latency(llm, vocab: int, max_tokens: int) -> float:
 def main(args: argparse.Namespace) -> int:
     from roseinfer.bench import resolve_model_arg
     from roseinfer.config import engine_config_from_args
+    from roseinfer.llm_engine import check_device
     from roseinfer.model_loader import has_tokenizer
 
     engine_config_from_args(args)  # a bad option fails here, before CUDA starts
+    check_device(torch.device(args.device))  # (no CUDA here: torch's AssertionError from get_device_name below)
     # (the CPU bench's flags this one does not take: said, not dropped unsaid)
     for flag, given in (("--profile", args.profile), ("--hf-single", args.hf_single is not None)):
         if given:

@@ -51,6 +51,14 @@ class EngineStats:
 GC_YOUNG_THRESHOLD = 10_000  # allocations between two collections of the youngest generation
 
 
+def check_device(device: torch.device) -> None:
+    """ConfigError for a CUDA device this machine lacks (torch's own error was a traceback)."""
+    if device.type == "cuda":
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= found:
+            raise ConfigError(f"device {device}: this machine has {found} CUDA device(s) torch can use")
+
+
 def free_memory(device: torch.device) -> int | None:
     """Bytes the device has free for a new allocation: a GPU's free memory, a CPU's MemAvailable (None where it
     cannot be read)."""
@@ -70,10 +78,7 @@ class LLMEngine(PromptInputs):
         self.config = config
         self.device = torch.device(config.device)
         self._cuda_index = self.device.index if self.device.type == "cuda" else None
-        if self.device.type == "cuda":  # (before the load: torch's own error was a traceback, or came after it)
-            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (self._cuda_index or 0) >= found:
-                raise ConfigError(f"device {config.device}: this machine has {found} CUDA device(s) torch can use")
+        check_device(self.device)  # (before the load: torch's own error was a traceback, or came after it)
         if self._cuda_index is not None:
             # Triton launches, graph capture and CUDA events use the current device, not the tensors'.
             torch.cuda.set_device(self.device)

@@ -178,6 +178,10 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_before_the_model_loads():
     index = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ConfigError, match=f"^device cuda:{index}: this machine has {index} CUDA device"):
         LLM("no-such-model-folder", device=f"cuda:{index}")  # (the device is said first: no load was tried)
+    # So is the GPU benchmark's (torch's AssertionError "Torch not compiled with CUDA enabled", a traceback).
+    from worker.cli import main
+
+    assert main(["bench", "--device", f"cuda:{index}", "--skip-hf", "--model", "no-such-model-folder"]) == 2
 
 
 def test_a_metrics_port_taken_is_said_before_the_model_loads():
