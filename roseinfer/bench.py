@@ -14,7 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from roseinfer.config import TINY_MODEL, ConfigError, add_engine_arguments, engine_config_from_args, quantization_name
+from roseinfer.config import (
+    TINY_MODEL,
+    ConfigError,
+    add_engine_arguments,
+    engine_config_from_args,
+    output_file,
+    quantization_name,
+)
 
 # The standard workload (64 short chat instructions), shipped inside the package so every checkout has it.
 DEFAULT_WORKLOAD = Path(__file__).with_name("data") / "prompts64.json"
@@ -299,7 +306,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
     p.add_argument("--repeats", type=counting(1), default=1, help="interleaved runs of each system; medians compared")
-    p.add_argument("--json", metavar="PATH", help="write the figures here")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="write the figures here")
     p.add_argument(
         "--skip-hf-compiled", action="store_true", help="on CUDA, leave out transformers' static-cache compiled run"
     )
@@ -319,8 +326,6 @@ def main(args: argparse.Namespace) -> int:
 
     engine_config_from_args(args)  # a bad option fails here, before torch loads
     sampling = sampling_of(args)  # so does a bad --temperature or --top-p
-    if args.json and not Path(args.json).resolve().parent.is_dir():  # (else a traceback after the whole run)
-        raise ConfigError(f"--json {args.json}: no folder {Path(args.json).resolve().parent} to write it in")
     convs = load_prompts(args)
     print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
     resolve_model_arg(args)

@@ -91,6 +91,17 @@ def check_engine_env() -> None:
     env_choice("ROSEINFER_BF16_GEMM", BF16_GEMM_CHOICES)
 
 
+def output_file(text: str) -> str:
+    """An argparse type for a file a command writes at its end (a benchmark's --json): its folder must exist and it
+    must not be one, said at once (found at the end, the whole run's figures were lost to a traceback)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; name a file in it")
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {path.resolve().parent} to write {path.name} in")
+    return text
+
+
 def cache_dir() -> Path:
     """Where converted models and compiled kernels are kept (``ROSEINFER_CACHE_DIR``; set empty, as any engine variable,
     it is unset: ``Path("")`` put them in the working folder, in Docker beside the app, not on its volume)."""

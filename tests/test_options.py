@@ -603,11 +603,9 @@ def test_a_model_folder_named_as_a_built_in_model_is_that_folder(tmp_path, monke
         assert loader.resolve_model(name) == name
 
 
-def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys):
+def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys, tmp_path):
     """0 tokens, prompts or repeats failed after the model loaded (a ValueError, a median of nothing, a division
     by zero), as did --json into a folder that is not there."""
-    from roseinfer import bench
-    from roseinfer.config import ConfigError
     from worker.cli import build_parser
 
     for flags in (["--max-tokens", "0"], ["--repeats", "0"], ["--num-prompts", "0"], ["--hf-batch-size", "0"]):
@@ -619,8 +617,15 @@ def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--repeats", "0"])
         assert "must be at least 1" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="no folder"):
-        bench.main(build_parser().parse_args(["bench", "--json", "/no/such/folder/x.json"]))
+    # Output files too, in the parse (bench-queue's were found after its whole run; a folder, by both).
+    for command, flag, path, said in (("bench", "--json", "/no/such/folder/x.json", "no folder /no/such/folder"),
+                                      ("bench", "--json", str(tmp_path), "is a folder; name a file in it"),
+                                      ("bench-queue", "--json", str(tmp_path), "is a folder; name a file in it"),
+                                      ("bench-queue", "--worker-log", "/no/such/w.log", "no folder /no/such"),
+                                      ("bench-queue", "--arrival-interval", "-1", "must be at least 0")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, flag, path])
+        assert said in capsys.readouterr().err
 
 
 def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeypatch):

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from producer.batch_io import at_least
 from roseinfer.bench import (
     add_workload_arguments,
     build_llm,
@@ -36,7 +37,7 @@ from roseinfer.bench import (
     run_roseinfer,
     sampling_of,
 )
-from roseinfer.config import engine_config_from_args
+from roseinfer.config import engine_config_from_args, output_file
 from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis, stop_private_redis
 
@@ -288,10 +289,10 @@ def run_stock_rq(args: argparse.Namespace, url: str, convs, model_path: str) -> 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     p.add_argument("--repeats", type=counting(1), default=3, help="interleaved runs of each system; medians compared")
-    p.add_argument("--json", metavar="PATH", help="write the figures here")
+    p.add_argument("--json", metavar="PATH", type=output_file, help="write the figures here")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server on a free port")
     p.add_argument("--arrivals", type=int, default=32, help="jobs arriving one by one while a batch decodes")
-    p.add_argument("--arrival-interval", type=float, default=0.25)
+    p.add_argument("--arrival-interval", type=at_least(float, 0), default=0.25)
     p.add_argument(
         "--warm-up-jobs", type=int, default=None,
         help="jobs run before the clock, in-process and by each fresh worker alike (default: as many as the prompts)",
@@ -301,7 +302,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--worker-flag", action="append", default=[], metavar="FLAG",
         help="a flag for the worker through Redis only, repeatable: --worker-flag=--engine-process",
     )  # fmt: skip
-    p.add_argument("--worker-log", metavar="PATH", help="append the workers' output here (default: dropped)")
+    p.add_argument(
+        "--worker-log", metavar="PATH", type=output_file, help="append the workers' output here (default: dropped)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
