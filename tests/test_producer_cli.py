@@ -1078,6 +1078,12 @@ def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--max-tokens", "-1", "hi"])
     assert exited.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+    # An empty prompt (generate and submit refuse it: the demo ran it), and a bad setting said before the embedded
+    # Redis starts, not after its line.
+    assert main(["demo", ""]) == 2
+    assert capsys.readouterr().err.strip() == "error: a prompt is empty: give text, or no prompt for the demo's own"
+    assert main(["demo", "--dtype", "float16"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --dtype / ROSEINFER_DTYPE: dtype float16 is for GPUs")
 
 
 def test_a_submit_option_that_would_do_nothing_is_refused():

@@ -21,13 +21,17 @@ DEMO_PROMPTS = [
 
 def run_demo(prompts: list[str], model: str | None, dtype: str | None, max_tokens: int) -> int:
     from producer import Client, JobError
+    from roseinfer.config import ConfigError
     from worker.local_redis import embedded_connection, start_embedded_redis
     from worker.main import build_worker
     from worker.settings import WorkerSettings
 
+    if any(not p.strip() for p in prompts):  # (generate and submit refuse it too)
+        raise ConfigError("a prompt is empty: give text, or no prompt for the demo's own")
+    given = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}  # (else ROSEINFER_*)
+    WorkerSettings(burst=True, **given)  # (a bad setting said before the embedded Redis starts, not after)
     url = start_embedded_redis()
     print(f"embedded Redis at {url}", file=sys.stderr)
-    given = {k: v for k, v in {"model": model, "dtype": dtype}.items() if v is not None}  # (else ROSEINFER_*)
     settings = WorkerSettings(redis_url=url, burst=True, **given)
     worker = build_worker(settings, embedded_connection(url))
     client = Client(connection=embedded_connection(url), queue=settings.queue)  # (ROSEINFER_QUEUE's, if set)
