@@ -1065,7 +1065,9 @@ def test_a_list_flags_length_bound_counts_values_not_characters():
     assert "at most 1024 values" in flags["stop_token_ids"].help and "characters" not in flags["stop_token_ids"].help
 
 
-def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens_before_loading(tmp_path, capsys):
+def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens_before_loading(
+    tmp_path, capsys, monkeypatch
+):
     """pyarrow's "Parquet magic bytes not found in footer" named no file; ``demo --max-tokens -1`` loaded the model
     (seconds) before the job was refused."""
     pytest.importorskip("pyarrow")
@@ -1084,6 +1086,19 @@ def test_an_input_that_is_not_parquet_is_named_and_demo_refuses_a_bad_max_tokens
     assert capsys.readouterr().err.strip() == "error: a prompt is empty: give text, or no prompt for the demo's own"
     assert main(["demo", "--dtype", "float16"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: --dtype / ROSEINFER_DTYPE: dtype float16 is for GPUs")
+    # (the early look takes the embedded Redis's URL, as the demo's worker does: not a ROSEINFER_REDIS_URL of elsewhere)
+    import worker.local_redis
+
+    class Started(Exception):
+        pass
+
+    def started() -> str:
+        raise Started
+
+    monkeypatch.setattr(worker.local_redis, "start_embedded_redis", started)
+    monkeypatch.setenv("ROSEINFER_REDIS_URL", "not-a-url")
+    with pytest.raises(Started):
+        main(["demo", "hi"])
 
 
 def test_a_submit_option_that_would_do_nothing_is_refused():
