@@ -157,29 +157,30 @@ class AuthAndCount:
             return
         path, started = _route_path(scope), time.perf_counter()
         label = self.endpoint(scope)
+
+        def count(status: int) -> None:  # (a refusal too: the histogram's count fell short of the requests')
+            if path != "/metrics":
+                self.metrics.requests.labels(label, str(status)).inc()
+                self.metrics.latency.labels(label).observe(time.perf_counter() - started)
+
         origin = dict(scope["headers"]).get(b"origin")
         if origin is not None and scope["method"] not in SAFE_METHODS and not self.origins & {origin, b"*"}:
             # A web page's request (a browser names its page's origin): CORS keeps the page from reading the answer,
             # not from sending it (a form, text/plain, a body of no type: no preflight), and a job would run.
             err = APIError(403, f"requests from web pages of {origin.decode(errors='replace')} are refused: "
                            "--allowed-origins names the origins whose pages may call this API")  # fmt: skip
-            self.metrics.requests.labels(label, "403").inc()
+            count(403)
             await JSONResponse(err.body(), status_code=403)(scope, receive, send)
             return
         if self.expected is not None and (path.startswith("/v1/") or scope["path"].startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid API key", param=None, code="invalid_api_key")
-                self.metrics.requests.labels(label, "401").inc()
+                count(401)
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
 
         answered = False
-
-        def count(status: int) -> None:
-            if path != "/metrics":
-                self.metrics.requests.labels(label, str(status)).inc()
-                self.metrics.latency.labels(label).observe(time.perf_counter() - started)
 
         async def counted(message: Message) -> None:
             nonlocal answered
