@@ -288,6 +288,9 @@ class Client:
                     break
                 except WatchError:
                     continue
+                except REDIS_DOWN as exc:  # (a reply lost in a stall: its transaction may have run all the same)
+                    exc.maybe_enqueued = [job_id for job_id, _, _ in hashes]  # type: ignore[attr-defined]
+                    raise
         self.reached = True
         return [GenerationJob(self, job_id) for job_id, _, _ in hashes]
 

@@ -51,7 +51,7 @@ from producer.protocol import installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.schema import lone_surrogate
-from producer.server_jobs import CANCELING, answer_within, job_headers, results_unless_gone
+from producer.server_jobs import CANCELING, answer_within, cancel_unseen_jobs, job_headers, results_unless_gone
 from producer.server_sse import PROMPT_FIELDS, chunk_stream, context_error_named, response_stream, start_stream
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -393,7 +393,11 @@ def create_app(
             jobs_fields = [{**fields, "job_id": f"{base}-{i}"} for i, fields in enumerate(jobs_fields)]
         # (Before the submit: a Redis error here left the jobs of a request answered 503 running for nobody.)
         names = await _token_names(req.model, req.num_logprobs is not None or req.prompt_logprobs is not None)
-        jobs = list(await asyncio.gather(*(client.submit(**fit_to_context(f)) for f in jobs_fields)))  # one batch
+        try:
+            jobs = list(await asyncio.gather(*(client.submit(**fit_to_context(f)) for f in jobs_fields)))  # one batch
+        except RedisError as exc:  # (answered 503: a job that went in all the same is canceled once Redis answers)
+            cancel_unseen_jobs(client, exc)
+            raise
         job, ids = jobs[0], job_headers(jobs)
         chat = kind is ChatCompletionRequest
         if req.stream:
@@ -440,7 +444,11 @@ def create_app(
         req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
         names = await _token_names(req.model, chat.num_logprobs is not None)  # (before the submit, as the chat's)
-        job = await client.submit(**fit_to_context(fields))
+        try:
+            job = await client.submit(**fit_to_context(fields))
+        except RedisError as exc:
+            cancel_unseen_jobs(client, exc)
+            raise
         ids = job_headers([job])
         plans = chat.tool_plan(), chat.num_logprobs, names, chat.reasoning_plan()
         writer = ResponseWriter(job.id, req.model, req, *plans)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from typing import Any
 
 from fastapi import Request
 
-from producer.aio import AsyncGenerationJob
+from producer.aio import AsyncClient, AsyncGenerationJob
+from producer.client import Client
+from producer.connection import REDIS_DOWN
 from producer.job_errors import JobCanceled, JobFailed
 from producer.openai_api import APIError
 
@@ -122,3 +126,38 @@ def cancel_soon(job: AsyncGenerationJob) -> None:
     CANCELING.add(done)
     done.add_done_callback(CANCELING.discard)
     log.info("job %s canceled: its client went away", job.id)
+
+
+# How long a submit's jobs that may have gone in unseen are looked for, to be canceled: Redis's stall or outage, then
+# the grace a transaction sent before it has to land once Redis answers again.
+UNSEEN_PATIENCE_S, UNSEEN_GRACE_S = 120.0, 5.0
+
+
+def cancel_unseen_jobs(client: AsyncClient, exc: BaseException) -> None:
+    """The jobs of a submit that failed on Redis down (its reply lost in a stall; ``maybe_enqueued``), canceled
+    where they went in all the same: Redis ran the transaction once it answered, and the job ran for nobody, the
+    client told 503 (and its retry made a second one)."""
+    job_ids = getattr(exc, "maybe_enqueued", None)
+    if not job_ids or getattr(exc, "unseen_handled", False):  # (one batch's error reaches each of its requests)
+        return
+    exc.unseen_handled = True  # type: ignore[attr-defined]
+    threading.Thread(target=_cancel_when_found, args=(client.sync, list(job_ids)), daemon=True).start()
+
+
+def _cancel_when_found(client: Client, job_ids: list[str]) -> None:
+    deadline, backoff, answered_at = time.monotonic() + UNSEEN_PATIENCE_S, 0.5, None
+    while job_ids and time.monotonic() < deadline:
+        try:
+            for job_id in list(job_ids):
+                job = client.job(job_id)
+                if job.cancel():
+                    log.warning("job %s canceled: its submit was answered 503 (Redis unavailable), yet went in", job_id)
+                if job.status() != "missing":  # (canceled now, or ended: either way not looked for again)
+                    job_ids.remove(job_id)
+            answered_at = answered_at or time.monotonic()
+        except REDIS_DOWN:
+            pass
+        if answered_at is not None and time.monotonic() - answered_at > UNSEEN_GRACE_S:
+            return  # (not there once Redis answered, and after the grace: the submit never went in)
+        time.sleep(backoff)
+        backoff = min(backoff * 2, 2.0)

@@ -636,6 +636,57 @@ def test_refused_requests_are_in_the_latency_histogram_as_in_the_request_counts(
         assert counted == observed == len(statuses), endpoint
 
 
+def test_a_submit_answered_503_whose_jobs_went_in_all_the_same_has_them_canceled(monkeypatch):
+    """Redis stalled past the socket timeout while a submit's transaction waited in it: the request was answered
+    503 (which the official client retries), and once Redis ran the transaction its job ran for nobody."""
+    import fakeredis
+    import redis
+
+    import producer.server_jobs as server_jobs
+    from producer import Client
+
+    client = Client(connection=fakeredis.FakeRedis())
+    real = redis.client.Pipeline.execute
+
+    def ran_then_lost(self, *args, **kwargs):  # (the transaction ran; its reply never came)
+        enqueues = any(command[0][0] == "RPUSH" for command in self.command_stack)
+        replies = real(self, *args, **kwargs)
+        if enqueues:
+            raise redis.TimeoutError("Timeout reading from socket")
+        return replies
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", ran_then_lost)
+    with pytest.raises(redis.TimeoutError) as lost:
+        client.submit_many([{"prompt": "a"}, {"prompt": "b"}])
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real)
+    went_in = lost.value.maybe_enqueued
+    assert [client.job(job_id).status() for job_id in went_in] == ["queued", "queued"]
+    monkeypatch.setattr(server_jobs, "UNSEEN_GRACE_S", 0.2)
+    server_jobs._cancel_when_found(client, [*went_in, "never-went-in"])  # (returns once the grace is over)
+    assert [client.job(job_id).status() for job_id in went_in] == ["canceled", "canceled"]
+
+    # The server's requests hand such jobs over (once for a batch of several requests), and answer 503.
+    handed = []
+    monkeypatch.setattr(server_jobs, "_cancel_when_found", lambda sync, job_ids: handed.append((sync, job_ids)))
+
+    class Stalled(ScriptedClient):
+        sync = client
+
+        async def submit(self, **fields):
+            raise lost.value
+
+    for path, body in (("/v1/completions", {"model": "m", "prompt": "p"}),
+                       ("/v1/responses", {"model": "m", "input": "p"})):  # fmt: skip
+        lost.value.unseen_handled = False
+        start, _ = post(Stalled([]), body, path)
+        assert start["status"] == 503
+    for _ in range(50):  # (each on a thread of its own)
+        if len(handed) == 2:
+            break
+        time.sleep(0.01)
+    assert handed == [(client, went_in)] * 2
+
+
 def test_the_api_key_is_asked_for_behind_a_path_prefix_too():
     """Mounted under a prefix (a Starlette ``Mount``, uvicorn's ``--root-path`` behind a proxy), ``scope["path"]``
     holds the prefix: ``/api/v1/models`` skipped the key check, which looked for paths starting ``/v1/``."""
