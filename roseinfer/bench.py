@@ -110,6 +110,8 @@ def _ms(value: float | None) -> float | None:
 def find_workload(path: str | None) -> Path:
     """--prompts, else ROSEINFER_BENCH_PROMPTS, else the workload shipped with the package."""
     chosen = Path(path or os.environ.get("ROSEINFER_BENCH_PROMPTS") or DEFAULT_WORKLOAD)
+    if chosen.is_dir():  # (said "not found": it is there)
+        raise ConfigError(f"prompts file {chosen} is a folder: name the JSON file in it")
     if not chosen.is_file():
         raise ConfigError(f"prompts file not found: {chosen}")
     return chosen
@@ -299,7 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=counting(1), default=16)
     p.add_argument(
         "--hf-single",
-        type=int,
+        type=counting(0),
         default=None,
         metavar="N",
         help="prompts for the one-at-a-time baseline (default: all; 0 skips it)",

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from roseinfer.bench import DEFAULT_WORKLOAD
-from roseinfer.config import add_engine_arguments, engine_config_from_args
+from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args
 
 # A label with a fixed set, a score and a short reason: the shape of most labelling datasets.
 SCHEMA = {
@@ -157,10 +157,18 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer import LLM, SamplingParams
     from roseinfer.cpu_features import describe as cpu
 
-    if args.repeats < 1 or args.n < 1 or args.prompts < 1:
-        raise SystemExit("bench-dataset: --repeats, --n and --prompts are >= 1")
+    counts = (args.repeats, args.n, args.prompts, args.tokens, args.prompt_tokens, args.new_tokens)
+    if min(counts) < 1:  # (exit 2, a bad option's, not 1; 0 tokens was a traceback after the load)
+        raise ConfigError(
+            "bench-dataset: --repeats, --n, --prompts, --tokens, --prompt-tokens and --new-tokens are >= 1"
+        )
     config = engine_config_from_args(args)
     engine = LLM.from_config(config).engine
+    if args.what != "structured" and args.prompt_tokens + args.new_tokens > engine.max_model_len:
+        raise ConfigError(
+            f"bench-dataset: --prompt-tokens {args.prompt_tokens} plus --new-tokens {args.new_tokens} are past the "
+            f"model's context ({engine.max_model_len} tokens)"
+        )
     report: dict[str, Any] = {"model": config.model, "dtype": config.dtype, "cpu": cpu()}
     if args.what in ("structured", "both"):
         report["structured"] = _structured(engine, args, SamplingParams)

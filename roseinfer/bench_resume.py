@@ -11,7 +11,7 @@ import statistics
 import time
 
 from roseinfer.bench import DEFAULT_WORKLOAD
-from roseinfer.config import add_engine_arguments, engine_config_from_args
+from roseinfer.config import ConfigError, add_engine_arguments, engine_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     from roseinfer import LLM, SamplingParams
 
     if not 0 < args.killed_at < 1 or args.jobs < 1 or args.tokens < 2 or args.repeats < 1:
-        raise SystemExit("bench-resume: --killed-at in (0, 1), --jobs >= 1, --tokens >= 2, --repeats >= 1")
+        raise ConfigError("bench-resume: --killed-at in (0, 1), --jobs >= 1, --tokens >= 2, --repeats >= 1")
     config = engine_config_from_args(args)
     config.enable_prefix_caching = False  # the retry lands on a worker that has none of this job's blocks
     llm = LLM.from_config(config)

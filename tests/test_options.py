@@ -622,10 +622,20 @@ def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys
                                       ("bench", "--json", str(tmp_path), "is a folder; name a file in it"),
                                       ("bench-queue", "--json", str(tmp_path), "is a folder; name a file in it"),
                                       ("bench-queue", "--worker-log", "/no/such/w.log", "no folder /no/such"),
-                                      ("bench-queue", "--arrival-interval", "-1", "must be at least 0")):  # fmt: skip
+                                      ("bench-queue", "--arrival-interval", "-1", "must be at least 0"),
+                                      ("bench", "--hf-single", "-1", "must be at least 0"),  # (ran all but one)
+                                      ("bench-queue", "--stock-jobs", "-1", "must be at least 0")):  # fmt: skip
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, flag, path])
         assert said in capsys.readouterr().err
+    # The other benchmarks' bad counts: a bad option's exit 2, as the others', not 1 (0 new tokens: a traceback).
+    from worker.cli import main
+
+    for argv in (["bench-resume", "--jobs", "0"], ["bench-dataset", "--what", "n", "--new-tokens", "0"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith(f"error: {argv[0]}: ")
+    assert main(["bench", "--prompts", str(tmp_path)]) == 2
+    assert f"prompts file {tmp_path} is a folder" in capsys.readouterr().err
 
 
 def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeypatch):

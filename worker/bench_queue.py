@@ -297,7 +297,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warm-up-jobs", type=int, default=None,
         help="jobs run before the clock, in-process and by each fresh worker alike (default: as many as the prompts)",
     )  # fmt: skip
-    p.add_argument("--stock-jobs", type=int, default=8, help="jobs for the stock rq worker (0 skips it)")
+    p.add_argument("--stock-jobs", type=counting(0), default=8, help="jobs for the stock rq worker (0 skips it)")
     p.add_argument(
         "--worker-flag", action="append", default=[], metavar="FLAG",
         help="a flag for the worker through Redis only, repeatable: --worker-flag=--engine-process",
