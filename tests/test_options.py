@@ -224,6 +224,10 @@ def test_unknown_roseinfer_variables_are_named_with_a_suggestion():
         "warning: ROSEINFER_MAX_NUM_SEQ is not a roseinfer setting and is ignored; did you mean ROSEINFER_MAX_NUM_SEQS?"
     ]
     assert unknown_env_vars({"ROSEINFER_CPU_KERNELS": "0", "ROSEINFER_CACHE_DIR": "/tmp"}) == []
+    # Named by the part after the prefix: the prefix's likeness alone suggested ROSEINFER_BURST for ROSEINFER_PORT.
+    assert unknown_env_vars({"ROSEINFER_PORT": "9000"}) == [
+        "warning: ROSEINFER_PORT is not a roseinfer setting and is ignored"
+    ]
 
 
 def test_a_roseinfer_variable_not_in_capitals_is_named_as_the_worker_reads_it(monkeypatch):

@@ -254,7 +254,9 @@ def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
         elif name.upper() in known:  # (an engine or server variable: read in capitals alone, by everything)
             warnings.append(f"warning: {name} is ignored: write it {name.upper()}")
         else:
-            close = difflib.get_close_matches(name.upper(), known, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
+            # (by the part after the prefix: the prefix's likeness alone made ROSEINFER_PORT "ROSEINFER_BURST?")
+            suffixes = {k[len(ENV_PREFIX) :]: k for k in known}
+            close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX) :], list(suffixes), n=1)
+            hint = f"; did you mean {suffixes[close[0]]}?" if close else ""
             warnings.append(f"warning: {name} is not a roseinfer setting and is ignored{hint}")
     return warnings
