@@ -642,6 +642,24 @@ def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys
     assert f"prompts file {tmp_path} is a folder" in capsys.readouterr().err
 
 
+def test_a_benchmarks_worker_that_exits_at_its_start_has_its_last_line_said():
+    """bench-priority and bench-serve dropped their worker's output: a bad flag's one-line error came out as "the
+    worker exited with code 2" alone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import fakeredis
+
+    from worker.bench_queue import _wait_for_worker
+
+    with tempfile.NamedTemporaryFile() as log:
+        code = "import sys; print('loading', file=sys.stderr); print('error: --dtype bogus', file=sys.stderr); exit(2)"
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=log)
+        with pytest.raises(SystemExit, match=r"^the worker exited with code 2: error: --dtype bogus$"):
+            _wait_for_worker(fakeredis.FakeRedis(), "q", proc, timeout=30, log=log)
+
+
 def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeypatch):
     """A mistyped --dtype or --model: one line and exit 2, and the redis-server it had started ran on, orphaned."""
     from pydantic import ValidationError

@@ -9,6 +9,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 
 from producer.protocol import BULK_PRIORITY
@@ -67,10 +68,11 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("bench-priority needs redis-server")
     queue = "bench-priority"
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
-    worker = subprocess.Popen(worker_command(url, queue, args.model, *flags), stderr=subprocess.DEVNULL)
+    log = tempfile.NamedTemporaryFile(prefix="roseinfer-bench-worker-", suffix=".log")  # noqa: SIM115 (closed below)
+    worker = subprocess.Popen(worker_command(url, queue, args.model, *flags), stderr=log)
     try:
         client = Client(url, queue=queue)
-        _wait_for_worker(client.connection, queue, worker)
+        _wait_for_worker(client.connection, queue, worker, log=log)
         client.submit("warm up", max_tokens=4).result(timeout=300)
         ttfts: dict[str, list[float]] = {"interactive": [], "bulk": []}
         outputs: dict[str, list] = {}
@@ -100,5 +102,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         worker.terminate()
         worker.wait(timeout=60)
+        log.close()
         stop_private_redis(redis_proc)
     return 0

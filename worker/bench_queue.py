@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,14 +43,16 @@ from worker.cli import engine_flags, worker_command
 from worker.local_redis import start_private_redis, stop_private_redis
 
 
-def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for_worker(conn, queue: str, proc: subprocess.Popen, timeout: float = 300, log: Any = None) -> None:
+    """Until the worker process has registered; ``log``, a file its output goes to: the last line it wrote is said
+    if it exits first ("the worker exited with code 2" alone hid a bad flag's one-line error)."""
     from rq import Queue
     from rq.worker import Worker
 
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the worker exited with code {proc.returncode}")
+            raise SystemExit(f"the worker exited with code {proc.returncode}{_last_line(log)}")
         if Worker.count(queue=Queue(queue, connection=conn)):
             return
         time.sleep(0.2)
@@ -129,12 +132,25 @@ def _fresh_cache_then_warm_up(llm, convs: list[list[dict]], count: int) -> None:
     llm.chat(warm_up_convs(convs, count), params, use_tqdm=False)
 
 
+def _last_line(log: Any) -> str:
+    """ ": <the last line written to log>", where ``log`` is a file that can be read back and holds one."""
+    try:
+        with open(log.name, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except (AttributeError, TypeError, OSError):
+        return ""
+    return f": {lines[-1]}" if lines else ""
+
+
 @contextlib.contextmanager
 def worker_log(path: str | None) -> Iterator[Any]:
     """Where a benchmark's worker process writes its output: appended to ``path`` (a crash's traceback kept, on
-    a lent machine whose minutes are few), or nowhere."""
+    a lent machine whose minutes are few), or a file dropped at the end (read back for the error of a worker that
+    exits at its start)."""
     if path is None:
-        yield subprocess.DEVNULL
+        with tempfile.NamedTemporaryFile(prefix="roseinfer-bench-worker-", suffix=".log") as log:
+            yield log
         return
     with open(path, "ab") as log:  # (the child holds its own copy of the file once started)
         yield log
@@ -151,14 +167,14 @@ def fresh_worker(args: argparse.Namespace, url: str, convs, queue: str) -> Itera
     cmd = worker_command(url, queue, config.model, *engine_flags(config), *args.worker_flag)
     with worker_log(args.worker_log) as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    try:
-        _wait_for_worker(client.connection, queue, proc)
-        for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.warm_up_jobs), WARM_UP_TOKENS)):
-            job.result(timeout=300)
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        try:
+            _wait_for_worker(client.connection, queue, proc, log=log)
+            for job in client.submit_many(_chat_jobs(warm_up_convs(convs, args.warm_up_jobs), WARM_UP_TOKENS)):
+                job.result(timeout=300)
+            yield client
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
 
 
 def run_through_redis(args: argparse.Namespace, client, convs, arrivals: bool) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("bench-serve needs redis-server")
     queue, port = "bench-serve", free_port()
     flags = ["--dtype", args.dtype, "--num-threads", str(args.num_threads)]
-    worker = subprocess.Popen(worker_command(url, queue, args.model, *flags), stderr=subprocess.DEVNULL)
+    log = tempfile.NamedTemporaryFile(prefix="roseinfer-bench-worker-", suffix=".log")  # noqa: SIM115 (closed below)
+    worker = subprocess.Popen(worker_command(url, queue, args.model, *flags), stderr=log)
     server = subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "serve", "--redis-url", url, "--queue", queue, "--port", str(port)],
         stderr=subprocess.DEVNULL,
@@ -115,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{port}"
     try:
         client = Client(url, queue=queue)
-        _wait_for_worker(client.connection, queue, worker)
+        _wait_for_worker(client.connection, queue, worker, log=log)
         deadline = time.time() + 60
         while True:
             try:
@@ -179,5 +181,6 @@ def main(args: argparse.Namespace) -> int:
         for proc in (server, worker):
             proc.terminate()
             proc.wait(timeout=60)
+        log.close()
         stop_private_redis(redis_proc)
     return 0
