@@ -3126,7 +3126,7 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     lease = worker.sender.lease_key = LEASE_KEY.format(worker=worker.name)
     heartbeat = Heartbeat(worker)
     heartbeat.beat()  # beats both jobs (their registry entries: 40 s), then sets the lease: 10 s + half the grace
-    assert 24_000 < conn.pttl(lease) <= 25_000
+    assert 20_000 < conn.pttl(lease) <= 25_000  # (its 25 s, less what the beat took: a second on a loaded machine)
     entry = {first.execution.composite_key: time.time() + 12}  # 12 s left: its heartbeats did not reach Redis
     conn.zadd(first.job.started_job_registry.key, entry)
     heartbeat.beat()  # (the jobs were beaten a moment ago: not again)
