@@ -1181,16 +1181,22 @@ def test_a_copy_of_a_job_another_worker_runs_is_left_to_it_and_a_dead_workers_ru
     engine, admitted = FakeEngine(), []
     add = engine.add_request
     engine.add_request = lambda rid, *a, **k: (admitted.append(rid), add(rid, *a, **k))[1]
-    _, engine, client, thread, conn = _fakeredis_worker("elsewhere", engine, burst=True)
+    from rq.executions import Execution
+
+    worker, engine, client, thread, conn = _fakeredis_worker("elsewhere", engine, burst=True)
     busy, stale = client.submit("runs elsewhere", max_tokens=3), client.submit("its worker died", max_tokens=3)
+    # Ended here, its end not written yet, its entry lapsed on a loaded machine: it ran again, as a retry.
+    ending = client.submit("ending here", max_tokens=3)
     lane = client.lane(0)
-    for job in (busy, stale):
+    for job in (busy, stale, ending):
         conn.hset(job.rq_job.key, mapping={"status": "started", OWNER_FIELD: f"exec-{job.id}"})
     conn.zadd(lane.started_job_registry.key, {f"{busy.id}:exec-{busy.id}": time.time() + 60})  # (the stale one: none)
+    worker.executions[f"exec-{ending.id}"] = Execution(f"exec-{ending.id}", ending.id, conn)
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert busy.id not in admitted and conn.hget(busy.rq_job.key, OWNER_FIELD) == f"exec-{busy.id}".encode()
+    assert ending.id not in admitted
     assert conn.llen(lane.key) == 0 and conn.llen(lane.intermediate_queue_key) == 0  # the copy taken off
     assert stale.id in admitted and stale.result(timeout=1)["usage"]["completion_tokens"] == 3
 

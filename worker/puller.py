@@ -386,8 +386,11 @@ class Puller:
             for (job, _q), owner in zip(started, owners):  # (in its origin's registry: the lane it started from)
                 pipe.zscore(StartedJobRegistry.key_template.format(job.origin), f"{job.id}:{_text(owner)}")
             scores = pipe.execute()
-        now = time.time()
-        return {job.id for (job, _q), owner, score in zip(started, owners, scores) if owner and score and score > now}
+        now, ours = time.time(), self.worker.executions  # (ours: its end not written yet, its entry maybe lapsed)
+        return {
+            job.id for (job, _q), owner, score in zip(started, owners, scores)
+            if owner and ((score and score > now) or _text(owner) in ours)
+        }  # fmt: skip
 
     def _drop_copies(self, over: list[tuple[Job, Queue]]) -> None:
         """Copies of jobs that ended (finished or failed: an id pushed twice, a requeue that crossed the end) off
