@@ -35,7 +35,10 @@ def deadline_after(timeout: float | None) -> float | None:
         raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
     if math.isnan(timeout):
         raise ValueError("timeout must be a number of seconds or None, got NaN")
-    return None if timeout == math.inf else time.monotonic() + timeout
+    try:
+        return None if timeout == math.inf else time.monotonic() + timeout
+    except OverflowError:  # (an int past a float's range: as long a wait as infinity's)
+        return None
 
 
 REPLAY_PAGE = 1024  # stream entries a read of the backlog takes (one XRANGE of 100,000 held Redis 40 ms)
