@@ -33,12 +33,12 @@ def deadline_after(timeout: float | None) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__} {timeout!r}")
-    if math.isnan(timeout):
+    if isinstance(timeout, float) and math.isnan(timeout):  # (an int is never NaN, and may pass a float's range)
         raise ValueError("timeout must be a number of seconds or None, got NaN")
     try:
         return None if timeout == math.inf else time.monotonic() + timeout
-    except OverflowError:  # (an int past a float's range: as long a wait as infinity's)
-        return None
+    except OverflowError:  # (an int past a float's range: a wait as infinity's, or none for a negative one)
+        return None if timeout > 0 else time.monotonic()
 
 
 REPLAY_PAGE = 1024  # stream entries a read of the backlog takes (one XRANGE of 100,000 held Redis 40 ms)

@@ -1132,6 +1132,7 @@ def test_a_wait_of_a_timeout_of_nan_or_another_type_or_a_job_of_a_non_string_id_
     from producer.event_reading import deadline_after
 
     assert deadline_after(10**400) is None  # (past a float's range: no end, not an OverflowError)
+    assert deadline_after(-(10**400)) <= time.monotonic()  # (and the negative one's end is now)
     with pytest.raises(TypeError, match="a sample index is an int, got str '1'"):
         list(job.stream(timeout=1, index="1"))
     with pytest.raises(TypeError, match="a job id is a string, got int 123"):
