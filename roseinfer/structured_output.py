@@ -101,7 +101,10 @@ def _enforceable(schema: Any, closed: bool, open_refs: set[str]) -> Any:
         if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
             continue
         if key in _BOUNDS and isinstance(value, int) and not isinstance(value, bool):
-            value = _bound_inside(key, value)
+            key, value = _bound_inside(key, value)
+        if key in ("maximum", "minimum") and _is_number(value) and _is_number(out.get(key)):
+            # (an exclusive bound moved inside is inclusive, beside the schema's own: the tighter holds)
+            value = min(value, out[key]) if key == "maximum" else max(value, out[key])
         if key in ("$defs", "definitions") and isinstance(value, dict):
             value = {
                 name: _enforceable(sub, f"#/{key}/{name}" not in open_refs, open_refs) for name, sub in value.items()
@@ -122,19 +125,24 @@ def _enforceable(schema: Any, closed: bool, open_refs: set[str]) -> Any:
     return out
 
 
-def _bound_inside(key: str, value: int) -> int:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bound_inside(key: str, value: int) -> tuple[str, int]:
     """An integer bound as llguidance holds it, a double, moved to the nearest one inside the bound where it is not
-    one exactly: rounded outward, 2**53 + 7 let 9007199254741000 through, past its maximum (14 seeds of 16)."""
+    one exactly: rounded outward, 2**53 + 7 let 9007199254741000 through, past its maximum (14 seeds of 16). That
+    double lies inside an exclusive bound, so it becomes an inclusive one (kept exclusive, it refused itself)."""
     try:
         near = float(value)
     except OverflowError:  # (10**400: past every double; a server error where the request is at fault)
         raise ValueError(f"the bound {key} {value} is past what a JSON number holds") from None
     if near == value:
-        return value
+        return key, value
     upper = key in ("maximum", "exclusiveMaximum")
     if (near > value) == upper:  # rounded past it: the next double back in
         near = math.nextafter(near, -math.inf if upper else math.inf)
-    return int(near)
+    return ("maximum" if upper else "minimum"), int(near)
 
 
 _COMPOSING = ("properties", "patternProperties", "additionalProperties", "allOf", "anyOf", "oneOf", "required")

@@ -550,3 +550,22 @@ def test_an_integer_bound_no_double_holds_is_moved_inside_not_rounded_outward(ll
     for out in llm.generate([PROMPTS[0]] * 8, params, use_tqdm=False):
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), narrow)
+
+
+def test_an_exclusive_integer_bound_no_double_holds_still_lets_the_value_inside_it_through(smol_tokenizer):
+    """Moved inside, an exclusive bound stayed exclusive and refused the value it moved to: exclusiveMaximum
+    2**53 + 3 refused 2**53 + 2, which lies below it (llguidance takes it, given the schema as written)."""
+    from roseinfer.sampling_params import StructuredOutputsParams
+    from roseinfer.structured_output import StructuredOutputManager, enforceable
+
+    assert enforceable({"type": "integer", "exclusiveMaximum": 2**53 + 3}) == {"type": "integer", "maximum": 2**53 + 2}
+    both = {"type": "integer", "minimum": 2**53 - 2, "exclusiveMinimum": 2**53 + 1, "exclusiveMaximum": 2**53 + 7}
+    assert enforceable(both) == {"type": "integer", "minimum": 2**53 + 2, "maximum": 2**53 + 6}  # (the tighter)
+    manager = StructuredOutputManager(smol_tokenizer, len(smol_tokenizer), [smol_tokenizer.eos_token_id])
+    for schema, text, accepted in [
+        ({"type": "integer", "exclusiveMaximum": 2**53 + 3}, str(2**53 + 2), True),
+        ({"type": "integer", "exclusiveMinimum": -(2**53) - 3}, str(-(2**53) - 2), True),
+        ({"type": "integer", "exclusiveMaximum": 2**53 + 3}, str(2**53 + 4), False),
+    ]:
+        matcher = manager.matcher_for(StructuredOutputsParams(json=schema), [])
+        assert (matcher.consume_tokens(smol_tokenizer.encode(text)) and matcher.is_accepting()) is accepted, schema
