@@ -17,10 +17,12 @@ from safetensors import safe_open
 
 from roseinfer.config import ConfigError
 
-# (index of a sharded checkpoint, its single file), in the order they are looked for: safetensors first.
+# (a single file, the index of a sharded checkpoint), looked for in transformers' order: each single file before its
+# index (a folder saved again in the other layout keeps both, and transformers loads the single file), safetensors
+# before PyTorch's.
 WEIGHT_FORMATS = (
-    ("model.safetensors.index.json", "model.safetensors"),
-    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
 )
 
 
@@ -32,19 +34,19 @@ class CheckpointError(ConfigError):
 def weight_files(folder: Path, opened: dict[Path, Any]) -> dict[str, Path]:
     """Each tensor's name -> the file that holds it: from the folder's index when it is sharded. A single file is
     opened to list its names; ``opened`` (by path) keeps it open for the tensors' reads."""
-    for index_name, file_name in WEIGHT_FORMATS:
+    for file_name, index_name in WEIGHT_FORMATS:
+        path = folder / file_name
+        if path.is_file():
+            opened[path] = _open(path)
+            names = opened[path].keys()  # (a safetensors handle has keys() alone)
+            return {name: path for name in names}
         index = folder / index_name
         if index.is_file():
             files = {name: folder / file for name, file in sharded_files(index).items()}
             for path in set(files.values()) - {p for p in files.values() if p.is_file()}:
                 raise CheckpointError(f"{index} names {path.name}, which is not there")
             return files
-        path = folder / file_name
-        if path.is_file():
-            opened[path] = _open(path)
-            names = opened[path].keys()  # (a safetensors handle has keys() alone)
-            return {name: path for name in names}
-    indexes, files = zip(*WEIGHT_FORMATS)
+    files, indexes = zip(*WEIGHT_FORMATS)
     raise FileNotFoundError(
         f"{folder} holds no weights: no {', '.join(files)} nor a sharded index ({', '.join(indexes)})"
     )

@@ -125,13 +125,15 @@ def download_from_hub(repo_id: str) -> str:
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))  # the indexes of sharded weights among them
-    for index_name, file_name in WEIGHT_FORMATS:
-        index = folder / index_name
-        wanted = sorted(set(sharded_files(index).values())) if index.is_file() else [file_name]
-        folder = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, *wanted]))
-        if all((folder / name).is_file() for name in wanted):
+    for file_name, index_name in WEIGHT_FORMATS:  # (in the order the checkpoint looks for them)
+        folder = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, file_name]))
+        if (folder / file_name).is_file():
             break
-    return str(folder)  # (without weights, the checkpoint says so)
+        if (folder / index_name).is_file():
+            shards = sorted(set(sharded_files(folder / index_name).values()))
+            folder = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, *shards]))
+            break
+    return str(folder)  # (without weights, or without a shard, the checkpoint says so)
 
 
 _CONVERSION = threading.Lock()

@@ -329,6 +329,29 @@ def test_sharded_and_pytorch_checkpoints_load_the_same_weights(tiny_llama, tmp_p
     assert _engine_greedy(str(pytorch)) == expected
 
 
+def test_a_folder_saved_again_in_the_other_layout_loads_the_weights_transformers_loads(tiny_llama, tmp_path):
+    """save_pretrained leaves the other layout's files: the index of sharded weights beside a single file saved
+    later (refused: "names a shard which is not there"), or a single file beside shards saved later (served, with
+    other weights than transformers' own). transformers takes the single file first, and now so does the engine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    other = AutoModelForCausalLM.from_config(model.config)  # (random weights of its own)
+    stale_index = tmp_path / "stale-index"
+    other.save_pretrained(stale_index, max_shard_size="40KB")
+    for shard in stale_index.glob("model-*.safetensors"):
+        shard.unlink()  # (a shard removed since, as a re-save into a clean copy leaves it)
+    model.save_pretrained(stale_index)
+    assert (stale_index / "model.safetensors.index.json").is_file()
+    expected = _engine_greedy(tiny_llama)
+    assert _engine_greedy(str(stale_index)) == expected
+
+    both = tmp_path / "both"
+    other.save_pretrained(both, max_shard_size="40KB")
+    shutil.copy(Path(tiny_llama) / "model.safetensors", both / "model.safetensors")
+    assert _engine_greedy(str(both)) == expected
+
+
 def test_gpt2_names_without_the_transformer_prefix_load(tiny_gpt2, tmp_path):
     """The hub's original GPT-2 checkpoints name their tensors ``h.0.attn...``; saved by transformers today,
     ``transformer.h.0.attn...``."""
