@@ -1604,6 +1604,35 @@ def test_a_job_rqs_clean_up_failed_as_abandoned_is_not_finished_or_streamed_by_t
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("scripts", [True, False], ids=["lua", "watch"])
+def test_a_stale_copy_saved_over_a_running_jobs_status_is_no_requeue(redis_url, scripts):
+    """``job.save()`` of the object ``enqueue`` returned (its meta set, say) writes "queued" over a running job: taken
+    for a requeue, the job was dropped here at its end (or its events), in no queue and no registry, its stream
+    unended, for good; a stop's hand-back left it out of its queue too. RQ's own worker finishes it. RQ's requeues
+    take the execution's started-registry entry out with the status: while the entry is there, the job is ours."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    conn, worker, name, [ending, handed] = _running_jobs(redis_url, count=2)
+    if scripts:
+        worker.sender._load_scripts()
+    for held in (ending, handed):
+        stale = Job.fetch(held.job.id, connection=conn, serializer=JSONSerializer)
+        stale._status, stale.meta["tag"] = "queued", "x"  # (as the object enqueue returned says)
+        stale.save()
+    assert worker._owned([ending, handed]) == [True, True]
+    written, _ = worker._succeed_plain([(ending, {"id": ending.job.id, "text": "done"})])
+    assert [job for job, _ in written] == [ending] and ending.job.get_status(refresh=True) == "finished"
+    worker._requeue([handed], {})
+    assert conn.lrange(f"rq:queue:{name}", 0, -1) == [handed.job.id.encode()]
+    assert handed.job.get_status(refresh=True) == "queued"
+    # A requeue by RQ's clean-up (the entry out with it) is one still: that end is not written over.
+    conn.zrem(handed.job.started_job_registry.key, handed.execution.composite_key)
+    assert worker._owned([handed]) == [False]
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_events_refused_while_a_job_was_queued_again_go_out_in_order_once_it_is_this_attempts_again(redis_url):
     """This worker stalled, RQ queued its job again, and this worker pulled it back while its copy still ran: the
     events refused meanwhile were lost, and the stream went 0, 1, 3, ... (followers heard StreamGap, "trimmed").
@@ -3155,10 +3184,19 @@ def test_the_lease_never_outlives_a_registry_entry_of_a_job_held(redis_url):
     conn.zrem(first.job.started_job_registry.key, first.execution.composite_key)
     heartbeat.beat()
     assert not conn.exists(lease)
+    for status in ("scheduled", "queued"):  # (as RQ's retry writes it, with the entry out)
+        conn.hset(first.job.key, "status", status)
+        heartbeat.beat()
+        assert not conn.exists(lease) and conn.hget(first.job.key, "status") == status.encode()
+    # A stale copy of the job saved over its status (``job.save()`` of the object ``enqueue`` returned), its entry
+    # still there: no requeue. The lease was refused, the job's events after it refused and the job dropped here,
+    # in no queue and no registry, for good. It says "started" again, and the lease holds.
     conn.zadd(first.job.started_job_registry.key, {first.execution.composite_key: time.time() + 40})
-    conn.hset(first.job.key, "status", "scheduled")
-    heartbeat.beat()
-    assert not conn.exists(lease)
+    for status in ("scheduled", "queued"):
+        conn.hset(first.job.key, "status", status)
+        heartbeat.beat()
+        assert conn.exists(lease) and conn.hget(first.job.key, "status") == b"started"
+    conn.delete(lease)
     # Thawed after a stall past its entries' life: RQ's clean-up may have read them lapsed and not yet written the
     # failure (the status still started). The beat renews the entries but grants no lease: its events stay checked
     # (a stalled worker streamed 12 events after the failure). The next beat does.

@@ -1044,6 +1044,29 @@ def test_a_job_requeued_while_it_runs_here_is_neither_failed_nor_run_twice(serve
     assert conn.llen(f"rq:queue:{w.queue}") == 0
 
 
+@pytest.mark.slow  # seconds of a job running
+def test_a_stale_copy_of_a_running_job_saved_over_it_does_not_lose_the_job(served, monkeypatch):
+    """``job.meta[...] = ...; job.save()`` on the object ``enqueue`` returned writes "queued" over the running job:
+    taken for a requeue at the next heartbeat, it was dropped here, in no queue and no registry, with no result and
+    its stream unended, for good. RQ's own worker finishes it; so does this one, its meta as saved."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    w, client, conn = served
+    slow_engine_steps(monkeypatch, w.worker.engine, 0.02)  # (it runs past a few heartbeats, 1 s apart)
+    job = client.submit("long one", max_tokens=150, temperature=0, ignore_eos=True)
+    stale = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+    next(iter(job.events(timeout=30)))
+    stale.meta["tag"] = "x"
+    stale.save()
+    assert conn.hget(stale.key, "status") == b"queued"
+    result = job.result(timeout=60)
+    assert result["status"] == "finished" and result["usage"]["completion_tokens"] == 150
+    events = list(job.events(timeout=10))
+    assert sum(len(e["token_ids"]) for e in events) == 150 and events[-1]["finish_reason"] == "length"
+    assert Job.fetch(job.id, connection=conn, serializer=JSONSerializer).meta["tag"] == "x"
+
+
 @pytest.mark.slow  # a worker of its own, or seconds of waiting
 def test_a_long_stall_does_not_let_rq_think_the_worker_died(redis_url, tiny_chat_model, monkeypatch):
     # Heartbeat every second and two seconds of grace (a TTL of 3 s; one, with whole-second scores, left a loaded

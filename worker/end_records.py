@@ -154,33 +154,50 @@ class EndRecords:
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
                 pipe.exists(job.execution.key)
+                read_entry(pipe, job)
             replies = pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, Exception) and not wrong_type(reply):
                 raise reply
         return [
-            False if isinstance(found, Exception) else self._is_ours(job, *found, ends_as if not alive else ())
-            for job, found, alive in zip(held, replies[::2], replies[1::2])
+            False
+            if isinstance(found, Exception)
+            else self._is_ours(job, *found, ends_as if not alive else (), entered=entry is not None)
+            for job, found, alive, entry in zip(held, replies[::3], replies[1::3], replies[2::3])
         ]
 
     @staticmethod
     def _is_ours(
-        job: InFlight, owner: bytes | None, status: bytes | None, ends_as: tuple[bytes, ...] = ()
+        job: InFlight,
+        owner: bytes | None,
+        status: bytes | None,
+        ends_as: tuple[bytes, ...] = (),
+        entered: bool = False,
     ) -> bool | None:
         """True: its owner field names our execution (or the hash is gone: Redis lost data) and it was not requeued.
         None: ours, but its status is one ``ends_as`` names, the status this end writes: an earlier try of it (whose
         reply was lost) wrote it, and RQ's writes (counters, a retry, dependents) are not made again. False: another
         attempt's now, or failed by RQ's clean-up (this worker stalled past its heartbeat, the job had no retry
-        left): that end stands, its client told, its failure callbacks run; a success over it gave two results."""
-        if owner is not None and (owner.decode() != job.execution.id or status == b"queued"):
+        left): that end stands, its client told, its failure callbacks run; a success over it gave two results.
+        ``entered``: our execution's started-registry entry is there, so a status "queued" is no requeue (RQ's
+        requeues take the entry out with it) but a stale copy of the job saved over it (``job.save()`` of the
+        object ``enqueue`` returned): still ours."""
+        if owner is not None and (owner.decode() != job.execution.id or (status == b"queued" and not entered)):
             return False
         if status == b"failed" and b"failed" not in ends_as:
             return False
         return None if status in ends_as else True
 
-    def _runs_here(self, job: InFlight, owner: bytes | None, status: bytes | None) -> bool:
-        """Its hash (``owner``, ``status``, as read) says it still runs as this attempt: ours, and started."""
-        return status == JobStatus.STARTED.value.encode() and self._is_ours(job, owner, status) is True
+    def _runs_here(self, job: InFlight, owner: bytes | None, status: bytes | None, entered: bool = False) -> bool:
+        """Its hash (``owner``, ``status``, as read) says it still runs as this attempt: ours, and started (or
+        "queued" by a stale copy saved over it, ``entered``: see ``_is_ours``)."""
+        running = status == JobStatus.STARTED.value.encode() or (status == b"queued" and entered)
+        return running and self._is_ours(job, owner, status, entered=entered) is True
+
+
+def read_entry(pipe: Any, job: InFlight) -> Any:
+    """Queue the read of ``job``'s execution's entry in its started registry (its score, or None) on ``pipe``."""
+    return pipe.zscore(job.job.started_job_registry.key, job.execution.composite_key)
 
 
 def failure_ttl(job: Job) -> int:

@@ -18,6 +18,7 @@ from rq.job import Job, JobStatus
 
 from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from producer.protocol import OWNER_FIELD
+from worker.end_records import read_entry
 from worker.in_flight import InFlight
 from worker.puller import Arrival
 from worker.pump import JobEvent
@@ -117,13 +118,14 @@ class HandBack:
             pipe.exists(self.key)
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
+                read_entry(pipe, job)
             registered, *now_as = pipe.execute()
-        for job, (owner, status) in zip(held, now_as):
+        for job, (owner, status), entry in zip(held, now_as[::2], now_as[1::2]):
             # Only a job still running as this attempt goes back: one canceled, stopped, deleted or another
             # attempt's since the sender's last look (a client's cancel of a moment ago) keeps what was done to it.
             if status is None and not registered:
                 fresh = job.job  # Redis lost its data (this worker's registration too): the copy here is all there is
-            elif self._runs_here(job, owner, status):
+            elif self._runs_here(job, owner, status, entered=entry is not None):
                 fresh = self._reread(job.job)
             elif status in _ENDED_BY_OTHERS and job.job.id in aborted and self._is_ours(job, owner, status):
                 # Canceled, stopped or deleted after the sender's last look: it ends so here (its abort event, its

@@ -41,7 +41,9 @@ from worker.intake import load_script
 # owns now (a job hash that is gone does not fence: Redis may have lost its data) or that failed meanwhile (RQ's
 # clean-up took it for abandoned: this worker stalled past its heartbeat, and that end stands: its client was
 # told, its failure callbacks ran; a success over it gave the job two results), and those that got dependents. A
-# job this attempt finished already (the same call tried again after its reply was lost) is left as it is.
+# job this attempt finished already (the same call tried again after its reply was lost) is left as it is. A job
+# "queued" whose started-registry entry is still this execution's was not requeued (RQ's requeues take the entry
+# out with it): a stale copy saved over its status (``job.save()`` of the object ``enqueue`` returned) finishes.
 _FINISH = """
 local field, stamp, name, ended = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local worker, executions, kind, done_ttl = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
@@ -67,7 +69,8 @@ for a = 9, #ARGV, 20 do
   local job, id, exec_id, dependents, result = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
   local ttl = tonumber(ARGV[a + 7])
   local now = redis.call('HMGET', job, field, 'status')
-  if now[1] and (now[1] ~= exec_id or now[2] == 'queued' or now[2] == 'failed') then
+  local requeued = now[2] == 'queued' and not redis.call('ZSCORE', ARGV[a + 13], ARGV[a + 14])
+  if now[1] and (now[1] ~= exec_id or requeued or now[2] == 'failed') then
     lost[#lost + 1] = j
   elseif not now[2] and redis.call('EXISTS', worker) == 1 and redis.call('EXISTS', job) == 0 then
     -- gone while Redis still knows this worker (it lost no data): RQ's job.delete() as it finished, which stays

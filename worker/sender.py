@@ -94,18 +94,26 @@ return lost
 # RQ requeue one), and never past any job's registry entry less the margin, by Redis's clock: a stall of Redis
 # outlived the entries (their scores are absolute, the lease's TTL was not) and RQ requeued jobs whose events then
 # went out unchecked, from two attempts. A job's entry gone while it has not ended here (RQ's clean-up took it for
-# abandoned, and requeued, scheduled or failed it) ends the lease too: it was granted whole. 1 if set; 0: the lease
-# is gone, and every event is checked.
+# abandoned, and requeued, scheduled or failed it) ends the lease too: it was granted whole. A job "queued" or
+# "scheduled" that still has its entry was not requeued (RQ's requeues take the entry out with it): a stale copy of
+# it was saved over its status (``job.save()`` of the object ``enqueue`` returned), which says "started" again (the
+# events refused meanwhile go out once the step loop finds it ours). 1 if set; 0: the lease is gone, and every event
+# is checked.
 _LEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ms, margin, a = tonumber(ARGV[1]), tonumber(ARGV[2]), 3
 for i = 2, #KEYS, 2 do
   local job = redis.call('HMGET', KEYS[i], 'roseinfer_owner', 'status')
-  if job[1] and (job[1] ~= ARGV[a] or job[2] == 'queued' or job[2] == 'scheduled' or job[2] == 'failed') then
+  local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
+  local requeued = job[2] == 'queued' or job[2] == 'scheduled'
+  if requeued and score and job[1] == ARGV[a] then
+    redis.call('HSET', KEYS[i], 'status', 'started')  -- a stale copy saved over it: it runs here, as it says again
+    requeued = false
+  end
+  if job[1] and (job[1] ~= ARGV[a] or requeued or job[2] == 'failed') then
     ms = 0 break
   end
-  local score = redis.call('ZSCORE', KEYS[i + 1], ARGV[a + 1])
   if score then ms = math.min(ms, math.floor(tonumber(score) * 1000) - margin - now)
   elseif job[1] and (job[2] == 'started' or job[2] == 'deferred') then ms = 0 break end  -- (one ended has none)
   a = a + 2

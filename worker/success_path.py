@@ -29,6 +29,7 @@ from rq.utils import current_timestamp, now, utcformat
 
 from producer.connection import redis_waits
 from producer.protocol import OWNER_FIELD, encode_result, failure_result, result_entry
+from worker.end_records import read_entry
 from worker.in_flight import InFlight, ended_timings, jobs_named
 from worker.job_finish import finish_jobs
 from worker.job_finish import register as register_finish_script
@@ -216,9 +217,10 @@ class SuccessPath:
             pipe.watch(*[job.job.key for job, _ in plain], *[job.job.dependents_key for job, _ in plain])
             owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
             dependents = [pipe.exists(job.job.dependents_key) for job, _ in plain]
+            entries = [read_entry(pipe, job) for job, _ in plain]
             pipe.multi()
-            for (job, result), (owner, status), has_dependents in zip(plain, owners, dependents):
-                mine = self._is_ours(job, owner, status, (b"finished",))
+            for (job, result), (owner, status), has_dependents, entry in zip(plain, owners, dependents, entries):
+                mine = self._is_ours(job, owner, status, (b"finished",), entered=entry is not None)
                 if mine is False:
                     self._lost_at_end(job)
                 elif mine is None:
