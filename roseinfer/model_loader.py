@@ -205,17 +205,33 @@ def convert_gguf(gguf: Path, name: str, source: str) -> Path:
     with _CONVERSION:  # one at a time in a process: gguf's functions are swapped process-wide meanwhile
         if _converted(target, source):  # (converted while this thread waited, too)
             return target
-        with _gguf_work_once():
+        with _gguf_work_once(), _gguf_alone(gguf) as (folder, file):
             # From its metadata, before minutes of dequantizing (and gigabytes written) for a model the engine
             # refuses, and before anything of it is in the cache.
-            check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).model_type)
+            check_supported(AutoConfig.from_pretrained(folder, gguf_file=file).model_type)
             with cache_lock(name):  # the first process converts; the others wait for its folder
                 if _converted(target, source):
                     return target
                 if (target / "config.json").is_file():
                     log.warning("%s in the cache was converted by an older roseinfer or from another file: "
                                 "converting %s again", target, gguf)  # fmt: skip
-                return _convert_gguf(gguf, name, target, _conversion_mark(source))
+                return _convert_gguf(gguf, folder, file, name, target, _conversion_mark(source))
+
+
+@contextlib.contextmanager
+def _gguf_alone(gguf: Path) -> Iterator[tuple[str, str]]:
+    """The folder and file transformers reads ``gguf`` from: a private folder holding a link to it, by its absolute
+    path. transformers took a bare file name from the working folder first (a same-named file there gave its weights
+    to the conversion, cached under this file's name), and read tokenizer files beside the GGUF over its own (with
+    no end token: refused)."""
+    with tempfile.TemporaryDirectory(prefix="roseinfer-gguf-") as folder:
+        link = Path(folder) / gguf.name
+        try:
+            link.symlink_to(gguf.resolve())
+        except OSError:  # (a file system without links: the file itself, by its absolute path)
+            yield str(gguf.resolve().parent), str(gguf.resolve())
+            return
+        yield folder, str(link)
 
 
 def _check_writable(folder: Path) -> None:
@@ -224,14 +240,14 @@ def _check_writable(folder: Path) -> None:
         raise PermissionError(errno.EACCES, "this user cannot write there", str(folder))
 
 
-def _convert_gguf(gguf: Path, name: str, target: Path, mark: dict[str, Any]) -> Path:
+def _convert_gguf(gguf: Path, folder: str, file: str, name: str, target: Path, mark: dict[str, Any]) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     _check_end_token(gguf, tokenizer)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; a fresh model of the same config takes its weights (built on
     # the meta device: its random initialisation took seconds, for weights replaced at once).
     config_dict = loaded.config.to_dict()

@@ -455,13 +455,13 @@ def test_an_engine_starts_without_transformers_modeling_code(tiny_llama):
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def _write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
+def _write_tiny_llama_gguf(path: Path, arch: str = "llama", seed: int = 0) -> None:
     """A 2-layer random Llama (or Qwen3, Phi-3, Gemma 2 or 3: q/k norms, Phi's fused tensors, Gemma's post-norms
     and tied output) as llama.cpp writes one: its names, its metadata, a byte-level BPE vocabulary."""
     import gguf
     import numpy as np
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     tokens = [chr(c) for c in range(ord("a"), ord("a") + 26)] + ["ab", "abc", "<|end|>"]
     hidden, ffn, heads, kv_heads, vocab = 32, 64, 4, 2, len(tokens)
     # transformers reads no head size from a Qwen3 GGUF: it takes Qwen3's own, 128.
@@ -517,7 +517,7 @@ def _gguf_greedy_matches_transformers(llm: LLM, path: Path) -> None:
     prompts = [[1, 2, 3], [5, 5, 7, 20, 1], list(range(26))]
     params = SamplingParams(max_tokens=12, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=str(path), dtype=torch.float32)
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt])
         expected = reference.generate(
@@ -537,6 +537,23 @@ def test_a_gguf_of_another_family_matches_transformers(arch, tmp_path, monkeypat
     llm = LLM(str(path), dtype="float32")
     assert type(llm.engine.runner.model).__name__ == ("Gemma" if arch.startswith("gemma") else "Llama")
     _gguf_greedy_matches_transformers(llm, path)
+
+
+def test_a_gguf_is_converted_from_its_own_file_alone(tmp_path, monkeypatch):
+    """transformers took a bare file name from the working folder first: a GGUF of the same name there gave its
+    weights to the conversion (cached under this file's name, served so from then on). And it read tokenizer files
+    beside a GGUF over the file's own: with no end token, refused, naming an upgrade that could not help."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    _write_tiny_llama_gguf(tmp_path / "here" / "model.gguf", seed=1)
+    path = tmp_path / "there" / "model.gguf"
+    _write_tiny_llama_gguf(path)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=str(path)).save_pretrained(path.parent)
+    monkeypatch.chdir(tmp_path / "here")
+    _gguf_greedy_matches_transformers(LLM(str(path), dtype="float32"), path)
 
 
 @pytest.mark.slow
