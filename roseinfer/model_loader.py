@@ -182,11 +182,27 @@ def _conversion_mark(source: str) -> dict[str, Any]:
 
 
 def _converted(target: Path, source: str) -> bool:
-    """Whether ``target`` holds a conversion of ``source`` by this format (without importing transformers)."""
+    """Whether ``target`` holds a whole conversion of ``source`` by this format (without importing transformers)."""
     try:
-        return json.loads((target / CONVERSION_MARK).read_text()) == _conversion_mark(source)
+        return json.loads((target / CONVERSION_MARK).read_text()) == _conversion_mark(source) and _whole(target)
     except (OSError, ValueError):
         return False
+
+
+def _whole(folder: Path) -> bool:
+    """Whether each safetensors file of ``folder`` is as long as its header says: one cut short or emptied (a crash
+    after its rename, before the disk had it) failed every start after, and was never converted again."""
+    for path in folder.glob("*.safetensors"):
+        try:
+            with path.open("rb") as file:
+                size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(size)) if 0 < size < 100 << 20 else None
+            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+            if path.stat().st_size != 8 + size + max(ends, default=0):
+                return False
+        except (OSError, ValueError, AttributeError, LookupError, TypeError):  # (unreadable, or no such header)
+            return False
+    return True
 
 
 def convert_gguf(gguf: Path, name: str, source: str) -> Path:
@@ -213,8 +229,8 @@ def convert_gguf(gguf: Path, name: str, source: str) -> Path:
                 if _converted(target, source):
                     return target
                 if (target / "config.json").is_file():
-                    log.warning("%s in the cache was converted by an older roseinfer or from another file: "
-                                "converting %s again", target, gguf)  # fmt: skip
+                    log.warning("%s in the cache was converted by an older roseinfer or from another file, or a file "
+                                "of it is cut short: converting %s again", target, gguf)  # fmt: skip
                 return _convert_gguf(gguf, folder, file, name, target, _conversion_mark(source))
 
 
@@ -290,10 +306,10 @@ def save_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
     """The model folder ``name`` of the cache, written by ``save`` unless it is there; the first process to start
     writes it while the others wait for it, instead of each making a copy of its own."""
     target = cache_dir() / name
-    if (target / "config.json").is_file():
+    if (target / "config.json").is_file() and _whole(target):
         return target
     with cache_lock(name):
-        if (target / "config.json").is_file():  # written while this process waited
+        if (target / "config.json").is_file() and _whole(target):  # written while this process waited
             return target
         return write_in_cache(name, save)
 
@@ -309,6 +325,7 @@ def write_in_cache(name: str, save: Callable[[Path], Any]) -> Path:
     try:
         save(tmp)
         _open_as_umask_says(tmp)
+        _sync(tmp)  # on the disk before the rename shows it: a crash then left files cut short behind a whole folder
         old = None
         if target.exists():  # moved aside, then removed: a process that loaded it keeps its open files
             old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
@@ -333,6 +350,13 @@ def _remove_leftovers(name: str) -> None:
         if own.fullmatch(leftover.name) and leftover.is_dir():
             log.warning("removing %s, left by a conversion that did not finish", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _sync(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as file:
+                os.fsync(file.fileno())
 
 
 def _open_as_umask_says(folder: Path) -> None:

@@ -556,6 +556,20 @@ def test_a_gguf_is_converted_from_its_own_file_alone(tmp_path, monkeypatch):
     _gguf_greedy_matches_transformers(LLM(str(path), dtype="float32"), path)
 
 
+def test_a_conversion_in_the_cache_cut_short_is_converted_again(tmp_path, monkeypatch):
+    """A converted file cut short or emptied behind a whole folder (a crash after its rename, before the disk had
+    it) failed every start after with "cannot read ... model.safetensors", and was never converted again."""
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-llama.gguf"
+    _write_tiny_llama_gguf(path)
+    LLM(str(path), dtype="float32")
+    [weights] = (tmp_path / "cache").glob("*/model.safetensors")
+    for cut in (weights.stat().st_size - 100, 0):
+        with weights.open("r+b") as file:
+            file.truncate(cut)
+        _gguf_greedy_matches_transformers(LLM(str(path), dtype="float32"), path)
+
+
 @pytest.mark.slow
 def test_a_gguf_is_converted_with_one_parse_and_matches_transformers(tmp_path, monkeypatch):
     """transformers parsed the file four times and built gguf's name map once per submodule (58 s of the default
