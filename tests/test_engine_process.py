@@ -4,6 +4,7 @@ dead child fails its jobs retryably and stops the worker, and the RQ worker serv
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -411,6 +412,72 @@ def test_a_worker_held_up_between_a_submit_and_its_step_does_not_make_an_idle_ch
         assert [(e.job_id, e.finish_reason) for e in ended] == [("a", "length")] and pump.failure is None
     finally:
         pump.close()
+
+
+def engine_spinning(step_cpu_s: float) -> FakeEngine:
+    """Each step spins ``step_cpu_s`` of CPU time: a step under way when the process is stopped goes on after it."""
+    engine = FakeEngine()
+    step = engine.step
+
+    def spinning_step(flush=True):
+        until = time.process_time() + step_cpu_s
+        while time.process_time() < until:
+            pass
+        return step(flush)
+
+    engine.step = spinning_step
+    return engine
+
+
+_PAUSED = """
+import sys, time
+from functools import partial
+sys.path.insert(0, sys.argv[2])
+from test_engine_process import _drain, _params, engine_spinning
+if sys.argv[1] == "process":
+    from worker.engine_process import EngineProcess
+    pump = EngineProcess(partial(engine_spinning, 0.08), step_timeout=1.0)
+    pump.submit("a", {"prompt": "x"}, _params(30))
+    pump.step()
+    print("ready", flush=True)
+    ended = [e for e in _drain(pump, 60) if e.finished]
+    print([(e.job_id, e.finish_reason) for e in ended], pump.failure)
+    pump.close()
+else:
+    from worker.watchdog import StepWatchdog
+    watchdog = StepWatchdog(1.0)
+    watchdog.start()
+    watchdog.began()
+    print("ready", flush=True)
+    until = time.process_time() + 0.6  # a step of 0.6 s of CPU time, stopped in its middle
+    while time.process_time() < until:
+        pass
+    watchdog.ended()
+    print([("a", "length")], None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["process", "in-process"])
+def test_a_worker_stopped_and_continued_is_not_hung(where):
+    """A worker stopped (SIGSTOP, Ctrl-Z, a paused container or VM) past its step timeout: the monotonic clock ran on,
+    and the watchdog woken after it took the step under way for hung: the worker exited 70, or killed its healthy
+    engine process and failed its jobs (a retry spent each)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED, where, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGSTOP)  # (the whole group: an engine process is stopped with it)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, out) == (0, "[('a', 'length')] None\n"), err[-2000:]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from typing import Any
 
 from roseinfer.config import ConfigError
 from worker.pump import EngineBroken, JobEvent, Pump
+from worker.watchdog import AwakeClock
 
 log = logging.getLogger("roseinfer.worker")
 
@@ -272,7 +273,9 @@ class EngineProcess:
         self._failure: str | None = None  # why the child is gone, once it is (``failure``)
         self._failed_once = False  # a step met the child gone (its jobs failed; those never sent, not the first time)
         self._step_timeout = step_timeout
-        self._quiet_since = time.monotonic()  # the child's last message, or when it last owed none
+        # The watchdog's clock: a pause of the whole process group (SIGSTOP, a paused container) is no hang.
+        self._clock = AwakeClock(min(1.0, step_timeout / 4) if step_timeout else 1.0)
+        self._quiet_since = self._clock()  # the child's last message, or when it last owed none
         self._sending_since: float | None = None  # when the send under way began
         self._closed = threading.Event()
         self._killing = threading.Lock()  # the send watchdog's thread and the step loop may both find it hung
@@ -398,8 +401,8 @@ class EngineProcess:
                 self._take(self._recv())
             self._send_outbox()  # the watchdog's clock starts when the child is sent jobs, not at a submit
             if not self._jobs:
-                self._quiet_since = time.monotonic()  # it owes nothing
-            elif self._overdue(time.monotonic()):
+                self._quiet_since = self._clock()  # it owes nothing
+            elif self._overdue(self._clock()):
                 raise self._hung_and_read()
             if not self._events and self._conn.poll(_WAIT_S):
                 self._take(self._recv())
@@ -487,7 +490,7 @@ class EngineProcess:
             return
         jobs, self._outbox = self._outbox, []
         if len(self._jobs) <= len(jobs):  # it held none before these: it owes a step from now on, not from their
-            self._quiet_since = time.monotonic()  # submit (a worker held up between the two killed a healthy child)
+            self._quiet_since = self._clock()  # submit (a worker held up between the two killed a healthy child)
         try:
             self._send(("jobs", jobs))
         except EngineProcessDied:
@@ -509,7 +512,7 @@ class EngineProcess:
                     )
 
     def _send(self, message: tuple) -> None:
-        self._sending_since = time.monotonic()
+        self._sending_since = self._clock()
         try:
             self._commands.send(message)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
@@ -522,13 +525,13 @@ class EngineProcess:
             message = self._conn.recv()
         except (EOFError, ConnectionResetError, OSError) as exc:
             raise self._died() from exc
-        self._quiet_since = time.monotonic()
+        self._quiet_since = self._clock()
         return message
 
     def _recv_in_time(self) -> tuple:
         """The child's next message, waiting no longer than the watchdog allows (a cancel waits on a step)."""
         while self._step_timeout and not self._poll(0.5):
-            if self._overdue(time.monotonic()):
+            if self._overdue(self._clock()):
                 raise self._hung_and_read()
         return self._recv()
 
@@ -566,8 +569,8 @@ class EngineProcess:
         """A send waits while the child's pipe is full, which a child hung holding the interpreter lock (in C code)
         never empties: the one wait the step loop cannot time itself. Watched from here."""
         while not self._closed.wait(min(1.0, self._step_timeout / 4)):
-            since = self._sending_since
-            if since is not None and time.monotonic() - since > self._step_timeout and self._proc.is_alive():
+            since, now = self._sending_since, self._clock()  # (read every tick: a pause shows as one)
+            if since is not None and now - since > self._step_timeout and self._proc.is_alive():
                 self._hung("took no command")  # the stuck send then fails: the child's end is gone
 
     def _take(self, message: tuple) -> None:

@@ -19,6 +19,28 @@ log = logging.getLogger("roseinfer.worker")
 
 EXIT_HUNG = 70  # EX_SOFTWARE: the engine hung
 LAST_WORDS_S = 2.0
+PAUSED_S = 2.0  # a look this much later than its thread's tick: the process was stopped meanwhile
+
+
+class AwakeClock:
+    """``time.monotonic()`` less the time the process was stopped (SIGSTOP, Ctrl-Z, a paused container or VM): the
+    monotonic clock runs on meanwhile, and a watchdog woken after such a pause took the step under way for hung (the
+    worker exited 70, or killed a healthy engine process and failed its jobs). Read at least every ``tick`` s (a
+    watchdog's thread does): a read later than that by ``PAUSED_S`` counts the excess as stopped."""
+
+    def __init__(self, tick: float) -> None:
+        self.tick = tick
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stopped = 0.0
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last > self.tick + PAUSED_S:
+                self._stopped += now - self._last - self.tick
+            self._last = now
+            return now - self._stopped
 
 
 class StepWatchdog:
@@ -27,6 +49,8 @@ class StepWatchdog:
     def __init__(self, timeout: float, last_words: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
         self.last_words = last_words  # run before the exit, for at most LAST_WORDS_S (Redis may be what hangs)
+        self._tick = min(1.0, timeout / 4)
+        self._clock = AwakeClock(self._tick)
         self._began: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="roseinfer-step-watchdog", daemon=True)
@@ -39,18 +63,18 @@ class StepWatchdog:
         self._stop.set()
 
     def began(self) -> None:
-        self._began = time.monotonic()
+        self._began = self._clock()
 
     def ended(self) -> None:
         self._began = None
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            began = self._began
-            if began is not None and time.monotonic() - began > self.timeout:
+        while not self._stop.wait(self._tick):
+            began, now = self._began, self._clock()
+            if began is not None and now - began > self.timeout:
                 log.critical("an engine step has run for %.0f s (hung): every thread's stack, then the process ends "
                              "(exit %d) for its supervisor to restart it; its jobs go to other workers",
-                             time.monotonic() - began, EXIT_HUNG)  # fmt: skip
+                             now - began, EXIT_HUNG)  # fmt: skip
                 try:
                     faulthandler.dump_traceback(file=_stderr(), all_threads=True)
                     if self.last_words is not None:
