@@ -256,6 +256,26 @@ def engine_whose_steps_keep_failing() -> FakeEngine:
     return engine
 
 
+def test_a_cancel_that_meets_the_engine_process_broken_ends_its_jobs_and_the_next_step_says_broken(monkeypatch):
+    """The child said it broke (its steps kept failing) while a cancel waited for its answer: EngineBroken escaped
+    the cancel, whose jobs were gone from the engine's list already, so a stop-job's job was handed back to run
+    again (the stop lost) and a client's cancel got no result and no last event."""
+    from worker.pump import EngineBroken
+
+    pump = EngineProcess(partial(fake_engine, 0.01))
+    try:
+        for job_id in ("a", "b"):
+            pump.submit(job_id, {"prompt": "x"}, _params(500))
+        pump.step()
+        monkeypatch.setattr(pump, "_recv_in_time", lambda: ("broken", "3 engine steps in a row failed"))
+        assert [(e.finish_reason, e.error) for e in pump.cancel_many(["a"])["a"]][-1:] == [("abort", None)]
+        with pytest.raises(EngineBroken, match="3 engine steps in a row failed"):
+            pump.step()
+        assert pump.job_ids() == ["b"]  # (handed back by the worker, with its retries untouched)
+    finally:
+        pump.close()
+
+
 def engine_that_fails_then_exits_slowly() -> FakeEngine:
     """Its loop fails at its fifth step (an error, not a crash); then its exit takes 3 s (a real engine's teardown)."""
     engine = FakeEngine()

@@ -272,6 +272,7 @@ class EngineProcess:
         self._step_times: list[float] = []  # the child's engine steps, for the step histogram
         self._failure: str | None = None  # why the child is gone, once it is (``failure``)
         self._failed_once = False  # a step met the child gone (its jobs failed; those never sent, not the first time)
+        self._broken: EngineBroken | None = None  # the child said it broke while a cancel waited: the next step says
         self._step_timeout = step_timeout
         # The watchdog's clock: a pause of the whole process group (SIGSTOP, a paused container) is no hang.
         self._clock = AwakeClock(min(1.0, step_timeout / 4) if step_timeout else 1.0)
@@ -372,7 +373,9 @@ class EngineProcess:
                     answers, self.facts = message[1], message[2]  # the blocks the cancels freed show at once
                 else:
                     self._take(message)
-        except EngineProcessDied:  # what they made since their last events died with the engine
+        except (EngineProcessDied, EngineBroken) as exc:  # what they made since their last events died with the engine
+            if isinstance(exc, EngineBroken):  # (raised at the next step: the jobs left go back, as in process)
+                self._broken = exc
             self._outbox = [job for job in self._outbox if job[0] not in here]  # (ended: no longer unsent)
             finish = "abort" if reason is None else "error"
             return {job_id: [JobEvent(job_id, finish_reason=finish, error=reason)] for job_id in here}
@@ -393,6 +396,9 @@ class EngineProcess:
     def step(self, flush: bool = True) -> list[JobEvent]:
         """The events of the steps the child ran since the last call (``flush`` is the child's to decide): waits
         a few ms for one if none came yet. Once the child is gone, every job still here fails, retryably."""
+        if self._broken is not None:  # (said while a cancel waited: the cancel's jobs ended, the rest go back)
+            broken, self._broken = self._broken, None
+            raise broken
         try:
             if self.failure is not None:  # (it may still be exiting: no end of the pipe to wait for)
                 self._read_what_is_left()
