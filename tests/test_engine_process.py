@@ -276,6 +276,25 @@ def test_a_cancel_that_meets_the_engine_process_broken_ends_its_jobs_and_the_nex
         pump.close()
 
 
+def test_an_engine_process_built_on_a_thread_that_ends_lives_on():
+    """The kernel sends the child's death signal when the thread that started it ends, not its process: an engine
+    built on a short-lived thread (a library's helper thread, an executor's) was killed at once under a live
+    worker, and every job failed."""
+    built: list[EngineProcess] = []
+    thread = threading.Thread(target=lambda: built.append(EngineProcess(partial(fake_engine))))
+    thread.start()
+    thread.join()
+    [pump] = built
+    try:
+        time.sleep(0.5)
+        pump.submit("a", {"prompt": "x"}, _params(3))
+        assert [(e.job_id, e.finish_reason) for e in _drain(pump) if e.finished] == [("a", "length")]
+        assert pump.failure is None
+    finally:
+        pump.close()
+    assert not pump._proc.is_alive()
+
+
 def engine_that_fails_then_exits_slowly() -> FakeEngine:
     """Its loop fails at its fifth step (an error, not a crash); then its exit takes 3 s (a real engine's teardown)."""
     engine = FakeEngine()

@@ -24,6 +24,7 @@ import ctypes
 import faulthandler
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -117,6 +118,33 @@ def _die_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid != os.getppid():
         os._exit(1)
+
+
+def _start(proc: multiprocessing.process.BaseProcess) -> None:
+    """``proc`` started from the main thread, or else from a thread of its own that lives as long as the child: the
+    kernel sends the child's death signal when the *thread* that started it ends (``_die_with_parent``), and an
+    engine built on a short-lived thread (a library's helper thread, an executor's) was killed at once under a live
+    worker."""
+    if threading.current_thread() is threading.main_thread():
+        proc.start()
+        return
+    started: list[BaseException | None] = []
+
+    def start_and_stay() -> None:
+        try:
+            proc.start()
+            started.append(None)
+        except BaseException as exc:
+            started.append(exc)
+            return
+        multiprocessing.connection.wait([proc.sentinel])  # (ready once the child ended: it reaps nothing)
+
+    thread = threading.Thread(target=start_and_stay, name="roseinfer-engine-starter", daemon=True)
+    thread.start()
+    while not started:
+        thread.join(0.01)
+    if started[0] is not None:
+        raise started[0]
 
 
 def _read_commands(commands: Any, inbox: queue.SimpleQueue) -> None:
@@ -260,7 +288,7 @@ class EngineProcess:
             name="roseinfer-engine",
             daemon=True,
         )  # fmt: skip
-        self._proc.start()
+        _start(self._proc)
         # At exit, before multiprocessing's own join of its daemon children (which waits for good on this one: it
         # ignores the SIGTERM that join sends first), as when the worker fails before it closes this.
         weakref.finalize(self, _kill, self._proc)
