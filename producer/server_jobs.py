@@ -78,9 +78,14 @@ async def unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: An
         if len(jobs) > 1:
             cancel_all_soon(jobs)
         raise with_jobs(job_error(exc), jobs) from None
-    except (ConnectionAbortedError, asyncio.CancelledError):
+    except ConnectionAbortedError:
         cancel_all_soon(jobs)
         raise
+    except asyncio.CancelledError:  # the server's stop, its grace over (a client's going away cancels nothing here)
+        cancel_all_soon(jobs)
+        if (task := asyncio.current_task()) is not None:
+            task.uncancel()  # (answered, not torn down: uvicorn wrote a plain-text 500 for it)
+        raise with_jobs(stopping(), jobs) from None
     except Exception:  # Redis away, events that cannot be read: no one will read the jobs
         cancel_all_soon(jobs)
         raise
@@ -100,6 +105,12 @@ def job_error(exc: JobFailed | JobCanceled) -> APIError:
     if exc.error_type == "timeout":
         return not_to_retry(APIError(504, exc.reason, "timeout"))
     return APIError(500, exc.reason, "server_error")
+
+
+def stopping() -> APIError:
+    """The server stopped before the request's jobs ended (they are canceled): another server, or this one once
+    restarted, runs it again (the official clients retry a 503)."""
+    return APIError(503, "the server is stopping: the request's job was canceled; send it again", "server_error")
 
 
 def timed_out(timeout: float) -> APIError:

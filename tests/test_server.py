@@ -959,13 +959,24 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
                 for _ in reply.iter_lines():
                     started.set()
 
+        def wait_whole() -> None:  # (a request not streamed: a plain-text 500 at the stop, no JSON error)
+            whole = {**body, "stream": False}
+            job["whole"] = httpx.post(f"{url}/v1/chat/completions", json=whole, headers=headers, timeout=60)
+
+        headers = {"Authorization": "Bearer sesame"}
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
+        waiter = threading.Thread(target=wait_whole, daemon=True)
+        waiter.start()
         assert started.wait(30)
         stopped_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
         assert time.monotonic() - stopped_at < 9  # (5 s of grace, and the stop itself)
+        waiter.join(10)
+        whole = job["whole"]
+        assert whole.status_code == 503 and "the server is stopping" in whole.json()["error"]["message"], whole.text
+        canceled = Client(redis_url, queue=worker.queue).job(whole.headers["x-roseinfer-job-id"])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -974,6 +985,9 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
     while status.status() != "canceled" and time.time() < deadline:
         time.sleep(0.1)
     assert status.status() == "canceled", proc.stderr.read()
+    while canceled.status() != "canceled" and time.time() < deadline:
+        time.sleep(0.1)
+    assert canceled.status() == "canceled"
 
 
 def _wait_until_healthy(proc, url: str, patience: float) -> None:
