@@ -247,7 +247,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ..
         if opt.name in exclude:
             continue
         if opt.scalar is bool:
-            group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=opt.default, help=opt.help)
+            group.add_argument(
+                opt.flag, action=argparse.BooleanOptionalAction, default=opt.default, help=f"{opt.help} ({opt.default})"
+            )
         else:
             group.add_argument(
                 opt.flag, type=opt.scalar, default=opt.default, choices=opt.choices, help=f"{opt.help} ({opt.default})"

@@ -176,3 +176,16 @@ def test_the_producers_commands_run_without_the_extras(command):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert "ModuleNotFoundError" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert out.returncode == 2 and "cannot reach Redis" in out.stderr, out.stderr
+
+
+def test_every_error_the_client_raises_is_importable_from_producer():
+    """The README's ``except JobIdTaken`` met an ImportError: only some of the client's errors were exported."""
+    import inspect
+
+    import producer
+    from producer import job_errors
+
+    errors = {name for name, obj in vars(job_errors).items() if inspect.isclass(obj) and issubclass(obj, Exception)}
+    errors = {name for name in errors if getattr(job_errors, name).__module__ == job_errors.__name__}
+    assert errors <= set(producer.__all__)
+    assert all(getattr(producer, name) is getattr(job_errors, name) for name in errors)
