@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -488,10 +489,13 @@ async def _body(request: Request) -> Any:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # (refused before it is read)
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     raw = bytearray()
-    async for chunk in request.stream():  # (a body sent without its length, in chunks: counted as it comes)
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        async for chunk in request.stream():  # (a body sent without its length, in chunks: counted as it comes)
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    except ClientDisconnect:  # (an upload cut short: an error's traceback in the log each, for no one)
+        raise APIError(400, "the client went away before its request body ended") from None
     try:
         body = json.loads(raw)
     except RecursionError:  # arrays nested past the parser's depth: JSON, but no request

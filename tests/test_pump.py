@@ -1120,6 +1120,27 @@ def test_a_worker_that_goes_idle_shows_no_job_in_flight_beside_it():
     assert not thread.is_alive()
 
 
+def test_a_stop_job_for_an_id_not_here_is_logged_on_one_line(caplog):
+    """RQ's stop-job command names any text: its id was logged as it came, a newline and escapes making a line of
+    the sender's choosing in the worker's log."""
+    import json
+
+    worker, _, _, thread, _ = _fakeredis_worker("f", step_s=0.01)
+    forged = "zz\n2026-12-02 04:21:00,000 roseinfer.worker: a forged line \x1b[31m"
+    with caplog.at_level("INFO", logger="roseinfer.worker"):
+        thread.start()
+        try:
+            worker.handle_payload({"data": json.dumps({"command": "stop-job", "job_id": forged}).encode()})
+            deadline = time.monotonic() + 10
+            while "not in flight here" not in caplog.text:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            worker.request_stop()
+            thread.join(timeout=30)
+    assert f"stop-job {forged!r}: not in flight here" in caplog.text and "\x1b" not in caplog.text
+
+
 def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying_it():
     """A failed step fails its running jobs to be run again elsewhere; a stop-job heard during that step was then
     "not in flight here, ignored", and RQ ran the stopped job again."""

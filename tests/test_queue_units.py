@@ -4695,14 +4695,16 @@ def test_an_id_whose_hash_is_gone_leaves_no_mark_behind_it(redis_url, how, caplo
     conn = Redis.from_url(redis_url)
     queue = Queue(f"q-{uuid.uuid4().hex[:8]}", connection=conn, serializer=JSONSerializer)
     gone = f"gone-{uuid.uuid4().hex[:6]}"
-    conn.lpush(queue.key, gone)
+    forged = "x\n2026-12-02 04:21:00,000 roseinfer.worker: a forged line \x1b[31m"  # (escaped: one line, no escape)
+    conn.lpush(queue.key, gone, forged)
     seen = queue.intermediate_queue.get_first_seen_key(gone)
     conn.set(seen, 1, ex=86400)
     script = conn.register_script(MOVE_SCRIPT) if how == "script" else None
     with caplog.at_level("WARNING", logger="roseinfer.worker"):
         assert pull([queue], 10, None, conn, PulledJob, JSONSerializer, script) == ([], [])
     assert conn.llen(queue.intermediate_queue_key) == 0 and not conn.exists(seen)
-    assert f"job {gone} was in queue {queue.name} with no job hash rq:job:<id>" in caplog.text
+    assert f"job {gone!r} was in queue {queue.name} with no job hash rq:job:<id>" in caplog.text
+    assert f"job {forged!r} was in queue" in caplog.text and "\x1b" not in caplog.text
 
 
 def test_an_unreadable_job_moved_aside_again_after_a_lost_reply_has_one_record(redis_url):

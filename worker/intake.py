@@ -414,7 +414,7 @@ def _restore(
                 pipe.delete(first_seen_key(queue, raw_id))
                 pipe.execute()
             log.warning(
-                "job %s was in queue %s with no job hash rq:job:<id> (deleted, or pushed before its HSET?): skipped",
+                "job %r was in queue %s with no job hash rq:job:<id> (deleted, or pushed before its HSET?): skipped",
                 job_id, queue.name,
             )  # fmt: skip
             continue

@@ -150,7 +150,7 @@ class Reports:
         for job_id, (job, events) in stopping.items():
             events = answers.get(job_id, []) if events is None else events
             if job is None or not events:
-                log.info("stop-job %s: not in flight here, ignored", job_id)
+                log.info("stop-job %r: not in flight here, ignored", job_id)  # (%r: any text, newlines too)
                 continue
             self._canceled(job, events, stopped=True)
         return died_in
