@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from producer.aio import AsyncClient
 from producer.chat_render import ChatRenderer, ChatRenderers, chat_digests
 from producer.connection import REDIS_UNAVAILABLE, connect, redacted_url
+from producer.generation_job import DEFAULT_RESULT_TTL
 from producer.job_errors import ProtocolError, StreamGap
 from producer.openai_api import (
     APIError,
@@ -523,6 +524,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 # ----- the command -------------------------------------------------------------------------------------
+def server_client(redis_url: str, queue: str, **options: Any) -> AsyncClient:
+    """The server's client: its failed jobs kept as long as its others (RQ's year kept each failed request's payload,
+    a 400 already answered: any caller of the API could fill Redis with them)."""
+    return AsyncClient(redis_url, queue, failure_ttl=DEFAULT_RESULT_TTL, **options)
+
+
 SHUTDOWN_GRACE_S = 5  # (docker-compose.yml gives the server longer than this to stop)
 
 
@@ -541,7 +548,7 @@ def run_server(
     import uvicorn
 
     app = create_app(
-        client or AsyncClient(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser, allowed_origins
+        client or server_client(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser, allowed_origins
     )
     # What is loaded lives as long as the server: a full collection walking it paused every request ~25 ms.
     gc.collect()

@@ -26,7 +26,7 @@ from producer import Client, JobFailed
 from producer.aio import AsyncClient
 from producer.generation_job import GenerationJob
 from producer.protocol import installed_version
-from producer.server import create_app
+from producer.server import create_app, server_client
 from worker.local_redis import free_port
 
 pytestmark = pytest.mark.slow  # a worker and HTTP servers in threads: about 15 s
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # a worker and HTTP servers in threads: about 15 
 class ServerThread:
     def __init__(self, redis_url: str, queue: str, **options) -> None:
         self.port = free_port()
-        self.client = AsyncClient(redis_url, queue)
+        self.client = server_client(redis_url, queue)
         config = uvicorn.Config(create_app(self.client, **options), host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -1363,6 +1363,19 @@ def test_an_async_submit_cancelled_before_its_batch_went_in_enqueues_nothing(red
     assert [queue.fetch_job(j).kwargs["prompt"] for j in queue.job_ids] == ["two"]
     assert queue.canceled_job_registry.get_job_ids() == []
     assert not queue.connection.exists(f"roseinfer:done:{queue_name}")
+
+
+def test_a_failed_requests_job_is_kept_as_long_as_a_finished_ones_not_rqs_year(served, redis_url):
+    """Each request the worker refused kept its job hash, payload and all, for RQ's year: any caller of the API
+    could fill Redis with them (1,000 requests of 4 MB: 3 GB pinned, every write refused under noeviction)."""
+    from redis import Redis
+
+    _, server, model = served
+    body = {"model": model, "prompt": [10**9], "max_tokens": 2}  # (a token id past the model's table)
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    ttl = Redis.from_url(redis_url).ttl(f"rq:job:{reply.headers['x-roseinfer-job-id']}")
+    assert 0 < ttl <= 24 * 3600
 
 
 def test_a_max_tokens_past_the_context_is_a_400_from_the_server_but_cut_in_the_queue(served, oai, redis_url):

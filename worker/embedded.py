@@ -14,9 +14,8 @@ log = logging.getLogger("roseinfer.worker")
 
 
 def serve_embedded(args: argparse.Namespace) -> int:
-    from producer.aio import AsyncClient
     from producer.cli import target
-    from producer.server import run_server
+    from producer.server import run_server, server_client
     from worker.local_redis import (
         embedded_connection,
         start_embedded_redis,
@@ -40,7 +39,7 @@ def serve_embedded(args: argparse.Namespace) -> int:
         worker = build_worker(settings, connection)
         thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
         thread.start()
-        client = AsyncClient(url, queue, connection=embedded_connection(url) if connection is not None else None)
+        client = server_client(url, queue, connection=embedded_connection(url) if connection is not None else None)
         # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         return run_server(
