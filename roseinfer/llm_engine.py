@@ -317,6 +317,7 @@ class LLMEngine(PromptInputs):
         for index in range(params.n):
             # Compiled before anything else is built: a constraint the library rejects fails here, with its reason.
             grammar = self.structured.matcher_for(so, prefix) if so else None
+            fresh = grammar is not None and self.structured.compiled_last
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, params) if self.tokenizer is not None else None
             if detok is not None and prefix:
                 detok.prime(prefix)
@@ -327,7 +328,7 @@ class LLMEngine(PromptInputs):
             seq = Sequence(
                 seq_id, token_ids, params, detok, generator, prompt=text, output_prefix=prefix, priority=priority
             )
-            seq.grammar, seq.parent_id, seq.index = grammar, request_id, index
+            seq.grammar, seq.grammar_fresh, seq.parent_id, seq.index = grammar, fresh, request_id, index
             if index:
                 seq.prompt_logprobs = None  # the first sample computes the prompt: the others share its blocks
             if prefix and seq.logprobs is not None and prefix_logprobs is not None:
@@ -564,8 +565,9 @@ class LLMEngine(PromptInputs):
         if seq.grammar is not None and (dead_end := self.structured.dead_end(seq)) is not None:
             # Met while filling its mask, which then allowed EOS alone: not a complete output, as "stop" said.
             log.error("request %s: its structured output can go no further: %s", seq.request_id, dead_end)
-            limit = self.structured.past_limits(dead_end)
-            reason, seq.abort_cause = "abort", AbortCause(not limit, dead_end, limit)
+            limited = self.structured.past_limits(dead_end)
+            cause = self.structured.limit_cause(seq, dead_end) if limited else AbortCause(True, dead_end)
+            reason, seq.abort_cause = "abort", cause
         elif seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 # An EOS the generation config adds to the tokenizer's is named, as vLLM's stop ids name theirs.

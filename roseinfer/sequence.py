@@ -59,6 +59,7 @@ class Sequence:
         self.generator = generator
         # The structured-output matcher (llguidance's LLMatcher), fed every output token; None when unconstrained.
         self.grammar: Any = None
+        self.grammar_fresh = False  # its matcher came of a template compiled for it (``StructuredOutputManager``)
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V sit in the cache (computed here or found in the prefix cache); set by the scheduler.
         self.num_computed_tokens = 0

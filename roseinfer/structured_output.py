@@ -251,6 +251,7 @@ class StructuredOutputManager:
         self._ll_tokenizer: Any = None
         self._executor: Any = None
         self._templates: OrderedDict[str, Any] = OrderedDict()
+        self.compiled_last = False  # whether ``matcher_for``'s last matcher came of a template compiled for it
         self._pool: ThreadPoolExecutor | None = None
 
     def _setup(self) -> None:
@@ -282,6 +283,7 @@ class StructuredOutputManager:
         except (ValueError, TypeError, RecursionError) as exc:  # (a schema nested past Python's depth: the last)
             raise ValueError(f"invalid structured output: {_said(str(exc))}") from None
         template = self._templates.get(text)
+        self.compiled_last = template is None  # (a matcher of its own template: its limits are its constraint's)
         if template is None:
             template = LLMatcher(self._ll_tokenizer, text, log_level=0)
             if template.is_error():
@@ -333,8 +335,17 @@ class StructuredOutputManager:
         if why is not None and "ff_tokens" in why:
             return AbortCause(True, why)
         if why is not None and self.past_limits(why):
-            return AbortCause(False, why, limit=True)
+            return self.limit_cause(seq, why)
         return AbortCause(False, f"its structured output refused token {token}, its mask allowed")
+
+    @staticmethod
+    def limit_cause(seq: Sequence, why: str) -> AbortCause:
+        """A matcher past the library's limits: its constraint's fault where it had its template to itself (compiled
+        for it, as a retry's is: ``(x{1000}){1000}`` is past them whatever ran before), not retried; else maybe the
+        earlier copies' (worth a retry, on a template compiled afresh)."""
+        if seq.grammar_fresh:
+            return AbortCause(True, f"{why} (past the grammar library's limits on its own)")
+        return AbortCause(False, why, limit=True)
 
     def past_limits(self, why: str) -> bool:
         """Whether a matcher's error (``dead_end``'s) is one of llguidance's limits, not its constraint's: the

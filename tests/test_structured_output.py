@@ -419,6 +419,17 @@ def test_a_constraint_whose_earlier_requests_used_up_the_grammar_librarys_limits
     assert again.outputs[0].finish_reason != "abort" and again.outputs[0].text, again.outputs[0]
 
 
+def test_a_constraint_past_the_grammar_librarys_limits_on_a_fresh_compile_is_the_requests_fault(llm):
+    """``(x{1000}){1000}`` is past llguidance's limits compiled afresh: said as the server's, the job ran again as
+    often as its retries allowed (each ~0.9 s of every other job's steps), and the server's 500 made the official
+    clients send it twice more."""
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "(x{1000}){1000}"})
+    [out] = llm.generate(["Hi"], params, use_tqdm=False)
+    cause = out.outputs[0].abort_cause
+    assert out.outputs[0].finish_reason == "abort" and cause.dead_end and not cause.limit, cause
+    assert "past the grammar library's limits on its own" in cause.why
+
+
 def test_a_job_past_the_grammar_librarys_limits_fails_as_the_servers_and_may_run_again():
     """Its abort said "dead end" (the request's fault, not retried) where no fault of the request's was met."""
     from types import SimpleNamespace
