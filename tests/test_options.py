@@ -763,16 +763,34 @@ def test_an_empty_cache_dir_variable_is_unset_as_every_engine_variable_is(monkey
     assert cache_dir() == tmp_path / "models"
 
 
-def test_webhook_hosts_are_bare_hosts_compared_as_a_webhooks_url_is_read():
-    """A job's webhook host is read lower case, without a port: "https://h", "h:8443" or "" were taken, matched no
-    webhook, and every webhook to that host was refused at its job. A name's case is not the operator's to get right."""
+def test_webhook_hosts_are_hosts_and_ports_compared_as_a_webhooks_url_is_read():
+    """A job's webhook host is read lower case: "https://h" or "" were taken, matched no webhook, and every webhook
+    to that host was refused at its job. A name's case is not the operator's to get right. A host alone allowed any
+    port of it, and a job set the Host header too: any service on that machine, or behind its proxy, was reached."""
+    from types import SimpleNamespace
+
+    from worker.intake import HookPolicy
     from worker.settings import WorkerSettings
 
-    hosts = WorkerSettings(allow_webhook_host=["Hooks.Example.com", "10.0.0.1", "[::1]"]).allow_webhook_host
-    assert hosts == ["hooks.example.com", "10.0.0.1", "::1"]
-    for bad in ("hooks.example.com:8443", "https://hooks.example.com", "", "hooks.example.com/path"):
-        with pytest.raises(ValueError, match="a host name or address alone"):
+    given = ["Hooks.Example.com", "10.0.0.1", "[::1]", "h:8443", "[::1]:8080"]
+    hosts = WorkerSettings(allow_webhook_host=given).allow_webhook_host
+    assert hosts == ["hooks.example.com", "10.0.0.1", "::1", "h:8443", "[::1]:8080"]
+    for bad in ("https://hooks.example.com", "", "hooks.example.com/path", "h:0", "h:65536", "h:port"):
+        with pytest.raises(ValueError, match="a host name or address, and a port"):
             WorkerSettings(allow_webhook_host=[bad])
+    policy = HookPolicy(webhook_hosts=frozenset(hosts))
+    for url, allowed in [
+        ("http://hooks.example.com/done", True), ("https://hooks.example.com/done", True),
+        ("http://hooks.example.com:80/", True), ("http://hooks.example.com:6379/", False),
+        ("https://h:8443/", True), ("http://h/", False), ("http://[::1]:8080/", True), ("http://[::1]:9/", False),
+        ("http://10.0.0.1:99999/", False), ("ftp://10.0.0.1/", False), ("http://10.0.0.2/", False),
+    ]:  # fmt: skip
+        assert policy._allows(url) is allowed, url
+    for headers, refused in [({"Authorization": "Bearer t"}, False), ({"HOST": "metadata.internal"}, True),
+                             ({"Transfer-Encoding": "chunked"}, True)]:  # fmt: skip
+        hook = SimpleNamespace(url="http://hooks.example.com/done", headers=headers, to_dict=dict)
+        job = SimpleNamespace(webhooks=[hook])
+        assert bool(policy.strip(job)) is refused and (job.webhooks == []) is refused, headers
 
 
 @pytest.mark.redis

@@ -831,7 +831,7 @@ def test_an_allowed_webhook_whose_host_is_slow_to_answer_holds_up_no_other_job(r
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    w = ThreadWorker(redis_url, tiny_chat_model, allow_webhook_host=["127.0.0.1"])
+    w = ThreadWorker(redis_url, tiny_chat_model, allow_webhook_host=[f"127.0.0.1:{server.server_port}"])
     try:
         conn, client = Redis.from_url(redis_url), Client(redis_url, queue=w.queue)
         hooked = f"wh-{uuid.uuid4().hex[:6]}"

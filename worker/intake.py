@@ -119,6 +119,20 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None  # (urllib then raises the 30x as an HTTPError: logged as a send that failed)
 
 
+def webhook_target(host: str, port: int | None) -> str:
+    """A host and port as ``--allow-webhook-host`` holds it: ``host`` (its scheme's port) or ``host:port``."""
+    if port is None:
+        return host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# What a job's webhook may not set: where the request goes (Host: another site behind the allowed address's proxy)
+# and how it is framed, which are the sender's.
+_HEADERS_NOT_A_JOBS = frozenset(
+    ["host", "connection", "content-length", "transfer-encoding", "proxy-authorization", "proxy-connection", "te",
+     "upgrade", "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"]
+)  # fmt: skip
+
 _WEBHOOK_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
@@ -644,13 +658,28 @@ class HookPolicy:
         hooks = getattr(job, "webhooks", None) or []
         kept = []
         for hook in hooks:
-            host = urlsplit(str(hook.url)).hostname or ""
-            if host in self.webhook_hosts:
-                kept.append(hook)
-            else:
+            if not self._allows(str(hook.url)):
                 problems.append(f"webhook to {hook.url!r}")
+            elif set_too := sorted(str(h) for h in (hook.headers or {}) if str(h).lower() in _HEADERS_NOT_A_JOBS):
+                problems.append(f"webhook to {hook.url!r} setting {', '.join(set_too)}")  # (Host: another site)
+            else:
+                kept.append(hook)
         if len(kept) < len(hooks):
             named["webhooks"] = json.dumps([hook.to_dict() for hook in hooks])
         job.webhooks = kept
         job.named_hooks = named
         return problems
+
+    def _allows(self, url: str) -> bool:
+        """Whether ``url``'s host and port are allowed: a host alone allows its scheme's own port (80, 443) only, as a
+        job could otherwise reach any service on that machine."""
+        try:
+            parts = urlsplit(url)
+            host, port = parts.hostname or "", parts.port
+        except ValueError:  # (a port past 65535, or not a number)
+            return False
+        default = {"http": 80, "https": 443}.get(parts.scheme)
+        if default is None:  # (RQ sends http and https alone)
+            return False
+        allowed = webhook_target(host, port or default) in self.webhook_hosts
+        return allowed or (port in (None, default) and host in self.webhook_hosts)

@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer.protocol import DEFAULT_QUEUE, STREAM_TTL_AFTER_END_S, check_queue_name
 from roseinfer.config import ENGINE_ENV_VARS, EngineConfig, engine_options
-from worker.intake import MAX_SECONDS, MULTI_LANE_WAIT_S
+from worker.intake import MAX_SECONDS, MULTI_LANE_WAIT_S, webhook_target
 
 DAY = 24 * 3600  # the longest interval: a thread's wait past threading.TIMEOUT_MAX raises
 
@@ -114,7 +114,8 @@ class QueueSettings(BaseSettings):
         default_factory=list, description="an RQ callback (module.function) jobs may name; repeatable"
     )
     allow_webhook_host: list[str] = Field(
-        default_factory=list, description="a host that jobs' RQ webhooks may call; repeatable"
+        default_factory=list,
+        description="a host (its scheme's default port) or host:port that jobs' RQ webhooks may call; repeatable",
     )
     drain_timeout: float | None = Field(
         None, gt=0, le=DAY, allow_inf_nan=False,
@@ -172,14 +173,19 @@ class QueueSettings(BaseSettings):
     @field_validator("allow_webhook_host")
     @classmethod
     def _bare_hosts(cls, hosts: list[str]) -> list[str]:
-        # A webhook's host is compared as urlsplit reads it (lower case, no port): "https://h", "h:8443" or "" were
-        # taken, and matched no webhook, each refused at its job.
+        # A webhook's host is compared as urlsplit reads it (lower case): "https://h" or "" were taken, and matched no
+        # webhook, each refused at its job. A port is the operator's to allow too (``HookPolicy``).
         checked = []
         for host in hosts:
             bare = host.strip().lower()
-            if not re.fullmatch(r"[a-z0-9._-]+|\[?(?:[0-9a-f]*:){2,}[0-9a-f.]*\]?", bare):  # (a name, IPv4 or IPv6)
-                raise ValueError(f"{host!r}: a host name or address alone (no scheme, port or path): hooks.example.com")
-            checked.append(bare.strip("[]"))
+            found = re.fullmatch(r"([a-z0-9._-]+|\[(?:[0-9a-f]*:){2,}[0-9a-f.]*\]|(?:[0-9a-f]*:){2,}[0-9a-f.]*)"
+                                 r"(?::([0-9]{1,5}))?", bare)  # (a name, IPv4 or IPv6, and a port)  # fmt: skip
+            if found is None or (found[2] is not None and not 0 < int(found[2]) < 65536):
+                raise ValueError(
+                    f"{host!r}: a host name or address, and a port where not its scheme's own (no scheme or path): "
+                    "hooks.example.com, hooks.example.com:8443"
+                )
+            checked.append(webhook_target(found[1].strip("[]"), int(found[2]) if found[2] else None))
         return checked
 
     @field_validator("engine_step_timeout")
