@@ -126,6 +126,9 @@ def _route_path(scope: Scope) -> str:
 
 
 SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))  # (the others may run a job: a page's are refused)
+# What the API key guards: the OpenAI API, and (unlike vLLM's) the tokenizer's endpoints, where one request of the
+# largest body took 2.5 GB to encode: with a key set, no caller without it spends the server's memory.
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 
 
 class AuthAndCount:
@@ -174,7 +177,7 @@ class AuthAndCount:
             count(403)
             await JSONResponse(err.body(), status_code=403)(scope, receive, send)
             return
-        if self.expected is not None and (path.startswith("/v1/") or scope["path"].startswith("/v1/")):
+        if self.expected is not None and any(p.startswith(KEYED_PATHS) for p in (path, scope["path"])):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "invalid API key", param=None, code="invalid_api_key")

@@ -668,6 +668,13 @@ def test_health_models_and_api_key(served, redis_url):
             openai.OpenAI(base_url=f"{locked.url}/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=f"{locked.url}/v1", api_key="sesame", max_retries=0)
         assert ok.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).usage.completion_tokens <= 2
+        # The tokenizer's endpoints too: one request of the largest body took 2.5 GB to encode, no key needed.
+        body = {"model": model, "prompt": "the sea"}
+        assert httpx.post(f"{locked.url}/tokenize", json=body, timeout=10).status_code == 401
+        keyed = httpx.post(f"{locked.url}/tokenize", json=body, headers={"Authorization": "Bearer sesame"}, timeout=10)
+        assert keyed.status_code == 200 and keyed.json()["count"] > 0
+        assert httpx.post(f"{locked.url}/detokenize", json={"model": model, "tokens": [5]}).status_code == 401
+        assert httpx.get(f"{locked.url}/version", timeout=10).status_code == 200
     finally:
         locked.stop()
 
