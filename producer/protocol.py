@@ -50,6 +50,9 @@ OWNER_FIELD = "roseinfer_owner"
 # stock RQ enqueue left (``Client.submit`` clears it), so a start deletes it rather than resume the old job's text
 # as the new one's. ``stream_is_earlier_jobs`` says when.
 STREAM_OF_FIELD = "roseinfer_stream_of"
+# The job hash field holding the id of its stream's last entry when its attempt started (none: an empty stream): a
+# dead worker's attempt that added none streamed nothing, and goes back to its queue with its retries untouched.
+RESUMED_FROM_FIELD = "roseinfer_resumed_from"
 UNCHECKED = "-"  # the mark of a job whose hash had no created_at at its first start (written by hand): never checked
 
 

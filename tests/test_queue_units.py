@@ -3530,6 +3530,41 @@ def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_ret
 
 
 @pytest.mark.redis
+def test_a_resumed_job_whose_dead_attempt_streamed_nothing_goes_back_with_its_retries(redis_url):
+    """The free requeue looked at the job's whole stream: a job that streamed in an earlier attempt, then only waited
+    in a worker that died, spent a retry (failed with none left, having run once). Its start marks the stream's
+    last entry, and an attempt that added none streamed nothing."""
+    from rq.serializers import JSONSerializer
+
+    from producer import Client
+    from producer.protocol import RESUMED_FROM_FIELD, stream_key
+    from worker.intake import PulledJob, pull
+
+    conn, worker, _ = _worker_of_a_new_queue(redis_url)
+    worker.sender._load_scripts()
+    queue = worker.queues[0]
+    client = Client(redis_url, queue=queue.name, retries=0)
+    waited, streamed = client.submit("it waited", max_tokens=8), client.submit("it streamed", max_tokens=8)
+    for job in (waited, streamed):
+        _streamed_a_token(conn, job.id)  # (an earlier attempt's)
+    pulled, _ = pull([queue], 2, None, conn, PulledJob, JSONSerializer)
+    executions, _ = worker.mark_started(pulled)
+    [last] = conn.xrevrange(stream_key(waited.id), count=1)
+    assert conn.hget(waited.rq_job.key, RESUMED_FROM_FIELD) == last[0]
+    _streamed_a_token(conn, streamed.id)  # (this attempt's)
+    for job, execution in zip((waited, streamed), executions):  # (the attempt's worker died: its entries lapse)
+        conn.zadd(queue.started_job_registry.key, {f"{job.id}:{execution.id}": 1})
+    worker.clean_registries()
+    assert waited.status() == "queued" and waited.rq_job.retries_left is None
+    assert streamed.status() == "failed"  # (no retry left: RQ's way)
+    # Started again from an empty stream (an earlier job's, gone): the mark goes too.
+    conn.delete(stream_key(waited.id))
+    pulled, _ = pull([queue], 1, None, conn, PulledJob, JSONSerializer)
+    worker.mark_started(pulled)
+    assert not conn.hexists(waited.rq_job.key, RESUMED_FROM_FIELD)
+
+
+@pytest.mark.redis
 def test_a_cancel_between_the_requeues_look_and_its_write_stands(redis_url, monkeypatch):
     """The requeue of a dead worker's unrun job read its status, then saved the job whole, status queued: a client's
     cancel between the two (it keeps the started entry) was written over, and the canceled job ran."""

@@ -19,12 +19,21 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
-from producer.protocol import STREAM_OF_FIELD, created_form, queue_stream_check, result_key, stream_check, stream_key
+from producer.protocol import (
+    RESUMED_FROM_FIELD,
+    STREAM_OF_FIELD,
+    created_form,
+    queue_stream_check,
+    result_key,
+    stream_check,
+    stream_key,
+)
 from worker.intake import load_script
 
 # ARGV: worker name, the time (a float, as RQ writes an execution's), the same as RQ writes a job's, the execution
 # TTL, the started registries' score, the execution registries' score, the worker's executions key, the field that
-# names a job's owner, the field that marks whose output its stream holds; then per job its hash, id, execution id,
+# names a job's owner, the field that marks whose output its stream holds, the field that holds the id of the
+# stream's last entry as the attempt starts (``RESUMED_FROM_FIELD``); then per job its hash, id, execution id,
 # execution hash, execution registry, started registry, intermediate list, token stream, result stream, and its
 # created_at in RQ's form and in ms ('': none). A job canceled since it was pulled keeps that status; one deleted
 # meanwhile stays deleted (its hash not written back: the worker reads it as a cancel). RQ's mark of when its
@@ -36,8 +45,9 @@ from worker.intake import load_script
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner, stream_of = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local resumed_from = ARGV[10]
 local started, members, repaired, stale = {}, {}, {}, {}
-for a = 10, #ARGV, 11 do
+for a = 11, #ARGV, 11 do
   local job, id, exec_id, exec_key = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local registry, wip, intermediate = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   for k = a + 7, a + 8 do
@@ -68,6 +78,8 @@ for a = 10, #ARGV, 11 do
       end
       redis.call('HSET', job, stream_of, created)
     end
+    local last = redis.call('XREVRANGE', ARGV[a + 7], '+', '-', 'COUNT', 1)[1]
+    if last then redis.call('HSET', job, resumed_from, last[1]) else redis.call('HDEL', job, resumed_from) end
     if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
     redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
       owner, exec_id)
@@ -114,7 +126,7 @@ def start_jobs(
     started_keys: dict[str, str] = {}
     args: list[Any] = [
         worker_name, repr(right_now.timestamp()), stamp, ttl, score, score + 60,
-        WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field, stream_of_field,
+        WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field, stream_of_field, RESUMED_FROM_FIELD,
     ]  # fmt: skip
     for (job, queue), execution_id in zip(pulled, execution_ids(len(pulled))):
         execution = Execution(execution_id, job.id, job.connection, worker_name=worker_name)

@@ -21,7 +21,7 @@ from rq.registry import clean_registries
 from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
-from producer.protocol import stream_key
+from producer.protocol import RESUMED_FROM_FIELD, stream_key
 from producer.schema import job_ending
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy
@@ -225,7 +225,7 @@ class Maintenance:
         log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
     def requeue_unrun(self, queue: Queue) -> None:
-        """Lapsed entries of the started registry whose job streamed nothing (it waited in its dead worker's queue
+        """Lapsed entries of the started registry whose attempt streamed nothing (it waited in its dead worker's queue
         for the engine, or was in its prompt) go back to the front of their queue, retries untouched, as a stop's
         hand-back puts them: RQ's clean-up spent a retry of each (failed those with none: 4 of 6 jobs that never
         ran, at a worker's kill). ``FREE_REQUEUES`` times a job: one that kills every worker at its start then goes
@@ -235,15 +235,19 @@ class Maintenance:
             return
         with self.connection.pipeline(transaction=False) as pipe:
             for _member, job_id in lapsed:
-                pipe.hmget(Job.key_for(job_id), "status", UNRUN_FIELD)
-                pipe.xlen(stream_key(job_id))
+                pipe.hmget(Job.key_for(job_id), "status", UNRUN_FIELD, RESUMED_FROM_FIELD)
+                pipe.xrevrange(stream_key(job_id), count=1)
             replies = pipe.execute(raise_on_error=False)
         handed: list[str] = []
         for i, (member, job_id) in enumerate(lapsed):
-            fields, streamed = replies[2 * i], replies[2 * i + 1]
-            if isinstance(fields, Exception) or isinstance(streamed, Exception) or streamed:
+            fields, last = replies[2 * i], replies[2 * i + 1]
+            if isinstance(fields, Exception) or isinstance(last, Exception):
                 continue  # (a key of another type: the steps around take it)
-            status, count = fields
+            status, count, resumed_from = fields
+            # Streamed by the attempt that died: its stream's last entry is not the one it started from (a job
+            # resumed by an attempt that only waited in its dead worker spent a retry, or failed, having run once).
+            if last and last[0][0] != resumed_from:
+                continue
             if status != b"started" or int(count or 0) >= FREE_REQUEUES:
                 continue
             job = self._job_of(queue, job_id)
