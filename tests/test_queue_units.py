@@ -1832,7 +1832,7 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
     from rq.serializers import JSONSerializer
 
     from producer import Client
-    from producer.protocol import OWNER_FIELD
+    from producer.protocol import OWNER_FIELD, RESUMED_FROM_FIELD
     from worker.batch_worker import BatchWorker
     from worker.intake import pull
     from worker.job_start import register
@@ -1895,7 +1895,9 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
         assert job.get_status(refresh=False) == "started" and job.worker_name == worker.name
         assert Execution.fetch(ex.id, job.id, conn).job_id == job.id
     ref_fields, our_fields = conn.hgetall(ref.key), conn.hgetall(ours.key)
-    assert set(our_fields) == set(ref_fields) | {OWNER_FIELD.encode(), STREAM_OF_FIELD.encode()}
+    own = {OWNER_FIELD.encode(), STREAM_OF_FIELD.encode(), RESUMED_FROM_FIELD.encode()}
+    assert set(our_fields) == set(ref_fields) | own
+    assert our_fields[RESUMED_FROM_FIELD.encode()] == conn.xrevrange(stream_key(ours.id), count=1)[0][0]
     assert our_fields[OWNER_FIELD.encode()] == execution.id.encode()
 
 
@@ -3530,7 +3532,8 @@ def test_jobs_a_dead_worker_held_before_their_first_token_go_back_with_their_ret
 
 
 @pytest.mark.redis
-def test_a_resumed_job_whose_dead_attempt_streamed_nothing_goes_back_with_its_retries(redis_url):
+@pytest.mark.parametrize("scripts", [True, False], ids=["lua", "objects"])
+def test_a_resumed_job_whose_dead_attempt_streamed_nothing_goes_back_with_its_retries(redis_url, scripts):
     """The free requeue looked at the job's whole stream: a job that streamed in an earlier attempt, then only waited
     in a worker that died, spent a retry (failed with none left, having run once). Its start marks the stream's
     last entry, and an attempt that added none streamed nothing."""
@@ -3542,6 +3545,8 @@ def test_a_resumed_job_whose_dead_attempt_streamed_nothing_goes_back_with_its_re
 
     conn, worker, _ = _worker_of_a_new_queue(redis_url)
     worker.sender._load_scripts()
+    if not scripts:
+        worker.sender.start_script = None  # (RQ's objects under WATCH: a Redis that runs no Lua)
     queue = worker.queues[0]
     client = Client(redis_url, queue=queue.name, retries=0)
     waited, streamed = client.submit("it waited", max_tokens=8), client.submit("it streamed", max_tokens=8)

@@ -49,6 +49,7 @@ from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
     OWNER_FIELD,
+    RESUMED_FROM_FIELD,
     START_FIELD,
     STATS_KEY,
     STREAM_OF_FIELD,
@@ -739,11 +740,12 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             for (job, _queue), key in zip(pulled, keys):
                 look.hmget(key, "status", OWNER_FIELD)
                 queue_stream_check(look, job)
+                look.xrevrange(stream_key(job.id), count=1)  # (its last entry: ``RESUMED_FROM_FIELD``)
             found = look.execute(raise_on_error=False)  # (a stream key of another type: read as none)
-        for reply in found[::3] + found[1::3]:
+        for reply in found[::4] + found[1::4]:
             if isinstance(reply, Exception):
                 raise reply
-        owners = [owner.decode() if owner else None for _status, owner in found[::3]]
+        owners = [owner.decode() if owner else None for _status, owner in found[::4]]
         for earlier in tried:  # (one transaction: where a job's owner is that try's, the whole of it landed)
             if any(owner == execution.id for owner, execution in zip(owners, earlier)):
                 pipe.unwatch()
@@ -753,8 +755,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         pipe.multi()
         executions: list[Execution] = []
         tried.append(executions)
-        statuses = [status for status, _owner in found[::3]]
-        for (job, queue), status, fields, first in zip(pulled, statuses, found[1::3], found[2::3]):
+        statuses = [status for status, _owner in found[::4]]
+        for (job, queue), status, fields, first, last in zip(pulled, statuses, found[1::4], found[2::4], found[3::4]):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
@@ -766,6 +768,10 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                     pipe.delete(stream_key(job.id))
                 if mark is not None:
                     pipe.hset(job.key, STREAM_OF_FIELD, mark)
+                if last and not earlier and not isinstance(last, Exception):
+                    pipe.hset(job.key, RESUMED_FROM_FIELD, last[0][0])
+                else:
+                    pipe.hdel(job.key, RESUMED_FROM_FIELD)
                 if status in (b"canceled", b"stopped"):  # the worker reads it and stops the job within a step
                     pipe.hset(job.key, "status", status)
                 pipe.persist(job.key)
