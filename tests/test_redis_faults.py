@@ -685,6 +685,25 @@ def test_a_redis_user_that_may_not_block_says_so_once_and_still_takes_jobs(own_r
     assert caplog.text.count("may not wait on a queue") == 1 and "Traceback" not in caplog.text
 
 
+@pytest.mark.slow
+def test_a_redis_user_that_may_load_scripts_but_not_run_them_takes_jobs(own_redis, tiny_chat_model, caplog):
+    """An ACL of -evalsha that leaves SCRIPT: the probe loaded a script and took the Lua path, and the worker, listed
+    as serving, took no job (every pull, beat and write refused, three tracebacks a second) for good."""
+    url, conn = own_redis
+    conn.execute_command("ACL", "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval", "-evalsha",
+                         "-eval_ro", "-evalsha_ro", "-fcall", "-fcall_ro")  # fmt: skip
+    limited = url.replace("redis://", "redis://noeval:pw@")
+    with caplog.at_level(logging.WARNING):
+        worker = ThreadWorker(limited, tiny_chat_model, max_num_seqs=4)
+        try:
+            job = Client(limited, queue=worker.queue).submit("Hi", max_tokens=3, ignore_eos=True)
+            assert job.result(timeout=30)["usage"]["completion_tokens"] == 3
+            assert not worker.worker.sender.runs_scripts
+        finally:
+            worker.stop()
+    assert "Traceback" not in caplog.text
+
+
 def test_a_tls_certificate_not_trusted_here_is_one_error_not_a_wait_for_good():
     """The worker took CERTIFICATE_VERIFY_FAILED for a Redis still starting, and waited on it for good."""
     import redis as redis_py

@@ -261,7 +261,9 @@ class Sender:
 
     def _load_scripts(self) -> None:
         try:
-            self.connection.script_load("return 1")
+            # Run, not only loaded: a user allowed SCRIPT but not EVALSHA (an ACL's -evalsha) took the Lua path, and
+            # its worker, listed as serving, took no job (every pull, beat and write refused) for good.
+            self.connection.evalsha(self.connection.script_load("return 1"), 0)
         except REDIS_DOWN:
             raise
         except Exception:
