@@ -21,6 +21,7 @@ from rq.job import Job
 from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
 from producer.connection import REDIS_DOWN, connect_async, wrong_type
 from producer.event_reading import (
+    AFTER_OUTAGE_S,
     REDIS_PATIENCE_S,
     REPLAY_PAGE,
     EventCursor,
@@ -194,6 +195,7 @@ class StreamHub:
         self._by_key: dict[str, dict[int, _Follower]] = {}
         self._not_streams: set[str] = set()  # keys of another type (written by hand): left out of the read
         self.down_since: float | None = None  # when Redis stopped answering the read (None: it answers)
+        self.up_again_at: float | None = None  # when it answered again after the last outage
         self.polling = False  # Redis refuses XREAD (an ACL without @blocking): each stream looked at every wait_ms
         self._next = 0
         self._task: asyncio.Task | None = None
@@ -271,7 +273,8 @@ class StreamHub:
                             f.entries.put_nowait(exc)
                 await asyncio.sleep(0.5)  # (a restart, a failover: the read goes on from where it was)
                 continue
-            self.down_since = None
+            if self.down_since is not None:
+                self.down_since, self.up_again_at = None, time.monotonic()
             for key, found in reply or []:
                 key = key.decode() if isinstance(key, bytes) else key
                 ids = [_entry_id(entry_id) for entry_id, _ in found]
@@ -443,7 +446,7 @@ class AsyncGenerationJob:
                         deadline = outage.deadline = time.monotonic() + timeout
                     continue
                 try:
-                    status, expired_at = await self._look(key, cursor, expired_at, deadline)
+                    status, expired_at = await self._look(key, cursor, expired_at, deadline, self._after(outage))
                 except REDIS_DOWN as exc:
                     await asyncio.sleep(outage.pause(exc))
                     continue
@@ -458,17 +461,32 @@ class AsyncGenerationJob:
         finally:
             self.client.hub.leave(follower)
 
+    def _after(self, outage: Outage) -> bool:
+        """Whether an outage ended a moment ago (this wait's, or the hub's that read the streams through it): a
+        missing hash may come back then (a Redis restarted empty, its workers writing their jobs back)."""
+        up_again_at = self.client.hub.up_again_at
+        recent = up_again_at is not None and time.monotonic() - up_again_at < AFTER_OUTAGE_S
+        return recent or outage.ended_within(AFTER_OUTAGE_S)
+
     async def _look(
-        self, key: str, cursor: EventCursor, expired_at: float | None, deadline: float | None
+        self,
+        key: str,
+        cursor: EventCursor,
+        expired_at: float | None,
+        deadline: float | None,
+        after_outage: bool = False,
     ) -> tuple[str, float | None]:
         """The job's status once no event came, and until when its final event is waited for; "more" when events
-        landed just now or a final one is still due. Raises the job's ending once no final event can come."""
+        landed just now or a final one is still due. Raises the job's ending once no final event can come.
+        ``after_outage``: an outage ended a moment ago, and a missing hash may come back (a Redis restarted empty)."""
         conn = self.client.connection
         status = await self.status()
         # Events past the cursor: the hub brings them (a finished job's whole stream, where the first look of a
         # short timeout said it had expired)
         if status in (*ENDED, "missing", "finished") and await conn.xrange(key, min=cursor.next_entry(), count=1):
             return "more", expired_at  # (XRANGE: XREAD is refused without @blocking)
+        if status == "missing" and after_outage:
+            return "waiting", expired_at  # (its workers write their jobs back)
         if status in ENDED or status == "missing":
             if status in ("canceled", "stopped", "failed") and (
                 expired_at or await conn.hget(Job.key_for(self.id), "started_at")
@@ -547,6 +565,10 @@ class AsyncGenerationJob:
                     result = _finished_result(entries, self.id)
                 if result is not None:
                     return result
+                in_time = deadline is None or time.monotonic() < deadline
+                if status == "missing" and self._after(outage) and in_time:
+                    await asyncio.sleep(0.1)  # (Redis restarted empty: its workers write their jobs back)
+                    continue
                 if status in ENDED or status in ("finished", "missing"):
                     # The rarer endings (a partial result being written, a result not kept) as the sync client.
                     left = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))

@@ -204,6 +204,9 @@ def _past(text: str, read: str) -> str | None:
 
 
 REDIS_PATIENCE_S = 30.0  # a follower waits out a Redis restart or failover this long, then raises
+# A job's hash missing this soon after an outage is not yet taken for gone: a Redis restarted empty, its workers
+# write their running jobs back (at their next round trip, or heartbeat: 10 s by default), and finish them.
+AFTER_OUTAGE_S = 15.0
 
 
 class Outage:
@@ -214,6 +217,7 @@ class Outage:
 
     def __init__(self, deadline: float | None, client: Client) -> None:
         self.deadline, self.since, self.backoff, self.client = deadline, None, 0.1, client
+        self.ended_at: float | None = None  # when the last outage met ended (this client's clock)
 
     def wait(self, exc: Exception) -> None:
         time.sleep(self.pause(exc))
@@ -233,8 +237,15 @@ class Outage:
         return pause
 
     def over(self) -> None:
+        if self.since is not None:
+            self.ended_at = time.monotonic()
         self.since, self.backoff = None, 0.1
         self.client.reached = True
+
+    def ended_within(self, seconds: float) -> bool:
+        """Whether an outage this wait met ended less than ``seconds`` ago (a Redis restarted empty: its workers
+        write their running jobs' hashes back within a round trip or a heartbeat of noticing)."""
+        return self.ended_at is not None and time.monotonic() - self.ended_at < seconds
 
 
 def ends_the_wait(message: dict[str, Any] | None) -> bool:

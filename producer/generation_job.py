@@ -19,6 +19,7 @@ from rq.serializers import JSONSerializer
 
 from producer.connection import REDIS_DOWN, longest_block_s
 from producer.event_reading import (
+    AFTER_OUTAGE_S,
     FINAL_EVENT_GRACE_S,
     REPLAY_PAGE,
     EventCursor,
@@ -303,6 +304,9 @@ class GenerationJob:
             # One reading of the clock for the checks below: a finished job's wait may end at the deadline itself, and
             # two readings could cross it between them (a TimeoutError where its stream had expired, its result there).
             now = time.monotonic()
+            in_time = deadline is None or now < deadline
+            if status == "missing" and outage.ended_within(AFTER_OUTAGE_S) and in_time:
+                continue  # (Redis restarted empty: its workers write their jobs back; the read above waited)
             if status in ENDED or status == "missing":
                 if status in ("canceled", "stopped", "failed") and (expired_at or self._was_running()):
                     # its final event (an abort's last text and usage, a failure's error) lands after the status
@@ -399,6 +403,10 @@ class GenerationJob:
                 if result is not None and result.get("status") == "finished":
                     return checked(JobResult, result, self.id)
                 status = status.decode() if status else "missing"
+                in_time = deadline is None or time.monotonic() < deadline
+                if status == "missing" and result is None and outage.ended_within(AFTER_OUTAGE_S) and in_time:
+                    time.sleep(0.1)  # (Redis restarted empty: every waiter said NoSuchJob of jobs then finished)
+                    continue
                 if status == "finished" and result is None:  # RQ writes both at once: not kept, or expired
                     raise ResultNotKept(self.id, NOT_KEPT)
                 if status in ENDED or status == "missing":

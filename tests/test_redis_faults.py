@@ -313,6 +313,9 @@ def test_a_follower_rides_out_a_redis_restart():
         stop_private_redis(first)  # Redis goes away, and comes back empty (no AOF), as the worker writes what it holds
         time.sleep(1)
         _, restarted = start_private_redis(port=port)
+        # The worker writes the job's hash back a moment later (its next round trip or heartbeat): meanwhile the wait
+        # for the result said NoSuchJob, of a job the worker then finished.
+        time.sleep(1.5)
         conn.hset("rq:job:rides-1", "status", "finished")
         last = {"n": 1, "text": " world", "token_ids": [2], "finish_reason": "stop", "usage": {}}
         conn.xadd(stream_key("rides-1"), {"event": json.dumps(last)})
@@ -366,6 +369,7 @@ def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
             stop_private_redis(first)  # Redis goes away, and comes back empty, as in the sync test above
             await asyncio.sleep(1)
             _, restarted = start_private_redis(port=port)
+            await asyncio.sleep(1.5)  # (the worker writes the job's hash back a moment later, as above)
             conn.hset("rq:job:rides-2", "status", "finished")
             last = {"n": 1, "text": " world", "token_ids": [2], "finish_reason": "stop", "usage": {}}
             conn.xadd(stream_key("rides-2"), {"event": json.dumps(last)})
