@@ -19,7 +19,7 @@ from redis.exceptions import NoPermissionError
 from rq.job import Job
 
 from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
-from producer.connection import REDIS_DOWN, connect_async, wrong_type
+from producer.connection import REDIS_DOWN, connect_async, unblocked, wrong_type
 from producer.event_reading import (
     AFTER_OUTAGE_S,
     REDIS_PATIENCE_S,
@@ -265,9 +265,10 @@ class StreamHub:
                         continue  # one key's type failed the read of all: only its followers hear it
                 except REDIS_DOWN as down:  # (the look at the keys' types met an outage: this reader must not end)
                     exc = down
-                if isinstance(exc, REDIS_DOWN) and self.down_since is None:
+                outage = isinstance(exc, REDIS_DOWN) or unblocked(exc)  # (a primary made a replica: read on)
+                if outage and self.down_since is None:
                     self.down_since = time.monotonic()
-                if not isinstance(exc, REDIS_DOWN) or time.monotonic() - self.down_since >= REDIS_PATIENCE_S:
+                if not outage or time.monotonic() - self.down_since >= REDIS_PATIENCE_S:
                     for followers in self._by_key.values():  # not an outage, or a long one: every follower hears it
                         for f in followers.values():
                             f.entries.put_nowait(exc)

@@ -44,7 +44,8 @@ REDIS_UNAVAILABLE = REDIS_DOWN + REDIS_REFUSING
 # Error codes of a Redis that will take writes again: another client's script past ``busy-reply-threshold`` (BUSY
 # to every command until it ends), a failed snapshot with ``stop-writes-on-bgsave-error`` (MISCONF: a full disk),
 # and the refusals above as a script's error wraps them (Redis 6.2: "Error running script ...: -OOM ...").
-_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+# UNBLOCKED: a blocking read ended by the server (a primary made a replica: REPLICAOF, by hand or by a tool).
+_WAIT_CODES = ("BUSY", "MISCONF", "OOM", "READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "UNBLOCKED")
 
 
 def redis_waits(exc: Exception) -> bool:
@@ -58,6 +59,13 @@ def redis_waits(exc: Exception) -> bool:
     return any(
         text.startswith(f"{code} ") or f"caused error: {code} " in text or f"-{code} " in text for code in _WAIT_CODES
     )
+
+
+def unblocked(exc: BaseException) -> bool:
+    """Redis ended a blocking read (``XREAD BLOCK``) itself: a primary made a replica ("UNBLOCKED force unblock
+    from blocking operation, instance state changed"). A reader reads on, as after an outage: every stream follower
+    ended with it."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED")
 
 
 def wrong_type(exc: BaseException) -> bool:

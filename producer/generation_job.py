@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoPermissionError, WatchError
+from redis.exceptions import NoPermissionError, ResponseError, WatchError
 from rq import Queue
 from rq.exceptions import DeserializationError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job
@@ -17,7 +17,7 @@ from rq.registry import CanceledJobRegistry, StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from producer.connection import REDIS_DOWN, longest_block_s
+from producer.connection import REDIS_DOWN, longest_block_s, unblocked
 from producer.event_reading import (
     AFTER_OUTAGE_S,
     FINAL_EVENT_GRACE_S,
@@ -289,6 +289,11 @@ class GenerationJob:
                 continue
             except REDIS_DOWN as exc:
                 outage.wait(exc)  # a restart, a failover: read on from the same place once it answers
+                continue
+            except ResponseError as exc:
+                if not unblocked(exc):
+                    raise
+                outage.wait(exc)  # (a primary made a replica ended the blocked read: read on)
                 continue
             outage.over()
             for _key, entries in reply or []:

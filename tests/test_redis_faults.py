@@ -332,6 +332,46 @@ def test_a_follower_rides_out_a_redis_restart():
 
 
 @pytest.mark.slow
+def test_followers_read_on_when_their_primary_is_made_a_replica_and_back(own_redis):
+    """REPLICAOF on the primary a plain URL names (by hand, or a tool's) ends every blocked XREAD with UNBLOCKED:
+    every stream follower, sync and async (the server's SSE streams, all at once), ended with that error."""
+    import asyncio
+    import json
+    import threading
+
+    from producer import AsyncClient
+    from producer.protocol import stream_key
+
+    url, conn = own_redis
+    for job_id in ("demoted-1", "demoted-2"):
+        conn.hset(f"rq:job:{job_id}", "status", "started")
+        conn.xadd(stream_key(job_id), {"event": json.dumps({"n": 0, "text": "Hello", "token_ids": [1]})})
+    got, errors = [], []
+    follower = threading.Thread(target=lambda: _follow(Client(url, queue="q").job("demoted-1"), got, errors))
+    follower.start()
+
+    async def follow_async() -> list:
+        async with AsyncClient(url, queue="q") as client:
+            return [event["text"] async for event in client.job("demoted-2").events(timeout=30)]
+
+    followed: list = []
+    async_follower = threading.Thread(target=lambda: followed.append(asyncio.run(follow_async())))
+    async_follower.start()
+    time.sleep(1.5)  # (both blocked in their reads)
+    conn.replicaof("127.0.0.1", free_port())  # (a primary that is not there: it serves reads, stale)
+    time.sleep(1.5)
+    conn.replicaof("NO", "ONE")
+    last = {"n": 1, "text": " world", "token_ids": [2], "finish_reason": "stop", "usage": {}}
+    for job_id in ("demoted-1", "demoted-2"):
+        conn.hset(f"rq:job:{job_id}", "status", "finished")
+        conn.xadd(stream_key(job_id), {"event": json.dumps(last)})
+    follower.join(30)
+    async_follower.join(30)
+    assert errors == [] and [e["text"] for e in got] == ["Hello", " world"]
+    assert followed == [["Hello", " world"]]
+
+
+@pytest.mark.slow
 def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
     """AsyncClient's streams and waits (every request of the server) ended with a ConnectionError at a Redis
     restart, the jobs going on; the sync client's waited for Redis and read on."""
