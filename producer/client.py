@@ -393,14 +393,19 @@ class Client:
         }
 
     def _memory_state(self) -> str:
-        """``full: ...`` where Redis takes no writes for want of memory (the workers' own word on it is a write
-        Redis refuses then: it said "ok"), ``ok`` otherwise, or where INFO is not this user's to read."""
+        """``full: ...`` where Redis takes no writes for want of memory, ``read-only: ...`` where it is a replica
+        (the workers' own word on it is a write Redis refuses then: it said "ok", and listed no worker), ``ok``
+        otherwise, or where INFO is not this user's to read."""
         try:
             info = self.connection.info("memory")
+            role = self.connection.info("replication")
         except REDIS_DOWN:
             raise
         except Exception:
             return "ok"
+        if role.get("role") == "slave" and role.get("slave_read_only", 1):
+            primary = f"{role.get('master_host')}:{role.get('master_port')}"
+            return f"read-only: a replica of {primary} (its link {role.get('master_link_status')}); writes are refused"
         used, most = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
         if most and used >= most and info.get("maxmemory_policy") == "noeviction":
             return f"full: {used} bytes used of maxmemory {most}; writes are refused until it has room"

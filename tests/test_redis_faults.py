@@ -820,9 +820,9 @@ def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys
         conn.config_set("maxmemory", 0)
 
 
-def test_status_says_a_full_redis_is_full(own_redis, capsys):
-    """While Redis refused writes for want of memory, ``roseinfer status`` said all was well: the workers' word on
-    it is itself a write Redis refused."""
+def test_status_says_a_full_redis_is_full_and_a_replica_read_only(own_redis, capsys):
+    """While Redis refused writes for want of memory, or as a replica, ``roseinfer status`` said all was well: the
+    workers' word on it is itself a write Redis refused."""
     from worker.cli import main
 
     url, conn = own_redis
@@ -834,3 +834,12 @@ def test_status_says_a_full_redis_is_full(own_redis, capsys):
         assert "Redis is full: " in capsys.readouterr().out
     finally:
         conn.config_set("maxmemory", 0)
+    # A replica (REPLICAOF by hand or a tool's, a failover gone wrong) refuses writes too: "ok", and no worker listed.
+    port = free_port()
+    conn.replicaof("127.0.0.1", port)
+    try:
+        assert Client(url, queue="mem").status()["redis"].startswith(f"read-only: a replica of 127.0.0.1:{port}")
+        assert main(["status", "--redis-url", url, "--queue", "mem"]) == 0
+        assert "Redis is read-only: " in capsys.readouterr().out
+    finally:
+        conn.replicaof("NO", "ONE")
