@@ -256,7 +256,15 @@ FORMATS = {
         ToolFormat("hermes", ("<tool_call>",), _hermes_calls, close="</tool_call>"),
         ToolFormat("llama3_json", ("<|python_tag|>",), _llama3_calls, leading="{", start=_JSON_START),
         ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral_calls, make_id=_mistral_id),
-        ToolFormat("pythonic", (), _pythonic_calls, leading="[", start=_PYTHONIC_START),
+        # (Llama 4 wraps its calls in <|python_start|> ... <|python_end|>, kept as text where tools may be called)
+        ToolFormat(
+            "pythonic",
+            ("<|python_start|>",),
+            _pythonic_calls,
+            close="<|python_end|>",
+            leading="[",
+            start=_PYTHONIC_START,
+        ),
     )
 }
 

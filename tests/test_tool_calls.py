@@ -434,6 +434,10 @@ OUTPUTS = {
         ("\n ['", "\n ['", []),
         ("[rm_rf()]", "[rm_rf()]", []),
         ('[get_weather(city="\\ud83d", unit="c")]', None, [("get_weather", {"city": "\ud83d", "unit": "c"})]),
+        # Llama 4's wrapper, kept as text where tools may be called: the answer was all text, no call.
+        ('<|python_start|>[get_weather(city="Oslo", unit="c")]<|python_end|>', None, [_OSLO]),
+        ("Let me see. <|python_start|>[now()]<|python_end|>", "Let me see. ", [("now", {})]),
+        ("<|python_start|>[now()]", None, [("now", {})]),
     ],
 }
 _CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
@@ -497,7 +501,7 @@ def test_mistrals_call_ids_are_the_nine_letters_and_digits_its_templates_take():
 @pytest.mark.parametrize("parser", list(OUTPUTS))
 def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(parser, size):
     plan = ToolChoice.of(TOOLS, "auto", parser=parser)
-    markers = ["<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+    markers = ["<tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "<|python_start|>"]
     for text, _, _ in OUTPUTS[parser]:
         stream = plan.stream()
         content, deltas = "", []
@@ -515,6 +519,7 @@ def test_auto_streamed_in_any_pieces_is_the_whole_outputs_text_and_calls(parser,
 
 
 _ATOMS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "{", "}", "[", "]", "(", ")",
+          "<|python_start|>", "<|python_end|>",
           '"name"', ": ", '"now"', '"arguments"', '"parameters"', "{}", ", ", "; ", " ", "\n", "x", "now(", "a=1",
           '{"name": "now", "arguments": {}}', "[now()]", "'", '"']  # fmt: skip
 
