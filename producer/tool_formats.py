@@ -122,11 +122,17 @@ def _skip(text: str, i: int, chars: str) -> int:
 
 
 def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
-    """A JSON array of calls (or one call), or v11's ``name[ARGS]{...}`` after each marker."""
+    """A JSON array of calls (or one call), words the model wrote after it left out (as vLLM's parser leaves them),
+    or v11's ``name[ARGS]{...}`` after each marker."""
     try:
         calls = _json(body)
     except ValueError:
-        return _mistral_v11_calls(body)
+        try:  # (the first JSON value alone: "[...] I called it." was all text, no call)
+            calls, _end = json.JSONDecoder().raw_decode(body.lstrip())
+        except (ValueError, RecursionError):
+            return _mistral_v11_calls(body)
+        if not isinstance(calls, list):
+            return _mistral_v11_calls(body)
     named = [_named(call, ("arguments", "parameters")) for call in (calls if isinstance(calls, list) else [calls])]
     return None if not named or None in named else named  # type: ignore[return-value]
 

@@ -400,6 +400,8 @@ OUTPUTS = {
             [_OSLO, ("now", {})],
         ),
         ('Let me check. [TOOL_CALLS][{"name": "now", "arguments": {}}]', "Let me check. ", [("now", {})]),
+        # Words after the array are left out, as vLLM's parser leaves them: the answer was all text, no call.
+        ('[TOOL_CALLS][{"name": "now", "arguments": {}}] I called it.', None, [("now", {})]),
         (
             '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "c"}[TOOL_CALLS]now[ARGS]{}',
             None,
