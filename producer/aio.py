@@ -235,7 +235,10 @@ class StreamHub:
             self._by_key.setdefault(follower.key, {})[follower.id] = follower
             if self._task is None or self._task.done():
                 self._task = asyncio.create_task(self._read())
-        return await asyncio.wait_for(follower.entries.get(), wait)
+        if _timeout is None:  # (Python 3.10)
+            return await asyncio.wait_for(follower.entries.get(), wait)
+        async with _timeout(wait):  # (wait_for before 3.12 lost a cancel that landed as the get finished)
+            return await follower.entries.get()
 
     def leave(self, follower: _Follower) -> None:
         followers = self._by_key.get(follower.key, {})
@@ -320,10 +323,24 @@ class StreamHub:
         return bool(bad)
 
 
+_timeout = getattr(asyncio, "timeout", None)  # (Python 3.11 on)
+
+
+def _keep_cancel() -> None:
+    """Raise the task's cancel where an await returned instead: before Python 3.12 ``asyncio.wait_for`` (redis-py's
+    around each command under a socket timeout, which every connection here has) gave its result when a cancel
+    landed as it finished, and a timeout around a stream or a wait for a result never fired (a wait on a queued job
+    went on for good). Called once an iteration of each waiting loop. (Python 3.10 has no count of cancels.)"""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "cancelling") and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def _final_event(hub: StreamHub, follower: _Follower, seconds: float) -> None:
     """Read a job's stream until its final event, or for ``seconds`` (or until Redis fails: the caller looks)."""
     until = time.monotonic() + seconds
     while (wait := until - time.monotonic()) > 0:
+        _keep_cancel()
         try:
             found = await hub.entries(follower, wait)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
@@ -421,6 +438,7 @@ class AsyncGenerationJob:
                 deadline = outage.deadline = time.monotonic() + timeout
             looked = False  # the first look does not wait: a job long over says so at once
             while True:
+                _keep_cancel()
                 wait = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
                 if expired_at is not None:
                     wait = max(0.001, min(wait, expired_at - time.monotonic()))
@@ -550,6 +568,7 @@ class AsyncGenerationJob:
         follower = None
         try:
             while True:
+                _keep_cancel()
                 try:
                     async with conn.pipeline(transaction=False) as pipe:  # the status first, as the sync client
                         pipe.hget(Job.key_for(self.id), "status")

@@ -4960,3 +4960,52 @@ def test_every_job_end_has_its_series_from_the_start_and_no_time_is_negative():
     metrics.step.observe(3.0)
     assert value("roseinfer_engine_step_seconds_bucket", {"le": "5.0"}) == 1
     assert value("roseinfer_engine_step_seconds_bucket", {"le": "2.5"}) == 0
+
+
+@pytest.mark.redis
+def test_an_async_wait_or_stream_under_a_timeout_always_ends_by_it(redis_url):
+    """Before Python 3.12 ``asyncio.wait_for`` (redis-py's around each command under a socket timeout, and the hub's
+    own) returned its result when a cancel landed as it finished: a timeout around a wait for a queued job's result
+    never fired, a few in a hundred (the wait went on for good), and one around a stream ran to the job's end."""
+    import asyncio
+    import random
+
+    from redis import Redis
+
+    from producer.aio import AsyncClient
+
+    conn, queue = Redis.from_url(redis_url), f"q-{uuid.uuid4().hex[:8]}"
+    rng = random.Random(3)
+
+    async def wait_all() -> tuple[int, int, float]:
+        async with AsyncClient(redis_url, queue=queue) as client:
+            jobs = [await client.submit(f"never run {i}", max_tokens=2) for i in range(20)]  # (no worker: queued)
+
+            async def one(job, seconds: float, streamed: bool) -> bool:
+                try:
+                    async with asyncio.timeout(seconds):
+                        if streamed:
+                            async for _ in job.stream():
+                                pass
+                        else:
+                            await job.result()
+                except TimeoutError:
+                    return True
+                return False
+
+            began = time.monotonic()
+            ended = await asyncio.wait_for(
+                asyncio.gather(*[one(job, rng.uniform(0.02, 0.6), i % 2 == 0) for i in range(10) for job in jobs]),
+                timeout=30,
+            )
+            took = time.monotonic() - began
+            for job in jobs:
+                await job.cancel()
+            return sum(ended), len(ended), took
+
+    if not hasattr(asyncio, "timeout"):
+        pytest.skip("asyncio.timeout is Python 3.11's")
+    timed_out, waits, took = asyncio.run(wait_all())
+    assert (timed_out, waits) == (200, 200) and took < 10, took
+    for key in conn.scan_iter(f"*{queue}*"):
+        conn.delete(key)
