@@ -146,8 +146,22 @@ class AsyncClient:
             self._flushing = False
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncGenerationJob]:
-        jobs = await asyncio.to_thread(self.sync.submit_many, requests)
+        submitting = asyncio.ensure_future(asyncio.to_thread(self.sync.submit_many, requests))
+        try:
+            jobs = await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            # The thread goes on: the jobs it puts in are canceled, as ``submit``'s orphans (they ran for no one).
+            submitting.add_done_callback(self._cancel_orphans)
+            raise
         return [self.job(job.id) for job in jobs]
+
+    def _cancel_orphans(self, submitted: asyncio.Future) -> None:
+        if submitted.cancelled() or submitted.exception() is not None:
+            return
+        for job in submitted.result():
+            cancel = asyncio.ensure_future(self._cancel_orphan(job.id))
+            self._orphans.add(cancel)  # (held till done: a task nobody holds may be collected)
+            cancel.add_done_callback(self._orphans.discard)
 
     def job(self, job_id: str) -> AsyncGenerationJob:
         return AsyncGenerationJob(self, job_id)

@@ -1351,6 +1351,40 @@ def test_an_async_submit_cancelled_as_its_job_went_in_cancels_that_job(redis_url
     assert len(queue.job_ids) == 1  # (the first, still queued: no worker serves this queue)
 
 
+def test_an_async_submit_many_cancelled_while_its_jobs_go_in_cancels_them(redis_url, monkeypatch):
+    """``submit_many``'s thread went on after its caller was cancelled: its jobs ran to their ends for nobody (a
+    cancelled ``submit``'s were canceled)."""
+    import threading
+
+    queue_name = f"left-many-{uuid.uuid4().hex[:6]}"
+    going_in = threading.Event()
+
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            submit_many = client.sync.submit_many
+
+            def slow_submit_many(requests):
+                going_in.set()
+                time.sleep(0.3)  # (the caller is cancelled meanwhile)
+                return submit_many(requests)
+
+            monkeypatch.setattr(client.sync, "submit_many", slow_submit_many)
+            task = asyncio.create_task(client.submit_many([{"prompt": f"p{i}", "max_tokens": 4} for i in range(3)]))
+            while not going_in.is_set():
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # (the thread ends, then its jobs are canceled)
+                if len(Client(redis_url, queue=queue_name).queue.canceled_job_registry.get_job_ids()) == 3:
+                    break
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    queue = Client(redis_url, queue=queue_name).queue
+    assert len(queue.canceled_job_registry.get_job_ids()) == 3 and queue.job_ids == []
+
+
 def test_an_async_submit_cancelled_before_its_batch_went_in_enqueues_nothing(redis_url):
     """A caller cancelled while its request still waited for the batch (a timeout around ``submit``): it went in
     anyway, then was canceled, its prompt kept for the result TTL and its id pushed to its completion list."""
