@@ -73,6 +73,7 @@ class AsyncClient:
         self._flushing = False
         self._flusher: asyncio.Task | None = None
         self._orphans: set[asyncio.Task] = set()  # cancels of jobs whose submitters left as they went in
+        self.closed = False
 
     @property
     def queue_name(self) -> str:
@@ -81,6 +82,7 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, **fields: Any) -> AsyncGenerationJob:
         """Enqueue one job. Submissions that arrive while others are being enqueued go in one pipeline together
         (a server's concurrent requests reach the worker as one batch, not one by one)."""
+        self._check_open()
         request = {"prompt": prompt, **fields} if prompt is not None else dict(fields)
         # A bad request (or job id) fails alone, here: in the batch it would fail every request sent with it.
         validate({k: v for k, v in request.items() if k != "job_id"})
@@ -146,6 +148,7 @@ class AsyncClient:
             self._flushing = False
 
     async def submit_many(self, requests: list[dict[str, Any]]) -> list[AsyncGenerationJob]:
+        self._check_open()
         submitting = asyncio.ensure_future(asyncio.to_thread(self.sync.submit_many, requests))
         try:
             jobs = await asyncio.shield(submitting)
@@ -172,7 +175,14 @@ class AsyncClient:
     async def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self.sync.workers, queue)
 
+    def _check_open(self) -> None:
+        """A closed client takes no job: one went in (its connections opened again, left open) that no stream of this
+        client could follow."""
+        if self.closed:
+            raise ClientClosed("this AsyncClient was closed")
+
     async def close(self) -> None:
+        self.closed = True
         if self._flusher is not None:  # submits going in, or the cancel of a left caller's job: let them land
             await asyncio.wait([self._flusher])  # (its failures were its callers')
         if self._orphans:

@@ -5009,3 +5009,27 @@ def test_an_async_wait_or_stream_under_a_timeout_always_ends_by_it(redis_url):
     assert (timed_out, waits) == (200, 200) and took < 10, took
     for key in conn.scan_iter(f"*{queue}*"):
         conn.delete(key)
+
+
+@pytest.mark.redis
+def test_a_closed_async_client_takes_no_job(redis_url):
+    """After ``close()`` a submit still went in (its connections opened again and left open), a job no stream of the
+    client could follow (``stream()`` said ClientClosed)."""
+    import asyncio
+
+    from redis import Redis
+
+    from producer.aio import AsyncClient, ClientClosed
+
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+
+    async def main() -> None:
+        client = AsyncClient(redis_url, queue=queue)
+        await client.close()
+        with pytest.raises(ClientClosed):
+            await client.submit("after close", max_tokens=2)
+        with pytest.raises(ClientClosed):
+            await client.submit_many([{"prompt": "after close", "max_tokens": 2}])
+
+    asyncio.run(main())
+    assert Redis.from_url(redis_url).llen(f"rq:queue:{queue}") == 0
