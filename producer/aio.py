@@ -553,7 +553,7 @@ class AsyncGenerationJob:
     async def stream(self, timeout: float | None = None, index: int = 0) -> AsyncIterator[str]:
         """As ``GenerationJob.stream``: text pieces (of sample ``index``), the result's text once the stream expired;
         ``StreamRestarted`` if the output starts over after some."""
-        if index != 0:
+        if index != 0 or type(index) is not int:  # (False and 0.0 equal 0: the sync client's TypeError)
             await asyncio.to_thread(self._sync.check_sample, index)
         read_any, read = False, []  # (the text given: a stream that falls short is made whole from the result)
         deadline = deadline_after(timeout)

@@ -1148,6 +1148,10 @@ def test_a_wait_of_a_timeout_of_nan_or_another_type_or_a_job_of_a_non_string_id_
             with pytest.raises(ValueError, match="got NaN"):
                 async for _ in handle.stream(timeout=float("nan")):
                     pass
+            for index in (False, 0.0):  # (equal to 0: the async stream took them where the sync one refused them)
+                with pytest.raises(TypeError, match="a sample index is an int"):
+                    async for _ in handle.stream(timeout=1, index=index):
+                        pass
 
     asyncio.run(main())
 
