@@ -475,7 +475,7 @@ sys.path.insert(0, sys.argv[2])
 from test_engine_process import _drain, _params, engine_spinning
 if sys.argv[1] == "process":
     from worker.engine_process import EngineProcess
-    pump = EngineProcess(partial(engine_spinning, 0.08), step_timeout=1.0)
+    pump = EngineProcess(partial(engine_spinning, 0.08), step_timeout=2.0)
     pump.submit("a", {"prompt": "x"}, _params(30))
     pump.step()
     print("ready", flush=True)
@@ -484,11 +484,12 @@ if sys.argv[1] == "process":
     pump.close()
 else:
     from worker.watchdog import StepWatchdog
-    watchdog = StepWatchdog(1.0)
+    watchdog = StepWatchdog(2.0)
     watchdog.start()
     watchdog.began()
     print("ready", flush=True)
-    until = time.process_time() + 0.6  # a step of 0.6 s of CPU time, stopped in its middle
+    until = time.process_time() + 0.3  # a step of 0.3 s of CPU time, stopped in its middle (a loaded machine's
+    # 0.3 s of CPU may take a second: the timeout is 2 s)
     while time.process_time() < until:
         pass
     watchdog.ended()
@@ -510,7 +511,7 @@ def test_a_worker_stopped_and_continued_is_not_hung(where):
         assert proc.stdout.readline() == "ready\n"
         time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGSTOP)  # (the whole group: an engine process is stopped with it)
-        time.sleep(3)
+        time.sleep(4)  # (past the timeout, and past the clock's tick and PAUSED_S: a pause, as the clock sees it)
         os.killpg(proc.pid, signal.SIGCONT)
         out, err = proc.communicate(timeout=60)
     finally:
