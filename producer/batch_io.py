@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -364,6 +365,7 @@ class ParquetSink:
         self._keeps_input = columns is not None  # a Parquet input's columns are carried over
         self._rows: list[dict[str, Any]] = []
         self._writer: Any = None
+        self._written = 0  # rows in the row groups written (-1 once a write failed)
 
     def refuse(self, payload: dict[str, Any]) -> str | None:
         """Why this output cannot hold the output of a job of ``payload``: its ``output`` column holds the run's
@@ -458,7 +460,10 @@ class ParquetSink:
             pa, _ = _pyarrow()
             # Taken first: a Ctrl-C between the write and the reset wrote the row group again at close.
             rows, self._rows = self._rows, []
+            written = self._written
+            self._written = -1  # (a write that fails: the file is not whole, whatever its close says)
             self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))  # one row group
+            self._written = written + len(rows)
 
     keeps_flushed_rows = False  # (see flush: a rerun takes the rows of a killed run from their jobs' results)
 
@@ -470,13 +475,27 @@ class ParquetSink:
         _flush(self.errors)
 
     def close(self) -> None:
-        """Write what is buffered, close the file (its footer makes it whole) and put it in the output's place."""
+        """Write what is buffered, close the file (its footer makes it whole) and put it in the output's place, once
+        it reads whole: a write that failed (a disk full) left a file without its footer, which pyarrow's close does
+        not say, and it replaced a whole output, every row of the earlier runs lost."""
         if self._writer is None:
             return
-        self._write_rows()
-        _flush(self.errors)
-        self._writer.close()
-        self._writer = None
+        try:
+            if self._written >= 0:
+                self._write_rows()
+            _flush(self.errors)
+        finally:
+            writer, self._writer = self._writer, None
+            writer.close()
+        _, pq = _pyarrow()
+        try:
+            rows, why = pq.ParquetFile(self.tmp).metadata.num_rows, "a write to it failed"
+        except Exception as exc:  # (pyarrow's own error types: no footer, say)
+            rows, why = None, f"{exc}"
+        if rows is None or rows != self._written:
+            self.tmp.unlink(missing_ok=True)
+            why = why if rows is None or self._written < 0 else f"{rows} rows in it of {self._written} written"
+            raise OSError(errno.EIO, f"its new output was not written whole ({why}); {self.path} is as it was")
         os.replace(self.tmp, self.path)
 
 

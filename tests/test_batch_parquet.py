@@ -387,6 +387,42 @@ def test_ctrl_c_while_the_earlier_rows_are_carried_over_leaves_the_output_as_it_
     assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["errors.jsonl", "out.parquet"]
 
 
+@pytest.mark.parametrize("fails", ["a row group", "the footer"])
+def test_a_disk_full_under_a_parquet_run_leaves_the_output_as_it_was(tmp_path, monkeypatch, fails):
+    """A row group's write failed (ENOSPC), then pyarrow's close wrote no footer and said nothing: the file without
+    one replaced a whole output, every row of the earlier runs lost, and the resume command said it was no Parquet
+    file. The output stays as it was, and the run stops on the system's error."""
+    import errno
+
+    from producer.batch_io import open_lines
+
+    out = tmp_path / "out.parquet"
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = ParquetSink(out, None, "custom_id", 1)
+        sink.open(err)
+        _write_rows(sink, 1, 20)
+        sink.close()
+    before = out.read_bytes()
+    with open_lines(tmp_path / "errors.jsonl", "w") as err:
+        sink = ParquetSink(out, None, "custom_id", 1)
+        sink.open(err)
+        if fails == "a row group":
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(sink._writer, "write_table", full)
+            with pytest.raises(OSError, match="No space left"):
+                _write_rows(sink, 21, 1100)  # (a row group's worth: written as it fills)
+        else:
+            _write_rows(sink, 21, 10)
+            monkeypatch.setattr(sink._writer, "close", lambda: None)  # (no footer, and not a word of it)
+        with pytest.raises(OSError, match="not written whole"):
+            sink.close()
+    assert out.read_bytes() == before and pq.ParquetFile(out).metadata.num_rows == 20
+    assert not (tmp_path / "out.parquet.partial").exists()
+
+
 @pytest.mark.slow
 def test_rows_a_killed_parquet_run_had_not_written_come_back_from_redis(served, tmp_path, monkeypatch):
     """Rows wait in memory for a whole row group; a run killed outright (no footer: its .partial is not read)
