@@ -311,9 +311,17 @@ class JSONLSink:
         _write_error(self.errors, error)
 
     def flush(self) -> None:
-        """Every line settled so far reaches the file (a killed run keeps them; the rerun skips them)."""
+        """Every line settled so far reaches the file (a killed run keeps them; the rerun skips them), which must
+        still be the output: one deleted or moved meanwhile took the lines into a file no one reads, the run ended
+        "all succeeded", and its rows' results expired ten minutes later (``_release``)."""
         if self._out is not None:
             self._out.flush()
+            try:
+                ours = os.path.samestat(os.fstat(self._out.fileno()), os.stat(self.path))
+            except FileNotFoundError:
+                ours = False
+            if not ours:
+                raise OSError(errno.ENOENT, "the output was deleted or moved while the run wrote it", str(self.path))
         _flush(self.errors)
 
     def close(self) -> None:

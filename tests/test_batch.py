@@ -1387,3 +1387,25 @@ def test_a_json_array_given_as_jsonl_is_one_error_before_any_row(tmp_path, dry):
     with pytest.raises(ValueError, match=r"holds a JSON array, not JSON Lines.*jq -c '\.\[\]'"):
         dry_run(src, out) if dry else run_batch(client, src, out)
     assert client.queue.count == 0 and not out.exists()
+
+
+def test_an_output_deleted_or_moved_while_the_run_writes_it_stops_the_run(tmp_path):
+    """The run wrote on into the file it had open: deleted or moved (a clean-up, a log rotation, an mv), the run
+    ended "3000 succeeded" with exit 0, no output there, and its rows' results expired ten minutes later."""
+    from producer.batch_io import open_lines
+
+    for gone in ("deleted", "moved"):
+        out = tmp_path / f"{gone}.jsonl"
+        with open_lines(tmp_path / "errors.jsonl", "w") as err:
+            sink = JSONLSink(out)
+            sink.open(err)
+            line = parse_line(1, {"prompt": "p"})
+            sink.result(line, {"custom_id": line.custom_id, "response": {}}, {"id": "j", "text": "t"})
+            sink.flush()
+            if gone == "deleted":
+                out.unlink()
+            else:
+                out.rename(tmp_path / "elsewhere.jsonl")
+            with pytest.raises(FileNotFoundError, match="the output was deleted or moved while the run wrote it"):
+                sink.flush()
+            sink.close()
