@@ -374,6 +374,8 @@ class ParquetSink:
         self._rows: list[dict[str, Any]] = []
         self._writer: Any = None
         self._written = 0  # rows in the row groups written (-1 once a write failed)
+        self._carried = 0  # rows of the last run's output, carried over: the first in this run's
+        self.whole = False  # the run's output closed whole, in the output's place
 
     def refuse(self, payload: dict[str, Any]) -> str | None:
         """Why this output cannot hold the output of a job of ``payload``: its ``output`` column holds the run's
@@ -418,6 +420,7 @@ class ParquetSink:
                 for row in batch.to_pylist():
                     if row["error"] is None:
                         self._add(row)
+                        self._carried += 1
         except BaseException:  # (Ctrl-C in a long carry-over) the output stays as it was, no .partial beside it
             self._writer.close()
             self._writer = None
@@ -505,6 +508,22 @@ class ParquetSink:
             why = why if rows is None or self._written < 0 else f"{rows} rows in it of {self._written} written"
             raise OSError(errno.EIO, f"its new output was not written whole ({why}); {self.path} is as it was")
         os.replace(self.tmp, self.path)
+        self.whole = True
+
+    def rows_written(self) -> Iterator[list[str]]:
+        """The jobs of the rows this run wrote that succeeded, a batch at a time, read back from the output once it
+        is whole (``whole``): their results are no longer needed (``batch._release``). Read back, not held: a
+        million ids were ~90 MB."""
+        if not self.whole:
+            return
+        _, pq = _pyarrow()
+        skip = self._carried  # (the carried rows come first: written as the output opened)
+        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=_BATCH_ROWS * 8, columns=["job_id", "error"]):
+            ids, errors = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+            ours = [job_id for job_id, error in zip(ids[skip:], errors[skip:]) if job_id and error is None]
+            skip = max(0, skip - len(ids))
+            if ours:
+                yield ours
 
 
 def _write_error(errors: TextIO | None, error: dict[str, Any]) -> None:

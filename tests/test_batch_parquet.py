@@ -143,6 +143,15 @@ def test_plain_jsonl_rows_with_columns_and_a_bad_row_into_parquet(served, tmp_pa
     assert sorted(rows) == ["0", "1", "2", "3", "4", "5"]  # the bad row too, failed
     assert rows.pop("5")["error"].startswith("invalid_request: ")
     assert all(len(r["output"]) > 0 and r["error"] is None for r in rows.values())
+    # Its rows' jobs released once the file is whole, as a JSONL output's are: they were kept a day, ~10 KB a row.
+    from producer.batch import RELEASED_TTL_S
+
+    ttls = [client.connection.ttl(f"rq:job:{r['job_id']}") for r in rows.values()]
+    assert all(0 < ttl <= RELEASED_TTL_S for ttl in ttls), ttls
+    rerun = tmp_path / "rerun.jsonl"  # (a rerun releases only its own rows: the first, carried over, are not read)
+    rerun.write_text(json.dumps({"id": 6, "text": f"Row 6 {tmp_path.name}"}) + "\n")
+    run_batch(client, rerun, out, options=options, poll_interval=0.05)
+    assert len(pq.read_table(out)) == 6
 
 
 def test_the_columns_an_output_adds_must_not_be_in_the_input(tmp_path):
