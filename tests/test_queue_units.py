@@ -1637,6 +1637,37 @@ def test_a_stale_copy_saved_over_a_running_jobs_status_is_no_requeue(redis_url, 
 
 
 @pytest.mark.redis
+def test_a_job_lost_at_its_end_is_counted_once_when_a_watched_write_is_tried_again(redis_url):
+    """Without Lua the end is one transaction under WATCH: a job another attempt owns was counted "lost", logged and
+    its execution cleaned up as the transaction was built, and again at every try after a WatchError (a heartbeat's
+    HSET on a watched hash is one)."""
+    from redis import WatchError
+
+    from producer.protocol import OWNER_FIELD
+
+    conn, worker, _, [lost, kept] = _running_jobs(redis_url, count=2)
+    assert worker.sender.finish_script is None  # (no scripts loaded: the WATCH path)
+    conn.hset(lost.job.key, OWNER_FIELD, "another-attempt")
+    ended: list = []
+    worker.metrics.job_ended = lambda status, *_: ended.append(status)
+    is_ours, touched = worker._is_ours, []
+
+    def touching(job, *args, **kwargs):  # (a heartbeat's write to a watched hash, as the transaction is built)
+        if not touched:
+            touched.append(conn.hset(kept.job.key, "last_heartbeat", "now"))
+        return is_ours(job, *args, **kwargs)
+
+    worker._is_ours = touching
+    part = [(lost, {"id": lost.job.id, "text": "a"}), (kept, {"id": kept.job.id, "text": "b"})]
+    with pytest.raises(WatchError):
+        worker._succeed_plain(part)
+    written, _ = worker._succeed_plain(part)  # (as ``_succeed`` tries it again)
+    assert touched and ended.count("lost") == 1 and [job for job, _ in written] == [kept]
+    assert kept.job.get_status(refresh=True) == "finished"
+    worker.register_death()
+
+
+@pytest.mark.redis
 def test_events_refused_while_a_job_was_queued_again_go_out_in_order_once_it_is_this_attempts_again(redis_url):
     """This worker stalled, RQ queued its job again, and this worker pulled it back while its copy still ran: the
     events refused meanwhile were lost, and the stream went 0, 1, 3, ... (followers heard StreamGap, "trimmed").

@@ -212,7 +212,7 @@ class SuccessPath:
                     self.executions.pop(job.execution.id, None)
                     written.append((job, result))
             return written, with_dependents
-        written, with_dependents = [], []
+        written, with_dependents, lost = [], [], []
         with self.connection.pipeline() as pipe:
             pipe.watch(*[job.job.key for job, _ in plain], *[job.job.dependents_key for job, _ in plain])
             owners = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job, _ in plain]
@@ -222,7 +222,7 @@ class SuccessPath:
             for (job, result), (owner, status), has_dependents, entry in zip(plain, owners, dependents, entries):
                 mine = self._is_ours(job, owner, status, (b"finished",), entered=entry is not None)
                 if mine is False:
-                    self._lost_at_end(job)
+                    lost.append(job)  # (once the transaction landed: a WatchError tries all of it again)
                 elif mine is None:
                     written.append((job, result))  # by the try whose reply was lost
                 elif has_dependents:
@@ -232,6 +232,8 @@ class SuccessPath:
                     self._count_success(pipe, job, ended)
                     written.append((job, result))
             pipe.execute()
+        for job in lost:  # (counted, logged and cleaned up once: before, again at each WatchError's try)
+            self._lost_at_end(job)
         for job, _ in written:
             job.job._status = JobStatus.FINISHED
             self.executions.pop(job.execution.id, None)
