@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -15,10 +17,41 @@ from roseinfer.llm_engine import LLMEngine, PromptInput
 from roseinfer.outputs import RequestOutput
 from roseinfer.sampling_params import SamplingParams
 
+log = logging.getLogger("roseinfer.llm")
+
+
+# vLLM's names of the numeric types, and "auto" (the engine's default), as vLLM's offline code passes them.
+_DTYPE_NAMES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+# vLLM's options that have nothing to do here (one process, one device; no remote code is ever run; the KV cache is
+# sized by kv_cache_memory): taken, and said once, so its offline code runs as written.
+_VLLM_ONLY = ("trust_remote_code", "gpu_memory_utilization", "swap_space", "disable_log_stats", "tokenizer_mode")
+_ONE_ONLY = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``LLM``'s keywords as ``EngineConfig`` takes them: vLLM's dtype names and its options of no meaning here."""
+    options = dict(options)
+    dtype = options.get("dtype")
+    if dtype == "auto":
+        options.pop("dtype")
+    elif isinstance(dtype, str):
+        options["dtype"] = _DTYPE_NAMES.get(dtype, dtype)
+    elif dtype is not None and str(dtype).startswith("torch."):  # (torch.bfloat16)
+        options["dtype"] = str(dtype).removeprefix("torch.")
+    for name in _ONE_ONLY:
+        if name in options and options.pop(name) != 1:
+            raise ValueError(f"{name} must be 1: roseinfer runs a model on one device")
+    ignored = [name for name in _VLLM_ONLY if name in options]
+    for name in ignored:
+        options.pop(name)
+    if ignored:
+        log.warning("ignored, as nothing here uses them: %s", ", ".join(ignored))
+    return options
+
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(EngineConfig(model=model, **_engine_options(engine_options)))
         self._ids = itertools.count()
 
     @classmethod

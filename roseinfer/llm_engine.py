@@ -269,6 +269,9 @@ class LLMEngine(PromptInputs):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
+        # Checked and derived again as it is now: a field set after it was made (``sp.stop = [...]``, a vLLM habit)
+        # went unchecked, and its stop strings unseen (``generate`` made a copy; this path did not).
+        params = dataclasses.replace(params)
         text, token_ids = self.tokenize(prompt)
         if text is None and params.prompt_logprobs is not None and self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids)  # the text those logprobs score (as vLLM gives it)

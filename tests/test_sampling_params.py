@@ -93,3 +93,45 @@ def test_a_stop_string_is_held_to_a_kilobyte_by_the_engine_and_the_payload():
         with pytest.raises(ValueError, match=f"a stop string has {len(long)} characters"):
             JobRequest.model_validate({"prompt": "x", "stop": stop})
     SamplingParams(stop=["x" * MAX_STOP_CHARS])  # (at the bound: taken)
+
+
+def test_a_field_set_after_the_params_were_made_counts_through_the_engines_add_request(tiny_chat_model):
+    """``sp.stop = [...]`` after the params were made (a vLLM habit): ``generate`` saw it (it made a copy), the
+    engine's ``add_request`` did not, and the request ran to its length; a bad value set so went unchecked too."""
+    from roseinfer import LLM
+
+    llm = LLM(tiny_chat_model, dtype="float32")
+    engine = llm.llm_engine
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2 :][:3]
+    assert stop.strip()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    params.stop = [stop]
+    engine.add_request("set-after", "Hello", params)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last = out
+    assert last.outputs[0].finish_reason == "stop" and stop not in last.outputs[0].text
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("bad-after", "Hello", params)
+
+
+def test_llm_takes_vllms_dtype_names_and_its_options_of_no_meaning_here(caplog):
+    """vLLM's offline code failed at its first line: ``LLM(model, dtype="auto", gpu_memory_utilization=0.9)`` was a
+    ValueError, then a TypeError naming the option."""
+    import torch
+
+    from roseinfer.llm import _engine_options
+
+    assert _engine_options({"dtype": "auto"}) == {}
+    for given, taken in [("half", "float16"), ("bf16", "bfloat16"), ("float", "float32"), (torch.bfloat16, "bfloat16")]:
+        assert _engine_options({"dtype": given}) == {"dtype": taken}
+    with caplog.at_level("WARNING", logger="roseinfer.llm"):
+        options = _engine_options({"trust_remote_code": True, "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1})
+    assert options == {}
+    assert "ignored, as nothing here uses them: trust_remote_code, gpu_memory_utilization" in caplog.text
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        _engine_options({"tensor_parallel_size": 2})
+    assert _engine_options({"max_num_seqs": 4, "bogus": 1}) == {"max_num_seqs": 4, "bogus": 1}  # (still refused)
