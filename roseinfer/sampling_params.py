@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Bounds shared with the job payload (producer/schema.py; tests/test_options.py checks that the two agree).
 MAX_LOGPROBS = 20
@@ -133,6 +133,10 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy's numbers as Python's (a sweep from np.linspace was refused: not a float)
+            value = getattr(self, f.name, None)
+            if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+                setattr(self, f.name, value.item())
         self.stop_strings = _normalise_stop(self.stop)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"invalid sampling parameter: stop_token_ids must be a list, got {self.stop_token_ids!r}")

@@ -135,3 +135,15 @@ def test_llm_takes_vllms_dtype_names_and_its_options_of_no_meaning_here(caplog):
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         _engine_options({"tensor_parallel_size": 2})
     assert _engine_options({"max_num_seqs": 4, "bogus": 1}) == {"max_num_seqs": 4, "bogus": 1}  # (still refused)
+
+
+def test_numpys_numbers_are_taken_as_pythons():
+    """A temperature sweep from np.linspace, a budget computed with numpy: np.float32(0.5) is no float, np.int64(10)
+    no int, and both were refused (vLLM takes them)."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(10), temperature=np.float32(0.5), top_k=np.int32(5))
+    assert (params.max_tokens, params.temperature, params.top_k) == (10, 0.5, 5)
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(1.5))
