@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import signal
+from pathlib import Path
 
 import jsonschema
 import pyarrow as pa
@@ -374,9 +375,8 @@ def test_a_parquet_output_gets_a_row_group_each_1024_rows_not_each_poll(tmp_path
     assert (meta.num_rows, meta.num_row_groups, meta.row_group(1).num_rows) == (1510, 2, 486)
 
 
-def test_ctrl_c_while_the_earlier_rows_are_carried_over_leaves_the_output_as_it_was(tmp_path, monkeypatch):
-    """The carry-over of a large output's earlier rows ran before the run's try: a Ctrl-C there left the writer
-    open and a .partial beside the output. The output stays whole and nothing is left beside it."""
+def _output_of_20_rows(tmp_path: Path) -> Path:
+    """A whole Parquet output of an earlier run: 20 rows."""
     from producer.batch_io import open_lines
 
     out = tmp_path / "out.parquet"
@@ -385,6 +385,15 @@ def test_ctrl_c_while_the_earlier_rows_are_carried_over_leaves_the_output_as_it_
         sink.open(err)
         _write_rows(sink, 1, 20)
         sink.close()
+    return out
+
+
+def test_ctrl_c_while_the_earlier_rows_are_carried_over_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    """The carry-over of a large output's earlier rows ran before the run's try: a Ctrl-C there left the writer
+    open and a .partial beside the output. The output stays whole and nothing is left beside it."""
+    from producer.batch_io import open_lines
+
+    out = _output_of_20_rows(tmp_path)
     before = out.read_bytes()
 
     def interrupted(self, row):
@@ -405,12 +414,7 @@ def test_a_disk_full_under_a_parquet_run_leaves_the_output_as_it_was(tmp_path, m
 
     from producer.batch_io import open_lines
 
-    out = tmp_path / "out.parquet"
-    with open_lines(tmp_path / "errors.jsonl", "w") as err:
-        sink = ParquetSink(out, None, "custom_id", 1)
-        sink.open(err)
-        _write_rows(sink, 1, 20)
-        sink.close()
+    out = _output_of_20_rows(tmp_path)
     before = out.read_bytes()
     with open_lines(tmp_path / "errors.jsonl", "w") as err:
         sink = ParquetSink(out, None, "custom_id", 1)
