@@ -359,7 +359,8 @@ class Client:
     def status(self) -> dict[str, Any]:
         """Queue depth, jobs in flight, finished and failed counts, live workers and their tokens/s."""
         rows = self.workers()
-        queues = [self.lane(p) for p, _name in lanes(self.connection, self.queue.name)]
+        found = lanes(self.connection, self.queue.name)
+        queues = [self.lane(p) for p, _name in found]
         kinds = ("started_job_registry", "finished_job_registry", "failed_job_registry", "canceled_job_registry")
         # Entries not yet expired, counted without RQ's cleanup (``registry.count`` runs it): that fails a dead
         # worker's jobs here, through RQ's plain Job, running the failure callbacks the workers refuse.
@@ -372,14 +373,17 @@ class Client:
                 pipe.zcount(q.started_job_registry.key, "-inf", f"({now}")  # maintenance takes them back
             for q in queues:  # put aside unread (a hash RQ cannot read), each failed with its reason
                 pipe.zcard(rejected_key(q.name))
+            for q in queues:  # (in the same round trip: a job moving from a queue to a registry counts once)
+                pipe.llen(q.key)
             counts = pipe.execute()
         per_kind = [sum(counts[i : len(kinds) * len(queues) : len(kinds)]) for i in range(len(kinds))]
         stalled = sum(counts[len(kinds) * len(queues) : (len(kinds) + 1) * len(queues)])
-        rejected = sum(counts[(len(kinds) + 1) * len(queues) :])
+        rejected = sum(counts[(len(kinds) + 1) * len(queues) : (len(kinds) + 2) * len(queues)])
+        depths = {str(p): depth for (p, _name), depth in zip(found, counts[(len(kinds) + 2) * len(queues) :])}
         return {
             "queue": self.queue.name,
-            "queued": sum(q.count for q in queues),
-            "lanes": {str(p): q.count for p, q in self._lanes.items() if q in queues},  # queued, per priority
+            "queued": sum(depths.values()),
+            "lanes": depths,  # queued, per priority
             "in_flight": per_kind[0],
             "finished": per_kind[1],
             "failed": per_kind[2],
@@ -388,7 +392,7 @@ class Client:
             "stalled": stalled,
             "rejected": rejected,
             "workers": rows,
-            "tokens_per_s": sum(r["tokens_per_s"] for r in rows),
+            "tokens_per_s": float(sum(r["tokens_per_s"] for r in rows)),  # (0.0, not 0, with no worker)
             "redis": self._memory_state(),
         }
 

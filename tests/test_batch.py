@@ -581,7 +581,9 @@ def test_input_lines_are_read_as_jobs_are_submitted_not_all_at_once(tmp_path, mo
     in_flight: dict = {}
     assert batch_mod._submit(client, batch_mod.Lines(lines), in_flight, 8, {}) is True
     assert len(in_flight) == 8 and len(parsed) == 8  # the other 992 rows are not read yet
-    assert client.status()["lanes"]["10"] == 8
+    status = client.status()  # (read in one round trip: the lanes add up to what is queued)
+    assert status["lanes"]["10"] == 8 and status["queued"] == sum(status["lanes"].values()) == 8
+    assert status["tokens_per_s"] == 0.0 and isinstance(status["tokens_per_s"], float)  # (no worker: 0.0, not 0)
 
 
 @pytest.mark.slow

@@ -240,7 +240,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self._force_stop = True
         else:
             log.warning(
-                "stop signal: no new jobs; finishing the %d in flight (again to hand them back)", len(self.in_flight)
+                "stop signal: no new jobs; finishing the %d in flight (a second signal hands them back)",
+                len(self.in_flight),
             )
             self._stop_requested = True
             self._stop_at = time.monotonic()
