@@ -114,5 +114,11 @@ class ReasoningStream:
         held, self._held = self._held, ""
         if self._state == "start":  # (the output was white space, or a piece of <think>)
             reasoning, answer = self.format.split(held)
+            self._state = "reasoning" if answer is None else "answer"
             return reasoning or "", answer or ""
         return (held, "") if self._state == "reasoning" else ("", held)
+
+    @property
+    def answering(self) -> bool:
+        """The output is past its thinking (or had none): its answer has begun, though it may be empty."""
+        return self._state == "answer"

@@ -362,16 +362,20 @@ class ResponseWriter:
     def whole(self, result: dict[str, Any]) -> dict[str, Any]:
         """The response to a job's result."""
         status = "incomplete" if result.get("finish_reason") == "length" else "completed"
-        thinking, text = self.reasoning.split(result.get("text", "")) if self.reasoning else (None, result.get("text"))
-        content, calls = self.tools.read(text or "") if self.tools and text is not None else (text, [])
+        raw = result.get("text", "")
+        thinking, text = self.reasoning.split(raw) if self.reasoning else (None, raw)
+        if text is None and thinking is not None and self.reasoning.end in raw:
+            text = ""  # (the thinking ended, its answer empty: a named call is made, of no arguments, as streamed)
+        content, calls = self.tools.read(text) if self.tools and text is not None else (text, [])
         named = self.tools is not None and self.tools.name is not None  # (its arguments are the text: cut short too)
         output = [_function_call(call, status if named else "completed") for call in calls]
-        if content is not None and (content or not output):
-            part = _text_part(content, self._logprobs(samples(result)[0]))
+        text_answers = self.tools is None or self.tools.parser is not None  # ("required" and a named call: calls only)
+        if content or (not output and not thinking and text_answers):  # (no output at all: an empty message)
+            part = _text_part(content or "", self._logprobs(samples(result)[0]))
             message = {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
                        "content": [part]}  # fmt: skip
             output.insert(self._calls_before_text(text or "") if content and output else 0, message)
-        if thinking is not None:
+        if thinking:  # (no item for an empty thought, as vLLM, and as streamed)
             output.insert(0, _reasoning_item(thinking, status if text is None else "completed"))
         return self.response(status, output, result.get("usage") or {})
 
@@ -538,9 +542,11 @@ class ResponseWriter:
         status = "incomplete" if finish_reason == "length" else "completed"
         events = []
         if self.thoughts is not None:  # (the output ended thinking, or before it said whether it would)
-            thinking, text = self.thoughts.finish()
+            thoughts = self.thoughts
+            thinking, text = thoughts.finish()
             events += self._think(thinking) if thinking else []
-            events += self._thought_done(status if not text else "completed")
+            events += self._thought_done("completed" if thoughts.answering else status)  # (cut short in it: status)
+            events += self._open_calls() if thoughts.answering else []  # (a named call of no arguments: the whole's)
             self.text += text  # (as piece's: a named call's arguments are read from it)
             events += self._feed(text) if text else []
         events += self._out(*self.calls.finish()) if self.calls is not None else []

@@ -202,6 +202,43 @@ def test_a_named_functions_call_after_thinking_streams_in_the_whole_responses_or
     assert added == list(range(len(output)))
 
 
+EDGES = {  # (tool_choice, its texts): an empty thought, an empty answer, no output at all
+    "none": ["", "<think></think>", "<think>\n</think>\n", "<think>x</think>"],
+    "auto": ["", "<think></think>", "<think>\n\n</think>\n\n", "<think>a</think>"],
+    "required": ["", "<think>x</think>", "<think>x"],
+    "named": ["", "<think></think>", "<think>x</think>", "<think>x</think>\n", "<think>x"],
+}
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("reason", ["stop", "length"])
+@pytest.mark.parametrize(("choice", "text"), [(c, t) for c, texts in EDGES.items() for t in texts])
+def test_empty_thoughts_and_answers_stream_the_whole_responses_items(choice, text, reason, size):
+    """An empty thought was a reasoning item whole but none streamed; an answer of nothing to a named function had
+    its call whole but none streamed; a thought ended and cut short was done "incomplete" streamed. The rules of
+    both now: a reasoning item for a thought of some text (vLLM's), a named call once the answer begins."""
+    named = {"type": "function", "name": "get_weather"}
+    body = {"model": "m", "input": "x", "tools": TOOLS, "stream": True,
+            "tool_choice": named if choice == "named" else choice}  # fmt: skip
+    req, chat, _ = parse_responses(body, "hermes" if choice == "auto" else None, "qwen3")
+    usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
+        {"text": text, "finish_reason": reason, "usage": usage}
+    )
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    events = writer.opening()
+    for i in range(0, len(text), size):
+        events += writer.piece(text[i : i + size])
+    events += writer.closing(reason, usage)
+    output = events[-1]["response"]["output"]
+    assert _shown(output) == _shown(whole["output"])
+    assert all(item["content"][0]["text"] for item in output if item["type"] == "reasoning")
+    if choice == "named" and ("</think>" in text or not text):
+        assert output[-1]["type"] == "function_call"
+    if "</think>" in text:
+        assert all(item["status"] == "completed" for item in output if item["type"] == "reasoning")
+
+
 def test_thinking_sent_back_and_asked_for():
     """An earlier answer's reasoning item sent back is its assistant message's reasoning; ``reasoning.effort`` is
     the template's ``reasoning_effort`` where the server reads thinking (without a parser, a 400 as before)."""
