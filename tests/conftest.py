@@ -319,6 +319,13 @@ def tpot_counted_after(worker, count: float) -> None:
         time.sleep(0.01)
 
 
+def expire_together(conn, first: str, then: str) -> bool:
+    """``first`` expires, and no later than ``then``: both TTLs read in one transaction, in milliseconds (two TTL
+    calls in whole seconds straddled a rounding boundary now and then, on keys one script gave the same expiry)."""
+    first_ms, then_ms = conn.pipeline(transaction=True).pttl(first).pttl(then).execute()
+    return 0 < first_ms <= then_ms
+
+
 def slow_engine_steps(monkeypatch, engine, seconds: float = 0.02) -> None:
     """Engine steps of at least ``seconds``: a job of 200 tokens runs for seconds on any machine, so a test that
     cancels it or outlasts a short timeout never meets a job that already ended."""

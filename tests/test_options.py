@@ -808,7 +808,7 @@ def test_a_pull_blocks_the_bound_the_socket_timeout_counts_on_whatever_it_is_ask
     conn = Redis.from_url(redis_url)
     started = time.monotonic()
     assert pull([Queue("empty-lane", connection=conn)], 1, 5, conn, Job, JSONSerializer) == ([], [])
-    assert time.monotonic() - started < MULTI_LANE_WAIT_S + 1
+    assert time.monotonic() - started < MULTI_LANE_WAIT_S + 2  # (the bug blocked the 5 s asked)
 
 
 @pytest.mark.parametrize("text", ["not json", '{"a": 1}', "[]", '["a", 3]', '["a", ""]'])

@@ -11,6 +11,7 @@ import uuid
 import pytest
 from conftest import (
     ThreadWorker,
+    expire_together,
     requeue_as_resumed,
     slow_engine_steps,
     tpot_counted_after,
@@ -254,8 +255,9 @@ def _first_event(job, timeout=30.0):
     return next(iter(job.events(timeout=timeout)))
 
 
-def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served, redis_url):
+def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served, redis_url, monkeypatch):
     worker, client = served
+    slow_engine_steps(monkeypatch, worker.worker.engine, 0.01)  # (a stalled test thread must not see it end first)
     counted = worker.worker.tokens
     job = client.submit("Write forever", max_tokens=200, temperature=0, ignore_eos=True)
     others = [client.submit(f"Other job {i}", max_tokens=8, temperature=0) for i in range(3)]
@@ -301,7 +303,7 @@ def test_cancel_mid_generation_stops_within_a_step_and_frees_blocks(served, redi
     assert latest.type == Result.Type.STOPPED and latest.return_value == partial
     assert job.rq_job.return_value() is None
     conn = client.connection
-    assert 0 < conn.ttl(f"rq:job:{job.id}") <= conn.ttl(result_key(job.id))  # it expires with its result
+    assert expire_together(conn, f"rq:job:{job.id}", result_key(job.id))  # it expires with its result
     for other in others:
         assert other.result(timeout=60)["usage"]["completion_tokens"] == 8
     deadline = time.time() + 10
@@ -371,15 +373,16 @@ def test_a_canceled_job_s_dependency_sets_expire_with_it(served, monkeypatch):
             client.job(job.id).result(timeout=30)
     assert deferred.get_status() == "deferred"
     for job, key in ((child, child.dependencies_key), (parent, parent.dependents_key)):
-        assert 0 < conn.ttl(key) <= conn.ttl(job.key), key
+        assert expire_together(conn, key, job.key), key
 
 
-def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served):
+def test_a_job_deleted_while_it_runs_stops_and_leaves_nothing_behind(served, monkeypatch):
     """RQ's ``job.delete()`` on a running job: it stops within a step and its followers get a last event, but no
     result, registry entry or hash of it comes back (it was written as a canceled job's)."""
     from rq.registry import CanceledJobRegistry, StartedJobRegistry
 
     worker, client = served
+    slow_engine_steps(monkeypatch, worker.worker.engine, 0.01)  # (a stalled test thread must not see it end first)
     job = client.submit("Write on and on", max_tokens=200, temperature=0, ignore_eos=True)
     _first_event(job)
     job.rq_job.delete()
@@ -433,8 +436,9 @@ def test_an_id_used_again_is_a_new_job_not_the_old_ones_output(served, redis_url
 
 
 @pytest.mark.slow
-def test_rq_stop_job_command_stops_a_running_job(served, redis_url):
-    _, client = served
+def test_rq_stop_job_command_stops_a_running_job(served, redis_url, monkeypatch):
+    worker, client = served
+    slow_engine_steps(monkeypatch, worker.worker.engine, 0.01)  # (a stalled test thread must not see it end first)
     job = client.submit("Keep going", max_tokens=200, temperature=0, ignore_eos=True)
     _first_event(job)
     send_stop_job_command(Redis.from_url(redis_url), job.id, serializer=JSONSerializer)

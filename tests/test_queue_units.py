@@ -569,7 +569,7 @@ def test_a_result_wait_for_a_canceled_jobs_partial_result_keeps_within_the_calle
     started = time.monotonic()
     with pytest.raises(JobCanceled):
         Client(connection=conn).job("j").result(timeout=0.1)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.5  # (the bug waited the 2 s grace)
 
 
 @pytest.mark.slow  # a second's wait
@@ -649,7 +649,7 @@ def test_a_stream_of_a_job_that_failed_long_ago_says_so_at_once(redis_url):
             started = time.monotonic()
             with pytest.raises(JobFailed, match="it broke"):
                 follow()
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < 1.8  # (the bug waited the 2 s grace)
     finally:
         conn.delete(f"rq:job:{job_id}", result_key(job_id))
 
@@ -948,7 +948,7 @@ def test_a_result_read_between_rqs_failure_record_and_the_workers_result_waits_f
     started = time.monotonic()
     with pytest.raises(JobFailed, match="abandoned"):
         client.job(k).result(timeout=10)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.5  # (the bug waited the 2 s grace)
 
 
 @pytest.mark.redis
@@ -1009,7 +1009,7 @@ def test_a_follower_of_a_job_canceled_while_it_ran_gets_its_abort_event():
     started = time.monotonic()
     with pytest.raises(JobCanceled):
         list(Client(connection=conn).job("q").events(timeout=10))
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 1.8  # (no grace: no event will come)
 
 
 @pytest.mark.slow  # a second of waiting for the abort event

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import fakeredis
 import pytest
-from conftest import ThreadWorker, slow_engine_steps
+from conftest import ThreadWorker, expire_together, slow_engine_steps
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -94,7 +94,7 @@ def test_malformed_job_hashes_fail_alone_and_good_jobs_between_them_finish(serve
             assert f"RQ cannot read this job: its field {name!r}" in reason, (name, reason)
         assert conn.zscore(rejected_key(w.queue), job_id) is not None, name
         assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
-        assert 0 < conn.ttl(f"rq:job:{job_id}") <= conn.ttl(result_key(job_id)), name  # it was kept for good
+        assert expire_together(conn, f"rq:job:{job_id}", result_key(job_id)), name  # it was kept for good
     with pytest.raises(JobFailed, match="RQ cannot read"):
         client.job(bad_ids["status"]).result(timeout=5)
     assert conn.llen(f"rq:queue:{w.queue}:intermediate") == 0
@@ -387,11 +387,12 @@ def test_a_success_callback_failing_on_a_redis_of_its_own_fails_its_job_once_as_
     assert client.submit("still serving", max_tokens=2, temperature=0).result(timeout=30)["status"] == "finished"
 
 
-def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_callback(served):
+def test_rqs_stop_job_command_runs_the_jobs_stopped_callback_not_its_failure_callback(served, monkeypatch):
     """As RQ's worker ends a job it stopped (``_handle_stopped_job``): it ran the failure callback instead."""
     from rq.command import send_stop_job_command
 
     w, client, conn = served
+    slow_engine_steps(monkeypatch, w.worker.engine, 0.01)  # (a stalled test thread must not see it end first)
     job_id = f"cb-stop-{uuid.uuid4().hex[:6]}"
     payload = {"prompt": "keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     _raw_job(conn, w.queue, job_id, payload, stopped_callback_name="hook_probe.record",
@@ -1236,7 +1237,9 @@ def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone
     streamed = sum(len(e["token_ids"]) for e in events)
     assert conn.hget(f"rq:job:{job_id}", "retries_left") == b"0"  # every retry spent
     # Each attempt went on from what the ones before it streamed (however many tokens a loaded machine made in 1 s).
-    assert len(resumed_from) == 3 and 0 == resumed_from[0] < resumed_from[1] < resumed_from[2] < streamed < 200
+    # (An attempt a loaded machine stalled past its second may stream nothing: the last one went on from some.)
+    assert len(resumed_from) == 3 and 0 == resumed_from[0] <= resumed_from[1] <= resumed_from[2] <= streamed < 200
+    assert resumed_from[2] > 0
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
 
 
