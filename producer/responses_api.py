@@ -30,6 +30,13 @@ from producer.tool_calls import CallStream, ToolChoice
 from producer.tool_formats import FormatStream
 
 LOGPROBS = "message.output_text.logprobs"  # what include names for the output text's logprobs
+# The rest of what OpenAI's include takes: outputs of tools and inputs not here, and an encrypted thought (a client
+# that stores nothing asks for it always): nothing to add (vLLM takes them as well).
+INCLUDABLE = frozenset((
+    "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+))  # fmt: skip
 # The chat request's names of fields, in the Responses API's terms (a message's place in the chat is not an input
 # item's: instructions come first, an answer's text and calls share a message).
 _RENAMES = [
@@ -166,12 +173,19 @@ class ResponsesRequest(APIShape):
     previous_response_id: str | None = None
     background: bool | None = None
     reasoning: ReasoningConfig | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # (of built-in tools, which are none here)
     # vLLM's extras (the openai client sends them through extra_body)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
     priority: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def chat_body(self, reasons: bool = False) -> dict[str, Any]:
         """The chat completions request this one means; ``reasons``: the server tells the model's thinking from its
@@ -185,18 +199,21 @@ class ResponsesRequest(APIShape):
             raise APIError(400, "this model does not reason: leave reasoning out", param="reasoning")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
-        if other := [kind for kind in self.include or () if kind != LOGPROBS]:
-            raise APIError(400, f"include takes {LOGPROBS!r} here, not {other}", param="include")
+        if other := [kind for kind in self.include or () if kind != LOGPROBS and kind not in INCLUDABLE]:
+            raise APIError(400, f"include takes {sorted({LOGPROBS, *INCLUDABLE})}, not {other}", param="include")
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         fields = ("temperature", "top_p", "parallel_tool_calls", "metadata", "user", "top_k", "min_p",
-                  "repetition_penalty", "seed", "priority")  # fmt: skip
+                  "repetition_penalty", "seed", "priority", "stop", "presence_penalty", "frequency_penalty",
+                  "logit_bias", "ignore_eos", "chat_template_kwargs")  # fmt: skip
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
         if self.reasoning and self.reasoning.effort is not None:  # (the template's, as the chat's)
             body["reasoning_effort"] = self.reasoning.effort
+            if self.reasoning.effort == "none":  # (vLLM's: Qwen3's and GLM's templates read enable_thinking)
+                body["chat_template_kwargs"] = {"enable_thinking": False, **(self.chat_template_kwargs or {})}
         if LOGPROBS in (self.include or ()) or self.top_logprobs is not None:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools:
@@ -208,6 +225,8 @@ class ResponsesRequest(APIShape):
             body["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
             fmt = self.text.format
+            if fmt.type == "json_schema" and fmt.schema_ is None:  # (OpenAI's 400; not JSON of any shape)
+                raise APIError(400, "text.format of type json_schema needs its schema", param="text.format.schema")
             if fmt.type == "json_schema":
                 schema = fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True)
                 body["response_format"] = {"type": "json_schema", "json_schema": schema}
@@ -217,7 +236,7 @@ class ResponsesRequest(APIShape):
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
-        if self.instructions is not None:
+        if self.instructions:  # ("": none, as vLLM's; an empty system message would replace the template's own)
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]

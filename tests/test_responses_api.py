@@ -28,6 +28,25 @@ def test_input_and_instructions_are_the_chats_messages_and_its_settings_the_jobs
     assert job["response_format"] == {"type": "json_object"}
 
 
+def test_vllms_sampling_extras_empty_instructions_and_a_thought_turned_off_are_the_chats():
+    """vLLM's Responses request takes the chat's stop, penalties, logit_bias, ignore_eos and chat_template_kwargs
+    (a 400 here before); "" instructions add no system message (it replaced the template's own); effort "none"
+    turns Qwen3's thinking off (its template reads enable_thinking), and nothing is read as a thought then."""
+    extras = {"stop": ["\n\n"], "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": {"7": -100},
+              "ignore_eos": True, "chat_template_kwargs": {"custom": 1}}  # fmt: skip
+    _, _, job = parse_responses({"model": "m", "input": "Hi", "instructions": "", "max_tool_calls": 2, **extras})
+    assert job["messages"] == [{"role": "user", "content": "Hi"}]
+    assert {k: job[k] for k in extras} == {**extras, "logit_bias": {"7": -100.0}}
+    _, chat, job = parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "none"}}, None, "qwen3")
+    assert job["chat_template_kwargs"] == {"reasoning_effort": "none", "enable_thinking": False}
+    assert chat.reasoning_plan() is None
+    _, chat, job = parse_responses({"model": "m", "input": "Hi", "reasoning": {"effort": "low"}}, None, "qwen3")
+    assert job["chat_template_kwargs"] == {"reasoning_effort": "low"} and chat.reasoning_plan() is not None
+    # A client that stores nothing asks for encrypted thoughts always: there are none to add.
+    _, _, job = parse_responses({"model": "m", "input": "Hi", "include": ["reasoning.encrypted_content"]})
+    assert "logprobs" not in job
+
+
 def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_chats():
     """An earlier answer's output items sent back as input (as the official client's users do): its text and its
     parallel calls one assistant message, each output a tool message answering its call."""
@@ -80,7 +99,7 @@ def test_tool_choice_is_the_chats():
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored here"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
         ({"background": True}, "background", "background"),
-        ({"include": ["reasoning.encrypted_content"]}, "include", "include takes 'message.output_text.logprobs'"),
+        ({"include": ["output_text.everything"]}, "include", "include takes .*'message.output_text.logprobs'"),
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"input": []}, "input", "at least 1"),
@@ -89,7 +108,9 @@ def test_tool_choice_is_the_chats():
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "rm"}}, "tool_choice", "not among the tools"),
         ({"tools": [{**TOOLS[0], "name": "a b"}], "tool_choice": "none"}, "tools.0.name", "pattern"),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
-        ({"frequency_penalty": 1}, "frequency_penalty", "unsupported parameter"),
+        ({"conversation": "conv_1"}, "conversation", "unsupported parameter"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "needs its schema"),
+        ({"frequency_penalty": 3}, "frequency_penalty", "less than or equal to 2"),
     ],
 )
 def test_what_cannot_be_done_is_a_400_in_the_responses_apis_terms(fields, param, message):
