@@ -296,6 +296,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    truncation: Literal["disabled", "auto"] | None = None  # the Responses API's: auto drops the earliest turns to fit
     echo: bool | None = None  # vLLM's: the answer begins with the last message's text where it is the assistant's
     # OpenAI's, for reasoning models: the chat template's reasoning_effort (vLLM's way; a template may not read it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None

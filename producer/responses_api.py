@@ -157,7 +157,8 @@ class ResponsesRequest(APIShape):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    # Taken and changing nothing (nothing is stored here; the context is never cut but by max_output_tokens)
+    truncation: Literal["disabled", "auto"] | None = None  # auto: the earliest turns dropped to fit (the job's)
+    # Taken and changing nothing (nothing is stored here)
     store: bool | None = None
     user: str | None = None
     service_tier: str | None = None
@@ -165,7 +166,6 @@ class ResponsesRequest(APIShape):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    truncation: Literal["disabled", "auto"] | None = None
     stream_options: ResponsesStreamOptions | None = None
     include: list[str] | None = None  # (of what OpenAI's takes, the output text's logprobs alone are here)
     top_logprobs: int | None = None
@@ -206,7 +206,7 @@ class ResponsesRequest(APIShape):
             body["stream_options"] = {"include_usage": True}
         fields = ("temperature", "top_p", "parallel_tool_calls", "metadata", "user", "top_k", "min_p",
                   "repetition_penalty", "seed", "priority", "stop", "presence_penalty", "frequency_penalty",
-                  "logit_bias", "ignore_eos", "chat_template_kwargs")  # fmt: skip
+                  "logit_bias", "ignore_eos", "chat_template_kwargs", "truncation")  # fmt: skip
         body.update((k, v) for k in fields if (v := getattr(self, k)) is not None)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
@@ -372,7 +372,7 @@ class ResponseWriter:
             "tool_choice": _shown_choice(req.tool_choice, bool(req.tools)),
             "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()],
             "top_p": req.top_p,
-            "truncation": "disabled",
+            "truncation": req.truncation or "disabled",
             "usage": _usage(usage) if usage is not None else None,
             "user": req.user,
             "metadata": req.metadata or {},

@@ -320,6 +320,12 @@ class JobRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="with messages: the chat template's own options (e.g. enable_thinking), as vLLM takes them"
     )
+    truncation: Literal["disabled", "auto"] = Field(
+        "disabled",
+        description="with messages: auto drops the earliest turns (leading system messages kept) until the prompt "
+        "leaves the output its room (max_tokens with context_overflow error, else a token), as OpenAI's Responses "
+        "API; disabled fails a prompt too long",
+    )
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate; default: until EOS or the context")
     context_overflow: Literal["cut", "error"] = Field(
         "cut",
@@ -493,7 +499,13 @@ class JobRequest(BaseModel):
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.messages is None:
-            chat_only = ("add_generation_prompt", "chat_template_kwargs", "continue_final_message", "tools")
+            chat_only = (
+                "add_generation_prompt",
+                "chat_template_kwargs",
+                "continue_final_message",
+                "tools",
+                "truncation",
+            )
             # (its default, null or empty asks for nothing: a writer that sends every field sends them so)
             unset = {name: (type(self).model_fields[name].default, [], {}) for name in chat_only}
             if given := [f for f in chat_only if f in self.model_fields_set and getattr(self, f) not in unset[f]]:
@@ -579,6 +591,9 @@ class JobRequest(BaseModel):
                 chat["add_generation_prompt"] = False
             if self.chat_template_kwargs:
                 chat["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+            if self.truncation == "auto":  # (the engine's: the tokens the output must have room for)
+                needs = self.max_tokens if self.context_overflow == "error" and self.max_tokens is not None else 1
+                chat["truncation"] = needs
             return chat
         if self.prompt_token_ids is not None:
             return {"prompt_token_ids": list(self.prompt_token_ids)}

@@ -13,7 +13,9 @@ from typing import Any
 
 PromptInput = str | list[int] | dict
 # A chat prompt's keys: its messages, and the chat template's options beside them (vLLM's chat request's names).
-CHAT_KEYS = frozenset(("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"))
+CHAT_KEYS = frozenset(
+    ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "truncation")
+)  # (truncation: the Responses API's "auto", as the tokens its output needs)
 
 
 class ContextLengthExceeded(ValueError):
@@ -98,6 +100,8 @@ class PromptInputs:
                 )
             if tokenized:
                 return prompt["prompt"], self.tokenize(prompt["prompt_token_ids"])[1]
+            if "truncation" in prompt and _is_chat(prompt):
+                return None, self.fitted_chat(prompt, tokenizer)
             if "messages" in prompt:
                 options = {k: v for k, v in prompt.items() if k != "messages"}
                 return None, self.apply_chat_template(prompt["messages"], tokenizer, **options)
@@ -128,7 +132,7 @@ class PromptInputs:
                 if tokenizer is not None and isinstance(prompt, str) and prompt:
                     self.check_chars(len(prompt))
                     batches[True].append((i, prompt, prompt))
-                elif tokenizer is not None and isinstance(prompt, dict) and _is_chat(prompt):
+                elif tokenizer is not None and isinstance(prompt, dict) and _is_chat(prompt) and not _truncated(prompt):
                     self._check_chat(tokenizer, **prompt)
                     chats.append((i, prompt))
                 else:
@@ -192,6 +196,49 @@ class PromptInputs:
             if taken := sorted(own & set(chat_template_kwargs)):
                 raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: those are the request's")
 
+    def fitted_chat(self, chat: dict, tokenizer=None) -> list[int]:
+        """A chat's prompt tokens with its earliest turns dropped until its output has the room ``chat["truncation"]``
+        asks (tokens) in the model's context (OpenAI's truncation "auto"): its leading system and developer messages
+        stay, and what is kept begins at a turn's first message (a user's where it has one). A conversation whose
+        last turn alone leaves no such room is refused, as any prompt too long."""
+        options = {k: v for k, v in chat.items() if k not in ("messages", "truncation")}
+        room, messages = chat["truncation"], chat["messages"]
+        if not isinstance(room, int) or isinstance(room, bool) or not 1 <= room < self.max_model_len:
+            raise ValueError(f"truncation is the tokens the output needs, 1 to {self.max_model_len - 1}: not {room!r}")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        head = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)
+        starts = [head] + [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
+
+        def fitted(k: int) -> list[int] | ContextLengthExceeded:  # the prompt kept from the k-th turn on
+            try:
+                ids = self.apply_chat_template(messages[:head] + messages[starts[k] :], tokenizer, **options)
+            except ContextLengthExceeded as exc:  # (its text alone is too long)
+                return exc
+            if len(ids) + room <= self.max_model_len:
+                return ids
+            return ContextLengthExceeded(
+                f"the prompt has {len(ids)} tokens{' with only its last turn kept' if k else ''}, but this model "
+                f"allows at most {self.max_model_len - room} with {room} for the output ({self.max_model_len} in all)"
+            )
+
+        whole = fitted(0)
+        if not isinstance(whole, Exception):
+            return whole
+        if len(starts) == 1:
+            raise whole
+        last = fitted(len(starts) - 1)  # (the least that may be kept; then the most that fits, by halving)
+        if isinstance(last, Exception):
+            raise last
+        lo, hi, best = 1, len(starts) - 1, last  # (fitted(hi) fits: best is its prompt)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if isinstance(ids := fitted(mid), Exception):
+                lo = mid + 1
+            else:
+                hi, best = mid, ids
+        return best
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -220,6 +267,11 @@ class PromptInputs:
             raise _refused_by_template(exc) from None
         self.check_chars(len(text))  # (its rendered text, before it is encoded: as ``tokenize_many``'s)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # (as the template's own encoding)
+
+
+def _truncated(chat: dict) -> bool:
+    """A chat to be cut to fit (``fitted_chat``): tokenized alone, maybe more than once."""
+    return "truncation" in chat
 
 
 def _is_chat(prompt: dict) -> bool:

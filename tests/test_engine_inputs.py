@@ -1079,3 +1079,43 @@ def test_a_chat_whose_rendered_text_the_context_could_not_hold_is_refused_before
     assert fine == chat_engine.tokenize(plain)
     with pytest.raises(ContextLengthExceeded, match="characters"):  # (alone too: LLM.chat, a stock rq worker's job)
         chat_engine.tokenize(many)
+
+
+def test_a_chat_truncated_auto_drops_its_earliest_turns_to_fit_and_keeps_its_system_message(tiny_chat_model):
+    """OpenAI's Responses ``truncation: "auto"`` (taken, and the response said "disabled", while a long conversation
+    failed): the earliest turns go, whole, until the prompt leaves its output the room it asks; the system message
+    stays; a conversation short enough is as it was, and one whose last turn alone is too long is refused."""
+    from producer.schema import JobRequest
+    from roseinfer.prompts import ContextLengthExceeded
+
+    engine = LLM(tiny_chat_model, dtype="float32", max_model_len=256).engine
+    tokenizer = engine.tokenizer
+    system = {"role": "system", "content": "You answer in one word."}
+    turns = [m for i in range(12) for m in ({"role": "user", "content": f"Question {i}: " + "why " * 12},
+                                             {"role": "assistant", "content": f"Answer {i}."})]  # fmt: skip
+    messages = [system, *turns, {"role": "user", "content": "And now?"}]
+
+    def rendered(kept: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(kept, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def expected(room: int) -> list[int]:  # the most turns kept that fit, each kept part beginning at a user's
+        starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        return next(ids for k in starts if len(ids := rendered([system, *messages[k:]])) + room <= 256)
+
+    assert len(rendered(messages)) > 256
+    for fields, room in (({}, 1), ({"max_tokens": 100, "context_overflow": "error"}, 100), ({"max_tokens": 100}, 1)):
+        prompt = JobRequest.model_validate({"messages": messages, "truncation": "auto", **fields}).engine_prompt()
+        assert prompt["truncation"] == room
+        ids = engine.tokenize(prompt)[1]
+        assert ids == expected(room) and len(ids) + room <= 256
+        assert system["content"] in tokenizer.decode(ids) and "Question 0:" not in tokenizer.decode(ids)
+        assert engine.tokenize_many([{"messages": messages[-1:]}, prompt])[1] == (None, ids)
+    assert len(expected(100)) < len(expected(1))  # (the output's room took turns)
+    short = {"messages": messages[-3:], "truncation": 1}
+    assert engine.tokenize(short)[1] == rendered(messages[-3:])
+    too_long = [system, {"role": "user", "content": "why " * 300}]
+    results = engine.tokenize_many([{"messages": too_long, "truncation": 1}, {"messages": messages[-1:]}])
+    assert isinstance(results[0], ContextLengthExceeded) and results[1] == (None, rendered(messages[-1:]))
+    with pytest.raises(ValueError, match="truncation: for the chat template"):
+        JobRequest.model_validate({"prompt": "x", "truncation": "auto"})

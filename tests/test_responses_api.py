@@ -429,3 +429,20 @@ def test_a_text_answer_with_tools_offered_has_the_logprobs_asked_for_whole_and_s
     events += writer.closing("stop", {})
     deltas = [t for e in events if e["type"] == "response.output_text.delta" for t in e["logprobs"]]
     assert deltas == logprobs == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+
+
+def test_truncation_auto_is_the_jobs_and_the_response_says_it():
+    """truncation "auto" was taken and did nothing (a long conversation failed, and the response said "disabled"):
+    it is the job's now (its earliest turns dropped to fit), and the response echoes what was asked."""
+    from producer.openai_api import fit_to_context
+    from producer.schema import JobRequest
+
+    body = {"model": "m", "input": "Hi", "truncation": "auto", "max_output_tokens": 50}
+    req, chat, job = parse_responses(body)
+    assert job["truncation"] == "auto"
+    assert JobRequest.model_validate(fit_to_context(job)).engine_prompt()["truncation"] == 50  # (the room kept)
+    writer = ResponseWriter("j", "m", req, chat.tool_plan())
+    assert writer.whole({"text": "Hello", "finish_reason": "stop", "usage": {}})["truncation"] == "auto"
+    req, chat, job = parse_responses({"model": "m", "input": "Hi"})
+    assert "truncation" not in job
+    assert ResponseWriter("j", "m", req, None).whole({"text": "", "usage": {}})["truncation"] == "disabled"
