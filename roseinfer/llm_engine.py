@@ -24,7 +24,7 @@ from roseinfer.detokenizer import IncrementalDetokenizer
 from roseinfer.model_loader import DTYPES, load_model
 from roseinfer.model_runner import ModelRunner
 from roseinfer.models import build_model, kv_window, model_class
-from roseinfer.models.linear import int8_gemm_speedup
+from roseinfer.models.linear import float32_for_bfloat16, int8_gemm_speedup
 from roseinfer.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
 from roseinfer.prompts import ContextLengthExceeded, PromptInput, PromptInputs
 from roseinfer.quantization import calibration_prompts, dense_layers, input_maxima, quantize
@@ -105,11 +105,14 @@ class LLMEngine(PromptInputs):
                 "max_position_embeddings, or YaRN's length where it has one): leave it unset for the model's, or give "
                 "at most that"
             )
+        in_float32 = float32_for_bfloat16()
         try:
             self.model = build_model(loaded.config, loaded.weights, self.attn_backend, config.max_model_len)
         except CheckpointError as exc:
             raise ConfigError(f"cannot load model {config.model!r}: {exc}") from None
         del loaded  # the checkpoint's files, and any tensor only it held
+        # What a seeded output's last bits depend on beside the model and dtype: its bfloat16 layers' GEMM.
+        self.numerics = "f32gemm" if float32_for_bfloat16() > in_float32 else ""
 
         block_bytes = self.attn_backend.kv_cache_bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads, self.model.head_dim

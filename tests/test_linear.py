@@ -51,6 +51,7 @@ def test_bfloat16_engine_agrees_with_transformers_on_either_gemm(tiny_llama, bf1
     prompts = [[5, 17, 99, 3, 42, 8], [250, 1, 7], list(range(10, 40))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(tiny_llama, dtype="bfloat16")
+    assert llm.engine.numerics == ("f32gemm" if bf16_gemm == "float32" else "")  # (in its fingerprint)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ref = hf_greedy(tiny_llama, prompts, 12, dtype="bfloat16")
     # bfloat16 roundings differ between fused and unfused ops: the first tokens come before any can compound.
@@ -242,3 +243,29 @@ def test_calibration_prompts_fit_every_model_a_template_that_refuses_a_lone_turn
     bare = SimpleNamespace(tokenizer=None, model=SimpleNamespace(vocab_size=50))  # a random model without one
     ids = calibration_prompts(bare)
     assert len(ids) == len(CALIBRATION_TEXTS) and all(0 <= t < 50 for p in ids for t in p)
+
+
+def test_the_timed_gemm_choice_is_kept_for_the_machine_and_named_in_the_fingerprint(tmp_path, monkeypatch):
+    """The bfloat16-or-float32 GEMM was timed in each process: where the two are near, a restarted worker took the
+    other, and wrote other text for a seeded job under the same system_fingerprint. The first timing is kept for
+    later processes, and a worker multiplying bfloat16 layers in float32 says so in its fingerprint."""
+    from types import SimpleNamespace
+
+    from worker.jobs import system_fingerprint
+
+    monkeypatch.setenv("ROSEINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ROSEINFER_BF16_GEMM", raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", object(), raising=False)
+    timings = []
+    monkeypatch.setattr(linear, "_time_bfloat16_gemm", lambda: timings.append(1) or True)
+    for expected in (True, True):  # timed once; the second process (its cache cleared) reads what the first kept
+        linear.bfloat16_gemm_is_slower.cache_clear()
+        assert linear.bfloat16_gemm_is_slower() is expected
+    assert len(timings) == 1 and linear._kept_gemm_choice().read_text() == "float32"
+    linear._kept_gemm_choice().write_text("bfloat16")  # (the operator's word, or another machine's timing)
+    linear.bfloat16_gemm_is_slower.cache_clear()
+    assert linear.bfloat16_gemm_is_slower() is False and len(timings) == 1
+    linear.bfloat16_gemm_is_slower.cache_clear()
+    settings = SimpleNamespace(device="cpu", dtype="bfloat16", quantization=None)
+    assert system_fingerprint(settings, "f32gemm").endswith("-cpu-bfloat16-f32gemm")
+    assert system_fingerprint(settings).endswith("-cpu-bfloat16")

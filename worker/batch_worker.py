@@ -170,7 +170,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self._suspended = False
         self._next_hand_over = 0.0
         self._pubsub_log_after = 0.0  # the command listener's next line about Redis being unavailable
-        self.fingerprint = system_fingerprint(self.settings)  # in every result (OpenAI's system_fingerprint)
+        # In every result (OpenAI's system_fingerprint):
+        self.fingerprint = system_fingerprint(self.settings, getattr(self.pump, "numerics", ""))
         self.start_token = uuid.uuid4().hex  # this start's, in its registration (``START_FIELD``) and lease key
         self.name_taken = False  # another start registered under this worker's name (this one taken for dead)
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)

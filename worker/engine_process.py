@@ -211,6 +211,7 @@ def _serve(
         "max_model_len": getattr(engine, "max_model_len", None),
         "tokenizer_json": getattr(engine, "tokenizer_json", lambda: None)(),
         "chat_template_doc": getattr(engine, "chat_template_doc", lambda: None)(),
+        "numerics": getattr(engine, "numerics", ""),
     }
     conn.send(("ready", _facts(engine), about))
     pump.on_admitted = _SaysAlive(conn)
@@ -322,6 +323,7 @@ class EngineProcess:
         self.max_model_len: int | None = about["max_model_len"]
         self._tokenizer_json: str | None = about["tokenizer_json"]
         self._chat_template_doc: str | None = about["chat_template_doc"]
+        self.numerics: str = about["numerics"]  # (the engine's, for the fingerprint)
         # This process loaded what the engine's does (torch, transformers: ~440k objects) but builds no engine to
         # freeze them: a full collection here took 230 ms, every tenth 256-job burst or so, and stalled the pulls.
         from roseinfer.llm_engine import settle_garbage_collector

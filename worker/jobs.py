@@ -168,12 +168,13 @@ def _json_bytes(text: str, token_ids: list[int], logprobs: list | None) -> int:
     return 2 * len(text) + 8 * len(token_ids) + 32 * sum(len(step) for step in logprobs or ())
 
 
-def system_fingerprint(settings: Any) -> str:
+def system_fingerprint(settings: Any, numerics: str = "") -> str:
     """What a seeded job's text depends on beside the model (OpenAI's ``system_fingerprint``): roseinfer's version,
-    the device kind, the dtype and the quantization, e.g. ``roseinfer-0.1.0-cpu-bfloat16-int8``. Workers whose
-    fingerprints differ may write different text for the same seeded job."""
+    the device kind, the dtype, the quantization and the engine's ``numerics`` (bfloat16 layers multiplied in
+    float32 on a CPU: ``f32gemm``), e.g. ``roseinfer-0.1.0-cpu-bfloat16-int8``. Workers whose fingerprints differ
+    may write different text for the same seeded job."""
     device = settings.device.split(":")[0]
-    parts = ("roseinfer", installed_version(), device, settings.dtype, quantization_name(settings))
+    parts = ("roseinfer", installed_version(), device, settings.dtype, quantization_name(settings), numerics)
     return "-".join(part for part in parts if part)
 
 
@@ -345,7 +346,7 @@ def generate(**payload: Any) -> dict[str, Any]:
     else:
         result = build_result(
             job, req, final.output, model=settings.model_name, started_at=started_at, first_token_at=first_token_at,
-            fingerprint=system_fingerprint(settings),
+            fingerprint=system_fingerprint(settings, getattr(engine, "numerics", "")),
         )  # fmt: skip
         publisher.add(
             stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index,

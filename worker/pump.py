@@ -125,6 +125,11 @@ class Pump:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="roseinfer-tokenize")
             self._thread_tokenizer = copy.deepcopy(engine.tokenizer)
 
+    @property
+    def numerics(self) -> str:
+        """The engine's part of a seeded output's fingerprint (``LLMEngine.numerics``)."""
+        return getattr(self.engine, "numerics", "")
+
     def __len__(self) -> int:
         return len(self._jobs)
 

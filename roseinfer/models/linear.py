@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from roseinfer.checkpoint import Checkpoint
-from roseinfer.config import BF16_GEMM_CHOICES, env_choice
+from roseinfer.config import BF16_GEMM_CHOICES, cache_dir, env_choice
 from roseinfer.kernels import dequantize_rows, quantize_rows
 
 log = logging.getLogger(__name__)
 _warned_no_bf16 = False
+_float32_for_bfloat16 = 0  # bfloat16 layers built in this process that multiply in float32
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -36,8 +40,15 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def float32_for_bfloat16() -> int:
+    """How many bfloat16 layers built in this process so far multiply in float32: their outputs' last bits differ
+    from a bfloat16 GEMM's, so a seeded job's text may too (read before and after a model's build)."""
+    return _float32_for_bfloat16
+
+
 def _warn_float32_fallback(why: str) -> None:
-    global _warned_no_bf16
+    global _warned_no_bf16, _float32_for_bfloat16
+    _float32_for_bfloat16 += 1
     if not _warned_no_bf16:
         _warned_no_bf16 = True
         log.warning(
@@ -52,12 +63,52 @@ def bfloat16_gemm_is_slower() -> bool:
     """Whether oneDNN's packed bfloat16 GEMM is slower than its float32 one on this CPU (timed once, on a layer of
     a small model's size). So it is where AVX-512 BF16's dot products issue at half the rate of float32 FMAs and
     no AMX tiles are exposed (an Intel Xeon in a VM, seen: 150 vs 198 GFLOP/s); where the CPU has AMX, or on AMD
-    Zen 4, bfloat16 is the faster. ``ROSEINFER_BF16_GEMM=bfloat16|float32`` decides instead of the timing."""
+    Zen 4, bfloat16 is the faster. The first timing on a machine is kept (``_kept_gemm_choice``) for every later
+    process; ``ROSEINFER_BF16_GEMM=bfloat16|float32`` decides instead of it."""
     forced = env_choice("ROSEINFER_BF16_GEMM", BF16_GEMM_CHOICES)
     if forced is not None:
         return forced == "float32"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
+    # Timed once per machine, not per process: where the two are near (a loaded machine's timing picks either),
+    # a restarted worker took the other and wrote other text for the same seeded job (its last bits differ).
+    kept = _kept_gemm_choice()
+    if (choice := _read_choice(kept)) is not None:
+        return choice == "float32"
+    slower = _time_bfloat16_gemm()
+    _write_choice(kept, "float32" if slower else "bfloat16")
+    return slower
+
+
+def _kept_gemm_choice() -> Path:
+    """Where this machine's timed choice is kept (the cache folder): one file per CPU, torch version and thread
+    count. Deleted, the next start times it again."""
+    from roseinfer.cpu_features import flags, model_name
+
+    key = "|".join((model_name(), " ".join(sorted(flags())), torch.__version__, str(torch.get_num_threads())))
+    return cache_dir() / "bf16-gemm" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _read_choice(path: Path) -> str | None:
+    try:
+        choice = path.read_text().strip()
+    except OSError:
+        return None
+    return choice if choice in BF16_GEMM_CHOICES else None
+
+
+def _write_choice(path: Path, choice: str) -> None:
+    try:  # (written whole, then renamed: a reader beside it sees none or all; a folder it cannot write: not kept)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(choice)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+def _time_bfloat16_gemm() -> bool:
+    """Whether the bfloat16 GEMM is the slower by more than 15%, timed interleaved on a small model's layer."""
     weight, x = torch.randn(1024, 1024), torch.randn(128, 1024)
     try:
         runs = [(_pack(weight), x), (_pack(weight.bfloat16()), x.bfloat16())]
