@@ -23,7 +23,9 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 # The random models (built once per shape and dtype) and compiled kernels: a place sure to be writable there.
 export ROSEINFER_CACHE_DIR=${ROSEINFER_CACHE_DIR:-/tmp/roseinfer-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
-parts=("$@"); [[ ${#parts[@]} == 0 || ${parts[0]} == all ]] && parts=(queue tests smol 1b timeline)
+parts=("$@"); [[ ${#parts[@]} == 0 ]] && parts=(all)
+expanded=(); for p in "${parts[@]}"; do [[ $p == all ]] && expanded+=(queue tests smol 1b timeline) || expanded+=("$p"); done
+parts=("${expanded[@]}")  # (all among others: its parts and the others, in the order given)
 pack() { tar czf "$out/gpu-check.tgz" -C "$logs" . 2>/dev/null; }
 # What a part cut at its cap leaves running (its workers, their engine processes, its redis-server) is ended before
 # the next: a cut run's workers held their GPU memory and CPU under the parts after it.

@@ -66,6 +66,9 @@ async def _waves(args: argparse.Namespace, port: int, server: subprocess.Popen) 
             model = served[0].id if served else None
         except openai.APIConnectionError:
             pass
+        except openai.APIStatusError as exc:  # (503 until a worker registers: not yet, not a failure)
+            if exc.status_code != 503:
+                raise
         if time.monotonic() > deadline:
             sys.exit("no worker served within 300 s")
         await asyncio.sleep(0.5)

@@ -118,10 +118,13 @@ def find_workload(path: str | None) -> Path:
 
 
 def load_prompts(args) -> list[list[dict]]:
-    """Chat conversations: the standard workload, or synthetic prompts of about --input-len words."""
+    """Chat conversations: the standard workload, or synthetic prompts of about --input-len words. Each is its own
+    from its start (a number in a synthetic one, a round's tag on a repeat): the prefix cache served 14 distinct
+    synthetic prompts and the workload's repeats, which transformers computed whole."""
     if args.input_len:
         words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
-        texts = [" ".join(words[(i + j) % len(words)] for j in range(args.input_len)) for i in range(args.num_prompts)]
+        texts = [f"{i}: " + " ".join(words[(i + j) % len(words)] for j in range(args.input_len - 1))
+                 for i in range(args.num_prompts)]  # fmt: skip
     else:
         chosen = find_workload(args.prompts)
         try:
@@ -130,7 +133,8 @@ def load_prompts(args) -> list[list[dict]]:
             raise ConfigError(f"prompts file {chosen} is not JSON ({exc}): a list of prompt strings") from None
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
             raise ConfigError(f"prompts file {chosen} must hold a non-empty JSON list of non-empty prompt strings")
-        texts = (texts * (args.num_prompts // len(texts) + 1))[: args.num_prompts]
+        texts = [t if i < len(texts) else f"(Round {i // len(texts) + 1}.) {t}"
+                 for i, t in enumerate((texts * (args.num_prompts // len(texts) + 1))[: args.num_prompts])]  # fmt: skip
     return [[{"role": "user", "content": t}] for t in texts]
 
 
@@ -307,7 +311,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prompts for the one-at-a-time baseline (default: all; 0 skips it)",
     )
     p.add_argument("--skip-hf", action="store_true", help="run roseinfer alone")
-    p.add_argument("--repeats", type=counting(1), default=1, help="interleaved runs of each system; medians compared")
+    p.add_argument(
+        "--repeats",
+        type=counting(1),
+        default=1,
+        help="runs of roseinfer: on CPU interleaved with transformers', medians compared; on CUDA transformers runs "
+        "once, after",
+    )
     p.add_argument("--json", metavar="PATH", type=output_file, help="write the figures here")
     p.add_argument(
         "--skip-hf-compiled", action="store_true", help="on CUDA, leave out transformers' static-cache compiled run"
@@ -329,11 +339,12 @@ def main(args: argparse.Namespace) -> int:
     engine_config_from_args(args)  # a bad option fails here, before torch loads
     sampling = sampling_of(args)  # so does a bad --temperature or --top-p
     convs = load_prompts(args)
-    print(f"cpu: {describe()}; torch threads: {__import__('torch').get_num_threads()}")
+    print(f"cpu: {describe()}")
     resolve_model_arg(args)
     t = time.perf_counter()
     llm = build_llm(args)
     print(
+        f"torch threads: {__import__('torch').get_num_threads()} (the engine's); "
         f"loaded {args.model} ({args.dtype}, {args.device}) in {time.perf_counter() - t:.1f}s; "
         f"{len(convs)} prompts x {args.max_tokens} new tokens, {describe_sampling(sampling)}, EOS ignored"
     )

@@ -825,7 +825,27 @@ def test_a_bench_prompts_file_that_is_no_list_of_prompts_is_one_line(tmp_path, t
     with pytest.raises(ConfigError, match=f"prompts file {path}"):
         load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=4))
     path.write_text('["one", "two"]')
-    assert load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=3))[2][0]["content"] == "one"
+    assert (
+        load_prompts(argparse.Namespace(input_len=0, prompts=str(path), num_prompts=3))[2][0]["content"]
+        == "(Round 2.) one"
+    )
+
+
+def test_a_benchs_prompts_differ_from_their_start_so_the_prefix_cache_serves_none_whole():
+    """--input-len made 14 distinct prompts of any --num-prompts, and a workload's repeats were its own prompts: the
+    prefix cache served them, while transformers computed each. Each differs from its first words now."""
+    import argparse
+
+    from roseinfer.bench import load_prompts
+
+    for input_len, count in ((40, 100), (0, 150)):
+        texts = [c[0]["content"] for c in load_prompts(argparse.Namespace(input_len=input_len, prompts=None,
+                                                                           num_prompts=count))]  # fmt: skip
+        assert len(texts) == count and len(set(texts)) == count, input_len
+        if input_len:  # (its first word a number: no two share a first block)
+            assert all(len(t.split()) == input_len for t in texts) and len({t.split()[0] for t in texts}) == count
+        else:  # (a repeat begins with its round, not with the prompt it repeats)
+            assert all(t.startswith("(Round ") for t in texts[64:]) and not any(t.startswith("(") for t in texts[:64])
 
 
 @pytest.mark.parametrize(
