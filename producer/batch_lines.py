@@ -338,7 +338,11 @@ def output_line(line: Line, result: dict[str, Any], names: Callable[[str], Token
     top = None
     if asked is not None and asked is not False:  # OpenAI's shape
         top = (line.payload.get("top_logprobs") or 0) if asked is True else asked
-    named = top is not None or line.prompt_logprobs is not None
+    named = (
+        top is not None
+        or line.prompt_logprobs is not None
+        or (line.responses is not None and line.reasoning is not None)
+    )
     token_names = names(result["model"]) if named and names is not None else BY_ID
     tools = line.tools
     if line.responses is not None:

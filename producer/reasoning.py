@@ -15,6 +15,7 @@ Streamed, text goes to the reasoning or the answer as it comes, never a piece of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from producer.tool_formats import held_back
 
@@ -122,3 +123,27 @@ class ReasoningStream:
     def answering(self) -> bool:
         """The output is past its thinking (or had none): its answer has begun, though it may be empty."""
         return self._state == "answer"
+
+
+def reasoning_tokens(fmt: ReasoningFormat | None, text: str, token_ids: list[int], tokenizer: Any) -> int:
+    """How many of an output's tokens are its thinking (OpenAI's ``reasoning_tokens``, vLLM's count): those after
+    its start marker (where the output opens with one) and before its end marker, found by decoding growing
+    prefixes of its ids with ``tokenizer`` (the text alone does not say where a token ends); 0 without one."""
+    if fmt is None or tokenizer is None or not token_ids or not fmt.split(text)[0]:
+        return 0
+    decoded = lambda k: tokenizer.decode(token_ids[:k], skip_special_tokens=False)  # noqa: E731
+    whole = decoded(len(token_ids))
+
+    def tokens_to(chars: int) -> int:  # the fewest leading tokens whose text reaches ``chars`` characters
+        lo, hi = 0, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if len(decoded(mid)) >= chars else (mid + 1, hi)
+        return lo
+
+    began = whole.find(fmt.start) if text.lstrip().startswith(fmt.start) else -1
+    thought_from = began + len(fmt.start) if began >= 0 else 0
+    ends = whole.find(fmt.end, thought_from)
+    first = tokens_to(thought_from) if began >= 0 else 0
+    last = len(token_ids) if ends < 0 else tokens_to(ends + 1) - 1  # (the token that reaches into the end marker)
+    return max(0, last - first)

@@ -24,7 +24,7 @@ from producer.openai_api import (
     parse_request,
     samples,
 )
-from producer.reasoning import ReasoningFormat, ReasoningStream
+from producer.reasoning import ReasoningFormat, ReasoningStream, reasoning_tokens
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
 from producer.tool_formats import FormatStream
@@ -285,13 +285,13 @@ def in_responses_terms(text: str | None) -> str | None:
     return text
 
 
-def _usage(values: dict[str, Any]) -> dict[str, Any]:
+def _usage(values: dict[str, Any], reasoning: int = 0) -> dict[str, Any]:
     prompt, completion = int(values.get("prompt_tokens", 0)), int(values.get("completion_tokens", 0))
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached_tokens(values)},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": min(reasoning, completion)},
         "total_tokens": prompt + completion,
     }
 
@@ -342,6 +342,7 @@ class ResponseWriter:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output items, as they come
         self.text = ""  # the job's text so far
+        self.output, self.token_ids = "", []  # all of it, thinking too, and its tokens (the thinking's are counted)
         self.fed = False  # any text or logprobs taken in (a parser may hold it: a job's restart cannot void it)
         self.calls: CallStream | FormatStream | None = None
         self.message: dict[str, Any] | None = None  # the output's message item (a text answer, or "auto")
@@ -351,7 +352,7 @@ class ResponseWriter:
         self.openings: list[dict[str, Any]] = []  # that call, opened once the thinking before it is done
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                 reason: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 reason: str | None = None, reasoning: int = 0) -> dict[str, Any]:  # fmt: skip
         req = self.request
         incomplete = status == "incomplete"
         fmt = req.text.format.model_dump(exclude_none=True, by_alias=True) if req.text and req.text.format else None
@@ -373,7 +374,7 @@ class ResponseWriter:
             "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()],
             "top_p": req.top_p,
             "truncation": req.truncation or "disabled",
-            "usage": _usage(usage) if usage is not None else None,
+            "usage": _usage(usage, reasoning) if usage is not None else None,
             "user": req.user,
             "metadata": req.metadata or {},
         }
@@ -396,7 +397,8 @@ class ResponseWriter:
             output.insert(self._calls_before_text(text or "") if content and output else 0, message)
         if thinking:  # (no item for an empty thought, as vLLM, and as streamed)
             output.insert(0, _reasoning_item(thinking, status if text is None else "completed"))
-        return self.response(status, output, result.get("usage") or {})
+        counted = reasoning_tokens(self.reasoning, raw, samples(result)[0].get("token_ids") or [], self.names.tokenizer)
+        return self.response(status, output, result.get("usage") or {}, reasoning=counted)
 
     def _calls_before_text(self, text: str) -> int:
         """How many calls "auto"'s output makes before its answer's first text: where its message item goes among
@@ -490,6 +492,10 @@ class ResponseWriter:
     def piece(self, text: str, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The events of the job's next text; ``event``: the job's event it came in (its tokens' logprobs)."""
         self.unsent += self._logprobs(event or {})
+        if (event or {}).get("reset"):  # (the job's output started over before any text came)
+            self.output, self.token_ids = "", []
+        self.output += text
+        self.token_ids += (event or {}).get("token_ids", ())
         self.fed = self.fed or bool(text) or bool(self.unsent)
         if not text:
             return []
@@ -588,7 +594,8 @@ class ResponseWriter:
         elif isinstance(self.calls, CallStream) and self.calls.name is not None and not self.openings:
             events += self._call_done(self.call_index, self.text, status)  # (ends with the text; cut short: incomplete)
         # (A call never opened: the output ended in the thinking. The whole response has no call either.)
-        final = self.response(status, self.items, usage)
+        counted = reasoning_tokens(self.reasoning, self.output, self.token_ids, self.names.tokenizer)
+        final = self.response(status, self.items, usage, reasoning=counted)
         return [*events, self._event(f"response.{status}", response=final)]
 
     def failed(self, err: APIError) -> list[dict[str, Any]]:

@@ -448,7 +448,8 @@ def create_app(
         wait = answer_within(request, timeout)
         req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
         await _served(req.model)
-        names = await _token_names(req.model, chat.num_logprobs is not None)  # (before the submit, as the chat's)
+        # (before the submit, as the chat's; a thinking model's too: its reasoning tokens are counted by them)
+        names = await _token_names(req.model, chat.num_logprobs is not None or chat.reasoning_plan() is not None)
         try:
             job = await client.submit(**fit_to_context(fields))
         except RedisError as exc:

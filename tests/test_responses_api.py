@@ -446,3 +446,38 @@ def test_truncation_auto_is_the_jobs_and_the_response_says_it():
     req, chat, job = parse_responses({"model": "m", "input": "Hi"})
     assert "truncation" not in job
     assert ResponseWriter("j", "m", req, None).whole({"text": "", "usage": {}})["truncation"] == "disabled"
+
+
+@pytest.mark.parametrize(
+    ("parser", "pieces", "reason"),
+    [
+        ("qwen3", ["<think>", "Let me add two and two.", "</think>", "\n\nIt is 4."], "stop"),
+        ("deepseek_r1", ["Two and two, carried.", "</think>", "\n\nIt is 4."], "stop"),
+        ("qwen3", ["<think>", "Still adding when the budget", " ran out"], "length"),
+        ("qwen3", ["It is 4."], "stop"),
+    ],
+)
+def test_reasoning_tokens_are_the_thinkings_whole_and_streamed(smol_tokenizer, parser, pieces, reason):
+    """usage.output_tokens_details.reasoning_tokens was 0 whatever the model thought: it counts the tokens between
+    the thinking's markers now (vLLM's count), told by the tokenizer the worker wrote (here the default model's)."""
+    from producer.token_names import TokenNames
+
+    encoded = [smol_tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+    ids, text = [t for e in encoded for t in e], "".join(pieces)
+    thought = [e for p, e in zip(pieces, encoded) if p not in ("<think>", "</think>")]
+    expected = 0 if len(pieces) == 1 else sum(map(len, thought[: 1 if reason == "stop" else 2]))
+    req, chat, _ = parse_responses({"model": "m", "input": "2+2?", "stream": True}, None, parser)
+    usage = {"prompt_tokens": 3, "completion_tokens": len(ids)}
+    names = TokenNames(smol_tokenizer)
+    whole = ResponseWriter("j", "m", req, None, names=names, reasoning=chat.reasoning_plan()).whole(
+        {"text": text, "token_ids": ids, "finish_reason": reason, "usage": usage}
+    )
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": expected} and (expected > 0) == (
+        len(pieces) > 1
+    )
+    writer = ResponseWriter("j", "m", req, None, names=names, reasoning=chat.reasoning_plan())
+    events = writer.opening()
+    for piece, piece_ids in zip(pieces, encoded):
+        events += writer.piece(piece, {"text": piece, "token_ids": piece_ids})
+    events += writer.closing(reason, usage)
+    assert events[-1]["response"]["usage"] == whole["usage"]
