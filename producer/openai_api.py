@@ -655,6 +655,7 @@ def chat_choices(
                 "index": s["index"],
                 "message": message,
                 "finish_reason": _calls_finish(reason, tools, bool(message.get("tool_calls"))),
+                "stop_reason": s.get("stop_reason"),  # (vLLM's: the stop string or token id that ended it)
                 "logprobs": chat_logprobs(s, top or 0, names) if want else None,
             }
         )
@@ -706,6 +707,7 @@ def completion_choices(
             "index": s["index"],
             "text": s.get("text", ""),
             "finish_reason": finish_reason(s.get("finish_reason")),
+            "stop_reason": s.get("stop_reason"),  # (vLLM's: the stop string or token id that ended it)
             "logprobs": completion_logprobs(s, top, names) if top is not None else None,
             **(
                 _echoed(result, s, top, text, names)

@@ -247,6 +247,21 @@ def test_text_completion_streamed_and_not(served, oai):
     assert err.value.body["param"] == "top_logprobs"
 
 
+def test_a_choice_says_the_stop_that_ended_it_as_vllm(served, oai, redis_url):
+    """vLLM's ``stop_reason`` (the stop token id or string that ended a choice, null for EOS or a length) was left
+    out of every choice, though the job's result holds it."""
+    worker, _, model = served
+    prompt = "The capital of France is"
+    ids = direct(redis_url, worker.queue, prompt=prompt, max_tokens=6, temperature=0, ignore_eos=True)["token_ids"]
+    stopped = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={"stop_token_ids": [ids[2]], "ignore_eos": True})  # fmt: skip
+    choice = stopped.choices[0].model_dump()
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ids[2])
+    chat = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    assert (chat.choices[0].finish_reason, chat.choices[0].model_dump()["stop_reason"]) == ("length", None)
+
+
 def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():
     """OpenAI's clients send null for what they leave unset, and a response's message dumped back into the
     conversation carries its unset fields as nulls: each was a 400. A prompt of spaces has tokens: it was refused."""
