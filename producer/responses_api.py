@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from producer.openai_api import (
     APIError,
@@ -25,6 +25,7 @@ from producer.openai_api import (
     samples,
 )
 from producer.reasoning import ReasoningFormat, ReasoningStream, reasoning_tokens
+from producer.schema import call_arguments
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import CallStream, ToolChoice
 from producer.tool_formats import FormatStream
@@ -55,10 +56,62 @@ class InputText(APIShape):
     logprobs: list[Any] | None = None
 
 
+class Refusal(APIShape):
+    """An earlier answer's refusal, sent back: its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+# What a text model cannot read, and the items that name what is stored (nothing is, here): each a 400 saying so,
+# not pydantic's list of every shape the item was not.
+NOT_TEXT = ("input_image", "input_file", "input_audio")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def _checked_input(value: Any) -> Any:
+    """``input``'s items that cannot be taken, each refused by its place and its reason (the chat's messages they
+    would become are numbered otherwise)."""
+    if not isinstance(value, list):
+        return value
+    for i, item in enumerate(value):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "item_reference":
+            raise ValueError(f"item {i}: nothing is stored here to refer to: send the item itself")
+        if kind is not None and kind not in ITEM_TYPES:
+            raise ValueError(f"item {i}: items of type {kind!r} are not taken here, only {', '.join(ITEM_TYPES)}")
+        if kind == "function_call" and isinstance(item.get("arguments"), str):
+            try:
+                call_arguments(item["arguments"])
+            except ValueError as exc:
+                raise ValueError(f"item {i}: {exc}") from None
+        parts = item.get("content") if kind in (None, "message") else None
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            if isinstance(part, dict) and part.get("type") in NOT_TEXT:
+                raise ValueError(f"item {i}, content {j}: {part['type']} is not taken by a text model: send text")
+    return value
+    for i, item in enumerate(value):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "item_reference":
+            raise ValueError(f"item {i}: nothing is stored here to refer to: send the item itself")
+        if kind is not None and kind not in ITEM_TYPES:
+            raise ValueError(f"item {i}: items of type {kind!r} are not taken here, only {', '.join(ITEM_TYPES)}")
+        for j, part in enumerate(
+            item.get("content") if kind in (None, "message") and isinstance(item.get("content"), list) else ()
+        ):
+            if isinstance(part, dict) and part.get("type") in NOT_TEXT:
+                raise ValueError(f"item {i}, content {j}: {part['type']} is not taken by a text model: send text")
+    return value
+
+
 class InputMessage(APIShape):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputText | Refusal]
     id: str | None = None  # (an earlier answer's item, sent back)
     status: str | None = None
     phase: str | None = None
@@ -157,6 +210,7 @@ class ResponsesRequest(APIShape):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
+    _input = field_validator("input", mode="before")(_checked_input)
     truncation: Literal["disabled", "auto"] | None = None  # auto: the earliest turns dropped to fit (the job's)
     # Taken and changing nothing (nothing is stored here)
     store: bool | None = None
@@ -370,7 +424,7 @@ class ResponseWriter:
             "store": False,  # (nothing is kept: a later previous_response_id could not find it)
             "temperature": req.temperature,
             "text": {"format": fmt or {"type": "text"}},
-            "tool_choice": _shown_choice(req.tool_choice, bool(req.tools)),
+            "tool_choice": _shown_choice(req.tool_choice),
             "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()],
             "top_p": req.top_p,
             "truncation": req.truncation or "disabled",
@@ -607,7 +661,8 @@ class ResponseWriter:
                 self._event("response.failed", response=final)]  # fmt: skip
 
 
-def _shown_choice(choice: str | NamedFunction | None, has_tools: bool) -> Any:
+def _shown_choice(choice: str | NamedFunction | None) -> Any:
+    """The response's ``tool_choice``: the request's, or OpenAI's default, "auto" (with no tools as well)."""
     if isinstance(choice, NamedFunction):
         return choice.model_dump()
-    return choice or ("auto" if has_tools else "none")
+    return choice or "auto"

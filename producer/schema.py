@@ -63,12 +63,17 @@ class FunctionCall(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
-        parsed = _json_or_none(value) if value.strip() else {}
-        if not isinstance(parsed, dict):
-            raise ValueError("a tool call's arguments are a JSON object's text")
-        if json_depth(parsed) > MAX_JSON_DEPTH:  # (the template's reading recursed through them: a server error)
-            raise ValueError(f"a tool call's arguments nest deeper than {MAX_JSON_DEPTH} levels")
-        return value
+        return call_arguments(value)
+
+
+def call_arguments(value: str) -> str:
+    """A tool call's arguments, checked: a JSON object's text (empty: none), else a ValueError."""
+    parsed = _json_or_none(value) if value.strip() else {}
+    if not isinstance(parsed, dict):
+        raise ValueError("a tool call's arguments are a JSON object's text")
+    if json_depth(parsed) > MAX_JSON_DEPTH:  # (the template's reading recursed through them: a server error)
+        raise ValueError(f"a tool call's arguments nest deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 class ToolCall(BaseModel):

@@ -103,7 +103,23 @@ def test_tool_choice_is_the_chats():
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"input": []}, "input", "at least 1"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+            "item 0, content 0: input_image is not taken by a text model",
+        ),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item 0: nothing is stored here"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input", "type .web_search_call. are not"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "Hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"},
+                ]
+            },
+            "input",
+            "item 1: a tool call's arguments are a JSON object's text",
+        ),
         ({"tools": TOOLS}, "tool_choice", '"auto" tool choice needs a parser'),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "rm"}}, "tool_choice", "not among the tools"),
         ({"tools": [{**TOOLS[0], "name": "a b"}], "tool_choice": "none"}, "tools.0.name", "pattern"),
@@ -481,3 +497,12 @@ def test_reasoning_tokens_are_the_thinkings_whole_and_streamed(smol_tokenizer, p
         events += writer.piece(piece, {"text": piece, "token_ids": piece_ids})
     events += writer.closing(reason, usage)
     assert events[-1]["response"]["usage"] == whole["usage"]
+
+
+def test_an_earlier_answers_refusal_goes_back_as_its_text_and_the_default_tool_choice_is_auto():
+    """A refusal part sent back (OpenAI's output) was a 400 listing every shape the item was not; a response to a
+    request without tool_choice said "none" where OpenAI says its default, "auto"."""
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
+    req, _, job = parse_responses({"model": "m", "input": [refused, {"role": "user", "content": "Why?"}]})
+    assert job["messages"][0] == {"role": "assistant", "content": "I cannot help with that."}
+    assert ResponseWriter("j", "m", req, None).whole({"text": "", "usage": {}})["tool_choice"] == "auto"
