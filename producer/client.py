@@ -30,6 +30,7 @@ from producer.protocol import (
     DEFAULT_QUEUE,
     JOB_FUNCTION,
     OWNER_FIELD,
+    START_FIELD,
     STATS_KEY,
     check_queue_name,
     lane_name,
@@ -446,11 +447,23 @@ class Client:
             )
         return rows
 
+    def _stock_workers(self, queue: str) -> list[str]:
+        """The names of stock ``rq worker``s registered on ``queue`` (RQ's registration, without a roseinfer
+        worker's start token: ``START_FIELD``)."""
+        registered = Worker.all(connection=self.connection, queue=Queue(queue, connection=self.connection))
+        with self.connection.pipeline(transaction=False) as pipe:
+            for w in registered:
+                pipe.hexists(w.key, START_FIELD)
+            ours = pipe.execute()
+        return [w.name for w, mine in zip(registered, ours) if not mine]
+
     def no_worker_warning(self, queue: str | None = None) -> str | None:
         """A warning when no live worker serves the queue (or ``queue``: its jobs wait there), else None."""
         if self.workers() if queue is None else self.workers(queue):
             return None
         name = self.queue.name if queue is None else queue
+        if self._stock_workers(name):  # (RQ's own worker runs them too, one at a time: no roseinfer statistics)
+            return None
         # (a worker started by the hint without the client's Redis would serve the default one)
         named = self._url not in (None, DEFAULT_REDIS_URL)
         url = f" --redis-url {shlex.quote(redacted_url(self._url))}" if named else ""

@@ -478,6 +478,10 @@ class GenerationJob:
         if status in ("canceled", "stopped"):
             raise JobCanceled(self.id, f"job {status}", result)
         reason = result.get("error") if result else None
+        if not reason and not gone:  # (RQ's own record, a stock worker's: its stream's last event says why, as whom)
+            last = self.client.connection.xrevrange(stream_key(self.id), count=1)
+            if last and (event := event_from_stream(last[0][1])).get("finish_reason") == "error":
+                raise JobFailed.of_event(self.id, event)
         if not reason and not gone:  # (RQ's failure record: read through the job's hash)
             latest = self.rq_job.latest_result()
             lines = [ln for ln in (latest.exc_string or "").splitlines() if ln.strip()] if latest else []

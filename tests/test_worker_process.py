@@ -242,6 +242,65 @@ def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_c
     assert end["finish_reason"] == "error" and end["usage"]["completion_tokens"] >= 1, end
 
 
+# A stock `rq worker` whose engine steps take 20 ms at least (its horses fork with it): a job runs for seconds.
+_SLOW_RQ = """import sys, time
+from roseinfer.llm_engine import LLMEngine
+step = LLMEngine.step
+LLMEngine.step = lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1]
+from rq.cli import main
+sys.argv[0] = "rq"
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow  # a stock worker loads the model for each job
+def test_a_stock_rq_worker_stops_a_canceled_job_and_ends_bad_ones_as_the_batch_worker(
+    redis_url, tiny_chat_model, queue_name
+):
+    """On a stock ``rq worker``: a running job's cancel was ignored (it ran to its end, "finished"); a payload
+    passed positionally failed as a bare TypeError after every retry; a refused job's id never reached its notify
+    list, and its failure said RQ's exception line, no error_type; a job enqueued without result_ttl kept its result
+    RQ's 500 s; and the client warned that no worker served the queue."""
+    from rq import Queue, Retry
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import done_key, result_key, stream_key
+
+    conn, client = Redis.from_url(redis_url), Client(redis_url, queue=queue_name)
+    queue = Queue(queue_name, connection=conn, serializer=JSONSerializer)
+    positional = queue.enqueue("worker.jobs.generate", "hi", max_tokens=2, retry=Retry(max=2))
+    refused = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=4, top_k=-5, notify="stock-ends")
+    plain = queue.enqueue("worker.jobs.generate", prompt="hi", max_tokens=2)  # (no result_ttl)
+    long = client.submit("Go on", max_tokens=400, ignore_eos=True, notify="stock-ends")
+    env = {**os.environ, "ROSEINFER_MODEL": tiny_chat_model}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_RQ, "worker", "--burst", "-S", "rq.serializers.JSONSerializer", "-u", redis_url,
+         queue_name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        next(iter(long.events(timeout=120)))
+        assert client.no_worker_warning() is None  # (RQ's own worker serves the queue)
+        assert long.cancel()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    events = [json.loads(f[b"event"]) for _, f in conn.xrange(stream_key(long.id))]
+    assert events[-1]["finish_reason"] == "abort" and 0 < events[-1]["usage"]["completion_tokens"] < 400, err[-2000:]
+    assert long.status() == "stopped"
+    with pytest.raises(JobCanceled):
+        long.result(timeout=5)
+    ends = [json.loads(f[b"event"]) for _, f in conn.xrange(stream_key(positional.id))]
+    assert positional.get_status(refresh=True) == "failed" and len(ends) == 1  # (one attempt)
+    assert "keyword arguments" in ends[0]["error"] and ends[0]["error_type"] == "invalid_request"
+    with pytest.raises(JobFailed) as failed:
+        client.job(refused.id).result(timeout=5)
+    assert failed.value.error_type == "invalid_request" and "top_k" in str(failed.value)
+    assert "JobRejected" not in str(failed.value)
+    assert conn.lrange(done_key("stock-ends"), 0, -1) == [refused.id.encode(), long.id.encode()]
+    assert plain.get_status(refresh=True) == "finished" and conn.ttl(result_key(plain.id)) > 3600
+    assert client.no_worker_warning() is not None  # (the burst worker is gone)
+
+
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):
     from test_worker_hostile import MALFORMED, _raw_job
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -262,9 +263,25 @@ def _engine() -> LLMEngine:
 ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length), at most
 
 
-def generate(**payload: Any) -> dict[str, Any]:
+def _stopping(job: Job) -> bool:
+    """Make the RQ worker running ``job`` (found up the call stack: RQ hands a job no handle on it) end it as RQ
+    ends a stopped job, its status "stopped", not retried, not failed; False where there is none."""
+    from rq.worker import BaseWorker
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        worker = frame.f_locals.get("self")
+        if isinstance(worker, BaseWorker) and hasattr(worker, "_stopped_job_id"):
+            worker._stopped_job_id = job.id
+            return True
+        frame = frame.f_back
+    return False
+
+
+def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     """One job on its own, for a stock RQ worker: streams and stores results like ``roseinfer worker`` (the same
-    pump drives the engine; events are sent after each step)."""
+    pump drives the engine; events are sent after each step). A job canceled while it runs stops within a step,
+    its stream ended "abort", and ends as RQ's stopped job (RQ's own worker would run it to its end)."""
     from rq import get_current_job
 
     from worker.job_start import forget_earlier_jobs_stream
@@ -277,7 +294,10 @@ def generate(**payload: Any) -> dict[str, Any]:
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
     settings = WorkerSettings()
+    if job.result_ttl is None:  # (RQ's 500 s otherwise: the protocol's default is the worker's --result-ttl)
+        job.result_ttl = settings.result_ttl
     publisher = Publisher.from_settings(settings)
+    notify = payload.get("notify") if isinstance(payload.get("notify"), str) else None
     # This attempt owns the job now: a batch worker that stalled on it drops its copy without writing.
     job.connection.hset(job.key, OWNER_FIELD, f"stock:{uuid.uuid4().hex}")
     forget_earlier_jobs_stream(job.connection, job)  # (not resumed: another job's output)
@@ -287,10 +307,13 @@ def generate(**payload: Any) -> dict[str, Any]:
         publisher.add(stream, "", [], "error", {}, error, error_type="invalid_request")  # as the batch worker's
         with job.connection.pipeline(transaction=False) as pipe:
             publisher.flush(pipe)
+            publisher.notify(pipe, job.id, notify)  # (as every end: a waiter on the list learns of it)
             pipe.execute()
         job.retries_left = None  # RQ reads it as it fails the job: one that can never run is not tried again
         raise JobRejected(error) from None
 
+    if args:  # (Python refused the call before this body ran: retried, a bare TypeError, no last event)
+        refuse("pass the payload as keyword arguments: enqueue('worker.jobs.generate', prompt=..., max_tokens=...)")
     try:
         req = JobRequest.model_validate(payload)
     except ValidationError as exc:
@@ -310,9 +333,9 @@ def generate(**payload: Any) -> dict[str, Any]:
     margin = None if limit is None else min(ALARM_MARGIN_S, limit / 4)  # (a 2 s job kept 1.5 s of its own)
     timeout = None if limit is None else max(limit - (time.monotonic() - began) - margin, 0.001)
     pump.submit(job.id, req.engine_prompt(), params, timeout, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
-    started_at, first_token_at, final = time.time(), None, None
+    started_at, first_token_at, final, canceled = time.time(), None, None, False
     try:
-        while final is None:
+        while final is None and not canceled:
             for event in pump.step():
                 first_token_at = first_token_at or (time.time() if event.token_ids else None)
                 if event.restarted:
@@ -327,9 +350,26 @@ def generate(**payload: Any) -> dict[str, Any]:
             if final is None:
                 with job.connection.pipeline(transaction=False) as pipe:
                     publisher.flush(pipe)
-                    pipe.execute()
+                    pipe.hget(job.key, "status")
+                    canceled = pipe.execute()[-1] == b"canceled"  # (RQ's cancel, or a client's: read each step)
     finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
-        pump.cancel(job.id)
+        ended = pump.cancel(job.id)
+    if canceled:
+        *pieces, last = ended or [None]
+        for piece in pieces:
+            publisher.add(stream, piece.text, piece.token_ids, index=piece.index, logprobs=piece.logprobs)
+        made = usage(last.output) if last is not None and last.output is not None else {}
+        text, ids = (last.text, last.token_ids) if last is not None else ("", [])
+        publisher.add(stream, text, ids, "abort", made, index=last.index if last is not None else 0,
+                      logprobs=last.logprobs if last is not None else None)  # fmt: skip
+        with job.connection.pipeline(transaction=False) as pipe:
+            publisher.flush(pipe)
+            publisher.notify(pipe, job.id, req.notify)
+            pipe.execute()
+        job.retries_left = None
+        if not _stopping(job):
+            raise JobRejected("job canceled by request while it ran")
+        raise JobStopped("job canceled by request while it ran")
     if final.finish_reason != "error" and (size := result_bytes(final.output)) > settings.max_result_bytes:
         final.finish_reason, final.error_type = "error", "invalid_request"  # (no error code: the protocol's v3 has one)
         final.error = f"the job's result would take about {size / 2**20:.0f} MB, past --max-result-bytes"
