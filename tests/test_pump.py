@@ -480,7 +480,7 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
     any canceled running job, with a final "abort" event that ends its followers' waits, and a canceled result."""
     worker, engine, client = fake_worker
     tokenize = engine.tokenize_many
-    held = threading.Event()  # (the prompt's reading ends once the cancel is written, however slow the machine)
+    held = threading.Event()  # (the prompt's reading ends once the cancel has ended the job, however slow the machine)
     monkeypatch.setattr(engine, "tokenize_many", lambda *a, **k: (held.wait(30), tokenize(*a, **k))[1])
     job = client.submit("x", max_tokens=50)
     deadline = time.time() + 10
@@ -489,8 +489,8 @@ def test_a_job_canceled_while_its_prompt_is_tokenized_ends_with_a_last_event_and
     # Taken, its prompt being read (a queued job's cancel would pass what follows too).
     assert job.status() == "started" and job.id in worker.in_flight and not engine.requests
     assert job.cancel()
-    held.set()
     events = list(job.events(timeout=10))
+    held.set()
     assert [(e["text"], e["finish_reason"]) for e in events] == [("", "abort")]
     with pytest.raises(JobCanceled) as canceled:
         job.result(timeout=10)
