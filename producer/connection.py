@@ -6,7 +6,7 @@ client asks the sentinels where the primary is, and asks again after a failover.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -94,6 +94,7 @@ class SentinelURL:
     password: str | None = None
     ssl: bool = False
     sentinel_password: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # the primary's connection options (?ssl_ca_certs=...)
 
 
 def parse_sentinel_url(url: str) -> SentinelURL | None:
@@ -120,15 +121,38 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
     if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
         raise InvalidRedisURL(f"a Sentinel URL ends in /service or /service/db, got {redacted_url(url)}")
     params = parse_qs(query)
+    ssl = SENTINEL_SCHEMES[scheme]
     return SentinelURL(
         hosts,
         unquote(parts[0]),
         int(parts[1]) if len(parts) == 2 else 0,
         username,
         password,
-        SENTINEL_SCHEMES[scheme],
+        ssl,
         params.get("sentinel_password", [None])[0],
+        _primary_options(params, ssl, url),
     )
+
+
+def _primary_options(params: dict[str, list[str]], ssl: bool, url: str) -> dict[str, Any]:
+    """A Sentinel URL's options for the primary's connections, read as redis-py reads a plain URL's (they were
+    dropped: a primary whose certificate needed ?ssl_ca_certs= could not be reached)."""
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    options: dict[str, Any] = {}
+    for name, values in params.items():
+        if name == "sentinel_password":
+            continue
+        if name.startswith("ssl_") and not ssl:
+            raise InvalidRedisURL(f"{name} in {redacted_url(url)}: a TLS option, for rediss+sentinel:// only")
+        parse = URL_QUERY_ARGUMENT_PARSERS.get(name, str if name.startswith("ssl_") else None)
+        if parse is None:
+            raise InvalidRedisURL(f"{redacted_url(url)}: no option {name!r} for a Sentinel URL")
+        try:
+            options[name] = parse(values[0])
+        except (TypeError, ValueError) as exc:
+            raise InvalidRedisURL(f"{name}={values[0]} in {redacted_url(url)}: {exc}") from None
+    return options
 
 
 QUEUE_URLS_ENV = "ROSEINFER_QUEUE_URLS"
@@ -161,7 +185,7 @@ def redacted_url(url: str) -> str:
 
 
 def _primary_kwargs(s: SentinelURL) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"db": s.db, "username": s.username, "password": s.password}
+    kwargs: dict[str, Any] = {"db": s.db, "username": s.username, "password": s.password, **s.options}
     if s.ssl:
         kwargs["ssl"] = True
     return kwargs
@@ -248,11 +272,23 @@ def _connect(
             raise InvalidRedisURL(f"the database in {redacted_url(url)} is not a number ({parts.path.strip('/')!r})")
         try:
             if pool_class is None:
-                return client_class.from_url(url, **kwargs)
-            client = client_class(connection_pool=pool_class.from_url(url, **kwargs))
+                client = client_class.from_url(url, **kwargs)
+            else:
+                client = client_class(connection_pool=pool_class.from_url(url, **kwargs))
+                client.auto_close_connection_pool = True  # closed with the client, as the pool from_url makes is
         except ValueError as exc:
             raise InvalidRedisURL(f"{exc} (got {redacted_url(url)}; or redis+sentinel://host:port/service)") from None
-        client.auto_close_connection_pool = True  # closed with the client, as the pool from_url makes is
+        _check_options(client, url)
         return client
     sentinel = sentinel_class(s.hosts, sentinel_kwargs={"password": s.sentinel_password, **_TIMEOUTS}, socket_timeout=5)
-    return sentinel.master_for(s.service, **_primary_kwargs(s), **kwargs)
+    return sentinel.master_for(s.service, **{**kwargs, **_primary_kwargs(s)})  # (the URL's options win)
+
+
+def _check_options(client: Any, url: str) -> None:
+    """A URL's options its connections cannot take (a typo, ?ssl_cert_reqs= on redis://) refused now: redis-py
+    passes them on, and the first command raised a TypeError traceback."""
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)  # (made, not connected)
+    except TypeError as exc:
+        raise InvalidRedisURL(f"{redacted_url(url)}: an option its connection does not take ({exc})") from None

@@ -843,3 +843,61 @@ def test_status_says_a_full_redis_is_full_and_a_replica_read_only(own_redis, cap
         assert "Redis is read-only: " in capsys.readouterr().out
     finally:
         conn.replicaof("NO", "ONE")
+
+
+def _redis_server(*args: str, ready: Path | None = None, port: int | None = None) -> subprocess.Popen:
+    """A redis-server of its own with ``args``, once it answers (its socket there, or its port)."""
+    proc = subprocess.Popen(["redis-server", "--save", "", "--appendonly", "no", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if (Redis(unix_socket_path=str(ready)) if ready else Redis(port=port)).ping():
+                return proc
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"redis-server {' '.join(args)} did not answer")
+
+
+@pytest.mark.slow  # a worker of its own
+def test_a_worker_serves_a_redis_on_a_unix_socket(tmp_path, tiny_chat_model):
+    """The settings name unix:// URLs, and producers took them: the worker died at its first command (a TCP
+    keepalive option a socket's connection does not take), a traceback."""
+    sock = tmp_path / "r.sock"
+    proc = _redis_server("--port", "0", "--unixsocket", str(sock), "--dir", str(tmp_path), ready=sock)
+    try:
+        url = f"unix://{sock}?db=3"
+        worker = ThreadWorker(url, tiny_chat_model, max_num_seqs=2)
+        try:
+            job = Client(url, queue=worker.queue).submit("Hi", max_tokens=3, ignore_eos=True)
+            assert job.result(timeout=60)["usage"]["completion_tokens"] == 3
+            assert Redis(unix_socket_path=str(sock), db=3).exists(f"rq:job:{job.id}")
+        finally:
+            worker.stop()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_redis_cluster_is_refused_by_name_before_the_model_loads(tmp_path):
+    """A cluster node: the worker loaded its model, then said MovedError or CROSSSLOT (a single-shard cluster let
+    status pass and failed every submit). It names Redis Cluster now, before the model."""
+    from roseinfer.config import ConfigError
+    from worker.main import _address, build_worker
+    from worker.settings import WorkerSettings
+
+    port = free_port()
+    proc = _redis_server("--port", str(port), "--cluster-enabled", "yes", "--dir", str(tmp_path),
+                         "--cluster-config-file", str(tmp_path / "nodes.conf"), port=port)  # fmt: skip
+    try:
+        settings = WorkerSettings(redis_url=f"redis://127.0.0.1:{port}/0", model=str(tmp_path / "no-model"))
+        with pytest.raises(ConfigError, match="is a Redis Cluster node: roseinfer needs one Redis"):
+            build_worker(settings)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    from producer.connection import connect
+
+    # Log lines named a socket's or Sentinel's Redis "?:?".
+    assert _address(connect(f"unix://{tmp_path}/r.sock")) == f"unix:{tmp_path}/r.sock"
+    assert _address(connect("redis+sentinel://h:26379/svc")) == "the primary of Sentinel service 'svc'"

@@ -16,6 +16,8 @@ from producer.connection import InvalidRedisURL, SentinelURL, parse_sentinel_url
 from producer.protocol import event_from_stream
 from worker.local_redis import free_port, serves
 
+OPTIONS = {"ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": "none", "socket_timeout": 2.0, "ssl_check_hostname": False}
+
 
 @pytest.mark.parametrize(
     "url, parsed",
@@ -28,10 +30,45 @@ from worker.local_redis import free_port, serves
         ),
         ("rediss+sentinel://user:pw@[::1]:26379/svc", SentinelURL([("::1", 26379)], "svc", 0, "user", "pw", True)),
         ("redis+sentinel://:pa/ss@h:26379/svc", SentinelURL([("h", 26379)], "svc", 0, None, "pa/ss")),  # (was ':pa')
+        # The primary's options, as a plain URL's (they were dropped: a private CA could not be given)
+        (
+            "rediss+sentinel://h:26379/svc?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none&socket_timeout=2&ssl_check_hostname=0",
+            SentinelURL([("h", 26379)], "svc", 0, None, None, True, None, OPTIONS),
+        ),
     ],
 )
 def test_sentinel_urls_are_read(url, parsed):
     assert parse_sentinel_url(url) == parsed
+
+
+def test_a_sentinel_urls_options_reach_its_primarys_connections():
+    from producer.connection import connect, connect_async
+
+    url = "rediss+sentinel://h:26379/svc/2?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none&socket_timeout=2"
+    for client in (connect(url, socket_timeout=9), connect_async(url, socket_timeout=9)):
+        kwargs = client.connection_pool.connection_kwargs
+        shown = (kwargs["ssl_ca_certs"], kwargs["ssl_cert_reqs"], kwargs["socket_timeout"], kwargs["db"])
+        assert shown == ("/ca.pem", "none", 2.0, 2)  # (the URL's own win over the caller's)
+
+
+@pytest.mark.parametrize(
+    ("url", "phrase"),
+    [
+        ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "an option its connection does not take"),  # (not rediss)
+        ("redis://:secret@127.0.0.1:6379/0?sslcertreqs=none", "does not take"),  # a typo
+        ("redis+sentinel://:secret@h:26379/svc?ssl_cert_reqs=none", "for rediss\\+sentinel:// only"),
+        ("redis+sentinel://h:26379/svc?socket_timout=2&password=secret", "no option 'socket_timout'"),
+    ],
+)
+def test_an_option_a_connection_cannot_take_is_refused_at_once_not_at_the_first_command(url, phrase):
+    """A typo or a TLS option on a plain URL: redis-py passed it on, and the first command raised a TypeError
+    traceback (status, worker, serve); a Sentinel URL dropped it without a word."""
+    from producer.connection import connect, connect_async
+
+    for make in (connect, connect_async):
+        with pytest.raises(InvalidRedisURL, match=phrase) as info:
+            make(url)
+        assert "secret" not in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -48,10 +48,22 @@ def wait_for_redis(connection: Redis, max_backoff: float = 30.0) -> None:
 
 
 def _address(connection: Redis) -> str:
-    return "{host}:{port}".format(**{"host": "?", "port": "?", **connection.connection_pool.connection_kwargs})
+    """Where the connection goes, as a log line names it: host:port, a Unix socket's path, a Sentinel service."""
+    pool = connection.connection_pool
+    kwargs = pool.connection_kwargs
+    if "path" in kwargs:
+        return f"unix:{kwargs['path']}"
+    if getattr(pool, "service_name", None):  # (the primary Sentinel names, wherever it is now)
+        return f"the primary of Sentinel service {pool.service_name!r}"
+    return "{host}:{port}".format(**{"host": "?", "port": "?", **kwargs})
 
 
 def refuse_untrusted_certificate(connection: Redis, exc: Exception) -> None:
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc) and "mismatch" in str(exc):  # (its CA trusted, its name not this)
+        raise InvalidRedisURL(
+            f"Redis at {_address(connection)}: its TLS certificate names another host ({exc}); use the host name "
+            "its certificate holds in the URL, or ?ssl_check_hostname=false to skip that check"
+        ) from None
     if "CERTIFICATE_VERIFY_FAILED" in str(exc):
         raise InvalidRedisURL(
             f"Redis at {_address(connection)}: its TLS certificate is not trusted here ({exc}); give its CA in the "
@@ -62,9 +74,8 @@ def refuse_untrusted_certificate(connection: Redis, exc: Exception) -> None:
 def worker_connection(settings: WorkerSettings) -> Redis:
     """The worker's Redis client: a Redis that stops answering fails a command, as one that is down does (a URL's
     own options win). Set here, for the connections opened before the worker is built too."""
-    return connect(
-        settings.redis_url, socket_timeout=settings.socket_timeout, socket_connect_timeout=5, socket_keepalive=True
-    )
+    keepalive = {} if settings.redis_url.startswith("unix:") else {"socket_keepalive": True}  # (a socket has none)
+    return connect(settings.redis_url, socket_timeout=settings.socket_timeout, socket_connect_timeout=5, **keepalive)
 
 
 def build_worker(settings: WorkerSettings, connection: Redis | None = None):
@@ -87,6 +98,7 @@ def build_worker(settings: WorkerSettings, connection: Redis | None = None):
                 if taken:
                     raise ConfigError(taken)
             check_redis_version(connection)
+            check_not_a_cluster(connection)
             check_eviction_policy(connection, settings.require_noeviction)
             checked = True
     if settings.metrics_port:  # (found at the start, it came after the model's load: minutes of a GPU's)
@@ -117,6 +129,20 @@ def check_redis_version(connection: Redis) -> None:
         raise ConfigError(
             f"Redis at {_address(connection)} is {said}: the worker needs Redis "
             f"{'.'.join(map(str, MIN_REDIS))} or later (BLMOVE, GETDEL)"
+        )
+
+
+def check_not_a_cluster(connection: Redis) -> None:
+    """A Redis Cluster refused before the model loads: the queue's keys of one job live in several slots (MOVED,
+    CROSSSLOT on every pull, said after minutes of a GPU's load). One Redis, replicated (Sentinel) or managed."""
+    try:
+        enabled = str(connection.info("cluster").get("cluster_enabled", "0"))
+    except redis.exceptions.ResponseError:
+        return
+    if enabled == "1":
+        raise ConfigError(
+            f"Redis at {_address(connection)} is a Redis Cluster node: roseinfer needs one Redis (a primary with "
+            "replicas, through Sentinel or a managed service's endpoint), not a cluster: RQ's keys of a job span slots"
         )
 
 
