@@ -901,3 +901,17 @@ def test_a_redis_cluster_is_refused_by_name_before_the_model_loads(tmp_path):
     # Log lines named a socket's or Sentinel's Redis "?:?".
     assert _address(connect(f"unix://{tmp_path}/r.sock")) == f"unix:{tmp_path}/r.sock"
     assert _address(connect("redis+sentinel://h:26379/svc")) == "the primary of Sentinel service 'svc'"
+
+
+def test_a_certificate_for_another_host_is_told_from_one_not_trusted():
+    """A certificate of a trusted CA for another name ("IP address mismatch") was told to give its CA, given."""
+    from producer.connection import InvalidRedisURL, connect
+    from worker.main import refuse_untrusted_certificate
+
+    conn = connect("rediss://127.0.0.1:6380/0?ssl_ca_certs=/ca.pem")
+    mismatch = "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: IP address mismatch, certificate is not"
+    with pytest.raises(InvalidRedisURL, match=r"names another host .*ssl_check_hostname=false"):
+        refuse_untrusted_certificate(conn, ConnectionError(mismatch))
+    untrusted = "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate"
+    with pytest.raises(InvalidRedisURL, match=r"is not trusted here .* give its CA"):
+        refuse_untrusted_certificate(conn, ConnectionError(untrusted))
