@@ -177,7 +177,15 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
     except InvalidQueueName as exc:
         raise InvalidQueueName(f"--queue / ROSEINFER_QUEUE {queue!r}: {exc}") from None
     mapped = queue_urls(os.environ.get(QUEUE_URLS_ENV)).get(queue)
-    url = args.redis_url or mapped or os.environ.get("ROSEINFER_REDIS_URL") or DEFAULT_REDIS_URL
+    # (an empty one is refused, as the worker refuses it: not taken for the default, another Redis than meant)
+    if args.redis_url is not None and not args.redis_url.strip():
+        raise InvalidRedisURL("--redis-url is empty: give a Redis URL, or leave the flag out")
+    env_url = os.environ.get("ROSEINFER_REDIS_URL")
+    if not args.redis_url and not mapped and env_url is not None and not env_url.strip():
+        raise InvalidRedisURL(
+            f"ROSEINFER_REDIS_URL is set but empty: give a Redis URL, or unset it ({DEFAULT_REDIS_URL})"
+        )
+    url = args.redis_url or mapped or env_url or DEFAULT_REDIS_URL
     return url, queue
 
 

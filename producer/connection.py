@@ -261,6 +261,8 @@ def _check_timeouts(url: str) -> None:
 def _connect(
     url: str, client_class: type, sentinel_class: type, kwargs: dict[str, Any], pool_class: type | None = None
 ) -> Any:
+    if not url.strip():
+        raise InvalidRedisURL("the Redis URL is empty (ROSEINFER_REDIS_URL set to nothing?): give one, or unset it")
     _check_timeouts(url)
     s = parse_sentinel_url(url)
     if s is None:

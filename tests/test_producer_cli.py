@@ -199,6 +199,21 @@ def test_connection_defaults_come_from_the_environment(monkeypatch):
     assert client.connection.connection_pool.connection_kwargs["host"] == "flaghost" and client.queue.name == "q2"
 
 
+def test_an_empty_redis_url_is_refused_as_the_worker_refuses_it(monkeypatch):
+    """``--redis-url ""`` or an empty ROSEINFER_REDIS_URL: the commands took the default Redis (perhaps another than
+    meant), while the worker refused it with "got ;"."""
+    from producer.connection import InvalidRedisURL, connect
+
+    with pytest.raises(InvalidRedisURL, match="--redis-url is empty"):
+        producer_cli._client(_parse("status", "--redis-url", ""))
+    monkeypatch.setenv("ROSEINFER_REDIS_URL", " ")
+    with pytest.raises(InvalidRedisURL, match="ROSEINFER_REDIS_URL is set but empty"):
+        producer_cli._client(_parse("status"))
+    with pytest.raises(InvalidRedisURL, match="the Redis URL is empty"):
+        connect("")
+    assert producer_cli._client(_parse("status", "--redis-url", "redis://flaghost:1/0")) is not None  # (it wins)
+
+
 def test_status_lists_the_lanes_once_there_are_several(monkeypatch, capsys):
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
     client.submit("now", max_tokens=2)
