@@ -261,6 +261,17 @@ def test_each_queue_can_live_on_its_own_redis(monkeypatch):
     assert target(ns(redis_url="redis://flag:1/0", queue="bulk")) == ("redis://flag:1/0", "bulk")
     with pytest.raises(InvalidRedisURL, match="queue=URL"):
         queue_urls("chat:redis://a")
+    # A worker sharing the producers' env file reads the map as they do (it served ROSEINFER_REDIS_URL's Redis).
+    from worker.cli import build_parser, load_settings
+
+    def worker_url(*argv: str) -> str:
+        return load_settings(build_parser().parse_args(["worker", *argv])).redis_url
+
+    assert worker_url("--queue", "bulk") == "redis://bulk:6379/1"
+    assert worker_url("--queue", "misc") == "redis://other:6379/0"
+    assert worker_url("--queue", "bulk", "--redis-url", "redis://flag:1/0") == "redis://flag:1/0"
+    monkeypatch.setenv("ROSEINFER_QUEUE", "chat")
+    assert worker_url() == "redis+sentinel://s1:26379,s2:26379/chat"
 
 
 def test_a_queues_redis_that_cannot_be_reached_names_its_entry_in_the_map(monkeypatch, capsys):

@@ -18,7 +18,8 @@ import warnings
 from pydantic import ValidationError
 
 from producer.batch_io import at_least
-from producer.protocol import installed_version
+from producer.connection import QUEUE_URLS_ENV, queue_urls
+from producer.protocol import DEFAULT_QUEUE, installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.tool_calls import TOOL_CALL_PARSERS
 from roseinfer.config import ConfigError, EngineConfig, engine_options
@@ -83,6 +84,10 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
 def load_settings(args: argparse.Namespace, **fixed: object) -> WorkerSettings:
     """Flags given on the command line, the rest from ROSEINFER_* variables and defaults."""
     given = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
+    if given["redis_url"] is None and "redis_url" not in fixed:  # the queue's entry in ROSEINFER_QUEUE_URLS, as the
+        # producers read it (before ROSEINFER_REDIS_URL): a worker sharing their env file served another Redis
+        queue = given["queue"] or os.environ.get(f"{ENV_PREFIX}QUEUE") or DEFAULT_QUEUE
+        given["redis_url"] = queue_urls(os.environ.get(QUEUE_URLS_ENV)).get(queue)
     return WorkerSettings(**{name: v for name, v in given.items() if v is not None}, **fixed)
 
 
