@@ -301,6 +301,42 @@ def test_a_stock_rq_worker_stops_a_canceled_job_and_ends_bad_ones_as_the_batch_w
     assert client.no_worker_warning() is not None  # (the burst worker is gone)
 
 
+_SIMPLE_STOP = """import sys, threading, time
+from roseinfer.llm_engine import LLMEngine
+step = LLMEngine.step
+LLMEngine.step = lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1]
+from redis import Redis
+from rq import Queue, SimpleWorker
+from rq.command import send_stop_job_command
+from rq.serializers import JSONSerializer
+from producer import Client
+url, queue = sys.argv[1:3]
+conn, client = Redis.from_url(url), Client(url, queue=queue)
+job = client.submit("Go on", max_tokens=400, ignore_eos=True)
+def stop():
+    next(iter(job.events(timeout=120)))
+    send_stop_job_command(conn, job.id, serializer=JSONSerializer)
+threading.Thread(target=stop, daemon=True).start()
+SimpleWorker([Queue(queue, connection=conn, serializer=JSONSerializer)], connection=conn,
+             serializer=JSONSerializer).work(burst=True)  # (in the main thread: RQ sets its signals)
+print(job.id)
+"""
+
+
+@pytest.mark.slow  # a worker and a model of its own
+def test_rqs_stop_job_command_stops_a_job_on_a_simple_worker(redis_url, tiny_chat_model, queue_name):
+    """RQ's stop-job command kills a forking worker's horse, and does nothing on a SimpleWorker (no horse): the
+    job ran to its end. It stops within a step now, its stream ended "abort", and RQ ends it as stopped."""
+    env = {**os.environ, "ROSEINFER_MODEL": tiny_chat_model}
+    out = subprocess.run([sys.executable, "-c", _SIMPLE_STOP, redis_url, queue_name], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    job = Client(redis_url, queue=queue_name).job(out.stdout.split()[-1])
+    events = list(job.events(timeout=5))
+    assert events[-1]["finish_reason"] == "abort" and events[-1]["usage"]["completion_tokens"] < 400
+    assert job.status() == "stopped"
+
+
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):
     from test_worker_hostile import MALFORMED, _raw_job
 

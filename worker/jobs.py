@@ -263,19 +263,18 @@ def _engine() -> LLMEngine:
 ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length), at most
 
 
-def _stopping(job: Job) -> bool:
-    """Make the RQ worker running ``job`` (found up the call stack: RQ hands a job no handle on it) end it as RQ
-    ends a stopped job, its status "stopped", not retried, not failed; False where there is none."""
+def _running_worker() -> Any:
+    """The RQ worker running this job, found up the call stack (RQ hands a job no handle on it), or None: through
+    its ``_stopped_job_id`` RQ ends a job as stopped (not retried, not failed), and its stop-job command says so."""
     from rq.worker import BaseWorker
 
     frame = sys._getframe(1)
     while frame is not None:
         worker = frame.f_locals.get("self")
         if isinstance(worker, BaseWorker) and hasattr(worker, "_stopped_job_id"):
-            worker._stopped_job_id = job.id
-            return True
+            return worker
         frame = frame.f_back
-    return False
+    return None
 
 
 def generate(*args: Any, **payload: Any) -> dict[str, Any]:
@@ -334,6 +333,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     timeout = None if limit is None else max(limit - (time.monotonic() - began) - margin, 0.001)
     pump.submit(job.id, req.engine_prompt(), params, timeout, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final, canceled = time.time(), None, None, False
+    rq_worker = _running_worker()  # (RQ's stop-job command reaches a SimpleWorker's job through it: no horse to kill)
     try:
         while final is None and not canceled:
             for event in pump.step():
@@ -352,6 +352,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
                     publisher.flush(pipe)
                     pipe.hget(job.key, "status")
                     canceled = pipe.execute()[-1] == b"canceled"  # (RQ's cancel, or a client's: read each step)
+                canceled = canceled or (rq_worker is not None and rq_worker._stopped_job_id == job.id)
     finally:  # a Redis error, RQ's timeout: the engine (kept for the next job, where RQ does not fork) lets it go
         ended = pump.cancel(job.id)
     if canceled:
@@ -367,9 +368,11 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
             publisher.notify(pipe, job.id, req.notify)
             pipe.execute()
         job.retries_left = None
-        if not _stopping(job):
+        if rq_worker is None:
             raise JobRejected("job canceled by request while it ran")
-        raise JobStopped("job canceled by request while it ran")
+        stopped = rq_worker._stopped_job_id == job.id
+        rq_worker._stopped_job_id = job.id  # (RQ ends it as a stopped job)
+        raise JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request while it ran")
     if final.finish_reason != "error" and (size := result_bytes(final.output)) > settings.max_result_bytes:
         final.finish_reason, final.error_type = "error", "invalid_request"  # (no error code: the protocol's v3 has one)
         final.error = f"the job's result would take about {size / 2**20:.0f} MB, past --max-result-bytes"
