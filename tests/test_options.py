@@ -33,6 +33,7 @@ PAYLOAD_ONLY = {
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "truncation",
     "prompt_token_ids",
     "custom_id",
     "metadata",

@@ -568,6 +568,6 @@ def test_auto_jobs_are_not_constrained_and_keep_the_models_markers():
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "now"]
     [choice] = chat_choices({"text": "Sunny.", "finish_reason": "stop"}, req)
     assert choice == {"index": 0, "message": {"role": "assistant", "content": "Sunny."}, "finish_reason": "stop",
-                      "logprobs": None}  # fmt: skip
+                      "stop_reason": None, "logprobs": None}  # fmt: skip
     with pytest.raises(APIError, match="--tool-call-parser"):
         parse(ChatCompletionRequest, _request(tool_choice="auto"))
