@@ -79,7 +79,9 @@ def _checked_input(value: Any) -> Any:
     if not isinstance(value, list):
         return value
     for i, item in enumerate(value):
-        kind = item.get("type") if isinstance(item, dict) else None
+        if not isinstance(item, dict):  # (pydantic's to say: not an object)
+            continue
+        kind = item.get("type")
         if kind == "item_reference":
             raise ValueError(f"item {i}: nothing is stored here to refer to: send the item itself")
         if kind is not None and kind not in ITEM_TYPES:
@@ -91,18 +93,6 @@ def _checked_input(value: Any) -> Any:
                 raise ValueError(f"item {i}: {exc}") from None
         parts = item.get("content") if kind in (None, "message") else None
         for j, part in enumerate(parts if isinstance(parts, list) else ()):
-            if isinstance(part, dict) and part.get("type") in NOT_TEXT:
-                raise ValueError(f"item {i}, content {j}: {part['type']} is not taken by a text model: send text")
-    return value
-    for i, item in enumerate(value):
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "item_reference":
-            raise ValueError(f"item {i}: nothing is stored here to refer to: send the item itself")
-        if kind is not None and kind not in ITEM_TYPES:
-            raise ValueError(f"item {i}: items of type {kind!r} are not taken here, only {', '.join(ITEM_TYPES)}")
-        for j, part in enumerate(
-            item.get("content") if kind in (None, "message") and isinstance(item.get("content"), list) else ()
-        ):
             if isinstance(part, dict) and part.get("type") in NOT_TEXT:
                 raise ValueError(f"item {i}, content {j}: {part['type']} is not taken by a text model: send text")
     return value

@@ -109,6 +109,7 @@ def test_tool_choice_is_the_chats():
             "item 0, content 0: input_image is not taken by a text model",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item 0: nothing is stored here"),
+        ({"input": ["Hi"]}, "input", "valid dictionary"),  # (an AttributeError, a 500, once)
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input", "type .web_search_call. are not"),
         (
             {
