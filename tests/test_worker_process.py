@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import with_slow_steps
@@ -306,13 +307,17 @@ from roseinfer.llm_engine import LLMEngine
 step = LLMEngine.step
 LLMEngine.step = lambda self, *a, **k: (time.sleep(0.02), step(self, *a, **k))[1]
 from redis import Redis
-from rq import Queue, SimpleWorker
+from rq import Callback, Queue, SimpleWorker
 from rq.command import send_stop_job_command
 from rq.serializers import JSONSerializer
 from producer import Client
 url, queue = sys.argv[1:3]
+sys.path.insert(0, sys.argv[3])  # (hook_probe's folder)
 conn, client = Redis.from_url(url), Client(url, queue=queue)
-job = client.submit("Go on", max_tokens=400, ignore_eos=True)
+job = Queue(queue, connection=conn, serializer=JSONSerializer).enqueue(
+    "worker.jobs.generate", prompt="Go on", max_tokens=400, ignore_eos=True,
+    on_stopped=Callback("hook_probe.record"), on_failure=Callback("hook_probe.record_failure"))
+job = client.job(job.id)
 def stop():
     next(iter(job.events(timeout=120)))
     send_stop_job_command(conn, job.id, serializer=JSONSerializer)
@@ -326,15 +331,18 @@ print(job.id)
 @pytest.mark.slow  # a worker and a model of its own
 def test_rqs_stop_job_command_stops_a_job_on_a_simple_worker(redis_url, tiny_chat_model, queue_name):
     """RQ's stop-job command kills a forking worker's horse, and does nothing on a SimpleWorker (no horse): the
-    job ran to its end. It stops within a step now, its stream ended "abort", and RQ ends it as stopped."""
+    job ran to its end. It stops within a step now, its stream ended "abort", RQ ends it as stopped, and its
+    stopped callback runs, not its failure one (RQ's path for it ran that)."""
     env = {**os.environ, "ROSEINFER_MODEL": tiny_chat_model}
-    out = subprocess.run([sys.executable, "-c", _SIMPLE_STOP, redis_url, queue_name], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    argv = [sys.executable, "-c", _SIMPLE_STOP, redis_url, queue_name, str(Path(__file__).parent)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     job = Client(redis_url, queue=queue_name).job(out.stdout.split()[-1])
     events = list(job.events(timeout=5))
     assert events[-1]["finish_reason"] == "abort" and events[-1]["usage"]["completion_tokens"] < 400
     assert job.status() == "stopped"
+    conn = Redis.from_url(redis_url)
+    assert conn.get(f"hook-probe:{job.id}") == b"ran" and not conn.exists(f"hook-probe-failure:{job.id}")
 
 
 def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_url, tiny_chat_model, queue_name):

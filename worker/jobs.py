@@ -6,6 +6,7 @@ time (slowly, as a fallback); ``roseinfer worker`` runs many at once in one engi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -14,6 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
+from rq.defaults import DEFAULT_RESULT_TTL
 from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
@@ -293,7 +295,9 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ job")
     settings = WorkerSettings()
-    if job.result_ttl is None:  # (RQ's 500 s otherwise: the protocol's default is the worker's --result-ttl)
+    rq_worker = _running_worker()  # (RQ's stop-job command reaches a SimpleWorker's job through it: no horse to kill)
+    # RQ's 500 s otherwise (the protocol's default is the worker's --result-ttl), unless `rq worker --results-ttl`
+    if job.result_ttl is None and getattr(rq_worker, "default_result_ttl", DEFAULT_RESULT_TTL) == DEFAULT_RESULT_TTL:
         job.result_ttl = settings.result_ttl
     publisher = Publisher.from_settings(settings)
     notify = payload.get("notify") if isinstance(payload.get("notify"), str) else None
@@ -333,7 +337,6 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     timeout = None if limit is None else max(limit - (time.monotonic() - began) - margin, 0.001)
     pump.submit(job.id, req.engine_prompt(), params, timeout, output_prefix=prefix, prefix_logprobs=prefix_logprobs)
     started_at, first_token_at, final, canceled = time.time(), None, None, False
-    rq_worker = _running_worker()  # (RQ's stop-job command reaches a SimpleWorker's job through it: no horse to kill)
     try:
         while final is None and not canceled:
             for event in pump.step():
@@ -359,7 +362,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
         *pieces, last = ended or [None]
         for piece in pieces:
             publisher.add(stream, piece.text, piece.token_ids, index=piece.index, logprobs=piece.logprobs)
-        made = usage(last.output) if last is not None and last.output is not None else {}
+        made = usage(last.output) if last is not None and last.output is not None else usage_of(0, 0)
         text, ids = (last.text, last.token_ids) if last is not None else ("", [])
         publisher.add(stream, text, ids, "abort", made, index=last.index if last is not None else 0,
                       logprobs=last.logprobs if last is not None else None)  # fmt: skip
@@ -372,6 +375,13 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
             raise JobRejected("job canceled by request while it ran")
         stopped = rq_worker._stopped_job_id == job.id
         rq_worker._stopped_job_id = job.id  # (RQ ends it as a stopped job)
+        # RQ reaches a job stopped this way through its failure path, which runs the failure callback: the stopped
+        # one is run here instead, as RQ's own end of a stop runs it (and as the batch worker does).
+        from rq.callbacks import execute_stopped_callback
+
+        job._failure_callback = None
+        with contextlib.suppress(Exception):  # (RQ logged it, with its traceback)
+            execute_stopped_callback(job, rq_worker.death_penalty_class)
         raise JobStopped("job stopped by a stop-job command" if stopped else "job canceled by request while it ran")
     if final.finish_reason != "error" and (size := result_bytes(final.output)) > settings.max_result_bytes:
         final.finish_reason, final.error_type = "error", "invalid_request"  # (no error code: the protocol's v3 has one)
