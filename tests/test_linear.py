@@ -265,6 +265,12 @@ def test_the_timed_gemm_choice_is_kept_for_the_machine_and_named_in_the_fingerpr
     linear._kept_gemm_choice().write_text("bfloat16")  # (the operator's word, or another machine's timing)
     linear.bfloat16_gemm_is_slower.cache_clear()
     assert linear.bfloat16_gemm_is_slower() is False and len(timings) == 1
+    # Two workers starting at once, timed apart: the second takes the first's (a rename kept the last, and each ran
+    # on its own timing: the first changed its numerics at its restart).
+    kept = linear._kept_gemm_choice()
+    kept.unlink()
+    assert linear._write_choice(kept, "float32") == "float32" and linear._write_choice(kept, "bfloat16") == "float32"
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]  # (no temporary file left)
     linear.bfloat16_gemm_is_slower.cache_clear()
     settings = SimpleNamespace(device="cpu", dtype="bfloat16", quantization=None)
     assert system_fingerprint(settings, "f32gemm").endswith("-cpu-bfloat16-f32gemm")

@@ -75,9 +75,8 @@ def bfloat16_gemm_is_slower() -> bool:
     kept = _kept_gemm_choice()
     if (choice := _read_choice(kept)) is not None:
         return choice == "float32"
-    slower = _time_bfloat16_gemm()
-    _write_choice(kept, "float32" if slower else "bfloat16")
-    return slower
+    timed = "float32" if _time_bfloat16_gemm() else "bfloat16"
+    return _write_choice(kept, timed) == "float32"  # (the first kept: two timed at once take the same)
 
 
 def _kept_gemm_choice() -> Path:
@@ -97,14 +96,21 @@ def _read_choice(path: Path) -> str | None:
     return choice if choice in BF16_GEMM_CHOICES else None
 
 
-def _write_choice(path: Path, choice: str) -> None:
-    try:  # (written whole, then renamed: a reader beside it sees none or all; a folder it cannot write: not kept)
+def _write_choice(path: Path, choice: str) -> str:
+    """``choice`` kept at ``path`` unless one is there already, and the choice kept there (``choice`` where the
+    folder cannot be written): written whole, then linked in only where none is (a rename replaced the first)."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         temporary.write_text(choice)
-        os.replace(temporary, path)
-    except OSError:
+        os.link(temporary, path)
+    except FileExistsError:
         pass
+    except OSError:
+        return choice
+    finally:
+        temporary.unlink(missing_ok=True)
+    return _read_choice(path) or choice
 
 
 def _time_bfloat16_gemm() -> bool:
