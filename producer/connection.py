@@ -137,7 +137,7 @@ def parse_sentinel_url(url: str) -> SentinelURL | None:
 def _primary_options(params: dict[str, list[str]], ssl: bool, url: str) -> dict[str, Any]:
     """A Sentinel URL's options for the primary's connections, read as redis-py reads a plain URL's (they were
     dropped: a primary whose certificate needed ?ssl_ca_certs= could not be reached)."""
-    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, SSLConnection
 
     options: dict[str, Any] = {}
     for name, values in params.items():
@@ -145,13 +145,14 @@ def _primary_options(params: dict[str, list[str]], ssl: bool, url: str) -> dict[
             continue
         if name.startswith("ssl_") and not ssl:
             raise InvalidRedisURL(f"{name} in {redacted_url(url)}: a TLS option, for rediss+sentinel:// only")
-        parse = URL_QUERY_ARGUMENT_PARSERS.get(name, str if name.startswith("ssl_") else None)
-        if parse is None:
-            raise InvalidRedisURL(f"{redacted_url(url)}: no option {name!r} for a Sentinel URL")
         try:
-            options[name] = parse(values[0])
+            options[name] = URL_QUERY_ARGUMENT_PARSERS.get(name, str)(values[0])
         except (TypeError, ValueError) as exc:
             raise InvalidRedisURL(f"{name}={values[0]} in {redacted_url(url)}: {exc}") from None
+    try:  # (what a plain URL's connection takes, checked as ``_check_options`` checks one)
+        (SSLConnection if ssl else Connection)(**options)
+    except TypeError as exc:
+        raise InvalidRedisURL(f"{redacted_url(url)}: an option its connection does not take ({exc})") from None
     return options
 
 

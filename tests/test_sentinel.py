@@ -57,7 +57,8 @@ def test_a_sentinel_urls_options_reach_its_primarys_connections():
         ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "an option its connection does not take"),  # (not rediss)
         ("redis://:secret@127.0.0.1:6379/0?sslcertreqs=none", "does not take"),  # a typo
         ("redis+sentinel://:secret@h:26379/svc?ssl_cert_reqs=none", "for rediss\\+sentinel:// only"),
-        ("redis+sentinel://h:26379/svc?socket_timout=2&password=secret", "no option 'socket_timout'"),
+        ("redis+sentinel://h:26379/svc?socket_timout=2&password=secret", "does not take .*socket_timout"),
+        ("redis+sentinel://h:26379/svc?timeout=5", "does not take .*timeout"),  # (a pool's, not a connection's)
     ],
 )
 def test_an_option_a_connection_cannot_take_is_refused_at_once_not_at_the_first_command(url, phrase):
