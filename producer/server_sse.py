@@ -187,8 +187,8 @@ async def response_stream(
                 yield typed_event(out)
             if reason == "abort":  # canceled: an error, as without streaming
                 raise JobCanceled(job.id, "the job was canceled")
-            if reason is not None:
-                for out in writer.closing(reason, event.get("usage") or {}):
+            if reason is not None:  # (off the loop: the thinking's tokens are counted by decoding, a long thought's)
+                for out in await asyncio.to_thread(writer.closing, reason, event.get("usage") or {}):
                     yield typed_event(out)
                 break
         finished = True

@@ -203,8 +203,12 @@ class PromptInputs:
         last turn alone leaves no such room is refused, as any prompt too long."""
         options = {k: v for k, v in chat.items() if k not in ("messages", "truncation")}
         room, messages = chat["truncation"], chat["messages"]
-        if not isinstance(room, int) or isinstance(room, bool) or not 1 <= room < self.max_model_len:
-            raise ValueError(f"truncation is the tokens the output needs, 1 to {self.max_model_len - 1}: not {room!r}")
+        if not isinstance(room, int) or isinstance(room, bool) or room < 1:
+            raise ValueError(f"truncation is the tokens the output needs, at least 1: not {room!r}")
+        if room >= self.max_model_len:  # (max_tokens past the context: as without truncation, the request's length)
+            raise ContextLengthExceeded(
+                f"max_tokens {room} leaves no room for a prompt: this model's context is {self.max_model_len} tokens"
+            )
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         head = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), 0)

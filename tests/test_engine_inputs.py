@@ -1117,5 +1117,9 @@ def test_a_chat_truncated_auto_drops_its_earliest_turns_to_fit_and_keeps_its_sys
     too_long = [system, {"role": "user", "content": "why " * 300}]
     results = engine.tokenize_many([{"messages": too_long, "truncation": 1}, {"messages": messages[-1:]}])
     assert isinstance(results[0], ContextLengthExceeded) and results[1] == (None, rendered(messages[-1:]))
+    past = JobRequest.model_validate({"messages": messages, "truncation": "auto", "max_tokens": 300,
+                                      "context_overflow": "error"}).engine_prompt()  # fmt: skip
+    with pytest.raises(ContextLengthExceeded, match="max_tokens 300 leaves no room"):  # (as without truncation)
+        engine.tokenize(past)
     with pytest.raises(ValueError, match="truncation: for the chat template"):
         JobRequest.model_validate({"prompt": "x", "truncation": "auto"})

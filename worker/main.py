@@ -74,7 +74,7 @@ def refuse_untrusted_certificate(connection: Redis, exc: Exception) -> None:
 def worker_connection(settings: WorkerSettings) -> Redis:
     """The worker's Redis client: a Redis that stops answering fails a command, as one that is down does (a URL's
     own options win). Set here, for the connections opened before the worker is built too."""
-    keepalive = {} if settings.redis_url.startswith("unix:") else {"socket_keepalive": True}  # (a socket has none)
+    keepalive = {} if settings.redis_url.lower().startswith("unix:") else {"socket_keepalive": True}  # (a socket: none)
     return connect(settings.redis_url, socket_timeout=settings.socket_timeout, socket_connect_timeout=5, **keepalive)
 
 
