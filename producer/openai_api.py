@@ -838,9 +838,16 @@ class ChunkWriter:
         }
 
     def piece(
-        self, text: str, reason: str | None = None, first: bool = False, index: int = 0, event: dict | None = None
+        self,
+        text: str,
+        reason: str | None = None,
+        first: bool = False,
+        index: int = 0,
+        event: dict | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict[str, Any] | None:
-        """A chunk of ``text``; with ``event``, the logprobs of its tokens too (where the request asked for them).
+        """A chunk of ``text``; with ``event``, the logprobs of its tokens too (where the request asked for them),
+        and with ``reason`` its stop_reason; ``stop_reason``: that of a sample ended apart from its event.
         None: nothing to send (text that completes no tool call yet)."""
         shown = event if self.logprobs is not None and event and event.get("logprobs") else None
         if self.chat:
@@ -862,6 +869,8 @@ class ChunkWriter:
             logprobs = completion_logprobs(shown, self.logprobs or 0, self.names, offset) if shown else None
             self.sent[index] = offset + len(text)
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+        if reason is not None:  # (vLLM's, on the choice's last chunk: the stop string or token id that ended it)
+            choice["stop_reason"] = stop_reason if stop_reason is not None else (event or {}).get("stop_reason")
         chunk = {**self.head, "choices": [choice]}
         if self.prompt_tokens is not None and (prompt := self.prompt_tokens.get(index // self.n)) is not None:
             chunk["usage"] = usage_of(prompt, self.made.get(index, 0))

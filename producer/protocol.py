@@ -351,13 +351,15 @@ def make_event(
     logprobs: list[dict[int, float]] | None = None,
     sample_finish_reason: str | None = None,
     error_code: str | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict[str, Any]:
     """An event as published on the channel and stored in the stream (JSON, both). ``index``: the sample its piece
     belongs to (jobs with n > 1; left out for sample 0); ``error_type``: whose fault an error is (``ERROR_TYPES``),
     ``error_code`` what it is where a client can act on it (``context_length_exceeded``);
     ``logprobs``: one entry per token id, for a job that asked for them; ``sample_finish_reason``: sample ``index``
     ended with this piece while the job goes on (left out on the job's last event, whose ``finish_reason`` ends
-    it); ``usage`` without ``finish_reason``: the usage so far (a job asking for it on every event)."""
+    it); ``usage`` without ``finish_reason``: the usage so far (a job asking for it on every event); ``stop_reason``:
+    with either finish reason, the stop string or token id that ended the output (vLLM's)."""
     event: dict[str, Any] = {"v": PROTOCOL_VERSION, "n": n, "text": text, "token_ids": token_ids}
     if logprobs:
         event["logprobs"] = encode_logprobs(logprobs)
@@ -373,6 +375,8 @@ def make_event(
             event["usage"] = usage
         if sample_finish_reason is not None:
             event["sample_finish_reason"] = sample_finish_reason
+    if stop_reason is not None and (finish_reason is not None or sample_finish_reason is not None):
+        event["stop_reason"] = stop_reason
     if error is not None:
         event["error"] = error
     if error_type is not None:

@@ -132,13 +132,15 @@ async def chunk_stream(
                     yield data_event(chunk)
             if event.get("sample_finish_reason") and reason is None and index not in ended:  # as OpenAI, at once
                 ended.add(index)
-                yield data_event(chunks.piece("", event["sample_finish_reason"], index=index))
+                stop = event.get("stop_reason")
+                yield data_event(chunks.piece("", event["sample_finish_reason"], index=index, stop_reason=stop))
             if reason is not None and chunks.n > 1:  # each sample ends with its own reason: the result has them
                 result = await job.result(timeout)
                 result = without_output(result) if chunks.echo_only else result
                 for choice in result.get("choices") or []:
                     if base + choice["index"] not in ended:
-                        yield data_event(chunks.piece("", choice["finish_reason"], index=base + choice["index"]))
+                        yield data_event(chunks.piece("", choice["finish_reason"], index=base + choice["index"],
+                                                      stop_reason=choice.get("stop_reason")))  # fmt: skip
             if reason is not None:
                 finals.append(event)
                 if len(finals) == len(jobs):

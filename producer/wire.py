@@ -74,6 +74,11 @@ class StreamEvent(BaseModel):
     sample_finish_reason: FinishReason | None = Field(
         None, description="a job with n > 1: sample ``index`` ended with this piece (its own reason); the job goes on"
     )
+    stop_reason: int | str | None = Field(
+        None,
+        description="with finish_reason or sample_finish_reason 'stop': the stop string or token id that ended "
+        "the output (vLLM's); absent for EOS",
+    )
     logprobs: list[list[list[float]]] | None = Field(
         None, description="a job asking for logprobs: per token id of this event, [[token_id, logprob], ...]"
     )

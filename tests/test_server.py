@@ -260,6 +260,14 @@ def test_a_choice_says_the_stop_that_ended_it_as_vllm(served, oai, redis_url):
     chat = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
                                        extra_body={"ignore_eos": True})  # fmt: skip
     assert (chat.choices[0].finish_reason, chat.choices[0].model_dump()["stop_reason"]) == ("length", None)
+    # Streamed: on each choice's last chunk (its job's last event, or its sample's end), n = 1 and n = 2 alike.
+    for n in (1, 2):
+        chunks = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, n=n, stream=True,
+                                        extra_body={"stop_token_ids": [ids[2]], "ignore_eos": True})  # fmt: skip
+        ends = [c.model_dump() for chunk in chunks for c in chunk.choices if c.finish_reason is not None]
+        assert sorted((c["index"], c["finish_reason"], c["stop_reason"]) for c in ends) == [
+            (i, "stop", ids[2]) for i in range(n)
+        ]
 
 
 def test_nulls_are_fields_not_given_and_a_blank_prompt_is_a_prompt():

@@ -845,7 +845,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 out = event.output
                 self.publisher.add(
                     job.stream, event.text, event.token_ids, event.finish_reason, usage(out), index=event.index,
-                    logprobs=event.logprobs,
+                    logprobs=event.logprobs, stop_reason=event.stop_reason,
                 )  # fmt: skip
                 done.append((job, out))
             elif event.finish_reason == "abort":
@@ -903,7 +903,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         """A running job's piece of output (not its end) to its stream."""
         self.publisher.add(
             job.stream, event.text, event.token_ids, None, None, None, event.index, logprobs=event.logprobs,
-            sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
+            sample_end=event.sample_end, prompt_tokens=event.prompt_tokens, stop_reason=event.stop_reason,
         )  # fmt: skip
 
     def _engine_died(self) -> None:

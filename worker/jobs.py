@@ -348,7 +348,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
                 else:
                     publisher.add(
                         stream, event.text, event.token_ids, index=event.index, logprobs=event.logprobs,
-                        sample_end=event.sample_end, prompt_tokens=event.prompt_tokens,
+                        sample_end=event.sample_end, prompt_tokens=event.prompt_tokens, stop_reason=event.stop_reason,
                     )  # fmt: skip
             if final is None:
                 with job.connection.pipeline(transaction=False) as pipe:
@@ -403,7 +403,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
         )  # fmt: skip
         publisher.add(
             stream, final.text, final.token_ids, final.finish_reason, usage(final.output), index=final.index,
-            logprobs=final.logprobs,
+            logprobs=final.logprobs, stop_reason=final.stop_reason,
         )  # fmt: skip
     with job.connection.pipeline(transaction=False) as pipe:
         publisher.flush(pipe)

@@ -55,10 +55,10 @@ class JobStream:
     # the final event's fields once the job ended.
     # sample index -> its texts, token ids and their logprobs (a job that asked for them) not sent yet
     pending: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = field(default_factory=dict)
-    pending_end: tuple[str, dict[str, int] | None, str | None, str | None, str | None] | None = None
+    pending_end: tuple[str, dict[str, int] | None, str | None, str | None, str | None, int | str | None] | None = None
     pending_reset: bool = False
     # sample index -> its own finish reason: a sample of n > 1 that ended while the others go on
-    pending_sample_ends: dict[int, str] = field(default_factory=dict)
+    pending_sample_ends: dict[int, tuple[str, int | str | None]] = field(default_factory=dict)
     # This attempt set the stream's TTL (with its first event): an earlier attempt's end left minutes of it.
     ttl_renewed: bool = False
     # A job asking for the usage on every event (stream_options.continuous_usage_stats): the prompt's length once the
@@ -182,10 +182,12 @@ class Publisher:
         sample_end: str | None = None,
         prompt_tokens: int | None = None,
         error_code: str | None = None,
+        stop_reason: int | str | None = None,
     ) -> None:
         """``text`` and ``token_ids`` (and their ``logprobs``) of sample ``index`` to stream; ``finish_reason`` ends
         the job; ``sample_end`` ends sample ``index`` alone (n > 1: its own finish reason, the others go on);
-        ``prompt_tokens``: the prompt's length, for a job asking for the usage on every event."""
+        ``prompt_tokens``: the prompt's length, for a job asking for the usage on every event; ``stop_reason``: the
+        stop string or token id that ended the output (with either end)."""
         if prompt_tokens is not None:
             s.prompt_tokens = prompt_tokens
         if s.ended or (
@@ -202,9 +204,9 @@ class Publisher:
         if logprobs:
             lps += logprobs
         if finish_reason is not None:
-            s.pending_end = (finish_reason, usage, error, error_type, error_code)
+            s.pending_end = (finish_reason, usage, error, error_type, error_code, stop_reason)
         if sample_end is not None:
-            s.pending_sample_ends[index] = sample_end
+            s.pending_sample_ends[index] = (sample_end, stop_reason)
         if s.next_n == 0 or s.pending_reset or finish_reason is not None:
             self._urgent[s.job_id] = s
         self._dirty[s.job_id] = s
@@ -235,15 +237,27 @@ class Publisher:
             pieces = list(s.pending.items()) or [(0, ([], [], []))]
             for k, (index, (texts, ids, lps)) in enumerate(pieces):
                 last = k == len(pieces) - 1
-                reason, usage, error, error_type, code = (s.pending_end if last else None) or (None,) * 5
+                reason, usage, error, error_type, code, stop = (s.pending_end if last else None) or (None,) * 6
                 reset = s.pending_reset and k == 0
                 lps = lps if len(lps) == len(ids) else None  # all or none: never out of step with the ids
-                ended = s.pending_sample_ends.get(index)
+                ended, sample_stop = s.pending_sample_ends.get(index, (None, None))
                 s.completion_tokens += len(ids)
                 if reason is None and s.usage_each_event and s.prompt_tokens is not None:
                     usage = usage_of(s.prompt_tokens, s.completion_tokens)
                 event = make_event(
-                    s.next_n, "".join(texts), ids, reason, usage, error, reset, index, error_type, lps, ended, code
+                    s.next_n,
+                    "".join(texts),
+                    ids,
+                    reason,
+                    usage,
+                    error,
+                    reset,
+                    index,
+                    error_type,
+                    lps,
+                    ended,
+                    code,
+                    stop if reason is not None else sample_stop,
                 )
                 ttl = self.stream_ttl_after_end if reason is not None else self.stream_ttl if not s.ttl_renewed else 0
                 s.ttl_renewed = True

@@ -51,11 +51,18 @@ class JobEvent:
     error_code: str | None = None  # what the error is, for clients to act on: context_length_exceeded
     logprobs: list[dict[int, float]] | None = None  # one per token id, for a job that asked for them
     sample_end: str | None = None  # n > 1: sample ``index`` ended here (its own reason) while the others go on
+    stop_reason: int | str | None = None  # with an end: the stop string or token id that ended it (vLLM's)
     prompt_tokens: int | None = None  # the prompt's length, on a step's events (for usage on every event)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _stop_reason(out: Any) -> int | str | None:
+    """The stop string or token id that ended the sample an output's delta belongs to, if it ended."""
+    ended = [o for o in out.outputs if o.finish_reason is not None and getattr(o, "index", 0) == out.delta_index]
+    return ended[0].stop_reason if ended else None
 
 
 def delta_logprobs(out: Any) -> list[dict[int, float]] | None:
@@ -348,6 +355,7 @@ class Pump:
                     logprobs=delta_logprobs(out),
                     sample_end=None if out.finished else out.outputs[0].finish_reason,
                     prompt_tokens=len(out.prompt_token_ids),
+                    stop_reason=_stop_reason(out),
                 )
             )
         return events
