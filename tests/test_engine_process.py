@@ -273,6 +273,7 @@ def test_a_cancel_that_meets_the_engine_process_broken_ends_its_jobs_and_the_nex
             pump.step()
         assert pump.job_ids() == ["b"]  # (handed back by the worker, with its retries untouched)
     finally:
+        pump._proc.kill()  # (the child is well, only said broken here: a broken one ends itself; close waited 10 s)
         pump.close()
 
 
