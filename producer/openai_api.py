@@ -669,7 +669,9 @@ def _message(
     thinking = None
     if reasoning is not None:  # (an output that is thinking alone has no answer: a null content)
         thinking, answer = reasoning.split(text)
-        thinking = thinking if shown else None
+        thinking = (thinking or None) if shown else None  # (an empty thought: none, as streamed, and as Responses')
+        if answer is None and tools is not None and tools.name is not None and reasoning.end in text:
+            answer = ""  # (its thinking ended, its answer empty: the named call is made, of no arguments, as streamed)
         if answer is None and not echoed:
             return {"role": "assistant", "content": None, **_thought(thinking)}
         text = answer or ""
@@ -908,9 +910,11 @@ class ChunkWriter:
         if ended:
             rest, last = stream.finish()
             content, deltas = content + rest, deltas + last
-        if index in self.openings and deltas:  # the answer's first piece: the call, its arguments so far with it
+        answered = ended and self.thoughts[index].answering if index in self.openings else False
+        if index in self.openings and (deltas or answered):  # the answer's first piece: the call, its arguments so
+            # far with it (none, where the answer ended empty: the whole message has the call too)
             [opening] = self.openings.pop(index)
-            arguments = "".join(d["function"].get("arguments", "") for d in deltas)
+            arguments = "".join(d["function"].get("arguments", "") for d in deltas)  # (its opening's own: none)
             deltas = [{**opening, "function": {**opening["function"], "arguments": arguments}}]
         return {**({"content": content} if content else {}), **({"tool_calls": deltas} if deltas else {})}
 

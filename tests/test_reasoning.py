@@ -242,8 +242,9 @@ def test_include_reasoning_false_leaves_the_thinking_out_but_still_tells_it_apar
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
-        ("<think>a</think>", "stop"),  # thinking alone: no answer, no call
-        ("<think>still thinking when cut", "length"),
+        ("<think>a</think>", "stop"),  # thinking, then an empty answer: a call of no arguments (it streamed none)
+        ("", "stop"),  # no output at all: an empty answer, the same (streamed, none)
+        ("<think>still thinking when cut", "length"),  # cut short in its thinking: no answer, no call
         ('<think>a</think>{"city": "Oslo"}', "stop"),
     ],
 )
@@ -255,9 +256,9 @@ def test_a_named_functions_call_streams_after_the_thinking_as_the_whole_message_
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     request = _chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     [whole] = chat_choices({"text": text, "finish_reason": reason}, request)
-    for size in (1, 3, len(text)):
+    for size in (1, 3, max(len(text), 1)):
         writer = ChunkWriter("j", "m", chat=True, tools=request.tool_plan(), reasoning=request.reasoning_plan())
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]  # (the end comes in a piece)
         chunks = [writer.piece("", first=True)]
         chunks += [writer.piece(p, reason if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
         deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
@@ -269,3 +270,17 @@ def test_a_named_functions_call_streams_after_the_thinking_as_the_whole_message_
         )
         first_call = next((i for i, d in enumerate(deltas) if d.get("tool_calls")), len(deltas))
         assert all("reasoning" not in d for d in deltas[first_call + 1 :])  # the thinking came first
+    assert bool(whole["message"].get("tool_calls")) == (reason == "stop")
+
+
+def test_an_empty_thought_is_no_reasoning_field_whole_as_streamed():
+    """``<think></think>`` gave the whole message ``reasoning: ""``, its stream none (Responses' rule: none)."""
+    from producer.openai_api import ChunkWriter
+
+    request = _chat()
+    for text in ("<think></think>Fast.", "<think></think>"):
+        [whole] = chat_choices({"text": text, "finish_reason": "stop"}, request)
+        writer = ChunkWriter("j", "m", chat=True, reasoning=request.reasoning_plan())
+        chunks = [writer.piece("", first=True), writer.piece(text, "stop")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c is not None]
+        assert "reasoning" not in whole["message"] and not any("reasoning" in d for d in deltas), text
