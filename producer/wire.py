@@ -123,8 +123,9 @@ class JobResult(BaseModel):
     model: str | None = None
     system_fingerprint: str | None = Field(
         None,
-        description="the worker's backend beside the model: roseinfer's version, device kind, dtype and quantization "
-        "(OpenAI's field); a seeded job may be written differently where it differs",
+        description="the worker's backend beside the model: roseinfer's version, device kind, dtype, quantization "
+        "and -f32gemm where bfloat16 layers multiply in float32 (OpenAI's field); a seeded job may be written "
+        "differently where it differs",
     )
     text: str | None = None
     token_ids: list[int] | None = None
