@@ -191,8 +191,9 @@ def target(args: argparse.Namespace) -> tuple[str, str]:
 
 def url_settings(args: argparse.Namespace) -> str:
     """Where to fix the Redis URL a command could not reach: the queue's ROSEINFER_QUEUE_URLS entry where that gave
-    it (which an error naming only --redis-url and ROSEINFER_REDIS_URL left unsaid)."""
-    if getattr(getattr(args, "func", None), "__module__", None) == __name__ and not args.redis_url:
+    it (which an error naming only --redis-url and ROSEINFER_REDIS_URL left unsaid): a producer command's, or the
+    worker's, which reads it too."""
+    if hasattr(args, "queue") and hasattr(args, "redis_url") and not args.redis_url:
         with contextlib.suppress(InvalidRedisURL, InvalidQueueName):
             queue = target(args)[1]
             if queue in queue_urls(os.environ.get(QUEUE_URLS_ENV)):

@@ -275,6 +275,25 @@ def test_each_queue_can_live_on_its_own_redis(monkeypatch):
     assert worker_url() == "redis+sentinel://s1:26379,s2:26379/chat"
 
 
+def test_a_queues_redis_that_refuses_the_worker_names_its_entry_in_the_map(monkeypatch, capsys, tmp_path):
+    """The worker reads its queue's entry in the map too: a database its Redis lacks said "check --redis-url"."""
+    from worker.cli import main
+    from worker.local_redis import start_private_redis, stop_private_redis
+
+    url, proc = start_private_redis()
+    if proc is None:
+        pytest.skip("could not start redis-server")
+    try:
+        monkeypatch.setenv("ROSEINFER_QUEUE_URLS", f"mapped={url.rsplit('/', 1)[0]}/99")
+        assert main(["worker", "--queue", "mapped", "--model", str(tmp_path / "no-model")]) == 2
+        err = capsys.readouterr().err
+        assert "DB index is out of range" in err and err.endswith(
+            "; check ROSEINFER_QUEUE_URLS (its entry for queue 'mapped')\n"
+        )
+    finally:
+        stop_private_redis(proc)
+
+
 def test_a_queues_redis_that_cannot_be_reached_names_its_entry_in_the_map(monkeypatch, capsys):
     """It said "check --redis-url or ROSEINFER_REDIS_URL", neither of which gave the URL."""
     from worker.cli import main

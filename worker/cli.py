@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return 75  # EX_TEMPFAIL: try again later
     except redis.exceptions.RedisError as exc:  # e.g. a database number the server does not have
         said = _refused_login(exc) or f"Redis refused ({type(exc).__name__}: {exc})"
-        print(f"error: {said}; check --redis-url", file=sys.stderr)
+        print(f"error: {said}; check {producer_cli.url_settings(args)}", file=sys.stderr)
     except StreamGap as exc:  # the stream lost events (a short --stream-maxlen): the result holds them
         print(f"error: {exc}", file=sys.stderr)
         return 1
