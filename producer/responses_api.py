@@ -18,6 +18,7 @@ from producer.openai_api import (
     APIShape,
     ChatCompletionRequest,
     ObjectSchema,
+    RefusalPart,
     cached_tokens,
     chat_logprobs,
     parse,
@@ -56,17 +57,6 @@ class InputText(APIShape):
     logprobs: list[Any] | None = None
 
 
-class Refusal(APIShape):
-    """An earlier answer's refusal, sent back: its text."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-    @property
-    def text(self) -> str:
-        return self.refusal
-
-
 # What a text model cannot read, and the items that name what is stored (nothing is, here): each a 400 saying so,
 # not pydantic's list of every shape the item was not.
 NOT_TEXT = ("input_image", "input_file", "input_audio")
@@ -101,7 +91,7 @@ def _checked_input(value: Any) -> Any:
 class InputMessage(APIShape):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText | Refusal]
+    content: str | list[InputText | RefusalPart]  # (an earlier answer's refusal: its text, as the chat's)
     id: str | None = None  # (an earlier answer's item, sent back)
     status: str | None = None
     phase: str | None = None

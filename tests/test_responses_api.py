@@ -173,6 +173,18 @@ def _shown(output: list[dict]) -> list[tuple]:
     return [(i["type"], i["status"], texts[i["type"]](i)) for i in output]
 
 
+def _whole_and_streamed(req, chat, text: str, reason: str, size: int) -> tuple[dict, list[dict]]:
+    """The whole response to a job's ``text`` and the events of its stream, fed ``size`` characters a piece."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 9}
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    whole = writer.whole({"text": text, "finish_reason": reason, "usage": usage})
+    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
+    events = writer.opening()
+    for i in range(0, len(text), size):
+        events += writer.piece(text[i : i + size])
+    return whole, events + writer.closing(reason, usage)
+
+
 @pytest.mark.parametrize("size", [1, 4, 1000])
 @pytest.mark.parametrize(("text", "reason", "types"), REASONED)
 def test_a_models_thinking_is_a_reasoning_item_before_its_answer_whole_and_streamed(text, reason, types, size):
@@ -181,18 +193,10 @@ def test_a_models_thinking_is_a_reasoning_item_before_its_answer_whole_and_strea
     is the whole one's."""
     body = {"model": "m", "input": "2+2?", "tools": TOOLS, "stream": True}
     req, chat, _ = parse_responses(body, "hermes", "qwen3")
-    usage = {"prompt_tokens": 3, "completion_tokens": 9}
-    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
-        {"text": text, "finish_reason": reason, "usage": usage}
-    )
+    whole, events = _whole_and_streamed(req, chat, text, reason, size)
     assert [item["type"] for item in whole["output"]] == types
     if types[0] == "reasoning":
         assert whole["output"][0]["content"][0] == {"type": "reasoning_text", "text": text[7:].partition("</think>")[0]}
-    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
-    events = writer.opening()
-    for i in range(0, len(text), size):
-        events += writer.piece(text[i : i + size])
-    events += writer.closing(reason, usage)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert _shown(events[-1]["response"]["output"]) == _shown(whole["output"])
     deltas = [e for e in events if e["type"] == "response.reasoning_text.delta"]
@@ -219,15 +223,7 @@ def test_a_named_functions_call_after_thinking_streams_in_the_whole_responses_or
     named = {"type": "function", "name": "get_weather"}
     body = {"model": "m", "input": "Weather?", "tools": TOOLS, "tool_choice": named, "stream": True}
     req, chat, _ = parse_responses(body, None, "qwen3")
-    usage = {"prompt_tokens": 3, "completion_tokens": 9}
-    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
-        {"text": text, "finish_reason": reason, "usage": usage}
-    )
-    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
-    events = writer.opening()
-    for i in range(0, len(text), size):
-        events += writer.piece(text[i : i + size])
-    events += writer.closing(reason, usage)
+    whole, events = _whole_and_streamed(req, chat, text, reason, size)
     output = events[-1]["response"]["output"]
     assert _shown(output) == _shown(whole["output"]) and output[0]["type"] == "reasoning"
     arguments = [e for e in events if e["type"].startswith("response.function_call_arguments")]
@@ -259,15 +255,7 @@ def test_empty_thoughts_and_answers_stream_the_whole_responses_items(choice, tex
     body = {"model": "m", "input": "x", "tools": TOOLS, "stream": True,
             "tool_choice": named if choice == "named" else choice}  # fmt: skip
     req, chat, _ = parse_responses(body, "hermes" if choice == "auto" else None, "qwen3")
-    usage = {"prompt_tokens": 3, "completion_tokens": 9}
-    whole = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan()).whole(
-        {"text": text, "finish_reason": reason, "usage": usage}
-    )
-    writer = ResponseWriter("j", "m", req, chat.tool_plan(), reasoning=chat.reasoning_plan())
-    events = writer.opening()
-    for i in range(0, len(text), size):
-        events += writer.piece(text[i : i + size])
-    events += writer.closing(reason, usage)
+    whole, events = _whole_and_streamed(req, chat, text, reason, size)
     output = events[-1]["response"]["output"]
     assert _shown(output) == _shown(whole["output"])
     assert all(item["content"][0]["text"] for item in output if item["type"] == "reasoning")

@@ -355,7 +355,7 @@ class Pump:
                     logprobs=delta_logprobs(out),
                     sample_end=None if out.finished else out.outputs[0].finish_reason,
                     prompt_tokens=len(out.prompt_token_ids),
-                    stop_reason=_stop_reason(out),
+                    stop_reason=_stop_reason(out) if out.finished or out.outputs[0].finish_reason else None,
                 )
             )
         return events
