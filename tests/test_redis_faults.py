@@ -887,8 +887,10 @@ def test_a_redis_cluster_is_refused_by_name_before_the_model_loads(tmp_path):
     from worker.settings import WorkerSettings
 
     port = free_port()
-    proc = _redis_server("--port", str(port), "--cluster-enabled", "yes", "--dir", str(tmp_path),
-                         "--cluster-config-file", str(tmp_path / "nodes.conf"), port=port)  # fmt: skip
+    # The bus port is its own: Redis's default (port + 10000) does not exist for a free port above 55535.
+    proc = _redis_server("--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                         "--dir", str(tmp_path), "--cluster-config-file", str(tmp_path / "nodes.conf"),
+                         port=port)  # fmt: skip
     try:
         settings = WorkerSettings(redis_url=f"redis://127.0.0.1:{port}/0", model=str(tmp_path / "no-model"))
         with pytest.raises(ConfigError, match="is a Redis Cluster node: roseinfer needs one Redis"):
