@@ -21,7 +21,7 @@ from redis import Redis
 from rq.command import send_shutdown_command
 
 from producer import Client, JobCanceled, JobFailed
-from worker.local_redis import free_port, start_private_redis, stop_private_redis
+from worker.local_redis import free_port, serves, start_private_redis, stop_private_redis
 from worker.main import UnsafeRedis, check_eviction_policy
 
 pytestmark = pytest.mark.redis
@@ -849,12 +849,16 @@ def _redis_server(*args: str, ready: Path | None = None, port: int | None = None
     """A redis-server of its own with ``args``, once it answers (its socket there, or its port)."""
     proc = subprocess.Popen(["redis-server", "--save", "", "--appendonly", "no", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if (Redis(unix_socket_path=str(ready)) if ready else Redis(port=port)).ping():
-                return proc
-        time.sleep(0.05)
+    if port is not None:  # (its own: a free port another process took first would answer as that one's server)
+        if serves(proc, port, timeout=20):
+            return proc
+    else:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if Redis(unix_socket_path=str(ready)).ping():
+                    return proc
+            time.sleep(0.05)
     proc.kill()
     pytest.fail(f"redis-server {' '.join(args)} did not answer")
 
