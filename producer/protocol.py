@@ -147,6 +147,13 @@ def check_queue_name(name: str) -> str:
         raise InvalidQueueName("a queue name cannot hold a comma: a worker serves one queue (and its priority lanes)")
     if not name.strip():  # (a queue no producer uses: the worker sat idle)
         raise InvalidQueueName("a queue name cannot be empty or blank")
+    if lane := re.fullmatch(r"(.+):p([+-]?\d+)", name):
+        # (a worker of "jobs:p10" served it at priority 0 with a lane "jobs:p10:p10", and a worker of "jobs" took
+        # the jobs of a queue "jobs:p5" as its priority-5 lane)
+        raise InvalidQueueName(
+            f"{name!r} is named as a priority lane (<queue>:p<priority>), a name kept for lanes: name the queue "
+            f"({lane[1]!r}) and give a job its priority; a worker of a queue serves all its lanes"
+        )
     return name
 
 

@@ -136,6 +136,7 @@ def test_none_unsets_a_setting_its_help_says_may_be_unset(monkeypatch):
         ({"heartbeat_interval": str(10**10)}, "heartbeat_interval"),
         ({"stream_maxlen": str(10**19)}, "stream_maxlen"),  # past XADD's MAXLEN: every event write failed
         ({"queue": "hi,lo"}, "cannot hold a comma"),  # RQ's list of a worker's queues: two to `rq info`
+        ({"queue": "roseinfer:p10"}, "is named as a priority lane"),  # (served at 0, with a lane roseinfer:p10:p10)
         ({"queue": " "}, "cannot be empty or blank"),  # a queue no producer uses: the worker sat idle
         # Absurd sizes, said before the model loads: after it, they hung, ran out of memory or raised deep inside.
         ({"engine_step_timeout": "0.001"}, "a second at least"),  # every step took it for hung: a restart loop

@@ -1165,14 +1165,18 @@ def test_a_queue_name_no_worker_serves_is_refused_by_the_client_and_the_commands
     from producer.protocol import InvalidQueueName
     from worker.cli import main
 
-    for name in ("a,b", "", "  "):
+    for name in ("a,b", "", "  ", "jobs:p10", "jobs:p-5", "jobs:p05"):
         with pytest.raises(InvalidQueueName):
             Client(connection=fakeredis.FakeRedis(), queue=name)
+    Client(connection=fakeredis.FakeRedis(), queue="roseinfer:prod")  # (not a lane's name)
     assert main(["submit", "hi", "--queue", "a,b"]) == 2
     assert "--queue / ROSEINFER_QUEUE 'a,b': a queue name cannot hold a comma" in capsys.readouterr().err
     monkeypatch.setenv("ROSEINFER_QUEUE", "")
     assert main(["status"]) == 2
     assert "--queue / ROSEINFER_QUEUE '': a queue name cannot be empty or blank" in capsys.readouterr().err
+    # A lane's name: a worker of "jobs:p10" ran its bulk jobs at priority 0, a warning each, unseen by status.
+    assert main(["submit", "hi", "--queue", "jobs:p10"]) == 2
+    assert "'jobs:p10' is named as a priority lane" in capsys.readouterr().err
 
 
 def test_a_stdout_that_is_not_utf8_writes_what_it_lacks_as_question_marks(monkeypatch):
