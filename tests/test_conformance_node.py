@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ThreadWorker
+from conftest import ThreadWorker, slow_engine_steps
 
 NODE_DIR = Path(__file__).parent / "conformance" / "node"
 NODE = shutil.which("node")
@@ -30,8 +30,9 @@ MISSING = _missing()
 # Skipped at collection, so that a machine without node does not build the model fixtures for nothing.
 @pytest.mark.slow
 @pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
-def test_node_client_follows_the_wire_protocol(redis_url, tiny_chat_model):
+def test_node_client_follows_the_wire_protocol(redis_url, tiny_chat_model, monkeypatch):
     worker = ThreadWorker(redis_url, tiny_chat_model, heartbeat_interval=1)
+    slow_engine_steps(monkeypatch, worker.worker.engine)  # its running job of 200 tokens is canceled mid-way
     env = {**os.environ, "REDIS_URL": redis_url, "ROSEINFER_QUEUE": worker.queue}
     try:
         # Every wait in the script is bounded (60 s); this limit only guards against node itself stalling.

@@ -72,7 +72,20 @@ function decodeEvent(json) {
   return event;
 }
 
-const isFinal = (event) => 'finish_reason' in event;
+const isFinal = (event) => event.finish_reason != null;
+
+// The protocol's cancel: only a job that has not ended, with its id in its queue's canceled set; 1 or 0.
+const CANCEL = `local s = redis.call('HGET', KEYS[1], 'status')
+if not s or s == 'finished' or s == 'failed' or s == 'canceled' or s == 'stopped' then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'canceled')
+local q = redis.call('HGET', KEYS[1], 'origin')
+if q then redis.call('ZADD', 'rq:canceled:' .. q, ARGV[1], ARGV[2]) end
+return 1`;
+
+async function cancel(redis, id) {
+  const expiry = Math.floor(Date.now() / 1000) + 86400;
+  return redis.eval(CANCEL, { keys: [jobKey(id)], arguments: [String(expiry), id] });
+}
 
 // Writes the job's hash (status queued) without pushing it: a scenario may change it before the worker sees it.
 async function writeJob(redis, id, payload, extra = {}) {
@@ -244,10 +257,11 @@ async function cancelRunning({ redis, sub }) {
     await follower.catchUp();
     const first = await withTimeout(follower.first, `the first event of ${id}`);
     check(!isFinal(first), `the job ended before it could be canceled: ${show(first)}`);
-    await redis.hSet(jobKey(id), 'status', 'canceled'); // RQ's cancel semantics, from any client
+    check((await cancel(redis, id)) === 1, 'the cancel script did not cancel a running job');
     const final = await follower.final();
     const result = await resultAfterFinal(redis, id);
     await statusAfterFinal(redis, id, 'canceled');
+    check((await redis.zScore(canceledKey(QUEUE), id)) !== null, `${id} is not in ${canceledKey(QUEUE)}`);
     const events = follower.ordered();
     checkSequence(events);
     check(final.finish_reason === 'abort', `final finish_reason ${show(final.finish_reason)}, not abort`);
@@ -267,7 +281,7 @@ async function cancelQueued({ redis, sub }) {
   try {
     await writeJob(redis, id, { prompt: 'Never run me', max_tokens: 50, temperature: 0, ignore_eos: true });
     // Canceled before the id is even on the queue: surely canceled while queued, whatever the worker's speed.
-    await redis.hSet(jobKey(id), 'status', 'canceled');
+    await redis.hSet(jobKey(id), 'status', 'canceled'); // a bare HSET: the other way the protocol names
     await pushJob(redis, id);
     await follower.catchUp();
     const final = await follower.final();
@@ -318,6 +332,18 @@ async function ttls({ redis }) {
   return `job hash ${jobTtl} s, result ${resultTtl} s`;
 }
 
+async function cancelEnded({ redis }) {
+  const id = state.chatId;
+  check(id, 'scenario 1 did not submit its job');
+  check((await cancel(redis, id)) === 0, `the cancel script canceled ${id}, which had finished`);
+  const status = await redis.hGet(jobKey(id), 'status');
+  check(status === 'finished', `a finished job's status is ${show(status)} after a cancel`);
+  const missing = `${PREFIX}-never-submitted`;
+  check((await cancel(redis, missing)) === 0, 'the cancel script canceled a job that does not exist');
+  check((await redis.exists(jobKey(missing))) === 0, `a cancel of a missing job wrote ${jobKey(missing)}`);
+  return 'a finished job and a missing one left as they were';
+}
+
 const SCENARIOS = [
   ['chat job followed live', chatFollowedLive],
   ['sampled prompt job followed late', sampledFollowedLate],
@@ -325,6 +351,7 @@ const SCENARIOS = [
   ['cancel a queued job', cancelQueued],
   ['failed job (unknown field)', failedJob],
   ['TTLs of job hash and result', ttls],
+  ['cancel of an ended or missing job', cancelEnded],
 ];
 
 // ----- main ------------------------------------------------------------------------------------------------
