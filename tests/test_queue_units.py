@@ -4538,7 +4538,9 @@ def test_an_unknown_field_is_named_whatever_it_looks_like(payload, said):
 
 
 def test_data_that_is_not_utf8_is_said_so_and_pickled_data_is_said_to_be_pickle():
-    """JSON data with a byte that is not UTF-8 was asked whether it was enqueued with the pickle serializer."""
+    """JSON data with a byte that is not UTF-8 was asked whether it was enqueued with the pickle serializer; gzip
+    data (Node's gzipSync, not the zlib format the protocol names) was said not to be UTF-8."""
+    import gzip
     import pickle
 
     from rq.job import Job
@@ -4550,6 +4552,7 @@ def test_data_that_is_not_utf8_is_said_so_and_pickled_data_is_said_to_be_pickle(
     for data, said in (
         (b'["worker.jobs.generate", null, [], {"prompt": "\xff"}]', "the job's data is not UTF-8 text"),
         (pickle.dumps(("worker.jobs.generate", None, (), {})), "was it enqueued with the pickle serializer?"),
+        (gzip.compress(b'["worker.jobs.generate", null, [], {"prompt": "hi"}]'), "the job's data is gzip: compress"),
     ):
         job = Job("x", connection=conn, serializer=JSONSerializer)
         job.data = data

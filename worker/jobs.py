@@ -75,6 +75,11 @@ def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     except Exception as exc:  # DeserializationError, or a payload of the wrong shape
         if _raised_from(exc, RecursionError):  # JSON, but nested past what the parser reads
             raise JobRejected("the job's data is JSON nested too deeply to read") from exc
+        if (job.data or b"").startswith(b"\x1f\x8b"):  # (gzip's mark: Node's gzipSync, Python's gzip module)
+            raise JobRejected(
+                "the job's data is gzip: compress it with zlib's own format (RFC 1950: Python's zlib.compress, "
+                "Node's zlib.deflateSync), or write it as plain JSON"
+            ) from exc
         if _raised_from(exc, UnicodeDecodeError) and not (job.data or b"").startswith(b"\x80"):  # (pickle's mark)
             raise JobRejected("the job's data is not UTF-8 text (JSON is): write it as UTF-8") from exc
         raise JobRejected(
