@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 import zlib
+from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
 import fakeredis
@@ -114,14 +115,18 @@ def test_a_job_hash_field_past_its_bound_fails_alone_before_rq_parses_it(served)
     assert conn.zscore(rejected_key(w.queue), job_id) is not None and w.thread.is_alive()
 
 
-@pytest.mark.parametrize("field", ["status", "data"])
-def test_a_job_hash_without_a_field_rq_writes_is_refused_naming_it(served, field):
+@pytest.mark.parametrize("field, empty", [("status", False), ("data", False), ("status", True)])
+def test_a_job_hash_without_a_field_rq_writes_is_refused_naming_it(served, field, empty):
     """Without ``status`` the start read the job as deleted meanwhile: canceled, with no result, no word and no
-    expiry (or, beside other jobs, run); without ``data``: "Unexpected job format", which named no field."""
+    expiry (or, beside other jobs, run); without ``data``: "Unexpected job format", which named no field. An empty
+    ``status`` (RQ reads it as none) ran as queued."""
     w, _client, conn = served
     job_id = f"no-{field}-{uuid.uuid4().hex[:6]}"
     _raw_job(conn, w.queue, job_id, push=False)
-    conn.hdel(f"rq:job:{job_id}", field)
+    if empty:
+        conn.hset(f"rq:job:{job_id}", field, "")
+    else:
+        conn.hdel(f"rq:job:{job_id}", field)
     conn.rpush(f"rq:queue:{w.queue}", job_id)
     deadline = time.time() + 30
     while not conn.exists(result_key(job_id)) and time.time() < deadline:
@@ -129,6 +134,17 @@ def test_a_job_hash_without_a_field_rq_writes_is_refused_naming_it(served, field
     stored = result_from_entries(read_result(conn, job_id))
     assert stored["status"] == "failed" and f"the job hash has no '{field}' field" in stored["error"]
     assert conn.zscore(rejected_key(w.queue), job_id) is not None and w.thread.is_alive()
+
+
+def test_an_enqueued_at_ahead_of_the_workers_clock_times_the_job_from_its_start(served):
+    """A producer whose clock runs an hour ahead: the result's queue_s, ttft_s and total_s were -3,600 s."""
+    w, client, conn = served
+    job_id = f"ahead-{uuid.uuid4().hex[:6]}"
+    ahead = (datetime.now(timezone.utc) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    _raw_job(conn, w.queue, job_id, enqueued_at=ahead)
+    timings = client.job(job_id).result(timeout=60)["timings"]
+    assert timings["queue_s"] == 0 and timings["enqueued_at"] == timings["started_at"]
+    assert 0 < timings["ttft_s"] <= timings["total_s"] < 60
 
 
 def test_a_payload_nested_past_the_json_parsers_depth_fails_alone(served):

@@ -46,8 +46,9 @@ class InFlight:
 
 
 def enqueued_at(job: InFlight) -> float:
-    """When its attempt was enqueued (RQ's stamp; a job without one: its start), as a Unix time."""
-    return job.job.enqueued_at.timestamp() if job.job.enqueued_at else job.started_at
+    """When its attempt was enqueued (RQ's stamp, by the producer's clock; a job without one, or one stamped after
+    its start by a clock ahead of this one: its start), as a Unix time."""
+    return min(job.job.enqueued_at.timestamp(), job.started_at) if job.job.enqueued_at else job.started_at
 
 
 def ended_timings(job: InFlight) -> dict[str, float]:

@@ -446,9 +446,11 @@ def _restore(
         if not JOB_ID.fullmatch(job_id):  # (match: "$" takes a trailing newline, which RQ's own check refuses)
             unreadable.append(Unreadable(job_id, queue, BAD_ID))
             continue
-        missing = [name for name in (b"data", b"status") if name not in raw and name.decode() not in raw]
-        if missing:  # (without status, the start read it as a job deleted meanwhile: canceled, with no word)
-            reason = f"the job hash has no {missing[0].decode()!r} field: write it with the job (docs/protocol.md)"
+        # (without status, the start read it as a job deleted meanwhile: canceled, with no word; an empty one, as RQ
+        # reads it, ran as queued)
+        missing = [name for name in (b"data", b"status") if not (raw.get(name) or raw.get(name.decode()))]
+        if missing:
+            reason = f"the job hash has no {missing[0].decode()!r} field (or an empty one): write it with the job"
             unreadable.append(Unreadable(job_id, queue, reason))
             continue
         swollen = [name for name in _INFLATED if _inflates_past(raw.get(name), max_data_bytes)]

@@ -205,7 +205,8 @@ def build_result(
     c = out.outputs[0]
     canceled = canceled or c.finish_reason == "abort"
     finished_at = finished_at or time.time()
-    enqueued_at = job.enqueued_at.timestamp() if job.enqueued_at else started_at
+    # (the producer's clock, ahead of the worker's: counted from the start, not a negative wait)
+    enqueued_at = min(job.enqueued_at.timestamp(), started_at) if job.enqueued_at else started_at
     result: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "id": job.id,
