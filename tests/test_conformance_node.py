@@ -25,6 +25,8 @@ def _missing() -> str | None:
 
 
 MISSING = _missing()
+if MISSING is not None and os.environ.get("ROSEINFER_REQUIRE_NODE"):  # (.ci/run installed it: not to skip silently)
+    raise RuntimeError(f"ROSEINFER_REQUIRE_NODE is set, but {MISSING}")
 
 
 # Skipped at collection, so that a machine without node does not build the model fixtures for nothing.
