@@ -229,15 +229,21 @@ def test_a_stock_rq_worker_fails_a_job_that_can_never_run_once(redis_url, tiny_c
     past_bounds = queue.enqueue(
         "worker.jobs.generate", prompt="hi", max_tokens=4, structured_outputs=long_pattern, retry=Retry(max=2)
     )
+    # Past the worker's --max-job-bytes (4 MiB): the stock path read it whole and tokenized it.
+    too_big = queue.enqueue("worker.jobs.generate", prompt="word " * 1_000_000, max_tokens=4, retry=Retry(max=2))
     dead_end = {"regex": "ab[^\\s\\S]"}  # (its text made, then no token completes it)
     dead = queue.enqueue("worker.jobs.generate", prompt="A word:", max_tokens=8, structured_outputs=dead_end)
     _stock_worker(redis_url, queue_name, tiny_chat_model)
-    for job in (too_long, invalid, past_bounds):
+    for job in (too_long, invalid, past_bounds, too_big):
         assert job.get_status(refresh=True) == "failed"
         ends = [json.loads(f[b"event"]) for _, f in conn.xrange(f"roseinfer:stream:{job.id}")]
         assert [e.get("finish_reason") for e in ends] == ["error"]  # one attempt
         assert ends[0]["error_type"] == "invalid_request"
         assert ends[0].get("error_code") == ("context_length_exceeded" if job is too_long else None)
+    assert (
+        "this worker takes at most 4194304"
+        in json.loads(conn.xrange(f"roseinfer:stream:{too_big.id}")[0][1][b"event"])["error"]
+    )
     # A failure after tokens: its last event's usage counts them, as the batch worker's (it was {}).
     [*_, end] = [json.loads(f[b"event"]) for _, f in conn.xrange(f"roseinfer:stream:{dead.id}")]
     assert end["finish_reason"] == "error" and end["usage"]["completion_tokens"] >= 1, end

@@ -64,11 +64,16 @@ def run_limit(job: Job, default: int) -> int | None:
     return limit if limit > 0 else None
 
 
+def check_size(job: Job, max_bytes: int | None) -> None:
+    """JobRejected for a job whose stored data is past ``max_bytes`` (the worker's --max-job-bytes)."""
+    if max_bytes is not None and len(job.data or b"") > max_bytes:
+        raise JobRejected(f"the job's data is {len(job.data)} bytes; this worker takes at most {max_bytes}")
+
+
 def parse_request(job: Job, max_bytes: int | None = None) -> JobRequest:
     """The job's payload, checked; JobRejected with a readable reason otherwise. ``max_bytes`` bounds the stored
     data before it is parsed, so a 10 MB prompt is refused before anything tokenizes it."""
-    if max_bytes is not None and len(job.data or b"") > max_bytes:
-        raise JobRejected(f"the job's data is {len(job.data)} bytes; this worker takes at most {max_bytes}")
+    check_size(job, max_bytes)
     try:
         func_name = job.func_name
         instance, args, kwargs = job.instance, job.args, job.kwargs
@@ -324,7 +329,10 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     if args:  # (Python refused the call before this body ran: retried, a bare TypeError, no last event)
         refuse("pass the payload as keyword arguments: enqueue('worker.jobs.generate', prompt=..., max_tokens=...)")
     try:
+        check_size(job, settings.max_job_bytes)  # (as the batch worker's: a prompt of 10 MB is not tokenized)
         req = JobRequest.model_validate(payload)
+    except JobRejected as exc:
+        refuse(str(exc))
     except ValidationError as exc:
         refuse(f"invalid job payload: {describe_validation_error(exc)}")
     stream.usage_each_event = req.usage_each_event
