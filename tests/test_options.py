@@ -295,6 +295,23 @@ def test_configuration_errors_are_one_line_and_exit_2_before_connecting(argv, en
     assert "Traceback" not in err and "Redis" not in err
 
 
+def test_serves_flag_mistakes_are_said_before_its_port_is_looked_at(capsys):
+    """The port was probed first: with another server on it (the compose stack's on 8000), a flag mistake was said
+    as "cannot listen"; fixed, it came out after the listener left."""
+    import socket
+
+    from worker.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        assert main(["serve", "--port", port, "--model", "other-model"]) == 2
+        assert "error: --model is for --embedded" in capsys.readouterr().err
+        assert main(["serve", "--port", port, "--embedded", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+        assert "error: --redis-url is for a server" in capsys.readouterr().err
+        assert main(["serve", "--port", port, "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a Python process: the fast lane starts one of those (tests/test_engine_process.py)
 def test_version_and_the_unknown_variable_warning_on_the_command_line():
     env = {**os.environ, "ROSEINFER_QUEU": "typo"}

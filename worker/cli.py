@@ -131,23 +131,25 @@ def serve(args: argparse.Namespace) -> int:
     from producer.cli import target
     from producer.server import run_server  # FastAPI and uvicorn: only this command needs them
 
-    _check_listen(args.host, args.port)  # (a port taken said in one line, before "serving", not after it)
     if args.api_key is not None and not args.api_key.strip():  # (--api-key "$KEY", KEY unset: served open)
         raise ConfigError("--api-key is empty (an unset variable?): give the key, or leave the flag out to serve open")
     if args.allowed_origins:  # ("a,b" as one value matched no origin)
         values = [o.strip() for value in args.allowed_origins for o in value.split(",") if o.strip()]
         args.allowed_origins = [_as_browsers_send(origin) for origin in values]
+    given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype)) if value is not None]
+    if given and not args.embedded:  # (they started a server all the same, serving whatever the queue's workers hold)
+        raise ConfigError(f"{given[0]} is for --embedded: without it, the queue's workers choose their model")
+    if args.embedded and args.redis_url is not None:  # (it served its own Redis all the same, the one named let be)
+        raise ConfigError("--redis-url is for a server in front of a queue's workers; --embedded runs its own")
+    # The flags first (a mistake in them is said whatever the port), then the port: a port taken said in one line,
+    # before "serving", not after it.
+    _check_listen(args.host, args.port)
     if not args.embedded:
-        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype)) if value is not None]
-        if given:  # (they started a server all the same, serving whatever the queue's workers hold)
-            raise ConfigError(f"{given[0]} is for --embedded: without it, the queue's workers choose their model")
         return run_server(
             *target(args), host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
             allowed_origins=args.allowed_origins,
         )  # fmt: skip
-    if args.redis_url is not None:  # (it served its own Redis all the same, the one named left alone)
-        raise ConfigError("--redis-url is for a server in front of a queue's workers; --embedded runs its own")
     from worker.embedded import serve_embedded
 
     return serve_embedded(args)
