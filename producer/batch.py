@@ -302,13 +302,24 @@ def _shown(value: Any) -> str:
 
 
 def _check_settings(
-    output_path: Path, fingerprint: dict[str, Any], has_rows: bool, write: bool = True, run_id: str | None = None
+    output_path: Path,
+    fingerprint: dict[str, Any],
+    has_rows: bool,
+    write: bool = True,
+    run_id: str | None = None,
+    input_name: str | None = None,
 ) -> None:
     """Other settings than those the output's rows were made with are refused; this run's are kept (``write``),
-    with its run id (which is not a setting: a rerun may name another, ``--fresh``)."""
+    with its run id (which is not a setting: a rerun may name another, ``--fresh``) and its input's file name (nor
+    is that: a sample of a file, then the whole of it, is one output; any other input is said, its rows going in
+    beside the others')."""
     before = _stored_settings(output_path) if has_rows else None
     if isinstance(before, dict):
         before.pop("run_id", None)
+        earlier = before.pop("input", None)
+        if input_name is not None and isinstance(earlier, str) and earlier != input_name:
+            log.warning("%s was begun from %s, not %s: its rows stay, and this input's rows go in beside them "
+                        "(another output keeps them apart)", output_path, earlier, input_name)  # fmt: skip
     if before is not None and before != fingerprint:
         differ = "; ".join(_differences(before, fingerprint)) if isinstance(before, dict) else "unreadable"
         raise ValueError(
@@ -316,7 +327,8 @@ def _check_settings(
             "same settings"
         )
     if write:
-        kept = {**fingerprint, "run_id": run_id} if run_id is not None else fingerprint
+        kept = {**fingerprint, **({"run_id": run_id} if run_id is not None else {})}
+        kept.update({"input": input_name} if input_name is not None else {})
         settings_path(output_path).write_text(json.dumps(kept, sort_keys=True) + "\n")
 
 
@@ -424,7 +436,8 @@ def run_batch(
             done = sink.done()
             settings, queue = _settings_on(output_path, options, queue)
             run_id = _run_id_of(output_path, run_id)
-            _check_settings(output_path, settings, bool(done), run_id=run_id)  # a refused run leaves the last errors
+            # (a refused run leaves the last errors)
+            _check_settings(output_path, settings, bool(done), run_id=run_id, input_name=input_path.name)
             if on_start is not None:
                 on_start()
             with _files_failing_stop(summary), open_lines(errors_path, "w") as err, _signals_interrupt():
@@ -602,7 +615,7 @@ def dry_run(
         done = sink.done(cut=False)
         settings, queue = _settings_on(output_path, options, queue)
         run_id = _run_id_of(output_path, run_id)
-        _check_settings(output_path, settings, bool(done), write=False)  # the refusal the run would meet
+        _check_settings(output_path, settings, bool(done), write=False, input_name=input_path.name)  # as the run
         with open_lines(errors_path, "w") as err, open(os.devnull, "w") as quiet:
             sink.open(err, output=False)
             progress = Progress(summary["total"], 0, 0, log_interval=float("inf"), stream=quiet)
