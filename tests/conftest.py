@@ -8,11 +8,14 @@ import contextlib
 import gc
 import json
 import os
+import random
 import re
+import socket
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -325,6 +328,26 @@ def expire_together(conn, first: str, then: str) -> bool:
     writes that set them are not always one script's, some are milliseconds apart)."""
     first_ms, then_ms = conn.pipeline(transaction=True).pttl(first).pttl(then).execute()
     return first_ms > 0 and then_ms > 0 and first_ms <= then_ms + 5000
+
+
+def steady_port() -> int:
+    """A free port below the range the system hands out for bind(0) and outgoing connections, in a span of this
+    xdist worker's own: a test that stops its Redis and starts it again on the port keeps it (a free_port() another
+    worker drew meanwhile took it, and the restart failed)."""
+    from worker.local_redis import free_port
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    start = 20000 + 500 * (int(worker) % 20 if worker.isdigit() else 0)
+    if start + 500 > low:  # (a system whose range starts low: no span is steady there)
+        return free_port()
+    for port in random.sample(range(start, start + 500), 500):
+        with contextlib.suppress(OSError), socket.create_server(("127.0.0.1", port)):
+            return port
+    return free_port()
 
 
 def slow_engine_steps(monkeypatch, engine, seconds: float = 0.02) -> None:

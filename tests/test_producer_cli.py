@@ -486,11 +486,10 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
 def test_a_fresh_run_says_its_id_only_once_it_is_taken(tmp_path, capsys):
     """--fresh said "its jobs' ids name run X; a rerun without --fresh resumes it" before anything was checked: a run
     then refused (Redis unreachable, other settings) had no id kept, and nothing to resume."""
-    from worker.local_redis import free_port
 
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"custom_id": "a", "prompt": "p"}) + "\n")
-    argv = ["batch", str(src), "-o", str(out), "--fresh", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    argv = ["batch", str(src), "-o", str(out), "--fresh", "--redis-url", "redis://127.0.0.1:1/0"]  # (nothing there)
     with pytest.raises(redis.exceptions.ConnectionError):  # (one line from the command's main)
         producer_cli.batch(_parse(*argv))
     assert "a fresh run" not in capsys.readouterr().err
@@ -1016,13 +1015,12 @@ def test_serve_refuses_a_port_out_of_range_a_timeout_not_above_0_and_a_port_take
 def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch, capsys):
     """``--allowed-origins a,b`` (or the variable so written) was one origin, "a,b", which no browser sends; nor
     does any send a path, a trailing slash or no scheme: those are refused in one line."""
-    import socket
 
     import producer.server
     from worker.cli import main
 
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        port = str(probe.getsockname()[1])
+    monkeypatch.setattr("worker.cli._check_listen", lambda host, port: None)  # (run_server is not run: no port)
+    port = "8000"
     given = []
     monkeypatch.setattr(producer.server, "run_server", lambda *a, **kw: given.append(kw["allowed_origins"]) or 0)
     assert main(["serve", "--port", port, "--allowed-origins", "http://a.example,http://b.example", "http://c"]) == 0
@@ -1049,13 +1047,12 @@ def test_serve_takes_its_allowed_origins_space_or_comma_separated(monkeypatch, c
 
 def test_serve_refuses_an_empty_api_key(monkeypatch, capsys):
     """``--api-key "$KEY"`` with KEY unset served every request, with no word of it."""
-    import socket
 
     import producer.server
     from worker.cli import main
 
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        port = str(probe.getsockname()[1])
+    monkeypatch.setattr("worker.cli._check_listen", lambda host, port: None)  # (run_server is not run: no port)
+    port = "8000"
     monkeypatch.setattr(producer.server, "run_server", lambda *a, **kw: 0)
     assert main(["serve", "--port", port, "--api-key", ""]) == 2
     assert "--api-key is empty (an unset variable?)" in capsys.readouterr().err

@@ -1909,18 +1909,19 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
     assert {m.decode() for m in started} == {ref_execution.composite_key, execution.composite_key}
     assert abs(started[execution.composite_key.encode()] - started[ref_execution.composite_key.encode()]) <= 1
     assert {m.decode() for m in conn.smembers(execution.worker_executions_key)} == set(map(bytes.decode, started))
-    assert conn.ttl(execution.worker_executions_key) >= ttl + 59  # the worker's heartbeat keeps it longer
+    # The worker's heartbeat keeps it longer (seconds allowed between the write and this read: a loaded machine's)
+    assert conn.ttl(execution.worker_executions_key) >= ttl + 55
     assert conn.llen(queue.intermediate_queue_key) == 0
     ref_record = conn.hgetall(ref_execution.key)
     for job, ex in ((ref, ref_execution), (ours, execution)):
         registry = ExecutionRegistry(job_id=job.id, connection=conn)
         assert registry.get_execution_ids() == [ex.id]
-        assert abs(conn.ttl(registry.key) - conn.ttl(ExecutionRegistry(ref.id, conn).key)) <= 1
+        assert abs(conn.ttl(registry.key) - conn.ttl(ExecutionRegistry(ref.id, conn).key)) <= 5  # (made apart)
         record = conn.hgetall(ex.key)
         assert set(record) == set(ref_record)
         assert record[b"worker_name"] == worker.name.encode() and record[b"job_id"] == job.id.encode()
         assert abs(float(record[b"created_at"]) - float(ref_record[b"created_at"])) < 5
-        assert abs(conn.ttl(ex.key) - conn.ttl(ref_execution.key)) <= 1
+        assert abs(conn.ttl(ex.key) - conn.ttl(ref_execution.key)) <= 5
         assert conn.ttl(job.key) == -1
         fetched = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
         assert fetched.get_status() == "started" and fetched.worker_name == worker.name

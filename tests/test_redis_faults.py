@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ThreadWorker, slow_engine_steps, with_slow_steps
+from conftest import ThreadWorker, slow_engine_steps, steady_port, with_slow_steps
 from redis import Redis
 from rq.command import send_shutdown_command
 
@@ -293,10 +293,10 @@ def test_a_follower_rides_out_a_redis_restart():
 
     from producer.protocol import stream_key
 
-    url, first = start_private_redis()
+    port = steady_port()  # (stopped and started again on it)
+    url, first = start_private_redis(port=port)
     if first is None:
         pytest.skip("could not start redis-server")
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
     conn = Redis.from_url(url)
     job = Client(url, queue="rides").job("rides-1")
     conn.hset("rq:job:rides-1", "status", "started")
@@ -381,10 +381,10 @@ def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
     from producer import AsyncClient
     from producer.protocol import stream_key
 
-    url, first = start_private_redis()
+    port = steady_port()  # (stopped and started again on it)
+    url, first = start_private_redis(port=port)
     if first is None:
         pytest.skip("could not start redis-server")
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
     conn = Redis.from_url(url)
     conn.hset("rq:job:rides-2", "status", "started")
     conn.xadd(stream_key("rides-2"), {"event": json.dumps({"n": 0, "text": "Hello", "token_ids": [1]})})
@@ -439,7 +439,7 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
     """A reconnect that times out (a host that takes the connection and answers nothing: a partition, a half-dead
     node) ended RQ's command listener for good, and the worker ignored stop-job and shutdown from then on. It
     waits the outage out as it waits out a refused connection, and hears commands once Redis is back."""
-    port = free_port()
+    port = steady_port()  # (stopped, held silent, and started again on it)
     url, redis_proc = start_private_redis(port=port)
     if redis_proc is None:
         pytest.skip("could not start redis-server")
@@ -508,19 +508,16 @@ def test_a_batch_rides_out_a_redis_restart_and_writes_every_row_once(tiny_chat_m
 
     from producer.batch import run_batch
 
-    port = free_port()
+    port = steady_port()  # (stopped and started again on it)
     url = f"redis://127.0.0.1:{port}/0"
     command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
                "--appendfsync", "always", "--dir", str(tmp_path)]  # fmt: skip
 
     def start() -> subprocess.Popen:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
-                if Redis.from_url(url).ping():
-                    return proc
-            time.sleep(0.05)
+        if serves(proc, port, timeout=10):  # (its own: not another's on the port)
+            return proc
+        proc.kill()
         raise RuntimeError("redis-server did not start")
 
     redis_proc = start()
@@ -892,7 +889,7 @@ def test_a_redis_cluster_is_refused_by_name_before_the_model_loads(tmp_path):
 
     port = free_port()
     # The bus port is its own: Redis's default (port + 10000) does not exist for a free port above 55535.
-    proc = _redis_server("--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+    proc = _redis_server("--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(steady_port()),
                          "--dir", str(tmp_path), "--cluster-config-file", str(tmp_path / "nodes.conf"),
                          port=port)  # fmt: skip
     try:

@@ -298,10 +298,10 @@ def test_a_queues_redis_that_cannot_be_reached_names_its_entry_in_the_map(monkey
     """It said "check --redis-url or ROSEINFER_REDIS_URL", neither of which gave the URL."""
     from worker.cli import main
 
-    monkeypatch.setenv("ROSEINFER_QUEUE_URLS", f"mapped=redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("ROSEINFER_QUEUE_URLS", "mapped=redis://127.0.0.1:1/0")  # (nothing listens on 1)
     assert main(["status", "--queue", "mapped"]) == 2
     assert capsys.readouterr().err.endswith("; check ROSEINFER_QUEUE_URLS (its entry for queue 'mapped')\n")
-    assert main(["status", "--queue", "mapped", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]) == 2
+    assert main(["status", "--queue", "mapped", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert capsys.readouterr().err.endswith("; check --redis-url or ROSEINFER_REDIS_URL\n")
 
 

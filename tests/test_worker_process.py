@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import with_slow_steps
+from conftest import steady_port, with_slow_steps
 from redis import Redis
 
 from producer import Client, JobCanceled, JobFailed
@@ -386,9 +386,9 @@ def test_one_process_outlives_every_hostile_job_and_serves_the_good_ones(redis_u
 
 
 def test_a_worker_started_before_its_redis_waits_for_it(tiny_chat_model, queue_name):
-    from worker.local_redis import free_port, start_private_redis, stop_private_redis
+    from worker.local_redis import start_private_redis, stop_private_redis
 
-    port = free_port()
+    port = steady_port()  # (free while the worker starts: a port no other test draws meanwhile)
     url = f"redis://127.0.0.1:{port}/0"
     proc = _start_worker(url, queue_name, tiny_chat_model)
     lines: list[str] = []
