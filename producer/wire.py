@@ -16,6 +16,7 @@ from producer.schema import JobRequest
 
 SCHEMA_DIR = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 FinishReason = Literal["stop", "length", "abort", "error"]
+SampleFinishReason = Literal["stop", "length", "abort"]  # (an error ends the job, never one sample of it)
 ErrorType = Literal["invalid_request", "timeout", "server_error"]
 ERROR_TYPE_DOC = (
     "with an error: whose fault it was. invalid_request: the job itself (its payload, a prompt too long), it would "
@@ -71,7 +72,7 @@ class StreamEvent(BaseModel):
         None, description="true: the output starts over here; drop the text and token ids of every earlier event"
     )
     index: int | None = Field(None, ge=0, description="the sample the piece belongs to (a job with n > 1); absent: 0")
-    sample_finish_reason: FinishReason | None = Field(
+    sample_finish_reason: SampleFinishReason | None = Field(
         None, description="a job with n > 1: sample ``index`` ended with this piece (its own reason); the job goes on"
     )
     stop_reason: int | str | None = Field(

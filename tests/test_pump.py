@@ -131,6 +131,25 @@ def test_jobs_are_tokenized_off_the_loop_and_stream_one_event_per_step():
     pump.close()
 
 
+def test_the_last_event_of_n_samples_gives_sample_0s_stop_reason_beside_its_finish_reason():
+    """n > 1, the job ending on sample 1's length while sample 0 had stopped on "a": the last event said "stop"
+    (sample 0's, the job's) with sample 1's stop reason, none, as if an EOS had ended it."""
+    engine = FakeEngine()
+    pump = Pump(engine)
+    pump.submit("a", {"prompt": "hello"}, _params(3))
+    samples = [CompletionOutput(0, "xa", [1, 2], "stop", "a"), CompletionOutput(1, "yyy", [3, 4, 5], "length")]
+    engine.step = lambda flush=True: [RequestOutput("a", None, [1, 2], samples, True, "y", [5], 1)]
+    events = []
+    for _ in range(200):
+        events += pump.step()
+        if events:
+            break
+        time.sleep(0.01)
+    [last] = events
+    assert (last.index, last.finish_reason, last.stop_reason) == (1, "stop", "a")
+    pump.close()
+
+
 def test_a_job_that_breaks_the_tokenizer_or_the_engine_fails_alone():
     engine = FakeEngine()
     pump = Pump(engine)

@@ -228,6 +228,27 @@ def test_an_ended_streams_ttl_given_longer_than_a_running_ones_is_kept_and_the_d
     assert 3600 < conn.ttl(stream_key("j")) <= 7200
 
 
+def test_samples_ending_in_one_flush_each_say_their_own_end_and_the_job_ends_on_its_samples_piece():
+    """n > 1: sample 0 pending, then sample 2's last piece (its own end, "stop" on "a"), then sample 0's end of the
+    job, all before one flush. The job's end went on sample 2's piece (the last pending), whose own end was dropped:
+    no event said sample 2 ended, and sample 0's end was said with index 2."""
+    conn = fakeredis.FakeRedis()
+    pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)
+    s = pub.resume(conn, ["j"])["j"]
+    s.start(can_resume=False)
+    pub.add(s, "x", [1], index=0)
+    _send(conn, pub)
+    pub.add(s, "y", [2], index=0)
+    pub.add(s, "za", [3], index=2, sample_end="stop", stop_reason="a")
+    pub.add(s, "e", [4], "stop", {"completion_tokens": 4}, index=0, stop_reason="e")
+    _send(conn, pub)
+    _first, sample_2, last = _events(conn)
+    assert (sample_2["index"], sample_2["sample_finish_reason"], sample_2["stop_reason"]) == (2, "stop", "a")
+    assert "finish_reason" not in sample_2 and sample_2["text"] == "za"
+    assert last.get("index", 0) == 0 and (last["finish_reason"], last["stop_reason"]) == ("stop", "e")
+    assert last["text"] == "ye" and last["token_ids"] == [2, 4] and "sample_finish_reason" not in last
+
+
 def test_an_event_carries_the_logprobs_of_its_tokens_and_only_all_of_them():
     conn = fakeredis.FakeRedis()
     pub = Publisher(maxlen=1000, stream_ttl=60, result_ttl=60)

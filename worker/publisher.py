@@ -204,6 +204,9 @@ class Publisher:
         if logprobs:
             lps += logprobs
         if finish_reason is not None:
+            # Its piece goes out last, carrying the end: the end went on whichever sample's piece was pending last,
+            # and a sample ending in the same flush lost its own end to it (its sample_finish_reason dropped).
+            s.pending[index] = s.pending.pop(index)
             s.pending_end = (finish_reason, usage, error, error_type, error_code, stop_reason)
         if sample_end is not None:
             s.pending_sample_ends[index] = (sample_end, stop_reason)

@@ -59,12 +59,6 @@ class JobEvent:
         return self.finish_reason is not None
 
 
-def _stop_reason(out: Any) -> int | str | None:
-    """The stop string or token id that ended the sample an output's delta belongs to, if it ended."""
-    ended = [o for o in out.outputs if o.finish_reason is not None and getattr(o, "index", 0) == out.delta_index]
-    return ended[0].stop_reason if ended else None
-
-
 def delta_logprobs(out: Any) -> list[dict[int, float]] | None:
     """The logprobs of an output's delta token ids (the last of its sample's), None for a request without them."""
     num = len(out.delta_token_ids)
@@ -355,7 +349,8 @@ class Pump:
                     logprobs=delta_logprobs(out),
                     sample_end=None if out.finished else out.outputs[0].finish_reason,
                     prompt_tokens=len(out.prompt_token_ids),
-                    stop_reason=_stop_reason(out) if out.finished or out.outputs[0].finish_reason else None,
+                    # (a sample's piece holds it alone; the job's end, sample 0's, as its finish reason)
+                    stop_reason=out.outputs[0].stop_reason if out.finished or out.outputs[0].finish_reason else None,
                 )
             )
         return events
