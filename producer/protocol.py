@@ -257,6 +257,8 @@ def failure_result(
         result["error_type"] = error_type
     if error_code is not None:
         result["error_code"] = error_code
+    if req is not None and req.metadata is not None:  # (echoed as a finished job's is: a batch's rows are told apart)
+        result["metadata"] = req.metadata
     return result
 
 

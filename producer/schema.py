@@ -638,25 +638,28 @@ class Ending:
 
     custom_id: str | None = None
     notify: str | None = None
+    metadata: dict[str, Any] | None = None
 
 
 def ending_of(payload: Any) -> Ending:
-    """A payload's ``custom_id`` and ``notify``, each read alone: a job that never ran (refused for what else it holds,
-    canceled while queued) still ends as it asks, as one that ran does. A value its field refuses is left out."""
+    """A payload's ``custom_id``, ``notify`` and ``metadata``, each read alone: a job that never ran (refused for what
+    else it holds, canceled while queued) still ends as it asks, as one that ran does. A value its field refuses is
+    left out."""
     if not isinstance(payload, dict):
         return Ending()
     fields = {}
-    for name, adapter in _ending_fields().items():
-        if isinstance(value := payload.get(name), str):
+    for name, (kind, adapter) in _ending_fields().items():
+        if isinstance(value := payload.get(name), kind):
             with contextlib.suppress(ValidationError):
                 fields[name] = adapter.validate_python(value)
     return Ending(**fields)
 
 
 @functools.cache
-def _ending_fields() -> dict[str, TypeAdapter]:
-    """``custom_id`` and ``notify`` as the payload checks them, each alone (built once: an adapter costs ~1 ms)."""
-    return {name: TypeAdapter(Annotated[str, JobRequest.model_fields[name]]) for name in ("custom_id", "notify")}
+def _ending_fields() -> dict[str, tuple[type, TypeAdapter]]:
+    """Those fields as the payload checks them, each alone (built once: an adapter costs ~1 ms)."""
+    kinds = {"custom_id": str, "notify": str, "metadata": dict}
+    return {name: (kind, TypeAdapter(Annotated[kind, JobRequest.model_fields[name]])) for name, kind in kinds.items()}
 
 
 def job_ending(job: Any) -> Ending:

@@ -514,7 +514,8 @@ def test_jobs_rqs_own_maintenance_reads_are_stripped_of_what_the_worker_refuses(
 def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_on_its_notify_list(served):
     """A payload refused (an unknown field), a job refused for the callback it names, one canceled while queued (a
     bare HSET, as from any language): each ended with ``custom_id`` null and no push onto its ``notify`` list, so a
-    producer blocking on that list (docs/protocol.md) waited for good."""
+    producer blocking on that list (docs/protocol.md) waited for good. Its ``metadata`` is echoed too, as a finished
+    job's is (it was dropped)."""
     w, _, conn = served
     tag = uuid.uuid4().hex[:6]
     cases = {
@@ -527,7 +528,8 @@ def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_o
         "refused-meta": ({}, {"meta": "[1]"}),
     }
     for name, (extra, fields) in cases.items():
-        payload = {"prompt": "hi", "max_tokens": 2, "custom_id": f"mine-{name}", "notify": f"nr-{tag}", **extra}
+        payload = {"prompt": "hi", "max_tokens": 2, "custom_id": f"mine-{name}", "notify": f"nr-{tag}", **extra,
+                   "metadata": {"row": name}}  # fmt: skip
         _raw_job(conn, w.queue, f"{name}-{tag}", payload, **fields)
     done = set()
     while len(done) < len(cases):
@@ -538,6 +540,7 @@ def test_a_job_that_never_ran_still_echoes_its_custom_id_and_announces_its_end_o
     for name in cases:
         result = result_from_entries(read_result(conn, f"{name}-{tag}"))
         assert result["custom_id"] == f"mine-{name}" and result["status"] in ("failed", "canceled"), result
+        assert result["metadata"] == {"row": name}
 
 
 def test_a_job_canceled_by_hand_while_it_waits_for_its_retry_keeps_what_its_earlier_attempt_streamed(served):
