@@ -31,7 +31,7 @@ from producer.protocol import (
     stream_key,
 )
 from producer.reasoning import REASONING_PARSERS
-from producer.schema import JobRequest
+from producer.schema import MODEL_RECOMMENDED, JobRequest
 from producer.tool_calls import TOOL_CALL_PARSERS
 
 # Payload fields that take a JSON value on the command line (a flag of their own each).
@@ -144,7 +144,10 @@ def payload_flags() -> list[PayloadFlag]:
         if repeatable:
             detail.append("repeatable")
         if "default:" not in (field.description or ""):  # (a description may say its default in words)
-            detail.append(f"default: {default}")
+            recommended = (
+                "the model's recommendation (its generation config), else " if name in MODEL_RECOMMENDED else ""
+            )
+            detail.append(f"default: {recommended}{default}")
         help_text = f"{field.description or name}" + (f" ({'; '.join(detail)})" if detail else "")
         flags.append(PayloadFlag(name, names, tuple(kinds), repeatable, help_text.replace("%", "%%")))
     return flags

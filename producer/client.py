@@ -39,7 +39,7 @@ from producer.protocol import (
     result_key,
     stream_key,
 )
-from producer.schema import JobRequest, describe_validation_error
+from producer.schema import MODEL_RECOMMENDED, JobRequest, describe_validation_error
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _OVER = tuple(status.encode() for status in ("finished", *ENDED))  # a job's statuses once it has ended
@@ -473,7 +473,13 @@ class Client:
         )
 
     def _payload(self, req: JobRequest) -> dict[str, Any]:
-        return req.model_dump(exclude_defaults=True, by_alias=True)
+        payload = req.model_dump(exclude_defaults=True, by_alias=True)
+        # A setting the model may recommend, given at its default value, stays: the worker fills a field the payload
+        # leaves out with the model's recommendation (temperature=1.0 ran at the model's 0.7, top_k=0 at its 20).
+        for name in MODEL_RECOMMENDED & req.model_fields_set:
+            if name not in payload and getattr(req, name) is not None:
+                payload[name] = getattr(req, name)
+        return payload
 
     def _job_options(self, req: JobRequest) -> dict[str, Any]:
         if req.prompt_token_ids is not None:

@@ -282,6 +282,11 @@ def _integral(value: Any) -> Any:
     return int(value) if type(value) is float and value.is_integer() else value
 
 
+# The fields a model's generation config may recommend (roseinfer.model_loader): the worker takes its
+# recommendation for those a payload leaves out, so a producer keeps every one it was given, default values too.
+MODEL_RECOMMENDED = frozenset(("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"))
+
+
 class JobRequest(BaseModel):
     """One generation job. Field names follow the OpenAI API; unknown fields are refused.
 

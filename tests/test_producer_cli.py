@@ -68,7 +68,8 @@ def test_every_scalar_payload_field_has_a_submit_flag_with_its_description_and_d
         assert flags & set(re.findall(r"--[a-z][a-z0-9-]*", text)), name  # a whole flag, not a piece of another
         assert " ".join((field.description or name).split()) in text, name
     temperature = JobRequest.model_fields["temperature"].description or "temperature"
-    assert f"--temperature FLOAT {temperature} (a number; >= 0.0; <= 2.0; default: 1.0)" in text
+    assert (f"--temperature FLOAT {temperature} (a number; >= 0.0; <= 2.0; default: the model's recommendation (its "
+            "generation config), else 1.0)") in text  # fmt: skip
     assert "--temperature FLOAT" in text and "--max-tokens INT" in text and "--logprobs BOOL|INT" in text
     assert "--ignore-eos, --no-ignore-eos keep generating past EOS (default: false)" in text
     assert "(;" not in text and "()" not in text  # (a switch has no value to describe, only its default)

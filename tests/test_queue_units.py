@@ -3927,6 +3927,26 @@ def test_a_jobs_unset_sampling_fields_take_the_models_recommended_defaults():
     assert sampling_params("j3", JobRequest.model_validate({"prompt": "x"})).temperature == 1.0  # none: the API's
 
 
+def test_a_recommendable_setting_given_at_its_default_value_reaches_the_worker_and_wins():
+    """``submit(temperature=1.0, top_k=0, repetition_penalty=1.0)`` sent a payload without them (defaults were left
+    out), so the worker ran the model's 0.7, 20 and 1.05: a model's recommendation could not be turned off."""
+    from producer import Client
+    from producer.schema import MODEL_RECOMMENDED, JobRequest
+    from roseinfer.model_loader import _SAMPLING_DEFAULTS
+    from worker.jobs import sampling_params
+
+    assert set(_SAMPLING_DEFAULTS.values()) <= MODEL_RECOMMENDED  # (the engine's list and the producer's agree)
+    conn = fakeredis.FakeRedis()
+    job = Client(connection=conn, queue="rec").submit("x", temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0)
+    payload = job.rq_job.kwargs
+    assert {k: payload.get(k) for k in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")} == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "min_p": None}  # fmt: skip
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1}
+    params = sampling_params(job.id, JobRequest.model_validate(payload), defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+    assert params.min_p == 0.1  # (not given: the model's)
+
+
 def test_a_recommended_setting_the_engine_refuses_is_left_out_of_the_defaults():
     """Taken, it would fail every job that leaves that field unset, as if the job were at fault."""
     from transformers import GenerationConfig
