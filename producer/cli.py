@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from rq.job import Job
 
 from producer.batch_io import OUTPUT_EXTENSIONS, at_least
-from producer.client import DEFAULT_REDIS_URL, Client, validate
+from producer.client import DEFAULT_JOB_TIMEOUT, DEFAULT_REDIS_URL, Client, validate
 from producer.connection import QUEUE_URLS_ENV, REDIS_UNAVAILABLE, InvalidRedisURL, queue_urls, redacted_url
 from producer.generation_job import GenerationJob
 from producer.job_errors import InvalidRequest, JobError, ResultNotKept, StreamRestarted
@@ -204,8 +205,8 @@ def url_settings(args: argparse.Namespace) -> str:
     return "--redis-url or ROSEINFER_REDIS_URL"
 
 
-def _client(args: argparse.Namespace) -> Client:
-    return Client(*target(args))
+def _client(args: argparse.Namespace, **options: Any) -> Client:
+    return Client(*target(args), **options)
 
 
 def _stdin_text() -> str:
@@ -636,8 +637,11 @@ def batch(args: argparse.Namespace) -> int:
         print(f"a fresh run: its jobs' ids name run {run_id}; a rerun without --fresh resumes it", file=sys.stderr)
 
     try:
+        # A --timeout past the jobs' own limit (the client's job_timeout) raises it: the worker's limit ended each
+        # attempt first, a timeout retried, and the run's --timeout never came into play.
+        limit = {"job_timeout": max(DEFAULT_JOB_TIMEOUT, math.ceil(args.timeout))} if args.timeout else {}
         summary = run_batch(
-            _client(args),
+            _client(args, **limit),
             args.input,
             args.output,
             errors_path=errors,

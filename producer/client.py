@@ -46,6 +46,7 @@ _OVER = tuple(status.encode() for status in ("finished", *ENDED))  # a job's sta
 
 
 MAX_JOB_ID = 256  # the protocol's (the worker refuses a longer one)
+DEFAULT_JOB_TIMEOUT = 3600  # a job's run time, each attempt's, the worker enforces
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Client:
         *,
         connection: Redis | None = None,
         retries: int = 2,
-        job_timeout: int = 3600,
+        job_timeout: int = DEFAULT_JOB_TIMEOUT,
         result_ttl: int = DEFAULT_RESULT_TTL,
         failure_ttl: int | None = None,
     ) -> None:

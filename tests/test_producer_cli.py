@@ -1189,3 +1189,22 @@ def test_a_stdout_that_is_not_utf8_writes_what_it_lacks_as_question_marks(monkey
     out.write("café ☕\n")
     out.flush()
     assert raw.getvalue() == b"caf? ?\n"
+
+
+def test_a_batch_timeout_past_the_jobs_own_limit_raises_it(monkeypatch, tmp_path):
+    """``batch --timeout 7200``: its jobs kept the client's hour, the worker ended each attempt at it first (a timeout,
+    retried), and the run's own --timeout never came into play."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "p"}) + "\n")
+    limits = []
+
+    def fake_run(client, *args, **kwargs):
+        limits.append(client.job_timeout)
+        return {"total": 1, "skipped": 0, "succeeded": 1, "failed": 0, "reused": 0, "failures": {}}
+
+    monkeypatch.setattr(batch_mod, "run_batch", fake_run)
+    monkeypatch.setattr(Client, "no_worker_warning", lambda self, queue=None: None)
+    for timeout, limit in (("7200.5", 7201), ("60", 3600), (None, 3600)):
+        argv = ["batch", str(src), "-o", str(tmp_path / f"out-{timeout}.jsonl"), "--redis-url", "redis://127.0.0.1:1/0"]
+        producer_cli.batch(_parse(*argv, *(["--timeout", timeout] if timeout else [])))
+        assert limits[-1] == limit
