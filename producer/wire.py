@@ -49,11 +49,17 @@ class Usage(BaseModel):
     )
 
 
+def _v_required(schema: dict) -> None:
+    """``v`` in the schema's required fields: every event and result carries it (a reader may rely on it; the
+    default is for reading what was written before it existed)."""
+    schema["required"] = ["v", *(name for name in schema.get("required", []) if name != "v")]
+
+
 class StreamEvent(BaseModel):
     """One event: a pub/sub message on ``roseinfer:tokens:<id>``, and the ``event`` field of an entry of
     ``roseinfer:stream:<id>`` (the same JSON)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_v_required)
 
     v: int = Field(PROTOCOL_VERSION, description="protocol version")
     n: int = Field(ge=0, description="0, 1, 2, ... within the job, with no gap")
@@ -114,7 +120,7 @@ class JobResult(BaseModel):
     has ``error`` and no text; a job canceled before it ran, too (status ``canceled``), but for what the attempts
     before it streamed (a job canceled while it waited for its retry)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_v_required)
 
     v: int = Field(PROTOCOL_VERSION, description="protocol version")
     id: str
