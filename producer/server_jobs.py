@@ -136,7 +136,15 @@ def cancel_soon(job: AsyncGenerationJob) -> None:
     done = loop.run_in_executor(None, job._sync.cancel)
     CANCELING.add(done)
     done.add_done_callback(CANCELING.discard)
+    done.add_done_callback(lambda f: _cancel_failed(job.id, f))
     log.info("job %s canceled: its client went away", job.id)
+
+
+def _cancel_failed(job_id: str, done: asyncio.Future) -> None:
+    """A cancel that did not reach Redis, said in a line (it was asyncio's "exception was never retrieved" and a
+    traceback, one per request, when Redis went away first)."""
+    if not done.cancelled() and (exc := done.exception()) is not None:
+        log.warning("job %s: its cancel did not reach Redis (%s: %s)", job_id, type(exc).__name__, exc)
 
 
 # How long a submit's jobs that may have gone in unseen are looked for, to be canceled: Redis's stall or outage, then

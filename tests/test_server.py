@@ -950,6 +950,55 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
     assert not any(f.exists() for f in folders)  # and its folder is gone
 
 
+# A serve --embedded whose model takes a minute to load: stopped during it.
+_SLOW_LOAD = """import sys, time
+import worker.main
+build = worker.main.build_worker
+worker.main.build_worker = lambda *a, **k: (time.sleep(60), build(*a, **k))[1]
+from worker.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a Python process
+def test_serve_embedded_stopped_while_its_model_loads_stops_its_redis_server(tiny_chat_model):
+    """A SIGTERM during the load killed the command outright (its handler came after the load): its redis-server
+    and folder were left behind. Its redis-server runs in a session of its own: a terminal's Ctrl-C reaches the
+    command's group, and the Redis died under the command's shutdown."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    if not shutil.which("redis-server"):
+        pytest.skip("serves fakeredis in-process without a redis-server")
+    cmd = [sys.executable, "-c", _SLOW_LOAD, "serve", "--embedded", "--model", tiny_chat_model,
+           "--port", str(free_port())]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, children = time.monotonic() + 60, []
+        while not children and time.monotonic() < deadline:
+            children = [p for p in Path("/proc").iterdir() if _parent(p) == proc.pid and "redis" in _command(p)]
+            time.sleep(0.1)
+        assert children, "no redis-server started"
+        assert os.getsid(int(children[0].name)) == int(children[0].name)  # (its own session)
+        port = int(re.search(r":(\d+)", _command(children[0])).group(1))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # (up once it answers: the load begins after that)
+            with contextlib.suppress(redis.RedisError):
+                folder = Path(redis.Redis(port=port).config_get("dir")["dir"])
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _command(children[0]) and not folder.exists()  # (its redis-server ended, its folder removed)
+
+
 @pytest.mark.slow  # seconds: a server process started and stopped
 def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads_its_key_from_the_environment(
     served, redis_url, monkeypatch
@@ -1816,3 +1865,25 @@ def test_an_upload_cut_short_is_a_400_not_an_error_in_the_log():
     request = Request({"type": "http", "method": "POST", "path": "/tokenize", "headers": []}, gone)
     with pytest.raises(APIError, match="the client went away before its request body ended"):
         asyncio.run(_body(request))
+
+
+def test_a_cancel_that_cannot_reach_redis_is_said_in_one_line(caplog):
+    """A server stopped with Redis gone first: each client's cancel failed on its thread, unseen, and asyncio wrote
+    "Future exception was never retrieved" with a traceback, one per request."""
+    import logging
+    import types
+
+    from producer import server_jobs
+
+    def refused() -> None:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    async def cancel() -> None:
+        server_jobs.cancel_soon(types.SimpleNamespace(id="gone-1", _sync=types.SimpleNamespace(cancel=refused)))
+        while server_jobs.CANCELING:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # (its callbacks, in turn)
+
+    with caplog.at_level(logging.WARNING, logger=server_jobs.log.name):
+        asyncio.run(cancel())
+    assert "job gone-1: its cancel did not reach Redis (ConnectionError: Error 111" in caplog.text

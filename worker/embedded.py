@@ -25,6 +25,10 @@ def serve_embedded(args: argparse.Namespace) -> int:
     from worker.main import build_worker
     from worker.settings import WorkerSettings
 
+    # A SIGTERM from here on ends the command through its finally (the worker stopped, the Redis too): one during
+    # the model's load killed it outright, its redis-server and folder left behind. uvicorn re-raises a SIGTERM once
+    # it has shut down, which comes here too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     url, redis_proc = start_private_redis()
     worker = thread = None
     try:  # (a bad option or model below must not leave the redis-server running)
@@ -40,8 +44,6 @@ def serve_embedded(args: argparse.Namespace) -> int:
         thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
         thread.start()
         client = server_client(url, queue, connection=embedded_connection(url) if connection is not None else None)
-        # uvicorn re-raises a SIGTERM once it has shut down: as SystemExit, so the worker and the Redis still stop.
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         return run_server(
             url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
