@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -273,7 +274,10 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            await client.connection.ping()
+            try:
+                await client.connection.ping()
+            except RedisConnectionError:  # (a pooled connection Redis dropped: a probe's 503 restarted a good server)
+                await client.connection.ping()
             live = await workers.live()
         except Exception as exc:
             return JSONResponse({"status": "unavailable", "reason": f"Redis: {exc}"}, status_code=503)

@@ -671,6 +671,27 @@ def test_a_client_that_leaves_a_non_streamed_request_cancels_its_job(redis_url):
         server.stop()
 
 
+def test_health_asks_redis_again_after_a_dropped_connection(served, redis_url, monkeypatch):
+    """A pooled connection Redis had dropped (a restart, an idle timeout, fakeredis' embedded server): /health said
+    503 once while every other route went through, and a container's probe restarted a good server."""
+    worker, _, _ = served
+    lone = ServerThread(redis_url, worker.queue)
+    try:
+        real, calls = lone.client.connection.ping, []
+
+        async def ping(**kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise redis.ConnectionError("Error 104 while writing to socket. Connection reset by peer.")
+            return await real(**kwargs)
+
+        monkeypatch.setattr(lone.client.connection, "ping", ping)
+        health = httpx.get(f"{lone.url}/health", timeout=10)
+        assert health.status_code == 200 and len(calls) == 2, health.text
+    finally:
+        lone.stop()
+
+
 def test_health_models_and_api_key(served, redis_url):
     worker, server, model = served
     health = httpx.get(f"{server.url}/health", timeout=10)
