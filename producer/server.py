@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -55,7 +56,14 @@ from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.schema import lone_surrogate
 from producer.server_jobs import CANCELING, answer_within, cancel_unseen_jobs, job_headers, results_unless_gone
-from producer.server_sse import PROMPT_FIELDS, chunk_stream, context_error_named, response_stream, start_stream
+from producer.server_sse import (
+    PROMPT_FIELDS,
+    chunk_stream,
+    context_error_named,
+    response_stream,
+    start_stream,
+    stop_open_streams,
+)
 from producer.token_names import BY_ID, TokenizerCache, TokenNames, digest_of
 from producer.tool_calls import TOOL_CALL_PARSERS
 
@@ -553,8 +561,6 @@ def run_server(
     reasoning_parser: str | None = None,
     allowed_origins: list[str] | None = None,
 ) -> int:
-    import uvicorn
-
     app = create_app(
         client or server_client(redis_url, queue), api_key, timeout, tool_call_parser, reasoning_parser, allowed_origins
     )
@@ -572,5 +578,23 @@ def run_server(
     with contextlib.suppress(KeyboardInterrupt):
         # A stop waits this long for open requests, then cancels them (their jobs too): without a bound it waited
         # for every stream to end, and the orchestrator's kill then left their jobs running for no one.
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        grace = SHUTDOWN_GRACE_S
+        _StoppingServer(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+        ).run()
     return 0
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose stop ends the open streams with the stopping error a second before its grace ends:
+    cut by the grace, each ended without a word to its client, and a traceback in the log."""
+
+    async def startup(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = getattr(self, "loop", None)
+        if not self.should_exit and loop is not None:  # (a signal's handler: to the loop through its pipe)
+            loop.call_soon_threadsafe(loop.call_later, max(SHUTDOWN_GRACE_S - 1.0, 0.0), stop_open_streams)
+        super().handle_exit(sig, frame)

@@ -81,6 +81,9 @@ async def unless_gone(request: Request, jobs: list[AsyncGenerationJob], wait: An
     except ConnectionAbortedError:
         cancel_all_soon(jobs)
         raise
+    except ServerStopping:  # (a stream's first events awaited as the server's grace ends)
+        cancel_all_soon(jobs)
+        raise with_jobs(stopping(), jobs) from None
     except asyncio.CancelledError:  # the server's stop, its grace over (a client's going away cancels nothing here)
         cancel_all_soon(jobs)
         if (task := asyncio.current_task()) is not None:
@@ -105,6 +108,11 @@ def job_error(exc: JobFailed | JobCanceled) -> APIError:
     if exc.error_type == "timeout":
         return not_to_retry(APIError(504, exc.reason, "timeout"))
     return APIError(500, exc.reason, "server_error")
+
+
+class ServerStopping(Exception):
+    """The server is stopping and its grace for open requests is nearly over: an open stream ends with the stopping
+    error and its [DONE], rather than cut when the grace ends (a traceback each, no word to its client)."""
 
 
 def stopping() -> APIError:

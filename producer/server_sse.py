@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Request
 from prometheus_client import Gauge
@@ -18,7 +19,15 @@ from producer.aio import AsyncGenerationJob
 from producer.job_errors import JobCanceled, JobFailed, ProtocolError, StreamGap, StreamRestarted
 from producer.openai_api import APIError, ChunkWriter, total_usage, without_output
 from producer.responses_api import ResponseWriter, in_responses_terms
-from producer.server_jobs import cancel_all_soon, cancel_soon, job_error, not_to_retry, unless_gone
+from producer.server_jobs import (
+    ServerStopping,
+    cancel_all_soon,
+    cancel_soon,
+    job_error,
+    not_to_retry,
+    stopping,
+    unless_gone,
+)
 
 # A stream of several prompts holds its headers for every job's first event (a refused job is the request's status),
 # but once one came, no longer than this: a job queued behind a full worker streams when it starts.
@@ -204,7 +213,9 @@ async def response_stream(
             cancel_soon(job)
 
 
-STREAM_ERRORS = (JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError)
+STREAM_ERRORS = (
+    JobFailed, JobCanceled, StreamRestarted, StreamGap, ProtocolError, TimeoutError, RedisError, ServerStopping
+)  # fmt: skip
 
 
 def context_error_named(err: APIError, prompt_field: str | None, max_tokens_field: str = "max_tokens") -> APIError:
@@ -227,6 +238,8 @@ def stream_error(exc: Exception, timeout: float, prompt_field: str | None = None
         return not_to_retry(APIError(504, str(exc), "timeout"))
     if isinstance(exc, TimeoutError):  # a job sent nothing for --timeout
         return not_to_retry(APIError(504, f"no new token within {timeout:g} s", "timeout"))
+    if isinstance(exc, ServerStopping):
+        return stopping()
     if isinstance(exc, RedisError):  # Redis went away past the client's retries: said, not a cut stream
         return APIError(503, f"Redis is unavailable: {exc}", "service_unavailable")
     return APIError(500, str(exc), "server_error")
@@ -251,11 +264,14 @@ class MergedEvents:
     """``(i, event)`` of each stream i as its events come, each read by a task of its own (a wait for the next one
     can time out without losing any); a stream's error once it comes."""
 
+    open: ClassVar[weakref.WeakSet[MergedEvents]] = weakref.WeakSet()  # (``stop_open_streams``)
+
     def __init__(self, streams: list[AsyncIterator[dict[str, Any]]]) -> None:
         self._first_within: tuple[float, float] | None = None  # (seconds, by when: monotonic) for ``after``
         self._arrived: asyncio.Queue = asyncio.Queue()
         self._left = len(streams)
         self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
+        MergedEvents.open.add(self)
 
     async def _read(self, i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
@@ -308,9 +324,20 @@ class MergedEvents:
             first = None
             yield got
 
+    def stop(self, exc: Exception) -> None:
+        """The next ``get`` raises ``exc``, whatever its streams send."""
+        self._arrived.put_nowait((-1, None, exc))
+
     def close(self) -> None:
+        MergedEvents.open.discard(self)
         for reader in self._readers:
             reader.cancel()
+
+
+def stop_open_streams() -> None:
+    """Every open stream ends with the server's stopping error (its jobs canceled as it ends), in the event loop."""
+    for events in list(MergedEvents.open):
+        events.stop(ServerStopping())
 
 
 PING = ": ping\n\n"  # an SSE comment: every client skips it

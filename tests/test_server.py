@@ -1056,7 +1056,8 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
             stream = httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
             with contextlib.suppress(httpx.HTTPError), stream as reply:
                 job["id"] = reply.headers["x-roseinfer-job-id"]
-                for _ in reply.iter_lines():
+                for line in reply.iter_lines():
+                    job.setdefault("lines", []).append(line)
                     started.set()
 
         def wait_whole() -> None:  # (a request not streamed: a plain-text 500 at the stop, no JSON error)
@@ -1077,6 +1078,11 @@ def test_a_stopped_server_gives_open_streams_a_bound_then_cancels_them_and_reads
         whole = job["whole"]
         assert whole.status_code == 503 and "the server is stopping" in whole.json()["error"]["message"], whole.text
         canceled = Client(redis_url, queue=worker.queue).job(whole.headers["x-roseinfer-job-id"])
+        reader.join(10)
+        # The stream ends with the error and its [DONE] (it was cut at the grace's end: no word, a traceback logged)
+        data = [line.removeprefix("data: ") for line in job["lines"] if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "the server is stopping" in json.loads(data[-2])["error"]["message"]
+        assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
