@@ -676,7 +676,7 @@ def batch(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary), file=sys.stderr)
+    print(json.dumps(summary))  # (the one line on stdout, for a script: `| jq .failed`; the rest said on stderr)
     if summary["reused"] and not summary["skipped"]:  # (rows in the output already: a resume, its own jobs)
         print(
             f"note: {summary['reused']} rows were taken from jobs of an earlier run still in Redis (an interrupted run "

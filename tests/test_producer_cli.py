@@ -469,7 +469,7 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     argv = shlex.split(command)
     assert argv[0] == "roseinfer"
     assert producer_cli.batch(_parse(*argv[1:])) == 0
-    summary = json.loads(next(line for line in capsys.readouterr().err.splitlines() if line.startswith("{")))
+    summary = json.loads(capsys.readouterr().out)  # (stdout holds it alone: a script's `| jq .failed`)
     rows = _rows(out)
     assert sorted(r["custom_id"] for r in rows) == sorted(ids)  # each row once
     assert summary["skipped"] == len(first) and summary["succeeded"] == 16 - len(first)
@@ -626,9 +626,8 @@ def test_a_rerun_into_a_new_output_says_it_reused_results_and_fresh_generates_ag
     def run(name: str, *extra: str) -> tuple[dict, str, dict[str, dict]]:
         out = tmp_path / name
         assert producer_cli.batch(_parse("batch", str(src), "-o", str(out), *conn, *extra)) == 0
-        err = capsys.readouterr().err
-        summary = json.loads(next(line for line in err.splitlines() if line.startswith("{")))
-        return summary, err, {r["custom_id"]: r for r in _rows(out)}
+        said = capsys.readouterr()
+        return json.loads(said.out), said.err, {r["custom_id"]: r for r in _rows(out)}
 
     first, err, rows1 = run("one.jsonl")
     assert first["reused"] == 0 and "earlier run" not in err
