@@ -25,8 +25,9 @@ def _missing() -> str | None:
 
 
 MISSING = _missing()
-if MISSING is not None and os.environ.get("ROSEINFER_REQUIRE_NODE"):  # (.ci/run installed it: not to skip silently)
-    raise RuntimeError(f"ROSEINFER_REQUIRE_NODE is set, but {MISSING}")
+# (.ci/run installed it: not to skip silently there)
+if MISSING is not None and os.environ.get("CI_REQUIRE_NODE_CONFORMANCE"):
+    raise RuntimeError(f"CI_REQUIRE_NODE_CONFORMANCE is set, but {MISSING}")
 
 
 # Skipped at collection, so that a machine without node does not build the model fixtures for nothing.
