@@ -2,7 +2,9 @@
 
 Greedy rows take the argmax. Random rows are sampled by inverting their distribution's running sum at one uniform
 draw each, from the request's own generator when it has a seed: the same seed and prompt then give the same tokens
-whatever else shares the batch, and a resumed request replays one draw per token. (An exponential race, argmax of
+whatever else shares the batch (bit for bit on the CPU's own kernels; the PyTorch attention path, a GPU's or
+ROSEINFER_CPU_KERNELS=0, pads across the batch and its logits move by ~1e-6 with it: a near tie may go either way),
+and a resumed request replays one draw per token. (An exponential race, argmax of
 p / q with q ~ Exp(1), draws a whole vocabulary of noise per token: on a CPU that alone cost more than the rest.)
 On a CPU the C kernel ``kernels.sample_rows`` does a row's temperature, filters and draw in one place from the same
 uniform numbers (PyTorch's ops took ten passes over the vocabulary and a float64 copy of it: a 64-row step sampled
