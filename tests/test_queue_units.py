@@ -3658,17 +3658,19 @@ def test_a_cancel_between_the_requeues_look_and_its_write_stands(redis_url, monk
 
 
 @pytest.mark.redis
-def test_a_client_cancel_of_a_job_whose_worker_died_ends_it_once_its_entry_lapses(redis_url):
+@pytest.mark.parametrize("priority", [0, 10])
+def test_a_client_cancel_of_a_job_whose_worker_died_ends_it_once_its_entry_lapses(redis_url, priority):
     """RQ's cancel takes the job's started entry out: a job canceled while its worker was dead was never ended (no
     result, no last event, a notify waiter waiting for good, the hash and its prompt kept for good), where a raw
-    ``HSET status canceled`` was. The entry stays; maintenance ends the job as for that one."""
+    ``HSET status canceled`` was. The entry stays; maintenance ends the job as for that one. In a lane too (the
+    bulk one, batch's): its ending's client was made with the lane's name, which a client refuses."""
     from producer import JobCanceled
-    from producer.protocol import OWNER_FIELD, done_key, stream_key
+    from producer.protocol import OWNER_FIELD, done_key, lane_name, stream_key
 
     conn, worker, client = _worker_of_a_new_queue(redis_url)
-    queue = worker.queues[0]
-    notify = f"done-{queue.name}"
-    job = client.submit("its worker died", max_tokens=8, notify=notify)
+    queue = next(q for q in worker.queues if q.name == lane_name(worker.queues[0].name, priority))
+    notify = f"done-{worker.queues[0].name}"
+    job = client.submit("its worker died", max_tokens=8, notify=notify, priority=priority)
     conn.lrem(queue.key, 0, job.id)
     worker.mark_started([(job.rq_job, queue)], [job.id])  # (its execution records, as a start writes them)
     member = f"{job.id}:{conn.hget(job.rq_job.key, OWNER_FIELD).decode()}"

@@ -21,7 +21,7 @@ from rq.registry import clean_registries
 from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
-from producer.protocol import RESUMED_FROM_FIELD, stream_key
+from producer.protocol import RESUMED_FROM_FIELD, queue_of_lane, stream_key
 from producer.schema import job_ending
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy
@@ -220,7 +220,9 @@ class Maintenance:
         job = self._job_of(queue, job_id)
         if job is None:
             return
-        Client(connection=self.connection, queue=queue.name).job(job_id)._end_unrun(job, its_worker_died=True)
+        # (the client of the lane's queue: a lane's own name is no queue's, and the client refuses it)
+        client = Client(connection=self.connection, queue=queue_of_lane(queue.name))
+        client.job(job_id)._end_unrun(job, its_worker_died=True)
         self.connection.zrem(queue.started_job_registry.key, member)
         log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
