@@ -639,7 +639,10 @@ def batch(args: argparse.Namespace) -> int:
     try:
         # A --timeout past the jobs' own limit (the client's job_timeout) raises it: the worker's limit ended each
         # attempt first, a timeout retried, and the run's --timeout never came into play.
-        limit = {"job_timeout": max(DEFAULT_JOB_TIMEOUT, math.ceil(args.timeout))} if args.timeout else {}
+        limit = {}
+        if args.timeout:  # (inf: no limit, -1 as RQ writes it)
+            finite = math.isfinite(args.timeout)
+            limit["job_timeout"] = max(DEFAULT_JOB_TIMEOUT, math.ceil(args.timeout)) if finite else -1
         summary = run_batch(
             _client(args, **limit),
             args.input,

@@ -1203,7 +1203,7 @@ def test_a_batch_timeout_past_the_jobs_own_limit_raises_it(monkeypatch, tmp_path
 
     monkeypatch.setattr(batch_mod, "run_batch", fake_run)
     monkeypatch.setattr(Client, "no_worker_warning", lambda self, queue=None: None)
-    for timeout, limit in (("7200.5", 7201), ("60", 3600), (None, 3600)):
+    for timeout, limit in (("7200.5", 7201), ("60", 3600), (None, 3600), ("inf", -1)):  # (inf: OverflowError)
         argv = ["batch", str(src), "-o", str(tmp_path / f"out-{timeout}.jsonl"), "--redis-url", "redis://127.0.0.1:1/0"]
         producer_cli.batch(_parse(*argv, *(["--timeout", timeout] if timeout else [])))
         assert limits[-1] == limit
