@@ -657,7 +657,21 @@ def ending_of(payload: Any) -> Ending:
         if isinstance(value := payload.get(name), kind):
             with contextlib.suppress(ValidationError):
                 fields[name] = adapter.validate_python(value)
+    if "metadata" in fields and not _echoable(fields["metadata"]):  # (the job's own checks, which refused it)
+        del fields["metadata"]
     return Ending(**fields)
+
+
+def _echoable(value: Any) -> bool:
+    """Whether a JSON value may go into a result as it is: strict JSON (no NaN, no lone surrogate), not nested past
+    what a reader parses; a job refused for its metadata echoed the very NaN or surrogate it was refused for."""
+    if json_depth(value) > MAX_JSON_DEPTH or lone_surrogate(value) is not None:
+        return False
+    try:
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 @functools.cache

@@ -5115,3 +5115,19 @@ def test_a_closed_async_client_takes_no_job(redis_url):
 
     asyncio.run(main())
     assert Redis.from_url(redis_url).llen(f"rq:queue:{queue}") == 0
+
+
+def test_a_refused_jobs_result_echoes_its_metadata_only_where_the_job_would_have_taken_it():
+    """A job refused for its metadata (NaN, a lone surrogate, nested past what a reader parses) echoed that very
+    metadata in its failed result: JSON no other language reads."""
+    from producer.protocol import failure_result
+    from producer.schema import MAX_JSON_DEPTH, ending_of
+
+    deep: dict = {}
+    inner = deep
+    for _ in range(MAX_JSON_DEPTH + 1):
+        inner["a"] = {}
+        inner = inner["a"]
+    for refused in ({"x": float("nan")}, {"x": "\ud800"}, {"x": float("inf")}, deep):
+        assert "metadata" not in failure_result("j", ending_of({"metadata": refused}), "refused")
+    assert failure_result("j", ending_of({"metadata": {"run": 3}}), "refused")["metadata"] == {"run": 3}
