@@ -62,6 +62,7 @@ def test_a_stopped_private_redis_is_gone_with_its_folder(tmp_path):
         pytest.skip("could not start redis-server")
     folder = Path(proc.args[proc.args.index("--dir") + 1])
     assert folder.is_dir()
+    assert os.getpgid(proc.pid) == os.getpgid(0)  # (in its caller's group: a signal to the group, a timeout's, ends it)
     stop_private_redis(proc)
     assert proc.returncode is not None and not folder.exists()
     cmd = ["redis-server", "--port", str(free_port()), "--save", "", "--dir", str(tmp_path)]

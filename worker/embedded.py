@@ -29,9 +29,9 @@ def serve_embedded(args: argparse.Namespace) -> int:
     # the model's load killed it outright, its redis-server and folder left behind. uvicorn re-raises a SIGTERM once
     # it has shut down, which comes here too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    url, redis_proc = start_private_redis()
-    worker = thread = None
+    redis_proc = worker = thread = None
     try:  # (a bad option or model below must not leave the redis-server running)
+        url, redis_proc = start_private_redis(own_session=True)  # (stopped below, whatever stops the command)
         connection = None
         if redis_proc is None:
             url = start_embedded_redis()

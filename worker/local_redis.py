@@ -35,13 +35,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_private_redis(server: str = "redis-server", port: int | None = None) -> tuple[str, subprocess.Popen | None]:
+def start_private_redis(
+    server: str = "redis-server", port: int | None = None, own_session: bool = False
+) -> tuple[str, subprocess.Popen | None]:
     """A throwaway redis-server (nothing saved) on ``port`` (default: a free one); (url, process), or (url, None)
-    when it cannot start (or is older than ``MIN_REDIS``: fakeredis serves then)."""
+    when it cannot start (or is older than ``MIN_REDIS``: fakeredis serves then). ``own_session``: out of the
+    caller's process group, for a command that stops it itself on every signal (``serve --embedded``): a terminal's
+    Ctrl-C reaches the whole group, and the Redis died under the command's shutdown (its cancels and its jobs' ends
+    refused: 36 s, a traceback a request). Others keep it in their group, so that a signal to the group (timeout,
+    a closed terminal) ends it with them."""
     if shutil.which(server) is None or (redis_server_version(server) or MIN_REDIS) < MIN_REDIS:
         return f"redis://127.0.0.1:{port or free_port()}/0", None
     for _ in range(1 if port else 5):  # a free port can be taken by another process before ours binds it
-        url, proc = _start_redis_on(server, port or free_port())
+        url, proc = _start_redis_on(server, port or free_port(), own_session)
         if proc is not None:
             return url, proc
     return url, None
@@ -72,14 +78,12 @@ def _own_folder(proc: subprocess.Popen) -> Path | None:
     return folder if own else None
 
 
-def _start_redis_on(server: str, port: int) -> tuple[str, subprocess.Popen | None]:
+def _start_redis_on(server: str, port: int, own_session: bool = False) -> tuple[str, subprocess.Popen | None]:
     url = f"redis://127.0.0.1:{port}/0"
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     folder = tempfile.mkdtemp(prefix=_FOLDER_PREFIX)  # (empty: a dump.rdb in the working folder is never loaded)
-    # A session of its own: a terminal's Ctrl-C reaches the process group, and the Redis died under the command's
-    # own shutdown (its cancels and its jobs' ends refused: 36 s and a traceback each); the command stops it.
     proc = subprocess.Popen(
-        [*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        [*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=own_session
     )
     if serves(proc, port):
         return url, proc
