@@ -33,7 +33,9 @@ parts=("$@"); [[ ${#parts[@]} == 0 ]] && parts=(all)
 all=(queue tests smol 1b queue-engine-process timeline)
 expanded=(); for p in "${parts[@]}"; do [[ $p == all ]] && expanded+=("${all[@]}") || expanded+=("$p"); done
 parts=("${expanded[@]}")  # (all among others: its parts and the others, in the order given)
-pack() { tar czf "$out/.gpu-check.tgz.part" -C "$logs" . 2>/dev/null && mv -f "$out/.gpu-check.tgz.part" "$out/gpu-check.tgz"; }
+# (a part file of each packing process's own: the packer's and a part's end can overlap)
+pack() { local part="$out/.gpu-check.$BASHPID.part"
+  tar czf "$part" -C "$logs" . 2>/dev/null && mv -f "$part" "$out/gpu-check.tgz"; rm -f "$part"; }
 # What a part cut at its cap leaves running (its workers, their engine processes, its redis-server) is ended before
 # the next: a cut run's workers held their GPU memory and CPU under the parts after it.
 # (by /proc where the image has no pkill: its error was hidden, and nothing was ended)
@@ -145,4 +147,4 @@ done
 echo "== done at $((SECONDS - start))s of ${budget}s" | tee -a "$logs/parts.log"
 if [[ -n $parse_only ]]; then ! grep -q "^rc [1-9]" "$logs/parts.log"; exit; fi
 kill $packer 2>/dev/null; wait $packer 2>/dev/null
-pack
+pack; rm -f "$out"/.gpu-check.*.part  # (one the packer was writing as it was stopped)
