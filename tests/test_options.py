@@ -697,7 +697,7 @@ def test_serve_embedded_stops_its_redis_server_when_an_option_is_refused(monkeyp
         def wait(self, timeout=None):
             return 0
 
-    monkeypatch.setattr(local_redis, "start_private_redis", lambda: ("redis://127.0.0.1:1/0", Server()))
+    monkeypatch.setattr(local_redis, "start_private_redis", lambda **_: ("redis://127.0.0.1:1/0", Server()))
     with pytest.raises(ValidationError):
         serve_embedded(build_parser().parse_args(["serve", "--embedded", "--dtype", "bf16"]))
     assert Server.stopped
