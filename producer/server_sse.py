@@ -271,6 +271,7 @@ class MergedEvents:
         self._arrived: asyncio.Queue = asyncio.Queue()
         self._left = len(streams)
         self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
+        self._loop = asyncio.get_running_loop()
         MergedEvents.open.add(self)
 
     async def _read(self, i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
@@ -325,7 +326,7 @@ class MergedEvents:
             yield got
 
     def stop(self, exc: Exception) -> None:
-        """The next ``get`` raises ``exc``, whatever its streams send."""
+        """``get`` raises ``exc`` once it has given what came before."""
         self._arrived.put_nowait((-1, None, exc))
 
     def close(self) -> None:
@@ -335,9 +336,12 @@ class MergedEvents:
 
 
 def stop_open_streams() -> None:
-    """Every open stream ends with the server's stopping error (its jobs canceled as it ends), in the event loop."""
+    """Every open stream of this event loop's server ends with the server's stopping error (its jobs canceled as it
+    ends); another loop's (a second server in the process) are its own to stop."""
+    loop = asyncio.get_running_loop()
     for events in list(MergedEvents.open):
-        events.stop(ServerStopping())
+        if events._loop is loop:
+            events.stop(ServerStopping())
 
 
 PING = ": ping\n\n"  # an SSE comment: every client skips it
