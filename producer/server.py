@@ -543,7 +543,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def server_client(redis_url: str, queue: str, **options: Any) -> AsyncClient:
     """The server's client: its failed jobs kept as long as its others (RQ's year kept each failed request's payload,
     a 400 already answered: any caller of the API could fill Redis with them)."""
-    return AsyncClient(redis_url, queue, failure_ttl=DEFAULT_RESULT_TTL, **options)
+    return AsyncClient(redis_url, queue, **{"failure_ttl": DEFAULT_RESULT_TTL, **options})
 
 
 SHUTDOWN_GRACE_S = 5  # (docker-compose.yml gives the server longer than this to stop)

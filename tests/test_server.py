@@ -964,6 +964,10 @@ def test_serve_embedded_is_one_command(tiny_chat_model):
         ports = [int(re.search(r":(\d+)", _command(p)).group(1)) for p in redis_servers]
         folders = [Path(redis.Redis(port=port).config_get("dir")["dir"]) for port in ports]
         assert all(f.is_dir() for f in folders)
+        for port in ports:  # (a day's results in the command's own Redis: ~13 KB a request, hundreds of MB a day)
+            own = redis.Redis(port=port)
+            kept = [own.ttl(key) for pattern in ("rq:results:*", "rq:job:*") for key in own.scan_iter(pattern)]
+            assert kept and all(0 < ttl <= 600 for ttl in kept), kept
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 log = logging.getLogger("roseinfer.worker")
+# How long a job's result and hash outlive its answer in the embedded Redis: no one else reads that Redis, and it
+# lives in the command's memory (a day's, the default, took ~13 KB a request: a busy day, hundreds of MB).
+EMBEDDED_RESULT_TTL = 600
 
 
 def serve_embedded(args: argparse.Namespace) -> int:
@@ -38,12 +42,17 @@ def serve_embedded(args: argparse.Namespace) -> int:
             connection = embedded_connection(url)
         queue = target(args)[1]  # --queue, else ROSEINFER_QUEUE; the Redis is this command's own
         given = {k: v for k, v in {"model": args.model, "dtype": args.dtype}.items() if v is not None}
+        if "ROSEINFER_RESULT_TTL" not in os.environ:  # (a canceled or rejected job's)
+            given["result_ttl"] = EMBEDDED_RESULT_TTL
         settings = WorkerSettings(redis_url=url, queue=queue, **given)  # (else ROSEINFER_MODEL, ROSEINFER_DTYPE)
         log.warning("embedded Redis at %s; loading %s", url, settings.model)
         worker = build_worker(settings, connection)
         thread = threading.Thread(target=worker.work, kwargs={"logging_level": "WARNING"}, daemon=True)
         thread.start()
-        client = server_client(url, queue, connection=embedded_connection(url) if connection is not None else None)
+        client = server_client(
+            url, queue, connection=embedded_connection(url) if connection is not None else None,
+            result_ttl=EMBEDDED_RESULT_TTL, failure_ttl=EMBEDDED_RESULT_TTL,
+        )  # fmt: skip
         return run_server(
             url, queue, args.host, args.port, args.api_key, args.timeout, client=client,
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
