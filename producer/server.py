@@ -575,13 +575,13 @@ def run_server(
         except REDIS_UNAVAILABLE as exc:
             url = redacted_url(redis_url)
             log.warning("Redis does not answer at %s (%s): requests get 503 until it does", url, exc)
-    with contextlib.suppress(KeyboardInterrupt):
-        # A stop waits this long for open requests, then cancels them (their jobs too): without a bound it waited
-        # for every stream to end, and the orchestrator's kill then left their jobs running for no one.
-        grace = SHUTDOWN_GRACE_S
-        _StoppingServer(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
-        ).run()
+    # A stop waits this long for open requests, then cancels them (their jobs too): without a bound it waited for
+    # every stream to end, and the orchestrator's kill then left their jobs running for no one. A Ctrl-C comes back
+    # from uvicorn once it has stopped, as a KeyboardInterrupt: the command's 130, as its other commands' (it was 0).
+    grace = SHUTDOWN_GRACE_S
+    _StoppingServer(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    ).run()
     return 0
 
 

@@ -1918,3 +1918,29 @@ def test_a_cancel_that_cannot_reach_redis_is_said_in_one_line(caplog):
     with caplog.at_level(logging.WARNING, logger=server_jobs.log.name):
         asyncio.run(cancel())
     assert "job gone-1: its cancel did not reach Redis (ConnectionError: Error 111" in caplog.text
+
+
+def test_a_server_stopped_by_ctrl_c_exits_130_as_the_other_commands_do():
+    """uvicorn hands the Ctrl-C back once it has stopped: it was suppressed, and the command exited 0."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--redis-url", "redis://127.0.0.1:1/0", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # (up: /health answers, 503 with no Redis)
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no start"
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert proc.stderr.read().rstrip().endswith("interrupted")
+    finally:
+        proc.kill()
+        proc.wait()
