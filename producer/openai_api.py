@@ -31,6 +31,7 @@ IGNORED = (
     "user", "service_tier", "store", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "verbosity",
     "prompt_cache_retention", "prompt_cache_options",  # (the prefix cache here keeps what it can, unasked)
     "tools", "tool_choice",  # (a chat's: ``ChatCompletionRequest.job_fields`` takes them)
+    "modalities",  # (["text"] alone: what a text model makes)
 )  # fmt: skip
 
 
@@ -302,6 +303,8 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool | None = None  # vLLM's: false leaves the thinking out of the answer (still told apart)
     verbosity: Literal["low", "medium", "high"] | None = None  # (a reasoning model's; taken, as nothing reads it)
+    # OpenAI's output kinds: text is all a text model makes (some clients send ["text"] always; it was a 400)
+    modalities: list[Literal["text"]] | None = None
 
     @property
     def echoed(self) -> str:

@@ -729,3 +729,16 @@ def test_a_queued_stream_whose_pings_keep_the_client_reading_is_not_cut_at_its_r
     client = ScriptedClient([late])
     start, chunks = post(client, body, headers={"x-stainless-read-timeout": "1"})
     assert start["status"] == 200 and chunks[-2]["error"]["type"] == "timeout" and client.canceled == ["job0"]
+
+
+def test_a_chat_asking_for_text_output_alone_is_taken_and_other_modalities_refused():
+    """``modalities: ["text"]`` (some clients send it always) was a 400, "unsupported parameter"; audio is not
+    made here, and a request for it is refused by name."""
+    from producer.openai_api import APIError, ChatCompletionRequest, parse
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    _, payload = parse(ChatCompletionRequest, {**body, "modalities": ["text"]})
+    assert "modalities" not in payload and payload["messages"] == body["messages"]
+    with pytest.raises(APIError) as refused:
+        parse(ChatCompletionRequest, {**body, "modalities": ["text", "audio"]})
+    assert refused.value.status == 400 and refused.value.param == "modalities.1"
