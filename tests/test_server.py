@@ -1002,13 +1002,16 @@ def test_serve_embedded_stopped_while_its_model_loads_stops_its_redis_server(tin
            "--port", str(free_port())]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline, children = time.monotonic() + 60, []
-        while not children and time.monotonic() < deadline:
-            children = [p for p in Path("/proc").iterdir() if _parent(p) == proc.pid and "redis" in _command(p)]
+        deadline, server, port = time.monotonic() + 60, None, None
+        while port is None and time.monotonic() < deadline:  # (not `redis-server --version`, the check before it)
+            for p in Path("/proc").iterdir():
+                command = _command(p)  # (its arguments, or once started its title: "redis-server 127.0.0.1:<port>")
+                found = re.search(r"(?:--port\x00|:)(\d+)", command)
+                if found and _parent(p) == proc.pid and "redis" in command and "--version" not in command:
+                    server, port = p, int(found[1])
             time.sleep(0.1)
-        assert children, "no redis-server started"
-        assert os.getsid(int(children[0].name)) == int(children[0].name)  # (its own session)
-        port = int(re.search(r":(\d+)", _command(children[0])).group(1))
+        assert server is not None, "no redis-server started"
+        assert os.getsid(int(server.name)) == int(server.name)  # (its own session)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # (up once it answers: the load begins after that)
             with contextlib.suppress(redis.RedisError):
@@ -1021,7 +1024,7 @@ def test_serve_embedded_stopped_while_its_model_loads_stops_its_redis_server(tin
     finally:
         proc.kill()
         proc.wait()
-    assert not _command(children[0]) and not folder.exists()  # (its redis-server ended, its folder removed)
+    assert not _command(server) and not folder.exists()  # (its redis-server ended, its folder removed)
 
 
 @pytest.mark.slow  # seconds: a server process started and stopped
