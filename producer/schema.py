@@ -549,14 +549,8 @@ class JobRequest(BaseModel):
         checked = (("structured output schema", schema), ("metadata", self.metadata), ("tools", tools),
                    ("chat_template_kwargs", self.chat_template_kwargs))  # fmt: skip
         for name, value in checked:
-            if json_depth(value) > MAX_JSON_DEPTH:
-                raise ValueError(f"the {name} nests objects and lists deeper than {MAX_JSON_DEPTH} levels")
-            try:  # Python reads 1e400 as infinity, and wrote it back as Infinity: JSON no other language parses
-                json.dumps(value, allow_nan=False)
-            except ValueError:
-                raise ValueError(f"the {name} holds NaN or an infinite number (1e400, say): JSON has none") from None
-            except TypeError as exc:  # (a datetime, a set, a numpy number: pydantic passes a TypeError on as it is)
-                raise ValueError(f"the {name} holds a value JSON cannot hold: {exc}") from None
+            if (problem := json_problem(value)) is not None:
+                raise ValueError(f"the {name} {problem}")
         return self
 
     def structured_form(self) -> dict[str, Any] | None:
@@ -662,16 +656,24 @@ def ending_of(payload: Any) -> Ending:
     return Ending(**fields)
 
 
-def _echoable(value: Any) -> bool:
-    """Whether a JSON value may go into a result as it is: strict JSON (no NaN, no lone surrogate), not nested past
-    what a reader parses; a job refused for its metadata echoed the very NaN or surrogate it was refused for."""
-    if json_depth(value) > MAX_JSON_DEPTH or lone_surrogate(value) is not None:
-        return False
-    try:
+def json_problem(value: Any) -> str | None:
+    """What keeps a value of the payload from being strict JSON another language reads (as words that follow its
+    name), or None."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        return f"nests objects and lists deeper than {MAX_JSON_DEPTH} levels"
+    try:  # Python reads 1e400 as infinity, and wrote it back as Infinity: JSON no other language parses
         json.dumps(value, allow_nan=False)
-    except (ValueError, TypeError):
-        return False
-    return True
+    except ValueError:
+        return "holds NaN or an infinite number (1e400, say): JSON has none"
+    except TypeError as exc:  # (a datetime, a set, a numpy number: pydantic passes a TypeError on as it is)
+        return f"holds a value JSON cannot hold: {exc}"
+    return None
+
+
+def _echoable(value: Any) -> bool:
+    """Whether a JSON value may go into a result as it is, by the payload's own checks (``json_problem``, and no lone
+    surrogate): a job refused for its metadata echoed the very NaN or surrogate it was refused for."""
+    return json_problem(value) is None and lone_surrogate(value) is None
 
 
 @functools.cache
