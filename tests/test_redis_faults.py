@@ -71,6 +71,31 @@ def test_a_stopped_private_redis_is_gone_with_its_folder(tmp_path):
     assert other.returncode is not None and tmp_path.is_dir()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_private_redis_ends_with_a_command_killed_outright():
+    """A command SIGKILLed (the OOM killer, kill -9) left its redis-server serving for good: ``serve --embedded``'s,
+    in its own session, is out of reach of a signal to the group too. The kernel now ends it with its parent."""
+    code = (
+        "from worker.local_redis import start_private_redis; import time\n"
+        "url, proc = start_private_redis(own_session=True); print(proc.pid, url, flush=True); time.sleep(60)"
+    )
+    command = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid, url = command.stdout.readline().split()
+    assert Redis.from_url(url).ping()
+    command.kill()
+    command.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):  # (gone, or a zombie the machine's init has not reaped yet)
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                time.sleep(0.05)
+                continue
+        break
+    else:
+        os.kill(int(pid), 9)
+        pytest.fail("the redis-server outlived the command that started it")
+
+
 def test_an_eviction_policy_is_warned_about_or_refused(own_redis, caplog, capsys):
     url, conn = own_redis
     conn.config_set("maxmemory-policy", "allkeys-lru")

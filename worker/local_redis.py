@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from redis import Redis
@@ -16,6 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 _FOLDER_PREFIX = "roseinfer-redis-"  # a private server's folder: the one name stop_private_redis removes
+_PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 MIN_REDIS = (6, 2)  # LMOVE and BLMOVE (the pull), GETDEL, XADD's NOMKSTREAM, exclusive XRANGE starts
 
 
@@ -83,13 +89,35 @@ def _start_redis_on(server: str, port: int, own_session: bool = False) -> tuple[
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     folder = tempfile.mkdtemp(prefix=_FOLDER_PREFIX)  # (empty: a dump.rdb in the working folder is never loaded)
     proc = subprocess.Popen(
-        [*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=own_session
-    )
+        [*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=own_session, preexec_fn=_parent_death_signal(),
+    )  # fmt: skip
     if serves(proc, port):
         return url, proc
     proc.kill()
     stop_private_redis(proc)  # (waited for, its folder removed)
     return url, None
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """For the child: a SIGTERM from the kernel when the thread that started it ends, so that a command killed
+    outright (SIGKILL, the OOM killer) does not leave its redis-server serving for good (``serve --embedded``'s,
+    in its own session, not even a signal to the group reached it). Linux only, and only from the main thread
+    (a thread's end would stop the server under a command still using it)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # (looked up here: the child only calls it)
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the call: no signal would come
+            os._exit(1)
+
+    return die_with_parent
 
 
 def serves(proc: subprocess.Popen, port: int, timeout: float = 5.0) -> bool:
