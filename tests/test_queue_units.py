@@ -3927,6 +3927,9 @@ def test_a_jobs_unset_sampling_fields_take_the_models_recommended_defaults():
     given = sampling_params("j2", JobRequest.model_validate(payload), defaults)
     assert (given.temperature, given.max_tokens, given.top_k, given.seed) == (0.0, 5, 20, None)
     assert sampling_params("j3", JobRequest.model_validate({"prompt": "x"})).temperature == 1.0  # none: the API's
+    # A writer that sends every field sends max_tokens null: unset, as the producers' (which leave it out) and vLLM's
+    null = sampling_params("j4", JobRequest.model_validate({"prompt": "x", "max_tokens": None}), defaults)
+    assert null.max_tokens == 64
 
 
 def test_a_recommendable_setting_given_at_its_default_value_reaches_the_worker_and_wins():

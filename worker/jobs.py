@@ -139,7 +139,9 @@ def sampling_params(job_id: str, req: JobRequest, defaults: dict[str, Any] | Non
 
     # Deltas: a step builds no copy of a job's whole output, and the step loop asks for them only when it sends.
     kwargs = {**req.sampling_kwargs(), "output_kind": "delta"}
-    kwargs.update({k: v for k, v in (defaults or {}).items() if k not in req.model_fields_set})
+    # (a null, max_tokens', is unset, as the producers send it and as vLLM takes it)
+    unset = {k for k in defaults or {} if k not in req.model_fields_set or getattr(req, k, None) is None}
+    kwargs.update({k: v for k, v in (defaults or {}).items() if k in unset})
     if kwargs["seed"] is None and kwargs["temperature"] > 0:
         kwargs["seed"] = job_seed(job_id)
     try:
