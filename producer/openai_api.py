@@ -247,7 +247,9 @@ class _Common(APIShape):
             raise APIError(400, "prompt_logprobs are not streamed: ask without stream", param="prompt_logprobs")
         skip = {"model", "stream", "stream_options", "messages", "prompt", *IGNORED}
         skip |= set() if self.logit_bias else {"logit_bias"}  # {}: no bias
-        fields = {k: v for k, v in self.model_dump(exclude_none=True, by_alias=True).items() if k not in skip}
+        # (excluded from the dump, not dropped after it: a list of 256 prompts was dumped once a prompt, 20 s)
+        dumped = self.model_dump(exclude_none=True, by_alias=True, exclude=skip & set(type(self).model_fields))
+        fields = {k: v for k, v in dumped.items() if k not in skip}
         if self.continuous_usage:  # the job's events carry the prompt's length, which the chunks' usage needs
             fields["stream_options"] = {"continuous_usage_stats": True}
         return fields

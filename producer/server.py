@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -321,7 +322,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_request(TokenizeRequest, await _body(request))
+        req = await _parsed(request, functools.partial(parse_request, TokenizeRequest))
         tokenizer = await _tokenizer(req.model)
         if req.messages is not None:  # vLLM's chat form: rendered by the worker's chat template, as its job's
             job = req.chat_job()
@@ -342,7 +343,7 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_request(DetokenizeRequest, await _body(request))
+        req = await _parsed(request, functools.partial(parse_request, DetokenizeRequest))
         tokenizer = await _tokenizer(req.model)
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         if bad := [t for t in req.tokens if not 0 <= t < vocab]:
@@ -396,11 +397,10 @@ def create_app(
 
     async def _complete(request: Request, kind: type) -> Any:
         wait, created = answer_within(request, timeout), int(time.time())  # (OpenAI's created: the request's time)
-        body = await _body(request)
         if kind is CompletionRequest:  # a prompt or a list of them: a job each
-            req, jobs_fields = parse_completions(body)
+            req, jobs_fields = await _parsed(request, parse_completions)
         else:
-            req, fields = parse(kind, body, tool_call_parser, reasoning_parser)
+            req, fields = await _parsed(request, lambda body: parse(kind, body, tool_call_parser, reasoning_parser))
             jobs_fields = [fields]
             if req.max_completion_tokens is not None:  # (the name a context error gives it)
                 request.state.max_tokens_field = "max_completion_tokens"
@@ -458,7 +458,8 @@ def create_app(
     async def responses(request: Request) -> Any:
         """OpenAI's Responses API: the chat job its request means, answered as a response or its events."""
         wait = answer_within(request, timeout)
-        req, chat, fields = parse_responses(await _body(request), tool_call_parser, reasoning_parser)
+        parser = functools.partial(parse_responses, tool_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+        req, chat, fields = await _parsed(request, parser)
         await _served(req.model)
         # (before the submit, as the chat's; a thinking model's too: its reasoning tokens are counted by them)
         names = await _token_names(req.model, chat.num_logprobs is not None or chat.reasoning_plan() is not None)
@@ -498,10 +499,21 @@ def _mixed_models(queue: str, served: list[str]) -> str:
 
 TOKENIZE_AT_ONCE = 2  # /tokenize requests encoding at once (a text of the largest body took ~2 GB to encode)
 MAX_BODY_BYTES = 16 * 2**20  # far past any model's context in text: a 30 MB prompt to /tokenize took 2.6 GB
+T = TypeVar("T")
+PARSE_ON_LOOP_BYTES = 2**20  # a smaller body is parsed on the event loop (~50 ms at most), not in a pooled thread
 
 
-async def _body(request: Request) -> Any:
-    """The request's JSON, or a 400 saying why not (a 413 past ``MAX_BODY_BYTES``)."""
+async def _parsed(request: Request, parse: Callable[[Any], T]) -> T:
+    """``parse`` of the request's JSON body (its 400s raised as they are); a large body's off the event loop: the
+    16 MB of token ids a request may send took 2 s to decode, check and parse, every other client waiting."""
+    raw = await _body(request)
+    if len(raw) < PARSE_ON_LOOP_BYTES:
+        return parse(_decoded(raw))
+    return await asyncio.to_thread(lambda: parse(_decoded(raw)))
+
+
+async def _body(request: Request) -> bytearray:
+    """The request's body, or a 413 past ``MAX_BODY_BYTES`` (a 400 for an upload cut short)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # (refused before it is read)
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
@@ -513,6 +525,11 @@ async def _body(request: Request) -> Any:
                 raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     except ClientDisconnect:  # (an upload cut short: an error's traceback in the log each, for no one)
         raise APIError(400, "the client went away before its request body ended") from None
+    return raw
+
+
+def _decoded(raw: bytearray) -> Any:
+    """The body's JSON, or a 400 saying why not."""
     try:
         body = json.loads(raw)
     except RecursionError:  # arrays nested past the parser's depth: JSON, but no request

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -441,6 +442,51 @@ def test_a_body_past_the_servers_bound_is_a_413_before_it_is_read_whole(monkeypa
     assert client.jobs == []
     start, _ = post(ScriptedClient([[(0.01, event(0, "x", "stop"))]]), {"model": "m", "prompt": "x" * 100})
     assert start["status"] == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch, path):
+    """16 MB of token ids (256 prompts) held the event loop 18 s, /health and every stream waiting: 2 s of decoding
+    and checking, 16 s of dumping the whole request once a prompt."""
+    on_loop: list[bool] = []
+    real = server_module._decoded
+
+    def decoded(raw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(raw)
+
+    monkeypatch.setattr(server_module, "_decoded", decoded)
+    monkeypatch.setattr(server_module, "PARSE_ON_LOOP_BYTES", 200)
+    field = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/responses": "input"}[path]
+    for text in ("x", "x" * 300):
+        value = text if field != "messages" else [{"role": "user", "content": text}]
+        start, _ = post(ScriptedClient([[(0.01, event(0, "x", "stop"))]]), {"model": "m", field: value}, path)
+        assert start["status"] == 200
+    assert on_loop == [True, False]
+
+
+def test_a_completion_of_many_prompts_dumps_its_settings_once_not_its_prompts():
+    """Each prompt's job dumped the whole request, every prompt in it, to keep its settings: 256 prompts of 21,000
+    token ids took 20 s to parse."""
+    from producer.openai_api import CompletionRequest, parse_completions
+
+    dumped: list[Any] = []
+    real = CompletionRequest.model_dump
+
+    def model_dump(self, **kwargs):
+        out = real(self, **kwargs)
+        dumped.append(out.get("prompt"))
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CompletionRequest, "model_dump", model_dump)
+        _, jobs = parse_completions({"model": "m", "prompt": [[1, 2]] * 8, "max_tokens": 1, "seed": 3})
+    assert [job["prompt_token_ids"] for job in jobs] == [[1, 2]] * 8 and all(job["seed"] == 3 for job in jobs)
+    assert dumped and not any(dumped)
 
 
 def test_a_fault_of_the_servers_own_is_a_500_in_openais_shape():
