@@ -146,7 +146,8 @@ class GenerationJob:
 
     def _cancel_unless_ended(self, job: Job) -> bool:
         """RQ's cancel, in one transaction with the look at the status: a job that finished between the two was
-        made canceled (its result there, ``cancel`` saying True). A job taken out of its queue by it is ended here
+        made canceled (its result there, ``cancel`` saying True). A job taken out of its queue by it, or out of
+        RQ's scheduled or deferred registry (a retry's wait, ``enqueue_in``, ``depends_on``), is ended here
         (``_end_unrun``): no worker will reach it."""
         with self.client.connection.pipeline() as pipe:
             while True:
@@ -173,7 +174,7 @@ class GenerationJob:
                     break
                 except WatchError:  # the job changed meanwhile (it started, it ended): look again
                     continue
-        if in_queue:
+        if in_queue or status in (b"scheduled", b"deferred"):  # (RQ's cancel took it out of its registry then)
             self._end_unrun(job)
         return True
 

@@ -4667,6 +4667,39 @@ def test_a_job_canceled_while_it_waits_for_its_retry_keeps_what_its_earlier_atte
         unkept.result(timeout=1)
 
 
+def test_a_scheduled_or_deferred_job_canceled_by_a_client_gets_its_ending():
+    """RQ's cancel takes a job out of its scheduled registry (``enqueue_in``, a retry's wait) or its deferred one
+    (``depends_on``) too, where no worker reaches it: the client wrote no ending for them (no result, no push to
+    its completion list, a stream with no last event, the hash kept for good)."""
+    from datetime import timedelta
+
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer import Client, JobCanceled
+    from producer.protocol import JOB_FUNCTION, make_event, result_key, stream_key
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn, result_ttl=3600)
+    queue = Queue(connection=conn, serializer=JSONSerializer, name=client.queue.name)
+    later = queue.enqueue_in(timedelta(minutes=5), JOB_FUNCTION, kwargs={"prompt": "x", "notify": "here"})
+    parent = client.submit("first")
+    child = queue.enqueue(JOB_FUNCTION, kwargs={"prompt": "y", "notify": "here"}, depends_on=parent.id)
+    assert (later.get_status(), child.get_status()) == ("scheduled", "deferred")
+    retried = queue.enqueue_in(timedelta(minutes=5), JOB_FUNCTION, kwargs={"prompt": "z"})
+    conn.xadd(stream_key(retried.id), {"event": json.dumps(make_event(0, "Hel", [1, 2]))})  # its first attempt's
+    for job in (later, child, retried):
+        assert client.job(job.id).cancel()
+        assert 3500 < conn.ttl(job.key) <= 3600 and 3500 < conn.ttl(result_key(job.id)) <= 3600
+        last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
+        assert last["finish_reason"] == "abort"
+        with pytest.raises(JobCanceled) as err:
+            client.job(job.id).result(timeout=1)
+        assert err.value.result["finish_reason"] == "abort"
+    assert err.value.result["text"] == "Hel"  # (the retried job's: what its first attempt streamed stays)
+    assert sorted(conn.lrange("roseinfer:done:here", 0, -1)) == sorted([later.id.encode(), child.id.encode()])
+
+
 def test_a_client_sets_how_long_failed_jobs_are_kept():
     """A failed (or stopped) job keeps its hash and result for its ``failure_ttl``, RQ's year where it sets none, and
     the client had no way to set one: 1,753 failed jobs of a soak held 22 MB for a year."""
