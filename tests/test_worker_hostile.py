@@ -1491,3 +1491,28 @@ def test_jobs_ending_behind_their_callbacks_count_against_the_jobs_a_worker_hold
         for job_id in ids:
             conn.set(f"hook-probe-release:{job_id}", 1)
         w.stop()
+
+
+@pytest.mark.parametrize("how", ["scheduled", "deferred"])
+def test_a_job_canceled_by_hand_while_scheduled_or_deferred_ends_as_canceled(served, how):
+    """The protocol's cancel (any language) of a job waiting in RQ's scheduled registry (a retry's wait,
+    ``enqueue_in``) or deferred one (``depends_on``): RQ's scheduler queued it again when due as if never
+    canceled, and it ran; a deferred one waited for good (RQ enqueues no canceled dependent), no ending at all."""
+    from rq import Queue
+
+    from producer.protocol import JOB_FUNCTION
+
+    w, _, conn = served
+    queue = Queue(w.queue, connection=conn, serializer=JSONSerializer)
+    payload = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "notify": f"hand-{how}"}
+    if how == "scheduled":
+        job = queue.enqueue_in(timedelta(seconds=1), JOB_FUNCTION, kwargs=payload)
+    else:
+        parent = queue.enqueue_in(timedelta(hours=1), JOB_FUNCTION, kwargs={"prompt": "x"})
+        job = queue.enqueue(JOB_FUNCTION, kwargs=payload, depends_on=parent.id)
+    assert job.get_status() == how
+    conn.hset(job.key, "status", "canceled")
+    assert conn.blpop([f"roseinfer:done:hand-{how}"], timeout=30) is not None
+    result = result_from_entries(read_result(conn, job.id))
+    assert (result["status"], result["finish_reason"]) == ("canceled", "abort") and "text" not in result
+    assert conn.hget(job.key, "status") == b"canceled" and conn.ttl(job.key) > 0

@@ -7,18 +7,23 @@ loop), never in a forked process (the worker holds torch's threads)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
-from rq.registry import ScheduledJobRegistry
+from rq.queue import Queue
+from rq.registry import DeferredJobRegistry, ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import current_timestamp
 
 from producer.connection import REDIS_DOWN
+from producer.protocol import queue_of_lane
 from worker.intake import Unreadable, quarantine
 
 if TYPE_CHECKING:
+    from redis import Redis
+
     from worker.batch_worker import BatchWorker
 
 log = logging.getLogger("roseinfer.worker")
@@ -29,11 +34,30 @@ log = logging.getLogger("roseinfer.worker")
 DUE_JOBS_EVERY_S = 1  # an int: RQ adds 60 for its lock TTL, which Redis wants whole
 
 
+def end_canceled_unrun(connection: Redis, queue: Queue, job_id: str, its_worker_died: bool = False) -> bool:
+    """The ending a client's cancel writes for a job no worker will run (``GenerationJob._end_unrun``: one writer of
+    it), for a job canceled where no client wrote it; False where the job is gone meanwhile or unreadable (RQ's
+    clean-up, and the set-aside of unreadable jobs, take those)."""
+    from producer import Client
+
+    try:
+        job = queue.job_class.fetch(job_id, connection=connection, serializer=queue.serializer)
+    except REDIS_DOWN:
+        raise
+    except Exception:
+        return False
+    # (the client of the lane's queue: a lane's own name is no queue's, and the client refuses it)
+    client = Client(connection=connection, queue=queue_of_lane(queue.name))
+    client.job(job_id)._end_unrun(job, its_worker_died=its_worker_died)
+    return True
+
+
 class DueRetries:
     def __init__(self, worker: BatchWorker) -> None:
         self.worker = worker
         self._scheduler: RQScheduler | None = None
         self._names: list[str] = []
+        self._next_whole_look = 0.0  # (monotonic) when the whole scheduled and deferred registries are looked at
 
     def enqueue(self) -> None:
         """The due jobs of the scheduled registries of this worker's queues and lanes, back on their queues (where
@@ -53,6 +77,7 @@ class DueRetries:
             )
             self._names = names
         if self._scheduler.acquire_locks():
+            self._end_canceled_waiting()
             try:
                 self._scheduler.enqueue_scheduled_jobs()
             except REDIS_DOWN:
@@ -62,6 +87,35 @@ class DueRetries:
                     self._scheduler.enqueue_scheduled_jobs()
                 else:
                     raise
+
+    def _end_canceled_waiting(self) -> None:
+        """Jobs canceled (or stopped) by hand, the protocol's cancel from any language, while they waited in RQ's
+        scheduled registry (a retry's wait, ``enqueue_in``) or its deferred one (``depends_on``), of the queues whose
+        scheduler lock this worker holds: RQ's scheduler queued a due one again as if never canceled, and it ran;
+        RQ enqueues no canceled dependent, which kept no ending at all. They end as a client's cancel ends them:
+        the due ones at each look, before the scheduler moves them; the rest every maintenance interval."""
+        w, now = self.worker, time.monotonic()
+        whole = now >= self._next_whole_look
+        if whole:
+            self._next_whole_look = now + w.settings.maintenance_interval
+        held = self._scheduler.acquired_locks if self._scheduler is not None else set()
+        for queue in [q for _, q, _ in w.lane_depths() if q.name in held]:
+            scheduled = ScheduledJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
+            looks = [(scheduled, scheduled.get_job_ids(cleanup=False) if whole else scheduled.get_jobs_to_schedule())]
+            if whole:
+                deferred = DeferredJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
+                looks.append((deferred, deferred.get_job_ids(cleanup=False)))
+            for registry, job_ids in looks:
+                if not job_ids:
+                    continue
+                with w.connection.pipeline(transaction=False) as pipe:
+                    for job_id in job_ids:
+                        pipe.hget(Job.key_for(job_id), "status")
+                    statuses = pipe.execute(raise_on_error=False)
+                for job_id, status in zip(job_ids, statuses):
+                    if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id):
+                        registry.remove(job_id)
+                        log.warning("job %s was %s while %s: ended", job_id, status.decode(), registry.key)
 
     def _set_aside_unreadable(self) -> bool:
         """The due jobs RQ cannot read (a hash written by hand), out of the scheduled registries and into

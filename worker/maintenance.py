@@ -21,8 +21,9 @@ from rq.registry import clean_registries
 from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
-from producer.protocol import RESUMED_FROM_FIELD, queue_of_lane, stream_key
+from producer.protocol import RESUMED_FROM_FIELD, stream_key
 from producer.schema import job_ending
+from worker.due_retries import end_canceled_unrun
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
 from worker.intake import HookPolicy
 from worker.publisher import Publisher
@@ -215,14 +216,8 @@ class Maintenance:
     def _end_canceled(self, queue: Queue, member: bytes, job_id: str, status: bytes) -> None:
         """The ending of a job canceled (or stopped) while its worker was dead, as a client's cancel of a job no
         worker runs writes it, and its lapsed entry out."""
-        from producer import Client  # (the client's ending of a job no worker runs: one writer of it)
-
-        job = self._job_of(queue, job_id)
-        if job is None:
+        if not end_canceled_unrun(self.connection, queue, job_id, its_worker_died=True):
             return
-        # (the client of the lane's queue: a lane's own name is no queue's, and the client refuses it)
-        client = Client(connection=self.connection, queue=queue_of_lane(queue.name))
-        client.job(job_id)._end_unrun(job, its_worker_died=True)
         self.connection.zrem(queue.started_job_registry.key, member)
         log.warning("job %s was %s while its worker was dead: ended", job_id, status.decode())
 
