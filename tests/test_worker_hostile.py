@@ -1516,3 +1516,22 @@ def test_a_job_canceled_by_hand_while_scheduled_or_deferred_ends_as_canceled(ser
     result = result_from_entries(read_result(conn, job.id))
     assert (result["status"], result["finish_reason"]) == ("canceled", "abort") and "text" not in result
     assert conn.hget(job.key, "status") == b"canceled" and conn.ttl(job.key) > 0
+
+
+def test_an_id_past_the_bound_is_shown_cut_in_the_log(served, caplog):
+    """An id of any size pushed by hand was written whole into the worker's log, a line a push (20 MB each): a
+    line now shows its start and its length."""
+    w, client, conn = served
+    no_hash, bad = "n" * 100_000, "b" * 100_000
+    conn.hset(f"rq:job:{bad}", mapping={"data": json.dumps([FN, None, [], {"prompt": "hi"}]), "status": "queued"})
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        conn.rpush(f"rq:queue:{w.queue}", no_hash, bad)
+        assert client.submit("after", max_tokens=2, temperature=0).result(timeout=30)["status"] == "finished"
+        deadline = time.time() + 10
+        while conn.zscore(rejected_key(w.queue), bad) is None and time.time() < deadline:
+            time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if "100000 characters" in r.getMessage()]
+    assert len(lines) == 2 and all(len(line) < 1000 for line in lines), [line[:200] for line in lines]
+    assert max(len(r.getMessage()) for r in caplog.records) < 10_000
+    conn.delete(f"rq:job:{bad}", result_key(bad), f"roseinfer:stream:{bad}")
+    conn.zrem(rejected_key(w.queue), bad)

@@ -19,7 +19,7 @@ from rq.utils import current_timestamp
 
 from producer.connection import REDIS_DOWN
 from producer.protocol import queue_of_lane
-from worker.intake import Unreadable, quarantine
+from worker.intake import Unreadable, quarantine, shown_id
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -115,7 +115,7 @@ class DueRetries:
                 for job_id, status in zip(job_ids, statuses):
                     if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id):
                         registry.remove(job_id)
-                        log.warning("job %s was %s while %s: ended", job_id, status.decode(), registry.key)
+                        log.warning("job %s was %s while in %s: ended", shown_id(job_id), status.decode(), registry.key)
 
     def _set_aside_unreadable(self) -> bool:
         """The due jobs RQ cannot read (a hash written by hand), out of the scheduled registries and into
@@ -131,7 +131,7 @@ class DueRetries:
                 except REDIS_DOWN:
                     raise
                 except Exception as exc:
-                    log.error("due retry %s cannot be read (%s): moved to roseinfer:rejected", job_id, exc)
+                    log.error("due retry %s cannot be read (%s): moved to roseinfer:rejected", shown_id(job_id), exc)
                     with w.connection.pipeline() as pipe:
                         pipe.zrem(registry.key, job_id)
                         quarantine(pipe, Unreadable(job_id, queue, str(exc)), w.settings.result_ttl)

@@ -39,6 +39,14 @@ log = logging.getLogger("roseinfer.worker")
 
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 BAD_ID = "job ids may only use A-Z, a-z, 0-9, '_' and '-' (at most 256 of them)"
+
+
+def shown_id(job_id: str) -> str:
+    """A job id as a log line shows it: whole within the protocol's bound, else its start and its length (an id of
+    20 MB pushed by hand was logged whole, 20 MB a push)."""
+    return repr(job_id) if len(job_id) <= 256 else f"{job_id[:64]!r}... ({len(job_id)} characters)"
+
+
 NOT_TEXT_ID = f"this job's id is not UTF-8 text, so no result can be keyed on it: moved aside ({BAD_ID})"
 _DATES = ("created_at", "enqueued_at", "started_at", "ended_at", "last_heartbeat")
 _INTS = ("result_ttl", "failure_ttl", "ttl", "retries_left", "number_of_retries", "success_callback_timeout",
@@ -428,8 +436,8 @@ def _restore(
                 pipe.delete(first_seen_key(queue, raw_id))
                 pipe.execute()
             log.warning(
-                "job %r was in queue %s with no job hash rq:job:<id> (deleted, or pushed before its HSET?): skipped",
-                job_id, queue.name,
+                "job %s was in queue %s with no job hash rq:job:<id> (deleted, or pushed before its HSET?): skipped",
+                shown_id(job_id), queue.name,
             )  # fmt: skip
             continue
         if isinstance(raw, OtherType):

@@ -31,7 +31,7 @@ from producer.protocol import (
 from producer.schema import job_ending
 from worker.end_records import failure_ttl
 from worker.in_flight import NO_USAGE, InFlight, ended_timings
-from worker.intake import Unreadable, quarantine
+from worker.intake import Unreadable, quarantine, shown_id
 from worker.jobs import JobRejected, JobStopped, JobTimedOut, StepFailed, build_result, run_limit, usage
 from worker.publisher import JobStream
 from worker.puller import Arrival
@@ -280,7 +280,7 @@ class JobEnds:
     def _reject_unreadable(self, item: Unreadable, stream: JobStream | None) -> None:
         """A job hash RQ cannot read: moved aside (never built into a Job), its reason in its result and stream
         (an id that is not text has neither: it is only moved aside)."""
-        log.error("job %r cannot be read (%s): moved to roseinfer:rejected", item.job_id, item.reason)
+        log.error("job %s cannot be read (%s): moved to roseinfer:rejected", shown_id(item.job_id), item.reason)
         if stream is not None:
             stream.start(can_resume=False)  # (as a job canceled before it ran)
             self.publisher.add(stream, "", [], "error", {}, item.reason, error_type="invalid_request")
