@@ -1535,3 +1535,26 @@ def test_an_id_past_the_bound_is_shown_cut_in_the_log(served, caplog):
     assert max(len(r.getMessage()) for r in caplog.records) < 10_000
     conn.delete(f"rq:job:{bad}", result_key(bad), f"roseinfer:stream:{bad}")
     conn.zrem(rejected_key(w.queue), bad)
+
+
+def test_a_callback_still_running_at_a_cold_stop_ends_its_stream_after_its_result(redis_url, tiny_chat_model):
+    """A cold stop (a second signal) leaves a running callback to finish, which writes its job's end: its last
+    event, held until then, went to a sender thread that had ended. The result was there, the stream never ended."""
+    w = ThreadWorker(redis_url, tiny_chat_model, max_num_seqs=4, allow_callback=["hook_probe.held"])
+    conn = Redis.from_url(redis_url)
+    job_id = f"cold-cb-{uuid.uuid4().hex[:6]}"
+    payload = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    _raw_job(conn, w.queue, job_id, payload, success_callback_name="hook_probe.held")
+    try:
+        _wait_callbacks_running(conn, [job_id])
+        w.worker.request_stop()
+        w.worker.request_stop()
+        w.thread.join(timeout=30)
+        assert not w.thread.is_alive() and not w.errors
+    finally:
+        conn.set(f"hook-probe-release:{job_id}", 1)
+    deadline = time.time() + 10
+    while not (ends := [e for e in _events(conn, job_id) if e.get("finish_reason")]) and time.time() < deadline:
+        time.sleep(0.05)
+    assert conn.hget(f"rq:job:{job_id}", "status") == b"finished"
+    assert [e["finish_reason"] for e in ends] == ["length"], _events(conn, job_id)

@@ -230,6 +230,7 @@ class Sender:
         self._held: dict[tuple[str, str], list[Event]] = {}
         self._released: list[Event] = []
         self._held_lock = threading.Lock()
+        self._thread_gone = False  # (under _held_lock) the thread ended: events let go since are sent by their caller
         self._next_birth_check = 0.0
 
     def _probe_sort(self) -> None:
@@ -324,6 +325,12 @@ class Sender:
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=timeout)
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # events a callback thread let go as it ended go out here, or from it
+            with self._held_lock:
+                self._thread_gone = True
+                released, self._released = self._released, []
+            if released:
+                self._send_released(released)
         with contextlib.suppress(*REDIS_UNAVAILABLE):  # (they expire)
             self.connection.delete(self.status_list, self.sent_key)
 
@@ -428,8 +435,12 @@ class Sender:
         """The events held for ``job_id`` of attempt ``owner`` go out again, first, each checked again."""
         with self._held_lock:
             self._released += self._held.pop((job_id, owner), [])
-        if threading.current_thread() is not self._thread:  # (this thread sends them after its tasks: a put of its
-            self.put(Batch(tasks=[_nothing]))  # own would wait on a full queue for good) wakes the thread
+            gone = self._thread_gone
+            released, self._released = (self._released, []) if gone else ([], self._released)
+        if gone:  # a cold stop left its callback running: its end written after the thread ended, its last event
+            self._send_released(released)  # waited for good (its result there, the stream never ended)
+        elif threading.current_thread() is not self._thread:  # (this thread sends them after its tasks: a put of
+            self.put(Batch(tasks=[_nothing]))  # its own would wait on a full queue for good) wakes the thread
 
     def amend_final(self, job_id: str, owner: str, fields: dict[str, Any] | None) -> None:
         """The last event of ``job_id`` by attempt ``owner``, not sent yet, goes out with ``fields`` (a field given
