@@ -422,8 +422,9 @@ def test_a_sigterm_while_the_worker_starts_ends_it(tiny_chat_model, queue_name):
     proc = _start_worker(f"redis://127.0.0.1:{free_port()}/0", queue_name, tiny_chat_model)
     try:
         deadline = time.time() + 120
-        while "waiting for Redis" not in proc.stderr.readline() and time.time() < deadline:
+        while "waiting for Redis" not in (line := proc.stderr.readline()) and time.time() < deadline:
             assert proc.poll() is None
+        assert " WARNING roseinfer.worker: waiting for Redis" in line  # (a log line says its level)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 143
     finally:

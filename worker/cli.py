@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command in ("worker", "demo") else logging.WARNING,
-        format="%(asctime)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",  # (the level: a warning told from a start)
     )
     import redis
     from pydantic_settings import SettingsError

@@ -195,7 +195,7 @@ def _serve(
     # reaches both. Its death kills this one anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s engine: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s engine: %(message)s")
     try:
         engine = build()
         pump = Pump(engine)
