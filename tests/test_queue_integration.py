@@ -559,8 +559,9 @@ def test_invalid_requests_are_refused_at_submit(served):
 def test_status_reports_workers_and_queue(served):
     worker, client = served
     client.submit("status check", max_tokens=2).result(timeout=30)
-    time.sleep(1.2)  # one heartbeat publishes the worker's statistics
-    st = client.status()
+    deadline = time.time() + 30  # (a heartbeat publishes the worker's statistics: polled, not slept for)
+    while not (st := client.status())["workers"] and time.time() < deadline:
+        time.sleep(0.1)
     assert st["queue"] == worker.queue
     assert [w["name"] for w in st["workers"]] == [worker.worker.name]
     assert st["finished"] >= 1

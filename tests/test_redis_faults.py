@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ThreadWorker, slow_engine_steps, steady_port, with_slow_steps
+from conftest import ThreadWorker, no_redis_server, slow_engine_steps, steady_port, with_slow_steps
 from redis import Redis
 from rq.command import send_shutdown_command
 
@@ -32,7 +32,7 @@ def own_redis():
     """A redis-server of this test's own: its settings are changed here."""
     url, proc = start_private_redis()
     if proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     yield url, Redis.from_url(url)
     stop_private_redis(proc)
 
@@ -59,7 +59,7 @@ def test_a_stopped_private_redis_is_gone_with_its_folder(tmp_path):
     one it was not given by start_private_redis, stays."""
     _, proc = start_private_redis()
     if proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     folder = Path(proc.args[proc.args.index("--dir") + 1])
     assert folder.is_dir()
     assert os.getpgid(proc.pid) == os.getpgid(0)  # (in its caller's group: a signal to the group, a timeout's, ends it)
@@ -289,7 +289,7 @@ def test_a_redis_that_stops_answering_is_a_redis_that_is_down(tiny_chat_model):
 
     url, redis_proc = start_private_redis()
     if redis_proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     proc = None
     try:
         proc = _worker_streaming(url, "mute", tiny_chat_model)
@@ -322,7 +322,7 @@ def test_a_follower_rides_out_a_redis_restart():
     port = steady_port()  # (stopped and started again on it)
     url, first = start_private_redis(port=port)
     if first is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     conn = Redis.from_url(url)
     job = Client(url, queue="rides").job("rides-1")
     conn.hset("rq:job:rides-1", "status", "started")
@@ -410,7 +410,7 @@ def test_an_async_follower_rides_out_a_redis_restart_as_the_sync_one_does():
     port = steady_port()  # (stopped and started again on it)
     url, first = start_private_redis(port=port)
     if first is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     conn = Redis.from_url(url)
     conn.hset("rq:job:rides-2", "status", "started")
     conn.xadd(stream_key("rides-2"), {"event": json.dumps({"n": 0, "text": "Hello", "token_ids": [1]})})
@@ -468,7 +468,7 @@ def test_rq_commands_reach_a_worker_whose_reconnect_timed_out(tiny_chat_model):
     port = steady_port()  # (stopped, held silent, and started again on it)
     url, redis_proc = start_private_redis(port=port)
     if redis_proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     worker = ThreadWorker(url, tiny_chat_model)
     silent = socket.socket()
     held: list[socket.socket] = []
@@ -582,7 +582,7 @@ def test_a_client_whose_acl_user_has_no_channels_waits_on_the_stream_instead():
 
     url, proc = start_private_redis()
     if proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     try:
         admin = Redis.from_url(url)
         admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all", "resetchannels")
@@ -621,7 +621,7 @@ def test_a_client_whose_acl_user_has_no_blocking_reads_follows_a_stream_by_looki
 
     url, proc = start_private_redis()
     if proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     try:
         admin = Redis.from_url(url)
         admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", "~*", "&*", "+@all", "-@blocking")

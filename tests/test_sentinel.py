@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ThreadWorker, slow_engine_steps
+from conftest import ThreadWorker, no_redis_server, slow_engine_steps
 from redis import Redis
 
 from producer import Client
@@ -185,7 +185,7 @@ class SentinelSetup:
 @pytest.fixture
 def sentinel(tmp_path):
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+        no_redis_server("redis-server is not installed")
     for attempt in range(3):
         try:
             setup = SentinelSetup(tmp_path / f"try-{attempt}")
@@ -282,7 +282,7 @@ def test_a_queues_redis_that_refuses_the_worker_names_its_entry_in_the_map(monke
 
     url, proc = start_private_redis()
     if proc is None:
-        pytest.skip("could not start redis-server")
+        no_redis_server("could not start redis-server")
     try:
         monkeypatch.setenv("ROSEINFER_QUEUE_URLS", f"mapped={url.rsplit('/', 1)[0]}/99")
         assert main(["worker", "--queue", "mapped", "--model", str(tmp_path / "no-model")]) == 2
