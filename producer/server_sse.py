@@ -5,6 +5,7 @@ keep-alive comment while nothing comes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import weakref
@@ -260,6 +261,9 @@ class NothingYet(Exception):
     """``MergedEvents.get``'s own wait ran out: not a stream's TimeoutError, which is its job past ``--timeout``."""
 
 
+MAX_ARRIVED = 256  # events read for a stream's response and not written yet: the readers wait past this
+
+
 class MergedEvents:
     """``(i, event)`` of each stream i as its events come, each read by a task of its own (a wait for the next one
     can time out without losing any); a stream's error once it comes."""
@@ -268,7 +272,11 @@ class MergedEvents:
 
     def __init__(self, streams: list[AsyncIterator[dict[str, Any]]]) -> None:
         self._first_within: tuple[float, float] | None = None  # (seconds, by when: monotonic) for ``after``
-        self._arrived: asyncio.Queue = asyncio.Queue()
+        # Bounded: a client that stops reading stops the readers, and the hub leaves them out of its read past its own
+        # bound (it reads on from their last entry later); unbounded, this queue took every event of the job (30 MB
+        # in 22 s of a stalled reader of 32 samples with logprobs), however long the connection stayed open.
+        self._arrived: asyncio.Queue = asyncio.Queue(MAX_ARRIVED)
+        self._stop: tuple[Exception, int] | None = None  # ``stop``'s error, and how many events go before it
         self._left = len(streams)
         self._readers = [asyncio.create_task(self._read(i, stream)) for i, stream in enumerate(streams)]
         self._loop = asyncio.get_running_loop()
@@ -277,20 +285,26 @@ class MergedEvents:
     async def _read(self, i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async for event in stream:
-                self._arrived.put_nowait((i, event, None))
+                await self._arrived.put((i, event, None))
         except Exception as exc:
-            self._arrived.put_nowait((i, None, exc))
+            await self._arrived.put((i, None, exc))
             return
-        self._arrived.put_nowait((i, None, None))
+        await self._arrived.put((i, None, None))
 
     async def get(self, timeout: float | None = None) -> tuple[int, dict[str, Any]] | None:
         """The next ``(i, event)``; None once every stream ended; ``NothingYet`` past ``timeout`` seconds."""
         while self._left:
+            if self._stop is not None and self._stop[1] <= 0:
+                raise self._stop[0]
             arrived = self._arrived.get()
             try:
                 i, event, exc = await (arrived if timeout is None else asyncio.wait_for(arrived, timeout))
             except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
                 raise NothingYet from None
+            if self._stop is not None:
+                self._stop = (self._stop[0], self._stop[1] - 1)
+            if i < 0:  # ``stop``'s wake-up
+                continue
             if exc is not None:
                 raise exc
             if event is not None:
@@ -327,7 +341,9 @@ class MergedEvents:
 
     def stop(self, exc: Exception) -> None:
         """``get`` raises ``exc`` once it has given what came before."""
-        self._arrived.put_nowait((-1, None, exc))
+        self._stop = (exc, self._arrived.qsize())
+        with contextlib.suppress(asyncio.QueueFull):  # (full: no get waits; it raises once it took those)
+            self._arrived.put_nowait((-1, None, None))  # wakes a get waiting on an empty queue
 
     def close(self) -> None:
         MergedEvents.open.discard(self)

@@ -788,3 +788,33 @@ def test_a_chat_asking_for_text_output_alone_is_taken_and_other_modalities_refus
     with pytest.raises(APIError) as refused:
         parse(ChatCompletionRequest, {**body, "modalities": ["text", "audio"]})
     assert refused.value.status == 400 and refused.value.param == "modalities.1"
+
+
+def test_a_stream_nobody_reads_holds_a_bounded_number_of_events_and_stops_after_them():
+    """A client that stopped reading left the readers of its response's streams running: every event of its job
+    piled up in the server (30 MB in 22 s, 32 samples with logprobs), past the hub's own bound. They wait now; a
+    stop raises once what was read before it is given."""
+    made = [0, 0]
+
+    async def stream(i: int):
+        for n in range(5 * server_sse.MAX_ARRIVED):
+            made[i] += 1
+            yield {"n": n}
+
+    async def main() -> None:
+        events = server_sse.MergedEvents([stream(0), stream(1)])
+        await asyncio.sleep(0.05)  # nobody reads
+        assert sum(made) <= server_sse.MAX_ARRIVED + 2  # (each reader holds the one it waits to put)
+        got = [await events.get() for _ in range(10)]
+        queued = events._arrived.qsize()
+        events.stop(server_sse.ServerStopping())
+        while True:
+            try:
+                got.append(await events.get())
+            except server_sse.ServerStopping:
+                break
+        assert len(got) == 10 + queued and sum(made) < 10 * server_sse.MAX_ARRIVED
+        assert [e["n"] for i, e in got if i == 0] == list(range(len([g for g in got if g[0] == 0])))
+        events.close()
+
+    asyncio.run(main())
