@@ -1562,3 +1562,26 @@ def test_a_callback_still_running_at_a_cold_stop_ends_its_stream_after_its_resul
         time.sleep(0.05)
     assert conn.hget(f"rq:job:{job_id}", "status") == b"finished"
     assert [e["finish_reason"] for e in ends] == ["length"], _events(conn, job_id)
+
+
+def test_the_deferred_jobs_canceled_by_hand_are_found_a_part_of_the_registry_at_a_time(served, monkeypatch):
+    """The walk of a deferred registry reads a bounded part of it each maintenance interval, and goes on from there:
+    every canceled job is reached, however many wait."""
+    from rq import Queue
+
+    import worker.due_retries as due_retries
+    from producer.protocol import JOB_FUNCTION
+
+    monkeypatch.setattr(due_retries, "WAITING_WALK", 2)
+    w, _, conn = served
+    queue = Queue(w.queue, connection=conn, serializer=JSONSerializer)
+    parent = queue.enqueue_in(timedelta(hours=1), JOB_FUNCTION, kwargs={"prompt": "x"})
+    jobs = [queue.enqueue(JOB_FUNCTION, kwargs={"prompt": "y"}, depends_on=parent.id) for _ in range(5)]
+    for job in jobs[::2]:
+        conn.hset(job.key, "status", "canceled")
+    deadline = time.time() + 30
+    while any(not conn.exists(result_key(job.id)) for job in jobs[::2]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert all(result_from_entries(read_result(conn, job.id))["status"] == "canceled" for job in jobs[::2])
+    assert [job.get_status() for job in jobs[1::2]] == ["deferred", "deferred"]
+    assert sorted(conn.zrange(f"rq:deferred:{w.queue}", 0, -1)) == sorted(job.id.encode() for job in jobs[1::2])

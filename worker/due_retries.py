@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.queue import Queue
-from rq.registry import DeferredJobRegistry, ScheduledJobRegistry
+from rq.registry import BaseRegistry, DeferredJobRegistry, ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.utils import current_timestamp
 
@@ -32,6 +32,7 @@ log = logging.getLogger("roseinfer.worker")
 # How often due jobs are looked for: RQ's scheduler's default interval (a job due in 2 s ran 10 s late, at the
 # next heartbeat). A look is a lock refresh and a ZRANGEBYSCORE per queue.
 DUE_JOBS_EVERY_S = 1  # an int: RQ adds 60 for its lock TTL, which Redis wants whole
+WAITING_WALK = 1_000  # ids of a scheduled or deferred registry whose statuses a look reads (each maintenance interval)
 
 
 def end_canceled_unrun(connection: Redis, queue: Queue, job_id: str, its_worker_died: bool = False) -> bool:
@@ -57,7 +58,8 @@ class DueRetries:
         self.worker = worker
         self._scheduler: RQScheduler | None = None
         self._names: list[str] = []
-        self._next_whole_look = 0.0  # (monotonic) when the whole scheduled and deferred registries are looked at
+        self._next_walk = 0.0  # (monotonic) when the walk of the scheduled and deferred registries goes on
+        self._walked: dict[str, int] = {}  # registry key -> where its walk goes on
 
     def enqueue(self) -> None:
         """The due jobs of the scheduled registries of this worker's queues and lanes, back on their queues (where
@@ -93,29 +95,47 @@ class DueRetries:
         scheduled registry (a retry's wait, ``enqueue_in``) or its deferred one (``depends_on``), of the queues whose
         scheduler lock this worker holds: RQ's scheduler queued a due one again as if never canceled, and it ran;
         RQ enqueues no canceled dependent, which kept no ending at all. They end as a client's cancel ends them:
-        the due ones at each look, before the scheduler moves them; the rest every maintenance interval."""
+        the due ones at each look, before the scheduler moves them; the rest ``WAITING_WALK`` at a time, every
+        maintenance interval. A failure here is logged: it must not hold back the due jobs' enqueue."""
         w, now = self.worker, time.monotonic()
-        whole = now >= self._next_whole_look
+        whole = now >= self._next_walk
         if whole:
-            self._next_whole_look = now + w.settings.maintenance_interval
+            self._next_walk = now + w.settings.maintenance_interval
         held = self._scheduler.acquired_locks if self._scheduler is not None else set()
         for queue in [q for _, q, _ in w.lane_depths() if q.name in held]:
             scheduled = ScheduledJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
-            looks = [(scheduled, scheduled.get_job_ids(cleanup=False) if whole else scheduled.get_jobs_to_schedule())]
+            looks = [(scheduled, scheduled.get_jobs_to_schedule())]
             if whole:
                 deferred = DeferredJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
-                looks.append((deferred, deferred.get_job_ids(cleanup=False)))
+                looks += [(registry, self._walk_on(registry)) for registry in (scheduled, deferred)]
             for registry, job_ids in looks:
-                if not job_ids:
-                    continue
-                with w.connection.pipeline(transaction=False) as pipe:
-                    for job_id in job_ids:
-                        pipe.hget(Job.key_for(job_id), "status")
-                    statuses = pipe.execute(raise_on_error=False)
-                for job_id, status in zip(job_ids, statuses):
-                    if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id):
-                        registry.remove(job_id)
-                        log.warning("job %s was %s while in %s: ended", shown_id(job_id), status.decode(), registry.key)
+                try:
+                    self._end_canceled(queue, registry, job_ids)
+                except REDIS_DOWN:
+                    raise
+                except Exception:
+                    log.exception("ending the canceled jobs of %s failed; carrying on", registry.key)
+
+    def _walk_on(self, registry: BaseRegistry) -> list[str]:
+        """The next ``WAITING_WALK`` ids of ``registry``, from where the last look left off (from the start again
+        once it reached the end)."""
+        start = self._walked.get(registry.key, 0)
+        job_ids = registry.get_job_ids(start, start + WAITING_WALK - 1, cleanup=False)
+        self._walked[registry.key] = start + len(job_ids) if len(job_ids) == WAITING_WALK else 0
+        return job_ids
+
+    def _end_canceled(self, queue: Queue, registry: BaseRegistry, job_ids: list[str]) -> None:
+        if not job_ids:
+            return
+        w = self.worker
+        with w.connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            statuses = pipe.execute(raise_on_error=False)
+        for job_id, status in zip(job_ids, statuses):
+            if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id):
+                registry.remove(job_id)
+                log.warning("job %s was %s while in %s: ended", shown_id(job_id), status.decode(), registry.key)
 
     def _set_aside_unreadable(self) -> bool:
         """The due jobs RQ cannot read (a hash written by hand), out of the scheduled registries and into
