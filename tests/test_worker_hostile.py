@@ -1264,6 +1264,9 @@ def test_a_job_past_its_timeout_is_retried_from_where_it_stopped_and_fails_alone
     assert len(resumed_from) == 3 and 0 == resumed_from[0] <= resumed_from[1] <= resumed_from[2] <= streamed < 200
     assert resumed_from[2] > 0
     assert other.result(timeout=30)["usage"]["completion_tokens"] == 3
+    # Its result counts what it made, as its last event does (a sum of results' usage missed a timeout's tokens).
+    assert result_from_entries(read_result(conn, job_id))["usage"] == events[-1]["usage"]
+    assert events[-1]["usage"]["completion_tokens"] == streamed
 
 
 @pytest.mark.slow  # a second or two of waiting

@@ -196,6 +196,8 @@ class JobEnds:
                 result = failure_result(
                     job.job.id, job.request, str(error), error_type=error_type, error_code=event.error_code
                 )
+                if end_usage:  # (a job that made tokens, a timeout's: a sum of its results' usage missed them)
+                    result["usage"] = end_usage
             if mine:
                 self._record_failure(job.job, job.queue, job.execution, error, result, job.request.notify)
             elif result is not None and not self._recorded(job):  # (None: its status there already, as this end
