@@ -19,6 +19,7 @@ from producer.openai_api import (
     ChatCompletionRequest,
     ObjectSchema,
     RefusalPart,
+    SentBack,
     cached_tokens,
     chat_logprobs,
     parse,
@@ -50,7 +51,7 @@ _RENAMES = [
 ]
 
 
-class InputText(APIShape):
+class InputText(SentBack):
     type: Literal["input_text", "output_text"]  # (an earlier answer's part, sent back)
     text: str
     annotations: list[Any] | None = None
@@ -88,7 +89,7 @@ def _checked_input(value: Any) -> Any:
     return value
 
 
-class InputMessage(APIShape):
+class InputMessage(SentBack):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText | RefusalPart]  # (an earlier answer's refusal: its text, as the chat's)
@@ -100,7 +101,7 @@ class InputMessage(APIShape):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
-class FunctionCallItem(APIShape):
+class FunctionCallItem(SentBack):
     """A call an earlier answer made, sent back."""
 
     type: Literal["function_call"]
@@ -111,12 +112,12 @@ class FunctionCallItem(APIShape):
     status: str | None = None
 
 
-class ReasoningText(APIShape):
+class ReasoningText(SentBack):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(APIShape):
+class ReasoningItem(SentBack):
     """An earlier answer's thinking, sent back (its summary is none here; an encrypted one cannot be read)."""
 
     type: Literal["reasoning"]
@@ -130,7 +131,7 @@ class ReasoningItem(APIShape):
         return "".join(part.text for part in self.content or ())
 
 
-class FunctionCallOutput(APIShape):
+class FunctionCallOutput(SentBack):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]

@@ -49,13 +49,15 @@ def test_vllms_sampling_extras_empty_instructions_and_a_thought_turned_off_are_t
 
 def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_chats():
     """An earlier answer's output items sent back as input (as the official client's users do): its text and its
-    parallel calls one assistant message, each output a tool message answering its call."""
+    parallel calls one assistant message, each output a tool message answering its call. The keys the client's
+    ``stream()`` and ``parse()`` add to them (``parsed_arguments``, ``parsed``) are dropped, as the chat drops them:
+    a conversation saved with ``model_dump()`` was a 400."""
     calls = [
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
-         "arguments": '{"city": "Oslo"}', "status": "completed"},
+         "arguments": '{"city": "Oslo"}', "status": "completed", "parsed_arguments": {"city": "Oslo"}},
         {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
     ]  # fmt: skip
-    part = {"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": []}
+    part = {"type": "output_text", "text": "Let me look.", "annotations": [], "logprobs": [], "parsed": None}
     said = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed", "content": [part]}
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "?"}]},
