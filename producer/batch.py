@@ -670,7 +670,8 @@ def _read_input(
             failed = Line(number, exc.custom_id, "", {}, "", exc.row) if known and exc.custom_id not in done else None
             if known:
                 seen.add(exc.custom_id)  # its id is taken: a later row of the same id is a duplicate, not a 2nd row
-            _bad(sink, error_line(number, exc.custom_id, "invalid_request", str(exc)), summary, progress, failed)
+            error = error_line(number, exc.custom_id, "invalid_request", str(exc), param=exc.param)
+            _bad(sink, error, summary, progress, failed)
             continue
         if line.custom_id in seen:
             error = error_line(number, line.custom_id, "duplicate_custom_id", "custom_id already used above")

@@ -58,11 +58,23 @@ UNREAD_ID = (
 
 
 class BadLine(ValueError):
-    """A line refused before any job is submitted; ``custom_id`` is the line's when it had a usable one."""
+    """A line refused before any job is submitted; ``custom_id`` is the line's when it had a usable one, ``param``
+    the request's field at fault where the server's reading of it names one."""
 
-    def __init__(self, reason: str, custom_id: str | None = None, row: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, reason: str, custom_id: str | None = None, row: dict[str, Any] | None = None, param: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.custom_id, self.row = custom_id, row  # (a plain row's columns: a Parquet output keeps its failed rows)
+        self.param = param
+
+
+class RefusedRequest(ValueError):
+    """An OpenAI line's body the server would refuse (its 400), with the field it names."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -165,7 +177,7 @@ def parse_line(
         job = validate(payload)  # InvalidRequest is a ValueError
         reasoning = _row_reasoning(payload, job, options) if options.plain and job.messages else None
     except ValueError as exc:
-        raise BadLine(str(exc), custom_id, obj if options.plain else None) from None
+        raise BadLine(str(exc), custom_id, obj if options.plain else None, getattr(exc, "param", None)) from None
     row = obj if options.plain else None
     # As the line asked: an echo puts prompt_logprobs in the payload too, for the prompt it shows its own way.
     asked = {} if options.plain else obj.get("body", obj)
@@ -312,7 +324,7 @@ def _payload(
             parsed, payload = parse(REQUESTS[url], {"model": "batch", **request}, tool_parser, reasoning_parser)
             asked = parsed
     except APIError as exc:
-        raise ValueError(exc.message) from None
+        raise RefusedRequest(exc.message, exc.param) from None
     if getattr(parsed, "echo", False):  # the output line is made from the result: it needs the prompt in it
         payload.setdefault("prompt_logprobs", 0)
     # What the body leaves to the API's defaults (n 1; a completion's max_tokens 16) yields to the run's (--n,
@@ -382,14 +394,26 @@ def _output_line(line: Line, result: dict[str, Any], body: dict[str, Any]) -> di
 
 
 def error_line(
-    number: int, custom_id: str | None, code: str, message: str, job_id: str | None = None
+    number: int, custom_id: str | None, code: str, message: str, job_id: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's per-line object of a batch's error file (plus the input ``line``): ``id`` names the job that failed,
-    as the output names the one that finished; null for a row refused before it became a job."""
+    as the output names the one that finished; null for a row refused before it became a job. A request refused
+    (400) or failed on the worker's side (500) has OpenAI's ``response`` of that status, its body the error the
+    server answers, beside ``error`` (vLLM's); an end that is no request's answer (canceled, stopped, timed out
+    here, a row changed since the output was made) has none, as OpenAI's expired or canceled requests."""
+    status = 500 if code == "job_failed" else None if code.startswith("job_") or code in _NOT_ANSWERS else 400
+    response = None
+    if status is not None:
+        kind = "server_error" if status == 500 else "invalid_request_error"
+        error = {"message": message, "type": kind, "param": param, "code": code}
+        response = {"status_code": status, "request_id": job_id, "body": {"error": error}}
     return {
         "id": f"batch_req_{job_id}" if job_id else None,
         "custom_id": custom_id,
         "line": number,
-        "response": None,
+        "response": response,
         "error": {"code": code, "message": message},
     }
+
+
+_NOT_ANSWERS = ("timeout", "changed_request")  # error codes of ends no server would answer a request with

@@ -222,6 +222,9 @@ def test_a_row_the_worker_refuses_is_the_rows_fault_not_a_failed_job(served, tmp
     [error] = [json.loads(x) for x in default_errors_path(out).read_text().splitlines()]
     assert error["custom_id"] == "long" and "prompt" in error["error"]["message"]
     assert error["error"]["code"] == "context_length_exceeded"
+    # As OpenAI's error file holds it: the server's 400 for the job, its error in the body
+    assert error["response"]["status_code"] == 400 and error["id"] == f"batch_req_{error['response']['request_id']}"
+    assert error["response"]["body"]["error"]["code"] == "context_length_exceeded"
 
 
 def test_a_run_on_another_queue_does_not_take_the_jobs_of_a_run_on_this_one():
@@ -322,12 +325,13 @@ def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
         json.dumps({"custom_id": "method", "method": "GET", "body": {"prompt": "x"}}),
         json.dumps({"custom_id": "chat-prompt", "body": {"prompt": "x"}}),
         json.dumps({"prompt": "x", "max_tokens": 0}),  # no custom_id: named line-N, as its output row would be
+        json.dumps({"custom_id": "body-value", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 9}}),
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     summary = run_batch(_offline_client(), src, out, poll_interval=0.01)
     assert summary == {
-        "total": 10, "skipped": 0, "succeeded": 0, "failed": 10, "reused": 0, "failures": {"invalid_request": 10}
+        "total": 11, "skipped": 0, "succeeded": 0, "failed": 11, "reused": 0, "failures": {"invalid_request": 11}
     }  # fmt: skip
     errors = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     assert [(e["line"], e["custom_id"]) for e in errors] == [
@@ -341,9 +345,17 @@ def test_bad_lines_keep_their_custom_id_in_the_errors_file(tmp_path):
         (8, "method"),
         (9, "chat-prompt"),
         (10, "line-10"),
+        (11, "body-value"),
     ]
     assert all(e["error"]["code"] == "invalid_request" and e["id"] is None for e in errors)  # none became a job
     assert "temperature" in errors[5]["error"]["message"] and "colour: unknown field" in errors[4]["error"]["message"]
+    # OpenAI's shape of a request it refused: the 400 the server answers, its error in the body (response was null:
+    # code written for OpenAI's error file, reading response.status_code or response.body.error, failed on it)
+    assert all(e["response"]["status_code"] == 400 for e in errors)
+    assert errors[10]["response"]["body"]["error"] == {
+        "message": errors[10]["error"]["message"], "type": "invalid_request_error", "param": "temperature",
+        "code": "invalid_request",
+    }  # fmt: skip
 
 
 def test_the_errors_file_sits_beside_the_output_with_its_last_suffix_replaced():
@@ -372,6 +384,7 @@ def test_progress_is_logged_on_a_timer_off_a_terminal_while_no_job_ends(tmp_path
     # OpenAI's id names the job that failed, as an output line names the one that finished
     assert all(e["id"].startswith("batch_req_") for e in errors)
     assert {client.job(e["id"].removeprefix("batch_req_")).status() for e in errors} == {"canceled"}
+    assert all(e["response"] is None for e in errors)  # no server's answer: OpenAI's expired requests have none
 
 
 class _Terminal(io.StringIO):
