@@ -628,6 +628,7 @@ def batch(args: argparse.Namespace) -> int:
                if "prompt_tokens" in counts else ""),
             file=sys.stderr,
         )  # fmt: skip
+        print(json.dumps(counts))  # (as a run's summary: the one line on stdout, for `| jq`)
         return 1 if counts["failed"] else 0
 
     began: list[bool] = []  # (a --fresh run's id is its output's once it began: before, a resume names the old one)
@@ -674,6 +675,8 @@ def batch(args: argparse.Namespace) -> int:
             f"  {resume_command(args, run_id if pinned else None, fresh=args.fresh and not pinned)}",
             file=sys.stderr,
         )
+        if s:  # the counts so far, as a finished run's summary (a script's `| jq` had nothing to read)
+            print(json.dumps(s))
         # 128 plus the signal, as a shell reports a process it ended: 130 for Ctrl-C, 143 SIGTERM, 129 SIGHUP
         return 1 if stopped else 128 + int(getattr(exc, "signum", 2))
     except (OSError, ValueError) as exc:  # no such input, settings that differ from the output's: one line

@@ -449,10 +449,13 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     monkeypatch.setattr(batch_mod, "_submit", submit_then_interrupt_with_rows_done_and_jobs_in_flight)
     monkeypatch.setattr(Progress, "tick", remember_progress)
     assert producer_cli.batch(_parse(*argv)) == 130
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert "Traceback" not in err
     first = _rows(out)  # every line complete
     assert 0 < len(first) < 16
+    summary = json.loads(said.out)  # the counts so far on stdout, as a run's summary
+    assert (summary["total"], summary["succeeded"]) == (16, len(first))
     assert f"interrupted: {len(first)} of 16 rows done ({len(first)} in {out}, 0 in " in err
     command = err.strip().splitlines()[-1].strip()
     assert command.startswith(f"roseinfer batch {shlex.quote(str(src))} -o {shlex.quote(str(out))} ")
@@ -1207,3 +1210,15 @@ def test_a_batch_timeout_past_the_jobs_own_limit_raises_it(monkeypatch, tmp_path
         argv = ["batch", str(src), "-o", str(tmp_path / f"out-{timeout}.jsonl"), "--redis-url", "redis://127.0.0.1:1/0"]
         producer_cli.batch(_parse(*argv, *(["--timeout", timeout] if timeout else [])))
         assert limits[-1] == limit
+
+
+def test_a_dry_run_puts_its_counts_on_stdout_as_a_run_does(tmp_path, capsys):
+    """A run's summary is one JSON line on stdout (`| jq .failed`); a dry run's counts were on stderr alone."""
+    from worker import cli
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "hi"}\n{"prompt": "x", "temperature": 9}\n')
+    assert cli.main(["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "--dry-run"]) == 1
+    said = capsys.readouterr()
+    counts = json.loads(said.out)
+    assert (counts["total"], counts["valid"], counts["failed"]) == (2, 1, 1) and "dry run: 2 rows" in said.err
