@@ -240,7 +240,7 @@ class JSONSchemaFormat(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # none: any JSON object (optional in OpenAI's API)
     description: str | None = None
-    strict: bool | None = None  # the output always follows the schema here, strict or not
+    strict: bool | None = None  # the schema is enforced here, strict or not (llguidance's limits: README)
 
 
 class ResponseFormat(BaseModel):
