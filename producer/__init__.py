@@ -4,8 +4,9 @@ Light on purpose: redis, rq, pydantic, pydantic-settings and tqdm only (no torch
 inside any service.
 """
 
-from producer.aio import AsyncClient, AsyncGenerationJob
+from producer.aio import AsyncClient, AsyncGenerationJob, ClientClosed
 from producer.client import Client
+from producer.connection import InvalidRedisURL
 from producer.generation_job import GenerationJob
 from producer.job_errors import (
     InvalidRequest,
@@ -20,6 +21,7 @@ from producer.job_errors import (
     StreamGap,
     StreamRestarted,
 )
+from producer.protocol import InvalidQueueName
 from producer.schema import ChatMessage, JobRequest
 
 __all__ = [
@@ -27,7 +29,10 @@ __all__ = [
     "AsyncGenerationJob",
     "ChatMessage",
     "Client",
+    "ClientClosed",
     "GenerationJob",
+    "InvalidQueueName",
+    "InvalidRedisURL",
     "InvalidRequest",
     "JobCanceled",
     "JobError",

@@ -14,11 +14,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import NoPermissionError
 from rq.job import Job
 
-from producer.client import DEFAULT_REDIS_URL, Client, check_job_id, validate
+from producer.client import DEFAULT_JOB_TIMEOUT, DEFAULT_REDIS_URL, Client, check_job_id, validate
 from producer.connection import REDIS_DOWN, connect_async, unblocked, wrong_type
 from producer.event_reading import (
     AFTER_OUTAGE_S,
@@ -38,7 +39,7 @@ from producer.event_reading import (
     text_before_its_end,
     time_left,
 )
-from producer.generation_job import ENDED, GenerationJob, handle_id
+from producer.generation_job import DEFAULT_RESULT_TTL, ENDED, GenerationJob, handle_id
 from producer.job_errors import (
     JobCanceled,
     JobFailed,
@@ -60,14 +61,28 @@ class AsyncClient:
     """``AsyncClient(redis_url, queue="roseinfer")``: ``await submit(...)``, ``async for piece in job.stream()``,
     ``await job.result()``. Options as ``Client``'s."""
 
-    def __init__(self, redis_url: str | None = None, queue: str = DEFAULT_QUEUE, **options: Any) -> None:
-        if redis_url is None and options.get("connection") is not None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        *,
+        connection: Redis | None = None,
+        retries: int = 2,
+        job_timeout: int = DEFAULT_JOB_TIMEOUT,
+        result_ttl: int = DEFAULT_RESULT_TTL,
+        failure_ttl: int | None = None,
+    ) -> None:
+        if redis_url is None and connection is not None:
             # Its reads are async, on connections of its own: from the default URL they missed every job.
             raise TypeError("AsyncClient(connection=...) needs the redis_url of that connection's server too")
         redis_url = redis_url or DEFAULT_REDIS_URL
         self.connection = connect_async(redis_url)
         # RQ's enqueue and cancel, run on a thread (``connection``: a sync client of the caller's, as Client takes)
-        self.sync = Client(redis_url, queue, **options)
+        self.sync = Client(
+            redis_url, queue, connection=connection, retries=retries, job_timeout=job_timeout,
+            result_ttl=result_ttl, failure_ttl=failure_ttl,
+        )  # fmt: skip
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to, once used
         self.hub = StreamHub(connect_async(redis_url))  # its blocking reads on a connection of their own
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False
@@ -78,6 +93,9 @@ class AsyncClient:
     @property
     def queue_name(self) -> str:
         return self.sync.queue.name
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self.sync._shown_url()!r}, queue={self.queue_name!r})"
 
     async def submit(self, prompt: str | None = None, **fields: Any) -> AsyncGenerationJob:
         """Enqueue one job. Submissions that arrive while others are being enqueued go in one pipeline together
@@ -177,9 +195,21 @@ class AsyncClient:
 
     def _check_open(self) -> None:
         """A closed client takes no job: one went in (its connections opened again, left open) that no stream of this
-        client could follow."""
+        client could follow. One used on a second event loop (a client made once, then two ``asyncio.run``) is
+        refused in its own words: redis-py's connections failed deep inside, "attached to a different loop"."""
         if self.closed:
             raise ClientClosed("this AsyncClient was closed")
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncClient is used on another event loop than its first: its connections belong to that "
+                "loop. Make an AsyncClient on each loop (inside the coroutine asyncio.run runs)"
+            )
 
     async def close(self) -> None:
         self.closed = True
@@ -418,6 +448,12 @@ class AsyncGenerationJob:
     def __repr__(self) -> str:
         return f"AsyncGenerationJob({self.id!r})"
 
+    def __eq__(self, other: object) -> bool:  # (as RQ's Job: one job, whichever handle names it)
+        return isinstance(other, AsyncGenerationJob) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
     @property
     def _sync(self) -> GenerationJob:
         return self.client.sync.job(self.id)
@@ -434,6 +470,7 @@ class AsyncGenerationJob:
     ) -> AsyncIterator[dict[str, Any]]:
         """As ``GenerationJob.events`` (read through the client's ``StreamHub``); ``idle``: ``timeout`` counts from
         the last event, not from the start (a stream that goes on is not cut, as a client's read timeout)."""
+        self.client._check_loop()
         key, conn = stream_key(self.id), self.client.connection
         cursor = EventCursor(self.id, skip_void)
         deadline = deadline_after(timeout)
@@ -586,6 +623,7 @@ class AsyncGenerationJob:
         """As ``GenerationJob.result``: the result once the job finished; ``JobFailed`` or ``JobCanceled``. Waits
         for the job's final event in its stream (read by the client's one ``StreamHub``, not a pub/sub connection
         a waiting job: a server with 1,000 requests waiting held 1,000), looking again at least once a second."""
+        self.client._check_loop()
         conn = self.client.connection
         deadline = deadline_after(timeout)
         outage = Outage(deadline, self.client.sync)

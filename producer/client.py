@@ -158,6 +158,20 @@ class Client:
         self._owns_connection = connection is None
         self._url = None if connection is not None else redis_url  # (what a hint to start a worker names)
 
+    @property
+    def queue_name(self) -> str:
+        return self.queue.name
+
+    def __repr__(self) -> str:
+        return f"Client({self._shown_url()!r}, queue={self.queue_name!r})"
+
+    def _shown_url(self) -> str:
+        """Its Redis's URL, the password hidden; a connection passed in by its host, port and database."""
+        if self._url is not None:
+            return redacted_url(self._url)
+        kw = self.connection.get_connection_kwargs()
+        return f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
     def close(self) -> None:
         """Its connections to Redis closed (a connection passed in is the caller's to close), as AsyncClient's."""
         if self._owns_connection:

@@ -101,6 +101,12 @@ class GenerationJob:
     def __repr__(self) -> str:
         return f"GenerationJob({self.id!r})"
 
+    def __eq__(self, other: object) -> bool:  # (as RQ's Job: one job, whichever handle names it)
+        return isinstance(other, GenerationJob) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
     @property
     def rq_job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)

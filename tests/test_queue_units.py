@@ -486,6 +486,7 @@ def _streamed_by_both_clients(server, job_id: str) -> tuple[str, str]:
     conn = fakeredis.FakeRedis(server=server)
 
     class Async:  # what AsyncGenerationJob reads through: an async connection, its hub and a sync client
+        _check_loop = staticmethod(lambda: None)  # (AsyncClient's look at the loop: one loop here)
         connection = fakeredis.FakeAsyncRedis(server=server)
         hub = StreamHub(connection)
         sync = Client(connection=conn)
@@ -767,6 +768,7 @@ def test_a_sample_index_the_job_does_not_make_is_refused_and_a_cancel_before_any
             next(job.stream(timeout=1, index=index))
 
     class Async:
+        _check_loop = staticmethod(lambda: None)  # (AsyncClient's look at the loop: one loop here)
         sync = client
 
     async def async_stream():
@@ -798,6 +800,7 @@ def test_an_async_result_waiter_reads_the_stream_from_its_end_not_its_start():
     reads = []
 
     class Async:
+        _check_loop = staticmethod(lambda: None)  # (AsyncClient's look at the loop: one loop here)
         connection = fakeredis.FakeAsyncRedis(server=server)
         hub = StreamHub(fakeredis.FakeAsyncRedis(server=server), wait_ms=20)
         sync = Client(connection=conn)
@@ -835,6 +838,7 @@ def test_an_async_result_without_a_timeout_waits_on_for_a_job_that_went_on_after
     conn = fakeredis.FakeRedis(server=server)
 
     class Async:
+        _check_loop = staticmethod(lambda: None)  # (AsyncClient's look at the loop: one loop here)
         connection = fakeredis.FakeAsyncRedis(server=server)
         hub = StreamHub(fakeredis.FakeAsyncRedis(server=server), wait_ms=20)
         sync = Client(connection=conn)
@@ -5167,3 +5171,52 @@ def test_a_refused_jobs_result_echoes_its_metadata_only_where_the_job_would_have
     for refused in ({"x": float("nan")}, {"x": "\ud800"}, {"x": float("inf")}, deep):
         assert "metadata" not in failure_result("j", ending_of({"metadata": refused}), "refused")
     assert failure_result("j", ending_of({"metadata": {"run": 3}}), "refused")["metadata"] == {"run": 3}
+
+
+def test_handles_of_one_job_are_equal_and_clients_say_where_they_submit():
+    """As RQ's Job: two handles on one id are one job (a set of them held it twice); a client printed as an object
+    address, its URL's password hidden when it says where it submits."""
+    from producer import AsyncClient, Client
+
+    conn = fakeredis.FakeRedis()
+    client = Client(connection=conn, queue="here")
+    assert client.job("a") == client.job("a") and client.job("a") != client.job("b")
+    assert len({client.job("a"), client.job("a"), client.job("b")}) == 2
+    assert repr(Client("redis://:secret@127.0.0.1:1/3", queue="q")) == "Client('redis://***@127.0.0.1:1/3', queue='q')"
+    assert client.queue_name == "here"
+    aclient = AsyncClient("redis://127.0.0.1:1/3", queue="q")
+    assert aclient.job("a") == aclient.job("a") and len({aclient.job("a"), aclient.job("a")}) == 1
+    assert repr(aclient) == "AsyncClient('redis://127.0.0.1:1/3', queue='q')"
+
+
+def test_an_async_clients_options_are_named_and_checked_as_the_clients():
+    """``AsyncClient(**options)`` hid Client's options from a reader of its signature, and a misspelt one was
+    refused in Client's name."""
+    import inspect
+
+    from producer import AsyncClient, Client
+
+    sync = inspect.signature(Client.__init__).parameters
+    assert list(inspect.signature(AsyncClient.__init__).parameters) == list(sync)
+    with pytest.raises(TypeError, match=r"AsyncClient\.__init__"):
+        AsyncClient("redis://127.0.0.1:1/0", bogus=1)
+    with pytest.raises(ValueError, match="job_timeout"):
+        AsyncClient("redis://127.0.0.1:1/0", job_timeout=0)
+
+
+def test_an_async_client_used_on_a_second_event_loop_says_so(redis_url):
+    """A client made once and used from two asyncio.run (per-test loops, a CLI): redis-py's connections failed deep
+    inside ("attached to a different loop", "Event loop is closed")."""
+    from producer import AsyncClient
+
+    client = AsyncClient(redis_url, queue=f"loops-{uuid.uuid4().hex[:6]}")
+
+    async def submit():
+        return await client.submit("hi", max_tokens=1)
+
+    job = asyncio.run(submit())
+    with pytest.raises(RuntimeError, match="another event loop than its first"):
+        asyncio.run(submit())
+    with pytest.raises(RuntimeError, match="another event loop"):
+        asyncio.run(job.result(timeout=0))
+    client.sync.close()
