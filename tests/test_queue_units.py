@@ -3843,6 +3843,37 @@ def test_a_worker_counts_the_places_its_jobs_take_not_the_jobs(redis_url):
     assert worker.puller._pull_once() and worker.puller._handed == 1
 
 
+@pytest.mark.redis
+def test_a_burst_leaves_the_jobs_past_an_engines_places_to_the_fleet_for_a_while(redis_url, monkeypatch):
+    """12 jobs on 3 idle workers of 8 places went 10, 1 and 1: the first look took its spare jobs (its in-flight
+    limit's quarter past the engine's places) too, and two waited 9.8 s for a slot while the others sat idle. An
+    idle look takes the engine's places; the spare ones come once it has been full ``SPARE_AFTER_S``, or at once for
+    a lane before a job held."""
+    from types import SimpleNamespace
+
+    import worker.puller as puller
+
+    _conn, worker, client = _worker_of_a_new_queue(redis_url, max_num_seqs=8)
+    assert worker.settings.in_flight_limit == 10
+    client.submit_many([{"prompt": f"burst {i}", "max_tokens": 2} for i in range(12)])
+    assert worker.puller._pull_once() and worker.puller._handed == 8  # idle: the engine's places
+    for arrival in worker.puller.unapplied():  # (as the step loop takes them in)
+        worker.in_flight[arrival.job.id] = SimpleNamespace(priority=0, job=None)
+    worker.puller._taken = worker.puller._handed
+    worker.puller._unapplied.clear()
+    assert not worker.puller._pull_once()  # full just now: the 4 others wait for the fleet's other workers
+    urgent = client.submit("urgent", max_tokens=2, priority=-5)
+    worker._refresh_lanes()  # (its lane found, as the worker's loop finds a new one)
+    worker.puller._next_pull = 0.0  # (a pull is due: the sender, not running here, would have seen the job)
+    assert worker.puller._pull_once() and [a.job.id for a in worker.puller.unapplied()] == [urgent.id]
+    worker.in_flight[urgent.id] = SimpleNamespace(priority=-5, job=None)
+    worker.puller._taken = worker.puller._handed
+    worker.puller._unapplied.clear()
+    monkeypatch.setattr(puller, "SPARE_AFTER_S", 0.0)  # full a while: the spare places fill
+    worker.puller._next_pull = 0.0
+    assert worker.puller._pull_once() and worker.puller._handed == 10
+
+
 def _worker_of_a_new_queue(redis_url: str, **settings):
     """A worker (no engine: what it writes is under test) of a queue of its own: (connection, worker, its client)."""
     import uuid

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("roseinfer.worker")
 
 HAND_OVER = 64  # jobs a pull takes at most while jobs run, handed to the step loop together
+SPARE_AFTER_S = 0.5  # a worker full this long takes jobs past its engine's places (up to its in-flight limit)
 LOOK_AGAIN_S = 0.05  # after a pull that could not block and found nothing, with no job in flight
 DID_NOT_BLOCK_S = 0.02  # after a blocking pull that the server answered at once (an idle worker spun a core so)
 POLL_S = 0.2  # an idle worker whose Redis user may not block (no @blocking): a look this often, a job's wait at most
@@ -123,6 +124,7 @@ class Puller:
         self.burst = False  # never block waiting for jobs
         self._next_pull = 0.0
         self._follow_up = False  # pull again at once, without waiting for the sender to see jobs
+        self._full_since: float | None = None  # (monotonic) since when its jobs fill the engine's places
         self._blocked = False  # the last pull blocked waiting for jobs
         self._did_not_block = False  # ... or should have, and the server answered at once that it found none
         self._may_block = True  # the Redis user may wait on a queue (BLMOVE: not a managed user without @blocking)
@@ -234,12 +236,18 @@ class Puller:
         # Sequences, not jobs: a job of n samples takes n places in the batch (five jobs of n = 8 went to one worker
         # of 4 places, run one after another, while another sat idle).
         taken = sum(_samples(job) for job in held)
+        seqs = w.settings.max_num_seqs
+        if taken + on_its_way < seqs:
+            self._full_since = None
+        elif self._full_since is None:
+            self._full_since = mono
         # Lanes the sender saw empty are skipped; an idle worker blocks on all of them, and so does a pull when the
         # sender read no depths for a second (it reads them as it sends: during a long step, a job that came waited
         # for the step's end, its lane seen empty before it).
         stale = mono - w.sender.depths_read_at > STALE_DEPTHS_S
         lanes = [(p, q) for p, q, depth in w.lane_depths() if idle or stale or depth is None or depth > 0]
-        if taken + on_its_way >= limit and held:
+        ranked = taken + on_its_way >= limit and bool(held)  # full: only lanes before jobs held come in
+        if ranked:
             # Full: jobs of a lane that comes before a job held here still come in (up to twice the limit); the
             # engine preempts the later ones for them. Past that, a lane before every job held still does (a limit's
             # worth more): at twice, an urgent job waited for an interactive one's whole run. Bounded: once one is
@@ -252,6 +260,17 @@ class Puller:
             else:
                 limit *= 2
         room = limit - taken - on_its_way
+        if not ranked and self._full_since is not None and mono - self._full_since < SPARE_AFTER_S:
+            # Past the engine's places (the spare jobs a step's end starts at once) only once it has been full a
+            # while: a burst's first look took them too, and they waited for a slot while the fleet's other workers
+            # sat idle (12 jobs on 3 idle workers of 8 places: 10, 1 and 1, two waiting 9.8 s). A lane before a job
+            # held still comes in at once (the engine preempts for it).
+            worst = max((job.priority for job in held), default=None)
+            ahead = [(p, q) for p, q in lanes if worst is not None and p < worst]
+            if ahead:
+                lanes = ahead
+            else:
+                room = min(room, seqs - taken - on_its_way)
         if room <= 0 or not lanes:
             return False
         self._pulling = True
@@ -261,7 +280,7 @@ class Puller:
         # loses no step while it reads: it takes as many as the engine runs at once, and one prefill starts them all
         # (in slices, the first ones' steps and the reading of the rest slowed each other down: 256 jobs took
         # 0.85-1.65 s against 0.76-1.04 s, whole winning 6 of 7 interleaved pairs).
-        room = min(room, max(HAND_OVER, w.settings.max_num_seqs) if idle else HAND_OVER)
+        room = min(room, seqs if idle else HAND_OVER)
         queues = [q for _, q in lanes]
         wait_on = next((i for i, (p, _) in enumerate(lanes) if p == 0), 0)  # the queue itself: interactive jobs
         began = time.monotonic()
