@@ -195,20 +195,21 @@ class AsyncClient:
 
     def _check_open(self) -> None:
         """A closed client takes no job: one went in (its connections opened again, left open) that no stream of this
-        client could follow. One used on a second event loop (a client made once, then two ``asyncio.run``) is
-        refused in its own words: redis-py's connections failed deep inside, "attached to a different loop"."""
+        client could follow."""
         if self.closed:
             raise ClientClosed("this AsyncClient was closed")
-        self._check_loop()
 
     def _check_loop(self) -> None:
+        """A job followed on a second event loop (a client made once, then two ``asyncio.run``) is refused in its own
+        words: the hub's reader belongs to the first, and redis-py failed deep inside ("Event loop is closed").
+        Submits, status and cancels run on any loop, as they did."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop:
             raise RuntimeError(
-                "this AsyncClient is used on another event loop than its first: its connections belong to that "
-                "loop. Make an AsyncClient on each loop (inside the coroutine asyncio.run runs)"
+                "this AsyncClient follows jobs on another event loop than its first: its stream reader belongs to "
+                "that loop. Make an AsyncClient on each loop (inside the coroutine asyncio.run runs)"
             )
 
     async def close(self) -> None:

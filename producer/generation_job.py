@@ -180,7 +180,8 @@ class GenerationJob:
                     break
                 except WatchError:  # the job changed meanwhile (it started, it ended): look again
                     continue
-        if in_queue or status in (b"scheduled", b"deferred"):  # (RQ's cancel took it out of its registry then)
+        if in_queue or status in (b"scheduled", b"deferred", b"ready_to_enqueue"):  # (RQ's cancel took it out of its
+            # registry then: a dependent between deferred and queued waits in RQ's ready registry)
             self._end_unrun(job)
         return True
 

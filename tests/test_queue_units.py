@@ -3872,6 +3872,36 @@ def test_a_burst_leaves_the_jobs_past_an_engines_places_to_the_fleet_for_a_while
     monkeypatch.setattr(puller, "SPARE_AFTER_S", 0.0)  # full a while: the spare places fill
     worker.puller._next_pull = 0.0
     assert worker.puller._pull_once() and worker.puller._handed == 10
+    # A worker running one job, not full: a burst fills its places, not its spare ones (it took 9 of 12).
+    _conn, busy, client = _worker_of_a_new_queue(redis_url, max_num_seqs=8)
+    busy.in_flight["running"] = SimpleNamespace(priority=0, job=None)
+    client.submit_many([{"prompt": f"burst {i}", "max_tokens": 2} for i in range(12)])
+    assert busy.puller._pull_once() and busy.puller._handed == 7
+
+
+@pytest.mark.redis
+def test_a_due_job_canceled_by_hand_is_ended_once(redis_url):
+    """The first look after a worker takes the scheduler lock reads the due ids and walks the registry too: a due
+    job canceled by hand was in both, and ended twice (two last events, two pushes to its completion list)."""
+    from datetime import datetime, timedelta, timezone
+
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import JOB_FUNCTION, stream_key
+    from worker.due_retries import DueRetries
+
+    conn, worker, client = _worker_of_a_new_queue(redis_url)
+    worker.sender._load_scripts()  # (RQ's scheduler lock is a script)
+    queue = Queue(client.queue.name, connection=conn, serializer=JSONSerializer)
+    notify = f"once-{uuid.uuid4().hex[:8]}"
+    due = datetime.now(timezone.utc) - timedelta(seconds=5)
+    job = queue.enqueue_at(due, JOB_FUNCTION, kwargs={"prompt": "x", "notify": notify})
+    conn.hset(job.key, "status", "canceled")
+    DueRetries(worker).enqueue()
+    assert conn.lrange(f"roseinfer:done:{notify}", 0, -1) == [job.id.encode()]
+    ends = [json.loads(f[b"event"]) for _, f in conn.xrange(stream_key(job.id))]
+    assert [e["finish_reason"] for e in ends] == ["abort"] and conn.llen(queue.key) == 0
 
 
 def _worker_of_a_new_queue(redis_url: str, **settings):
@@ -4721,9 +4751,12 @@ def test_a_scheduled_or_deferred_job_canceled_by_a_client_gets_its_ending():
     parent = client.submit("first")
     child = queue.enqueue(JOB_FUNCTION, kwargs={"prompt": "y", "notify": "here"}, depends_on=parent.id)
     assert (later.get_status(), child.get_status()) == ("scheduled", "deferred")
+    ready = client.submit("between deferred and queued")  # (RQ's ready registry: its dependencies met)
+    conn.lrem(queue.key, 0, ready.id)
+    conn.hset(ready.rq_job.key, "status", "ready_to_enqueue")
     retried = queue.enqueue_in(timedelta(minutes=5), JOB_FUNCTION, kwargs={"prompt": "z"})
     conn.xadd(stream_key(retried.id), {"event": json.dumps(make_event(0, "Hel", [1, 2]))})  # its first attempt's
-    for job in (later, child, retried):
+    for job in (later, child, ready.rq_job, retried):
         assert client.job(job.id).cancel()
         assert 3500 < conn.ttl(job.key) <= 3600 and 3500 < conn.ttl(result_key(job.id)) <= 3600
         last = json.loads(conn.xrevrange(stream_key(job.id), count=1)[0][1][b"event"])
@@ -5245,9 +5278,14 @@ def test_an_async_client_used_on_a_second_event_loop_says_so(redis_url):
     async def submit():
         return await client.submit("hi", max_tokens=1)
 
-    job = asyncio.run(submit())
-    with pytest.raises(RuntimeError, match="another event loop than its first"):
-        asyncio.run(submit())
-    with pytest.raises(RuntimeError, match="another event loop"):
-        asyncio.run(job.result(timeout=0))
+    first = asyncio.run(submit())
+
+    async def follow(job):
+        return await job.result(timeout=0.1)
+
+    with pytest.raises(TimeoutError):  # (no worker here: the first loop follows it)
+        asyncio.run(follow(first))
+    second = asyncio.run(submit())  # a submit runs on any loop, as it did
+    with pytest.raises(RuntimeError, match="follows jobs on another event loop than its first"):
+        asyncio.run(follow(second))
     client.sync.close()

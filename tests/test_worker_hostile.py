@@ -342,6 +342,7 @@ def test_a_success_callback_that_raises_fails_its_job_alone(served):
     with pytest.raises(JobFailed) as err:
         client.job(boom).result(timeout=30)
     assert "boom from the success callback" in err.value.reason
+    assert err.value.result["usage"]["completion_tokens"] == 3  # (what it made, as its last event says)
     assert Job.fetch(boom, connection=conn, serializer=JSONSerializer).get_status() == "failed"
     # Its stream's last event says so too: it said "stop", a follower of the stream took the failed job for done.
     with pytest.raises(JobFailed, match="boom from the success callback"):

@@ -35,10 +35,13 @@ DUE_JOBS_EVERY_S = 1  # an int: RQ adds 60 for its lock TTL, which Redis wants w
 WAITING_WALK = 1_000  # ids of a scheduled or deferred registry whose statuses a look reads (each maintenance interval)
 
 
-def end_canceled_unrun(connection: Redis, queue: Queue, job_id: str, its_worker_died: bool = False) -> bool:
+def end_canceled_unrun(
+    connection: Redis, queue: Queue, job_id: str, taken_from: str | None = None, its_worker_died: bool = False
+) -> bool:
     """The ending a client's cancel writes for a job no worker will run (``GenerationJob._end_unrun``: one writer of
     it), for a job canceled where no client wrote it; False where the job is gone meanwhile or unreadable (RQ's
-    clean-up, and the set-aside of unreadable jobs, take those)."""
+    clean-up, and the set-aside of unreadable jobs, take those), or, given ``taken_from`` (a registry's key), not
+    in that registry any more: whoever took it out ends it."""
     from producer import Client
 
     try:
@@ -46,6 +49,8 @@ def end_canceled_unrun(connection: Redis, queue: Queue, job_id: str, its_worker_
     except REDIS_DOWN:
         raise
     except Exception:
+        return False
+    if taken_from is not None and not connection.zrem(taken_from, job_id):
         return False
     # (the client of the lane's queue: a lane's own name is no queue's, and the client refuses it)
     client = Client(connection=connection, queue=queue_of_lane(queue.name))
@@ -104,12 +109,13 @@ class DueRetries:
         held = self._scheduler.acquired_locks if self._scheduler is not None else set()
         for queue in [q for _, q, _ in w.lane_depths() if q.name in held]:
             scheduled = ScheduledJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
-            looks = [(scheduled, scheduled.get_jobs_to_schedule())]
-            if whole:
-                deferred = DeferredJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
-                looks += [(registry, self._walk_on(registry)) for registry in (scheduled, deferred)]
-            for registry, job_ids in looks:
-                try:
+            deferred = DeferredJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
+            for registry, whole_only in ((scheduled, False), (deferred, True)):
+                if whole_only and not whole:
+                    continue
+                try:  # (a registry key of another type, one this Redis user may not read: said, and passed over)
+                    job_ids = registry.get_jobs_to_schedule() if registry is scheduled else []
+                    job_ids = list(dict.fromkeys(job_ids + (self._walk_on(registry) if whole else [])))
                     self._end_canceled(queue, registry, job_ids)
                 except REDIS_DOWN:
                     raise
@@ -133,8 +139,9 @@ class DueRetries:
                 pipe.hget(Job.key_for(job_id), "status")
             statuses = pipe.execute(raise_on_error=False)
         for job_id, status in zip(job_ids, statuses):
-            if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id):
-                registry.remove(job_id)
+            # Ended by whoever takes it out of the registry: a client's cancel meanwhile (RQ's takes it out, and the
+            # client ends it), or a due id the walk read too, was ended twice (two last events, two pushes).
+            if status in (b"canceled", b"stopped") and end_canceled_unrun(w.connection, queue, job_id, registry.key):
                 log.warning("job %s was %s while in %s: ended", shown_id(job_id), status.decode(), registry.key)
 
     def _set_aside_unreadable(self) -> bool:

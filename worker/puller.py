@@ -260,7 +260,7 @@ class Puller:
             else:
                 limit *= 2
         room = limit - taken - on_its_way
-        if not ranked and self._full_since is not None and mono - self._full_since < SPARE_AFTER_S:
+        if not ranked and (self._full_since is None or mono - self._full_since < SPARE_AFTER_S):
             # Past the engine's places (the spare jobs a step's end starts at once) only once it has been full a
             # while: a burst's first look took them too, and they waited for a slot while the fleet's other workers
             # sat idle (12 jobs on 3 idle workers of 8 places: 10, 1 and 1, two waiting 9.8 s). A lane before a job

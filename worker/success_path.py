@@ -109,7 +109,7 @@ class SuccessPath:
                 job.callback_error = exc
             job.called_back = True
         if job.callback_error is not None:
-            self._success_failed(job, job.callback_error)
+            self._success_failed(job, job.callback_error, made=result)
             return False
         try:
             self.handle_job_success(job=j, queue=job.queue, started_job_registry=job.queue.started_job_registry,
@@ -120,7 +120,7 @@ class SuccessPath:
                 raise
             # Another error (a key of another type, a refused command) fails this job alone, as RQ's perform_job
             # fails it; the jobs ended beside it go on (raised, it left them all unended).
-            self._success_failed(job, exc, "its success could not be written")
+            self._success_failed(job, exc, "its success could not be written", made=result)
             return False
         job.success_written = True
         return True
@@ -172,13 +172,17 @@ class SuccessPath:
                 registry.remove(job.job.id, pipeline=pipe)
             pipe.execute()
 
-    def _success_failed(self, job: InFlight, exc: Exception, why: str = "its success callback failed") -> None:
+    def _success_failed(
+        self, job: InFlight, exc: Exception, why: str = "its success callback failed", made: dict | None = None
+    ) -> None:
         """RQ fails a job whose success callback raised, with that error (retried while it has retries left): so does
         this worker. Its last event, held until now, says so (it went out as "stop" on a failed job); a job RQ
         retries gets none (its next attempt goes on from what this one streamed)."""
         log.error("job %s: %s (%s): the job fails, as RQ fails it", job.job.id, why, exc)
         error = f"the job's {why.removeprefix('its ')}: {exc}"
         result = failure_result(job.job.id, job.request, error, error_type="server_error")
+        if made and made.get("usage"):  # (what it made: its last event says it too)
+            result["usage"] = made["usage"]
         self._record_failure(job.job, job.queue, job.execution, exc, result, job.request.notify)
         failed = job.job.get_status(refresh=False) == JobStatus.FAILED
         ending = {"finish_reason": "error", "error": error, "error_type": "server_error", "stop_reason": None}
