@@ -53,6 +53,10 @@ STREAM_OF_FIELD = "roseinfer_stream_of"
 # The job hash field holding the id of its stream's last entry when its attempt started (none: an empty stream): a
 # dead worker's attempt that added none streamed nothing, and goes back to its queue with its retries untouched.
 RESUMED_FROM_FIELD = "roseinfer_resumed_from"
+# The job hash field naming the model and tokenizer its last attempt ran on (``model_identity``): a retry on a
+# worker of another (a fleet mid-rollout, a queue two models serve) starts over, where it resumed half a job made
+# by one model with the other (and token ids of one vocabulary read as another's).
+MODEL_FIELD = "roseinfer_model"
 UNCHECKED = "-"  # the mark of a job whose hash had no created_at at its first start (written by hand): never checked
 
 
@@ -126,6 +130,11 @@ TEMPLATE_KEY = "roseinfer:template:{digest}"
 
 def tokenizer_digest(tokenizer_json: str) -> str:
     return hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]
+
+
+def model_identity(model: str, tokenizer_json: str | None) -> str:
+    """What ``MODEL_FIELD`` holds: the worker's ``--model`` and its tokenizer's digest."""
+    return f"{model}|{tokenizer_digest(tokenizer_json) if tokenizer_json else ''}"
 
 
 # Priority lanes: a job of priority p (lower runs first, as in vLLM) goes into the RQ queue lane_name(queue, p); the

@@ -1892,7 +1892,7 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
     from rq.serializers import JSONSerializer
 
     from producer import Client
-    from producer.protocol import OWNER_FIELD, RESUMED_FROM_FIELD
+    from producer.protocol import MODEL_FIELD, OWNER_FIELD, RESUMED_FROM_FIELD
     from worker.batch_worker import BatchWorker
     from worker.intake import pull
     from worker.job_start import register
@@ -1956,8 +1956,9 @@ def test_the_workers_start_writes_leave_what_rqs_own_start_leaves(redis_url, way
         assert job.get_status(refresh=False) == "started" and job.worker_name == worker.name
         assert Execution.fetch(ex.id, job.id, conn).job_id == job.id
     ref_fields, our_fields = conn.hgetall(ref.key), conn.hgetall(ours.key)
-    own = {OWNER_FIELD.encode(), STREAM_OF_FIELD.encode(), RESUMED_FROM_FIELD.encode()}
+    own = {OWNER_FIELD.encode(), STREAM_OF_FIELD.encode(), RESUMED_FROM_FIELD.encode(), MODEL_FIELD.encode()}
     assert set(our_fields) == set(ref_fields) | own
+    assert our_fields[MODEL_FIELD.encode()] == b"fake|"  # (its --model; an engine without a tokenizer)
     assert our_fields[RESUMED_FROM_FIELD.encode()] == conn.xrevrange(stream_key(ours.id), count=1)[0][0]
     assert our_fields[OWNER_FIELD.encode()] == execution.id.encode()
 
@@ -2028,6 +2029,46 @@ def test_a_job_enqueued_under_an_old_jobs_id_does_not_resume_the_old_jobs_stream
         assert conn.hget(job.key, "created_at") not in (None, (created or "").encode())
         assert start(job_id) == (1, [6]), created
         assert conn.hget(job.key, STREAM_OF_FIELD) is not None
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("way", ["script", "transaction", "stock"])
+def test_a_job_an_attempt_of_another_model_streamed_starts_over(redis_url, way):
+    """A dead worker's jobs resumed on a worker of another model (a fleet mid-rollout, a queue two models serve):
+    half of each output one model's, half the other's (and token ids of one vocabulary read as another's). A start
+    writes its model in the job; one that finds another's there starts the job over (a reset), by the start
+    script, the start without Lua and the stock RQ path's. Its own model's, or none (an older worker's), resumes."""
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from producer.protocol import JOB_FUNCTION, MODEL_FIELD
+    from worker.intake import pull
+    from worker.job_start import forget_earlier_jobs_stream, ran_on_another_model, register
+
+    conn, name, worker = _worker_without_engine(redis_url)
+    worker.sender.start_script = None if way == "transaction" else register(conn)
+    queue = Queue(name, connection=conn, serializer=JSONSerializer)
+
+    def start(job_id: str) -> list[int]:
+        """The job pulled and started: what it resumes from."""
+        [(job, q)] = pull([queue], 1, None, conn, Job, JSONSerializer)[0]
+        if way == "stock":
+            forget_earlier_jobs_stream(conn, job)
+            stream = worker.publisher.resume(conn, [job_id])[job_id]
+            if ran_on_another_model(conn, job, worker.model_identity):
+                stream.whole = False
+        else:
+            stream = worker.mark_started([(job, q)], [job_id])[1][job_id]
+        return stream.start(can_resume=True)
+
+    for ran_on, resumed in ((None, [7, 8]), (worker.model_identity, [7, 8]), ("other-model|abc", [])):
+        job = queue.enqueue(JOB_FUNCTION, kwargs={"prompt": "x", "max_tokens": 4})
+        conn.xadd(stream_key(job.id), {STREAM_FIELD: json.dumps(make_event(0, "Hi", [7, 8]))})  # an earlier attempt's
+        if ran_on is not None:
+            conn.hset(job.key, MODEL_FIELD, ran_on)
+        assert start(job.id) == resumed, ran_on
+        assert conn.hget(job.key, MODEL_FIELD) == worker.model_identity.encode()
 
 
 @pytest.mark.redis

@@ -48,6 +48,7 @@ from producer.connection import REDIS_UNAVAILABLE, redis_waits
 from producer.protocol import (
     BULK_PRIORITY,
     LEASE_KEY,
+    MODEL_FIELD,
     OWNER_FIELD,
     RESUMED_FROM_FIELD,
     START_FIELD,
@@ -58,6 +59,7 @@ from producer.protocol import (
     lane_name,
     lane_priority,
     lanes,
+    model_identity,
     queue_stream_check,
     stream_check,
     stream_key,
@@ -175,6 +177,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         self.start_token = uuid.uuid4().hex  # this start's, in its registration (``START_FIELD``) and lease key
         self.name_taken = False  # another start registered under this worker's name (this one taken for dead)
         self.tokenizer_digest = ""  # of the tokenizer this worker wrote to Redis (TOKENIZER_KEY)
+        # What its starts write in a job's MODEL_FIELD: a job an attempt of another model streamed starts over here
+        self.model_identity = model_identity(settings.model, getattr(engine, "tokenizer_json", lambda: None)())
         self.template_digest = ""  # of its chat template (TEMPLATE_KEY)
         self._step_s = 0.0  # how long the last engine step took
         # An engine in this process: a hung step ends the process (an engine process has a watchdog of its own).
@@ -717,12 +721,13 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         with self.connection.pipeline() as pipe:  # Redis without Lua: RQ's own writes, in one transaction
             while True:
                 try:
-                    executions, replies = self._start_in_transaction(pipe, pulled, keys, stream_ids, ttl, tried)
+                    executions, replies, other = self._start_in_transaction(pipe, pulled, keys, stream_ids, ttl, tried)
                     break
                 except redis.WatchError:  # a job hash changed since the look at the statuses (or the reply was
                     continue  # lost, which redis-py says so while watching): look again
         self.executions.update((execution.id, execution) for execution in executions)
-        return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
+        streams = self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
+        return executions, _start_over(streams, other)
 
     def _start_in_transaction(
         self,
@@ -740,31 +745,33 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         pipe.watch(*keys)
         with self.connection.pipeline(transaction=False) as look:
             for (job, _queue), key in zip(pulled, keys):
-                look.hmget(key, "status", OWNER_FIELD)
+                look.hmget(key, "status", OWNER_FIELD, MODEL_FIELD)
                 queue_stream_check(look, job)
                 look.xrevrange(stream_key(job.id), count=1)  # (its last entry: ``RESUMED_FROM_FIELD``)
             found = look.execute(raise_on_error=False)  # (a stream key of another type: read as none)
         for reply in found[::4] + found[1::4]:
             if isinstance(reply, Exception):
                 raise reply
-        owners = [owner.decode() if owner else None for _status, owner in found[::4]]
+        owners = [owner.decode() if owner else None for _status, owner, _ran_on in found[::4]]
         for earlier in tried:  # (one transaction: where a job's owner is that try's, the whole of it landed)
             if any(owner == execution.id for owner, execution in zip(owners, earlier)):
                 pipe.unwatch()
                 with self.connection.pipeline(transaction=False) as reads:
                     self.publisher.queue_stream_reads(reads, stream_ids)
-                    return earlier, reads.execute(raise_on_error=False)
+                    return earlier, reads.execute(raise_on_error=False), []
         pipe.multi()
         executions: list[Execution] = []
         tried.append(executions)
-        statuses = [status for status, _owner in found[::4]]
+        statuses = [status for status, _owner, _ran_on in found[::4]]
+        mine = self.model_identity.encode()
+        other = [job.id for (job, _), (_, _, ran_on) in zip(pulled, found[::4]) if ran_on not in (None, mine)]
         for (job, queue), status, fields, first, last in zip(pulled, statuses, found[1::4], found[2::4], found[3::4]):
             execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
             executions.append(execution)
             if status is not None:  # (deleted since the pull: stays so, as the start script leaves it)
                 job.prepare_for_execution(self.name, pipeline=pipe)  # its heartbeat too
                 args, options = pipe.command_stack[-1]  # this attempt owns the job from now on: in RQ's own HSET
-                pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id), options)
+                pipe.command_stack[-1] = ((*args, OWNER_FIELD, execution.id, MODEL_FIELD, self.model_identity), options)
                 earlier, mark = stream_check(job.created_at, fields, first)  # (the start script's rule)
                 if earlier:
                     pipe.delete(stream_key(job.id))
@@ -781,7 +788,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             pipe.delete(queue.intermediate_queue.get_first_seen_key(job.id))  # (as the start script: why there)
         self.heartbeat(max(ttl, self.worker_ttl) + 60, pipeline=pipe)
         self.publisher.queue_stream_reads(pipe, stream_ids)
-        return executions, _checked(pipe.execute(raise_on_error=False), len(stream_ids))
+        return executions, _checked(pipe.execute(raise_on_error=False), len(stream_ids)), other
 
     def _out_of_patience(self) -> bool:
         """A cold stop whose patience with Redis is spent: a start still tried again held the first signal's drain
@@ -792,7 +799,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
     def _start_by_script(
         self, pulled: list[tuple[Job, Queue]], stream_ids: Sequence[str], ttl: int
     ) -> tuple[list[Execution], dict[str, JobStream]]:
-        executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD, STREAM_OF_FIELD)
+        executions, args = start_jobs(pulled, self.name, ttl, OWNER_FIELD, STREAM_OF_FIELD, self.model_identity)
         # Within half the started entries' life: a start landing later would find them taken for abandoned.
         give_up_at, backoff = time.monotonic() + min(START_RETRY_S, ttl / 2), 0.1
         while True:
@@ -811,14 +818,15 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 log.warning("starting %d jobs: Redis unavailable (%s); the same start again", len(pulled), exc)
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
-        repaired, stale = replies[0]
+        repaired, stale, other = replies[0]
         for job_id in dict.fromkeys(repaired):
             log.warning("job %s: its token or result stream key held another type (written by hand?): deleted",
                         job_id.decode())  # fmt: skip
         for job_id in stale:
             log.info("job %s: the token stream of an earlier job of this id deleted, not resumed", job_id.decode())
         self.executions.update((execution.id, execution) for execution in executions)
-        return executions, self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
+        streams = self.publisher.streams_from(stream_ids, replies[len(replies) - len(stream_ids) :])
+        return executions, _start_over(streams, [job_id.decode() for job_id in other])
 
     # ----- what a step produced -------------------------------------------------------------------------
     def _route(self, events: list[JobEvent]) -> bool:
@@ -965,6 +973,16 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
 
     def stats_key(self) -> str:
         return STATS_KEY.format(worker=self.name)
+
+
+def _start_over(streams: dict[str, JobStream], job_ids: list[str]) -> dict[str, JobStream]:
+    """``streams`` with those of ``job_ids`` (their last attempt ran on another model) marked to start over: their
+    next event a reset, nothing of them resumed."""
+    for job_id in job_ids:
+        if job_id in streams:
+            log.warning("job %s: its last attempt ran on another model (%s): it starts over", job_id, MODEL_FIELD)
+            streams[job_id].whole = False
+    return streams
 
 
 def _checked(replies: list, num_streams: int) -> list:

@@ -20,6 +20,7 @@ from rq.queue import Queue
 from rq.utils import current_timestamp, now, utcformat
 
 from producer.protocol import (
+    MODEL_FIELD,
     RESUMED_FROM_FIELD,
     STREAM_OF_FIELD,
     created_form,
@@ -45,9 +46,9 @@ from worker.intake import load_script
 _START = """
 local name, ts, stamp, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local score, exec_score, executions, owner, stream_of = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local resumed_from = ARGV[10]
-local started, members, repaired, stale = {}, {}, {}, {}
-for a = 11, #ARGV, 11 do
+local resumed_from, model_field, identity = ARGV[10], ARGV[11], ARGV[12]
+local started, members, repaired, stale, other = {}, {}, {}, {}, {}
+for a = 13, #ARGV, 11 do
   local job, id, exec_id, exec_key = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local registry, wip, intermediate = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   for k = a + 7, a + 8 do
@@ -80,9 +81,11 @@ for a = 11, #ARGV, 11 do
     end
     local last = redis.call('XREVRANGE', ARGV[a + 7], '+', '-', 'COUNT', 1)[1]
     if last then redis.call('HSET', job, resumed_from, last[1]) else redis.call('HDEL', job, resumed_from) end
+    local ran_on = redis.call('HGET', job, model_field)
+    if ran_on and ran_on ~= identity then other[#other + 1] = id end
     if status ~= 'canceled' and status ~= 'stopped' then status = 'started' end
     redis.call('HSET', job, 'last_heartbeat', stamp, 'status', status, 'started_at', stamp, 'worker_name', name,
-      owner, exec_id)
+      owner, exec_id, model_field, identity)
     redis.call('PERSIST', job)
   end
   redis.call('LREM', intermediate, 1, id)
@@ -99,7 +102,7 @@ for wip, list in pairs(started) do
 end
 for i = 1, #members, 4000 do redis.call('SADD', executions, unpack(members, i, math.min(i + 3999, #members))) end
 if #members > 0 then redis.call('EXPIRE', executions, ttl + 60) end
-return {repaired, stale}
+return {repaired, stale, other}
 """
 
 
@@ -114,6 +117,7 @@ def start_jobs(
     ttl: int,
     owner_field: str,
     stream_of_field: str,
+    identity: str,
 ) -> tuple[list[Execution], list[Any]]:
     """The start of every pulled job under a new execution of ``worker_name`` (its id also written as the job's
     owner), as RQ's own start would: the executions, and the arguments of the script (``queue_start``); the jobs
@@ -127,6 +131,7 @@ def start_jobs(
     args: list[Any] = [
         worker_name, repr(right_now.timestamp()), stamp, ttl, score, score + 60,
         WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name), owner_field, stream_of_field, RESUMED_FROM_FIELD,
+        MODEL_FIELD, identity,
     ]  # fmt: skip
     for (job, queue), execution_id in zip(pulled, execution_ids(len(pulled))):
         execution = Execution(execution_id, job.id, job.connection, worker_name=worker_name)
@@ -160,6 +165,16 @@ def forget_earlier_jobs_stream(conn: Redis, job: Job) -> bool:
             pipe.hset(job.key, STREAM_OF_FIELD, mark)
         pipe.execute()
     return earlier
+
+
+def ran_on_another_model(conn: Redis, job: Job, identity: str) -> bool:
+    """The stock RQ path's look at ``MODEL_FIELD`` (the start script's): whether the job's last attempt ran on
+    another model than ``identity`` (its output is not this one's to go on with), the field then this one's."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hget(job.key, MODEL_FIELD)
+        pipe.hset(job.key, MODEL_FIELD, identity)
+        ran_on = pipe.execute()[0]
+    return ran_on is not None and ran_on.decode(errors="replace") != identity
 
 
 def queue_start(script: Any, pipe: Any, args: list[Any]) -> None:

@@ -26,6 +26,7 @@ from producer.protocol import (
     PROTOCOL_VERSION,
     encode_logprobs,
     installed_version,
+    model_identity,
     usage_of,
 )
 from producer.schema import JobRequest, describe_validation_error
@@ -275,6 +276,17 @@ def _engine() -> LLMEngine:
     return _ENGINE
 
 
+_IDENTITY: dict[tuple[str, int], str] = {}  # (model, id of the engine) -> its MODEL_FIELD
+
+
+def _identity(model: str, engine: Any) -> str:
+    """The stock path's ``MODEL_FIELD``, as a batch worker's: computed once for its engine."""
+    key = (model, id(engine))
+    if key not in _IDENTITY:
+        _IDENTITY[key] = model_identity(model, getattr(engine, "tokenizer_json", lambda: None)())
+    return _IDENTITY[key]
+
+
 ALARM_MARGIN_S = 2.0  # how long before RQ's alarm a stock worker's job ends at its timeout (a step's length), at most
 
 
@@ -298,7 +310,7 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
     its stream ended "abort", and ends as RQ's stopped job (RQ's own worker would run it to its end)."""
     from rq import get_current_job
 
-    from worker.job_start import forget_earlier_jobs_stream
+    from worker.job_start import forget_earlier_jobs_stream, ran_on_another_model
     from worker.publisher import Publisher
     from worker.pump import Pump
     from worker.settings import WorkerSettings
@@ -343,6 +355,8 @@ def generate(*args: Any, **payload: Any) -> dict[str, Any]:
         params = sampling_params(job.id, req, engine.sampling_defaults)
     except JobRejected as exc:  # (what the engine refuses: a schema past its bounds; it was retried, without a word)
         refuse(str(exc))
+    if ran_on_another_model(job.connection, job, _identity(settings.model, engine)):  # (its output is not ours)
+        stream.whole = False
     prefix, prefix_logprobs = resume_from(stream, params)
     pump = Pump(engine, tokenize_in_thread=False)
     # The pump ends the job at its timeout itself, between steps, ahead of RQ's alarm: the alarm interrupted a step,
