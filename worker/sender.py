@@ -534,8 +534,9 @@ class Sender:
                 backoff = min(backoff * 2, 5.0)
 
     def _next_send(self) -> str:
-        self._sends += 1
-        return str(self._sends)
+        with self._held_lock:  # (after a cold stop, a callback thread sends beside the stop: numbers stay one each)
+            self._sends += 1
+            return str(self._sends)
 
     def _send(self, events: list[Event], read: bool, send: str) -> None:
         """Write ``events`` (as send number ``send``); with ``read``, also read the statuses, the queue's length and
