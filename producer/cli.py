@@ -28,6 +28,7 @@ from producer.protocol import (
     DEFAULT_QUEUE,
     InvalidQueueName,
     check_queue_name,
+    mixed_models,
     queue_of_lane,
     stream_key,
 )
@@ -458,6 +459,8 @@ def status(args: argparse.Namespace) -> int:
     if st.get("redis", "ok") != "ok":
         print(f"Redis is {st['redis']}")
     print(f"{len(st['workers'])} workers, {st['tokens_per_s']:.1f} tokens/s")
+    if len(served := sorted({w["model"] for w in st["workers"] if w.get("model")})) > 1:
+        print(f"warning: {mixed_models(st['queue'], served)}")  # (as the server says it)
     for w in st["workers"]:
         redis_state = "" if w.get("redis", "ok") == "ok" else f"  Redis refuses writes: {w['redis']}"
         numerics = ", ".join(x for x in (w.get("dtype"), w.get("quantization")) if x)

@@ -137,6 +137,16 @@ def model_identity(model: str, tokenizer_json: str | None) -> str:
     return f"{model}|{tokenizer_digest(tokenizer_json) if tokenizer_json else ''}"
 
 
+def mixed_models(queue: str, served: list[str]) -> str:
+    """The workers on the queue name several models (a rollout, a mistake, one model at several paths): a job names
+    no model and runs on whichever worker takes it first, so the answer may come from any of them (said by the
+    server, ``roseinfer status`` and a worker as it starts)."""
+    return (
+        f"the workers on queue {queue!r} serve several models ({', '.join(served)}), and a job runs on whichever "
+        "takes it: give each model a queue of its own, and one model at several paths one --served-model-name"
+    )
+
+
 # Priority lanes: a job of priority p (lower runs first, as in vLLM) goes into the RQ queue lane_name(queue, p); the
 # default priority 0 is the queue itself, so `rq info` shows each lane as a queue of its own.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100

@@ -52,7 +52,7 @@ from producer.openai_api import (
     parse_completions,
     parse_request,
 )
-from producer.protocol import installed_version
+from producer.protocol import installed_version, mixed_models
 from producer.reasoning import REASONING_PARSERS
 from producer.responses_api import ResponseWriter, parse_responses
 from producer.schema import lone_surrogate
@@ -295,7 +295,7 @@ def create_app(
             reason = f"no live worker on queue {client.queue_name!r}"
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         body = {"status": "ok", "workers": len(live), "models": served}
-        return JSONResponse({**body, "warning": _mixed_models(client.queue_name, served)} if len(served) > 1 else body)
+        return JSONResponse({**body, "warning": mixed_models(client.queue_name, served)} if len(served) > 1 else body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -385,7 +385,7 @@ def create_app(
             raise APIError(404, f"model {model!r} is not served here (served: {served})", param="model",
                            code="model_not_found")  # fmt: skip
         if len(served) > 1:  # served still (a rollout, one model at several paths), and said
-            workers.warn(_mixed_models(client.queue_name, served))
+            workers.warn(mixed_models(client.queue_name, served))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -486,15 +486,6 @@ def create_app(
         return await tokenizers.names(await workers.tokenizer_of(model)) if wanted else BY_ID
 
     return app
-
-
-def _mixed_models(queue: str, served: list[str]) -> str:
-    """The workers on the queue name several models (a rollout, a mistake, one model at several paths): a job names
-    no model and runs on whichever worker takes it first, so the answer may come from any of them."""
-    return (
-        f"the workers on queue {queue!r} serve several models ({', '.join(served)}), and a job runs on whichever "
-        "takes it: give each model a queue of its own, and one model at several paths one --served-model-name"
-    )
 
 
 TOKENIZE_AT_ONCE = 2  # /tokenize requests encoding at once (a text of the largest body took ~2 GB to encode)

@@ -256,6 +256,17 @@ def test_status_shows_each_workers_numerics(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "  w1  busy     smol (bfloat16, int8)  3 in flight  12.0 tok/s" in lines
     assert "  w2  busy     smol  3 in flight  12.0 tok/s" in lines  # (an older worker says nothing of it)
+    assert not [line for line in lines if "several models" in line]
+
+
+def test_status_warns_of_a_queue_whose_workers_serve_several_models(monkeypatch, capsys):
+    """A rollout, or a mistake: a job runs on whichever worker takes it. The server said so; status did not."""
+    client = Client(connection=fakeredis.FakeRedis(), queue="q")
+    row = {"name": "w1", "state": "busy", "model": "smol", "in_flight": 3, "tokens_per_s": 12.0}
+    monkeypatch.setattr(client, "workers", lambda: [row, {**row, "name": "w2", "model": "other"}])
+    monkeypatch.setattr(producer_cli, "_client", lambda args: client)
+    assert producer_cli.status(_parse("status")) == 0
+    assert "warning: the workers on queue 'q' serve several models (other, smol)" in capsys.readouterr().out
 
 
 # -- result of a job that ended without finishing ---------------------------------------------------------------

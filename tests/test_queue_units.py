@@ -4881,6 +4881,36 @@ def test_a_lane_found_after_the_start_is_in_rqs_record_of_what_the_worker_serves
     worker.register_death()
 
 
+@pytest.mark.redis
+def test_a_worker_starting_beside_workers_of_another_model_says_so(redis_url, caplog):
+    """A rollout, or a mistake: a job runs on whichever worker takes it. The server said so, the worker did not."""
+    import logging
+
+    from redis import Redis
+
+    from producer.protocol import STATS_KEY
+    from worker.batch_worker import BatchWorker
+    from worker.settings import WorkerSettings
+
+    class Engine:
+        tokenizer = None
+
+    conn, name, worker = _worker_without_engine(redis_url)  # serves "fake"
+    with caplog.at_level(logging.WARNING, logger="roseinfer.worker"):
+        worker._warn_of_other_models()  # alone: nothing to say
+        assert not caplog.records
+        other = BatchWorker(
+            Engine(), WorkerSettings(redis_url=redis_url, queue=name, model="other"), Redis.from_url(redis_url)
+        )
+        other.register_birth()
+        conn.hset(STATS_KEY.format(worker=other.name), mapping={"model": "other"})
+        worker._warn_of_other_models()
+    assert [r.message for r in caplog.records] == [
+        f"the workers on queue {name!r} serve several models (fake, other), and a job runs on whichever takes it: "
+        "give each model a queue of its own, and one model at several paths one --served-model-name"
+    ]
+
+
 def _worker_without_engine(redis_url: str):
     """A batching worker, registered, on a queue of its own, with no engine (its Redis writes alone are tested):
     its connection, its queue's name, itself."""

@@ -59,6 +59,7 @@ from producer.protocol import (
     lane_name,
     lane_priority,
     lanes,
+    mixed_models,
     model_identity,
     queue_stream_check,
     stream_check,
@@ -430,6 +431,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             self.bootstrap(logging_level)
         self._install_signal_handlers()
         self._publish_tokenizer()
+        self._warn_of_other_models()
         self.sender.worker_key = self.key
         self.sender.status_list = f"roseinfer:statuses:{self.name}"
         self.sender.queue_keys = [queue.key for queue in self.queues]
@@ -465,6 +467,19 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 log.warning("%s could not be written to Redis (%s): the server goes without it", key, exc)
                 return
             setattr(self, attr, digest)
+
+    def _warn_of_other_models(self) -> None:
+        """Live workers of this queue serving another model (a rollout, a mistake): said as it starts, as the server
+        and ``roseinfer status`` say it (a job runs on whichever worker takes it); it serves all the same."""
+        from producer import Client
+
+        try:
+            rows = Client(connection=self.connection, queue=self.settings.queue).workers()
+        except redis.exceptions.RedisError:
+            return
+        served = {row["model"] for row in rows if row["name"] != self.name and row["model"]}
+        if served - {self.settings.model_name}:
+            log.warning(mixed_models(self.settings.queue, sorted(served | {self.settings.model_name})))
 
     def _done(self, burst: bool) -> bool:
         """Nothing in flight or on its way, and the worker stops (or, in burst mode, found the queues empty)."""
