@@ -475,7 +475,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
 
         try:
             rows = Client(connection=self.connection, queue=self.settings.queue).workers()
-        except redis.exceptions.RedisError:
+        except Exception:  # (a look, never a reason not to start: Redis away, a statistics hash written by hand)
+            log.debug("the workers of queue %s not read", self.settings.queue, exc_info=True)
             return
         served = {row["model"] for row in rows if row["name"] != self.name and row["model"]}
         if served - {self.settings.model_name}:
