@@ -82,7 +82,7 @@ class AsyncClient:
             redis_url, queue, connection=connection, retries=retries, job_timeout=job_timeout,
             result_ttl=result_ttl, failure_ttl=failure_ttl,
         )  # fmt: skip
-        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to, once used
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it follows jobs on, once it has
         self.hub = StreamHub(connect_async(redis_url))  # its blocking reads on a connection of their own
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._flushing = False

@@ -401,7 +401,7 @@ def error_line(
     (400) or failed on the worker's side (500) has OpenAI's ``response`` of that status, its body the error the
     server answers, beside ``error`` (vLLM's); an end that is no request's answer (canceled, stopped, timed out
     here, a row changed since the output was made) has none, as OpenAI's expired or canceled requests."""
-    status = 500 if code == "job_failed" else None if code.startswith("job_") or code in _NOT_ANSWERS else 400
+    status = _status_of(code)
     response = None
     if status is not None:
         kind = "server_error" if status == 500 else "invalid_request_error"
@@ -416,4 +416,11 @@ def error_line(
     }
 
 
-_NOT_ANSWERS = ("timeout", "changed_request")  # error codes of ends no server would answer a request with
+def _status_of(code: str) -> int | None:
+    """The HTTP status the server answers a request with for an error line's ``code``; None for an end no request's
+    answer gives (a job canceled or stopped, one timed out here, a row changed since the output was made)."""
+    if code == "job_failed":
+        return 500
+    if code.startswith("job_") or code in ("timeout", "changed_request"):
+        return None
+    return 400  # (the request refused: a bad line, a duplicate custom_id, a prompt past the context)

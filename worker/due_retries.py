@@ -110,13 +110,11 @@ class DueRetries:
         for queue in [q for _, q, _ in w.lane_depths() if q.name in held]:
             scheduled = ScheduledJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
             deferred = DeferredJobRegistry(queue.name, connection=w.connection, serializer=w.serializer)
-            for registry, whole_only in ((scheduled, False), (deferred, True)):
-                if whole_only and not whole:
-                    continue
+            for registry in (scheduled, deferred) if whole else (scheduled,):
                 try:  # (a registry key of another type, one this Redis user may not read: said, and passed over)
-                    job_ids = registry.get_jobs_to_schedule() if registry is scheduled else []
-                    job_ids = list(dict.fromkeys(job_ids + (self._walk_on(registry) if whole else [])))
-                    self._end_canceled(queue, registry, job_ids)
+                    due = registry.get_jobs_to_schedule() if registry is scheduled else []
+                    walked = self._walk_on(registry) if whole else []
+                    self._end_canceled(queue, registry, list(dict.fromkeys(due + walked)))
                 except REDIS_DOWN:
                     raise
                 except Exception:
