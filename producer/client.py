@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis import Redis
 from redis.exceptions import WatchError
-from rq import Queue, Retry
+from rq import Queue, Retry, worker_registration
 from rq.job import Job, validate_job_id
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -434,21 +434,20 @@ class Client:
     def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
         """The live workers of the queue (or of ``queue``): name, state, model, jobs in flight, tokens/s, Redis
         health."""
-        serving = self.queue if queue is None else Queue(queue, connection=self.connection)
-        workers = Worker.all(connection=self.connection, queue=serving)
+        workers = self._registered(self.queue.name if queue is None else queue)
         with self.connection.pipeline(transaction=False) as pipe:
-            for w in workers:
-                pipe.hgetall(STATS_KEY.format(worker=w.name))
+            for name, _state, _ours in workers:
+                pipe.hgetall(STATS_KEY.format(worker=name))
             stats = pipe.execute()
         rows = []
-        for w, st in zip(workers, stats):
+        for (name, state, _ours), st in zip(workers, stats):
             if not st:  # its statistics lapse with its heartbeat: a dead worker (SIGKILL, OOM) is not listed
                 continue
             st = {k.decode(): v.decode() for k, v in st.items()}
             rows.append(
                 {
-                    "name": w.name,
-                    "state": w.get_state(),
+                    "name": name,
+                    "state": state,
                     "model": st.get("model"),
                     "in_flight": int(st.get("in_flight", 0)),
                     "tokens_per_s": float(st.get("tokens_per_s", 0.0)),
@@ -465,12 +464,24 @@ class Client:
     def _stock_workers(self, queue: str) -> list[str]:
         """The names of stock ``rq worker``s registered on ``queue`` (RQ's registration, without a roseinfer
         worker's start token: ``START_FIELD``)."""
-        registered = Worker.all(connection=self.connection, queue=Queue(queue, connection=self.connection))
+        return [name for name, _state, ours in self._registered(queue) if not ours]
+
+    def _registered(self, queue: str) -> list[tuple[str, str, bool]]:
+        """(name, state, whether a roseinfer worker's) of each worker RQ lists on ``queue``, read from its hash:
+        RQ's Worker objects (``Worker.all``) raise their connection's socket timeout to a worker's 415 s, and this
+        client's commands (a worker's own, where it looked) then waited minutes on a Redis that stopped answering."""
+        keys = sorted(worker_registration.get_keys(Queue(queue, connection=self.connection), self.connection))
         with self.connection.pipeline(transaction=False) as pipe:
-            for w in registered:
-                pipe.hexists(w.key, START_FIELD)
-            ours = pipe.execute()
-        return [w.name for w, mine in zip(registered, ours) if not mine]
+            for key in keys:
+                pipe.exists(key)
+                pipe.hmget(key, "state", START_FIELD)
+            replies = pipe.execute()
+        prefix = Worker.redis_worker_namespace_prefix
+        return [
+            (key.removeprefix(prefix), state.decode() if state else "?", start is not None)
+            for key, exists, (state, start) in zip(keys, replies[::2], replies[1::2])
+            if exists  # (its hash gone: RQ's own listing leaves it out too)
+        ]
 
     def no_worker_warning(self, queue: str | None = None) -> str | None:
         """A warning when no live worker serves the queue (or ``queue``: its jobs wait there), else None."""

@@ -4913,6 +4913,21 @@ def test_a_worker_starting_beside_workers_of_another_model_says_so(redis_url, ca
     worker._warn_of_other_models()
 
 
+@pytest.mark.redis
+def test_listing_the_workers_keeps_the_clients_socket_timeout(redis_url):
+    """RQ's Worker objects (``Worker.all``) raise their connection's socket timeout to a worker's 415 s: after one
+    look at the workers (a server's /health, a worker's look at its fleet's models) the client's commands waited
+    minutes on a Redis that stopped answering (a cold stop of a worker hung past its patience)."""
+    from producer import Client
+
+    _conn, name, worker = _worker_without_engine(redis_url)
+    client = Client(redis_url, queue=name)
+    client.connection.hset(f"roseinfer:stats:{worker.name}", "model", "fake")
+    before = client.connection.connection_pool.connection_kwargs.get("socket_timeout")
+    assert [row["name"] for row in client.workers()] == [worker.name] and client._stock_workers(name) == []
+    assert client.connection.connection_pool.connection_kwargs.get("socket_timeout") == before == 5.0
+
+
 def _worker_without_engine(redis_url: str):
     """A batching worker, registered, on a queue of its own, with no engine (its Redis writes alone are tested):
     its connection, its queue's name, itself."""
