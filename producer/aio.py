@@ -193,6 +193,9 @@ class AsyncClient:
     async def workers(self, queue: str | None = None) -> list[dict[str, Any]]:
         return await asyncio.to_thread(self.sync.workers, queue)
 
+    async def no_worker_warning(self, queue: str | None = None) -> str | None:
+        return await asyncio.to_thread(self.sync.no_worker_warning, queue)
+
     def _check_open(self) -> None:
         """A closed client takes no job: one went in (its connections opened again, left open) that no stream of this
         client could follow."""
@@ -465,6 +468,9 @@ class AsyncGenerationJob:
 
     async def cancel(self) -> bool:
         return await asyncio.to_thread(self._sync.cancel)
+
+    async def samples(self) -> int | None:
+        return await asyncio.to_thread(self._sync.samples)
 
     async def events(
         self, timeout: float | None = None, skip_void: bool = False, idle: bool = False

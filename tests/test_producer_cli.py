@@ -688,6 +688,7 @@ def test_a_missing_input_file_is_one_line_and_exit_2(tmp_path, monkeypatch, caps
 def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceback(redis_url, capsys):
     """``--timeout`` of a result running out is one line and exit 124 (as timeout(1)); the job stays queued. A Redis
     URL naming a database the server lacks is one line and exit 2."""
+    import asyncio
     import uuid
 
     from worker.cli import main
@@ -704,6 +705,13 @@ def test_a_wait_that_runs_out_or_a_database_redis_lacks_is_one_line_not_a_traceb
     assert f"no live worker serves queue {queue!r}" in err and err.count("\n") == 3
     # (how to start one names this Redis: one started without it served the default)
     assert f"(roseinfer worker --redis-url {redis_url} --queue {queue};" in err
+    from producer import AsyncClient
+
+    async def async_warning() -> str | None:
+        async with AsyncClient(redis_url, queue=queue) as aclient:
+            return await aclient.no_worker_warning()
+
+    assert asyncio.run(async_warning()) == Client(redis_url, queue=queue).no_worker_warning()  # (the async twin's)
     # ``stream`` of a job warns about the job's own queue (its lane's), whatever --queue says: an id is Redis-wide.
     lane = Client(redis_url, queue=queue).submit("x", max_tokens=2, priority=-5)
     assert main(["stream", lane.id, "--redis-url", redis_url, "--timeout", "0.3"]) == 124

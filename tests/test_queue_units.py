@@ -776,6 +776,7 @@ def test_a_sample_index_the_job_does_not_make_is_refused_and_a_cancel_before_any
 
     with pytest.raises(InvalidRequest, match="no sample index 5"):
         asyncio.run(async_stream())
+    assert asyncio.run(AsyncGenerationJob(Async(), job.id).samples()) == 3  # (the async handle tells n too)
     single = client.submit("hi", max_tokens=2)
     conn.xadd(stream_key(single.id), {STREAM_FIELD: json.dumps(make_event(0, "", [], "abort", {}))})
     conn.hset(single.rq_job.key, mapping={"status": "canceled", "started_at": "2026-11-30T00:00:00.000000Z"})
