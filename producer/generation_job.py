@@ -164,7 +164,12 @@ class GenerationJob:
                         return False
                     if getattr(job, "has_rate_limit", False):  # (RQ cancels such a job only in its own transaction)
                         pipe.unwatch()
+                        queued = self.client.connection.lpos(Queue(job.origin, connection=pipe).key, job.id)
                         job.cancel()
+                        # Taken out of its queue or its limit's waiting list: no worker reaches it (one that pulled
+                        # it ends it itself), and its hash stayed for good with no result.
+                        if queued is not None or status == b"rate_limited":
+                            self._end_unrun(job)
                         return True
                     # A running job's started entry stays (RQ's cancel takes it out): its worker ends the job and
                     # removes it; a dead worker's lapses, and maintenance ends the job (it kept no ending at all).

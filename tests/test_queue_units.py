@@ -915,6 +915,23 @@ def test_a_job_canceled_in_its_queue_ends_as_a_worker_ends_one_and_leaves_no_has
     conn.lmove("rq:queue:roseinfer", "rq:queue:roseinfer:intermediate")  # a worker took it, and starts it next
     assert pulled.cancel() and pulled.status() == "canceled"
     assert not conn.exists(stream_key(pulled.id)) and not conn.exists(result_key(pulled.id))
+    conn.delete("rq:queue:roseinfer:intermediate")
+
+    # RQ 3's rate limit: one job queued, the next waiting for its slot; both are ended as any unrun job (the hash
+    # stayed for good, no result). One a worker pulled is left to it, as above.
+    from rq import Queue
+    from rq.rate_limit import RateLimit
+    from rq.serializers import JSONSerializer
+
+    queue = Queue("roseinfer", connection=conn, serializer=JSONSerializer)
+    limited = [queue.enqueue("worker.jobs.generate", prompt="p", rate_limit=RateLimit("rl", 1)) for _ in range(3)]
+    assert [j.get_status().value for j in limited] == ["queued", "rate_limited", "rate_limited"]
+    conn.lmove("rq:queue:roseinfer", "rq:queue:roseinfer:intermediate")
+    limited.append(queue.enqueue("worker.jobs.generate", prompt="p", rate_limit=RateLimit("other", 1)))
+    for rq_job, ended in zip(limited, (False, True, True, True)):
+        assert client.job(rq_job.id).cancel()
+        assert conn.exists(result_key(rq_job.id)) == ended and conn.exists(stream_key(rq_job.id)) == ended
+        assert (0 < conn.ttl(rq_job.key) <= 3600) == ended
 
 
 def test_a_cancel_that_meets_the_job_finishing_leaves_it_finished_and_says_so(monkeypatch):
