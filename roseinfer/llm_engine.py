@@ -120,10 +120,12 @@ class LLMEngine(PromptInputs):
         self.max_model_len = config.max_model_len or self.model.max_position_embeddings
         budget = self._kv_budget()
         num_blocks = budget // block_bytes
-        if num_blocks < 1:  # (ConfigError: the commands print it as a bad option, not a traceback)
+        if num_blocks * config.block_size < 2:  # (ConfigError: the commands print it as a bad option)
+            # (one token holds a prompt of none: an engine that refused every request, as max_model_len 1 is refused)
             raise ConfigError(
-                f"kv_cache_memory: {budget} bytes hold no KV cache block; one block ({config.block_size} tokens of "
-                f"this model) takes {block_bytes} bytes"
+                f"kv_cache_memory: {budget} bytes hold {num_blocks * config.block_size} token(s) of KV cache, and a "
+                f"request needs 2 at least; one block ({config.block_size} tokens of this model) takes {block_bytes} "
+                "bytes"
             )
         if config.kv_cache_memory == "auto":
             # No more than every running request at full length needs: a small model or context is not handed

@@ -657,8 +657,13 @@ def test_the_auto_kv_cache_on_cpu_is_what_the_batch_can_use_at_most(tiny_llama):
     )
     given = LLM(tiny_llama, dtype="float32", max_model_len=60, max_num_seqs=4, kv_cache_memory="8MiB").engine
     assert given.kv.num_blocks == 8 * 2**20 // block_bytes > 4 * 8
-    with pytest.raises(ValueError, match=rf"kv_cache_memory: 100 bytes hold no KV cache block.* takes {block_bytes}"):
+    with pytest.raises(ValueError, match=rf"kv_cache_memory: 100 bytes hold 0 token\(s\).* takes {block_bytes}"):
         LLM(tiny_llama, dtype="float32", kv_cache_memory=100)  # it ran on one block, 16 tokens of context
+    # One block of one token held a prompt of none: the engine started, and refused every request.
+    one = block_bytes // engine.attn_backend.block_size  # (a block of one token)
+    with pytest.raises(ValueError, match=r"hold 1 token\(s\) of KV cache, and a request needs 2 at least"):
+        LLM(tiny_llama, dtype="float32", block_size=1, kv_cache_memory=one)
+    assert LLM(tiny_llama, dtype="float32", block_size=1, kv_cache_memory=2 * one).engine.max_model_len == 2
 
 
 def test_a_kv_cache_memory_past_the_free_memory_is_a_config_error_before_any_block(tiny_llama, monkeypatch):
