@@ -1268,6 +1268,29 @@ def test_a_job_deleted_as_it_finishes_stays_deleted():
     assert not client.lane(0).finished_job_registry.get_job_ids()
 
 
+def test_a_job_whose_hash_redis_lost_as_it_finishes_is_written_back_finished():
+    """Redis restarted empty as the job made its last token, and a heartbeat made the worker's hash again (without
+    its registration's ``birth``) before the worker registered anew: the finish took the missing job hash for RQ's
+    ``job.delete()`` (the worker's key was there) and dropped the finished job, its result never written."""
+    worker, _, client, thread, conn = _fakeredis_worker("lost", burst=True)
+    step = worker.pump.step
+
+    def losing_step(*args, **kwargs):
+        events = step(*args, **kwargs)
+        for event in events:
+            if event.finish_reason == "length":
+                conn.delete(f"rq:job:{event.job_id}", worker.key)
+                conn.hset(worker.key, "last_heartbeat", "2026-12-02T00:00:00.000000Z")  # (RQ's beat, no birth)
+        return events
+
+    worker.pump.step = losing_step
+    job = client.submit("x", max_tokens=3)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert job.status() == "finished" and job.result(timeout=1)["usage"]["completion_tokens"] == 3
+
+
 def test_rq_suspend_sends_back_the_jobs_a_worker_holds_that_made_no_token_yet():
     """``rq suspend`` held back nothing the worker had taken: jobs waiting behind max_num_seqs all started, one
     after another, as the running ones ended (RQ's suspension leaves queued jobs queued). They go back to their

@@ -3446,6 +3446,26 @@ def test_a_cold_stop_waits_for_a_pull_under_way_no_longer_than_its_patience(redi
 
 
 @pytest.mark.redis
+def test_a_stop_after_redis_lost_its_data_hands_the_jobs_copy_back(redis_url):
+    """Redis restarted empty and a heartbeat made the worker's hash again (without its registration's ``birth``): a
+    stop then took the missing job hash for a client's delete (the worker's key was there) and ended the job,
+    where the copy the worker holds is all there is of it: it goes back to its queue."""
+    conn, worker, name, [held] = _running_jobs(redis_url)
+    conn.delete(held.job.key, worker.key)
+    conn.hset(worker.key, "last_heartbeat", "2026-12-02T00:00:00.000000Z")  # (RQ's beat, no birth)
+    worker.sender.start()
+    worker.sender.give_up_at = time.monotonic() + 2
+    try:
+        assert worker._hand_back_cold(only=[held.job.id])  # (a warm stop's: the job made no token yet)
+        assert held.job.get_status(refresh=True) == "queued" and conn.lrange(f"rq:queue:{name}", 0, -1) == [
+            held.job.id.encode()
+        ]
+    finally:
+        worker.sender.stop()
+        worker.register_death()
+
+
+@pytest.mark.redis
 def test_a_job_of_n_samples_canceled_after_its_first_ended_is_canceled_not_finished(redis_url):
     """The result took sample 0's end for the job's: canceled after sample 0 stopped, the job's result said
     ``finished`` / ``stop`` (its stream said abort, RQ said canceled) and ``job.result()`` returned it as a success."""

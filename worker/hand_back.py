@@ -115,7 +115,7 @@ class HandBack:
         the sender's now)."""
         handed, ended_here = 0, False
         with self.connection.pipeline(transaction=False) as pipe:
-            pipe.exists(self.key)
+            pipe.hexists(self.key, "birth")  # (registration's alone: a heartbeat after a restart makes the hash)
             for job in held:
                 pipe.hmget(job.job.key, OWNER_FIELD, "status")
                 read_entry(pipe, job)

@@ -72,8 +72,9 @@ for a = 9, #ARGV, 20 do
   local requeued = now[2] == 'queued' and not redis.call('ZSCORE', ARGV[a + 13], ARGV[a + 14])
   if now[1] and (now[1] ~= exec_id or requeued or now[2] == 'failed') then
     lost[#lost + 1] = j
-  elseif not now[2] and redis.call('EXISTS', worker) == 1 and redis.call('EXISTS', job) == 0 then
-    -- gone while Redis still knows this worker (it lost no data): RQ's job.delete() as it finished, which stays
+  elseif not now[2] and redis.call('HEXISTS', worker, 'birth') == 1 and redis.call('EXISTS', job) == 0 then
+    -- gone while Redis still holds this worker's registration (it lost no data: a heartbeat after a restart makes
+    -- the hash again, without its birth): RQ's job.delete() as it finished, which stays
     deleted[#deleted + 1] = j
   elseif now[2] == 'finished' and written(result, exec_id) then
     -- ended by this call already: a try again after its reply was lost writes nothing twice (a status written
