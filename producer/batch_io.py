@@ -273,11 +273,14 @@ class JSONLSink:
         done: dict[str, int] = {}
         if not self.path.exists():
             return done
-        first = True
+        first, offset, text_end = True, 0, 0
+        bad: list[tuple[int, int, bytes]] = []  # (line number, offset, text) of lines that are no output line
         with self.path.open("rb") as f:  # line by line: an output of millions of rows is never held in memory
-            for raw in f:
+            for number, raw in enumerate(f, 1):
+                start, offset = offset, offset + len(raw)
                 if not raw.strip():
                     continue
+                text_end = offset
                 try:
                     line = json.loads(raw)
                     done[line["custom_id"]] = payload_digest(line["response"]["request_id"])
@@ -287,9 +290,26 @@ class JSONLSink:
                             f"{self.path} exists and is not a batch output (its first line is not an output "
                             "line): give a new output path, or remove that file"
                         ) from None
+                    bad.append((number, start, raw))
                     continue
                 first = False
-        if cut:  # (after the look: a file not ours is left whole)
+        # The last line cut short, a newline added since (by an editor), is a crash's too; any other line that is no
+        # output line is an edit by hand: its row ran again and the file stayed no JSONL (its id twice, once torn).
+        last = bad[-1] if bad and bad[-1][1] + len(bad[-1][2]) == text_end else None
+        torn = last if last is not None and _cut_short_output_line(last[2], ended=True) else None
+        edited = [number for number, _, _ in bad if torn is None or number != torn[0]]
+        if edited:
+            shown = ", ".join(map(str, edited[:5])) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
+            raise ValueError(
+                f"{self.path}: line {shown} is not an output line (edited by hand?): its row would run again and "
+                "the file hold it twice; fix or remove that line, then run again"
+            )
+        if cut and torn and torn[2].endswith(b"\n"):  # (after the look: a file not ours is left whole)
+            log.warning("%s: removing a last line cut short (%d bytes); its request runs again", self.path,
+                        len(torn[2]))  # fmt: skip
+            with self.path.open("r+b") as f:
+                f.truncate(torn[1])
+        if cut:
             _cut_partial_last_line(self.path)
         return done
 
@@ -536,10 +556,15 @@ def _flush(errors: TextIO | None) -> None:
         errors.flush()
 
 
-def _cut_short_output_line(raw: bytes) -> bool:
-    """Whether a line that is not an output line may be the start of one a crash cut short: no newline, not JSON,
-    and it begins as every output line does (a one-line ``notes.txt`` was cut off, a ``results.json`` appended to)."""
-    if raw.endswith(b"\n") or not (raw.startswith(OUTPUT_LINE_START) or OUTPUT_LINE_START.startswith(raw)):
+def _cut_short_output_line(raw: bytes, ended: bool = False) -> bool:
+    """Whether a line that is not an output line may be the start of one a crash cut short: no newline (``ended``:
+    one added since), not JSON, and it begins as every output line does (a one-line ``notes.txt`` was cut off, a
+    ``results.json`` appended to)."""
+    if raw.endswith(b"\n"):
+        if not ended:
+            return False
+        raw = raw.rstrip(b"\r\n")
+    if not (raw.startswith(OUTPUT_LINE_START) or OUTPUT_LINE_START.startswith(raw)):
         return False
     try:
         json.loads(raw)

@@ -1079,8 +1079,33 @@ def test_a_whole_last_output_line_without_its_newline_is_kept(tmp_path):
     out.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1]))
     assert set(JSONLSink(out).done()) == {"a", "b"}
     assert out.read_text().endswith("}\n")
-    out.write_text(out.read_text() + '{"custom_id": "c", "resp')
+    out.write_text(out.read_text() + '{"id": "batch_req_q-c", "custom_id": "c", "resp')
     assert set(JSONLSink(out).done()) == {"a", "b"} and out.read_text().endswith("}\n")
+
+
+def test_a_last_line_cut_short_then_ended_by_an_editor_is_cut_and_a_line_edited_elsewhere_is_refused(tmp_path):
+    """A last line cut short and given its newline (an editor's) was kept: the rerun appended its row again, the file
+    no JSONL (the id twice, once torn) for every later run. It is cut as a crash's is; a line that is no output line
+    anywhere else stops the run, naming it (its row would run again, the line stay)."""
+    from producer.batch import dry_run
+    from producer.batch_io import JSONLSink
+
+    out, src = tmp_path / "out.jsonl", tmp_path / "in.jsonl"
+    rows = [{"id": f"batch_req_q-{c}", "custom_id": c, "response": {"request_id": "b-" + "0" * 24}} for c in "abc"]
+    whole = "".join(json.dumps(r) + "\n" for r in rows[:2])
+    torn = json.dumps(rows[2])[:30] + "\n"
+    for tail in (torn, torn + "\n\n"):
+        out.write_text(whole + tail)
+        assert set(JSONLSink(out).done(cut=False)) == {"a", "b"} and out.read_text() == whole + tail  # (dry: as it was)
+        assert set(JSONLSink(out).done()) == {"a", "b"} and out.read_text() == whole
+    src.write_text('{"prompt": "x"}\n')
+    for text, numbers in ((torn + whole, "1"), (whole.replace("\n", "\n" + torn, 1), "2"),
+                          (whole + "not json\n", "3"), (whole + torn + whole, "3")):  # fmt: skip
+        out.write_text(text)
+        for run in (lambda: JSONLSink(out).done(), lambda: dry_run(src, out)):
+            with pytest.raises(ValueError, match=rf"(line {numbers} is not an output line|is not a batch output)"):
+                run()
+        assert out.read_text() == text
 
 
 def test_the_runs_defaults_come_before_the_apis_for_what_an_openai_line_leaves_unset():
