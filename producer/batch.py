@@ -230,7 +230,8 @@ Sink = JSONLSink | ParquetSink
 
 def settings_path(output_path: Path) -> Path:
     """Beside the output: the settings its rows were made with (a rerun with others is refused)."""
-    return output_path.with_name(output_path.name + ".batch.json")
+    real = Path(os.path.realpath(output_path))  # (a link to the output: the output's own, as its lock)
+    return real.with_name(real.name + ".batch.json")
 
 
 def _stored_settings(output_path: Path) -> Any:
@@ -516,7 +517,8 @@ def _only_run_on(output_path: Path) -> Iterator[None]:
     except ImportError:  # not POSIX: no lock
         yield
         return
-    lock_path = output_path.with_name(output_path.name + ".lock")
+    real = Path(os.path.realpath(output_path))  # (a link to an output took a lock of its own: two runs wrote it)
+    lock_path = real.with_name(real.name + ".lock")
     while True:
         lock = open(lock_path, "a")  # noqa: SIM115 (closed below, or when the run ends)
         try:

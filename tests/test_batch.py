@@ -837,6 +837,9 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_writes(tmp_p
             time.sleep(0.01)
         with pytest.raises(ValueError, match="another run is writing"):
             run_batch(_offline_client(), src, out, timeout=5.0)  # (a run not refused ends, and fails this test)
+        (tmp_path / "link.jsonl").symlink_to(out)  # (one through a link took a lock of its own, and wrote too)
+        with pytest.raises(ValueError, match=r"another run is writing .*link\.jsonl \(it holds .*/out\.jsonl\.lock"):
+            run_batch(_offline_client(), src, tmp_path / "link.jsonl", timeout=5.0)
         assert first.is_alive()
         # The first run takes the lock before it submits: on a loaded machine its job may not be there yet, and a
         # cancel that found none left it waiting on the stuck worker for good.
