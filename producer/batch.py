@@ -78,9 +78,10 @@ class BatchInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM, SIGHUP: ``signum``) during a batch. The output then holds complete lines only; ``summary``
     counts what was done."""
 
-    def __init__(self, summary: dict[str, int], signum: int = signal.SIGINT) -> None:
+    def __init__(self, summary: dict[str, int], signum: int = signal.SIGINT, in_output: int | None = None) -> None:
         super().__init__()
         self.summary, self.signum = summary, signum
+        self.in_output = in_output  # the rows the output holds (``skipped`` counts those the reader reached)
 
 
 class _Signaled(KeyboardInterrupt):
@@ -99,6 +100,7 @@ class BatchStopped(RuntimeError):
     def __init__(self, summary: dict[str, int], message: str) -> None:
         super().__init__(message)
         self.summary = summary
+        self.in_output: int | None = None  # as BatchInterrupted's, set as it leaves run_batch
 
 
 class RedisLost(BatchStopped):
@@ -429,6 +431,7 @@ def run_batch(
     _check_columns(input_path, in_fmt, options)
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
+    done: dict[str, int] | None = None  # (None: the output not read yet)
     try:
         summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
         with _only_run_on(output_path):
@@ -459,7 +462,11 @@ def run_batch(
                     _release_written(client, sink)
         progress.finish(summary, output_path, errors_path)
     except KeyboardInterrupt as exc:
-        raise BatchInterrupted(summary, getattr(exc, "signum", signal.SIGINT)) from None
+        signum = getattr(exc, "signum", signal.SIGINT)
+        raise BatchInterrupted(summary, signum, None if done is None else len(done) + summary["succeeded"]) from None
+    except BatchStopped as exc:
+        exc.in_output = None if done is None else len(done) + summary["succeeded"]
+        raise
     finally:
         if progress is not None:
             progress.close()
@@ -831,6 +838,7 @@ def _settle(
     once: its row failed ``job_missing``, though Redis only was at fault."""
     if not job_ids:
         return
+    counted = {k: summary[k] for k in ("succeeded", "failed", "reused")}, dict(summary["failures"])
     with client.connection.pipeline(transaction=False) as pipe:
         for job_id in job_ids:  # the status first, as the client reads them
             pipe.hget(f"rq:job:{job_id}", "status")
@@ -873,7 +881,11 @@ def _settle(
         del in_flight[job_id]
         reused.pop(job_id, None)
         written.append(job_id)
-    sink.flush()
+    try:
+        sink.flush()
+    except OSError:  # (a disk full: those rows never reached the files, and the counts said they had)
+        summary.update(counted[0], failures=counted[1])
+        raise
     if sink.keeps_flushed_rows:
         _release(client, written)
 

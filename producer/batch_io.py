@@ -296,7 +296,8 @@ class JSONLSink:
         # The last line cut short, a newline added since (by an editor), is a crash's too; any other line that is no
         # output line is an edit by hand: its row ran again and the file stayed no JSONL (its id twice, once torn).
         last = bad[-1] if bad and bad[-1][1] + len(bad[-1][2]) == text_end else None
-        torn = last if last is not None and _cut_short_output_line(last[2], ended=True) else None
+        ended = last is not None and last[2].endswith(b"\n")  # (without its newline: any text, as a crash left it)
+        torn = last if last is not None and (not ended or _cut_short_output_line(last[2], ended=True)) else None
         edited = [number for number, _, _ in bad if torn is None or number != torn[0]]
         if edited:
             shown = ", ".join(map(str, edited[:5])) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
@@ -304,7 +305,7 @@ class JSONLSink:
                 f"{self.path}: line {shown} is not an output line (edited by hand?): its row would run again and "
                 "the file hold it twice; fix or remove that line, then run again"
             )
-        if cut and torn and torn[2].endswith(b"\n"):  # (after the look: a file not ours is left whole)
+        if cut and torn and ended:  # (after the look: a file not ours is left whole)
             log.warning("%s: removing a last line cut short (%d bytes); its request runs again", self.path,
                         len(torn[2]))  # fmt: skip
             with self.path.open("r+b") as f:

@@ -663,8 +663,14 @@ def batch(args: argparse.Namespace) -> int:
         )
     except (KeyboardInterrupt, BatchStopped) as exc:
         s = exc.summary if isinstance(exc, (BatchInterrupted, BatchStopped)) else None
-        done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
-        detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
+        held = getattr(exc, "in_output", None)  # (``skipped`` counts the rows the reader reached, not all: 9 of 1,000)
+        if s and held is not None:
+            s = {**s, "in_output": held}
+            done = f"{held} rows in {args.output} ({s['succeeded']} of them from this run), {s['failed']} in {errors}"
+            detail = f", of {s['total']} in the input"
+        else:
+            done = f"{s['skipped'] + s['succeeded'] + s['failed']} of {s['total']} rows done" if s else "no row done"
+            detail = f" ({s['skipped'] + s['succeeded']} in {args.output}, {s['failed']} in {errors})" if s else ""
         stopped = isinstance(exc, BatchStopped)
         # (a --fresh run's literal command again would start another run: this one is its id pinned instead; stopped
         # before it began, it is the --fresh command again, its id never the output's)

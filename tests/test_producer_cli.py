@@ -466,8 +466,8 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     first = _rows(out)  # every line complete
     assert 0 < len(first) < 16
     summary = json.loads(said.out)  # the counts so far on stdout, as a run's summary
-    assert (summary["total"], summary["succeeded"]) == (16, len(first))
-    assert f"interrupted: {len(first)} of 16 rows done ({len(first)} in {out}, 0 in " in err
+    assert (summary["total"], summary["succeeded"], summary["in_output"]) == (16, len(first), len(first))
+    assert f"interrupted: {len(first)} rows in {out} ({len(first)} of them from this run), 0 in " in err
     command = err.strip().splitlines()[-1].strip()
     assert command.startswith(f"roseinfer batch {shlex.quote(str(src))} -o {shlex.quote(str(out))} ")
     assert "--fresh" not in command and ("--run-id" in command) == fresh
@@ -477,6 +477,14 @@ def test_ctrl_c_during_a_batch_says_how_to_resume_and_the_resume_completes_it(
     assert ("run the same command again" in err) == (not fresh)
 
     monkeypatch.setattr(Progress, "tick", real_tick)
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    # A resume stopped before its reader reached the rows done said "0 of 16 rows done (0 in out.jsonl ...)".
+    monkeypatch.setattr(batch_mod, "_submit", interrupt)
+    assert producer_cli.batch(_parse(*shlex.split(command)[1:])) == 130
+    assert f"interrupted: {len(first)} rows in {out} (0 of them from this run), 0 in " in capsys.readouterr().err
     monkeypatch.setattr(batch_mod, "_submit", real_submit)
     with out.open("a") as f:
         f.write('{"custom_id": "row-1')  # a row cut short, as by a kill mid-write: dropped, not glued to the next
@@ -550,7 +558,7 @@ def test_redis_lost_during_a_batch_says_how_to_resume_not_to_check_the_url(
     assert producer_cli.batch(_parse(*argv)) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "check --redis-url" not in err
-    assert f"Redis unavailable for over 1 s during the run ({said}): 0 of 8 rows done" in err
+    assert f"Redis unavailable for over 1 s during the run ({said}): 0 rows in {out} (0 of them from this run)" in err
     assert len(calls) > 2  # (tried again before giving up)
     assert "To resume once Redis answers, run the same command again" in err
     assert err.strip().splitlines()[-1].strip().startswith(f"roseinfer batch {shlex.quote(str(src))} ")
