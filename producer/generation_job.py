@@ -231,7 +231,7 @@ class GenerationJob:
             # now, fenced off (it wrote its own cancel, a second result and last event, once thawed).
             pipe.hset(job.key, OWNER_FIELD, CANCELER)
             pipe.xadd(result_key(self.id), result_entry(result, Result.Type.STOPPED, CANCELER), maxlen=10)
-            keys = [result_key(self.id), job.key]
+            keys = [result_key(self.id), job.key, job.dependents_key, job.dependencies_key]  # (RQ's cleanup's too)
             if ending.notify:  # (the list is every job's that names it: a worker's TTL, not this job's own)
                 pipe.rpush(done_key(ending.notify), self.id)
                 pipe.expire(done_key(ending.notify), DEFAULT_RESULT_TTL)

@@ -4845,6 +4845,9 @@ def test_a_scheduled_or_deferred_job_canceled_by_a_client_gets_its_ending():
         assert err.value.result["finish_reason"] == "abort"
     assert err.value.result["text"] == "Hel"  # (the retried job's: what its first attempt streamed stays)
     assert sorted(conn.lrange("roseinfer:done:here", 0, -1)) == sorted([later.id.encode(), child.id.encode()])
+    # The dependency sets go with the hash (RQ's cleanup's), not kept for good: the child's, and a queued parent's.
+    assert 3500 < conn.ttl(child.dependencies_key) <= 3600
+    assert parent.cancel() and 3500 < conn.ttl(parent.rq_job.dependents_key) <= 3600
 
 
 def test_a_client_sets_how_long_failed_jobs_are_kept():
