@@ -914,11 +914,24 @@ def _release(client: Client, job_ids: list[str]) -> None:
     with client.connection.pipeline(transaction=False) as pipe:  # (EXPIRE ... LT is Redis 7's; 6.2 is served)
         for key in keys:
             pipe.ttl(key)
-        ttls = pipe.execute()
-        for key, ttl in zip(keys, ttls):
+        for job_id in job_ids:
+            pipe.hmget(f"rq:job:{job_id}", "status", "origin")
+        replies = pipe.execute()
+        for key, ttl in zip(keys, replies):
             if ttl == -1 or ttl > RELEASED_TTL_S:  # (-2: gone already)
                 pipe.expire(key, RELEASED_TTL_S)
+        # The registry entry goes when the hash does (RQ's score is its end of life): it counted the row finished
+        # (failed: a year) in `rq info` and `roseinfer status` for the client's TTL, its hash gone long since.
+        until = time.time() + RELEASED_TTL_S
+        for job_id, (status, origin) in zip(job_ids, replies[len(keys) :]):
+            registry = _REGISTRY_OF.get(status)
+            if registry is not None and origin:
+                key = f"rq:{registry}:{origin.decode(errors='replace')}"
+                pipe.zadd(key, {job_id: until}, xx=True, lt=True)
         pipe.execute()
+
+
+_REGISTRY_OF = {b"finished": "finished", b"failed": "failed", b"stopped": "failed", b"canceled": "canceled"}
 
 
 def _fail(sink: Sink, line: Line, code: str, reason: str, summary: dict[str, Any], progress: Progress) -> None:

@@ -182,6 +182,9 @@ def test_a_row_in_the_output_lets_its_job_and_result_expire_soon_not_after_the_c
         for key in (f"rq:job:{job_id}", result_key(job_id)):
             assert 0 < conn.ttl(key) <= RELEASED_TTL_S < client.result_ttl, key
         assert client.job(job_id).result(timeout=5)["text"] == row["response"]["body"]["choices"][0]["text"]
+        # (its registry entry goes with its hash: it counted the row finished in `rq info` a day after)
+        origin = conn.hget(f"rq:job:{job_id}", "origin").decode()
+        assert conn.zscore(f"rq:finished:{origin}", job_id) <= time.time() + RELEASED_TTL_S + 1
 
 
 @pytest.mark.redis
