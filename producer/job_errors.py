@@ -76,8 +76,8 @@ class StreamGap(Exception):
 
     def __init__(self, job_id: str, first: int, last: int) -> None:
         super().__init__(
-            f"job {job_id}: events {first}-{last} of its stream were trimmed before they were read (the worker's "
-            "stream_maxlen); its text here is not whole: read result()"
+            f"job {job_id}: events {first}-{last} of its stream were gone before they were read (trimmed to the "
+            "worker's stream_maxlen, or the stream key deleted or evicted); its text here is not whole: read result()"
         )
         self.job_id = job_id
 
