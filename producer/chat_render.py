@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from producer.protocol import TEMPLATE_KEY, TOKENIZER_KEY
 from producer.schema import JobRequest
+from producer.token_names import without_limits
 
 if TYPE_CHECKING:
     from producer.aio import AsyncClient
@@ -37,7 +38,7 @@ class ChatRenderer:
 
         doc = json.loads(template_doc)
         self.tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=Tokenizer.from_str(tokenizer_json), chat_template=doc["chat_template"],
+            tokenizer_object=without_limits(Tokenizer.from_str(tokenizer_json)), chat_template=doc["chat_template"],
             **doc["special_tokens"],
         )  # fmt: skip
 

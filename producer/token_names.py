@@ -145,7 +145,15 @@ def _parse(digest: str, text: bytes | str | None) -> TokenNames:
 
     if text is None:
         raise LookupError(f"no {TOKENIZER_KEY.format(digest=digest)} in Redis")
-    return TokenNames(Tokenizer.from_str(text.decode() if isinstance(text, bytes) else text))
+    return TokenNames(without_limits(Tokenizer.from_str(text.decode() if isinstance(text, bytes) else text)))
+
+
+def without_limits(tokenizer: Any) -> Any:
+    """``tokenizer`` without the truncation and padding its file may set: the engine encodes with neither (as the
+    transformers call vLLM makes), and /tokenize gave 16 of a prompt's 43 ids, or padded it to 64."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def _unavailable(digest: str, exc: Exception) -> None:

@@ -942,6 +942,19 @@ def test_the_servers_chat_rendering_is_the_engines(chat_engine, tiny_chat_model)
     assert json.loads(doc)["chat_template"] == given  # (what the worker renders with: the operator's)
     ids = ChatRenderer(operators.engine.tokenizer_json(), doc).tokenize(JobRequest.model_validate(chats[0]))
     assert ids == operators.engine.tokenize(chats[0])[1]
+    # A tokenizer file that sets truncation and padding (the engine encodes with neither): /tokenize gave 4 ids of a
+    # longer prompt, or padded it, where the job runs on all of them.
+    from producer.token_names import _parse
+
+    bounded = json.loads(chat_engine.tokenizer_json())
+    bounded["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    bounded["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                          "pad_type_id": 0, "pad_token": "<pad>"}  # fmt: skip
+    job = JobRequest.model_validate(chats[1])
+    ids = ChatRenderer(json.dumps(bounded), chat_engine.chat_template_doc()).tokenize(job)
+    assert ids == chat_engine.tokenize(job.engine_prompt())[1] and 4 < len(ids) < 64
+    prompt = "a longer prompt of words than four tokens"
+    assert _parse("d", json.dumps(bounded)).tokenizer.encode(prompt).ids == chat_engine.tokenize(prompt)[1]
 
 
 def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
