@@ -391,6 +391,9 @@ class ResponseWriter:
         req = self.request
         incomplete = status == "incomplete"
         fmt = req.text.format.model_dump(exclude_none=True, by_alias=True) if req.text and req.text.format else None
+        text = {"format": fmt or {"type": "text"}}
+        if req.text is not None and req.text.verbosity is not None:
+            text["verbosity"] = req.text.verbosity
         return {
             **self.head,
             "status": status,
@@ -404,7 +407,7 @@ class ResponseWriter:
             "reasoning": req.reasoning.model_dump(exclude_unset=True) if req.reasoning is not None else None,
             "store": False,  # (nothing is kept: a later previous_response_id could not find it)
             "temperature": req.temperature,
-            "text": {"format": fmt or {"type": "text"}},
+            "text": text,
             "tool_choice": _shown_choice(req.tool_choice),
             "tools": [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or ()],
             "top_p": req.top_p,
@@ -412,6 +415,12 @@ class ResponseWriter:
             "usage": _usage(usage, reasoning) if usage is not None else None,
             "user": req.user,
             "metadata": req.metadata or {},
+            # (echoed as OpenAI's response echoes them: nothing here reads them but top_logprobs)
+            "top_logprobs": req.top_logprobs,
+            "max_tool_calls": req.max_tool_calls,
+            "service_tier": req.service_tier,
+            "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key,
         }
 
     def whole(self, result: dict[str, Any]) -> dict[str, Any]:

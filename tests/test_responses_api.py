@@ -153,6 +153,12 @@ def test_a_responses_events_are_numbered_and_end_with_the_whole_response():
     assert final["id"] == "resp_job1" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["content"][0]["text"] == "Hello" and final["usage"]["total_tokens"] == 5
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    # The request's settings are echoed, as OpenAI's response echoes them (they were null, or left out).
+    echoed = {"top_logprobs": 2, "max_tool_calls": 3, "service_tier": "auto", "safety_identifier": "s",
+              "prompt_cache_key": "k"}  # fmt: skip
+    req, chat, _ = parse_responses({"model": "m", "input": "Hi", "text": {"verbosity": "low"}, **echoed})
+    whole = ResponseWriter("job2", "m", req, chat.tool_plan(), 2).whole({"text": "x", "finish_reason": "stop"})
+    assert {k: whole[k] for k in echoed} == echoed and whole["text"]["verbosity"] == "low"
 
 
 REASONED = [  # (output, finish reason, the output items' types): Qwen3's thinking, then text or a call
