@@ -17,13 +17,20 @@ if TYPE_CHECKING:
     from producer.aio import AsyncClient
 
 
-def template_messages(tokenizer: Any, job: JobRequest) -> list[dict[str, Any]]:
-    """The job's messages as the engine gives its chat template (``roseinfer.prompts.developer_as_system``, across
-    the border): "developer" as "system" where the template does not name that role."""
+def template_messages(tokenizer: Any, job: JobRequest, content_format: str = "string") -> list[dict[str, Any]]:
+    """The job's messages as the engine gives its chat template (``roseinfer.prompts.for_template``, across the
+    border): "developer" as "system" where the template does not name that role; content parts joined by newlines
+    but for a template that loops over them (``content_format`` "openai", as the worker found it)."""
     messages = job.engine_prompt()["messages"]
+    if content_format != "openai":
+        messages = [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
     if "developer" in str(getattr(tokenizer, "chat_template", None)):
         return messages
     return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
+def _joined(parts: list[dict[str, Any]]) -> str:
+    return "\n".join(part["text"] for part in parts)
 
 
 class ChatRenderer:
@@ -37,6 +44,7 @@ class ChatRenderer:
             raise ImportError(f"{exc.name or exc} is not installed") from exc
 
         doc = json.loads(template_doc)
+        self.content_format = doc.get("content_format", "string")  # (a worker before it: "string", as it rendered)
         self.tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=without_limits(Tokenizer.from_str(tokenizer_json)), chat_template=doc["chat_template"],
             **doc["special_tokens"],
@@ -44,7 +52,7 @@ class ChatRenderer:
 
     def tokenize(self, job: JobRequest, add_special_tokens: bool = False) -> list[int]:
         """The prompt tokens of a chat job (as the engine renders it, then encodes the text)."""
-        messages = template_messages(self.tokenizer, job)
+        messages = template_messages(self.tokenizer, job, self.content_format)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **job.template_args())
         # (encode_batch lets go of the GIL, encode held it: a 12 MB message stopped the server's event loop 10 s)
         [encoded] = self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)

@@ -158,7 +158,10 @@ class Message(SentBack):
 
     def job_form(self) -> dict[str, Any]:
         """The message as a job's payload carries it."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        content: Any = self.text()
+        if isinstance(self.content, list):  # (parts stay parts: the engine gives a template that loops over them the
+            content = [{"type": "text", "text": p.text} for p in self.content]  # list, as vLLM; else it joins them)
+        out: dict[str, Any] = {"role": self.role, "content": content}
         out.update(self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True))
         if self.thinking is not None:
             out["reasoning"] = self.thinking

@@ -109,8 +109,9 @@ class ChatMessage(BaseModel):
     # a writer in another language, was refused them: "Input should be a valid string").
     content: str | list[TextPart] | None = Field(
         None,
-        description="the text; or a list of text parts (joined by newlines); null only for an assistant's message "
-        "of tool_calls or reasoning alone",
+        description="the text; or a list of text parts (given as such to a chat template that loops over them, "
+        "else joined by newlines, as vLLM gives them); null only for an assistant's message of tool_calls or "
+        "reasoning alone",
     )
     name: str | None = Field(None, description="the speaker's name, given to the chat template (which may not use it)")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls of tools, for the chat template")
@@ -130,14 +131,13 @@ class ChatMessage(BaseModel):
             if not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
                 raise ValueError("content is missing: only an assistant's message of tool_calls or reasoning has none")
             self.content = ""
-        elif isinstance(self.content, list):
-            self.content = "\n".join(part.text for part in self.content)
         return self
 
     @property
     def text(self) -> str:
-        """Its content as the text it is once validated (the list and null forms read as text)."""
-        return self.content if isinstance(self.content, str) else ""
+        """Its content as text (a list of parts joined by newlines, as vLLM joins them for most templates; the
+        engine gives a template that loops over them the list)."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content or ())
 
     def strings(self) -> list[Any]:
         """What of it the chat template reads as text."""

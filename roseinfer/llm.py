@@ -176,7 +176,8 @@ class LLM:
 
 def _text_message(message: dict) -> dict:
     """A message as the chat template takes it, from OpenAI's forms as vLLM reads them: content as a list of text
-    parts (joined by newlines), and an assistant's turn of tool calls alone with content None."""
+    parts (given to the template as the engine gives them: ``parts_for_template``), and an assistant's turn of tool
+    calls alone with content None."""
     if not isinstance(message, dict):
         return message  # (the engine says what is wrong with it)
     content = message.get("content")
@@ -185,7 +186,7 @@ def _text_message(message: dict) -> dict:
             raise ValueError(
                 f"a message's content parts must be text parts ({{'type': 'text', 'text': ...}}), got {content!r}"
             )
-        return {**message, "content": "\n".join(p["text"] for p in content)}
+        return {**message, "content": [{"type": "text", "text": p["text"]} for p in content]}
     if content is None and message.get("role") == "assistant" and message.get("tool_calls"):
         return {**message, "content": ""}
     return message

@@ -72,7 +72,10 @@ class PromptInputs:
         if self.tokenizer is None or not template:
             return None
         special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
-        return json.dumps({"chat_template": template, "special_tokens": special}, sort_keys=True)
+        doc = {"chat_template": template, "special_tokens": special}
+        if content_format(template) == "openai":  # (a reader without it joins parts, as for most templates)
+            doc["content_format"] = "openai"
+        return json.dumps(doc, sort_keys=True)
 
     def tokenize(self, prompt: PromptInput, tokenizer=None) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) from a string, a list of ids, {"prompt": ...}, {"prompt_token_ids": ...}
@@ -174,13 +177,13 @@ class PromptInputs:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not _is_content(m.get("content")):
+                raise ValueError(f"each message needs a string 'role' and 'content' (text, or text parts), got {m!r}")
             if not isinstance(m.get("name", ""), str):
                 raise ValueError(f"a message's 'name' must be a string, got {m['name']!r}")
             if not isinstance(m.get("tool_calls", []), list):
                 raise ValueError(f"a message's 'tool_calls' must be a list, got {m['tool_calls']!r}")
-        self.check_chars(sum(len(m["content"]) for m in messages))
+        self.check_chars(sum(len(_text_of(m["content"])) for m in messages))
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"tools must be a list of dicts, got {tools!r}")
         if not isinstance(continue_final_message, bool) or not isinstance(add_generation_prompt, (bool, type(None))):
@@ -296,8 +299,66 @@ def _template_args(chat: dict) -> dict:
 
 def for_template(tokenizer, messages: list[dict]) -> list[dict]:
     """A chat's messages as its template reads them: "developer" as "system" where it does not know the role
-    (``developer_as_system``), tool calls' arguments as objects (``calls_as_objects``)."""
-    return calls_as_objects(developer_as_system(tokenizer, messages))
+    (``developer_as_system``), tool calls' arguments as objects (``calls_as_objects``), content parts as the
+    template takes them (``parts_for_template``)."""
+    return parts_for_template(tokenizer, calls_as_objects(developer_as_system(tokenizer, messages)))
+
+
+def _is_content(content: Any) -> bool:
+    return isinstance(content, str) or (
+        isinstance(content, list)
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    )
+
+
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
+def parts_for_template(tokenizer, messages: list[dict]) -> list[dict]:
+    """Content given as a list of text parts, as vLLM gives it to the template: the list itself to a template that
+    loops over a message's content (Gemma 3's, which joins the parts its own way), else the parts' text joined by
+    newlines (a template that prints the content would print the list's Python form)."""
+    if not any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
+        return messages
+    if content_format(getattr(tokenizer, "chat_template", None)) == "openai":
+        return messages
+    return [{**m, "content": _text_of(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), list)
+            else m for m in messages]  # fmt: skip
+
+
+def content_format(template: str | dict | None) -> str:
+    """vLLM's detection of a chat template's content format: "openai" where it loops over a message's content (a
+    list of parts, itself), else "string"."""
+    if isinstance(template, dict):  # (named templates: one that loops is enough)
+        return "openai" if any(content_format(t) == "openai" for t in template.values()) else "string"
+    return _content_format(template) if isinstance(template, str) else "string"
+
+
+@functools.lru_cache(maxsize=16)
+def _content_format(template: str) -> str:
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.nodes as nodes
+
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except Exception:  # (no jinja2, or a template of tags it does not know: read as most are)
+        return "string"
+
+    def is_content(node: Any, aliases: set[str]) -> bool:
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content"
+        return isinstance(node, nodes.Name) and node.name in aliases
+
+    aliases: set[str] = set()  # ({% set content = message['content'] %})
+    for assign in tree.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and is_content(assign.node, set()):
+            aliases.add(assign.target.name)
+    loops = (loop.iter.node if isinstance(loop.iter, nodes.Filter) else loop.iter for loop in tree.find_all(nodes.For))
+    return "openai" if any(is_content(node, aliases) for node in loops) else "string"
 
 
 def calls_as_objects(messages: list[dict]) -> list[dict]:

@@ -461,7 +461,8 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
         "top_logprobs": 2,
     }
     line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}))
-    assert line.payload["messages"] == [{"role": "user", "content": "Hi\nthere"}]  # parts join as in vLLM
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert line.payload["messages"] == [{"role": "user", "content": parts}]  # (as the server's: the engine joins them)
     assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
     # A max_tokens the body sets must fit the context, as the server refuses it (it was cut at the context).
     assert line.payload["context_overflow"] == "error"

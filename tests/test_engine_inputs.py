@@ -957,6 +957,39 @@ def test_the_servers_chat_rendering_is_the_engines(chat_engine, tiny_chat_model)
     assert _parse("d", json.dumps(bounded)).tokenizer.encode(prompt).ids == chat_engine.tokenize(prompt)[1]
 
 
+@pytest.mark.slow  # a second or more: the full suite's (the fast lane stays under a minute)
+def test_content_parts_reach_a_template_that_loops_over_them_as_a_list_and_others_joined(chat_engine, tiny_chat_model):
+    """vLLM gives a template that loops over a message's content (Gemma 3's) the list of parts, which it joins its
+    own way; the parts were always joined by newlines here, a token more than vLLM's prompt. A template that prints
+    the content gets them joined, as before. The server's /tokenize renders as the worker does."""
+    from producer.chat_render import ChatRenderer
+    from producer.openai_api import ChatCompletionRequest
+    from producer.schema import JobRequest
+
+    looping = (
+        "{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for part in m['content'] %}{{ part['text'] | trim }}{% endfor %}{% endif %}{% endfor %}<assistant>"
+    )
+    parts = [{"type": "text", "text": "Describe this: "}, {"type": "text", "text": "a red fox."}]
+    request = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    job = JobRequest.model_validate(ChatCompletionRequest.model_validate(request).job_fields())
+    llm = LLM(tiny_chat_model, dtype="float32", chat_template=looping)
+    engine = llm.engine
+    text = "<user>Describe this:a red fox.<assistant>"  # (the template's own join, as vLLM renders it)
+    expected = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert engine.tokenize(job.engine_prompt())[1] == expected
+    assert engine.tokenize_many([job.engine_prompt()])[0][1] == expected
+    assert ChatRenderer(engine.tokenizer_json(), engine.chat_template_doc()).tokenize(job) == expected
+    joined = [{"role": "user", "content": "Describe this: \na red fox."}]  # (a template that prints the content)
+    assert chat_engine.tokenize(job.engine_prompt())[1] == chat_engine.tokenize({"messages": joined})[1]
+    assert (
+        ChatRenderer(chat_engine.tokenizer_json(), chat_engine.chat_template_doc()).tokenize(job)
+        == (chat_engine.tokenize({"messages": joined})[1])
+    )
+    [out] = llm.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == expected  # (the offline chat's too)
+
+
 def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
     """What vLLM's offline API users write: ``llm.llm_engine``, ``lora_request=None``, per-prompt ``priority``, 16
     tokens by default, ``cumulative_logprob``, chat content as text parts, an assistant's turn of tool calls with

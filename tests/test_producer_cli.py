@@ -329,7 +329,8 @@ def test_the_client_takes_openai_shaped_messages_as_the_server_and_llm_chat_do()
     client = Client(connection=fakeredis.FakeRedis(), queue="q")
     job = client.submit(messages=conversation, max_tokens=4)
     taken = JobRequest.model_validate(job.rq_job.kwargs)  # (as the worker reads it)
-    assert [m.content for m in taken.messages] == ["Weather\nin Paris?", "", "sunny"]
+    assert [m.text for m in taken.messages] == ["Weather\nin Paris?", "", "sunny"]
+    assert isinstance(taken.messages[0].content, list)  # (the parts as given: the engine joins them, or not)
     for bad, said in [
         ({"role": "user", "content": None}, "content is missing"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "messages.0.content"),

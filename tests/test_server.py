@@ -571,7 +571,7 @@ def test_what_the_official_client_sends_back_or_adds_is_taken():
     assert fields["messages"][1:] == [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
-        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"},
+        {"role": "tool", "content": [{"type": "text", "text": "12:00"}], "tool_call_id": "call_1"},
     ]  # fmt: skip
     forced = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
     _, fields = parse(ChatCompletionRequest, {**forced, "response_format": {"type": "text"}, "verbosity": "low"})

@@ -594,7 +594,8 @@ def test_an_assistants_refusal_part_is_taken_back_as_its_text():
         {"role": "user", "content": "ok"},
     ]
     _, fields = parse(ChatCompletionRequest, {"model": "m", "messages": messages})
-    assert fields["messages"][1] == {"role": "assistant", "content": "Well.\nI cannot help with that."}
+    parts = [{"type": "text", "text": "Well."}, {"type": "text", "text": "I cannot help with that."}]
+    assert fields["messages"][1] == {"role": "assistant", "content": parts}
     for part, words in (
         ({"type": "refusal", "refusal": "no"}, "a refusal part is an assistant's"),
         ({"type": "image_url", "image_url": {"url": "x"}}, "Input tag 'image_url'"),
