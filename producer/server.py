@@ -25,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
@@ -580,6 +580,8 @@ def run_server(
         try:
             with connect(redis_url, socket_connect_timeout=2, socket_timeout=2) as probe:
                 probe.ping()
+        except AuthenticationError:
+            raise  # (a login refused never mends: the command's own words for it and exit 2, as every command's)
         except REDIS_UNAVAILABLE as exc:
             url = redacted_url(redis_url)
             log.warning("Redis does not answer at %s (%s): requests get 503 until it does", url, exc)

@@ -816,17 +816,20 @@ def test_what_a_redis_that_answers_refuses_is_said_before_the_model_loads(own_re
         worker_main.build_worker(settings, Untrusted(host="cache.example", port=6380))
 
 
-def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys):
+def test_the_cli_says_a_refused_login_and_a_full_redis_as_such(own_redis, capsys, monkeypatch):
     """A missing or wrong password read "cannot reach Redis (HELLO must be called ...)" or "(invalid
-    username-password ...)"; a full Redis "Redis refused (OutOfMemoryError ...); check --redis-url"."""
+    username-password ...)"; a full Redis "Redis refused (OutOfMemoryError ...); check --redis-url". ``serve``
+    served on with a warning that Redis did not answer, every request a 503, as if it might come back."""
+    import producer.server as server
     from worker.cli import main
 
     url, conn = own_redis
     conn.execute_command("ACL", "SETUSER", "someone", "on", ">right", "~*", "&*", "+@all")
-    for bad in (url.replace("redis://", "redis://someone:wrong@"),):
-        assert main(["status", "--redis-url", bad]) == 2
+    monkeypatch.setattr(server._StoppingServer, "run", lambda self: pytest.fail("it served"))
+    for command in (["status"], ["serve", "--port", "18999"]):
+        assert main([*command, "--redis-url", url.replace("redis://", "redis://someone:wrong@")]) == 2
         err = capsys.readouterr().err
-        assert "Redis refused the login" in err and "password" in err and "cannot reach" not in err
+        assert "Redis refused the login" in err and "password" in err and "cannot reach" not in err, command
     conn.execute_command("ACL", "SETUSER", "default", "resetpass", ">secret")  # (this connection stays logged in)
     try:
         assert main(["status", "--redis-url", url]) == 2  # no password given: nothing was refused
