@@ -200,7 +200,7 @@ def test_connection_defaults_come_from_the_environment(monkeypatch):
     assert client.connection.connection_pool.connection_kwargs["host"] == "flaghost" and client.queue.name == "q2"
 
 
-def test_an_empty_redis_url_is_refused_as_the_worker_refuses_it(monkeypatch):
+def test_an_empty_redis_url_is_refused_as_the_worker_refuses_it(monkeypatch, capsys):
     """``--redis-url ""`` or an empty ROSEINFER_REDIS_URL: the commands took the default Redis (perhaps another than
     meant), while the worker refused it with "got ;"."""
     from producer.connection import InvalidRedisURL, connect
@@ -213,6 +213,12 @@ def test_an_empty_redis_url_is_refused_as_the_worker_refuses_it(monkeypatch):
     with pytest.raises(InvalidRedisURL, match="the Redis URL is empty"):
         connect("")
     assert producer_cli._client(_parse("status", "--redis-url", "redis://flaghost:1/0")) is not None  # (it wins)
+    # The worker's empty flag named the variable ("ROSEINFER_REDIS_URL set to nothing?"), set or not.
+    from worker.cli import main
+
+    monkeypatch.setenv("ROSEINFER_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["worker", "--model", "tiny", "--redis-url", ""]) == 2
+    assert "error: --redis-url is empty: give a Redis URL, or leave the flag out" in capsys.readouterr().err
 
 
 def test_status_lists_the_lanes_once_there_are_several(monkeypatch, capsys):

@@ -18,7 +18,7 @@ import warnings
 from pydantic import ValidationError
 
 from producer.batch_io import at_least
-from producer.connection import QUEUE_URLS_ENV, queue_urls
+from producer.connection import QUEUE_URLS_ENV, InvalidRedisURL, queue_urls
 from producer.protocol import DEFAULT_QUEUE, installed_version
 from producer.reasoning import REASONING_PARSERS
 from producer.tool_calls import TOOL_CALL_PARSERS
@@ -84,6 +84,8 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
 def load_settings(args: argparse.Namespace, **fixed: object) -> WorkerSettings:
     """Flags given on the command line, the rest from ROSEINFER_* variables and defaults."""
     given = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
+    if given["redis_url"] == "":  # (the variable's message named ROSEINFER_REDIS_URL: the flag's own words)
+        raise InvalidRedisURL("--redis-url is empty: give a Redis URL, or leave the flag out")
     if given["redis_url"] is None and "redis_url" not in fixed:  # the queue's entry in ROSEINFER_QUEUE_URLS, as the
         # producers read it (before ROSEINFER_REDIS_URL): a worker sharing their env file served another Redis
         queue = given["queue"] or os.environ.get(f"{ENV_PREFIX}QUEUE") or DEFAULT_QUEUE

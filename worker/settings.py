@@ -35,7 +35,9 @@ class QueueSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     redis_url: str = Field(
-        "redis://127.0.0.1:6379/0", description="the Redis to serve (redis://, rediss://, unix://, redis+sentinel://)"
+        "redis://127.0.0.1:6379/0",
+        description="the Redis to serve (redis://, rediss://, unix://, redis+sentinel://); without the flag, the "
+        "queue's entry in $ROSEINFER_QUEUE_URLS comes first",
     )
     queue: str = Field(DEFAULT_QUEUE, min_length=1, description="the RQ queue to pull jobs from")
     name: str | None = Field(
