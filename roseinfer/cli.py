@@ -54,17 +54,18 @@ def _generate(args: argparse.Namespace) -> int:
             print(lines.pop(written), flush=True)
             written += 1
 
+    finished = llm.finished_in_turn([r for _, r in runs], params, use_tqdm=len(runs) > 1)
     try:
         write_ready()
-        finished = llm.finished_in_turn([r for _, r in runs], params, use_tqdm=len(runs) > 1)
         for k, out in finished:
             c = out.outputs[0]
             answer = {"text": c.text, "finish_reason": c.finish_reason, "completion_tokens": len(c.token_ids)}
             lines[runs[k][0]] = json.dumps(answer)
             write_ready()
     except KeyboardInterrupt:
+        finished.close()  # (its progress bar closed first: it was drawn again after the line below)
         print(f"interrupted: the first {written} of {len(prompts)} prompts' answers were written", file=sys.stderr)
-        raise
+        return 130  # (as the command's own: the line above says it, not a second "interrupted")
     return 0 if not refused else 1
 
 

@@ -463,6 +463,10 @@ def test_generate_answers_a_line_per_stdin_line_and_keeps_the_answers_written_wh
     done = [json.loads(line) for line in captured.out.splitlines()]
     assert 1 <= len(done) < 3 and all("text" in line for line in done)
     assert f"the first {len(done)} of 3 prompts' answers were written" in captured.err
+    # Said once, last: a second "interrupted" followed it, and the progress bar was drawn again after both.
+    assert captured.err.rstrip().splitlines()[-1].startswith("interrupted: the first") and (
+        "interrupted" not in captured.err.rstrip().splitlines()[-2]
+    )
 
 
 def test_a_model_cache_that_cannot_be_used_is_said_to_be_the_cache_not_the_model(tmp_path, monkeypatch, capsys):
