@@ -426,6 +426,10 @@ def result(args: argparse.Namespace) -> int:
         if not client.reached:  # (never answered: a wrong URL, said as such)
             raise
         return _lost_redis(args.job_id, exc, args)
+    except KeyboardInterrupt:  # only the wait stops: said as a stream's is (it was a bare "interrupted")
+        print(f"interrupted: job {args.job_id} goes on in the workers; {_follow_or_cancel(args.job_id, args, False)}",
+              file=sys.stderr)  # fmt: skip
+        return 130
     return 0
 
 

@@ -851,6 +851,10 @@ def test_ctrl_c_while_submit_waits_says_the_job_goes_on_and_how_to_cancel_it(mon
     Job.stream = lambda self, timeout=None: (_ for _ in ()).throw(KeyboardInterrupt)
     assert producer_cli.submit(_parse("submit", "hi", "--stream")) == 130
     assert "`roseinfer stream j7` follows it again" in capsys.readouterr().err
+    monkeypatch.setattr(client, "job", lambda job_id: Job())  # (`result`'s own wait: a bare "interrupted")
+    assert producer_cli.result(_parse("result", "j7")) == 130
+    err = capsys.readouterr().err
+    assert "job j7 goes on in the workers" in err and "`roseinfer result j7` waits for its result again" in err
     # The commands it prints reach the Redis and queue this one was given: pasted as printed, they found no job. A
     # password in the URL is left out (stderr goes to logs).
     url = "redis://10.0.0.5:6379/3"
