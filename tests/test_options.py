@@ -644,6 +644,9 @@ def test_a_benchmarks_counts_below_one_are_refused_before_the_model_loads(capsys
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--repeats", "0"])
         assert "must be at least 1" in capsys.readouterr().err
+        with pytest.raises(SystemExit):  # (bench-priority's and bench-serve's worker refused it, once started)
+            build_parser().parse_args([command, "--dtype", "float64"])
+        assert "invalid choice: 'float64'" in capsys.readouterr().err
     # Output files too, in the parse (bench-queue's were found after its whole run; a folder, by both).
     for command, flag, path, said in (("bench", "--json", "/no/such/folder/x.json", "no folder /no/such/folder"),
                                       ("bench", "--json", str(tmp_path), "is a folder; name a file in it"),

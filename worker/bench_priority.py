@@ -14,6 +14,7 @@ import time
 
 from producer.protocol import BULK_PRIORITY
 from roseinfer.bench import counting
+from roseinfer.config import DTYPES
 from worker.bench_queue import _wait_for_worker
 from worker.cli import worker_command
 from worker.local_redis import start_private_redis, stop_private_redis
@@ -21,7 +22,7 @@ from worker.local_redis import start_private_redis, stop_private_redis
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)  # (refused here, not by the worker it starts)
     p.add_argument("--max-num-seqs", type=counting(1), default=8)
     p.add_argument(
         "--bulk-jobs", type=counting(1), default=None, help="bulk jobs in the queue (default: three times the batch)"

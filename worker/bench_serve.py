@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from roseinfer.bench import DEFAULT_WORKLOAD, counting, percentile
+from roseinfer.config import DTYPES
 from worker.bench_queue import _wait_for_worker, last_result_written
 from worker.cli import worker_command
 from worker.local_redis import free_port, start_private_redis, stop_private_redis
@@ -25,7 +26,7 @@ from worker.local_redis import free_port, start_private_redis, stop_private_redi
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)  # (refused here, not by the worker it starts)
     p.add_argument("--num-prompts", type=counting(1), default=64)
     p.add_argument("--max-tokens", type=counting(1), default=64)
     p.add_argument("--repeats", type=counting(1), default=3)
