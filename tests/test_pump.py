@@ -1160,6 +1160,8 @@ def test_a_stop_job_for_an_id_not_here_is_logged_on_one_line(caplog):
             worker.request_stop()
             thread.join(timeout=30)
     assert f"stop-job {forged!r}: not in flight here" in caplog.text and "\x1b" not in caplog.text
+    # (the stop of an idle worker said "finishing the 0 in flight (a second signal hands them back)")
+    assert "stop signal: no job in flight; stopping" in caplog.text and "the 0 in flight" not in caplog.text
 
 
 def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying_it():

@@ -245,10 +245,13 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
                 self.sender.give_up_at = time.monotonic() + HAND_BACK_PATIENCE_S  # a blip is waited out, no more
             self._force_stop = True
         else:
-            log.warning(
-                "stop signal: no new jobs; finishing the %d in flight (a second signal hands them back)",
-                len(self.in_flight),
-            )
+            if self.in_flight:
+                log.warning(
+                    "stop signal: no new jobs; finishing the %d in flight (a second signal hands them back)",
+                    len(self.in_flight),
+                )
+            else:  # (idle: "finishing the 0 in flight")
+                log.warning("stop signal: no job in flight; stopping")
             self._stop_requested = True
             self._stop_at = time.monotonic()
             self._shutdown_requested_date = now()
