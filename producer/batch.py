@@ -501,6 +501,10 @@ def _check_paths(errors_path: Path, input_path: Path, output_path: Path) -> None
         raise ValueError(f"the output's folder {output_path.parent} does not exist")
     if not errors_path.parent.is_dir():
         raise ValueError(f"the errors file's folder {errors_path.parent} does not exist: give --errors another path")
+    if errors_path.is_dir():  # (the errno's own words, as the output's own check says them)
+        raise ValueError(f"the errors file {errors_path} is a folder: give --errors a file path")
+    if not input_path.exists():
+        raise ValueError(f"the input {input_path} does not exist")
     if input_path.exists() and not (input_path.is_file() or input_path.is_dir()):  # (a folder: a saved dataset)
         raise ValueError(
             f"the input {input_path} is not a regular file (a pipe?): it is read twice, to count its rows first; "
