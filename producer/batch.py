@@ -347,6 +347,8 @@ def _check_columns(input_path: Path, input_format: str, options: RowOptions) -> 
     error, not one failed row each. So is a JSONL input that is no JSON Lines (see ``jsonl_input_problem``)."""
     if options.id_column is not None and not options.plain:
         raise ValueError("--id-column names the id column of plain rows: give --prompt-column or --messages-column")
+    if not input_path.exists():  # (after its format's look: a .gz is said as such; the errno's words before)
+        raise ValueError(f"the input {input_path} does not exist")
     problem = jsonl_input_problem(input_path) if input_format == "jsonl" else None
     if problem is not None:
         raise ValueError(problem)
@@ -503,8 +505,6 @@ def _check_paths(errors_path: Path, input_path: Path, output_path: Path) -> None
         raise ValueError(f"the errors file's folder {errors_path.parent} does not exist: give --errors another path")
     if errors_path.is_dir():  # (the errno's own words, as the output's own check says them)
         raise ValueError(f"the errors file {errors_path} is a folder: give --errors a file path")
-    if not input_path.exists():
-        raise ValueError(f"the input {input_path} does not exist")
     if input_path.exists() and not (input_path.is_file() or input_path.is_dir()):  # (a folder: a saved dataset)
         raise ValueError(
             f"the input {input_path} is not a regular file (a pipe?): it is read twice, to count its rows first; "
