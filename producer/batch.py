@@ -233,7 +233,12 @@ Sink = JSONLSink | ParquetSink
 def settings_path(output_path: Path) -> Path:
     """Beside the output: the settings its rows were made with (a rerun with others is refused)."""
     real = Path(os.path.realpath(output_path))  # (a link to the output: the output's own, as its lock)
-    return real.with_name(real.name + ".batch.json")
+    own, beside_link = (
+        real.with_name(real.name + ".batch.json"),
+        output_path.with_name(output_path.name + ".batch.json"),
+    )
+    # (one a run through the link wrote before this rule is still the output's: its settings and run id stand)
+    return beside_link if not own.exists() and beside_link.exists() else own
 
 
 def _stored_settings(output_path: Path) -> Any:
@@ -434,6 +439,15 @@ def run_batch(
     summary: dict[str, Any] = {"total": 0, "skipped": 0, "succeeded": 0, "failed": 0, "reused": 0, "failures": {}}
     progress: Progress | None = None
     done: dict[str, int] | None = None  # (None: the output not read yet)
+    sink: Sink | None = None
+
+    def in_output() -> int | None:
+        """The rows the output holds: a JSONL output's rows are there once flushed; a Parquet output is whole only
+        once closed (one a disk full stopped is as it was), and holds failed rows too: not said."""
+        if done is None or sink is None or not sink.keeps_flushed_rows:
+            return None
+        return len(done) + summary["succeeded"]
+
     try:
         summary["total"] = count_rows(input_path, in_fmt)  # a first pass that keeps nothing: for progress and ETA
         with _only_run_on(output_path):
@@ -465,9 +479,9 @@ def run_batch(
         progress.finish(summary, output_path, errors_path)
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
-        raise BatchInterrupted(summary, signum, None if done is None else len(done) + summary["succeeded"]) from None
+        raise BatchInterrupted(summary, signum, in_output()) from None
     except BatchStopped as exc:
-        exc.in_output = None if done is None else len(done) + summary["succeeded"]
+        exc.in_output = in_output()
         raise
     finally:
         if progress is not None:

@@ -285,7 +285,7 @@ class JSONLSink:
                     line = json.loads(raw)
                     done[line["custom_id"]] = payload_digest(line["response"]["request_id"])
                 except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError):
-                    if first and not _cut_short_output_line(raw):
+                    if first and not _cut_short_output_line(raw, ended=True):
                         raise ValueError(
                             f"{self.path} exists and is not a batch output (its first line is not an output "
                             "line): give a new output path, or remove that file"
@@ -296,8 +296,13 @@ class JSONLSink:
         # The last line cut short, a newline added since (by an editor), is a crash's too; any other line that is no
         # output line is an edit by hand: its row ran again and the file stayed no JSONL (its id twice, once torn).
         last = bad[-1] if bad and bad[-1][1] + len(bad[-1][2]) == text_end else None
-        ended = last is not None and last[2].endswith(b"\n")  # (without its newline: any text, as a crash left it)
-        torn = last if last is not None and (not ended or _cut_short_output_line(last[2], ended=True)) else None
+        ended = last is not None and last[2].endswith(b"\n")
+        # (without its newline, any text that is no JSON, as a crash left it; JSON that is no output line is an edit)
+        torn = (
+            last
+            if last is not None and (_cut_short_output_line(last[2], ended=True) if ended else not _is_json(last[2]))
+            else None
+        )
         edited = [number for number, _, _ in bad if torn is None or number != torn[0]]
         if edited:
             shown = ", ".join(map(str, edited[:5])) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
@@ -555,6 +560,14 @@ def _write_error(errors: TextIO | None, error: dict[str, Any]) -> None:
 def _flush(errors: TextIO | None) -> None:
     if errors is not None:
         errors.flush()
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return True
 
 
 def _cut_short_output_line(raw: bytes, ended: bool = False) -> bool:

@@ -107,8 +107,18 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None, queue: str = 
     # Not the priority: it orders the jobs and changes no output, so a rerun at another one resumes the same rows.
     # (Taken as the default every earlier run wrote: their ids stay as they were.)
     same_output = {**payload, "priority": BULK_PRIORITY, **_on_queue(queue)}
+    if isinstance(payload.get("messages"), list):  # (text parts hashed as the joined text earlier runs carried)
+        same_output["messages"] = [_joined_parts(m) for m in payload["messages"]]
     digest = hashlib.sha256(json.dumps(same_output, sort_keys=True).encode()).hexdigest()[:24]
     return f"batch-{digest}" if run_id is None else f"batch-{run_id}-{digest}"
+
+
+def _joined_parts(message: Any) -> Any:
+    content = message.get("content") if isinstance(message, dict) else None
+    texts = [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else None
+    if texts is None or len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        return message
+    return {**message, "content": "\n".join(texts)}
 
 
 def _on_queue(queue: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import re
 from typing import Any
 
 PromptInput = str | list[int] | dict
@@ -330,8 +331,9 @@ def parts_for_template(tokenizer, messages: list[dict]) -> list[dict]:
 def content_format(template: str | dict | None) -> str:
     """vLLM's detection of a chat template's content format: "openai" where it loops over a message's content (a
     list of parts, itself), else "string"."""
-    if isinstance(template, dict):  # (named templates: one that loops is enough)
-        return "openai" if any(content_format(t) == "openai" for t in template.values()) else "string"
+    if isinstance(template, dict):  # (named templates, one picked by the call: a list to one that prints it would
+        # show its Python form, where joined parts cost a newline at most)
+        return "openai" if template and all(content_format(t) == "openai" for t in template.values()) else "string"
     return _content_format(template) if isinstance(template, str) else "string"
 
 
@@ -342,7 +344,9 @@ def _content_format(template: str) -> str:
         import jinja2.ext
         import jinja2.nodes as nodes
 
-        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+        # (transformers' {% generation %} tag, of assistant masks: a tag jinja2 alone does not know, left out)
+        plain = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(plain)
     except Exception:  # (no jinja2, or a template of tags it does not know: read as most are)
         return "string"
 

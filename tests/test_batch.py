@@ -463,6 +463,16 @@ def test_openai_batch_bodies_are_read_as_the_server_reads_them():
     line = parse_line(1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}))
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
     assert line.payload["messages"] == [{"role": "user", "content": parts}]  # (as the server's: the engine joins them)
+    # Its job id is the one the joined text had (483ce84 gave this line that id): a run interrupted then
+    # resumed across the change takes its rows and jobs as its own, not as changed requests.
+    joined = {**body, "messages": [{"role": "user", "content": "Hi\nthere"}]}
+    assert (
+        line.job_id
+        == parse_line(
+            1, json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": joined})
+        ).job_id
+        == "batch-2b382f0be308f03467658ad2"
+    )
     assert line.payload["max_tokens"] == 7 and line.payload["priority"] == 10
     # A max_tokens the body sets must fit the context, as the server refuses it (it was cut at the context).
     assert line.payload["context_overflow"] == "error"
@@ -795,6 +805,22 @@ def test_a_job_past_the_timeout_is_canceled_not_left_to_run(tmp_path):
     assert all("no result within 0.2 s of its start: the job was canceled" in e["error"]["message"] for e in errors)
 
 
+def test_an_outputs_settings_are_its_own_through_a_link_and_one_written_beside_the_link_still_counts(tmp_path):
+    """A run through a link to an output keeps the settings beside the output itself, as its lock (two runs, one by
+    each name, wrote every row twice); one a run through the link wrote beside the link before is still read (its
+    run id and settings were lost: rows made otherwise mixed in, a --fresh run's jobs not found)."""
+    from producer.batch import _run_id_of, settings_path
+
+    out, link = tmp_path / "out.jsonl", tmp_path / "link.jsonl"
+    out.write_text("")
+    link.symlink_to(out)
+    assert settings_path(link) == settings_path(out) == tmp_path / "out.jsonl.batch.json"
+    (tmp_path / "link.jsonl.batch.json").write_text(json.dumps({"run_id": "abc123"}))
+    assert settings_path(link) == tmp_path / "link.jsonl.batch.json" and _run_id_of(link, None) == "abc123"
+    (tmp_path / "out.jsonl.batch.json").write_text(json.dumps({"run_id": "def456"}))  # (the output's own first)
+    assert _run_id_of(link, None) == "def456"
+
+
 def test_a_run_refused_for_other_settings_keeps_the_last_errors_file(tmp_path):
     from producer.batch_io import RowOptions
 
@@ -1118,6 +1144,11 @@ def test_a_last_line_cut_short_then_ended_by_an_editor_is_cut_and_a_line_edited_
         out.write_text(whole + tail)
         assert set(JSONLSink(out).done(cut=False)) == {"a", "b"} and out.read_text() == whole + tail  # (dry: as it was)
         assert set(JSONLSink(out).done()) == {"a", "b"} and out.read_text() == whole
+    out.write_text(torn)  # (the only line: it was "not a batch output")
+    assert JSONLSink(out).done() == {} and out.read_text() == ""
+    out.write_text(whole + '{"custom_id": "b"}')  # JSON, no output line, no newline: it was kept, the next run refused
+    with pytest.raises(ValueError, match="line 3 is not an output line"):
+        JSONLSink(out).done()
     src.write_text('{"prompt": "x"}\n')
     for text, numbers in ((torn + whole, "1"), (whole.replace("\n", "\n" + torn, 1), "2"),
                           (whole + "not json\n", "3"), (whole + torn + whole, "3")):  # fmt: skip

@@ -656,3 +656,25 @@ def test_plain_jsonl_rows_that_cannot_be_read_are_failed_rows_of_the_parquet_out
     assert sorted(rows) == ["row-1", "row-2", "row-3", "row-4"]
     assert rows["row-2"]["error"].startswith("invalid_request: not JSON")
     assert rows["row-3"]["error"] == "invalid_request: a line must be a JSON object"
+
+
+def test_an_interrupted_run_says_the_rows_its_output_holds_for_jsonl_alone(tmp_path, monkeypatch):
+    """A JSONL output holds every row flushed; a Parquet one is whole only once closed (a disk full leaves it as it
+    was) and holds failed rows too: the count of rows in it was said for both, the Parquet one's wrong."""
+    import fakeredis
+
+    import producer.batch as batch_mod
+    from producer import Client
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_mod, "_submit", interrupt)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "prompt": "x"}) + "\n")
+    held = {}
+    for name in ("out.jsonl", "out.parquet"):
+        with pytest.raises(batch_mod.BatchInterrupted) as stopped:
+            batch_mod.run_batch(Client(connection=fakeredis.FakeRedis(), queue="q"), src, tmp_path / name)
+        held[name] = stopped.value.in_output
+    assert held == {"out.jsonl": 0, "out.parquet": None}

@@ -988,6 +988,16 @@ def test_content_parts_reach_a_template_that_loops_over_them_as_a_list_and_other
     )
     [out] = llm.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert out.prompt_token_ids == expected  # (the offline chat's too)
+    # transformers' {% generation %} tag does not hide the loop; named templates get the list only where each of
+    # them loops (the one a call picks, printing it, showed the list's Python form).
+    from roseinfer.prompts import content_format
+
+    printing = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    marked = looping.replace("{% for part", "{% generation %}{% for part")
+    marked = marked.replace("{% endfor %}{% endif", "{% endfor %}{% endgeneration %}{% endif")
+    assert [content_format(t) for t in (looping, printing, marked)] == ["openai", "string", "openai"]
+    assert content_format({"default": printing, "tool_use": looping}) == "string"
+    assert content_format({"default": looping, "tool_use": marked}) == "openai"
 
 
 def test_a_vllm_users_offline_code_runs_and_means_the_same(tiny_chat_model):
