@@ -100,6 +100,13 @@ class InputMessage(SentBack):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
+    def chat_content(self) -> str | list[dict[str, str]]:
+        """Its content as a chat message's: parts stay text parts (a template that loops over them gets the list,
+        as the chat's parts)."""
+        if isinstance(self.content, str):
+            return self.content
+        return [{"type": "text", "text": p.text} for p in self.content]
+
 
 class FunctionCallItem(SentBack):
     """A call an earlier answer made, sent back."""
@@ -283,7 +290,7 @@ class ResponsesRequest(APIShape):
             elif isinstance(item, InputMessage) and item.role == "assistant" and thought:
                 last["content"] = item.text()  # type: ignore[index]  # (one answer: its thinking, then its text)
             elif isinstance(item, InputMessage):
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.chat_content()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip

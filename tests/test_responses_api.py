@@ -68,8 +68,8 @@ def test_a_conversation_with_function_calls_and_their_outputs_goes_back_as_the_c
     _, _, job = parse_responses({"model": "m", "input": items, "tools": TOOLS, "tool_choice": "none"})
     assert job["tools"] == CHAT_TOOLS and "structured_outputs" not in job
     assert job["messages"] == [
-        {"role": "user", "content": "Weather\n?"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
         ]},
@@ -501,5 +501,6 @@ def test_an_earlier_answers_refusal_goes_back_as_its_text_and_the_default_tool_c
     request without tool_choice said "none" where OpenAI says its default, "auto"."""
     refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
     req, _, job = parse_responses({"model": "m", "input": [refused, {"role": "user", "content": "Why?"}]})
-    assert job["messages"][0] == {"role": "assistant", "content": "I cannot help with that."}
+    words = [{"type": "text", "text": "I cannot help with that."}]
+    assert job["messages"][0] == {"role": "assistant", "content": words}
     assert ResponseWriter("j", "m", req, None).whole({"text": "", "usage": {}})["tool_choice"] == "auto"
