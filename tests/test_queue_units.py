@@ -3627,6 +3627,10 @@ def test_a_job_rq_fails_as_abandoned_gets_its_last_event_and_its_completion_entr
     assert conn.xlen(stream_key(retried.id)) == 2 and retried.status() == "queued"
     with pytest.raises(JobFailed, match="AbandonedJobError"):
         died.result(timeout=5)
+    # RQ's record of it lasts its failure_ttl (RQ's year, for a job of none), as the hash: it was kept for good.
+    from producer.protocol import result_key
+
+    assert 364 * 86400 < conn.ttl(result_key(died.id)) <= 365 * 86400
     worker.clean_registries()  # (nothing lapsed left: nothing written twice)
     assert conn.xlen(stream_key(died.id)) == 3 and conn.llen(done_key(notify)) == 1
 

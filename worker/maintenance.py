@@ -13,6 +13,7 @@ from collections.abc import Callable
 import redis
 from rq import worker_registration
 from rq.callbacks import execute_failure_callback
+from rq.defaults import DEFAULT_FAILURE_TTL
 from rq.exceptions import AbandonedJobError, NoSuchJobError
 from rq.group import Group
 from rq.job import Job
@@ -21,7 +22,7 @@ from rq.registry import clean_registries
 from rq.timeouts import TimerDeathPenalty
 
 from producer.connection import REDIS_DOWN
-from producer.protocol import RESUMED_FROM_FIELD, stream_key
+from producer.protocol import RESUMED_FROM_FIELD, result_key, stream_key
 from producer.schema import job_ending
 from worker.due_retries import end_canceled_unrun
 from worker.heartbeat import LEASE_SLACK_S, Heartbeat
@@ -157,6 +158,8 @@ class Maintenance:
             publisher.queue_writes(pipe, finals)
             for job in failed:  # (RQ's record, its result, is there: the list's entry follows it, as for every end)
                 publisher.notify(pipe, job.id, job_ending(job).notify)
+                if job.failure_ttl is None:  # (RQ's record of a job of no failure_ttl was kept for good: its year)
+                    pipe.expire(result_key(job.id), DEFAULT_FAILURE_TTL)
             pipe.execute()
         log.warning("%d jobs failed as abandoned: their last events written", len(failed))
 
