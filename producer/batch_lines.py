@@ -36,7 +36,7 @@ from producer.protocol import (
 from producer.reasoning import FORMATS as REASONING_FORMATS
 from producer.reasoning import ReasoningFormat, job_fields_of, plan_for
 from producer.responses_api import ResponsesRequest, ResponseWriter, parse_responses
-from producer.schema import JobRequest, lone_surrogate
+from producer.schema import JobRequest, joined_text, lone_surrogate
 from producer.token_names import BY_ID, TokenNames
 from producer.tool_calls import ToolChoice
 
@@ -115,10 +115,11 @@ def job_id_for(payload: dict[str, Any], run_id: str | None = None, queue: str = 
 
 def _joined_parts(message: Any) -> Any:
     content = message.get("content") if isinstance(message, dict) else None
-    texts = [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else None
-    if texts is None or len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+    if not isinstance(content, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text"), str) for p in content
+    ):
         return message
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": joined_text(content)}
 
 
 def _on_queue(queue: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from producer.protocol import TEMPLATE_KEY, TOKENIZER_KEY
-from producer.schema import JobRequest
+from producer.schema import JobRequest, joined_text
 from producer.token_names import without_limits
 
 if TYPE_CHECKING:
@@ -23,14 +23,12 @@ def template_messages(tokenizer: Any, job: JobRequest, content_format: str = "st
     but for a template that loops over them (``content_format`` "openai", as the worker found it)."""
     messages = job.engine_prompt()["messages"]
     if content_format != "openai":
-        messages = [{**m, "content": _joined(m["content"])} if isinstance(m["content"], list) else m for m in messages]
+        messages = [
+            {**m, "content": joined_text(m["content"])} if isinstance(m["content"], list) else m for m in messages
+        ]
     if "developer" in str(getattr(tokenizer, "chat_template", None)):
         return messages
     return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-
-
-def _joined(parts: list[dict[str, Any]]) -> str:
-    return "\n".join(part["text"] for part in parts)
 
 
 class ChatRenderer:

@@ -91,6 +91,11 @@ class ToolCall(BaseModel):
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
+def joined_text(parts: list[dict[str, Any]]) -> str:
+    """Text parts (``{"type": "text", "text"}``, a payload's) as one text, joined by newlines as vLLM joins them."""
+    return "\n".join(part["text"] for part in parts)
+
+
 class TextPart(BaseModel):
     """A part of a message's content in OpenAI's list form: text only (joined by newlines, as vLLM joins them)."""
 

@@ -1245,27 +1245,37 @@ def test_a_copy_of_a_job_another_worker_runs_is_left_to_it_and_a_dead_workers_ru
     assert stale.id in admitted and stale.result(timeout=1)["usage"]["completion_tokens"] == 3
 
 
+def _run_one_job_acting_at_its_last_token(queue: str, act) -> tuple:
+    """A burst worker runs one job of 3 tokens, ``act(conn, worker, job_id)`` done right after its last token's step
+    (before its finish is written): (worker's client, connection, the job)."""
+    worker, _, client, thread, conn = _fakeredis_worker(queue, burst=True)
+    step = worker.pump.step
+
+    def acting_step(*args, **kwargs):
+        events = step(*args, **kwargs)
+        for event in events:
+            if event.finish_reason == "length":
+                act(conn, worker, event.job_id)
+        return events
+
+    worker.pump.step = acting_step
+    job = client.submit("x", max_tokens=3)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return client, conn, job
+
+
 def test_a_job_deleted_as_it_finishes_stays_deleted():
     """RQ's ``job.delete()`` landing between the job's last token and its finish: the finish read the missing hash
     as Redis having lost its data and wrote it back whole, finished, its result kept a day."""
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    worker, _, client, thread, conn = _fakeredis_worker("del", burst=True)
-    step = worker.pump.step
+    def delete(conn, worker, job_id):
+        Job.fetch(job_id, connection=conn, serializer=JSONSerializer).delete()
 
-    def deleting_step(*args, **kwargs):
-        events = step(*args, **kwargs)
-        for event in events:
-            if event.finish_reason == "length":
-                Job.fetch(event.job_id, connection=conn, serializer=JSONSerializer).delete()
-        return events
-
-    worker.pump.step = deleting_step
-    job = client.submit("x", max_tokens=3)
-    thread.start()
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    client, conn, job = _run_one_job_acting_at_its_last_token("del", delete)
     assert job.status() == "missing" and not conn.exists(f"rq:results:{job.id}")
     assert not client.lane(0).finished_job_registry.get_job_ids()
 
@@ -1274,22 +1284,12 @@ def test_a_job_whose_hash_redis_lost_as_it_finishes_is_written_back_finished():
     """Redis restarted empty as the job made its last token, and a heartbeat made the worker's hash again (without
     its registration's ``birth``) before the worker registered anew: the finish took the missing job hash for RQ's
     ``job.delete()`` (the worker's key was there) and dropped the finished job, its result never written."""
-    worker, _, client, thread, conn = _fakeredis_worker("lost", burst=True)
-    step = worker.pump.step
 
-    def losing_step(*args, **kwargs):
-        events = step(*args, **kwargs)
-        for event in events:
-            if event.finish_reason == "length":
-                conn.delete(f"rq:job:{event.job_id}", worker.key)
-                conn.hset(worker.key, "last_heartbeat", "2026-12-02T00:00:00.000000Z")  # (RQ's beat, no birth)
-        return events
+    def lose(conn, worker, job_id):
+        conn.delete(f"rq:job:{job_id}", worker.key)
+        conn.hset(worker.key, "last_heartbeat", "2026-12-02T00:00:00.000000Z")  # (RQ's beat, no birth)
 
-    worker.pump.step = losing_step
-    job = client.submit("x", max_tokens=3)
-    thread.start()
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    _, _, job = _run_one_job_acting_at_its_last_token("lost", lose)
     assert job.status() == "finished" and job.result(timeout=1)["usage"]["completion_tokens"] == 3
 
 
