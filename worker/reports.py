@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from redis.exceptions import WatchError
 from rq.job import Job, JobStatus
 from rq.worker import WorkerStatus
 
@@ -177,24 +178,31 @@ class Reports:
         # With the jobs a pull started that the step loop has not taken in: their hashes, gone, read as deleted
         # once they were, and they were canceled without a result.
         arrived = {a.job.id: a for a in self.puller.unapplied() if a.error is None}
-        held: list[Any] = list({**arrived, **self.in_flight}.values())
-        with self.connection.pipeline(transaction=False) as pipe:
-            for job in held:
-                pipe.hmget(job.job.key, OWNER_FIELD, "status")
-            now_as = pipe.execute()
+        # And those ended here whose ends are still to be written: the finish read a missing hash, registration back,
+        # as RQ's delete, and dropped the finished job.
+        held: list[Any] = list({**self._ending.copy(), **arrived, **self.in_flight}.values())
         # The jobs' hashes first, from memory: once registration is back, the sender reads their statuses as
         # meaning what they say again, and a missing one as deleted. A hash Redis still has is left as it is: cut
         # off, this worker's jobs went to others meanwhile (their events, refused now, drop them here), or ended.
+        # Watched: an ending written on the sender's thread between the look and the writes stands.
         with self.connection.pipeline() as pipe:
-            for job, (owner, status) in zip(held, now_as):
-                if status is None:
-                    job.job.save(pipeline=pipe)
-                    job.job.set_status(JobStatus.STARTED, pipeline=pipe)
-                    pipe.hset(job.job.key, OWNER_FIELD, job.execution.id)
-                elif not self._runs_here(job, owner, status):
-                    continue
-                self._register_execution(job, ttl, pipe)
-            pipe.execute()
+            while held:
+                try:
+                    pipe.watch(*[job.job.key for job in held])
+                    now_as = [pipe.hmget(job.job.key, OWNER_FIELD, "status") for job in held]
+                    pipe.multi()
+                    for job, (owner, status) in zip(held, now_as):
+                        if status is None:
+                            job.job.save(pipeline=pipe)
+                            job.job.set_status(JobStatus.STARTED, pipeline=pipe)
+                            pipe.hset(job.job.key, OWNER_FIELD, job.execution.id)
+                        elif not self._runs_here(job, owner, status):
+                            continue
+                        self._register_execution(job, ttl, pipe)
+                    pipe.execute()
+                    break
+                except WatchError:
+                    pipe.reset()
         for attempt in range(3):
             self.connection.delete(self.key)  # what heartbeats recreated since, so registration does not see a twin
             try:
