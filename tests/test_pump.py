@@ -1197,6 +1197,50 @@ def test_a_stop_job_heard_in_a_step_that_fails_stops_the_job_instead_of_retrying
     assert not thread.is_alive()
 
 
+@pytest.mark.parametrize("how", ["cancel", "hset"])
+def test_a_job_a_client_cancels_during_a_step_that_fails_ends_canceled_not_retried(how):
+    """A client's cancel that lands while a step runs, the step then failing (an engine process dying): the job
+    failed retryably with the rest, and RQ ran it again though its client had canceled it."""
+    from rq.job import Job
+
+    worker, engine, client, thread, conn = _fakeredis_worker("f", step_s=0.01)
+    thread.start()
+    try:
+        job, other = client.submit("long", max_tokens=100_000), client.submit("other", max_tokens=100_000)
+        deadline = time.monotonic() + 10
+        while not (job.id in worker.in_flight and other.id in worker.in_flight and len(engine.requests) == 2):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        step = engine.step
+
+        def failing_step(flush=True):
+            engine.step = step  # once
+            worker.puller.stop()  # (the retry would be another worker's: this one pulls no more)
+            if how == "cancel":
+                assert job.cancel()
+            else:  # as a client in another language cancels
+                conn.hset(Job.key_for(job.id), "status", "canceled")
+            raise RuntimeError("out of memory")
+
+        engine.step = failing_step
+        with pytest.raises(JobCanceled) as ended:
+            job.result(timeout=10)
+        assert ended.value.result["finish_reason"] == "abort"
+        assert ended.value.result["usage"]["completion_tokens"] > 0  # what it made before the failed step, kept
+        rq_job = job.rq_job
+        assert rq_job.get_status() == "canceled" and rq_job.retries_left == 2  # no retry spent, none to come
+        assert job.id in client.lane(0).canceled_job_registry.get_job_ids()
+        deadline = time.monotonic() + 10
+        while other.rq_job.get_status() != "queued":  # the other job, not canceled, is retried as before
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert other.rq_job.retries_left == 1
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
 def test_a_copy_of_a_job_that_ended_is_dropped_not_run_again():
     """An id in its queue twice (a producer's RPUSH tried again, a requeue that crossed the job's end) whose second
     copy was pulled after the first had finished: the pull took the finished job for a new one, the start set it

@@ -527,7 +527,8 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
             for seconds in self.pump.take_step_times():  # the engine's own (an engine process: its child's)
                 self.metrics.step.observe(seconds)
             if any(e.retryable for e in events):  # a failed step (or a dead engine process) failed its jobs to be
-                events = self._apply_stop_requests(events)  # run again: a stop-job heard meanwhile still stops
+                # run again: a job stopped (stop-job) or canceled by a client meanwhile still ends so
+                events = self._apply_cancels(self._apply_stop_requests(events))
             if self._route(events):
                 self.puller.wake()  # room for more jobs
             if not self.engine.has_unfinished_requests():
@@ -943,7 +944,7 @@ class BatchWorker(Reports, HandBack, SuccessPath, JobEnds, EndRecords, BaseWorke
         # failed with the rest, each spent a retry (with none left, failed for good) for a death not theirs.
         if unsent := self.pump.unsent():
             self._hand_back_cold(only=unsent)
-        self._route(self.pump.step())
+        self._route(self._apply_cancels(self.pump.step()))
         self._hand_over(force=True)
         raise EngineProcessDied(self.pump.failure)
 

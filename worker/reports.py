@@ -140,9 +140,7 @@ class Reports:
                 continue
             own = [e for e in died_in if e.job_id == job_id]
             if job is not None and own and own[-1].retryable:  # (not one that ended before the step failed)
-                # Its failure as the cancel it would have been: what it made kept, no error, nothing to retry.
-                ended = replace(own[-1], finish_reason="abort", error=None, retryable=False, error_type=None)
-                stopping[job_id] = (job, [*own[:-1], ended])
+                stopping[job_id] = (job, _as_aborted(own))
                 died_in = [e for e in died_in if e.job_id != job_id]
             else:
                 stopping[job_id] = (job, None)
@@ -154,6 +152,35 @@ class Reports:
                 log.info("stop-job %r: not in flight here, ignored", job_id)  # (%r: any text, newlines too)
                 continue
             self._canceled(job, events, stopped=True)
+        return died_in
+
+    def _apply_cancels(self, died_in: list[JobEvent]) -> list[JobEvent]:
+        """The jobs of a failed step (an engine process's death too) that a client canceled or stopped since the
+        sender's last look: they end so, with what they made, not failed to be run again elsewhere (RQ ran a job
+        canceled a moment before again). The others' events are returned."""
+        ids = list(dict.fromkeys(e.job_id for e in died_in if e.retryable and e.job_id in self.in_flight))
+        if not ids:
+            return died_in
+        try:
+            with self.connection.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self.in_flight[job_id].job.key, OWNER_FIELD, "status")
+                found = pipe.execute(raise_on_error=False)
+        except REDIS_UNAVAILABLE:  # (their failures' ends wait for Redis, and read their statuses then)
+            return died_in
+        ended_by_others = (JobStatus.CANCELED.value.encode(), JobStatus.STOPPED.value.encode())
+        for job_id, reply in zip(ids, found):
+            job = self.in_flight[job_id]
+            if isinstance(reply, Exception) or reply[1] not in ended_by_others:
+                continue
+            if reply[0] is not None and reply[0].decode() != job.execution.id:  # (another attempt's by now)
+                continue
+            own = [e for e in died_in if e.job_id == job_id]
+            if not own[-1].retryable:  # (it ended before the step failed)
+                continue
+            log.info("job %s: %s as its step failed: ended so, not run again", job_id, reply[1].decode())
+            self._canceled(job, _as_aborted(own), stopped=reply[1] == ended_by_others[1])
+            died_in = [e for e in died_in if e.job_id != job_id]
         return died_in
 
     def _on_its_way(self, job_id: str, since: float) -> bool:
@@ -215,3 +242,10 @@ class Reports:
         # Its tokenizer and chat template went with the data: a server without them in memory answered /tokenize
         # 503 and named logprobs' tokens token_id:N until this worker was restarted.
         self._publish_tokenizer()
+
+
+def _as_aborted(own: list[JobEvent]) -> list[JobEvent]:
+    """A job's events of a failed step, its failure made the cancel it would have been: what it made kept, no error,
+    nothing to retry."""
+    ended = replace(own[-1], finish_reason="abort", error=None, retryable=False, error_type=None)
+    return [*own[:-1], ended]
