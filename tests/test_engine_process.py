@@ -226,7 +226,7 @@ def test_an_engine_process_that_dies_while_idle_is_seen_at_once():
         until = time.monotonic() + 10
         while pump.failure is None and time.monotonic() < until:
             time.sleep(0.01)
-        assert "engine process exited" in pump.failure and not pump.has_work()
+        assert pump.failure == "the engine process was killed by SIGKILL" and not pump.has_work()
     finally:
         pump.close()
 
@@ -359,8 +359,11 @@ def test_jobs_submitted_once_the_childs_error_came_are_never_sent_and_a_cancel_d
 
 
 @pytest.mark.slow
-def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
+def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why(caplog):
+    """... once in the log: every step after it said again "failing its 0 jobs"; and how it died, by which signal
+    (its exit code read "None" where the send watchdog's thread had reaped it a moment before)."""
     pump = EngineProcess(partial(fake_engine, 0.01))
+    caplog.set_level("ERROR", logger="roseinfer.worker")
     try:
         pump.submit("a", {"prompt": "x"}, _params(10_000))
         pump.submit("b", {"prompt": "y"}, _params(10_000))
@@ -374,8 +377,12 @@ def test_a_dead_engine_process_fails_its_jobs_retryably_and_says_why():
                 break
         assert sorted(e.job_id for e in ended) == ["a", "b"]
         assert all(e.finish_reason == "error" and e.retryable for e in ended)
-        assert "engine process exited" in ended[0].error and pump.failure and not pump.has_work()
+        assert ended[0].error == "the engine process was killed by SIGKILL" and pump.failure and not pump.has_work()
         assert pump.cancel("a") == []
+        for _ in range(3):
+            assert pump.step() == []
+        said = [r.getMessage() for r in caplog.records if "engine process" in r.getMessage()]
+        assert said == ["the engine process was killed by SIGKILL: failing its 2 jobs"]
     finally:
         pump.close()
 

@@ -420,7 +420,7 @@ class EngineProcess:
     def failure(self) -> str | None:
         """Why the child is gone (an error it sent, or its exit: seen at once, even while no job runs), or None."""
         if self._failure is None and not self._proc.is_alive():
-            self._failure = f"the engine process exited (exit code {self._proc.exitcode})"
+            self._failure = self._exited()
         return self._failure
 
     def step(self, flush: bool = True) -> list[JobEvent]:
@@ -449,14 +449,17 @@ class EngineProcess:
             # handed back with their retries untouched (failed here, each spent a retry for a death not its own, and
             # one with none left failed for good). A later step fails whatever of them is still here.
             keep = set() if self._failed_once else {job[0] for job in self._outbox}
-            self._failed_once = True
-            log.error("%s: failing its %d jobs", exc, len(self._jobs - keep))
-            error = f"{exc}; the job may run again elsewhere"
             done = {e.job_id for e in self._events if e.finished}
+            failing = [j for j in self._jobs if j not in done and j not in keep]
+            if failing:  # (said again at a later step only for jobs it fails then: a second "its 0 jobs" was noise)
+                log.error("%s: failing its %d jobs", exc, len(failing))
+            elif not self._failed_once:
+                log.error("%s", exc)
+            self._failed_once = True
+            error = str(exc)  # (whether it runs again is its retries', said beside it: one with none left does not)
             self._events += [
                 JobEvent(j, finish_reason="error", error=error, retryable=True, error_type="server_error")
-                for j in self._jobs
-                if j not in done and j not in keep
+                for j in failing
             ]
             self._outbox = [job for job in self._outbox if job[0] in keep]
         return self.pending_events()
@@ -634,7 +637,16 @@ class EngineProcess:
                 elif message[0] == "step":
                     self._take(message)
 
+    def _exited(self) -> str:
+        """How the child that is gone went: its exit code, or the signal that killed it."""
+        self._proc.join(timeout=1)  # (the send watchdog's is_alive may have reaped it a moment before its code was set)
+        code = self._proc.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"the engine process was killed by {signal.Signals(-code).name}"
+        return f"the engine process exited (exit code {'unknown' if code is None else code})"
+
     def _died(self) -> EngineProcessDied:
         self._proc.join(timeout=5)
-        self._failure = self._failure or f"the engine process exited (exit code {self._proc.exitcode})"
+        self._failure = self._failure or self._exited()
         return EngineProcessDied(self._failure)

@@ -374,7 +374,7 @@ def _refused_by_grammar(out: Any, cause: Any) -> JobEvent:
     canceled: a canceled result, RQ's status left "started" for good, a batch waiting on it for a day."""
     retryable = cause is not None and cause.limit
     if retryable:  # (an earlier job of the same constraint used up the grammar library's budget: compiled afresh)
-        error = f"the job's structured output passed the grammar library's limits ({cause.why}): may run again"
+        error = f"the job's structured output passed the grammar library's limits ({cause.why})"
         fault = "server_error"
     elif cause is not None and cause.dead_end:
         error = (
